@@ -1,0 +1,185 @@
+"""The standalone API: one pytree <-> one ``.safetensors`` file, no Orbax needed.
+
+The tree schema and per-tensor CRC32C checksums live in the file's ``__metadata__``, so the file
+alone round-trips, while every safetensors reader sees plain tensors under dotted names.
+
+Example::
+
+    import orbax_safetensors as osf
+    osf.save_file({"params": params, "step": 10}, "/tmp/ckpt.safetensors")
+    tree = osf.load_file("/tmp/ckpt.safetensors")                 # same containers back
+    tree = osf.load_file("/tmp/ckpt.safetensors", target=abstract)  # target's node types
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from etils import epath
+
+from orbax_safetensors import _checksum, _format, _io, _plan, _tree, _writer
+from orbax_safetensors._errors import HeaderError, SchemaError, UnsupportedLeafError
+from orbax_safetensors._reader import StoredTensor
+from orbax_safetensors._restore import restore_tree
+
+SCHEMA_KEY = "orbax_safetensors.tree"
+CHECKSUM_KEY = "orbax_safetensors.crc32c"
+FORMAT_KEY = "format"
+_RESERVED = (SCHEMA_KEY, CHECKSUM_KEY)
+
+
+def _file_metadata(
+    schema: Mapping[str, Any], crcs: Mapping[str, str], user: Mapping[str, str] | None
+) -> dict[str, str]:
+    meta: dict[str, str] = {FORMAT_KEY: "flax"}
+    for k, v in (user or {}).items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise UnsupportedLeafError(
+                f"metadata must map str to str (safetensors' rule); got {k!r}: {type(v).__name__}"
+            )
+        if k in _RESERVED:
+            raise UnsupportedLeafError(f"metadata key {k!r} is reserved by orbax_safetensors")
+        meta[k] = v
+    meta[SCHEMA_KEY] = json.dumps(schema, separators=(",", ":"))
+    meta[CHECKSUM_KEY] = json.dumps(dict(crcs), separators=(",", ":"))
+    return meta
+
+
+def save_file(tree: Any, path: epath.PathLike, metadata: Mapping[str, str] | None = None) -> None:
+    """Saves a pytree as one ``.safetensors`` file.
+
+    The file appears atomically (written beside ``path`` under a temporary name, made durable,
+    then renamed), so a crash never leaves a half-written file at ``path``.
+
+    Args:
+      tree: any pytree of arrays (``jax.Array``, numpy), Python scalars, strings and None.
+      path: the file to write (any ``etils.epath`` path).
+      metadata: extra ``str -> str`` entries for the header's ``__metadata__``.
+
+    Raises:
+      UnsupportedLeafError: for a leaf or dtype that cannot be stored, before anything is written.
+
+    Example::
+
+        osf.save_file({"layers": [{"w": jnp.ones((2, 2))}]}, "w.safetensors")
+        # safe_open("w.safetensors", "flax").keys() == ["layers.0.w"]
+    """
+    path = epath.Path(path)
+    flat = _tree.flatten(tree)
+    specs = _writer.tensor_specs(flat.arrays)
+    placeholder = {s.name: _checksum.to_hex(0) for s in specs}
+    meta = _file_metadata(flat.schema, placeholder, metadata)
+    plan = _plan.plan_files(specs, max_file_size=None, metadata=meta)
+    pieces = _writer.host_pieces(plan, flat.arrays, copy=False).get(0, [])
+    records = [(p.tag, p.data.nbytes, _checksum.crc32c(p.data)) for p in pieces]
+    crcs = _writer.tensor_checksums(records, {s.name: s.nbytes for s in specs})
+    meta = _file_metadata(flat.schema, {n: _checksum.to_hex(c) for n, c in crcs.items()}, metadata)
+    final = _plan.plan_files(specs, max_file_size=None, metadata=meta).files[0]
+    if final.data_start != plan.files[0].data_start:  # fixed-width hex keeps the length
+        raise AssertionError("internal: header length changed after checksumming")
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
+    try:
+        _io.write_file(
+            tmp,
+            [_io.Piece(0, _header_array(final.header)), *pieces],
+            size=final.size,
+            truncate=True,
+        )
+        tmp.replace(path)
+    except BaseException:
+        if tmp.exists():
+            tmp.unlink()
+        raise
+    _io.fsync_dir(path.parent)
+
+
+def _header_array(header: bytes) -> Any:
+    import numpy as np
+
+    return np.frombuffer(header, dtype=np.uint8)
+
+
+def read_header(path: epath.PathLike) -> _format.Header:
+    """Reads and validates the header of a ``.safetensors`` file (no tensor bytes are read)."""
+    path = epath.Path(path)
+    with _io.open_reader(path) as r:
+        return _format.parse_header(r.pread(0, 8), lambda n: r.pread(8, n), r.size, where=str(path))
+
+
+def _json_metadata(header: _format.Header, key: str, where: str) -> Any:
+    text = header.metadata.get(key)
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise SchemaError(f"{where}: {key} is nested too deeply") from None
+    except ValueError as e:
+        raise SchemaError(f"{where}: {key} is not valid JSON ({e})") from None
+
+
+def stored_tensors(
+    path: epath.Path, header: _format.Header, crcs: Mapping[str, Any] | None
+) -> dict[str, StoredTensor]:
+    """The tensors of one file, with their checksums when known."""
+    out = {}
+    for name, e in header.tensors.items():
+        crc = None
+        if crcs is not None and name in crcs:
+            text = crcs[name]
+            if not isinstance(text, str) or len(text) != 8:
+                raise SchemaError(f"{path}: checksum of {name!r} is malformed: {text!r}")
+            try:
+                crc = int(text, 16)
+            except ValueError:
+                raise SchemaError(f"{path}: checksum of {name!r} is malformed: {text!r}") from None
+        out[name] = StoredTensor(name, path, header.data_start + e.begin, e.dtype, e.shape, crc)
+    return out
+
+
+def load_file(
+    path: epath.PathLike, target: Any = None, *, strict: bool = True, verify: bool = True
+) -> Any:
+    """Loads a ``.safetensors`` file, rebuilding the saved pytree.
+
+    Args:
+      path: a file written by :func:`save_file`, or any safetensors file (then the result is a
+        flat ``{name: array}`` dict).
+      target: optional pytree saying what to build: leaves may be ``jax.Array``, numpy arrays,
+        ``jax.ShapeDtypeStruct`` (placed with its sharding, if any) or Python scalars; the result
+        has the target's node types (TrainState, namedtuples, ``nnx.State``...). Only the
+        tensors the target asks for are read.
+      strict: with a target, missing or unexpected keys raise one error listing all of them;
+        with ``strict=False`` unexpected keys are skipped and missing ones keep the target's
+        (concrete) value.
+      verify: check each tensor read whole against its stored CRC32C.
+
+    Raises:
+      HeaderError, SchemaError: the file is damaged or hostile.
+      TargetMismatchError: the target disagrees with the file (names every key at once).
+      IntegrityError: a tensor's bytes do not match their checksum.
+
+    Example::
+
+        params = osf.load_file("w.safetensors", target=jax.eval_shape(lambda: params))
+    """
+    path = epath.Path(path)
+    header = read_header(path)
+    schema = _json_metadata(header, SCHEMA_KEY, str(path))
+    crcs = _json_metadata(header, CHECKSUM_KEY, str(path))
+    if crcs is not None and not isinstance(crcs, dict):
+        raise SchemaError(f"{path}: {CHECKSUM_KEY} is not an object")
+    stored = stored_tensors(path, header, crcs)
+    return restore_tree(schema, stored, target, strict=strict, verify=verify)
+
+
+def load_metadata(path: epath.PathLike) -> dict[str, str]:
+    """The user metadata of a file saved with :func:`save_file` (reserved keys removed)."""
+    header = read_header(path)
+    return {k: v for k, v in header.metadata.items() if k not in _RESERVED}
+
+
+__all__ = ["HeaderError", "load_file", "load_metadata", "read_header", "save_file"]

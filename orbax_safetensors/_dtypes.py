@@ -1,0 +1,139 @@
+"""Safetensors dtype names <-> numpy dtypes (via ml_dtypes), sizes and sub-byte packing.
+
+Knows nothing of pytrees or files beyond the dtype vocabulary of the safetensors format.
+
+Example::
+
+    >>> to_numpy("BF16")
+    dtype(bfloat16)
+    >>> from_numpy(np.dtype("float32"))
+    'F32'
+    >>> nbytes("F4", (3, 2))
+    3
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import ml_dtypes
+import numpy as np
+
+from orbax_safetensors._errors import UnsupportedLeafError
+
+# The safetensors dtype vocabulary (see the reference Rust `Dtype` enum) mapped to the numpy
+# dtype that holds one element, and the element's width in bits on disk.
+_TABLE: dict[str, tuple[np.dtype, int]] = {
+    "BOOL": (np.dtype(np.bool_), 8),
+    "U8": (np.dtype(np.uint8), 8),
+    "I8": (np.dtype(np.int8), 8),
+    "U16": (np.dtype(np.uint16), 16),
+    "I16": (np.dtype(np.int16), 16),
+    "U32": (np.dtype(np.uint32), 32),
+    "I32": (np.dtype(np.int32), 32),
+    "U64": (np.dtype(np.uint64), 64),
+    "I64": (np.dtype(np.int64), 64),
+    "F16": (np.dtype(np.float16), 16),
+    "BF16": (np.dtype(ml_dtypes.bfloat16), 16),
+    "F32": (np.dtype(np.float32), 32),
+    "F64": (np.dtype(np.float64), 64),
+    "C64": (np.dtype(np.complex64), 64),
+    "F8_E4M3": (np.dtype(ml_dtypes.float8_e4m3fn), 8),
+    "F8_E5M2": (np.dtype(ml_dtypes.float8_e5m2), 8),
+    "F8_E4M3FNUZ": (np.dtype(ml_dtypes.float8_e4m3fnuz), 8),
+    "F8_E5M2FNUZ": (np.dtype(ml_dtypes.float8_e5m2fnuz), 8),
+    "F8_E8M0": (np.dtype(ml_dtypes.float8_e8m0fnu), 8),
+    "F4": (np.dtype(ml_dtypes.float4_e2m1fn), 4),
+    "F6_E2M3": (np.dtype(ml_dtypes.float6_e2m3fn), 6),
+    "F6_E3M2": (np.dtype(ml_dtypes.float6_e3m2fn), 6),
+}
+_BY_NUMPY: dict[np.dtype, str] = {dt: name for name, (dt, _) in _TABLE.items()}
+
+SAFETENSORS_DTYPES: tuple[str, ...] = tuple(_TABLE)
+
+
+def is_known(name: object) -> bool:
+    """Whether ``name`` is a safetensors dtype string this library reads and writes."""
+    return isinstance(name, str) and name in _TABLE
+
+
+def to_numpy(name: str) -> np.dtype:
+    """The numpy dtype holding one element of safetensors dtype ``name``."""
+    try:
+        return _TABLE[name][0]
+    except KeyError:
+        raise UnsupportedLeafError(
+            f"unknown safetensors dtype {name!r}; known: {', '.join(_TABLE)}"
+        ) from None
+
+
+def from_numpy(dtype: np.dtype | type, *, key: str = "?") -> str:
+    """The safetensors dtype string for a numpy (or ml_dtypes) dtype.
+
+    Raises:
+      UnsupportedLeafError: naming ``key`` when the format has no such dtype.
+    """
+    dt = np.dtype(dtype)
+    try:
+        return _BY_NUMPY[dt]
+    except KeyError:
+        raise UnsupportedLeafError(
+            f"leaf {key!r}: dtype {dt} has no safetensors equivalent "
+            f"(supported: {', '.join(str(d) for d in _BY_NUMPY)})"
+        ) from None
+
+
+def bits(name: str) -> int:
+    """Width of one element of ``name`` on disk, in bits."""
+    return _TABLE[name][1]
+
+
+def num_elements(shape: Sequence[int]) -> int:
+    """Product of ``shape`` (1 for a scalar); exact for any size (Python ints)."""
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def nbytes(name: str, shape: Sequence[int]) -> int:
+    """Bytes that a tensor of this dtype and shape occupies on disk.
+
+    Sub-byte dtypes are bit-packed; a tensor whose bits are not a whole number of bytes
+    cannot be stored and raises ``UnsupportedLeafError``.
+    """
+    total_bits = num_elements(shape) * bits(name)
+    if total_bits % 8:
+        raise UnsupportedLeafError(
+            f"dtype {name} with shape {tuple(shape)} is {total_bits} bits: "
+            "not a whole number of bytes, which safetensors cannot store"
+        )
+    return total_bits // 8
+
+
+def pack(values: np.ndarray, name: str) -> np.ndarray:
+    """The on-disk bytes of ``values`` (C order) as a flat uint8 array.
+
+    Whole-byte dtypes are a zero-copy view. Sub-byte dtypes (F4, F6_*) are packed as a
+    little-endian bit stream: element 0 in the lowest bits of byte 0, as PyTorch's
+    ``float4_e2m1fn_x2`` and the safetensors reference do.
+    """
+    width = bits(name)
+    flat = np.ascontiguousarray(values).reshape(-1)
+    if width % 8 == 0:
+        return flat.view(np.uint8)
+    codes = flat.view(np.uint8)
+    bit_matrix = np.unpackbits(codes[:, None], axis=1, bitorder="little")[:, :width]
+    return np.packbits(bit_matrix.reshape(-1), bitorder="little")
+
+
+def unpack(raw: np.ndarray, name: str, shape: Sequence[int]) -> np.ndarray:
+    """Inverse of :func:`pack`: ``raw`` uint8 bytes -> array of ``shape`` (a view if possible)."""
+    dtype, width = _TABLE[name]
+    if width % 8 == 0:
+        return raw.view(dtype).reshape(tuple(shape))
+    count = num_elements(shape)
+    stream = np.unpackbits(raw, bitorder="little")[: count * width].reshape(count, width)
+    padded = np.zeros((count, 8), dtype=np.uint8)
+    padded[:, :width] = stream
+    return np.packbits(padded, axis=1, bitorder="little").reshape(-1).view(dtype).reshape(shape)

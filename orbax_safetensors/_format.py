@@ -1,0 +1,232 @@
+"""The safetensors wire format: building and strictly validating headers.
+
+A file is ``u64 little-endian N`` + ``N bytes of JSON header`` + the data section. The header
+maps each tensor name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative
+to the data section) plus an optional ``"__metadata__"`` of ``str -> str``.
+
+This module knows nothing of pytrees, Orbax or processes. It is written by hand rather than
+through the ``safetensors`` package because writers must know every offset before any byte is
+written (so many processes can fill one file at once) and readers must validate headers of
+files they read through ranged I/O, with bounded memory, raising our own errors.
+
+Example::
+
+    header, entries = build_header([("w", "F32", (2, 3))], {"format": "flax"})
+    parsed = parse_header(header[:8], lambda n: header[8 : 8 + n], len(header) + 24)
+    assert parsed.tensors["w"].nbytes == 24
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from orbax_safetensors import _dtypes
+from orbax_safetensors._errors import HeaderError
+
+METADATA_KEY = "__metadata__"
+# Same cap as the reference implementation: a header larger than this is refused unread.
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+_ALIGN = 8  # the data section starts 8-byte aligned, as the reference writer pads it
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+    """One tensor's place in a file; ``begin``/``end`` are relative to the data section."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclasses.dataclass(frozen=True)
+class Header:
+    """A validated header: tensors in file order, user metadata and where data starts."""
+
+    tensors: dict[str, TensorEntry]
+    metadata: dict[str, str]
+    data_start: int
+
+    @property
+    def data_size(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+def build_header(
+    tensors: Sequence[tuple[str, str, Sequence[int]]],
+    metadata: Mapping[str, str] | None = None,
+) -> tuple[bytes, list[TensorEntry]]:
+    """Lays out ``tensors`` in the given order and returns (prefix + header bytes, entries).
+
+    The returned bytes are the first ``data_start`` bytes of the file. Offsets depend only on
+    names, dtypes and shapes, so every process computes the same layout independently.
+    """
+    entries: list[TensorEntry] = []
+    offset = 0
+    seen: set[str] = set()
+    for name, dtype, shape in tensors:
+        if name in seen:
+            raise HeaderError(f"tensor name {name!r} appears twice in one file")
+        if name == METADATA_KEY:
+            raise HeaderError(f"{METADATA_KEY!r} cannot be a tensor name")
+        seen.add(name)
+        size = _dtypes.nbytes(dtype, shape)
+        shape_t = tuple(int(d) for d in shape)
+        entries.append(TensorEntry(name, dtype, shape_t, offset, offset + size))
+        offset += size
+    doc: dict[str, Any] = {}
+    if metadata:
+        for k, v in metadata.items():
+            if not isinstance(k, str) or not isinstance(v, str):
+                raise HeaderError(
+                    f"safetensors metadata must map str to str; got {k!r}: {type(v).__name__}"
+                )
+        doc[METADATA_KEY] = dict(metadata)
+    for e in entries:
+        doc[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [e.begin, e.end]}
+    text = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % _ALIGN)
+    if len(text) > MAX_HEADER_BYTES:
+        raise HeaderError(f"header of {len(text)} bytes exceeds the {MAX_HEADER_BYTES} cap")
+    return struct.pack("<Q", len(text)) + text, entries
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise HeaderError(f"duplicate key {k!r} in header")
+        out[k] = v
+    return out
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def parse_header(
+    prefix: bytes, read: Callable[[int], bytes], file_size: int, *, where: str = "file"
+) -> Header:
+    """Validates a header and returns it.
+
+    Args:
+      prefix: the file's first 8 bytes (fewer if the file is shorter).
+      read: ``read(n)`` returns the ``n`` header bytes following the prefix; it is only called
+        once ``n`` has been checked against the file's real size and the cap.
+      file_size: the file's size in bytes.
+      where: the file's name, for error messages.
+
+    Raises:
+      HeaderError: naming the first problem found.
+    """
+    if len(prefix) < 8 or file_size < 8:
+        raise HeaderError(f"{where}: {file_size} bytes is too short for a safetensors file")
+    (n,) = struct.unpack("<Q", prefix[:8])
+    if n == 0:
+        raise HeaderError(f"{where}: header length is 0")
+    if n > MAX_HEADER_BYTES:
+        raise HeaderError(f"{where}: header length {n} exceeds the {MAX_HEADER_BYTES} byte cap")
+    if 8 + n > file_size:
+        raise HeaderError(
+            f"{where}: header length {n} runs past the end of the {file_size}-byte file"
+        )
+    raw = read(n)
+    if len(raw) != n:
+        raise HeaderError(f"{where}: file truncated inside the header")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise HeaderError(f"{where}: header is not valid UTF-8 ({e})") from None
+    if not text.startswith("{"):
+        raise HeaderError(f"{where}: header does not start with a JSON object")
+    try:
+        doc = json.loads(text, object_pairs_hook=_no_duplicates)
+    except HeaderError as e:
+        raise HeaderError(f"{where}: {e}") from None
+    except RecursionError:
+        raise HeaderError(f"{where}: header JSON is nested too deeply") from None
+    except ValueError as e:
+        raise HeaderError(f"{where}: header is not valid JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise HeaderError(f"{where}: header is not a JSON object")
+    data_size = file_size - 8 - n
+    metadata = _parse_metadata(doc.pop(METADATA_KEY, None), where)
+    entries = [_parse_entry(name, info, data_size, where) for name, info in doc.items()]
+    entries.sort(key=lambda e: (e.begin, e.end))
+    expected = 0
+    for e in entries:
+        if e.begin != expected:
+            kind = (
+                "overlaps the previous tensor" if e.begin < expected else "leaves a hole before it"
+            )
+            raise HeaderError(
+                f"{where}: tensor {e.name!r} at offset {e.begin} {kind} (expected {expected})"
+            )
+        expected = e.end
+    if expected != data_size:
+        raise HeaderError(
+            f"{where}: tensors cover {expected} bytes but the data section holds {data_size} "
+            "(truncated file or trailing bytes)"
+        )
+    return Header({e.name: e for e in entries}, metadata, 8 + n)
+
+
+def _parse_metadata(meta: object, where: str) -> dict[str, str]:
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict):
+        raise HeaderError(f"{where}: {METADATA_KEY} must be an object of strings")
+    for k, v in meta.items():
+        if not isinstance(v, str):
+            raise HeaderError(f"{where}: {METADATA_KEY}[{k!r}] is {type(v).__name__}, not a string")
+    return meta
+
+
+def _parse_entry(name: str, info: object, data_size: int, where: str) -> TensorEntry:
+    if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+        raise HeaderError(
+            f"{where}: tensor {name!r} must be an object with exactly dtype, shape, data_offsets"
+        )
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not _dtypes.is_known(dtype):
+        raise HeaderError(f"{where}: tensor {name!r} has unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise HeaderError(
+            f"{where}: tensor {name!r} shape {shape!r} is not a list of non-negative integers"
+        )
+    if len(shape) > 64:
+        raise HeaderError(f"{where}: tensor {name!r} has {len(shape)} dimensions (max 64)")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_is_int(o) and o >= 0 for o in offsets)
+        or offsets[0] > offsets[1]
+    ):
+        raise HeaderError(
+            f"{where}: tensor {name!r} data_offsets {offsets!r} are not [begin <= end]"
+        )
+    begin, end = offsets
+    if end > data_size:
+        raise HeaderError(
+            f"{where}: tensor {name!r} ends at {end}, past the {data_size}-byte data section"
+        )
+    # Python ints cannot overflow; bounding by the data size keeps any claim honest.
+    try:
+        size = _dtypes.nbytes(dtype, shape)
+    except ValueError as e:
+        raise HeaderError(f"{where}: tensor {name!r}: {e}") from None
+    if size != end - begin:
+        raise HeaderError(
+            f"{where}: tensor {name!r} is {dtype}{shape}: {size} bytes, "
+            f"but its data_offsets span {end - begin}"
+        )
+    return TensorEntry(name, dtype, tuple(shape), begin, end)

@@ -1,0 +1,307 @@
+"""Byte movers: positional, vectored writes and reads of many byte runs into/out of files.
+
+Hand-written because this is the performance-critical path: writes go straight from each
+shard's host buffer to its offsets with ``pwritev`` (no whole-file buffer, several processes
+can fill one pre-sized file), and reads land in 64-byte-aligned buffers with ``preadv``
+(aligned destinations copy several times faster and let ``jax.device_put(..., may_alias=True)``
+share the buffer instead of copying it). Small gaps between wanted runs are read into a
+scratch buffer so one syscall serves many runs. Paths that are not local (``gs://``,
+``s3://``) fall back to sequential streams through ``etils.epath``.
+
+Example::
+
+    buf = aligned_empty(1024)
+    with open_reader(path) as r:
+        r.read_runs([(r.size - 1024, buf)])
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Protocol
+
+import numpy as np
+from etils import epath
+
+from orbax_safetensors import _checksum
+
+ALIGNMENT = 64
+_IOV_MAX = 1024  # Linux's per-call iovec limit
+_MAX_BATCH_BYTES = 256 << 20
+_MAX_CALL_BYTES = 0x7FFFF000  # Linux transfers at most this much per read/write call
+DEFAULT_MAX_GAP = 4096
+
+
+def aligned_empty(nbytes: int, alignment: int = ALIGNMENT) -> np.ndarray:
+    """An uninitialised flat uint8 array of ``nbytes`` whose data is ``alignment``-aligned."""
+    raw = np.empty(nbytes + alignment, dtype=np.uint8)
+    start = (-raw.ctypes.data) % alignment
+    return raw[start : start + nbytes]
+
+
+def is_local(path: epath.PathLike) -> bool:
+    """Whether ``path`` is on a local (POSIX) filesystem, where fd-level I/O is used."""
+    return "://" not in os.fspath(path)
+
+
+@dataclasses.dataclass
+class Piece:
+    """Bytes to write at an absolute file offset; ``data`` is a flat, C-contiguous uint8 array."""
+
+    offset: int
+    data: np.ndarray
+    tag: object = None  # the caller's label (e.g. tensor name and offset in it)
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _pwritev_all(fd: int, bufs: list[memoryview], offset: int) -> None:
+    while bufs:
+        written = os.pwritev(fd, bufs, offset)
+        if written <= 0:
+            raise OSError(f"pwritev wrote {written} bytes")
+        offset += written
+        while bufs and written >= len(bufs[0]):
+            written -= len(bufs[0])
+            bufs.pop(0)
+        if bufs and written:
+            bufs[0] = bufs[0][written:]
+
+
+def _batches(pieces: Sequence[Piece]) -> Iterator[list[Piece]]:
+    batch: list[Piece] = []
+    end = size = 0
+    for p in pieces:
+        if batch and (p.offset != end or len(batch) >= _IOV_MAX or size >= _MAX_BATCH_BYTES):
+            yield batch
+            batch, size = [], 0
+        batch.append(p)
+        end = p.offset + p.data.nbytes
+        size += p.data.nbytes
+    if batch:
+        yield batch
+
+
+def _split_large(pieces: Sequence[Piece]) -> list[Piece]:
+    out: list[Piece] = []
+    for p in pieces:
+        n = p.data.nbytes
+        if n <= _MAX_CALL_BYTES:
+            out.append(p)
+            continue
+        for start in range(0, n, _MAX_CALL_BYTES):
+            out.append(Piece(p.offset + start, p.data[start : start + _MAX_CALL_BYTES], p.tag))
+    return out
+
+
+def write_file(
+    path: epath.PathLike,
+    pieces: Sequence[Piece],
+    *,
+    size: int,
+    checksums: bool = True,
+    truncate: bool = False,
+    sync: bool = True,
+) -> list[tuple[object, int, int]]:
+    """Writes ``pieces`` into the file at ``path`` and sets its size to ``size``.
+
+    Local files are opened without truncation (unless ``truncate``) so several processes can
+    fill disjoint ranges of one file; each sets the same final size. Non-local paths are
+    written as one sequential stream, so the pieces must tile ``[0, size)`` exactly.
+
+    Returns:
+      ``(tag, nbytes, crc32c)`` for every piece written, when ``checksums``.
+    """
+    ordered = sorted(pieces, key=lambda p: p.offset)
+    crcs = [(p.tag, p.data.nbytes, _checksum.crc32c(p.data)) for p in ordered] if checksums else []
+    if not is_local(path):
+        _write_stream(epath.Path(path), ordered, size)
+        return crcs
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if truncate else 0)
+    fd = os.open(os.fspath(path), flags, 0o644)
+    try:
+        os.ftruncate(fd, size)
+        for batch in _batches(_split_large(ordered)):
+            _pwritev_all(fd, [memoryview(p.data) for p in batch], batch[0].offset)
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    return crcs
+
+
+def _write_stream(path: epath.Path, ordered: Sequence[Piece], size: int) -> None:
+    expected = 0
+    with path.open("wb") as f:
+        for p in ordered:
+            if p.offset != expected:
+                raise ValueError(
+                    f"{path}: a streamed write needs every byte (gap at offset {expected})"
+                )
+            f.write(memoryview(p.data))
+            expected += p.data.nbytes
+    if expected != size:
+        raise ValueError(f"{path}: streamed {expected} bytes, expected {size}")
+
+
+def fsync_dir(path: epath.PathLike) -> None:
+    """Makes a directory entry change (create, rename) durable on local filesystems."""
+    if not is_local(path):
+        return
+    fd = os.open(os.fspath(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+class Reader(Protocol):
+    """Random-access reads from one file."""
+
+    size: int
+
+    def pread(self, offset: int, nbytes: int) -> bytes: ...
+
+    def read_runs(self, runs: Sequence[tuple[int, np.ndarray]], max_gap: int = ...) -> None: ...
+
+
+class _LocalReader:
+    def __init__(self, path: epath.PathLike, threads: int) -> None:
+        self.path = os.fspath(path)
+        self._fd = os.open(self.path, os.O_RDONLY)
+        self.size = os.fstat(self._fd).st_size
+        self._threads = threads
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+    def pread(self, offset: int, nbytes: int) -> bytes:
+        nbytes = max(0, min(nbytes, self.size - offset))
+        out = bytearray()
+        while len(out) < nbytes:
+            chunk = os.pread(self._fd, min(nbytes - len(out), _MAX_CALL_BYTES), offset + len(out))
+            if not chunk:
+                break
+            out += chunk
+        return bytes(out)
+
+    def read_runs(
+        self, runs: Sequence[tuple[int, np.ndarray]], max_gap: int = DEFAULT_MAX_GAP
+    ) -> None:
+        """Fills each ``(offset, dest)`` with the file bytes at ``offset`` (dest is flat uint8)."""
+        batches = _read_batches(runs, max_gap)
+        if self._threads > 1 and len(batches) > 1:
+            with concurrent.futures.ThreadPoolExecutor(min(self._threads, len(batches))) as pool:
+                list(pool.map(self._read_batch, batches))
+        else:
+            for b in batches:
+                self._read_batch(b)
+
+    def _read_batch(self, batch: tuple[int, list[memoryview]]) -> None:
+        offset, bufs = batch
+        want = sum(len(b) for b in bufs)
+        if offset + want > self.size:
+            raise EOFError(f"{self.path}: needs bytes up to {offset + want}, file has {self.size}")
+        while bufs:
+            got = os.preadv(self._fd, bufs, offset)
+            if got <= 0:
+                raise EOFError(f"{self.path}: unexpected end of file at offset {offset}")
+            offset += got
+            while bufs and got >= len(bufs[0]):
+                got -= len(bufs[0])
+                bufs.pop(0)
+            if bufs and got:
+                bufs[0] = bufs[0][got:]
+
+
+def _read_batches(
+    runs: Sequence[tuple[int, np.ndarray]], max_gap: int
+) -> list[tuple[int, list[memoryview]]]:
+    # Sort by offset, then merge runs whose gaps are <= max_gap into one vectored read; gaps
+    # land in a shared scratch buffer (their contents are never used).
+    ordered = sorted(((o, d) for o, d in runs if d.nbytes), key=lambda r: r[0])
+    scratch = memoryview(np.empty(max(max_gap, 1), dtype=np.uint8))
+    batches: list[tuple[int, list[memoryview]]] = []
+    start = end = 0
+    bufs: list[memoryview] = []
+    size = 0
+    for offset, dest in ordered:
+        views = [
+            memoryview(dest)[i : i + _MAX_CALL_BYTES]
+            for i in range(0, dest.nbytes, _MAX_CALL_BYTES)
+        ]
+        gap = offset - end
+        if (
+            bufs
+            and 0 <= gap <= max_gap
+            and len(bufs) + len(views) + 1 < _IOV_MAX
+            and size < _MAX_BATCH_BYTES
+        ):
+            if gap:
+                bufs.append(scratch[:gap])
+            bufs.extend(views)
+        else:
+            if bufs:
+                batches.append((start, bufs))
+            start, bufs, size = offset, list(views), 0
+        size += dest.nbytes + max(gap, 0)
+        end = offset + dest.nbytes
+    if bufs:
+        batches.append((start, bufs))
+    return batches
+
+
+class _StreamReader:
+    """Ranged reads through a file-like object (object storage, other epath backends)."""
+
+    def __init__(self, path: epath.PathLike) -> None:
+        self.path = epath.Path(path)
+        self._f = self.path.open("rb")
+        self._f.seek(0, os.SEEK_END)
+        self.size = self._f.tell()
+
+    def close(self) -> None:
+        self._f.close()
+
+    def pread(self, offset: int, nbytes: int) -> bytes:
+        self._f.seek(offset)
+        return self._f.read(max(0, min(nbytes, self.size - offset)))
+
+    def read_runs(
+        self, runs: Sequence[tuple[int, np.ndarray]], max_gap: int = DEFAULT_MAX_GAP
+    ) -> None:
+        for offset, dest in sorted(runs, key=lambda r: r[0]):
+            if offset + dest.nbytes > self.size:
+                raise EOFError(
+                    f"{self.path}: needs bytes up to {offset + dest.nbytes}, file has {self.size}"
+                )
+            self._f.seek(offset)
+            view = memoryview(dest)
+            got = 0
+            while got < dest.nbytes:
+                n = self._f.readinto(view[got:])
+                if not n:
+                    raise EOFError(f"{self.path}: unexpected end of file at {offset + got}")
+                got += n
+
+
+@contextmanager
+def open_reader(
+    path: epath.PathLike, *, threads: int = 4
+) -> Iterator[_LocalReader | _StreamReader]:
+    """Opens ``path`` for ranged reads (fd-level locally, a seekable stream elsewhere)."""
+    reader: _LocalReader | _StreamReader = (
+        _LocalReader(path, threads) if is_local(path) else _StreamReader(path)
+    )
+    try:
+        yield reader
+    finally:
+        reader.close()

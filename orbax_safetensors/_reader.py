@@ -1,0 +1,192 @@
+"""From stored bytes to arrays: read exactly the byte runs each target needs, place them.
+
+For every requested tensor the reader works out the boxes this process's devices need
+(``sharding.addressable_devices_indices_map``), reads each distinct box once into a
+64-byte-aligned buffer (all runs of one file go through one batched, gap-coalescing read), and
+hands the buffers to ``jax.device_put(..., may_alias=True)``, which on CPU shares them instead of
+copying. A tensor read whole is checked against its CRC32C.
+
+Example::
+
+    value, = read_tensors([ReadRequest(stored, sharding=None, kind="numpy")])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from etils import epath
+
+from orbax_safetensors import _checksum, _dtypes, _io, _plan
+from orbax_safetensors._errors import IntegrityError
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredTensor:
+    """Where a tensor's bytes are: file, absolute offset, dtype, shape, optional checksum."""
+
+    name: str
+    path: epath.Path
+    offset: int
+    dtype: str
+    shape: tuple[int, ...]
+    crc32c: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return _dtypes.nbytes(self.dtype, self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadRequest:
+    """One tensor to materialise.
+
+    Attributes:
+      stored: where its bytes are.
+      kind: ``"jax"`` (a ``jax.Array``), ``"numpy"`` or ``"scalar"`` (a numpy scalar).
+      sharding: for ``"jax"``: where to place it (None: the default device).
+      dtype: cast to this dtype after reading (None: keep the stored dtype).
+      verify: check the CRC32C when the whole tensor is read.
+    """
+
+    stored: StoredTensor
+    kind: str = "jax"
+    sharding: jax.sharding.Sharding | None = None
+    dtype: np.dtype | None = None
+    verify: bool = True
+
+
+@dataclasses.dataclass
+class ReadStats:
+    """Bytes this process asked the files for, against the bytes its targets needed."""
+
+    bytes_read: int = 0
+    bytes_needed: int = 0
+
+
+@dataclasses.dataclass
+class _Box:
+    index: _plan.Index
+    buffer: np.ndarray  # flat aligned uint8: the box's bytes in row-major order
+
+    @property
+    def key(self) -> tuple:
+        return _plan.index_key(self.index)
+
+
+@dataclasses.dataclass
+class _ReadPlan:
+    boxes: list[_Box]  # what is read from the file
+    whole: bool  # boxes == [the whole tensor]
+    device_keys: dict[Any, tuple] | None  # device -> index key of its box (None: no sharding)
+
+
+def _plan_read(req: ReadRequest) -> _ReadPlan:
+    shape = req.stored.shape
+    whole_index = _plan.normalize_index((), shape)
+    whole = [_Box(whole_index, _io.aligned_empty(req.stored.nbytes))]
+    if req.kind != "jax" or req.sharding is None:
+        return _ReadPlan(whole, True, None)
+    device_keys: dict[Any, tuple] = {}
+    boxes: dict[tuple, _Box] = {}
+    for device, index in req.sharding.addressable_devices_indices_map(shape).items():
+        norm = _plan.normalize_index(index, shape)
+        device_keys[device] = _plan.index_key(norm)
+        boxes.setdefault(device_keys[device], _Box(norm, np.empty(0, np.uint8)))
+    if req.sharding.is_fully_addressable or whole[0].key in boxes:
+        # This process needs every byte: one whole read (verifiable) serves every box.
+        return _ReadPlan(whole, True, device_keys)
+    for box in boxes.values():
+        box.buffer = _io.aligned_empty(_dtypes.nbytes(req.stored.dtype, _plan.box_shape(box.index)))
+    return _ReadPlan(list(boxes.values()), False, device_keys)
+
+
+def read_tensors(requests: Sequence[ReadRequest], stats: ReadStats | None = None) -> list[Any]:
+    """Reads every request (grouped by file, one batched read per file) and returns values."""
+    plans = [_plan_read(r) for r in requests]
+    by_file: dict[epath.Path, list[tuple[int, np.ndarray]]] = {}
+    for req, rplan in zip(requests, plans):
+        runs = by_file.setdefault(req.stored.path, [])
+        for box in rplan.boxes:
+            offsets, length = _plan.byte_runs(req.stored.dtype, req.stored.shape, box.index)
+            for k, off in enumerate(offsets.tolist()):
+                runs.append((req.stored.offset + off, box.buffer[k * length : (k + 1) * length]))
+    for path, runs in by_file.items():
+        with _io.open_reader(path) as reader:
+            reader.read_runs(runs)
+        if stats is not None:
+            stats.bytes_read += sum(d.nbytes for _, d in runs)
+    if stats is not None:
+        stats.bytes_needed += sum(b.buffer.nbytes for p in plans for b in p.boxes if not p.whole)
+        stats.bytes_needed += sum(r.stored.nbytes for r, p in zip(requests, plans) if p.whole)
+    return _place_all(requests, plans)
+
+
+def _check(req: ReadRequest, raw: np.ndarray) -> None:
+    expected = req.stored.crc32c
+    if not req.verify or expected is None:
+        return
+    actual = _checksum.crc32c(raw)
+    if actual != expected:
+        raise IntegrityError(
+            f"tensor {req.stored.name!r} in {req.stored.path.name}: CRC32C mismatch "
+            f"(recorded {_checksum.to_hex(expected)}, read {_checksum.to_hex(actual)}); "
+            "the file is damaged"
+        )
+
+
+def _host_value(req: ReadRequest, raw: np.ndarray, box_shape: tuple[int, ...]) -> np.ndarray:
+    value = _dtypes.unpack(raw, req.stored.dtype, box_shape)
+    if req.dtype is not None and value.dtype != req.dtype:
+        value = value.astype(req.dtype)
+    return value
+
+
+def _place_all(requests: Sequence[ReadRequest], plans: list[_ReadPlan]) -> list[Any]:
+    results: list[Any] = [None] * len(requests)
+    puts: list[tuple[int, list[np.ndarray], list[Any] | None]] = []
+    for i, (req, rplan) in enumerate(zip(requests, plans)):
+        if rplan.whole:
+            _check(req, rplan.boxes[0].buffer)
+            full = _host_value(req, rplan.boxes[0].buffer, req.stored.shape)
+            if req.kind != "jax":
+                results[i] = full[()] if req.kind == "scalar" else full
+            elif rplan.device_keys is None:
+                puts.append((i, [full], None))
+            else:
+                devices = list(rplan.device_keys)
+                boxes = {
+                    k: full[tuple(slice(a, b) for a, b in k)]
+                    for k in set(rplan.device_keys.values())
+                }
+                puts.append((i, [boxes[rplan.device_keys[d]] for d in devices], devices))
+        else:
+            assert rplan.device_keys is not None
+            host = {
+                b.key: _host_value(req, b.buffer, _plan.box_shape(b.index)) for b in rplan.boxes
+            }
+            devices = list(rplan.device_keys)
+            puts.append((i, [host[rplan.device_keys[d]] for d in devices], devices))
+    # One device_put call for every placement: far cheaper than a call per (small) array.
+    default = jax.devices()[0]
+    flat_values = [v for _, vs, _ in puts for v in vs]
+    flat_devices = [
+        d for _, vs, ds in puts for d in (ds if ds is not None else [default] * len(vs))
+    ]
+    placed = jax.device_put(flat_values, flat_devices, may_alias=True) if flat_values else []
+    k = 0
+    for i, values, devices in puts:
+        arrays = placed[k : k + len(values)]
+        k += len(values)
+        if devices is None:
+            results[i] = arrays[0]
+        else:
+            req = requests[i]
+            results[i] = jax.make_array_from_single_device_arrays(
+                req.stored.shape, req.sharding, arrays
+            )
+    return results

@@ -1,0 +1,258 @@
+"""Rebuilding a pytree from stored tensors, with or without a target.
+
+Without a target the stored schema gives back the saved containers. With a target, every
+target leaf is matched to a stored leaf by its dotted name; all problems (missing, unexpected,
+mis-shaped keys) are reported in one error. Target leaves may be arrays, numpy arrays,
+``jax.ShapeDtypeStruct`` (with an optional sharding), Python scalars, typed PRNG keys or Orbax
+``ArrayRestoreArgs``.
+
+Example::
+
+    tree = restore_tree(schema, stored, target=None)
+    tree = restore_tree(schema, stored, target=abstract, strict=False)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from orbax_safetensors import _dtypes, _tree
+from orbax_safetensors._errors import SchemaError, TargetMismatchError
+from orbax_safetensors._reader import ReadRequest, ReadStats, StoredTensor, read_tensors
+
+
+def _is_restore_args(x: object) -> bool:
+    # Orbax's ArrayRestoreArgs/RestoreArgs, recognised by shape rather than imported, so the
+    # core does not depend on Orbax.
+    return dataclasses.is_dataclass(x) and hasattr(x, "restore_type") and hasattr(x, "dtype")
+
+
+def _leaf_of(stored: StoredTensor) -> _tree.SchemaLeaf:
+    return _tree.SchemaLeaf(
+        stored.name, "tensor", {"t": "tensor", "name": stored.name, "array": "jax"}
+    )
+
+
+@dataclasses.dataclass
+class _Want:
+    """What one target leaf asks of a stored tensor."""
+
+    kind: str  # "jax" | "numpy" | "scalar" | "python"
+    shape: tuple[int, ...] | None
+    dtype: np.dtype | None
+    sharding: Any
+    key_impl: str | None = None
+
+
+def _want(leaf: Any) -> _Want | None:
+    if isinstance(leaf, (bool, int, float)):
+        return _Want("python", (), None, None)
+    if _is_restore_args(leaf):
+        shape = getattr(leaf, "global_shape", None)
+        dtype = getattr(leaf, "dtype", None)
+        return _Want(
+            "jax",
+            tuple(shape) if shape is not None else None,
+            np.dtype(dtype) if dtype is not None else None,
+            getattr(leaf, "sharding", None),
+        )
+    if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
+        sharding = getattr(leaf, "sharding", None)
+        if _tree.is_prng_key(leaf):
+            return _Want("jax", tuple(leaf.shape), None, sharding, key_impl="?")
+        return _Want("jax", tuple(leaf.shape), np.dtype(leaf.dtype), sharding)
+    if isinstance(leaf, np.ndarray):
+        return _Want("numpy", tuple(leaf.shape), leaf.dtype, None)
+    if isinstance(leaf, np.generic):
+        return _Want("scalar", (), leaf.dtype, None)
+    return None
+
+
+class _Loader:
+    def __init__(
+        self,
+        leaves: Mapping[str, _tree.SchemaLeaf],
+        stored: Mapping[str, StoredTensor],
+        verify: bool,
+        stats: ReadStats | None,
+    ) -> None:
+        self.leaves, self.stored, self.verify, self.stats = leaves, stored, verify, stats
+        self.requests: list[ReadRequest] = []
+        self.slots: dict[tuple, int] = {}
+
+    def stored_for(self, leaf: _tree.SchemaLeaf) -> StoredTensor:
+        name = leaf.tensor_name
+        if name not in self.stored:
+            raise SchemaError(
+                f"schema leaf {leaf.name!r} refers to tensor {name!r}, which no file holds"
+            )
+        return self.stored[name]
+
+    def request(self, leaf: _tree.SchemaLeaf, kind: str, sharding: Any, dtype: Any) -> int:
+        stored = self.stored_for(leaf)
+        if leaf.kind == "key" or self.leaves.get(leaf.tensor_name, leaf).kind == "key":
+            sharding, dtype = None, None  # key data is read plainly, wrapped, then placed
+        slot = (stored.name, kind, id(sharding) if sharding is not None else None, str(dtype))
+        if slot not in self.slots:
+            self.slots[slot] = len(self.requests)
+            self.requests.append(ReadRequest(stored, kind, sharding, dtype, self.verify))
+        return self.slots[slot]
+
+    def run(self) -> list[Any]:
+        return read_tensors(self.requests, self.stats)
+
+
+def _finish(
+    leaf: _tree.SchemaLeaf, leaves: Mapping[str, _tree.SchemaLeaf], value: Any, sharding: Any = None
+) -> Any:
+    original = leaves.get(leaf.tensor_name, leaf)
+    if original.kind == "key":
+        key = jax.random.wrap_key_data(value, impl=original.node["impl"])
+        return jax.device_put(key, sharding) if sharding is not None else key
+    return value
+
+
+def restore_tree(
+    schema: Mapping[str, Any] | None,
+    stored: Mapping[str, StoredTensor],
+    target: Any = None,
+    *,
+    strict: bool = True,
+    verify: bool = True,
+    stats: ReadStats | None = None,
+) -> Any:
+    """Rebuilds a tree from ``stored`` tensors (see the module docstring).
+
+    Args:
+      schema: the stored tree schema, or None for a plain safetensors file (a flat dict).
+      stored: every stored tensor by name.
+      target: None, or a pytree whose leaves say what to build (and how to place it).
+      strict: with a target, missing or unexpected keys are errors; otherwise unexpected keys
+        are skipped and missing ones keep the target's value where it is concrete.
+      verify: check CRC32C checksums of tensors read whole.
+      stats: accumulates bytes read and needed.
+    """
+    if schema is not None:
+        leaves = _tree.validate_schema(schema)
+    else:
+        leaves = {name: _leaf_of(s) for name, s in stored.items()}
+    loader = _Loader(leaves, stored, verify, stats)
+    if target is None:
+        return _restore_untargeted(schema, leaves, loader)
+    return _restore_targeted(target, leaves, loader, strict)
+
+
+def _restore_untargeted(
+    schema: Mapping[str, Any] | None, leaves: Mapping[str, _tree.SchemaLeaf], loader: _Loader
+) -> Any:
+    slots: dict[str, int] = {}
+    for leaf in leaves.values():
+        if leaf.kind in ("tensor", "key", "ref"):
+            original = leaves.get(leaf.tensor_name, leaf)
+            kind = original.node.get("array", "jax") if original.kind == "tensor" else "jax"
+            slots[leaf.name] = loader.request(leaf, kind, None, None)
+    values = loader.run()
+    finished: dict[int, Any] = {}
+
+    def get(leaf: _tree.SchemaLeaf) -> Any:
+        slot = slots[leaf.name]
+        if slot not in finished:  # aliases share one object
+            finished[slot] = _finish(leaf, leaves, values[slot])
+        return finished[slot]
+
+    if schema is None:
+        return {name: get(leaf) for name, leaf in leaves.items()}
+    return _tree.unflatten(schema, get)
+
+
+def _restore_targeted(
+    target: Any, leaves: Mapping[str, _tree.SchemaLeaf], loader: _Loader, strict: bool
+) -> Any:
+    flat = _tree.flatten_target(target, is_leaf=_is_restore_args)
+    missing: list[str] = []
+    problems: list[str] = []
+    plan: list[tuple[str, Any, _Want | None, _tree.SchemaLeaf | None, int | None]] = []
+    for name, tleaf in zip(flat.names, flat.leaves):
+        want = _want(tleaf)
+        saved = leaves.get(name)
+        if saved is None:
+            concrete = (
+                want is not None
+                and not isinstance(tleaf, jax.ShapeDtypeStruct)
+                and not _is_restore_args(tleaf)
+            )
+            if strict or not concrete:
+                missing.append(name)
+            plan.append((name, tleaf, want, None, None))
+            continue
+        if saved.kind in ("bool", "int", "float", "str"):
+            plan.append((name, tleaf, want, saved, None))
+            continue
+        if want is None:
+            problems.append(
+                f"{name}: target leaf of type {type(tleaf).__name__} cannot receive a tensor"
+            )
+            continue
+        stored = loader.stored_for(saved)
+        original = leaves.get(saved.tensor_name, saved)
+        is_key = original.kind == "key"
+        stored_shape = stored.shape[: len(stored.shape) - 1] if is_key else stored.shape
+        if want.shape is not None and tuple(want.shape) != tuple(stored_shape):
+            problems.append(
+                f"{name}: checkpoint has shape {tuple(stored_shape)} ({stored.dtype}), "
+                f"target wants {tuple(want.shape)}"
+            )
+            continue
+        if (want.key_impl is not None) != is_key:
+            problems.append(
+                f"{name}: {'a PRNG key' if is_key else 'an array'} in the checkpoint, "
+                f"{'a PRNG key' if want.key_impl else 'an array'} in the target"
+            )
+            continue
+        kind = "numpy" if want.kind == "python" else want.kind
+        dtype = (
+            want.dtype
+            if want.dtype is not None and want.dtype != _dtypes.to_numpy(stored.dtype)
+            else None
+        )
+        plan.append((name, tleaf, want, saved, loader.request(saved, kind, want.sharding, dtype)))
+    target_names = set(flat.names)
+    unexpected = [n for n in leaves if n not in target_names] if strict else []
+    if missing or unexpected or problems:
+        raise TargetMismatchError(_mismatch_message(missing, unexpected, problems))
+    values = loader.run()
+    out: list[Any] = []
+    finished: dict[int, Any] = {}
+    for _name, tleaf, want, saved, slot in plan:
+        if saved is None:
+            out.append(tleaf)
+        elif slot is None:
+            out.append(_tree.inline_value(saved))
+        else:
+            if slot not in finished:
+                finished[slot] = _finish(
+                    saved, leaves, values[slot], want.sharding if want else None
+                )
+            value = finished[slot]
+            if want is not None and want.kind == "python":
+                value = type(tleaf)(value.item())
+            out.append(value)
+    return flat.rebuild(out)
+
+
+def _mismatch_message(missing: list[str], unexpected: list[str], problems: list[str]) -> str:
+    parts = ["the checkpoint does not match the restore target:"]
+    if missing:
+        parts.append(f"  missing from the checkpoint ({len(missing)}): {', '.join(missing[:50])}")
+    if unexpected:
+        parts.append(
+            f"  in the checkpoint but not the target ({len(unexpected)}): {', '.join(unexpected[:50])}"
+            " (pass strict=False to skip them)"
+        )
+    parts.extend(f"  {p}" for p in problems[:50])
+    return "\n".join(parts)

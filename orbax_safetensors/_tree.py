@@ -1,0 +1,461 @@
+"""The pytree codec: any pytree <-> ``{dotted_name: array}`` plus a lossless JSON schema.
+
+Naming rule (a public contract): a leaf's name joins its key path with ``.``; a dict key gives
+the key as text, a sequence index its decimal index, an attribute or namedtuple field its name.
+``{"layers": [{"w": x}]}`` gives ``layers.0.w``. Flax NNX ``Variable`` wrappers are transparent
+(``nnx.state(model)`` and ``nnx.to_pure_dict`` give the same names). Names that collide once
+joined (``{"a.b": x, "a": {"b": y}}``, ``{1: x, "1": y}``) get a ``~N`` suffix, chosen the same
+way on save and on load.
+
+The schema records the containers (dict with int or str keys, list, tuple, None, custom nodes by
+their key entries), Python scalars inline, typed PRNG keys with their impl, and aliases (the same
+array object at several leaves is stored once). It never names a class to import: custom node
+types are rebuilt only from a caller's target. This module knows nothing of files or Orbax.
+
+Example::
+
+    flat = flatten({"layers": [{"w": np.ones(2)}], "step": 3})
+    flat.arrays            # {"layers.0.w": array([1., 1.])}
+    unflatten(flat.schema, flat.arrays)   # {"layers": [{"w": ...}], "step": 3}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
+
+from orbax_safetensors import _dtypes
+from orbax_safetensors._errors import SchemaError, UnsupportedLeafError
+
+SCHEMA_FORMAT = "orbax-safetensors/tree"
+SCHEMA_VERSION = 1
+ROOT_NAME = "value"  # the name of a tree that is a single leaf
+_MAX_DEPTH = 256
+
+KeyEntry = Any  # DictKey | SequenceKey | GetAttrKey | FlattenedIndexKey
+
+
+# --------------------------------------------------------------------------- naming
+
+
+def _entry_text(entry: KeyEntry) -> str:
+    if isinstance(entry, DictKey):
+        return str(entry.key)
+    if isinstance(entry, SequenceKey):
+        return str(entry.idx)
+    if isinstance(entry, GetAttrKey):
+        return entry.name
+    if isinstance(entry, FlattenedIndexKey):
+        return str(entry.key)
+    return str(entry)
+
+
+def _entry_order(entry: KeyEntry) -> tuple[int, int, int, str]:
+    # A total order over key entries of mixed kinds, used only to break name collisions.
+    if isinstance(entry, DictKey):
+        k = entry.key
+        if isinstance(k, int) and not isinstance(k, bool):
+            return (0, 0, k, "")
+        return (0, 1, 0, f"{type(k).__name__}:{k}")
+    if isinstance(entry, SequenceKey):
+        return (1, 0, entry.idx, "")
+    if isinstance(entry, GetAttrKey):
+        return (2, 0, 0, entry.name)
+    if isinstance(entry, FlattenedIndexKey):
+        return (3, 0, entry.key, "")
+    return (4, 0, 0, str(entry))
+
+
+def join_path(path: Iterable[KeyEntry]) -> str:
+    """The dotted name of a key path (without collision suffixes)."""
+    text = ".".join(_entry_text(e) for e in path)
+    return text if text else ROOT_NAME
+
+
+def assign_names(paths: list[tuple[KeyEntry, ...]]) -> list[str]:
+    """Unique dotted names for ``paths``; colliding ones get ``~1``, ``~2``... deterministically."""
+    names = [join_path(p) for p in paths]
+    groups: dict[str, list[int]] = {}
+    for i, n in enumerate(names):
+        groups.setdefault(n, []).append(i)
+    taken = set(names)
+    for base, idx in groups.items():
+        if len(idx) < 2:
+            continue
+        idx.sort(key=lambda i: [_entry_order(e) for e in paths[i]])
+        suffix = 0
+        for i in idx[1:]:
+            suffix += 1
+            while f"{base}~{suffix}" in taken:
+                suffix += 1
+            names[i] = f"{base}~{suffix}"
+            taken.add(names[i])
+    return names
+
+
+# --------------------------------------------------------------------------- leaf kinds
+
+
+def _is_nnx_variable(x: object) -> bool:
+    try:
+        from flax import nnx
+    except ImportError:  # pragma: no cover - flax is a dependency
+        return False
+    return isinstance(x, nnx.Variable)
+
+
+def is_prng_key(x: object) -> bool:
+    """Whether ``x`` is a typed PRNG key array (or a ShapeDtypeStruct of one)."""
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _is_array(x: object) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+# --------------------------------------------------------------------------- flatten
+
+
+@dataclasses.dataclass
+class FlatTree:
+    """A flattened pytree.
+
+    Attributes:
+      schema: the JSON-serialisable schema (format, version, tree).
+      arrays: stored tensors by name, in flatten order; aliases appear once. Values are
+        ``jax.Array`` or ``np.ndarray``; typed PRNG keys are already replaced by their key data.
+    """
+
+    schema: dict[str, Any]
+    arrays: dict[str, Any]
+
+
+@dataclasses.dataclass
+class _Pending:
+    node: dict[str, Any]
+    path: tuple[KeyEntry, ...]
+
+
+def flatten(tree: Any) -> FlatTree:
+    """Flattens ``tree`` into dotted names and a lossless schema.
+
+    Raises:
+      UnsupportedLeafError: naming the first leaf that cannot be stored (before any I/O).
+    """
+    pending: list[_Pending] = []
+    values: list[Any] = []
+    first_by_id: dict[int, int] = {}
+
+    def leaf(x: Any, path: tuple[KeyEntry, ...]) -> dict[str, Any]:
+        if x is None:
+            return {"t": "none"}
+        if isinstance(x, bool):
+            node: dict[str, Any] = {"t": "bool", "v": x}
+        elif isinstance(x, int):
+            node = {"t": "int", "v": x}
+        elif isinstance(x, float):
+            node = {"t": "float", "v": x.hex()}
+        elif isinstance(x, str):
+            node = {"t": "str", "v": x}
+        elif _is_array(x):
+            if id(x) in first_by_id and not isinstance(x, np.generic):
+                node = {"t": "ref", "of": first_by_id[id(x)]}
+            else:
+                node = _array_node(x, join_path(path))
+                first_by_id[id(x)] = len(pending)
+        else:
+            raise UnsupportedLeafError(
+                f"leaf {join_path(path)!r} of type {type(x).__module__}.{type(x).__qualname__} "
+                "cannot be stored: leaves must be arrays, Python int/float/bool/str or None"
+            )
+        pending.append(_Pending(node, path))
+        values.append(x)
+        return node
+
+    def walk(x: Any, path: tuple[KeyEntry, ...], depth: int) -> dict[str, Any]:
+        if depth > _MAX_DEPTH:
+            raise UnsupportedLeafError(
+                f"tree deeper than {_MAX_DEPTH} levels at {join_path(path)!r}"
+            )
+        if type(x) is dict:
+            keys = list(x)
+            for k in keys:
+                if not isinstance(k, (str, int)) or isinstance(k, bool):
+                    raise UnsupportedLeafError(
+                        f"dict key {k!r} at {join_path(path)!r}: only str and int keys are supported"
+                    )
+            return {
+                "t": "dict",
+                "k": keys,
+                "v": [walk(x[k], (*path, DictKey(k)), depth + 1) for k in keys],
+            }
+        if type(x) in (list, tuple):
+            return {
+                "t": type(x).__name__,
+                "v": [walk(c, (*path, SequenceKey(i)), depth + 1) for i, c in enumerate(x)],
+            }
+        if x is None or _is_array(x) or isinstance(x, (bool, int, float, str)):
+            return leaf(x, path)
+        if _is_nnx_variable(x):
+            children, _ = jax.tree_util.flatten_one_level_with_keys(x)
+            if len(children) == 1:  # transparent: the Variable's value takes its place
+                return {"t": "var", "v": walk(children[0][1], path, depth + 1)}
+        try:
+            children, _ = jax.tree_util.flatten_one_level_with_keys(x)
+        except ValueError:  # a leaf jax does not know how to flatten
+            return leaf(x, path)
+        if len(children) == 1 and children[0][1] is x:
+            return leaf(x, path)
+        return {
+            "t": "node",
+            "type": type(x).__qualname__,  # informational only: never imported
+            "k": [_encode_entry(e) for e, _ in children],
+            "v": [walk(c, (*path, e), depth + 1) for e, c in children],
+        }
+
+    tree_node = walk(tree, (), 0)
+    names = assign_names([p.path for p in pending])
+    arrays: dict[str, Any] = {}
+    for p, name, value in zip(pending, names, values):
+        kind = p.node["t"]
+        if kind in ("tensor", "key"):
+            p.node["name"] = name
+            arrays[name] = jax.random.key_data(value) if kind == "key" else value
+        elif kind == "ref" or kind != "none":
+            p.node["name"] = name
+    for p in pending:  # resolve alias indices into the aliased tensor's name
+        if p.node["t"] == "ref":
+            p.node["of"] = pending[p.node["of"]].node["name"]
+    schema = {"format": SCHEMA_FORMAT, "version": SCHEMA_VERSION, "tree": tree_node}
+    return FlatTree(schema, arrays)
+
+
+def _array_node(x: Any, where: str) -> dict[str, Any]:
+    if is_prng_key(x):
+        return {"t": "key", "impl": str(jax.random.key_impl(x))}
+    _dtypes.from_numpy(x.dtype, key=where)  # raises early for unsupported dtypes
+    kind = (
+        "jax" if isinstance(x, jax.Array) else ("scalar" if isinstance(x, np.generic) else "numpy")
+    )
+    return {"t": "tensor", "array": kind}
+
+
+def _encode_entry(entry: KeyEntry) -> list[Any]:
+    if isinstance(entry, DictKey):
+        if not isinstance(entry.key, (str, int)) or isinstance(entry.key, bool):
+            raise UnsupportedLeafError(
+                f"node key {entry.key!r}: only str and int keys are supported"
+            )
+        return ["key", entry.key]
+    if isinstance(entry, GetAttrKey):
+        return ["attr", entry.name]
+    if isinstance(entry, SequenceKey):
+        return ["idx", entry.idx]
+    if isinstance(entry, FlattenedIndexKey):
+        return ["idx", entry.key]
+    raise UnsupportedLeafError(f"unsupported pytree key entry {entry!r}")
+
+
+# --------------------------------------------------------------------------- schema reading
+
+
+@dataclasses.dataclass(frozen=True)
+class SchemaLeaf:
+    """A leaf of a stored tree: a tensor, PRNG key, alias or inline Python value."""
+
+    name: str
+    kind: str  # "tensor" | "key" | "ref" | "bool" | "int" | "float" | "str"
+    node: Mapping[str, Any]
+
+    @property
+    def tensor_name(self) -> str:
+        """The stored tensor holding this leaf's bytes (aliases point at their original)."""
+        return str(self.node["of"]) if self.kind == "ref" else self.name
+
+
+def validate_schema(schema: object, *, max_leaves: int = 10_000_000) -> dict[str, SchemaLeaf]:
+    """Checks a schema read from a file and returns its leaves by name.
+
+    Raises:
+      SchemaError: naming the first problem (unknown version or kind, bad keys, duplicate names,
+        aliases pointing nowhere or at another alias, trees nested too deeply).
+    """
+    if not isinstance(schema, dict):
+        raise SchemaError("schema is not a JSON object")
+    if schema.get("format") != SCHEMA_FORMAT:
+        raise SchemaError(f"schema format {schema.get('format')!r} is not {SCHEMA_FORMAT!r}")
+    version = schema.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise SchemaError(f"schema version {version!r} is not a positive integer")
+    if version > SCHEMA_VERSION:
+        raise SchemaError(
+            f"schema version {version} is newer than this library reads ({SCHEMA_VERSION}); "
+            "upgrade orbax-safetensors"
+        )
+    leaves: dict[str, SchemaLeaf] = {}
+
+    def visit(node: object, depth: int) -> None:
+        if depth > _MAX_DEPTH:
+            raise SchemaError(f"schema tree nested deeper than {_MAX_DEPTH}")
+        if not isinstance(node, dict) or not isinstance(node.get("t"), str):
+            raise SchemaError(f"schema node {str(node)[:80]!r} has no kind")
+        kind = node["t"]
+        if kind in ("dict", "list", "tuple", "node"):
+            children = node.get("v")
+            if not isinstance(children, list):
+                raise SchemaError(f"schema {kind} node has no child list")
+            if kind in ("dict", "node"):
+                keys = node.get("k")
+                if not isinstance(keys, list) or len(keys) != len(children):
+                    raise SchemaError(f"schema {kind} node keys do not match its children")
+                for k in keys:
+                    _check_key(kind, k)
+            for c in children:
+                visit(c, depth + 1)
+        elif kind == "var":
+            visit(node.get("v"), depth + 1)
+        elif kind == "none":
+            pass
+        elif kind in ("tensor", "key", "ref", "bool", "int", "float", "str"):
+            name = node.get("name")
+            if not isinstance(name, str):
+                raise SchemaError(f"schema {kind} leaf has no name")
+            if name in leaves:
+                raise SchemaError(f"schema names leaf {name!r} twice")
+            _check_leaf(kind, node, name)
+            leaves[name] = SchemaLeaf(name, kind, node)
+            if len(leaves) > max_leaves:
+                raise SchemaError(f"schema has more than {max_leaves} leaves")
+        else:
+            raise SchemaError(f"schema node kind {kind!r} is unknown")
+
+    visit(schema.get("tree"), 0)
+    for leaf in leaves.values():
+        if leaf.kind == "ref":
+            target = leaves.get(leaf.tensor_name)
+            if target is None or target.kind not in ("tensor", "key"):
+                raise SchemaError(
+                    f"alias {leaf.name!r} points at {leaf.tensor_name!r}, which is not a stored tensor"
+                )
+    return leaves
+
+
+def _check_key(kind: str, key: object) -> None:
+    if kind == "dict":
+        if not isinstance(key, (str, int)) or isinstance(key, bool):
+            raise SchemaError(f"dict key {key!r} is neither str nor int")
+        return
+    ok = (
+        isinstance(key, list)
+        and len(key) == 2
+        and key[0] in ("key", "attr", "idx")
+        and isinstance(key[1], (str, int))
+        and not isinstance(key[1], bool)
+    )
+    if not ok:
+        raise SchemaError(f"node key entry {key!r} is malformed")
+
+
+def _check_leaf(kind: str, node: Mapping[str, Any], name: str) -> None:
+    v = node.get("v")
+    if kind == "bool" and not isinstance(v, bool):
+        raise SchemaError(f"leaf {name!r}: bool value {v!r}")
+    if kind == "int" and (not isinstance(v, int) or isinstance(v, bool)):
+        raise SchemaError(f"leaf {name!r}: int value {v!r}")
+    if kind == "str" and not isinstance(v, str):
+        raise SchemaError(f"leaf {name!r}: str value {v!r}")
+    if kind == "float":
+        try:
+            float.fromhex(v)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise SchemaError(f"leaf {name!r}: float value {v!r} is not a hex float") from None
+    if kind == "tensor" and node.get("array") not in ("jax", "numpy", "scalar"):
+        raise SchemaError(f"leaf {name!r}: unknown array kind {node.get('array')!r}")
+    if kind == "key" and not isinstance(node.get("impl"), str):
+        raise SchemaError(f"leaf {name!r}: PRNG key without impl")
+    if kind == "ref" and not isinstance(node.get("of"), str):
+        raise SchemaError(f"alias {name!r} names no tensor")
+
+
+def inline_value(leaf: SchemaLeaf) -> Any:
+    """The Python value of an inline (non-tensor) leaf."""
+    v = leaf.node["v"]
+    return float.fromhex(v) if leaf.kind == "float" else v
+
+
+def unflatten(schema: Mapping[str, Any], get: Callable[[SchemaLeaf], Any]) -> Any:
+    """Rebuilds the stored tree; ``get(leaf)`` supplies each array leaf's value.
+
+    Custom nodes come back as dicts keyed by their field names (or lists when keyed by
+    index); NNX Variables as their values. Pass a target to :func:`match_target` for the
+    original node types.
+    """
+    leaves = validate_schema(schema)
+
+    def build(node: Mapping[str, Any]) -> Any:
+        kind = node["t"]
+        if kind == "dict":
+            return {k: build(c) for k, c in zip(node["k"], node["v"])}
+        if kind == "list":
+            return [build(c) for c in node["v"]]
+        if kind == "tuple":
+            return tuple(build(c) for c in node["v"])
+        if kind == "node":
+            if all(k[0] == "idx" for k in node["k"]):
+                return [build(c) for c in node["v"]]
+            return {k[1]: build(c) for k, c in zip(node["k"], node["v"])}
+        if kind == "var":
+            return build(node["v"])
+        if kind == "none":
+            return None
+        leaf = leaves[node["name"]]
+        if leaf.kind in ("bool", "int", "float", "str"):
+            return inline_value(leaf)
+        return get(leaf)
+
+    return build(schema["tree"])
+
+
+# --------------------------------------------------------------------------- targets
+
+
+@dataclasses.dataclass
+class TargetLeaves:
+    """A restore target flattened with the naming rule; ``rebuild(values)`` gives its tree back."""
+
+    names: list[str]
+    leaves: list[Any]
+    rebuild: Callable[[list[Any]], Any]
+
+
+def flatten_target(target: Any, *, is_leaf: Callable[[Any], bool] | None = None) -> TargetLeaves:
+    """Flattens a restore target with jax's own pytree rules (keeping its node types)."""
+
+    def outer_leaf(x: Any) -> bool:
+        return _is_nnx_variable(x) or (is_leaf is not None and is_leaf(x))
+
+    outer, _ = jax.tree_util.tree_flatten_with_path(target, is_leaf=outer_leaf)
+    paths: list[tuple[KeyEntry, ...]] = []
+    leaves: list[Any] = []
+    for path, x in outer:
+        if _is_nnx_variable(x):
+            inner, _ = jax.tree_util.tree_flatten_with_path(x, is_leaf=is_leaf)
+            for ipath, ix in inner:
+                transparent = len(inner) == 1 and ipath == (GetAttrKey("value"),)
+                paths.append(tuple(path) if transparent else (*path, *ipath))
+                leaves.append(ix)
+        else:
+            paths.append(tuple(path))
+            leaves.append(x)
+    treedef = jax.tree_util.tree_structure(target, is_leaf=is_leaf)
+    if treedef.num_leaves != len(leaves):  # pragma: no cover - guards a jax behaviour change
+        raise SchemaError("internal: target leaf count differs between flattening passes")
+    return TargetLeaves(
+        assign_names(paths), leaves, lambda values: jax.tree_util.tree_unflatten(treedef, values)
+    )

@@ -1,0 +1,124 @@
+"""From arrays to write pieces: which bytes this process owns and where they go.
+
+Each process takes the shards of each ``jax.Array`` it holds with ``replica_id == 0`` (so every
+byte is written exactly once across processes, and no process ever materialises data it does not
+own), turns each shard's box into byte runs inside the global row-major tensor, and hands the
+runs to the byte movers. Host-local leaves (numpy arrays) are written by the primary process.
+
+Example::
+
+    specs = tensor_specs(flat.arrays)
+    plan = _plan.plan_files(specs, max_file_size=None)
+    pieces = host_pieces(plan, flat.arrays, copy=False)   # {file index: [Piece, ...]}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from orbax_safetensors import _checksum, _dtypes, _io, _plan
+
+
+def _host_array(x: Any) -> np.ndarray:
+    return x if isinstance(x, np.ndarray) else np.asarray(x)
+
+
+def tensor_specs(arrays: Mapping[str, Any]) -> list[_plan.TensorSpec]:
+    """The stored dtype and global shape of every array, in order."""
+    return [
+        _plan.TensorSpec(
+            name, _dtypes.from_numpy(a.dtype, key=name), tuple(int(d) for d in a.shape)
+        )
+        for name, a in arrays.items()
+    ]
+
+
+def owned_shards(x: jax.Array) -> list[tuple[_plan.Index, jax.Array]]:
+    """The shards of ``x`` this process writes: the addressable ones with ``replica_id == 0``."""
+    return [
+        (_plan.normalize_index(s.index, x.shape), s.data)
+        for s in x.addressable_shards
+        if s.replica_id == 0
+    ]
+
+
+def start_host_copies(arrays: Mapping[str, Any]) -> None:
+    """Starts every owned shard's device-to-host copy so they overlap one another."""
+    for x in arrays.values():
+        if isinstance(x, jax.Array):
+            for _, data in owned_shards(x):
+                data.copy_to_host_async()
+
+
+def _to_host(data: Any, copy: bool) -> np.ndarray:
+    host = _host_array(data)
+    if copy and (
+        isinstance(data, np.ndarray)
+        or not isinstance(data, jax.Array)
+        or any(d.platform == "cpu" for d in data.devices())
+    ):
+        # On CPU np.asarray shares the device buffer, which the caller may donate or overwrite
+        # once save() returns; copy into an aligned buffer we own. (On accelerators np.asarray
+        # already produced a fresh host copy.)
+        out = _io.aligned_empty(host.nbytes).view(host.dtype).reshape(host.shape)
+        np.copyto(out, host)
+        return out
+    return host
+
+
+def host_pieces(
+    plan: _plan.CheckpointPlan,
+    arrays: Mapping[str, Any],
+    *,
+    copy: bool,
+    is_primary: bool = True,
+) -> dict[int, list[_io.Piece]]:
+    """The byte pieces this process writes, grouped by file index.
+
+    Args:
+      plan: the checkpoint's file plan.
+      arrays: stored tensors by name (``jax.Array`` or numpy).
+      copy: copy host data into buffers we own (needed when writing happens after return).
+      is_primary: whether this process writes host-local (numpy) leaves.
+
+    Each piece's tag is ``(tensor name, offset inside the tensor)``.
+    """
+    start_host_copies(arrays)
+    out: dict[int, list[_io.Piece]] = {}
+    for name, x in arrays.items():
+        file_index = plan.file_of[name]
+        fplan, entry = plan.locate(name)
+        base = fplan.data_start + entry.begin
+        if isinstance(x, jax.Array):
+            shards = owned_shards(x)
+        elif is_primary:
+            shards = [(_plan.normalize_index((), x.shape), x)]
+        else:
+            shards = []
+        for index, data in shards:
+            raw = _dtypes.pack(_to_host(data, copy), entry.dtype)
+            offsets, length = _plan.byte_runs(entry.dtype, entry.shape, index)
+            pieces = out.setdefault(file_index, [])
+            for k, off in enumerate(offsets.tolist()):
+                chunk = raw[k * length : (k + 1) * length]
+                pieces.append(_io.Piece(base + off, chunk, (name, off)))
+    return out
+
+
+def tensor_checksums(
+    records: list[tuple[object, int, int]], sizes: Mapping[str, int]
+) -> dict[str, int]:
+    """Whole-tensor CRC32C from per-piece ``((name, offset), nbytes, crc)`` records.
+
+    Raises:
+      ValueError: when the pieces of a tensor do not tile it exactly.
+    """
+    by_tensor: dict[str, list[tuple[int, int, int]]] = {name: [] for name in sizes}
+    for tag, nbytes, crc in records:
+        name, offset = tag  # type: ignore[misc]
+        by_tensor[name].append((offset, nbytes, crc))
+    return {name: _checksum.combine_runs(runs, sizes[name]) for name, runs in by_tensor.items()}
