@@ -8,6 +8,12 @@ Example::
 """
 
 from orbax_safetensors._api import load_file, load_metadata, read_header, save_file
+from orbax_safetensors._checkpoint import restore_directory, save_directory
+from orbax_safetensors._handler import (
+    SafetensorsCheckpointHandler,
+    SafetensorsRestore,
+    SafetensorsSave,
+)
 from orbax_safetensors._errors import (
     HeaderError,
     IntegrityError,
@@ -22,6 +28,9 @@ __version__ = "0.1.0"
 __all__ = [
     "HeaderError",
     "IntegrityError",
+    "SafetensorsCheckpointHandler",
+    "SafetensorsRestore",
+    "SafetensorsSave",
     "SafetensorsCheckpointError",
     "SchemaError",
     "TargetMismatchError",
@@ -30,5 +39,7 @@ __all__ = [
     "load_file",
     "load_metadata",
     "read_header",
+    "restore_directory",
+    "save_directory",
     "save_file",
 ]

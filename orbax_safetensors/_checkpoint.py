@@ -1,0 +1,342 @@
+"""Directory checkpoints: standard safetensors files + one JSON metadata file, written by one
+process or by many at once. Orbax-free: the Orbax handler is thin glue over this module.
+
+Layout of a checkpoint directory::
+
+    model.safetensors                      # or model-00001-of-0000N.safetensors + ...
+    model.safetensors.index.json           # only when split into several files (HF convention)
+    orbax_safetensors.json                 # schema, versions, per-tensor dtype/shape/file,
+                                           # saved sharding, CRC32C, user metadata
+
+Saving happens in three steps so that Orbax (or any driver) can put them where it needs:
+:func:`prepare_save` (every process; device-to-host copies of owned shards, done when it
+returns), :func:`write_process_part` (every process; its own byte ranges, plus headers and index
+on the primary; a small per-process checksum file) and :func:`finalize` (one process, after all
+wrote; merges checksums into the metadata file).
+
+Example::
+
+    save_directory(state, "/tmp/ckpt")                 # all three steps, one process
+    state = restore_directory("/tmp/ckpt", target=abstract_state)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from etils import epath
+
+from orbax_safetensors import _checksum, _format, _io, _plan, _tree, _writer
+from orbax_safetensors._errors import HeaderError, SchemaError, TargetMismatchError
+from orbax_safetensors._reader import ReadStats, StoredTensor
+from orbax_safetensors._restore import restore_tree
+
+METADATA_FILE = "orbax_safetensors.json"
+FORMAT_NAME = "orbax-safetensors"
+FORMAT_VERSION = 1
+_PART_PREFIX = "crc32c.process_"
+_MAX_METADATA_BYTES = 512 * 1024 * 1024
+
+
+def _library_version() -> str:
+    from orbax_safetensors import __version__
+
+    return __version__
+
+
+def describe_sharding(x: Any) -> dict[str, Any] | None:
+    """A JSON description of a ``NamedSharding`` (mesh axes and partition spec), else None."""
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return None
+    spec = []
+    for entry in sharding.spec:
+        if entry is None:
+            spec.append(None)
+        elif isinstance(entry, str):
+            spec.append(entry)
+        else:
+            spec.append(list(entry))
+    mesh = sharding.mesh
+    return {
+        "mesh_axes": list(mesh.axis_names),
+        "mesh_shape": [int(mesh.shape[a]) for a in mesh.axis_names],
+        "spec": spec,
+    }
+
+
+def rebuild_sharding(desc: Mapping[str, Any] | None) -> jax.sharding.Sharding | None:
+    """A ``NamedSharding`` like the saved one over this job's devices, or None if impossible."""
+    if not desc:
+        return None
+    shape = tuple(int(d) for d in desc["mesh_shape"])
+    devices = jax.devices()
+    if int(np.prod(shape)) != len(devices):
+        return None
+    mesh = jax.sharding.Mesh(np.array(devices).reshape(shape), tuple(desc["mesh_axes"]))
+    spec = [tuple(e) if isinstance(e, list) else e for e in desc["spec"]]
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+
+
+@dataclasses.dataclass
+class PreparedSave:
+    """Everything a process needs to write its part; host copies are already complete."""
+
+    plan: _plan.CheckpointPlan
+    pieces: dict[int, list[_io.Piece]]
+    metadata: dict[str, Any]  # the metadata file's content, less checksums
+    sizes: dict[str, int]
+    is_primary: bool
+    process_index: int
+    checksums: bool
+
+
+def prepare_save(
+    tree: Any,
+    *,
+    user_metadata: Mapping[str, Any] | None = None,
+    max_file_size: int | None = _plan.DEFAULT_MAX_FILE_SIZE,
+    is_primary: bool = True,
+    process_index: int = 0,
+    copy: bool = True,
+    checksums: bool = True,
+) -> PreparedSave:
+    """Flattens ``tree``, plans its files and copies this process's owned bytes to host.
+
+    With ``copy=True`` the caller may donate or overwrite its arrays as soon as this returns.
+    """
+    flat = _tree.flatten(tree)
+    specs = _writer.tensor_specs(flat.arrays)
+    # Headers depend only on names, dtypes and shapes: identical on every process.
+    plan = _plan.plan_files(specs, max_file_size=max_file_size, metadata={"format": "flax"})
+    tensors = {}
+    for s in specs:
+        fplan, _ = plan.locate(s.name)
+        tensors[s.name] = {
+            "dtype": s.dtype,
+            "shape": list(s.shape),
+            "file": fplan.filename,
+            "sharding": describe_sharding(flat.arrays[s.name]),
+        }
+    metadata = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "library_version": _library_version(),
+        "files": [f.filename for f in plan.files],
+        "schema": flat.schema,
+        "tensors": tensors,
+        "metadata": dict(user_metadata or {}),
+    }
+    json.dumps(metadata["metadata"])  # fail early (before any I/O) on non-JSON user metadata
+    pieces = _writer.host_pieces(plan, flat.arrays, copy=copy, is_primary=is_primary)
+    return PreparedSave(
+        plan, pieces, metadata, {s.name: s.nbytes for s in specs}, is_primary, process_index, checksums
+    )
+
+
+def write_process_part(prepared: PreparedSave, directory: epath.PathLike) -> None:
+    """Writes this process's bytes (and, on the primary, headers, index and metadata draft)."""
+    directory = epath.Path(directory)
+    plan = prepared.plan
+    records: list[list[Any]] = []
+    for i, fplan in enumerate(plan.files):
+        pieces = list(prepared.pieces.get(i, []))
+        if prepared.is_primary:
+            pieces.append(_io.Piece(0, np.frombuffer(fplan.header, dtype=np.uint8)))
+        if not pieces:
+            continue
+        if prepared.checksums:
+            records.extend(
+                [p.tag[0], p.tag[1], p.data.nbytes, _checksum.crc32c(p.data)]  # type: ignore[index]
+                for p in pieces
+                if p.tag is not None
+            )
+        _io.write_file(directory / fplan.filename, pieces, size=fplan.size)
+    if prepared.is_primary:
+        if len(plan.files) > 1:
+            (directory / _plan.INDEX_FILE_NAME).write_text(json.dumps(plan.index_json(), indent=1))
+        (directory / (METADATA_FILE + ".draft")).write_text(json.dumps(prepared.metadata))
+    part = directory / f"{_PART_PREFIX}{prepared.process_index}.json"
+    part.write_text(json.dumps({"checksums": prepared.checksums, "pieces": records}))
+
+
+def finalize(directory: epath.PathLike) -> None:
+    """Merges every process's checksum part into the metadata file (run once, after all wrote)."""
+    directory = epath.Path(directory)
+    draft = directory / (METADATA_FILE + ".draft")
+    metadata = json.loads(draft.read_text())
+    parts = sorted(directory.glob(f"{_PART_PREFIX}*.json"))
+    records: list[tuple[object, int, int]] = []
+    enabled = True
+    for part in parts:
+        doc = json.loads(part.read_text())
+        enabled = enabled and bool(doc["checksums"])
+        records.extend(((name, off), n, crc) for name, off, n, crc in doc["pieces"])
+    if enabled and parts:
+        sizes = {n: _dtypes_nbytes(t) for n, t in metadata["tensors"].items()}
+        crcs = _writer.tensor_checksums(records, sizes)
+        for name, crc in crcs.items():
+            metadata["tensors"][name]["crc32c"] = _checksum.to_hex(crc)
+    (directory / METADATA_FILE).write_text(json.dumps(metadata))
+    draft.unlink()
+    for part in parts:
+        part.unlink()
+
+
+def _dtypes_nbytes(t: Mapping[str, Any]) -> int:
+    from orbax_safetensors import _dtypes
+
+    return _dtypes.nbytes(t["dtype"], t["shape"])
+
+
+def save_directory(
+    tree: Any,
+    directory: epath.PathLike,
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    max_file_size: int | None = _plan.DEFAULT_MAX_FILE_SIZE,
+) -> None:
+    """Saves ``tree`` as a checkpoint directory from one process (no Orbax involved)."""
+    directory = epath.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    prepared = prepare_save(tree, user_metadata=metadata, max_file_size=max_file_size, copy=False)
+    write_process_part(prepared, directory)
+    finalize(directory)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def read_metadata(directory: epath.PathLike) -> dict[str, Any]:
+    """Reads and checks the metadata file of a checkpoint directory."""
+    path = epath.Path(directory) / METADATA_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{directory} is not an orbax-safetensors checkpoint: no {METADATA_FILE}")
+    with path.open("rb") as f:
+        raw = f.read(_MAX_METADATA_BYTES + 1)
+    if len(raw) > _MAX_METADATA_BYTES:
+        raise SchemaError(f"{path}: larger than {_MAX_METADATA_BYTES} bytes")
+    try:
+        doc = json.loads(raw)
+    except RecursionError:
+        raise SchemaError(f"{path}: nested too deeply") from None
+    except ValueError as e:
+        raise SchemaError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        raise SchemaError(f"{path}: not an {FORMAT_NAME} metadata file")
+    version = doc.get("format_version")
+    if not isinstance(version, int) or version < 1 or version > FORMAT_VERSION:
+        raise SchemaError(
+            f"{path}: format_version {version!r} is not one this library reads (1..{FORMAT_VERSION})"
+        )
+    if not isinstance(doc.get("tensors"), dict) or not isinstance(doc.get("files"), list):
+        raise SchemaError(f"{path}: tensors/files missing")
+    return doc
+
+
+def stored_tensors(directory: epath.PathLike, metadata: Mapping[str, Any]) -> dict[str, StoredTensor]:
+    """Every tensor of a checkpoint directory, cross-checked against the files' own headers."""
+    from orbax_safetensors._api import read_header
+
+    directory = epath.Path(directory)
+    headers: dict[str, _format.Header] = {}
+    out: dict[str, StoredTensor] = {}
+    for name, info in metadata["tensors"].items():
+        filename = info.get("file") if isinstance(info, dict) else None
+        if not isinstance(filename, str) or filename not in metadata["files"] or "/" in filename or filename.startswith("."):
+            raise SchemaError(f"{directory}: tensor {name!r} names an invalid file {filename!r}")
+        if filename not in headers:
+            headers[filename] = read_header(directory / filename)
+        entry = headers[filename].tensors.get(name)
+        if entry is None:
+            raise HeaderError(f"{directory / filename}: tensor {name!r} is listed in the metadata but not in the file")
+        if entry.dtype != info.get("dtype") or list(entry.shape) != info.get("shape"):
+            raise HeaderError(
+                f"{directory / filename}: tensor {name!r} is {entry.dtype}{list(entry.shape)} in the "
+                f"file but {info.get('dtype')}{info.get('shape')} in the metadata"
+            )
+        crc_text = info.get("crc32c")
+        crc = None
+        if crc_text is not None:
+            try:
+                crc = int(crc_text, 16) if isinstance(crc_text, str) and len(crc_text) == 8 else None
+            except ValueError:
+                crc = None
+            if crc is None:
+                raise SchemaError(f"{directory}: checksum of {name!r} is malformed: {crc_text!r}")
+        out[name] = StoredTensor(name, directory / filename, headers[filename].data_start + entry.begin, entry.dtype, entry.shape, crc)
+    return out
+
+
+def abstract_tree(directory: epath.PathLike, metadata: Mapping[str, Any] | None = None) -> Any:
+    """The saved tree with ``jax.ShapeDtypeStruct`` leaves (inline values as saved); reads no
+    tensor bytes."""
+    from orbax_safetensors import _dtypes
+
+    metadata = metadata or read_metadata(directory)
+    tensors = metadata["tensors"]
+    leaves = _tree.validate_schema(metadata["schema"])
+
+    def get(leaf: _tree.SchemaLeaf) -> Any:
+        info = tensors.get(leaf.tensor_name)
+        if not isinstance(info, dict):
+            raise SchemaError(f"schema leaf {leaf.name!r} refers to unknown tensor {leaf.tensor_name!r}")
+        original = leaves.get(leaf.tensor_name, leaf)
+        if original.kind == "key":
+            impl = original.node["impl"]
+            return jax.eval_shape(lambda: jax.random.wrap_key_data(np.zeros(info["shape"], np.uint32), impl=impl))
+        return jax.ShapeDtypeStruct(tuple(info["shape"]), _dtypes.to_numpy(info["dtype"]))
+
+    return _tree.unflatten(metadata["schema"], get)
+
+
+def restore_directory(
+    directory: epath.PathLike,
+    target: Any = None,
+    *,
+    strict: bool = True,
+    verify: bool = True,
+    stats: ReadStats | None = None,
+) -> Any:
+    """Restores a checkpoint directory (see :func:`orbax_safetensors.load_file` for ``target``).
+
+    Without a target in a multi-process job, arrays are placed with their saved sharding when
+    this job's devices allow it; otherwise a ``TargetMismatchError`` asks for a target.
+    """
+    directory = epath.Path(directory)
+    metadata = read_metadata(directory)
+    stored = stored_tensors(directory, metadata)
+    if target is None and jax.process_count() > 1:
+        target = _saved_sharding_target(directory, metadata)
+    return restore_tree(metadata["schema"], stored, target, strict=strict, verify=verify, stats=stats)
+
+
+def _saved_sharding_target(directory: epath.Path, metadata: Mapping[str, Any]) -> Any:
+    abstract = abstract_tree(directory, metadata)
+    flat = _tree.flatten_target(abstract)
+    leaves = _tree.validate_schema(metadata["schema"])
+    out = []
+    for name, leaf in zip(flat.names, flat.leaves):
+        saved = leaves.get(name)
+        if not isinstance(leaf, jax.ShapeDtypeStruct) or saved is None:
+            out.append(leaf)
+            continue
+        original = leaves.get(saved.tensor_name, saved)
+        if original.kind == "tensor" and original.node.get("array") != "jax":
+            out.append(np.zeros(leaf.shape, leaf.dtype))  # host-local leaf: read in full
+            continue
+        desc = metadata["tensors"][saved.tensor_name].get("sharding")
+        sharding = rebuild_sharding(desc)
+        if sharding is None:
+            raise TargetMismatchError(
+                f"{directory}: tensor {saved.tensor_name!r} was saved with sharding {desc!r}, which "
+                f"this job's {len(jax.devices())} devices cannot reproduce; pass a restore target "
+                "whose leaves are jax.ShapeDtypeStruct with the sharding you want"
+            )
+        out.append(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding))
+    return flat.rebuild(out)

@@ -1,0 +1,162 @@
+"""The Orbax plugin: ``SafetensorsCheckpointHandler`` and its registered args.
+
+Thin glue over :mod:`orbax_safetensors._checkpoint`: ``async_save`` copies this process's
+owned shards to host (so the caller may donate its arrays as soon as ``save()`` returns) and
+returns a commit future that writes them once Orbax has created the step directory; Orbax's
+barrier then orders "every process wrote" before the primary's :meth:`finalize`, which merges
+checksums into the metadata file, before Orbax commits the step atomically.
+
+Example::
+
+    import orbax.checkpoint as ocp
+    import orbax_safetensors as osf
+
+    mngr = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(max_to_keep=2))
+    mngr.save(step, args=osf.SafetensorsSave(state))
+    mngr.wait_until_finished()
+    state = mngr.restore(mngr.latest_step(), args=osf.SafetensorsRestore(abstract_state))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+from orbax.checkpoint import future as ocp_future
+
+from orbax_safetensors import _checkpoint, _plan
+from orbax_safetensors._reader import ReadStats
+
+TYPESTR = "orbax_safetensors.SafetensorsCheckpointHandler"
+
+
+class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
+    """Stores a pytree as standard safetensors files plus ``orbax_safetensors.json``.
+
+    Args:
+      max_file_size: split the tensors into files of at most this many bytes of data (a tensor
+        never spans files; one file holds a tensor larger than this alone). ``None``: one file.
+        Default about 5 GB, as on the Hugging Face Hub.
+      checksums: compute a CRC32C of every tensor while saving (stored in the metadata file).
+      verify: on restore, check every tensor read whole against its CRC32C.
+      primary_host: the process that writes headers, index and metadata and finalizes
+        (Orbax's convention; default 0).
+
+    Example::
+
+        handler = osf.SafetensorsCheckpointHandler(max_file_size=2 << 30, checksums=True)
+        mngr = ocp.CheckpointManager(path, item_handlers=handler)
+    """
+
+    def __init__(
+        self,
+        *,
+        max_file_size: int | None = _plan.DEFAULT_MAX_FILE_SIZE,
+        checksums: bool = True,
+        verify: bool = True,
+        primary_host: int = 0,
+    ) -> None:
+        if max_file_size is not None and max_file_size <= 0:
+            raise ValueError(f"max_file_size must be positive or None, got {max_file_size}")
+        self._max_file_size = max_file_size
+        self._checksums = checksums
+        self._verify = verify
+        self._primary_host = primary_host
+        self.last_read_stats: ReadStats | None = None
+
+    def _is_primary(self) -> bool:
+        return jax.process_index() == self._primary_host
+
+    def _prepare(self, args: SafetensorsSave) -> _checkpoint.PreparedSave:
+        return _checkpoint.prepare_save(
+            args.item,
+            user_metadata=args.metadata,
+            max_file_size=self._max_file_size,
+            is_primary=self._is_primary(),
+            process_index=jax.process_index(),
+            copy=True,
+            checksums=self._checksums,
+        )
+
+    async def async_save(
+        self, directory: epath.Path, args: SafetensorsSave
+    ) -> list[ocp_future.Future] | None:
+        """Copies owned shards to host now; returns a future that writes them."""
+        prepared = self._prepare(args)
+
+        async def write() -> None:
+            # The step directory exists once the contracted signals arrive; the blocking
+            # file I/O runs on a worker thread so the event loop stays responsive.
+            await asyncio.to_thread(_checkpoint.write_process_part, prepared, directory)
+
+        return [ocp_future.CommitFutureAwaitingContractedSignals(write(), name="safetensors_save")]
+
+    def save(self, directory: epath.Path, args: SafetensorsSave) -> None:
+        """Synchronous save (used by ``ocp.Checkpointer``; CheckpointManager uses async_save)."""
+        prepared = self._prepare(args)
+        _checkpoint.write_process_part(prepared, directory)
+
+    def finalize(self, directory: epath.Path) -> None:
+        """Merges every process's checksums into the metadata file (primary, after all wrote)."""
+        _checkpoint.finalize(directory)
+
+    def restore(self, directory: epath.Path, args: SafetensorsRestore | None = None) -> Any:
+        """Restores the tree; see :class:`SafetensorsRestore` for the target forms."""
+        args = args or SafetensorsRestore()
+        target = args.restore_args if args.restore_args is not None else args.item
+        stats = ReadStats()
+        result = _checkpoint.restore_directory(
+            directory, target, strict=args.strict, verify=self._verify, stats=stats
+        )
+        self.last_read_stats = stats
+        return result
+
+    def metadata(self, directory: epath.Path) -> Any:
+        """The saved tree with ``jax.ShapeDtypeStruct`` leaves; reads no tensor bytes."""
+        return _checkpoint.abstract_tree(directory)
+
+    def close(self) -> None:
+        """Nothing to release: every file is closed when its write or read ends."""
+
+    @classmethod
+    def typestr(cls) -> str:
+        return TYPESTR
+
+
+@ocp.args.register_with_handler(SafetensorsCheckpointHandler, for_save=True)
+@dataclasses.dataclass
+class SafetensorsSave(ocp.args.CheckpointArgs):
+    """Save ``item`` (any pytree) as safetensors.
+
+    Attributes:
+      item: the pytree to save.
+      metadata: optional JSON-serialisable dict stored in ``orbax_safetensors.json``.
+    """
+
+    item: Any
+    metadata: Mapping[str, Any] | None = None
+
+
+@ocp.args.register_with_handler(SafetensorsCheckpointHandler, for_restore=True)
+@dataclasses.dataclass
+class SafetensorsRestore(ocp.args.CheckpointArgs):
+    """Restore a safetensors checkpoint.
+
+    Attributes:
+      item: None (the saved tree, rebuilt from its schema) or a target pytree whose leaves are
+        arrays, numpy arrays, ``jax.ShapeDtypeStruct`` (with an optional sharding), Python
+        scalars or ``ocp.ArrayRestoreArgs``; the result has the target's node types.
+      strict: missing or unexpected keys raise (False: skip unexpected, keep concrete target
+        values for missing ones).
+      restore_args: a pytree of ``ocp.ArrayRestoreArgs`` as ``PyTreeRestore`` takes (e.g. from
+        ``ocp.checkpoint_utils.construct_restore_args(target)``); used as the target when given.
+    """
+
+    item: Any = None
+    strict: bool = True
+    restore_args: Any = None
