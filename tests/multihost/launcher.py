@@ -1,0 +1,341 @@
+"""Run a worker script in N real OS processes joined by ``jax.distributed`` on 127.0.0.1.
+
+Example::
+
+    from multihost.launcher import run_workers
+
+    results = run_workers("smoke_worker.py", 2, args={"shape": [8, 4]})
+    assert [r.result["process_index"] for r in results] == [0, 1]
+
+See ``worker_lib`` for the worker side and /work/shared/MULTIHOST.md for the recipe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from . import worker_lib
+
+MULTIHOST_DIR = Path(__file__).resolve().parent
+WORKERS_DIR = MULTIHOST_DIR / "workers"
+REPO_ROOT = MULTIHOST_DIR.parent.parent
+
+# After the first worker fails, its peers get this long to exit on their own before SIGKILL.
+FAILURE_GRACE_S = 3.0
+# On timeout, hung workers get this long to dump their Python stacks (SIGUSR1) before SIGKILL.
+STACK_DUMP_GRACE_S = 1.0
+PORT_ATTEMPTS = 3
+_POLL_S = 0.05
+_MAX_REPORT_LINES = 150
+
+_PORT_CONFLICT = re.compile(r"(?s)Failed to add port to server|DEADLINE_EXCEEDED.*RegisterTask")
+# gloo chatter and native stack-trace lines that bury the Python traceback in failure reports.
+_NOISE = re.compile(
+    r"^\s*(\[Gloo\]|\*\*\* Check failure stack trace|@\s+0x[0-9a-f]+\s|#\d+\s+0x[0-9a-f]+)"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerResult:
+    """The outcome of one worker process.
+
+    Attributes:
+        process_id: The JAX process id the worker was given.
+        returncode: Exit status; negative for a signal (``-9`` when the launcher killed it).
+        stdout: Everything the worker printed on stdout.
+        stderr: Everything the worker printed on stderr (unfiltered).
+        result: The JSON value of the last ``worker_lib.emit_result`` line, or None.
+        killed_by_launcher: True when the launcher SIGKILLed it (after a peer failed or on
+            timeout) rather than it exiting on its own.
+    """
+
+    process_id: int
+    returncode: int
+    stdout: str
+    stderr: str
+    result: Any
+    killed_by_launcher: bool = False
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((worker_lib.LOOPBACK, 0))
+        return int(s.getsockname()[1])
+
+
+def filter_noise(text: str) -> str:
+    """Drop gloo chatter (``[Gloo] ...``) and native stack-trace lines from a worker's output."""
+    return "\n".join(line for line in text.splitlines() if not _NOISE.search(line))
+
+
+def resolve_worker(worker: str | os.PathLike[str]) -> Path:
+    """Find a worker script: the path as given, else a file of that name in ``workers/``."""
+    path = Path(worker)
+    for candidate in (path, WORKERS_DIR / path):
+        if candidate.is_file():
+            return candidate.resolve()
+    raise FileNotFoundError(f"worker script {worker!r} not found (also looked in {WORKERS_DIR})")
+
+
+def _parse_result(stdout: str) -> Any:
+    prefix = worker_lib.RESULT_MARKER + " "
+    for line in reversed(stdout.splitlines()):
+        if line.startswith(prefix):
+            return json.loads(line[len(prefix) :])
+    return None
+
+
+def _child_env(
+    process_id: int,
+    num_processes: int,
+    port: int,
+    devices_per_process: int,
+    args: Mapping[str, Any],
+    extra: Mapping[str, str] | None,
+) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if "_proxy" not in k.lower()}
+    # A device count forced through XLA_FLAGS (common in single-process test setups) would
+    # fight JAX_NUM_CPU_DEVICES.
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
+    env["XLA_FLAGS"] = flags.strip()
+    pythonpath = [str(MULTIHOST_DIR), str(REPO_ROOT)]
+    if env.get("PYTHONPATH"):
+        pythonpath.append(env["PYTHONPATH"])
+    env.update(
+        {
+            "PYTHONPATH": os.pathsep.join(pythonpath),
+            "PYTHONUNBUFFERED": "1",
+            "JAX_PLATFORMS": "cpu",
+            "JAX_NUM_CPU_DEVICES": str(devices_per_process),
+            worker_lib.ENV_COORDINATOR: f"{worker_lib.LOOPBACK}:{port}",
+            worker_lib.ENV_PROCESS_ID: str(process_id),
+            worker_lib.ENV_NUM_PROCESSES: str(num_processes),
+            worker_lib.ENV_DEVICES_PER_PROCESS: str(devices_per_process),
+            worker_lib.ENV_ARGS: json.dumps(dict(args)),
+        }
+    )
+    env.update(extra or {})
+    return env
+
+
+def _die_with_parent_preexec() -> Any:
+    """A ``preexec_fn`` giving the child PR_SET_PDEATHSIG=SIGKILL (no orphans if we die)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    parent = os.getpid()
+    pr_set_pdeathsig = 1
+
+    def preexec() -> None:
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+@dataclasses.dataclass
+class _Run:
+    results: list[WorkerResult]
+    port: int
+    elapsed: float
+    timed_out: bool
+
+
+def _launch_once(
+    script: Path,
+    num_processes: int,
+    port: int,
+    devices_per_process: int,
+    args: Mapping[str, Any],
+    timeout: float,
+    env: Mapping[str, str] | None,
+    log_dir: Path,
+) -> _Run:
+    """Start the N workers on ``port``, supervise them and collect their output."""
+    preexec = _die_with_parent_preexec()
+    procs: list[subprocess.Popen[bytes]] = []
+    logs: list[tuple[Path, Path]] = []
+    killed: set[int] = set()
+    start = time.monotonic()
+    try:
+        for i in range(num_processes):
+            out_path, err_path = log_dir / f"worker{i}.stdout", log_dir / f"worker{i}.stderr"
+            logs.append((out_path, err_path))
+            with out_path.open("wb") as out, err_path.open("wb") as err:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, str(script)],
+                        env=_child_env(i, num_processes, port, devices_per_process, args, env),
+                        stdin=subprocess.DEVNULL,
+                        stdout=out,
+                        stderr=err,
+                        preexec_fn=preexec,
+                    )
+                )
+        first_failure: float | None = None
+        grace = FAILURE_GRACE_S
+        timed_out = False
+        while [p.poll() for p in procs].count(None):  # poll every process each round
+            now = time.monotonic()
+            if first_failure is None and any(p.returncode not in (None, 0) for p in procs):
+                first_failure = now
+                # A port conflict dooms the peers too: no point waiting for them.
+                grace = 0.0 if _logs_show_port_conflict(logs) else FAILURE_GRACE_S
+            if first_failure is not None and now - first_failure > grace:
+                break
+            if now - start > timeout:
+                timed_out = True
+                for p in procs:
+                    if p.poll() is None:
+                        with contextlib.suppress(ProcessLookupError):
+                            p.send_signal(worker_lib.DUMP_STACKS_SIGNAL)
+                time.sleep(STACK_DUMP_GRACE_S)
+                break
+            time.sleep(_POLL_S)
+    finally:
+        for i, p in enumerate(procs):
+            if p.poll() is None:
+                p.kill()
+                killed.add(i)
+        for p in procs:
+            p.wait()
+    elapsed = time.monotonic() - start
+    results = []
+    for i, (p, (out_path, err_path)) in enumerate(zip(procs, logs)):
+        stdout = out_path.read_text(errors="replace")
+        results.append(
+            WorkerResult(
+                process_id=i,
+                returncode=p.returncode,
+                stdout=stdout,
+                stderr=err_path.read_text(errors="replace"),
+                result=_parse_result(stdout),
+                killed_by_launcher=i in killed,
+            )
+        )
+    return _Run(results=results, port=port, elapsed=elapsed, timed_out=timed_out)
+
+
+def _is_port_conflict(run: _Run) -> bool:
+    return any(_PORT_CONFLICT.search(r.stderr + r.stdout) for r in run.results)
+
+
+def _logs_show_port_conflict(logs: list[tuple[Path, Path]]) -> bool:
+    return any(
+        _PORT_CONFLICT.search(path.read_text(errors="replace")) for pair in logs for path in pair
+    )
+
+
+def _tail(text: str, n: int = _MAX_REPORT_LINES) -> str:
+    lines = filter_noise(text).splitlines()
+    if len(lines) > n:
+        lines = [f"... ({len(lines) - n} earlier lines omitted)", *lines[-n:]]
+    return "\n".join(lines)
+
+
+def _failure_report(script: Path, num_processes: int, run: _Run, log_dir: Path) -> str:
+    """Describe a failed run: each failing worker's filtered stderr, brief notes on the rest."""
+    head = f"{script.name} with {num_processes} processes (port {run.port})"
+    if run.timed_out:
+        head += f" timed out after {run.elapsed:.1f} s"
+    else:
+        head += f" failed after {run.elapsed:.1f} s"
+    parts = [f"{head}; logs in {log_dir}"]
+    for r in run.results:
+        if r.killed_by_launcher and not run.timed_out:
+            status = "killed by the launcher after a peer failed"
+        elif r.killed_by_launcher:
+            status = "killed by the launcher on timeout (Python stacks dumped below)"
+        else:
+            status = f"exit code {r.returncode}"
+        parts.append(f"--- worker {r.process_id}: {status}")
+        own_failure = r.returncode != 0 and not r.killed_by_launcher
+        if own_failure or run.timed_out:
+            parts.append(f"[stderr]\n{_tail(r.stderr)}")
+            if r.stdout.strip():
+                parts.append(f"[stdout]\n{_tail(r.stdout, 30)}")
+        elif r.returncode != 0 and r.stderr.strip():
+            parts.append(f"[stderr, last lines]\n{_tail(r.stderr, 10)}")
+    return "\n".join(parts)
+
+
+def run_workers(
+    worker: str | os.PathLike[str],
+    num_processes: int,
+    *,
+    devices_per_process: int = 2,
+    args: Mapping[str, Any] | None = None,
+    timeout: float = 120.0,
+    env: Mapping[str, str] | None = None,
+    check: bool = True,
+    log_dir: str | os.PathLike[str] | None = None,
+    port: int | None = None,
+) -> list[WorkerResult]:
+    """Run ``python <worker>`` in ``num_processes`` processes forming one JAX job on 127.0.0.1.
+
+    Each worker calls ``worker_lib.init()``, which reads the coordinator address, its process id,
+    the process count, ``devices_per_process`` CPU devices and ``args`` (as JSON) from the
+    environment. When a worker fails, its peers are SIGKILLed ``FAILURE_GRACE_S`` later; after
+    ``timeout`` seconds all are dumped (SIGUSR1) and SIGKILLed. A run whose coordinator port was
+    taken by another program is retried on a new port, up to ``PORT_ATTEMPTS`` times.
+
+    Args:
+        worker: Path of the worker script, or the name of a file in ``tests/multihost/workers/``.
+        num_processes: Number of OS processes (JAX processes).
+        devices_per_process: CPU devices per process (``JAX_NUM_CPU_DEVICES``).
+        args: JSON-serialisable values handed to every worker as ``ctx.args``.
+        timeout: Seconds for the whole run (per port attempt) before every worker is killed.
+        env: Extra environment variables for the workers (applied last).
+        check: Raise AssertionError unless every worker exits with 0.
+        log_dir: Where the workers' stdout/stderr files go; default a temporary directory that is
+            deleted after a successful run.
+        port: Coordinator port for the first attempt (default: a free one); retries after a port
+            conflict always pick a fresh port.
+
+    Returns:
+        One WorkerResult per process, in process-id order.
+
+    Raises:
+        AssertionError: ``check`` is set and a worker failed or the run timed out; the message
+            holds each failing worker's traceback with gloo noise removed.
+    """
+    script = resolve_worker(worker)
+    json.dumps(dict(args or {}))  # fail here, not in the children, on non-JSON args
+    own_dir = log_dir is None
+    base_dir = Path(tempfile.mkdtemp(prefix="multihost-")) if own_dir else Path(log_dir)
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        run_dir = base_dir / f"attempt{attempt}"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        run = _launch_once(
+            script,
+            num_processes,
+            port if port is not None and attempt == 1 else free_port(),
+            devices_per_process,
+            args or {},
+            timeout,
+            env,
+            run_dir,
+        )
+        ok = not run.timed_out and all(r.returncode == 0 for r in run.results)
+        if ok or attempt == PORT_ATTEMPTS or not _is_port_conflict(run):
+            break
+    if ok and own_dir:
+        shutil.rmtree(base_dir, ignore_errors=True)
+    if check and not ok:
+        raise AssertionError(_failure_report(script, num_processes, run, run_dir))
+    return run.results
