@@ -9,6 +9,7 @@ Example::
 
 from orbax_safetensors._api import load_file, load_metadata, read_header, save_file
 from orbax_safetensors._checkpoint import restore_directory, save_directory
+from orbax_safetensors._nnx import load_model, save_model
 from orbax_safetensors._handler import (
     SafetensorsCheckpointHandler,
     SafetensorsRestore,
@@ -38,8 +39,10 @@ __all__ = [
     "__version__",
     "load_file",
     "load_metadata",
+    "load_model",
     "read_header",
     "restore_directory",
     "save_directory",
     "save_file",
+    "save_model",
 ]
