@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
+from typing import Any
 
 import crc32c as _crc32c
 
 _POLY = 0x82F63B78  # CRC-32C (Castagnoli), bit-reflected
 
 
-def crc32c(data: object, value: int = 0) -> int:
+def crc32c(data: Any, value: int = 0) -> int:
     """CRC32C of a C-contiguous bytes-like object, continuing from ``value``."""
     return int(_crc32c.crc32c(data, value))
 

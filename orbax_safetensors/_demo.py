@@ -27,7 +27,11 @@ def _model_and_optimizer(seed: int) -> tuple[Any, Any]:
     class MLP(nnx.Module):
         def __init__(self, rngs: nnx.Rngs) -> None:
             self.layers = nnx.List(
-                [nnx.Linear(8, 64, rngs=rngs), nnx.Linear(64, 64, rngs=rngs), nnx.Linear(64, 1, rngs=rngs)]
+                [
+                    nnx.Linear(8, 64, rngs=rngs),
+                    nnx.Linear(64, 64, rngs=rngs),
+                    nnx.Linear(64, 1, rngs=rngs),
+                ]
             )
 
         def __call__(self, x: Any) -> Any:
@@ -88,7 +92,9 @@ def run_training(directory: str, start_fresh: bool, total_steps: int, crash_at: 
         abstract = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
         restored = mngr.restore(
             latest,
-            args=ocp.args.Composite(state=osf.SafetensorsRestore(abstract), meta=ocp.args.JsonRestore()),
+            args=ocp.args.Composite(
+                state=osf.SafetensorsRestore(abstract), meta=ocp.args.JsonRestore()
+            ),
         )
         nnx.update(model, restored["state"]["model"])
         nnx.update(optimizer, restored["state"]["optimizer"])
@@ -133,7 +139,8 @@ def run_training(directory: str, start_fresh: bool, total_steps: int, crash_at: 
             mngr.save(
                 done,
                 args=ocp.args.Composite(
-                    state=osf.SafetensorsSave(state), meta=ocp.args.JsonSave({"loss": loss, "step": done})
+                    state=osf.SafetensorsSave(state),
+                    meta=ocp.args.JsonSave({"loss": loss, "step": done}),
                 ),
             )
             tqdm.write(f"  step {done}: loss {loss:.4f}, async checkpoint started")
@@ -157,11 +164,21 @@ def main(directory: str | None = None, steps: int = DEFAULT_STEPS) -> int:
     print(f"orbax-safetensors demo: checkpoints go to {directory}", flush=True)
     print(f"1/2  training run that will crash at step {crash_at}", flush=True)
     child = subprocess.run(
-        [sys.executable, "-m", "orbax_safetensors._demo", "train", directory, str(steps), str(crash_at)],
+        [
+            sys.executable,
+            "-m",
+            "orbax_safetensors._demo",
+            "train",
+            directory,
+            str(steps),
+            str(crash_at),
+        ],
         check=False,
     )
     if child.returncode != -signal.SIGKILL:
-        print(f"the training run exited with {child.returncode}, not the simulated crash", flush=True)
+        print(
+            f"the training run exited with {child.returncode}, not the simulated crash", flush=True
+        )
         return 1
     print("2/2  a fresh process resumes from the latest committed checkpoint", flush=True)
     run_training(directory, start_fresh=False, total_steps=steps, crash_at=None)
@@ -178,13 +195,19 @@ def _report(directory: str) -> None:
     item = os.path.join(directory, str(steps[-1]), "state")
     meta = _checkpoint.read_metadata(item)
     total = sum(os.path.getsize(os.path.join(item, f)) for f in meta["files"])
-    print(f"latest step's arrays: {item}/{meta['files'][0]} ({len(meta['tensors'])} tensors, {total} bytes)")
+    print(
+        f"latest step's arrays: {item}/{meta['files'][0]} ({len(meta['tensors'])} tensors, {total} bytes)"
+    )
     print("open it with any safetensors reader, e.g.:")
-    print(f"  python -c \"from safetensors.numpy import load_file; print(list(load_file('{item}/{meta['files'][0]}')))\"")
+    print(
+        f"  python -c \"from safetensors.numpy import load_file; print(list(load_file('{item}/{meta['files'][0]}')))\""
+    )
 
 
 if __name__ == "__main__":
     if len(sys.argv) >= 2 and sys.argv[1] == "train":
-        run_training(sys.argv[2], start_fresh=True, total_steps=int(sys.argv[3]), crash_at=int(sys.argv[4]))
+        run_training(
+            sys.argv[2], start_fresh=True, total_steps=int(sys.argv[3]), crash_at=int(sys.argv[4])
+        )
     else:
-        sys.exit(main(*sys.argv[1:2]))
+        sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else None))

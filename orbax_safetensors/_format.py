@@ -163,21 +163,24 @@ def parse_header(
     entries = [_parse_entry(name, info, data_size, where) for name, info in doc.items()]
     entries.sort(key=lambda e: (e.begin, e.end))
     expected = 0
-    for e in entries:
-        if e.begin != expected:
+    for entry in entries:
+        if entry.begin != expected:
             kind = (
-                "overlaps the previous tensor" if e.begin < expected else "leaves a hole before it"
+                "overlaps the previous tensor"
+                if entry.begin < expected
+                else "leaves a hole before it"
             )
             raise HeaderError(
-                f"{where}: tensor {e.name!r} at offset {e.begin} {kind} (expected {expected})"
+                f"{where}: tensor {entry.name!r} at offset {entry.begin} {kind} "
+                f"(expected {expected})"
             )
-        expected = e.end
+        expected = entry.end
     if expected != data_size:
         raise HeaderError(
             f"{where}: tensors cover {expected} bytes but the data section holds {data_size} "
             "(truncated file or trailing bytes)"
         )
-    return Header({e.name: e for e in entries}, metadata, 8 + n)
+    return Header({t.name: t for t in entries}, metadata, 8 + n)
 
 
 def _parse_metadata(meta: object, where: str) -> dict[str, str]:

@@ -127,7 +127,7 @@ def write_file(
     try:
         os.ftruncate(fd, size)
         for batch in _batches(_split_large(ordered)):
-            _pwritev_all(fd, [memoryview(p.data) for p in batch], batch[0].offset)
+            _pwritev_all(fd, [p.data.data for p in batch], batch[0].offset)
         if sync:
             os.fsync(fd)
     finally:
@@ -143,7 +143,7 @@ def _write_stream(path: epath.Path, ordered: Sequence[Piece], size: int) -> None
                 raise ValueError(
                     f"{path}: a streamed write needs every byte (gap at offset {expected})"
                 )
-            f.write(memoryview(p.data))
+            f.write(p.data.data)
             expected += p.data.nbytes
     if expected != size:
         raise ValueError(f"{path}: streamed {expected} bytes, expected {size}")
@@ -228,16 +228,13 @@ def _read_batches(
     # Sort by offset, then merge runs whose gaps are <= max_gap into one vectored read; gaps
     # land in a shared scratch buffer (their contents are never used).
     ordered = sorted(((o, d) for o, d in runs if d.nbytes), key=lambda r: r[0])
-    scratch = memoryview(np.empty(max(max_gap, 1), dtype=np.uint8))
+    scratch = np.empty(max(max_gap, 1), dtype=np.uint8).data
     batches: list[tuple[int, list[memoryview]]] = []
     start = end = 0
     bufs: list[memoryview] = []
     size = 0
     for offset, dest in ordered:
-        views = [
-            memoryview(dest)[i : i + _MAX_CALL_BYTES]
-            for i in range(0, dest.nbytes, _MAX_CALL_BYTES)
-        ]
+        views = [dest.data[i : i + _MAX_CALL_BYTES] for i in range(0, dest.nbytes, _MAX_CALL_BYTES)]
         gap = offset - end
         if (
             bufs
@@ -284,7 +281,7 @@ class _StreamReader:
                     f"{self.path}: needs bytes up to {offset + dest.nbytes}, file has {self.size}"
                 )
             self._f.seek(offset)
-            view = memoryview(dest)
+            view = dest.data
             got = 0
             while got < dest.nbytes:
                 n = self._f.readinto(view[got:])

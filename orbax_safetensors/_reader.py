@@ -94,7 +94,7 @@ def _plan_read(req: ReadRequest) -> _ReadPlan:
     device_keys: dict[Any, tuple] = {}
     boxes: dict[tuple, _Box] = {}
     for device, index in req.sharding.addressable_devices_indices_map(shape).items():
-        norm = _plan.normalize_index(index, shape)
+        norm = _plan.normalize_index(index or (), shape)
         device_keys[device] = _plan.index_key(norm)
         boxes.setdefault(device_keys[device], _Box(norm, np.empty(0, np.uint8)))
     if req.sharding.is_fully_addressable or whole[0].key in boxes:
@@ -158,21 +158,21 @@ def _place_all(requests: Sequence[ReadRequest], plans: list[_ReadPlan]) -> list[
             elif rplan.device_keys is None:
                 puts.append((i, [full], None))
             else:
-                devices = list(rplan.device_keys)
+                targets = list(rplan.device_keys)
                 boxes = {
                     k: full[tuple(slice(a, b) for a, b in k)]
                     for k in set(rplan.device_keys.values())
                 }
-                puts.append((i, [boxes[rplan.device_keys[d]] for d in devices], devices))
+                puts.append((i, [boxes[rplan.device_keys[d]] for d in targets], targets))
         else:
             assert rplan.device_keys is not None
             host = {
                 b.key: _host_value(req, b.buffer, _plan.box_shape(b.index)) for b in rplan.boxes
             }
-            devices = list(rplan.device_keys)
-            puts.append((i, [host[rplan.device_keys[d]] for d in devices], devices))
+            targets = list(rplan.device_keys)
+            puts.append((i, [host[rplan.device_keys[d]] for d in targets], targets))
     # One device_put call for every placement: far cheaper than a call per (small) array.
-    default = jax.devices()[0]
+    default = jax.local_devices()[0]  # jax.devices()[0] may belong to another process
     flat_values = [v for _, vs, _ in puts for v in vs]
     flat_devices = [
         d for _, vs, ds in puts for d in (ds if ds is not None else [default] * len(vs))
@@ -186,6 +186,7 @@ def _place_all(requests: Sequence[ReadRequest], plans: list[_ReadPlan]) -> list[
             results[i] = arrays[0]
         else:
             req = requests[i]
+            assert req.sharding is not None
             results[i] = jax.make_array_from_single_device_arrays(
                 req.stored.shape, req.sharding, arrays
             )

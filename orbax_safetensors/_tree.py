@@ -203,13 +203,17 @@ def flatten(tree: Any) -> FlatTree:
         if x is None or _is_array(x) or isinstance(x, (bool, int, float, str)):
             return leaf(x, path)
         if _is_nnx_variable(x):
-            children, _ = jax.tree_util.flatten_one_level_with_keys(x)
+            children = list(jax.tree_util.flatten_one_level_with_keys(x)[0])
             if len(children) == 1:  # transparent: the Variable's value takes its place
                 return {"t": "var", "v": walk(children[0][1], path, depth + 1)}
         try:
-            children, _ = jax.tree_util.flatten_one_level_with_keys(x)
+            children = list(jax.tree_util.flatten_one_level_with_keys(x)[0])
         except ValueError:  # a leaf jax does not know how to flatten
             return leaf(x, path)
+        fields = getattr(type(x), "_fields", None)
+        if isinstance(x, tuple) and fields is not None and len(fields) == len(children):
+            # jaxlib 0.10 names every namedtuple child after the first field; use the fields.
+            children = [(GetAttrKey(f), c) for f, (_, c) in zip(fields, children)]
         if len(children) == 1 and children[0][1] is x:
             return leaf(x, path)
         return {
@@ -454,7 +458,9 @@ def flatten_target(target: Any, *, is_leaf: Callable[[Any], bool] | None = None)
             paths.append(tuple(path))
             leaves.append(x)
     treedef = jax.tree_util.tree_structure(target, is_leaf=is_leaf)
-    if treedef.num_leaves != len(leaves):  # pragma: no cover - guards a jax behaviour change
+    if getattr(treedef, "num_leaves", len(leaves)) != len(
+        leaves
+    ):  # pragma: no cover - guards a jax behaviour change
         raise SchemaError("internal: target leaf count differs between flattening passes")
     return TargetLeaves(
         assign_names(paths), leaves, lambda values: jax.tree_util.tree_unflatten(treedef, values)

@@ -120,5 +120,5 @@ def tensor_checksums(
     by_tensor: dict[str, list[tuple[int, int, int]]] = {name: [] for name in sizes}
     for tag, nbytes, crc in records:
         name, offset = tag  # type: ignore[misc]
-        by_tensor[name].append((offset, nbytes, crc))
+        by_tensor[str(name)].append((int(offset), nbytes, crc))  # type: ignore[has-type]
     return {name: _checksum.combine_runs(runs, sizes[name]) for name, runs in by_tensor.items()}
