@@ -84,7 +84,7 @@ def combine_runs(runs: Iterable[tuple[int, int, int]], total: int) -> int:
             raise ValueError(
                 f"checksum pieces do not tile the tensor: gap or overlap at {expected}"
             )
-        crc = combine(crc, piece, length)
+        crc = piece if expected == 0 else combine(crc, piece, length)
         expected += length
     if expected != total:
         raise ValueError(f"checksum pieces cover {expected} of {total} bytes")

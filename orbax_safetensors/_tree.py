@@ -167,7 +167,7 @@ def flatten(tree: Any) -> FlatTree:
             if id(x) in first_by_id and not isinstance(x, np.generic):
                 node = {"t": "ref", "of": first_by_id[id(x)]}
             else:
-                node = _array_node(x, join_path(path))
+                node = _array_node(x, path)
                 first_by_id[id(x)] = len(pending)
         else:
             raise UnsupportedLeafError(
@@ -240,10 +240,13 @@ def flatten(tree: Any) -> FlatTree:
     return FlatTree(schema, arrays)
 
 
-def _array_node(x: Any, where: str) -> dict[str, Any]:
+def _array_node(x: Any, path: tuple[KeyEntry, ...]) -> dict[str, Any]:
     if is_prng_key(x):
         return {"t": "key", "impl": str(jax.random.key_impl(x))}
-    _dtypes.from_numpy(x.dtype, key=where)  # raises early for unsupported dtypes
+    try:
+        _dtypes.from_numpy(x.dtype)  # raises early for unsupported dtypes
+    except UnsupportedLeafError:
+        _dtypes.from_numpy(x.dtype, key=join_path(path))  # the same error, naming the leaf
     kind = (
         "jax" if isinstance(x, jax.Array) else ("scalar" if isinstance(x, np.generic) else "numpy")
     )

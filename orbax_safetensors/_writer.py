@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +22,36 @@ import jax
 import numpy as np
 
 from orbax_safetensors import _checksum, _dtypes, _io, _plan
+
+
+@dataclasses.dataclass
+class WriteStats:
+    """What this process wrote into a checkpoint's safetensors files.
+
+    Attributes:
+      bytes_written: tensor data bytes written by this process.
+      header_bytes: header bytes written (the primary only).
+      ranges: ``(file name, offset, nbytes)`` of the tensor data written, adjacent runs merged;
+        across all processes of a save they tile every file's data section exactly once.
+    """
+
+    bytes_written: int = 0
+    header_bytes: int = 0
+    ranges: list[tuple[str, int, int]] = dataclasses.field(default_factory=list)
+
+    def add(self, filename: str, pieces: list[_io.Piece]) -> None:
+        """Records the data pieces written into ``filename`` (pieces without a tag are headers)."""
+        for p in sorted(pieces, key=lambda p: p.offset):
+            n = int(p.data.nbytes)
+            if p.tag is None:
+                self.header_bytes += n
+                continue
+            self.bytes_written += n
+            last = self.ranges[-1] if self.ranges else None
+            if last is not None and last[0] == filename and last[1] + last[2] == p.offset:
+                self.ranges[-1] = (filename, last[1], last[2] + n)
+            else:
+                self.ranges.append((filename, int(p.offset), n))
 
 
 def _host_array(x: Any) -> np.ndarray:
@@ -39,6 +70,8 @@ def tensor_specs(arrays: Mapping[str, Any]) -> list[_plan.TensorSpec]:
 
 def owned_shards(x: jax.Array) -> list[tuple[_plan.Index, jax.Array]]:
     """The shards of ``x`` this process writes: the addressable ones with ``replica_id == 0``."""
+    if len(x.sharding.device_set) == 1 and x.is_fully_addressable:
+        return [(_plan.normalize_index((), x.shape), x)]  # fast path: one local device owns all
     return [
         (_plan.normalize_index(s.index, x.shape), s.data)
         for s in x.addressable_shards
