@@ -50,6 +50,7 @@ _TABLE: dict[str, tuple[np.dtype, int]] = {
 _BY_NUMPY: dict[np.dtype, str] = {dt: name for name, (dt, _) in _TABLE.items()}
 
 SAFETENSORS_DTYPES: tuple[str, ...] = tuple(_TABLE)
+_CHUNK = 1 << 16  # elements per sub-byte packing step; a multiple of 8, so steps end on bytes
 
 
 def is_known(name: object) -> bool:
@@ -123,8 +124,14 @@ def pack(values: np.ndarray, name: str) -> np.ndarray:
     if width % 8 == 0:
         return flat.view(np.uint8)
     codes = flat.view(np.uint8)
-    bit_matrix = np.unpackbits(codes[:, None], axis=1, bitorder="little")[:, :width]
-    return np.packbits(bit_matrix.reshape(-1), bitorder="little")
+    out = np.empty(-(-codes.size * width // 8), dtype=np.uint8)
+    for start in range(0, codes.size, _CHUNK):  # in steps, so temporaries stay small
+        bit_matrix = np.unpackbits(codes[start : start + _CHUNK, None], axis=1, bitorder="little")[
+            :, :width
+        ]
+        packed = np.packbits(bit_matrix.reshape(-1), bitorder="little")
+        out[start * width // 8 : start * width // 8 + packed.size] = packed
+    return out
 
 
 def unpack(raw: np.ndarray, name: str, shape: Sequence[int]) -> np.ndarray:
@@ -133,7 +140,13 @@ def unpack(raw: np.ndarray, name: str, shape: Sequence[int]) -> np.ndarray:
     if width % 8 == 0:
         return raw.view(dtype).reshape(tuple(shape))
     count = num_elements(shape)
-    stream = np.unpackbits(raw, bitorder="little")[: count * width].reshape(count, width)
-    padded = np.zeros((count, 8), dtype=np.uint8)
-    padded[:, :width] = stream
-    return np.packbits(padded, axis=1, bitorder="little").reshape(-1).view(dtype).reshape(shape)
+    out = np.empty(count, dtype=np.uint8)
+    for start in range(0, count, _CHUNK):  # in steps, so temporaries stay small
+        n = min(_CHUNK, count - start)
+        first = start * width // 8
+        chunk = raw[first : first + -(-n * width // 8)]
+        stream = np.unpackbits(chunk, bitorder="little")[: n * width].reshape(n, width)
+        padded = np.zeros((n, 8), dtype=np.uint8)
+        padded[:, :width] = stream
+        out[start : start + n] = np.packbits(padded, axis=1, bitorder="little").reshape(-1)
+    return out.view(dtype).reshape(tuple(shape))
