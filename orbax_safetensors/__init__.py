@@ -9,12 +9,6 @@ Example::
 
 from orbax_safetensors._api import load_file, load_metadata, read_header, save_file
 from orbax_safetensors._checkpoint import restore_directory, save_directory
-from orbax_safetensors._nnx import load_model, save_model
-from orbax_safetensors._handler import (
-    SafetensorsCheckpointHandler,
-    SafetensorsRestore,
-    SafetensorsSave,
-)
 from orbax_safetensors._errors import (
     HeaderError,
     IntegrityError,
@@ -23,23 +17,49 @@ from orbax_safetensors._errors import (
     TargetMismatchError,
     UnsupportedLeafError,
 )
+from orbax_safetensors._handler import (
+    SafetensorsCheckpointHandler,
+    SafetensorsRestore,
+    SafetensorsSave,
+)
+from orbax_safetensors._hf import (
+    Chain,
+    KeyMapping,
+    MappingReport,
+    Reshape,
+    Rule,
+    SplitHeads,
+    Transpose,
+    export_pytorch,
+    load_pytorch,
+)
+from orbax_safetensors._nnx import load_model, save_model
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Chain",
     "HeaderError",
     "IntegrityError",
+    "KeyMapping",
+    "MappingReport",
+    "Reshape",
+    "Rule",
+    "SafetensorsCheckpointError",
     "SafetensorsCheckpointHandler",
     "SafetensorsRestore",
     "SafetensorsSave",
-    "SafetensorsCheckpointError",
     "SchemaError",
+    "SplitHeads",
     "TargetMismatchError",
+    "Transpose",
     "UnsupportedLeafError",
     "__version__",
+    "export_pytorch",
     "load_file",
     "load_metadata",
     "load_model",
+    "load_pytorch",
     "read_header",
     "restore_directory",
     "save_directory",
