@@ -1,0 +1,359 @@
+"""The methods under test, each a small class with ``save(state, dir)`` / ``restore(dir, abstract)``.
+
+A method's timed work is ``save`` (+ ``wait`` for async completion) and ``restore``;
+``prepare`` (imports), ``open`` (e.g. creating a CheckpointManager) and ``close`` are untimed
+setup and teardown. The harness adds durability (fsync of every file written) to every save.
+
+Methods 4-6 use ``orbax_safetensors``, which is written concurrently with this harness: they
+report themselves unavailable (``unavailable()`` returns the reason) while the package cannot be
+imported or lacks the names they need.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from benchmarks.state import flatten, np_dtype, unflatten
+
+ALIGN = 64
+
+
+def aligned_empty(nbytes: int, align: int = ALIGN) -> np.ndarray:
+    """A uint8 buffer of ``nbytes`` whose address is a multiple of ``align``.
+
+    ``np.empty`` returns memory 16 bytes past a 64-byte boundary; XLA's CPU client only aliases
+    (zero-copy ``device_put``) 64-byte aligned buffers, and ``read`` into them is ~3x faster.
+    """
+    raw = np.empty(nbytes + align, dtype=np.uint8)
+    offset = (-raw.ctypes.data) % align
+    return raw[offset : offset + nbytes]
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        n = os.write(fd, data)
+        data = data[n:]
+
+
+def _read_into(f: Any, buf: np.ndarray, offset: int) -> None:
+    view = memoryview(buf.reshape(-1).view(np.uint8))
+    f.seek(offset)
+    while view:
+        n = f.readinto(view)
+        if not n:
+            raise EOFError(f"short read at offset {offset}")
+        view = view[n:]
+
+
+class Method:
+    """Base class: one way to save and restore a pytree of ``jax.Array``."""
+
+    #: stable identifier used on the command line and in results
+    name: ClassVar[str] = ""
+    #: one-line description for the report
+    description: ClassVar[str] = ""
+    #: whether ``save`` returns before the bytes are written (then ``wait`` finishes the job)
+    is_async: ClassVar[bool] = False
+
+    def unavailable(self) -> str | None:
+        """None if the method can run here, else why not."""
+        return None
+
+    def prepare(self) -> None:
+        """Imports what the method needs (untimed)."""
+
+    def open(self, directory: Path) -> None:
+        """Untimed per-process setup against the checkpoint directory."""
+
+    def save(self, state: Any, directory: Path) -> None:
+        """Saves ``state`` (nested dict of ``jax.Array``) under ``directory``."""
+        raise NotImplementedError
+
+    def wait(self) -> None:
+        """Blocks until an async save has finished writing."""
+
+    def restore(self, directory: Path, abstract: Any) -> Any:
+        """Restores the whole state; ``abstract`` is a tree of ``jax.ShapeDtypeStruct``."""
+        raise NotImplementedError
+
+    def restore_partial(self, directory: Path, abstract: Any) -> Any:
+        """Restores only the leaves in ``abstract`` (a sub-tree of the saved tree)."""
+        raise NotImplementedError(f"{self.name} has no partial restore")
+
+    def notes(self) -> dict[str, Any]:
+        """Method-specific observations about the last operation (e.g. zero-copy rate)."""
+        return {}
+
+    def close(self) -> None:
+        """Untimed teardown."""
+
+
+class Floor(Method):
+    """Raw bytes in one file at 64-byte aligned offsets plus a JSON index.
+
+    Restore reads each tensor with ``readinto`` into a 64-byte aligned buffer and wraps it with
+    ``jax.device_put(buf, may_alias=True)``, which on CPU shares the buffer (no copy).
+    """
+
+    name = "floor"
+    description = "raw write + fsync; aligned readinto + zero-copy device_put"
+
+    def __init__(self) -> None:
+        self._aliased: tuple[int, int] = (0, 0)
+
+    def prepare(self) -> None:
+        import jax
+
+        self._device = jax.devices()[0]
+
+    def save(self, state: Any, directory: Path) -> None:
+        flat = flatten(state)
+        index: dict[str, Any] = {}
+        offset = 0
+        data_path = directory / "data.bin"
+        fd = os.open(data_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for name, leaf in flat.items():
+                host = np.asarray(leaf)
+                pad = (-offset) % ALIGN
+                if pad:
+                    _write_all(fd, memoryview(bytes(pad)))
+                    offset += pad
+                index[name] = {
+                    "offset": offset,
+                    "nbytes": host.nbytes,
+                    "shape": list(host.shape),
+                    "dtype": str(host.dtype),
+                }
+                _write_all(fd, memoryview(np.ascontiguousarray(host).reshape(-1).view(np.uint8)))
+                offset += host.nbytes
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        index_path = directory / "index.json"
+        with open(index_path, "w") as f:
+            json.dump(index, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _read(self, directory: Path, names: list[str] | None) -> dict[str, Any]:
+        import jax
+
+        with open(directory / "index.json") as f:
+            index = json.load(f)
+        flat: dict[str, Any] = {}
+        aliased = 0
+        with open(directory / "data.bin", "rb", buffering=0) as f:
+            for name in names if names is not None else list(index):
+                entry = index[name]
+                buf = aligned_empty(entry["nbytes"])
+                _read_into(f, buf, entry["offset"])
+                host = buf.view(np_dtype(entry["dtype"])).reshape(entry["shape"])
+                leaf = jax.device_put(host, self._device, may_alias=True)
+                aliased += leaf.unsafe_buffer_pointer() == host.ctypes.data
+                flat[name] = leaf
+        self._aliased = (aliased, len(flat))
+        return unflatten(flat)
+
+    def restore(self, directory: Path, abstract: Any) -> Any:
+        return self._read(directory, None)
+
+    def restore_partial(self, directory: Path, abstract: Any) -> Any:
+        return self._read(directory, list(flatten(abstract)))
+
+    def notes(self) -> dict[str, Any]:
+        aliased, total = self._aliased
+        return {"zero_copy_leaves": f"{aliased}/{total}"} if total else {}
+
+
+class SafetensorsFlax(Method):
+    """``safetensors.flax.save_file`` / ``load_file`` on a flat dict with dotted names."""
+
+    name = "safetensors.flax"
+    description = "safetensors.flax save_file / load_file (flat dict, dotted names)"
+
+    def prepare(self) -> None:
+        import safetensors.flax  # noqa: F401
+
+    def save(self, state: Any, directory: Path) -> None:
+        from safetensors.flax import save_file
+
+        save_file(flatten(state), directory / "model.safetensors")
+
+    def restore(self, directory: Path, abstract: Any) -> Any:
+        from safetensors.flax import load_file
+
+        return load_file(directory / "model.safetensors")
+
+    def restore_partial(self, directory: Path, abstract: Any) -> Any:
+        from safetensors import safe_open
+
+        with safe_open(directory / "model.safetensors", framework="flax") as f:
+            return {name: f.get_tensor(name) for name in flatten(abstract)}
+
+
+class OrbaxStandard(Method):
+    """``ocp.StandardCheckpointer`` (async, OCDBT + zstd by default), restored with the abstract tree.
+
+    Partial restore uses ``PyTreeCheckpointer`` with ``PyTreeRestore(partial_restore=True)``
+    (``StandardRestore`` requires the full tree structure).
+    """
+
+    name = "orbax.standard"
+    description = "Orbax StandardCheckpointer (OCDBT + zstd), abstract-tree restore"
+    is_async = True
+
+    def prepare(self) -> None:
+        import orbax.checkpoint as ocp
+
+        self._ocp = ocp
+        self._ckptr = ocp.StandardCheckpointer()
+
+    def save(self, state: Any, directory: Path) -> None:
+        self._ckptr.save(directory / "state", state)
+
+    def wait(self) -> None:
+        self._ckptr.wait_until_finished()
+
+    def restore(self, directory: Path, abstract: Any) -> Any:
+        return self._ckptr.restore(directory / "state", abstract)
+
+    def restore_partial(self, directory: Path, abstract: Any) -> Any:
+        ocp = self._ocp
+        with ocp.PyTreeCheckpointer() as ckptr:
+            return ckptr.restore(
+                directory / "state",
+                args=ocp.args.PyTreeRestore(
+                    item=abstract,
+                    restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+                    partial_restore=True,
+                ),
+            )
+
+    def close(self) -> None:
+        self._ckptr.close()
+
+
+def _accepts(fn: Any, param: str) -> bool:
+    """Whether callable ``fn`` takes a parameter named ``param``."""
+    try:
+        return param in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _import_osf(names: tuple[str, ...]) -> tuple[Any, str | None]:
+    """(module, None) or (None, reason) for ``orbax_safetensors`` having ``names``."""
+    try:
+        import orbax_safetensors as osf
+    except Exception as e:
+        return None, f"orbax_safetensors not importable ({type(e).__name__}: {e})"
+    missing = [n for n in names if not hasattr(osf, n)]
+    if missing:
+        return None, f"orbax_safetensors lacks {', '.join(missing)}"
+    return osf, None
+
+
+class OursFile(Method):
+    """``osf.save_file(tree, path)`` / ``osf.load_file(path, target=None)``.
+
+    Partial restore passes a sub-tree of ``jax.ShapeDtypeStruct`` as ``target`` (with
+    ``strict=False`` when ``load_file`` takes it).
+    """
+
+    name = "ours.file"
+    description = "orbax_safetensors save_file / load_file(target=None)"
+    _needs: ClassVar[tuple[str, ...]] = ("save_file", "load_file")
+
+    def unavailable(self) -> str | None:
+        return _import_osf(self._needs)[1]
+
+    def prepare(self) -> None:
+        osf, reason = _import_osf(self._needs)
+        if osf is None:
+            raise RuntimeError(reason)
+        self._osf = osf
+
+    def save(self, state: Any, directory: Path) -> None:
+        self._osf.save_file(state, directory / "model.safetensors")
+
+    def restore(self, directory: Path, abstract: Any) -> Any:
+        return self._osf.load_file(directory / "model.safetensors", target=None)
+
+    def restore_partial(self, directory: Path, abstract: Any) -> Any:
+        path = directory / "model.safetensors"
+        if _accepts(self._osf.load_file, "strict"):
+            return self._osf.load_file(path, target=abstract, strict=False)
+        return self._osf.load_file(path, target=abstract)
+
+
+class OursManager(Method):
+    """``ocp.CheckpointManager`` with ``osf.SafetensorsSave`` / ``osf.SafetensorsRestore``.
+
+    The manager is created in ``open`` (untimed), as a training loop creates it once.
+    """
+
+    name = "ours.mngr.sync"
+    description = "orbax_safetensors via CheckpointManager, synchronous"
+    enable_async: ClassVar[bool] = False
+    _needs: ClassVar[tuple[str, ...]] = ("SafetensorsSave", "SafetensorsRestore")
+
+    def unavailable(self) -> str | None:
+        return _import_osf(self._needs)[1]
+
+    def prepare(self) -> None:
+        import orbax.checkpoint as ocp
+
+        osf, reason = _import_osf(self._needs)
+        if osf is None:
+            raise RuntimeError(reason)
+        self._osf = osf
+        self._ocp = ocp
+        self._mngr: Any = None
+
+    def open(self, directory: Path) -> None:
+        ocp = self._ocp
+        self._mngr = ocp.CheckpointManager(
+            directory,
+            options=ocp.CheckpointManagerOptions(enable_async_checkpointing=self.enable_async),
+        )
+
+    def save(self, state: Any, directory: Path) -> None:
+        self._mngr.save(0, args=self._osf.SafetensorsSave(state))
+
+    def wait(self) -> None:
+        self._mngr.wait_until_finished()
+
+    def restore(self, directory: Path, abstract: Any) -> Any:
+        return self._mngr.restore(0, args=self._osf.SafetensorsRestore(abstract))
+
+    def restore_partial(self, directory: Path, abstract: Any) -> Any:
+        restore_args = self._osf.SafetensorsRestore
+        if _accepts(restore_args, "strict"):
+            return self._mngr.restore(0, args=restore_args(abstract, strict=False))
+        return self._mngr.restore(0, args=restore_args(abstract))
+
+    def close(self) -> None:
+        if self._mngr is not None:
+            self._mngr.close()
+
+
+class OursManagerAsync(OursManager):
+    """As :class:`OursManager` with ``enable_async_checkpointing=True``."""
+
+    name = "ours.mngr.async"
+    description = "orbax_safetensors via CheckpointManager, async"
+    enable_async = True
+    is_async = True
+
+
+METHODS: dict[str, type[Method]] = {
+    m.name: m
+    for m in (Floor, SafetensorsFlax, OrbaxStandard, OursFile, OursManager, OursManagerAsync)
+}
