@@ -139,8 +139,15 @@ def prepare_save(
     )
 
 
-def write_process_part(prepared: PreparedSave, directory: epath.PathLike) -> None:
-    """Writes this process's bytes (and, on the primary, headers, index and metadata draft)."""
+def write_process_part(
+    prepared: PreparedSave,
+    directory: epath.PathLike,
+    stats: _writer.WriteStats | None = None,
+) -> None:
+    """Writes this process's bytes (and, on the primary, headers, index and metadata draft).
+
+    ``stats``, when given, records the byte ranges written.
+    """
     directory = epath.Path(directory)
     plan = prepared.plan
     records: list[list[Any]] = []
@@ -157,6 +164,8 @@ def write_process_part(prepared: PreparedSave, directory: epath.PathLike) -> Non
                 if p.tag is not None
             )
         _io.write_file(directory / fplan.filename, pieces, size=fplan.size)
+        if stats is not None:
+            stats.add(fplan.filename, pieces)
     if prepared.is_primary:
         if len(plan.files) > 1:
             (directory / _plan.INDEX_FILE_NAME).write_text(json.dumps(plan.index_json(), indent=1))

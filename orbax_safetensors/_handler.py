@@ -29,7 +29,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import future as ocp_future
 
-from orbax_safetensors import _checkpoint, _plan
+from orbax_safetensors import _checkpoint, _plan, _writer
 from orbax_safetensors._reader import ReadStats
 
 TYPESTR = "orbax_safetensors.SafetensorsCheckpointHandler"
@@ -46,6 +46,10 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
       verify: on restore, check every tensor read whole against its CRC32C.
       primary_host: the process that writes headers, index and metadata and finalizes
         (Orbax's convention; default 0).
+
+    After a save's writes finish, ``last_write_stats`` (a ``WriteStats``) holds the byte ranges
+    this process wrote; after a restore, ``last_read_stats`` (a ``ReadStats``) holds the bytes
+    it read against the bytes it needed.
 
     Example::
 
@@ -68,6 +72,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         self._verify = verify
         self._primary_host = primary_host
         self.last_read_stats: ReadStats | None = None
+        self.last_write_stats: _writer.WriteStats | None = None
 
     def _is_primary(self) -> bool:
         return jax.process_index() == self._primary_host
@@ -88,18 +93,20 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
     ) -> list[ocp_future.Future] | None:
         """Copies owned shards to host now; returns a future that writes them."""
         prepared = self._prepare(args)
+        stats = self.last_write_stats = _writer.WriteStats()
 
         async def write() -> None:
             # The step directory exists once the contracted signals arrive; the blocking
             # file I/O runs on a worker thread so the event loop stays responsive.
-            await asyncio.to_thread(_checkpoint.write_process_part, prepared, directory)
+            await asyncio.to_thread(_checkpoint.write_process_part, prepared, directory, stats)
 
         return [ocp_future.CommitFutureAwaitingContractedSignals(write(), name="safetensors_save")]
 
     def save(self, directory: epath.Path, args: SafetensorsSave) -> None:
         """Synchronous save (used by ``ocp.Checkpointer``; CheckpointManager uses async_save)."""
         prepared = self._prepare(args)
-        _checkpoint.write_process_part(prepared, directory)
+        self.last_write_stats = _writer.WriteStats()
+        _checkpoint.write_process_part(prepared, directory, self.last_write_stats)
 
     def finalize(self, directory: epath.Path) -> None:
         """Merges every process's checksums into the metadata file (primary, after all wrote)."""

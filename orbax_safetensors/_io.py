@@ -167,6 +167,8 @@ class Reader(Protocol):
     """Random-access reads from one file."""
 
     size: int
+    bytes_read: int
+    requests: int
 
     def pread(self, offset: int, nbytes: int) -> bytes: ...
 
@@ -179,6 +181,8 @@ class _LocalReader:
         self._fd = os.open(self.path, os.O_RDONLY)
         self.size = os.fstat(self._fd).st_size
         self._threads = threads
+        self.bytes_read = 0  # bytes asked of the file, coalesced gaps included
+        self.requests = 0  # ranged read requests (one per coalesced batch)
 
     def close(self) -> None:
         os.close(self._fd)
@@ -198,6 +202,8 @@ class _LocalReader:
     ) -> None:
         """Fills each ``(offset, dest)`` with the file bytes at ``offset`` (dest is flat uint8)."""
         batches = _read_batches(runs, max_gap)
+        self.requests += len(batches)
+        self.bytes_read += sum(len(b) for _, bufs in batches for b in bufs)
         if self._threads > 1 and len(batches) > 1:
             with concurrent.futures.ThreadPoolExecutor(min(self._threads, len(batches))) as pool:
                 list(pool.map(self._read_batch, batches))
@@ -264,6 +270,8 @@ class _StreamReader:
         self._f = self.path.open("rb")
         self._f.seek(0, os.SEEK_END)
         self.size = self._f.tell()
+        self.bytes_read = 0
+        self.requests = 0
 
     def close(self) -> None:
         self._f.close()
@@ -281,6 +289,8 @@ class _StreamReader:
                     f"{self.path}: needs bytes up to {offset + dest.nbytes}, file has {self.size}"
                 )
             self._f.seek(offset)
+            self.requests += 1
+            self.bytes_read += dest.nbytes
             view = dest.data
             got = 0
             while got < dest.nbytes:

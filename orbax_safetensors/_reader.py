@@ -62,10 +62,19 @@ class ReadRequest:
 
 @dataclasses.dataclass
 class ReadStats:
-    """Bytes this process asked the files for, against the bytes its targets needed."""
+    """Tensor bytes this process asked the files for, against the bytes its targets needed.
+
+    Attributes:
+      bytes_read: bytes requested from the files, including the small gaps that coalescing
+        reads rather than skips (headers and metadata are not counted).
+      bytes_needed: bytes of the distinct boxes this process's devices need (a whole tensor
+        when it needs all of it).
+      requests: ranged read requests issued (one per coalesced batch of runs).
+    """
 
     bytes_read: int = 0
     bytes_needed: int = 0
+    requests: int = 0
 
 
 @dataclasses.dataclass
@@ -119,7 +128,8 @@ def read_tensors(requests: Sequence[ReadRequest], stats: ReadStats | None = None
         with _io.open_reader(path) as reader:
             reader.read_runs(runs)
         if stats is not None:
-            stats.bytes_read += sum(d.nbytes for _, d in runs)
+            stats.bytes_read += reader.bytes_read
+            stats.requests += reader.requests
     if stats is not None:
         stats.bytes_needed += sum(b.buffer.nbytes for p in plans for b in p.boxes if not p.whole)
         stats.bytes_needed += sum(r.stored.nbytes for r, p in zip(requests, plans) if p.whole)
