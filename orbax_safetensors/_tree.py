@@ -35,6 +35,7 @@ from orbax_safetensors._errors import SchemaError, UnsupportedLeafError
 SCHEMA_FORMAT = "orbax-safetensors/tree"
 SCHEMA_VERSION = 1
 ROOT_NAME = "value"  # the name of a tree that is a single leaf
+_RESERVED_NAME = "__metadata__"  # safetensors' metadata key: a leaf of this name becomes ~1
 _MAX_DEPTH = 256
 
 KeyEntry = Any  # DictKey | SequenceKey | GetAttrKey | FlattenedIndexKey
@@ -85,11 +86,12 @@ def assign_names(paths: list[tuple[KeyEntry, ...]]) -> list[str]:
         groups.setdefault(n, []).append(i)
     taken = set(names)
     for base, idx in groups.items():
-        if len(idx) < 2:
+        reserved = base == _RESERVED_NAME  # the header's metadata slot: always suffixed
+        if len(idx) < 2 and not reserved:
             continue
         idx.sort(key=lambda i: [_entry_order(e) for e in paths[i]])
         suffix = 0
-        for i in idx[1:]:
+        for i in idx if reserved else idx[1:]:
             suffix += 1
             while f"{base}~{suffix}" in taken:
                 suffix += 1
@@ -159,7 +161,7 @@ def flatten(tree: Any) -> FlatTree:
             node: dict[str, Any] = {"t": "bool", "v": x}
         elif isinstance(x, int):
             node = {"t": "int", "v": x}
-        elif isinstance(x, float):
+        elif isinstance(x, float) and not isinstance(x, np.floating):  # np.float64 is a float
             node = {"t": "float", "v": x.hex()}
         elif isinstance(x, str):
             node = {"t": "str", "v": x}
@@ -244,9 +246,10 @@ def _array_node(x: Any, path: tuple[KeyEntry, ...]) -> dict[str, Any]:
     if is_prng_key(x):
         return {"t": "key", "impl": str(jax.random.key_impl(x))}
     try:
-        _dtypes.from_numpy(x.dtype)  # raises early for unsupported dtypes
-    except UnsupportedLeafError:
+        _dtypes.nbytes(_dtypes.from_numpy(x.dtype), x.shape)  # raises early: dtype, sub-byte size
+    except UnsupportedLeafError as e:
         _dtypes.from_numpy(x.dtype, key=join_path(path))  # the same error, naming the leaf
+        raise UnsupportedLeafError(f"leaf {join_path(path)!r}: {e}") from None
     kind = (
         "jax" if isinstance(x, jax.Array) else ("scalar" if isinstance(x, np.generic) else "numpy")
     )
