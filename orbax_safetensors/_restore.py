@@ -47,19 +47,36 @@ class _Want:
     dtype: np.dtype | None
     sharding: Any
     key_impl: str | None = None
+    pytype: type | None = None  # for "python": the scalar type to return
+
+
+def _restore_args_sharding(leaf: Any) -> Any:
+    sharding = getattr(leaf, "sharding", None)
+    mesh, axes = getattr(leaf, "mesh", None), getattr(leaf, "mesh_axes", None)
+    if sharding is None and mesh is not None and axes is not None:
+        sharding = jax.sharding.NamedSharding(mesh, axes)
+    return sharding
 
 
 def _want(leaf: Any) -> _Want | None:
     if isinstance(leaf, (bool, int, float)):
-        return _Want("python", (), None, None)
+        return _Want("python", (), None, None, pytype=type(leaf))
     if _is_restore_args(leaf):
         shape = getattr(leaf, "global_shape", None)
         dtype = getattr(leaf, "dtype", None)
+        dtype = np.dtype(dtype) if dtype is not None else None
+        restore_type = getattr(leaf, "restore_type", None)
+        # Orbax's RestoreArgs name the type to return: numpy arrays and Python scalars stay on
+        # the host (as PyTreeRestore returns them); anything else becomes a jax.Array.
+        if isinstance(restore_type, type) and issubclass(restore_type, np.ndarray):
+            return _Want("numpy", None, dtype, None)
+        if restore_type in (bool, int, float):
+            return _Want("python", (), None, None, pytype=restore_type)
         return _Want(
             "jax",
             tuple(shape) if shape is not None else None,
-            np.dtype(dtype) if dtype is not None else None,
-            getattr(leaf, "sharding", None),
+            dtype,
+            _restore_args_sharding(leaf),
         )
     if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
         sharding = getattr(leaf, "sharding", None)
@@ -240,7 +257,7 @@ def _restore_targeted(
                 )
             value = finished[slot]
             if want is not None and want.kind == "python":
-                value = type(tleaf)(value.item())
+                value = (want.pytype or type(tleaf))(value.item())
             out.append(value)
     return flat.rebuild(out)
 
