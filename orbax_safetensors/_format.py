@@ -31,6 +31,7 @@ METADATA_KEY = "__metadata__"
 # Same cap as the reference implementation: a header larger than this is refused unread.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 _ALIGN = 8  # the data section starts 8-byte aligned, as the reference writer pads it
+_MAX_ELEMENTS = 2**63 - 1  # numpy's and XLA's limit on elements (and on any one dimension)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,5 +232,10 @@ def _parse_entry(name: str, info: object, data_size: int, where: str) -> TensorE
         raise HeaderError(
             f"{where}: tensor {name!r} is {dtype}{shape}: {size} bytes, "
             f"but its data_offsets span {end - begin}"
+        )
+    # Zero-size tensors pass the byte count whatever their other dimensions claim.
+    if _dtypes.num_elements([d for d in shape if d]) > _MAX_ELEMENTS:
+        raise HeaderError(
+            f"{where}: tensor {name!r} shape {shape} overflows (more than 2**63-1 elements)"
         )
     return TensorEntry(name, dtype, tuple(shape), begin, end)
