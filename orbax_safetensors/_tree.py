@@ -326,6 +326,8 @@ def validate_schema(schema: object, *, max_leaves: int = 10_000_000) -> dict[str
                     raise SchemaError(f"schema {kind} node keys do not match its children")
                 for k in keys:
                     _check_key(kind, k)
+                if len({_key_id(k) for k in keys}) != len(keys):
+                    raise SchemaError(f"schema {kind} node has a duplicate key in {keys[:8]!r}")
             for c in children:
                 visit(c, depth + 1)
         elif kind == "var":
@@ -356,6 +358,11 @@ def validate_schema(schema: object, *, max_leaves: int = 10_000_000) -> dict[str
     return leaves
 
 
+def _key_id(key: Any) -> tuple[str, Any]:
+    """A hashable identity of a dict key or node key entry (``1`` and ``"1"`` differ)."""
+    return (type(key).__name__, tuple(key) if isinstance(key, list) else key)
+
+
 def _check_key(kind: str, key: object) -> None:
     if kind == "dict":
         if not isinstance(key, (str, int)) or isinstance(key, bool):
@@ -383,7 +390,7 @@ def _check_leaf(kind: str, node: Mapping[str, Any], name: str) -> None:
     if kind == "float":
         try:
             float.fromhex(v)  # type: ignore[arg-type]
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise SchemaError(f"leaf {name!r}: float value {v!r} is not a hex float") from None
     if kind == "tensor" and node.get("array") not in ("jax", "numpy", "scalar"):
         raise SchemaError(f"leaf {name!r}: unknown array kind {node.get('array')!r}")
