@@ -129,9 +129,24 @@ def _finish(
 ) -> Any:
     original = leaves.get(leaf.tensor_name, leaf)
     if original.kind == "key":
-        key = jax.random.wrap_key_data(value, impl=original.node["impl"])
+        key = wrap_key(leaf.name, value, original.node["impl"])
         return jax.device_put(key, sharding) if sharding is not None else key
     return value
+
+
+def wrap_key(name: str, data: Any, impl: str) -> Any:
+    """``jax.random.wrap_key_data`` for a stored key, raising ``SchemaError`` on forged data.
+
+    Works on ``jax.ShapeDtypeStruct`` inside ``jax.eval_shape`` too (checks without reading).
+    """
+    try:
+        return jax.random.wrap_key_data(data, impl=impl)
+    except (TypeError, ValueError) as e:
+        reason = str(e).split(" for impl=")[0]
+        raise SchemaError(
+            f"PRNG key {name!r}: stored {data.dtype}{list(data.shape)} is not key data of "
+            f"impl {impl!r} ({reason})"
+        ) from None
 
 
 def restore_tree(
