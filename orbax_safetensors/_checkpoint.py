@@ -226,8 +226,11 @@ def read_metadata(directory: epath.PathLike) -> dict[str, Any]:
     path = epath.Path(directory) / METADATA_FILE
     if not path.exists():
         raise FileNotFoundError(f"{directory} is not an orbax-safetensors checkpoint: no {METADATA_FILE}")
-    with path.open("rb") as f:
-        raw = f.read(_MAX_METADATA_BYTES + 1)
+    with path.open("rb") as f:  # in chunks: memory follows the real size, not the cap
+        parts: list[bytes] = []
+        while sum(map(len, parts)) <= _MAX_METADATA_BYTES and (part := f.read(1 << 20)):
+            parts.append(part)
+        raw = b"".join(parts)
     if len(raw) > _MAX_METADATA_BYTES:
         raise SchemaError(f"{path}: larger than {_MAX_METADATA_BYTES} bytes")
     try:
@@ -239,13 +242,25 @@ def read_metadata(directory: epath.PathLike) -> dict[str, Any]:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise SchemaError(f"{path}: not an {FORMAT_NAME} metadata file")
     version = doc.get("format_version")
-    if not isinstance(version, int) or version < 1 or version > FORMAT_VERSION:
+    if type(version) is not int or not 1 <= version <= FORMAT_VERSION:
         raise SchemaError(
             f"{path}: format_version {version!r} is not one this library reads (1..{FORMAT_VERSION})"
         )
     if not isinstance(doc.get("tensors"), dict) or not isinstance(doc.get("files"), list):
         raise SchemaError(f"{path}: tensors/files missing")
+    if not isinstance(doc.get("schema"), dict):
+        raise SchemaError(f"{path}: the tree schema is missing")
     return doc
+
+
+def _is_plain_filename(name: object) -> bool:
+    """Whether ``name`` is a plain file name inside the checkpoint directory (no path parts)."""
+    return (
+        isinstance(name, str)
+        and 0 < len(name) <= 255
+        and not name.startswith(".")
+        and not any(c in name for c in "/\\\0")
+    )
 
 
 def stored_tensors(directory: epath.PathLike, metadata: Mapping[str, Any]) -> dict[str, StoredTensor]:
@@ -257,10 +272,16 @@ def stored_tensors(directory: epath.PathLike, metadata: Mapping[str, Any]) -> di
     out: dict[str, StoredTensor] = {}
     for name, info in metadata["tensors"].items():
         filename = info.get("file") if isinstance(info, dict) else None
-        if not isinstance(filename, str) or filename not in metadata["files"] or "/" in filename or filename.startswith("."):
+        if not _is_plain_filename(filename) or filename not in metadata["files"]:
             raise SchemaError(f"{directory}: tensor {name!r} names an invalid file {filename!r}")
         if filename not in headers:
-            headers[filename] = read_header(directory / filename)
+            path = directory / filename
+            if not path.is_file():
+                raise SchemaError(
+                    f"{directory}: tensor {name!r} is stored in {filename!r}, which does not "
+                    "exist or is not a regular file"
+                )
+            headers[filename] = read_header(path)
         entry = headers[filename].tensors.get(name)
         if entry is None:
             raise HeaderError(f"{directory / filename}: tensor {name!r} is listed in the metadata but not in the file")
