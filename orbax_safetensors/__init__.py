@@ -34,6 +34,7 @@ from orbax_safetensors._hf import (
     load_pytorch,
 )
 from orbax_safetensors._nnx import load_model, save_model
+from orbax_safetensors._verify import VerifyReport, verify
 
 __version__ = "0.1.0"
 
@@ -54,6 +55,7 @@ __all__ = [
     "TargetMismatchError",
     "Transpose",
     "UnsupportedLeafError",
+    "VerifyReport",
     "__version__",
     "export_pytorch",
     "load_file",
@@ -65,4 +67,5 @@ __all__ = [
     "save_directory",
     "save_file",
     "save_model",
+    "verify",
 ]

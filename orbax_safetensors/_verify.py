@@ -1,0 +1,287 @@
+"""Checking whole checkpoints without building arrays: ``verify(path) -> VerifyReport``.
+
+``verify`` validates every header, schema and metadata file exactly as a restore would, then
+streams every tensor's bytes through CRC32C in bounded chunks (16 MiB by default, the CRC
+continued from chunk to chunk) and compares the result with the recorded checksum. No array is
+built and memory stays at one chunk, whatever the checkpoint's size.
+
+It accepts a ``.safetensors`` file, a checkpoint directory (``orbax_safetensors.json`` inside),
+an Orbax step directory (item directories inside) or a ``CheckpointManager`` root (every
+committed step; Orbax's uncommitted ``*.orbax-checkpoint-tmp*`` directories are skipped and
+listed in ``skipped``).
+
+Example::
+
+    report = osf.verify("/ckpts")
+    if not report.ok:
+        print("\\n".join(report.problems))   # each names the file and the tensor
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+from etils import epath
+
+from orbax_safetensors import _api, _checkpoint, _checksum, _dtypes, _format, _io, _plan, _tree
+from orbax_safetensors._errors import SafetensorsCheckpointError, SchemaError
+from orbax_safetensors._reader import StoredTensor
+from orbax_safetensors._restore import wrap_key
+
+CHUNK_BYTES = 16 << 20
+_TMP_MARKER = ".orbax-checkpoint-tmp"
+# What a damaged or hostile checkpoint may raise while being read: our errors (ValueError
+# subclasses), and the OS's when a listed file is missing or unreadable.
+_READ_ERRORS = (SafetensorsCheckpointError, OSError, EOFError)
+
+
+@dataclasses.dataclass
+class VerifyReport:
+    """What :func:`verify` found.
+
+    Attributes:
+      ok: True when no problem was found.
+      problems: one line per problem, naming the file and, for bytes, the tensor.
+      files: safetensors files whose headers were read and validated.
+      tensors: tensors whose headers were validated (checksummed or not).
+      bytes: tensor bytes read and checksummed.
+      unverified: tensors without a recorded checksum (``file: tensor``); their headers are
+        valid but their bytes cannot be checked. Not a problem: plain safetensors files have none.
+      skipped: uncommitted Orbax temporary directories that were not examined.
+    """
+
+    ok: bool = True
+    problems: list[str] = dataclasses.field(default_factory=list)
+    files: int = 0
+    tensors: int = 0
+    bytes: int = 0
+    unverified: list[str] = dataclasses.field(default_factory=list)
+    skipped: list[str] = dataclasses.field(default_factory=list)
+
+    def _problem(self, message: str) -> None:
+        if message not in self.problems:
+            self.problems.append(message)
+        self.ok = False
+
+
+def verify(path: epath.PathLike, *, chunk_bytes: int = CHUNK_BYTES) -> VerifyReport:
+    """Checks a file, checkpoint directory, step directory or CheckpointManager root.
+
+    Args:
+      path: what to check (see the module docstring).
+      chunk_bytes: bytes read (and held in memory) at a time while checksumming.
+
+    Returns:
+      A :class:`VerifyReport`; ``report.ok`` is False when any header, schema or metadata is
+      malformed or any tensor's bytes do not match their CRC32C.
+
+    Raises:
+      FileNotFoundError: when ``path`` does not exist.
+
+    Example::
+
+        report = osf.verify("ckpt.safetensors")
+        assert report.ok, report.problems
+    """
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    path = epath.Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist")
+    report = VerifyReport()
+    checker = _Checker(report, chunk_bytes)
+    if not path.is_dir():
+        checker.file(path)
+    elif (path / _checkpoint.METADATA_FILE).exists():
+        checker.item(path)
+    elif not checker.tree(path, depth=0):
+        report._problem(
+            f"{path}: no orbax-safetensors checkpoint or .safetensors file found "
+            "(expected a file, a checkpoint directory, a step directory or a manager root)"
+        )
+    report.ok = not report.problems
+    return report
+
+
+def _natural(p: epath.Path) -> list[Any]:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)]
+
+
+class _Checker:
+    def __init__(self, report: VerifyReport, chunk_bytes: int) -> None:
+        self.report = report
+        self.chunk_bytes = chunk_bytes
+
+    # ----------------------------------------------------------------- walking
+
+    def tree(self, path: epath.Path, depth: int) -> bool:
+        """A manager root (depth 0) or step directory: checks what it holds; False if nothing."""
+        found = False
+        for child in sorted(path.iterdir(), key=_natural):
+            if _TMP_MARKER in child.name:
+                self.report.skipped.append(str(child))
+            elif child.is_dir():
+                if (child / _checkpoint.METADATA_FILE).exists():
+                    self.item(child)
+                    found = True
+                elif depth == 0:
+                    found = self.tree(child, depth + 1) or found
+            elif depth == 0 and child.name.endswith(".safetensors"):
+                self.file(child)
+                found = True
+        return found
+
+    # ----------------------------------------------------------------- one file
+
+    def file(self, path: epath.Path) -> None:
+        """A standalone ``.safetensors`` file (schema and checksums in its ``__metadata__``)."""
+        header = self._header(path)
+        if header is None:
+            return
+        try:
+            schema = _api._json_metadata(header, _api.SCHEMA_KEY, str(path))
+            crcs = _api._json_metadata(header, _api.CHECKSUM_KEY, str(path))
+            if crcs is not None and not isinstance(crcs, dict):
+                raise SchemaError(f"{path}: {_api.CHECKSUM_KEY} is not an object")
+            stored = _api.stored_tensors(path, header, crcs)
+        except SafetensorsCheckpointError as e:
+            self.report._problem(str(e))
+            return
+        if schema is not None:
+            self._schema(schema, stored, str(path))
+        self._stream(stored)
+
+    def _header(self, path: epath.Path) -> _format.Header | None:
+        try:
+            header = _api.read_header(path)
+        except _READ_ERRORS as e:
+            self.report._problem(_message(e, path))
+            return None
+        self.report.files += 1
+        self.report.tensors += len(header.tensors)
+        return header
+
+    # ----------------------------------------------------------------- one directory
+
+    def item(self, directory: epath.Path) -> None:
+        """A checkpoint directory: metadata file, every file's header, index, schema, bytes."""
+        try:
+            metadata = _checkpoint.read_metadata(directory)
+        except _READ_ERRORS as e:
+            self.report._problem(_message(e, directory))
+            return
+        headers: dict[str, _format.Header] = {}
+        for filename in metadata["files"]:
+            if not _checkpoint._is_plain_filename(filename):
+                self.report._problem(f"{directory}: lists an invalid file name {filename!r}")
+            elif (header := self._header(directory / filename)) is not None:
+                headers[filename] = header
+        try:
+            stored = _checkpoint.stored_tensors(directory, metadata)
+        except _READ_ERRORS as e:
+            self.report._problem(_message(e, directory))
+            return
+        for filename, header in headers.items():
+            for name in header.tensors:
+                if stored.get(name) is None or stored[name].path.name != filename:
+                    self.report._problem(
+                        f"{directory / filename}: holds tensor {name!r}, which "
+                        f"{_checkpoint.METADATA_FILE} does not place in this file"
+                    )
+        self._index(directory, metadata)
+        self._schema(metadata["schema"], stored, str(directory / _checkpoint.METADATA_FILE))
+        self._stream(stored)
+
+    def _index(self, directory: epath.Path, metadata: Mapping[str, Any]) -> None:
+        path = directory / _plan.INDEX_FILE_NAME
+        if not path.exists():
+            return
+        try:
+            weight_map = json.loads(path.read_bytes()).get("weight_map")
+        except (ValueError, AttributeError, RecursionError, OSError) as e:
+            self.report._problem(f"{path}: unreadable index ({type(e).__name__}: {e})")
+            return
+        expected = {n: t.get("file") for n, t in metadata["tensors"].items() if isinstance(t, dict)}
+        if weight_map != expected:
+            wrong = sorted(
+                set(expected).symmetric_difference(weight_map or {})
+                | {n for n in expected if (weight_map or {}).get(n) != expected[n]}
+            )
+            self.report._problem(
+                f"{path}: weight_map disagrees with {_checkpoint.METADATA_FILE} for tensors "
+                f"{wrong[:10]!r}"
+            )
+
+    # ----------------------------------------------------------------- schema and bytes
+
+    def _schema(self, schema: object, stored: Mapping[str, StoredTensor], where: str) -> None:
+        """The checks a restore makes of the schema, without reading any tensor."""
+        try:
+            leaves = _tree.validate_schema(schema)
+            for leaf in leaves.values():
+                if leaf.kind not in ("tensor", "key", "ref"):
+                    continue
+                tensor = stored.get(leaf.tensor_name)
+                if tensor is None:
+                    raise SchemaError(
+                        f"schema leaf {leaf.name!r} refers to tensor {leaf.tensor_name!r}, "
+                        "which no file holds"
+                    )
+                original = leaves.get(leaf.tensor_name, leaf)
+                if original.kind == "key":
+                    abstract = jax.ShapeDtypeStruct(tensor.shape, _dtypes.to_numpy(tensor.dtype))
+                    impl = original.node["impl"]
+                    jax.eval_shape(functools.partial(wrap_key, leaf.name, impl=impl), abstract)
+        except SafetensorsCheckpointError as e:
+            self.report._problem(f"{where}: {e}")
+
+    def _stream(self, stored: Mapping[str, StoredTensor]) -> None:
+        by_file: dict[epath.Path, list[StoredTensor]] = {}
+        for t in stored.values():
+            if t.crc32c is None:
+                self.report.unverified.append(f"{t.path}: {t.name}")
+            else:
+                by_file.setdefault(t.path, []).append(t)
+        for path, tensors in by_file.items():
+            tensors.sort(key=lambda t: t.offset)
+            size = min(self.chunk_bytes, max(t.nbytes for t in tensors))
+            buf = _io.aligned_empty(max(size, 1))
+            try:
+                with _io.open_reader(path) as reader:
+                    for t in tensors:
+                        self._stream_one(reader, t, buf)
+            except _READ_ERRORS as e:
+                self.report._problem(_message(e, path))
+
+    def _stream_one(self, reader: Any, t: StoredTensor, buf: Any) -> None:
+        crc, done, total = 0, 0, t.nbytes
+        try:
+            while done < total:
+                n = min(buf.nbytes, total - done)
+                reader.read_runs([(t.offset + done, buf[:n])])
+                crc = _checksum.crc32c(buf[:n], crc)
+                done += n
+        except _READ_ERRORS as e:
+            self.report._problem(f"{t.path}: tensor {t.name!r}: unreadable ({e})")
+            return
+        self.report.bytes += total
+        assert t.crc32c is not None
+        if crc != t.crc32c:
+            self.report._problem(
+                f"{t.path}: tensor {t.name!r}: CRC32C mismatch (recorded "
+                f"{_checksum.to_hex(t.crc32c)}, read {_checksum.to_hex(crc)}); the bytes are damaged"
+            )
+
+
+def _message(e: BaseException, where: epath.Path) -> str:
+    text = str(e)
+    return text if str(where) in text else f"{where}: {text}"
+
+
+__all__ = ["VerifyReport", "verify"]
