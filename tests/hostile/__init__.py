@@ -1,0 +1,1 @@
+"""A corpus of forged and damaged checkpoints, generated in code (see :mod:`.corpus`)."""

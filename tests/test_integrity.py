@@ -1,0 +1,277 @@
+"""Integrity: one flipped bit in any tensor's bytes is caught and named, on restore and by verify.
+
+Checksums are CRC32C per tensor, computed while saving: in ``__metadata__`` for ``save_file``
+files, in ``orbax_safetensors.json`` for directories. Restores check every tensor read whole
+(``verify=False`` opts out); ``osf.verify`` streams every tensor of a file, directory, step or
+manager root in bounded chunks without building arrays.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+import safetensors.numpy
+
+import orbax_safetensors as osf
+from orbax_safetensors import _checkpoint
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _tree() -> dict[str, Any]:
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 33)).astype(np.float32)
+    return {
+        "w": w,
+        "tied": w,
+        "bf16": jnp.asarray(rng.standard_normal((5, 7)), dtype=jnp.bfloat16),
+        "i8": rng.integers(-128, 127, (3, 5, 7), dtype=np.int8),
+        "mask": rng.random(13) > 0.5,
+        "f4": rng.standard_normal(10).astype(ml_dtypes.float4_e2m1fn),
+        "scalar": np.float64(3.25),
+        "key": jax.random.key(7),
+        "big": rng.integers(0, 2**31, 300_000, dtype=np.int32),  # > 1 MiB: several chunks
+        "step": 3,
+    }
+
+
+def _flip(path: Path, offset: int, bit: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ (1 << bit)]))
+
+
+def _positions(nbytes: int, rng: np.random.Generator) -> list[int]:
+    """First byte, last byte and a random one inside a tensor of ``nbytes``."""
+    return sorted({0, nbytes - 1, int(rng.integers(0, nbytes))})
+
+
+def _same(a: Any, b: Any) -> bool:
+    a, b = jax.tree.leaves(a), jax.tree.leaves(b)
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+            x, y = jax.random.key_data(x), jax.random.key_data(y)
+        if np.asarray(x).tobytes() != np.asarray(y).tobytes():
+            return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def saved_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("integrity") / "tree.safetensors"
+    osf.save_file(_tree(), path)
+    return path
+
+
+def test_every_bit_flip_in_every_tensor_is_named(saved_file: Path, tmp_path: Path) -> None:
+    header = osf.read_header(saved_file)
+    assert set(header.tensors) == {"w", "bf16", "i8", "mask", "f4", "scalar", "key", "big"}
+    rng = np.random.default_rng(1)
+    damaged = tmp_path / "damaged.safetensors"
+    for name, entry in header.tensors.items():
+        for pos in _positions(entry.nbytes, rng):
+            shutil.copyfile(saved_file, damaged)
+            bit = int(rng.integers(0, 8))
+            _flip(damaged, header.data_start + entry.begin + pos, bit)
+
+            with pytest.raises(osf.IntegrityError, match=rf"tensor '{name}'.*CRC32C") as info:
+                osf.load_file(damaged)
+            assert isinstance(info.value, ValueError)
+            report = osf.verify(damaged, chunk_bytes=64 << 10)
+            assert not report.ok
+            assert len(report.problems) == 1, report.problems
+            assert f"tensor '{name}'" in report.problems[0] and str(damaged) in report.problems[0]
+
+            # Opting out loads the damaged bytes as they are.
+            tree = osf.load_file(damaged, verify=False)
+            assert tree["step"] == 3
+
+
+def test_targeted_restore_verifies_what_it_reads(saved_file: Path, tmp_path: Path) -> None:
+    header = osf.read_header(saved_file)
+    damaged = tmp_path / "damaged.safetensors"
+    shutil.copyfile(saved_file, damaged)
+    _flip(damaged, header.data_start + header.tensors["i8"].begin + 17, 3)
+
+    target = jax.eval_shape(lambda: {k: v for k, v in _tree().items() if k != "step"})
+    with pytest.raises(osf.IntegrityError, match="'i8'"):
+        osf.load_file(damaged, target=target, strict=False)
+    # A target that does not ask for the damaged tensor reads (and checks) only what it asks.
+    partial = {"w": np.zeros((64, 33), np.float32), "big": np.zeros(300_000, np.int32)}
+    out = osf.load_file(damaged, target=partial, strict=False)
+    assert np.array_equal(out["w"], _tree()["w"])
+    # The alias is checked through the tensor it points at.
+    _flip(damaged, header.data_start + header.tensors["w"].begin, 0)
+    with pytest.raises(osf.IntegrityError, match="'w'"):
+        osf.load_file(damaged, target={"tied": np.zeros((64, 33), np.float32)}, strict=False)
+
+
+def test_verify_counts_and_chunking(saved_file: Path) -> None:
+    header = osf.read_header(saved_file)
+    for chunk in (4093, 1 << 20, 16 << 20):
+        report = osf.verify(saved_file, chunk_bytes=chunk)
+        assert report.ok, report.problems
+        assert report.files == 1
+        assert report.tensors == len(header.tensors)
+        assert report.bytes == header.data_size
+        assert report.unverified == []
+    with pytest.raises(FileNotFoundError):
+        osf.verify(saved_file.parent / "missing.safetensors")
+    with pytest.raises(ValueError):
+        osf.verify(saved_file, chunk_bytes=0)
+
+
+def test_files_without_checksums_are_unverifiable_but_valid(tmp_path: Path) -> None:
+    path = tmp_path / "plain.safetensors"
+    safetensors.numpy.save_file({"a": np.ones((4, 4), np.float32), "b": np.arange(3)}, str(path))
+    report = osf.verify(path)
+    assert report.ok and report.files == 1 and report.tensors == 2 and report.bytes == 0
+    assert sorted(report.unverified) == [f"{path}: a", f"{path}: b"]
+    # The header is still checked.
+    raw = bytearray(path.read_bytes())
+    raw[0:8] = (2**63).to_bytes(8, "little")
+    path.write_bytes(bytes(raw))
+    report = osf.verify(path)
+    assert not report.ok and "exceeds" in report.problems[0]
+
+
+def test_empty_directory_is_a_problem(tmp_path: Path) -> None:
+    report = osf.verify(tmp_path)
+    assert not report.ok and "no orbax-safetensors checkpoint" in report.problems[0]
+
+
+# --------------------------------------------------------------------------- CheckpointManager
+
+
+def _sharded_state(seed: int) -> dict[str, Any]:
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", "model"))
+    rng = np.random.default_rng(seed)
+    return {
+        "params": {
+            "w": jax.device_put(rng.standard_normal((64, 32)).astype(np.float32), sharding),
+            "b": jnp.asarray(rng.standard_normal(32), dtype=jnp.bfloat16),
+        },
+        "opt": [np.arange(1000, dtype=np.int64) * seed, jax.random.key(seed)],
+        "step": seed,
+    }
+
+
+def _manager(root: Path, **handler_kwargs: Any) -> ocp.CheckpointManager:
+    handler = osf.SafetensorsCheckpointHandler(max_file_size=4096, **handler_kwargs)
+    return ocp.CheckpointManager(
+        root,
+        options=ocp.CheckpointManagerOptions(max_to_keep=None),
+        item_names=("state",),
+        item_handlers={"state": handler},
+    )
+
+
+def _restore(mngr: ocp.CheckpointManager, step: int, target: Any = None) -> Any:
+    args = ocp.args.Composite(state=osf.SafetensorsRestore(target))
+    return mngr.restore(step, args=args)["state"]
+
+
+def test_bit_flips_in_checkpoint_manager_steps(tmp_path: Path) -> None:
+    root = tmp_path / "ckpts"
+    with _manager(root) as mngr:
+        for step in (1, 2):
+            mngr.save(
+                step, args=ocp.args.Composite(state=osf.SafetensorsSave(_sharded_state(step)))
+            )
+        mngr.wait_until_finished()
+    item = root / "1" / "state"
+    meta = json.loads((item / _checkpoint.METADATA_FILE).read_text())
+    assert len(meta["files"]) > 1  # split: bits are flipped in several files
+    assert osf.verify(root).ok
+
+    rng = np.random.default_rng(2)
+    pristine = tmp_path / "pristine"
+    shutil.copytree(item, pristine)
+    target = jax.eval_shape(lambda: _sharded_state(1))
+    for name, info in meta["tensors"].items():
+        shutil.rmtree(item)
+        shutil.copytree(pristine, item)
+        path = item / info["file"]
+        header = osf.read_header(path)
+        entry = header.tensors[name]
+        _flip(path, header.data_start + entry.begin + int(rng.integers(entry.nbytes)), 5)
+
+        with _manager(root) as mngr:
+            with pytest.raises(osf.IntegrityError, match=rf"tensor '{name}'"):
+                _restore(mngr, 1)
+            with pytest.raises(osf.IntegrityError, match=rf"tensor '{name}'"):
+                _restore(mngr, 1, target)  # sharded target: still read whole, still checked
+            assert _same(_restore(mngr, 2), _sharded_state(2))
+        with _manager(root, verify=False) as mngr:
+            assert _restore(mngr, 1)["step"] == 1
+
+        report = osf.verify(root)
+        assert not report.ok and len(report.problems) == 1, report.problems
+        assert f"tensor '{name}'" in report.problems[0] and str(path) in report.problems[0]
+        step_report = osf.verify(root / "1")
+        assert step_report.problems == report.problems
+        assert osf.verify(root / "2").ok
+
+
+def test_verify_whole_manager_root(tmp_path: Path) -> None:
+    root = tmp_path / "ckpts"
+    with _manager(root) as mngr:
+        for step in (1, 2, 3):
+            mngr.save(
+                step, args=ocp.args.Composite(state=osf.SafetensorsSave(_sharded_state(step)))
+            )
+        mngr.wait_until_finished()
+    report = osf.verify(root)
+    assert report.ok, report.problems
+    per_step = [osf.verify(root / str(s)) for s in (1, 2, 3)]
+    assert report.files == sum(r.files for r in per_step) and report.files >= 6
+    assert report.tensors == sum(r.tensors for r in per_step)
+    assert report.bytes == sum(r.bytes for r in per_step) > 0
+
+    # An uncommitted step left by a crash is skipped, not reported.
+    tmp_step = root / "4.orbax-checkpoint-tmp-123"
+    shutil.copytree(root / "3", tmp_step)
+    (tmp_step / "state" / _checkpoint.METADATA_FILE).write_text("{garbage")
+    report = osf.verify(root)
+    assert report.ok and report.skipped == [str(tmp_step)]
+
+    # Several damaged tensors in several steps: each is listed.
+    for step in (1, 3):
+        item = root / str(step) / "state"
+        path = (
+            item
+            / json.loads((item / _checkpoint.METADATA_FILE).read_text())["tensors"]["params.w"][
+                "file"
+            ]
+        )
+        header = osf.read_header(path)
+        _flip(path, header.data_start + header.tensors["params.w"].begin + 100, 1)
+    report = osf.verify(root)
+    assert len(report.problems) == 2
+    assert all("tensor 'params.w'" in p for p in report.problems)
+    assert "/1/state/" in report.problems[0] and "/3/state/" in report.problems[1]
+
+
+def test_checkpoints_saved_without_checksums(tmp_path: Path) -> None:
+    root = tmp_path / "ckpts"
+    with _manager(root, checksums=False) as mngr:
+        mngr.save(1, args=ocp.args.Composite(state=osf.SafetensorsSave(_sharded_state(1))))
+        mngr.wait_until_finished()
+        assert _same(_restore(mngr, 1), _sharded_state(1))
+    report = osf.verify(root)
+    assert report.ok and report.bytes == 0
+    assert len(report.unverified) == report.tensors > 0
