@@ -176,6 +176,7 @@ def test_lossless_round_trip_without_target(tmp_path):
         "empty_np": np.zeros((0, 3), np.float16),
         "empty_jax": jnp.zeros((2, 0), jnp.bfloat16),
         "np_scalars": [np.float32(1.5), np.int64(-2), np.bool_(True), np.uint16(9)],
+        "np_float64": np.float64(-2.5),  # a subclass of float, yet a numpy scalar
     }
     out = _roundtrip(tree, tmp_path / "t.safetensors")
     assert_same(out, tree)
@@ -224,6 +225,17 @@ def test_dict_vs_list_vs_tuple_and_int_vs_str_keys_are_distinguished(tmp_path):
 
 
 # --------------------------------------------------------------------------- collisions
+
+
+def test_a_leaf_named_like_the_metadata_slot_is_suffixed(tmp_path):
+    # "__metadata__" is the safetensors header's own key, so such a leaf is always stored as ~1.
+    tree = {"__metadata__": np.arange(2.0), "a": {"b": 1}}
+    path = tmp_path / "m.safetensors"
+    out = _roundtrip(tree, path)
+    assert _names(path) == ["__metadata__~1"]
+    assert_same(out, tree)
+    back = osf.load_file(path, target={"__metadata__": np.zeros(2), "a": {"b": 0}})
+    np.testing.assert_array_equal(back["__metadata__"], np.arange(2.0))
 
 
 def test_dotted_key_collision_round_trips(tmp_path):
