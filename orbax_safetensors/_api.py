@@ -52,11 +52,12 @@ def save_file(tree: Any, path: epath.PathLike, metadata: Mapping[str, str] | Non
     """Saves a pytree as one ``.safetensors`` file.
 
     The file appears atomically (written beside ``path`` under a temporary name, made durable,
-    then renamed), so a crash never leaves a half-written file at ``path``.
+    then renamed; on ``s3://`` and ``gs://`` the object itself appears only once complete), so
+    a crash never leaves a half-written file at ``path``.
 
     Args:
       tree: any pytree of arrays (``jax.Array``, numpy), Python scalars, strings and None.
-      path: the file to write (any ``etils.epath`` path).
+      path: the file to write (any ``etils.epath`` path, including ``s3://`` and ``gs://``).
       metadata: extra ``str -> str`` entries for the header's ``__metadata__``.
 
     Raises:
@@ -80,14 +81,14 @@ def save_file(tree: Any, path: epath.PathLike, metadata: Mapping[str, str] | Non
     final = _plan.plan_files(specs, max_file_size=None, metadata=meta).files[0]
     if final.data_start != plan.files[0].data_start:  # fixed-width hex keeps the length
         raise AssertionError("internal: header length changed after checksumming")
+    all_pieces = [_io.Piece(0, _header_array(final.header)), *pieces]
+    if _io.is_object_url(path):
+        # An object appears whole or not at all: write the final object directly.
+        _io.write_file(path, all_pieces, size=final.size)
+        return
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
     try:
-        _io.write_file(
-            tmp,
-            [_io.Piece(0, _header_array(final.header)), *pieces],
-            size=final.size,
-            truncate=True,
-        )
+        _io.write_file(tmp, all_pieces, size=final.size, truncate=True)
         tmp.replace(path)
     except BaseException:
         if tmp.exists():

@@ -177,6 +177,7 @@ def write_process_part(
 def finalize(directory: epath.PathLike) -> None:
     """Merges every process's checksum part into the metadata file (run once, after all wrote)."""
     directory = epath.Path(directory)
+    _io.finalize_files(directory)  # object storage: join the parts several processes uploaded
     draft = directory / (METADATA_FILE + ".draft")
     metadata = json.loads(draft.read_text())
     parts = sorted(directory.glob(f"{_PART_PREFIX}*.json"))

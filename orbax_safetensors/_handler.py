@@ -29,7 +29,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import future as ocp_future
 
-from orbax_safetensors import _checkpoint, _plan, _writer
+from orbax_safetensors import _checkpoint, _io, _plan, _writer
 from orbax_safetensors._reader import ReadStats
 
 TYPESTR = "orbax_safetensors.SafetensorsCheckpointHandler"
@@ -93,6 +93,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
     ) -> list[ocp_future.Future] | None:
         """Copies owned shards to host now; returns a future that writes them."""
         prepared = self._prepare(args)
+        _prepare_directory(directory, prepared)
         stats = self.last_write_stats = _writer.WriteStats()
 
         async def write() -> None:
@@ -105,6 +106,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
     def save(self, directory: epath.Path, args: SafetensorsSave) -> None:
         """Synchronous save (used by ``ocp.Checkpointer``; CheckpointManager uses async_save)."""
         prepared = self._prepare(args)
+        _prepare_directory(directory, prepared)
         self.last_write_stats = _writer.WriteStats()
         _checkpoint.write_process_part(prepared, directory, self.last_write_stats)
 
@@ -133,6 +135,13 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
     @classmethod
     def typestr(cls) -> str:
         return TYPESTR
+
+
+def _prepare_directory(directory: epath.Path, prepared: _checkpoint.PreparedSave) -> None:
+    # Main thread, every process, before any write: on S3 with several processes the primary
+    # starts the multipart uploads the processes' parts go into (no-op elsewhere).
+    files = [(f.filename, f.size) for f in prepared.plan.files]
+    _io.prepare_directory(directory, files, is_primary=prepared.is_primary)
 
 
 @ocp.args.register_with_handler(SafetensorsCheckpointHandler, for_save=True)

@@ -22,7 +22,7 @@ import dataclasses
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 from etils import epath
@@ -46,6 +46,11 @@ def aligned_empty(nbytes: int, alignment: int = ALIGNMENT) -> np.ndarray:
 def is_local(path: epath.PathLike) -> bool:
     """Whether ``path`` is on a local (POSIX) filesystem, where fd-level I/O is used."""
     return "://" not in os.fspath(path)
+
+
+def is_object_url(path: epath.PathLike) -> bool:
+    """Whether ``path`` is on S3 or GCS (``s3://``, ``gs://``), served by ``_objstore``."""
+    return os.fspath(path).startswith(("s3://", "gs://"))
 
 
 @dataclasses.dataclass
@@ -120,7 +125,12 @@ def write_file(
     ordered = sorted(pieces, key=lambda p: p.offset)
     crcs = [(p.tag, p.data.nbytes, _checksum.crc32c(p.data)) for p in ordered] if checksums else []
     if not is_local(path):
-        _write_stream(epath.Path(path), ordered, size)
+        if is_object_url(path):
+            from orbax_safetensors import _objstore
+
+            _objstore.write_file(os.fspath(path), ordered, size)
+        else:
+            _write_stream(epath.Path(path), ordered, size)
         return crcs
     flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if truncate else 0)
     fd = os.open(os.fspath(path), flags, 0o644)
@@ -301,14 +311,44 @@ class _StreamReader:
 
 
 @contextmanager
-def open_reader(
-    path: epath.PathLike, *, threads: int = 4
-) -> Iterator[_LocalReader | _StreamReader]:
-    """Opens ``path`` for ranged reads (fd-level locally, a seekable stream elsewhere)."""
-    reader: _LocalReader | _StreamReader = (
-        _LocalReader(path, threads) if is_local(path) else _StreamReader(path)
-    )
+def open_reader(path: epath.PathLike, *, threads: int = 4) -> Iterator[Any]:
+    """Opens ``path`` for ranged reads: fd-level locally, HTTP range requests on S3 and GCS
+    (``_objstore.ObjectReader``), a seekable stream elsewhere."""
+    reader: Any
+    if is_local(path):
+        reader = _LocalReader(path, threads)
+    elif is_object_url(path):
+        from orbax_safetensors import _objstore
+
+        reader = _objstore.ObjectReader(os.fspath(path))
+    else:
+        reader = _StreamReader(path)
     try:
         yield reader
     finally:
         reader.close()
+
+
+def prepare_directory(
+    directory: epath.PathLike, files: Sequence[tuple[str, int]], *, is_primary: bool
+) -> None:
+    """Main-thread step of every process before a checkpoint's files are written.
+
+    On S3 in a multi-process job the primary starts one multipart upload per large file here
+    (see ``_objstore.prepare_directory``); elsewhere it does nothing.
+    """
+    if is_object_url(directory):
+        from orbax_safetensors import _objstore
+
+        _objstore.prepare_directory(os.fspath(directory), files, is_primary=is_primary)
+
+
+def finalize_files(directory: epath.PathLike) -> None:
+    """Joins files that several processes wrote in parts (object storage; primary, once).
+
+    Local files need nothing: every process wrote its bytes in place.
+    """
+    if is_object_url(directory):
+        from orbax_safetensors import _objstore
+
+        _objstore.finalize_directory(os.fspath(directory))
