@@ -34,6 +34,14 @@ from orbax_safetensors._hf import (
     load_pytorch,
 )
 from orbax_safetensors._nnx import load_model, save_model
+from orbax_safetensors._objstore import (
+    ObjectStoreError,
+    ObjectStoreOptions,
+    ObjectStoreStats,
+    manager_options_for,
+    object_store_stats,
+    set_object_store_options,
+)
 from orbax_safetensors._verify import VerifyReport, verify
 
 __version__ = "0.1.0"
@@ -44,6 +52,9 @@ __all__ = [
     "IntegrityError",
     "KeyMapping",
     "MappingReport",
+    "ObjectStoreError",
+    "ObjectStoreOptions",
+    "ObjectStoreStats",
     "Reshape",
     "Rule",
     "SafetensorsCheckpointError",
@@ -62,10 +73,13 @@ __all__ = [
     "load_metadata",
     "load_model",
     "load_pytorch",
+    "manager_options_for",
+    "object_store_stats",
     "read_header",
     "restore_directory",
     "save_directory",
     "save_file",
     "save_model",
+    "set_object_store_options",
     "verify",
 ]
