@@ -9,6 +9,7 @@ Example::
 
 from orbax_safetensors._api import load_file, load_metadata, read_header, save_file
 from orbax_safetensors._checkpoint import restore_directory, save_directory
+from orbax_safetensors._convert import ConvertSummary, convert
 from orbax_safetensors._errors import (
     HeaderError,
     IntegrityError,
@@ -48,6 +49,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Chain",
+    "ConvertSummary",
     "HeaderError",
     "IntegrityError",
     "KeyMapping",
@@ -68,6 +70,7 @@ __all__ = [
     "UnsupportedLeafError",
     "VerifyReport",
     "__version__",
+    "convert",
     "export_pytorch",
     "load_file",
     "load_metadata",

@@ -372,7 +372,7 @@ def _safetensors_item_to_orbax(
     with _progress_bar(size, f"convert {src.name}", progress) as bar:
         checkpointer = ocp.PyTreeCheckpointer() if strings else ocp.StandardCheckpointer()
         try:
-            checkpointer.save(dst, tree, force=True)
+            checkpointer.save(_inspect.absolute(dst), tree, force=True)
             if hasattr(checkpointer, "wait_until_finished"):  # the async StandardCheckpointer
                 checkpointer.wait_until_finished()
         finally:
@@ -476,8 +476,11 @@ def convert(
         item/file/step/root (converted to Orbax-native).
       dst: where to write the same kind of thing (must not exist, or be empty).
       to: ``"safetensors"`` or ``"orbax"``; None picks it from what ``src`` holds.
-      unwrap_values, max_file_size, batch_bytes, progress: see
-        :func:`orbax_item_to_safetensors`.
+      unwrap_values: collapse ``{"value": x}`` dicts (Orbax's form of ``nnx.Variable``) so
+        the names match ``nnx.state(model)`` here (Orbax -> safetensors only).
+      max_file_size: split safetensors output into files of at most this many bytes.
+      batch_bytes: tensor bytes held in memory at once (Orbax -> safetensors).
+      progress: show a progress bar (None: only on a terminal).
 
     Returns:
       A :class:`ConvertSummary`.

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol
@@ -79,6 +80,14 @@ class TensorSource(Protocol):
 
 
 # --------------------------------------------------------------------------- classification
+
+
+def absolute(path: epath.PathLike) -> epath.Path:
+    """``path`` made absolute when it is a relative local path (Orbax refuses those)."""
+    path = epath.Path(path)
+    if "://" in str(path) or path.is_absolute():
+        return path
+    return epath.Path(os.path.abspath(os.fspath(path)))
 
 
 def _is_orbax_item(path: epath.Path) -> bool:
@@ -281,7 +290,7 @@ class OrbaxSource:
 
         from orbax_safetensors import _tree
 
-        self.path = path
+        self.path = path = absolute(path)
         self.kind = "orbax"
         self.tree = orbax_metadata_tree(path)
         flat, _ = jax.tree_util.tree_flatten_with_path(self.tree)
@@ -359,7 +368,7 @@ def orbax_metadata_tree(path: epath.PathLike) -> Any:
     """Orbax's metadata tree of a native PyTree item (``ArrayMetadata``/``ScalarMetadata``...)."""
     import orbax.checkpoint as ocp
 
-    meta = ocp.PyTreeCheckpointer().metadata(epath.Path(path))
+    meta = ocp.PyTreeCheckpointer().metadata(absolute(path))
     meta = getattr(meta, "item_metadata", meta)
     tree = getattr(meta, "tree", meta)
     if tree is None:

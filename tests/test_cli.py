@@ -4,7 +4,6 @@ Orbax checkpoints. Interop is checked with the other tool (safetensors, Orbax), 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -363,39 +362,12 @@ def test_convert_manager_root_both_ways(orbax_root, tmp_dir, capsys):
     assert code == 0, out
 
 
-def test_convert_shows_progress_and_refuses_to_overwrite(orbax_root, tmp_dir):
-    env = dict(os.environ)
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "orbax_safetensors.cli",
-            "convert",
-            str(orbax_root / "1"),
-            str(tmp_dir / "st"),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    assert "convert state" in done.stderr  # the tqdm bar
-    again = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "orbax_safetensors.cli",
-            "convert",
-            str(orbax_root / "1"),
-            str(tmp_dir / "st"),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-    )
-    assert again.returncode == 2 and "already exists" in again.stderr
+def test_convert_shows_progress_and_refuses_to_overwrite(orbax_root, tmp_dir, capsys):
+    code, _, err = run(capsys, "convert", orbax_root / "1", tmp_dir / "st")
+    assert code == 0, err
+    assert "convert state" in err  # the tqdm bar
+    code, _, err = run(capsys, "convert", orbax_root / "1", tmp_dir / "st")
+    assert code == 2 and "already exists" in err
     assert not [p for p in tmp_dir.iterdir() if ".converting-" in p.name]
 
 
@@ -455,3 +427,17 @@ def test_max_abs_difference_edge_cases():
     assert _inspect.max_abs_difference(np.array([True]), np.array([False])) == 1.0
     x = np.arange(10, dtype=ml_dtypes.bfloat16)
     assert _inspect.max_abs_difference(x, x + 1) == 1.0
+
+
+def test_relative_paths_work_for_orbax_sources(orbax_item, tmp_dir, monkeypatch, capsys):
+    """Orbax refuses relative paths; the tools make them absolute."""
+    import shutil
+
+    shutil.copytree(orbax_item, tmp_dir / "native")
+    monkeypatch.chdir(tmp_dir)
+    code, _, err = run(capsys, "convert", "native", "st", "-q")
+    assert code == 0, err
+    code, _, err = run(capsys, "convert", "st", "back", "-q")
+    assert code == 0, err
+    code, out, _ = run(capsys, "diff", "native", "back")
+    assert code == 0, out
