@@ -41,23 +41,21 @@ def _inspect_cmd(args: argparse.Namespace) -> int:
 
 
 def _verify_cmd(args: argparse.Namespace) -> int:
-    from orbax_safetensors import _verify  # written alongside; imported only when used
+    from orbax_safetensors._verify import verify  # imported only when used
 
-    report = _verify.verify(args.path)
+    report = verify(args.path)
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "ok": report.ok,
-                    "problems": list(report.problems),
-                    "files": report.files,
-                    "tensors": report.tensors,
-                    "bytes": report.bytes,
-                },
-                indent=1,
-                default=str,
-            )
-        )
+        doc = {
+            "path": args.path,
+            "ok": report.ok,
+            "problems": list(report.problems),
+            "files": report.files,
+            "tensors": report.tensors,
+            "bytes": report.bytes,
+            "unverified": list(getattr(report, "unverified", [])),
+            "skipped": list(getattr(report, "skipped", [])),
+        }
+        print(json.dumps(doc, indent=1))
     elif report.ok:
         print(
             f"{args.path}: OK ({report.files} files, {report.tensors} tensors, "
@@ -67,6 +65,12 @@ def _verify_cmd(args: argparse.Namespace) -> int:
         print(f"{args.path}: DAMAGED ({len(report.problems)} problem(s))")
         for problem in report.problems:
             print(f"  {problem}")
+    if not args.json:
+        unverified = getattr(report, "unverified", [])
+        if unverified:
+            print(f"  {len(unverified)} tensor(s) have no recorded checksum (headers checked only)")
+        for skipped in getattr(report, "skipped", []):
+            print(f"  skipped uncommitted {skipped}")
     return EXIT_OK if report.ok else EXIT_DIFFERENT
 
 

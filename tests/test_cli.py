@@ -441,3 +441,45 @@ def test_relative_paths_work_for_orbax_sources(orbax_item, tmp_dir, monkeypatch,
     assert code == 0, err
     code, out, _ = run(capsys, "diff", "native", "back")
     assert code == 0, out
+
+
+# --------------------------------------------------------------------------- verify
+
+
+def test_verify_good_and_damaged(tmp_dir, capsys):
+    root = tmp_dir / "ckpts"
+    with ocp.CheckpointManager(root) as mngr:
+        for step in (1, 2):
+            mngr.save(
+                step,
+                args=osf.SafetensorsSave({"w": np.full((32,), step, np.float32), "b": np.ones(4)}),
+            )
+        mngr.wait_until_finished()
+    code, out, _ = run(capsys, "verify", root)
+    assert code == 0 and "OK (2 files, 4 tensors" in out
+    code, out, _ = run(capsys, "verify", root / "2" / "default" / "model.safetensors")
+    assert code == 0 and "OK (1 files, 2 tensors" in out
+    data = root / "2" / "default" / "model.safetensors"
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0xFF  # flip a byte of the last tensor
+    data.write_bytes(bytes(raw))
+    code, out, _ = run(capsys, "verify", root)
+    assert code == 1 and "DAMAGED" in out
+    assert "model.safetensors" in out and "CRC32C mismatch" in out
+    code, out, _ = run(capsys, "verify", root, "--json")
+    doc = json.loads(out)
+    assert code == 1 and doc["ok"] is False and len(doc["problems"]) == 1
+    (root / "1" / "default" / "model.safetensors").write_bytes(b"\x08\x00")  # truncated
+    code, out, _ = run(capsys, "verify", root / "1")
+    assert code == 1 and "model.safetensors" in out
+    code, _, err = run(capsys, "verify", tmp_dir / "missing")
+    assert code == 2 and "does not exist" in err
+
+
+def test_verify_plain_torch_file_has_no_checksums(tmp_dir, capsys):
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(3)}, tmp_dir / "t.safetensors")
+    code, out, _ = run(capsys, "verify", tmp_dir / "t.safetensors")
+    assert code == 0 and "no recorded checksum" in out
