@@ -121,7 +121,11 @@ def prepare_save(
             "dtype": s.dtype,
             "shape": list(s.shape),
             "file": fplan.filename,
-            "sharding": describe_sharding(flat.arrays[s.name]),
+            # Host-local leaves (numpy; in a multi-process job also jax.Arrays held whole by
+            # each process) have no global sharding to reuse.
+            "sharding": None
+            if _writer.is_host_local(flat.arrays[s.name])
+            else describe_sharding(flat.arrays[s.name]),
         }
     metadata = {
         "format": FORMAT_NAME,
@@ -362,6 +366,9 @@ def _saved_sharding_target(directory: epath.Path, metadata: Mapping[str, Any]) -
             out.append(np.zeros(leaf.shape, leaf.dtype))  # host-local leaf: read in full
             continue
         desc = metadata["tensors"][saved.tensor_name].get("sharding")
+        if desc is None:  # saved host-local: read whole onto this process's first device
+            out.append(leaf)
+            continue
         sharding = rebuild_sharding(desc)
         if sharding is None:
             raise TargetMismatchError(

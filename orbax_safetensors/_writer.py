@@ -79,10 +79,19 @@ def owned_shards(x: jax.Array) -> list[tuple[_plan.Index, jax.Array]]:
     ]
 
 
+def is_host_local(x: Any) -> bool:
+    """Whether ``x`` is host-local data, written by the primary process alone: a numpy array, or
+    (in a multi-process job) a ``jax.Array`` whose every shard is on this process, so that each
+    process holds its own copy (Orbax refuses to save these; we treat them like numpy leaves)."""
+    if not isinstance(x, jax.Array):
+        return True
+    return jax.process_count() > 1 and x.is_fully_addressable
+
+
 def start_host_copies(arrays: Mapping[str, Any]) -> None:
     """Starts every owned shard's device-to-host copy so they overlap one another."""
     for x in arrays.values():
-        if isinstance(x, jax.Array):
+        if not is_host_local(x):
             for _, data in owned_shards(x):
                 data.copy_to_host_async()
 
@@ -116,7 +125,7 @@ def host_pieces(
       plan: the checkpoint's file plan.
       arrays: stored tensors by name (``jax.Array`` or numpy).
       copy: copy host data into buffers we own (needed when writing happens after return).
-      is_primary: whether this process writes host-local (numpy) leaves.
+      is_primary: whether this process writes host-local leaves (see :func:`is_host_local`).
 
     Each piece's tag is ``(tensor name, offset inside the tensor)``.
     """
@@ -126,7 +135,7 @@ def host_pieces(
         file_index = plan.file_of[name]
         fplan, entry = plan.locate(name)
         base = fplan.data_start + entry.begin
-        if isinstance(x, jax.Array):
+        if not is_host_local(x):
             shards = owned_shards(x)
         elif is_primary:
             shards = [(_plan.normalize_index((), x.shape), x)]
