@@ -493,3 +493,53 @@ def test_jax_arrays_are_accepted_with_their_dtype(tmp_path):
     tensors = osf.read_header(path).tensors
     assert (tensors["w"].dtype, tensors["w"].shape) == ("BF16", (2, 3))
     assert (tensors["k"].dtype, tensors["k"].shape) == ("U32", (2,))
+
+
+# --------------------------------------------------------------------------- docs/format.md
+
+
+def _doc_json_blocks() -> list[object]:
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "format.md").read_text()
+    blocks = re.findall(r"^```json\n(.*?)^```", text, re.MULTILINE | re.DOTALL)
+    out = []
+    for b in blocks:
+        try:
+            out.append(json.loads(b))
+        except ValueError:
+            out.append(None)  # templates such as {"format": ..., "tree": NODE}
+    return out
+
+
+def test_worked_example_in_format_md_is_what_save_file_writes(tmp_path):
+    w = jnp.ones((2, 2), jnp.float32)
+    tree = {
+        "layers": [{"w": w, "b": np.zeros(2, np.float16)}],
+        "head": w,
+        "step": 10,
+        "lr": 0.001,
+        "rng": jax.random.key(0),
+        1: None,
+        "cfg": ("relu", True),
+    }
+    path = tmp_path / "ex.safetensors"
+    osf.save_file(tree, path, metadata={"run": "demo"})
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    meta = header.pop("__metadata__")
+    blocks = [b for b in _doc_json_blocks() if isinstance(b, dict)]
+    assert header in blocks  # the tensor entries
+    assert json.loads(meta["orbax_safetensors.tree"]) in blocks  # the schema
+    doc_meta = next(b for b in blocks if "orbax_safetensors.crc32c" in b)
+    assert json.loads(doc_meta["orbax_safetensors.crc32c"]) == json.loads(
+        meta["orbax_safetensors.crc32c"]
+    )
+    assert {k: v for k, v in doc_meta.items() if not k.startswith("orbax")} == {
+        "format": "flax",
+        "run": "demo",
+    }
+    # the numbers quoted in the prose
+    assert (len(raw), n, raw[:8].hex(" ")) == (1116, 1080, "38 04 00 00 00 00 00 00")
