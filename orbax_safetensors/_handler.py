@@ -78,6 +78,14 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         return jax.process_index() == self._primary_host
 
     def _prepare(self, args: SafetensorsSave) -> _checkpoint.PreparedSave:
+        count = jax.process_count()
+        if not 0 <= self._primary_host < count:
+            # Checked here, on the caller's thread: otherwise no process writes the headers and
+            # the step fails later, in Orbax's background commit, with a FileNotFoundError.
+            raise ValueError(
+                f"primary_host={self._primary_host} is not a process of this job "
+                f"(jax.process_count() is {count}); pass a process index in [0, {count})"
+            )
         return _checkpoint.prepare_save(
             args.item,
             user_metadata=args.metadata,
