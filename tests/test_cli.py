@@ -4,6 +4,7 @@ Orbax checkpoints. Interop is checked with the other tool (safetensors, Orbax), 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -483,3 +484,29 @@ def test_verify_plain_torch_file_has_no_checksums(tmp_dir, capsys):
     save_file({"w": torch.ones(3)}, tmp_dir / "t.safetensors")
     code, out, _ = run(capsys, "verify", tmp_dir / "t.safetensors")
     assert code == 0 and "no recorded checksum" in out
+
+
+def _proc_status_mib(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) // 1024
+    raise KeyError(key)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
+def test_convert_streams_in_bounded_memory(tmp_dir):
+    """Orbax -> safetensors holds about one batch of tensors, not the whole checkpoint."""
+    tree = {f"t{i}": np.full((1024, 2048), i, np.float32) for i in range(12)}  # 12 x 8 MiB
+    ckptr = ocp.PyTreeCheckpointer()
+    ckptr.save(tmp_dir / "native", tree)
+    del tree
+    _convert.convert(tmp_dir / "native", tmp_dir / "warm", batch_bytes=8 << 20, progress=False)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
+    base = _proc_status_mib("VmRSS")
+    _convert.convert(tmp_dir / "native", tmp_dir / "st", batch_bytes=8 << 20, progress=False)
+    growth = _proc_status_mib("VmHWM") - base
+    assert growth < 64, f"peak memory grew by {growth} MiB converting 96 MiB in 8 MiB batches"
+    got = safetensors.numpy.load_file(str(tmp_dir / "st" / "model.safetensors"))
+    assert float(got["t7"][0, 0]) == 7.0 and len(got) == 12
