@@ -34,7 +34,7 @@ from etils import epath
 from orbax_safetensors import _checksum, _format, _io, _plan, _tree, _writer
 from orbax_safetensors._errors import HeaderError, SchemaError, TargetMismatchError
 from orbax_safetensors._reader import ReadStats, StoredTensor
-from orbax_safetensors._restore import restore_tree
+from orbax_safetensors._restore import _is_restore_args, _restore_args_sharding, restore_tree
 
 METADATA_FILE = "orbax_safetensors.json"
 FORMAT_NAME = "orbax-safetensors"
@@ -340,41 +340,76 @@ def restore_directory(
 ) -> Any:
     """Restores a checkpoint directory (see :func:`orbax_safetensors.load_file` for ``target``).
 
-    Without a target in a multi-process job, arrays are placed with their saved sharding when
-    this job's devices allow it; otherwise a ``TargetMismatchError`` asks for a target.
+    In a multi-process job, arrays without a target sharding (no target at all, or target
+    leaves that are ``jax.ShapeDtypeStruct``/``ArrayRestoreArgs`` without one) are placed with
+    their saved sharding when this job's devices allow it; otherwise a ``TargetMismatchError``
+    asks for a target sharding. Arrays saved host-local come back on this process's first
+    device.
     """
     directory = epath.Path(directory)
     metadata = read_metadata(directory)
     stored = stored_tensors(directory, metadata)
-    if target is None and jax.process_count() > 1:
-        target = _saved_sharding_target(directory, metadata)
-    return restore_tree(metadata["schema"], stored, target, strict=strict, verify=verify, stats=stats)
+    if jax.process_count() > 1:
+        target = _saved_sharding_target(directory, metadata, target)
+    return restore_tree(
+        metadata["schema"], stored, target, strict=strict, verify=verify, stats=stats
+    )
 
 
-def _saved_sharding_target(directory: epath.Path, metadata: Mapping[str, Any]) -> Any:
-    abstract = abstract_tree(directory, metadata)
-    flat = _tree.flatten_target(abstract)
+def _lacks_sharding(leaf: Any) -> bool:
+    """Whether a target leaf asks for a jax.Array without saying where to place it."""
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return leaf.sharding is None
+    if _is_restore_args(leaf):
+        restore_type = getattr(leaf, "restore_type", None)
+        if restore_type in (bool, int, float, str) or (
+            isinstance(restore_type, type) and issubclass(restore_type, np.ndarray)
+        ):
+            return False
+        return _restore_args_sharding(leaf) is None
+    return False
+
+
+def _saved_sharding_target(
+    directory: epath.Path, metadata: Mapping[str, Any], target: Any = None
+) -> Any:
+    """``target`` (None: the saved tree) with every jax leaf that lacks a sharding given its
+    saved sharding rebuilt over this job's devices (multi-process restores)."""
+    untargeted = target is None
+    if untargeted:
+        target = abstract_tree(directory, metadata)
+    flat = _tree.flatten_target(target, is_leaf=_is_restore_args)
     leaves = _tree.validate_schema(metadata["schema"])
     out = []
     for name, leaf in zip(flat.names, flat.leaves):
         saved = leaves.get(name)
-        if not isinstance(leaf, jax.ShapeDtypeStruct) or saved is None:
+        if saved is None or not _lacks_sharding(leaf):
             out.append(leaf)
             continue
         original = leaves.get(saved.tensor_name, saved)
+        info = metadata["tensors"].get(saved.tensor_name)
         if original.kind == "tensor" and original.node.get("array") != "jax":
-            out.append(np.zeros(leaf.shape, leaf.dtype))  # host-local leaf: read in full
+            if untargeted:  # a host-local numpy leaf: every process reads it in full
+                host = np.zeros(leaf.shape, leaf.dtype)
+                out.append(host[()] if original.node.get("array") == "scalar" else host)
+            else:
+                out.append(leaf)
             continue
-        desc = metadata["tensors"][saved.tensor_name].get("sharding")
-        if desc is None:  # saved host-local: read whole onto this process's first device
+        desc = info.get("sharding") if isinstance(info, dict) else None
+        if desc is None:  # saved host-local (or not a NamedSharding): this process's device
             out.append(leaf)
             continue
         sharding = rebuild_sharding(desc)
         if sharding is None:
+            saved_devices = int(np.prod(desc.get("mesh_shape") or [0]))
             raise TargetMismatchError(
-                f"{directory}: tensor {saved.tensor_name!r} was saved with sharding {desc!r}, which "
-                f"this job's {len(jax.devices())} devices cannot reproduce; pass a restore target "
-                "whose leaves are jax.ShapeDtypeStruct with the sharding you want"
+                f"{directory}: tensor {saved.tensor_name!r} was saved with sharding {desc!r} "
+                f"(a mesh of {saved_devices} devices), which this job's {len(jax.devices())} "
+                "devices cannot reproduce; pass a restore target whose leaves are "
+                "jax.ShapeDtypeStruct with the sharding you want"
             )
-        out.append(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding))
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            out.append(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding))
+        else:
+            out.append(dataclasses.replace(leaf, sharding=sharding))
     return flat.rebuild(out)
