@@ -15,7 +15,7 @@ The first rule that matches a key wins. :func:`load_pytorch` reads a ``state_dic
 ``safetensors.torch.save_file`` (or a Hugging Face directory, sharded with
 ``model.safetensors.index.json`` or not) into an NNX model; :func:`export_pytorch` writes a
 model (or a checkpoint) as a Hugging Face style directory that ``safetensors.torch.load_file``
-and ``transformers`` read. Both report every key that no rule maps, every model variable left
+and ``huggingface_hub.load_torch_model`` read. Both report every key that no rule maps, every model variable left
 without a value and every shape that does not fit, all at once.
 
 Example::
@@ -532,7 +532,7 @@ def export_pytorch(
     The directory gets ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` plus
     ``model.safetensors.index.json`` above ``max_file_size``), with header metadata
     ``{"format": "pt"}``, ready for ``safetensors.torch.load_file`` / ``load_state_dict`` or
-    ``transformers``' ``from_pretrained``. Other files in the directory (``config.json``...)
+    ``huggingface_hub.load_torch_model`` (the layout ``transformers`` loads from). Other files in the directory (``config.json``...)
     are kept; earlier ``model*.safetensors`` files and index are replaced.
 
     Args:

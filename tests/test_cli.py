@@ -510,3 +510,19 @@ def test_convert_streams_in_bounded_memory(tmp_dir):
     assert growth < 64, f"peak memory grew by {growth} MiB converting 96 MiB in 8 MiB batches"
     got = safetensors.numpy.load_file(str(tmp_dir / "st" / "model.safetensors"))
     assert float(got["t7"][0, 0]) == 7.0 and len(got) == 12
+
+
+def test_convert_plain_safetensors_file_and_hf_dir_to_orbax(tmp_dir):
+    import torch
+    from safetensors.torch import save_file
+
+    state = {"lin.weight": torch.arange(6.0).reshape(2, 3), "lin.bias": torch.ones(2)}
+    save_file(state, tmp_dir / "t.safetensors")
+    (tmp_dir / "hf").mkdir()
+    save_file(state, tmp_dir / "hf" / "model.safetensors")
+    for src, dst in ((tmp_dir / "t.safetensors", tmp_dir / "o1"), (tmp_dir / "hf", tmp_dir / "o2")):
+        summary = _convert.convert(src, dst)
+        assert summary.direction == "orbax" and summary.tensors == 2
+        restored = ocp.PyTreeCheckpointer().restore(dst)
+        np.testing.assert_array_equal(restored["lin.weight"], state["lin.weight"].numpy())
+        assert _inspect.diff_paths(src, dst).identical
