@@ -42,7 +42,7 @@ def _write_all(fd: int, data: memoryview) -> None:
 
 
 def _read_into(f: Any, buf: np.ndarray, offset: int) -> None:
-    view = memoryview(buf.reshape(-1).view(np.uint8))
+    view = buf.reshape(-1).view(np.uint8).data
     f.seek(offset)
     while view:
         n = f.readinto(view)
@@ -131,7 +131,7 @@ class Floor(Method):
                     "shape": list(host.shape),
                     "dtype": str(host.dtype),
                 }
-                _write_all(fd, memoryview(np.ascontiguousarray(host).reshape(-1).view(np.uint8)))
+                _write_all(fd, np.ascontiguousarray(host).reshape(-1).view(np.uint8).data)
                 offset += host.nbytes
             os.fsync(fd)
         finally:

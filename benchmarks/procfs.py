@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
+import ctypes
 import mmap
 import os
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 
@@ -147,6 +149,28 @@ def mem_available() -> int:
     return 0
 
 
+def _libc() -> Any:
+    """libc through ctypes (foreign calls release the GIL), with the prototypes used here."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    return libc
+
+
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_MADV_HUGEPAGE = 14
+
+
 class HotMemory:
     """A block of memory kept faulted in by the orchestrator and handed to a worker on demand.
 
@@ -154,38 +178,97 @@ class HotMemory:
     which numpy uses for large arrays) the host reclaims guest memory about 2 s after the guest
     frees it, and the next first write to it costs 1.5-7 s/GiB instead of ~0.2 s/GiB. A fresh
     worker process would pay that on every buffer it allocates, swamping the methods' own
-    costs. So the orchestrator holds ``nbytes`` of populated (huge-page) memory, releases it the
-    moment a worker is about to start its timed operation (the freed pages sit hot at the head of
-    the kernel's free lists, where the operation's buffers and page cache come from), and takes
-    it back as soon as the worker exits (cheap: those pages are still hot).
+    costs. So the orchestrator holds ``nbytes`` of populated (huge-page) memory and releases it
+    the moment a worker is about to start its timed operation: the freed pages sit hot at the
+    head of the kernel's free lists, where the operation's buffers and page cache come from.
+    Once the operation is done the block is populated again in a background thread (ctypes
+    calls release the GIL), overlapping the worker's untimed tail and the next worker's start.
     """
 
     def __init__(self, nbytes: int) -> None:
         page = 2 << 20
         self.nbytes = -(-max(0, nbytes) // page) * page
-        self._region: mmap.mmap | None = None
+        self._addr: int | None = None
+        self._thread: threading.Thread | None = None
+        self._libc: Any = _libc() if self.nbytes else None
         self.warm_seconds = 0.0
 
-    def warm(self) -> None:
-        """(Re)populates the block; no-op if held or empty."""
-        if self._region is not None or not self.nbytes:
-            return
+    def _populate(self) -> None:
         t0 = time.perf_counter()
-        region = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        with contextlib.suppress(OSError, AttributeError, ValueError):
-            region.madvise(mmap.MADV_HUGEPAGE)
-        try:
-            region.madvise(_MADV_POPULATE_WRITE, 0, self.nbytes)
-        except (OSError, ValueError):
-            view = memoryview(region)
-            for off in range(0, self.nbytes, mmap.PAGESIZE):
-                view[off] = 1
-            view.release()
-        self._region = region
+        libc, n = self._libc, self.nbytes
+        prot = mmap.PROT_READ | mmap.PROT_WRITE
+        addr = libc.mmap(None, n, prot, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+        if addr in (None, _MAP_FAILED):
+            return
+        libc.madvise(addr, n, _MADV_HUGEPAGE)
+        half = n // 2 // mmap.PAGESIZE * mmap.PAGESIZE
+        parts = [(addr, half), (addr + half, n - half)]
+        done: list[bool] = []
+
+        def populate(start: int, length: int) -> None:
+            done.append(libc.madvise(start, length, _MADV_POPULATE_WRITE) == 0)
+
+        threads = [threading.Thread(target=populate, args=part) for part in parts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if not all(done):  # kernel without MADV_POPULATE_WRITE: write the memory
+            ctypes.memset(addr, 1, n)
+        self._addr = addr
         self.warm_seconds += time.perf_counter() - t0
 
+    def warm(self, background: bool = False) -> None:
+        """(Re)populates the block, now or in a background thread; no-op if held or pending."""
+        if not self.nbytes or self._addr is not None or self._thread is not None:
+            return
+        if background:
+            self._thread = threading.Thread(target=self._populate, daemon=True)
+            self._thread.start()
+        else:
+            self._populate()
+
     def release(self) -> None:
-        """Unmaps the block (the worker is about to allocate)."""
-        if self._region is not None:
-            self._region.close()
-            self._region = None
+        """Finishes a pending populate, then unmaps the block (a worker is about to allocate)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._addr is not None:
+            self._libc.munmap(self._addr, self.nbytes)
+            self._addr = None
+
+
+def cached_bytes(path: Path) -> int:
+    """Bytes of the files below ``path`` now resident in the page cache (``mincore``).
+
+    Right after a cold read this is what was read from those files (readahead included),
+    unlike ``/proc/self/io`` ``read_bytes``, which also counts libraries loaded lazily.
+
+    Returns:
+      -1 if ``mincore`` is unavailable.
+    """
+    try:
+        libc = _libc()
+    except (OSError, AttributeError):
+        return -1
+    page = mmap.PAGESIZE
+    total = 0
+    for p in files_under(path):
+        size = p.stat().st_size
+        if not size:
+            continue
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if addr in (None, _MAP_FAILED):
+                return -1
+            try:
+                vec = (ctypes.c_ubyte * (-(-size // page)))()
+                if libc.mincore(ctypes.c_void_p(addr), size, vec) != 0:
+                    return -1
+                total += sum(v & 1 for v in vec) * page
+            finally:
+                libc.munmap(ctypes.c_void_p(addr), size)
+        finally:
+            os.close(fd)
+    return total

@@ -47,7 +47,7 @@ from benchmarks.state import (  # noqa: E402
     parse_size,
     partial_selection,
 )
-from benchmarks.worker import MARKER, RELEASE  # noqa: E402
+from benchmarks.worker import DONE, MARKER, RELEASE  # noqa: E402
 
 _VERSIONED = (
     "jax",
@@ -72,8 +72,8 @@ def run_worker(
     """Runs one job in a fresh interpreter and returns its result dict (or ``{"error": ...}``).
 
     With ``hot``, the worker announces (``@@RELEASE@@`` on stdout) that its timed operation is
-    about to start; the hot memory is released, the worker told to go on, and the memory taken
-    back once the worker exits (see ``procfs.HotMemory``).
+    about to start; the hot memory is released and the worker told to go on; when it reports the
+    operation done (``@@DONE@@``) the memory is taken back (see ``procfs.HotMemory``).
     """
     env = dict(os.environ)
     env.setdefault("JAX_PLATFORMS", "cpu")
@@ -104,6 +104,10 @@ def run_worker(
                     hot.release()
                 proc.stdin.write("go\n")
                 proc.stdin.flush()
+            elif line.startswith(DONE):
+                if hot is not None:
+                    # now, while the pages the operation left free are still hot
+                    hot.warm(background=True)
             elif line.startswith(MARKER):
                 result = json.loads(line[len(MARKER) :])
         proc.wait()
@@ -111,7 +115,7 @@ def run_worker(
         timed_out = not timer.is_alive() and proc.returncode not in (0, None)
         timer.cancel()
         if hot is not None:
-            hot.warm()
+            hot.warm(background=True)
         drain.join(timeout=5)
     if result is not None:
         return result
@@ -444,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 if full:
                     case["full_read_bytes"] = {
-                        n: e["summary"].get("cold_read_bytes")
+                        n: e["summary"].get("cold_ckpt_read", e["summary"].get("cold_read_bytes"))
                         for n, e in full["methods"].items()
                         if "summary" in e
                     }

@@ -39,6 +39,7 @@ from benchmarks.state import (
 
 MARKER = "@@RESULT@@"
 RELEASE = "@@RELEASE@@"
+DONE = "@@DONE@@"
 
 #: set from the job: ask the orchestrator to release its hot memory before timing
 _HANDOFF = False
@@ -114,6 +115,8 @@ def _measure(fn: Any) -> tuple[Any, dict[str, Any]]:
     cpu = time.process_time() - cpu0
     hwm = procfs.hwm_bytes()
     io1 = procfs.io_counters()
+    if _HANDOFF:
+        print(DONE, flush=True)
     stats = {
         "seconds": elapsed,
         "cpu_seconds": cpu,
@@ -200,6 +203,8 @@ def do_restore(job: dict[str, Any], method: Method) -> dict[str, Any]:
 
     (tree, converted), stats = _measure(run)
     result.update(stats)
+    if job["mode"] == "cold":
+        result["ckpt_cached_bytes"] = procfs.cached_bytes(directory)
     result["converted_to_jax"] = converted
     result["notes"] = method.notes()
     result["verified"] = _verify(tree, wanted, seed)
