@@ -1,7 +1,8 @@
 """Fresh-process restore: ``mngr.restore(step)`` with no args, after only ``import orbax_safetensors``.
 
-Usage: ``python restore_no_args.py ROOT STEP``. Prints one JSON line describing every leaf of the
-restored tree (path, Python type, dtype, shape, values), so the parent test can compare it.
+Usage: ``python restore_no_args.py ROOT STEP [ROOT STEP ...]``. Prints, per checkpoint, one JSON
+line describing every leaf of the restored tree (path, Python type, dtype, shape, values), so the
+parent test can compare it.
 """
 
 from __future__ import annotations
@@ -38,19 +39,17 @@ def describe(tree: object) -> list[dict[str, object]]:
 
 
 def main() -> None:
-    root, step = sys.argv[1], int(sys.argv[2])
-    mngr = ocp.CheckpointManager(root)
-    restored = mngr.restore(step)
-    mngr.close()
-    if isinstance(restored, ocp.args.Composite):
-        restored = dict(restored.items())
-        print(json.dumps({"composite": True, "leaves": describe(restored)}))
-    else:
-        print(
-            json.dumps(
-                {"composite": False, "top": type(restored).__name__, "leaves": describe(restored)}
-            )
-        )
+    args = sys.argv[1:]
+    for root, step in zip(args[::2], args[1::2]):
+        mngr = ocp.CheckpointManager(root)
+        restored = mngr.restore(int(step))
+        mngr.close()
+        if isinstance(restored, ocp.args.Composite):
+            restored = dict(restored.items())
+            print(json.dumps({"composite": True, "leaves": describe(restored)}))
+        else:
+            doc = {"composite": False, "top": type(restored).__name__}
+            print(json.dumps({**doc, "leaves": describe(restored)}))
 
 
 if __name__ == "__main__":
