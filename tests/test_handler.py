@@ -620,7 +620,9 @@ def test_partial_restore_with_strict_false_reads_only_requested_tensors(tmp_path
     np.testing.assert_array_equal(restored["small"]["a"], np.arange(4, dtype=np.float32))
     assert restored["extra"] is keep  # missing key: the concrete target value is kept
     assert handler.last_read_stats is not None
-    assert handler.last_read_stats.bytes_read == 16  # only small.a's bytes
+    stats = handler.last_read_stats
+    assert stats.bytes_needed == 16  # only small.a's bytes ...
+    assert stats.bytes_read <= 16 + 4096  # ... read, give or take a coalesced gap; never "big"
 
     with pytest.raises(osf.TargetMismatchError) as err:
         mngr.restore(1, args=osf.SafetensorsRestore(target))  # strict by default
