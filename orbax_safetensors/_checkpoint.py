@@ -83,6 +83,19 @@ def rebuild_sharding(desc: Mapping[str, Any] | None) -> jax.sharding.Sharding | 
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
 
 
+def validate_save(tree: Any, user_metadata: Mapping[str, Any] | None = None) -> _tree.FlatTree:
+    """Checks that ``tree`` and ``user_metadata`` can be saved, before any I/O is scheduled.
+
+    Raises:
+      UnsupportedLeafError: naming the first leaf (or dtype) that cannot be stored.
+      TypeError: when ``user_metadata`` is not JSON-serialisable.
+    """
+    flat = _tree.flatten(tree)
+    _writer.tensor_specs(flat.arrays)
+    json.dumps(dict(user_metadata or {}))
+    return flat
+
+
 @dataclasses.dataclass
 class PreparedSave:
     """Everything a process needs to write its part; host copies are already complete."""
@@ -105,12 +118,14 @@ def prepare_save(
     process_index: int = 0,
     copy: bool = True,
     checksums: bool = True,
+    flat: _tree.FlatTree | None = None,
 ) -> PreparedSave:
     """Flattens ``tree``, plans its files and copies this process's owned bytes to host.
 
     With ``copy=True`` the caller may donate or overwrite its arrays as soon as this returns.
+    ``flat`` is ``tree`` already flattened (by :func:`validate_save`), to skip doing it again.
     """
-    flat = _tree.flatten(tree)
+    flat = flat if flat is not None else _tree.flatten(tree)
     specs = _writer.tensor_specs(flat.arrays)
     # Headers depend only on names, dtypes and shapes: identical on every process.
     plan = _plan.plan_files(specs, max_file_size=max_file_size, metadata={"format": "flax"})
