@@ -22,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 from collections.abc import Mapping
@@ -32,7 +33,12 @@ import numpy as np
 from etils import epath
 
 from orbax_safetensors import _checksum, _format, _io, _plan, _tree, _writer
-from orbax_safetensors._errors import HeaderError, SchemaError, TargetMismatchError
+from orbax_safetensors._errors import (
+    HeaderError,
+    IntegrityError,
+    SchemaError,
+    TargetMismatchError,
+)
 from orbax_safetensors._reader import ReadStats, StoredTensor
 from orbax_safetensors._restore import _is_restore_args, _restore_args_sharding, restore_tree
 
@@ -169,28 +175,33 @@ def write_process_part(
     """
     directory = epath.Path(directory)
     plan = prepared.plan
-    records: list[list[Any]] = []
+    runs: dict[str, list[tuple[int, int, int]]] = {}  # tensor -> (offset, nbytes, crc) written
     for i, fplan in enumerate(plan.files):
         pieces = list(prepared.pieces.get(i, []))
         if prepared.is_primary:
             pieces.append(_io.Piece(0, np.frombuffer(fplan.header, dtype=np.uint8)))
         if not pieces:
             continue
-        if prepared.checksums:
-            records.extend(
-                [p.tag[0], p.tag[1], p.data.nbytes, _checksum.crc32c(p.data)]  # type: ignore[index]
-                for p in pieces
-                if p.tag is not None
-            )
-        _io.write_file(directory / fplan.filename, pieces, size=fplan.size)
+        for p in pieces:
+            if p.tag is not None:
+                name, offset = p.tag  # type: ignore[misc]
+                crc = _checksum.crc32c(p.data) if prepared.checksums else 0
+                runs.setdefault(name, []).append((offset, p.data.nbytes, crc))
+        _io.write_file(directory / fplan.filename, pieces, size=fplan.size, checksums=False)
         if stats is not None:
             stats.add(fplan.filename, pieces)
     if prepared.is_primary:
         if len(plan.files) > 1:
             (directory / _plan.INDEX_FILE_NAME).write_text(json.dumps(plan.index_json(), indent=1))
         (directory / (METADATA_FILE + ".draft")).write_text(json.dumps(prepared.metadata))
+    # One record per tensor this process wrote any of: bytes written and this process's share
+    # of the tensor's CRC32C (see _checksum.share), however many strided runs it wrote.
+    tensors = {
+        name: [sum(n for _, n, _ in rs), _checksum.share(rs, prepared.sizes[name])]
+        for name, rs in runs.items()
+    }
     part = directory / f"{_PART_PREFIX}{prepared.process_index}.json"
-    part.write_text(json.dumps({"checksums": prepared.checksums, "pieces": records}))
+    part.write_text(json.dumps({"checksums": prepared.checksums, "tensors": tensors}))
 
 
 def finalize(directory: epath.PathLike) -> None:
@@ -200,17 +211,24 @@ def finalize(directory: epath.PathLike) -> None:
     draft = directory / (METADATA_FILE + ".draft")
     metadata = json.loads(draft.read_text())
     parts = sorted(directory.glob(f"{_PART_PREFIX}*.json"))
-    records: list[tuple[object, int, int]] = []
-    enabled = True
-    for part in parts:
-        doc = json.loads(part.read_text())
-        enabled = enabled and bool(doc["checksums"])
-        records.extend(((name, off), n, crc) for name, off, n, crc in doc["pieces"])
-    if enabled and parts:
-        sizes = {n: _dtypes_nbytes(t) for n, t in metadata["tensors"].items()}
-        crcs = _writer.tensor_checksums(records, sizes)
-        for name, crc in crcs.items():
-            metadata["tensors"][name]["crc32c"] = _checksum.to_hex(crc)
+    # One small file per process: read them concurrently (object storage latency adds up).
+    with concurrent.futures.ThreadPoolExecutor(min(32, max(1, len(parts)))) as pool:
+        docs = list(pool.map(lambda part: json.loads(part.read_text()), parts))
+    if parts and all(doc["checksums"] for doc in docs):
+        written = dict.fromkeys(metadata["tensors"], 0)
+        crcs = dict.fromkeys(metadata["tensors"], 0)
+        for doc in docs:
+            for name, (nbytes, share) in doc["tensors"].items():
+                written[name] += nbytes
+                crcs[name] ^= share
+        for name, info in metadata["tensors"].items():
+            if written[name] != _dtypes_nbytes(info):
+                raise IntegrityError(
+                    f"{directory}: the processes wrote {written[name]} bytes of tensor {name!r} "
+                    f"({info['dtype']}{info['shape']}, {_dtypes_nbytes(info)} bytes); every byte "
+                    "must be written exactly once"
+                )
+            info["crc32c"] = _checksum.to_hex(crcs[name])
     (directory / METADATA_FILE).write_text(json.dumps(metadata))
     draft.unlink()
     for part in parts:
