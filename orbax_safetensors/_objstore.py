@@ -44,6 +44,7 @@ Example::
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -164,7 +165,8 @@ class ObjectStoreStats:
     """Requests and bytes this process sent to object storage (cumulative, all threads).
 
     ``bytes_fetched`` counts every byte requested by ranged GETs (coalesced gaps included);
-    ``bytes_uploaded`` every byte sent in PUTs and parts; ``bytes_copied`` bytes copied
+    ``bytes_uploaded`` every byte sent in PUTs and parts (``put_requests`` counts both,
+    ``multipart_parts`` the S3 UploadPart requests among them); ``bytes_copied`` bytes copied
     server-side (UploadPartCopy); ``bytes_reassembled`` bytes the primary downloaded again to
     build S3 parts or GCS filler objects from other processes' loose ranges.
     """
@@ -173,6 +175,7 @@ class ObjectStoreStats:
     bytes_fetched: int = 0
     put_requests: int = 0
     bytes_uploaded: int = 0
+    multipart_parts: int = 0
     copy_requests: int = 0
     bytes_copied: int = 0
     compose_requests: int = 0
@@ -303,6 +306,20 @@ def _is_transient(error: BaseException) -> bool:
     return from_requests and bool(names & {"ConnectionError", "Timeout"})
 
 
+_TRACE = os.environ.get("OSF_OBJSTORE_TRACE") == "1"
+
+
+def _trace(message: str) -> None:
+    """One line per request on stderr when ``OSF_OBJSTORE_TRACE=1`` (debugging aid)."""
+    import sys
+
+    print(
+        f"[osf-objstore {time.time():.3f} {threading.current_thread().name}] {message}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def _call(url: str, operation: str, fn: Callable[[], _T]) -> _T:
     """Runs ``fn`` with bounded retries on transient failures; wraps final errors."""
     options = get_object_store_options()
@@ -310,7 +327,12 @@ def _call(url: str, operation: str, fn: Callable[[], _T]) -> _T:
     while True:
         attempt += 1
         try:
-            return fn()
+            if not _TRACE:
+                return fn()
+            start = time.perf_counter()
+            result = fn()
+            _trace(f"{time.perf_counter() - start:8.3f}s {operation} {url}")
+            return result
         except (FileNotFoundError, EOFError, ObjectStoreError):
             raise
         except Exception as error:
@@ -319,6 +341,8 @@ def _call(url: str, operation: str, fn: Callable[[], _T]) -> _T:
             if not _is_transient(error) or attempt >= options.max_attempts:
                 raise ObjectStoreError(url, operation, attempt, error) from error
             _count(retries=1)
+            if _TRACE:
+                _trace(f"retry after attempt {attempt}: {operation} {url}: {_describe(error)}")
             delay = min(options.backoff_max, options.backoff_initial * 2 ** (attempt - 1))
             time.sleep(delay * (0.5 + random.random() / 2))
 
@@ -339,10 +363,13 @@ class _ViewsReader(io.RawIOBase):
     """A seekable, read-only file over a list of memoryviews (an upload body, no copy)."""
 
     def __init__(self, views: Sequence[memoryview]) -> None:
-        self._views = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in views]
-        self._starts = np.cumsum([0] + [len(v) for v in self._views]).tolist()
+        self._views = [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views]
+        self._starts = [0]
+        for v in self._views:
+            self._starts.append(self._starts[-1] + len(v))
         self._size = self._starts[-1]
         self._pos = 0
+        self._i = 0  # index of the view holding byte ``_pos`` (sequential reads skip search)
 
     def __len__(self) -> int:
         return self._size
@@ -359,15 +386,17 @@ class _ViewsReader(io.RawIOBase):
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
         self._pos = max(0, base + offset)
+        self._i = max(0, bisect.bisect_right(self._starts, self._pos) - 1)
         return self._pos
 
     def readinto(self, buffer: Any) -> int:
         out = memoryview(buffer).cast("B")
         done = 0
         while done < len(out) and self._pos < self._size:
-            i = int(np.searchsorted(self._starts, self._pos, side="right")) - 1
-            view = self._views[i]
-            start = self._pos - self._starts[i]
+            while self._starts[self._i + 1] <= self._pos:
+                self._i += 1
+            view = self._views[self._i]
+            start = self._pos - self._starts[self._i]
             n = min(len(out) - done, len(view) - start)
             out[done : done + n] = view[start : start + n]
             done += n
@@ -379,7 +408,7 @@ class _ViewsReader(io.RawIOBase):
             size = self._size - self._pos
         buffer = bytearray(max(0, min(size, self._size - self._pos)))
         n = self.readinto(buffer)
-        return bytes(buffer[:n])
+        return bytes(buffer[:n]) if n < len(buffer) else bytes(buffer)
 
     def readall(self) -> bytes:
         return self.read(-1)
@@ -614,7 +643,7 @@ class _S3:
         self, bucket: str, key: str, upload_id: str, number: int, views: Sequence[memoryview]
     ) -> str:
         body = _ViewsReader(views)
-        _count(put_requests=1, bytes_uploaded=len(body))
+        _count(put_requests=1, bytes_uploaded=len(body), multipart_parts=1)
         response = self.client().upload_part(
             Bucket=bucket,
             Key=key,
@@ -691,6 +720,10 @@ class _GCS:
         from google.cloud import storage
 
         client = storage.Client()
+        # google-cloud-storage >= 3.15 fetches every bucket's metadata in a background thread
+        # per client, for tracing attributes only: an extra request per thread and bucket.
+        if getattr(client, "_bucket_metadata_cache", None) is not None:
+            client._bucket_metadata_cache = None
         self._local.client = (env, client)
         return client
 
@@ -1095,7 +1128,8 @@ def _complete(
             store.complete_upload(bucket, key, upload_id, parts)
         except Exception as error:
             # A retried Complete after a lost response: the object is there already.
-            code = getattr(error, "response", {}).get("Error", {}).get("Code")
+            response = getattr(error, "response", None)
+            code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
             if code == "NoSuchUpload" and _existing_size(store, bucket, key) == size:
                 return
             raise
@@ -1111,9 +1145,16 @@ def _existing_size(store: _S3 | _GCS, bucket: str, key: str) -> int | None:
 
 
 def _delete_quietly(store: _S3 | _GCS, bucket: str, keys: Sequence[str]) -> None:
+    """Deletes temporary objects (with retries); a final failure leaves them behind rather
+    than hiding the error that brought us here."""
+    keys = list(dict.fromkeys(keys))
     if keys:
         with contextlib.suppress(Exception):
-            store.delete(bucket, list(dict.fromkeys(keys)))
+            _call(
+                f"{store.scheme}://{bucket}/{keys[0]}",
+                f"DELETE {len(keys)} temporary objects",
+                lambda: store.delete(bucket, keys),
+            )
 
 
 def _compose_tree(
@@ -1426,23 +1467,31 @@ def _checked_sources(url: str, docs: list[dict[str, Any]]) -> tuple[int, list[di
 def _fetch(
     store: _S3 | _GCS, url: str, bucket: str, pieces: Sequence[dict[str, Any]], out: memoryview
 ) -> None:
-    """Downloads the object ranges ``pieces`` (consecutive in the file) into ``out``."""
+    """Downloads the object ranges ``pieces`` (consecutive in the file) into ``out``.
+
+    Ranges of one object that lie close together (one process's loose ranges are stored back
+    to back) share a request, as in :meth:`ObjectReader.read_runs`.
+    """
+    options = get_object_store_options()
+    dest = np.frombuffer(out, dtype=np.uint8)
+    by_object: dict[str, list[tuple[int, np.ndarray]]] = {}
     pos = 0
-    jobs = []
     for p in pieces:
         n = int(p["size"])
-        view = out[pos : pos + n]
-        start = int(p["key_offset"])
-        obj = p["key"]
-        for a, b in _even_chunks(n, get_object_store_options().max_request_bytes):
-            jobs.append(
-                lambda obj=obj, a=a, b=b, view=view, start=start: _call(
-                    url,
-                    f"GET {obj} bytes {start + a}-{start + b - 1}",
-                    lambda: store.get_into(bucket, obj, start + a, [view[a:b]]),
-                )
-            )
+        by_object.setdefault(p["key"], []).append((int(p["key_offset"]), dest[pos : pos + n]))
         pos += n
+    jobs: list[Callable[[], Any]] = []
+    for obj, runs in by_object.items():
+        for start, bufs in _io._read_batches(runs, options.max_gap):
+            for s, views in _split_request(start, bufs, options.max_request_bytes):
+                n = sum(len(v) for v in views)
+                jobs.append(
+                    lambda obj=obj, s=s, views=views, n=n: _call(
+                        url,
+                        f"GET {obj} bytes {s}-{s + n - 1}",
+                        lambda: store.get_into(bucket, obj, s, views),
+                    )
+                )
     _count(bytes_reassembled=pos)
     _run_all(jobs)
 
