@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import os
+import stat
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol
@@ -28,6 +29,7 @@ import numpy as np
 from etils import epath
 
 from orbax_safetensors import _checksum
+from orbax_safetensors._errors import HeaderError
 
 ALIGNMENT = 64
 _IOV_MAX = 1024  # Linux's per-call iovec limit
@@ -41,6 +43,19 @@ def aligned_empty(nbytes: int, alignment: int = ALIGNMENT) -> np.ndarray:
     raw = np.empty(nbytes + alignment, dtype=np.uint8)
     start = (-raw.ctypes.data) % alignment
     return raw[start : start + nbytes]
+
+
+def is_regular_file(path: epath.PathLike) -> bool:
+    """Whether ``path`` is an existing regular file (not a directory, FIFO or device).
+
+    ``epath.Path.is_file`` is true for a FIFO, and opening one for reading blocks.
+    """
+    if not is_local(path):
+        return epath.Path(path).is_file()
+    try:
+        return stat.S_ISREG(os.stat(os.fspath(path)).st_mode)
+    except (OSError, ValueError):
+        return False
 
 
 def is_local(path: epath.PathLike) -> bool:
@@ -140,6 +155,11 @@ def write_file(
             _pwritev_all(fd, [p.data.data for p in batch], batch[0].offset)
         if sync:
             os.fsync(fd)
+    except OSError as e:
+        if e.errno is None or e.filename is not None:
+            raise
+        # ftruncate/pwritev/fsync errors carry no file name: name the file (disk full, quota).
+        raise OSError(e.errno, f"{e.strerror} (writing {size} bytes)", os.fspath(path)) from e
     finally:
         os.close(fd)
     return crcs
@@ -188,8 +208,13 @@ class Reader(Protocol):
 class _LocalReader:
     def __init__(self, path: epath.PathLike, threads: int) -> None:
         self.path = os.fspath(path)
-        self._fd = os.open(self.path, os.O_RDONLY)
-        self.size = os.fstat(self._fd).st_size
+        # O_NONBLOCK: opening a FIFO planted where a file should be must not hang.
+        self._fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
+        st = os.fstat(self._fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(self._fd)
+            raise HeaderError(f"{self.path}: not a regular file (a directory, FIFO or device)")
+        self.size = st.st_size
         self._threads = threads
         self.bytes_read = 0  # bytes asked of the file, coalesced gaps included
         self.requests = 0  # ranged read requests (one per coalesced batch)
