@@ -263,7 +263,11 @@ def read_metadata(directory: epath.PathLike) -> dict[str, Any]:
     """Reads and checks the metadata file of a checkpoint directory."""
     path = epath.Path(directory) / METADATA_FILE
     if not path.exists():
-        raise FileNotFoundError(f"{directory} is not an orbax-safetensors checkpoint: no {METADATA_FILE}")
+        raise FileNotFoundError(
+            f"{directory} is not an orbax-safetensors checkpoint: no {METADATA_FILE}"
+        )
+    if not _io.is_regular_file(path):  # a FIFO would block the read below
+        raise SchemaError(f"{path}: not a regular file")
     with path.open("rb") as f:  # in chunks: memory follows the real size, not the cap
         parts: list[bytes] = []
         while sum(map(len, parts)) <= _MAX_METADATA_BYTES and (part := f.read(1 << 20)):
@@ -314,7 +318,7 @@ def stored_tensors(directory: epath.PathLike, metadata: Mapping[str, Any]) -> di
             raise SchemaError(f"{directory}: tensor {name!r} names an invalid file {filename!r}")
         if filename not in headers:
             path = directory / filename
-            if not path.is_file():
+            if not _io.is_regular_file(path):
                 raise SchemaError(
                     f"{directory}: tensor {name!r} is stored in {filename!r}, which does not "
                     "exist or is not a regular file"
