@@ -166,6 +166,8 @@ def _check_save(results: list[Any], root: Path, n: int, split: bool) -> None:
             assert writers == {0}, (name, writers)
         # Every process wrote something (sharded leaves are spread over all of them).
         assert all(p["bytes_written"] > 0 for p in per)
+        written = ", ".join(f"p{i} {p['bytes_written']}" for i, p in enumerate(per))
+        print(f"N={n} step {step}: tensor bytes written {written} (total {total}); files {files}")
 
 
 def _saved_spec(name: str) -> tuple[str, str]:
