@@ -202,6 +202,9 @@ class _Checker:
         path = directory / _plan.INDEX_FILE_NAME
         if not path.exists():
             return
+        if not _io.is_regular_file(path):
+            self.report._problem(f"{path}: not a regular file")
+            return
         try:
             weight_map = json.loads(path.read_bytes()).get("weight_map")
         except (ValueError, AttributeError, RecursionError, OSError) as e:

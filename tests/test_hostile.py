@@ -44,7 +44,7 @@ def _warm_up() -> None:
 
 
 def _real_size(path: Path) -> int:
-    if path.is_file():
+    if not path.is_dir():
         return path.stat().st_size
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import shutil
 import struct
 import tempfile
@@ -292,7 +293,15 @@ def header_cases() -> list[Case]:
         ),
     ]
     cases += [Case(n, "header", b, H, r) for n, b, r in docs]
+    cases.append(Case("fifo-not-a-file", "header", _fifo, H, "not a regular file"))
     return cases
+
+
+def _fifo(d: Path) -> Path:
+    """A FIFO where the file should be: opening it for reading must not block."""
+    d.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(d / "model.safetensors")
+    return d / "model.safetensors"
 
 
 def _extra(shape: list[int], nbytes: int) -> Callable[[Path], Path]:
@@ -512,6 +521,18 @@ def _flip_bit(ckpt: Path) -> None:
     path.write_bytes(bytes(raw))
 
 
+def _fifo_tensor_file(ckpt: Path) -> None:
+    doc = json.loads((ckpt / META_FILE).read_text())
+    _fifo(ckpt)  # ckpt/model.safetensors
+    _tensor_file("model.safetensors")(doc)
+    (ckpt / META_FILE).write_text(json.dumps(doc))
+
+
+def _fifo_metadata(ckpt: Path) -> None:
+    (ckpt / META_FILE).unlink()
+    os.mkfifo(ckpt / META_FILE)
+
+
 def _make_dir_entry(ckpt: Path) -> None:
     (ckpt / "sub").mkdir()
     doc = json.loads((ckpt / META_FILE).read_text())
@@ -563,6 +584,8 @@ def dir_cases() -> list[Case]:
         ("file-missing", _meta_doc(_tensor_file("gone.safetensors")), S, "not a regular file"),
         ("file-is-directory", _file_edit(_make_dir_entry), S, "not a regular file"),
         ("file-is-metadata", _meta_doc(_tensor_file(META_FILE)), H, "exceeds"),
+        ("file-is-fifo", _file_edit(_fifo_tensor_file), S, "not a regular file"),
+        ("meta-is-fifo", _file_edit(_fifo_metadata), S, "not a regular file"),
         (
             "tensor-not-in-header",
             _meta_doc(lambda m: m["tensors"].update(zz=dict(m["tensors"]["a"]))),
