@@ -48,6 +48,7 @@ import bisect
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import io
 import json
 import os
@@ -971,7 +972,7 @@ class ObjectReader:
             requests.extend(_split_request(start, bufs, options.max_request_bytes))
         self.requests += len(requests)
         self.bytes_read += sum(len(v) for _, views in requests for v in views)
-        _run_all([lambda s=s, v=v: self._get(s, v) for s, v in requests])
+        _run_all([functools.partial(self._get, s, v) for s, v in requests])
 
 
 def _split_request(
@@ -1019,7 +1020,7 @@ def _segments(pieces: Sequence[_io.Piece]) -> list[_Segment]:
         n = int(p.data.nbytes)
         if n == 0:
             continue
-        view = memoryview(np.ascontiguousarray(p.data).reshape(-1).view(np.uint8))
+        view = np.ascontiguousarray(p.data).reshape(-1).view(np.uint8).data
         if out and out[-1].end == p.offset:
             out[-1].views.append(view)
             out[-1].size += n
@@ -1076,18 +1077,17 @@ def _write_whole(store: _S3 | _GCS, url: str, bucket: str, key: str, seg: _Segme
     if isinstance(store, _S3):
         upload_id = _call(url, "CreateMultipartUpload", lambda: store.create_upload(bucket, key))
         try:
+
+            def upload(n: int, a: int, b: int) -> tuple[int, str]:
+                etag = _call(
+                    url,
+                    f"UploadPart {n} (bytes {a}-{b - 1})",
+                    lambda: store.upload_part(bucket, key, upload_id, n, seg.slice(a, b)),
+                )
+                return n, etag
+
             etags = _run_all(
-                [
-                    lambda n=n, a=a, b=b: (
-                        n,
-                        _call(
-                            url,
-                            f"UploadPart {n} (bytes {a}-{b - 1})",
-                            lambda: store.upload_part(bucket, key, upload_id, n, seg.slice(a, b)),
-                        ),
-                    )
-                    for n, (a, b) in enumerate(chunks, start=1)
-                ]
+                [functools.partial(upload, n, a, b) for n, (a, b) in enumerate(chunks, start=1)]
             )
             _complete(store, url, bucket, key, upload_id, etags, seg.size)
         except BaseException:
@@ -1100,14 +1100,11 @@ def _write_whole(store: _S3 | _GCS, url: str, bucket: str, key: str, seg: _Segme
     names = [f"{prefix}w-{token}-{i:05d}" for i in range(len(chunks))]
     created: list[str] = []
     try:
-        _run_all(
-            [
-                lambda name=name, a=a, b=b: _call(
-                    url, f"PUT part object {name}", lambda: store.put(bucket, name, seg.slice(a, b))
-                )
-                for name, (a, b) in zip(names, chunks)
-            ]
-        )
+
+        def put(name: str, a: int, b: int) -> None:
+            _call(url, f"PUT part object {name}", lambda: store.put(bucket, name, seg.slice(a, b)))
+
+        _run_all([functools.partial(put, n, a, b) for n, (a, b) in zip(names, chunks)])
         created = list(names)
         created += _compose_tree(store, url, bucket, key, names, f"{prefix}c-{token}")
     finally:
@@ -1171,14 +1168,15 @@ def _compose_tree(
         groups = [names[i : i + GCS_MAX_COMPOSE] for i in range(0, len(names), GCS_MAX_COMPOSE)]
         targets = [f"{tmp_prefix}-{level}-{i:05d}" for i in range(len(groups))]
         created += targets
-        _run_all(
-            [
-                lambda t=t, g=g: _call(
-                    url, f"compose {len(g)} objects into {t}", lambda: store.compose(bucket, t, g)
-                )
-                for t, g in zip(targets, groups)
-            ]
-        )
+
+        def compose(target: str, group: list[str]) -> None:
+            _call(
+                url,
+                f"compose {len(group)} objects into {target}",
+                lambda: store.compose(bucket, target, group),
+            )
+
+        _run_all([functools.partial(compose, t, g) for t, g in zip(targets, groups)])
         names = targets
         level += 1
     _call(url, f"compose {len(names)} objects", lambda: store.compose(bucket, key, names))
@@ -1334,7 +1332,7 @@ def prepare_directory(
                 ids[name] = _call(
                     f"{directory}/{name}",
                     "CreateMultipartUpload",
-                    lambda obj=obj: store.create_upload(bucket, obj),
+                    functools.partial(store.create_upload, bucket, obj),
                 )
     except BaseException as error:
         for name, upload_id in ids.items():
@@ -1402,7 +1400,7 @@ def finalize_directory(directory: str) -> None:
             data, _ = _call(
                 f"{store.scheme}://{bucket}/{obj}",
                 "GET manifest",
-                lambda obj=obj: store.get_upto(bucket, obj, 0, listing[obj] + 1),
+                functools.partial(store.get_upto, bucket, obj, 0, listing[obj] + 1),
             )
             manifests.setdefault(name, []).append(json.loads(data))
     with _lock:
@@ -1417,7 +1415,7 @@ def finalize_directory(directory: str) -> None:
                 _assemble_gcs(store, url, bucket, f"{base}{name}", docs)
     finally:
         for name, upload_id in created.items():
-            if name not in manifests:  # one process wrote the whole file directly
+            if name not in manifests and isinstance(store, _S3):  # written whole by one process
                 store.abort_upload(bucket, f"{base}{name}", upload_id)
         if entry is not None and entry.created_here:
             with contextlib.suppress(Exception):
@@ -1486,10 +1484,11 @@ def _fetch(
             for s, views in _split_request(start, bufs, options.max_request_bytes):
                 n = sum(len(v) for v in views)
                 jobs.append(
-                    lambda obj=obj, s=s, views=views, n=n: _call(
+                    functools.partial(
+                        _call,
                         url,
                         f"GET {obj} bytes {s}-{s + n - 1}",
-                        lambda: store.get_into(bucket, obj, s, views),
+                        functools.partial(store.get_into, bucket, obj, s, views),
                     )
                 )
     _count(bytes_reassembled=pos)

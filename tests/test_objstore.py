@@ -20,6 +20,8 @@ import urllib.parse
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -279,6 +281,49 @@ def check_tree(got: Any, expected: dict[str, Any]) -> None:
             assert leaf_got == leaf_want
         else:
             np.testing.assert_array_equal(as_comparable(leaf_got), as_comparable(leaf_want))
+
+
+# --------------------------------------------------------------------------- S3 part planning
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(
+    sizes=st.lists(st.integers(1, 30), min_size=1, max_size=12),
+    is_last=st.booleans(),
+)
+def test_s3_part_plan_respects_multipart_limits(sizes: list[int], is_last: bool) -> None:
+    """Parts tile the region, copies stay inside one object, and every part but the file's
+    last is >= the minimum part size (5 units here) and <= about part_size (12)."""
+    min_part, part_size = 5, 12
+    hypothesis.assume(is_last or sum(sizes) >= min_part)
+    sources, pos = [], 100
+    for i, n in enumerate(sizes):
+        sources.append({"offset": pos, "size": n, "key": f"obj{i}", "key_offset": 3 * i})
+        pos += n
+    parts = _objstore.plan_s3_parts(sources, is_last, min_part, part_size)
+    assert [p.start for p in parts] == [100] + [p.stop for p in parts[:-1]]
+    assert parts[-1].stop == pos
+    for k, part in enumerate(parts):
+        assert part.size <= part_size
+        if k < len(parts) - 1 or not is_last:
+            assert part.size >= min_part, parts
+        if part.copy is not None:
+            (src,) = [s for s in sources if s["key"] == part.copy["key"]]
+            shift = part.start - src["offset"]
+            assert part.copy["key_offset"] == src["key_offset"] + shift >= src["key_offset"]
+            assert shift + part.size <= src["size"]
+        else:
+            assert sum(p["size"] for p in part.pieces) == part.size
+            assert part.pieces[0]["offset"] == part.start
+
+
+def test_s3_part_numbers_follow_offsets() -> None:
+    size = 200 * 1024 * MiB  # 200 GiB: parts must exceed 5 MiB to stay within 10,000
+    min_part = _objstore.s3_min_part(size)
+    assert min_part > 5 * MiB
+    starts = range(0, size - min_part, min_part)
+    numbers = [_objstore._part_number(s, size) for s in starts]
+    assert numbers == sorted(set(numbers)) and numbers[0] == 1 and numbers[-1] <= 10_000
 
 
 # --------------------------------------------------------------------------- single process
