@@ -36,7 +36,9 @@ except ImportError:  # tests/ became a package
 sys.path.insert(0, str(WORKERS_DIR))
 import mh_common as C
 
-pytestmark = [pytest.mark.multihost, pytest.mark.timeout(300)]
+# A test's setup may run up to three launches; each ends at LAUNCH_TIMEOUT_S at the latest
+# (every worker's Python stacks dumped), so the pytest timeout only backs that up.
+pytestmark = [pytest.mark.multihost, pytest.mark.timeout(420)]
 
 WORKER = "mh_checkpoint.py"
 LAUNCH_TIMEOUT_S = 120.0  # a hung job fails its test (stacks dumped) instead of hanging CI
@@ -305,6 +307,7 @@ def test_files_read_by_safetensors_safe_open(
             assert not index.exists() and set(seen.values()) == {"model.safetensors"}
 
 
+@pytest.mark.filterwarnings("ignore:Explicitly requested dtype float64:UserWarning")
 @pytest.mark.parametrize("n", [2, 4])
 def test_files_read_by_orbax_v1_safetensors_loader(
     n: int, roots: dict[int, Path], n2_run: list[Any], n4_run: list[Any]
