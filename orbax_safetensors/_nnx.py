@@ -15,9 +15,12 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from etils import epath
-from flax import nnx
+
+if TYPE_CHECKING:  # flax.nnx takes ~2 s to import: only when these helpers run
+    from flax import nnx
 
 from orbax_safetensors._api import load_file, save_file
 
@@ -32,6 +35,8 @@ def save_model(
       path: the file to write.
       metadata: extra ``str -> str`` header metadata.
     """
+    from flax import nnx
+
     save_file(nnx.state(model), path, metadata)
 
 
@@ -48,6 +53,8 @@ def load_model(
         does not fit the model (with ``strict=False`` unexpected keys are skipped and missing
         ones keep the model's values).
     """
+    from flax import nnx
+
     state = nnx.state(model)
     restored = load_file(path, target=state, strict=strict, verify=verify)
     nnx.update(model, restored)

@@ -22,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -104,11 +105,10 @@ def assign_names(paths: list[tuple[KeyEntry, ...]]) -> list[str]:
 
 
 def _is_nnx_variable(x: object) -> bool:
-    try:
-        from flax import nnx
-    except ImportError:  # pragma: no cover - flax is a dependency
-        return False
-    return isinstance(x, nnx.Variable)
+    # No object can be an NNX Variable unless flax.nnx was imported by the caller, so the
+    # (slow, ~2 s) import is never triggered from here.
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(x, nnx.Variable)
 
 
 def is_prng_key(x: object) -> bool:
