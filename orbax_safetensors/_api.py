@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -21,7 +22,12 @@ from typing import Any
 from etils import epath
 
 from orbax_safetensors import _checksum, _format, _io, _plan, _tree, _writer
-from orbax_safetensors._errors import HeaderError, SchemaError, UnsupportedLeafError
+from orbax_safetensors._errors import (
+    HeaderError,
+    SafetensorsCheckpointError,
+    SchemaError,
+    UnsupportedLeafError,
+)
 from orbax_safetensors._reader import StoredTensor
 from orbax_safetensors._restore import restore_tree
 
@@ -168,13 +174,41 @@ def load_file(
         params = osf.load_file("w.safetensors", target=jax.eval_shape(lambda: params))
     """
     path = epath.Path(path)
-    header = read_header(path)
-    schema = _json_metadata(header, SCHEMA_KEY, str(path))
-    crcs = _json_metadata(header, CHECKSUM_KEY, str(path))
-    if crcs is not None and not isinstance(crcs, dict):
-        raise SchemaError(f"{path}: {CHECKSUM_KEY} is not an object")
-    stored = stored_tensors(path, header, crcs)
-    return restore_tree(schema, stored, target, strict=strict, verify=verify)
+    # The header and the tensors are read through separate opens: if save_file replaces the
+    # file in between, the reads mix two versions. Read again until the file stayed the same.
+    for _ in range(_READ_ATTEMPTS):
+        before = _identity(path)
+        header = read_header(path)
+        schema = _json_metadata(header, SCHEMA_KEY, str(path))
+        crcs = _json_metadata(header, CHECKSUM_KEY, str(path))
+        if crcs is not None and not isinstance(crcs, dict):
+            raise SchemaError(f"{path}: {CHECKSUM_KEY} is not an object")
+        stored = stored_tensors(path, header, crcs)
+        try:
+            tree = restore_tree(schema, stored, target, strict=strict, verify=verify)
+        except (SafetensorsCheckpointError, OSError, EOFError):
+            if _identity(path) == before:
+                raise
+            continue
+        if _identity(path) == before:
+            return tree
+    raise SafetensorsCheckpointError(
+        f"{path}: replaced {_READ_ATTEMPTS} times while being read; try again"
+    )
+
+
+_READ_ATTEMPTS = 5
+
+
+def _identity(path: epath.Path) -> tuple[int, ...] | None:
+    """What changes when a local file is replaced or rewritten (None elsewhere)."""
+    if not _io.is_local(path):
+        return None
+    try:
+        st = os.stat(os.fspath(path))
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def load_metadata(path: epath.PathLike) -> dict[str, str]:
