@@ -5,10 +5,11 @@ streams every tensor's bytes through CRC32C in bounded chunks (16 MiB by default
 continued from chunk to chunk) and compares the result with the recorded checksum. No array is
 built and memory stays at one chunk, whatever the checkpoint's size.
 
-It accepts a ``.safetensors`` file, a checkpoint directory (``orbax_safetensors.json`` inside),
-an Orbax step directory (item directories inside) or a ``CheckpointManager`` root (every
-committed step; Orbax's uncommitted ``*.orbax-checkpoint-tmp*`` directories are skipped and
-listed in ``skipped``).
+It accepts a ``.safetensors`` file (a file of a checkpoint directory is checked against that
+directory's metadata and checksums), a checkpoint directory (``orbax_safetensors.json``
+inside), an Orbax step directory (item directories inside) or a ``CheckpointManager`` root
+(every committed step; Orbax's uncommitted ``*.orbax-checkpoint-tmp*`` directories are skipped
+and listed in ``skipped``).
 
 Example::
 
@@ -97,7 +98,10 @@ def verify(path: epath.PathLike, *, chunk_bytes: int = CHUNK_BYTES) -> VerifyRep
     report = VerifyReport()
     checker = _Checker(report, chunk_bytes)
     if not path.is_dir():
-        checker.file(path)
+        if (path.parent / _checkpoint.METADATA_FILE).exists():
+            checker.item(path.parent, only=path.name)  # one file of a checkpoint directory
+        else:
+            checker.file(path)
     elif (path / _checkpoint.METADATA_FILE).exists():
         checker.item(path)
     elif not checker.tree(path, depth=0):
@@ -169,13 +173,25 @@ class _Checker:
 
     # ----------------------------------------------------------------- one directory
 
-    def item(self, directory: epath.Path) -> None:
-        """A checkpoint directory: metadata file, every file's header, index, schema, bytes."""
+    def item(self, directory: epath.Path, only: str | None = None) -> None:
+        """A checkpoint directory: metadata file, every file's header, index, schema, bytes.
+
+        With ``only``, just that file of the directory (checked against the directory's
+        metadata and checksums); a file the metadata does not list is checked on its own.
+        """
         try:
             metadata = _checkpoint.read_metadata(directory)
         except _READ_ERRORS as e:
             self.report._problem(_message(e, directory))
             return
+        if only is not None:
+            if only not in metadata["files"]:
+                return self.file(directory / only)
+            tensors = metadata["tensors"]
+            mine = {
+                n: t for n, t in tensors.items() if isinstance(t, dict) and t.get("file") == only
+            }
+            metadata = {**metadata, "files": [only], "tensors": mine}
         headers: dict[str, _format.Header] = {}
         for filename in metadata["files"]:
             if not _checkpoint._is_plain_filename(filename):
@@ -194,8 +210,9 @@ class _Checker:
                         f"{directory / filename}: holds tensor {name!r}, which "
                         f"{_checkpoint.METADATA_FILE} does not place in this file"
                     )
-        self._index(directory, metadata)
-        self._schema(metadata["schema"], stored, str(directory / _checkpoint.METADATA_FILE))
+        if only is None:
+            self._index(directory, metadata)
+            self._schema(metadata["schema"], stored, str(directory / _checkpoint.METADATA_FILE))
         self._stream(stored)
 
     def _index(self, directory: epath.Path, metadata: Mapping[str, Any]) -> None:

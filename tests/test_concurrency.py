@@ -72,6 +72,9 @@ def test_saves_queue_behind_the_one_still_writing(tmp_path: Path) -> None:
 
 
 def test_two_managers_in_one_process(tmp_path: Path) -> None:
+    """Interleaved async saves of two managers driven from one thread. (Orbax keys its save
+    barriers by a process-global operation id, so saving through two managers from two threads
+    at the same moment is not supported by Orbax itself, whatever the handler.)"""
     a, b = _manager(tmp_path / "a"), _manager(tmp_path / "b", max_file_size=1 << 20)
     with a, b:
         for step in (1, 2, 3):  # interleaved async saves
@@ -82,27 +85,6 @@ def test_two_managers_in_one_process(tmp_path: Path) -> None:
         for step in (1, 2, 3):
             _assert_same(_restore(a, step), _state(step))
             _assert_same(_restore(b, step), _state(100 + step, 4 << 20))
-
-    # The same from two threads at once, each driving its own manager.
-    errors: list[BaseException] = []
-
-    def drive(root: Path, seed: int) -> None:
-        try:
-            with _manager(root) as mngr:
-                for step in (1, 2, 3):
-                    _save(mngr, step, _state(seed + step, 4 << 20))
-                mngr.wait_until_finished()
-                for step in (1, 2, 3):
-                    _assert_same(_restore(mngr, step), _state(seed + step, 4 << 20))
-        except BaseException as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=drive, args=(tmp_path / f"t{i}", 1000 * i)) for i in (1, 2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
 
 
 def test_restore_one_step_while_another_is_written(tmp_path: Path) -> None:
@@ -129,9 +111,11 @@ def test_restore_one_step_while_another_is_written(tmp_path: Path) -> None:
 
 
 def test_load_file_while_save_file_replaces_it(tmp_path: Path) -> None:
-    """save_file renames a complete file into place: a reader sees one version or the other."""
+    """save_file renames a complete file into place, and load_file reads header and tensors of
+    one version (it reads again when the file was replaced between its reads): a reader sees
+    one version or the other, never a mix, with or without checksum verification."""
     path = tmp_path / "model.safetensors"
-    versions = {v: np.full((512, 1024), v, np.float32) for v in range(6)}
+    versions = {v: np.full((512, 1024), v, np.float32) for v in range(12)}
     osf.save_file({"w": versions[0], "v": 0}, path)
     stop = threading.Event()
     errors: list[BaseException] = []
@@ -139,8 +123,10 @@ def test_load_file_while_save_file_replaces_it(tmp_path: Path) -> None:
 
     def read() -> None:
         try:
+            verify = True
             while not stop.is_set():
-                tree = osf.load_file(path)
+                tree = osf.load_file(path, verify=verify)
+                verify = not verify
                 assert np.array_equal(tree["w"], versions[tree["v"]])
                 seen.add(tree["v"])
         except BaseException as e:
@@ -149,11 +135,11 @@ def test_load_file_while_save_file_replaces_it(tmp_path: Path) -> None:
     reader = threading.Thread(target=read)
     reader.start()
     try:
-        for v in range(1, 6):
+        for v in range(1, 12):
             osf.save_file({"w": versions[v], "v": v}, path)
     finally:
         stop.set()
         reader.join()
     assert not errors, errors
-    assert seen and osf.load_file(path)["v"] == 5
+    assert seen and osf.load_file(path)["v"] == 11
     assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]

@@ -224,6 +224,8 @@ def test_bit_flips_in_checkpoint_manager_steps(tmp_path: Path) -> None:
         assert f"tensor '{name}'" in report.problems[0] and str(path) in report.problems[0]
         step_report = osf.verify(root / "1")
         assert step_report.problems == report.problems
+        file_report = osf.verify(path)  # one file: checked against the directory's checksums
+        assert file_report.problems == report.problems and file_report.files == 1
         assert osf.verify(root / "2").ok
 
 
@@ -241,6 +243,9 @@ def test_verify_whole_manager_root(tmp_path: Path) -> None:
     assert report.files == sum(r.files for r in per_step) and report.files >= 6
     assert report.tensors == sum(r.tensors for r in per_step)
     assert report.bytes == sum(r.bytes for r in per_step) > 0
+    for path in (root / "2" / "state").glob("*.safetensors"):
+        one = osf.verify(path)
+        assert one.ok and one.files == 1 and one.bytes > 0 and one.unverified == []
 
     # An uncommitted step left by a crash is skipped, not reported.
     tmp_step = root / "4.orbax-checkpoint-tmp-123"
