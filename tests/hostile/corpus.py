@@ -432,7 +432,7 @@ def schema_cases() -> list[Case]:
             "malformed",
         ),
         ("tree-300-deep", _schema(_nest(300, {"t": "none"})), "deeper"),
-        ("tree-deep-junk", _schema(_nest(200, _deep_list(700))), "no kind"),
+        ("tree-deep-junk", _schema(_nest(150, _deep_list(300))), "no kind"),
         ("tensor-not-stored", _schema(_update("b", name="zz")), "no file holds"),
         ("tensor-array-kind", _schema(_update("b", array="pickle")), "array kind"),
         ("int-not-int", _schema(_update("step", v="7")), "int value"),
