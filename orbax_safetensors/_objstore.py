@@ -405,11 +405,19 @@ class _ViewsReader(io.RawIOBase):
         return done
 
     def read(self, size: int | None = -1) -> bytes:
+        """Up to ``size`` bytes, copied once (``bytes`` of one view, or a join of several)."""
         if size is None or size < 0:
             size = self._size - self._pos
-        buffer = bytearray(max(0, min(size, self._size - self._pos)))
-        n = self.readinto(buffer)
-        return bytes(buffer[:n]) if n < len(buffer) else bytes(buffer)
+        stop = min(self._pos + size, self._size)
+        chunks = []
+        while self._pos < stop:
+            while self._starts[self._i + 1] <= self._pos:
+                self._i += 1
+            start = self._pos - self._starts[self._i]
+            n = min(stop - self._pos, len(self._views[self._i]) - start)
+            chunks.append(self._views[self._i][start : start + n])
+            self._pos += n
+        return chunks[0].tobytes() if len(chunks) == 1 else b"".join(chunks)
 
     def readall(self) -> bytes:
         return self.read(-1)
@@ -1392,6 +1400,13 @@ def finalize_directory(directory: str) -> None:
         "LIST parts",
         lambda: store.list(bucket, f"{base}{PARTS_DIR}/"),
     )
+    with _lock:
+        entry = _directories.pop(directory, None)
+    if not listing and (entry is None or not entry.ids):
+        if entry is not None and entry.created_here:
+            with contextlib.suppress(Exception):
+                _kv_client().key_value_delete(entry.kv_key)
+        return  # every file was written whole (by one process): nothing to join
     manifests: dict[str, list[dict[str, Any]]] = {}
     for obj in sorted(listing):
         rest = obj[len(f"{base}{PARTS_DIR}/") :]
@@ -1403,8 +1418,6 @@ def finalize_directory(directory: str) -> None:
                 functools.partial(store.get_upto, bucket, obj, 0, listing[obj] + 1),
             )
             manifests.setdefault(name, []).append(json.loads(data))
-    with _lock:
-        entry = _directories.pop(directory, None)
     created = (entry.ids or {}) if entry is not None and entry.created_here else {}
     try:
         for name, docs in sorted(manifests.items()):
