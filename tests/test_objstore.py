@@ -12,6 +12,7 @@ import contextlib
 import http.client
 import http.server
 import json
+import re
 import socket
 import struct
 import threading
@@ -482,6 +483,23 @@ def test_persistent_5xx_fails_clearly_and_commits_nothing(store, options, monkey
         assert mngr.all_steps() == [0]
         check_tree(mngr.restore(0, args=osf.SafetensorsRestore()), tree)
     assert pending_uploads(server, bucket) == []
+
+
+def test_persistent_timeout_fails_clearly(store, options, monkeypatch) -> None:
+    server, bucket = store
+    url = f"{bucket}/slow.safetensors"
+    osf.save_file(sample_tree(big_rows=4), url)
+    options(max_attempts=2, backoff_initial=0.01, read_timeout=0.5)
+
+    def rule(method: str, path: str, headers: Any, seen: int) -> Any:
+        return ("stall", 3.0) if method == "GET" and headers.get("Range") else None
+
+    with through_proxy(server, rule, monkeypatch), pytest.raises(osf.ObjectStoreError) as info:
+        osf.load_file(url)
+    message = str(info.value)
+    assert "slow.safetensors" in message and "GET bytes 0-65535" in message
+    assert "failed after 2 attempts" in message
+    assert re.search(r"time(d )?out", message, re.IGNORECASE), message
 
 
 def _chain(error: BaseException | None) -> Iterator[BaseException]:
