@@ -60,7 +60,7 @@ def describe_sharding(x: Any) -> dict[str, Any] | None:
     sharding = getattr(x, "sharding", None)
     if not isinstance(sharding, jax.sharding.NamedSharding):
         return None
-    spec = []
+    spec: list[Any] = []
     for entry in sharding.spec:
         if entry is None:
             spec.append(None)
@@ -160,7 +160,13 @@ def prepare_save(
     json.dumps(metadata["metadata"])  # fail early (before any I/O) on non-JSON user metadata
     pieces = _writer.host_pieces(plan, flat.arrays, copy=copy, is_primary=is_primary)
     return PreparedSave(
-        plan, pieces, metadata, {s.name: s.nbytes for s in specs}, is_primary, process_index, checksums
+        plan,
+        pieces,
+        metadata,
+        {s.name: s.nbytes for s in specs},
+        is_primary,
+        process_index,
+        checksums,
     )
 
 
@@ -186,7 +192,7 @@ def write_process_part(
             if p.tag is not None:
                 name, offset = p.tag  # type: ignore[misc]
                 crc = _checksum.crc32c(p.data) if prepared.checksums else 0
-                runs.setdefault(name, []).append((offset, p.data.nbytes, crc))
+                runs.setdefault(str(name), []).append((int(offset), p.data.nbytes, crc))  # type: ignore[has-type]
         _io.write_file(directory / fplan.filename, pieces, size=fplan.size, checksums=False)
         if stats is not None:
             stats.add(fplan.filename, pieces)
@@ -305,7 +311,9 @@ def _is_plain_filename(name: object) -> bool:
     )
 
 
-def stored_tensors(directory: epath.PathLike, metadata: Mapping[str, Any]) -> dict[str, StoredTensor]:
+def stored_tensors(
+    directory: epath.PathLike, metadata: Mapping[str, Any]
+) -> dict[str, StoredTensor]:
     """Every tensor of a checkpoint directory, cross-checked against the files' own headers."""
     from orbax_safetensors._api import read_header
 
@@ -314,7 +322,11 @@ def stored_tensors(directory: epath.PathLike, metadata: Mapping[str, Any]) -> di
     out: dict[str, StoredTensor] = {}
     for name, info in metadata["tensors"].items():
         filename = info.get("file") if isinstance(info, dict) else None
-        if not _is_plain_filename(filename) or filename not in metadata["files"]:
+        if (
+            not isinstance(filename, str)
+            or not _is_plain_filename(filename)
+            or filename not in metadata["files"]
+        ):
             raise SchemaError(f"{directory}: tensor {name!r} names an invalid file {filename!r}")
         if filename not in headers:
             path = directory / filename
@@ -326,7 +338,9 @@ def stored_tensors(directory: epath.PathLike, metadata: Mapping[str, Any]) -> di
             headers[filename] = read_header(path)
         entry = headers[filename].tensors.get(name)
         if entry is None:
-            raise HeaderError(f"{directory / filename}: tensor {name!r} is listed in the metadata but not in the file")
+            raise HeaderError(
+                f"{directory / filename}: tensor {name!r} is listed in the metadata but not in the file"
+            )
         if entry.dtype != info.get("dtype") or list(entry.shape) != info.get("shape"):
             raise HeaderError(
                 f"{directory / filename}: tensor {name!r} is {entry.dtype}{list(entry.shape)} in the "
@@ -336,12 +350,21 @@ def stored_tensors(directory: epath.PathLike, metadata: Mapping[str, Any]) -> di
         crc = None
         if crc_text is not None:
             try:
-                crc = int(crc_text, 16) if isinstance(crc_text, str) and len(crc_text) == 8 else None
+                crc = (
+                    int(crc_text, 16) if isinstance(crc_text, str) and len(crc_text) == 8 else None
+                )
             except ValueError:
                 crc = None
             if crc is None:
                 raise SchemaError(f"{directory}: checksum of {name!r} is malformed: {crc_text!r}")
-        out[name] = StoredTensor(name, directory / filename, headers[filename].data_start + entry.begin, entry.dtype, entry.shape, crc)
+        out[name] = StoredTensor(
+            name,
+            directory / filename,
+            headers[filename].data_start + entry.begin,
+            entry.dtype,
+            entry.shape,
+            crc,
+        )
     return out
 
 
@@ -357,11 +380,17 @@ def abstract_tree(directory: epath.PathLike, metadata: Mapping[str, Any] | None 
     def get(leaf: _tree.SchemaLeaf) -> Any:
         info = tensors.get(leaf.tensor_name)
         if not isinstance(info, dict):
-            raise SchemaError(f"schema leaf {leaf.name!r} refers to unknown tensor {leaf.tensor_name!r}")
+            raise SchemaError(
+                f"schema leaf {leaf.name!r} refers to unknown tensor {leaf.tensor_name!r}"
+            )
         original = leaves.get(leaf.tensor_name, leaf)
         if original.kind == "key":
             impl = original.node["impl"]
-            return jax.eval_shape(lambda: jax.random.wrap_key_data(np.zeros(info["shape"], np.uint32), impl=impl))
+            return jax.eval_shape(
+                lambda: jax.random.wrap_key_data(
+                    jax.numpy.zeros(info["shape"], jax.numpy.uint32), impl=impl
+                )
+            )
         return jax.ShapeDtypeStruct(tuple(info["shape"]), _dtypes.to_numpy(info["dtype"]))
 
     return _tree.unflatten(metadata["schema"], get)

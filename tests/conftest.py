@@ -8,8 +8,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import pytest  # noqa: E402
-from objstore.fixtures import gcs_bucket, gcs_server, s3_bucket, s3_server  # noqa: E402, F401
+import pytest
+from objstore.fixtures import gcs_bucket, gcs_server, s3_bucket, s3_server  # noqa: F401
 
 
 @pytest.fixture
