@@ -272,3 +272,15 @@ def cached_bytes(path: Path) -> int:
         finally:
             os.close(fd)
     return total
+
+
+def read_ahead_kib(filesystem: str) -> int | None:
+    """The block device's read-ahead window for a :func:`filesystem_of` string, if known."""
+    dev = filesystem.split()[-1] if filesystem.split() else ""
+    name = Path(dev).name
+    for candidate in (name, name.rstrip("0123456789"), name.rsplit("p", 1)[0]):
+        try:
+            return int(Path(f"/sys/block/{candidate}/queue/read_ahead_kb").read_text())
+        except (OSError, ValueError):
+            continue
+    return None

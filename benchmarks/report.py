@@ -236,7 +236,11 @@ def markdown(results: dict[str, Any]) -> str:
     out.append(f"- command: `{meta['command']}`")
     out.append(f"- when: {meta['started']} (total {meta.get('elapsed_s', 0):.0f} s)")
     out.append(f"- machine: {meta['machine']}")
-    out.append(f"- checkpoint dir: `{meta['workdir']}` on {meta['filesystem']}")
+    ra = meta.get("read_ahead_kib")
+    out.append(
+        f"- checkpoint dir: `{meta['workdir']}` on {meta['filesystem']}"
+        + (f" (read-ahead {ra} KiB)" if ra is not None else "")
+    )
     out.append(f"- versions: {', '.join(f'{k} {v}' for k, v in meta['versions'].items())}")
     out.append(f"- cold restores: {meta['cold_note']}")
     load = load_summary(results)
@@ -304,6 +308,11 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _requested(case: dict[str, Any]) -> int:
+    """The requested state size of a case (the generated one is a few rows smaller)."""
+    return int(case["spec"].get("size") or case["state_bytes"])
+
+
 def plot(results: dict[str, Any], path: Path) -> str | None:
     """Median time against state size per method (save, cold, warm panels); returns an error."""
     try:
@@ -329,7 +338,7 @@ def plot(results: dict[str, Any], path: Path) -> str | None:
                 for c in cases:
                     s = c["methods"].get(name, {}).get("summary", {})
                     if c["dtype"] == dtype and key in s:
-                        pts.append((c["state_bytes"] / 2**20, s[key]))
+                        pts.append((_requested(c) / 2**20, s[key]))
                 if not pts:
                     continue
                 pts.sort()
@@ -343,8 +352,8 @@ def plot(results: dict[str, Any], path: Path) -> str | None:
                     label=f"{name} {dtype}",
                 )
         ax.set_xscale("log", base=2)
-        sizes = sorted({c["state_bytes"] / 2**20 for c in cases})
-        ax.set_xticks(sizes, [format_size(round(x * 2**20)) for x in sizes])
+        sizes = sorted({_requested(c) for c in cases})
+        ax.set_xticks([x / 2**20 for x in sizes], [format_size(x) for x in sizes])
         ax.xaxis.set_minor_locator(NullLocator())
         ax.set_yscale("log")
         ax.set_xlabel("state size (MiB)")

@@ -340,6 +340,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="memory kept faulted in and handed to each worker, as a multiple of the state "
         "size (0: off; see procfs.HotMemory)",
     )
+    p.add_argument(
+        "--from-json",
+        type=Path,
+        help="only re-render results.md and plot.png (into --out) from an existing results.json",
+    )
     p.add_argument("--timeout", type=float, default=1800, help="seconds per worker process")
     args = p.parse_args(argv)
     if args.quick:
@@ -373,6 +378,16 @@ def write_outputs(results: dict[str, Any], out: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point."""
     args = parse_args(argv)
+    if args.from_json:
+        loaded: dict[str, Any] = json.loads(args.from_json.read_text())
+        md = write_outputs(loaded, args.out)
+        plot_error = report.plot(loaded, args.out / "plot.png")
+        print(md)
+        log(
+            f"re-rendered into {args.out}"
+            + (f" (plot skipped: {plot_error})" if plot_error else "")
+        )
+        return 0
     t_start = time.perf_counter()
     own_workdir = args.workdir is None
     base = Path("/var/tmp") if Path("/var/tmp").is_dir() else None
@@ -408,6 +423,7 @@ def main(argv: list[str] | None = None) -> int:
             "machine": machine(),
             "workdir": str(workdir),
             "filesystem": fs,
+            "read_ahead_kib": procfs.read_ahead_kib(fs),
             "versions": versions(),
             "cold_note": cold_note,
             "cache_dropped": drop_error is None,
