@@ -236,7 +236,7 @@ class _LocalReader:
         self, runs: Sequence[tuple[int, np.ndarray]], max_gap: int = DEFAULT_MAX_GAP
     ) -> None:
         """Fills each ``(offset, dest)`` with the file bytes at ``offset`` (dest is flat uint8)."""
-        batches = _read_batches(runs, max_gap)
+        batches = _read_batches(runs, max_gap, bounded=True)
         self.requests += len(batches)
         self.bytes_read += sum(len(b) for _, bufs in batches for b in bufs)
         if self._threads > 1 and len(batches) > 1:
@@ -264,10 +264,12 @@ class _LocalReader:
 
 
 def _read_batches(
-    runs: Sequence[tuple[int, np.ndarray]], max_gap: int
+    runs: Sequence[tuple[int, np.ndarray]], max_gap: int, *, bounded: bool = False
 ) -> list[tuple[int, list[memoryview]]]:
     # Sort by offset, then merge runs whose gaps are <= max_gap into one vectored read; gaps
-    # land in a shared scratch buffer (their contents are never used).
+    # land in a shared scratch buffer (their contents are never used). With ``bounded`` a gap is
+    # only read when it is no longer than the run after it, so at most half of what is read is
+    # unwanted (column shards: narrow runs with wide gaps are read exactly, one iovec each).
     ordered = sorted(((o, d) for o, d in runs if d.nbytes), key=lambda r: r[0])
     scratch = np.empty(max(max_gap, 1), dtype=np.uint8).data
     batches: list[tuple[int, list[memoryview]]] = []
@@ -280,6 +282,7 @@ def _read_batches(
         if (
             bufs
             and 0 <= gap <= max_gap
+            and (not bounded or gap <= dest.nbytes)
             and len(bufs) + len(views) + 1 < _IOV_MAX
             and size < _MAX_BATCH_BYTES
         ):
