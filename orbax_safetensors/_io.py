@@ -240,11 +240,19 @@ class _LocalReader:
         self.requests += len(batches)
         self.bytes_read += sum(len(b) for _, bufs in batches for b in bufs)
         if self._threads > 1 and len(batches) > 1:
-            with concurrent.futures.ThreadPoolExecutor(min(self._threads, len(batches))) as pool:
-                list(pool.map(self._read_batch, batches))
+            # One task per thread, each a contiguous share of the batches: many small reads
+            # (column shards) would otherwise pay the pool's per-task overhead each.
+            workers = min(self._threads, len(batches))
+            step = -(-len(batches) // workers)
+            shares = [batches[i : i + step] for i in range(0, len(batches), step)]
+            with concurrent.futures.ThreadPoolExecutor(len(shares)) as pool:
+                list(pool.map(self._read_share, shares))
         else:
-            for b in batches:
-                self._read_batch(b)
+            self._read_share(batches)
+
+    def _read_share(self, batches: list[tuple[int, list[memoryview]]]) -> None:
+        for b in batches:
+            self._read_batch(b)
 
     def _read_batch(self, batch: tuple[int, list[memoryview]]) -> None:
         offset, bufs = batch
