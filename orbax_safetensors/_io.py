@@ -21,7 +21,7 @@ import concurrent.futures
 import dataclasses
 import os
 import stat
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -80,17 +80,28 @@ class Piece:
 # --------------------------------------------------------------------------- writing
 
 
-def _pwritev_all(fd: int, bufs: list[memoryview], offset: int) -> None:
+def _vectored_all(
+    call: Callable[[int, list[memoryview], int], int],
+    fd: int,
+    bufs: list[memoryview],
+    offset: int,
+    on_stall: Callable[[int], Exception],
+) -> None:
+    # os.pwritev / os.preadv may move fewer bytes than asked: resume where they stopped.
     while bufs:
-        written = os.pwritev(fd, bufs, offset)
-        if written <= 0:
-            raise OSError(f"pwritev wrote {written} bytes")
-        offset += written
-        while bufs and written >= len(bufs[0]):
-            written -= len(bufs[0])
+        moved = call(fd, bufs, offset)
+        if moved <= 0:
+            raise on_stall(offset)
+        offset += moved
+        while bufs and moved >= len(bufs[0]):
+            moved -= len(bufs[0])
             bufs.pop(0)
-        if bufs and written:
-            bufs[0] = bufs[0][written:]
+        if bufs and moved:
+            bufs[0] = bufs[0][moved:]
+
+
+def _pwritev_all(fd: int, bufs: list[memoryview], offset: int) -> None:
+    _vectored_all(os.pwritev, fd, bufs, offset, lambda at: OSError(f"pwritev stalled at {at}"))
 
 
 def _batches(pieces: Sequence[Piece]) -> Iterator[list[Piece]]:
@@ -259,16 +270,13 @@ class _LocalReader:
         want = sum(len(b) for b in bufs)
         if offset + want > self.size:
             raise EOFError(f"{self.path}: needs bytes up to {offset + want}, file has {self.size}")
-        while bufs:
-            got = os.preadv(self._fd, bufs, offset)
-            if got <= 0:
-                raise EOFError(f"{self.path}: unexpected end of file at offset {offset}")
-            offset += got
-            while bufs and got >= len(bufs[0]):
-                got -= len(bufs[0])
-                bufs.pop(0)
-            if bufs and got:
-                bufs[0] = bufs[0][got:]
+        _vectored_all(
+            os.preadv,
+            self._fd,
+            bufs,
+            offset,
+            lambda at: EOFError(f"{self.path}: unexpected end of file at offset {at}"),
+        )
 
 
 def _read_batches(
