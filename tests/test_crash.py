@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import select
 import signal
 import subprocess
@@ -156,10 +157,18 @@ class _Zygote:
             # "saving N": N-1 is committed (save waits for the previous one); "done N": N is.
             committed = max(committed, int(step) - (kind == "saving"))
         os.kill(pid, signal.SIGKILL)
-        while not (text := self.line(60)).startswith("exit"):
-            kind, step = text.split()  # progress printed just before the kill
-            committed = max(committed, int(step) - (kind == "saving"))
-        assert os.WIFSIGNALED(int(text.split()[1]))
+        while True:
+            text = self.line(60)
+            # The killed saver may have written part of a line; the zygote's "exit N" then
+            # continues it on the same line (e.g. "saving 9exit -9").
+            progress, found, status = text.partition("exit ")
+            match = re.fullmatch(r"(saving|done) (\d+)", progress.strip())
+            if match:  # progress printed just before the kill
+                kind, step = match.groups()
+                committed = max(committed, int(step) - (kind == "saving"))
+            if found:
+                break
+        assert os.WIFSIGNALED(int(status.split()[0]))
         return committed
 
     def close(self) -> None:
