@@ -97,18 +97,21 @@ class _ReadPlan:
 def _plan_read(req: ReadRequest) -> _ReadPlan:
     shape = req.stored.shape
     whole_index = _plan.normalize_index((), shape)
-    whole = [_Box(whole_index, _io.aligned_empty(req.stored.nbytes))]
+
+    def whole() -> list[_Box]:
+        return [_Box(whole_index, _io.aligned_empty(req.stored.nbytes))]
+
     if req.kind != "jax" or req.sharding is None:
-        return _ReadPlan(whole, True, None)
+        return _ReadPlan(whole(), True, None)
     device_keys: dict[Any, tuple] = {}
     boxes: dict[tuple, _Box] = {}
     for device, index in req.sharding.addressable_devices_indices_map(shape).items():
         norm = _plan.normalize_index(index or (), shape)
         device_keys[device] = _plan.index_key(norm)
         boxes.setdefault(device_keys[device], _Box(norm, np.empty(0, np.uint8)))
-    if req.sharding.is_fully_addressable or whole[0].key in boxes:
+    if req.sharding.is_fully_addressable or _plan.index_key(whole_index) in boxes:
         # This process needs every byte: one whole read (verifiable) serves every box.
-        return _ReadPlan(whole, True, device_keys)
+        return _ReadPlan(whole(), True, device_keys)
     for box in boxes.values():
         box.buffer = _io.aligned_empty(_dtypes.nbytes(req.stored.dtype, _plan.box_shape(box.index)))
     return _ReadPlan(list(boxes.values()), False, device_keys)
