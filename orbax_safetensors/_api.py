@@ -87,7 +87,7 @@ def save_file(tree: Any, path: epath.PathLike, metadata: Mapping[str, str] | Non
     final = _plan.plan_files(specs, max_file_size=None, metadata=meta).files[0]
     if final.data_start != plan.files[0].data_start:  # fixed-width hex keeps the length
         raise AssertionError("internal: header length changed after checksumming")
-    all_pieces = [_io.Piece(0, _header_array(final.header)), *pieces]
+    all_pieces = [_io.header_piece(final.header), *pieces]
     if _io.is_object_url(path):
         # An object appears whole or not at all: write the final object directly.
         _io.write_file(path, all_pieces, size=final.size)
@@ -101,12 +101,6 @@ def save_file(tree: Any, path: epath.PathLike, metadata: Mapping[str, str] | Non
             tmp.unlink()
         raise
     _io.fsync_dir(path.parent)
-
-
-def _header_array(header: bytes) -> Any:
-    import numpy as np
-
-    return np.frombuffer(header, dtype=np.uint8)
 
 
 def read_header(path: epath.PathLike) -> _format.Header:
@@ -136,13 +130,9 @@ def stored_tensors(
     for name, e in header.tensors.items():
         crc = None
         if crcs is not None and name in crcs:
-            text = crcs[name]
-            if not isinstance(text, str) or len(text) != 8:
-                raise SchemaError(f"{path}: checksum of {name!r} is malformed: {text!r}")
-            try:
-                crc = int(text, 16)
-            except ValueError:
-                raise SchemaError(f"{path}: checksum of {name!r} is malformed: {text!r}") from None
+            crc = _checksum.from_hex(crcs[name])
+            if crc is None:
+                raise SchemaError(f"{path}: checksum of {name!r} is malformed: {crcs[name]!r}")
         out[name] = StoredTensor(name, path, header.data_start + e.begin, e.dtype, e.shape, crc)
     return out
 

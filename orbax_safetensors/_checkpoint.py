@@ -32,7 +32,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from orbax_safetensors import _checksum, _format, _io, _plan, _tree, _writer
+from orbax_safetensors import _checksum, _dtypes, _format, _io, _plan, _tree, _writer
 from orbax_safetensors._errors import (
     HeaderError,
     IntegrityError,
@@ -185,7 +185,7 @@ def write_process_part(
     for i, fplan in enumerate(plan.files):
         pieces = list(prepared.pieces.get(i, []))
         if prepared.is_primary:
-            pieces.append(_io.Piece(0, np.frombuffer(fplan.header, dtype=np.uint8)))
+            pieces.append(_io.header_piece(fplan.header))
         if not pieces:
             continue
         for p in pieces:
@@ -242,8 +242,6 @@ def finalize(directory: epath.PathLike) -> None:
 
 
 def _dtypes_nbytes(t: Mapping[str, Any]) -> int:
-    from orbax_safetensors import _dtypes
-
     return _dtypes.nbytes(t["dtype"], t["shape"])
 
 
@@ -349,12 +347,7 @@ def stored_tensors(
         crc_text = info.get("crc32c")
         crc = None
         if crc_text is not None:
-            try:
-                crc = (
-                    int(crc_text, 16) if isinstance(crc_text, str) and len(crc_text) == 8 else None
-                )
-            except ValueError:
-                crc = None
+            crc = _checksum.from_hex(crc_text)
             if crc is None:
                 raise SchemaError(f"{directory}: checksum of {name!r} is malformed: {crc_text!r}")
         out[name] = StoredTensor(
@@ -371,8 +364,6 @@ def stored_tensors(
 def abstract_tree(directory: epath.PathLike, metadata: Mapping[str, Any] | None = None) -> Any:
     """The saved tree with ``jax.ShapeDtypeStruct`` leaves (inline values as saved); reads no
     tensor bytes."""
-    from orbax_safetensors import _dtypes
-
     metadata = metadata or read_metadata(directory)
     tensors = metadata["tensors"]
     leaves = _tree.validate_schema(metadata["schema"])

@@ -119,6 +119,16 @@ def share(runs: Iterable[tuple[int, int, int]], total: int) -> int:
     return _multmodp(_shift(total - end), acc)
 
 
+def from_hex(text: object) -> int | None:
+    """The CRC stored as :func:`to_hex` text, or None when ``text`` is not such text."""
+    if not isinstance(text, str) or len(text) != 8:
+        return None
+    try:
+        return int(text, 16)
+    except ValueError:
+        return None
+
+
 def to_hex(crc: int) -> str:
     """Fixed-width hex text of a CRC (8 characters), as stored in metadata."""
     return f"{crc:08x}"

@@ -604,7 +604,7 @@ def export_pytorch(
         pieces: dict[int, list[_io.Piece]] = {}
         if i == 0:
             for f, file_plan in enumerate(fplan.files):
-                pieces[f] = [_io.Piece(0, np.frombuffer(file_plan.header, np.uint8))]
+                pieces[f] = [_io.header_piece(file_plan.header)]
         for t in group:
             key, transform = by_name[t.name]
             value = np.asarray(transform.to_torch(arrays.pop(t.name)))

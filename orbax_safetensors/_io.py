@@ -77,6 +77,11 @@ class Piece:
     tag: object = None  # the caller's label (e.g. tensor name and offset in it)
 
 
+def header_piece(header: bytes) -> Piece:
+    """The piece that writes a file's header (its first bytes); untagged, so not checksummed."""
+    return Piece(0, np.frombuffer(header, dtype=np.uint8))
+
+
 # --------------------------------------------------------------------------- writing
 
 
