@@ -81,20 +81,30 @@ def save_file(tree: Any, path: epath.PathLike, metadata: Mapping[str, str] | Non
     meta = _file_metadata(flat.schema, placeholder, metadata)
     plan = _plan.plan_files(specs, max_file_size=None, metadata=meta)
     pieces = _writer.host_pieces(plan, flat.arrays, copy=False).get(0, [])
-    records = [(p.tag, p.data.nbytes, _checksum.crc32c(p.data)) for p in pieces]
-    crcs = _writer.tensor_checksums(records, {s.name: s.nbytes for s in specs})
-    meta = _file_metadata(flat.schema, {n: _checksum.to_hex(c) for n, c in crcs.items()}, metadata)
-    final = _plan.plan_files(specs, max_file_size=None, metadata=meta).files[0]
-    if final.data_start != plan.files[0].data_start:  # fixed-width hex keeps the length
-        raise AssertionError("internal: header length changed after checksumming")
-    all_pieces = [_io.header_piece(final.header), *pieces]
+    sizes = {s.name: s.nbytes for s in specs}
+    size = plan.files[0].size
+
+    def write(w: _io.Writer) -> None:
+        # Data first, checksummed as it is written; then the header, which holds the CRCs
+        # (fixed-width hex: the header's length, hence every offset, is known beforehand).
+        crcs = _writer.tensor_checksums(w.write(pieces, checksums=True), sizes)
+        final_meta = _file_metadata(
+            flat.schema, {n: _checksum.to_hex(c) for n, c in crcs.items()}, metadata
+        )
+        final = _plan.plan_files(specs, max_file_size=None, metadata=final_meta).files[0]
+        if final.data_start != plan.files[0].data_start:
+            raise AssertionError("internal: header length changed after checksumming")
+        w.write([_io.header_piece(final.header)])
+
     if _io.is_object_url(path):
         # An object appears whole or not at all: write the final object directly.
-        _io.write_file(path, all_pieces, size=final.size)
+        with _io.open_writer(path, size=size) as w:
+            write(w)
         return
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
     try:
-        _io.write_file(tmp, all_pieces, size=final.size, truncate=True)
+        with _io.open_writer(tmp, size=size, truncate=True) as w:
+            write(w)
         tmp.replace(path)
     except BaseException:
         if tmp.exists():

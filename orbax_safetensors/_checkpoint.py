@@ -9,9 +9,9 @@ Layout of a checkpoint directory::
                                            # saved sharding, CRC32C, user metadata
 
 Saving happens in three steps so that Orbax (or any driver) can put them where it needs:
-:func:`prepare_save` (every process; device-to-host copies of owned shards, done when it
-returns), :func:`write_process_part` (every process; its own byte ranges, plus headers and index
-on the primary; a small per-process checksum file) and :func:`finalize` (one process, after all
+:func:`prepare_save` (every process; plans, and copies owned shards to host, now or as the
+writer reaches each tensor), :func:`write_process_part` (every process; its own byte ranges,
+plus headers and index on the primary; a small per-process checksum file) and :func:`finalize` (one process, after all
 wrote; merges checksums into the metadata file).
 
 Example::
@@ -23,9 +23,11 @@ Example::
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
-from collections.abc import Mapping
+import queue
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -94,20 +96,36 @@ def validate_save(tree: Any, user_metadata: Mapping[str, Any] | None = None) -> 
 
     Raises:
       UnsupportedLeafError: naming the first leaf (or dtype) that cannot be stored.
+      ValueError: naming a ``jax.Array`` that has been deleted (donated).
       TypeError: when ``user_metadata`` is not JSON-serialisable.
     """
     flat = _tree.flatten(tree)
     _writer.tensor_specs(flat.arrays)
+    _check_not_deleted(flat.arrays)
     json.dumps(dict(user_metadata or {}))
     return flat
 
 
+def _check_not_deleted(arrays: Mapping[str, Any]) -> None:
+    for name, x in arrays.items():
+        if isinstance(x, jax.Array) and x.is_deleted():
+            raise ValueError(
+                f"cannot save {name!r} ({x.dtype}{list(x.shape)}): the array has been deleted "
+                "(donated to a jitted function?); save before donating, or save the result"
+            )
+
+
 @dataclasses.dataclass
 class PreparedSave:
-    """Everything a process needs to write its part; host copies are already complete."""
+    """Everything a process needs to write its part.
+
+    ``pieces`` yields ``(file index, pieces)`` one tensor at a time: a list whose host copies
+    are complete, a generator that copies each tensor when the writer reaches it, or a
+    :class:`PieceQueue` filled by another thread.
+    """
 
     plan: _plan.CheckpointPlan
-    pieces: dict[int, list[_io.Piece]]
+    pieces: Iterable[tuple[int, list[_io.Piece]]]
     metadata: dict[str, Any]  # the metadata file's content, less checksums
     sizes: dict[str, int]
     is_primary: bool
@@ -123,12 +141,16 @@ def prepare_save(
     is_primary: bool = True,
     process_index: int = 0,
     copy: bool = True,
+    lazy: bool = False,
     checksums: bool = True,
     flat: _tree.FlatTree | None = None,
 ) -> PreparedSave:
     """Flattens ``tree``, plans its files and copies this process's owned bytes to host.
 
-    With ``copy=True`` the caller may donate or overwrite its arrays as soon as this returns.
+    With ``copy=True`` (and not ``lazy``) the caller may donate or overwrite its arrays as soon
+    as this returns. With ``lazy=True`` nothing is copied yet: ``pieces`` is a generator that
+    takes each tensor's bytes when the writer reaches it, so the arrays must stay untouched
+    until :func:`write_process_part` returns (a synchronous save; host memory about one tensor).
     ``flat`` is ``tree`` already flattened (by :func:`validate_save`), to skip doing it again.
     """
     flat = flat if flat is not None else _tree.flatten(tree)
@@ -158,7 +180,12 @@ def prepare_save(
         "metadata": dict(user_metadata or {}),
     }
     json.dumps(metadata["metadata"])  # fail early (before any I/O) on non-JSON user metadata
-    pieces = _writer.host_pieces(plan, flat.arrays, copy=copy, is_primary=is_primary)
+    _check_not_deleted(flat.arrays)
+    pieces: Iterable[tuple[int, list[_io.Piece]]] = _writer.iter_host_pieces(
+        plan, flat.arrays, copy=copy, is_primary=is_primary, copies_ahead=None if copy else 1
+    )
+    if not lazy:
+        pieces = list(pieces)
     return PreparedSave(
         plan,
         pieces,
@@ -170,6 +197,43 @@ def prepare_save(
     )
 
 
+class PieceQueue:
+    """Hands ``(file index, pieces)`` from the thread that copies them to host to the thread
+    that writes them, so writing starts before the last tensor is copied.
+
+    Example::
+
+        queue = PieceQueue()
+        writer = threading.Thread(target=write_process_part, args=(replace(p, pieces=queue), d))
+        writer.start()
+        for item in p.pieces:
+            queue.put(item)
+        queue.close()
+    """
+
+    _END = object()
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+    def put(self, item: tuple[int, list[_io.Piece]]) -> None:
+        self._queue.put(item)
+
+    def close(self) -> None:
+        """No more pieces: the writer finishes."""
+        self._queue.put(self._END)
+
+    def fail(self, error: BaseException) -> None:
+        """The producer failed: the writer raises instead of finishing the checkpoint."""
+        self._queue.put(error)
+
+    def __iter__(self) -> Iterator[tuple[int, list[_io.Piece]]]:
+        while (item := self._queue.get()) is not self._END:
+            if isinstance(item, BaseException):
+                raise RuntimeError("copying the checkpoint's arrays to host failed") from item
+            yield item
+
+
 def write_process_part(
     prepared: PreparedSave,
     directory: epath.PathLike,
@@ -177,25 +241,33 @@ def write_process_part(
 ) -> None:
     """Writes this process's bytes (and, on the primary, headers, index and metadata draft).
 
-    ``stats``, when given, records the byte ranges written.
+    Tensors are written as ``prepared.pieces`` yields them, each file opened when first needed
+    and made durable at the end. ``stats``, when given, records the byte ranges written.
     """
     directory = epath.Path(directory)
     plan = prepared.plan
     runs: dict[str, list[tuple[int, int, int]]] = {}  # tensor -> (offset, nbytes, crc) written
-    for i, fplan in enumerate(plan.files):
-        pieces = list(prepared.pieces.get(i, []))
+    with contextlib.ExitStack() as stack:
+        writers: dict[int, _io.Writer] = {}
+
+        def write(file_index: int, pieces: list[_io.Piece], checksums: bool = False) -> None:
+            fplan = plan.files[file_index]
+            if file_index not in writers:
+                path = directory / fplan.filename
+                writers[file_index] = stack.enter_context(_io.open_writer(path, size=fplan.size))
+            for tag, nbytes, crc in writers[file_index].write(pieces, checksums=checksums):
+                if tag is None:  # a header
+                    continue
+                name, offset = tag  # type: ignore[misc]
+                runs.setdefault(str(name), []).append((int(offset), nbytes, crc))  # type: ignore[has-type]
+            if stats is not None:
+                stats.add(fplan.filename, pieces)
+
         if prepared.is_primary:
-            pieces.append(_io.header_piece(fplan.header))
-        if not pieces:
-            continue
-        for p in pieces:
-            if p.tag is not None:
-                name, offset = p.tag  # type: ignore[misc]
-                crc = _checksum.crc32c(p.data) if prepared.checksums else 0
-                runs.setdefault(str(name), []).append((int(offset), p.data.nbytes, crc))  # type: ignore[has-type]
-        _io.write_file(directory / fplan.filename, pieces, size=fplan.size, checksums=False)
-        if stats is not None:
-            stats.add(fplan.filename, pieces)
+            for i, fplan in enumerate(plan.files):
+                write(i, [_io.header_piece(fplan.header)])
+        for file_index, pieces in prepared.pieces:
+            write(file_index, pieces, checksums=prepared.checksums)
     if prepared.is_primary:
         if len(plan.files) > 1:
             (directory / _plan.INDEX_FILE_NAME).write_text(json.dumps(plan.index_json(), indent=1))

@@ -257,7 +257,7 @@ def _orbax_item_to_safetensors(
                     value = jax.random.key_data(value)
                 arrays[ours] = np.asarray(value)
             del values
-            pieces = _writer.host_pieces(plan, arrays, copy=False)
+            pieces = _writer.iter_host_pieces(plan, arrays, copy=False)
             last = i == len(groups) - 1
             metadata: dict[str, Any] = {}
             if last:

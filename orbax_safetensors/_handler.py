@@ -1,10 +1,11 @@
 """The Orbax plugin: ``SafetensorsCheckpointHandler`` and its registered args.
 
-Thin glue over :mod:`orbax_safetensors._checkpoint`: ``async_save`` copies this process's
-owned shards to host (so the caller may donate its arrays as soon as ``save()`` returns) and
-returns a commit future that writes them once Orbax has created the step directory; Orbax's
-barrier then orders "every process wrote" before the primary's :meth:`finalize`, which merges
-checksums into the metadata file, before Orbax commits the step atomically.
+Thin glue over :mod:`orbax_safetensors._checkpoint`: under an async save, ``async_save`` copies
+this process's owned shards to host (so the caller may donate its arrays as soon as ``save()``
+returns) while a commit future writes each copied tensor once Orbax has created the step
+directory; under a synchronous save it writes straight from the arrays. Orbax's barrier then
+orders "every process wrote" before the primary's :meth:`finalize`, which merges checksums into
+the metadata file, before Orbax commits the step atomically.
 
 Example::
 
@@ -21,7 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Mapping
+import os
+import sys
+import types
+from collections.abc import Coroutine, Mapping
 from typing import Any
 
 import jax
@@ -77,7 +81,8 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
     def _is_primary(self) -> bool:
         return jax.process_index() == self._primary_host
 
-    def _prepare(self, args: SafetensorsSave) -> _checkpoint.PreparedSave:
+    def _prepare(self, args: SafetensorsSave, *, copy: bool) -> _checkpoint.PreparedSave:
+        # Always lazy: ``pieces`` copies (``copy``) or views each tensor when iterated.
         count = jax.process_count()
         if not 0 <= self._primary_host < count:
             # Checked here, on the caller's thread: otherwise no process writes the headers and
@@ -86,35 +91,67 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
                 f"primary_host={self._primary_host} is not a process of this job "
                 f"(jax.process_count() is {count}); pass a process index in [0, {count})"
             )
-        return _checkpoint.prepare_save(
+        prepared = _checkpoint.prepare_save(
             args.item,
             flat=args._flat,
             user_metadata=args.metadata,
             max_file_size=self._max_file_size,
             is_primary=self._is_primary(),
             process_index=jax.process_index(),
-            copy=True,
+            copy=copy,
+            lazy=True,
             checksums=self._checksums,
         )
+        return prepared
 
-    async def async_save(
+    def async_save(  # type: ignore[override]
         self, directory: epath.Path, args: SafetensorsSave
-    ) -> list[ocp_future.Future] | None:
-        """Copies owned shards to host now; returns a future that writes them."""
-        prepared = self._prepare(args)
+    ) -> Coroutine[Any, Any, list[ocp_future.Future] | None]:
+        """Starts the save; the returned coroutine (awaited by Orbax) gives its commit future.
+
+        Under an async ``CheckpointManager`` (or ``ocp.AsyncCheckpointer``) this process's owned
+        shards are copied to host before this returns, so the caller may donate or overwrite
+        its arrays as soon as ``save()`` returns; a writer thread writes each tensor as soon as
+        it is copied and Orbax's step directory exists. Under a synchronous save, which waits
+        for the commit future before returning, nothing is copied up front: each tensor is
+        written straight from its buffer (zero-copy on CPU; one tensor at a time in host
+        memory on accelerators).
+
+        A plain method returning a coroutine, not ``async def``: the copies must happen in the
+        caller's call, and :func:`_orbax_waits_for_commit` must see the caller's frames.
+        """
+        sync = _orbax_waits_for_commit()
+        prepared = self._prepare(args, copy=not sync)
         _prepare_directory(directory, prepared)
         stats = self.last_write_stats = _writer.WriteStats()
+        copies = prepared.pieces
+        queue = None if sync else _checkpoint.PieceQueue()
+        if queue is not None:
+            prepared = dataclasses.replace(prepared, pieces=queue)
 
         async def write() -> None:
-            # The step directory exists once the contracted signals arrive; the blocking
+            # Runs once the contracted signals arrive (the step directory exists); the blocking
             # file I/O runs on a worker thread so the event loop stays responsive.
             await asyncio.to_thread(_checkpoint.write_process_part, prepared, directory, stats)
 
-        return [ocp_future.CommitFutureAwaitingContractedSignals(write(), name="safetensors_save")]
+        future = ocp_future.CommitFutureAwaitingContractedSignals(write(), name="safetensors_save")
+        if queue is not None:
+            try:
+                for item in copies:  # device-to-host copies, on the caller's thread
+                    queue.put(item)
+            except BaseException as e:
+                queue.fail(e)
+                raise
+            queue.close()
+
+        async def started() -> list[ocp_future.Future]:
+            return [future]
+
+        return started()
 
     def save(self, directory: epath.Path, args: SafetensorsSave) -> None:
-        """Synchronous save (used by ``ocp.Checkpointer``; CheckpointManager uses async_save)."""
-        prepared = self._prepare(args)
+        """Synchronous save (used by ``ocp.Checkpointer``): writes straight from the arrays."""
+        prepared = self._prepare(args, copy=False)
         _prepare_directory(directory, prepared)
         self.last_write_stats = _writer.WriteStats()
         _checkpoint.write_process_part(prepared, directory, self.last_write_stats)
@@ -144,6 +181,40 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
     @classmethod
     def typestr(cls) -> str:
         return TYPESTR
+
+
+# Orbax's synchronous entry points (CheckpointManager with enable_async_checkpointing=False
+# runs Checkpointer.save -> CompositeCheckpointHandler.save -> ... -> our async_save, and waits
+# for the commit futures before returning) and its asynchronous one.
+_SYNC_CALLERS = frozenset(
+    {"CompositeCheckpointHandler.save.<locals>.async_save", "Checkpointer.save"}
+)
+_ASYNC_CALLER_PREFIX = "AsyncCheckpointer."
+_MAX_FRAMES = 64
+
+
+def _orbax_waits_for_commit() -> bool:
+    """Whether our ``async_save`` runs inside Orbax's synchronous save, which waits for the
+    commit futures before returning to user code.
+
+    Then nothing can donate or overwrite the arrays until the write ends, so the writer may read
+    them in place: no host snapshot, no extra memory, no copy time. Orbax passes no such flag,
+    so we look for its synchronous entry points among our callers' frames. Anything else (an
+    ``AsyncCheckpointer``, a caller on another thread, an Orbax that renamed them) gets False:
+    the safe answer, a full host snapshot before ``save()`` returns.
+    """
+    frame: types.FrameType | None = sys._getframe(2)
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            break
+        code = frame.f_code
+        if f"orbax{os.sep}checkpoint" in code.co_filename:
+            if code.co_qualname.startswith(_ASYNC_CALLER_PREFIX):
+                return False
+            if code.co_qualname in _SYNC_CALLERS:
+                return True
+        frame = frame.f_back
+    return False
 
 
 def _prepare_directory(directory: epath.Path, prepared: _checkpoint.PreparedSave) -> None:

@@ -33,7 +33,7 @@ from orbax_safetensors._errors import HeaderError
 
 ALIGNMENT = 64
 _IOV_MAX = 1024  # Linux's per-call iovec limit
-_MAX_BATCH_BYTES = 256 << 20
+_MAX_BATCH_BYTES = 256 << 20  # per vectored read
 _MAX_CALL_BYTES = 0x7FFFF000  # Linux transfers at most this much per read/write call
 DEFAULT_MAX_GAP = 4096
 
@@ -109,30 +109,174 @@ def _pwritev_all(fd: int, bufs: list[memoryview], offset: int) -> None:
     _vectored_all(os.pwritev, fd, bufs, offset, lambda at: OSError(f"pwritev stalled at {at}"))
 
 
-def _batches(pieces: Sequence[Piece]) -> Iterator[list[Piece]]:
-    batch: list[Piece] = []
-    end = size = 0
-    for p in pieces:
-        if batch and (p.offset != end or len(batch) >= _IOV_MAX or size >= _MAX_BATCH_BYTES):
-            yield batch
-            batch, size = [], 0
-        batch.append(p)
-        end = p.offset + p.data.nbytes
-        size += p.data.nbytes
-    if batch:
-        yield batch
+# Work unit of a local write: up to this many bytes (or _IOV_MAX pieces) per pwritev, each
+# checksummed just before it is written, so the CRC of one unit overlaps the write of another.
+_WRITE_UNIT_BYTES = 8 << 20
+WRITE_THREADS = 2
 
 
-def _split_large(pieces: Sequence[Piece]) -> list[Piece]:
-    out: list[Piece] = []
-    for p in pieces:
-        n = p.data.nbytes
-        if n <= _MAX_CALL_BYTES:
-            out.append(p)
-            continue
-        for start in range(0, n, _MAX_CALL_BYTES):
-            out.append(Piece(p.offset + start, p.data[start : start + _MAX_CALL_BYTES], p.tag))
-    return out
+class Writer(Protocol):
+    """Positional writes into one file of known final size (see :func:`open_writer`)."""
+
+    path: str
+
+    def write(
+        self, pieces: Sequence[Piece], *, checksums: bool = False
+    ) -> list[tuple[object, int, int]]:
+        """Writes each piece at its offset; returns ``(tag, nbytes, crc32c or 0)`` per piece."""
+        ...
+
+
+def _write_units(pieces: Sequence[Piece]) -> list[list[tuple[int, int, memoryview]]]:
+    # (piece number, start inside the piece, bytes): contiguous runs of at most
+    # _WRITE_UNIT_BYTES / _IOV_MAX entries; large pieces are cut into several units.
+    units: list[list[tuple[int, int, memoryview]]] = []
+    unit: list[tuple[int, int, memoryview]] = []
+    size = end = 0
+    for k, p in enumerate(pieces):
+        view = p.data.data
+        for start in range(0, len(view), _WRITE_UNIT_BYTES):  # nothing for an empty piece
+            chunk = view[start : start + _WRITE_UNIT_BYTES]
+            offset = p.offset + start
+            if unit and (
+                offset != end or len(unit) >= _IOV_MAX or size + len(chunk) > _WRITE_UNIT_BYTES
+            ):
+                units.append(unit)
+                unit, size = [], 0
+            unit.append((k, start, chunk))
+            size += len(chunk)
+            end = offset + len(chunk)
+    if unit:
+        units.append(unit)
+    return units
+
+
+class _LocalWriter:
+    """Writes pieces with ``pwritev`` from a small thread pool; CRC32C on the way."""
+
+    def __init__(self, path: str, size: int, truncate: bool, threads: int) -> None:
+        self.path = path
+        self.size = size
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if truncate else 0)
+        self._fd = self._call(os.open, path, flags, 0o644)
+        self._threads = threads
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        try:
+            self._call(os.ftruncate, self._fd, size)
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except OSError as e:
+            if e.errno is None or e.filename is not None:
+                raise
+            # ftruncate/pwritev/fsync errors carry no file name: name the file (disk full, quota).
+            raise OSError(e.errno, f"{e.strerror} (writing {self.size} bytes)", self.path) from e
+
+    def write(
+        self, pieces: Sequence[Piece], *, checksums: bool = False
+    ) -> list[tuple[object, int, int]]:
+        ordered = sorted(pieces, key=lambda p: p.offset)
+        units = _write_units(ordered)
+
+        def run(unit: list[tuple[int, int, memoryview]]) -> list[tuple[int, int, int, int]]:
+            # crc32c releases the GIL on large buffers, as pwritev does: two units proceed
+            # on two cores, and each unit's bytes are still in cache when written.
+            crcs = [(k, s, len(v), _checksum.crc32c(v) if checksums else 0) for k, s, v in unit]
+            offset = ordered[unit[0][0]].offset + unit[0][1]
+            self._call(_pwritev_all, self._fd, [v for _, _, v in unit], offset)
+            return crcs
+
+        if len(units) > 1 and self._threads > 1:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(self._threads)
+            results = list(self._pool.map(run, units))
+        else:
+            results = [run(u) for u in units]
+        runs: list[list[tuple[int, int, int]]] = [[] for _ in ordered]
+        for result in results:
+            for k, start, n, crc in result:
+                runs[k].append((start, n, crc))
+        return [
+            (p.tag, p.data.nbytes, _checksum.combine_runs(r, p.data.nbytes))
+            for p, r in zip(ordered, runs, strict=True)
+        ]
+
+    def close(self, sync: bool) -> None:
+        try:
+            if self._pool is not None:
+                self._pool.shutdown()
+            if sync:
+                self._call(os.fsync, self._fd)
+        finally:
+            os.close(self._fd)
+
+
+class _BufferedWriter:
+    """Collects pieces for a path that is written as a whole on close (object storage, other
+    epath backends): a streamed write needs every byte, in order."""
+
+    def __init__(self, path: str, size: int) -> None:
+        self.path = path
+        self.size = size
+        self._pieces: list[Piece] = []
+
+    def write(
+        self, pieces: Sequence[Piece], *, checksums: bool = False
+    ) -> list[tuple[object, int, int]]:
+        self._pieces.extend(pieces)
+        return [
+            (p.tag, p.data.nbytes, _checksum.crc32c(p.data) if checksums else 0) for p in pieces
+        ]
+
+    def close(self, sync: bool) -> None:
+        ordered = sorted(self._pieces, key=lambda p: p.offset)
+        self._pieces = []
+        if is_object_url(self.path):
+            from orbax_safetensors import _objstore
+
+            _objstore.write_file(self.path, ordered, self.size)
+        else:
+            _write_stream(epath.Path(self.path), ordered, self.size)
+
+
+@contextmanager
+def open_writer(
+    path: epath.PathLike,
+    *,
+    size: int,
+    truncate: bool = False,
+    sync: bool = True,
+    threads: int = WRITE_THREADS,
+) -> Iterator[Writer]:
+    """Opens a file of final size ``size`` for positional writes; durable (fsync) on exit.
+
+    Local files are opened without truncation (unless ``truncate``) so several processes can
+    fill disjoint ranges of one file; each sets the same final size. Non-local paths are
+    written as one sequential stream when the block exits, so the pieces must tile
+    ``[0, size)`` exactly. If the block raises, nothing more is written or synced.
+
+    Example::
+
+        with open_writer(path, size=len(header) + data.nbytes, truncate=True) as w:
+            crcs = w.write([Piece(len(header), data, "t")], checksums=True)
+            w.write([header_piece(header)])
+    """
+    writer: _LocalWriter | _BufferedWriter
+    if is_local(path):
+        writer = _LocalWriter(os.fspath(path), size, truncate, threads)
+    else:
+        writer = _BufferedWriter(os.fspath(path), size)
+    try:
+        yield writer
+    except BaseException:
+        if isinstance(writer, _LocalWriter):
+            writer.close(sync=False)
+        raise
+    writer.close(sync)
 
 
 def write_file(
@@ -146,39 +290,11 @@ def write_file(
 ) -> list[tuple[object, int, int]]:
     """Writes ``pieces`` into the file at ``path`` and sets its size to ``size``.
 
-    Local files are opened without truncation (unless ``truncate``) so several processes can
-    fill disjoint ranges of one file; each sets the same final size. Non-local paths are
-    written as one sequential stream, so the pieces must tile ``[0, size)`` exactly.
-
-    Returns:
-      ``(tag, nbytes, crc32c)`` for every piece written, when ``checksums``.
+    See :func:`open_writer`. Returns ``(tag, nbytes, crc32c)`` for every piece written, in
+    offset order (crc32c 0 unless ``checksums``).
     """
-    ordered = sorted(pieces, key=lambda p: p.offset)
-    crcs = [(p.tag, p.data.nbytes, _checksum.crc32c(p.data)) for p in ordered] if checksums else []
-    if not is_local(path):
-        if is_object_url(path):
-            from orbax_safetensors import _objstore
-
-            _objstore.write_file(os.fspath(path), ordered, size)
-        else:
-            _write_stream(epath.Path(path), ordered, size)
-        return crcs
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if truncate else 0)
-    fd = os.open(os.fspath(path), flags, 0o644)
-    try:
-        os.ftruncate(fd, size)
-        for batch in _batches(_split_large(ordered)):
-            _pwritev_all(fd, [p.data.data for p in batch], batch[0].offset)
-        if sync:
-            os.fsync(fd)
-    except OSError as e:
-        if e.errno is None or e.filename is not None:
-            raise
-        # ftruncate/pwritev/fsync errors carry no file name: name the file (disk full, quota).
-        raise OSError(e.errno, f"{e.strerror} (writing {size} bytes)", os.fspath(path)) from e
-    finally:
-        os.close(fd)
-    return crcs
+    with open_writer(path, size=size, truncate=truncate, sync=sync) as w:
+        return w.write(pieces, checksums=checksums)
 
 
 def _write_stream(path: epath.Path, ordered: Sequence[Piece], size: int) -> None:

@@ -15,7 +15,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -88,14 +88,6 @@ def is_host_local(x: Any) -> bool:
     return jax.process_count() > 1 and x.is_fully_addressable
 
 
-def start_host_copies(arrays: Mapping[str, Any]) -> None:
-    """Starts every owned shard's device-to-host copy so they overlap one another."""
-    for x in arrays.values():
-        if not is_host_local(x):
-            for _, data in owned_shards(x):
-                data.copy_to_host_async()
-
-
 def _to_host(data: Any, copy: bool) -> np.ndarray:
     host = _host_array(data)
     if copy and (
@@ -112,6 +104,54 @@ def _to_host(data: Any, copy: bool) -> np.ndarray:
     return host
 
 
+def iter_host_pieces(
+    plan: _plan.CheckpointPlan,
+    arrays: Mapping[str, Any],
+    *,
+    copy: bool,
+    is_primary: bool = True,
+    copies_ahead: int | None = 1,
+) -> Iterator[tuple[int, list[_io.Piece]]]:
+    """The byte pieces this process writes, one tensor at a time: ``(file index, pieces)``.
+
+    Args:
+      plan: the checkpoint's file plan.
+      arrays: stored tensors by name (``jax.Array`` or numpy).
+      copy: copy host data into buffers we own (needed when writing happens after return).
+      is_primary: whether this process writes host-local leaves (see :func:`is_host_local`).
+      copies_ahead: start device-to-host copies this many tensors ahead of the one yielded
+        (``None``: all at once, fastest when everything is copied before writing). With 1, a
+        consumer that writes each tensor before asking for the next holds about one tensor in
+        host memory at a time (on accelerators; on CPU, uncopied pieces are views).
+
+    Each piece's tag is ``(tensor name, offset inside the tensor)``.
+    """
+    owned: list[tuple[str, list[tuple[_plan.Index, Any]]]] = []
+    for name, x in arrays.items():
+        if not is_host_local(x):
+            owned.append((name, owned_shards(x)))
+        elif is_primary:
+            owned.append((name, [(_plan.normalize_index((), x.shape), x)]))
+    started = 0
+    for k, (name, shards) in enumerate(owned):
+        until = len(owned) if copies_ahead is None else min(len(owned), k + 1 + copies_ahead)
+        for _, ahead in owned[started:until]:
+            for _, data in ahead:
+                if isinstance(data, jax.Array):
+                    data.copy_to_host_async()
+        started = max(started, until)
+        fplan, entry = plan.locate(name)
+        base = fplan.data_start + entry.begin
+        pieces: list[_io.Piece] = []
+        for index, data in shards:
+            raw = _dtypes.pack(_to_host(data, copy), entry.dtype)
+            offsets, length = _plan.byte_runs(entry.dtype, entry.shape, index)
+            for j, off in enumerate(offsets.tolist()):
+                chunk = raw[j * length : (j + 1) * length]
+                pieces.append(_io.Piece(base + off, chunk, (name, off)))
+        yield plan.file_of[name], pieces
+
+
 def host_pieces(
     plan: _plan.CheckpointPlan,
     arrays: Mapping[str, Any],
@@ -119,35 +159,11 @@ def host_pieces(
     copy: bool,
     is_primary: bool = True,
 ) -> dict[int, list[_io.Piece]]:
-    """The byte pieces this process writes, grouped by file index.
-
-    Args:
-      plan: the checkpoint's file plan.
-      arrays: stored tensors by name (``jax.Array`` or numpy).
-      copy: copy host data into buffers we own (needed when writing happens after return).
-      is_primary: whether this process writes host-local leaves (see :func:`is_host_local`).
-
-    Each piece's tag is ``(tensor name, offset inside the tensor)``.
-    """
-    start_host_copies(arrays)
+    """All of :func:`iter_host_pieces` at once, grouped by file index."""
     out: dict[int, list[_io.Piece]] = {}
-    for name, x in arrays.items():
-        file_index = plan.file_of[name]
-        fplan, entry = plan.locate(name)
-        base = fplan.data_start + entry.begin
-        if not is_host_local(x):
-            shards = owned_shards(x)
-        elif is_primary:
-            shards = [(_plan.normalize_index((), x.shape), x)]
-        else:
-            shards = []
-        for index, data in shards:
-            raw = _dtypes.pack(_to_host(data, copy), entry.dtype)
-            offsets, length = _plan.byte_runs(entry.dtype, entry.shape, index)
-            pieces = out.setdefault(file_index, [])
-            for k, off in enumerate(offsets.tolist()):
-                chunk = raw[k * length : (k + 1) * length]
-                pieces.append(_io.Piece(base + off, chunk, (name, off)))
+    stream = iter_host_pieces(plan, arrays, copy=copy, is_primary=is_primary, copies_ahead=None)
+    for file_index, pieces in stream:
+        out.setdefault(file_index, []).extend(pieces)
     return out
 
 

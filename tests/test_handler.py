@@ -9,12 +9,14 @@ metadata that reads no tensor bytes. Interop checks read our files with ``safete
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
 import subprocess
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -765,3 +767,100 @@ def test_item_metadata_of_a_composite(tmp_path: Path) -> None:
     mngr.close()
     w = meta["state"]["w"]
     assert isinstance(w, jax.ShapeDtypeStruct) and (w.shape, w.dtype) == ((2, 3), jnp.float32)
+
+
+# --------------------------------------------------------------------------- host memory of saves
+
+
+def _traced_peak(fn: Any) -> int:
+    """Peak bytes allocated (numpy buffers included: numpy reports to tracemalloc) by ``fn()``."""
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        fn()
+        return tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+
+
+def _big_state() -> dict[str, Any]:
+    return {f"w{i}": jnp.full((1 << 21,), float(i), jnp.float32) for i in range(4)}  # 4 x 8 MiB
+
+
+@pytest.mark.parametrize("async_enabled", [True, False], ids=["async", "sync"])
+def test_sync_saves_write_in_place_async_saves_snapshot(
+    tmp_path: Path, async_enabled: bool
+) -> None:
+    """A synchronous manager save writes each tensor straight from its buffer (no host
+    snapshot); an async one copies every owned byte to host before save() returns."""
+    state = _big_state()
+    options = ocp.CheckpointManagerOptions(enable_async_checkpointing=async_enabled)
+    mngr = _manager(tmp_path, options=options)
+    mngr.save(0, args=osf.SafetensorsSave(state))  # warm-up: Orbax's one-off allocations
+    mngr.wait_until_finished()
+
+    def save() -> None:
+        mngr.save(1, args=osf.SafetensorsSave(state))
+        mngr.wait_until_finished()
+
+    peak = _traced_peak(save)
+    restored = mngr.restore(1, args=osf.SafetensorsRestore())
+    mngr.close()
+    _assert_same_values(restored, state)
+    if async_enabled:
+        assert peak >= 8 << 20, peak  # at least the largest tensor was snapshotted
+    else:
+        assert peak < 2 << 20, peak  # 32 MiB saved with < 2 MiB allocated
+
+
+@pytest.mark.parametrize("checkpointer", [ocp.Checkpointer, ocp.AsyncCheckpointer])
+def test_checkpointer_with_the_handler_alone(tmp_path: Path, checkpointer: Any) -> None:
+    """The handler under a bare Checkpointer (sync: handler.save, in place) and an
+    AsyncCheckpointer (async_save: snapshot, then donation is safe)."""
+    state = _big_state()
+    expected = jax.tree.map(lambda x: np.array(x, copy=True), state)  # not a view: donatable
+    ckptr = checkpointer(osf.SafetensorsCheckpointHandler())
+    donate = jax.jit(lambda s: jax.tree.map(lambda x: x * 0 - 1, s), donate_argnums=0)
+
+    def save() -> None:
+        ckptr.save(tmp_path / "ck", args=osf.SafetensorsSave(state))
+        if checkpointer is ocp.AsyncCheckpointer:
+            donate(state)  # right after save() returns
+            ckptr.wait_until_finished()
+
+    peak = _traced_peak(save)
+    restored = ckptr.restore(tmp_path / "ck", args=osf.SafetensorsRestore())
+    ckptr.close()
+    for k in expected:
+        np.testing.assert_array_equal(np.asarray(restored[k]), expected[k], err_msg=k)
+    if checkpointer is ocp.Checkpointer:
+        assert peak < 2 << 20, peak
+    else:
+        assert all(x.is_deleted() for x in state.values())
+
+
+def test_saving_a_donated_array_names_it(tmp_path: Path) -> None:
+    state = {"layer": {"w": jnp.ones((4, 4)), "b": jnp.zeros(4)}}
+    jax.jit(lambda s: s, donate_argnums=0)(state["layer"]["w"])
+    mngr = _manager(tmp_path)
+    with pytest.raises(ValueError, match=r"'layer\.w'.*deleted.*donated"):
+        # Raised where the args are built, before Orbax starts any background work.
+        mngr.save(1, args=osf.SafetensorsSave(state))
+    assert mngr.all_steps() == []
+    mngr.close()
+
+
+def test_writer_fails_when_the_copying_thread_fails(tmp_path: Path) -> None:
+    """The async writer reads pieces from a queue as they are copied; a failed copy makes the
+    writer raise (the step is not committed) instead of waiting forever or finishing."""
+    prepared = osf._checkpoint.prepare_save({"w": np.ones(8, np.float32)}, lazy=True)
+    queue = osf._checkpoint.PieceQueue()
+    for item in prepared.pieces:
+        queue.put(item)
+    queue.fail(MemoryError("host copy failed"))
+    streamed = dataclasses.replace(prepared, pieces=queue)
+    with pytest.raises(RuntimeError, match=r"copying .* to host failed") as info:
+        osf._checkpoint.write_process_part(streamed, tmp_path)
+    assert isinstance(info.value.__cause__, MemoryError)
+    assert not (tmp_path / "orbax_safetensors.json").exists()

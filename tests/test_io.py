@@ -1,0 +1,58 @@
+"""The byte movers of ``_io``: positional writes with checksums computed on the way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import crc32c
+import numpy as np
+import pytest
+
+from orbax_safetensors import _io
+
+
+def _pieces(sizes: list[int], start: int = 16) -> list[_io.Piece]:
+    rng = np.random.default_rng(0)
+    out, offset = [], start
+    for k, n in enumerate(sizes):
+        out.append(_io.Piece(offset, rng.integers(0, 256, n, dtype=np.uint8), ("t", k)))
+        offset += n
+    return out
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        [(8 << 20) + 3, 20 << 20, 5],  # pieces cut into several write units
+        [1024] * 3000,  # many small pieces: units of up to 1024 iovecs
+        [0, 7, 0, 1 << 20],  # empty pieces
+    ],
+    ids=["large", "many-small", "empty"],
+)
+def test_write_file_checksums_every_piece_and_writes_every_byte(
+    tmp_path: Path, sizes: list[int]
+) -> None:
+    pieces = _pieces(sizes)
+    header = _io.header_piece(b"H" * 16)
+    size = 16 + sum(sizes)
+    records = _io.write_file(tmp_path / "f", [*reversed(pieces), header], size=size)
+    by_tag = {tag: (n, crc) for tag, n, crc in records}
+    for p in pieces:
+        assert by_tag[p.tag] == (p.data.nbytes, crc32c.crc32c(p.data)), p.tag
+    data = (tmp_path / "f").read_bytes()
+    assert data == b"H" * 16 + b"".join(p.data.tobytes() for p in pieces)
+
+
+def test_open_writer_writes_header_after_data_and_syncs_on_exit(tmp_path: Path) -> None:
+    data = np.arange(100, dtype=np.uint8)
+    with _io.open_writer(tmp_path / "f", size=108, truncate=True) as w:
+        [(_, _, crc)] = w.write([_io.Piece(8, data, "d")], checksums=True)
+        w.write([_io.header_piece(crc.to_bytes(8, "little"))])
+    raw = (tmp_path / "f").read_bytes()
+    assert int.from_bytes(raw[:8], "little") == crc32c.crc32c(data) and raw[8:] == data.tobytes()
+
+
+def test_open_writer_error_names_the_file(tmp_path: Path) -> None:
+    with pytest.raises(OSError) as info, _io.open_writer(tmp_path / "missing" / "f", size=8):
+        pass
+    assert "missing" in str(info.value)
