@@ -139,6 +139,21 @@ def case_table(case: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def per_tensor_table(case: dict[str, Any]) -> str:
+    """Time per tensor (microseconds) of each method: the fixed cost that dominates trees of
+    many small tensors, and the memory, bandwidth-free part of every save and restore."""
+    n = case["n_tensors"]
+    lines = [
+        "| method | save µs/tensor | cold µs/tensor | warm µs/tensor |",
+        "|---|---|---|---|",
+    ]
+    for name, entry in case["methods"].items():
+        s = entry.get("summary", {})
+        cells = [_fmt(s[k] / n * 1e6, 3) if s.get(k) else "-" for _, k in _TIMES]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def peer_table(case: dict[str, Any]) -> str:
     """Row method time / column method time, for save / cold / warm (< 1: row is faster)."""
     ok = {
@@ -283,6 +298,8 @@ def markdown(results: dict[str, Any]) -> str:
             out.append(partial_table(case))
             continue
         out.append(case_table(case))
+        if case["n_tensors"] >= 1000:
+            out += ["", "Per-tensor cost (time ÷ number of tensors):", "", per_tensor_table(case)]
         peers = peer_table(case)
         if peers:
             out += [

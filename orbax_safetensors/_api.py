@@ -21,7 +21,7 @@ from typing import Any
 
 from etils import epath
 
-from orbax_safetensors import _checksum, _format, _io, _plan, _tree, _writer
+from orbax_safetensors import _checksum, _format, _gcpause, _io, _plan, _tree, _writer
 from orbax_safetensors._errors import (
     HeaderError,
     SafetensorsCheckpointError,
@@ -54,6 +54,7 @@ def _file_metadata(
     return meta
 
 
+@_gcpause.paused
 def save_file(tree: Any, path: epath.PathLike, metadata: Mapping[str, str] | None = None) -> None:
     """Saves a pytree as one ``.safetensors`` file.
 
@@ -147,6 +148,7 @@ def stored_tensors(
     return out
 
 
+@_gcpause.paused
 def load_file(
     path: epath.PathLike, target: Any = None, *, strict: bool = True, verify: bool = True
 ) -> Any:

@@ -34,7 +34,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from orbax_safetensors import _checksum, _dtypes, _format, _io, _plan, _tree, _writer
+from orbax_safetensors import _checksum, _dtypes, _format, _gcpause, _io, _plan, _tree, _writer
 from orbax_safetensors._errors import (
     HeaderError,
     IntegrityError,
@@ -91,6 +91,7 @@ def rebuild_sharding(desc: Mapping[str, Any] | None) -> jax.sharding.Sharding | 
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
 
 
+@_gcpause.paused
 def validate_save(tree: Any, user_metadata: Mapping[str, Any] | None = None) -> _tree.FlatTree:
     """Checks that ``tree`` and ``user_metadata`` can be saved, before any I/O is scheduled.
 
@@ -133,6 +134,7 @@ class PreparedSave:
     checksums: bool
 
 
+@_gcpause.paused
 def prepare_save(
     tree: Any,
     *,
@@ -234,6 +236,33 @@ class PieceQueue:
             yield item
 
 
+_BATCH_BYTES = 8 << 20
+_BATCH_PIECES = 1024
+
+
+def _batched(
+    items: Iterable[tuple[int, list[_io.Piece]]],
+) -> Iterator[tuple[int, list[_io.Piece]]]:
+    # Consecutive small tensors of one file go to the writer together (up to 8 MiB or 1024
+    # pieces): one vectored write and one round of bookkeeping instead of one per tensor.
+    batch: list[_io.Piece] = []
+    batch_file, size = -1, 0
+    for file_index, pieces in items:
+        if batch and (
+            file_index != batch_file
+            or size + sum(p.data.nbytes for p in pieces) > _BATCH_BYTES
+            or len(batch) + len(pieces) > _BATCH_PIECES
+        ):
+            yield batch_file, batch
+            batch, size = [], 0
+        batch_file = file_index
+        batch.extend(pieces)
+        size += sum(p.data.nbytes for p in pieces)
+    if batch:
+        yield batch_file, batch
+
+
+@_gcpause.paused
 def write_process_part(
     prepared: PreparedSave,
     directory: epath.PathLike,
@@ -266,7 +295,7 @@ def write_process_part(
         if prepared.is_primary:
             for i, fplan in enumerate(plan.files):
                 write(i, [_io.header_piece(fplan.header)])
-        for file_index, pieces in prepared.pieces:
+        for file_index, pieces in _batched(prepared.pieces):
             write(file_index, pieces, checksums=prepared.checksums)
     if prepared.is_primary:
         if len(plan.files) > 1:
@@ -459,6 +488,7 @@ def abstract_tree(directory: epath.PathLike, metadata: Mapping[str, Any] | None 
     return _tree.unflatten(metadata["schema"], get)
 
 
+@_gcpause.paused
 def restore_directory(
     directory: epath.PathLike,
     target: Any = None,

@@ -33,7 +33,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import future as ocp_future
 
-from orbax_safetensors import _checkpoint, _io, _plan, _writer
+from orbax_safetensors import _checkpoint, _gcpause, _io, _plan, _writer
 from orbax_safetensors._reader import ReadStats
 
 TYPESTR = "orbax_safetensors.SafetensorsCheckpointHandler"
@@ -137,8 +137,9 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         future = ocp_future.CommitFutureAwaitingContractedSignals(write(), name="safetensors_save")
         if queue is not None:
             try:
-                for item in copies:  # device-to-host copies, on the caller's thread
-                    queue.put(item)
+                with _gcpause.gc_paused():
+                    for item in copies:  # device-to-host copies, on the caller's thread
+                        queue.put(item)
             except BaseException as e:
                 queue.fail(e)
                 raise

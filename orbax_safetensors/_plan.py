@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -37,7 +38,7 @@ class TensorSpec:
     dtype: str
     shape: tuple[int, ...]
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return _dtypes.nbytes(self.dtype, self.shape)
 
@@ -54,7 +55,7 @@ class FilePlan:
     def data_start(self) -> int:
         return len(self.header)
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
         return self.data_start + sum(e.nbytes for e in self.entries.values())
 
@@ -170,6 +171,11 @@ def box_runs(shape: Sequence[int], index: Index) -> tuple[np.ndarray, int]:
         starts = (np.arange(extents[d], dtype=np.int64) + int(index[d].start)) * strides[d]
         offsets = (starts[:, None] + offsets[None, :]).reshape(-1)
     return offsets, length
+
+
+def is_whole(index: Index, shape: Sequence[int]) -> bool:
+    """Whether a normalised ``index`` covers the whole tensor."""
+    return all(s.start == 0 and s.stop == d for s, d in zip(index, shape, strict=True))
 
 
 def byte_runs(spec_dtype: str, shape: Sequence[int], index: Index) -> tuple[np.ndarray, int]:

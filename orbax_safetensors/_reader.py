@@ -94,14 +94,14 @@ class _ReadPlan:
     device_keys: dict[Any, tuple] | None  # device -> index key of its box (None: no sharding)
 
 
-def _plan_read(req: ReadRequest) -> _ReadPlan:
+def _plan_read(req: ReadRequest, arena: _io.BufferArena) -> _ReadPlan:
     shape = req.stored.shape
     whole_index = _plan.normalize_index((), shape)
 
     def whole() -> list[_Box]:
-        return [_Box(whole_index, _io.aligned_empty(req.stored.nbytes))]
+        return [_Box(whole_index, arena.empty(req.stored.nbytes))]
 
-    if req.kind != "jax" or req.sharding is None:
+    if req.kind != "jax" or req.sharding is None or _single_device(req.sharding):
         return _ReadPlan(whole(), True, None)
     device_keys: dict[Any, tuple] = {}
     boxes: dict[tuple, _Box] = {}
@@ -117,9 +117,17 @@ def _plan_read(req: ReadRequest) -> _ReadPlan:
     return _ReadPlan(list(boxes.values()), False, device_keys)
 
 
+def _single_device(sharding: jax.sharding.Sharding) -> bool:
+    # One device holds the whole array: device_put to the sharding itself, no assembly.
+    return isinstance(sharding, jax.sharding.SingleDeviceSharding) or (
+        len(sharding.device_set) == 1 and sharding.is_fully_addressable
+    )
+
+
 def read_tensors(requests: Sequence[ReadRequest], stats: ReadStats | None = None) -> list[Any]:
     """Reads every request (grouped by file, one batched read per file) and returns values."""
-    plans = [_plan_read(r) for r in requests]
+    arena = _io.BufferArena()
+    plans = [_plan_read(r, arena) for r in requests]
     by_file: dict[epath.Path, list[tuple[int, np.ndarray]]] = {}
     for req, rplan in zip(requests, plans):
         runs = by_file.setdefault(req.stored.path, [])
@@ -161,41 +169,40 @@ def _host_value(req: ReadRequest, raw: np.ndarray, box_shape: tuple[int, ...]) -
 
 def _place_all(requests: Sequence[ReadRequest], plans: list[_ReadPlan]) -> list[Any]:
     results: list[Any] = [None] * len(requests)
-    puts: list[tuple[int, list[np.ndarray], list[Any] | None]] = []
+    default = jax.local_devices()[0]  # jax.devices()[0] may belong to another process
+    # (request index, host values, device_put targets, whether to assemble a global array)
+    puts: list[tuple[int, list[np.ndarray], list[Any], bool]] = []
     for i, (req, rplan) in enumerate(zip(requests, plans)):
         if rplan.whole:
             _check(req, rplan.boxes[0].buffer)
             full = _host_value(req, rplan.boxes[0].buffer, req.stored.shape)
             if req.kind != "jax":
                 results[i] = full[()] if req.kind == "scalar" else full
-            elif rplan.device_keys is None:
-                puts.append((i, [full], None))
+            elif rplan.device_keys is None:  # one device: put to the sharding itself
+                puts.append((i, [full], [req.sharding or default], False))
             else:
                 targets = list(rplan.device_keys)
                 boxes = {
                     k: full[tuple(slice(a, b) for a, b in k)]
                     for k in set(rplan.device_keys.values())
                 }
-                puts.append((i, [boxes[rplan.device_keys[d]] for d in targets], targets))
+                puts.append((i, [boxes[rplan.device_keys[d]] for d in targets], targets, True))
         else:
             assert rplan.device_keys is not None
             host = {
                 b.key: _host_value(req, b.buffer, _plan.box_shape(b.index)) for b in rplan.boxes
             }
             targets = list(rplan.device_keys)
-            puts.append((i, [host[rplan.device_keys[d]] for d in targets], targets))
+            puts.append((i, [host[rplan.device_keys[d]] for d in targets], targets, True))
     # One device_put call for every placement: far cheaper than a call per (small) array.
-    default = jax.local_devices()[0]  # jax.devices()[0] may belong to another process
-    flat_values = [v for _, vs, _ in puts for v in vs]
-    flat_devices = [
-        d for _, vs, ds in puts for d in (ds if ds is not None else [default] * len(vs))
-    ]
-    placed = jax.device_put(flat_values, flat_devices, may_alias=True) if flat_values else []
+    flat_values = [v for _, vs, _, _ in puts for v in vs]
+    flat_targets = [t for _, _, ts, _ in puts for t in ts]
+    placed = jax.device_put(flat_values, flat_targets, may_alias=True) if flat_values else []
     k = 0
-    for i, values, devices in puts:
+    for i, values, _, assemble in puts:
         arrays = placed[k : k + len(values)]
         k += len(values)
-        if devices is None:
+        if not assemble:
             results[i] = arrays[0]
         else:
             req = requests[i]

@@ -70,7 +70,10 @@ def tensor_specs(arrays: Mapping[str, Any]) -> list[_plan.TensorSpec]:
 
 def owned_shards(x: jax.Array) -> list[tuple[_plan.Index, jax.Array]]:
     """The shards of ``x`` this process writes: the addressable ones with ``replica_id == 0``."""
-    if len(x.sharding.device_set) == 1 and x.is_fully_addressable:
+    sharding = x.sharding
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding) or (
+        len(sharding.device_set) == 1 and x.is_fully_addressable
+    ):
         return [(_plan.normalize_index((), x.shape), x)]  # fast path: one local device owns all
     return [
         (_plan.normalize_index(s.index, x.shape), s.data)
@@ -88,17 +91,17 @@ def is_host_local(x: Any) -> bool:
     return jax.process_count() > 1 and x.is_fully_addressable
 
 
-def _to_host(data: Any, copy: bool) -> np.ndarray:
+def _on_cpu(x: Any) -> bool:
+    return isinstance(x, jax.Array) and any(d.platform == "cpu" for d in x.devices())
+
+
+def _to_host(data: Any, buffers: _io.BufferArena | None, on_cpu: bool) -> np.ndarray:
     host = _host_array(data)
-    if copy and (
-        isinstance(data, np.ndarray)
-        or not isinstance(data, jax.Array)
-        or any(d.platform == "cpu" for d in data.devices())
-    ):
+    if buffers is not None and (on_cpu or not isinstance(data, jax.Array)):
         # On CPU np.asarray shares the device buffer, which the caller may donate or overwrite
         # once save() returns; copy into an aligned buffer we own. (On accelerators np.asarray
         # already produced a fresh host copy.)
-        out = _io.aligned_empty(host.nbytes).view(host.dtype).reshape(host.shape)
+        out = buffers.empty(host.nbytes).view(host.dtype).reshape(host.shape)
         np.copyto(out, host)
         return out
     return host
@@ -126,25 +129,29 @@ def iter_host_pieces(
 
     Each piece's tag is ``(tensor name, offset inside the tensor)``.
     """
-    owned: list[tuple[str, list[tuple[_plan.Index, Any]]]] = []
+    owned: list[tuple[str, list[tuple[_plan.Index, Any]], bool]] = []
     for name, x in arrays.items():
         if not is_host_local(x):
-            owned.append((name, owned_shards(x)))
+            owned.append((name, owned_shards(x), _on_cpu(x)))
         elif is_primary:
-            owned.append((name, [(_plan.normalize_index((), x.shape), x)]))
+            owned.append((name, [(_plan.normalize_index((), x.shape), x)], _on_cpu(x)))
+    buffers = _io.BufferArena() if copy else None
     started = 0
-    for k, (name, shards) in enumerate(owned):
+    for k, (name, shards, on_cpu) in enumerate(owned):
         until = len(owned) if copies_ahead is None else min(len(owned), k + 1 + copies_ahead)
-        for _, ahead in owned[started:until]:
+        for _, ahead, ahead_on_cpu in owned[started:until]:
             for _, data in ahead:
-                if isinstance(data, jax.Array):
+                if isinstance(data, jax.Array) and not ahead_on_cpu:
                     data.copy_to_host_async()
         started = max(started, until)
         fplan, entry = plan.locate(name)
         base = fplan.data_start + entry.begin
         pieces: list[_io.Piece] = []
         for index, data in shards:
-            raw = _dtypes.pack(_to_host(data, copy), entry.dtype)
+            raw = _dtypes.pack(_to_host(data, buffers, on_cpu), entry.dtype)
+            if _plan.is_whole(index, entry.shape):  # the common case, without numpy
+                pieces.append(_io.Piece(base, raw, (name, 0)))
+                continue
             offsets, length = _plan.byte_runs(entry.dtype, entry.shape, index)
             for j, off in enumerate(offsets.tolist()):
                 chunk = raw[j * length : (j + 1) * length]
