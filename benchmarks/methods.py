@@ -322,7 +322,11 @@ class OursManager(Method):
         self._mngr = ocp.CheckpointManager(
             directory,
             options=ocp.CheckpointManagerOptions(enable_async_checkpointing=self.enable_async),
+            **self._manager_kwargs(),
         )
+
+    def _manager_kwargs(self) -> dict[str, Any]:
+        return {}
 
     def save(self, state: Any, directory: Path) -> None:
         self._mngr.save(0, args=self._osf.SafetensorsSave(state))
@@ -353,7 +357,26 @@ class OursManagerAsync(OursManager):
     is_async = True
 
 
+class OursManagerNoChecksums(OursManager):
+    """As :class:`OursManager` with ``checksums=False, verify=False``: the CRC32C's cost."""
+
+    name = "ours.mngr.sync.nocrc"
+    description = "as ours.mngr.sync without CRC32C (checksums=False, verify=False)"
+
+    def _manager_kwargs(self) -> dict[str, Any]:
+        handler = self._osf.SafetensorsCheckpointHandler(checksums=False, verify=False)
+        return {"item_handlers": handler}
+
+
 METHODS: dict[str, type[Method]] = {
     m.name: m
-    for m in (Floor, SafetensorsFlax, OrbaxStandard, OursFile, OursManager, OursManagerAsync)
+    for m in (
+        Floor,
+        SafetensorsFlax,
+        OrbaxStandard,
+        OursFile,
+        OursManager,
+        OursManagerAsync,
+        OursManagerNoChecksums,
+    )
 }
