@@ -393,7 +393,12 @@ class Reader(Protocol):
 
     def pread(self, offset: int, nbytes: int) -> bytes: ...
 
-    def read_runs(self, runs: Sequence[tuple[int, np.ndarray]], max_gap: int = ...) -> None: ...
+    def read_runs(
+        self,
+        runs: Sequence[tuple[int, np.ndarray]],
+        max_gap: int = ...,
+        on_run: Callable[[int], None] | None = None,
+    ) -> None: ...
 
 
 class _LocalReader:
@@ -424,12 +429,19 @@ class _LocalReader:
         return bytes(out)
 
     def read_runs(
-        self, runs: Sequence[tuple[int, np.ndarray]], max_gap: int = DEFAULT_MAX_GAP
+        self,
+        runs: Sequence[tuple[int, np.ndarray]],
+        max_gap: int = DEFAULT_MAX_GAP,
+        on_run: Callable[[int], None] | None = None,
     ) -> None:
-        """Fills each ``(offset, dest)`` with the file bytes at ``offset`` (dest is flat uint8)."""
-        batches = _read_batches(runs, max_gap, bounded=True)
+        """Fills each ``(offset, dest)`` with the file bytes at ``offset`` (dest is flat uint8).
+
+        ``on_run(i)`` is called (from a reading thread) as soon as run ``i`` is in place: work
+        on its bytes then finds them still in the CPU cache.
+        """
+        batches = _plan_read_batches(runs, max_gap, bounded=True, max_batch=_LOCAL_BATCH_BYTES)
         self.requests += len(batches)
-        self.bytes_read += sum(len(b) for _, bufs in batches for b in bufs)
+        self.bytes_read += sum(len(b) for _, bufs, _ in batches for b in bufs)
         if self._threads > 1 and len(batches) > 1:
             # One task per thread, each a contiguous share of the batches: many small reads
             # (column shards) would otherwise pay the pool's per-task overhead each.
@@ -437,13 +449,16 @@ class _LocalReader:
             step = -(-len(batches) // workers)
             shares = [batches[i : i + step] for i in range(0, len(batches), step)]
             with concurrent.futures.ThreadPoolExecutor(len(shares)) as pool:
-                list(pool.map(self._read_share, shares))
+                list(pool.map(lambda share: self._read_share(share, on_run), shares))
         else:
-            self._read_share(batches)
+            self._read_share(batches, on_run)
 
-    def _read_share(self, batches: list[tuple[int, list[memoryview]]]) -> None:
-        for b in batches:
-            self._read_batch(b)
+    def _read_share(self, batches: list[_ReadBatch], on_run: Callable[[int], None] | None) -> None:
+        for start, bufs, ids in batches:
+            self._read_batch((start, bufs))
+            if on_run is not None:
+                for i in ids:
+                    on_run(i)
 
     def _read_batch(self, batch: tuple[int, list[memoryview]]) -> None:
         offset, bufs = batch
@@ -459,40 +474,66 @@ class _LocalReader:
         )
 
 
+_ReadBatch = tuple[int, list[memoryview], list[int]]  # file offset, buffers, run numbers
+# Local reads: batches of at most 16 MiB, so several threads share a large contiguous read and
+# each run's bytes are still cached when on_run looks at them.
+_LOCAL_BATCH_BYTES = 16 << 20
+
+
 def _read_batches(
     runs: Sequence[tuple[int, np.ndarray]], max_gap: int, *, bounded: bool = False
 ) -> list[tuple[int, list[memoryview]]]:
+    """:func:`_plan_read_batches` without the run numbers."""
+    return [(start, bufs) for start, bufs, _ in _plan_read_batches(runs, max_gap, bounded=bounded)]
+
+
+def _plan_read_batches(
+    runs: Sequence[tuple[int, np.ndarray]],
+    max_gap: int,
+    *,
+    bounded: bool = False,
+    max_batch: int = _MAX_BATCH_BYTES,
+) -> list[_ReadBatch]:
     # Sort by offset, then merge runs whose gaps are <= max_gap into one vectored read; gaps
     # land in a shared scratch buffer (their contents are never used). With ``bounded`` a gap is
     # only read when it is no longer than the run after it, so at most half of what is read is
     # unwanted (column shards: narrow runs with wide gaps are read exactly, one iovec each).
-    ordered = sorted(((o, d) for o, d in runs if d.nbytes), key=lambda r: r[0])
+    ordered = sorted(((o, d, i) for i, (o, d) in enumerate(runs) if d.nbytes), key=lambda r: r[0])
     scratch = np.empty(max(max_gap, 1), dtype=np.uint8).data
-    batches: list[tuple[int, list[memoryview]]] = []
+    batches: list[_ReadBatch] = []
     start = end = 0
     bufs: list[memoryview] = []
+    ids: list[int] = []
     size = 0
-    for offset, dest in ordered:
-        views = [dest.data[i : i + _MAX_CALL_BYTES] for i in range(0, dest.nbytes, _MAX_CALL_BYTES)]
+    for offset, dest, i in ordered:
+        views = [dest.data[k : k + _MAX_CALL_BYTES] for k in range(0, dest.nbytes, _MAX_CALL_BYTES)]
         gap = offset - end
         if (
             bufs
             and 0 <= gap <= max_gap
             and (not bounded or gap <= dest.nbytes)
             and len(bufs) + len(views) + 1 < _IOV_MAX
-            and size < _MAX_BATCH_BYTES
+            and size < max_batch
         ):
             if gap:
                 bufs.append(scratch[:gap])
             bufs.extend(views)
+            ids.append(i)
         else:
             if bufs:
-                batches.append((start, bufs))
-            start, bufs, size = offset, list(views), 0
+                batches.append((start, bufs, ids))
+            start, bufs, ids, size = offset, list(views), [i], 0
         size += dest.nbytes + max(gap, 0)
         end = offset + dest.nbytes
     if bufs:
-        batches.append((start, bufs))
+        batches.append((start, bufs, ids))
+    # Empty runs need no bytes: report them done at once (with the first batch, or alone).
+    empty = [i for i, (_, d) in enumerate(runs) if not d.nbytes]
+    if empty:
+        if batches:
+            batches[0][2].extend(empty)
+        else:
+            batches.append((0, [], empty))
     return batches
 
 
@@ -515,9 +556,12 @@ class _StreamReader:
         return self._f.read(max(0, min(nbytes, self.size - offset)))
 
     def read_runs(
-        self, runs: Sequence[tuple[int, np.ndarray]], max_gap: int = DEFAULT_MAX_GAP
+        self,
+        runs: Sequence[tuple[int, np.ndarray]],
+        max_gap: int = DEFAULT_MAX_GAP,
+        on_run: Callable[[int], None] | None = None,
     ) -> None:
-        for offset, dest in sorted(runs, key=lambda r: r[0]):
+        for i, (offset, dest) in sorted(enumerate(runs), key=lambda r: r[1][0]):
             if offset + dest.nbytes > self.size:
                 raise EOFError(
                     f"{self.path}: needs bytes up to {offset + dest.nbytes}, file has {self.size}"
@@ -532,6 +576,8 @@ class _StreamReader:
                 if not n:
                     raise EOFError(f"{self.path}: unexpected end of file at {offset + got}")
                 got += n
+            if on_run is not None:
+                on_run(i)
 
 
 @contextmanager

@@ -961,12 +961,24 @@ class ObjectReader:
         self._get(offset, [memoryview(buffer)])
         return bytes(buffer)
 
-    def read_runs(self, runs: Sequence[tuple[int, np.ndarray]], max_gap: int | None = None) -> None:
+    def read_runs(
+        self,
+        runs: Sequence[tuple[int, np.ndarray]],
+        max_gap: int | None = None,
+        on_run: Callable[[int], None] | None = None,
+    ) -> None:
         """Fills each ``(offset, dest)`` with the object's bytes at ``offset`` (dest flat uint8).
 
         Runs closer than ``max_gap`` share a request; requests are at most
-        ``max_request_bytes`` long and at most ``max_in_flight`` run at once.
+        ``max_request_bytes`` long and at most ``max_in_flight`` run at once. ``on_run(i)`` is
+        called for every run once all are in place.
         """
+        self._read_runs(runs, max_gap)
+        if on_run is not None:
+            for i in range(len(runs)):
+                on_run(i)
+
+    def _read_runs(self, runs: Sequence[tuple[int, np.ndarray]], max_gap: int | None) -> None:
         options = get_object_store_options()
         max_gap = options.max_gap if max_gap is None else max_gap
         wanted = [(o, d) for o, d in runs if d.nbytes]

@@ -13,7 +13,6 @@ Example::
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -130,15 +129,26 @@ def read_tensors(requests: Sequence[ReadRequest], stats: ReadStats | None = None
     arena = _io.BufferArena()
     plans = [_plan_read(r, arena) for r in requests]
     by_file: dict[epath.Path, list[tuple[int, np.ndarray]]] = {}
+    # Per file: run number -> request whose CRC32C to check once that run (the whole tensor)
+    # is read, on the reading thread while its bytes are still in cache.
+    checks: dict[epath.Path, dict[int, ReadRequest]] = {}
     for req, rplan in zip(requests, plans):
         runs = by_file.setdefault(req.stored.path, [])
+        if rplan.whole and req.verify and req.stored.crc32c is not None:
+            checks.setdefault(req.stored.path, {})[len(runs)] = req
         for box in rplan.boxes:
             offsets, length = _plan.byte_runs(req.stored.dtype, req.stored.shape, box.index)
             for k, off in enumerate(offsets.tolist()):
                 runs.append((req.stored.offset + off, box.buffer[k * length : (k + 1) * length]))
     for path, runs in by_file.items():
+        file_checks = checks.get(path, {})
+
+        def on_run(i: int, runs: list[Any] = runs, file_checks: dict = file_checks) -> None:
+            if i in file_checks:
+                _check(file_checks[i], runs[i][1])
+
         with _io.open_reader(path) as reader:
-            reader.read_runs(runs)
+            reader.read_runs(runs, on_run=on_run if file_checks else None)
         if stats is not None:
             stats.bytes_read += reader.bytes_read
             stats.requests += reader.requests
@@ -168,25 +178,7 @@ def _host_value(req: ReadRequest, raw: np.ndarray, box_shape: tuple[int, ...]) -
     return value
 
 
-_VERIFY_THREADS = 2
-_VERIFY_PARALLEL_BYTES = 16 << 20
-
-
-def _check_all(requests: Sequence[ReadRequest], plans: list[_ReadPlan]) -> None:
-    # CRC32C of every tensor read whole. crc32c releases the GIL, so large reads are checked
-    # on two threads (a warm restore of 1 GiB spent ~20% of its time here on one).
-    work = [(r, p.boxes[0].buffer) for r, p in zip(requests, plans) if p.whole and r.verify]
-    if sum(buf.nbytes for _, buf in work) < _VERIFY_PARALLEL_BYTES:
-        for req, buf in work:
-            _check(req, buf)
-        return
-    work.sort(key=lambda w: -w[1].nbytes)  # largest first: the two threads finish together
-    with concurrent.futures.ThreadPoolExecutor(_VERIFY_THREADS) as pool:
-        list(pool.map(lambda w: _check(*w), work))
-
-
 def _place_all(requests: Sequence[ReadRequest], plans: list[_ReadPlan]) -> list[Any]:
-    _check_all(requests, plans)
     results: list[Any] = [None] * len(requests)
     default = jax.local_devices()[0]  # jax.devices()[0] may belong to another process
     # (request index, host values, device_put targets, whether to assemble a global array)
