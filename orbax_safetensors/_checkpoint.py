@@ -418,6 +418,7 @@ def stored_tensors(
 
     directory = epath.Path(directory)
     headers: dict[str, _format.Header] = {}
+    paths: dict[str, epath.Path] = {}  # one Path object per file, shared by its tensors
     out: dict[str, StoredTensor] = {}
     for name, info in metadata["tensors"].items():
         filename = info.get("file") if isinstance(info, dict) else None
@@ -435,6 +436,7 @@ def stored_tensors(
                     "exist or is not a regular file"
                 )
             headers[filename] = read_header(path)
+            paths[filename] = path
         entry = headers[filename].tensors.get(name)
         if entry is None:
             raise HeaderError(
@@ -453,7 +455,7 @@ def stored_tensors(
                 raise SchemaError(f"{directory}: checksum of {name!r} is malformed: {crc_text!r}")
         out[name] = StoredTensor(
             name,
-            directory / filename,
+            paths[filename],
             headers[filename].data_start + entry.begin,
             entry.dtype,
             entry.shape,

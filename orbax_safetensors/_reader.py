@@ -136,6 +136,9 @@ def read_tensors(requests: Sequence[ReadRequest], stats: ReadStats | None = None
         runs = by_file.setdefault(req.stored.path, [])
         if rplan.whole and req.verify and req.stored.crc32c is not None:
             checks.setdefault(req.stored.path, {})[len(runs)] = req
+        if rplan.whole:  # one run, the whole tensor: the common case, without numpy
+            runs.append((req.stored.offset, rplan.boxes[0].buffer))
+            continue
         for box in rplan.boxes:
             offsets, length = _plan.byte_runs(req.stored.dtype, req.stored.shape, box.index)
             for k, off in enumerate(offsets.tolist()):
