@@ -11,8 +11,8 @@ Layout of a checkpoint directory::
 Saving happens in three steps so that Orbax (or any driver) can put them where it needs:
 :func:`prepare_save` (every process; plans, and copies owned shards to host, now or as the
 writer reaches each tensor), :func:`write_process_part` (every process; its own byte ranges,
-plus headers and index on the primary; a small per-process checksum file) and :func:`finalize` (one process, after all
-wrote; merges checksums into the metadata file).
+plus headers and index on the primary; a small per-process checksum file) and
+:func:`finalize` (one process, after all wrote; merges checksums into the metadata file).
 
 Example::
 
@@ -248,16 +248,17 @@ def _batched(
     batch: list[_io.Piece] = []
     batch_file, size = -1, 0
     for file_index, pieces in items:
+        nbytes = sum(p.data.nbytes for p in pieces)
         if batch and (
             file_index != batch_file
-            or size + sum(p.data.nbytes for p in pieces) > _BATCH_BYTES
+            or size + nbytes > _BATCH_BYTES
             or len(batch) + len(pieces) > _BATCH_PIECES
         ):
             yield batch_file, batch
             batch, size = [], 0
         batch_file = file_index
         batch.extend(pieces)
-        size += sum(p.data.nbytes for p in pieces)
+        size += nbytes
     if batch:
         yield batch_file, batch
 

@@ -91,7 +91,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
                 f"primary_host={self._primary_host} is not a process of this job "
                 f"(jax.process_count() is {count}); pass a process index in [0, {count})"
             )
-        prepared = _checkpoint.prepare_save(
+        return _checkpoint.prepare_save(
             args.item,
             flat=args._flat,
             user_metadata=args.metadata,
@@ -102,7 +102,6 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
             lazy=True,
             checksums=self._checksums,
         )
-        return prepared
 
     def async_save(  # type: ignore[override]
         self, directory: epath.Path, args: SafetensorsSave

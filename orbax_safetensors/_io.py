@@ -255,6 +255,8 @@ class _LocalWriter:
             results = list(self._pool.map(run, units))
         else:
             results = [run(u) for u in units]
+        if not checksums:
+            return [(p.tag, p.data.nbytes, 0) for p in ordered]
         runs: list[list[tuple[int, int, int]]] = [[] for _ in ordered]
         for result in results:
             for k, start, n, crc in result:
@@ -452,6 +454,10 @@ class _LocalReader:
                 list(pool.map(lambda share: self._read_share(share, on_run), shares))
         else:
             self._read_share(batches, on_run)
+        if on_run is not None:  # empty runs need no bytes: done at once
+            for i, (_, dest) in enumerate(runs):
+                if not dest.nbytes:
+                    on_run(i)
 
     def _read_share(self, batches: list[_ReadBatch], on_run: Callable[[int], None] | None) -> None:
         for start, bufs, ids in batches:
@@ -527,13 +533,6 @@ def _plan_read_batches(
         end = offset + dest.nbytes
     if bufs:
         batches.append((start, bufs, ids))
-    # Empty runs need no bytes: report them done at once (with the first batch, or alone).
-    empty = [i for i, (_, d) in enumerate(runs) if not d.nbytes]
-    if empty:
-        if batches:
-            batches[0][2].extend(empty)
-        else:
-            batches.append((0, [], empty))
     return batches
 
 

@@ -119,9 +119,7 @@ def _plan_read(req: ReadRequest, arena: _io.BufferArena) -> _ReadPlan:
 
 def _single_device(sharding: jax.sharding.Sharding) -> bool:
     # One device holds the whole array: device_put to the sharding itself, no assembly.
-    return isinstance(sharding, jax.sharding.SingleDeviceSharding) or (
-        len(sharding.device_set) == 1 and sharding.is_fully_addressable
-    )
+    return len(sharding.device_set) == 1 and sharding.is_fully_addressable
 
 
 def read_tensors(requests: Sequence[ReadRequest], stats: ReadStats | None = None) -> list[Any]:
@@ -134,9 +132,9 @@ def read_tensors(requests: Sequence[ReadRequest], stats: ReadStats | None = None
     checks: dict[epath.Path, dict[int, ReadRequest]] = {}
     for req, rplan in zip(requests, plans):
         runs = by_file.setdefault(req.stored.path, [])
-        if rplan.whole and req.verify and req.stored.crc32c is not None:
-            checks.setdefault(req.stored.path, {})[len(runs)] = req
         if rplan.whole:  # one run, the whole tensor: the common case, without numpy
+            if req.verify and req.stored.crc32c is not None:
+                checks.setdefault(req.stored.path, {})[len(runs)] = req
             runs.append((req.stored.offset, rplan.boxes[0].buffer))
             continue
         for box in rplan.boxes:
@@ -184,38 +182,38 @@ def _host_value(req: ReadRequest, raw: np.ndarray, box_shape: tuple[int, ...]) -
 def _place_all(requests: Sequence[ReadRequest], plans: list[_ReadPlan]) -> list[Any]:
     results: list[Any] = [None] * len(requests)
     default = jax.local_devices()[0]  # jax.devices()[0] may belong to another process
-    # (request index, host values, device_put targets, whether to assemble a global array)
-    puts: list[tuple[int, list[np.ndarray], list[Any], bool]] = []
+    # (request index, host values, device_put targets)
+    puts: list[tuple[int, list[np.ndarray], list[Any]]] = []
     for i, (req, rplan) in enumerate(zip(requests, plans)):
         if rplan.whole:
             full = _host_value(req, rplan.boxes[0].buffer, req.stored.shape)
             if req.kind != "jax":
                 results[i] = full[()] if req.kind == "scalar" else full
             elif rplan.device_keys is None:  # one device: put to the sharding itself
-                puts.append((i, [full], [req.sharding or default], False))
+                puts.append((i, [full], [req.sharding or default]))
             else:
                 targets = list(rplan.device_keys)
                 boxes = {
                     k: full[tuple(slice(a, b) for a, b in k)]
                     for k in set(rplan.device_keys.values())
                 }
-                puts.append((i, [boxes[rplan.device_keys[d]] for d in targets], targets, True))
+                puts.append((i, [boxes[rplan.device_keys[d]] for d in targets], targets))
         else:
             assert rplan.device_keys is not None
             host = {
                 b.key: _host_value(req, b.buffer, _plan.box_shape(b.index)) for b in rplan.boxes
             }
             targets = list(rplan.device_keys)
-            puts.append((i, [host[rplan.device_keys[d]] for d in targets], targets, True))
+            puts.append((i, [host[rplan.device_keys[d]] for d in targets], targets))
     # One device_put call for every placement: far cheaper than a call per (small) array.
-    flat_values = [v for _, vs, _, _ in puts for v in vs]
-    flat_targets = [t for _, _, ts, _ in puts for t in ts]
+    flat_values = [v for _, vs, _ in puts for v in vs]
+    flat_targets = [t for _, _, ts in puts for t in ts]
     placed = jax.device_put(flat_values, flat_targets, may_alias=True) if flat_values else []
     k = 0
-    for i, values, _, assemble in puts:
+    for i, values, _ in puts:
         arrays = placed[k : k + len(values)]
         k += len(values)
-        if not assemble:
+        if plans[i].device_keys is None:  # one device: nothing to assemble
             results[i] = arrays[0]
         else:
             req = requests[i]
