@@ -250,11 +250,8 @@ def test_configured_handler_as_the_single_item_handler(tmp_path: Path) -> None:
     restored = mngr.restore(1, args=osf.SafetensorsRestore(_abstract(state)))
     mngr.close()
     _assert_same_values(restored, state)
-    item = _item_dir(tmp_path, 1)
     # The options reached the writer: split files, no checksums.
-    assert len(list(item.glob("model-*-of-*.safetensors"))) == 3
-    doc = json.loads((item / "orbax_safetensors.json").read_text())
-    assert all("crc32c" not in t for t in doc["tensors"].values())
+    _assert_split_without_checksums(_item_dir(tmp_path, 1), files=3)
 
 
 def test_configured_handler_per_item_in_a_composite(tmp_path: Path) -> None:
@@ -266,6 +263,13 @@ def test_configured_handler_per_item_in_a_composite(tmp_path: Path) -> None:
             "meta": ocp.JsonCheckpointHandler(),
         },
     )
+    restored = _composite_round_trip(mngr, state)
+    assert restored["meta"] == {"a": 1}
+    assert len(list(_item_dir(tmp_path, 1, "state").glob("model-*-of-*.safetensors"))) == 4
+
+
+def _composite_round_trip(mngr: ocp.CheckpointManager, state: Any) -> Any:
+    """Saves ``state`` beside a JSON item at step 1, restores both, closes ``mngr``."""
     mngr.save(
         1,
         args=ocp.args.Composite(state=osf.SafetensorsSave(state), meta=ocp.args.JsonSave({"a": 1})),
@@ -279,8 +283,13 @@ def test_configured_handler_per_item_in_a_composite(tmp_path: Path) -> None:
     )
     mngr.close()
     _assert_same_values(restored["state"], state)
-    assert restored["meta"] == {"a": 1}
-    assert len(list(_item_dir(tmp_path, 1, "state").glob("model-*-of-*.safetensors"))) == 4
+    return restored
+
+
+def _assert_split_without_checksums(item: Path, files: int) -> None:
+    assert len(list(item.glob("model-*-of-*.safetensors"))) == files
+    doc = json.loads((item / "orbax_safetensors.json").read_text())
+    assert all("crc32c" not in t for t in doc["tensors"].values())
 
 
 def test_configured_handler_through_handler_registry(tmp_path: Path) -> None:
@@ -290,23 +299,8 @@ def test_configured_handler_through_handler_registry(tmp_path: Path) -> None:
     registry.add("state", osf.SafetensorsSave, handler)
     registry.add("state", osf.SafetensorsRestore, handler)
     mngr = _manager(tmp_path, handler_registry=registry)
-    mngr.save(
-        1,
-        args=ocp.args.Composite(state=osf.SafetensorsSave(state), meta=ocp.args.JsonSave({"a": 1})),
-    )
-    mngr.wait_until_finished()
-    restored = mngr.restore(
-        1,
-        args=ocp.args.Composite(
-            state=osf.SafetensorsRestore(_abstract(state)), meta=ocp.args.JsonRestore()
-        ),
-    )
-    mngr.close()
-    _assert_same_values(restored["state"], state)
-    item = _item_dir(tmp_path, 1, "state")
-    assert len(list(item.glob("model-*-of-*.safetensors"))) == 2
-    doc = json.loads((item / "orbax_safetensors.json").read_text())
-    assert all("crc32c" not in t for t in doc["tensors"].values())
+    _composite_round_trip(mngr, state)
+    _assert_split_without_checksums(_item_dir(tmp_path, 1, "state"), files=2)
 
 
 def test_plain_checkpointer_uses_the_synchronous_save(tmp_path: Path) -> None:

@@ -12,6 +12,11 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+try:  # imported from tests/ (a package path)
+    from . import mh_common
+except ImportError:  # a worker process, with the workers directory on sys.path
+    import mh_common  # type: ignore[no-redef]
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 MiB = 1 << 20
 
@@ -39,15 +44,8 @@ RESTORE_SPECS: dict[str, tuple[Any, ...]] = {
 HOST: dict[str, tuple[tuple[int, ...], Any]] = {"host_table": ((5, 3), np.float64)}
 
 
-def value(name: str, shape: tuple[int, ...], dtype: Any, step: int) -> np.ndarray:
-    """The global value of ``name`` at ``step`` (exact in bfloat16)."""
-    seed = sum(ord(c) for c in name) % 97
-    n = int(np.prod(shape))
-    raw = (np.arange(n, dtype=np.int64) * 7 + seed + 1000 * step) % 251 - 125
-    dtype = np.dtype(dtype)
-    if dtype.kind == "f":
-        raw = raw.astype(np.float64) / 4.0
-    return raw.astype(dtype).reshape(shape)
+# value(name, shape, dtype, step): the same deterministic values as the multi-host tests.
+value = mh_common.value
 
 
 def global_arrays(step: int) -> dict[str, np.ndarray]:
