@@ -496,8 +496,13 @@ def _proc_status_mib(key):
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
 def test_convert_streams_in_bounded_memory(tmp_dir):
-    """Orbax -> safetensors holds about one batch of tensors, not the whole checkpoint."""
-    tree = {f"t{i}": np.full((1024, 2048), i, np.float32) for i in range(12)}  # 12 x 8 MiB
+    """Orbax -> safetensors holds about one batch of tensors, not the whole checkpoint.
+
+    The growth is a fixed cost (Orbax/TensorStore's copies of one batch, allocator slack):
+    measured 31-71 MiB here whether the checkpoint holds 96 or 288 MiB, so the checkpoint is
+    made large enough (256 MiB) that holding it whole could not pass for that noise.
+    """
+    tree = {f"t{i}": np.full((1024, 2048), i, np.float32) for i in range(32)}  # 32 x 8 MiB
     ckptr = ocp.PyTreeCheckpointer()
     ckptr.save(tmp_dir / "native", tree)
     del tree
@@ -507,9 +512,9 @@ def test_convert_streams_in_bounded_memory(tmp_dir):
     base = _proc_status_mib("VmRSS")
     _convert.convert(tmp_dir / "native", tmp_dir / "st", batch_bytes=8 << 20, progress=False)
     growth = _proc_status_mib("VmHWM") - base
-    assert growth < 64, f"peak memory grew by {growth} MiB converting 96 MiB in 8 MiB batches"
+    assert growth < 96, f"peak memory grew by {growth} MiB converting 256 MiB in 8 MiB batches"
     got = safetensors.numpy.load_file(str(tmp_dir / "st" / "model.safetensors"))
-    assert float(got["t7"][0, 0]) == 7.0 and len(got) == 12
+    assert float(got["t7"][0, 0]) == 7.0 and len(got) == 32
 
 
 def test_convert_plain_safetensors_file_and_hf_dir_to_orbax(tmp_dir):
