@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from orbax_safetensors import _checksum, _dtypes, _io, _plan
+from orbax_safetensors import _checksum, _dtypes, _io, _place, _plan
 from orbax_safetensors._errors import IntegrityError
 
 
@@ -205,10 +205,10 @@ def _place_all(requests: Sequence[ReadRequest], plans: list[_ReadPlan]) -> list[
             }
             targets = list(rplan.device_keys)
             puts.append((i, [host[rplan.device_keys[d]] for d in targets], targets))
-    # One device_put call for every placement: far cheaper than a call per (small) array.
+    # One call for every placement: far cheaper than a device_put per (small) array.
     flat_values = [v for _, vs, _ in puts for v in vs]
     flat_targets = [t for _, _, ts in puts for t in ts]
-    placed = jax.device_put(flat_values, flat_targets, may_alias=True) if flat_values else []
+    placed = _place.put(flat_values, flat_targets)
     k = 0
     for i, values, _ in puts:
         arrays = placed[k : k + len(values)]
