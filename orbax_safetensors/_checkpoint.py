@@ -22,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -238,6 +239,7 @@ class PieceQueue:
 
 _BATCH_BYTES = 8 << 20
 _BATCH_PIECES = 1024
+_IN_FLIGHT_BYTES = 64 << 20
 
 
 def _batched(
@@ -277,27 +279,50 @@ def write_process_part(
     directory = epath.Path(directory)
     plan = prepared.plan
     runs: dict[str, list[tuple[int, int, int]]] = {}  # tensor -> (offset, nbytes, crc) written
+    # Writes under way, oldest first: (file name, pieces, bytes, pending write).
+    pending: collections.deque[tuple[str, list[_io.Piece], int, _io.PendingWrite]] = (
+        collections.deque()
+    )
+    in_flight = 0
+
+    def settle_oldest() -> None:
+        nonlocal in_flight
+        filename, pieces, nbytes, write = pending.popleft()
+        for tag, n, crc in write.result():
+            if tag is None:  # a header
+                continue
+            name, offset = tag  # type: ignore[misc]
+            runs.setdefault(str(name), []).append((int(offset), n, crc))  # type: ignore[has-type]
+        if stats is not None:
+            stats.add(filename, pieces)
+        in_flight -= nbytes
+
     with contextlib.ExitStack() as stack:
         writers: dict[int, _io.Writer] = {}
 
         def write(file_index: int, pieces: list[_io.Piece], checksums: bool = False) -> None:
+            # Submitted, not awaited: the write threads go on with this batch while the next
+            # one is produced (on accelerators: copied to host). At most _IN_FLIGHT_BYTES of
+            # earlier batches stay under way, which bounds the host copies a lazy save holds.
+            nonlocal in_flight
             fplan = plan.files[file_index]
             if file_index not in writers:
                 path = directory / fplan.filename
                 writers[file_index] = stack.enter_context(_io.open_writer(path, size=fplan.size))
-            for tag, nbytes, crc in writers[file_index].write(pieces, checksums=checksums):
-                if tag is None:  # a header
-                    continue
-                name, offset = tag  # type: ignore[misc]
-                runs.setdefault(str(name), []).append((int(offset), nbytes, crc))  # type: ignore[has-type]
-            if stats is not None:
-                stats.add(fplan.filename, pieces)
+            nbytes = sum(p.data.nbytes for p in pieces)
+            submitted = writers[file_index].submit(pieces, checksums=checksums)
+            pending.append((fplan.filename, pieces, nbytes, submitted))
+            in_flight += nbytes
+            while pending and in_flight > _IN_FLIGHT_BYTES:
+                settle_oldest()
 
         if prepared.is_primary:
             for i, fplan in enumerate(plan.files):
                 write(i, [_io.header_piece(fplan.header)])
         for file_index, pieces in _batched(prepared.pieces):
             write(file_index, pieces, checksums=prepared.checksums)
+        while pending:  # before the files are made durable and closed
+            settle_oldest()
     if prepared.is_primary:
         if len(plan.files) > 1:
             (directory / _plan.INDEX_FILE_NAME).write_text(json.dumps(plan.index_json(), indent=1))

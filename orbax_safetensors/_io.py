@@ -170,16 +170,39 @@ _WRITE_UNIT_BYTES = 8 << 20
 WRITE_THREADS = 2
 
 
+WriteResult = list[tuple[object, int, int]]  # (tag, nbytes, crc32c or 0) per piece
+
+
+class PendingWrite(Protocol):
+    """A write under way (see :meth:`Writer.submit`)."""
+
+    def result(self) -> WriteResult:
+        """Waits for the write; returns ``(tag, nbytes, crc32c or 0)`` per piece, in offset
+        order, or raises the write's error."""
+        ...
+
+
 class Writer(Protocol):
     """Positional writes into one file of known final size (see :func:`open_writer`)."""
 
     path: str
 
-    def write(
-        self, pieces: Sequence[Piece], *, checksums: bool = False
-    ) -> list[tuple[object, int, int]]:
+    def write(self, pieces: Sequence[Piece], *, checksums: bool = False) -> WriteResult:
         """Writes each piece at its offset; returns ``(tag, nbytes, crc32c or 0)`` per piece."""
         ...
+
+    def submit(self, pieces: Sequence[Piece], *, checksums: bool = False) -> PendingWrite:
+        """Starts writing the pieces and returns at once; the pieces' buffers must stay
+        untouched until the returned write's ``result()``."""
+        ...
+
+
+@dataclasses.dataclass
+class _Done:
+    value: WriteResult
+
+    def result(self) -> WriteResult:
+        return self.value
 
 
 def _write_units(pieces: Sequence[Piece]) -> list[list[tuple[int, int, memoryview]]]:
@@ -204,6 +227,32 @@ def _write_units(pieces: Sequence[Piece]) -> list[list[tuple[int, int, memoryvie
     if unit:
         units.append(unit)
     return units
+
+
+def _piece_results(
+    ordered: Sequence[Piece], results: Sequence[list[tuple[int, int, int, int]]], checksums: bool
+) -> WriteResult:
+    # Per-unit (piece number, start, nbytes, crc) records -> (tag, nbytes, crc) per piece.
+    if not checksums:
+        return [(p.tag, p.data.nbytes, 0) for p in ordered]
+    runs: list[list[tuple[int, int, int]]] = [[] for _ in ordered]
+    for result in results:
+        for k, start, n, crc in result:
+            runs[k].append((start, n, crc))
+    return [
+        (p.tag, p.data.nbytes, _checksum.combine_runs(r, p.data.nbytes))
+        for p, r in zip(ordered, runs, strict=True)
+    ]
+
+
+@dataclasses.dataclass
+class _PendingUnits:
+    ordered: Sequence[Piece]
+    futures: list[concurrent.futures.Future[list[tuple[int, int, int, int]]]]
+    checksums: bool
+
+    def result(self) -> WriteResult:
+        return _piece_results(self.ordered, [f.result() for f in self.futures], self.checksums)
 
 
 class _LocalWriter:
@@ -232,44 +281,57 @@ class _LocalWriter:
             # ftruncate/pwritev/fsync errors carry no file name: name the file (disk full, quota).
             raise OSError(e.errno, f"{e.strerror} (writing {self.size} bytes)", self.path) from e
 
-    def write(
-        self, pieces: Sequence[Piece], *, checksums: bool = False
-    ) -> list[tuple[object, int, int]]:
+    def _run(
+        self, ordered: Sequence[Piece], unit: list[tuple[int, int, memoryview]], checksums: bool
+    ) -> list[tuple[int, int, int, int]]:
+        # crc32c releases the GIL on large buffers, as pwritev does: two units proceed on two
+        # cores, and each unit's bytes are still in cache when written.
+        crcs = [(k, s, len(v), _checksum.crc32c(v) if checksums else 0) for k, s, v in unit]
+        offset = ordered[unit[0][0]].offset + unit[0][1]
+        views = [v for _, _, v in unit]
+        self._call(_pwritev_all, self._fd, views, offset)
+        if self._sync and _start_writeback is not None:
+            _start_writeback(self._fd, offset, sum(len(v) for v in views))
+        return crcs
+
+    def write(self, pieces: Sequence[Piece], *, checksums: bool = False) -> WriteResult:
         ordered = sorted(pieces, key=lambda p: p.offset)
         units = _write_units(ordered)
-
-        def run(unit: list[tuple[int, int, memoryview]]) -> list[tuple[int, int, int, int]]:
-            # crc32c releases the GIL on large buffers, as pwritev does: two units proceed
-            # on two cores, and each unit's bytes are still in cache when written.
-            crcs = [(k, s, len(v), _checksum.crc32c(v) if checksums else 0) for k, s, v in unit]
-            offset = ordered[unit[0][0]].offset + unit[0][1]
-            views = [v for _, _, v in unit]
-            self._call(_pwritev_all, self._fd, views, offset)
-            if self._sync and _start_writeback is not None:
-                _start_writeback(self._fd, offset, sum(len(v) for v in views))
-            return crcs
-
         if len(units) > 1 and self._threads > 1:
-            if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(self._threads)
-            results = list(self._pool.map(run, units))
-        else:
-            results = [run(u) for u in units]
-        if not checksums:
-            return [(p.tag, p.data.nbytes, 0) for p in ordered]
-        runs: list[list[tuple[int, int, int]]] = [[] for _ in ordered]
-        for result in results:
-            for k, start, n, crc in result:
-                runs[k].append((start, n, crc))
-        return [
-            (p.tag, p.data.nbytes, _checksum.combine_runs(r, p.data.nbytes))
-            for p, r in zip(ordered, runs, strict=True)
-        ]
+            return self._submit_units(ordered, units, checksums).result()
+        return self._write_here(ordered, units, checksums)  # small: no thread hop
+
+    def submit(self, pieces: Sequence[Piece], *, checksums: bool = False) -> PendingWrite:
+        ordered = sorted(pieces, key=lambda p: p.offset)
+        units = _write_units(ordered)
+        if self._threads <= 1:
+            return _Done(self._write_here(ordered, units, checksums))
+        return self._submit_units(ordered, units, checksums)
+
+    def _write_here(
+        self,
+        ordered: Sequence[Piece],
+        units: list[list[tuple[int, int, memoryview]]],
+        checksums: bool,
+    ) -> WriteResult:
+        return _piece_results(ordered, [self._run(ordered, u, checksums) for u in units], checksums)
+
+    def _submit_units(
+        self,
+        ordered: Sequence[Piece],
+        units: list[list[tuple[int, int, memoryview]]],
+        checksums: bool,
+    ) -> PendingWrite:
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(self._threads)
+        futures = [self._pool.submit(self._run, ordered, u, checksums) for u in units]
+        return _PendingUnits(ordered, futures, checksums)
 
     def close(self, sync: bool) -> None:
         try:
             if self._pool is not None:
-                self._pool.shutdown()
+                # On failure (not sync) writes not yet started are dropped, not run.
+                self._pool.shutdown(cancel_futures=not sync)
             if sync:
                 self._call(os.fsync, self._fd)
         finally:
@@ -285,13 +347,14 @@ class _BufferedWriter:
         self.size = size
         self._pieces: list[Piece] = []
 
-    def write(
-        self, pieces: Sequence[Piece], *, checksums: bool = False
-    ) -> list[tuple[object, int, int]]:
+    def write(self, pieces: Sequence[Piece], *, checksums: bool = False) -> WriteResult:
         self._pieces.extend(pieces)
         return [
             (p.tag, p.data.nbytes, _checksum.crc32c(p.data) if checksums else 0) for p in pieces
         ]
+
+    def submit(self, pieces: Sequence[Piece], *, checksums: bool = False) -> PendingWrite:
+        return _Done(self.write(pieces, checksums=checksums))
 
     def close(self, sync: bool) -> None:
         ordered = sorted(self._pieces, key=lambda p: p.offset)

@@ -56,3 +56,20 @@ def test_open_writer_error_names_the_file(tmp_path: Path) -> None:
     with pytest.raises(OSError) as info, _io.open_writer(tmp_path / "missing" / "f", size=8):
         pass
     assert "missing" in str(info.value)
+
+
+def test_submitted_writes_run_together_and_report_like_write(tmp_path: Path) -> None:
+    """Several batches submitted before any is awaited: every byte lands, every CRC is right,
+    and each pending write reports its own pieces in offset order."""
+    pieces = _pieces([(9 << 20) + 1, 1024, 5, 3 << 20, *([4096] * 300)])
+    batches = [pieces[:1], pieces[1:3], pieces[3:4], pieces[4:]]
+    size = 16 + sum(p.data.nbytes for p in pieces)
+    with _io.open_writer(tmp_path / "f", size=size, truncate=True) as w:
+        pending = [w.submit(list(reversed(b)), checksums=True) for b in batches]
+        header = w.submit([_io.header_piece(b"H" * 16)])
+        results = [p.result() for p in pending]
+        assert header.result() == [(None, 16, 0)]
+    for batch, records in zip(batches, results):
+        assert records == [(p.tag, p.data.nbytes, crc32c.crc32c(p.data)) for p in batch]
+    data = (tmp_path / "f").read_bytes()
+    assert data == b"H" * 16 + b"".join(p.data.tobytes() for p in pieces)
