@@ -443,15 +443,14 @@ def stored_tensors(
     from orbax_safetensors._api import read_header
 
     directory = epath.Path(directory)
-    headers: dict[str, _format.Header] = {}
+    headers: dict[str, _format.Header] = {}  # by file name, once the name has been checked
     paths: dict[str, epath.Path] = {}  # one Path object per file, shared by its tensors
     out: dict[str, StoredTensor] = {}
     for name, info in metadata["tensors"].items():
         filename = info.get("file") if isinstance(info, dict) else None
-        if (
-            not isinstance(filename, str)
-            or not _is_plain_filename(filename)
-            or filename not in metadata["files"]
+        if not isinstance(filename, str) or (
+            filename not in headers
+            and (not _is_plain_filename(filename) or filename not in metadata["files"])
         ):
             raise SchemaError(f"{directory}: tensor {name!r} names an invalid file {filename!r}")
         if filename not in headers:

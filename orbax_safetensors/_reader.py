@@ -96,13 +96,13 @@ class _ReadPlan:
 
 def _plan_read(req: ReadRequest, arena: _io.BufferArena) -> _ReadPlan:
     shape = req.stored.shape
-    whole_index = _plan.normalize_index((), shape)
 
     def whole() -> list[_Box]:
-        return [_Box(whole_index, arena.empty(req.stored.nbytes))]
+        return [_Box(_plan.normalize_index((), shape), arena.empty(req.stored.nbytes))]
 
     if req.kind != "jax" or req.sharding is None or _single_device(req.sharding):
         return _ReadPlan(whole(), True, None)
+    whole_index = _plan.normalize_index((), shape)
     device_keys: dict[Any, tuple] = {}
     boxes: dict[tuple, _Box] = {}
     for device, index in req.sharding.addressable_devices_indices_map(shape).items():

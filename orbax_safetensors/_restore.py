@@ -25,11 +25,25 @@ from orbax_safetensors import _dtypes, _tree
 from orbax_safetensors._errors import SchemaError, TargetMismatchError
 from orbax_safetensors._reader import ReadRequest, ReadStats, StoredTensor, read_tensors
 
+_RESTORE_ARGS_TYPES: dict[type, bool] = {}  # type -> whether its instances are restore args
+
 
 def _is_restore_args(x: object) -> bool:
     # Orbax's ArrayRestoreArgs/RestoreArgs, recognised by shape rather than imported, so the
-    # core does not depend on Orbax.
-    return dataclasses.is_dataclass(x) and hasattr(x, "restore_type") and hasattr(x, "dtype")
+    # core does not depend on Orbax. Called for every target leaf: the answer is kept per type
+    # (dataclass instances always carry their fields).
+    kind = type(x)
+    known = _RESTORE_ARGS_TYPES.get(kind)
+    if known is None:
+        known = (
+            not isinstance(x, type)
+            and dataclasses.is_dataclass(x)
+            and hasattr(x, "restore_type")
+            and hasattr(x, "dtype")
+        )
+        if kind is not type:
+            _RESTORE_ARGS_TYPES[kind] = known
+    return known
 
 
 def _leaf_of(stored: StoredTensor) -> _tree.SchemaLeaf:
@@ -59,6 +73,11 @@ def _restore_args_sharding(leaf: Any) -> Any:
 
 
 def _want(leaf: Any) -> _Want | None:
+    if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):  # the common case, first
+        sharding = getattr(leaf, "sharding", None)
+        if _tree.is_prng_key(leaf):
+            return _Want("jax", tuple(leaf.shape), None, sharding, key_impl="?")
+        return _Want("jax", tuple(leaf.shape), np.dtype(leaf.dtype), sharding)
     if isinstance(leaf, (bool, int, float)):
         return _Want("python", (), None, None, pytype=type(leaf))
     if _is_restore_args(leaf):
@@ -78,11 +97,6 @@ def _want(leaf: Any) -> _Want | None:
             dtype,
             _restore_args_sharding(leaf),
         )
-    if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
-        sharding = getattr(leaf, "sharding", None)
-        if _tree.is_prng_key(leaf):
-            return _Want("jax", tuple(leaf.shape), None, sharding, key_impl="?")
-        return _Want("jax", tuple(leaf.shape), np.dtype(leaf.dtype), sharding)
     if isinstance(leaf, np.ndarray):
         return _Want("numpy", tuple(leaf.shape), leaf.dtype, None)
     if isinstance(leaf, np.generic):
