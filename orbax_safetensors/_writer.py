@@ -88,8 +88,16 @@ def is_host_local(x: Any) -> bool:
     return jax.process_count() > 1 and x.is_fully_addressable
 
 
-def _on_cpu(x: Any) -> bool:
-    return isinstance(x, jax.Array) and any(d.platform == "cpu" for d in x.devices())
+def _placement(x: jax.Array, cache: dict[Any, tuple[bool, bool]]) -> tuple[bool, bool]:
+    # (one addressable device holds all of x, x is on CPU): worked out once per sharding, as
+    # a tree of many small arrays shares a few shardings.
+    sharding = x.sharding
+    known = cache.get(sharding)
+    if known is None:
+        devices: set[Any] = sharding.device_set
+        whole = len(devices) == 1 and sharding.is_fully_addressable
+        known = cache[sharding] = (whole, any(d.platform == "cpu" for d in devices))
+    return known
 
 
 def _to_host(data: Any, buffers: _io.BufferArena | None, on_cpu: bool) -> np.ndarray:
@@ -126,27 +134,41 @@ def iter_host_pieces(
 
     Each piece's tag is ``(tensor name, offset inside the tensor)``.
     """
-    owned: list[tuple[str, list[tuple[_plan.Index, Any]], bool]] = []
+    # (name, array, its owned shards, or None when this process writes it whole, on CPU)
+    owned: list[tuple[str, Any, list[tuple[_plan.Index, Any]] | None, bool]] = []
+    placements: dict[Any, tuple[bool, bool]] = {}
     for name, x in arrays.items():
-        if not is_host_local(x):
-            owned.append((name, owned_shards(x), _on_cpu(x)))
-        elif is_primary:
-            owned.append((name, [(_plan.normalize_index((), x.shape), x)], _on_cpu(x)))
+        if not isinstance(x, jax.Array):
+            if is_primary:
+                owned.append((name, x, None, False))
+            continue
+        whole, on_cpu = _placement(x, placements)
+        if is_host_local(x):
+            if is_primary:
+                owned.append((name, x, None, on_cpu))
+        else:
+            owned.append((name, x, None if whole else owned_shards(x), on_cpu))
     buffers = _io.BufferArena() if copy else None
     started = 0
-    for k, (name, shards, on_cpu) in enumerate(owned):
+    for k, (name, x, shards, on_cpu) in enumerate(owned):
         until = len(owned) if copies_ahead is None else min(len(owned), k + 1 + copies_ahead)
-        for _, ahead, ahead_on_cpu in owned[started:until]:
-            for _, data in ahead:
-                if isinstance(data, jax.Array) and not ahead_on_cpu:
+        for _, ahead, ahead_shards, ahead_on_cpu in owned[started:until]:
+            if ahead_on_cpu:
+                continue
+            for data in [ahead] if ahead_shards is None else [d for _, d in ahead_shards]:
+                if isinstance(data, jax.Array):
                     data.copy_to_host_async()
         started = max(started, until)
         fplan, entry = plan.locate(name)
         base = fplan.data_start + entry.begin
+        if shards is None:  # written whole by this process: the common case, without numpy
+            raw = _dtypes.pack(_to_host(x, buffers, on_cpu), entry.dtype)
+            yield plan.file_of[name], [_io.Piece(base, raw, (name, 0))]
+            continue
         pieces: list[_io.Piece] = []
         for index, data in shards:
             raw = _dtypes.pack(_to_host(data, buffers, on_cpu), entry.dtype)
-            if _plan.is_whole(index, entry.shape):  # the common case, without numpy
+            if _plan.is_whole(index, entry.shape):  # e.g. a replicated array's first copy
                 pieces.append(_io.Piece(base, raw, (name, 0)))
                 continue
             offsets, length = _plan.byte_runs(entry.dtype, entry.shape, index)
