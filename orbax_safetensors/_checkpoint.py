@@ -287,8 +287,8 @@ def write_process_part(
 
     def settle_oldest() -> None:
         nonlocal in_flight
-        filename, pieces, nbytes, write = pending.popleft()
-        for tag, n, crc in write.result():
+        filename, pieces, nbytes, under_way = pending.popleft()
+        for tag, n, crc in under_way.result():
             if tag is None:  # a header
                 continue
             name, offset = tag  # type: ignore[misc]
