@@ -77,11 +77,16 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         self._primary_host = primary_host
         self.last_read_stats: ReadStats | None = None
         self.last_write_stats: _writer.WriteStats | None = None
+        # (item directory, metadata draft) of this process's last save as the primary, so that
+        # finalize need not read the draft back (Orbax finalizes on the primary, after all wrote).
+        self._draft: tuple[str, dict[str, Any]] | None = None
 
     def _is_primary(self) -> bool:
         return jax.process_index() == self._primary_host
 
-    def _prepare(self, args: SafetensorsSave, *, copy: bool) -> _checkpoint.PreparedSave:
+    def _prepare(
+        self, directory: epath.Path, args: SafetensorsSave, *, copy: bool
+    ) -> _checkpoint.PreparedSave:
         # Always lazy: ``pieces`` copies (``copy``) or views each tensor when iterated.
         count = jax.process_count()
         if not 0 <= self._primary_host < count:
@@ -91,7 +96,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
                 f"primary_host={self._primary_host} is not a process of this job "
                 f"(jax.process_count() is {count}); pass a process index in [0, {count})"
             )
-        return _checkpoint.prepare_save(
+        prepared = _checkpoint.prepare_save(
             args.item,
             flat=args._flat,
             user_metadata=args.metadata,
@@ -102,6 +107,8 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
             lazy=True,
             checksums=self._checksums,
         )
+        self._draft = (str(directory), prepared.metadata) if prepared.is_primary else None
+        return prepared
 
     def async_save(  # type: ignore[override]
         self, directory: epath.Path, args: SafetensorsSave
@@ -120,7 +127,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         caller's call, and :func:`_orbax_waits_for_commit` must see the caller's frames.
         """
         sync = _orbax_waits_for_commit()
-        prepared = self._prepare(args, copy=not sync)
+        prepared = self._prepare(directory, args, copy=not sync)
         _prepare_directory(directory, prepared)
         stats = self.last_write_stats = _writer.WriteStats()
         copies = prepared.pieces
@@ -151,14 +158,16 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
 
     def save(self, directory: epath.Path, args: SafetensorsSave) -> None:
         """Synchronous save (used by ``ocp.Checkpointer``): writes straight from the arrays."""
-        prepared = self._prepare(args, copy=False)
+        prepared = self._prepare(directory, args, copy=False)
         _prepare_directory(directory, prepared)
         self.last_write_stats = _writer.WriteStats()
         _checkpoint.write_process_part(prepared, directory, self.last_write_stats)
 
     def finalize(self, directory: epath.Path) -> None:
         """Merges every process's checksums into the metadata file (primary, after all wrote)."""
-        _checkpoint.finalize(directory)
+        draft, self._draft = self._draft, None
+        known = draft[1] if draft is not None and draft[0] == str(directory) else None
+        _checkpoint.finalize(directory, known)
 
     def restore(self, directory: epath.Path, args: SafetensorsRestore | None = None) -> Any:
         """Restores the tree; see :class:`SafetensorsRestore` for the target forms."""
