@@ -69,9 +69,10 @@ def tensor_specs(arrays: Mapping[str, Any]) -> list[_plan.TensorSpec]:
 
 
 def owned_shards(x: jax.Array) -> list[tuple[_plan.Index, jax.Array]]:
-    """The shards of ``x`` this process writes: the addressable ones with ``replica_id == 0``."""
-    if len(x.sharding.device_set) == 1 and x.is_fully_addressable:
-        return [(_plan.normalize_index((), x.shape), x)]  # fast path: one local device owns all
+    """The shards of ``x`` this process writes: the addressable ones with ``replica_id == 0``.
+
+    (:func:`iter_host_pieces` writes an array held whole by one local device without asking.)
+    """
     return [
         (_plan.normalize_index(s.index, x.shape), s.data)
         for s in x.addressable_shards
