@@ -35,7 +35,17 @@ import jax
 import numpy as np
 from etils import epath
 
-from orbax_safetensors import _checksum, _dtypes, _format, _gcpause, _io, _plan, _tree, _writer
+from orbax_safetensors import (
+    _checksum,
+    _dtypes,
+    _format,
+    _gcpause,
+    _io,
+    _memo,
+    _plan,
+    _tree,
+    _writer,
+)
 from orbax_safetensors._errors import (
     HeaderError,
     IntegrityError,
@@ -60,7 +70,10 @@ def _library_version() -> str:
 
 def describe_sharding(x: Any) -> dict[str, Any] | None:
     """A JSON description of a ``NamedSharding`` (mesh axes and partition spec), else None."""
-    sharding = getattr(x, "sharding", None)
+    return _describe(getattr(x, "sharding", None))
+
+
+def _describe(sharding: Any) -> dict[str, Any] | None:
     if not isinstance(sharding, jax.sharding.NamedSharding):
         return None
     spec: list[Any] = []
@@ -92,9 +105,19 @@ def rebuild_sharding(desc: Mapping[str, Any] | None) -> jax.sharding.Sharding | 
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
 
 
+@dataclasses.dataclass(frozen=True)
+class ValidatedTree:
+    """A tree :func:`validate_save` accepted: flattened, with each stored tensor's spec."""
+
+    flat: _tree.FlatTree
+    specs: list[_plan.TensorSpec]
+
+
 @_gcpause.paused
-def validate_save(tree: Any, user_metadata: Mapping[str, Any] | None = None) -> _tree.FlatTree:
+def validate_save(tree: Any, user_metadata: Mapping[str, Any] | None = None) -> ValidatedTree:
     """Checks that ``tree`` and ``user_metadata`` can be saved, before any I/O is scheduled.
+
+    Pass the result to :func:`prepare_save` (``validated=``) to skip flattening again.
 
     Raises:
       UnsupportedLeafError: naming the first leaf (or dtype) that cannot be stored.
@@ -102,10 +125,10 @@ def validate_save(tree: Any, user_metadata: Mapping[str, Any] | None = None) -> 
       TypeError: when ``user_metadata`` is not JSON-serialisable.
     """
     flat = _tree.flatten(tree)
-    _writer.tensor_specs(flat.arrays)
+    specs = _writer.tensor_specs(flat.arrays)
     _check_not_deleted(flat.arrays)
     json.dumps(dict(user_metadata or {}))
-    return flat
+    return ValidatedTree(flat, specs)
 
 
 def _check_not_deleted(arrays: Mapping[str, Any]) -> None:
@@ -146,7 +169,7 @@ def prepare_save(
     copy: bool = True,
     lazy: bool = False,
     checksums: bool = True,
-    flat: _tree.FlatTree | None = None,
+    validated: ValidatedTree | None = None,
 ) -> PreparedSave:
     """Flattens ``tree``, plans its files and copies this process's owned bytes to host.
 
@@ -154,24 +177,28 @@ def prepare_save(
     as this returns. With ``lazy=True`` nothing is copied yet: ``pieces`` is a generator that
     takes each tensor's bytes when the writer reaches it, so the arrays must stay untouched
     until :func:`write_process_part` returns (a synchronous save; host memory about one tensor).
-    ``flat`` is ``tree`` already flattened (by :func:`validate_save`), to skip doing it again.
+    ``validated`` is :func:`validate_save`'s result for ``tree``, to skip flattening again.
     """
-    flat = flat if flat is not None else _tree.flatten(tree)
-    specs = _writer.tensor_specs(flat.arrays)
+    if validated is None:
+        flat = _tree.flatten(tree)
+        specs = _writer.tensor_specs(flat.arrays)
+    else:
+        flat, specs = validated.flat, validated.specs
     # Headers depend only on names, dtypes and shapes: identical on every process.
     plan = _plan.plan_files(specs, max_file_size=max_file_size, metadata={"format": "flax"})
+    multi_process = jax.process_count() > 1
+    described = _memo.ShardingMemo(_describe)  # trees of many arrays share a few shardings
     tensors = {}
     for s in specs:
-        fplan, _ = plan.locate(s.name)
+        x = flat.arrays[s.name]
+        # Host-local leaves (numpy; in a multi-process job also jax.Arrays held whole by
+        # each process) have no global sharding to reuse.
+        sharding = None if _writer.is_host_local(x, multi_process) else described(x.sharding)
         tensors[s.name] = {
             "dtype": s.dtype,
             "shape": list(s.shape),
-            "file": fplan.filename,
-            # Host-local leaves (numpy; in a multi-process job also jax.Arrays held whole by
-            # each process) have no global sharding to reuse.
-            "sharding": None
-            if _writer.is_host_local(flat.arrays[s.name])
-            else describe_sharding(flat.arrays[s.name]),
+            "file": plan.files[plan.file_of[s.name]].filename,
+            "sharding": sharding,
         }
     metadata = {
         "format": FORMAT_NAME,
@@ -193,7 +220,7 @@ def prepare_save(
         plan,
         pieces,
         metadata,
-        {s.name: s.nbytes for s in specs},
+        {s.name: plan.locate(s.name)[1].nbytes for s in specs},
         is_primary,
         process_index,
         checksums,
@@ -330,7 +357,10 @@ def write_process_part(
     # One record per tensor this process wrote any of: bytes written and this process's share
     # of the tensor's CRC32C (see _checksum.share), however many strided runs it wrote.
     tensors = {
-        name: [sum(n for _, n, _ in rs), _checksum.share(rs, prepared.sizes[name])]
+        name: [
+            rs[0][1] if len(rs) == 1 else sum(n for _, n, _ in rs),
+            _checksum.share(rs, prepared.sizes[name]),
+        ]
         for name, rs in runs.items()
     }
     part = directory / f"{_PART_PREFIX}{prepared.process_index}.json"

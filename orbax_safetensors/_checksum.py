@@ -109,6 +109,8 @@ def share(runs: Iterable[tuple[int, int, int]], total: int) -> int:
         >>> a ^ b == crc32c(data)
         True
     """
+    if isinstance(runs, list) and len(runs) == 1 and runs[0][0] == 0 and runs[0][1] == total:
+        return runs[0][2]  # the whole range in one run (the common case): its own CRC
     acc, end = 0, None
     for offset, length, crc in sorted(runs):
         # Horner's rule: shift what we have past the gap and this run, then add this run.

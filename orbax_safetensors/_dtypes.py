@@ -49,6 +49,8 @@ _TABLE: dict[str, tuple[np.dtype, int]] = {
 }
 _BY_NUMPY: dict[np.dtype, str] = {dt: name for name, (dt, _) in _TABLE.items()}
 
+_WHOLE_BYTES: dict[str, int] = {name: w // 8 for name, (_, w) in _TABLE.items() if w % 8 == 0}
+
 SAFETENSORS_DTYPES: tuple[str, ...] = tuple(_TABLE)
 _CHUNK = 1 << 16  # elements per sub-byte packing step; a multiple of 8, so steps end on bytes
 
@@ -103,7 +105,13 @@ def nbytes(name: str, shape: Sequence[int]) -> int:
     Sub-byte dtypes are bit-packed; a tensor whose bits are not a whole number of bytes
     cannot be stored and raises ``UnsupportedLeafError``.
     """
-    total_bits = num_elements(shape) * bits(name)
+    n = 1
+    for d in shape:  # num_elements, inline: this runs several times per tensor of every save
+        n *= int(d)
+    itemsize = _WHOLE_BYTES.get(name)
+    if itemsize is not None:
+        return n * itemsize
+    total_bits = n * bits(name)
     if total_bits % 8:
         raise UnsupportedLeafError(
             f"dtype {name} with shape {tuple(shape)} is {total_bits} bits: "

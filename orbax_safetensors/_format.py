@@ -22,7 +22,7 @@ import dataclasses
 import json
 import struct
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from orbax_safetensors import _dtypes
 from orbax_safetensors._errors import HeaderError
@@ -34,9 +34,11 @@ _ALIGN = 8  # the data section starts 8-byte aligned, as the reference writer pa
 _MAX_ELEMENTS = 2**63 - 1  # numpy's and XLA's limit on elements (and on any one dimension)
 
 
-@dataclasses.dataclass(frozen=True)
-class TensorEntry:
-    """One tensor's place in a file; ``begin``/``end`` are relative to the data section."""
+class TensorEntry(NamedTuple):
+    """One tensor's place in a file; ``begin``/``end`` are relative to the data section.
+
+    A named tuple: immutable, and cheap to create (a header of 10,000 tensors makes 10,000).
+    """
 
     name: str
     dtype: str
@@ -205,7 +207,13 @@ def _parse_metadata(meta: object, where: str) -> dict[str, str]:
 
 
 def _parse_entry(name: str, info: object, data_size: int, where: str) -> TensorEntry:
-    if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+    if (
+        type(info) is not dict
+        or len(info) != 3
+        or "dtype" not in info
+        or "shape" not in info
+        or "data_offsets" not in info
+    ):
         raise HeaderError(
             f"{where}: tensor {name!r} must be an object with exactly dtype, shape, data_offsets"
         )

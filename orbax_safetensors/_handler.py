@@ -98,7 +98,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
             )
         prepared = _checkpoint.prepare_save(
             args.item,
-            flat=args._flat,
+            validated=args._validated,
             user_metadata=args.metadata,
             max_file_size=self._max_file_size,
             is_primary=self._is_primary(),
@@ -245,13 +245,13 @@ class SafetensorsSave(ocp.args.CheckpointArgs):
 
     item: Any
     metadata: Mapping[str, Any] | None = None
-    _flat: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    _validated: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Validate here, on the caller's line: once CheckpointManager.save() has started its
         # background step-directory creation, an error inside async_save can leave the process
         # waiting in Orbax's barriers at exit.
-        self._flat = _checkpoint.validate_save(self.item, self.metadata)
+        self._validated = _checkpoint.validate_save(self.item, self.metadata)
 
 
 @ocp.args.register_with_handler(SafetensorsCheckpointHandler, for_restore=True)

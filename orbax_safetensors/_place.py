@@ -23,6 +23,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from orbax_safetensors import _memo
+
 _DirectPut = Callable[[np.ndarray, jax.sharding.Sharding, Any], jax.Array]
 
 
@@ -37,8 +39,18 @@ def _load_direct_put() -> _DirectPut | None:
     except (ImportError, AttributeError):
         return None
 
+    avals: dict[tuple[tuple[int, ...], np.dtype], Any] = {}  # ShapedArrays are immutable
+
     def direct_put(x: np.ndarray, sharding: jax.sharding.Sharding, device: Any) -> jax.Array:
-        return batched_device_put(shaped_array(x.shape, x.dtype), sharding, [x], [device])
+        # One abstract value per (shape, dtype): building one costs as much as the transfer,
+        # and a model repeats a few shapes over and over.
+        key = (x.shape, x.dtype)
+        aval = avals.get(key)
+        if aval is None:
+            if len(avals) >= 4096:
+                avals.clear()
+            aval = avals[key] = shaped_array(x.shape, x.dtype)
+        return batched_device_put(aval, sharding, [x], [device])
 
     try:  # one real transfer, checked, before the entry is trusted
         device = jax.local_devices()[0]
@@ -82,14 +94,14 @@ def put(values: Sequence[np.ndarray], targets: Sequence[Any]) -> list[jax.Array]
     direct = _direct_put if callable(_direct_put) else None
     out: list[Any] = [None] * len(values)
     slow: list[int] = []
-    singles: dict[Any, tuple[jax.sharding.Sharding, Any] | None] = {}  # target -> its device
+    # Per target: its one-device (sharding, device), or None. (Equal targets may share the
+    # first one's sharding object.)
+    singles = _memo.ShardingMemo(_single_device_sharding)
     for i, (x, target) in enumerate(zip(values, targets, strict=True)):
         if direct is None or type(x) is not np.ndarray or x.dtype in _CANONICALISED:
             slow.append(i)
             continue
-        if target not in singles:
-            singles[target] = _single_device_sharding(target)
-        single = singles[target]
+        single = singles(target)
         if single is None:
             slow.append(i)
             continue

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -30,15 +31,15 @@ DEFAULT_MAX_FILE_SIZE = 5 * 1000**3  # ~5 GB per file, as on the Hugging Face Hu
 Index = tuple[slice, ...]
 
 
-@dataclasses.dataclass(frozen=True)
-class TensorSpec:
-    """A tensor to store: its name, safetensors dtype and global shape."""
+class TensorSpec(NamedTuple):
+    """A tensor to store: its name, safetensors dtype and global shape (a named tuple: cheap
+    to create, one per tensor of every save)."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
 
-    @functools.cached_property
+    @property
     def nbytes(self) -> int:
         return _dtypes.nbytes(self.dtype, self.shape)
 
@@ -134,6 +135,12 @@ def normalize_index(index: Sequence[slice], shape: Sequence[int]) -> Index:
         out.append(slice(start, max(start, stop)))
     out.extend(slice(0, d) for d in list(shape)[len(index) :])
     return tuple(out)
+
+
+@functools.lru_cache(maxsize=1024)
+def whole_index(shape: tuple[int, ...]) -> Index:
+    """The normalised index of a whole tensor of ``shape`` (cached: models repeat shapes)."""
+    return tuple(slice(0, int(d)) for d in shape)
 
 
 def index_key(index: Index) -> tuple[tuple[int, int], ...]:

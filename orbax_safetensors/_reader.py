@@ -15,19 +15,22 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 from etils import epath
 
-from orbax_safetensors import _checksum, _dtypes, _io, _place, _plan
+from orbax_safetensors import _checksum, _dtypes, _io, _memo, _place, _plan
 from orbax_safetensors._errors import IntegrityError
 
 
-@dataclasses.dataclass(frozen=True)
-class StoredTensor:
-    """Where a tensor's bytes are: file, absolute offset, dtype, shape, optional checksum."""
+class StoredTensor(NamedTuple):
+    """Where a tensor's bytes are: file, absolute offset, dtype, shape, optional checksum.
+
+    Named tuples here and in :class:`ReadRequest`: immutable and cheap to create, one per
+    tensor of a restore.
+    """
 
     name: str
     path: epath.Path
@@ -41,8 +44,7 @@ class StoredTensor:
         return _dtypes.nbytes(self.dtype, self.shape)
 
 
-@dataclasses.dataclass(frozen=True)
-class ReadRequest:
+class ReadRequest(NamedTuple):
     """One tensor to materialise.
 
     Attributes:
@@ -77,7 +79,7 @@ class ReadStats:
     requests: int = 0
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _Box:
     index: _plan.Index
     buffer: np.ndarray  # flat aligned uint8: the box's bytes in row-major order
@@ -87,22 +89,24 @@ class _Box:
         return _plan.index_key(self.index)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _ReadPlan:
     boxes: list[_Box]  # what is read from the file
     whole: bool  # boxes == [the whole tensor]
     device_keys: dict[Any, tuple] | None  # device -> index key of its box (None: no sharding)
 
 
-def _plan_read(req: ReadRequest, arena: _io.BufferArena) -> _ReadPlan:
+def _plan_read(
+    req: ReadRequest, arena: _io.BufferArena, single_device: _memo.ShardingMemo[bool]
+) -> _ReadPlan:
     shape = req.stored.shape
 
     def whole() -> list[_Box]:
-        return [_Box(_plan.normalize_index((), shape), arena.empty(req.stored.nbytes))]
+        return [_Box(_plan.whole_index(tuple(shape)), arena.empty(req.stored.nbytes))]
 
-    if req.kind != "jax" or req.sharding is None or _single_device(req.sharding):
+    if req.kind != "jax" or req.sharding is None or single_device(req.sharding):
         return _ReadPlan(whole(), True, None)
-    whole_index = _plan.normalize_index((), shape)
+    whole_index = _plan.whole_index(tuple(shape))
     device_keys: dict[Any, tuple] = {}
     boxes: dict[tuple, _Box] = {}
     for device, index in req.sharding.addressable_devices_indices_map(shape).items():
@@ -125,7 +129,8 @@ def _single_device(sharding: jax.sharding.Sharding) -> bool:
 def read_tensors(requests: Sequence[ReadRequest], stats: ReadStats | None = None) -> list[Any]:
     """Reads every request (grouped by file, one batched read per file) and returns values."""
     arena = _io.BufferArena()
-    plans = [_plan_read(r, arena) for r in requests]
+    single_device = _memo.ShardingMemo(_single_device)  # many tensors share a few shardings
+    plans = [_plan_read(r, arena, single_device) for r in requests]
     by_file: dict[epath.Path, list[tuple[int, np.ndarray]]] = {}
     # Per file: run number -> request whose CRC32C to check once that run (the whole tensor)
     # is read, on the reading thread while its bytes are still in cache.
@@ -182,43 +187,47 @@ def _host_value(req: ReadRequest, raw: np.ndarray, box_shape: tuple[int, ...]) -
 def _place_all(requests: Sequence[ReadRequest], plans: list[_ReadPlan]) -> list[Any]:
     results: list[Any] = [None] * len(requests)
     default = jax.local_devices()[0]  # jax.devices()[0] may belong to another process
-    # (request index, host values, device_put targets)
-    puts: list[tuple[int, list[np.ndarray], list[Any]]] = []
+    # Every placement goes into one call (far cheaper than a device_put per small array):
+    # values[k] goes to targets[k]. Per request placed: (request, first k, shards to assemble
+    # into one array over its sharding, or None for an array placed whole on one device).
+    values: list[np.ndarray] = []
+    targets: list[Any] = []
+    spans: list[tuple[int, int, int | None]] = []
     for i, (req, rplan) in enumerate(zip(requests, plans)):
         if rplan.whole:
             full = _host_value(req, rplan.boxes[0].buffer, req.stored.shape)
             if req.kind != "jax":
                 results[i] = full[()] if req.kind == "scalar" else full
             elif rplan.device_keys is None:  # one device: put to the sharding itself
-                puts.append((i, [full], [req.sharding or default]))
+                spans.append((i, len(values), None))
+                values.append(full)
+                targets.append(req.sharding or default)
             else:
-                targets = list(rplan.device_keys)
+                devices = list(rplan.device_keys)
                 boxes = {
                     k: full[tuple(slice(a, b) for a, b in k)]
                     for k in set(rplan.device_keys.values())
                 }
-                puts.append((i, [boxes[rplan.device_keys[d]] for d in targets], targets))
+                spans.append((i, len(values), len(devices)))
+                values.extend(boxes[rplan.device_keys[d]] for d in devices)
+                targets.extend(devices)
         else:
             assert rplan.device_keys is not None
             host = {
                 b.key: _host_value(req, b.buffer, _plan.box_shape(b.index)) for b in rplan.boxes
             }
-            targets = list(rplan.device_keys)
-            puts.append((i, [host[rplan.device_keys[d]] for d in targets], targets))
-    # One call for every placement: far cheaper than a device_put per (small) array.
-    flat_values = [v for _, vs, _ in puts for v in vs]
-    flat_targets = [t for _, _, ts in puts for t in ts]
-    placed = _place.put(flat_values, flat_targets)
-    k = 0
-    for i, values, _ in puts:
-        arrays = placed[k : k + len(values)]
-        k += len(values)
-        if plans[i].device_keys is None:  # one device: nothing to assemble
-            results[i] = arrays[0]
+            devices = list(rplan.device_keys)
+            spans.append((i, len(values), len(devices)))
+            values.extend(host[rplan.device_keys[d]] for d in devices)
+            targets.extend(devices)
+    placed = _place.put(values, targets)
+    for i, start, shards in spans:
+        if shards is None:
+            results[i] = placed[start]
         else:
             req = requests[i]
             assert req.sharding is not None
             results[i] = jax.make_array_from_single_device_arrays(
-                req.stored.shape, req.sharding, arrays
+                req.stored.shape, req.sharding, placed[start : start + shards]
             )
     return results

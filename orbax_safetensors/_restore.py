@@ -52,7 +52,7 @@ def _leaf_of(stored: StoredTensor) -> _tree.SchemaLeaf:
     )
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _Want:
     """What one target leaf asks of a stored tensor."""
 
@@ -248,7 +248,7 @@ def _restore_targeted(
         original = leaves.get(saved.tensor_name, saved)
         is_key = original.kind == "key"
         stored_shape = stored.shape[: len(stored.shape) - 1] if is_key else stored.shape
-        if want.shape is not None and tuple(want.shape) != tuple(stored_shape):
+        if want.shape is not None and want.shape != tuple(stored_shape):
             problems.append(
                 f"{name}: checkpoint has shape {tuple(stored_shape)} ({stored.dtype}), "
                 f"target wants {tuple(want.shape)}"
@@ -279,6 +279,8 @@ def _restore_targeted(
             out.append(tleaf)
         elif slot is None:
             out.append(_tree.inline_value(saved))
+        elif want is not None and want.kind == "jax" and saved.kind == "tensor":
+            out.append(values[slot])  # the common case: nothing to finish (aliases share it)
         else:
             if slot not in finished:
                 finished[slot] = _finish(

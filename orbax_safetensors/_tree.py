@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -81,7 +81,7 @@ def join_path(path: Iterable[KeyEntry]) -> str:
 
 def assign_names(paths: list[tuple[KeyEntry, ...]]) -> list[str]:
     """Unique dotted names for ``paths``; colliding ones get ``~1``, ``~2``... deterministically."""
-    names = [join_path(p) for p in paths]
+    names = [".".join([_entry_text(e) for e in p]) or ROOT_NAME for p in paths]  # join_path
     groups: dict[str, list[int]] = {}
     for i, n in enumerate(names):
         groups.setdefault(n, []).append(i)
@@ -114,7 +114,11 @@ def _is_nnx_variable(x: object) -> bool:
 def is_prng_key(x: object) -> bool:
     """Whether ``x`` is a typed PRNG key array (or a ShapeDtypeStruct of one)."""
     dtype = getattr(x, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    if dtype is None:
+        return False
+    if isinstance(dtype, np.dtype):  # every array's dtype but a key's: the quick answer
+        return False
+    return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
 
 
 def _is_array(x: object) -> bool:
@@ -138,45 +142,40 @@ class FlatTree:
     arrays: dict[str, Any]
 
 
-@dataclasses.dataclass
-class _Pending:
-    node: dict[str, Any]
-    path: tuple[KeyEntry, ...]
-
-
 def flatten(tree: Any) -> FlatTree:
     """Flattens ``tree`` into dotted names and a lossless schema.
 
     Raises:
       UnsupportedLeafError: naming the first leaf that cannot be stored (before any I/O).
     """
-    pending: list[_Pending] = []
+    pending: list[tuple[dict[str, Any], tuple[KeyEntry, ...]]] = []  # (leaf node, key path)
     values: list[Any] = []
     first_by_id: dict[int, int] = {}
 
     def leaf(x: Any, path: tuple[KeyEntry, ...]) -> dict[str, Any]:
-        if x is None:
-            return {"t": "none"}
-        if isinstance(x, bool):
-            node: dict[str, Any] = {"t": "bool", "v": x}
-        elif isinstance(x, int):
-            node = {"t": "int", "v": x}
-        elif isinstance(x, float) and not isinstance(x, np.floating):  # np.float64 is a float
-            node = {"t": "float", "v": x.hex()}
-        elif isinstance(x, str):
-            node = {"t": "str", "v": x}
-        elif _is_array(x):
+        node: dict[str, Any]
+        if _is_array(x):  # first: the common case (numpy scalars, np.float64 too, go here)
             if id(x) in first_by_id and not isinstance(x, np.generic):
                 node = {"t": "ref", "of": first_by_id[id(x)]}
             else:
                 node = _array_node(x, path)
                 first_by_id[id(x)] = len(pending)
+        elif x is None:
+            return {"t": "none"}
+        elif isinstance(x, bool):
+            node = {"t": "bool", "v": x}
+        elif isinstance(x, int):
+            node = {"t": "int", "v": x}
+        elif isinstance(x, float):
+            node = {"t": "float", "v": x.hex()}
+        elif isinstance(x, str):
+            node = {"t": "str", "v": x}
         else:
             raise UnsupportedLeafError(
                 f"leaf {join_path(path)!r} of type {type(x).__module__}.{type(x).__qualname__} "
                 "cannot be stored: leaves must be arrays, Python int/float/bool/str or None"
             )
-        pending.append(_Pending(node, path))
+        pending.append((node, path))
         values.append(x)
         return node
 
@@ -226,18 +225,18 @@ def flatten(tree: Any) -> FlatTree:
         }
 
     tree_node = walk(tree, (), 0)
-    names = assign_names([p.path for p in pending])
+    names = assign_names([path for _, path in pending])
     arrays: dict[str, Any] = {}
-    for p, name, value in zip(pending, names, values):
-        kind = p.node["t"]
+    for (node, _), name, value in zip(pending, names, values):
+        kind = node["t"]
         if kind in ("tensor", "key"):
-            p.node["name"] = name
+            node["name"] = name
             arrays[name] = jax.random.key_data(value) if kind == "key" else value
-        elif kind == "ref" or kind != "none":
-            p.node["name"] = name
-    for p in pending:  # resolve alias indices into the aliased tensor's name
-        if p.node["t"] == "ref":
-            p.node["of"] = pending[p.node["of"]].node["name"]
+        elif kind != "none":
+            node["name"] = name
+    for node, _ in pending:  # resolve alias indices into the aliased tensor's name
+        if node["t"] == "ref":
+            node["of"] = pending[node["of"]][0]["name"]
     schema = {"format": SCHEMA_FORMAT, "version": SCHEMA_VERSION, "tree": tree_node}
     return FlatTree(schema, arrays)
 
@@ -245,8 +244,10 @@ def flatten(tree: Any) -> FlatTree:
 def _array_node(x: Any, path: tuple[KeyEntry, ...]) -> dict[str, Any]:
     if is_prng_key(x):
         return {"t": "key", "impl": str(jax.random.key_impl(x))}
-    try:
-        _dtypes.nbytes(_dtypes.from_numpy(x.dtype), x.shape)  # raises early: dtype, sub-byte size
+    try:  # raises early: dtype, sub-byte size
+        name = _dtypes.from_numpy(x.dtype)
+        if _dtypes.bits(name) % 8:
+            _dtypes.nbytes(name, x.shape)
     except UnsupportedLeafError as e:
         _dtypes.from_numpy(x.dtype, key=join_path(path))  # the same error, naming the leaf
         raise UnsupportedLeafError(f"leaf {join_path(path)!r}: {e}") from None
@@ -275,9 +276,9 @@ def _encode_entry(entry: KeyEntry) -> list[Any]:
 # --------------------------------------------------------------------------- schema reading
 
 
-@dataclasses.dataclass(frozen=True)
-class SchemaLeaf:
-    """A leaf of a stored tree: a tensor, PRNG key, alias or inline Python value."""
+class SchemaLeaf(NamedTuple):
+    """A leaf of a stored tree: a tensor, PRNG key, alias or inline Python value (a named
+    tuple: immutable, and cheap to create for trees of many leaves)."""
 
     name: str
     kind: str  # "tensor" | "key" | "ref" | "bool" | "int" | "float" | "str"
@@ -287,6 +288,10 @@ class SchemaLeaf:
     def tensor_name(self) -> str:
         """The stored tensor holding this leaf's bytes (aliases point at their original)."""
         return str(self.node["of"]) if self.kind == "ref" else self.name
+
+
+_LEAF_KINDS = frozenset(("tensor", "key", "ref", "bool", "int", "float", "str"))
+_ARRAY_KINDS = frozenset(("jax", "numpy", "scalar"))
 
 
 def validate_schema(schema: object, *, max_leaves: int = 10_000_000) -> dict[str, SchemaLeaf]:
@@ -334,13 +339,15 @@ def validate_schema(schema: object, *, max_leaves: int = 10_000_000) -> dict[str
             visit(node.get("v"), depth + 1)
         elif kind == "none":
             pass
-        elif kind in ("tensor", "key", "ref", "bool", "int", "float", "str"):
+        elif kind in _LEAF_KINDS:
             name = node.get("name")
-            if not isinstance(name, str):
+            if type(name) is not str:
                 raise SchemaError(f"schema {kind} leaf has no name")
             if name in leaves:
                 raise SchemaError(f"schema names leaf {name!r} twice")
-            _check_leaf(kind, node, name)
+            array = node.get("array")
+            if kind != "tensor" or type(array) is not str or array not in _ARRAY_KINDS:
+                _check_leaf(kind, node, name)  # (a tensor of a known array kind is fine)
             leaves[name] = SchemaLeaf(name, kind, node)
             if len(leaves) > max_leaves:
                 raise SchemaError(f"schema has more than {max_leaves} leaves")

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from orbax_safetensors import _checksum, _dtypes, _io, _plan
+from orbax_safetensors import _checksum, _dtypes, _io, _memo, _plan
 
 
 @dataclasses.dataclass
@@ -54,10 +54,6 @@ class WriteStats:
                 self.ranges.append((filename, int(p.offset), n))
 
 
-def _host_array(x: Any) -> np.ndarray:
-    return x if isinstance(x, np.ndarray) else np.asarray(x)
-
-
 def tensor_specs(arrays: Mapping[str, Any]) -> list[_plan.TensorSpec]:
     """The stored dtype and global shape of every array, in order."""
     return [
@@ -80,37 +76,44 @@ def owned_shards(x: jax.Array) -> list[tuple[_plan.Index, jax.Array]]:
     ]
 
 
-def is_host_local(x: Any) -> bool:
+def is_host_local(x: Any, multi_process: bool | None = None) -> bool:
     """Whether ``x`` is host-local data, written by the primary process alone: a numpy array, or
     (in a multi-process job) a ``jax.Array`` whose every shard is on this process, so that each
-    process holds its own copy (Orbax refuses to save these; we treat them like numpy leaves)."""
+    process holds its own copy (Orbax refuses to save these; we treat them like numpy leaves).
+
+    ``multi_process`` is ``jax.process_count() > 1``, for callers asking about many arrays.
+    """
     if not isinstance(x, jax.Array):
         return True
-    return jax.process_count() > 1 and x.is_fully_addressable
+    if multi_process is None:
+        multi_process = jax.process_count() > 1
+    return multi_process and x.is_fully_addressable
 
 
-def _placement(x: jax.Array, cache: dict[Any, tuple[bool, bool]]) -> tuple[bool, bool]:
-    # (one addressable device holds all of x, x is on CPU): worked out once per sharding, as
-    # a tree of many small arrays shares a few shardings.
-    sharding = x.sharding
-    known = cache.get(sharding)
-    if known is None:
-        devices: set[Any] = sharding.device_set
-        whole = len(devices) == 1 and sharding.is_fully_addressable
-        known = cache[sharding] = (whole, any(d.platform == "cpu" for d in devices))
-    return known
+def _placement(sharding: jax.sharding.Sharding) -> tuple[bool, bool, bool]:
+    # (one addressable device holds all of the array, it is on CPU, it is fully addressable)
+    devices: set[Any] = sharding.device_set
+    addressable = sharding.is_fully_addressable
+    whole = len(devices) == 1 and addressable
+    return whole, any(d.platform == "cpu" for d in devices), addressable
 
 
-def _to_host(data: Any, buffers: _io.BufferArena | None, on_cpu: bool) -> np.ndarray:
-    host = _host_array(data)
-    if buffers is not None and (on_cpu or not isinstance(data, jax.Array)):
+def _host_bytes(data: Any, dtype: str, buffers: _io.BufferArena | None, on_cpu: bool) -> np.ndarray:
+    """``data``'s on-disk bytes (safetensors ``dtype``) as a flat uint8 array, copied into
+    ``buffers`` when given and ``data`` would otherwise share memory with the caller."""
+    host = data if isinstance(data, np.ndarray) else np.asarray(data)
+    if (
+        buffers is not None
+        and (on_cpu or not isinstance(data, jax.Array))
+        and _dtypes.bits(dtype) % 8 == 0  # (sub-byte packing writes fresh memory anyway)
+    ):
         # On CPU np.asarray shares the device buffer, which the caller may donate or overwrite
         # once save() returns; copy into an aligned buffer we own. (On accelerators np.asarray
-        # already produced a fresh host copy.)
-        out = buffers.empty(host.nbytes).view(host.dtype).reshape(host.shape)
-        np.copyto(out, host)
+        # already produced a fresh host copy.) For whole bytes the copy is the packed form.
+        out = buffers.empty(host.nbytes)
+        np.copyto(out.view(host.dtype).reshape(host.shape), host)
         return out
-    return host
+    return _dtypes.pack(host, dtype)
 
 
 def iter_host_pieces(
@@ -137,14 +140,15 @@ def iter_host_pieces(
     """
     # (name, array, its owned shards, or None when this process writes it whole, on CPU)
     owned: list[tuple[str, Any, list[tuple[_plan.Index, Any]] | None, bool]] = []
-    placements: dict[Any, tuple[bool, bool]] = {}
+    placement = _memo.ShardingMemo(_placement)  # trees of many arrays share a few shardings
+    multi_process = jax.process_count() > 1
     for name, x in arrays.items():
         if not isinstance(x, jax.Array):
             if is_primary:
                 owned.append((name, x, None, False))
             continue
-        whole, on_cpu = _placement(x, placements)
-        if is_host_local(x):
+        whole, on_cpu, addressable = placement(x.sharding)
+        if multi_process and addressable:  # host-local (see is_host_local)
             if is_primary:
                 owned.append((name, x, None, on_cpu))
         else:
@@ -163,12 +167,12 @@ def iter_host_pieces(
         fplan, entry = plan.locate(name)
         base = fplan.data_start + entry.begin
         if shards is None:  # written whole by this process: the common case, without numpy
-            raw = _dtypes.pack(_to_host(x, buffers, on_cpu), entry.dtype)
+            raw = _host_bytes(x, entry.dtype, buffers, on_cpu)
             yield plan.file_of[name], [_io.Piece(base, raw, (name, 0))]
             continue
         pieces: list[_io.Piece] = []
         for index, data in shards:
-            raw = _dtypes.pack(_to_host(data, buffers, on_cpu), entry.dtype)
+            raw = _host_bytes(data, entry.dtype, buffers, on_cpu)
             if _plan.is_whole(index, entry.shape):  # e.g. a replicated array's first copy
                 pieces.append(_io.Piece(base, raw, (name, 0)))
                 continue

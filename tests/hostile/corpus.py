@@ -448,6 +448,8 @@ def schema_cases() -> list[Case]:
         ("crc-not-object", _crc(lambda c: ["a"]), "not an object"),
         ("crc-malformed", _crc(lambda c: c.update(a="zz")), "checksum of 'a'"),
         ("crc-int", _crc(lambda c: c.update(a=5)), "checksum of 'a'"),
+        ("tensor-array-kind-list", _schema(_update("b", array=["jax"])), "array kind"),
+        ("tensor-name-list", _schema(_update("b", name=["b"])), "no name"),
     ]
     cases = [Case(n, "schema", b, S, r) for n, b, r in items]
     cases.append(Case("crc-wrong", "schema", _crc(_wrong_crc), IntegrityError, "'b'.*CRC32C"))
