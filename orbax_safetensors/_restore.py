@@ -185,6 +185,11 @@ def restore_tree(
     """
     if schema is not None:
         leaves = _tree.validate_schema(schema)
+        for leaf in leaves.values():  # a damaged file fails whole, whatever the target asks
+            if leaf.kind in ("tensor", "key") and leaf.name not in stored:
+                raise SchemaError(
+                    f"schema leaf {leaf.name!r} refers to tensor {leaf.name!r}, which no file holds"
+                )
     else:
         leaves = {name: _leaf_of(s) for name, s in stored.items()}
     loader = _Loader(leaves, stored, verify, stats)

@@ -131,6 +131,15 @@ def test_bases_are_valid(tmp_path: Path) -> None:
     assert report.ok and report.files > 1, report
 
 
+def test_a_schema_naming_a_tensor_no_file_holds_fails_even_when_not_asked_for(
+    tmp_path: Path,
+) -> None:
+    (case,) = [c for c in SCHEMA if c.name == "tensor-not-stored"]
+    path = _build(case, tmp_path)
+    with pytest.raises(osf.SchemaError, match="no file holds"):
+        osf.load_file(path, target={"a": np.zeros((2, 3), np.float32)}, strict=False)
+
+
 def test_hostile_file_with_a_target(tmp_path: Path) -> None:
     """A target does not bypass validation: headers and schema are checked first."""
     target = {"a": np.zeros((2, 3), np.float32), "b": np.zeros(4, np.int32)}
