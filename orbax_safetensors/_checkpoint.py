@@ -11,8 +11,9 @@ Layout of a checkpoint directory::
 Saving happens in three steps so that Orbax (or any driver) can put them where it needs:
 :func:`prepare_save` (every process; plans, and copies owned shards to host, now or as the
 writer reaches each tensor), :func:`write_process_part` (every process; its own byte ranges,
-plus headers and index on the primary; a small per-process checksum file) and
-:func:`finalize` (one process, after all wrote; merges checksums into the metadata file).
+plus headers and index on the primary; a small per-process checksum file, which a
+single-process save keeps in memory instead) and :func:`finalize` (one process, after all
+wrote; merges checksums into the metadata file).
 
 Example::
 
@@ -28,7 +29,7 @@ import contextlib
 import dataclasses
 import json
 import queue
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -297,11 +298,18 @@ def write_process_part(
     prepared: PreparedSave,
     directory: epath.PathLike,
     stats: _writer.WriteStats | None = None,
-) -> None:
+    *,
+    persist_part: bool = True,
+) -> dict[str, Any]:
     """Writes this process's bytes (and, on the primary, headers, index and metadata draft).
 
     Tensors are written as ``prepared.pieces`` yields them, each file opened when first needed
     and made durable at the end. ``stats``, when given, records the byte ranges written.
+
+    Returns this process's checksum part (what :func:`finalize` merges). With
+    ``persist_part=False`` neither the part nor the metadata draft is written to disk: the
+    caller hands both to :func:`finalize` itself (a single-process save; saves the JSON round
+    trip of two documents with an entry per tensor).
     """
     directory = epath.Path(directory)
     plan = prepared.plan
@@ -353,7 +361,8 @@ def write_process_part(
     if prepared.is_primary:
         if len(plan.files) > 1:
             (directory / _plan.INDEX_FILE_NAME).write_text(json.dumps(plan.index_json(), indent=1))
-        (directory / (METADATA_FILE + ".draft")).write_text(json.dumps(prepared.metadata))
+        if persist_part:
+            (directory / (METADATA_FILE + ".draft")).write_text(json.dumps(prepared.metadata))
     # One record per tensor this process wrote any of: bytes written and this process's share
     # of the tensor's CRC32C (see _checksum.share), however many strided runs it wrote.
     tensors = {
@@ -363,25 +372,34 @@ def write_process_part(
         ]
         for name, rs in runs.items()
     }
-    part = directory / f"{_PART_PREFIX}{prepared.process_index}.json"
-    part.write_text(json.dumps({"checksums": prepared.checksums, "tensors": tensors}))
+    doc = {"checksums": prepared.checksums, "tensors": tensors}
+    if persist_part:
+        part = directory / f"{_PART_PREFIX}{prepared.process_index}.json"
+        part.write_text(json.dumps(doc))
+    return doc
 
 
-def finalize(directory: epath.PathLike, draft_metadata: dict[str, Any] | None = None) -> None:
+def finalize(
+    directory: epath.PathLike,
+    draft_metadata: dict[str, Any] | None = None,
+    parts: Sequence[dict[str, Any]] = (),
+) -> None:
     """Merges every process's checksum part into the metadata file (run once, after all wrote).
 
     ``draft_metadata`` is the draft's content when this process wrote it (``PreparedSave.
-    metadata``): it spares reading back and parsing the draft (~4 ms per 1,000 tensors).
+    metadata``): it spares reading back and parsing the draft (~4 ms per 1,000 tensors); it is
+    required when the draft was not persisted. ``parts`` are checksum parts held in memory (as
+    :func:`write_process_part` returns them unpersisted), merged with those found on disk.
     """
     directory = epath.Path(directory)
     _io.finalize_files(directory)  # object storage: join the parts several processes uploaded
     draft = directory / (METADATA_FILE + ".draft")
     metadata = draft_metadata if draft_metadata is not None else json.loads(draft.read_text())
-    parts = sorted(directory.glob(f"{_PART_PREFIX}*.json"))
+    files = sorted(directory.glob(f"{_PART_PREFIX}*.json"))
     # One small file per process: read them concurrently (object storage latency adds up).
-    with concurrent.futures.ThreadPoolExecutor(min(32, max(1, len(parts)))) as pool:
-        docs = list(pool.map(lambda part: json.loads(part.read_text()), parts))
-    if parts and all(doc["checksums"] for doc in docs):
+    with concurrent.futures.ThreadPoolExecutor(min(32, max(1, len(files)))) as pool:
+        docs = [*parts, *pool.map(lambda part: json.loads(part.read_text()), files)]
+    if docs and all(doc["checksums"] for doc in docs):
         written = dict.fromkeys(metadata["tensors"], 0)
         crcs = dict.fromkeys(metadata["tensors"], 0)
         for doc in docs:
@@ -397,8 +415,9 @@ def finalize(directory: epath.PathLike, draft_metadata: dict[str, Any] | None = 
                 )
             info["crc32c"] = _checksum.to_hex(crcs[name])
     (directory / METADATA_FILE).write_text(json.dumps(metadata))
-    draft.unlink()
-    for part in parts:
+    if draft_metadata is None or draft.exists():
+        draft.unlink()
+    for part in files:
         part.unlink()
 
 
@@ -417,8 +436,8 @@ def save_directory(
     directory = epath.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     prepared = prepare_save(tree, user_metadata=metadata, max_file_size=max_file_size, copy=False)
-    write_process_part(prepared, directory)
-    finalize(directory, prepared.metadata)
+    part = write_process_part(prepared, directory, persist_part=False)
+    finalize(directory, prepared.metadata, [part])
 
 
 # --------------------------------------------------------------------------- reading

@@ -80,6 +80,9 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         # (item directory, metadata draft) of this process's last save as the primary, so that
         # finalize need not read the draft back (Orbax finalizes on the primary, after all wrote).
         self._draft: tuple[str, dict[str, Any]] | None = None
+        # In a single-process job: (item directory, checksum part) of the last save, which is
+        # then kept in memory only, as is the draft (the finalize is this process's).
+        self._part: tuple[str, dict[str, Any]] | None = None
 
     def _is_primary(self) -> bool:
         return jax.process_index() == self._primary_host
@@ -135,10 +138,16 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         if queue is not None:
             prepared = dataclasses.replace(prepared, pieces=queue)
 
+        persist = _persist_parts()
+        self._part = None
+
         async def write() -> None:
             # Runs once the contracted signals arrive (the step directory exists); the blocking
             # file I/O runs on a worker thread so the event loop stays responsive.
-            await asyncio.to_thread(_checkpoint.write_process_part, prepared, directory, stats)
+            part = await asyncio.to_thread(
+                _checkpoint.write_process_part, prepared, directory, stats, persist_part=persist
+            )
+            self._part = None if persist else (str(directory), part)
 
         future = ocp_future.CommitFutureAwaitingContractedSignals(write(), name="safetensors_save")
         if queue is not None:
@@ -161,13 +170,19 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         prepared = self._prepare(directory, args, copy=False)
         _prepare_directory(directory, prepared)
         self.last_write_stats = _writer.WriteStats()
-        _checkpoint.write_process_part(prepared, directory, self.last_write_stats)
+        persist = _persist_parts()
+        part = _checkpoint.write_process_part(
+            prepared, directory, self.last_write_stats, persist_part=persist
+        )
+        self._part = None if persist else (str(directory), part)
 
     def finalize(self, directory: epath.Path) -> None:
         """Merges every process's checksums into the metadata file (primary, after all wrote)."""
         draft, self._draft = self._draft, None
+        part, self._part = self._part, None
         known = draft[1] if draft is not None and draft[0] == str(directory) else None
-        _checkpoint.finalize(directory, known)
+        parts = [part[1]] if part is not None and part[0] == str(directory) else []
+        _checkpoint.finalize(directory, known, parts)
 
     def restore(self, directory: epath.Path, args: SafetensorsRestore | None = None) -> Any:
         """Restores the tree; see :class:`SafetensorsRestore` for the target forms."""
@@ -231,6 +246,13 @@ def _prepare_directory(directory: epath.Path, prepared: _checkpoint.PreparedSave
     # starts the multipart uploads the processes' parts go into (no-op elsewhere).
     files = [(f.filename, f.size) for f in prepared.plan.files]
     _io.prepare_directory(directory, files, is_primary=prepared.is_primary)
+
+
+def _persist_parts() -> bool:
+    # The metadata draft and checksum parts go to disk for a finalize in another process; in a
+    # single-process job the finalize is this process's, and takes them from memory. (A crash
+    # before it leaves an uncommitted step either way.)
+    return jax.process_count() > 1
 
 
 @ocp.args.register_with_handler(SafetensorsCheckpointHandler, for_save=True)

@@ -289,13 +289,50 @@ def test_finalize_from_the_draft_in_memory_writes_what_the_file_draft_gives(
     reading it back: the metadata file comes out byte for byte the same, checksums included."""
     tree = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "n": {"step": 3, "b": np.ones(2)}}
     docs = []
-    for from_memory in (False, True):
-        directory = tmp_path / f"memory_{from_memory}"
+    # (draft from memory, checksum part kept in memory only)
+    for from_memory, part_in_memory in ((False, False), (True, False), (True, True)):
+        directory = tmp_path / f"memory_{from_memory}_{part_in_memory}"
         directory.mkdir()
         prepared = _checkpoint.prepare_save(tree, user_metadata={"epoch": 1}, copy=False)
-        _checkpoint.write_process_part(prepared, directory)
-        _checkpoint.finalize(directory, prepared.metadata if from_memory else None)
-        assert not (directory / (_checkpoint.METADATA_FILE + ".draft")).exists()
+        part = _checkpoint.write_process_part(prepared, directory, persist_part=not part_in_memory)
+        if part_in_memory:  # nothing but the data files on disk until finalize
+            assert sorted(p.name for p in directory.iterdir()) == ["model.safetensors"]
+        _checkpoint.finalize(
+            directory, prepared.metadata if from_memory else None, [part] if part_in_memory else []
+        )
+        assert sorted(p.name for p in directory.iterdir()) == [
+            "model.safetensors",
+            _checkpoint.METADATA_FILE,
+        ]
         docs.append((directory / _checkpoint.METADATA_FILE).read_bytes())
-    assert docs[0] == docs[1]
+    assert docs[0] == docs[1] == docs[2]
     assert all(t["crc32c"] for t in json.loads(docs[1])["tensors"].values())
+
+
+def test_single_process_manager_saves_keep_draft_and_part_in_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a one-process job the handler's finalize is its own: no draft or checksum part is
+    written, and the committed step holds checksums all the same (sync and async)."""
+    tree = {"w": jnp.arange(6.0), "b": np.ones(3, np.int32)}
+    written: list[str] = []  # what the item directory holds once this process's part is written
+    original = _checkpoint.write_process_part
+
+    def listing_after(*args: Any, **kwargs: Any) -> Any:
+        part = original(*args, **kwargs)
+        written.extend(sorted(p.name for p in Path(str(args[1])).iterdir()))
+        return part
+
+    monkeypatch.setattr(_checkpoint, "write_process_part", listing_after)
+    for enable_async in (False, True):
+        written.clear()
+        options = ocp.CheckpointManagerOptions(enable_async_checkpointing=enable_async)
+        with ocp.CheckpointManager(tmp_path / f"async_{enable_async}", options=options) as mngr:
+            mngr.save(0, args=osf.SafetensorsSave(tree))
+            mngr.wait_until_finished()
+            restored = mngr.restore(0, args=osf.SafetensorsRestore())
+        assert written == ["model.safetensors"], written
+        np.testing.assert_array_equal(restored["w"], np.arange(6.0))
+        step = tmp_path / f"async_{enable_async}" / "0" / "default"
+        doc = json.loads((step / _checkpoint.METADATA_FILE).read_text())
+        assert all(t["crc32c"] for t in doc["tensors"].values())
