@@ -194,7 +194,12 @@ def prepare_save(
         x = flat.arrays[s.name]
         # Host-local leaves (numpy; in a multi-process job also jax.Arrays held whole by
         # each process) have no global sharding to reuse.
-        sharding = None if _writer.is_host_local(x, multi_process) else described(x.sharding)
+        sharding = (
+            described(x.sharding)
+            if not _writer.is_host_local(x, multi_process)
+            and isinstance(x.sharding, jax.sharding.NamedSharding)  # else nothing to describe
+            else None
+        )
         tensors[s.name] = {
             "dtype": s.dtype,
             "shape": list(s.shape),
@@ -243,15 +248,30 @@ class PieceQueue:
     """
 
     _END = object()
+    # Items are handed over in groups of up to this many bytes or items: waking the writer
+    # thread for each of 10,000 small tensors cost more than copying them (GIL ping-pong).
+    _GROUP_BYTES = 4 << 20
+    _GROUP_ITEMS = 256
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._group: list[tuple[int, list[_io.Piece]]] = []
+        self._group_bytes = 0
 
     def put(self, item: tuple[int, list[_io.Piece]]) -> None:
-        self._queue.put(item)
+        self._group.append(item)
+        self._group_bytes += sum(p.data.nbytes for p in item[1])
+        if self._group_bytes >= self._GROUP_BYTES or len(self._group) >= self._GROUP_ITEMS:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._group:
+            self._queue.put(self._group)
+            self._group, self._group_bytes = [], 0
 
     def close(self) -> None:
         """No more pieces: the writer finishes."""
+        self._flush()
         self._queue.put(self._END)
 
     def fail(self, error: BaseException) -> None:
@@ -259,10 +279,10 @@ class PieceQueue:
         self._queue.put(error)
 
     def __iter__(self) -> Iterator[tuple[int, list[_io.Piece]]]:
-        while (item := self._queue.get()) is not self._END:
-            if isinstance(item, BaseException):
-                raise RuntimeError("copying the checkpoint's arrays to host failed") from item
-            yield item
+        while (group := self._queue.get()) is not self._END:
+            if isinstance(group, BaseException):
+                raise RuntimeError("copying the checkpoint's arrays to host failed") from group
+            yield from group
 
 
 _BATCH_BYTES = 8 << 20
@@ -278,7 +298,7 @@ def _batched(
     batch: list[_io.Piece] = []
     batch_file, size = -1, 0
     for file_index, pieces in items:
-        nbytes = sum(p.data.nbytes for p in pieces)
+        nbytes = pieces[0].data.nbytes if len(pieces) == 1 else sum(p.data.nbytes for p in pieces)
         if batch and (
             file_index != batch_file
             or size + nbytes > _BATCH_BYTES
@@ -326,8 +346,8 @@ def write_process_part(
         for tag, n, crc in under_way.result():
             if tag is None:  # a header
                 continue
-            name, offset = tag  # type: ignore[misc]
-            runs.setdefault(str(name), []).append((int(offset), n, crc))  # type: ignore[has-type]
+            name, offset = tag  # type: ignore[misc]  # (str, int): see _writer.iter_host_pieces
+            runs.setdefault(name, []).append((offset, n, crc))  # type: ignore[has-type]
         if stats is not None:
             stats.add(filename, pieces)
         in_flight -= nbytes

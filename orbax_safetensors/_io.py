@@ -214,7 +214,9 @@ def _write_units(pieces: Sequence[Piece]) -> list[list[tuple[int, int, memoryvie
     for k, p in enumerate(pieces):
         view = p.data.data
         for start in range(0, len(view), _WRITE_UNIT_BYTES):  # nothing for an empty piece
-            chunk = view[start : start + _WRITE_UNIT_BYTES]
+            chunk = (
+                view if len(view) <= _WRITE_UNIT_BYTES else view[start : start + _WRITE_UNIT_BYTES]
+            )
             offset = p.offset + start
             if unit and (
                 offset != end or len(unit) >= _IOV_MAX or size + len(chunk) > _WRITE_UNIT_BYTES
@@ -579,7 +581,12 @@ def _plan_read_batches(
     ids: list[int] = []
     size = 0
     for offset, dest, i in ordered:
-        views = [dest.data[k : k + _MAX_CALL_BYTES] for k in range(0, dest.nbytes, _MAX_CALL_BYTES)]
+        if dest.nbytes <= _MAX_CALL_BYTES:  # the common case
+            views = [dest.data]
+        else:
+            views = [
+                dest.data[k : k + _MAX_CALL_BYTES] for k in range(0, dest.nbytes, _MAX_CALL_BYTES)
+            ]
         gap = offset - end
         if (
             bufs

@@ -91,8 +91,8 @@ class _Box:
 
 @dataclasses.dataclass(slots=True)
 class _ReadPlan:
-    boxes: list[_Box]  # what is read from the file
-    whole: bool  # boxes == [the whole tensor]
+    whole: np.ndarray | None  # the buffer of the whole tensor, when it is read whole (one run)
+    boxes: list[_Box]  # otherwise: the boxes read from the file
     device_keys: dict[Any, tuple] | None  # device -> index key of its box (None: no sharding)
 
 
@@ -100,12 +100,8 @@ def _plan_read(
     req: ReadRequest, arena: _io.BufferArena, single_device: _memo.ShardingMemo[bool]
 ) -> _ReadPlan:
     shape = req.stored.shape
-
-    def whole() -> list[_Box]:
-        return [_Box(_plan.whole_index(tuple(shape)), arena.empty(req.stored.nbytes))]
-
     if req.kind != "jax" or req.sharding is None or single_device(req.sharding):
-        return _ReadPlan(whole(), True, None)
+        return _ReadPlan(arena.empty(req.stored.nbytes), [], None)
     whole_index = _plan.whole_index(tuple(shape))
     device_keys: dict[Any, tuple] = {}
     boxes: dict[tuple, _Box] = {}
@@ -115,10 +111,10 @@ def _plan_read(
         boxes.setdefault(device_keys[device], _Box(norm, np.empty(0, np.uint8)))
     if req.sharding.is_fully_addressable or _plan.index_key(whole_index) in boxes:
         # This process needs every byte: one whole read (verifiable) serves every box.
-        return _ReadPlan(whole(), True, device_keys)
+        return _ReadPlan(arena.empty(req.stored.nbytes), [], device_keys)
     for box in boxes.values():
         box.buffer = _io.aligned_empty(_dtypes.nbytes(req.stored.dtype, _plan.box_shape(box.index)))
-    return _ReadPlan(list(boxes.values()), False, device_keys)
+    return _ReadPlan(None, list(boxes.values()), device_keys)
 
 
 def _single_device(sharding: jax.sharding.Sharding) -> bool:
@@ -137,10 +133,10 @@ def read_tensors(requests: Sequence[ReadRequest], stats: ReadStats | None = None
     checks: dict[epath.Path, dict[int, ReadRequest]] = {}
     for req, rplan in zip(requests, plans):
         runs = by_file.setdefault(req.stored.path, [])
-        if rplan.whole:  # one run, the whole tensor: the common case, without numpy
+        if rplan.whole is not None:  # one run, the whole tensor: the common case, no numpy
             if req.verify and req.stored.crc32c is not None:
                 checks.setdefault(req.stored.path, {})[len(runs)] = req
-            runs.append((req.stored.offset, rplan.boxes[0].buffer))
+            runs.append((req.stored.offset, rplan.whole))
             continue
         for box in rplan.boxes:
             offsets, length = _plan.byte_runs(req.stored.dtype, req.stored.shape, box.index)
@@ -159,8 +155,8 @@ def read_tensors(requests: Sequence[ReadRequest], stats: ReadStats | None = None
             stats.bytes_read += reader.bytes_read
             stats.requests += reader.requests
     if stats is not None:
-        stats.bytes_needed += sum(b.buffer.nbytes for p in plans for b in p.boxes if not p.whole)
-        stats.bytes_needed += sum(r.stored.nbytes for r, p in zip(requests, plans) if p.whole)
+        stats.bytes_needed += sum(b.buffer.nbytes for p in plans for b in p.boxes)
+        stats.bytes_needed += sum(p.whole.nbytes for p in plans if p.whole is not None)
     return _place_all(requests, plans)
 
 
@@ -194,8 +190,8 @@ def _place_all(requests: Sequence[ReadRequest], plans: list[_ReadPlan]) -> list[
     targets: list[Any] = []
     spans: list[tuple[int, int, int | None]] = []
     for i, (req, rplan) in enumerate(zip(requests, plans)):
-        if rplan.whole:
-            full = _host_value(req, rplan.boxes[0].buffer, req.stored.shape)
+        if rplan.whole is not None:
+            full = _host_value(req, rplan.whole, req.stored.shape)
             if req.kind != "jax":
                 results[i] = full[()] if req.kind == "scalar" else full
             elif rplan.device_keys is None:  # one device: put to the sharding itself

@@ -129,10 +129,11 @@ class _Loader:
         if leaf.kind == "key" or self.leaves.get(leaf.tensor_name, leaf).kind == "key":
             sharding, dtype = None, None  # key data is read plainly, wrapped, then placed
         slot = (stored.name, kind, id(sharding) if sharding is not None else None, str(dtype))
-        if slot not in self.slots:
-            self.slots[slot] = len(self.requests)
+        index = self.slots.get(slot)
+        if index is None:
+            index = self.slots[slot] = len(self.requests)
             self.requests.append(ReadRequest(stored, kind, sharding, dtype, self.verify))
-        return self.slots[slot]
+        return index
 
     def run(self) -> list[Any]:
         return read_tensors(self.requests, self.stats)

@@ -242,10 +242,11 @@ def flatten(tree: Any) -> FlatTree:
 
 
 def _array_node(x: Any, path: tuple[KeyEntry, ...]) -> dict[str, Any]:
-    if is_prng_key(x):
+    dtype = x.dtype
+    if not isinstance(dtype, np.dtype) and is_prng_key(x):  # keys have extended dtypes
         return {"t": "key", "impl": str(jax.random.key_impl(x))}
     try:  # raises early: dtype, sub-byte size
-        name = _dtypes.from_numpy(x.dtype)
+        name = _dtypes.from_numpy(dtype)
         if _dtypes.bits(name) % 8:
             _dtypes.nbytes(name, x.shape)
     except UnsupportedLeafError as e:

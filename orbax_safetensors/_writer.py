@@ -155,20 +155,19 @@ def iter_host_pieces(
             owned.append((name, x, None if whole else owned_shards(x), on_cpu))
     buffers = _io.BufferArena() if copy else None
     started = 0
+    ahead = len(owned) if copies_ahead is None else copies_ahead
     for k, (name, x, shards, on_cpu) in enumerate(owned):
-        until = len(owned) if copies_ahead is None else min(len(owned), k + 1 + copies_ahead)
-        for _, ahead, ahead_shards, ahead_on_cpu in owned[started:until]:
-            if ahead_on_cpu:
-                continue
-            for data in [ahead] if ahead_shards is None else [d for _, d in ahead_shards]:
-                if isinstance(data, jax.Array):
-                    data.copy_to_host_async()
-        started = max(started, until)
-        fplan, entry = plan.locate(name)
+        if started < len(owned):  # keep copies started `ahead` tensors past this one
+            until = min(len(owned), k + 1 + ahead)
+            _start_copies(owned[started:until])
+            started = until
+        file_index = plan.file_of[name]
+        fplan = plan.files[file_index]
+        entry = fplan.entries[name]
         base = fplan.data_start + entry.begin
         if shards is None:  # written whole by this process: the common case, without numpy
             raw = _host_bytes(x, entry.dtype, buffers, on_cpu)
-            yield plan.file_of[name], [_io.Piece(base, raw, (name, 0))]
+            yield file_index, [_io.Piece(base, raw, (name, 0))]
             continue
         pieces: list[_io.Piece] = []
         for index, data in shards:
@@ -180,7 +179,18 @@ def iter_host_pieces(
             for j, off in enumerate(offsets.tolist()):
                 chunk = raw[j * length : (j + 1) * length]
                 pieces.append(_io.Piece(base + off, chunk, (name, off)))
-        yield plan.file_of[name], pieces
+        yield file_index, pieces
+
+
+def _start_copies(owned: list[tuple[str, Any, list[tuple[_plan.Index, Any]] | None, bool]]) -> None:
+    # Device-to-host copies of these (name, array, shards, on CPU) entries, started now so they
+    # overlap what comes before them (nothing to copy on CPU).
+    for _, x, shards, on_cpu in owned:
+        if on_cpu:
+            continue
+        for data in [x] if shards is None else [d for _, d in shards]:
+            if isinstance(data, jax.Array):
+                data.copy_to_host_async()
 
 
 def host_pieces(
