@@ -386,10 +386,7 @@ def write_process_part(
     # One record per tensor this process wrote any of: bytes written and this process's share
     # of the tensor's CRC32C (see _checksum.share), however many strided runs it wrote.
     tensors = {
-        name: [
-            rs[0][1] if len(rs) == 1 else sum(n for _, n, _ in rs),
-            _checksum.share(rs, prepared.sizes[name]),
-        ]
+        name: [sum(n for _, n, _ in rs), _checksum.share(rs, prepared.sizes[name])]
         for name, rs in runs.items()
     }
     doc = {"checksums": prepared.checksums, "tensors": tensors}

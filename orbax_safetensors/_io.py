@@ -241,14 +241,10 @@ def _piece_results(
     for result in results:
         for k, start, n, crc in result:
             runs[k].append((start, n, crc))
-    out: WriteResult = []
-    for p, r in zip(ordered, runs, strict=True):
-        nbytes = p.data.nbytes
-        if len(r) == 1 and r[0][0] == 0 and r[0][1] == nbytes:  # one unit: its CRC (common)
-            out.append((p.tag, nbytes, r[0][2]))
-        else:
-            out.append((p.tag, nbytes, _checksum.combine_runs(r, nbytes)))
-    return out
+    return [
+        (p.tag, p.data.nbytes, _checksum.combine_runs(r, p.data.nbytes))
+        for p, r in zip(ordered, runs, strict=True)
+    ]
 
 
 @dataclasses.dataclass
