@@ -582,7 +582,7 @@ def abstract_tree(directory: epath.PathLike, metadata: Mapping[str, Any] | None 
             )
         return jax.ShapeDtypeStruct(tuple(info["shape"]), _dtypes.to_numpy(info["dtype"]))
 
-    return _tree.unflatten(metadata["schema"], get)
+    return _tree.unflatten(metadata["schema"], get, leaves)
 
 
 @_gcpause.paused

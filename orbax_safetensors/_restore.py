@@ -219,7 +219,7 @@ def _restore_untargeted(
 
     if schema is None:
         return {name: get(leaf) for name, leaf in leaves.items()}
-    return _tree.unflatten(schema, get)
+    return _tree.unflatten(schema, get, leaves)
 
 
 def _restore_targeted(

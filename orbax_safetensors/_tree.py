@@ -414,14 +414,20 @@ def inline_value(leaf: SchemaLeaf) -> Any:
     return float.fromhex(v) if leaf.kind == "float" else v
 
 
-def unflatten(schema: Mapping[str, Any], get: Callable[[SchemaLeaf], Any]) -> Any:
+def unflatten(
+    schema: Mapping[str, Any],
+    get: Callable[[SchemaLeaf], Any],
+    leaves: Mapping[str, SchemaLeaf] | None = None,
+) -> Any:
     """Rebuilds the stored tree; ``get(leaf)`` supplies each array leaf's value.
 
     Custom nodes come back as dicts keyed by their field names (or lists when keyed by
     index); NNX Variables as their values. Pass a target to :func:`match_target` for the
-    original node types.
+    original node types. ``leaves`` is :func:`validate_schema`'s result for ``schema`` when the
+    caller has it already (the schema is validated here otherwise).
     """
-    leaves = validate_schema(schema)
+    if leaves is None:
+        leaves = validate_schema(schema)
 
     def build(node: Mapping[str, Any]) -> Any:
         kind = node["t"]
