@@ -29,6 +29,8 @@ import contextlib
 import dataclasses
 import json
 import queue
+import sys
+import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -146,8 +148,8 @@ class PreparedSave:
     """Everything a process needs to write its part.
 
     ``pieces`` yields ``(file index, pieces)`` one tensor at a time: a list whose host copies
-    are complete, a generator that copies each tensor when the writer reaches it, or a
-    :class:`PieceQueue` filled by another thread.
+    are complete, a generator that copies each tensor when the writer reaches it, or one that
+    takes them from a :class:`SnapshotQueue` filled by another thread.
     """
 
     plan: _plan.CheckpointPlan
@@ -171,6 +173,7 @@ def prepare_save(
     lazy: bool = False,
     checksums: bool = True,
     validated: ValidatedTree | None = None,
+    snapshot: Iterable[tuple[str, _writer.HostParts]] | None = None,
 ) -> PreparedSave:
     """Flattens ``tree``, plans its files and copies this process's owned bytes to host.
 
@@ -179,6 +182,11 @@ def prepare_save(
     takes each tensor's bytes when the writer reaches it, so the arrays must stay untouched
     until :func:`write_process_part` returns (a synchronous save; host memory about one tensor).
     ``validated`` is :func:`validate_save`'s result for ``tree``, to skip flattening again.
+
+    ``snapshot`` (with ``validated``): this process's host copies, from
+    :func:`_writer.iter_snapshots` over ``validated``'s arrays (or a :class:`SnapshotQueue` it
+    fills); ``pieces`` then writes them and never reads the arrays' data, which may be donated
+    or deleted by now (an async save that copied before planning).
     """
     if validated is None:
         flat = _tree.flatten(tree)
@@ -216,12 +224,18 @@ def prepare_save(
         "metadata": dict(user_metadata or {}),
     }
     json.dumps(metadata["metadata"])  # fail early (before any I/O) on non-JSON user metadata
-    _check_not_deleted(flat.arrays)
-    pieces: Iterable[tuple[int, list[_io.Piece]]] = _writer.iter_host_pieces(
-        plan, flat.arrays, copy=copy, is_primary=is_primary, copies_ahead=None if copy else 1
-    )
-    if not lazy:
-        pieces = list(pieces)
+    pieces: Iterable[tuple[int, list[_io.Piece]]]
+    if snapshot is not None:
+        if validated is None:
+            raise ValueError("prepare_save(snapshot=...) needs the validated tree it copied")
+        pieces = (_writer.tensor_pieces(plan, name, parts) for name, parts in snapshot)
+    else:
+        _check_not_deleted(flat.arrays)
+        pieces = _writer.iter_host_pieces(
+            plan, flat.arrays, copy=copy, is_primary=is_primary, copies_ahead=None if copy else 1
+        )
+        if not lazy:
+            pieces = list(pieces)
     return PreparedSave(
         plan,
         pieces,
@@ -233,16 +247,18 @@ def prepare_save(
     )
 
 
-class PieceQueue:
-    """Hands ``(file index, pieces)`` from the thread that copies them to host to the thread
-    that writes them, so writing starts before the last tensor is copied.
+class SnapshotQueue:
+    """Hands host snapshots ``(name, parts)`` (see :func:`_writer.iter_snapshots`) from the
+    thread that copies them to the thread that plans and writes them, so that writing a large
+    state starts before its last tensor is copied.
 
     Example::
 
-        queue = PieceQueue()
-        writer = threading.Thread(target=write_process_part, args=(replace(p, pieces=queue), d))
+        queue = SnapshotQueue()
+        writer = threading.Thread(target=lambda: write_process_part(
+            prepare_save(tree, validated=v, snapshot=queue), directory))
         writer.start()
-        for item in p.pieces:
+        for item in _writer.iter_snapshots(v.flat.arrays):
             queue.put(item)
         queue.close()
     """
@@ -252,33 +268,59 @@ class PieceQueue:
     # thread for each of 10,000 small tensors cost more than copying them (GIL ping-pong).
     _GROUP_BYTES = 4 << 20
     _GROUP_ITEMS = 256
+    # The first group waits for this many bytes (or the end): a writer that plans on
+    # receiving it (Python work per tensor) then plans a small state of many tensors after the
+    # copy loop rather than against it for the GIL, and a large state's writes start once
+    # 64 MiB is copied (tens of milliseconds).
+    _FIRST_GROUP_BYTES = 64 << 20
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._group: list[tuple[int, list[_io.Piece]]] = []
+        self._group: list[tuple[str, _writer.HostParts]] = []
         self._group_bytes = 0
+        self._limits = (self._FIRST_GROUP_BYTES, sys.maxsize)
+        self._started = threading.Event()
+        self._done = False
 
-    def put(self, item: tuple[int, list[_io.Piece]]) -> None:
+    def put(self, item: tuple[str, _writer.HostParts]) -> None:
         self._group.append(item)
-        self._group_bytes += sum(p.data.nbytes for p in item[1])
-        if self._group_bytes >= self._GROUP_BYTES or len(self._group) >= self._GROUP_ITEMS:
+        parts = item[1]
+        self._group_bytes += (
+            parts[0][1].nbytes if len(parts) == 1 else sum(h.nbytes for _, h in parts)
+        )
+        limit_bytes, limit_items = self._limits
+        if self._group_bytes >= limit_bytes or len(self._group) >= limit_items:
             self._flush()
+            self._limits = (self._GROUP_BYTES, self._GROUP_ITEMS)
 
     def _flush(self) -> None:
         if self._group:
             self._queue.put(self._group)
             self._group, self._group_bytes = [], 0
+            self._started.set()
 
     def close(self) -> None:
-        """No more pieces: the writer finishes."""
+        """No more snapshots: the writer finishes."""
         self._flush()
         self._queue.put(self._END)
+        self._done = True
+        self._started.set()
 
     def fail(self, error: BaseException) -> None:
         """The producer failed: the writer raises instead of finishing the checkpoint."""
         self._queue.put(error)
+        self._done = True
+        self._started.set()
 
-    def __iter__(self) -> Iterator[tuple[int, list[_io.Piece]]]:
+    def complete(self) -> bool:
+        """Whether the producer has closed the queue (every snapshot is in) or failed."""
+        return self._done
+
+    def wait_started(self, timeout: float | None = None) -> bool:
+        """Blocks until the first group, the end or a failure is queued; False on timeout."""
+        return self._started.wait(timeout)
+
+    def __iter__(self) -> Iterator[tuple[str, _writer.HostParts]]:
         while (group := self._queue.get()) is not self._END:
             if isinstance(group, BaseException):
                 raise RuntimeError("copying the checkpoint's arrays to host failed") from group

@@ -92,6 +92,13 @@ def _file_order(specs: list[TensorSpec]) -> list[TensorSpec]:
     return sorted(specs, key=lambda s: -_dtypes.bits(s.dtype))
 
 
+def header_bound(specs: Sequence[TensorSpec], metadata: Mapping[str, str] | None = None) -> int:
+    """An upper bound of the header bytes of any file planned from ``specs``, without laying
+    them out: each name fully JSON-escaped (6 bytes per character), 20-digit numbers."""
+    meta = sum(6 * (len(k) + len(v)) + 6 for k, v in (metadata or {}).items()) + 32
+    return meta + sum(6 * len(s.name) + 96 + 21 * len(s.shape) for s in specs)
+
+
 def plan_files(
     specs: Sequence[TensorSpec],
     *,

@@ -82,6 +82,13 @@ def join_path(path: Iterable[KeyEntry]) -> str:
 def assign_names(paths: list[tuple[KeyEntry, ...]]) -> list[str]:
     """Unique dotted names for ``paths``; colliding ones get ``~1``, ``~2``... deterministically."""
     names = [".".join([_entry_text(e) for e in p]) or ROOT_NAME for p in paths]  # join_path
+    return _dedupe(names, paths)
+
+
+def _dedupe(names: list[str], paths: list[tuple[KeyEntry, ...]]) -> list[str]:
+    # ``names`` are the joined ``paths``; gives the colliding ones their suffixes, in place.
+    if len(set(names)) == len(names) and _RESERVED_NAME not in names:
+        return names  # the common case: nothing collides
     groups: dict[str, list[int]] = {}
     for i, n in enumerate(names):
         groups.setdefault(n, []).append(i)
@@ -121,8 +128,29 @@ def is_prng_key(x: object) -> bool:
     return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
 
 
-def _is_array(x: object) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+# The array kind of each leaf type seen: "jax", "scalar" (numpy scalar), "numpy", or "" for
+# types that are no array. One dict lookup per leaf instead of several isinstance checks (a
+# type's answer never changes); the few types a program uses are kept.
+_KIND_OF_TYPE: dict[type, str] = {}
+
+
+def _array_kind(x: object) -> str:
+    kind = _KIND_OF_TYPE.get(type(x))
+    if kind is None:
+        if isinstance(x, jax.Array):
+            kind = "jax"
+        elif isinstance(x, np.generic):
+            kind = "scalar"
+        elif isinstance(x, np.ndarray):
+            kind = "numpy"
+        else:
+            kind = ""
+        _KIND_OF_TYPE[type(x)] = kind
+    return kind
+
+
+# numpy dtypes of whole bytes that a tensor may have (learned as leaves pass the full check).
+_STORABLE_DTYPES: set[np.dtype[Any]] = set()
 
 
 # --------------------------------------------------------------------------- flatten
@@ -149,18 +177,37 @@ def flatten(tree: Any) -> FlatTree:
       UnsupportedLeafError: naming the first leaf that cannot be stored (before any I/O).
     """
     pending: list[tuple[dict[str, Any], tuple[KeyEntry, ...]]] = []  # (leaf node, key path)
+    names: list[str] = []  # each pending leaf's joined path (collisions not yet suffixed)
     values: list[Any] = []
     first_by_id: dict[int, int] = {}
+    kind_of = _KIND_OF_TYPE
+    storable = _STORABLE_DTYPES
 
-    def leaf(x: Any, path: tuple[KeyEntry, ...]) -> dict[str, Any]:
+    # Names are joined on the way down (``name`` is the parent's; None at the root), as
+    # join_path would join each leaf's path.
+
+    def array_leaf(x: Any, kind: str, path: tuple[KeyEntry, ...], name: str | None) -> Any:
         node: dict[str, Any]
-        if _is_array(x):  # first: the common case (numpy scalars, np.float64 too, go here)
-            if id(x) in first_by_id and not isinstance(x, np.generic):
-                node = {"t": "ref", "of": first_by_id[id(x)]}
+        if id(x) in first_by_id and kind != "scalar":
+            node = {"t": "ref", "of": first_by_id[id(x)]}
+        else:
+            dtype = x.dtype
+            if isinstance(dtype, np.dtype) and dtype in storable:  # _array_node's quick answer
+                node = {"t": "tensor", "array": kind}
             else:
-                node = _array_node(x, path)
-                first_by_id[id(x)] = len(pending)
-        elif x is None:
+                node = _array_node(x, kind, path)
+            first_by_id[id(x)] = len(pending)
+        pending.append((node, path))
+        names.append(name or ROOT_NAME)
+        values.append(x)
+        return node
+
+    def leaf(x: Any, path: tuple[KeyEntry, ...], name: str | None) -> dict[str, Any]:
+        kind = _array_kind(x)
+        if kind:  # numpy scalars, np.float64 too, go here
+            return array_leaf(x, kind, path, name)  # type: ignore[no-any-return]
+        node: dict[str, Any]
+        if x is None:
             return {"t": "none"}
         elif isinstance(x, bool):
             node = {"t": "bool", "v": x}
@@ -176,10 +223,22 @@ def flatten(tree: Any) -> FlatTree:
                 "cannot be stored: leaves must be arrays, Python int/float/bool/str or None"
             )
         pending.append((node, path))
+        names.append(name or ROOT_NAME)
         values.append(x)
         return node
 
-    def walk(x: Any, path: tuple[KeyEntry, ...], depth: int) -> dict[str, Any]:
+    def child(
+        c: Any, path: tuple[KeyEntry, ...], name: str | None, text: str, depth: int
+    ) -> dict[str, Any]:
+        # A container's child at ``path`` (its entry already appended): arrays of a known type
+        # go straight to array_leaf, the common case in large trees.
+        name = text if name is None else f"{name}.{text}"
+        kind = kind_of.get(type(c))
+        if kind and depth < _MAX_DEPTH:  # (else walk raises, naming the depth)
+            return array_leaf(c, kind, path, name)  # type: ignore[no-any-return]
+        return walk(c, path, name, depth + 1)
+
+    def walk(x: Any, path: tuple[KeyEntry, ...], name: str | None, depth: int) -> dict[str, Any]:
         if depth > _MAX_DEPTH:
             raise UnsupportedLeafError(
                 f"tree deeper than {_MAX_DEPTH} levels at {join_path(path)!r}"
@@ -194,38 +253,40 @@ def flatten(tree: Any) -> FlatTree:
             return {
                 "t": "dict",
                 "k": keys,
-                "v": [walk(x[k], (*path, DictKey(k)), depth + 1) for k in keys],
+                "v": [child(x[k], (*path, DictKey(k)), name, str(k), depth) for k in keys],
             }
         if type(x) in (list, tuple):
             return {
                 "t": type(x).__name__,
-                "v": [walk(c, (*path, SequenceKey(i)), depth + 1) for i, c in enumerate(x)],
+                "v": [
+                    child(c, (*path, SequenceKey(i)), name, str(i), depth) for i, c in enumerate(x)
+                ],
             }
-        if x is None or _is_array(x) or isinstance(x, (bool, int, float, str)):
-            return leaf(x, path)
+        if x is None or _array_kind(x) or isinstance(x, (bool, int, float, str)):
+            return leaf(x, path, name)
         if _is_nnx_variable(x):
             children = list(jax.tree_util.flatten_one_level_with_keys(x)[0])
             if len(children) == 1:  # transparent: the Variable's value takes its place
-                return {"t": "var", "v": walk(children[0][1], path, depth + 1)}
+                return {"t": "var", "v": walk(children[0][1], path, name, depth + 1)}
         try:
             children = list(jax.tree_util.flatten_one_level_with_keys(x)[0])
         except ValueError:  # a leaf jax does not know how to flatten
-            return leaf(x, path)
+            return leaf(x, path, name)
         fields = getattr(type(x), "_fields", None)
         if isinstance(x, tuple) and fields is not None and len(fields) == len(children):
             # jaxlib 0.10 names every namedtuple child after the first field; use the fields.
             children = [(GetAttrKey(f), c) for f, (_, c) in zip(fields, children)]
         if len(children) == 1 and children[0][1] is x:
-            return leaf(x, path)
+            return leaf(x, path, name)
         return {
             "t": "node",
             "type": type(x).__qualname__,  # informational only: never imported
             "k": [_encode_entry(e) for e, _ in children],
-            "v": [walk(c, (*path, e), depth + 1) for e, c in children],
+            "v": [child(c, (*path, e), name, _entry_text(e), depth) for e, c in children],
         }
 
-    tree_node = walk(tree, (), 0)
-    names = assign_names([path for _, path in pending])
+    tree_node = walk(tree, (), None, 0)
+    names = _dedupe(names, [path for _, path in pending])
     arrays: dict[str, Any] = {}
     for (node, _), name, value in zip(pending, names, values):
         kind = node["t"]
@@ -241,20 +302,21 @@ def flatten(tree: Any) -> FlatTree:
     return FlatTree(schema, arrays)
 
 
-def _array_node(x: Any, path: tuple[KeyEntry, ...]) -> dict[str, Any]:
+def _array_node(x: Any, kind: str, path: tuple[KeyEntry, ...]) -> dict[str, Any]:
     dtype = x.dtype
+    if isinstance(dtype, np.dtype) and dtype in _STORABLE_DTYPES:  # the common case
+        return {"t": "tensor", "array": kind}
     if not isinstance(dtype, np.dtype) and is_prng_key(x):  # keys have extended dtypes
         return {"t": "key", "impl": str(jax.random.key_impl(x))}
     try:  # raises early: dtype, sub-byte size
-        name = _dtypes.from_numpy(dtype)
-        if _dtypes.bits(name) % 8:
-            _dtypes.nbytes(name, x.shape)
+        stored = _dtypes.from_numpy(dtype)
+        if _dtypes.bits(stored) % 8:
+            _dtypes.nbytes(stored, x.shape)
+        elif isinstance(dtype, np.dtype):
+            _STORABLE_DTYPES.add(dtype)
     except UnsupportedLeafError as e:
         _dtypes.from_numpy(x.dtype, key=join_path(path))  # the same error, naming the leaf
         raise UnsupportedLeafError(f"leaf {join_path(path)!r}: {e}") from None
-    kind = (
-        "jax" if isinstance(x, jax.Array) else ("scalar" if isinstance(x, np.generic) else "numpy")
-    )
     return {"t": "tensor", "array": kind}
 
 

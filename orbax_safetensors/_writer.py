@@ -56,12 +56,18 @@ class WriteStats:
 
 def tensor_specs(arrays: Mapping[str, Any]) -> list[_plan.TensorSpec]:
     """The stored dtype and global shape of every array, in order."""
-    return [
-        _plan.TensorSpec(
-            name, _dtypes.from_numpy(a.dtype, key=name), tuple(int(d) for d in a.shape)
-        )
-        for name, a in arrays.items()
-    ]
+    specs = []
+    stored_of: dict[Any, str] = {}  # a tree of many arrays has a few dtypes
+    for name, a in arrays.items():
+        dtype = a.dtype
+        stored = stored_of.get(dtype)
+        if stored is None:
+            stored = stored_of[dtype] = _dtypes.from_numpy(dtype, key=name)
+        shape = a.shape  # numpy's and jax's: a tuple of ints
+        if type(shape) is not tuple:
+            shape = tuple(int(d) for d in shape)
+        specs.append(_plan.TensorSpec(name, stored, shape))
+    return specs
 
 
 def owned_shards(x: jax.Array) -> list[tuple[_plan.Index, jax.Array]]:
@@ -98,22 +104,88 @@ def _placement(sharding: jax.sharding.Sharding) -> tuple[bool, bool, bool]:
     return whole, any(d.platform == "cpu" for d in devices), addressable
 
 
-def _host_bytes(data: Any, dtype: str, buffers: _io.BufferArena | None, on_cpu: bool) -> np.ndarray:
-    """``data``'s on-disk bytes (safetensors ``dtype``) as a flat uint8 array, copied into
-    ``buffers`` when given and ``data`` would otherwise share memory with the caller."""
+# Host copies smaller than this are plain numpy copies (one call, ~1 us); larger ones go to
+# 64-byte-aligned buffers, which the kernel copies into the page cache faster.
+_SMALL_COPY = 64 << 10
+
+# A tensor this process writes: (name, array, its owned shards or None when this process
+# writes it whole, whether it is on CPU).
+_Owned = tuple[str, Any, list[tuple[_plan.Index, Any]] | None, bool]
+
+# A tensor's host data: (box of a shard inside the tensor, or None for all of it; values).
+HostParts = list[tuple[_plan.Index | None, np.ndarray]]
+
+
+def _owned_tensors(arrays: Mapping[str, Any], is_primary: bool) -> list[_Owned]:
+    owned: list[_Owned] = []
+    placement = _memo.ShardingMemo(_placement)  # trees of many arrays share a few shardings
+    multi_process = jax.process_count() > 1
+    for name, x in arrays.items():
+        if not isinstance(x, jax.Array):
+            if is_primary:
+                owned.append((name, x, None, False))
+            continue
+        whole, on_cpu, addressable = placement(x.sharding)
+        if multi_process and addressable:  # host-local (see is_host_local)
+            if is_primary:
+                owned.append((name, x, None, on_cpu))
+        elif whole:
+            owned.append((name, x, None, on_cpu))
+        else:
+            shards = owned_shards(x)
+            dtype = _dtypes.from_numpy(x.dtype, key=name)
+            if _dtypes.bits(dtype) % 8:  # fail now, not when the writer reaches this tensor
+                for index, _ in shards:
+                    _plan.byte_runs(dtype, x.shape, index)
+            owned.append((name, x, shards, on_cpu))
+    return owned
+
+
+def _host_array(data: Any, on_cpu: bool, buffers: _io.BufferArena | None) -> np.ndarray:
+    """``data`` on the host, C-contiguous: a copy we own when ``buffers`` is given (else maybe
+    a view of the caller's memory)."""
     host = data if isinstance(data, np.ndarray) else np.asarray(data)
-    if (
-        buffers is not None
-        and (on_cpu or not isinstance(data, jax.Array))
-        and _dtypes.bits(dtype) % 8 == 0  # (sub-byte packing writes fresh memory anyway)
-    ):
-        # On CPU np.asarray shares the device buffer, which the caller may donate or overwrite
-        # once save() returns; copy into an aligned buffer we own. (On accelerators np.asarray
-        # already produced a fresh host copy.) For whole bytes the copy is the packed form.
-        out = buffers.empty(host.nbytes)
-        np.copyto(out.view(host.dtype).reshape(host.shape), host)
-        return out
-    return _dtypes.pack(host, dtype)
+    if buffers is None or not (on_cpu or not isinstance(data, jax.Array)):
+        # (On accelerators np.asarray already produced a fresh host copy.)
+        return host
+    # On CPU np.asarray shares the device buffer, which the caller may donate or overwrite once
+    # save() returns; numpy leaves are the caller's to change. Copy into memory we own.
+    if host.nbytes < _SMALL_COPY:
+        return host.copy(order="C")
+    out = buffers.empty(host.nbytes).view(host.dtype).reshape(host.shape)
+    np.copyto(out, host)
+    return out
+
+
+def _host_parts(owned: _Owned, buffers: _io.BufferArena | None) -> HostParts:
+    _, x, shards, on_cpu = owned
+    if shards is None:
+        return [(None, _host_array(x, on_cpu, buffers))]
+    return [(index, _host_array(data, on_cpu, buffers)) for index, data in shards]
+
+
+def tensor_pieces(
+    plan: _plan.CheckpointPlan, name: str, parts: HostParts
+) -> tuple[int, list[_io.Piece]]:
+    """``(file index, pieces)`` writing a tensor's host ``parts`` where ``plan`` puts them.
+
+    Each piece's tag is ``(tensor name, offset inside the tensor)``.
+    """
+    file_index = plan.file_of[name]
+    fplan = plan.files[file_index]
+    entry = fplan.entries[name]
+    base = fplan.data_start + entry.begin
+    pieces: list[_io.Piece] = []
+    for index, host in parts:
+        raw = _dtypes.pack(host, entry.dtype)
+        if index is None or _plan.is_whole(index, entry.shape):  # e.g. a replica's first copy
+            pieces.append(_io.Piece(base, raw, (name, 0)))
+            continue
+        offsets, length = _plan.byte_runs(entry.dtype, entry.shape, index)
+        for j, off in enumerate(offsets.tolist()):
+            chunk = raw[j * length : (j + 1) * length]
+            pieces.append(_io.Piece(base + off, chunk, (name, off)))
+    return file_index, pieces
 
 
 def iter_host_pieces(
@@ -138,51 +210,35 @@ def iter_host_pieces(
 
     Each piece's tag is ``(tensor name, offset inside the tensor)``.
     """
-    # (name, array, its owned shards, or None when this process writes it whole, on CPU)
-    owned: list[tuple[str, Any, list[tuple[_plan.Index, Any]] | None, bool]] = []
-    placement = _memo.ShardingMemo(_placement)  # trees of many arrays share a few shardings
-    multi_process = jax.process_count() > 1
-    for name, x in arrays.items():
-        if not isinstance(x, jax.Array):
-            if is_primary:
-                owned.append((name, x, None, False))
-            continue
-        whole, on_cpu, addressable = placement(x.sharding)
-        if multi_process and addressable:  # host-local (see is_host_local)
-            if is_primary:
-                owned.append((name, x, None, on_cpu))
-        else:
-            owned.append((name, x, None if whole else owned_shards(x), on_cpu))
+    owned = _owned_tensors(arrays, is_primary)
     buffers = _io.BufferArena() if copy else None
     started = 0
     ahead = len(owned) if copies_ahead is None else copies_ahead
-    for k, (name, x, shards, on_cpu) in enumerate(owned):
+    for k, item in enumerate(owned):
         if started < len(owned):  # keep copies started `ahead` tensors past this one
             until = min(len(owned), k + 1 + ahead)
             _start_copies(owned[started:until])
             started = until
-        file_index = plan.file_of[name]
-        fplan = plan.files[file_index]
-        entry = fplan.entries[name]
-        base = fplan.data_start + entry.begin
-        if shards is None:  # written whole by this process: the common case, without numpy
-            raw = _host_bytes(x, entry.dtype, buffers, on_cpu)
-            yield file_index, [_io.Piece(base, raw, (name, 0))]
-            continue
-        pieces: list[_io.Piece] = []
-        for index, data in shards:
-            raw = _host_bytes(data, entry.dtype, buffers, on_cpu)
-            if _plan.is_whole(index, entry.shape):  # e.g. a replicated array's first copy
-                pieces.append(_io.Piece(base, raw, (name, 0)))
-                continue
-            offsets, length = _plan.byte_runs(entry.dtype, entry.shape, index)
-            for j, off in enumerate(offsets.tolist()):
-                chunk = raw[j * length : (j + 1) * length]
-                pieces.append(_io.Piece(base + off, chunk, (name, off)))
-        yield file_index, pieces
+        yield tensor_pieces(plan, item[0], _host_parts(item, buffers))
 
 
-def _start_copies(owned: list[tuple[str, Any, list[tuple[_plan.Index, Any]] | None, bool]]) -> None:
+def iter_snapshots(
+    arrays: Mapping[str, Any], *, is_primary: bool = True
+) -> Iterator[tuple[str, HostParts]]:
+    """Host copies of the bytes this process writes, one tensor at a time: ``(name, parts)``.
+
+    Needs no file plan, so an async save can copy first and plan on its writer thread. Once
+    the iteration ends the caller may donate, overwrite or delete its arrays; turn the parts
+    into write pieces with :func:`tensor_pieces`.
+    """
+    owned = _owned_tensors(arrays, is_primary)
+    _start_copies(owned)  # all at once: everything is copied before this returns
+    buffers = _io.BufferArena()
+    for item in owned:
+        yield item[0], _host_parts(item, buffers)
+
+
+def _start_copies(owned: list[_Owned]) -> None:
     # Device-to-host copies of these (name, array, shards, on CPU) entries, started now so they
     # overlap what comes before them (nothing to copy on CPU).
     for _, x, shards, on_cpu in owned:

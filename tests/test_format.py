@@ -68,6 +68,28 @@ def test_build_header_refuses_duplicates_reserved_names_and_non_string_metadata(
         _format.build_header([("w", "F32", (1,))], {"step": 3})  # type: ignore[dict-item]
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_header_bound_is_never_below_the_header_built(seed):
+    """An async save plans on its writer thread unless ``header_bound`` says the header might
+    exceed the cap; the bound must hold for any names, dtypes and shapes."""
+    from orbax_safetensors import _plan
+
+    rng = np.random.default_rng(seed)
+    alphabet = ['"', "\\", "\n", "\x01", "é", "中", "a", ".", "~", "\u2028"]
+    specs = []
+    for i in range(200):
+        name = "".join(rng.choice(alphabet, size=int(rng.integers(0, 12)))) + str(i)
+        ndim = int(rng.integers(0, 6))
+        shape = tuple(int(d) for d in rng.integers(0, 10**6, size=ndim))
+        dtype = str(rng.choice(["F32", "BF16", "F8_E4M3", "BOOL", "I64"]))
+        specs.append(_plan.TensorSpec(name, dtype, shape))
+    meta = {"format": "flax", 'k"\\': "v\x02中"}
+    for cut in (1, 7, 200):
+        header, _ = _format.build_header([(s.name, s.dtype, s.shape) for s in specs[:cut]], meta)
+        assert len(header) <= _plan.header_bound(specs[:cut], meta)
+    assert _plan.header_bound([]) >= len(_format.build_header([])[0])
+
+
 def _blob(doc: dict, data: bytes) -> bytes:
     text = json.dumps(doc).encode()
     return struct.pack("<Q", len(text)) + text + data

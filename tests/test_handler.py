@@ -9,7 +9,6 @@ metadata that reads no tensor bytes. Interop checks read our files with ``safete
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import struct
@@ -98,6 +97,15 @@ def _wait_until(predicate: Any, timeout: float = 30.0) -> None:
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.01)
     time.sleep(0.2)  # let the thread that made it true finish
+
+
+def _let_step_directory_creation_finish(root: Path, step: int) -> None:
+    # Orbax starts creating the step directory in a background thread before it calls the
+    # handler; after a save() that raised, let that finish, or interpreter exit races it and
+    # hangs until Orbax's coordination timeout.
+    _wait_until(
+        lambda: (root / f"{step}.orbax-checkpoint-tmp" / "default.orbax-checkpoint-tmp").exists()
+    )
 
 
 def _data_region(path: Path) -> tuple[int, int]:
@@ -421,17 +429,80 @@ def test_primary_host(tmp_path: Path) -> None:
     bad = _manager(tmp_path / "bad", item_handlers=osf.SafetensorsCheckpointHandler(primary_host=1))
     with pytest.raises(ValueError, match="primary_host"):
         bad.save(1, args=osf.SafetensorsSave(state))
-    # Orbax had already started creating the step directory in a background thread before it
-    # called the handler; let that finish, or interpreter exit races it and hangs until Orbax's
-    # coordination timeout.
-    _wait_until(
-        lambda: (
-            tmp_path / "bad" / "1.orbax-checkpoint-tmp" / "default.orbax-checkpoint-tmp"
-        ).exists()
-    )
+    _let_step_directory_creation_finish(tmp_path / "bad", 1)
     bad.close()
     with pytest.raises(ValueError, match="max_file_size"):
         osf.SafetensorsCheckpointHandler(max_file_size=0)
+
+
+def test_async_save_of_a_header_over_the_cap_fails_in_the_call(tmp_path: Path) -> None:
+    """An async save plans its files on the writer thread, except when the header might exceed
+    safetensors' 100 MiB cap: then the HeaderError comes from save(), not the background."""
+    long = "k" * (1 << 20)
+    state = {f"{long}{i:03d}": np.zeros(1, np.float32) for i in range(101)}  # 101 MiB of names
+    mngr = _manager(tmp_path, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=True))
+    with pytest.raises(osf.HeaderError, match="exceeds"):
+        mngr.save(1, args=osf.SafetensorsSave(state))
+    _let_step_directory_creation_finish(tmp_path, 1)
+    mngr.close()
+    assert mngr.all_steps() == []
+
+
+def test_sub_byte_shards_off_whole_bytes_fail_in_the_call(tmp_path: Path) -> None:
+    """A float4 tensor whose shards split bytes cannot be written by each shard's owner; the
+    error names the shard and comes from save() (before the writer thread plans anything)."""
+    import ml_dtypes
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    values = np.zeros((8, 3), ml_dtypes.float4_e2m1fn)  # 12 bits per shard
+    state = {"q": jax.device_put(values, sharding)}
+    even = {"q": jax.device_put(np.zeros((8, 4), ml_dtypes.float4_e2m1fn), sharding)}
+    mngr = _manager(tmp_path, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=True))
+    mngr.save(0, args=osf.SafetensorsSave(even))  # 2 bytes per shard: fine
+    mngr.wait_until_finished()
+    with pytest.raises(osf.UnsupportedLeafError, match="whole bytes"):
+        mngr.save(1, args=osf.SafetensorsSave(state))
+    _let_step_directory_creation_finish(tmp_path, 1)
+    mngr.close()
+    assert mngr.all_steps() == [0]
+
+
+def test_writer_waits_for_the_caller_to_return_from_save() -> None:
+    """_wait_for_return (the async writer's courtesy to the caller's thread before planning)
+    returns once the watched call has returned, and gives up after its timeout."""
+    from orbax_safetensors._handler import _wait_for_return
+
+    entered, release = threading.Event(), threading.Event()
+    watched: list = []
+
+    def save_call() -> None:
+        watched[:] = [threading.get_ident(), sys._getframe()]
+        entered.set()
+        release.wait(10)
+
+    caller = threading.Thread(target=save_call)
+    caller.start()
+    entered.wait(10)
+    t0 = time.monotonic()
+    _wait_for_return(watched, 0.2)  # the call is still running: waits out the timeout
+    assert time.monotonic() - t0 >= 0.19
+    returned_at: list[float] = []
+    waiter = threading.Thread(
+        target=lambda: (_wait_for_return(watched, 10), returned_at.append(time.monotonic()))
+    )
+    waiter.start()
+    time.sleep(0.1)
+    assert not returned_at  # still inside the call
+    released = time.monotonic()
+    release.set()
+    waiter.join(10)
+    caller.join(10)
+    assert returned_at and returned_at[0] - released < 1.0
+    t0 = time.monotonic()
+    _wait_for_return([], 10)  # nothing to watch (a save not called from Orbax): no wait
+    _wait_for_return([threading.get_ident(), None], 10)
+    assert time.monotonic() - t0 < 0.5
 
 
 # --------------------------------------------------------------------------- point 2: item dir
@@ -847,48 +918,52 @@ def test_saving_a_donated_array_names_it(tmp_path: Path) -> None:
 
 
 def test_writer_fails_when_the_copying_thread_fails(tmp_path: Path) -> None:
-    """The async writer reads pieces from a queue as they are copied; a failed copy makes the
-    writer raise (the step is not committed) instead of waiting forever or finishing."""
-    prepared = osf._checkpoint.prepare_save({"w": np.ones(8, np.float32)}, lazy=True)
-    queue = osf._checkpoint.PieceQueue()
-    for item in prepared.pieces:
+    """The async writer reads host copies from a queue as they are made; a failed copy makes
+    the writer raise (the step is not committed) instead of waiting forever or finishing."""
+    tree = {"w": np.ones(8, np.float32)}
+    validated = osf._checkpoint.validate_save(tree)
+    queue = osf._checkpoint.SnapshotQueue()
+    for item in osf._writer.iter_snapshots(validated.flat.arrays):
         queue.put(item)
     queue.fail(MemoryError("host copy failed"))
-    streamed = dataclasses.replace(prepared, pieces=queue)
+    assert queue.wait_started(timeout=0)
+    prepared = osf._checkpoint.prepare_save(tree, validated=validated, snapshot=queue)
     with pytest.raises(RuntimeError, match=r"copying .* to host failed") as info:
-        osf._checkpoint.write_process_part(streamed, tmp_path)
+        osf._checkpoint.write_process_part(prepared, tmp_path)
     assert isinstance(info.value.__cause__, MemoryError)
     assert not (tmp_path / "orbax_safetensors.json").exists()
 
 
-def test_piece_queue_hands_over_every_item_in_order_across_groups(tmp_path):
-    """Items go to the writer in groups (by bytes and by count); none is lost, reordered or
-    held back at close, whatever the mix of small and large tensors."""
+def test_snapshot_queue_hands_over_every_item_in_order_across_groups(tmp_path):
+    """Host copies go to the writer in groups (the first by bytes only, then by bytes and by
+    count); none is lost, reordered or held back at close, whatever the mix of sizes."""
     rng = np.random.default_rng(0)
     tree = {f"s{i:04d}": rng.standard_normal(16).astype(np.float32) for i in range(600)}
-    tree["big"] = rng.standard_normal(3 << 20).astype(np.float32)  # 12 MiB: a group alone
+    tree["big"] = rng.standard_normal(17 << 20).astype(np.float32)  # 68 MiB: ends group one
+    tree.update({f"t{i:04d}": rng.standard_normal(16).astype(np.float32) for i in range(600)})
     tree["tail"] = np.arange(5, dtype=np.int32)
-    prepared = osf._checkpoint.prepare_save(tree, lazy=True)
-    items = list(prepared.pieces)
-    queue = osf._checkpoint.PieceQueue()
+    validated = osf._checkpoint.validate_save(tree)
+    items = list(osf._writer.iter_snapshots(validated.flat.arrays))
+    queue = osf._checkpoint.SnapshotQueue()
     got: list = []
     reader = threading.Thread(target=lambda: got.extend(queue))
     reader.start()
-    for item in items:
+    for k, item in enumerate(items):
         queue.put(item)
+        # Nothing reaches the writer before 64 MiB is copied; then groups of <= 256 tensors.
+        assert queue.wait_started(timeout=0) == (k >= 600), k
     queue.close()
     reader.join(timeout=60)
     assert not reader.is_alive()
-    assert [(f, [p.tag for p in ps]) for f, ps in got] == [
-        (f, [p.tag for p in ps]) for f, ps in items
-    ]
+    assert [name for name, _ in got] == [name for name, _ in items]
+    assert all(a is b for (_, pa), (_, pb) in zip(got, items) for (_, a), (_, b) in zip(pa, pb))
     # and written through a queue, the checkpoint is whole
-    again = osf._checkpoint.prepare_save(tree, lazy=True)
-    queue = osf._checkpoint.PieceQueue()
-    for item in again.pieces:
+    queue = osf._checkpoint.SnapshotQueue()
+    for item in osf._writer.iter_snapshots(validated.flat.arrays):
         queue.put(item)
     queue.close()
-    osf._checkpoint.write_process_part(dataclasses.replace(again, pieces=queue), tmp_path)
+    prepared = osf._checkpoint.prepare_save(tree, validated=validated, snapshot=queue)
+    osf._checkpoint.write_process_part(prepared, tmp_path)
     osf._checkpoint.finalize(tmp_path)
     restored = osf.restore_directory(tmp_path)
     for name, value in tree.items():
