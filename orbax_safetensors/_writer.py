@@ -235,7 +235,13 @@ def iter_snapshots(
     _start_copies(owned)  # all at once: everything is copied before this returns
     buffers = _io.BufferArena()
     for item in owned:
-        yield item[0], _host_parts(item, buffers)
+        name, x, shards, on_cpu = item
+        if shards is None and on_cpu:  # _host_parts of a whole array on CPU, inlined
+            host = np.asarray(x)  # a view of the device buffer: copy it
+            if host.nbytes < _SMALL_COPY:
+                yield name, [(None, host.copy())]
+                continue
+        yield name, _host_parts(item, buffers)
 
 
 def _start_copies(owned: list[_Owned]) -> None:
