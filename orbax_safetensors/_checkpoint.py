@@ -27,6 +27,7 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import json
 import queue
 import sys
@@ -63,6 +64,7 @@ FORMAT_NAME = "orbax-safetensors"
 FORMAT_VERSION = 1
 _PART_PREFIX = "crc32c.process_"
 _MAX_METADATA_BYTES = 512 * 1024 * 1024
+_HEADER_METADATA = {"format": "flax"}  # every header's __metadata__, as safetensors.flax writes
 
 
 def _library_version() -> str:
@@ -108,12 +110,35 @@ def rebuild_sharding(desc: Mapping[str, Any] | None) -> jax.sharding.Sharding | 
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
 
 
-@dataclasses.dataclass(frozen=True)
 class ValidatedTree:
-    """A tree :func:`validate_save` accepted: flattened, with each stored tensor's spec."""
+    """A tree :func:`validate_save` accepted: captured (structure copied, leaves checked), and
+    named (``flat``, each stored tensor's ``specs``) when first asked, on whatever thread asks.
 
-    flat: _tree.FlatTree
-    specs: list[_plan.TensorSpec]
+    An async save copies ``captured.arrays`` in the call and leaves naming and planning to its
+    writer thread; the specs come from the dtypes and shapes read at capture.
+    """
+
+    def __init__(self, captured: _tree.CapturedTree) -> None:
+        self.captured = captured
+
+    @functools.cached_property
+    def flat(self) -> _tree.FlatTree:
+        return self.captured.finish()
+
+    @functools.cached_property
+    def specs(self) -> list[_plan.TensorSpec]:
+        c = self.captured
+        return _writer.specs_of(zip(self.flat.arrays, c.dtypes, c.shapes))
+
+    def header_bound(self) -> int:
+        """:func:`_plan.header_bound` of the files this tree may be planned into."""
+        c = self.captured
+        return _plan.header_bound(
+            sum(map(len, c.names)),
+            len(c.names),
+            max(map(len, c.shapes), default=0),
+            _HEADER_METADATA,
+        )
 
 
 @_gcpause.paused
@@ -127,20 +152,15 @@ def validate_save(tree: Any, user_metadata: Mapping[str, Any] | None = None) -> 
       ValueError: naming a ``jax.Array`` that has been deleted (donated).
       TypeError: when ``user_metadata`` is not JSON-serialisable.
     """
-    flat = _tree.flatten(tree)
-    specs = _writer.tensor_specs(flat.arrays)
-    _check_not_deleted(flat.arrays)
+    captured = _tree.capture(tree)
     json.dumps(dict(user_metadata or {}))
-    return ValidatedTree(flat, specs)
+    return ValidatedTree(captured)
 
 
 def _check_not_deleted(arrays: Mapping[str, Any]) -> None:
     for name, x in arrays.items():
         if isinstance(x, jax.Array) and x.is_deleted():
-            raise ValueError(
-                f"cannot save {name!r} ({x.dtype}{list(x.shape)}): the array has been deleted "
-                "(donated to a jitted function?); save before donating, or save the result"
-            )
+            raise ValueError(_tree.deleted_message(name, x))
 
 
 @dataclasses.dataclass
@@ -173,7 +193,7 @@ def prepare_save(
     lazy: bool = False,
     checksums: bool = True,
     validated: ValidatedTree | None = None,
-    snapshot: Iterable[tuple[str, _writer.HostParts]] | None = None,
+    snapshot: Iterable[tuple[int, _writer.HostParts]] | None = None,
 ) -> PreparedSave:
     """Flattens ``tree``, plans its files and copies this process's owned bytes to host.
 
@@ -184,8 +204,8 @@ def prepare_save(
     ``validated`` is :func:`validate_save`'s result for ``tree``, to skip flattening again.
 
     ``snapshot`` (with ``validated``): this process's host copies, from
-    :func:`_writer.iter_snapshots` over ``validated``'s arrays (or a :class:`SnapshotQueue` it
-    fills); ``pieces`` then writes them and never reads the arrays' data, which may be donated
+    :func:`_writer.iter_snapshots` over ``enumerate(validated.captured.arrays)`` (or a
+    :class:`SnapshotQueue` it fills); ``pieces`` then writes them and never reads the arrays' data, which may be donated
     or deleted by now (an async save that copied before planning).
     """
     if validated is None:
@@ -194,7 +214,7 @@ def prepare_save(
     else:
         flat, specs = validated.flat, validated.specs
     # Headers depend only on names, dtypes and shapes: identical on every process.
-    plan = _plan.plan_files(specs, max_file_size=max_file_size, metadata={"format": "flax"})
+    plan = _plan.plan_files(specs, max_file_size=max_file_size, metadata=_HEADER_METADATA)
     multi_process = jax.process_count() > 1
     described = _memo.ShardingMemo(_describe)  # trees of many arrays share a few shardings
     tensors = {}
@@ -228,7 +248,8 @@ def prepare_save(
     if snapshot is not None:
         if validated is None:
             raise ValueError("prepare_save(snapshot=...) needs the validated tree it copied")
-        pieces = (_writer.tensor_pieces(plan, name, parts) for name, parts in snapshot)
+        names = list(flat.arrays)  # snapshots are keyed by position in captured.arrays
+        pieces = (_writer.tensor_pieces(plan, names[i], parts) for i, parts in snapshot)
     else:
         _check_not_deleted(flat.arrays)
         pieces = _writer.iter_host_pieces(
@@ -248,7 +269,7 @@ def prepare_save(
 
 
 class SnapshotQueue:
-    """Hands host snapshots ``(name, parts)`` (see :func:`_writer.iter_snapshots`) from the
+    """Hands host snapshots ``(index, parts)`` (see :func:`_writer.iter_snapshots`) from the
     thread that copies them to the thread that plans and writes them, so that writing a large
     state starts before its last tensor is copied.
 
@@ -258,7 +279,7 @@ class SnapshotQueue:
         writer = threading.Thread(target=lambda: write_process_part(
             prepare_save(tree, validated=v, snapshot=queue), directory))
         writer.start()
-        for item in _writer.iter_snapshots(v.flat.arrays):
+        for item in _writer.iter_snapshots(enumerate(v.captured.arrays)):
             queue.put(item)
         queue.close()
     """
@@ -276,13 +297,13 @@ class SnapshotQueue:
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._group: list[tuple[str, _writer.HostParts]] = []
+        self._group: list[tuple[int, _writer.HostParts]] = []
         self._group_bytes = 0
         self._limits = (self._FIRST_GROUP_BYTES, sys.maxsize)
         self._started = threading.Event()
         self._done = False
 
-    def put(self, item: tuple[str, _writer.HostParts]) -> None:
+    def put(self, item: tuple[int, _writer.HostParts]) -> None:
         self._group.append(item)
         parts = item[1]
         self._group_bytes += (
@@ -320,7 +341,7 @@ class SnapshotQueue:
         """Blocks until the first group, the end or a failure is queued; False on timeout."""
         return self._started.wait(timeout)
 
-    def __iter__(self) -> Iterator[tuple[str, _writer.HostParts]]:
+    def __iter__(self) -> Iterator[tuple[int, _writer.HostParts]]:
         while (group := self._queue.get()) is not self._END:
             if isinstance(group, BaseException):
                 raise RuntimeError("copying the checkpoint's arrays to host failed") from group

@@ -152,7 +152,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         if (
             snapshot is None
             or _io.is_object_url(directory)
-            or _plan.header_bound(args._validated.specs) > _format.MAX_HEADER_BYTES
+            or args._validated.header_bound() > _format.MAX_HEADER_BYTES
         ):
             # Planned now, on the caller's thread: a sync save writes straight from the arrays;
             # object storage must start its uploads here (see _prepare_directory); a header
@@ -187,7 +187,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         if snapshot is not None:
             try:
                 with _gcpause.gc_paused():
-                    arrays = args._validated.flat.arrays
+                    arrays = enumerate(args._validated.captured.arrays)
                     for item in _writer.iter_snapshots(arrays, is_primary=self._is_primary()):
                         snapshot.put(item)  # device-to-host copies, on the caller's thread
             except BaseException as e:

@@ -92,11 +92,15 @@ def _file_order(specs: list[TensorSpec]) -> list[TensorSpec]:
     return sorted(specs, key=lambda s: -_dtypes.bits(s.dtype))
 
 
-def header_bound(specs: Sequence[TensorSpec], metadata: Mapping[str, str] | None = None) -> int:
-    """An upper bound of the header bytes of any file planned from ``specs``, without laying
-    them out: each name fully JSON-escaped (6 bytes per character), 20-digit numbers."""
-    meta = sum(6 * (len(k) + len(v)) + 6 for k, v in (metadata or {}).items()) + 32
-    return meta + sum(6 * len(s.name) + 96 + 21 * len(s.shape) for s in specs)
+def header_bound(
+    name_chars: int, count: int, max_ndim: int, metadata: Mapping[str, str] | None = None
+) -> int:
+    """An upper bound of the header bytes of any file planned from ``count`` tensors whose
+    names total ``name_chars`` characters (before collision suffixes), with at most
+    ``max_ndim`` dimensions each, without laying them out: every name fully JSON-escaped
+    (6 bytes per character) with a ``~N`` suffix, 20-digit numbers."""
+    meta = sum(6 * (len(k) + len(v)) + 6 for k, v in (metadata or {}).items()) + 64
+    return meta + 6 * name_chars + count * (96 + 6 * 21 + 21 * max_ndim)
 
 
 def plan_files(

@@ -170,15 +170,76 @@ class FlatTree:
     arrays: dict[str, Any]
 
 
+class CapturedTree:
+    """A tree :func:`capture` accepted: its structure copied, its leaves checked, its stored
+    arrays listed; :meth:`finish` names them and completes the schema.
+
+    Nothing here refers to the caller's containers, so finishing later (on another thread, after
+    the caller changed its dicts) gives the tree as it was captured. The arrays themselves are
+    the caller's: copy them (see ``_writer.iter_snapshots``) before they may change.
+
+    Attributes:
+      arrays: the stored arrays in order (aliases once; typed PRNG keys as their key data).
+      dtypes, shapes: each stored array's dtype and shape, read at capture.
+      names: each stored array's dotted name before collision suffixes (see :meth:`finish`).
+    """
+
+    __slots__ = ("_names", "_pending", "_tree", "_values", "arrays", "dtypes", "names", "shapes")
+
+    def __init__(
+        self,
+        tree_node: dict[str, Any],
+        pending: list[tuple[dict[str, Any], tuple[KeyEntry, ...]]],
+        names: list[str],
+        values: list[Any],
+        stored: list[int],
+        dtypes: list[Any],
+        shapes: list[tuple[int, ...]],
+    ) -> None:
+        self._tree, self._pending, self._names, self._values = tree_node, pending, names, values
+        self.arrays = [values[i] for i in stored]
+        self.names = [names[i] for i in stored]
+        self.dtypes, self.shapes = dtypes, shapes
+
+    def finish(self) -> FlatTree:
+        """The named schema and arrays (once; a second call returns an equal, new FlatTree)."""
+        pending, values = self._pending, self._values
+        names = _dedupe(list(self._names), [path for _, path in pending])
+        arrays: dict[str, Any] = {}
+        for (node, _), name, value in zip(pending, names, values):
+            node["name"] = name
+            if node["t"] in ("tensor", "key"):
+                arrays[name] = value
+        for node, _ in pending:  # resolve alias indices into the aliased tensor's name
+            if node["t"] == "ref" and isinstance(node["of"], int):
+                node["of"] = pending[node["of"]][0]["name"]
+        schema = {"format": SCHEMA_FORMAT, "version": SCHEMA_VERSION, "tree": self._tree}
+        return FlatTree(schema, arrays)
+
+
 def flatten(tree: Any) -> FlatTree:
-    """Flattens ``tree`` into dotted names and a lossless schema.
+    """Flattens ``tree`` into dotted names and a lossless schema: ``capture(tree).finish()``.
 
     Raises:
       UnsupportedLeafError: naming the first leaf that cannot be stored (before any I/O).
+      ValueError: naming a ``jax.Array`` that has been deleted (donated).
+    """
+    return capture(tree).finish()
+
+
+def capture(tree: Any) -> CapturedTree:
+    """Walks ``tree`` once: copies its structure, checks every leaf, lists the stored arrays.
+
+    Raises:
+      UnsupportedLeafError: naming the first leaf that cannot be stored (before any I/O).
+      ValueError: naming a ``jax.Array`` that has been deleted (donated).
     """
     pending: list[tuple[dict[str, Any], tuple[KeyEntry, ...]]] = []  # (leaf node, key path)
     names: list[str] = []  # each pending leaf's joined path (collisions not yet suffixed)
-    values: list[Any] = []
+    values: list[Any] = []  # each pending leaf's value (a key's key data)
+    stored: list[int] = []  # pending indices of the stored arrays, with their dtype and shape
+    dtypes: list[Any] = []
+    shapes: list[tuple[int, ...]] = []
     first_by_id: dict[int, int] = {}
     kind_of = _KIND_OF_TYPE
     storable = _STORABLE_DTYPES
@@ -196,7 +257,15 @@ def flatten(tree: Any) -> FlatTree:
                 node = {"t": "tensor", "array": kind}
             else:
                 node = _array_node(x, kind, path)
+            if kind == "jax" and x.is_deleted():
+                raise ValueError(deleted_message(join_path(path), x))
             first_by_id[id(x)] = len(pending)
+            stored.append(len(pending))
+            if node["t"] == "key":
+                x = jax.random.key_data(x)  # now: the caller may donate the key array
+                dtype = x.dtype
+            dtypes.append(dtype)
+            shapes.append(x.shape)
         pending.append((node, path))
         names.append(name or ROOT_NAME)
         values.append(x)
@@ -286,20 +355,15 @@ def flatten(tree: Any) -> FlatTree:
         }
 
     tree_node = walk(tree, (), None, 0)
-    names = _dedupe(names, [path for _, path in pending])
-    arrays: dict[str, Any] = {}
-    for (node, _), name, value in zip(pending, names, values):
-        kind = node["t"]
-        if kind in ("tensor", "key"):
-            node["name"] = name
-            arrays[name] = jax.random.key_data(value) if kind == "key" else value
-        elif kind != "none":
-            node["name"] = name
-    for node, _ in pending:  # resolve alias indices into the aliased tensor's name
-        if node["t"] == "ref":
-            node["of"] = pending[node["of"]][0]["name"]
-    schema = {"format": SCHEMA_FORMAT, "version": SCHEMA_VERSION, "tree": tree_node}
-    return FlatTree(schema, arrays)
+    return CapturedTree(tree_node, pending, names, values, stored, dtypes, shapes)
+
+
+def deleted_message(name: str, x: Any) -> str:
+    """The error for saving ``x``, a deleted (donated) ``jax.Array``, at ``name``."""
+    return (
+        f"cannot save {name!r} ({x.dtype}{list(x.shape)}): the array has been deleted "
+        "(donated to a jitted function?); save before donating, or save the result"
+    )
 
 
 def _array_node(x: Any, kind: str, path: tuple[KeyEntry, ...]) -> dict[str, Any]:

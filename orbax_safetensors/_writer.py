@@ -15,7 +15,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -56,15 +56,22 @@ class WriteStats:
 
 def tensor_specs(arrays: Mapping[str, Any]) -> list[_plan.TensorSpec]:
     """The stored dtype and global shape of every array, in order."""
+    return specs_of((name, a.dtype, a.shape) for name, a in arrays.items())
+
+
+def specs_of(entries: Iterable[tuple[str, Any, Sequence[int]]]) -> list[_plan.TensorSpec]:
+    """Tensor specs from ``(name, numpy dtype, shape)``.
+
+    Raises:
+      UnsupportedLeafError: naming a tensor whose dtype has no safetensors name.
+    """
     specs = []
     stored_of: dict[Any, str] = {}  # a tree of many arrays has a few dtypes
-    for name, a in arrays.items():
-        dtype = a.dtype
+    for name, dtype, shape in entries:
         stored = stored_of.get(dtype)
         if stored is None:
             stored = stored_of[dtype] = _dtypes.from_numpy(dtype, key=name)
-        shape = a.shape  # numpy's and jax's: a tuple of ints
-        if type(shape) is not tuple:
+        if type(shape) is not tuple:  # (numpy's and jax's are: tuples of ints)
             shape = tuple(int(d) for d in shape)
         specs.append(_plan.TensorSpec(name, stored, shape))
     return specs
@@ -116,11 +123,12 @@ _Owned = tuple[str, Any, list[tuple[_plan.Index, Any]] | None, bool]
 HostParts = list[tuple[_plan.Index | None, np.ndarray]]
 
 
-def _owned_tensors(arrays: Mapping[str, Any], is_primary: bool) -> list[_Owned]:
+def _owned_tensors(arrays: Iterable[tuple[Any, Any]], is_primary: bool) -> list[_Owned]:
+    # ``arrays``: (key, array) pairs; the key labels the tensor (its name, or an index).
     owned: list[_Owned] = []
     placement = _memo.ShardingMemo(_placement)  # trees of many arrays share a few shardings
     multi_process = jax.process_count() > 1
-    for name, x in arrays.items():
+    for name, x in arrays:
         if not isinstance(x, jax.Array):
             if is_primary:
                 owned.append((name, x, None, False))
@@ -210,7 +218,7 @@ def iter_host_pieces(
 
     Each piece's tag is ``(tensor name, offset inside the tensor)``.
     """
-    owned = _owned_tensors(arrays, is_primary)
+    owned = _owned_tensors(arrays.items(), is_primary)
     buffers = _io.BufferArena() if copy else None
     started = 0
     ahead = len(owned) if copies_ahead is None else copies_ahead
@@ -223,9 +231,10 @@ def iter_host_pieces(
 
 
 def iter_snapshots(
-    arrays: Mapping[str, Any], *, is_primary: bool = True
-) -> Iterator[tuple[str, HostParts]]:
-    """Host copies of the bytes this process writes, one tensor at a time: ``(name, parts)``.
+    arrays: Iterable[tuple[Any, Any]], *, is_primary: bool = True
+) -> Iterator[tuple[Any, HostParts]]:
+    """Host copies of the bytes this process writes, one tensor at a time: ``(key, parts)``
+    for each ``(key, array)`` of ``arrays`` this process writes any of.
 
     Needs no file plan, so an async save can copy first and plan on its writer thread. Once
     the iteration ends the caller may donate, overwrite or delete its arrays; turn the parts

@@ -85,9 +85,11 @@ def test_header_bound_is_never_below_the_header_built(seed):
         specs.append(_plan.TensorSpec(name, dtype, shape))
     meta = {"format": "flax", 'k"\\': "v\x02中"}
     for cut in (1, 7, 200):
-        header, _ = _format.build_header([(s.name, s.dtype, s.shape) for s in specs[:cut]], meta)
-        assert len(header) <= _plan.header_bound(specs[:cut], meta)
-    assert _plan.header_bound([]) >= len(_format.build_header([])[0])
+        part = specs[:cut]
+        header, _ = _format.build_header([(s.name, s.dtype, s.shape) for s in part], meta)
+        chars = sum(len(s.name) for s in part)
+        assert len(header) <= _plan.header_bound(chars, cut, max(len(s.shape) for s in part), meta)
+    assert _plan.header_bound(0, 0, 0) >= len(_format.build_header([], {"format": "flax"})[0])
 
 
 def _blob(doc: dict, data: bytes) -> bytes:

@@ -923,7 +923,7 @@ def test_writer_fails_when_the_copying_thread_fails(tmp_path: Path) -> None:
     tree = {"w": np.ones(8, np.float32)}
     validated = osf._checkpoint.validate_save(tree)
     queue = osf._checkpoint.SnapshotQueue()
-    for item in osf._writer.iter_snapshots(validated.flat.arrays):
+    for item in osf._writer.iter_snapshots(enumerate(validated.captured.arrays)):
         queue.put(item)
     queue.fail(MemoryError("host copy failed"))
     assert queue.wait_started(timeout=0)
@@ -943,7 +943,7 @@ def test_snapshot_queue_hands_over_every_item_in_order_across_groups(tmp_path):
     tree.update({f"t{i:04d}": rng.standard_normal(16).astype(np.float32) for i in range(600)})
     tree["tail"] = np.arange(5, dtype=np.int32)
     validated = osf._checkpoint.validate_save(tree)
-    items = list(osf._writer.iter_snapshots(validated.flat.arrays))
+    items = list(osf._writer.iter_snapshots(enumerate(validated.captured.arrays)))
     queue = osf._checkpoint.SnapshotQueue()
     got: list = []
     reader = threading.Thread(target=lambda: got.extend(queue))
@@ -955,11 +955,11 @@ def test_snapshot_queue_hands_over_every_item_in_order_across_groups(tmp_path):
     queue.close()
     reader.join(timeout=60)
     assert not reader.is_alive()
-    assert [name for name, _ in got] == [name for name, _ in items]
+    assert [key for key, _ in got] == [key for key, _ in items] == list(range(len(tree)))
     assert all(a is b for (_, pa), (_, pb) in zip(got, items) for (_, a), (_, b) in zip(pa, pb))
     # and written through a queue, the checkpoint is whole
     queue = osf._checkpoint.SnapshotQueue()
-    for item in osf._writer.iter_snapshots(validated.flat.arrays):
+    for item in osf._writer.iter_snapshots(enumerate(validated.captured.arrays)):
         queue.put(item)
     queue.close()
     prepared = osf._checkpoint.prepare_save(tree, validated=validated, snapshot=queue)

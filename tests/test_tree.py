@@ -512,3 +512,64 @@ def test_equal_but_distinct_arrays_are_not_tied(tmp_path):
     out = _roundtrip({"a": a, "b": a.copy()}, path)
     assert sorted(_names(path)) == ["a", "b"]
     assert out["a"] is not out["b"]
+
+
+# --------------------------------------------------------------------------- capture, finish later
+
+
+def test_capture_then_finish_gives_the_tree_as_captured():
+    """An async save captures the tree in the call and names it later on its writer thread;
+    the caller changing its containers in between changes nothing."""
+    from orbax_safetensors import _tree
+
+    key = jax.random.key(3)
+    expected_key = np.asarray(jax.random.key_data(key))
+    layers = [{"w": np.ones(2, np.float32)}, {"w": np.zeros(3, np.int8)}]
+    tree = {"layers": layers, "a.b": np.arange(2), "a": {"b": np.arange(3)}, "rng": key, "n": 4}
+    reference = _tree.flatten(tree)
+    captured = _tree.capture(tree)
+    assert captured.names == ["layers.0.w", "layers.1.w", "a.b", "a.b", "rng"]  # no suffixes yet
+    assert [a.shape for a in captured.arrays] == [(2,), (3,), (2,), (3,), (2,)]
+    layers.append({"w": np.ones(9)})  # the caller's containers change after the capture
+    tree["n"] = 5
+    del tree["a"]
+    flat = captured.finish()
+    assert flat.schema == reference.schema
+    assert list(flat.arrays) == list(reference.arrays)
+    assert list(flat.arrays) == ["layers.0.w", "layers.1.w", "a.b~1", "a.b", "rng"]
+    np.testing.assert_array_equal(np.asarray(flat.arrays["rng"]), expected_key)
+
+
+def test_validated_tree_specs_come_from_the_capture_not_the_arrays(tmp_path):
+    """An async save's writer plans from the dtypes and shapes read at capture and writes host
+    copies: the caller's arrays may be deleted (donated) and its numpy arrays reshaped in place
+    by then, and the checkpoint is still the tree as saved."""
+    from orbax_safetensors import _checkpoint, _writer
+
+    host = np.arange(6, dtype=np.float32)
+    key = jax.random.key(7)
+    key_data = np.asarray(jax.random.key_data(key)).copy()
+    tree = {"w": jnp.arange(4.0), "host": host, "alias": host, "bf": jnp.ones(3, jnp.bfloat16)}
+    tree["rng"] = key
+    validated = _checkpoint.validate_save(tree)
+    snapshot = list(_writer.iter_snapshots(enumerate(validated.captured.arrays)))
+    tree["w"].delete()
+    tree["bf"].delete()
+    key.delete()  # its key data (a view of the same buffer) goes with it
+    host.shape = (2, 3)  # reshaped in place: the spec was read at capture
+    host[:] = -1  # and overwritten: the snapshot holds a copy
+    assert [(s.name, s.dtype, s.shape) for s in validated.specs] == [
+        ("w", "F32", (4,)),
+        ("host", "F32", (6,)),
+        ("bf", "BF16", (3,)),
+        ("rng", "U32", (2,)),
+    ]
+    prepared = _checkpoint.prepare_save(tree, validated=validated, snapshot=snapshot)
+    _checkpoint.write_process_part(prepared, tmp_path)
+    _checkpoint.finalize(tmp_path)
+    restored = _checkpoint.restore_directory(tmp_path)
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.arange(4.0, dtype=np.float32))
+    np.testing.assert_array_equal(restored["host"], np.arange(6, dtype=np.float32))
+    assert restored["alias"] is restored["host"]
+    assert np.asarray(restored["bf"]).dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(jax.random.key_data(restored["rng"])), key_data)
