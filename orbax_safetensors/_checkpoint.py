@@ -30,7 +30,6 @@ import dataclasses
 import functools
 import json
 import queue
-import sys
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -205,8 +204,8 @@ def prepare_save(
 
     ``snapshot`` (with ``validated``): this process's host copies, from
     :func:`_writer.iter_snapshots` over ``enumerate(validated.captured.arrays)`` (or a
-    :class:`SnapshotQueue` it fills); ``pieces`` then writes them and never reads the arrays' data, which may be donated
-    or deleted by now (an async save that copied before planning).
+    :class:`SnapshotQueue` it fills); ``pieces`` then writes them and never reads the arrays'
+    data, which may be donated or deleted by now (an async save that copied before planning).
     """
     if validated is None:
         flat = _tree.flatten(tree)
@@ -289,17 +288,19 @@ class SnapshotQueue:
     # thread for each of 10,000 small tensors cost more than copying them (GIL ping-pong).
     _GROUP_BYTES = 4 << 20
     _GROUP_ITEMS = 256
-    # The first group waits for this many bytes (or the end): a writer that plans on
-    # receiving it (Python work per tensor) then plans a small state of many tensors after the
-    # copy loop rather than against it for the GIL, and a large state's writes start once
-    # 64 MiB is copied (tens of milliseconds).
-    _FIRST_GROUP_BYTES = 64 << 20
+    # The first group, on which the writer plans (Python work per tensor), waits for 16 MiB
+    # of at most 256 tensors, else for 64 MiB, else for the end: a state of large tensors
+    # starts writing after a few milliseconds of copying, and a small state of many tensors is
+    # planned after the copy loop rather than against it for the GIL. (At 256 MiB, starting
+    # after 16 MiB rather than 64 MiB saved 10% of the save.)
+    _FIRST_GROUP_BYTES = 16 << 20
+    _FIRST_GROUP_MAX_BYTES = 64 << 20
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._group: list[tuple[int, _writer.HostParts]] = []
         self._group_bytes = 0
-        self._limits = (self._FIRST_GROUP_BYTES, sys.maxsize)
+        self._first = True
         self._started = threading.Event()
         self._done = False
 
@@ -309,10 +310,15 @@ class SnapshotQueue:
         self._group_bytes += (
             parts[0][1].nbytes if len(parts) == 1 else sum(h.nbytes for _, h in parts)
         )
-        limit_bytes, limit_items = self._limits
-        if self._group_bytes >= limit_bytes or len(self._group) >= limit_items:
+        size, count = self._group_bytes, len(self._group)
+        if self._first:
+            if size >= self._FIRST_GROUP_MAX_BYTES or (
+                size >= self._FIRST_GROUP_BYTES and count <= self._GROUP_ITEMS
+            ):
+                self._first = False
+                self._flush()
+        elif size >= self._GROUP_BYTES or count >= self._GROUP_ITEMS:
             self._flush()
-            self._limits = (self._GROUP_BYTES, self._GROUP_ITEMS)
 
     def _flush(self) -> None:
         if self._group:

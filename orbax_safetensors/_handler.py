@@ -2,7 +2,7 @@
 
 Thin glue over :mod:`orbax_safetensors._checkpoint`: under an async save, ``async_save`` copies
 this process's owned shards to host (so the caller may donate its arrays as soon as ``save()``
-returns) while a commit future writes each copied tensor once Orbax has created the step
+returns) and a commit future names, plans and writes them once Orbax has created the step
 directory; under a synchronous save it writes straight from the arrays. Orbax's barrier then
 orders "every process wrote" before the primary's :meth:`finalize`, which merges checksums into
 the metadata file, before Orbax commits the step atomically.
@@ -35,7 +35,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import future as ocp_future
 
-from orbax_safetensors import _checkpoint, _format, _gcpause, _io, _plan, _writer
+from orbax_safetensors import _checkpoint, _format, _gcpause, _io, _plan, _tree, _writer
 from orbax_safetensors._reader import ReadStats
 
 TYPESTR = "orbax_safetensors.SafetensorsCheckpointHandler"
@@ -173,8 +173,8 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
                     # takes the GIL for planning (Orbax's ~5 ms of bookkeeping after our
                     # async_save took 30-70 ms against a planning thread, at 10,000 tensors).
                     _wait_for_return(caller, 0.05)
-                caller.clear()
                 ready = self._prepare(directory, args, snapshot=snapshot)
+            caller.clear()  # (holds the caller's frame, and so its locals)
             return _checkpoint.write_process_part(ready, directory, stats, persist_part=persist)
 
         async def write() -> None:
@@ -192,6 +192,10 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
                         snapshot.put(item)  # device-to-host copies, on the caller's thread
             except BaseException as e:
                 snapshot.fail(e)
+                captured = args._validated.captured
+                for name, x in zip(captured.names, captured.arrays):
+                    if isinstance(x, jax.Array) and x.is_deleted():  # donated since args built
+                        raise ValueError(_tree.deleted_message(name, x)) from e
                 raise
             snapshot.close()
 

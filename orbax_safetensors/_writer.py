@@ -115,9 +115,9 @@ def _placement(sharding: jax.sharding.Sharding) -> tuple[bool, bool, bool]:
 # 64-byte-aligned buffers, which the kernel copies into the page cache faster.
 _SMALL_COPY = 64 << 10
 
-# A tensor this process writes: (name, array, its owned shards or None when this process
-# writes it whole, whether it is on CPU).
-_Owned = tuple[str, Any, list[tuple[_plan.Index, Any]] | None, bool]
+# A tensor this process writes: (its key: a name or an index, array, its owned shards or None
+# when this process writes it whole, whether it is on CPU).
+_Owned = tuple[Any, Any, list[tuple[_plan.Index, Any]] | None, bool]
 
 # A tensor's host data: (box of a shard inside the tensor, or None for all of it; values).
 HostParts = list[tuple[_plan.Index | None, np.ndarray]]

@@ -917,6 +917,38 @@ def test_saving_a_donated_array_names_it(tmp_path: Path) -> None:
     mngr.close()
 
 
+def test_snapshot_queue_starts_the_writer_early_for_large_tensors() -> None:
+    """A state of large tensors reaches the writer once 16 MiB is copied; 10,000 small tensors
+    (10 MB) only at close, after the copy loop."""
+    large = osf._checkpoint.SnapshotQueue()
+    for i in range(3):
+        large.put((i, [(None, np.zeros(3 << 20, np.float32))]))  # 12 MiB each
+        assert large.wait_started(timeout=0) == (i >= 1), i
+    small = osf._checkpoint.SnapshotQueue()
+    for i in range(10_000):
+        small.put((i, [(None, np.zeros(256, np.float32))]))
+    assert not small.wait_started(timeout=0)
+    small.close()
+    assert small.wait_started(timeout=0) and small.complete()
+    assert sum(1 for _ in small) == 10_000
+
+
+def test_args_reused_after_a_donation_fail_naming_the_leaf(tmp_path: Path) -> None:
+    """SafetensorsSave checks for deleted arrays when built; args kept and saved again after
+    the arrays were donated fail in save() with the same message, not a bare JAX error."""
+    state = {"layer": {"w": jnp.arange(8.0)}}
+    args = osf.SafetensorsSave(state)
+    mngr = _manager(tmp_path, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=True))
+    mngr.save(0, args=args)
+    mngr.wait_until_finished()
+    jax.jit(lambda s: s, donate_argnums=0)(state["layer"]["w"])
+    with pytest.raises(ValueError, match=r"'layer\.w'.*deleted.*donated"):
+        mngr.save(1, args=args)
+    _let_step_directory_creation_finish(tmp_path, 1)
+    mngr.close()
+    assert mngr.all_steps() == [0]
+
+
 def test_writer_fails_when_the_copying_thread_fails(tmp_path: Path) -> None:
     """The async writer reads host copies from a queue as they are made; a failed copy makes
     the writer raise (the step is not committed) instead of waiting forever or finishing."""
@@ -935,8 +967,9 @@ def test_writer_fails_when_the_copying_thread_fails(tmp_path: Path) -> None:
 
 
 def test_snapshot_queue_hands_over_every_item_in_order_across_groups(tmp_path):
-    """Host copies go to the writer in groups (the first by bytes only, then by bytes and by
-    count); none is lost, reordered or held back at close, whatever the mix of sizes."""
+    """Host copies go to the writer in groups (the first once 16 MiB of at most 256 tensors or
+    64 MiB is copied, then by bytes and by count); none is lost, reordered or held back at
+    close, whatever the mix of sizes."""
     rng = np.random.default_rng(0)
     tree = {f"s{i:04d}": rng.standard_normal(16).astype(np.float32) for i in range(600)}
     tree["big"] = rng.standard_normal(17 << 20).astype(np.float32)  # 68 MiB: ends group one
@@ -950,7 +983,8 @@ def test_snapshot_queue_hands_over_every_item_in_order_across_groups(tmp_path):
     reader.start()
     for k, item in enumerate(items):
         queue.put(item)
-        # Nothing reaches the writer before 64 MiB is copied; then groups of <= 256 tensors.
+        # 600 small tensors and a large one: nothing reaches the writer before 64 MiB is
+        # copied; then groups of <= 256 tensors.
         assert queue.wait_started(timeout=0) == (k >= 600), k
     queue.close()
     reader.join(timeout=60)
