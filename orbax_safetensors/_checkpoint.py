@@ -208,10 +208,10 @@ def prepare_save(
     data, which may be donated or deleted by now (an async save that copied before planning).
     """
     if validated is None:
-        flat = _tree.flatten(tree)
-        specs = _writer.tensor_specs(flat.arrays)
-    else:
-        flat, specs = validated.flat, validated.specs
+        if snapshot is not None:
+            raise ValueError("prepare_save(snapshot=...) needs the validated tree it copied")
+        validated = ValidatedTree(_tree.capture(tree))
+    flat, specs = validated.flat, validated.specs
     # Headers depend only on names, dtypes and shapes: identical on every process.
     plan = _plan.plan_files(specs, max_file_size=max_file_size, metadata=_HEADER_METADATA)
     multi_process = jax.process_count() > 1
@@ -245,8 +245,6 @@ def prepare_save(
     json.dumps(metadata["metadata"])  # fail early (before any I/O) on non-JSON user metadata
     pieces: Iterable[tuple[int, list[_io.Piece]]]
     if snapshot is not None:
-        if validated is None:
-            raise ValueError("prepare_save(snapshot=...) needs the validated tree it copied")
         names = list(flat.arrays)  # snapshots are keyed by position in captured.arrays
         pieces = (_writer.tensor_pieces(plan, names[i], parts) for i, parts in snapshot)
     else:

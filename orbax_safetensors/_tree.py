@@ -202,7 +202,8 @@ class CapturedTree:
         self.dtypes, self.shapes = dtypes, shapes
 
     def finish(self) -> FlatTree:
-        """The named schema and arrays (once; a second call returns an equal, new FlatTree)."""
+        """The named schema and arrays. (Names the captured schema nodes in place: a second
+        call gives an equal FlatTree over the same nodes.)"""
         pending, values = self._pending, self._values
         names = _dedupe(list(self._names), [path for _, path in pending])
         arrays: dict[str, Any] = {}
