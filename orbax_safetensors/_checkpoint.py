@@ -156,8 +156,9 @@ def validate_save(tree: Any, user_metadata: Mapping[str, Any] | None = None) -> 
     return ValidatedTree(captured)
 
 
-def _check_not_deleted(arrays: Mapping[str, Any]) -> None:
-    for name, x in arrays.items():
+def check_not_deleted(arrays: Iterable[tuple[str, Any]]) -> None:
+    """Raises ValueError naming the first deleted (donated) ``jax.Array`` of ``(name, array)``."""
+    for name, x in arrays:
         if isinstance(x, jax.Array) and x.is_deleted():
             raise ValueError(_tree.deleted_message(name, x))
 
@@ -248,7 +249,7 @@ def prepare_save(
         names = list(flat.arrays)  # snapshots are keyed by position in captured.arrays
         pieces = (_writer.tensor_pieces(plan, names[i], parts) for i, parts in snapshot)
     else:
-        _check_not_deleted(flat.arrays)
+        check_not_deleted(flat.arrays.items())
         pieces = _writer.iter_host_pieces(
             plan, flat.arrays, copy=copy, is_primary=is_primary, copies_ahead=None if copy else 1
         )

@@ -35,7 +35,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import future as ocp_future
 
-from orbax_safetensors import _checkpoint, _format, _gcpause, _io, _plan, _tree, _writer
+from orbax_safetensors import _checkpoint, _format, _gcpause, _io, _plan, _writer
 from orbax_safetensors._reader import ReadStats
 
 TYPESTR = "orbax_safetensors.SafetensorsCheckpointHandler"
@@ -192,10 +192,8 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
                         snapshot.put(item)  # device-to-host copies, on the caller's thread
             except BaseException as e:
                 snapshot.fail(e)
-                captured = args._validated.captured
-                for name, x in zip(captured.names, captured.arrays):
-                    if isinstance(x, jax.Array) and x.is_deleted():  # donated since args built
-                        raise ValueError(_tree.deleted_message(name, x)) from e
+                captured = args._validated.captured  # arrays donated since the args were built?
+                _checkpoint.check_not_deleted(zip(captured.names, captured.arrays))
                 raise
             snapshot.close()
 
