@@ -44,8 +44,7 @@ from orbax_safetensors._objstore import (
     set_object_store_options,
 )
 from orbax_safetensors._verify import VerifyReport, verify
-
-__version__ = "0.1.0"
+from orbax_safetensors._version import __version__
 
 __all__ = [
     "Chain",

@@ -57,6 +57,7 @@ from orbax_safetensors._errors import (
 )
 from orbax_safetensors._reader import ReadStats, StoredTensor
 from orbax_safetensors._restore import _is_restore_args, _restore_args_sharding, restore_tree
+from orbax_safetensors._version import __version__
 
 METADATA_FILE = "orbax_safetensors.json"
 FORMAT_NAME = "orbax-safetensors"
@@ -67,8 +68,6 @@ _HEADER_METADATA = {"format": "flax"}  # every header's __metadata__, as safeten
 
 
 def _library_version() -> str:
-    from orbax_safetensors import __version__
-
     return __version__
 
 
@@ -181,7 +180,6 @@ class PreparedSave:
     checksums: bool
 
 
-@_gcpause.paused
 def prepare_save(
     tree: Any,
     *,
@@ -381,7 +379,6 @@ def _batched(
         yield batch_file, batch
 
 
-@_gcpause.paused
 def write_process_part(
     prepared: PreparedSave,
     directory: epath.PathLike,
@@ -510,6 +507,7 @@ def _dtypes_nbytes(t: Mapping[str, Any]) -> int:
     return _dtypes.nbytes(t["dtype"], t["shape"])
 
 
+@_gcpause.paused
 def save_directory(
     tree: Any,
     directory: epath.PathLike,

@@ -22,11 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
-import sys
-import threading
 import time
-import types
 from collections.abc import Coroutine, Mapping
 from typing import Any
 
@@ -35,10 +31,15 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import future as ocp_future
 
-from orbax_safetensors import _checkpoint, _format, _gcpause, _io, _plan, _writer
+from orbax_safetensors import _checkpoint, _compat, _format, _gcpause, _io, _plan, _writer
 from orbax_safetensors._reader import ReadStats
 
 TYPESTR = "orbax_safetensors.SafetensorsCheckpointHandler"
+
+# How long an async save's writer waits, once every host copy is made, before it plans the
+# files: time for the caller's thread to finish Orbax's save() without this thread's Python
+# work competing for the GIL.
+_PLAN_DELAY_SECONDS = 0.03
 
 
 class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
@@ -123,6 +124,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
                 f"(jax.process_count() is {count}); pass a process index in [0, {count})"
             )
 
+    @_gcpause.paused  # (the caller's thread only: what outlives save() is never paused)
     def async_save(  # type: ignore[override]
         self, directory: epath.Path, args: SafetensorsSave
     ) -> Coroutine[Any, Any, list[ocp_future.Future] | None]:
@@ -138,16 +140,14 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         accelerators).
 
         A plain method returning a coroutine, not ``async def``: the copies must happen in the
-        caller's call, and :func:`_orbax_waits_for_commit` must see the caller's frames.
+        caller's call, and :func:`_compat.orbax_waits_for_commit` must see the caller's frames.
         """
         self._check_primary_host()
-        sync = _orbax_waits_for_commit()
+        sync = _compat.orbax_waits_for_commit(skip=1)
         stats = self.last_write_stats = _writer.WriteStats()
         persist = _persist_parts()
         self._part = None
         snapshot = None if sync else _checkpoint.SnapshotQueue()
-        # (thread, frame) of the caller's outermost Orbax call: its save()
-        caller = [] if sync else [threading.get_ident(), _outermost_orbax_frame()]
         prepared: _checkpoint.PreparedSave | None = None
         if (
             snapshot is None
@@ -169,27 +169,33 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
                 assert snapshot is not None
                 snapshot.wait_started()
                 if snapshot.complete():
-                    # All copied: let the caller's thread leave save() before this thread
-                    # takes the GIL for planning (Orbax's ~5 ms of bookkeeping after our
-                    # async_save took 30-70 ms against a planning thread, at 10,000 tensors).
-                    _wait_for_return(caller, 0.05)
+                    # All copied: give the caller's thread time to leave save() before this
+                    # thread takes the GIL for planning (Orbax's few milliseconds of
+                    # bookkeeping after our async_save stretch many times over against a
+                    # planning thread). A fixed courtesy: nothing here may look at the
+                    # caller's thread (reading another thread's frames can crash CPython).
+                    time.sleep(_PLAN_DELAY_SECONDS)
                 ready = self._prepare(directory, args, snapshot=snapshot)
-            caller.clear()  # (holds the caller's frame, and so its locals)
             return _checkpoint.write_process_part(ready, directory, stats, persist_part=persist)
+
+        def write_part_paused() -> dict[str, Any]:
+            # The caller waits in Orbax's synchronous save() for this write: the cyclic GC
+            # may pause for it. An async save's write outlives save(): it never pauses the GC.
+            with _gcpause.gc_paused():
+                return write_part()
 
         async def write() -> None:
             # Runs once the contracted signals arrive (the step directory exists); the blocking
             # file I/O runs on a worker thread so the event loop stays responsive.
-            part = await asyncio.to_thread(write_part)
+            part = await asyncio.to_thread(write_part_paused if sync else write_part)
             self._part = None if persist else (str(directory), part)
 
         future = ocp_future.CommitFutureAwaitingContractedSignals(write(), name="safetensors_save")
         if snapshot is not None:
             try:
-                with _gcpause.gc_paused():
-                    arrays = enumerate(args._validated.captured.arrays)
-                    for item in _writer.iter_snapshots(arrays, is_primary=self._is_primary()):
-                        snapshot.put(item)  # device-to-host copies, on the caller's thread
+                arrays = enumerate(args._validated.captured.arrays)
+                for item in _writer.iter_snapshots(arrays, is_primary=self._is_primary()):
+                    snapshot.put(item)  # device-to-host copies, on the caller's thread
             except BaseException as e:
                 snapshot.fail(e)
                 captured = args._validated.captured  # arrays donated since the args were built?
@@ -202,6 +208,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
 
         return started()
 
+    @_gcpause.paused
     def save(self, directory: epath.Path, args: SafetensorsSave) -> None:
         """Synchronous save (used by ``ocp.Checkpointer``): writes straight from the arrays."""
         self._check_primary_host()
@@ -243,69 +250,6 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
     @classmethod
     def typestr(cls) -> str:
         return TYPESTR
-
-
-# Orbax's synchronous entry points (CheckpointManager with enable_async_checkpointing=False
-# runs Checkpointer.save -> CompositeCheckpointHandler.save -> ... -> our async_save, and waits
-# for the commit futures before returning) and its asynchronous one.
-_SYNC_CALLERS = frozenset(
-    {"CompositeCheckpointHandler.save.<locals>.async_save", "Checkpointer.save"}
-)
-_ASYNC_CALLER_PREFIX = "AsyncCheckpointer."
-_MAX_FRAMES = 64
-
-
-def _orbax_waits_for_commit() -> bool:
-    """Whether our ``async_save`` runs inside Orbax's synchronous save, which waits for the
-    commit futures before returning to user code.
-
-    Then nothing can donate or overwrite the arrays until the write ends, so the writer may read
-    them in place: no host snapshot, no extra memory, no copy time. Orbax passes no such flag,
-    so we look for its synchronous entry points among our callers' frames. Anything else (an
-    ``AsyncCheckpointer``, a caller on another thread, an Orbax that renamed them) gets False:
-    the safe answer, a full host snapshot before ``save()`` returns.
-    """
-    frame: types.FrameType | None = sys._getframe(2)
-    for _ in range(_MAX_FRAMES):
-        if frame is None:
-            break
-        code = frame.f_code
-        if f"orbax{os.sep}checkpoint" in code.co_filename:
-            if code.co_qualname.startswith(_ASYNC_CALLER_PREFIX):
-                return False
-            if code.co_qualname in _SYNC_CALLERS:
-                return True
-        frame = frame.f_back
-    return False
-
-
-def _outermost_orbax_frame() -> types.FrameType | None:
-    """The outermost Orbax frame among our callers' (``CheckpointManager.save``, say)."""
-    frame: types.FrameType | None = sys._getframe(2)
-    outermost = None
-    for _ in range(_MAX_FRAMES):
-        if frame is None:
-            break
-        if f"orbax{os.sep}checkpoint" in frame.f_code.co_filename:
-            outermost = frame
-        frame = frame.f_back
-    return outermost
-
-
-def _wait_for_return(caller: list[Any], timeout: float) -> None:
-    """Waits at most ``timeout`` seconds until thread ``caller[0]`` has returned from the call
-    of frame ``caller[1]`` (polling its stack every millisecond)."""
-    if len(caller) != 2 or caller[1] is None:
-        return
-    thread, frame = caller
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        f = sys._current_frames().get(thread)
-        while f is not None and f is not frame:
-            f = f.f_back
-        if f is None:
-            return
-        time.sleep(0.001)
 
 
 def _prepare_directory(directory: epath.Path, prepared: _checkpoint.PreparedSave) -> None:

@@ -8,7 +8,7 @@ most of the restore. So a numpy array bound for one addressable device takes the
 transfer, the same zero-copy aliasing of 64-byte aligned buffers on CPU, committed like
 ``device_put`` to a device) straight away. Anything else (shardings over several devices,
 64-bit dtypes that JAX may canonicalise, a JAX without that entry) goes through
-``jax.device_put``.
+``jax.device_put``. The private entry is looked up in :mod:`orbax_safetensors._compat`.
 
 Example::
 
@@ -17,41 +17,19 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from orbax_safetensors import _memo
-
-_DirectPut = Callable[[np.ndarray, jax.sharding.Sharding, Any], jax.Array]
+from orbax_safetensors import _compat, _memo
 
 
-def _load_direct_put() -> _DirectPut | None:
-    # Private JAX API, guarded: if it moves or changes, every call takes jax.device_put.
-    try:
-        from jax._src import core
-        from jax._src.interpreters import pxla
-
-        batched_device_put = pxla.batched_device_put
-        shaped_array = core.ShapedArray
-    except (ImportError, AttributeError):
+def _load_direct_put() -> _compat.DirectPut | None:
+    direct_put = _compat.batched_device_put()
+    if direct_put is None:
         return None
-
-    avals: dict[tuple[tuple[int, ...], np.dtype], Any] = {}  # ShapedArrays are immutable
-
-    def direct_put(x: np.ndarray, sharding: jax.sharding.Sharding, device: Any) -> jax.Array:
-        # One abstract value per (shape, dtype): building one costs as much as the transfer,
-        # and a model repeats a few shapes over and over.
-        key = (x.shape, x.dtype)
-        aval = avals.get(key)
-        if aval is None:
-            if len(avals) >= 4096:
-                avals.clear()
-            aval = avals[key] = shaped_array(x.shape, x.dtype)
-        return batched_device_put(aval, sharding, [x], [device])
-
     try:  # one real transfer, checked, before the entry is trusted
         device = jax.local_devices()[0]
         probe = np.arange(3, dtype=np.float32)
@@ -63,7 +41,7 @@ def _load_direct_put() -> _DirectPut | None:
     return direct_put
 
 
-_direct_put: _DirectPut | bool | None = False  # False: not loaded yet (needs a JAX backend)
+_direct_put: _compat.DirectPut | bool | None = False  # False: not loaded yet (needs a JAX backend)
 
 # Dtypes that jax.device_put may convert (to 32 bits unless jax_enable_x64): left to it.
 _CANONICALISED = frozenset(np.dtype(t) for t in (np.int64, np.uint64, np.float64, np.complex128))

@@ -30,7 +30,7 @@ import jax
 import numpy as np
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
-from orbax_safetensors import _dtypes
+from orbax_safetensors import _compat, _dtypes
 from orbax_safetensors._errors import SchemaError, UnsupportedLeafError
 
 SCHEMA_FORMAT = "orbax-safetensors/tree"
@@ -334,12 +334,13 @@ def capture(tree: Any) -> CapturedTree:
             }
         if x is None or _array_kind(x) or isinstance(x, (bool, int, float, str)):
             return leaf(x, path, name)
+        children: list[tuple[Any, Any]]
         if _is_nnx_variable(x):
-            children = list(jax.tree_util.flatten_one_level_with_keys(x)[0])
+            children = _compat.flatten_one_level_with_keys(x)
             if len(children) == 1:  # transparent: the Variable's value takes its place
                 return {"t": "var", "v": walk(children[0][1], path, name, depth + 1)}
         try:
-            children = list(jax.tree_util.flatten_one_level_with_keys(x)[0])
+            children = _compat.flatten_one_level_with_keys(x)
         except ValueError:  # a leaf jax does not know how to flatten
             return leaf(x, path, name)
         fields = getattr(type(x), "_fields", None)

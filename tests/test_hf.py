@@ -12,11 +12,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import safetensors.torch
-import torch
 from flax import nnx
 
 import orbax_safetensors as osf
+
+torch = pytest.importorskip("torch", reason="needs PyTorch (in the main environment)")
+import safetensors.torch  # noqa: E402  (imports torch)
+
+NnxList = getattr(nnx, "List", list)  # nnx.List: flax >= 0.12 (0.11 takes a plain list)
 
 VOCAB, DIM, HEADS, CLASSES, LAYERS = 40, 16, 4, 5, 2
 
@@ -93,7 +96,7 @@ class Block(nnx.Module):
 class Model(nnx.Module):
     def __init__(self, rngs):
         self.embed = nnx.Embed(VOCAB, DIM, rngs=rngs)
-        self.blocks = nnx.List([Block(rngs) for _ in range(LAYERS)])
+        self.blocks = NnxList([Block(rngs) for _ in range(LAYERS)])
         self.final_norm = nnx.LayerNorm(DIM, epsilon=1e-5, rngs=rngs)
         self.classifier = nnx.Linear(DIM, CLASSES, rngs=rngs)
 

@@ -12,6 +12,8 @@ from safetensors import safe_open
 
 import orbax_safetensors as osf
 
+NnxList = getattr(nnx, "List", list)  # nnx.List: flax >= 0.12 (0.11 takes a plain list)
+
 
 class Block(nnx.Module):
     def __init__(self, dim: int, rngs: nnx.Rngs) -> None:
@@ -28,7 +30,7 @@ class Model(nnx.Module):
 
     def __init__(self, rngs: nnx.Rngs, depth: int = 2, dim: int = 8) -> None:
         self.embed = nnx.Embed(16, dim, rngs=rngs)
-        self.layers = nnx.List([Block(dim, rngs) for _ in range(depth)])
+        self.layers = NnxList([Block(dim, rngs) for _ in range(depth)])
         self.seq = nnx.Sequential(
             nnx.Linear(dim, dim, rngs=rngs), nnx.gelu, nnx.Linear(dim, dim, rngs=rngs)
         )
@@ -178,6 +180,7 @@ def test_optimizer_state_round_trip(tmp_path):
 
 
 def test_save_model_with_bfloat16_params_reads_in_torch(tmp_path):
+    pytest.importorskip("torch", reason="needs PyTorch (in the main environment)")
     from safetensors.torch import load_file
 
     model = nnx.Linear(4, 4, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))

@@ -1,0 +1,207 @@
+"""_compat: every private or version-dependent JAX/Orbax name, fenced, with a fallback that gives
+the same results. These run on every stack CI tests (.ci/matrix), so a rename in JAX or Orbax
+fails here instead of silently changing behaviour or speed."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx
+
+import orbax_safetensors as osf
+from orbax_safetensors import _compat, _memo, _tree
+
+PACKAGE = Path(osf.__file__).parent
+
+Pair = collections.namedtuple("Pair", "first second")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Params:
+    w: Any
+    b: Any
+
+
+class _Mlp(nnx.Module):
+    def __init__(self) -> None:
+        self.first = nnx.Linear(3, 4, rngs=nnx.Rngs(0))
+        self.second = nnx.Linear(4, 2, rngs=nnx.Rngs(1))
+        self.count = nnx.BatchStat(jnp.zeros((), jnp.int32))
+
+
+def _trees() -> dict[str, Any]:
+    params = {"w": jnp.ones((2, 3)), "b": jnp.zeros(3)}
+    return {
+        "namedtuple": Pair(jnp.arange(3), None),
+        "dataclass": Params(jnp.ones(2), np.zeros(2, np.int8)),
+        "optax": optax.chain(optax.clip(1.0), optax.adamw(1e-3)).init(params),
+        "nnx_state": nnx.state(_Mlp()),
+        "nnx_variable": {"v": nnx.Param(jnp.ones(2))},
+        "nested": {"a": [Pair(1, 2.5), (None, "s")], "b": Params(jnp.ones(1), {"x": 3})},
+    }
+
+
+@pytest.mark.parametrize("name", list(_trees()))
+def test_one_level_flatten_fallback_gives_the_same_tree(name: str) -> None:
+    tree = _trees()[name]
+    direct = _tree.flatten(tree)
+    saved = _compat._ONE_LEVEL
+    _compat._ONE_LEVEL = None  # as on a jax older than 0.10.2
+    try:
+        fallback = _tree.flatten(tree)
+    finally:
+        _compat._ONE_LEVEL = saved
+    assert fallback.schema == direct.schema
+    assert list(fallback.arrays) == list(direct.arrays)
+    for key, value in direct.arrays.items():
+        np.testing.assert_array_equal(np.asarray(fallback.arrays[key]), np.asarray(value))
+
+
+def test_one_level_flatten_fallback_matches_jax_one_level() -> None:
+    if _compat._ONE_LEVEL is None:
+        pytest.skip(f"jax {jax.__version__} has no flatten_one_level_with_keys (jax >= 0.10.2)")
+    for tree in _trees().values():
+        nodes = [tree, *jax.tree_util.tree_leaves(tree, is_leaf=lambda x, t=tree: x is not t)]
+        for node in nodes:
+            try:
+                direct = _compat.flatten_one_level_with_keys(node)
+            except ValueError:
+                with pytest.raises(ValueError):
+                    _compat.flatten_one_level_with_keys_fallback(node)
+                continue
+            fallback = _compat.flatten_one_level_with_keys_fallback(node)
+            assert [c for _, c in fallback] == [c for _, c in direct] or all(
+                a is b for (_, a), (_, b) in zip(fallback, direct, strict=True)
+            )
+            if not isinstance(node, tuple) or not hasattr(node, "_fields"):
+                # (jaxlib 0.10 keys every namedtuple child with the first field; _tree fixes it)
+                assert [k for k, _ in fallback] == [k for k, _ in direct]
+
+
+def test_leaves_are_not_nodes_in_either_form() -> None:
+    for leaf in (jnp.ones(2), np.ones(2), 3, "s"):
+        with pytest.raises(ValueError):
+            _compat.flatten_one_level_with_keys_fallback(leaf)
+        with pytest.raises(ValueError):
+            _compat.flatten_one_level_with_keys(leaf)
+
+
+def test_sharding_memo_gives_the_same_answers_without_the_private_key() -> None:
+    devices = jax.local_devices()
+    mesh = jax.sharding.Mesh(np.array(devices).reshape(-1), ("x",))
+    shardings = [
+        jax.sharding.SingleDeviceSharding(devices[0]),
+        jax.sharding.SingleDeviceSharding(devices[0]),
+        jax.sharding.SingleDeviceSharding(devices[1]),
+        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x")),
+        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
+    ]
+    assert _compat.single_device_key(shardings[0]) is not None, (
+        f"SingleDeviceSharding._device is gone in jax {jax.__version__}: update _compat"
+    )
+
+    def facts(memo: _memo.ShardingMemo[Any]) -> list[Any]:
+        return [memo(s) for s in shardings]
+
+    def fact(s: Any) -> Any:
+        return (sorted(d.id for d in s.device_set), s.is_fully_addressable)
+
+    with_key = facts(_memo.ShardingMemo(fact))
+    saved = _compat.single_device_key
+    _compat.single_device_key = lambda s: None  # type: ignore[assignment]
+    try:
+        without = facts(_memo.ShardingMemo(fact))
+    finally:
+        _compat.single_device_key = saved
+    assert with_key == without == [fact(s) for s in shardings]
+
+
+def test_direct_device_put_is_found() -> None:
+    # tests/test_place.py compares it with jax.device_put (and the fallback path) leaf by leaf.
+    assert _compat.batched_device_put() is not None, (
+        f"pxla.batched_device_put moved in jax {jax.__version__}: restores of many small "
+        "tensors take jax.device_put (correct, slower); update _compat"
+    )
+
+
+class _RecordingHandler(osf.SafetensorsCheckpointHandler):
+    """Records what ``orbax_waits_for_commit`` says inside each ``async_save``."""
+
+    seen: list[bool] = []
+
+    @classmethod
+    def typestr(cls) -> str:
+        return "tests.test_compat._RecordingHandler"
+
+    def async_save(self, directory: Any, args: Any) -> Any:  # type: ignore[override]
+        _RecordingHandler.seen.append(_compat.orbax_waits_for_commit(skip=1))
+        return super().async_save(directory, args)
+
+
+@ocp.args.register_with_handler(_RecordingHandler, for_save=True)
+@dataclasses.dataclass
+class _RecordingSave(osf.SafetensorsSave):
+    pass
+
+
+@ocp.args.register_with_handler(_RecordingHandler, for_restore=True)
+@dataclasses.dataclass
+class _RecordingRestore(osf.SafetensorsRestore):
+    pass
+
+
+@pytest.mark.parametrize("async_enabled", [False, True], ids=["sync", "async"])
+def test_orbax_sync_saves_are_recognised(tmp_path: Path, async_enabled: bool) -> None:
+    """Orbax's synchronous manager save is recognised (writes in place, no host snapshot) and
+    its async one is not: fails on the Orbax that renames its entry points."""
+    _RecordingHandler.seen = []
+    options = ocp.CheckpointManagerOptions(enable_async_checkpointing=async_enabled)
+    mngr = ocp.CheckpointManager(tmp_path, options=options)
+    state = {"w": jnp.arange(6.0)}
+    mngr.save(0, args=_RecordingSave(state))
+    mngr.wait_until_finished()
+    restored = mngr.restore(0, args=_RecordingRestore())
+    mngr.close()
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.arange(6.0))
+    assert _RecordingHandler.seen == [not async_enabled], (
+        f"orbax-checkpoint {ocp.__version__}: expected sync={not async_enabled}; "
+        f"Orbax's save entry points are {sorted(_compat.SYNC_CALLERS)}"
+    )
+
+
+def test_async_checkpointer_is_not_taken_for_sync(tmp_path: Path) -> None:
+    _RecordingHandler.seen = []
+    ckptr = ocp.AsyncCheckpointer(_RecordingHandler())
+    ckptr.save(tmp_path / "ck", args=_RecordingSave({"w": jnp.ones(2)}))
+    ckptr.wait_until_finished()
+    ckptr.close()
+    assert _RecordingHandler.seen == [False]
+
+
+def test_no_private_names_outside_compat() -> None:
+    """Private JAX/Orbax names are used in _compat only; no thread's frames but the caller's own
+    are ever read."""
+    private = re.compile(
+        r"jax\._src|_current_frames|\._device\b|orbax\.checkpoint\._src|"
+        r"get_jax_distributed_client|sys\._getframe"
+    )
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "_compat.py":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if private.search(line.split("#")[0]):
+                offenders.append(f"{path.relative_to(PACKAGE)}:{number}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
+    assert "_current_frames" not in (PACKAGE / "_compat.py").read_text()
