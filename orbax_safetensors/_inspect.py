@@ -40,9 +40,17 @@ from orbax_safetensors._errors import HeaderError, SafetensorsCheckpointError
 METADATA_FILE = "orbax_safetensors.json"  # same as _checkpoint.METADATA_FILE (no jax import)
 ORBAX_METADATA_FILE = "_METADATA"
 CHECKPOINT_METADATA_FILE = "_CHECKPOINT_METADATA"
+COMMIT_SUCCESS_FILE = "commit_success.txt"  # Orbax's commit marker (atomicity_types.py L31)
+HANDLER_TYPESTR = "orbax_safetensors.SafetensorsCheckpointHandler"  # _handler.TYPESTR (no jax)
 TENSOR_KINDS = ("file", "item", "safetensors-dir", "orbax")
 _STEP_NAME = re.compile(r"^(?:.*?[_-])?(\d+)$")
 _TMP_MARKER = ".orbax-checkpoint-tmp"
+_TMP_STEP_NAME = re.compile(r"^(?:.*?[_-])?(\d+)\.orbax-checkpoint-tmp")  # step.py L50
+_COMMIT_FILE_SCHEMES = ("gs://", "s3://")
+# What a damaged or half-deleted checkpoint may raise while being read (Orbax's readers raise
+# ValueError subclasses too).
+_READ_ERRORS = (ValueError, OSError, EOFError)
+_TMP_REASON = "temporary directory of a save that never finished (Orbax renames it on commit)"
 _RESERVED_METADATA = ("orbax_safetensors.tree", "orbax_safetensors.crc32c")
 
 
@@ -122,7 +130,7 @@ def classify(path: epath.PathLike) -> str:
         return "step"
     if (path / CHECKPOINT_METADATA_FILE).exists():
         return "step"  # a step whose items hold no tensors (e.g. JSON only)
-    if any(k in ("step", *TENSOR_KINDS) and _STEP_NAME.match(n) for n, k in _steps_kinds(path)):
+    if any(True for _ in _step_candidates(path)):
         return "root"
     return "other"
 
@@ -137,20 +145,6 @@ def _shallow_kind(path: epath.Path) -> str:
     return "other"
 
 
-def _steps_kinds(path: epath.Path) -> Iterator[tuple[str, str]]:
-    for c in path.iterdir():
-        if not c.is_dir() or _TMP_MARKER in c.name or not _STEP_NAME.match(c.name):
-            continue
-        kind = _shallow_kind(c)
-        if kind == "other":
-            sub = [g for g in c.iterdir() if g.is_dir()]
-            if (c / CHECKPOINT_METADATA_FILE).exists() or any(
-                _shallow_kind(g) != "other" for g in sub
-            ):
-                kind = "step"
-        yield c.name, kind
-
-
 def list_items(step: epath.PathLike) -> dict[str, str]:
     """The items of a step directory by name, with their kind (``other`` for non-tensor items
     such as Orbax JSON items)."""
@@ -162,15 +156,207 @@ def list_items(step: epath.PathLike) -> dict[str, str]:
     return out
 
 
-def list_steps(root: epath.PathLike) -> list[tuple[int, epath.Path]]:
-    """The committed steps of a CheckpointManager root, as ``(step number, path)``, sorted."""
-    root = epath.Path(root)
+# --------------------------------------------------------------------------- steps of a root
+#
+# Which steps Orbax counts as committed (orbax-checkpoint 0.12.8, files under
+# site-packages/orbax/checkpoint/_src/path/). CheckpointManager.all_steps() keeps a directory of
+# the root when StandardNameFormat._build_metadata (step.py L357-387) finds it finalized with
+# temporary_paths.is_path_finalized (temporary_paths.py L94-146) and its name matches
+# ``^(prefix_)?(0|[1-9]\d*)$`` (step.py L380). is_path_finalized asks the manager's
+# TemporaryPath class; without an explicit one, atomicity_defaults.py L98-127 picks
+# CommitFileTemporaryPath on gs:// (gcs_utils.py L25-29) and AtomicRenameTemporaryPath anywhere
+# else:
+#
+# - AtomicRenameTemporaryPath.validate_final (atomicity.py L431-442, L456-460): a directory
+#   whose name does not contain ".orbax-checkpoint-tmp". Nothing inside it is looked at.
+# - CommitFileTemporaryPath.validate_final (atomicity.py L583-592): a directory holding
+#   commit_success.txt, whatever its name.
+#
+# Both write the same files in the same order: _CHECKPOINT_METADATA with a null
+# commit_timestamp_nsecs when the step directory is created (atomicity.py L104-160), then, when
+# the save is finalized, commit_timestamp_nsecs and commit_success.txt (atomicity.py L522-552,
+# L656-681); atomic rename then renames <step>.orbax-checkpoint-tmp to <step>. A committed step
+# looks the same in both modes and no file records the mode, so one cannot always tell which
+# kind a final-named step without commit_success.txt is. The rule below agrees with Orbax's
+# default on each filesystem, and with the manager that wrote the root in every state a crash
+# can leave:
+#
+# 1. A name containing ".orbax-checkpoint-tmp" is not committed (both classes).
+# 2. A directory holding commit_success.txt is committed (both classes).
+# 3. Otherwise, on gs:// (Orbax's default there) and s3:// (manager_options_for selects
+#    CommitFileTemporaryPath there) it is not committed.
+# 4. Otherwise (local disk, other filesystems: atomic rename, the final name is the commit) it
+#    is committed, unless its _CHECKPOINT_METADATA says Orbax started it and never finalized it
+#    (init_timestamp_nsecs set, commit_timestamp_nsecs null): a commit-file step
+#    (temporary_path_class=CommitFileTemporaryPath) interrupted before its commit. Atomic
+#    rename never leaves that state under the final name: it records the commit time first.
+#
+# Rule 4 keeps, as a default manager does, the steps written before Orbax wrote
+# commit_success.txt in atomic-rename mode, and an old step that Orbax was deleting file by file
+# (deleter.py L152-173) when the process was killed, whatever file went first. The one state
+# where a CommitFileTemporaryPath manager on local disk disagrees: commit time recorded but
+# commit_success.txt missing (a kill between those two writes, or the file deleted); it looks
+# exactly like such a half-deleted step, and is listed here as a default manager lists it.
+
+
+@dataclasses.dataclass(frozen=True)
+class StepDir:
+    """One step directory of a CheckpointManager root.
+
+    Attributes:
+      step: the step number.
+      path: the directory.
+      committed: whether Orbax counts it (lists it in ``mngr.all_steps()``).
+      reason: why it is not committed (``""`` when it is).
+    """
+
+    step: int
+    path: epath.Path
+    committed: bool
+    reason: str = ""
+
+
+def scan_steps(root: epath.PathLike) -> list[StepDir]:
+    """Every step directory of a CheckpointManager root, committed or not, sorted by step.
+
+    The one place that decides which directories of a root are steps and which of them Orbax
+    counts as committed (see the rule above); ``inspect``, ``verify`` and ``convert`` use it.
+    Temporary directories of unfinished saves (``<step>.orbax-checkpoint-tmp``) are included,
+    not committed.
+
+    Example::
+
+        [(s.step, s.committed) for s in scan_steps("/ckpt")]   # [(100, True), (200, False)]
+    """
     steps = []
-    for name, kind in _steps_kinds(root):
-        m = _STEP_NAME.match(name)
-        if m and kind != "other":
-            steps.append((int(m.group(1)), root / name))
-    return sorted(steps, key=lambda s: s[0])
+    for child, number in _step_candidates(epath.Path(root)):
+        reason = _uncommitted(child)
+        steps.append(StepDir(number, child, reason is None, reason or ""))
+    return sorted(steps, key=lambda s: (s.step, s.path.name))
+
+
+def _step_candidates(root: epath.Path) -> Iterator[tuple[epath.Path, int]]:
+    """The step directories of ``root`` (committed or not) with their step numbers."""
+    for child in root.iterdir():
+        if _TMP_MARKER in child.name:
+            tmp = _TMP_STEP_NAME.match(child.name)
+            if tmp and child.is_dir():
+                yield child, int(tmp.group(1))
+            continue
+        m = _STEP_NAME.match(child.name)
+        if m and child.is_dir() and _looks_like_step(child):
+            yield child, int(m.group(1))
+
+
+def _looks_like_step(path: epath.Path) -> bool:
+    """Whether a step-named directory holds a step (or is an item itself), not something else."""
+    if _shallow_kind(path) != "other":
+        return True
+    if (path / CHECKPOINT_METADATA_FILE).exists() or (path / COMMIT_SUCCESS_FILE).exists():
+        return True
+    return any(g.is_dir() and _shallow_kind(g) != "other" for g in path.iterdir())
+
+
+def uncommitted_reason(path: epath.PathLike) -> str | None:
+    """Why Orbax does not count the directory ``path`` as a committed step; None when it does,
+    or when ``path`` is not recognisably a step Orbax saved (no ``_CHECKPOINT_METADATA``, not a
+    temporary directory). The rule is the comment above :class:`StepDir`.
+    """
+    path = epath.Path(path)
+    if _TMP_MARKER not in path.name and not (path / CHECKPOINT_METADATA_FILE).exists():
+        return None
+    return _uncommitted(path)
+
+
+def _uncommitted(step: epath.Path) -> str | None:
+    """:func:`uncommitted_reason` of a directory known to be a step."""
+    if _TMP_MARKER in step.name:
+        return _TMP_REASON
+    if (step / COMMIT_SUCCESS_FILE).exists():
+        return None
+    url = str(step)
+    if url.startswith(_COMMIT_FILE_SCHEMES):
+        scheme = url.split("://", 1)[0]
+        return (
+            f"no {COMMIT_SUCCESS_FILE}: on {scheme}:// a step counts only once that file is "
+            "written, last"
+        )
+    doc = _read_json(step / CHECKPOINT_METADATA_FILE)
+    if (
+        isinstance(doc, dict)
+        and doc.get("init_timestamp_nsecs") is not None
+        and doc.get("commit_timestamp_nsecs") is None
+    ):
+        return (
+            f"no {COMMIT_SUCCESS_FILE} and no commit time in {CHECKPOINT_METADATA_FILE}: Orbax "
+            "started this step and never finalized it"
+        )
+    return None
+
+
+def missing_parts(step: epath.PathLike) -> list[str]:
+    """What a committed step directory lacks, relative to it; empty when nothing is missing.
+
+    Checks the items its ``_CHECKPOINT_METADATA`` lists, this library's metadata file in those
+    of its items, and every file that metadata lists. A step Orbax lists with parts missing
+    cannot be restored: typically an old step whose deletion by Orbax's cleanup (``max_to_keep``)
+    was interrupted by a crash.
+    """
+    step = epath.Path(step)
+    missing: list[str] = []
+    doc = _read_json(step / CHECKPOINT_METADATA_FILE)
+    handlers = doc.get("item_handlers") if isinstance(doc, dict) else None
+    if isinstance(handlers, dict):
+        for name, typestr in sorted(handlers.items()):
+            if not _is_plain_name(name):
+                continue
+            if not (step / name).is_dir():
+                missing.append(f"{name}/")
+            elif typestr == HANDLER_TYPESTR and not (step / name / METADATA_FILE).exists():
+                missing.append(f"{name}/{METADATA_FILE}")
+    elif handlers == HANDLER_TYPESTR and not (step / METADATA_FILE).exists():
+        missing.append(METADATA_FILE)  # a step that is itself one item (ocp.Checkpointer)
+    items = [("", step)] + [(f"{n}/", step / n) for n in list_items(step)]
+    for prefix, item in items:
+        meta = _read_json(item / METADATA_FILE)
+        files = meta.get("files") if isinstance(meta, dict) else None
+        for f in files if isinstance(files, list) else []:
+            if _is_plain_name(f) and not (item / f).exists():
+                missing.append(prefix + f)
+    return missing
+
+
+def _is_plain_name(name: object) -> bool:
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name
+
+
+def _read_json(path: epath.Path) -> Any:
+    """The JSON document at ``path``; None when it is missing or unreadable."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
+        return None
+
+
+def incomplete_warning(
+    step: int, path: epath.PathLike, missing: Sequence[str], latest: int | None
+) -> str:
+    """The warning line for a committed step with ``missing`` parts (``latest``: the latest
+    committed step of its root)."""
+    what = f"step {step} is incomplete (missing {', '.join(missing)})"
+    if latest is not None and step < latest:
+        return (
+            f"{what} and older than the latest step {latest}: most likely the process was "
+            "killed while Orbax's cleanup (max_to_keep) was deleting it. The other steps are not "
+            f"affected; deleting {path} clears this"
+        )
+    return f"{what} and is the latest step: restoring it fails; restore an earlier step"
+
+
+def list_steps(root: epath.PathLike) -> list[tuple[int, epath.Path]]:
+    """The committed steps of a CheckpointManager root, as ``(step number, path)``, sorted: the
+    steps ``mngr.all_steps()`` lists (see :func:`scan_steps`)."""
+    return [(s.step, s.path) for s in scan_steps(root) if s.committed]
 
 
 # --------------------------------------------------------------------------- safetensors sources
@@ -506,10 +692,73 @@ def _step_report(path: epath.Path) -> dict[str, Any]:
     }
 
 
+def _root_step(step: StepDir) -> dict[str, Any]:
+    """One committed step of a root report; an incomplete or unreadable step says so."""
+    entry: dict[str, Any] = {
+        "step": step.step,
+        "name": step.path.name,
+        "path": str(step.path),
+        "items": list(list_items(step.path)),
+        "num_tensors": None,
+        "tensor_bytes": None,
+        "disk_bytes": _disk_bytes(step.path),
+        "status": "ok",
+        "problem": None,
+        "missing": [],
+    }
+    missing = missing_parts(step.path)
+    if missing:
+        entry["status"] = "incomplete"
+        entry["problem"] = f"missing {', '.join(missing)}"
+        entry["missing"] = missing
+        return entry
+    try:
+        if _shallow_kind(step.path) in TENSOR_KINDS:  # a step that is itself an item
+            rep = _source_report(open_source(step.path))
+            entry["items"] = [""]
+        else:
+            rep = _step_report(step.path)
+            entry["items"] = [*rep["items"], *rep["other_items"]]
+    except _READ_ERRORS as e:
+        entry["status"] = "unreadable"
+        entry["problem"] = str(e)
+        return entry
+    entry["num_tensors"] = rep["num_tensors"]
+    entry["tensor_bytes"] = rep["total_bytes"]
+    return entry
+
+
+def _root_report(path: epath.Path) -> dict[str, Any]:
+    scanned = scan_steps(path)
+    steps = [_root_step(s) for s in scanned if s.committed]
+    latest = steps[-1]["step"] if steps else None
+    warnings = []
+    for s in steps:
+        if s["status"] == "incomplete":
+            warnings.append(incomplete_warning(s["step"], s["path"], s["missing"], latest))
+        elif s["status"] == "unreadable":
+            warnings.append(f"step {s['step']} cannot be read: {s['problem']}")
+    return {
+        "path": str(path),
+        "kind": "root",
+        "steps": steps,  # the steps mngr.all_steps() lists
+        "latest_step": latest,
+        "uncommitted": [
+            {"step": s.step, "name": s.path.name, "path": str(s.path), "reason": s.reason}
+            for s in scanned
+            if not s.committed
+        ],
+        "warnings": warnings,
+    }
+
+
 def inspect_path(path: epath.PathLike) -> dict[str, Any]:
     """A JSON-able description of ``path`` (see the module docstring for the kinds).
 
-    For a root: the steps with their items, tensor counts, tensor bytes and bytes on disk.
+    For a root: the committed steps (those ``mngr.all_steps()`` lists) with their items, tensor
+    counts, tensor bytes and bytes on disk, each with a ``status`` (``ok``; ``incomplete`` when
+    parts are missing, ``unreadable`` when a file is damaged, both with a ``problem``), the
+    uncommitted step directories (``uncommitted``, with the reason) and ``warnings``.
     Otherwise every tensor's name, dtype, shape, bytes and file, with totals.
 
     Example::
@@ -520,33 +769,18 @@ def inspect_path(path: epath.PathLike) -> dict[str, Any]:
     path = epath.Path(path)
     kind = classify(path)
     if kind == "root":
-        steps = []
-        for number, step_path in list_steps(path):
-            if _shallow_kind(step_path) in TENSOR_KINDS:  # a step that is itself an item
-                rep = _source_report(open_source(step_path))
-                items = [""]
-            else:
-                rep = _step_report(step_path)
-                items = [*rep["items"], *rep["other_items"]]
-            steps.append(
-                {
-                    "step": number,
-                    "name": step_path.name,
-                    "path": str(step_path),
-                    "items": items,
-                    "num_tensors": rep["num_tensors"],
-                    "tensor_bytes": rep["total_bytes"],
-                    "disk_bytes": _disk_bytes(step_path),
-                }
-            )
-        return {
-            "path": str(path),
-            "kind": "root",
-            "steps": steps,
-            "latest_step": steps[-1]["step"] if steps else None,
-        }
+        return _root_report(path)
     if kind == "step":
-        return _step_report(path)
+        reason = uncommitted_reason(path)
+        try:
+            report = _step_report(path)
+        except _READ_ERRORS as e:
+            if reason is None:
+                raise
+            raise SafetensorsCheckpointError(f"{path}: uncommitted step ({reason}): {e}") from e
+        if reason is not None:
+            report["uncommitted"] = reason
+        return report
     if kind == "other":
         raise SafetensorsCheckpointError(
             f"{path}: not a safetensors file, checkpoint item, Orbax item, step or root"
@@ -603,21 +837,30 @@ def format_report(report: Mapping[str, Any]) -> str:
     kind = report["kind"]
     if kind == "root":
         lines.append(f"{report['path']}: CheckpointManager root, {len(report['steps'])} step(s)")
-        rows = [
-            [
+        headers = ["step", "items", "tensors", "tensor bytes", "on disk"]
+        flagged = any(s["status"] != "ok" for s in report["steps"])
+        rows = []
+        for s in report["steps"]:
+            row = [
                 str(s["step"]),
                 ",".join(s["items"]) or "-",
-                str(s["num_tensors"]),
-                str(s["tensor_bytes"]),
+                "-" if s["num_tensors"] is None else str(s["num_tensors"]),
+                "-" if s["tensor_bytes"] is None else str(s["tensor_bytes"]),
                 human_bytes(s["disk_bytes"]),
             ]
-            for s in report["steps"]
-        ]
-        lines += _table(["step", "items", "tensors", "tensor bytes", "on disk"], rows, {0, 2, 3, 4})
+            rows.append([*row, s["status"].upper()] if flagged else row)
+        lines += _table([*headers, "status"] if flagged else headers, rows, {0, 2, 3, 4})
         if report["steps"]:
             lines.append(f"latest step: {report['latest_step']}")
+        for u in report["uncommitted"]:
+            lines.append(f"uncommitted (not listed by Orbax): {u['name']}: {u['reason']}")
+        lines += [f"warning: {w}" for w in report["warnings"]]
         return "\n".join(lines)
     if kind == "step":
+        if report.get("uncommitted"):
+            lines.append(
+                f"warning: uncommitted step, Orbax does not list it: {report['uncommitted']}"
+            )
         lines.append(
             f"{report['path']}: step with item(s) {', '.join(report['items']) or '-'}"
             + (

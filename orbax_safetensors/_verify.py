@@ -7,9 +7,18 @@ built and memory stays at one chunk, whatever the checkpoint's size.
 
 It accepts a ``.safetensors`` file (a file of a checkpoint directory is checked against that
 directory's metadata and checksums), a checkpoint directory (``orbax_safetensors.json``
-inside), an Orbax step directory (item directories inside) or a ``CheckpointManager`` root
-(every committed step; Orbax's uncommitted ``*.orbax-checkpoint-tmp*`` directories are skipped
-and listed in ``skipped``).
+inside), an Orbax step directory (item directories inside) or a ``CheckpointManager`` root.
+
+In a root, the steps checked are exactly those Orbax lists (``mngr.all_steps()``), as
+:func:`orbax_safetensors._inspect.scan_steps` decides: uncommitted steps (Orbax's
+``*.orbax-checkpoint-tmp*`` directories, and commit-file steps without ``commit_success.txt``)
+are skipped and listed in ``skipped``, never checked as complete. A committed step with parts
+missing (an item, a metadata file, a safetensors file) is listed in ``incomplete`` and is a
+problem like any other damage: Orbax lists it but cannot restore it, so ``ok`` is False (the
+command line exits with status 1). Every other step is still checked. When such a step is older
+than the latest one, ``warnings`` says so: most likely a crash interrupted Orbax's deletion of
+that old step (``max_to_keep``), and the latest step is unaffected. A step directory named
+directly that is not committed is a problem too (and is not checked).
 
 Example::
 
@@ -30,7 +39,17 @@ from typing import Any
 import jax
 from etils import epath
 
-from orbax_safetensors import _api, _checkpoint, _checksum, _dtypes, _format, _io, _plan, _tree
+from orbax_safetensors import (
+    _api,
+    _checkpoint,
+    _checksum,
+    _dtypes,
+    _format,
+    _inspect,
+    _io,
+    _plan,
+    _tree,
+)
 from orbax_safetensors._errors import SafetensorsCheckpointError, SchemaError
 from orbax_safetensors._reader import StoredTensor
 from orbax_safetensors._restore import wrap_key
@@ -54,7 +73,9 @@ class VerifyReport:
       bytes: tensor bytes read and checksummed.
       unverified: tensors without a recorded checksum (``file: tensor``); their headers are
         valid but their bytes cannot be checked. Not a problem: plain safetensors files have none.
-      skipped: uncommitted Orbax temporary directories that were not examined.
+      skipped: uncommitted steps (and Orbax temporary directories) that were not examined.
+      incomplete: committed steps with parts missing (each is also in ``problems``).
+      warnings: what the problems probably mean (e.g. an old step half-deleted by a crash).
     """
 
     ok: bool = True
@@ -64,6 +85,8 @@ class VerifyReport:
     bytes: int = 0
     unverified: list[str] = dataclasses.field(default_factory=list)
     skipped: list[str] = dataclasses.field(default_factory=list)
+    incomplete: list[str] = dataclasses.field(default_factory=list)
+    warnings: list[str] = dataclasses.field(default_factory=list)
 
     def _problem(self, message: str) -> None:
         if message not in self.problems:
@@ -102,9 +125,16 @@ def verify(path: epath.PathLike, *, chunk_bytes: int = CHUNK_BYTES) -> VerifyRep
             checker.item(path.parent, only=path.name)  # one file of a checkpoint directory
         else:
             checker.file(path)
+    elif (reason := _inspect.uncommitted_reason(path)) is not None:
+        report.skipped.append(str(path))
+        report._problem(f"{path}: uncommitted step, not checked ({reason}); Orbax does not list it")
     elif (path / _checkpoint.METADATA_FILE).exists():
         checker.item(path)
-    elif not checker.tree(path, depth=0):
+    elif not (
+        checker.step(path, depth=0)  # one step directory
+        if (path / _inspect.CHECKPOINT_METADATA_FILE).exists()
+        else checker.tree(path, depth=0)
+    ):
         report._problem(
             f"{path}: no orbax-safetensors checkpoint or .safetensors file found "
             "(expected a file, a checkpoint directory, a step directory or a manager root)"
@@ -121,15 +151,26 @@ class _Checker:
     def __init__(self, report: VerifyReport, chunk_bytes: int) -> None:
         self.report = report
         self.chunk_bytes = chunk_bytes
+        self.missing: dict[epath.Path, list[str]] = {}  # incomplete steps: their missing parts
 
     # ----------------------------------------------------------------- walking
 
     def tree(self, path: epath.Path, depth: int) -> bool:
-        """A manager root (depth 0) or step directory: checks what it holds; False if nothing."""
+        """A manager root (depth 0) or step directory: checks what it holds; False if nothing.
+
+        The committed steps of a root are checked as steps (:meth:`step`), its uncommitted
+        ones skipped; other directories and files are checked for what they hold.
+        """
+        steps: dict[str, _inspect.StepDir] = {}
+        if depth == 0 and not (path / _inspect.CHECKPOINT_METADATA_FILE).exists():
+            steps = {s.path.name: s for s in _inspect.scan_steps(path)}
         found = False
         for child in sorted(path.iterdir(), key=_natural):
-            if _TMP_MARKER in child.name:
+            step = steps.get(child.name)
+            if _TMP_MARKER in child.name or (step is not None and not step.committed):
                 self.report.skipped.append(str(child))
+            elif step is not None:
+                found = self.step(child) or found
             elif child.is_dir():
                 if (child / _checkpoint.METADATA_FILE).exists():
                     self.item(child)
@@ -139,7 +180,31 @@ class _Checker:
             elif depth == 0 and child.name.endswith(".safetensors"):
                 self.file(child)
                 found = True
+        committed = [s for s in steps.values() if s.committed]
+        latest = max((s.step for s in committed), default=None)
+        for s in sorted(committed, key=lambda s: s.step):
+            if s.path in self.missing:
+                self.report.warnings.append(
+                    _inspect.incomplete_warning(s.step, s.path, self.missing[s.path], latest)
+                )
         return found
+
+    def step(self, path: epath.Path, depth: int = 1) -> bool:
+        """A committed step: its items (or the step itself, when it is an item), after checking
+        that no part of it is missing. False if it holds nothing of ours."""
+        missing = _inspect.missing_parts(path)
+        if missing:
+            self.missing[path] = missing
+            self.report.incomplete.append(str(path))
+            self.report._problem(
+                f"{path}: incomplete step, missing {', '.join(missing)} (Orbax lists this "
+                "step but cannot restore it)"
+            )
+            return True
+        if (path / _checkpoint.METADATA_FILE).exists():
+            self.item(path)
+            return True
+        return self.tree(path, depth=depth)
 
     # ----------------------------------------------------------------- one file
 

@@ -54,6 +54,8 @@ def _verify_cmd(args: argparse.Namespace) -> int:
             "bytes": report.bytes,
             "unverified": list(getattr(report, "unverified", [])),
             "skipped": list(getattr(report, "skipped", [])),
+            "incomplete": list(getattr(report, "incomplete", [])),
+            "warnings": list(getattr(report, "warnings", [])),
         }
         print(json.dumps(doc, indent=1))
     elif report.ok:
@@ -71,6 +73,8 @@ def _verify_cmd(args: argparse.Namespace) -> int:
             print(f"  {len(unverified)} tensor(s) have no recorded checksum (headers checked only)")
         for skipped in getattr(report, "skipped", []):
             print(f"  skipped uncommitted {skipped}")
+        for warning in getattr(report, "warnings", []):
+            print(f"  warning: {warning}")
     return EXIT_OK if report.ok else EXIT_DIFFERENT
 
 
@@ -135,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Prints a table of tensors (name, dtype, shape, bytes, file) with totals. "
         "PATH may be a .safetensors file, a checkpoint item directory, a plain safetensors "
         "directory (Hugging Face style), an Orbax-native item, a step directory (every item) "
-        "or a CheckpointManager root (then the steps and their sizes).",
+        "or a CheckpointManager root (then the steps Orbax lists and their sizes, flagging "
+        "incomplete steps, and the uncommitted ones).",
     )
     inspect.add_argument("path", help="file, item, step or root directory")
     inspect.add_argument("--json", action="store_true", help="print machine-readable JSON")
@@ -145,8 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
         "verify",
         help="check headers and checksums; exit status 1 on damage",
         description="Checks the headers, metadata and CRC32C checksums of a .safetensors file, "
-        "a checkpoint item, a step or a CheckpointManager root. Prints every problem found and "
-        "exits with status 1 when there is any damage, 0 when all is well.",
+        "a checkpoint item, a step or a CheckpointManager root (the steps Orbax lists: "
+        "uncommitted steps are skipped, a step with missing parts is reported as incomplete). "
+        "Prints every problem found and exits with status 1 when there is any damage or "
+        "missing part, 0 when all is well.",
     )
     verify.add_argument("path", help="file, item, step or root directory")
     verify.add_argument("--json", action="store_true", help="print machine-readable JSON")
