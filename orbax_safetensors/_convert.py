@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -60,7 +61,16 @@ class ConvertSummary:
 # --------------------------------------------------------------------------- helpers
 
 
+def _stderr_is_terminal() -> bool:
+    try:
+        return sys.stderr is not None and sys.stderr.isatty()
+    except (AttributeError, ValueError, OSError):  # no isatty, or a closed stream
+        return False
+
+
 def _progress_bar(total: int, desc: str, progress: bool | None) -> Any:
+    """A tqdm bar on stderr, shown only when stderr is a terminal (never mixed into piped or
+    redirected output) and ``progress`` is not False."""
     from tqdm import tqdm
 
     return tqdm(
@@ -69,7 +79,8 @@ def _progress_bar(total: int, desc: str, progress: bool | None) -> Any:
         unit="B",
         unit_scale=True,
         unit_divisor=1024,
-        disable=None if progress is None else not progress,
+        file=sys.stderr,
+        disable=progress is False or not _stderr_is_terminal(),
         mininterval=0.5,
         leave=False,
     )
@@ -181,7 +192,7 @@ def orbax_item_to_safetensors(
         names match ``nnx.state(model)`` here (``layers.0.kernel``, not ``...kernel.value``).
       max_file_size: split into ``model-0000i-of-0000n.safetensors`` files above this size.
       batch_bytes: tensor bytes held in memory at once.
-      progress: show a progress bar (None: only on a terminal).
+      progress: False: no progress bar; True or None: a bar on stderr when it is a terminal.
 
     Example::
 
@@ -480,7 +491,7 @@ def convert(
         the names match ``nnx.state(model)`` here (Orbax -> safetensors only).
       max_file_size: split safetensors output into files of at most this many bytes.
       batch_bytes: tensor bytes held in memory at once (Orbax -> safetensors).
-      progress: show a progress bar (None: only on a terminal).
+      progress: False: no progress bar; True or None: a bar on stderr when it is a terminal.
 
     Returns:
       A :class:`ConvertSummary`.

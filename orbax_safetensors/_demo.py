@@ -75,6 +75,21 @@ def _manager(directory: str) -> Any:
     return ocp.CheckpointManager(directory, options=options)
 
 
+def _stderr_is_terminal() -> bool:
+    try:
+        return sys.stderr is not None and sys.stderr.isatty()
+    except (AttributeError, ValueError, OSError):  # no isatty, or a closed stream
+        return False
+
+
+def _note(text: str) -> None:
+    """A line on stdout that does not break the progress bar (on stderr, if shown)."""
+    from tqdm import tqdm
+
+    tqdm.write(text, file=sys.stdout)
+    sys.stdout.flush()
+
+
 def run_training(directory: str, start_fresh: bool, total_steps: int, crash_at: int | None) -> None:
     """Trains, checkpointing every SAVE_EVERY steps; optionally SIGKILLs itself at ``crash_at``."""
     import orbax.checkpoint as ocp
@@ -110,7 +125,8 @@ def run_training(directory: str, start_fresh: bool, total_steps: int, crash_at: 
         unit="step",
         initial=start,
         total=total_steps,
-        file=sys.stdout,
+        file=sys.stderr,
+        disable=not _stderr_is_terminal(),  # a bar only on a terminal, never in piped output
         mininterval=0.5,
     )
     loss = float("nan")
@@ -126,7 +142,7 @@ def run_training(directory: str, start_fresh: bool, total_steps: int, crash_at: 
         done = step + 1
         if done in replayed and done == start + 1:
             same = "identical" if replayed[done] == loss else "DIFFERENT"
-            tqdm.write(
+            _note(
                 f"  step {done}: loss {loss:.6f}; the crashed run had {replayed[done]:.6f} "
                 f"at this step ({same}: training continues exactly where it stopped)"
             )
@@ -143,10 +159,10 @@ def run_training(directory: str, start_fresh: bool, total_steps: int, crash_at: 
                     meta=ocp.args.JsonSave({"loss": loss, "step": done}),
                 ),
             )
-            tqdm.write(f"  step {done}: loss {loss:.4f}, async checkpoint started")
+            _note(f"  step {done}: loss {loss:.4f}, async checkpoint started")
         if crash_at is not None and done == crash_at:
-            tqdm.write(f"  step {done}: simulating a crash (SIGKILL), with no chance to clean up")
-            sys.stdout.flush()
+            _note(f"  step {done}: simulating a crash (SIGKILL), with no chance to clean up")
+            sys.stderr.flush()
             os.kill(os.getpid(), signal.SIGKILL)
     mngr.wait_until_finished()
     mngr.close()

@@ -21,11 +21,12 @@ Writes:
     ``<dir>/.osf-parts/<file>/`` plus a small manifest; the primary's ``finalize_directory``
     joins them. GCS: ranges are part objects, composed in offset order (<= 32 sources per call,
     in a tree). S3: one multipart upload per file, created by the primary before anyone writes
-    (ids shared through the JAX coordination service); each process uploads the interior of its
-    large ranges straight into that upload as parts numbered by offset; its small ranges and the
-    first and last 5 MiB of each large range go into one "loose" object, from which the primary
-    builds the remaining parts (UploadPartCopy when a range is >= 5 MiB, download and upload
-    otherwise) so that every part but the last is >= 5 MiB. See ``docs/object-storage.md``.
+    (ids broadcast to every process with ``jax.experimental.multihost_utils``); each process
+    uploads the interior of its large ranges straight into that upload as parts numbered by
+    offset; its small ranges and the first and last 5 MiB of each large range go into one
+    "loose" object, from which the primary builds the remaining parts (UploadPartCopy when a
+    range is >= 5 MiB, download and upload otherwise) so that every part but the last is
+    >= 5 MiB. See ``docs/object-storage.md``.
 
 Reads: ``ObjectReader.read_runs`` coalesces runs whose gaps are <= ``max_gap`` (as the local
 reader does), splits the result into HTTP range requests of <= ``max_request_bytes`` and runs at
@@ -103,7 +104,8 @@ class ObjectStoreOptions:
       read_timeout: seconds without data before a request counts as failed (and is retried).
       gcs_min_object: a process's contiguous range shorter than this goes into its loose object
         instead of a part object of its own (GCS multi-process writes).
-      coordination_timeout: seconds a process waits for the primary's S3 upload ids.
+      coordination_timeout: no longer used (the S3 upload ids now travel in a JAX collective,
+        under JAX's own timeouts); kept so that existing settings still load.
     """
 
     max_in_flight: int = 8
@@ -334,7 +336,7 @@ def _call(url: str, operation: str, fn: Callable[[], _T]) -> _T:
             result = fn()
             _trace(f"{time.perf_counter() - start:8.3f}s {operation} {url}")
             return result
-        except (FileNotFoundError, EOFError, ObjectStoreError):
+        except (FileNotFoundError, EOFError, ObjectStoreError, ImportError):
             raise
         except Exception as error:
             if _not_found(error):
@@ -500,6 +502,33 @@ def _fsspec_conf(protocol: str) -> dict[str, Any]:
     return dict(conf) if isinstance(conf, Mapping) else {}
 
 
+def _missing_client(scheme: str, package: str, extra: str, error: ImportError) -> ImportError:
+    return ImportError(
+        f"{scheme}:// paths need {package}, which is not installed here ({error}); "
+        f"install it with: pip install 'orbax-safetensors[{extra}]'",
+        name=error.name,
+    )
+
+
+def _import_boto3() -> tuple[Any, Any]:
+    """``(boto3, botocore.config.Config)``, or an ImportError naming the ``[s3]`` extra."""
+    try:
+        import boto3
+        from botocore.config import Config
+    except ImportError as error:
+        raise _missing_client("s3", "boto3", "s3", error) from error
+    return boto3, Config
+
+
+def _import_gcs() -> Any:
+    """``google.cloud.storage``, or an ImportError naming the ``[gcs]`` extra."""
+    try:
+        from google.cloud import storage
+    except ImportError as error:
+        raise _missing_client("gs", "google-cloud-storage", "gcs", error) from error
+    return storage
+
+
 class _S3:
     """S3 (or an S3-compatible server) through boto3: one thread-safe client per configuration."""
 
@@ -525,8 +554,7 @@ class _S3:
             client = self._clients.get(key)
         if client is not None:
             return client
-        import boto3
-        from botocore.config import Config
+        boto3, Config = _import_boto3()
 
         kwargs: dict[str, Any] = {}
         client_kwargs = conf.get("client_kwargs") or {}
@@ -726,8 +754,7 @@ class _GCS:
         cached = getattr(self._local, "client", None)
         if cached is not None and cached[0] == env:
             return cached[1]
-        from google.cloud import storage
-
+        storage = _import_gcs()
         client = storage.Client()
         # google-cloud-storage >= 3.15 fetches every bucket's metadata in a background thread
         # per client, for tracing attributes only: an extra request per thread and bucket.
@@ -1297,51 +1324,153 @@ def _write_ranges(
     _call(url, f"PUT manifest {mkey}", lambda: store.put(bucket, mkey, data))
 
 
-# S3 upload ids shared before anyone writes ------------------------------------------------
+# Before anyone writes (S3): the commit scheme, shared upload ids -------------------------
+
+# Orbax's AtomicRenameTemporaryPath writes a step into ``<step><suffix>`` (and each item into
+# ``<item><suffix>``) and renames it when done (orbax.checkpoint.path.atomicity.TMP_DIR_SUFFIX;
+# older Orbax versions appended a timestamp to it). CommitFileTemporaryPath writes in place.
+_ORBAX_RENAME_SUFFIX = ".orbax-checkpoint-tmp"
+
+
+def check_commit_scheme(directory: str) -> None:
+    """Raises if Orbax will commit the save into ``directory`` by renaming it on ``s3://``.
+
+    Orbax's default ``AtomicRenameTemporaryPath`` renames the temporary step (and item)
+    directory once every file is written; S3 has no rename (fsspec copies and deletes, and
+    fails on the directory prefixes), so such a save would upload everything and then fail in
+    Orbax's background commit. The item directory then lies under ``<step>.orbax-checkpoint-tmp``
+    or is ``<item>.orbax-checkpoint-tmp`` itself; under ``CommitFileTemporaryPath`` it is
+    ``<root>/<step>/<item>``.
+    """
+    directory = os.fspath(directory).rstrip("/")
+    if not directory.startswith("s3://"):
+        return
+    parts = directory.split("/")
+    flagged = [
+        i for i in range(max(3, len(parts) - 2), len(parts)) if _ORBAX_RENAME_SUFFIX in parts[i]
+    ]
+    if not flagged:
+        return
+    root = "/".join(parts[: flagged[0]])
+    from orbax_safetensors._errors import SafetensorsCheckpointError
+
+    raise SafetensorsCheckpointError(
+        f"{directory}: Orbax is saving this step into a temporary directory that it renames "
+        "when done (its default AtomicRenameTemporaryPath), and S3 cannot rename: the commit "
+        "would fail after every upload. Create the manager with "
+        f"ocp.CheckpointManager({root!r}, options=osf.manager_options_for({root!r}, ...)) "
+        "(for an ocp.Checkpointer: temporary_path_class="
+        "ocp.path.atomicity.CommitFileTemporaryPath). No tensor data was uploaded."
+    )
+
+
+def _let_orbax_create_directories(timeout: float = 60.0) -> None:
+    """Waits (at most ``timeout`` seconds) until Orbax has created this save's directories.
+
+    Orbax starts creating the step and item directories in a background thread before it calls
+    the handler. A ``save()`` that raises before they exist leaves that thread racing
+    ``close()``, which shuts down the executor it writes the step metadata with; the thread
+    then dies before signalling, and a thread waiting for its signal keeps the process from
+    exiting until Orbax's coordination timeout. This waits for the same signals the handler's
+    own writes wait for, through the same public ``orbax.checkpoint.future`` class.
+    """
+    from orbax.checkpoint import future as ocp_future
+
+    async def nothing() -> None:
+        return None
+
+    with contextlib.suppress(Exception):  # best effort: the caller's error matters more
+        ocp_future.CommitFutureAwaitingContractedSignals(
+            nothing(), name="osf_refused_save", timeout_secs=int(timeout)
+        ).result(timeout=timeout)
 
 
 @dataclasses.dataclass
 class _Uploads:
     """The multipart uploads of one checkpoint directory (S3, multi-process saves)."""
 
-    kv_key: str
-    ids: dict[str, str] | None = None  # file name -> UploadId, once known
-    error: str | None = None
-    created_here: bool = False
+    ids: dict[str, str]  # file name -> UploadId
+    created_here: bool  # by this process (the primary), which completes or aborts them
 
 
 _directories: dict[str, _Uploads] = {}
-_sequence: dict[str, int] = {}
 _MAX_REMEMBERED = 64
+_MIN_BROADCAST_BYTES = 256  # smallest padded length of _broadcast_json's bytes
 
 
-def _kv_client() -> Any:
-    from orbax.checkpoint import multihost
+def _broadcast_json(doc: Any, *, is_source: bool) -> Any:
+    """``doc`` of the process where ``is_source`` is True, returned on every process.
 
-    return multihost.get_jax_distributed_client()
+    A collective: every process calls it at the same point of its main thread. Two calls of
+    the public ``jax.experimental.multihost_utils.broadcast_one_to_all`` (same signature in
+    jax 0.6 to 0.10; it sums the source's array with zeros from the others): the length of the
+    JSON text, then its bytes, one per int32 (a reduction every backend has), padded to a power
+    of two (few distinct shapes, so few compilations).
+    """
+    from jax.experimental import multihost_utils
+
+    data = json.dumps(doc).encode() if is_source else b""
+    length = multihost_utils.broadcast_one_to_all(
+        np.array([len(data)], dtype=np.int32), is_source=is_source
+    )
+    n = int(np.asarray(length).reshape(-1)[0])
+    buffer = np.zeros(max(_MIN_BROADCAST_BYTES, 1 << max(0, n - 1).bit_length()), np.int32)
+    if is_source:
+        buffer[:n] = np.frombuffer(data, dtype=np.uint8)
+    out = np.asarray(multihost_utils.broadcast_one_to_all(buffer, is_source=is_source))
+    return json.loads(out[:n].astype(np.uint8).tobytes()) if n else None
 
 
 def prepare_directory(
     directory: str, files: Sequence[tuple[str, int]], *, is_primary: bool
 ) -> None:
-    """Main-thread step before a multi-process save into ``directory`` (S3 only).
+    """Main-thread step of every process before a save into ``directory`` (S3 only).
 
-    The primary creates one multipart upload per file large enough to hold parts from several
-    processes and publishes the UploadIds in the JAX coordination service's key-value store;
-    the others look them up when they write. Every process must call this for every save, in
-    the same order. Does nothing for one process or on GCS.
+    Refuses a save Orbax would commit by renaming (see :func:`check_commit_scheme`). In a
+    multi-process job the primary then creates one multipart upload per file large enough to
+    hold parts from several processes, and every process receives the UploadIds through
+    :func:`_broadcast_json` (a JAX collective). Every process must call this for every save, in
+    the same order; if the primary fails, every process raises. Does nothing on GCS.
     """
     import jax
 
+    from orbax_safetensors._errors import SafetensorsCheckpointError
+
     directory = os.fspath(directory).rstrip("/")
-    if not directory.startswith("s3://") or jax.process_count() <= 1:
+    if not directory.startswith("s3://"):
         return
-    seq = _sequence.get(directory, 0) + 1
-    _sequence[directory] = seq
-    entry = _Uploads(kv_key=f"orbax_safetensors/s3_uploads/{seq}/{directory}")
-    _remember(directory, entry)
-    if not is_primary:
+    try:
+        check_commit_scheme(directory)  # the same answer on every process
+    except SafetensorsCheckpointError:
+        _let_orbax_create_directories()
+        raise
+    if jax.process_count() <= 1:
         return
+    ids: dict[str, str] = {}
+    failure: BaseException | None = None
+    if is_primary:
+        try:
+            ids = _create_uploads(directory, files)
+        except BaseException as error:  # every process must still reach the broadcast
+            failure = error
+    sent = {"uploads": ids} if failure is None else {"error": _describe(failure)}
+    try:
+        doc = _broadcast_json(sent, is_source=is_primary)
+    except BaseException:
+        _abort_uploads(directory, ids)
+        raise
+    if failure is not None:
+        raise failure
+    if not isinstance(doc, dict) or not isinstance(doc.get("uploads"), dict):
+        reason = doc.get("error") if isinstance(doc, dict) else "no process sent the upload ids"
+        raise ObjectStoreError(
+            directory, "starting the multipart uploads (primary)", 1, RuntimeError(reason)
+        )
+    _remember(directory, _Uploads(ids=dict(doc["uploads"]), created_here=is_primary))
+
+
+def _create_uploads(directory: str, files: Sequence[tuple[str, int]]) -> dict[str, str]:
+    """One multipart upload per file large enough for direct parts (primary); all or none."""
     store, bucket, key = _resolve(directory)
     assert isinstance(store, _S3)
     ids: dict[str, str] = {}
@@ -1354,14 +1483,19 @@ def prepare_directory(
                     "CreateMultipartUpload",
                     functools.partial(store.create_upload, bucket, obj),
                 )
-    except BaseException as error:
-        for name, upload_id in ids.items():
-            store.abort_upload(bucket, f"{key}/{name}" if key else name, upload_id)
-        _kv_client().key_value_set(entry.kv_key, json.dumps({"error": str(error)}))
+    except BaseException:
+        _abort_uploads(directory, ids)
         raise
-    entry.ids = ids
-    entry.created_here = True
-    _kv_client().key_value_set(entry.kv_key, json.dumps({"uploads": ids}))
+    return ids
+
+
+def _abort_uploads(directory: str, ids: Mapping[str, str]) -> None:
+    if not ids:
+        return
+    store, bucket, key = _resolve(directory)
+    assert isinstance(store, _S3)
+    for name, upload_id in ids.items():
+        store.abort_upload(bucket, f"{key}/{name}" if key else name, upload_id)
 
 
 def _remember(directory: str, entry: _Uploads) -> None:
@@ -1373,29 +1507,11 @@ def _remember(directory: str, entry: _Uploads) -> None:
 
 
 def _upload_id_for(url: str) -> str | None:
+    """The shared multipart upload of the file at ``url``, if :func:`prepare_directory` made one."""
     directory, _, name = url.rpartition("/")
     with _lock:
         entry = _directories.get(directory)
-    if entry is None:
-        return None
-    if entry.ids is None and entry.error is None:
-        timeout_ms = int(get_object_store_options().coordination_timeout * 1000)
-        try:
-            doc = json.loads(_kv_client().blocking_key_value_get(entry.kv_key, timeout_ms))
-        except Exception as error:
-            raise ObjectStoreError(
-                directory,
-                "waiting for the primary's multipart upload ids",
-                1,
-                error,
-            ) from error
-        entry.ids = doc.get("uploads")
-        entry.error = doc.get("error")
-    if entry.error is not None:
-        raise ObjectStoreError(
-            directory, "starting the multipart uploads (primary)", 1, RuntimeError(entry.error)
-        )
-    return (entry.ids or {}).get(name)
+    return None if entry is None else entry.ids.get(name)
 
 
 # Finalize (primary, after every process wrote) -------------------------------------------
@@ -1415,9 +1531,6 @@ def finalize_directory(directory: str) -> None:
     with _lock:
         entry = _directories.pop(directory, None)
     if not listing and (entry is None or not entry.ids):
-        if entry is not None and entry.created_here:
-            with contextlib.suppress(Exception):
-                _kv_client().key_value_delete(entry.kv_key)
         return  # every file was written whole (by one process): nothing to join
     manifests: dict[str, list[dict[str, Any]]] = {}
     for obj in sorted(listing):
@@ -1430,7 +1543,7 @@ def finalize_directory(directory: str) -> None:
                 functools.partial(store.get_upto, bucket, obj, 0, listing[obj] + 1),
             )
             manifests.setdefault(name, []).append(json.loads(data))
-    created = (entry.ids or {}) if entry is not None and entry.created_here else {}
+    created = entry.ids if entry is not None and entry.created_here else {}
     try:
         for name, docs in sorted(manifests.items()):
             url = f"{directory}/{name}"
@@ -1442,9 +1555,6 @@ def finalize_directory(directory: str) -> None:
         for name, upload_id in created.items():
             if name not in manifests and isinstance(store, _S3):  # written whole by one process
                 store.abort_upload(bucket, f"{base}{name}", upload_id)
-        if entry is not None and entry.created_here:
-            with contextlib.suppress(Exception):
-                _kv_client().key_value_delete(entry.kv_key)
     leftovers = _call(
         f"{directory}/{PARTS_DIR}/",
         "LIST parts",

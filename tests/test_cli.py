@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -363,10 +364,62 @@ def test_convert_manager_root_both_ways(orbax_root, tmp_dir, capsys):
     assert code == 0, out
 
 
-def test_convert_shows_progress_and_refuses_to_overwrite(orbax_root, tmp_dir, capsys):
-    code, _, err = run(capsys, "convert", orbax_root / "1", tmp_dir / "st")
+# tqdm's marks: a redraw, a bar, a rate, a percentage followed by a bar.
+_PROGRESS_MARKS = re.compile(r"\r|[\u2588-\u258f]|[?\d][kMGTP]?(it|B|step)/s|\d%\|")
+
+
+def _cli_process(*argv, stderr_terminal=False):
+    """Runs the console script in a child process, stdout a pipe and stderr a pipe or (with
+    ``stderr_terminal``) a pseudo-terminal; returns (exit status, stdout, stderr)."""
+    command = [sys.executable, "-m", "orbax_safetensors.cli", *map(str, argv)]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    if not stderr_terminal:
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+        return done.returncode, done.stdout, done.stderr
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 100 columns
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=slave, env=env) as proc:
+        os.close(slave)
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(master, 1 << 16)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        os.close(master)
+        out = proc.stdout.read().decode()
+        code = proc.wait(timeout=120)
+    return code, out, b"".join(chunks).decode(errors="replace")
+
+
+@pytest.mark.timeout(300)
+def test_convert_progress_bar_only_on_a_terminal(orbax_root, tmp_dir, capsys):
+    # Piped (a CI log, `| tee`): the result line only, no bar in either stream.
+    code, out, err = _cli_process("convert", orbax_root / "1", tmp_dir / "piped")
     assert code == 0, err
-    assert "convert state" in err  # the tqdm bar
+    assert "converted 2 tensors" in out
+    assert not _PROGRESS_MARKS.search(out) and not _PROGRESS_MARKS.search(err), (out, err)
+    assert "convert state" not in err
+    # stderr a terminal: the bar is drawn there, stdout stays clean.
+    code, out, err = _cli_process(
+        "convert", orbax_root / "1", tmp_dir / "terminal", stderr_terminal=True
+    )
+    assert code == 0, err
+    assert "convert state" in err  # the tqdm bar (the terminal turns every "\n" into "\r\n")
+    assert _PROGRESS_MARKS.search(err.replace("\r\n", "\n")), err
+    assert "converted 2 tensors" in out and not _PROGRESS_MARKS.search(out)
+    # In-process under pytest (stderr captured, not a terminal): no bar either.
+    code, out, err = run(capsys, "convert", orbax_root / "1", tmp_dir / "st")
+    assert code == 0, err
+    assert "convert state" not in err and "\r" not in err
     code, _, err = run(capsys, "convert", orbax_root / "1", tmp_dir / "st")
     assert code == 2 and "already exists" in err
     assert not [p for p in tmp_dir.iterdir() if ".converting-" in p.name]

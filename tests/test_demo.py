@@ -1,7 +1,8 @@
 """The demo (issue 3, point 7): ``orbax-safetensors demo DIR`` trains, crashes, resumes.
 
 Runs the real console script in a subprocess with a short run (110 steps: checkpoints at 50 and
-100, a SIGKILL at step 109, a resume, a final checkpoint at 110) and checks what it left.
+100, a SIGKILL at step 109, a resume, a final checkpoint at 110) and checks what it left, and
+that its piped output holds lines only (the progress bar is for terminals).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ STEPS = 110
 SAVE_EVERY = 50
 CRASH_AT = STEPS - 1
 MAX_TO_KEEP = 2
+# tqdm's marks: a redraw, a bar, a rate, a percentage followed by a bar.
+PROGRESS_MARKS = re.compile(r"\r|[\u2588-\u258f]|[?\d][kMGTP]?(it|B|step)/s|\d%\|")
 
 
 def _command() -> list[str]:
@@ -46,6 +49,10 @@ def test_demo_crashes_and_resumes_with_identical_losses(tmp_path: Path) -> None:
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
     assert f"checkpoints go to {root}" in out
+    # stdout and stderr are pipes here (as in a CI log): no progress bar in either, only lines.
+    for stream in (out, proc.stderr):
+        bar = PROGRESS_MARKS.search(stream)
+        assert bar is None, f"progress bar in piped output: {stream[max(0, bar.start() - 200) :]}"
     assert "simulating a crash (SIGKILL)" in out
 
     # It resumed from a committed checkpoint step written before the crash.

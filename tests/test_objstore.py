@@ -15,6 +15,9 @@ import json
 import re
 import socket
 import struct
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 import urllib.parse
@@ -29,8 +32,6 @@ import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-import safetensors.torch
-import torch
 
 import orbax_safetensors as osf
 from orbax_safetensors import _objstore
@@ -122,6 +123,9 @@ def pending_uploads(server: servers.ObjectStoreServer, url: str) -> list[Any]:
 
 def official_tensors(raw: bytes) -> dict[str, np.ndarray]:
     """Tensors of a safetensors file read by the official reader (bfloat16 -> float32)."""
+    import safetensors.torch  # (here: the object-store tests run where PyTorch is installed)
+    import torch
+
     out = {}
     for name, t in safetensors.torch.load(raw).items():
         out[name] = t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy()
@@ -410,6 +414,164 @@ def test_manager_options_for() -> None:
     assert osf.manager_options_for("/tmp/run").temporary_path_class is None
 
 
+@pytest.mark.parametrize(
+    "directory",
+    [
+        "s3://b/run/0.orbax-checkpoint-tmp/default.orbax-checkpoint-tmp",  # CheckpointManager
+        "s3://b/run/0.orbax-checkpoint-tmp/default",  # a rename only at the step level
+        "s3://b/ckpt.orbax-checkpoint-tmp",  # ocp.Checkpointer(handler).save("s3://b/ckpt")
+        "s3://b/run/ckpt_3.orbax-checkpoint-tmp-1700000000/default/",  # older Orbax, a prefix
+    ],
+)
+def test_rename_commit_on_s3_is_refused_naming_the_fix(directory: str) -> None:
+    with pytest.raises(osf.SafetensorsCheckpointError, match=r"osf\.manager_options_for"):
+        _objstore.check_commit_scheme(directory)
+
+
+@pytest.mark.parametrize(
+    "directory",
+    [
+        "s3://b/run/0/default",  # CommitFileTemporaryPath (osf.manager_options_for)
+        "s3://b.orbax-checkpoint-tmp/run/0/default",  # only the last two levels count
+        "gs://b/run/0.orbax-checkpoint-tmp/default.orbax-checkpoint-tmp",  # gcsfs can rename
+        "/tmp/run/0.orbax-checkpoint-tmp/default.orbax-checkpoint-tmp",
+    ],
+)
+def test_commit_file_and_other_stores_pass_the_check(directory: str) -> None:
+    _objstore.check_commit_scheme(directory)
+
+
+_DEFAULT_OPTIONS_CHILD = textwrap.dedent(
+    """
+    import json, sys, threading, time
+    import numpy as np
+    import orbax.checkpoint as ocp
+    import orbax_safetensors as osf
+
+    report = {}
+    for mode, root in zip(("async", "sync"), sys.argv[1:3]):
+        tree = {"w": np.arange(4 << 20, dtype=np.float32), "step": 0}  # 16 MiB: multipart
+        options = ocp.CheckpointManagerOptions(enable_async_checkpointing=mode == "async")
+        with ocp.CheckpointManager(root, options=options) as mngr:
+            try:
+                mngr.save(0, args=osf.SafetensorsSave(tree))
+            except Exception as error:
+                report[mode] = {
+                    "raised_in_save": True,
+                    "is_osf_error": isinstance(error, osf.SafetensorsCheckpointError),
+                    "message": str(error),
+                    "thread": threading.current_thread().name,
+                }
+            else:
+                report[mode] = {"raised_in_save": False}
+                try:
+                    mngr.wait_until_finished()
+                except Exception as error:
+                    report[mode]["later"] = repr(error)[:500]
+    report["done_at"] = time.time()
+    print(json.dumps(report), flush=True)
+    """
+)
+
+
+@pytest.mark.timeout(240)
+def test_default_manager_options_on_s3_fail_in_save_naming_the_fix(s3_server, s3_bucket) -> None:
+    """Orbax's default options rename the step directory at commit, which S3 cannot do: the
+    save is refused inside ``mngr.save()`` (async and sync), on the caller's thread, before any
+    upload, with the fix in the message; the process then exits at once (no hang)."""
+    roots = [f"{s3_bucket}/async", f"{s3_bucket}/sync"]
+    start = time.time()
+    proc = subprocess.run(
+        [sys.executable, "-c", _DEFAULT_OPTIONS_CHILD, *roots],
+        capture_output=True,
+        text=True,
+        env=s3_server.child_env(),
+        timeout=180,
+        check=False,
+    )
+    ended = time.time()
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert ended - report["done_at"] < 15, f"exit took {ended - report['done_at']:.1f} s"
+    assert ended - start < 150
+    for mode, root in zip(("async", "sync"), roots):
+        result = report[mode]
+        assert result["raised_in_save"], result
+        assert result["is_osf_error"] and result["thread"] == "MainThread"
+        message = result["message"]
+        assert "osf.manager_options_for" in message and f"manager_options_for('{root}'" in message
+        # Nothing of ours was uploaded; Orbax itself may have written its step metadata file
+        # into the temporary step directory before the handler ran.
+        keys = list_keys(s3_server, root)
+        assert set(keys) <= {"0.orbax-checkpoint-tmp/_CHECKPOINT_METADATA"}, keys
+    assert pending_uploads(s3_server, s3_bucket) == []
+
+    # The fix the message names works on the same root, and the refused attempt is not a step.
+    root = roots[0]
+    tree = sample_tree(big_rows=16)
+    with ocp.CheckpointManager(root, options=osf.manager_options_for(root)) as mngr:
+        mngr.save(0, args=osf.SafetensorsSave(tree))
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [0]
+        check_tree(mngr.restore(0, args=osf.SafetensorsRestore()), tree)
+
+
+_BLOCKED_IMPORT_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    sys.modules[sys.argv[1]] = None  # as if the package were not installed
+    import numpy as np
+    import orbax_safetensors as osf
+
+    url = sys.argv[2]
+    results = []
+    for call in (
+        lambda: osf.load_file(url),
+        lambda: osf.save_file({"w": np.zeros(4, np.float32)}, url),
+    ):
+        try:
+            call()
+            results.append(None)
+        except BaseException as error:
+            cause = error.__cause__
+            results.append(
+                {
+                    "type": type(error).__name__,
+                    "is_import_error": isinstance(error, ImportError),
+                    "message": str(error),
+                    "cause": type(cause).__name__ if cause is not None else None,
+                }
+            )
+    print(json.dumps(results))
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("module", "url", "extra"),
+    [
+        ("boto3", "s3://no-bucket/w.safetensors", "s3"),
+        ("google.cloud.storage", "gs://no-bucket/w.safetensors", "gcs"),
+    ],
+)
+def test_missing_client_library_names_the_extra(module: str, url: str, extra: str) -> None:
+    """A real ImportError in a child process (the module blocked in ``sys.modules``): loads and
+    saves fail with an ImportError that says which extra to install, chaining the original."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _BLOCKED_IMPORT_CHILD, module, url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for result in json.loads(proc.stdout.strip().splitlines()[-1]):
+        assert result is not None
+        assert result["is_import_error"], result
+        assert f"pip install 'orbax-safetensors[{extra}]'" in result["message"], result
+        assert result["cause"] in ("ImportError", "ModuleNotFoundError"), result
+
+
 def test_missing_object_is_file_not_found(store) -> None:
     _, bucket = store
     with pytest.raises(FileNotFoundError, match=r"nope\.safetensors"):
@@ -603,3 +765,40 @@ def test_two_processes_save_and_restore_on_s3_and_gcs(
             assert primary["copy_requests"] > 0 and other["multipart_parts"] > 0
         else:
             assert primary["compose_requests"] >= 2 * steps
+
+
+@pytest.mark.multihost
+@pytest.mark.timeout(300)
+def test_s3_upload_ids_reach_every_process_and_failures_are_symmetric(s3_server, s3_bucket) -> None:
+    """N=2 real jax.distributed processes: the primary's multipart upload ids reach every
+    process through a public JAX collective (also after ``import orbax.checkpoint.multihost``);
+    when the primary cannot create them, every process raises and none hangs; a default-options
+    manager save is refused in ``save()`` on every process; ``osf.manager_options_for`` works."""
+    root = f"{s3_bucket}/run"
+    results = run_workers(
+        "objstore_handoff_worker.py",
+        2,
+        args={
+            "bucket": s3_bucket,
+            "missing_bucket": f"s3://{servers.unique_bucket_name('osf-missing')}",
+            "root": root,
+        },
+        env=s3_server.child_env(),
+        timeout=240,
+    )
+    reports = [r.result for r in results]
+    for report in reports:
+        failed = report["failed"]
+        assert failed is not None and failed["type"] == "ObjectStoreError", report
+        assert "NoSuchBucket" in failed["message"], failed
+        default = report["default"]
+        assert default is not None and default["type"] == "SafetensorsCheckpointError", report
+        assert "osf.manager_options_for" in default["message"]
+        assert report["restored_ok"], report
+    primary, other = reports
+    assert "starting the multipart uploads (primary)" in other["failed"]["message"]
+    assert primary["ids"] == other["ids"] and sorted(primary["ids"]) == ["model.safetensors"]
+    assert other["multipart_parts"] > 0  # parts sent straight into the primary's upload
+    assert list_keys(s3_server, f"{s3_bucket}/handoff") == []
+    assert not any(k.endswith(".safetensors") for k in list_keys(s3_server, f"{root}-default"))
+    assert pending_uploads(s3_server, s3_bucket) == []
