@@ -13,6 +13,7 @@ attribute.
 | :func:`batched_device_put` | ``jax._src.interpreters.pxla.batched_device_put``, ``jax._src.core.ShapedArray`` | private | ``jax.device_put`` (``None`` here) |
 | :func:`single_device_key` | ``SingleDeviceSharding._device`` | private | the sharding itself as a dict key (``None`` here) |
 | :func:`nnx_list` | ``flax.nnx.List`` | public since flax 0.12 (needed there for lists of modules) | a plain ``list`` (what flax 0.11 takes) |
+| :func:`pytree_partial_restore` | ``PyTreeRestore(partial_restore=True)`` | public, newer than orbax-checkpoint 0.11.11 | ``PyTreeRestore(transforms={})``, which restores only what ``item`` holds |
 | :func:`orbax_waits_for_commit` | the qualnames of Orbax's synchronous save entry points | private | ``False``: the async path, a full host snapshot |
 
 Example::
@@ -22,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import types
@@ -118,6 +120,30 @@ def single_device_key(sharding: Any) -> Any:
         return None
     device = getattr(sharding, "_device", None)
     return None if device is None else (device, sharding.memory_kind)
+
+
+# -- PyTreeRestore(partial_restore=True) (newer than orbax-checkpoint 0.11.11) ----------------
+
+
+def pytree_partial_restore(item: Any, restore_args: Any) -> Any:
+    """``ocp.args.PyTreeRestore`` restoring only the leaves ``item`` holds.
+
+    Orbax versions that lack ``partial_restore`` get the same result from an empty
+    ``transforms`` dict, which restores exactly the keys of ``item``.
+    """
+    import orbax.checkpoint as ocp
+
+    fields = {f.name for f in dataclasses.fields(ocp.args.PyTreeRestore)}
+    if "partial_restore" in fields:
+        return ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+    return pytree_partial_restore_fallback(item, restore_args)
+
+
+def pytree_partial_restore_fallback(item: Any, restore_args: Any) -> Any:
+    """:func:`pytree_partial_restore` through ``transforms={}`` (every supported Orbax)."""
+    import orbax.checkpoint as ocp
+
+    return ocp.args.PyTreeRestore(item=item, restore_args=restore_args, transforms={})
 
 
 # -- Orbax's synchronous save entry points (private qualnames) -------------------------------

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import numpy as np
 from etils import epath
 
-from orbax_safetensors import _dtypes, _plan
+from orbax_safetensors import _compat, _dtypes, _plan
 from orbax_safetensors._errors import HeaderError, SafetensorsCheckpointError
 
 METADATA_FILE = "orbax_safetensors.json"  # same as _checkpoint.METADATA_FILE (no jax import)
@@ -529,7 +529,7 @@ class OrbaxSource:
         args = _select(self.tree, wanted, self._name_of_path(), restore_args)
         restored = ocp.PyTreeCheckpointer().restore(
             self.path,
-            args=ocp.args.PyTreeRestore(item=item, restore_args=args, partial_restore=True),
+            args=_compat.pytree_partial_restore(item, args),
         )
         out = {}
         flat, _ = jax.tree_util.tree_flatten_with_path(restored)

@@ -205,3 +205,19 @@ def test_no_private_names_outside_compat() -> None:
                 offenders.append(f"{path.relative_to(PACKAGE)}:{number}: {line.strip()}")
     assert not offenders, "\n".join(offenders)
     assert "_current_frames" not in (PACKAGE / "_compat.py").read_text()
+
+
+def test_partial_restore_fallback_restores_the_same_leaves(tmp_path: Path) -> None:
+    tree = {"a": np.arange(4.0), "b": {"c": np.ones((2, 2), np.int32), "d": np.zeros(3)}}
+    ckptr = ocp.PyTreeCheckpointer()
+    ckptr.save(tmp_path / "ck", args=ocp.args.PyTreeSave(tree))
+    item = {"b": {"c": 0}}
+    restore_args = {"b": {"c": ocp.RestoreArgs(restore_type=np.ndarray)}}
+    forms = [_compat.pytree_partial_restore_fallback(item, restore_args)]
+    forms.append(_compat.pytree_partial_restore(item, restore_args))
+    results = [ckptr.restore(tmp_path / "ck", args=args) for args in forms]
+    for restored in results:
+        assert jax.tree_util.tree_structure(restored) == jax.tree_util.tree_structure(item)
+        value = restored["b"]["c"]
+        assert type(value) is np.ndarray and value.dtype == np.int32
+        np.testing.assert_array_equal(value, tree["b"]["c"])
