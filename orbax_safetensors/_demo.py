@@ -15,6 +15,8 @@ import tempfile
 import time
 from typing import Any
 
+from orbax_safetensors import _compat
+
 DEFAULT_STEPS = 300
 SAVE_EVERY = 50
 CRASH_AT = 180
@@ -26,7 +28,7 @@ def _model_and_optimizer(seed: int) -> tuple[Any, Any]:
 
     class MLP(nnx.Module):
         def __init__(self, rngs: nnx.Rngs) -> None:
-            self.layers = nnx.List(
+            self.layers = _compat.nnx_list(  # nnx.List on flax >= 0.12
                 [
                     nnx.Linear(8, 64, rngs=rngs),
                     nnx.Linear(64, 64, rngs=rngs),

@@ -554,14 +554,18 @@ def orbax_metadata_tree(path: epath.PathLike) -> Any:
     """Orbax's metadata tree of a native PyTree item (``ArrayMetadata``/``ScalarMetadata``...)."""
     import orbax.checkpoint as ocp
 
-    meta = ocp.PyTreeCheckpointer().metadata(absolute(path))
+    problem = (
+        f"{path}: Orbax cannot read this item's metadata ({ORBAX_METADATA_FILE} is missing "
+        "or damaged)"
+    )
+    try:
+        meta = ocp.PyTreeCheckpointer().metadata(absolute(path))
+    except (ValueError, TypeError, KeyError) as error:  # orbax < 0.12 raises on bad JSON
+        raise SafetensorsCheckpointError(f"{problem}: {error}") from error
     meta = getattr(meta, "item_metadata", meta)
     tree = getattr(meta, "tree", meta)
     if tree is None:
-        raise SafetensorsCheckpointError(
-            f"{path}: Orbax cannot read this item's metadata ({ORBAX_METADATA_FILE} is missing "
-            "or damaged)"
-        )
+        raise SafetensorsCheckpointError(problem)
     return tree
 
 
