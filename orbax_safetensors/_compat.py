@@ -14,6 +14,7 @@ attribute.
 | :func:`single_device_key` | ``SingleDeviceSharding._device`` | private | the sharding itself as a dict key (``None`` here) |
 | :func:`nnx_list` | ``flax.nnx.List`` | public since flax 0.12 (needed there for lists of modules) | a plain ``list`` (what flax 0.11 takes) |
 | :func:`pytree_partial_restore` | ``PyTreeRestore(partial_restore=True)`` | public, newer than orbax-checkpoint 0.11.11 | ``PyTreeRestore(transforms={})``, which restores only what ``item`` holds |
+| :func:`orbax_uses_legacy_commit_rule` | which steps ``CheckpointManager.all_steps()`` lists | changed in orbax-checkpoint 0.12.3 | the installed version decides (``importlib.metadata``) |
 | :func:`orbax_waits_for_commit` | the qualnames of Orbax's synchronous save entry points | private | ``False``: the async path, a full host snapshot |
 
 Example::
@@ -24,7 +25,10 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.metadata
 import os
+import re
 import sys
 import types
 from collections.abc import Callable
@@ -144,6 +148,29 @@ def pytree_partial_restore_fallback(item: Any, restore_args: Any) -> Any:
     import orbax.checkpoint as ocp
 
     return ocp.args.PyTreeRestore(item=item, restore_args=restore_args, transforms={})
+
+
+# -- which steps Orbax lists as committed (changed in orbax-checkpoint 0.12.3) ----------------
+
+# The first Orbax whose all_steps() asks the manager's TemporaryPath class.
+ORBAX_CLASS_AWARE_COMMIT = (0, 12, 3)
+
+
+@functools.cache
+def orbax_uses_legacy_commit_rule() -> bool:
+    """Whether the installed orbax-checkpoint is older than 0.12.3, whose ``all_steps()`` lists
+    every final-named step directory except one on gs:// without ``commit_success.txt``,
+    whatever the manager's ``temporary_path_class`` (the rule above ``_inspect.StepDir``).
+
+    Read from the installed distribution's version (no Orbax import); False when it cannot be
+    read: the current rule.
+    """
+    try:
+        text = importlib.metadata.version("orbax-checkpoint")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    m = re.match(r"(\d+)\.(\d+)\.(\d+)", text)
+    return m is not None and tuple(int(g) for g in m.groups()) < ORBAX_CLASS_AWARE_COMMIT
 
 
 # -- Orbax's synchronous save entry points (private qualnames) -------------------------------

@@ -47,6 +47,7 @@ _STEP_NAME = re.compile(r"^(?:.*?[_-])?(\d+)$")
 _TMP_MARKER = ".orbax-checkpoint-tmp"
 _TMP_STEP_NAME = re.compile(r"^(?:.*?[_-])?(\d+)\.orbax-checkpoint-tmp")  # step.py L50
 _COMMIT_FILE_SCHEMES = ("gs://", "s3://")
+_LEGACY_COMMIT_FILE_SCHEMES = ("gs://",)  # orbax-checkpoint < 0.12.3 (see scan_steps)
 # What a damaged or half-deleted checkpoint may raise while being read (Orbax's readers raise
 # ValueError subclasses too).
 _READ_ERRORS = (ValueError, OSError, EOFError)
@@ -197,6 +198,27 @@ def list_items(step: epath.PathLike) -> dict[str, str]:
 # where a CommitFileTemporaryPath manager on local disk disagrees: commit time recorded but
 # commit_success.txt missing (a kill between those two writes, or the file deleted); it looks
 # exactly like such a half-deleted step, and is listed here as a default manager lists it.
+#
+# Orbax before 0.12.3 never asks the manager's TemporaryPath class (0.12.3 is the first release
+# whose _build_metadata passes temporary_path_cls=self.temporary_path_cls; checked in the 0.12.2
+# and 0.12.3 wheels):
+#
+# - 0.11.11: StandardNameFormat._build_metadata (step.py L324-333) keeps a directory when
+#   is_checkpoint_finalized (step.py L638-685) does: not on gs:// (is_gcs_path, L570) without
+#   commit_success.txt (L669), no ".orbax-checkpoint-tmp-" in its name (L39, L682). Temporary
+#   directories are "<step>.orbax-checkpoint-tmp-<n>" (atomicity.py L165-170), and atomic
+#   rename writes no commit_success.txt (atomicity.py L282-298).
+# - 0.11.40: _build_metadata (step.py L349-354) calls is_path_finalized(step_path) without the
+#   manager's class, so temporary_paths.is_path_finalized (L77-113) takes
+#   atomicity_defaults.get_default_temporary_path_class(path) (L38-45): CommitFileTemporaryPath
+#   on gs:// only, else AtomicRenameTemporaryPath (a name check, atomicity.py L436-445).
+#
+# With such an Orbax installed, rules 3 and 4 become: only on gs:// does a step need
+# commit_success.txt; anywhere else (local disk, s3://) a final-named directory is committed,
+# even a commit-file step killed before its commit, which that Orbax lists (and fails to
+# restore). This depends on the Orbax that reads the root, not on the files (a 0.12.3+
+# commit-file manager does not list that same directory), so it is keyed on the installed
+# orbax-checkpoint version (:func:`_compat.orbax_uses_legacy_commit_rule`).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,8 +243,9 @@ def scan_steps(root: epath.PathLike) -> list[StepDir]:
 
     The one place that decides which directories of a root are steps and which of them Orbax
     counts as committed (see the rule above); ``inspect``, ``verify`` and ``convert`` use it.
-    Temporary directories of unfinished saves (``<step>.orbax-checkpoint-tmp``) are included,
-    not committed.
+    Temporary directories of unfinished saves (``<step>.orbax-checkpoint-tmp``, or
+    ``<step>.orbax-checkpoint-tmp-<n>`` from older Orbax such as 0.11.11) are included, not
+    committed.
 
     Example::
 
@@ -275,12 +298,15 @@ def _uncommitted(step: epath.Path) -> str | None:
     if (step / COMMIT_SUCCESS_FILE).exists():
         return None
     url = str(step)
-    if url.startswith(_COMMIT_FILE_SCHEMES):
+    legacy = _compat.orbax_uses_legacy_commit_rule()
+    if url.startswith(_LEGACY_COMMIT_FILE_SCHEMES if legacy else _COMMIT_FILE_SCHEMES):
         scheme = url.split("://", 1)[0]
         return (
             f"no {COMMIT_SUCCESS_FILE}: on {scheme}:// a step counts only once that file is "
             "written, last"
         )
+    if legacy:
+        return None
     doc = _read_json(step / CHECKPOINT_METADATA_FILE)
     if (
         isinstance(doc, dict)
@@ -298,7 +324,8 @@ def missing_parts(step: epath.PathLike) -> list[str]:
     """What a committed step directory lacks, relative to it; empty when nothing is missing.
 
     Checks the items its ``_CHECKPOINT_METADATA`` lists, this library's metadata file in those
-    of its items, and every file that metadata lists. A step Orbax lists with parts missing
+    of its items, and every file that metadata lists; with Orbax < 0.12.3 installed, also items
+    present only under a temporary name (:func:`_unfinished_items`). A step Orbax lists with parts missing
     cannot be restored: typically an old step whose deletion by Orbax's cleanup (``max_to_keep``)
     was interrupted by a crash.
     """
@@ -316,6 +343,8 @@ def missing_parts(step: epath.PathLike) -> list[str]:
                 missing.append(f"{name}/{METADATA_FILE}")
     elif handlers == HANDLER_TYPESTR and not (step / METADATA_FILE).exists():
         missing.append(METADATA_FILE)  # a step that is itself one item (ocp.Checkpointer)
+    if _compat.orbax_uses_legacy_commit_rule():
+        missing.extend(n for n in _unfinished_items(step) if n not in missing)
     items = [("", step)] + [(f"{n}/", step / n) for n in list_items(step)]
     for prefix, item in items:
         meta = _read_json(item / METADATA_FILE)
@@ -324,6 +353,21 @@ def missing_parts(step: epath.PathLike) -> list[str]:
             if _is_plain_name(f) and not (item / f).exists():
                 missing.append(prefix + f)
     return missing
+
+
+def _unfinished_items(step: epath.Path) -> list[str]:
+    """``"<item>/"`` for each item of ``step`` present only under its temporary name
+    (``<item>.orbax-checkpoint-tmp[-<n>]``): its save never finished. Orbax < 0.12.3 lists such
+    a step on local disk (a commit-file save killed before its commit; 0.11.11 gives items
+    temporary names in both modes), and restoring it fails.
+    """
+    names = []
+    for child in sorted(step.iterdir(), key=lambda p: p.name):
+        name = child.name.split(_TMP_MARKER, 1)[0]
+        unfinished = name != child.name and _is_plain_name(name) and child.is_dir()
+        if unfinished and not (step / name).is_dir():
+            names.append(f"{name}/")
+    return names
 
 
 def _is_plain_name(name: object) -> bool:

@@ -12,8 +12,10 @@ Run as a script, this file is the saver (``python tests/test_committed_steps.py 
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -28,11 +30,18 @@ import pytest
 from etils import epath
 
 import orbax_safetensors as osf
-from orbax_safetensors import _inspect, cli
+from orbax_safetensors import _compat, _inspect, cli
 
 COMMIT_FILE = "commit-file"
 ATOMIC_RENAME = "atomic-rename"
+# Orbax's temporary names: "<name>.orbax-checkpoint-tmp", or "<name>.orbax-checkpoint-tmp-<n>"
+# (orbax-checkpoint 0.11.11 to 0.11.15 at least): match both with f"{name}{_TMP}*".
 _TMP = ".orbax-checkpoint-tmp"
+# Before orbax-checkpoint 0.12.3 all_steps() never asks the manager's temporary_path_class: a
+# final-named step on local disk counts with or without commit_success.txt, so it lists a
+# commit-file step killed before its commit (the rule in orbax_safetensors/_inspect.py).
+ORBAX_VERSION = tuple(int(n) for n in re.findall(r"\d+", ocp.__version__)[:3])
+LEGACY_COMMIT_RULE = ORBAX_VERSION < (0, 12, 3)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -113,14 +122,15 @@ def _save_then_crash(root: str, mode: str) -> None:
     # 64 MiB: writing and fsyncing it takes far longer than the kill below.
     big = {f"w{i}": jnp.full((1024, 1024), i, jnp.float32) for i in range(16)}
     mngr.save(2, args=osf.SafetensorsSave(big))
-    step_dir = "2" if mode == COMMIT_FILE else f"2{_TMP}"
-    item = "default" if mode == COMMIT_FILE else f"default{_TMP}"
+    step_dir = "2" if mode == COMMIT_FILE else f"2{_TMP}*"
+    # The item is "default" or "default.orbax-checkpoint-tmp*" (Orbax < 0.12 uses the
+    # temporary name in commit-file mode too).
     wanted = [
-        os.path.join(root, step_dir, item, "model.safetensors"),
+        os.path.join(root, step_dir, "default*", "model.safetensors"),
         os.path.join(root, step_dir, "_CHECKPOINT_METADATA"),
     ]
     deadline = time.monotonic() + 60
-    while not all(os.path.exists(p) for p in wanted) and time.monotonic() < deadline:
+    while not all(glob.glob(p) for p in wanted) and time.monotonic() < deadline:
         time.sleep(0.0005)
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -140,21 +150,29 @@ def test_handler_typestr_is_the_handlers() -> None:
     assert osf.SafetensorsCheckpointHandler.typestr() == _inspect.HANDLER_TYPESTR
 
 
+def test_the_commit_rule_follows_the_installed_orbax() -> None:
+    assert _compat.orbax_uses_legacy_commit_rule() == LEGACY_COMMIT_RULE, ocp.__version__
+
+
 @pytest.mark.parametrize("mode", [COMMIT_FILE, ATOMIC_RENAME])
 def test_a_step_killed_mid_save_is_uncommitted_everywhere(
     mode: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A save killed mid-write leaves step 2 behind: under its final name without
-    commit_success.txt (commit file) or as 2.orbax-checkpoint-tmp (atomic rename). Orbax lists
-    [0, 1]; so do inspect and verify, which report step 2 as uncommitted and never check it."""
+    commit_success.txt (commit file) or as 2.orbax-checkpoint-tmp[-<n>] (atomic rename). Orbax
+    lists [0, 1]; so do inspect and verify, which report step 2 as uncommitted and never check
+    it. (Orbax < 0.12.3 lists the commit-file step 2: _check_listed_killed_step.)"""
     root = tmp_path / "run"
     _crash_mid_save(root, mode)
-    partial = root / ("2" if mode == COMMIT_FILE else f"2{_TMP}")
+    [partial] = [root / "2"] if mode == COMMIT_FILE else root.glob(f"2{_TMP}*")
     assert partial.is_dir() and not (partial / "commit_success.txt").exists()
     if mode == COMMIT_FILE:
-        assert not (root / f"2{_TMP}").exists()  # the final name from the start
+        assert not list(root.glob(f"2{_TMP}*"))  # the final name from the start
 
     orbax_steps = _orbax_steps(root, _options(mode, read_only=True))
+    if mode == COMMIT_FILE and LEGACY_COMMIT_RULE:
+        _check_listed_killed_step(capsys, root, partial, orbax_steps)
+        return
     assert orbax_steps == [0, 1]
     doc = _assert_tools_agree(capsys, root, orbax_steps)
     [uncommitted] = doc["uncommitted"]
@@ -187,12 +205,41 @@ def test_a_step_killed_mid_save_is_uncommitted_everywhere(
     assert int(restored["count"]) == 1
 
 
+def _check_listed_killed_step(
+    capsys: pytest.CaptureFixture[str], root: Path, partial: Path, orbax_steps: list[int]
+) -> None:
+    """Orbax < 0.12.3 lists the killed commit-file step 2 (on local disk it never looks for
+    commit_success.txt); so do inspect and verify, as the incomplete latest step: its item
+    never got its final name ("default.orbax-checkpoint-tmp*" only)."""
+    assert orbax_steps == [0, 1, 2], ocp.__version__
+    assert [p.name.startswith(f"default{_TMP}") for p in partial.iterdir() if p.is_dir()] == [True]
+    doc = _assert_tools_agree(capsys, root, orbax_steps)
+    assert doc["uncommitted"] == []
+    assert [s["status"] for s in doc["steps"]] == ["ok", "ok", "incomplete"]
+    assert doc["steps"][2]["missing"] == ["default/"]
+    warning = (
+        "step 2 is incomplete (missing default/) and is the latest step: restoring it fails; "
+        "restore an earlier step"
+    )
+    assert doc["warnings"] == [warning]
+    report = osf.verify(root)
+    assert not report.ok and report.incomplete == [str(partial)]
+    assert report.warnings == [warning] and report.files == 2 and report.tensors == 6
+    code, out, _ = _run(capsys, "verify", root)
+    assert code == 1 and f"{partial}: incomplete step, missing default/" in out
+    # Steps 0 and 1 restore as saved.
+    with ocp.CheckpointManager(root, options=_options(COMMIT_FILE, read_only=True)) as mngr:
+        restored = mngr.restore(1, args=osf.SafetensorsRestore())
+    assert int(restored["count"]) == 1
+
+
 def test_a_local_commit_file_step_without_commit_time_or_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The two local-disk cases of rule 4 (see _inspect): without its commit file a step
     whose _CHECKPOINT_METADATA has no commit time is uncommitted; with a commit time it is
-    committed, as Orbax's default (atomic rename) manager counts it."""
+    committed, as Orbax's default (atomic rename) manager counts it. Orbax < 0.12.3 counts
+    both, whatever the manager's class, and so do the tools there."""
     root = tmp_path / "run"
     with ocp.CheckpointManager(root, options=_options(COMMIT_FILE)) as mngr:
         for step in (0, 1, 2):
@@ -205,12 +252,19 @@ def test_a_local_commit_file_step_without_commit_time_or_file(
     doc["commit_timestamp_nsecs"] = None  # as a kill before the commit leaves it
     meta.write_text(json.dumps(doc))
 
-    assert _orbax_steps(root, _options(COMMIT_FILE, read_only=True)) == [0]
+    commit_file_steps = _orbax_steps(root, _options(COMMIT_FILE, read_only=True))
     assert _orbax_steps(root, _options(ATOMIC_RENAME, read_only=True)) == [0, 1, 2]
-    # Step 1 is ambiguous on local disk (see the rule in _inspect): listed, like the default
-    # manager does; step 2 cannot have been left by atomic rename under its final name.
-    inspected = _assert_tools_agree(capsys, root, [0, 1])
-    assert [u["step"] for u in inspected["uncommitted"]] == [2]
+    if LEGACY_COMMIT_RULE:
+        assert commit_file_steps == [0, 1, 2], ocp.__version__
+        inspected = _assert_tools_agree(capsys, root, [0, 1, 2])
+        assert inspected["uncommitted"] == []
+    else:
+        assert commit_file_steps == [0]
+        # Step 1 is ambiguous on local disk (see the rule in _inspect): listed, like the
+        # default manager does; step 2 cannot have been left by atomic rename under its final
+        # name.
+        inspected = _assert_tools_agree(capsys, root, [0, 1])
+        assert [u["step"] for u in inspected["uncommitted"]] == [2]
     assert osf.verify(root).ok
 
 
@@ -250,7 +304,10 @@ def test_a_half_deleted_old_step_is_incomplete_and_the_others_are_checked(
     removed, missing = DAMAGE[damage]
     for name in removed:
         target = root / "0" / name
-        shutil.rmtree(target) if target.is_dir() else target.unlink()
+        if target.is_dir():
+            shutil.rmtree(target)
+        else:  # Orbax < 0.12.3 writes no commit_success.txt in atomic-rename mode
+            target.unlink(missing_ok=name == "commit_success.txt")
     old = root / "0"
 
     options = ocp.CheckpointManagerOptions(read_only=True)

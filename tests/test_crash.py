@@ -9,6 +9,12 @@ least the last one known committed, it must restore bit for bit, and ``osf.verif
 every listed step intact (skipping the temporary directory). The next trial resumes from the
 latest step, over whatever the crash left.
 
+Orbax names a temporary step directory ``<step>.orbax-checkpoint-tmp``, or, in older releases
+(0.11.11 to at least 0.11.15), ``<step>.orbax-checkpoint-tmp-<n>`` with a per-process counter:
+a later save of the same step then usually takes another name, so the debris of earlier kills
+stays (ignored) beside the directory of the step being written when this trial's saver was
+killed.
+
 Run as a script, this file is the zygote (``python tests/test_crash.py zygote``).
 """
 
@@ -177,6 +183,19 @@ class _Zygote:
         self.proc.wait(timeout=60)
 
 
+def _tmp_dirs(root: Path) -> dict[str, tuple[int, int]]:
+    """Orbax's temporary step directories in ``root``, by name, with their inode number and
+    change time: a directory removed and created again under the same name (which may reuse
+    the inode number) is a new one."""
+    if not root.exists():
+        return {}
+    found = {}
+    for p in root.glob(f"*{_TMP}*"):
+        st = p.stat()
+        found[p.name] = (st.st_ino, st.st_ctime_ns)
+    return found
+
+
 def _check_bits(restored: dict[str, Any], expected: dict[str, Any]) -> None:
     got, want = jax.tree.leaves(restored), jax.tree.leaves(expected)
     assert len(got) == len(want)
@@ -202,12 +221,16 @@ def test_sigkill_during_async_saves_never_loses_the_last_step(tmp_path: Path) ->
             # Mostly within the first save or two; sometimes later (commit, rename, cleanup of
             # old steps, the next copy to host).
             delay = rng.uniform(0.0, 1.2) if rng.random() < 0.7 else rng.uniform(1.2, 3.5)
+            before = _tmp_dirs(root)
             committed = zygote.trial(seed=trials, delay=delay)
-            partial = sorted(p.name for p in root.glob(f"*{_TMP}*"))
-            mid_save += bool(partial)
+            found = _tmp_dirs(root)
+            partial = sorted(found)
+            # The step being written at this kill: a temporary directory this trial created.
+            killed = sorted(name for name, key in found.items() if before.get(name) != key)
+            mid_save += bool(killed)
             mid_write += any(
                 not (f.parent / "orbax_safetensors.json").exists()
-                for name in partial
+                for name in killed
                 for f in (root / name).glob("*/*.safetensors")
             )
 
@@ -220,7 +243,7 @@ def test_sigkill_during_async_saves_never_loses_the_last_step(tmp_path: Path) ->
                 args = ocp.args.Composite(state=osf.SafetensorsRestore())
                 _check_bits(mngr.restore(latest, args=args)["state"], _host_state(base, latest))
             mngr.close()
-            for name in partial:  # the step being written when killed is never listed
+            for name in killed:  # the step being written when killed is never listed
                 assert int(name.split(".")[0]) not in steps, (name, steps)
             if steps and trials % 4 == 0:
                 report = osf.verify(root)  # the partial step is skipped, not reported

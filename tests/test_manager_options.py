@@ -4,13 +4,19 @@ Every test drives a real ``ocp.CheckpointManager`` whose steps are written by
 ``SafetensorsCheckpointHandler`` and checks what is kept on disk, what a manager lists and that
 each kept step restores to the values saved at that step. The crash test SIGKILLs a real
 subprocess during an async save.
+
+Run as a script, this file is that subprocess (``python tests/test_manager_options.py ROOT
+MODE``, see :func:`_save_then_kill`).
 """
 
 from __future__ import annotations
 
+import glob
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +27,20 @@ import pytest
 from orbax.checkpoint import checkpoint_managers as policies
 
 import orbax_safetensors as osf
+from orbax_safetensors import _inspect
 
-SCRIPTS = Path(__file__).parent / "scripts"
 LOSSES = [5.0, 1.0, 4.0, 0.5, 3.0, 2.0, 7.0, 6.0]  # metric of step i
+# Orbax's temporary directories: "2.orbax-checkpoint-tmp/default.orbax-checkpoint-tmp", or with
+# a per-save counter appended, "2.orbax-checkpoint-tmp-0/default.orbax-checkpoint-tmp-1"
+# (orbax-checkpoint 0.11.11; Orbax's public ocp.path.step.TMP_DIR_SUFFIX then ends in "-").
+_TMP = ".orbax-checkpoint-tmp"
+TMP_NAMES_COUNTED = ocp.path.step.TMP_DIR_SUFFIX.endswith("-")
+# Preservation policies (ocp.checkpoint_managers.LatestN, ...) appeared in orbax-checkpoint
+# 0.11.14 (absent from the 0.11.13 wheel).
+needs_preservation_policies = pytest.mark.skipif(
+    not hasattr(policies, "LatestN"),
+    reason=f"needs orbax-checkpoint >= 0.11.14 (preservation policies); this is {ocp.__version__}",
+)
 
 
 def _state(step: int) -> dict[str, Any]:
@@ -100,6 +117,7 @@ def test_save_interval_steps(tmp_path: Path) -> None:
     mngr.close()
 
 
+@needs_preservation_policies
 def test_preservation_policy_latest_n(tmp_path: Path) -> None:
     mngr, _ = _save_steps(tmp_path, preservation_policy=policies.LatestN(n=2))
     assert mngr.all_steps() == [6, 7] and _dirs(tmp_path) == ["6", "7"]
@@ -107,6 +125,7 @@ def test_preservation_policy_latest_n(tmp_path: Path) -> None:
     mngr.close()
 
 
+@needs_preservation_policies
 def test_preservation_policy_combined(tmp_path: Path) -> None:
     policy = policies.AnyPreservationPolicy(
         [
@@ -150,7 +169,7 @@ def test_enable_async_checkpointing(tmp_path: Path, enabled: bool) -> None:
             # Synchronous: the step is committed by the time save() returns.
             item = tmp_path / str(step) / "default"
             assert (item / "orbax_safetensors.json").is_file()
-            assert not list(tmp_path.glob("*.orbax-checkpoint-tmp"))
+            assert not list(tmp_path.glob(f"*{_TMP}*"))
     mngr.wait_until_finished()
     assert mngr.all_steps() == [1, 2]
     _assert_restores(mngr, [1, 2])
@@ -161,7 +180,7 @@ def test_enable_async_checkpointing(tmp_path: Path, enabled: bool) -> None:
 def test_sigkill_during_async_save_leaves_earlier_steps(tmp_path: Path, mode: str) -> None:
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1")
     proc = subprocess.run(
-        [sys.executable, str(SCRIPTS / "kill_during_save.py"), str(tmp_path), mode],
+        [sys.executable, __file__, str(tmp_path), mode],
         capture_output=True,
         text=True,
         env=env,
@@ -171,12 +190,15 @@ def test_sigkill_during_async_save_leaves_earlier_steps(tmp_path: Path, mode: st
     assert proc.returncode == -9, proc.stderr[-3000:]
     assert proc.stdout.strip() == "killing"
     # Orbax's temporary step directory is what the crash left behind; step 2 never committed.
-    assert (tmp_path / "2.orbax-checkpoint-tmp").is_dir()
+    [tmp_step] = tmp_path.glob(f"2{_TMP}*")
+    assert tmp_step.is_dir()
     assert not (tmp_path / "2").exists()
     if mode == "mid-write":
-        partial = tmp_path / "2.orbax-checkpoint-tmp" / "default.orbax-checkpoint-tmp"
+        [partial] = tmp_step.glob(f"default{_TMP}*")
         assert (partial / "model.safetensors").is_file()
         assert not (partial / "orbax_safetensors.json").exists()  # finalize never ran
+    # The library skips it, whichever form its name has.
+    assert [(s.step, s.committed) for s in _inspect.scan_steps(tmp_path)] == [(1, True), (2, False)]
 
     fresh = ocp.CheckpointManager(tmp_path)
     assert fresh.all_steps() == [1] and fresh.latest_step() == 1
@@ -184,7 +206,7 @@ def test_sigkill_during_async_save_leaves_earlier_steps(tmp_path: Path, mode: st
     np.testing.assert_array_equal(restored["w"], np.arange(6.0, dtype=np.float32))
     np.testing.assert_array_equal(restored["b"], np.ones((2, 3), np.float32))
     fresh.close()
-    assert (tmp_path / "2.orbax-checkpoint-tmp").is_dir()  # left alone without the option
+    assert tmp_step.is_dir()  # left alone without the option
 
     cleaning = ocp.CheckpointManager(
         tmp_path, options=ocp.CheckpointManagerOptions(cleanup_tmp_directories=True)
@@ -193,7 +215,7 @@ def test_sigkill_during_async_save_leaves_earlier_steps(tmp_path: Path, mode: st
     # The clean-up runs in the background; Orbax awaits it at the next save.
     cleaning.save(3, args=osf.SafetensorsSave(_state(3)))
     cleaning.wait_until_finished()
-    assert not (tmp_path / "2.orbax-checkpoint-tmp").exists()
+    assert not list(tmp_path.glob(f"*{_TMP}*"))
     assert cleaning.all_steps() == [1, 3] and _dirs(tmp_path) == ["1", "3"]
     _assert_restores(cleaning, [3])
     cleaning.close()
@@ -202,14 +224,51 @@ def test_sigkill_during_async_save_leaves_earlier_steps(tmp_path: Path, mode: st
 def test_resaving_over_a_stale_tmp_dir_without_cleanup(tmp_path: Path) -> None:
     mngr, _ = _save_steps(tmp_path, range(2))
     mngr.close()
-    stale = tmp_path / "2.orbax-checkpoint-tmp" / "default.orbax-checkpoint-tmp"
+    # Debris of a crashed save, named as this Orbax names its temporary directories.
+    counter = "-0" if TMP_NAMES_COUNTED else ""
+    stale_step = tmp_path / f"2{_TMP}{counter}"
+    stale = stale_step / f"default{_TMP}{counter}"
     stale.mkdir(parents=True)
-    (stale / "model.safetensors").write_bytes(b"\0" * 100)  # debris of a crashed save
+    (stale / "model.safetensors").write_bytes(b"\0" * 100)
     again = ocp.CheckpointManager(tmp_path)
     assert again.all_steps() == [0, 1]
     again.save(2, args=osf.SafetensorsSave(_state(2)))
     again.wait_until_finished()
     assert again.all_steps() == [0, 1, 2]
-    assert not (tmp_path / "2.orbax-checkpoint-tmp").exists()
+    leftovers = [p.name for p in tmp_path.glob(f"*{_TMP}*")]
+    if TMP_NAMES_COUNTED:
+        # Each save takes a fresh "-<n>" name (a per-process counter), so the debris stays,
+        # ignored by Orbax and by the library, until cleanup_tmp_directories removes it.
+        assert leftovers == [stale_step.name]
+        assert [s.committed for s in _inspect.scan_steps(tmp_path)] == [True, True, True, False]
+    else:
+        assert leftovers == []  # the save of step 2 replaced its stale temporary directory
     _assert_restores(again, [0, 1, 2])
     again.close()
+
+
+def _save_then_kill(root: str, mode: str) -> None:
+    """Saves step 1 (committed), starts an async save of step 2, then SIGKILLs itself.
+
+    MODE ``after-save`` kills right after ``save()`` returns; ``mid-write`` waits until the
+    step's safetensors file exists (its bytes are being written), then kills. Either way the
+    process never reaches ``wait_until_finished()``.
+    """
+    mngr = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(max_to_keep=3))
+    mngr.save(1, args=osf.SafetensorsSave({"w": jnp.arange(6.0), "b": jnp.ones((2, 3))}))
+    mngr.wait_until_finished()
+    # 64 MiB: writing and fsyncing it takes far longer than the kill below.
+    big = {f"w{i}": jnp.full((1024, 1024), i, jnp.float32) for i in range(16)}
+    mngr.save(2, args=osf.SafetensorsSave(big))
+    if mode == "mid-write":
+        target = os.path.join(root, f"2{_TMP}*", f"default{_TMP}*", "model.safetensors")
+        deadline = time.monotonic() + 60
+        while not glob.glob(target) and time.monotonic() < deadline:
+            time.sleep(0.0005)
+    print("killing", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    _save_then_kill(sys.argv[1], sys.argv[2])

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import struct
 import sys
 from pathlib import Path
@@ -46,6 +47,14 @@ SPLIT_MAX_FILE_SIZE = 200_000  # forces the N=4 checkpoint into several files
 STEPS, KEEP = [0, 1, 2], 2
 ALL_MODES = ["other_mesh", "restore_args", "no_target", "no_sharding", "partial"]
 ITEM = "default"
+# Orbax's v1 API is ``ocp.v1`` since orbax-checkpoint 0.11.12, loads safetensors since 0.11.20
+# and onto a mesh (sharded targets) since 0.11.23 (Orbax's CHANGELOG).
+ORBAX_SHARDED_SAFETENSORS_LOAD = (0, 11, 23)
+
+
+def _version(text: str) -> tuple[int, ...]:
+    """``"0.11.40"`` -> ``(0, 11, 40)`` (release numbers only)."""
+    return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
 
 
 def _restore(root: Path, saved_processes: int) -> dict[str, Any]:
@@ -317,6 +326,14 @@ def test_files_read_by_orbax_v1_safetensors_loader(
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    if _version(ocp.__version__) < ORBAX_SHARDED_SAFETENSORS_LOAD:
+        pytest.skip(
+            f"needs orbax-checkpoint >= 0.11.23 (Orbax's safetensors loader onto a mesh); "
+            f"this is {ocp.__version__}"
+        )
+    # ``load`` since orbax-checkpoint 0.12.0 (0.11.x names it ``load_pytree``, which 0.12 still
+    # has, deprecated).
+    load = getattr(ocp.v1, "load", None) or ocp.v1.load_pytree
     # Orbax's loader reads a directory of *.safetensors files with flat tensor names: the item
     # directory ``<step>/default`` as it is (the JSON files beside them are ignored).
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
@@ -330,8 +347,10 @@ def test_files_read_by_orbax_v1_safetensors_loader(
     abstract["big.cols"] = jax.ShapeDtypeStruct(
         (32, 4096), np.float32, sharding=NamedSharding(mesh, P(None, "a"))
     )
-    with ocp.v1.Context(checkpoint_layout="safetensors"):
-        loaded = ocp.v1.load(roots[n] / str(step) / ITEM, abstract)
+    # The enum, not a string: 0.11.x's Context keeps a string as it is (its enum values are
+    # "SafeTensors"/"Orbax"), 0.12 converts "safetensors".
+    with ocp.v1.Context(checkpoint_layout=ocp.v1.options.CheckpointLayout.SAFETENSORS):
+        loaded = load(roots[n] / str(step) / ITEM, abstract)
     assert set(loaded) == set(expected)
     for name, want in expected.items():
         got = loaded[name]

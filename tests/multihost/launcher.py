@@ -43,7 +43,13 @@ PORT_ATTEMPTS = 3
 _POLL_S = 0.05
 _MAX_REPORT_LINES = 150
 
-_PORT_CONFLICT = re.compile(r"(?s)Failed to add port to server|DEADLINE_EXCEEDED.*RegisterTask")
+# How a taken coordinator port shows: jax 0.7/0.10 log "Failed to add port to server" (and the
+# peers time out in RegisterTask); jax 0.6's gRPC logs "No address added out of total 1 resolved"
+# with "Address already in use" and the coordinator process dies of SIGSEGV.
+PORT_CONFLICT = re.compile(
+    r"(?s)Failed to add port to server|DEADLINE_EXCEEDED.*RegisterTask"
+    r"|No address added out of total \d+ resolved.*Address already in use"
+)
 # gloo chatter and native stack-trace lines that bury the Python traceback in failure reports.
 _NOISE = re.compile(
     r"^\s*(\[Gloo\]|\*\*\* Check failure stack trace|@\s+0x[0-9a-f]+\s|#\d+\s+0x[0-9a-f]+)"
@@ -232,12 +238,12 @@ def _launch_once(
 
 
 def _is_port_conflict(run: _Run) -> bool:
-    return any(_PORT_CONFLICT.search(r.stderr + r.stdout) for r in run.results)
+    return any(PORT_CONFLICT.search(r.stderr + r.stdout) for r in run.results)
 
 
 def _logs_show_port_conflict(logs: list[tuple[Path, Path]]) -> bool:
     return any(
-        _PORT_CONFLICT.search(path.read_text(errors="replace")) for pair in logs for path in pair
+        PORT_CONFLICT.search(path.read_text(errors="replace")) for pair in logs for path in pair
     )
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import faulthandler
+import inspect
 import json
 import os
 import signal
@@ -96,19 +97,43 @@ def read_context() -> WorkerContext:
     )
 
 
+# Where jaxlib's ``make_gloo_tcp_collectives`` lives, newest first: ``jax._src.lib._jax`` from
+# jax 0.7 (checked with 0.7.0 and 0.10.2), ``jax._src.lib.xla_extension`` in jax 0.6 (0.6.0).
+_GLOO_MODULES = ("_jax", "xla_extension")
+
+
+def _find_make_gloo() -> Any:
+    """jaxlib's ``make_gloo_tcp_collectives`` (private), or RuntimeError naming what to update."""
+    import jax
+
+    try:
+        import jax._src.lib as jax_lib
+    except ImportError:
+        jax_lib = None
+    for name in _GLOO_MODULES:
+        make_gloo = getattr(getattr(jax_lib, name, None), "make_gloo_tcp_collectives", None)
+        if make_gloo is not None:
+            return make_gloo
+    raise RuntimeError(
+        f"worker_lib: the gloo-on-loopback fix needs the private make_gloo_tcp_collectives, "
+        f"found in none of {', '.join('jax._src.lib.' + n for n in _GLOO_MODULES)} in jax "
+        f"{jax.__version__}. Update _GLOO_MODULES in {__file__} for this JAX version "
+        f"(see MULTIHOST.md, pitfall 1)."
+    )
+
+
 def _bind_gloo_to_loopback() -> None:
     """Re-register JAX's CPU backend with gloo collectives bound to 127.0.0.1.
 
     gloo otherwise binds to whatever ``socket.gethostname()`` resolves to, and fails with
     ``gloo/transport/tcp/device.cc:99 rv == 0. -2 vs 0`` where the hostname does not resolve.
-    This uses private JAX APIs (verified with jax 0.10.2); a JAX upgrade that moves them fails here
-    with a message saying what to update, rather than later with an obscure gloo error.
+    This uses private JAX APIs (verified with jax 0.6.0, 0.7.0 and 0.10.2); a JAX version that
+    moves them fails here with a message saying what to update, rather than later with an obscure
+    gloo error.
     """
     try:
         from jax._src import distributed, xla_bridge
-        from jax._src.lib import _jax
 
-        make_gloo = _jax.make_gloo_tcp_collectives
         make_cpu_client = xla_bridge.make_cpu_client
         register = xla_bridge.register_backend_factory
         _ = distributed.global_state.client
@@ -117,11 +142,12 @@ def _bind_gloo_to_loopback() -> None:
 
         raise RuntimeError(
             f"worker_lib: the gloo-on-loopback fix uses private JAX APIs (jax._src.xla_bridge."
-            f"register_backend_factory/make_cpu_client, jax._src.lib._jax."
-            f"make_gloo_tcp_collectives, jax._src.distributed.global_state.client) that are "
-            f"missing in jax {jax.__version__}: {e!r}. Update _bind_gloo_to_loopback in "
-            f"{__file__} for this JAX version (see MULTIHOST.md, pitfall 1)."
+            f"register_backend_factory/make_cpu_client, jax._src.distributed.global_state."
+            f"client) that are missing in jax {jax.__version__}: {e!r}. Update "
+            f"_bind_gloo_to_loopback in {__file__} for this JAX version (see MULTIHOST.md, "
+            f"pitfall 1)."
         ) from e
+    make_gloo = _find_make_gloo()
 
     def cpu_backend_factory() -> Any:
         try:
@@ -130,7 +156,7 @@ def _bind_gloo_to_loopback() -> None:
             )
         except TypeError as e:
             raise RuntimeError(
-                "worker_lib: jax._src.lib._jax.make_gloo_tcp_collectives no longer accepts "
+                "worker_lib: jaxlib's make_gloo_tcp_collectives no longer accepts "
                 f"(distributed_client=..., hostname=...): {e}. Update _bind_gloo_to_loopback in "
                 f"{__file__}."
             ) from e
@@ -139,12 +165,27 @@ def _bind_gloo_to_loopback() -> None:
     register("cpu", cpu_backend_factory, priority=0, fail_quietly=False)
 
 
+def _disable_preemption_service() -> None:
+    """Turn JAX's preemption service off where JAX has the option.
+
+    The service swallows SIGTERM (MULTIHOST.md, pitfall 2). jax 0.10.2 has the option
+    ``jax_enable_preemption_service``; jax 0.6.0 and 0.7.0 do not (``Unrecognized config
+    option``) and always run the service. Nothing here relies on SIGTERM (the launcher stops
+    workers with SIGKILL), so where the option is absent the worker goes on with the service on.
+    """
+    import jax
+
+    if "jax_enable_preemption_service" in jax.config.values:
+        jax.config.update("jax_enable_preemption_service", False)
+
+
 def init() -> WorkerContext:
     """Join the multi-process JAX job described by the launcher's environment.
 
     Call it first, before any JAX computation: it installs the fail-fast exception hook, sets the
     CPU device count, binds gloo to 127.0.0.1, disables JAX's preemption service (which swallows
-    SIGTERM) and calls ``jax.distributed.initialize`` with 60 s timeouts.
+    SIGTERM) where JAX has that option, and calls ``jax.distributed.initialize`` with 60 s timeouts
+    (those this JAX accepts).
 
     Returns:
         The process id, process count, devices per process, coordinator address and the JSON
@@ -157,7 +198,7 @@ def init() -> WorkerContext:
 
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", ctx.devices_per_process)
-    jax.config.update("jax_enable_preemption_service", False)
+    _disable_preemption_service()
     _bind_gloo_to_loopback()
     jax.distributed.initialize(
         coordinator_address=ctx.coordinator_address,
@@ -165,10 +206,22 @@ def init() -> WorkerContext:
         num_processes=ctx.num_processes,
         process_id=ctx.process_id,
         initialization_timeout=DISTRIBUTED_TIMEOUT_S,
-        heartbeat_timeout_seconds=DISTRIBUTED_TIMEOUT_S,
-        shutdown_timeout_seconds=DISTRIBUTED_TIMEOUT_S,
+        **_supported_timeouts(jax.distributed.initialize),
     )
     return ctx
+
+
+# Timeouts jax.distributed.initialize takes only in newer JAX: heartbeat_timeout_seconds since
+# jax 0.7 (0.6.0 has none: 10 heartbeats of 10 s), shutdown_timeout_seconds after 0.7.0 (0.10.2
+# has it). Older JAX keeps its defaults; the excepthook and the launcher's SIGKILL of the peers
+# still end a failing run at once (MULTIHOST.md, pitfall 3).
+_OPTIONAL_TIMEOUTS = ("heartbeat_timeout_seconds", "shutdown_timeout_seconds")
+
+
+def _supported_timeouts(initialize: Any) -> dict[str, int]:
+    """The optional timeouts (``DISTRIBUTED_TIMEOUT_S``) that this ``initialize`` accepts."""
+    params = inspect.signature(initialize).parameters
+    return {name: DISTRIBUTED_TIMEOUT_S for name in _OPTIONAL_TIMEOUTS if name in params}
 
 
 def emit_result(obj: Any) -> None:
