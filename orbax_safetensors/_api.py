@@ -23,7 +23,6 @@ from etils import epath
 
 from orbax_safetensors import _checksum, _format, _gcpause, _io, _plan, _tree, _writer
 from orbax_safetensors._errors import (
-    HeaderError,
     SafetensorsCheckpointError,
     SchemaError,
     UnsupportedLeafError,
@@ -219,4 +218,4 @@ def load_metadata(path: epath.PathLike) -> dict[str, str]:
     return {k: v for k, v in header.metadata.items() if k not in _RESERVED}
 
 
-__all__ = ["HeaderError", "load_file", "load_metadata", "read_header", "save_file"]
+__all__ = ["load_file", "load_metadata", "read_header", "save_file"]

@@ -71,11 +71,6 @@ def _library_version() -> str:
     return __version__
 
 
-def describe_sharding(x: Any) -> dict[str, Any] | None:
-    """A JSON description of a ``NamedSharding`` (mesh axes and partition spec), else None."""
-    return _describe(getattr(x, "sharding", None))
-
-
 def _describe(sharding: Any) -> dict[str, Any] | None:
     if not isinstance(sharding, jax.sharding.NamedSharding):
         return None

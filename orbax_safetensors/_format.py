@@ -112,10 +112,6 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _all_non_negative_ints(values: list[Any]) -> bool:
     # A plain loop over exact ints (JSON gives no int subclasses but bool), not all() over a
     # generator: this runs for every tensor of every header, 10,000 times for 10,000 tensors.

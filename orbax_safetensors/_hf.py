@@ -45,7 +45,6 @@ from orbax_safetensors import _dtypes, _inspect, _io, _plan
 from orbax_safetensors._errors import TargetMismatchError
 
 _PLACEHOLDER = re.compile(r"\{(\w+)(?::([^{}]+))?\}")
-DEFAULT_VARIABLES = ("Param", "BatchStat")
 
 
 # --------------------------------------------------------------------------- transforms

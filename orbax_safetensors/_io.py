@@ -451,23 +451,6 @@ def fsync_dir(path: epath.PathLike) -> None:
 # --------------------------------------------------------------------------- reading
 
 
-class Reader(Protocol):
-    """Random-access reads from one file."""
-
-    size: int
-    bytes_read: int
-    requests: int
-
-    def pread(self, offset: int, nbytes: int) -> bytes: ...
-
-    def read_runs(
-        self,
-        runs: Sequence[tuple[int, np.ndarray]],
-        max_gap: int = ...,
-        on_run: Callable[[int], None] | None = None,
-    ) -> None: ...
-
-
 class _LocalReader:
     def __init__(self, path: epath.PathLike, threads: int) -> None:
         self.path = os.fspath(path)

@@ -1,8 +1,8 @@
 """Object storage (``s3://``, ``gs://``): write engines and a ranged-read engine behind ``_io``.
 
 :mod:`orbax_safetensors._io` stays the single entry point: it hands every non-local path whose
-scheme is ``s3`` or ``gs`` to this module (``write_file``, ``open_reader``, and the two
-checkpoint hooks ``prepare_directory`` / ``finalize_directory``).
+scheme is ``s3`` or ``gs`` to this module (``write_file``, ``ObjectReader`` for
+``_io.open_reader``, and the two checkpoint hooks ``prepare_directory`` / ``finalize_directory``).
 
 Clients: boto3 for S3 and google-cloud-storage for GCS, used directly (not fsspec). They speak
 every request the engines need as public API (multipart upload with caller-chosen part numbers
@@ -38,7 +38,7 @@ at once, naming the URL and the operation.
 
 Example::
 
-    with open_reader("s3://bucket/ckpt/model.safetensors") as r:
+    with _io.open_reader("s3://bucket/ckpt/model.safetensors") as r:
         head = r.pread(0, 8)
     print(object_store_stats().bytes_fetched)
 """
@@ -57,7 +57,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -68,16 +68,10 @@ MiB = 1 << 20
 S3_MIN_PART = 5 * MiB  # every part of a multipart upload but the last
 S3_MAX_PART = 5 << 30
 S3_MAX_PARTS = 10_000
-S3_MAX_PUT = 5 << 30
 GCS_MAX_COMPOSE = 32
 PARTS_DIR = ".osf-parts"
 _HEAD_PREFETCH = 64 * 1024  # first GET of a file: enough for most safetensors headers
 _T = TypeVar("_T")
-
-
-def is_object_url(path: Any) -> bool:
-    """Whether ``path`` is an ``s3://`` or ``gs://`` URL (handled by this module)."""
-    return os.fspath(path).startswith(("s3://", "gs://"))
 
 
 # --------------------------------------------------------------------------- options, stats
@@ -925,8 +919,8 @@ def _run_all(jobs: Sequence[Callable[[], _T]]) -> list[_T]:
 class ObjectReader:
     """Random-access reads of one object through HTTP range requests.
 
-    Implements ``_io.Reader``: ``size``, ``pread``, ``read_runs``, and the counters
-    ``bytes_read`` (bytes requested, coalesced gaps included) and ``requests``.
+    The reader interface ``_io.open_reader`` hands out: ``size``, ``pread``, ``read_runs``, and
+    the counters ``bytes_read`` (bytes requested, coalesced gaps included) and ``requests``.
     """
 
     def __init__(self, url: str) -> None:
@@ -1029,16 +1023,6 @@ def _split_request(
     if total <= limit:
         return [(start, list(bufs))]
     return [(start + a, _slice_views(bufs, a, b)) for a, b in _even_chunks(total, limit)]
-
-
-@contextlib.contextmanager
-def open_reader(url: str) -> Iterator[ObjectReader]:
-    """An :class:`ObjectReader` for ``url`` (``s3://`` or ``gs://``)."""
-    reader = ObjectReader(url)
-    try:
-        yield reader
-    finally:
-        reader.close()
 
 
 # --------------------------------------------------------------------------- writing
