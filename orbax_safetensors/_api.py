@@ -120,7 +120,12 @@ def read_header(path: epath.PathLike) -> _format.Header:
         return _format.parse_header(r.pread(0, 8), lambda n: r.pread(8, n), r.size, where=str(path))
 
 
-def _json_metadata(header: _format.Header, key: str, where: str) -> Any:
+def header_json(header: _format.Header, key: str, where: str) -> Any:
+    """The JSON value stored under ``key`` of a header's ``__metadata__``, or None if absent.
+
+    Raises:
+      SchemaError: the value is not valid JSON (or nested too deeply).
+    """
     text = header.metadata.get(key)
     if text is None:
         return None
@@ -180,8 +185,8 @@ def load_file(
     for _ in range(_READ_ATTEMPTS):
         before = _identity(path)
         header = read_header(path)
-        schema = _json_metadata(header, SCHEMA_KEY, str(path))
-        crcs = _json_metadata(header, CHECKSUM_KEY, str(path))
+        schema = header_json(header, SCHEMA_KEY, str(path))
+        crcs = header_json(header, CHECKSUM_KEY, str(path))
         if crcs is not None and not isinstance(crcs, dict):
             raise SchemaError(f"{path}: {CHECKSUM_KEY} is not an object")
         stored = stored_tensors(path, header, crcs)

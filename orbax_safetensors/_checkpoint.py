@@ -56,7 +56,7 @@ from orbax_safetensors._errors import (
     TargetMismatchError,
 )
 from orbax_safetensors._reader import ReadStats, StoredTensor
-from orbax_safetensors._restore import _is_restore_args, _restore_args_sharding, restore_tree
+from orbax_safetensors._restore import is_restore_args, restore_args_sharding, restore_tree
 from orbax_safetensors._version import __version__
 
 METADATA_FILE = "orbax_safetensors.json"
@@ -67,7 +67,8 @@ _MAX_METADATA_BYTES = 512 * 1024 * 1024
 _HEADER_METADATA = {"format": "flax"}  # every header's __metadata__, as safetensors.flax writes
 
 
-def _library_version() -> str:
+def library_version() -> str:
+    """This library's version, as recorded in ``orbax_safetensors.json``."""
     return __version__
 
 
@@ -230,7 +231,7 @@ def prepare_save(
     metadata = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
-        "library_version": _library_version(),
+        "library_version": library_version(),
         "files": [f.filename for f in plan.files],
         "schema": flat.schema,
         "tensors": tensors,
@@ -557,7 +558,7 @@ def read_metadata(directory: epath.PathLike) -> dict[str, Any]:
     return doc
 
 
-def _is_plain_filename(name: object) -> bool:
+def is_plain_filename(name: object) -> bool:
     """Whether ``name`` is a plain file name inside the checkpoint directory (no path parts)."""
     return (
         isinstance(name, str)
@@ -581,7 +582,7 @@ def stored_tensors(
         filename = info.get("file") if isinstance(info, dict) else None
         if not isinstance(filename, str) or (
             filename not in headers
-            and (not _is_plain_filename(filename) or filename not in metadata["files"])
+            and (not is_plain_filename(filename) or filename not in metadata["files"])
         ):
             raise SchemaError(f"{directory}: tensor {name!r} names an invalid file {filename!r}")
         if filename not in headers:
@@ -677,13 +678,13 @@ def _lacks_sharding(leaf: Any) -> bool:
     """Whether a target leaf asks for a jax.Array without saying where to place it."""
     if isinstance(leaf, jax.ShapeDtypeStruct):
         return leaf.sharding is None
-    if _is_restore_args(leaf):
+    if is_restore_args(leaf):
         restore_type = getattr(leaf, "restore_type", None)
         if restore_type in (bool, int, float, str) or (
             isinstance(restore_type, type) and issubclass(restore_type, np.ndarray)
         ):
             return False
-        return _restore_args_sharding(leaf) is None
+        return restore_args_sharding(leaf) is None
     return False
 
 
@@ -695,7 +696,7 @@ def _saved_sharding_target(
     untargeted = target is None
     if untargeted:
         target = abstract_tree(directory, metadata)
-    flat = _tree.flatten_target(target, is_leaf=_is_restore_args)
+    flat = _tree.flatten_target(target, is_leaf=is_restore_args)
     leaves = _tree.validate_schema(metadata["schema"])
     out = []
     for name, leaf in zip(flat.names, flat.leaves):

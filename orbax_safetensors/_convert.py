@@ -227,7 +227,7 @@ def _orbax_item_to_safetensors(
     def skeleton(keys: dict[str, str]) -> Any:
         # The Orbax tree with placeholders for arrays (PRNG keys as tiny real keys) and the
         # restored values of scalars/strings.
-        names = source._name_of_path()
+        names = source.name_of_path()
 
         def leaf(path: Any, meta: Any) -> Any:
             name = names[tuple(path)]
@@ -263,7 +263,7 @@ def _orbax_item_to_safetensors(
             arrays = {}
             for orbax_name, value in values.items():
                 ours = from_orbax[orbax_name]
-                if _inspect._is_key(value):
+                if _tree.is_prng_key(value):
                     key_impls[orbax_name] = str(jax.random.key_impl(value))
                     value = jax.random.key_data(value)
                 arrays[ours] = np.asarray(value)
@@ -315,7 +315,7 @@ def _safetensors_metadata(
     return {
         "format": _checkpoint.FORMAT_NAME,
         "format_version": _checkpoint.FORMAT_VERSION,
-        "library_version": _checkpoint._library_version(),
+        "library_version": _checkpoint.library_version(),
         "files": [f.filename for f in plan.files],
         "schema": flat.schema,
         "tensors": tensors,

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import numpy as np
 from etils import epath
 
-from orbax_safetensors import _compat, _dtypes, _plan
+from orbax_safetensors import _compat, _dtypes, _plan, _tree
 from orbax_safetensors._errors import HeaderError, SafetensorsCheckpointError
 
 METADATA_FILE = "orbax_safetensors.json"  # same as _checkpoint.METADATA_FILE (no jax import)
@@ -440,7 +440,7 @@ def _open_file(path: epath.Path) -> SafetensorsSource:
     from orbax_safetensors import _api
 
     header = _api.read_header(path)
-    crcs = _api._json_metadata(header, _api.CHECKSUM_KEY, str(path))
+    crcs = _api.header_json(header, _api.CHECKSUM_KEY, str(path))
     stored = _api.stored_tensors(path, header, crcs if isinstance(crcs, dict) else None)
     user = {k: v for k, v in header.metadata.items() if k not in _RESERVED_METADATA}
     return SafetensorsSource(path, "file", stored, user)
@@ -518,8 +518,6 @@ class OrbaxSource:
     def __init__(self, path: epath.Path) -> None:
         import jax
 
-        from orbax_safetensors import _tree
-
         self.path = path = absolute(path)
         self.kind = "orbax"
         self.tree = orbax_metadata_tree(path)
@@ -542,7 +540,8 @@ class OrbaxSource:
 
         values = self.restore(names)
         return {
-            n: np.asarray(jax.random.key_data(v) if _is_key(v) else v) for n, v in values.items()
+            n: np.asarray(jax.random.key_data(v) if _tree.is_prng_key(v) else v)
+            for n, v in values.items()
         }
 
     def restore(self, names: Sequence[str], *, as_jax: bool = False) -> dict[str, Any]:
@@ -569,8 +568,8 @@ class OrbaxSource:
                 )
             return ocp.RestoreArgs()
 
-        item = _select(self.tree, wanted, self._name_of_path(), lambda leaf: 0)
-        args = _select(self.tree, wanted, self._name_of_path(), restore_args)
+        item = _select(self.tree, wanted, self.name_of_path(), lambda leaf: 0)
+        args = _select(self.tree, wanted, self.name_of_path(), restore_args)
         restored = ocp.PyTreeCheckpointer().restore(
             self.path,
             args=_compat.pytree_partial_restore(item, args),
@@ -583,15 +582,9 @@ class OrbaxSource:
             out[name] = by_path[keypath]
         return out
 
-    def _name_of_path(self) -> dict[tuple[Any, ...], str]:
+    def name_of_path(self) -> dict[tuple[Any, ...], str]:
+        """Each leaf's key path in ``self.tree`` mapped to its tensor name."""
         return {keypath: name for name, (keypath, _) in self.leaves.items()}
-
-
-def _is_key(x: Any) -> bool:
-    import jax
-
-    dtype = getattr(x, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def orbax_metadata_tree(path: epath.PathLike) -> Any:

@@ -489,7 +489,7 @@ class _LocalReader:
         ``on_run(i)`` is called (from a reading thread) as soon as run ``i`` is in place: work
         on its bytes then finds them still in the CPU cache.
         """
-        batches = _plan_read_batches(runs, max_gap, bounded=True, max_batch=_LOCAL_BATCH_BYTES)
+        batches = coalesce_runs(runs, max_gap, bounded=True, max_batch=_LOCAL_BATCH_BYTES)
         self.requests += len(batches)
         self.bytes_read += sum(len(b) for _, bufs, _ in batches for b in bufs)
         if self._threads > 1 and len(batches) > 1:
@@ -534,20 +534,22 @@ _ReadBatch = tuple[int, list[memoryview], list[int]]  # file offset, buffers, ru
 _LOCAL_BATCH_BYTES = 16 << 20
 
 
-def _read_batches(
+def coalesced_reads(
     runs: Sequence[tuple[int, np.ndarray]], max_gap: int, *, bounded: bool = False
 ) -> list[tuple[int, list[memoryview]]]:
-    """:func:`_plan_read_batches` without the run numbers."""
-    return [(start, bufs) for start, bufs, _ in _plan_read_batches(runs, max_gap, bounded=bounded)]
+    """:func:`coalesce_runs` without the run numbers."""
+    return [(start, bufs) for start, bufs, _ in coalesce_runs(runs, max_gap, bounded=bounded)]
 
 
-def _plan_read_batches(
+def coalesce_runs(
     runs: Sequence[tuple[int, np.ndarray]],
     max_gap: int,
     *,
     bounded: bool = False,
     max_batch: int = _MAX_BATCH_BYTES,
 ) -> list[_ReadBatch]:
+    """Wanted byte runs ``(offset, buffer)`` grouped into vectored reads: ``(file offset,
+    buffers, run numbers)`` per read, in offset order."""
     # Sort by offset, then merge runs whose gaps are <= max_gap into one vectored read; gaps
     # land in a shared scratch buffer (their contents are never used). With ``bounded`` a gap is
     # only read when it is no longer than the run after it, so at most half of what is read is

@@ -1009,7 +1009,7 @@ class ObjectReader:
         if self._size is not None and end > self._size:
             raise EOFError(f"{self.path}: needs bytes up to {end}, file has {self._size}")
         requests: list[tuple[int, list[memoryview]]] = []
-        for start, bufs in _io._read_batches(wanted, max_gap):
+        for start, bufs in _io.coalesced_reads(wanted, max_gap):
             requests.extend(_split_request(start, bufs, options.max_request_bytes))
         self.requests += len(requests)
         self.bytes_read += sum(len(v) for _, views in requests for v in views)
@@ -1075,7 +1075,7 @@ def s3_min_part(size: int) -> int:
     return max(S3_MIN_PART, -(-size // (S3_MAX_PARTS - 1)))
 
 
-def _part_number(offset: int, size: int) -> int:
+def part_number(offset: int, size: int) -> int:
     """S3 part number of a part starting at ``offset``: increasing with the offset, unique as
     long as parts are >= :func:`s3_min_part` bytes, and <= 9,999."""
     return 1 + offset // s3_min_part(size)
@@ -1268,7 +1268,7 @@ def _write_ranges(
             a, b = seg.start + min_part, seg.end - min_part
             loose.append((seg.start, seg.slice(seg.start, a), min_part))
             for ca, cb in _even_chunks(b - a, target):
-                record = {"offset": a + ca, "size": cb - ca, "part": _part_number(a + ca, size)}
+                record = {"offset": a + ca, "size": cb - ca, "part": part_number(a + ca, size)}
                 sources.append(record)
                 uploads.append(part_job(record, seg.slice(a + ca, a + cb)))
             loose.append((b, seg.slice(b, seg.end), min_part))
@@ -1599,7 +1599,7 @@ def _fetch(
         pos += n
     jobs: list[Callable[[], Any]] = []
     for obj, runs in by_object.items():
-        for start, bufs in _io._read_batches(runs, options.max_gap):
+        for start, bufs in _io.coalesced_reads(runs, options.max_gap):
             for s, views in _split_request(start, bufs, options.max_request_bytes):
                 n = sum(len(v) for v in views)
                 jobs.append(
@@ -1797,7 +1797,7 @@ def _assemble_s3(store: _S3, url: str, bucket: str, key: str, docs: list[dict[st
 def _make_part(
     store: _S3, url: str, bucket: str, key: str, upload_id: str, p: _PlannedPart, size: int
 ) -> tuple[int, str]:
-    number = _part_number(p.start, size)
+    number = part_number(p.start, size)
     if p.copy is not None:
         src = p.copy
         a = int(src["key_offset"])

@@ -28,7 +28,7 @@ from orbax_safetensors._reader import ReadRequest, ReadStats, StoredTensor, read
 _RESTORE_ARGS_TYPES: dict[type, bool] = {}  # type -> whether its instances are restore args
 
 
-def _is_restore_args(x: object) -> bool:
+def is_restore_args(x: object) -> bool:
     # Orbax's ArrayRestoreArgs/RestoreArgs, recognised by shape rather than imported, so the
     # core does not depend on Orbax. Called for every target leaf: the answer is kept per type
     # (dataclass instances always carry their fields).
@@ -64,7 +64,9 @@ class _Want:
     pytype: type | None = None  # for "python": the scalar type to return
 
 
-def _restore_args_sharding(leaf: Any) -> Any:
+def restore_args_sharding(leaf: Any) -> Any:
+    """The sharding an Orbax ``ArrayRestoreArgs`` asks for (its ``sharding``, or a
+    ``NamedSharding`` built from ``mesh`` and ``mesh_axes``), else None."""
     sharding = getattr(leaf, "sharding", None)
     mesh, axes = getattr(leaf, "mesh", None), getattr(leaf, "mesh_axes", None)
     if sharding is None and mesh is not None and axes is not None:
@@ -80,7 +82,7 @@ def _want(leaf: Any) -> _Want | None:
         return _Want("jax", tuple(leaf.shape), np.dtype(leaf.dtype), sharding)
     if isinstance(leaf, (bool, int, float)):
         return _Want("python", (), None, None, pytype=type(leaf))
-    if _is_restore_args(leaf):
+    if is_restore_args(leaf):
         shape = getattr(leaf, "global_shape", None)
         dtype = getattr(leaf, "dtype", None)
         dtype = np.dtype(dtype) if dtype is not None else None
@@ -95,7 +97,7 @@ def _want(leaf: Any) -> _Want | None:
             "jax",
             tuple(shape) if shape is not None else None,
             dtype,
-            _restore_args_sharding(leaf),
+            restore_args_sharding(leaf),
         )
     if isinstance(leaf, np.ndarray):
         return _Want("numpy", tuple(leaf.shape), leaf.dtype, None)
@@ -225,7 +227,7 @@ def _restore_untargeted(
 def _restore_targeted(
     target: Any, leaves: Mapping[str, _tree.SchemaLeaf], loader: _Loader, strict: bool
 ) -> Any:
-    flat = _tree.flatten_target(target, is_leaf=_is_restore_args)
+    flat = _tree.flatten_target(target, is_leaf=is_restore_args)
     missing: list[str] = []
     problems: list[str] = []
     plan: list[tuple[str, Any, _Want | None, _tree.SchemaLeaf | None, int | None]] = []
@@ -236,7 +238,7 @@ def _restore_targeted(
             concrete = (
                 want is not None
                 and not isinstance(tleaf, jax.ShapeDtypeStruct)
-                and not _is_restore_args(tleaf)
+                and not is_restore_args(tleaf)
             )
             if strict or not concrete:
                 missing.append(name)

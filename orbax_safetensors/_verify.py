@@ -214,8 +214,8 @@ class _Checker:
         if header is None:
             return
         try:
-            schema = _api._json_metadata(header, _api.SCHEMA_KEY, str(path))
-            crcs = _api._json_metadata(header, _api.CHECKSUM_KEY, str(path))
+            schema = _api.header_json(header, _api.SCHEMA_KEY, str(path))
+            crcs = _api.header_json(header, _api.CHECKSUM_KEY, str(path))
             if crcs is not None and not isinstance(crcs, dict):
                 raise SchemaError(f"{path}: {_api.CHECKSUM_KEY} is not an object")
             stored = _api.stored_tensors(path, header, crcs)
@@ -259,7 +259,7 @@ class _Checker:
             metadata = {**metadata, "files": [only], "tensors": mine}
         headers: dict[str, _format.Header] = {}
         for filename in metadata["files"]:
-            if not _checkpoint._is_plain_filename(filename):
+            if not _checkpoint.is_plain_filename(filename):
                 self.report._problem(f"{directory}: lists an invalid file name {filename!r}")
             elif (header := self._header(directory / filename)) is not None:
                 headers[filename] = header

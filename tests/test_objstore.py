@@ -327,7 +327,7 @@ def test_s3_part_numbers_follow_offsets() -> None:
     min_part = _objstore.s3_min_part(size)
     assert min_part > 5 * MiB
     starts = range(0, size - min_part, min_part)
-    numbers = [_objstore._part_number(s, size) for s in starts]
+    numbers = [_objstore.part_number(s, size) for s in starts]
     assert numbers == sorted(set(numbers)) and numbers[0] == 1 and numbers[-1] <= 10_000
 
 
