@@ -137,7 +137,7 @@ def header_json(header: _format.Header, key: str, where: str) -> Any:
         raise SchemaError(f"{where}: {key} is not valid JSON ({e})") from None
 
 
-def stored_tensors(
+def locate_in_file(
     path: epath.Path, header: _format.Header, crcs: Mapping[str, Any] | None
 ) -> dict[str, StoredTensor]:
     """The tensors of one file, with their checksums when known."""
@@ -189,7 +189,7 @@ def load_file(
         crcs = header_json(header, CHECKSUM_KEY, str(path))
         if crcs is not None and not isinstance(crcs, dict):
             raise SchemaError(f"{path}: {CHECKSUM_KEY} is not an object")
-        stored = stored_tensors(path, header, crcs)
+        stored = locate_in_file(path, header, crcs)
         try:
             tree = restore_tree(schema, stored, target, strict=strict, verify=verify)
         except (SafetensorsCheckpointError, OSError, EOFError):

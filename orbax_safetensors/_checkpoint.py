@@ -10,7 +10,7 @@ Layout of a checkpoint directory::
 
 Saving happens in three steps so that Orbax (or any driver) can put them where it needs:
 :func:`prepare_save` (every process; plans, and copies owned shards to host, now or as the
-writer reaches each tensor), :func:`write_process_part` (every process; its own byte ranges,
+writer reaches each tensor), :func:`write_process_share` (every process; its own byte ranges,
 plus headers and index on the primary; a small per-process checksum file, which a
 single-process save keeps in memory instead) and :func:`finalize` (one process, after all
 wrote; merges checksums into the metadata file).
@@ -62,7 +62,7 @@ from orbax_safetensors._version import __version__
 METADATA_FILE = "orbax_safetensors.json"
 FORMAT_NAME = "orbax-safetensors"
 FORMAT_VERSION = 1
-_PART_PREFIX = "crc32c.process_"
+_SHARE_PREFIX = "crc32c.process_"
 _MAX_METADATA_BYTES = 512 * 1024 * 1024
 _HEADER_METADATA = {"format": "flax"}  # every header's __metadata__, as safetensors.flax writes
 
@@ -72,7 +72,8 @@ def library_version() -> str:
     return __version__
 
 
-def _describe(sharding: Any) -> dict[str, Any] | None:
+def sharding_to_json(sharding: Any) -> dict[str, Any] | None:
+    """A JSON description of a ``NamedSharding`` (mesh axes and shape, partition spec), else None."""
     if not isinstance(sharding, jax.sharding.NamedSharding):
         return None
     spec: list[Any] = []
@@ -91,7 +92,7 @@ def _describe(sharding: Any) -> dict[str, Any] | None:
     }
 
 
-def rebuild_sharding(desc: Mapping[str, Any] | None) -> jax.sharding.Sharding | None:
+def sharding_from_json(desc: Mapping[str, Any] | None) -> jax.sharding.Sharding | None:
     """A ``NamedSharding`` like the saved one over this job's devices, or None if impossible."""
     if not desc:
         return None
@@ -160,7 +161,7 @@ def check_not_deleted(arrays: Iterable[tuple[str, Any]]) -> None:
 
 @dataclasses.dataclass
 class PreparedSave:
-    """Everything a process needs to write its part.
+    """Everything a process needs to write its bytes of the checkpoint.
 
     ``pieces`` yields ``(file index, pieces)`` one tensor at a time: a list whose host copies
     are complete, a generator that copies each tensor when the writer reaches it, or one that
@@ -187,14 +188,14 @@ def prepare_save(
     lazy: bool = False,
     checksums: bool = True,
     validated: ValidatedTree | None = None,
-    snapshot: Iterable[tuple[int, _writer.HostParts]] | None = None,
+    snapshot: Iterable[tuple[int, _writer.HostCopies]] | None = None,
 ) -> PreparedSave:
     """Flattens ``tree``, plans its files and copies this process's owned bytes to host.
 
     With ``copy=True`` (and not ``lazy``) the caller may donate or overwrite its arrays as soon
     as this returns. With ``lazy=True`` nothing is copied yet: ``pieces`` is a generator that
     takes each tensor's bytes when the writer reaches it, so the arrays must stay untouched
-    until :func:`write_process_part` returns (a synchronous save; host memory about one tensor).
+    until :func:`write_process_share` returns (a synchronous save; host memory about one tensor).
     ``validated`` is :func:`validate_save`'s result for ``tree``, to skip flattening again.
 
     ``snapshot`` (with ``validated``): this process's host copies, from
@@ -210,7 +211,7 @@ def prepare_save(
     # Headers depend only on names, dtypes and shapes: identical on every process.
     plan = _plan.plan_files(specs, max_file_size=max_file_size, metadata=_HEADER_METADATA)
     multi_process = jax.process_count() > 1
-    described = _memo.ShardingMemo(_describe)  # trees of many arrays share a few shardings
+    described = _memo.ShardingMemo(sharding_to_json)  # trees of many arrays share a few shardings
     tensors = {}
     for s in specs:
         x = flat.arrays[s.name]
@@ -241,7 +242,7 @@ def prepare_save(
     pieces: Iterable[tuple[int, list[_io.Piece]]]
     if snapshot is not None:
         names = list(flat.arrays)  # snapshots are keyed by position in captured.arrays
-        pieces = (_writer.tensor_pieces(plan, names[i], parts) for i, parts in snapshot)
+        pieces = (_writer.tensor_pieces(plan, names[i], copies) for i, copies in snapshot)
     else:
         check_not_deleted(flat.arrays.items())
         pieces = _writer.iter_host_pieces(
@@ -261,14 +262,14 @@ def prepare_save(
 
 
 class SnapshotQueue:
-    """Hands host snapshots ``(index, parts)`` (see :func:`_writer.iter_snapshots`) from the
+    """Hands host snapshots ``(index, copies)`` (see :func:`_writer.iter_snapshots`) from the
     thread that copies them to the thread that plans and writes them, so that writing a large
     state starts before its last tensor is copied.
 
     Example::
 
         queue = SnapshotQueue()
-        writer = threading.Thread(target=lambda: write_process_part(
+        writer = threading.Thread(target=lambda: write_process_share(
             prepare_save(tree, validated=v, snapshot=queue), directory))
         writer.start()
         for item in _writer.iter_snapshots(enumerate(v.captured.arrays)):
@@ -291,17 +292,17 @@ class SnapshotQueue:
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._group: list[tuple[int, _writer.HostParts]] = []
+        self._group: list[tuple[int, _writer.HostCopies]] = []
         self._group_bytes = 0
         self._first = True
         self._started = threading.Event()
         self._done = False
 
-    def put(self, item: tuple[int, _writer.HostParts]) -> None:
+    def put(self, item: tuple[int, _writer.HostCopies]) -> None:
         self._group.append(item)
-        parts = item[1]
+        copies = item[1]
         self._group_bytes += (
-            parts[0][1].nbytes if len(parts) == 1 else sum(h.nbytes for _, h in parts)
+            copies[0][1].nbytes if len(copies) == 1 else sum(h.nbytes for _, h in copies)
         )
         size, count = self._group_bytes, len(self._group)
         if self._first:
@@ -340,7 +341,7 @@ class SnapshotQueue:
         """Blocks until the first group, the end or a failure is queued; False on timeout."""
         return self._started.wait(timeout)
 
-    def __iter__(self) -> Iterator[tuple[int, _writer.HostParts]]:
+    def __iter__(self) -> Iterator[tuple[int, _writer.HostCopies]]:
         while (group := self._queue.get()) is not self._END:
             if isinstance(group, BaseException):
                 raise RuntimeError("copying the checkpoint's arrays to host failed") from group
@@ -375,20 +376,20 @@ def _batched(
         yield batch_file, batch
 
 
-def write_process_part(
+def write_process_share(
     prepared: PreparedSave,
     directory: epath.PathLike,
     stats: _writer.WriteStats | None = None,
     *,
-    persist_part: bool = True,
+    persist_share: bool = True,
 ) -> dict[str, Any]:
     """Writes this process's bytes (and, on the primary, headers, index and metadata draft).
 
     Tensors are written as ``prepared.pieces`` yields them, each file opened when first needed
     and made durable at the end. ``stats``, when given, records the byte ranges written.
 
-    Returns this process's checksum part (what :func:`finalize` merges). With
-    ``persist_part=False`` neither the part nor the metadata draft is written to disk: the
+    Returns this process's checksum share (what :func:`finalize` merges). With
+    ``persist_share=False`` neither the share nor the metadata draft is written to disk: the
     caller hands both to :func:`finalize` itself (a single-process save; saves the JSON round
     trip of two documents with an entry per tensor).
     """
@@ -442,7 +443,7 @@ def write_process_part(
     if prepared.is_primary:
         if len(plan.files) > 1:
             (directory / _plan.INDEX_FILE_NAME).write_text(json.dumps(plan.index_json(), indent=1))
-        if persist_part:
+        if persist_share:
             (directory / (METADATA_FILE + ".draft")).write_text(json.dumps(prepared.metadata))
     # One record per tensor this process wrote any of: bytes written and this process's share
     # of the tensor's CRC32C (see _checksum.share), however many strided runs it wrote.
@@ -451,32 +452,32 @@ def write_process_part(
         for name, rs in runs.items()
     }
     doc = {"checksums": prepared.checksums, "tensors": tensors}
-    if persist_part:
-        part = directory / f"{_PART_PREFIX}{prepared.process_index}.json"
-        part.write_text(json.dumps(doc))
+    if persist_share:
+        share_file = directory / f"{_SHARE_PREFIX}{prepared.process_index}.json"
+        share_file.write_text(json.dumps(doc))
     return doc
 
 
 def finalize(
     directory: epath.PathLike,
     draft_metadata: dict[str, Any] | None = None,
-    parts: Sequence[dict[str, Any]] = (),
+    shares: Sequence[dict[str, Any]] = (),
 ) -> None:
-    """Merges every process's checksum part into the metadata file (run once, after all wrote).
+    """Merges every process's checksum share into the metadata file (run once, after all wrote).
 
     ``draft_metadata`` is the draft's content when this process wrote it (``PreparedSave.
     metadata``): it spares reading back and parsing the draft (~4 ms per 1,000 tensors); it is
-    required when the draft was not persisted. ``parts`` are checksum parts held in memory (as
-    :func:`write_process_part` returns them unpersisted), merged with those found on disk.
+    required when the draft was not persisted. ``shares`` are checksum shares held in memory (as
+    :func:`write_process_share` returns them unpersisted), merged with those found on disk.
     """
     directory = epath.Path(directory)
-    _io.finalize_files(directory)  # object storage: join the parts several processes uploaded
+    _io.finalize_files(directory)  # object storage: join what several processes staged
     draft = directory / (METADATA_FILE + ".draft")
     metadata = draft_metadata if draft_metadata is not None else json.loads(draft.read_text())
-    files = sorted(directory.glob(f"{_PART_PREFIX}*.json"))
+    files = sorted(directory.glob(f"{_SHARE_PREFIX}*.json"))
     # One small file per process: read them concurrently (object storage latency adds up).
     with concurrent.futures.ThreadPoolExecutor(min(32, max(1, len(files)))) as pool:
-        docs = [*parts, *pool.map(lambda part: json.loads(part.read_text()), files)]
+        docs = [*shares, *pool.map(lambda f: json.loads(f.read_text()), files)]
     if docs and all(doc["checksums"] for doc in docs):
         written = dict.fromkeys(metadata["tensors"], 0)
         crcs = dict.fromkeys(metadata["tensors"], 0)
@@ -495,8 +496,8 @@ def finalize(
     (directory / METADATA_FILE).write_text(json.dumps(metadata))
     if draft_metadata is None or draft.exists():
         draft.unlink()
-    for part in files:
-        part.unlink()
+    for f in files:
+        f.unlink()
 
 
 def _dtypes_nbytes(t: Mapping[str, Any]) -> int:
@@ -515,8 +516,8 @@ def save_directory(
     directory = epath.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     prepared = prepare_save(tree, user_metadata=metadata, max_file_size=max_file_size, copy=False)
-    part = write_process_part(prepared, directory, persist_part=False)
-    finalize(directory, prepared.metadata, [part])
+    share = write_process_share(prepared, directory, persist_share=False)
+    finalize(directory, prepared.metadata, [share])
 
 
 # --------------------------------------------------------------------------- reading
@@ -532,10 +533,10 @@ def read_metadata(directory: epath.PathLike) -> dict[str, Any]:
     if not _io.is_regular_file(path):  # a FIFO would block the read below
         raise SchemaError(f"{path}: not a regular file")
     with path.open("rb") as f:  # in chunks: memory follows the real size, not the cap
-        parts: list[bytes] = []
-        while sum(map(len, parts)) <= _MAX_METADATA_BYTES and (part := f.read(1 << 20)):
-            parts.append(part)
-        raw = b"".join(parts)
+        chunks: list[bytes] = []
+        while sum(map(len, chunks)) <= _MAX_METADATA_BYTES and (chunk := f.read(1 << 20)):
+            chunks.append(chunk)
+        raw = b"".join(chunks)
     if len(raw) > _MAX_METADATA_BYTES:
         raise SchemaError(f"{path}: larger than {_MAX_METADATA_BYTES} bytes")
     try:
@@ -568,7 +569,7 @@ def is_plain_filename(name: object) -> bool:
     )
 
 
-def stored_tensors(
+def locate_in_directory(
     directory: epath.PathLike, metadata: Mapping[str, Any]
 ) -> dict[str, StoredTensor]:
     """Every tensor of a checkpoint directory, cross-checked against the files' own headers."""
@@ -666,7 +667,7 @@ def restore_directory(
     """
     directory = epath.Path(directory)
     metadata = read_metadata(directory)
-    stored = stored_tensors(directory, metadata)
+    stored = locate_in_directory(directory, metadata)
     if jax.process_count() > 1:
         target = _saved_sharding_target(directory, metadata, target)
     return restore_tree(
@@ -717,7 +718,7 @@ def _saved_sharding_target(
         if desc is None:  # saved host-local (or not a NamedSharding): this process's device
             out.append(leaf)
             continue
-        sharding = rebuild_sharding(desc)
+        sharding = sharding_from_json(desc)
         if sharding is None:
             saved_devices = int(np.prod(desc.get("mesh_shape") or [0]))
             raise TargetMismatchError(

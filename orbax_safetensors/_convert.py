@@ -276,7 +276,7 @@ def _orbax_item_to_safetensors(
             prepared = _checkpoint.PreparedSave(
                 plan, pieces, metadata, sizes, last, i, checksums=True
             )
-            _checkpoint.write_process_part(prepared, dst)
+            _checkpoint.write_process_share(prepared, dst)
             bar.update(sum(a.nbytes for a in arrays.values()))
             del arrays, pieces, prepared
     _checkpoint.finalize(dst)
@@ -443,15 +443,15 @@ def _convert_step(
             summary.copied.append(name)
             continue
         if direction == _TO_SAFETENSORS:
-            part = _orbax_item_to_safetensors(src / name, dst / name, **options)
+            item_summary = _orbax_item_to_safetensors(src / name, dst / name, **options)
             handlers[name] = _item_handler_typestr(direction)
         else:
-            part, handlers[name] = _safetensors_item_to_orbax(
+            item_summary, handlers[name] = _safetensors_item_to_orbax(
                 src / name, dst / name, options.get("progress")
             )
         summary.items.append(name)
-        summary.tensors += part.tensors
-        summary.bytes += part.bytes
+        summary.tensors += item_summary.tensors
+        summary.bytes += item_summary.bytes
     for entry in src.iterdir():
         if not entry.is_dir() and entry.name != _inspect.CHECKPOINT_METADATA_FILE:
             entry.copy(dst / entry.name, overwrite=True)
@@ -535,11 +535,11 @@ def convert(
                         f"{step}: a step that is not a directory of items cannot be converted "
                         "as part of a root; convert it as an item"
                     )
-                part = _convert_step(step, tmp / step.name, direction, options)
-                total.items += [f"{step.name}/{i}" for i in part.items]
-                total.copied += [f"{step.name}/{i}" for i in part.copied]
-                total.tensors += part.tensors
-                total.bytes += part.bytes
+                step_summary = _convert_step(step, tmp / step.name, direction, options)
+                total.items += [f"{step.name}/{i}" for i in step_summary.items]
+                total.copied += [f"{step.name}/{i}" for i in step_summary.copied]
+                total.tensors += step_summary.tensors
+                total.bytes += step_summary.bytes
             return total
 
         return _atomic(dst, write_root)

@@ -83,9 +83,9 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         # (item directory, metadata draft) of this process's last save as the primary, so that
         # finalize need not read the draft back (Orbax finalizes on the primary, after all wrote).
         self._draft: tuple[str, dict[str, Any]] | None = None
-        # In a single-process job: (item directory, checksum part) of the last save, which is
+        # In a single-process job: (item directory, checksum share) of the last save, which is
         # then kept in memory only, as is the draft (the finalize is this process's).
-        self._part: tuple[str, dict[str, Any]] | None = None
+        self._share: tuple[str, dict[str, Any]] | None = None
 
     def _is_primary(self) -> bool:
         return jax.process_index() == self._primary_host
@@ -145,8 +145,8 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         self._check_primary_host()
         sync = _compat.orbax_waits_for_commit(skip=1)
         stats = self.last_write_stats = _writer.WriteStats()
-        persist = _persist_parts()
-        self._part = None
+        persist = _persist_shares()
+        self._share = None
         snapshot = None if sync else _checkpoint.SnapshotQueue()
         prepared: _checkpoint.PreparedSave | None = None
         if (
@@ -160,7 +160,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
             prepared = self._prepare(directory, args, snapshot=snapshot)
             _prepare_directory(directory, prepared)
 
-        def write_part() -> dict[str, Any]:
+        def write_share() -> dict[str, Any]:
             ready = prepared
             if ready is None:
                 # Planned here, on the writer thread, once the first host copies (or all of
@@ -176,19 +176,19 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
                     # caller's thread (reading another thread's frames can crash CPython).
                     time.sleep(_PLAN_DELAY_SECONDS)
                 ready = self._prepare(directory, args, snapshot=snapshot)
-            return _checkpoint.write_process_part(ready, directory, stats, persist_part=persist)
+            return _checkpoint.write_process_share(ready, directory, stats, persist_share=persist)
 
-        def write_part_paused() -> dict[str, Any]:
+        def write_share_paused() -> dict[str, Any]:
             # The caller waits in Orbax's synchronous save() for this write: the cyclic GC
             # may pause for it. An async save's write outlives save(): it never pauses the GC.
             with _gcpause.gc_paused():
-                return write_part()
+                return write_share()
 
         async def write() -> None:
             # Runs once the contracted signals arrive (the step directory exists); the blocking
             # file I/O runs on a worker thread so the event loop stays responsive.
-            part = await asyncio.to_thread(write_part_paused if sync else write_part)
-            self._part = None if persist else (str(directory), part)
+            share = await asyncio.to_thread(write_share_paused if sync else write_share)
+            self._share = None if persist else (str(directory), share)
 
         future = ocp_future.CommitFutureAwaitingContractedSignals(write(), name="safetensors_save")
         if snapshot is not None:
@@ -215,19 +215,19 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         prepared = self._prepare(directory, args)
         _prepare_directory(directory, prepared)
         self.last_write_stats = _writer.WriteStats()
-        persist = _persist_parts()
-        part = _checkpoint.write_process_part(
-            prepared, directory, self.last_write_stats, persist_part=persist
+        persist = _persist_shares()
+        share = _checkpoint.write_process_share(
+            prepared, directory, self.last_write_stats, persist_share=persist
         )
-        self._part = None if persist else (str(directory), part)
+        self._share = None if persist else (str(directory), share)
 
     def finalize(self, directory: epath.Path) -> None:
         """Merges every process's checksums into the metadata file (primary, after all wrote)."""
         draft, self._draft = self._draft, None
-        part, self._part = self._part, None
+        share, self._share = self._share, None
         known = draft[1] if draft is not None and draft[0] == str(directory) else None
-        parts = [part[1]] if part is not None and part[0] == str(directory) else []
-        _checkpoint.finalize(directory, known, parts)
+        shares = [share[1]] if share is not None and share[0] == str(directory) else []
+        _checkpoint.finalize(directory, known, shares)
 
     def restore(self, directory: epath.Path, args: SafetensorsRestore | None = None) -> Any:
         """Restores the tree; see :class:`SafetensorsRestore` for the target forms."""
@@ -259,8 +259,8 @@ def _prepare_directory(directory: epath.Path, prepared: _checkpoint.PreparedSave
     _io.prepare_directory(directory, files, is_primary=prepared.is_primary)
 
 
-def _persist_parts() -> bool:
-    # The metadata draft and checksum parts go to disk for a finalize in another process; in a
+def _persist_shares() -> bool:
+    # The metadata draft and checksum shares go to disk for a finalize in another process; in a
     # single-process job the finalize is this process's, and takes them from memory. (A crash
     # before it leaves an uncommitted step either way.)
     return jax.process_count() > 1

@@ -419,7 +419,7 @@ def load_pytorch(
     source = _inspect.open_source(path)
     model_vars = _model_variables(model, variables)
     report = MappingReport()
-    plan: list[tuple[str, str, Transform]] = []
+    moves: list[tuple[str, str, Transform]] = []
     claimed: dict[str, str] = {}
     for key, info in source.tensors.items():
         if mapping.torch_ignored(key):
@@ -449,7 +449,7 @@ def load_pytorch(
                 f"{key} {info.dtype}{list(info.shape)} becomes {list(got)} but {name} is {list(want)}"
             )
             continue
-        plan.append((key, name, transform))
+        moves.append((key, name, transform))
     report.missing = [n for n in model_vars if n not in claimed and not mapping.flax_ignored(n)]
     if strict and not report.ok:
         raise TargetMismatchError(
@@ -457,8 +457,8 @@ def load_pytorch(
             + report.problems()
         )
     updates = []
-    by_key = {key: (name, transform) for key, name, transform in plan}
-    for group in _inspect.batches([source.tensors[k] for k, _, _ in plan], batch_bytes):
+    by_key = {key: (name, transform) for key, name, transform in moves}
+    for group in _inspect.batches([source.tensors[k] for k, _, _ in moves], batch_bytes):
         arrays = source.read([t.name for t in group])
         for t in group:
             name, transform = by_key[t.name]
@@ -559,7 +559,7 @@ def export_pytorch(
     directory = epath.Path(directory)
     infos, read = _flax_source(source, prefix, variables)
     report = MappingReport()
-    plan: list[tuple[str, str, Transform]] = []
+    moves: list[tuple[str, str, Transform]] = []
     taken: dict[str, str] = {}
     specs = []
     out_dtype = None if dtype is None else np.dtype(dtype)
@@ -583,7 +583,7 @@ def export_pytorch(
             continue
         st_dtype = info.dtype if out_dtype is None else _dtypes.from_numpy(out_dtype, key=name)
         specs.append(_plan.TensorSpec(key, st_dtype, shape))
-        plan.append((name, key, transform))
+        moves.append((name, key, transform))
     if strict and not report.ok:
         raise TargetMismatchError(
             f"cannot export to {directory} through this mapping\n" + report.problems()
@@ -592,31 +592,31 @@ def export_pytorch(
     for old in [*directory.glob("model*.safetensors"), directory / _plan.INDEX_FILE_NAME]:
         if old.exists():
             old.unlink()
-    fplan = _plan.plan_files(specs, max_file_size=max_file_size, metadata={"format": "pt"})
+    plan = _plan.plan_files(specs, max_file_size=max_file_size, metadata={"format": "pt"})
     local = _io.is_local(directory)
-    by_name = {name: (key, transform) for name, key, transform in plan}
+    by_name = {name: (key, transform) for name, key, transform in moves}
     groups = _inspect.batches(
-        [infos[n] for n, _, _ in plan], batch_bytes if local else 1 << 62
+        [infos[n] for n, _, _ in moves], batch_bytes if local else 1 << 62
     ) or [[]]
     for i, group in enumerate(groups):
         arrays = read([t.name for t in group])
         pieces: dict[int, list[_io.Piece]] = {}
         if i == 0:
-            for f, file_plan in enumerate(fplan.files):
+            for f, file_plan in enumerate(plan.files):
                 pieces[f] = [_io.header_piece(file_plan.header)]
         for t in group:
             key, transform = by_name[t.name]
             value = np.asarray(transform.to_torch(arrays.pop(t.name)))
             if out_dtype is not None:
                 value = value.astype(out_dtype)
-            file_plan, entry = fplan.locate(key)
+            file_plan, entry = plan.locate(key)
             raw = _dtypes.pack(np.ascontiguousarray(value), entry.dtype)
-            pieces.setdefault(fplan.file_of[key], []).append(
+            pieces.setdefault(plan.file_of[key], []).append(
                 _io.Piece(file_plan.data_start + entry.begin, raw)
             )
             report.moved.append((t.name, key))
         last = i == len(groups) - 1
-        for f, file_plan in enumerate(fplan.files):
+        for f, file_plan in enumerate(plan.files):
             if f in pieces or last:
                 _io.write_file(
                     directory / file_plan.filename,
@@ -625,6 +625,6 @@ def export_pytorch(
                     checksums=False,
                     sync=last,
                 )
-    if len(fplan.files) > 1:
-        (directory / _plan.INDEX_FILE_NAME).write_text(json.dumps(fplan.index_json(), indent=2))
+    if len(plan.files) > 1:
+        (directory / _plan.INDEX_FILE_NAME).write_text(json.dumps(plan.index_json(), indent=2))
     return report

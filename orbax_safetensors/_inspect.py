@@ -50,7 +50,7 @@ _COMMIT_FILE_SCHEMES = ("gs://", "s3://")
 _LEGACY_COMMIT_FILE_SCHEMES = ("gs://",)  # orbax-checkpoint < 0.12.3 (see scan_steps)
 # What a damaged or half-deleted checkpoint may raise while being read (Orbax's readers raise
 # ValueError subclasses too).
-_READ_ERRORS = (ValueError, OSError, EOFError)
+_UNREADABLE = (ValueError, OSError, EOFError)
 _TMP_REASON = "temporary directory of a save that never finished (Orbax renames it on commit)"
 _RESERVED_METADATA = ("orbax_safetensors.tree", "orbax_safetensors.crc32c")
 
@@ -320,12 +320,12 @@ def _uncommitted(step: epath.Path) -> str | None:
     return None
 
 
-def missing_parts(step: epath.PathLike) -> list[str]:
+def missing_entries(step: epath.PathLike) -> list[str]:
     """What a committed step directory lacks, relative to it; empty when nothing is missing.
 
     Checks the items its ``_CHECKPOINT_METADATA`` lists, this library's metadata file in those
     of its items, and every file that metadata lists; with Orbax < 0.12.3 installed, also items
-    present only under a temporary name (:func:`_unfinished_items`). A step Orbax lists with parts missing
+    present only under a temporary name (:func:`_unfinished_items`). A step Orbax lists with entries missing
     cannot be restored: typically an old step whose deletion by Orbax's cleanup (``max_to_keep``)
     was interrupted by a crash.
     """
@@ -385,7 +385,7 @@ def _read_json(path: epath.Path) -> Any:
 def incomplete_warning(
     step: int, path: epath.PathLike, missing: Sequence[str], latest: int | None
 ) -> str:
-    """The warning line for a committed step with ``missing`` parts (``latest``: the latest
+    """The warning line for a committed step with ``missing`` entries (``latest``: the latest
     committed step of its root)."""
     what = f"step {step} is incomplete (missing {', '.join(missing)})"
     if latest is not None and step < latest:
@@ -441,7 +441,7 @@ def _open_file(path: epath.Path) -> SafetensorsSource:
 
     header = _api.read_header(path)
     crcs = _api.header_json(header, _api.CHECKSUM_KEY, str(path))
-    stored = _api.stored_tensors(path, header, crcs if isinstance(crcs, dict) else None)
+    stored = _api.locate_in_file(path, header, crcs if isinstance(crcs, dict) else None)
     user = {k: v for k, v in header.metadata.items() if k not in _RESERVED_METADATA}
     return SafetensorsSource(path, "file", stored, user)
 
@@ -450,7 +450,7 @@ def _open_item(path: epath.Path) -> SafetensorsSource:
     from orbax_safetensors import _checkpoint
 
     meta = _checkpoint.read_metadata(path)
-    stored = _checkpoint.stored_tensors(path, meta)
+    stored = _checkpoint.locate_in_directory(path, meta)
     return SafetensorsSource(path, "item", stored, dict(meta.get("metadata") or {}))
 
 
@@ -486,7 +486,7 @@ def _open_safetensors_dir(path: epath.Path) -> SafetensorsSource:
     for filename in safetensors_dir_files(path):
         header = _api.read_header(path / filename)
         metadata.setdefault("format", header.metadata.get("format"))
-        for name, st in _api.stored_tensors(path / filename, header, None).items():
+        for name, st in _api.locate_in_file(path / filename, header, None).items():
             if name in stored:
                 raise HeaderError(
                     f"{path}: tensor {name!r} appears in both {stored[name].path.name} and {filename}"
@@ -747,7 +747,7 @@ def _root_step(step: StepDir) -> dict[str, Any]:
         "problem": None,
         "missing": [],
     }
-    missing = missing_parts(step.path)
+    missing = missing_entries(step.path)
     if missing:
         entry["status"] = "incomplete"
         entry["problem"] = f"missing {', '.join(missing)}"
@@ -760,7 +760,7 @@ def _root_step(step: StepDir) -> dict[str, Any]:
         else:
             rep = _step_report(step.path)
             entry["items"] = [*rep["items"], *rep["other_items"]]
-    except _READ_ERRORS as e:
+    except _UNREADABLE as e:
         entry["status"] = "unreadable"
         entry["problem"] = str(e)
         return entry
@@ -798,7 +798,7 @@ def inspect_path(path: epath.PathLike) -> dict[str, Any]:
 
     For a root: the committed steps (those ``mngr.all_steps()`` lists) with their items, tensor
     counts, tensor bytes and bytes on disk, each with a ``status`` (``ok``; ``incomplete`` when
-    parts are missing, ``unreadable`` when a file is damaged, both with a ``problem``), the
+    entries are missing, ``unreadable`` when a file is damaged, both with a ``problem``), the
     uncommitted step directories (``uncommitted``, with the reason) and ``warnings``.
     Otherwise every tensor's name, dtype, shape, bytes and file, with totals.
 
@@ -815,7 +815,7 @@ def inspect_path(path: epath.PathLike) -> dict[str, Any]:
         reason = uncommitted_reason(path)
         try:
             report = _step_report(path)
-        except _READ_ERRORS as e:
+        except _UNREADABLE as e:
             if reason is None:
                 raise
             raise SafetensorsCheckpointError(f"{path}: uncommitted step ({reason}): {e}") from e
@@ -997,7 +997,7 @@ def _sources_of(path: epath.Path) -> dict[str, TensorSource]:
     return {"": open_source(path)}
 
 
-def _describe(t: TensorInfo) -> str:
+def _dtype_shape(t: TensorInfo) -> str:
     return f"{t.dtype}{list(t.shape)}"
 
 
@@ -1071,7 +1071,7 @@ def diff_paths(
         for t in common:
             u = y.tensors[t.name]
             if t.shape != u.shape:
-                report.mismatched.append((prefix + t.name, _describe(t), _describe(u)))
+                report.mismatched.append((prefix + t.name, _dtype_shape(t), _dtype_shape(u)))
             else:
                 comparable.append(t)
         for group in batches(comparable, max_bytes=batch_bytes):
@@ -1084,8 +1084,8 @@ def diff_paths(
                     report.mismatched.append(
                         (
                             prefix + t.name,
-                            _describe(t),
-                            f"{_describe(u)} (max abs difference {d:.6g})",
+                            _dtype_shape(t),
+                            f"{_dtype_shape(u)} (max abs difference {d:.6g})",
                         )
                     )
                 elif d > atol:

@@ -14,12 +14,12 @@ endpoint and keys in ``fsspec.config.conf["s3"]``).
 Writes:
   * One writer holding every byte of a file (``save_file``, single-process checkpoints): the final
     object is written directly and appears whole or not at all (S3: one PUT, or a multipart
-    upload of ``part_size`` parts in parallel; GCS: one upload, or parallel part objects composed
-    into the final object).
+    upload of ``part_size`` parts in parallel; GCS: one upload, or parallel staged objects
+    composed into the final object).
   * Several processes filling one file (multi-host checkpoints, no bytes move between hosts):
     each process uploads only its own contiguous byte ranges under the hidden prefix
     ``<dir>/.osf-parts/<file>/`` plus a small manifest; the primary's ``finalize_directory``
-    joins them. GCS: ranges are part objects, composed in offset order (<= 32 sources per call,
+    joins them. GCS: ranges are staged objects, composed in offset order (<= 32 sources per call,
     in a tree). S3: one multipart upload per file, created by the primary before anyone writes
     (ids broadcast to every process with ``jax.experimental.multihost_utils``); each process
     uploads the interior of its large ranges straight into that upload as parts numbered by
@@ -69,7 +69,7 @@ S3_MIN_PART = 5 * MiB  # every part of a multipart upload but the last
 S3_MAX_PART = 5 << 30
 S3_MAX_PARTS = 10_000
 GCS_MAX_COMPOSE = 32
-PARTS_DIR = ".osf-parts"
+STAGING_DIR = ".osf-parts"
 _HEAD_PREFETCH = 64 * 1024  # first GET of a file: enough for most safetensors headers
 _T = TypeVar("_T")
 
@@ -87,7 +87,7 @@ class ObjectStoreOptions:
 
     Attributes:
       max_in_flight: HTTP requests one reader or writer runs at once (its thread pool size).
-      part_size: target bytes per uploaded part / part object / copied part.
+      part_size: target bytes per uploaded part / staged object / copied part.
       max_request_bytes: largest ranged GET; longer coalesced reads are split.
       max_gap: reads of runs closer than this are merged into one request (the gap is read and
         dropped); object-storage requests cost far more than a few hundred KiB of transfer.
@@ -97,7 +97,7 @@ class ObjectStoreOptions:
       connect_timeout: seconds to open a connection.
       read_timeout: seconds without data before a request counts as failed (and is retried).
       gcs_min_object: a process's contiguous range shorter than this goes into its loose object
-        instead of a part object of its own (GCS multi-process writes).
+        instead of a staged object of its own (GCS multi-process writes).
       coordination_timeout: no longer used (the S3 upload ids now travel in a JAX collective,
         under JAX's own timeouts); kept so that existing settings still load.
     """
@@ -238,13 +238,14 @@ class ObjectStoreError(OSError):
 
     def __init__(self, url: str, operation: str, attempts: int, cause: BaseException) -> None:
         tries = f" after {attempts} attempts" if attempts > 1 else ""
-        super().__init__(f"{url}: {operation} failed{tries}: {_describe(cause)}")
+        super().__init__(f"{url}: {operation} failed{tries}: {describe_error(cause)}")
         self.url = url
         self.operation = operation
         self.attempts = attempts
 
 
-def _describe(error: BaseException) -> str:
+def describe_error(error: BaseException) -> str:
+    """``error``'s type, HTTP status when it has one, and message (cut at 300 characters)."""
     status = _status(error)
     text = str(error).strip() or type(error).__name__
     if len(text) > 300:
@@ -339,7 +340,7 @@ def _call(url: str, operation: str, fn: Callable[[], _T]) -> _T:
                 raise ObjectStoreError(url, operation, attempt, error) from error
             _count(retries=1)
             if _TRACE:
-                _trace(f"retry after attempt {attempt}: {operation} {url}: {_describe(error)}")
+                _trace(f"retry after attempt {attempt}: {operation} {url}: {describe_error(error)}")
             delay = min(options.backoff_max, options.backoff_initial * 2 ** (attempt - 1))
             time.sleep(delay * (0.5 + random.random() / 2))
 
@@ -1062,10 +1063,10 @@ def _segments(pieces: Sequence[_io.Piece]) -> list[_Segment]:
     return out
 
 
-def _parts_prefix(key: str) -> tuple[str, str]:
-    """(hidden prefix of a file's parts, file name) for object ``key``."""
+def _staging_prefix(key: str) -> tuple[str, str]:
+    """(hidden prefix of a file's staged objects, file name) for object ``key``."""
     directory, _, name = key.rpartition("/")
-    prefix = f"{directory}/{PARTS_DIR}/{name}/" if directory else f"{PARTS_DIR}/{name}/"
+    prefix = f"{directory}/{STAGING_DIR}/{name}/" if directory else f"{STAGING_DIR}/{name}/"
     return prefix, name
 
 
@@ -1085,7 +1086,7 @@ def write_file(url: str, pieces: Sequence[_io.Piece], size: int) -> None:
     """Writes this process's ``pieces`` of the ``size``-byte file at ``url``.
 
     When the pieces tile ``[0, size)`` the final object is written directly. Otherwise other
-    processes hold the rest: this process uploads its ranges under the file's hidden parts
+    processes hold the rest: this process uploads its ranges under the file's hidden staging
     prefix, and :func:`finalize_directory` (primary, after everyone wrote) joins them.
     """
     url = os.fspath(url)
@@ -1125,8 +1126,8 @@ def _write_whole(store: _S3 | _GCS, url: str, bucket: str, key: str, seg: _Segme
             store.abort_upload(bucket, key, upload_id)
             raise
         return
-    # GCS: parallel part objects, composed into the final object.
-    prefix, _ = _parts_prefix(key)
+    # GCS: parallel staged objects, composed into the final object.
+    prefix, _ = _staging_prefix(key)
     token = uuid.uuid4().hex[:12]
     names = [f"{prefix}w-{token}-{i:05d}" for i in range(len(chunks))]
     created: list[str] = []
@@ -1223,13 +1224,13 @@ def _write_ranges(
     """Uploads this process's ranges of a file that other processes also write.
 
     Each range becomes one of: parts of the shared S3 multipart upload (interior of ranges
-    >= 3 x the minimum part), whole part objects (ranges >= the minimum part on S3 without a
+    >= 3 x the minimum part), whole staged objects (ranges >= the minimum part on S3 without a
     shared upload, >= ``gcs_min_object`` on GCS), or slices of this process's loose objects
     (everything smaller, and the 5 MiB edges around S3 direct parts). A manifest listing them
     by file offset is written last.
     """
     options = get_object_store_options()
-    prefix, name = _parts_prefix(key)
+    prefix, name = _staging_prefix(key)
     s3 = isinstance(store, _S3)
     upload_id = _upload_id_for(url) if s3 else None
     min_part = s3_min_part(size)
@@ -1437,7 +1438,7 @@ def prepare_directory(
             ids = _create_uploads(directory, files)
         except BaseException as error:  # every process must still reach the broadcast
             failure = error
-    sent = {"uploads": ids} if failure is None else {"error": _describe(failure)}
+    sent = {"uploads": ids} if failure is None else {"error": describe_error(failure)}
     try:
         doc = _broadcast_json(sent, is_source=is_primary)
     except BaseException:
@@ -1503,14 +1504,14 @@ def _upload_id_for(url: str) -> str | None:
 
 def finalize_directory(directory: str) -> None:
     """Joins the ranges every process uploaded into each file of ``directory``, then deletes
-    the parts. Run once, on the primary, after all processes finished writing."""
+    the staged objects. Run once, on the primary, after all processes finished writing."""
     directory = os.fspath(directory).rstrip("/")
     store, bucket, key = _resolve(directory)
     base = f"{key}/" if key else ""
     listing = _call(
-        f"{directory}/{PARTS_DIR}/",
+        f"{directory}/{STAGING_DIR}/",
         "LIST parts",
-        lambda: store.list(bucket, f"{base}{PARTS_DIR}/"),
+        lambda: store.list(bucket, f"{base}{STAGING_DIR}/"),
     )
     with _lock:
         entry = _directories.pop(directory, None)
@@ -1518,7 +1519,7 @@ def finalize_directory(directory: str) -> None:
         return  # every file was written whole (by one process): nothing to join
     manifests: dict[str, list[dict[str, Any]]] = {}
     for obj in sorted(listing):
-        rest = obj[len(f"{base}{PARTS_DIR}/") :]
+        rest = obj[len(f"{base}{STAGING_DIR}/") :]
         name, _, leaf = rest.rpartition("/")
         if leaf.startswith("m-") and leaf.endswith(".json"):
             data, _ = _call(
@@ -1540,13 +1541,13 @@ def finalize_directory(directory: str) -> None:
             if name not in manifests and isinstance(store, _S3):  # written whole by one process
                 store.abort_upload(bucket, f"{base}{name}", upload_id)
     leftovers = _call(
-        f"{directory}/{PARTS_DIR}/",
+        f"{directory}/{STAGING_DIR}/",
         "LIST parts",
-        lambda: store.list(bucket, f"{base}{PARTS_DIR}/"),
+        lambda: store.list(bucket, f"{base}{STAGING_DIR}/"),
     )
     if leftovers:
         _call(
-            f"{directory}/{PARTS_DIR}/",
+            f"{directory}/{STAGING_DIR}/",
             f"DELETE {len(leftovers)} part objects",
             lambda: store.delete(bucket, sorted(leftovers)),
         )
@@ -1582,9 +1583,9 @@ def _checked_sources(url: str, docs: list[dict[str, Any]]) -> tuple[int, list[di
 
 
 def _fetch(
-    store: _S3 | _GCS, url: str, bucket: str, pieces: Sequence[dict[str, Any]], out: memoryview
+    store: _S3 | _GCS, url: str, bucket: str, ranges: Sequence[dict[str, Any]], out: memoryview
 ) -> None:
-    """Downloads the object ranges ``pieces`` (consecutive in the file) into ``out``.
+    """Downloads the object ranges ``ranges`` (consecutive in the file) into ``out``.
 
     Ranges of one object that lie close together (one process's loose ranges are stored back
     to back) share a request, as in :meth:`ObjectReader.read_runs`.
@@ -1593,7 +1594,7 @@ def _fetch(
     dest = np.frombuffer(out, dtype=np.uint8)
     by_object: dict[str, list[tuple[int, np.ndarray]]] = {}
     pos = 0
-    for p in pieces:
+    for p in ranges:
         n = int(p["size"])
         by_object.setdefault(p["key"], []).append((int(p["key_offset"]), dest[pos : pos + n]))
         pos += n
@@ -1627,7 +1628,7 @@ def _cut(source: dict[str, Any], a: int, b: int) -> dict[str, Any]:
 
 def _assemble_gcs(store: _GCS, url: str, bucket: str, key: str, docs: list[dict[str, Any]]) -> None:
     size, sources = _checked_sources(url, docs)
-    prefix, _ = _parts_prefix(key)
+    prefix, _ = _staging_prefix(key)
     names: list[str] = []
     fill_jobs: list[Callable[[], None]] = []
     run: list[dict[str, Any]] = []
@@ -1635,14 +1636,14 @@ def _assemble_gcs(store: _GCS, url: str, bucket: str, key: str, docs: list[dict[
     def flush() -> None:
         if not run:
             return
-        pieces = list(run)
+        ranges = list(run)
         run.clear()
-        obj = f"{prefix}f-{int(pieces[0]['offset']):016x}"
+        obj = f"{prefix}f-{int(ranges[0]['offset']):016x}"
         names.append(obj)
 
         def job() -> None:
-            buffer = bytearray(sum(int(p["size"]) for p in pieces))
-            _fetch(store, url, bucket, pieces, memoryview(buffer))
+            buffer = bytearray(sum(int(p["size"]) for p in ranges))
+            _fetch(store, url, bucket, ranges, memoryview(buffer))
             _call(url, f"PUT filler {obj}", lambda: store.put(bucket, obj, [memoryview(buffer)]))
 
         fill_jobs.append(job)
@@ -1663,27 +1664,30 @@ def _assemble_gcs(store: _GCS, url: str, bucket: str, key: str, docs: list[dict[
 
 
 @dataclasses.dataclass
-class _PlannedPart:
+class PartRecipe:
+    """How to build one S3 multipart part ``[start, stop)`` of a file: copy ``copy``
+    server-side, or download ``ranges`` and upload them."""
+
     start: int
     stop: int
     copy: dict[str, Any] | None  # an object range to copy server-side, else download + upload
-    pieces: list[dict[str, Any]]  # object ranges covering [start, stop) (for upload parts)
+    ranges: list[dict[str, Any]]  # object ranges covering [start, stop) (for upload parts)
 
     @property
     def size(self) -> int:
         return self.stop - self.start
 
 
-def plan_s3_parts(
+def part_recipes(
     flexible: Sequence[dict[str, Any]], is_last: bool, min_part: int, part_size: int
-) -> list[_PlannedPart]:
-    """Plans multipart parts for consecutive object-backed ranges (between fixed parts).
+) -> list[PartRecipe]:
+    """The multipart parts for consecutive object-backed ranges (between fixed parts).
 
     Every part is >= ``min_part`` bytes (except the file's last when ``is_last``) and <= about
     ``part_size``; a part inside one object range is copied server-side, others are built by
     downloading their ranges. Ranges are borrowed from big neighbours to grow small regions.
     """
-    # Segments: [start, stop, copy source or None, pieces]
+    # Segments: [start, stop, copy source or None, ranges]
     segs: list[list[Any]] = []
     for s in flexible:
         a, b = int(s["offset"]), int(s["offset"]) + int(s["size"])
@@ -1726,20 +1730,20 @@ def plan_s3_parts(
                 merged = [segs[lo][0], segs[hi][1], None, segs[lo][3] + segs[hi][3]]
                 segs[lo : hi + 1] = [merged]
             break
-    parts: list[_PlannedPart] = []
-    for a, b, copy, pieces in segs:
+    parts: list[PartRecipe] = []
+    for a, b, copy, ranges in segs:
         for ca, cb in _even_chunks(b - a, part_size):
             pa, pb = a + ca, a + cb
             if copy is not None:
-                parts.append(_PlannedPart(pa, pb, _cut(copy, pa, pb), []))
+                parts.append(PartRecipe(pa, pb, _cut(copy, pa, pb), []))
             else:
-                parts.append(_PlannedPart(pa, pb, None, _pieces_between(pieces, pa, pb)))
+                parts.append(PartRecipe(pa, pb, None, _ranges_between(ranges, pa, pb)))
     return parts
 
 
-def _pieces_between(pieces: Sequence[dict[str, Any]], a: int, b: int) -> list[dict[str, Any]]:
+def _ranges_between(ranges: Sequence[dict[str, Any]], a: int, b: int) -> list[dict[str, Any]]:
     out = []
-    for p in pieces:
+    for p in ranges:
         pa, pb = int(p["offset"]), int(p["offset"]) + int(p["size"])
         if pb > a and pa < b:
             out.append(_cut(p, max(a, pa), min(b, pb)))
@@ -1768,21 +1772,21 @@ def _assemble_s3(store: _S3, url: str, bucket: str, key: str, docs: list[dict[st
         done: list[tuple[int, str]] = [
             (int(s["part"]), str(s["etag"])) for s in sources if "part" in s
         ]
-        planned: list[_PlannedPart] = []
+        recipes: list[PartRecipe] = []
         region: list[dict[str, Any]] = []
         for s in [*sources, None]:
             if s is None or "part" in s:
                 if region:
                     is_last = s is None
-                    planned += plan_s3_parts(region, is_last, min_part, options.part_size)
+                    recipes += part_recipes(region, is_last, min_part, options.part_size)
                     region = []
             else:
                 region.append(s)
-        for p in planned[:-1]:
+        for p in recipes[:-1]:
             if p.size < min_part:
                 raise AssertionError(f"internal: planned part {p} under {min_part} bytes")
         jobs = [
-            lambda p=p: _make_part(store, url, bucket, key, upload_id, p, size) for p in planned
+            lambda p=p: _make_part(store, url, bucket, key, upload_id, p, size) for p in recipes
         ]
         done += _run_all(jobs)
         numbers = [n for n, _ in done]
@@ -1795,7 +1799,7 @@ def _assemble_s3(store: _S3, url: str, bucket: str, key: str, docs: list[dict[st
 
 
 def _make_part(
-    store: _S3, url: str, bucket: str, key: str, upload_id: str, p: _PlannedPart, size: int
+    store: _S3, url: str, bucket: str, key: str, upload_id: str, p: PartRecipe, size: int
 ) -> tuple[int, str]:
     number = part_number(p.start, size)
     if p.copy is not None:
@@ -1808,7 +1812,7 @@ def _make_part(
         )
         return number, etag
     buffer = bytearray(p.size)
-    _fetch(store, url, bucket, p.pieces, memoryview(buffer))
+    _fetch(store, url, bucket, p.ranges, memoryview(buffer))
     etag = _call(
         url,
         f"UploadPart {number} (bytes {p.start}-{p.stop - 1})",

@@ -90,18 +90,20 @@ class _Box:
 
 
 @dataclasses.dataclass(slots=True)
-class _ReadPlan:
+class _ReadBuffers:
+    """Where one request's bytes are read to."""
+
     whole: np.ndarray | None  # the buffer of the whole tensor, when it is read whole (one run)
     boxes: list[_Box]  # otherwise: the boxes read from the file
     device_keys: dict[Any, tuple] | None  # device -> index key of its box (None: no sharding)
 
 
-def _plan_read(
+def _read_buffers(
     req: ReadRequest, arena: _io.BufferArena, single_device: _memo.ShardingMemo[bool]
-) -> _ReadPlan:
+) -> _ReadBuffers:
     shape = req.stored.shape
     if req.kind != "jax" or req.sharding is None or single_device(req.sharding):
-        return _ReadPlan(arena.empty(req.stored.nbytes), [], None)
+        return _ReadBuffers(arena.empty(req.stored.nbytes), [], None)
     whole_index = _plan.whole_index(tuple(shape))
     device_keys: dict[Any, tuple] = {}
     boxes: dict[tuple, _Box] = {}
@@ -111,10 +113,10 @@ def _plan_read(
         boxes.setdefault(device_keys[device], _Box(norm, np.empty(0, np.uint8)))
     if req.sharding.is_fully_addressable or _plan.index_key(whole_index) in boxes:
         # This process needs every byte: one whole read (verifiable) serves every box.
-        return _ReadPlan(arena.empty(req.stored.nbytes), [], device_keys)
+        return _ReadBuffers(arena.empty(req.stored.nbytes), [], device_keys)
     for box in boxes.values():
         box.buffer = _io.aligned_empty(_dtypes.nbytes(req.stored.dtype, _plan.box_shape(box.index)))
-    return _ReadPlan(None, list(boxes.values()), device_keys)
+    return _ReadBuffers(None, list(boxes.values()), device_keys)
 
 
 def _single_device(sharding: jax.sharding.Sharding) -> bool:
@@ -126,19 +128,19 @@ def read_tensors(requests: Sequence[ReadRequest], stats: ReadStats | None = None
     """Reads every request (grouped by file, one batched read per file) and returns values."""
     arena = _io.BufferArena()
     single_device = _memo.ShardingMemo(_single_device)  # many tensors share a few shardings
-    plans = [_plan_read(r, arena, single_device) for r in requests]
+    buffers = [_read_buffers(r, arena, single_device) for r in requests]
     by_file: dict[epath.Path, list[tuple[int, np.ndarray]]] = {}
     # Per file: run number -> request whose CRC32C to check once that run (the whole tensor)
     # is read, on the reading thread while its bytes are still in cache.
     checks: dict[epath.Path, dict[int, ReadRequest]] = {}
-    for req, rplan in zip(requests, plans):
+    for req, rbuf in zip(requests, buffers):
         runs = by_file.setdefault(req.stored.path, [])
-        if rplan.whole is not None:  # one run, the whole tensor: the common case, no numpy
+        if rbuf.whole is not None:  # one run, the whole tensor: the common case, no numpy
             if req.verify and req.stored.crc32c is not None:
                 checks.setdefault(req.stored.path, {})[len(runs)] = req
-            runs.append((req.stored.offset, rplan.whole))
+            runs.append((req.stored.offset, rbuf.whole))
             continue
-        for box in rplan.boxes:
+        for box in rbuf.boxes:
             offsets, length = _plan.byte_runs(req.stored.dtype, req.stored.shape, box.index)
             for k, off in enumerate(offsets.tolist()):
                 runs.append((req.stored.offset + off, box.buffer[k * length : (k + 1) * length]))
@@ -155,9 +157,9 @@ def read_tensors(requests: Sequence[ReadRequest], stats: ReadStats | None = None
             stats.bytes_read += reader.bytes_read
             stats.requests += reader.requests
     if stats is not None:
-        stats.bytes_needed += sum(b.buffer.nbytes for p in plans for b in p.boxes)
-        stats.bytes_needed += sum(p.whole.nbytes for p in plans if p.whole is not None)
-    return _place_all(requests, plans)
+        stats.bytes_needed += sum(b.buffer.nbytes for p in buffers for b in p.boxes)
+        stats.bytes_needed += sum(p.whole.nbytes for p in buffers if p.whole is not None)
+    return _place_all(requests, buffers)
 
 
 def _check(req: ReadRequest, raw: np.ndarray) -> None:
@@ -180,7 +182,7 @@ def _host_value(req: ReadRequest, raw: np.ndarray, box_shape: tuple[int, ...]) -
     return value
 
 
-def _place_all(requests: Sequence[ReadRequest], plans: list[_ReadPlan]) -> list[Any]:
+def _place_all(requests: Sequence[ReadRequest], buffers: list[_ReadBuffers]) -> list[Any]:
     results: list[Any] = [None] * len(requests)
     default = jax.local_devices()[0]  # jax.devices()[0] may belong to another process
     # Every placement goes into one call (far cheaper than a device_put per small array):
@@ -189,32 +191,30 @@ def _place_all(requests: Sequence[ReadRequest], plans: list[_ReadPlan]) -> list[
     values: list[np.ndarray] = []
     targets: list[Any] = []
     spans: list[tuple[int, int, int | None]] = []
-    for i, (req, rplan) in enumerate(zip(requests, plans)):
-        if rplan.whole is not None:
-            full = _host_value(req, rplan.whole, req.stored.shape)
+    for i, (req, rbuf) in enumerate(zip(requests, buffers)):
+        if rbuf.whole is not None:
+            full = _host_value(req, rbuf.whole, req.stored.shape)
             if req.kind != "jax":
                 results[i] = full[()] if req.kind == "scalar" else full
-            elif rplan.device_keys is None:  # one device: put to the sharding itself
+            elif rbuf.device_keys is None:  # one device: put to the sharding itself
                 spans.append((i, len(values), None))
                 values.append(full)
                 targets.append(req.sharding or default)
             else:
-                devices = list(rplan.device_keys)
+                devices = list(rbuf.device_keys)
                 boxes = {
                     k: full[tuple(slice(a, b) for a, b in k)]
-                    for k in set(rplan.device_keys.values())
+                    for k in set(rbuf.device_keys.values())
                 }
                 spans.append((i, len(values), len(devices)))
-                values.extend(boxes[rplan.device_keys[d]] for d in devices)
+                values.extend(boxes[rbuf.device_keys[d]] for d in devices)
                 targets.extend(devices)
         else:
-            assert rplan.device_keys is not None
-            host = {
-                b.key: _host_value(req, b.buffer, _plan.box_shape(b.index)) for b in rplan.boxes
-            }
-            devices = list(rplan.device_keys)
+            assert rbuf.device_keys is not None
+            host = {b.key: _host_value(req, b.buffer, _plan.box_shape(b.index)) for b in rbuf.boxes}
+            devices = list(rbuf.device_keys)
             spans.append((i, len(values), len(devices)))
-            values.extend(host[rplan.device_keys[d]] for d in devices)
+            values.extend(host[rbuf.device_keys[d]] for d in devices)
             targets.extend(devices)
     placed = _place.put(values, targets)
     for i, start, shards in spans:

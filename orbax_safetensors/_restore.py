@@ -230,7 +230,7 @@ def _restore_targeted(
     flat = _tree.flatten_target(target, is_leaf=is_restore_args)
     missing: list[str] = []
     problems: list[str] = []
-    plan: list[tuple[str, Any, _Want | None, _tree.SchemaLeaf | None, int | None]] = []
+    matches: list[tuple[str, Any, _Want | None, _tree.SchemaLeaf | None, int | None]] = []
     for name, tleaf in zip(flat.names, flat.leaves):
         want = _want(tleaf)
         saved = leaves.get(name)
@@ -242,10 +242,10 @@ def _restore_targeted(
             )
             if strict or not concrete:
                 missing.append(name)
-            plan.append((name, tleaf, want, None, None))
+            matches.append((name, tleaf, want, None, None))
             continue
         if saved.kind in ("bool", "int", "float", "str"):
-            plan.append((name, tleaf, want, saved, None))
+            matches.append((name, tleaf, want, saved, None))
             continue
         if want is None:
             problems.append(
@@ -274,7 +274,9 @@ def _restore_targeted(
             if want.dtype is not None and want.dtype != _dtypes.to_numpy(stored.dtype)
             else None
         )
-        plan.append((name, tleaf, want, saved, loader.request(saved, kind, want.sharding, dtype)))
+        matches.append(
+            (name, tleaf, want, saved, loader.request(saved, kind, want.sharding, dtype))
+        )
     target_names = set(flat.names)
     unexpected = [n for n in leaves if n not in target_names] if strict else []
     if missing or unexpected or problems:
@@ -282,7 +284,7 @@ def _restore_targeted(
     values = loader.run()
     out: list[Any] = []
     finished: dict[int, Any] = {}
-    for _name, tleaf, want, saved, slot in plan:
+    for _name, tleaf, want, saved, slot in matches:
         if saved is None:
             out.append(tleaf)
         elif slot is None:

@@ -12,7 +12,7 @@ inside), an Orbax step directory (item directories inside) or a ``CheckpointMana
 In a root, the steps checked are exactly those Orbax lists (``mngr.all_steps()``), as
 :func:`orbax_safetensors._inspect.scan_steps` decides: uncommitted steps (Orbax's
 ``*.orbax-checkpoint-tmp*`` directories, and commit-file steps without ``commit_success.txt``)
-are skipped and listed in ``skipped``, never checked as complete. A committed step with parts
+are skipped and listed in ``skipped``, never checked as complete. A committed step with entries
 missing (an item, a metadata file, a safetensors file) is listed in ``incomplete`` and is a
 problem like any other damage: Orbax lists it but cannot restore it, so ``ok`` is False (the
 command line exits with status 1). Every other step is still checked. When such a step is older
@@ -74,7 +74,7 @@ class VerifyReport:
       unverified: tensors without a recorded checksum (``file: tensor``); their headers are
         valid but their bytes cannot be checked. Not a problem: plain safetensors files have none.
       skipped: uncommitted steps (and Orbax temporary directories) that were not examined.
-      incomplete: committed steps with parts missing (each is also in ``problems``).
+      incomplete: committed steps with entries missing (each is also in ``problems``).
       warnings: what the problems probably mean (e.g. an old step half-deleted by a crash).
     """
 
@@ -151,7 +151,7 @@ class _Checker:
     def __init__(self, report: VerifyReport, chunk_bytes: int) -> None:
         self.report = report
         self.chunk_bytes = chunk_bytes
-        self.missing: dict[epath.Path, list[str]] = {}  # incomplete steps: their missing parts
+        self.missing: dict[epath.Path, list[str]] = {}  # incomplete steps: their missing entries
 
     # ----------------------------------------------------------------- walking
 
@@ -192,7 +192,7 @@ class _Checker:
     def step(self, path: epath.Path, depth: int = 1) -> bool:
         """A committed step: its items (or the step itself, when it is an item), after checking
         that no part of it is missing. False if it holds nothing of ours."""
-        missing = _inspect.missing_parts(path)
+        missing = _inspect.missing_entries(path)
         if missing:
             self.missing[path] = missing
             self.report.incomplete.append(str(path))
@@ -218,7 +218,7 @@ class _Checker:
             crcs = _api.header_json(header, _api.CHECKSUM_KEY, str(path))
             if crcs is not None and not isinstance(crcs, dict):
                 raise SchemaError(f"{path}: {_api.CHECKSUM_KEY} is not an object")
-            stored = _api.stored_tensors(path, header, crcs)
+            stored = _api.locate_in_file(path, header, crcs)
         except SafetensorsCheckpointError as e:
             self.report._problem(str(e))
             return
@@ -264,7 +264,7 @@ class _Checker:
             elif (header := self._header(directory / filename)) is not None:
                 headers[filename] = header
         try:
-            stored = _checkpoint.stored_tensors(directory, metadata)
+            stored = _checkpoint.locate_in_directory(directory, metadata)
         except _READ_ERRORS as e:
             self.report._problem(_message(e, directory))
             return

@@ -120,7 +120,7 @@ _SMALL_COPY = 64 << 10
 _Owned = tuple[Any, Any, list[tuple[_plan.Index, Any]] | None, bool]
 
 # A tensor's host data: (box of a shard inside the tensor, or None for all of it; values).
-HostParts = list[tuple[_plan.Index | None, np.ndarray]]
+HostCopies = list[tuple[_plan.Index | None, np.ndarray]]
 
 
 def _owned_tensors(arrays: Iterable[tuple[Any, Any]], is_primary: bool) -> list[_Owned]:
@@ -165,7 +165,7 @@ def _host_array(data: Any, on_cpu: bool, buffers: _io.BufferArena | None) -> np.
     return out
 
 
-def _host_parts(owned: _Owned, buffers: _io.BufferArena | None) -> HostParts:
+def _host_copies(owned: _Owned, buffers: _io.BufferArena | None) -> HostCopies:
     _, x, shards, on_cpu = owned
     if shards is None:
         return [(None, _host_array(x, on_cpu, buffers))]
@@ -173,9 +173,9 @@ def _host_parts(owned: _Owned, buffers: _io.BufferArena | None) -> HostParts:
 
 
 def tensor_pieces(
-    plan: _plan.CheckpointPlan, name: str, parts: HostParts
+    plan: _plan.CheckpointPlan, name: str, copies: HostCopies
 ) -> tuple[int, list[_io.Piece]]:
-    """``(file index, pieces)`` writing a tensor's host ``parts`` where ``plan`` puts them.
+    """``(file index, pieces)`` writing a tensor's host ``copies`` where ``plan`` puts them.
 
     Each piece's tag is ``(tensor name, offset inside the tensor)``.
     """
@@ -184,7 +184,7 @@ def tensor_pieces(
     entry = fplan.entries[name]
     base = fplan.data_start + entry.begin
     pieces: list[_io.Piece] = []
-    for index, host in parts:
+    for index, host in copies:
         raw = _dtypes.pack(host, entry.dtype)
         if index is None or _plan.is_whole(index, entry.shape):  # e.g. a replica's first copy
             pieces.append(_io.Piece(base, raw, (name, 0)))
@@ -227,17 +227,17 @@ def iter_host_pieces(
             until = min(len(owned), k + 1 + ahead)
             _start_copies(owned[started:until])
             started = until
-        yield tensor_pieces(plan, item[0], _host_parts(item, buffers))
+        yield tensor_pieces(plan, item[0], _host_copies(item, buffers))
 
 
 def iter_snapshots(
     arrays: Iterable[tuple[Any, Any]], *, is_primary: bool = True
-) -> Iterator[tuple[Any, HostParts]]:
-    """Host copies of the bytes this process writes, one tensor at a time: ``(key, parts)``
+) -> Iterator[tuple[Any, HostCopies]]:
+    """Host copies of the bytes this process writes, one tensor at a time: ``(key, copies)``
     for each ``(key, array)`` of ``arrays`` this process writes any of.
 
     Needs no file plan, so an async save can copy first and plan on its writer thread. Once
-    the iteration ends the caller may donate, overwrite or delete its arrays; turn the parts
+    the iteration ends the caller may donate, overwrite or delete its arrays; turn the copies
     into write pieces with :func:`tensor_pieces`.
     """
     owned = _owned_tensors(arrays, is_primary)
@@ -245,13 +245,13 @@ def iter_snapshots(
     buffers = _io.BufferArena()
     for item in owned:
         name, x, shards, on_cpu = item
-        if shards is None and on_cpu:  # _host_parts of a small whole array on CPU, inlined
+        if shards is None and on_cpu:  # _host_copies of a small whole array on CPU, inlined
             # (two calls less per tensor, for trees of many small tensors)
             host = np.asarray(x)  # a view of the device buffer: copy it
             if host.nbytes < _SMALL_COPY:
                 yield name, [(None, host.copy())]
                 continue
-        yield name, _host_parts(item, buffers)
+        yield name, _host_copies(item, buffers)
 
 
 def _start_copies(owned: list[_Owned]) -> None:

@@ -125,7 +125,7 @@ def _restore_with_stats(path: epath.Path, target: Any, **kwargs: Any) -> tuple[A
     crcs = json.loads(header.metadata[_api.CHECKSUM_KEY])
     stats = ReadStats()
     out = restore_tree(
-        schema, _api.stored_tensors(path, header, crcs), target, stats=stats, **kwargs
+        schema, _api.locate_in_file(path, header, crcs), target, stats=stats, **kwargs
     )
     return out, stats
 

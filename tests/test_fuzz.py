@@ -282,7 +282,7 @@ def _stored() -> Any:
         path.write_bytes(_BASE)
         header = _api.read_header(path)
         crcs = json.loads(header.metadata[corpus.CRC_KEY])
-        _STORED = _api.stored_tensors(path, header, crcs)
+        _STORED = _api.locate_in_file(path, header, crcs)
     return _STORED
 
 

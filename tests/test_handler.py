@@ -925,7 +925,7 @@ def test_writer_fails_when_the_copying_thread_fails(tmp_path: Path) -> None:
     assert queue.wait_started(timeout=0)
     prepared = osf._checkpoint.prepare_save(tree, validated=validated, snapshot=queue)
     with pytest.raises(RuntimeError, match=r"copying .* to host failed") as info:
-        osf._checkpoint.write_process_part(prepared, tmp_path)
+        osf._checkpoint.write_process_share(prepared, tmp_path)
     assert isinstance(info.value.__cause__, MemoryError)
     assert not (tmp_path / "orbax_safetensors.json").exists()
 
@@ -961,7 +961,7 @@ def test_snapshot_queue_hands_over_every_item_in_order_across_groups(tmp_path):
         queue.put(item)
     queue.close()
     prepared = osf._checkpoint.prepare_save(tree, validated=validated, snapshot=queue)
-    osf._checkpoint.write_process_part(prepared, tmp_path)
+    osf._checkpoint.write_process_share(prepared, tmp_path)
     osf._checkpoint.finalize(tmp_path)
     restored = osf.restore_directory(tmp_path)
     for name, value in tree.items():

@@ -305,7 +305,7 @@ def test_s3_part_plan_respects_multipart_limits(sizes: list[int], is_last: bool)
     for i, n in enumerate(sizes):
         sources.append({"offset": pos, "size": n, "key": f"obj{i}", "key_offset": 3 * i})
         pos += n
-    parts = _objstore.plan_s3_parts(sources, is_last, min_part, part_size)
+    parts = _objstore.part_recipes(sources, is_last, min_part, part_size)
     assert [p.start for p in parts] == [100] + [p.stop for p in parts[:-1]]
     assert parts[-1].stop == pos
     for k, part in enumerate(parts):
@@ -318,8 +318,8 @@ def test_s3_part_plan_respects_multipart_limits(sizes: list[int], is_last: bool)
             assert part.copy["key_offset"] == src["key_offset"] + shift >= src["key_offset"]
             assert shift + part.size <= src["size"]
         else:
-            assert sum(p["size"] for p in part.pieces) == part.size
-            assert part.pieces[0]["offset"] == part.start
+            assert sum(p["size"] for p in part.ranges) == part.size
+            assert part.ranges[0]["offset"] == part.start
 
 
 def test_s3_part_numbers_follow_offsets() -> None:
@@ -342,7 +342,7 @@ def test_save_file_load_file_urls(store, options) -> None:
     osf.object_store_stats(reset=True)
     osf.save_file(tree, url, metadata={"who": "test"})
     saved = osf.object_store_stats(reset=True)
-    assert saved.put_requests >= 2  # multipart (S3) or part objects + compose (GCS)
+    assert saved.put_requests >= 2  # multipart (S3) or staged objects + compose (GCS)
     assert list_keys(server, bucket) == ["models/w.safetensors"]  # no parts left behind
     assert pending_uploads(server, bucket) == []
 

@@ -3,7 +3,7 @@
 They prove that etils.epath, boto3, google-cloud-storage and tensorstore reach SeaweedFS and
 fake-gcs-server on 127.0.0.1, from this process and from child processes, including the two
 multi-writer patterns the library relies on: one S3 multipart upload fed by several
-processes, and GCS compose of part objects written by several processes.
+processes, and GCS compose of staged objects written by several processes.
 """
 
 from __future__ import annotations

@@ -565,7 +565,7 @@ def test_validated_tree_specs_come_from_the_capture_not_the_arrays(tmp_path):
         ("rng", "U32", (2,)),
     ]
     prepared = _checkpoint.prepare_save(tree, validated=validated, snapshot=snapshot)
-    _checkpoint.write_process_part(prepared, tmp_path)
+    _checkpoint.write_process_share(prepared, tmp_path)
     _checkpoint.finalize(tmp_path)
     restored = _checkpoint.restore_directory(tmp_path)
     np.testing.assert_array_equal(np.asarray(restored["w"]), np.arange(4.0, dtype=np.float32))
