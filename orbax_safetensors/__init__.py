@@ -11,13 +11,16 @@ from orbax_safetensors._api import load_file, load_metadata, read_header, save_f
 from orbax_safetensors._checkpoint import restore_directory, save_directory
 from orbax_safetensors._convert import ConvertSummary, convert
 from orbax_safetensors._errors import (
+    DeletedArrayError,
     HeaderError,
     IntegrityError,
+    MetadataError,
     SafetensorsCheckpointError,
     SchemaError,
     TargetMismatchError,
     UnsupportedLeafError,
 )
+from orbax_safetensors._format import Header, TensorEntry
 from orbax_safetensors._handler import (
     SafetensorsCheckpointHandler,
     SafetensorsRestore,
@@ -30,6 +33,7 @@ from orbax_safetensors._hf import (
     Reshape,
     Rule,
     SplitHeads,
+    Transform,
     Transpose,
     export_pytorch,
     load_pytorch,
@@ -43,19 +47,25 @@ from orbax_safetensors._objstore import (
     object_store_stats,
     set_object_store_options,
 )
+from orbax_safetensors._reader import ReadStats
 from orbax_safetensors._verify import VerifyReport, verify
 from orbax_safetensors._version import __version__
+from orbax_safetensors._writer import WriteStats
 
 __all__ = [
     "Chain",
     "ConvertSummary",
+    "DeletedArrayError",
+    "Header",
     "HeaderError",
     "IntegrityError",
     "KeyMapping",
     "MappingReport",
+    "MetadataError",
     "ObjectStoreError",
     "ObjectStoreOptions",
     "ObjectStoreStats",
+    "ReadStats",
     "Reshape",
     "Rule",
     "SafetensorsCheckpointError",
@@ -65,9 +75,12 @@ __all__ = [
     "SchemaError",
     "SplitHeads",
     "TargetMismatchError",
+    "TensorEntry",
+    "Transform",
     "Transpose",
     "UnsupportedLeafError",
     "VerifyReport",
+    "WriteStats",
     "__version__",
     "convert",
     "export_pytorch",

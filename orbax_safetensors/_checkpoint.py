@@ -50,8 +50,10 @@ from orbax_safetensors import (
     _writer,
 )
 from orbax_safetensors._errors import (
+    DeletedArrayError,
     HeaderError,
     IntegrityError,
+    MetadataError,
     SchemaError,
     TargetMismatchError,
 )
@@ -144,19 +146,27 @@ def validate_save(tree: Any, user_metadata: Mapping[str, Any] | None = None) -> 
 
     Raises:
       UnsupportedLeafError: naming the first leaf (or dtype) that cannot be stored.
-      ValueError: naming a ``jax.Array`` that has been deleted (donated).
-      TypeError: when ``user_metadata`` is not JSON-serialisable.
+      DeletedArrayError (a ValueError): naming a ``jax.Array`` that has been deleted (donated).
+      MetadataError (a TypeError): when ``user_metadata`` is not JSON-serialisable.
     """
     captured = _tree.capture(tree)
-    json.dumps(dict(user_metadata or {}))
+    _check_user_metadata(user_metadata)
     return ValidatedTree(captured)
 
 
+def _check_user_metadata(user_metadata: Mapping[str, Any] | None) -> None:
+    try:
+        json.dumps(dict(user_metadata or {}))
+    except (TypeError, ValueError) as e:
+        raise MetadataError(f"metadata must be JSON-serialisable: {e}") from e
+
+
 def check_not_deleted(arrays: Iterable[tuple[str, Any]]) -> None:
-    """Raises ValueError naming the first deleted (donated) ``jax.Array`` of ``(name, array)``."""
+    """Raises DeletedArrayError naming the first deleted (donated) ``jax.Array`` of ``(name,
+    array)``."""
     for name, x in arrays:
         if isinstance(x, jax.Array) and x.is_deleted():
-            raise ValueError(_tree.deleted_message(name, x))
+            raise DeletedArrayError(_tree.deleted_message(name, x))
 
 
 @dataclasses.dataclass
@@ -238,7 +248,7 @@ def prepare_save(
         "tensors": tensors,
         "metadata": dict(user_metadata or {}),
     }
-    json.dumps(metadata["metadata"])  # fail early (before any I/O) on non-JSON user metadata
+    _check_user_metadata(user_metadata)  # fail early (before any I/O)
     pieces: Iterable[tuple[int, list[_io.Piece]]]
     if snapshot is not None:
         names = list(flat.arrays)  # snapshots are keyed by position in captured.arrays

@@ -1,4 +1,6 @@
-"""The library's exceptions: one hierarchy, every class a ``ValueError``.
+"""The library's exceptions: one hierarchy under :class:`SafetensorsCheckpointError`, every
+class a ``ValueError``. :class:`MetadataError` is also a ``TypeError``, and ``ObjectStoreError``
+(``_objstore``) is also an ``OSError``, so code that catches the built-in class still does.
 
 Messages name the offending key, file, shape and dtype, and say what was expected.
 
@@ -27,6 +29,14 @@ class SchemaError(SafetensorsCheckpointError):
 
 class UnsupportedLeafError(SafetensorsCheckpointError):
     """A pytree leaf (or its dtype) cannot be stored; nothing was written."""
+
+
+class DeletedArrayError(UnsupportedLeafError):
+    """A ``jax.Array`` leaf has been deleted (donated); nothing was written."""
+
+
+class MetadataError(SafetensorsCheckpointError, TypeError):
+    """User metadata of a checkpoint directory is not JSON-serialisable."""
 
 
 class TargetMismatchError(SafetensorsCheckpointError):

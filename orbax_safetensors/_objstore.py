@@ -63,6 +63,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from orbax_safetensors import _io
+from orbax_safetensors._errors import SafetensorsCheckpointError
 
 MiB = 1 << 20
 S3_MIN_PART = 5 * MiB  # every part of a multipart upload but the last
@@ -227,8 +228,11 @@ def _count(**increments: int) -> None:
 # --------------------------------------------------------------------------- errors, retries
 
 
-class ObjectStoreError(OSError):
+class ObjectStoreError(SafetensorsCheckpointError, OSError):
     """A request to object storage failed for good (after retries, or not retryable).
+
+    A :class:`SafetensorsCheckpointError` and an ``OSError`` (``str``, ``args`` and ``errno``
+    as for a plain ``OSError(message)``).
 
     Attributes:
       url: the object (or prefix) concerned.
@@ -1337,8 +1341,6 @@ def check_commit_scheme(directory: str) -> None:
     if not flagged:
         return
     root = "/".join(parts[: flagged[0]])
-    from orbax_safetensors._errors import SafetensorsCheckpointError
-
     raise SafetensorsCheckpointError(
         f"{directory}: Orbax is saving this step into a temporary directory that it renames "
         "when done (its default AtomicRenameTemporaryPath), and S3 cannot rename: the commit "
@@ -1418,8 +1420,6 @@ def prepare_directory(
     the same order; if the primary fails, every process raises. Does nothing on GCS.
     """
     import jax
-
-    from orbax_safetensors._errors import SafetensorsCheckpointError
 
     directory = os.fspath(directory).rstrip("/")
     if not directory.startswith("s3://"):

@@ -31,7 +31,7 @@ import numpy as np
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 from orbax_safetensors import _compat, _dtypes
-from orbax_safetensors._errors import SchemaError, UnsupportedLeafError
+from orbax_safetensors._errors import DeletedArrayError, SchemaError, UnsupportedLeafError
 
 SCHEMA_FORMAT = "orbax-safetensors/tree"
 SCHEMA_VERSION = 1
@@ -223,7 +223,7 @@ def flatten(tree: Any) -> FlatTree:
 
     Raises:
       UnsupportedLeafError: naming the first leaf that cannot be stored (before any I/O).
-      ValueError: naming a ``jax.Array`` that has been deleted (donated).
+      DeletedArrayError (a ValueError): naming a ``jax.Array`` that has been deleted (donated).
     """
     return capture(tree).finish()
 
@@ -233,7 +233,7 @@ def capture(tree: Any) -> CapturedTree:
 
     Raises:
       UnsupportedLeafError: naming the first leaf that cannot be stored (before any I/O).
-      ValueError: naming a ``jax.Array`` that has been deleted (donated).
+      DeletedArrayError (a ValueError): naming a ``jax.Array`` that has been deleted (donated).
     """
     pending: list[tuple[dict[str, Any], tuple[KeyEntry, ...]]] = []  # (leaf node, key path)
     names: list[str] = []  # each pending leaf's joined path (collisions not yet suffixed)
@@ -259,7 +259,7 @@ def capture(tree: Any) -> CapturedTree:
             else:
                 node = _array_node(x, kind, path)
             if kind == "jax" and x.is_deleted():
-                raise ValueError(deleted_message(join_path(path), x))
+                raise DeletedArrayError(deleted_message(join_path(path), x))
             first_by_id[id(x)] = len(pending)
             stored.append(len(pending))
             if node["t"] == "key":
