@@ -10,17 +10,6 @@ Example::
 from orbax_safetensors._api import load_file, load_metadata, read_header, save_file
 from orbax_safetensors._checkpoint import restore_directory, save_directory
 from orbax_safetensors._convert import ConvertSummary, convert
-from orbax_safetensors._errors import (
-    DeletedArrayError,
-    HeaderError,
-    IntegrityError,
-    MetadataError,
-    SafetensorsCheckpointError,
-    SchemaError,
-    TargetMismatchError,
-    UnsupportedLeafError,
-)
-from orbax_safetensors._format import Header, TensorEntry
 from orbax_safetensors._handler import (
     SafetensorsCheckpointHandler,
     SafetensorsRestore,
@@ -48,6 +37,17 @@ from orbax_safetensors._objstore import (
     set_object_store_options,
 )
 from orbax_safetensors._reader import ReadStats
+from orbax_safetensors._src.core.errors import (
+    DeletedArrayError,
+    HeaderError,
+    IntegrityError,
+    MetadataError,
+    SafetensorsCheckpointError,
+    SchemaError,
+    TargetMismatchError,
+    UnsupportedLeafError,
+)
+from orbax_safetensors._src.core.header import Header, TensorEntry
 from orbax_safetensors._verify import VerifyReport, verify
 from orbax_safetensors._version import __version__
 from orbax_safetensors._writer import WriteStats

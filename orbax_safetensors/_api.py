@@ -21,14 +21,16 @@ from typing import Any
 
 from etils import epath
 
-from orbax_safetensors import _checksum, _format, _gcpause, _io, _plan, _tree, _writer
-from orbax_safetensors._errors import (
+from orbax_safetensors import _gcpause, _io, _plan, _tree, _writer
+from orbax_safetensors._reader import StoredTensor
+from orbax_safetensors._restore import restore_tree
+from orbax_safetensors._src.core import checksum as _checksum
+from orbax_safetensors._src.core import header as _header
+from orbax_safetensors._src.core.errors import (
     SafetensorsCheckpointError,
     SchemaError,
     UnsupportedLeafError,
 )
-from orbax_safetensors._reader import StoredTensor
-from orbax_safetensors._restore import restore_tree
 
 SCHEMA_KEY = "orbax_safetensors.tree"
 CHECKSUM_KEY = "orbax_safetensors.crc32c"
@@ -113,14 +115,14 @@ def save_file(tree: Any, path: epath.PathLike, metadata: Mapping[str, str] | Non
     _io.fsync_dir(path.parent)
 
 
-def read_header(path: epath.PathLike) -> _format.Header:
+def read_header(path: epath.PathLike) -> _header.Header:
     """Reads and validates the header of a ``.safetensors`` file (no tensor bytes are read)."""
     path = epath.Path(path)
     with _io.open_reader(path) as r:
-        return _format.parse_header(r.pread(0, 8), lambda n: r.pread(8, n), r.size, where=str(path))
+        return _header.parse_header(r.pread(0, 8), lambda n: r.pread(8, n), r.size, where=str(path))
 
 
-def header_json(header: _format.Header, key: str, where: str) -> Any:
+def header_json(header: _header.Header, key: str, where: str) -> Any:
     """The JSON value stored under ``key`` of a header's ``__metadata__``, or None if absent.
 
     Raises:
@@ -138,7 +140,7 @@ def header_json(header: _format.Header, key: str, where: str) -> Any:
 
 
 def locate_in_file(
-    path: epath.Path, header: _format.Header, crcs: Mapping[str, Any] | None
+    path: epath.Path, header: _header.Header, crcs: Mapping[str, Any] | None
 ) -> dict[str, StoredTensor]:
     """The tensors of one file, with their checksums when known."""
     out = {}

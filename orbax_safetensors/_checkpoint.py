@@ -38,18 +38,14 @@ import jax
 import numpy as np
 from etils import epath
 
-from orbax_safetensors import (
-    _checksum,
-    _dtypes,
-    _format,
-    _gcpause,
-    _io,
-    _memo,
-    _plan,
-    _tree,
-    _writer,
-)
-from orbax_safetensors._errors import (
+from orbax_safetensors import _gcpause, _io, _plan, _tree, _writer
+from orbax_safetensors._reader import ReadStats, StoredTensor
+from orbax_safetensors._restore import is_restore_args, restore_args_sharding, restore_tree
+from orbax_safetensors._src.core import checksum as _checksum
+from orbax_safetensors._src.core import dtypes as _dtypes
+from orbax_safetensors._src.core import header as _header
+from orbax_safetensors._src.core import memo as _memo
+from orbax_safetensors._src.core.errors import (
     DeletedArrayError,
     HeaderError,
     IntegrityError,
@@ -57,8 +53,6 @@ from orbax_safetensors._errors import (
     SchemaError,
     TargetMismatchError,
 )
-from orbax_safetensors._reader import ReadStats, StoredTensor
-from orbax_safetensors._restore import is_restore_args, restore_args_sharding, restore_tree
 from orbax_safetensors._version import __version__
 
 METADATA_FILE = "orbax_safetensors.json"
@@ -586,7 +580,7 @@ def locate_in_directory(
     from orbax_safetensors._api import read_header
 
     directory = epath.Path(directory)
-    headers: dict[str, _format.Header] = {}  # by file name, once the name has been checked
+    headers: dict[str, _header.Header] = {}  # by file name, once the name has been checked
     paths: dict[str, epath.Path] = {}  # one Path object per file, shared by its tensors
     out: dict[str, StoredTensor] = {}
     for name, info in metadata["tensors"].items():

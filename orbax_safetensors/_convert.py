@@ -32,7 +32,7 @@ import numpy as np
 from etils import epath
 
 from orbax_safetensors import _inspect, _plan
-from orbax_safetensors._errors import SafetensorsCheckpointError
+from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
 
 DEFAULT_BATCH_BYTES = 256 * 1024 * 1024
 _TO_SAFETENSORS = "safetensors"
@@ -217,7 +217,8 @@ def _orbax_item_to_safetensors(
 ) -> ConvertSummary:
     import jax
 
-    from orbax_safetensors import _checkpoint, _dtypes, _tree, _writer
+    from orbax_safetensors import _checkpoint, _tree, _writer
+    from orbax_safetensors._src.core import dtypes as _dtypes
 
     source = _inspect.OrbaxSource(src)
     inline_names = [n for n in source.leaves if n not in source.tensors]

@@ -15,7 +15,7 @@ import tempfile
 import time
 from typing import Any
 
-from orbax_safetensors import _compat
+from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
 
 DEFAULT_STEPS = 300
 SAVE_EVERY = 50
@@ -28,7 +28,7 @@ def _model_and_optimizer(seed: int) -> tuple[Any, Any]:
 
     class MLP(nnx.Module):
         def __init__(self, rngs: nnx.Rngs) -> None:
-            self.layers = _compat.nnx_list(  # nnx.List on flax >= 0.12
+            self.layers = _jaxcompat.nnx_list(  # nnx.List on flax >= 0.12
                 [
                     nnx.Linear(8, 64, rngs=rngs),
                     nnx.Linear(64, 64, rngs=rngs),

@@ -31,8 +31,10 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import future as ocp_future
 
-from orbax_safetensors import _checkpoint, _compat, _format, _gcpause, _io, _plan, _writer
+from orbax_safetensors import _checkpoint, _gcpause, _io, _plan, _writer
 from orbax_safetensors._reader import ReadStats
+from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
+from orbax_safetensors._src.core import header as _header
 
 TYPESTR = "orbax_safetensors.SafetensorsCheckpointHandler"
 
@@ -140,10 +142,10 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         accelerators).
 
         A plain method returning a coroutine, not ``async def``: the copies must happen in the
-        caller's call, and :func:`_compat.orbax_waits_for_commit` must see the caller's frames.
+        caller's call, and :func:`_orbaxcompat.orbax_waits_for_commit` must see the caller's frames.
         """
         self._check_primary_host()
-        sync = _compat.orbax_waits_for_commit(skip=1)
+        sync = _orbaxcompat.orbax_waits_for_commit(skip=1)
         stats = self.last_write_stats = _writer.WriteStats()
         persist = _persist_shares()
         self._share = None
@@ -152,7 +154,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         if (
             snapshot is None
             or _io.is_object_url(directory)
-            or args._validated.header_bound() > _format.MAX_HEADER_BYTES
+            or args._validated.header_bound() > _header.MAX_HEADER_BYTES
         ):
             # Planned now, on the caller's thread: a sync save writes straight from the arrays;
             # object storage must start its uploads here (see _prepare_directory); a header

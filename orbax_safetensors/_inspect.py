@@ -34,8 +34,10 @@ from typing import Any, Protocol
 import numpy as np
 from etils import epath
 
-from orbax_safetensors import _compat, _dtypes, _plan, _tree
-from orbax_safetensors._errors import HeaderError, SafetensorsCheckpointError
+from orbax_safetensors import _plan, _tree
+from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
+from orbax_safetensors._src.core import dtypes as _dtypes
+from orbax_safetensors._src.core.errors import HeaderError, SafetensorsCheckpointError
 
 METADATA_FILE = "orbax_safetensors.json"  # same as _checkpoint.METADATA_FILE (no jax import)
 ORBAX_METADATA_FILE = "_METADATA"
@@ -218,7 +220,7 @@ def list_items(step: epath.PathLike) -> dict[str, str]:
 # even a commit-file step killed before its commit, which that Orbax lists (and fails to
 # restore). This depends on the Orbax that reads the root, not on the files (a 0.12.3+
 # commit-file manager does not list that same directory), so it is keyed on the installed
-# orbax-checkpoint version (:func:`_compat.orbax_uses_legacy_commit_rule`).
+# orbax-checkpoint version (:func:`_orbaxcompat.orbax_uses_legacy_commit_rule`).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,7 +300,7 @@ def _uncommitted(step: epath.Path) -> str | None:
     if (step / COMMIT_SUCCESS_FILE).exists():
         return None
     url = str(step)
-    legacy = _compat.orbax_uses_legacy_commit_rule()
+    legacy = _orbaxcompat.orbax_uses_legacy_commit_rule()
     if url.startswith(_LEGACY_COMMIT_FILE_SCHEMES if legacy else _COMMIT_FILE_SCHEMES):
         scheme = url.split("://", 1)[0]
         return (
@@ -343,7 +345,7 @@ def missing_entries(step: epath.PathLike) -> list[str]:
                 missing.append(f"{name}/{METADATA_FILE}")
     elif handlers == HANDLER_TYPESTR and not (step / METADATA_FILE).exists():
         missing.append(METADATA_FILE)  # a step that is itself one item (ocp.Checkpointer)
-    if _compat.orbax_uses_legacy_commit_rule():
+    if _orbaxcompat.orbax_uses_legacy_commit_rule():
         missing.extend(n for n in _unfinished_items(step) if n not in missing)
     items = [("", step)] + [(f"{n}/", step / n) for n in list_items(step)]
     for prefix, item in items:
@@ -572,7 +574,7 @@ class OrbaxSource:
         args = _select(self.tree, wanted, self.name_of_path(), restore_args)
         restored = ocp.PyTreeCheckpointer().restore(
             self.path,
-            args=_compat.pytree_partial_restore(item, args),
+            args=_orbaxcompat.pytree_partial_restore(item, args),
         )
         out = {}
         flat, _ = jax.tree_util.tree_flatten_with_path(restored)

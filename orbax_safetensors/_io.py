@@ -30,8 +30,8 @@ from typing import Any, Protocol
 import numpy as np
 from etils import epath
 
-from orbax_safetensors import _checksum
-from orbax_safetensors._errors import HeaderError
+from orbax_safetensors._src.core import checksum as _checksum
+from orbax_safetensors._src.core.errors import HeaderError
 
 ALIGNMENT = 64
 _IOV_MAX = 1024  # Linux's per-call iovec limit

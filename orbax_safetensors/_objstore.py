@@ -63,7 +63,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from orbax_safetensors import _io
-from orbax_safetensors._errors import SafetensorsCheckpointError
+from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
 
 MiB = 1 << 20
 S3_MIN_PART = 5 * MiB  # every part of a multipart upload but the last

@@ -8,7 +8,7 @@ most of the restore. So a numpy array bound for one addressable device takes the
 transfer, the same zero-copy aliasing of 64-byte aligned buffers on CPU, committed like
 ``device_put`` to a device) straight away. Anything else (shardings over several devices,
 64-bit dtypes that JAX may canonicalise, a JAX without that entry) goes through
-``jax.device_put``. The private entry is looked up in :mod:`orbax_safetensors._compat`.
+``jax.device_put``. The private entry is looked up in :mod:`orbax_safetensors._src.compat.jaxcompat`.
 
 Example::
 
@@ -23,11 +23,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from orbax_safetensors import _compat, _memo
+from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
+from orbax_safetensors._src.core import memo as _memo
 
 
-def _load_direct_put() -> _compat.DirectPut | None:
-    direct_put = _compat.batched_device_put()
+def _load_direct_put() -> _jaxcompat.DirectPut | None:
+    direct_put = _jaxcompat.batched_device_put()
     if direct_put is None:
         return None
     try:  # one real transfer, checked, before the entry is trusted
@@ -41,7 +42,9 @@ def _load_direct_put() -> _compat.DirectPut | None:
     return direct_put
 
 
-_direct_put: _compat.DirectPut | bool | None = False  # False: not loaded yet (needs a JAX backend)
+_direct_put: _jaxcompat.DirectPut | bool | None = (
+    False  # False: not loaded yet (needs a JAX backend)
+)
 
 # Dtypes that jax.device_put may convert (to 32 bits unless jax_enable_x64): left to it.
 _CANONICALISED = frozenset(np.dtype(t) for t in (np.int64, np.uint64, np.float64, np.complex128))

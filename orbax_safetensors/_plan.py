@@ -21,8 +21,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from orbax_safetensors import _dtypes, _format
-from orbax_safetensors._errors import UnsupportedLeafError
+from orbax_safetensors._src.core import dtypes as _dtypes
+from orbax_safetensors._src.core import header as _header
+from orbax_safetensors._src.core.errors import UnsupportedLeafError
 
 SINGLE_FILE_NAME = "model.safetensors"
 INDEX_FILE_NAME = "model.safetensors.index.json"
@@ -50,7 +51,7 @@ class FilePlan:
 
     filename: str
     header: bytes
-    entries: dict[str, _format.TensorEntry]
+    entries: dict[str, _header.TensorEntry]
 
     @property
     def data_start(self) -> int:
@@ -68,7 +69,7 @@ class CheckpointPlan:
     files: list[FilePlan]
     file_of: dict[str, int]
 
-    def locate(self, name: str) -> tuple[FilePlan, _format.TensorEntry]:
+    def locate(self, name: str) -> tuple[FilePlan, _header.TensorEntry]:
         f = self.files[self.file_of[name]]
         return f, f.entries[name]
 
@@ -127,7 +128,7 @@ def plan_files(
     for i, group in enumerate(groups):
         name = single_file_name if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
         ordered = _file_order(group)
-        header, entries = _format.build_header(
+        header, entries = _header.build_header(
             [(s.name, s.dtype, s.shape) for s in ordered], metadata
         )
         files.append(FilePlan(name, header, {e.name: e for e in entries}))

@@ -21,8 +21,11 @@ import jax
 import numpy as np
 from etils import epath
 
-from orbax_safetensors import _checksum, _dtypes, _io, _memo, _place, _plan
-from orbax_safetensors._errors import IntegrityError
+from orbax_safetensors import _io, _place, _plan
+from orbax_safetensors._src.core import checksum as _checksum
+from orbax_safetensors._src.core import dtypes as _dtypes
+from orbax_safetensors._src.core import memo as _memo
+from orbax_safetensors._src.core.errors import IntegrityError
 
 
 class StoredTensor(NamedTuple):

@@ -30,8 +30,9 @@ import jax
 import numpy as np
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
-from orbax_safetensors import _compat, _dtypes
-from orbax_safetensors._errors import DeletedArrayError, SchemaError, UnsupportedLeafError
+from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
+from orbax_safetensors._src.core import dtypes as _dtypes
+from orbax_safetensors._src.core.errors import DeletedArrayError, SchemaError, UnsupportedLeafError
 
 SCHEMA_FORMAT = "orbax-safetensors/tree"
 SCHEMA_VERSION = 1
@@ -336,11 +337,11 @@ def capture(tree: Any) -> CapturedTree:
             return leaf(x, path, name)
         children: list[tuple[Any, Any]]
         if _is_nnx_variable(x):
-            children = _compat.flatten_one_level_with_keys(x)
+            children = _jaxcompat.flatten_one_level_with_keys(x)
             if len(children) == 1:  # transparent: the Variable's value takes its place
                 return {"t": "var", "v": walk(children[0][1], path, name, depth + 1)}
         try:
-            children = _compat.flatten_one_level_with_keys(x)
+            children = _jaxcompat.flatten_one_level_with_keys(x)
         except ValueError:  # a leaf jax does not know how to flatten
             return leaf(x, path, name)
         fields = getattr(type(x), "_fields", None)

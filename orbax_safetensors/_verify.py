@@ -39,20 +39,13 @@ from typing import Any
 import jax
 from etils import epath
 
-from orbax_safetensors import (
-    _api,
-    _checkpoint,
-    _checksum,
-    _dtypes,
-    _format,
-    _inspect,
-    _io,
-    _plan,
-    _tree,
-)
-from orbax_safetensors._errors import SafetensorsCheckpointError, SchemaError
+from orbax_safetensors import _api, _checkpoint, _inspect, _io, _plan, _tree
 from orbax_safetensors._reader import StoredTensor
 from orbax_safetensors._restore import wrap_key
+from orbax_safetensors._src.core import checksum as _checksum
+from orbax_safetensors._src.core import dtypes as _dtypes
+from orbax_safetensors._src.core import header as _header
+from orbax_safetensors._src.core.errors import SafetensorsCheckpointError, SchemaError
 
 CHUNK_BYTES = 16 << 20
 _TMP_MARKER = ".orbax-checkpoint-tmp"
@@ -226,7 +219,7 @@ class _Checker:
             self._schema(schema, stored, str(path))
         self._stream(stored)
 
-    def _header(self, path: epath.Path) -> _format.Header | None:
+    def _header(self, path: epath.Path) -> _header.Header | None:
         try:
             header = _api.read_header(path)
         except _READ_ERRORS as e:
@@ -257,7 +250,7 @@ class _Checker:
                 n: t for n, t in tensors.items() if isinstance(t, dict) and t.get("file") == only
             }
             metadata = {**metadata, "files": [only], "tensors": mine}
-        headers: dict[str, _format.Header] = {}
+        headers: dict[str, _header.Header] = {}
         for filename in metadata["files"]:
             if not _checkpoint.is_plain_filename(filename):
                 self.report._problem(f"{directory}: lists an invalid file name {filename!r}")

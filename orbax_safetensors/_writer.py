@@ -21,7 +21,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from orbax_safetensors import _checksum, _dtypes, _io, _memo, _plan
+from orbax_safetensors import _io, _plan
+from orbax_safetensors._src.core import checksum as _checksum
+from orbax_safetensors._src.core import dtypes as _dtypes
+from orbax_safetensors._src.core import memo as _memo
 
 
 @dataclasses.dataclass

@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit status (2 on errors, printed without a
     traceback)."""
-    from orbax_safetensors._errors import SafetensorsCheckpointError
+    from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
 
     args = build_parser().parse_args(argv)
     try:

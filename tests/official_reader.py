@@ -22,7 +22,7 @@ import numpy as np
 import safetensors
 from safetensors import safe_open
 
-from orbax_safetensors import _dtypes
+from orbax_safetensors._src.core import dtypes as _dtypes
 
 VERSION = safetensors.__version__
 

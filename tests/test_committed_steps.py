@@ -30,7 +30,8 @@ import pytest
 from etils import epath
 
 import orbax_safetensors as osf
-from orbax_safetensors import _compat, _inspect, cli
+from orbax_safetensors import _inspect, cli
+from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
 
 COMMIT_FILE = "commit-file"
 ATOMIC_RENAME = "atomic-rename"
@@ -151,7 +152,7 @@ def test_handler_typestr_is_the_handlers() -> None:
 
 
 def test_the_commit_rule_follows_the_installed_orbax() -> None:
-    assert _compat.orbax_uses_legacy_commit_rule() == LEGACY_COMMIT_RULE, ocp.__version__
+    assert _orbaxcompat.orbax_uses_legacy_commit_rule() == LEGACY_COMMIT_RULE, ocp.__version__
 
 
 @pytest.mark.parametrize("mode", [COMMIT_FILE, ATOMIC_RENAME])

@@ -1,4 +1,4 @@
-"""_compat: every private or version-dependent JAX/Orbax name, fenced, with a fallback that gives
+"""_src/compat: every private or version-dependent JAX/Orbax name, fenced, with a fallback that gives
 the same results. These run on every stack CI tests (.ci/matrix), so a rename in JAX or Orbax
 fails here instead of silently changing behaviour or speed."""
 
@@ -19,7 +19,10 @@ import pytest
 from flax import nnx
 
 import orbax_safetensors as osf
-from orbax_safetensors import _compat, _memo, _tree
+from orbax_safetensors import _tree
+from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
+from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
+from orbax_safetensors._src.core import memo as _memo
 
 PACKAGE = Path(osf.__file__).parent
 
@@ -56,12 +59,12 @@ def _trees() -> dict[str, Any]:
 def test_one_level_flatten_fallback_gives_the_same_tree(name: str) -> None:
     tree = _trees()[name]
     direct = _tree.flatten(tree)
-    saved = _compat._ONE_LEVEL
-    _compat._ONE_LEVEL = None  # as on a jax older than 0.10.2
+    saved = _jaxcompat._ONE_LEVEL
+    _jaxcompat._ONE_LEVEL = None  # as on a jax older than 0.10.2
     try:
         fallback = _tree.flatten(tree)
     finally:
-        _compat._ONE_LEVEL = saved
+        _jaxcompat._ONE_LEVEL = saved
     assert fallback.schema == direct.schema
     assert list(fallback.arrays) == list(direct.arrays)
     for key, value in direct.arrays.items():
@@ -69,18 +72,18 @@ def test_one_level_flatten_fallback_gives_the_same_tree(name: str) -> None:
 
 
 def test_one_level_flatten_fallback_matches_jax_one_level() -> None:
-    if _compat._ONE_LEVEL is None:
+    if _jaxcompat._ONE_LEVEL is None:
         pytest.skip(f"jax {jax.__version__} has no flatten_one_level_with_keys (jax >= 0.10.2)")
     for tree in _trees().values():
         nodes = [tree, *jax.tree_util.tree_leaves(tree, is_leaf=lambda x, t=tree: x is not t)]
         for node in nodes:
             try:
-                direct = _compat.flatten_one_level_with_keys(node)
+                direct = _jaxcompat.flatten_one_level_with_keys(node)
             except ValueError:
                 with pytest.raises(ValueError):
-                    _compat.flatten_one_level_with_keys_fallback(node)
+                    _jaxcompat.flatten_one_level_with_keys_fallback(node)
                 continue
-            fallback = _compat.flatten_one_level_with_keys_fallback(node)
+            fallback = _jaxcompat.flatten_one_level_with_keys_fallback(node)
             assert [c for _, c in fallback] == [c for _, c in direct] or all(
                 a is b for (_, a), (_, b) in zip(fallback, direct, strict=True)
             )
@@ -92,9 +95,9 @@ def test_one_level_flatten_fallback_matches_jax_one_level() -> None:
 def test_leaves_are_not_nodes_in_either_form() -> None:
     for leaf in (jnp.ones(2), np.ones(2), 3, "s"):
         with pytest.raises(ValueError):
-            _compat.flatten_one_level_with_keys_fallback(leaf)
+            _jaxcompat.flatten_one_level_with_keys_fallback(leaf)
         with pytest.raises(ValueError):
-            _compat.flatten_one_level_with_keys(leaf)
+            _jaxcompat.flatten_one_level_with_keys(leaf)
 
 
 def test_sharding_memo_gives_the_same_answers_without_the_private_key() -> None:
@@ -107,8 +110,8 @@ def test_sharding_memo_gives_the_same_answers_without_the_private_key() -> None:
         jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x")),
         jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
     ]
-    assert _compat.single_device_key(shardings[0]) is not None, (
-        f"SingleDeviceSharding._device is gone in jax {jax.__version__}: update _compat"
+    assert _jaxcompat.single_device_key(shardings[0]) is not None, (
+        f"SingleDeviceSharding._device is gone in jax {jax.__version__}: update _src/compat/jaxcompat.py"
     )
 
     def facts(memo: _memo.ShardingMemo[Any]) -> list[Any]:
@@ -118,20 +121,20 @@ def test_sharding_memo_gives_the_same_answers_without_the_private_key() -> None:
         return (sorted(d.id for d in s.device_set), s.is_fully_addressable)
 
     with_key = facts(_memo.ShardingMemo(fact))
-    saved = _compat.single_device_key
-    _compat.single_device_key = lambda s: None  # type: ignore[assignment]
+    saved = _jaxcompat.single_device_key
+    _jaxcompat.single_device_key = lambda s: None  # type: ignore[assignment]
     try:
         without = facts(_memo.ShardingMemo(fact))
     finally:
-        _compat.single_device_key = saved
+        _jaxcompat.single_device_key = saved
     assert with_key == without == [fact(s) for s in shardings]
 
 
 def test_direct_device_put_is_found() -> None:
     # tests/test_place.py compares it with jax.device_put (and the fallback path) leaf by leaf.
-    assert _compat.batched_device_put() is not None, (
+    assert _jaxcompat.batched_device_put() is not None, (
         f"pxla.batched_device_put moved in jax {jax.__version__}: restores of many small "
-        "tensors take jax.device_put (correct, slower); update _compat"
+        "tensors take jax.device_put (correct, slower); update _src/compat/jaxcompat.py"
     )
 
 
@@ -145,7 +148,7 @@ class _RecordingHandler(osf.SafetensorsCheckpointHandler):
         return "tests.test_compat._RecordingHandler"
 
     def async_save(self, directory: Any, args: Any) -> Any:  # type: ignore[override]
-        _RecordingHandler.seen.append(_compat.orbax_waits_for_commit(skip=1))
+        _RecordingHandler.seen.append(_orbaxcompat.orbax_waits_for_commit(skip=1))
         return super().async_save(directory, args)
 
 
@@ -176,7 +179,7 @@ def test_orbax_sync_saves_are_recognised(tmp_path: Path, async_enabled: bool) ->
     np.testing.assert_array_equal(np.asarray(restored["w"]), np.arange(6.0))
     assert _RecordingHandler.seen == [not async_enabled], (
         f"orbax-checkpoint {ocp.__version__}: expected sync={not async_enabled}; "
-        f"Orbax's save entry points are {sorted(_compat.SYNC_CALLERS)}"
+        f"Orbax's save entry points are {sorted(_orbaxcompat.SYNC_CALLERS)}"
     )
 
 
@@ -190,7 +193,7 @@ def test_async_checkpointer_is_not_taken_for_sync(tmp_path: Path) -> None:
 
 
 def test_no_private_names_outside_compat() -> None:
-    """Private JAX/Orbax names are used in _compat only; no thread's frames but the caller's own
+    """Private JAX/Orbax names are used in _src/compat only; no thread's frames but the caller's own
     are ever read."""
     private = re.compile(
         r"jax\._src|_current_frames|\._device\b|orbax\.checkpoint\._src|"
@@ -198,13 +201,16 @@ def test_no_private_names_outside_compat() -> None:
     )
     offenders = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path.name == "_compat.py":
+        if path.parent.name == "compat":
             continue
         for number, line in enumerate(path.read_text().splitlines(), 1):
             if private.search(line.split("#")[0]):
                 offenders.append(f"{path.relative_to(PACKAGE)}:{number}: {line.strip()}")
     assert not offenders, "\n".join(offenders)
-    assert "_current_frames" not in (PACKAGE / "_compat.py").read_text()
+    compat = sorted((PACKAGE / "_src" / "compat").glob("*.py"))
+    assert compat
+    for f in compat:
+        assert "_current_frames" not in f.read_text()
 
 
 def test_partial_restore_fallback_restores_the_same_leaves(tmp_path: Path) -> None:
@@ -213,8 +219,8 @@ def test_partial_restore_fallback_restores_the_same_leaves(tmp_path: Path) -> No
     ckptr.save(tmp_path / "ck", args=ocp.args.PyTreeSave(tree))
     item = {"b": {"c": 0}}
     restore_args = {"b": {"c": ocp.RestoreArgs(restore_type=np.ndarray)}}
-    forms = [_compat.pytree_partial_restore_fallback(item, restore_args)]
-    forms.append(_compat.pytree_partial_restore(item, restore_args))
+    forms = [_orbaxcompat.pytree_partial_restore_fallback(item, restore_args)]
+    forms.append(_orbaxcompat.pytree_partial_restore(item, restore_args))
     results = [ckptr.restore(tmp_path / "ck", args=args) for args in forms]
     for restored in results:
         assert jax.tree_util.tree_structure(restored) == jax.tree_util.tree_structure(item)

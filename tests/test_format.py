@@ -29,19 +29,20 @@ except ImportError:  # the supported-stack venvs of .ci/matrix have no PyTorch
 import official_reader
 
 import orbax_safetensors as osf
-from orbax_safetensors import _dtypes, _format
+from orbax_safetensors._src.core import dtypes as _dtypes
+from orbax_safetensors._src.core import header as _header
 
 needs_torch = pytest.mark.skipif(torch is None, reason="needs PyTorch (in the main environment)")
 
 # --------------------------------------------------------------------------- headers
 
 
-def _parse(blob: bytes, where: str = "f") -> _format.Header:
-    return _format.parse_header(blob[:8], lambda n: blob[8 : 8 + n], len(blob), where=where)
+def _parse(blob: bytes, where: str = "f") -> _header.Header:
+    return _header.parse_header(blob[:8], lambda n: blob[8 : 8 + n], len(blob), where=where)
 
 
 def test_build_header_layout_and_parse_round_trip():
-    header, entries = _format.build_header(
+    header, entries = _header.build_header(
         [("w", "F32", (2, 3)), ("b", "BF16", (3,)), ("s", "I64", ())], {"format": "flax"}
     )
     (n,) = struct.unpack("<Q", header[:8])
@@ -69,11 +70,11 @@ def test_build_header_layout_and_parse_round_trip():
 
 def test_build_header_refuses_duplicates_reserved_names_and_non_string_metadata():
     with pytest.raises(osf.HeaderError, match="'w' appears twice"):
-        _format.build_header([("w", "F32", (1,)), ("w", "F32", (1,))])
+        _header.build_header([("w", "F32", (1,)), ("w", "F32", (1,))])
     with pytest.raises(osf.HeaderError, match="__metadata__"):
-        _format.build_header([("__metadata__", "F32", (1,))])
+        _header.build_header([("__metadata__", "F32", (1,))])
     with pytest.raises(osf.HeaderError, match="str to str"):
-        _format.build_header([("w", "F32", (1,))], {"step": 3})  # type: ignore[dict-item]
+        _header.build_header([("w", "F32", (1,))], {"step": 3})  # type: ignore[dict-item]
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -94,10 +95,10 @@ def test_header_bound_is_never_below_the_header_built(seed):
     meta = {"format": "flax", 'k"\\': "v\x02中"}
     for cut in (1, 7, 200):
         part = specs[:cut]
-        header, _ = _format.build_header([(s.name, s.dtype, s.shape) for s in part], meta)
+        header, _ = _header.build_header([(s.name, s.dtype, s.shape) for s in part], meta)
         chars = sum(len(s.name) for s in part)
         assert len(header) <= _plan.header_bound(chars, cut, max(len(s.shape) for s in part), meta)
-    assert _plan.header_bound(0, 0, 0) >= len(_format.build_header([], {"format": "flax"})[0])
+    assert _plan.header_bound(0, 0, 0) >= len(_header.build_header([], {"format": "flax"})[0])
 
 
 def _blob(doc: dict, data: bytes) -> bytes:

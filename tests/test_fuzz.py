@@ -26,16 +26,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orbax_safetensors import (
-    HeaderError,
-    SafetensorsCheckpointError,
-    SchemaError,
-    _api,
-    _dtypes,
-    _format,
-    _tree,
-)
+from orbax_safetensors import HeaderError, SafetensorsCheckpointError, SchemaError, _api, _tree
 from orbax_safetensors._restore import restore_tree
+from orbax_safetensors._src.core import dtypes as _dtypes
+from orbax_safetensors._src.core import header as _header
 
 try:  # pytest puts tests/ on sys.path while tests/ has no __init__.py
     from hostile import corpus
@@ -64,10 +58,10 @@ def _run_for(share: float, batch: Callable[[], None]) -> int:
             return runs
 
 
-def _parse(raw: bytes) -> _format.Header | None:
+def _parse(raw: bytes) -> _header.Header | None:
     """parse_header on in-memory bytes: a Header, or None after a HeaderError."""
     try:
-        header = _format.parse_header(raw[:8], lambda n: raw[8 : 8 + n], len(raw), where="fuzz")
+        header = _header.parse_header(raw[:8], lambda n: raw[8 : 8 + n], len(raw), where="fuzz")
     except HeaderError:
         return None
     # Whatever parses is consistent: entries tile the data section and match dtype x shape.

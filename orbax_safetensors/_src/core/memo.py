@@ -19,7 +19,7 @@ from typing import Any, Generic, TypeVar
 
 import jax
 
-from orbax_safetensors import _compat
+from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
 
 T = TypeVar("T")
 _SINGLE = jax.sharding.SingleDeviceSharding
@@ -43,8 +43,8 @@ class ShardingMemo(Generic[T]):
             return hit[1]
         # A SingleDeviceSharding equals another on the same device and memory kind; keyed on
         # those directly, the lookup skips its Python __hash__ and __eq__. Without that key
-        # (see _compat), the sharding itself is the key: the same answers, a little slower.
-        single = _compat.single_device_key(sharding)
+        # (see _src/compat/jaxcompat.py), the sharding itself is the key: the same answers, a little slower.
+        single = _jaxcompat.single_device_key(sharding)
         key = sharding if single is None else (_SINGLE, *single)
         try:
             value = self._by_value[key]

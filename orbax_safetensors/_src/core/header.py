@@ -24,8 +24,8 @@ import struct
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from orbax_safetensors import _dtypes
-from orbax_safetensors._errors import HeaderError
+from orbax_safetensors._src.core import dtypes as _dtypes
+from orbax_safetensors._src.core.errors import HeaderError
 
 METADATA_KEY = "__metadata__"
 # Same cap as the reference implementation: a header larger than this is refused unread.

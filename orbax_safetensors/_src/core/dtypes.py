@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import ml_dtypes
 import numpy as np
 
-from orbax_safetensors._errors import UnsupportedLeafError
+from orbax_safetensors._src.core.errors import UnsupportedLeafError
 
 # The safetensors dtype vocabulary (see the reference Rust `Dtype` enum) mapped to the numpy
 # dtype that holds one element, and the element's width in bits on disk.

@@ -1,0 +1,1 @@
+"""Private and version-dependent JAX, flax and Orbax names, each fenced with a public fallback."""

@@ -1,0 +1,117 @@
+"""Every private or version-dependent JAX and flax name the package touches, in one place.
+
+The supported stacks (``pyproject.toml``; jax 0.6 to 0.10, flax 0.11 to 0.12) differ in what
+they offer, and a few speed-ups need names JAX keeps private. Each such name is looked up here,
+once, behind a guard, with a public fallback that gives the same results;
+``tests/test_compat.py`` checks every fallback against the fast path on every stack CI tests.
+Outside ``orbax_safetensors._src.compat`` (this module and :mod:`.orbaxcompat`, for Orbax's
+names), nothing in the package imports ``jax._src`` or reads another library's private
+attribute.
+
+| what | name | since / status | fallback |
+|---|---|---|---|
+| :func:`flatten_one_level_with_keys` | ``jax.tree_util.flatten_one_level_with_keys`` | public since jax 0.10.2 | ``tree_flatten_with_path`` with an ``is_leaf`` that stops one level down |
+| :func:`batched_device_put` | ``jax._src.interpreters.pxla.batched_device_put``, ``jax._src.core.ShapedArray`` | private | ``jax.device_put`` (``None`` here) |
+| :func:`single_device_key` | ``SingleDeviceSharding._device`` | private | the sharding itself as a dict key (``None`` here) |
+| :func:`nnx_list` | ``flax.nnx.List`` | public since flax 0.12 (needed there for lists of modules) | a plain ``list`` (what flax 0.11 takes) |
+
+Example::
+
+    children = flatten_one_level_with_keys(optax_state)  # [(key entry, child), ...]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.tree_util import KeyEntry
+
+# -- jax.tree_util.flatten_one_level_with_keys (public since jax 0.10.2) --------------------
+
+_ONE_LEVEL = getattr(jax.tree_util, "flatten_one_level_with_keys", None)
+
+
+def flatten_one_level_with_keys_fallback(x: Any) -> list[tuple[KeyEntry, Any]]:
+    """:func:`flatten_one_level_with_keys` from public names every supported jax has."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
+    if len(flat) == 1 and flat[0][0] == () and flat[0][1] is x:
+        raise ValueError(f"{type(x).__name__} is a leaf, not a pytree node")
+    return [(path[0], child) for path, child in flat]
+
+
+def flatten_one_level_with_keys(x: Any) -> list[tuple[KeyEntry, Any]]:
+    """The children of pytree node ``x`` with their key entries; ValueError for a leaf.
+
+    Example::
+
+        flatten_one_level_with_keys({"a": 1})  # [(DictKey(key='a'), 1)]
+    """
+    if _ONE_LEVEL is None:
+        return flatten_one_level_with_keys_fallback(x)
+    return list(_ONE_LEVEL(x)[0])
+
+
+# -- flax.nnx.List (public since flax 0.12) ---------------------------------------------------
+
+
+def nnx_list(items: list[Any]) -> Any:
+    """``nnx.List(items)`` where flax has it (0.12+, which requires it for a list of modules
+    held by a module), else the plain list flax 0.11 takes. The state's names are the same.
+    """
+    from flax import nnx  # imported here: flax.nnx takes seconds to import
+
+    make = getattr(nnx, "List", None)
+    return list(items) if make is None else make(items)
+
+
+# -- pxla.batched_device_put (private) -------------------------------------------------------
+
+DirectPut = Callable[[Any, Any, Any], jax.Array]
+
+
+def batched_device_put() -> DirectPut | None:
+    """The entry ``jax.device_put`` ends in for numpy inputs, as ``put(x, sharding, device)``
+    (one numpy array onto one device of ``sharding``), or None when this JAX lacks it: callers
+    then use ``jax.device_put``, which gives the same array. See :mod:`orbax_safetensors._place`.
+    """
+    try:  # jax 0.6-0.10 keep both here; guarded so that a move only costs speed
+        from jax._src import core
+        from jax._src.interpreters import pxla
+
+        put = pxla.batched_device_put
+        shaped_array = core.ShapedArray
+    except (ImportError, AttributeError):
+        return None
+
+    avals: dict[tuple[tuple[int, ...], Any], Any] = {}  # ShapedArrays are immutable
+
+    def direct_put(x: Any, sharding: Any, device: Any) -> jax.Array:
+        # One abstract value per (shape, dtype): building one costs as much as the transfer,
+        # and a model repeats a few shapes over and over.
+        key = (x.shape, x.dtype)
+        aval = avals.get(key)
+        if aval is None:
+            if len(avals) >= 4096:
+                avals.clear()
+            aval = avals[key] = shaped_array(x.shape, x.dtype)
+        return put(aval, sharding, [x], [device])  # type: ignore[no-any-return]
+
+    return direct_put
+
+
+# -- SingleDeviceSharding._device (private) --------------------------------------------------
+
+
+def single_device_key(sharding: Any) -> Any:
+    """A cheap hashable key equal for equal ``SingleDeviceSharding``s, or None.
+
+    ``SingleDeviceSharding.__hash__``/``__eq__`` run in Python; its private ``_device`` plus
+    the memory kind identify it for a fraction of that. None (no such attribute, or not a
+    ``SingleDeviceSharding``): use the sharding itself as the key, which gives the same answers.
+    """
+    if type(sharding) is not jax.sharding.SingleDeviceSharding:
+        return None
+    device = getattr(sharding, "_device", None)
+    return None if device is None else (device, sharding.memory_kind)

@@ -1,0 +1,119 @@
+"""Every private or version-dependent Orbax name the package touches, in one place.
+
+The supported stacks (``pyproject.toml``; orbax-checkpoint 0.11.11 to 0.12) differ in what
+they offer, and one speed-up needs names Orbax keeps private. Each such name is looked up here,
+once, behind a guard, with a public fallback that gives the same results;
+``tests/test_compat.py`` checks every fallback against the fast path on every stack CI tests.
+Outside ``orbax_safetensors._src.compat`` (this module and :mod:`.jaxcompat`, for JAX's and
+flax's names), nothing in the package reads another library's private attribute.
+
+| what | name | since / status | fallback |
+|---|---|---|---|
+| :func:`pytree_partial_restore` | ``PyTreeRestore(partial_restore=True)`` | public, newer than orbax-checkpoint 0.11.11 | ``PyTreeRestore(transforms={})``, which restores only what ``item`` holds |
+| :func:`orbax_uses_legacy_commit_rule` | which steps ``CheckpointManager.all_steps()`` lists | changed in orbax-checkpoint 0.12.3 | the installed version decides (``importlib.metadata``) |
+| :func:`orbax_waits_for_commit` | the qualnames of Orbax's synchronous save entry points | private | ``False``: the async path, a full host snapshot |
+
+Example::
+
+    if orbax_waits_for_commit():
+        ...  # Orbax waits for the commit: no host snapshot needed before returning
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.metadata
+import os
+import re
+import sys
+import types
+from typing import Any
+
+# -- PyTreeRestore(partial_restore=True) (newer than orbax-checkpoint 0.11.11) ----------------
+
+
+def pytree_partial_restore(item: Any, restore_args: Any) -> Any:
+    """``ocp.args.PyTreeRestore`` restoring only the leaves ``item`` holds.
+
+    Orbax versions that lack ``partial_restore`` get the same result from an empty
+    ``transforms`` dict, which restores exactly the keys of ``item``.
+    """
+    import orbax.checkpoint as ocp
+
+    fields = {f.name for f in dataclasses.fields(ocp.args.PyTreeRestore)}
+    if "partial_restore" in fields:
+        return ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+    return pytree_partial_restore_fallback(item, restore_args)
+
+
+def pytree_partial_restore_fallback(item: Any, restore_args: Any) -> Any:
+    """:func:`pytree_partial_restore` through ``transforms={}`` (every supported Orbax)."""
+    import orbax.checkpoint as ocp
+
+    return ocp.args.PyTreeRestore(item=item, restore_args=restore_args, transforms={})
+
+
+# -- which steps Orbax lists as committed (changed in orbax-checkpoint 0.12.3) ----------------
+
+# The first Orbax whose all_steps() asks the manager's TemporaryPath class.
+ORBAX_CLASS_AWARE_COMMIT = (0, 12, 3)
+
+
+@functools.cache
+def orbax_uses_legacy_commit_rule() -> bool:
+    """Whether the installed orbax-checkpoint is older than 0.12.3, whose ``all_steps()`` lists
+    every final-named step directory except one on gs:// without ``commit_success.txt``,
+    whatever the manager's ``temporary_path_class`` (the rule above ``_inspect.StepDir``).
+
+    Read from the installed distribution's version (no Orbax import); False when it cannot be
+    read: the current rule.
+    """
+    try:
+        text = importlib.metadata.version("orbax-checkpoint")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    m = re.match(r"(\d+)\.(\d+)\.(\d+)", text)
+    return m is not None and tuple(int(g) for g in m.groups()) < ORBAX_CLASS_AWARE_COMMIT
+
+
+# -- Orbax's synchronous save entry points (private qualnames) -------------------------------
+
+# CheckpointManager(enable_async_checkpointing=False) and ocp.Checkpointer run
+# Checkpointer.save -> CompositeCheckpointHandler.save -> its local async_save -> our
+# async_save, then wait for the commit futures before returning. Checked on every stack CI
+# tests (tests/test_compat.py), so a rename in Orbax fails a test instead of silently taking
+# the slower async path.
+SYNC_CALLERS = frozenset(
+    {"CompositeCheckpointHandler.save.<locals>.async_save", "Checkpointer.save"}
+)
+ASYNC_CALLER_PREFIX = "AsyncCheckpointer."
+_MAX_FRAMES = 64
+_ORBAX_DIR = f"orbax{os.sep}checkpoint{os.sep}"
+
+
+def orbax_waits_for_commit(skip: int = 1) -> bool:
+    """Whether the calling function runs inside one of Orbax's synchronous saves, which wait
+    for the commit futures before returning to user code.
+
+    Orbax passes no such flag, so this looks among the *calling thread's own* frames (never
+    another thread's) for Orbax's synchronous entry points. Anything else (an
+    ``AsyncCheckpointer``, a call from another thread, an Orbax that renamed them) gives
+    False: the safe answer, a full host snapshot before ``save()`` returns.
+
+    Args:
+      skip: frames to skip above this function's caller's own (1: start at its caller).
+    """
+    frame: types.FrameType | None = sys._getframe(skip + 1)
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            break
+        code = frame.f_code
+        if _ORBAX_DIR in code.co_filename:
+            qualname = code.co_qualname  # Python >= 3.11
+            if qualname.startswith(ASYNC_CALLER_PREFIX):
+                return False
+            if qualname in SYNC_CALLERS:
+                return True
+        frame = frame.f_back
+    return False

@@ -1,0 +1,1 @@
+"""Pure building blocks: errors, dtypes, the safetensors header, checksums, sharding memos."""
