@@ -21,11 +21,13 @@ from typing import Any
 
 from etils import epath
 
-from orbax_safetensors import _gcpause, _io, _plan, _tree, _writer
+from orbax_safetensors import _gcpause, _io, _writer
 from orbax_safetensors._reader import StoredTensor
 from orbax_safetensors._restore import restore_tree
 from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import header as _header
+from orbax_safetensors._src.core import plan as _plan
+from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import (
     SafetensorsCheckpointError,
     SchemaError,
@@ -78,7 +80,7 @@ def save_file(tree: Any, path: epath.PathLike, metadata: Mapping[str, str] | Non
     """
     path = epath.Path(path)
     flat = _tree.flatten(tree)
-    specs = _writer.tensor_specs(flat.arrays)
+    specs = _plan.tensor_specs(flat.arrays)
     placeholder = {s.name: _checksum.to_hex(0) for s in specs}
     meta = _file_metadata(flat.schema, placeholder, metadata)
     plan = _plan.plan_files(specs, max_file_size=None, metadata=meta)

@@ -38,13 +38,15 @@ import jax
 import numpy as np
 from etils import epath
 
-from orbax_safetensors import _gcpause, _io, _plan, _tree, _writer
+from orbax_safetensors import _gcpause, _io, _writer
 from orbax_safetensors._reader import ReadStats, StoredTensor
 from orbax_safetensors._restore import is_restore_args, restore_args_sharding, restore_tree
 from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.core import memo as _memo
+from orbax_safetensors._src.core import plan as _plan
+from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import (
     DeletedArrayError,
     HeaderError,
@@ -119,7 +121,7 @@ class ValidatedTree:
     @functools.cached_property
     def specs(self) -> list[_plan.TensorSpec]:
         c = self.captured
-        return _writer.specs_of(zip(self.flat.arrays, c.dtypes, c.shapes))
+        return _plan.specs_of(zip(self.flat.arrays, c.dtypes, c.shapes))
 
     def header_bound(self) -> int:
         """:func:`_plan.header_bound` of the files this tree may be planned into."""

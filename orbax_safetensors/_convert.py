@@ -31,7 +31,8 @@ from typing import Any
 import numpy as np
 from etils import epath
 
-from orbax_safetensors import _inspect, _plan
+from orbax_safetensors import _inspect
+from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
 
 DEFAULT_BATCH_BYTES = 256 * 1024 * 1024
@@ -217,8 +218,9 @@ def _orbax_item_to_safetensors(
 ) -> ConvertSummary:
     import jax
 
-    from orbax_safetensors import _checkpoint, _tree, _writer
+    from orbax_safetensors import _checkpoint, _writer
     from orbax_safetensors._src.core import dtypes as _dtypes
+    from orbax_safetensors._src.core import tree as _tree
 
     source = _inspect.OrbaxSource(src)
     inline_names = [n for n in source.leaves if n not in source.tensors]
@@ -248,7 +250,7 @@ def _orbax_item_to_safetensors(
 
     first = _tree.flatten(skeleton({}))
     to_orbax = {ours: orbax_name_of[id(v)] for ours, v in first.arrays.items()}
-    specs = _writer.tensor_specs(first.arrays)
+    specs = _plan.tensor_specs(first.arrays)
     plan = _plan.plan_files(specs, max_file_size=max_file_size, metadata={"format": "flax"})
     sizes = {s.name: s.nbytes for s in specs}
     key_impls: dict[str, str] = {}
@@ -291,10 +293,11 @@ def _safetensors_metadata(
     plan: _plan.CheckpointPlan,
     specs: list[_plan.TensorSpec],
 ) -> dict[str, Any]:
-    from orbax_safetensors import _checkpoint, _tree, _writer
+    from orbax_safetensors import _checkpoint
+    from orbax_safetensors._src.core import tree as _tree
 
     flat = _tree.flatten(tree)
-    final_specs = _writer.tensor_specs(flat.arrays)
+    final_specs = _plan.tensor_specs(flat.arrays)
     if final_specs != specs:  # the same tree, keys in place of placeholders
         raise AssertionError("internal: tensor layout changed between planning and writing")
     jax_names = {

@@ -31,10 +31,11 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import future as ocp_future
 
-from orbax_safetensors import _checkpoint, _gcpause, _io, _plan, _writer
+from orbax_safetensors import _checkpoint, _gcpause, _io, _writer
 from orbax_safetensors._reader import ReadStats
 from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
 from orbax_safetensors._src.core import header as _header
+from orbax_safetensors._src.core import plan as _plan
 
 TYPESTR = "orbax_safetensors.SafetensorsCheckpointHandler"
 

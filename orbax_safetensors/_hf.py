@@ -41,8 +41,9 @@ from typing import Any, Protocol
 import numpy as np
 from etils import epath
 
-from orbax_safetensors import _inspect, _io, _plan
+from orbax_safetensors import _inspect, _io
 from orbax_safetensors._src.core import dtypes as _dtypes
+from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core.errors import TargetMismatchError
 
 _PLACEHOLDER = re.compile(r"\{(\w+)(?::([^{}]+))?\}")

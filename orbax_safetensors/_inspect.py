@@ -34,9 +34,10 @@ from typing import Any, Protocol
 import numpy as np
 from etils import epath
 
-from orbax_safetensors import _plan, _tree
 from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
 from orbax_safetensors._src.core import dtypes as _dtypes
+from orbax_safetensors._src.core import plan as _plan
+from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import HeaderError, SafetensorsCheckpointError
 
 METADATA_FILE = "orbax_safetensors.json"  # same as _checkpoint.METADATA_FILE (no jax import)

@@ -31,13 +31,10 @@ import numpy as np
 from etils import epath
 
 from orbax_safetensors._src.core import checksum as _checksum
+from orbax_safetensors._src.core import runs as _runs
 from orbax_safetensors._src.core.errors import HeaderError
 
 ALIGNMENT = 64
-_IOV_MAX = 1024  # Linux's per-call iovec limit
-_MAX_BATCH_BYTES = 256 << 20  # per vectored read
-_MAX_CALL_BYTES = 0x7FFFF000  # Linux transfers at most this much per read/write call
-DEFAULT_MAX_GAP = 4096
 
 
 def aligned_empty(nbytes: int, alignment: int = ALIGNMENT) -> np.ndarray:
@@ -164,7 +161,7 @@ def _load_sync_file_range() -> Callable[[int, int, int], None] | None:
 
 _start_writeback = _load_sync_file_range()
 
-# Work unit of a local write: up to this many bytes (or _IOV_MAX pieces) per pwritev, each
+# Work unit of a local write: up to this many bytes (or _runs.IOV_MAX pieces) per pwritev, each
 # checksummed just before it is written, so the CRC of one unit overlaps the write of another.
 _WRITE_UNIT_BYTES = 8 << 20
 WRITE_THREADS = 2
@@ -207,7 +204,7 @@ class _Done:
 
 def _write_units(pieces: Sequence[Piece]) -> list[list[tuple[int, int, memoryview]]]:
     # (piece number, start inside the piece, bytes): contiguous runs of at most
-    # _WRITE_UNIT_BYTES / _IOV_MAX entries; large pieces are cut into several units.
+    # _WRITE_UNIT_BYTES / _runs.IOV_MAX entries; large pieces are cut into several units.
     units: list[list[tuple[int, int, memoryview]]] = []
     unit: list[tuple[int, int, memoryview]] = []
     size = end = 0
@@ -219,7 +216,7 @@ def _write_units(pieces: Sequence[Piece]) -> list[list[tuple[int, int, memoryvie
             )
             offset = p.offset + start
             if unit and (
-                offset != end or len(unit) >= _IOV_MAX or size + len(chunk) > _WRITE_UNIT_BYTES
+                offset != end or len(unit) >= _runs.IOV_MAX or size + len(chunk) > _WRITE_UNIT_BYTES
             ):
                 units.append(unit)
                 unit, size = [], 0
@@ -472,7 +469,9 @@ class _LocalReader:
         nbytes = max(0, min(nbytes, self.size - offset))
         out = bytearray()
         while len(out) < nbytes:
-            chunk = os.pread(self._fd, min(nbytes - len(out), _MAX_CALL_BYTES), offset + len(out))
+            chunk = os.pread(
+                self._fd, min(nbytes - len(out), _runs.MAX_CALL_BYTES), offset + len(out)
+            )
             if not chunk:
                 break
             out += chunk
@@ -481,7 +480,7 @@ class _LocalReader:
     def read_runs(
         self,
         runs: Sequence[tuple[int, np.ndarray]],
-        max_gap: int = DEFAULT_MAX_GAP,
+        max_gap: int = _runs.DEFAULT_MAX_GAP,
         on_run: Callable[[int], None] | None = None,
     ) -> None:
         """Fills each ``(offset, dest)`` with the file bytes at ``offset`` (dest is flat uint8).
@@ -489,7 +488,7 @@ class _LocalReader:
         ``on_run(i)`` is called (from a reading thread) as soon as run ``i`` is in place: work
         on its bytes then finds them still in the CPU cache.
         """
-        batches = coalesce_runs(runs, max_gap, bounded=True, max_batch=_LOCAL_BATCH_BYTES)
+        batches = _runs.coalesce_runs(runs, max_gap, bounded=True, max_batch=_LOCAL_BATCH_BYTES)
         self.requests += len(batches)
         self.bytes_read += sum(len(b) for _, bufs, _ in batches for b in bufs)
         if self._threads > 1 and len(batches) > 1:
@@ -507,7 +506,9 @@ class _LocalReader:
                 if not dest.nbytes:
                     on_run(i)
 
-    def _read_share(self, batches: list[_ReadBatch], on_run: Callable[[int], None] | None) -> None:
+    def _read_share(
+        self, batches: list[_runs.ReadBatch], on_run: Callable[[int], None] | None
+    ) -> None:
         for start, bufs, ids in batches:
             self._read_batch((start, bufs))
             if on_run is not None:
@@ -528,67 +529,9 @@ class _LocalReader:
         )
 
 
-_ReadBatch = tuple[int, list[memoryview], list[int]]  # file offset, buffers, run numbers
 # Local reads: batches of at most 16 MiB, so several threads share a large contiguous read and
 # each run's bytes are still cached when on_run looks at them.
 _LOCAL_BATCH_BYTES = 16 << 20
-
-
-def coalesced_reads(
-    runs: Sequence[tuple[int, np.ndarray]], max_gap: int, *, bounded: bool = False
-) -> list[tuple[int, list[memoryview]]]:
-    """:func:`coalesce_runs` without the run numbers."""
-    return [(start, bufs) for start, bufs, _ in coalesce_runs(runs, max_gap, bounded=bounded)]
-
-
-def coalesce_runs(
-    runs: Sequence[tuple[int, np.ndarray]],
-    max_gap: int,
-    *,
-    bounded: bool = False,
-    max_batch: int = _MAX_BATCH_BYTES,
-) -> list[_ReadBatch]:
-    """Wanted byte runs ``(offset, buffer)`` grouped into vectored reads: ``(file offset,
-    buffers, run numbers)`` per read, in offset order."""
-    # Sort by offset, then merge runs whose gaps are <= max_gap into one vectored read; gaps
-    # land in a shared scratch buffer (their contents are never used). With ``bounded`` a gap is
-    # only read when it is no longer than the run after it, so at most half of what is read is
-    # unwanted (column shards: narrow runs with wide gaps are read exactly, one iovec each).
-    ordered = sorted(((o, d, i) for i, (o, d) in enumerate(runs) if d.nbytes), key=lambda r: r[0])
-    scratch = np.empty(max(max_gap, 1), dtype=np.uint8).data
-    batches: list[_ReadBatch] = []
-    start = end = 0
-    bufs: list[memoryview] = []
-    ids: list[int] = []
-    size = 0
-    for offset, dest, i in ordered:
-        if dest.nbytes <= _MAX_CALL_BYTES:  # the common case
-            views = [dest.data]
-        else:
-            views = [
-                dest.data[k : k + _MAX_CALL_BYTES] for k in range(0, dest.nbytes, _MAX_CALL_BYTES)
-            ]
-        gap = offset - end
-        if (
-            bufs
-            and 0 <= gap <= max_gap
-            and (not bounded or gap <= dest.nbytes)
-            and len(bufs) + len(views) + 1 < _IOV_MAX
-            and size < max_batch
-        ):
-            if gap:
-                bufs.append(scratch[:gap])
-            bufs.extend(views)
-            ids.append(i)
-        else:
-            if bufs:
-                batches.append((start, bufs, ids))
-            start, bufs, ids, size = offset, list(views), [i], 0
-        size += dest.nbytes + max(gap, 0)
-        end = offset + dest.nbytes
-    if bufs:
-        batches.append((start, bufs, ids))
-    return batches
 
 
 class _StreamReader:
@@ -612,7 +555,7 @@ class _StreamReader:
     def read_runs(
         self,
         runs: Sequence[tuple[int, np.ndarray]],
-        max_gap: int = DEFAULT_MAX_GAP,
+        max_gap: int = _runs.DEFAULT_MAX_GAP,
         on_run: Callable[[int], None] | None = None,
     ) -> None:
         for i, (offset, dest) in sorted(enumerate(runs), key=lambda r: r[1][0]):

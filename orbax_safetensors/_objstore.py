@@ -63,6 +63,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from orbax_safetensors import _io
+from orbax_safetensors._src.core import runs as _runs
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
 
 MiB = 1 << 20
@@ -1014,7 +1015,7 @@ class ObjectReader:
         if self._size is not None and end > self._size:
             raise EOFError(f"{self.path}: needs bytes up to {end}, file has {self._size}")
         requests: list[tuple[int, list[memoryview]]] = []
-        for start, bufs in _io.coalesced_reads(wanted, max_gap):
+        for start, bufs in _runs.coalesced_reads(wanted, max_gap):
             requests.extend(_split_request(start, bufs, options.max_request_bytes))
         self.requests += len(requests)
         self.bytes_read += sum(len(v) for _, views in requests for v in views)
@@ -1600,7 +1601,7 @@ def _fetch(
         pos += n
     jobs: list[Callable[[], Any]] = []
     for obj, runs in by_object.items():
-        for start, bufs in _io.coalesced_reads(runs, options.max_gap):
+        for start, bufs in _runs.coalesced_reads(runs, options.max_gap):
             for s, views in _split_request(start, bufs, options.max_request_bytes):
                 n = sum(len(v) for v in views)
                 jobs.append(

@@ -21,10 +21,11 @@ import jax
 import numpy as np
 from etils import epath
 
-from orbax_safetensors import _io, _place, _plan
+from orbax_safetensors import _io, _place
 from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import memo as _memo
+from orbax_safetensors._src.core import runs as _runs
 from orbax_safetensors._src.core.errors import IntegrityError
 
 
@@ -84,12 +85,12 @@ class ReadStats:
 
 @dataclasses.dataclass(slots=True)
 class _Box:
-    index: _plan.Index
+    index: _runs.Index
     buffer: np.ndarray  # flat aligned uint8: the box's bytes in row-major order
 
     @property
     def key(self) -> tuple:
-        return _plan.index_key(self.index)
+        return _runs.index_key(self.index)
 
 
 @dataclasses.dataclass(slots=True)
@@ -107,18 +108,18 @@ def _read_buffers(
     shape = req.stored.shape
     if req.kind != "jax" or req.sharding is None or single_device(req.sharding):
         return _ReadBuffers(arena.empty(req.stored.nbytes), [], None)
-    whole_index = _plan.whole_index(tuple(shape))
+    whole_index = _runs.whole_index(tuple(shape))
     device_keys: dict[Any, tuple] = {}
     boxes: dict[tuple, _Box] = {}
     for device, index in req.sharding.addressable_devices_indices_map(shape).items():
-        norm = _plan.normalize_index(index or (), shape)
-        device_keys[device] = _plan.index_key(norm)
+        norm = _runs.normalize_index(index or (), shape)
+        device_keys[device] = _runs.index_key(norm)
         boxes.setdefault(device_keys[device], _Box(norm, np.empty(0, np.uint8)))
-    if req.sharding.is_fully_addressable or _plan.index_key(whole_index) in boxes:
+    if req.sharding.is_fully_addressable or _runs.index_key(whole_index) in boxes:
         # This process needs every byte: one whole read (verifiable) serves every box.
         return _ReadBuffers(arena.empty(req.stored.nbytes), [], device_keys)
     for box in boxes.values():
-        box.buffer = _io.aligned_empty(_dtypes.nbytes(req.stored.dtype, _plan.box_shape(box.index)))
+        box.buffer = _io.aligned_empty(_dtypes.nbytes(req.stored.dtype, _runs.box_shape(box.index)))
     return _ReadBuffers(None, list(boxes.values()), device_keys)
 
 
@@ -144,7 +145,7 @@ def read_tensors(requests: Sequence[ReadRequest], stats: ReadStats | None = None
             runs.append((req.stored.offset, rbuf.whole))
             continue
         for box in rbuf.boxes:
-            offsets, length = _plan.byte_runs(req.stored.dtype, req.stored.shape, box.index)
+            offsets, length = _runs.byte_runs(req.stored.dtype, req.stored.shape, box.index)
             for k, off in enumerate(offsets.tolist()):
                 runs.append((req.stored.offset + off, box.buffer[k * length : (k + 1) * length]))
     for path, runs in by_file.items():
@@ -214,7 +215,7 @@ def _place_all(requests: Sequence[ReadRequest], buffers: list[_ReadBuffers]) -> 
                 targets.extend(devices)
         else:
             assert rbuf.device_keys is not None
-            host = {b.key: _host_value(req, b.buffer, _plan.box_shape(b.index)) for b in rbuf.boxes}
+            host = {b.key: _host_value(req, b.buffer, _runs.box_shape(b.index)) for b in rbuf.boxes}
             devices = list(rbuf.device_keys)
             spans.append((i, len(values), len(devices)))
             values.extend(host[rbuf.device_keys[d]] for d in devices)

@@ -21,9 +21,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from orbax_safetensors import _tree
 from orbax_safetensors._reader import ReadRequest, ReadStats, StoredTensor, read_tensors
 from orbax_safetensors._src.core import dtypes as _dtypes
+from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import SchemaError, TargetMismatchError
 
 _RESTORE_ARGS_TYPES: dict[type, bool] = {}  # type -> whether its instances are restore args

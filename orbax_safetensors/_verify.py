@@ -39,12 +39,14 @@ from typing import Any
 import jax
 from etils import epath
 
-from orbax_safetensors import _api, _checkpoint, _inspect, _io, _plan, _tree
+from orbax_safetensors import _api, _checkpoint, _inspect, _io
 from orbax_safetensors._reader import StoredTensor
 from orbax_safetensors._restore import wrap_key
 from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import header as _header
+from orbax_safetensors._src.core import plan as _plan
+from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError, SchemaError
 
 CHUNK_BYTES = 16 << 20

@@ -7,7 +7,7 @@ runs to the byte movers. Host-local leaves (numpy arrays) are written by the pri
 
 Example::
 
-    specs = tensor_specs(flat.arrays)
+    specs = _plan.tensor_specs(flat.arrays)
     plan = _plan.plan_files(specs, max_file_size=None)
     pieces = host_pieces(plan, flat.arrays, copy=False)   # {file index: [Piece, ...]}
 """
@@ -15,16 +15,18 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
-from orbax_safetensors import _io, _plan
+from orbax_safetensors import _io
 from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import memo as _memo
+from orbax_safetensors._src.core import plan as _plan
+from orbax_safetensors._src.core import runs as _runs
 
 
 @dataclasses.dataclass
@@ -57,36 +59,13 @@ class WriteStats:
                 self.ranges.append((filename, int(p.offset), n))
 
 
-def tensor_specs(arrays: Mapping[str, Any]) -> list[_plan.TensorSpec]:
-    """The stored dtype and global shape of every array, in order."""
-    return specs_of((name, a.dtype, a.shape) for name, a in arrays.items())
-
-
-def specs_of(entries: Iterable[tuple[str, Any, Sequence[int]]]) -> list[_plan.TensorSpec]:
-    """Tensor specs from ``(name, numpy dtype, shape)``.
-
-    Raises:
-      UnsupportedLeafError: naming a tensor whose dtype has no safetensors name.
-    """
-    specs = []
-    stored_of: dict[Any, str] = {}  # a tree of many arrays has a few dtypes
-    for name, dtype, shape in entries:
-        stored = stored_of.get(dtype)
-        if stored is None:
-            stored = stored_of[dtype] = _dtypes.from_numpy(dtype, key=name)
-        if type(shape) is not tuple:  # (numpy's and jax's are: tuples of ints)
-            shape = tuple(int(d) for d in shape)
-        specs.append(_plan.TensorSpec(name, stored, shape))
-    return specs
-
-
-def owned_shards(x: jax.Array) -> list[tuple[_plan.Index, jax.Array]]:
+def owned_shards(x: jax.Array) -> list[tuple[_runs.Index, jax.Array]]:
     """The shards of ``x`` this process writes: the addressable ones with ``replica_id == 0``.
 
     (:func:`iter_host_pieces` writes an array held whole by one local device without asking.)
     """
     return [
-        (_plan.normalize_index(s.index, x.shape), s.data)
+        (_runs.normalize_index(s.index, x.shape), s.data)
         for s in x.addressable_shards
         if s.replica_id == 0
     ]
@@ -120,10 +99,10 @@ _SMALL_COPY = 64 << 10
 
 # A tensor this process writes: (its key: a name or an index, array, its owned shards or None
 # when this process writes it whole, whether it is on CPU).
-_Owned = tuple[Any, Any, list[tuple[_plan.Index, Any]] | None, bool]
+_Owned = tuple[Any, Any, list[tuple[_runs.Index, Any]] | None, bool]
 
 # A tensor's host data: (box of a shard inside the tensor, or None for all of it; values).
-HostCopies = list[tuple[_plan.Index | None, np.ndarray]]
+HostCopies = list[tuple[_runs.Index | None, np.ndarray]]
 
 
 def _owned_tensors(arrays: Iterable[tuple[Any, Any]], is_primary: bool) -> list[_Owned]:
@@ -147,7 +126,7 @@ def _owned_tensors(arrays: Iterable[tuple[Any, Any]], is_primary: bool) -> list[
             dtype = _dtypes.from_numpy(x.dtype, key=name)
             if _dtypes.bits(dtype) % 8:  # fail now, not when the writer reaches this tensor
                 for index, _ in shards:
-                    _plan.byte_runs(dtype, x.shape, index)
+                    _runs.byte_runs(dtype, x.shape, index)
             owned.append((name, x, shards, on_cpu))
     return owned
 
@@ -189,10 +168,10 @@ def tensor_pieces(
     pieces: list[_io.Piece] = []
     for index, host in copies:
         raw = _dtypes.pack(host, entry.dtype)
-        if index is None or _plan.is_whole(index, entry.shape):  # e.g. a replica's first copy
+        if index is None or _runs.is_whole(index, entry.shape):  # e.g. a replica's first copy
             pieces.append(_io.Piece(base, raw, (name, 0)))
             continue
-        offsets, length = _plan.byte_runs(entry.dtype, entry.shape, index)
+        offsets, length = _runs.byte_runs(entry.dtype, entry.shape, index)
         for j, off in enumerate(offsets.tolist()):
             chunk = raw[j * length : (j + 1) * length]
             pieces.append(_io.Piece(base + off, chunk, (name, off)))

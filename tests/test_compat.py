@@ -19,10 +19,10 @@ import pytest
 from flax import nnx
 
 import orbax_safetensors as osf
-from orbax_safetensors import _tree
 from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
 from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
 from orbax_safetensors._src.core import memo as _memo
+from orbax_safetensors._src.core import tree as _tree
 
 PACKAGE = Path(osf.__file__).parent
 

@@ -81,7 +81,7 @@ def test_build_header_refuses_duplicates_reserved_names_and_non_string_metadata(
 def test_header_bound_is_never_below_the_header_built(seed):
     """An async save plans on its writer thread unless ``header_bound`` says the header might
     exceed the cap; the bound must hold for any names, dtypes and shapes."""
-    from orbax_safetensors import _plan
+    from orbax_safetensors._src.core import plan as _plan
 
     rng = np.random.default_rng(seed)
     alphabet = ['"', "\\", "\n", "\x01", "é", "中", "a", ".", "~", "\u2028"]

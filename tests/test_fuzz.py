@@ -26,10 +26,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orbax_safetensors import HeaderError, SafetensorsCheckpointError, SchemaError, _api, _tree
+from orbax_safetensors import HeaderError, SafetensorsCheckpointError, SchemaError, _api
 from orbax_safetensors._restore import restore_tree
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import header as _header
+from orbax_safetensors._src.core import tree as _tree
 
 try:  # pytest puts tests/ on sys.path while tests/ has no __init__.py
     from hostile import corpus

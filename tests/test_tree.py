@@ -520,7 +520,7 @@ def test_equal_but_distinct_arrays_are_not_tied(tmp_path):
 def test_capture_then_finish_gives_the_tree_as_captured():
     """An async save captures the tree in the call and names it later on its writer thread;
     the caller changing its containers in between changes nothing."""
-    from orbax_safetensors import _tree
+    from orbax_safetensors._src.core import tree as _tree
 
     key = jax.random.key(3)
     expected_key = np.asarray(jax.random.key_data(key))

@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import orbax_safetensors as osf  # noqa: E402
 
-MAX_GAP = 4096  # the reader's documented gap-coalescing threshold (_io.DEFAULT_MAX_GAP)
+MAX_GAP = 4096  # the reader's documented gap-coalescing threshold (core/runs.DEFAULT_MAX_GAP)
 ITEM = "default"  # CheckpointManager's item directory for a single (non-Composite) item
 
 _T_IMPORT = time.monotonic()

@@ -1,35 +1,26 @@
-"""Planning: which tensors go in which file, at which offsets, and which byte runs each
-process writes or reads. Pure functions of names, global shapes and dtypes (and, for
-ownership, of shardings), so every process computes the same plan without talking to others.
-
-One process is the N=1 case: it owns every shard.
+"""The file plan: which tensors go in which file, at which offsets. Pure functions of names,
+global shapes and dtypes, so every process computes the same plan without talking to others
+(the byte runs each process writes or reads within a tensor are :mod:`.runs`).
 
 Example::
 
     plan = plan_files([TensorSpec("w", "F32", (4, 6))], max_file_size=None)
     plan.files[0].filename                       # 'model.safetensors'
-    offsets, run = box_runs((4, 6), (slice(0, 4), slice(3, 6)))
-    # 4 runs of 3 elements each, at element offsets [3, 9, 15, 21]
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
-from typing import NamedTuple
-
-import numpy as np
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import header as _header
-from orbax_safetensors._src.core.errors import UnsupportedLeafError
 
 SINGLE_FILE_NAME = "model.safetensors"
 INDEX_FILE_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_FILE_SIZE = 5 * 1000**3  # ~5 GB per file, as on the Hugging Face Hub
-
-Index = tuple[slice, ...]
 
 
 class TensorSpec(NamedTuple):
@@ -137,75 +128,24 @@ def plan_files(
     return CheckpointPlan(files, file_of)
 
 
-def normalize_index(index: Sequence[slice], shape: Sequence[int]) -> Index:
-    """``index`` (as jax's ``devices_indices_map`` gives it) with explicit start/stop per dim."""
-    out = []
-    for sl, dim in zip(index, shape):
-        start, stop, step = sl.indices(dim)
-        if step != 1:
-            raise UnsupportedLeafError(f"strided shard index {sl} is not supported")
-        out.append(slice(start, max(start, stop)))
-    out.extend(slice(0, d) for d in list(shape)[len(index) :])
-    return tuple(out)
+def tensor_specs(arrays: Mapping[str, Any]) -> list[TensorSpec]:
+    """The stored dtype and global shape of every array, in order."""
+    return specs_of((name, a.dtype, a.shape) for name, a in arrays.items())
 
 
-@functools.lru_cache(maxsize=1024)
-def whole_index(shape: tuple[int, ...]) -> Index:
-    """The normalised index of a whole tensor of ``shape`` (cached: models repeat shapes)."""
-    return tuple(slice(0, int(d)) for d in shape)
+def specs_of(entries: Iterable[tuple[str, Any, Sequence[int]]]) -> list[TensorSpec]:
+    """Tensor specs from ``(name, numpy dtype, shape)``.
 
-
-def index_key(index: Index) -> tuple[tuple[int, int], ...]:
-    """A hashable, JSON-friendly form of a normalised index."""
-    return tuple((int(s.start), int(s.stop)) for s in index)
-
-
-def box_shape(index: Index) -> tuple[int, ...]:
-    return tuple(int(s.stop - s.start) for s in index)
-
-
-def box_runs(shape: Sequence[int], index: Index) -> tuple[np.ndarray, int]:
-    """The element runs of a box (a normalised index) inside a row-major tensor.
-
-    Returns ``(offsets, length)``: the box's elements, in row-major order of the box, are
-    ``length`` consecutive elements starting at each of ``offsets`` (ascending). One run when
-    only leading dimensions are split; equally spaced runs otherwise.
+    Raises:
+      UnsupportedLeafError: naming a tensor whose dtype has no safetensors name.
     """
-    shape = tuple(int(d) for d in shape)
-    extents = box_shape(index)
-    if any(e == 0 for e in extents):
-        return np.zeros(0, dtype=np.int64), 0
-    # j: the innermost dimension the box does not cover in full (everything after is full).
-    j = len(shape) - 1
-    while j >= 0 and extents[j] == shape[j]:
-        j -= 1
-    if j < 0:
-        return np.zeros(1, dtype=np.int64), _dtypes.num_elements(shape)
-    strides = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        strides[d] = strides[d + 1] * shape[d + 1]
-    length = extents[j] * strides[j]
-    offsets = np.array([int(index[j].start) * strides[j]], dtype=np.int64)
-    for d in range(j - 1, -1, -1):
-        starts = (np.arange(extents[d], dtype=np.int64) + int(index[d].start)) * strides[d]
-        offsets = (starts[:, None] + offsets[None, :]).reshape(-1)
-    return offsets, length
-
-
-def is_whole(index: Index, shape: Sequence[int]) -> bool:
-    """Whether a normalised ``index`` covers the whole tensor."""
-    return all(s.start == 0 and s.stop == d for s, d in zip(index, shape, strict=True))
-
-
-def byte_runs(spec_dtype: str, shape: Sequence[int], index: Index) -> tuple[np.ndarray, int]:
-    """:func:`box_runs` in bytes. Sub-byte dtypes must split on whole bytes."""
-    offsets, length = box_runs(shape, index)
-    width = _dtypes.bits(spec_dtype)
-    if width % 8 == 0:
-        return offsets * (width // 8), length * (width // 8)
-    if (length * width) % 8 or np.any((offsets * width) % 8):
-        raise UnsupportedLeafError(
-            f"a shard {index_key(index)} of a {spec_dtype} tensor of shape {tuple(shape)} does "
-            "not start and end on whole bytes; shard sub-byte tensors along whole bytes"
-        )
-    return offsets * width // 8, length * width // 8
+    specs = []
+    stored_of: dict[Any, str] = {}  # a tree of many arrays has a few dtypes
+    for name, dtype, shape in entries:
+        stored = stored_of.get(dtype)
+        if stored is None:
+            stored = stored_of[dtype] = _dtypes.from_numpy(dtype, key=name)
+        if type(shape) is not tuple:  # (numpy's and jax's are: tuples of ints)
+            shape = tuple(int(d) for d in shape)
+        specs.append(TensorSpec(name, stored, shape))
+    return specs

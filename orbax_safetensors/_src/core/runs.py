@@ -1,0 +1,156 @@
+"""Byte runs: where a shard's box lies inside a row-major tensor, and how wanted runs are
+grouped into vectored reads. Pure functions of shapes, dtypes and offsets.
+
+Example::
+
+    offsets, run = box_runs((4, 6), (slice(0, 4), slice(3, 6)))
+    # 4 runs of 3 elements each, at element offsets [3, 9, 15, 21]
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import numpy as np
+
+from orbax_safetensors._src.core import dtypes as _dtypes
+from orbax_safetensors._src.core.errors import UnsupportedLeafError
+
+Index = tuple[slice, ...]
+IOV_MAX = 1024  # Linux's per-call iovec limit
+MAX_BATCH_BYTES = 256 << 20  # per vectored read
+MAX_CALL_BYTES = 0x7FFFF000  # Linux transfers at most this much per read/write call
+DEFAULT_MAX_GAP = 4096
+ReadBatch = tuple[int, list[memoryview], list[int]]  # file offset, buffers, run numbers
+
+
+def normalize_index(index: Sequence[slice], shape: Sequence[int]) -> Index:
+    """``index`` (as jax's ``devices_indices_map`` gives it) with explicit start/stop per dim."""
+    out = []
+    for sl, dim in zip(index, shape):
+        start, stop, step = sl.indices(dim)
+        if step != 1:
+            raise UnsupportedLeafError(f"strided shard index {sl} is not supported")
+        out.append(slice(start, max(start, stop)))
+    out.extend(slice(0, d) for d in list(shape)[len(index) :])
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1024)
+def whole_index(shape: tuple[int, ...]) -> Index:
+    """The normalised index of a whole tensor of ``shape`` (cached: models repeat shapes)."""
+    return tuple(slice(0, int(d)) for d in shape)
+
+
+def index_key(index: Index) -> tuple[tuple[int, int], ...]:
+    """A hashable, JSON-friendly form of a normalised index."""
+    return tuple((int(s.start), int(s.stop)) for s in index)
+
+
+def box_shape(index: Index) -> tuple[int, ...]:
+    return tuple(int(s.stop - s.start) for s in index)
+
+
+def box_runs(shape: Sequence[int], index: Index) -> tuple[np.ndarray, int]:
+    """The element runs of a box (a normalised index) inside a row-major tensor.
+
+    Returns ``(offsets, length)``: the box's elements, in row-major order of the box, are
+    ``length`` consecutive elements starting at each of ``offsets`` (ascending). One run when
+    only leading dimensions are split; equally spaced runs otherwise.
+    """
+    shape = tuple(int(d) for d in shape)
+    extents = box_shape(index)
+    if any(e == 0 for e in extents):
+        return np.zeros(0, dtype=np.int64), 0
+    # j: the innermost dimension the box does not cover in full (everything after is full).
+    j = len(shape) - 1
+    while j >= 0 and extents[j] == shape[j]:
+        j -= 1
+    if j < 0:
+        return np.zeros(1, dtype=np.int64), _dtypes.num_elements(shape)
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    length = extents[j] * strides[j]
+    offsets = np.array([int(index[j].start) * strides[j]], dtype=np.int64)
+    for d in range(j - 1, -1, -1):
+        starts = (np.arange(extents[d], dtype=np.int64) + int(index[d].start)) * strides[d]
+        offsets = (starts[:, None] + offsets[None, :]).reshape(-1)
+    return offsets, length
+
+
+def is_whole(index: Index, shape: Sequence[int]) -> bool:
+    """Whether a normalised ``index`` covers the whole tensor."""
+    return all(s.start == 0 and s.stop == d for s, d in zip(index, shape, strict=True))
+
+
+def byte_runs(spec_dtype: str, shape: Sequence[int], index: Index) -> tuple[np.ndarray, int]:
+    """:func:`box_runs` in bytes. Sub-byte dtypes must split on whole bytes."""
+    offsets, length = box_runs(shape, index)
+    width = _dtypes.bits(spec_dtype)
+    if width % 8 == 0:
+        return offsets * (width // 8), length * (width // 8)
+    if (length * width) % 8 or np.any((offsets * width) % 8):
+        raise UnsupportedLeafError(
+            f"a shard {index_key(index)} of a {spec_dtype} tensor of shape {tuple(shape)} does "
+            "not start and end on whole bytes; shard sub-byte tensors along whole bytes"
+        )
+    return offsets * width // 8, length * width // 8
+
+
+def coalesced_reads(
+    runs: Sequence[tuple[int, np.ndarray]], max_gap: int, *, bounded: bool = False
+) -> list[tuple[int, list[memoryview]]]:
+    """:func:`coalesce_runs` without the run numbers."""
+    return [(start, bufs) for start, bufs, _ in coalesce_runs(runs, max_gap, bounded=bounded)]
+
+
+def coalesce_runs(
+    runs: Sequence[tuple[int, np.ndarray]],
+    max_gap: int,
+    *,
+    bounded: bool = False,
+    max_batch: int = MAX_BATCH_BYTES,
+) -> list[ReadBatch]:
+    """Wanted byte runs ``(offset, buffer)`` grouped into vectored reads: ``(file offset,
+    buffers, run numbers)`` per read, in offset order."""
+    # Sort by offset, then merge runs whose gaps are <= max_gap into one vectored read; gaps
+    # land in a shared scratch buffer (their contents are never used). With ``bounded`` a gap is
+    # only read when it is no longer than the run after it, so at most half of what is read is
+    # unwanted (column shards: narrow runs with wide gaps are read exactly, one iovec each).
+    ordered = sorted(((o, d, i) for i, (o, d) in enumerate(runs) if d.nbytes), key=lambda r: r[0])
+    scratch = np.empty(max(max_gap, 1), dtype=np.uint8).data
+    batches: list[ReadBatch] = []
+    start = end = 0
+    bufs: list[memoryview] = []
+    ids: list[int] = []
+    size = 0
+    for offset, dest, i in ordered:
+        if dest.nbytes <= MAX_CALL_BYTES:  # the common case
+            views = [dest.data]
+        else:
+            views = [
+                dest.data[k : k + MAX_CALL_BYTES] for k in range(0, dest.nbytes, MAX_CALL_BYTES)
+            ]
+        gap = offset - end
+        if (
+            bufs
+            and 0 <= gap <= max_gap
+            and (not bounded or gap <= dest.nbytes)
+            and len(bufs) + len(views) + 1 < IOV_MAX
+            and size < max_batch
+        ):
+            if gap:
+                bufs.append(scratch[:gap])
+            bufs.extend(views)
+            ids.append(i)
+        else:
+            if bufs:
+                batches.append((start, bufs, ids))
+            start, bufs, ids, size = offset, list(views), [i], 0
+        size += dest.nbytes + max(gap, 0)
+        end = offset + dest.nbytes
+    if bufs:
+        batches.append((start, bufs, ids))
+    return batches
