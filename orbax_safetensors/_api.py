@@ -13,7 +13,6 @@ Example::
 
 from __future__ import annotations
 
-import json
 import os
 import uuid
 from collections.abc import Mapping
@@ -26,35 +25,13 @@ from orbax_safetensors._reader import StoredTensor
 from orbax_safetensors._restore import restore_tree
 from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import header as _header
+from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import (
     SafetensorsCheckpointError,
     SchemaError,
-    UnsupportedLeafError,
 )
-
-SCHEMA_KEY = "orbax_safetensors.tree"
-CHECKSUM_KEY = "orbax_safetensors.crc32c"
-FORMAT_KEY = "format"
-_RESERVED = (SCHEMA_KEY, CHECKSUM_KEY)
-
-
-def _file_metadata(
-    schema: Mapping[str, Any], crcs: Mapping[str, str], user: Mapping[str, str] | None
-) -> dict[str, str]:
-    meta: dict[str, str] = {FORMAT_KEY: "flax"}
-    for k, v in (user or {}).items():
-        if not isinstance(k, str) or not isinstance(v, str):
-            raise UnsupportedLeafError(
-                f"metadata must map str to str (safetensors' rule); got {k!r}: {type(v).__name__}"
-            )
-        if k in _RESERVED:
-            raise UnsupportedLeafError(f"metadata key {k!r} is reserved by orbax_safetensors")
-        meta[k] = v
-    meta[SCHEMA_KEY] = json.dumps(schema, separators=(",", ":"))
-    meta[CHECKSUM_KEY] = json.dumps(dict(crcs), separators=(",", ":"))
-    return meta
 
 
 @_gcpause.paused
@@ -82,7 +59,7 @@ def save_file(tree: Any, path: epath.PathLike, metadata: Mapping[str, str] | Non
     flat = _tree.flatten(tree)
     specs = _plan.tensor_specs(flat.arrays)
     placeholder = {s.name: _checksum.to_hex(0) for s in specs}
-    meta = _file_metadata(flat.schema, placeholder, metadata)
+    meta = _metadata.file_metadata(flat.schema, placeholder, metadata)
     plan = _plan.plan_files(specs, max_file_size=None, metadata=meta)
     pieces = _writer.host_pieces(plan, flat.arrays, copy=False).get(0, [])
     sizes = {s.name: s.nbytes for s in specs}
@@ -92,7 +69,7 @@ def save_file(tree: Any, path: epath.PathLike, metadata: Mapping[str, str] | Non
         # Data first, checksummed as it is written; then the header, which holds the CRCs
         # (fixed-width hex: the header's length, hence every offset, is known beforehand).
         crcs = _writer.tensor_checksums(w.write(pieces, checksums=True), sizes)
-        final_meta = _file_metadata(
+        final_meta = _metadata.file_metadata(
             flat.schema, {n: _checksum.to_hex(c) for n, c in crcs.items()}, metadata
         )
         final = _plan.plan_files(specs, max_file_size=None, metadata=final_meta).files[0]
@@ -122,23 +99,6 @@ def read_header(path: epath.PathLike) -> _header.Header:
     path = epath.Path(path)
     with _io.open_reader(path) as r:
         return _header.parse_header(r.pread(0, 8), lambda n: r.pread(8, n), r.size, where=str(path))
-
-
-def header_json(header: _header.Header, key: str, where: str) -> Any:
-    """The JSON value stored under ``key`` of a header's ``__metadata__``, or None if absent.
-
-    Raises:
-      SchemaError: the value is not valid JSON (or nested too deeply).
-    """
-    text = header.metadata.get(key)
-    if text is None:
-        return None
-    try:
-        return json.loads(text)
-    except RecursionError:
-        raise SchemaError(f"{where}: {key} is nested too deeply") from None
-    except ValueError as e:
-        raise SchemaError(f"{where}: {key} is not valid JSON ({e})") from None
 
 
 def locate_in_file(
@@ -189,10 +149,10 @@ def load_file(
     for _ in range(_READ_ATTEMPTS):
         before = _identity(path)
         header = read_header(path)
-        schema = header_json(header, SCHEMA_KEY, str(path))
-        crcs = header_json(header, CHECKSUM_KEY, str(path))
+        schema = _metadata.header_json(header, _metadata.SCHEMA_KEY, str(path))
+        crcs = _metadata.header_json(header, _metadata.CHECKSUM_KEY, str(path))
         if crcs is not None and not isinstance(crcs, dict):
-            raise SchemaError(f"{path}: {CHECKSUM_KEY} is not an object")
+            raise SchemaError(f"{path}: {_metadata.CHECKSUM_KEY} is not an object")
         stored = locate_in_file(path, header, crcs)
         try:
             tree = restore_tree(schema, stored, target, strict=strict, verify=verify)
@@ -224,7 +184,7 @@ def _identity(path: epath.Path) -> tuple[int, ...] | None:
 def load_metadata(path: epath.PathLike) -> dict[str, str]:
     """The user metadata of a file saved with :func:`save_file` (reserved keys removed)."""
     header = read_header(path)
-    return {k: v for k, v in header.metadata.items() if k not in _RESERVED}
+    return {k: v for k, v in header.metadata.items() if k not in _metadata.RESERVED_KEYS}
 
 
 __all__ = ["load_file", "load_metadata", "read_header", "save_file"]

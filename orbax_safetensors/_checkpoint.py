@@ -45,62 +45,16 @@ from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.core import memo as _memo
+from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import plan as _plan
+from orbax_safetensors._src.core import sharding as _sharding
 from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import (
     DeletedArrayError,
     HeaderError,
-    IntegrityError,
-    MetadataError,
     SchemaError,
     TargetMismatchError,
 )
-from orbax_safetensors._version import __version__
-
-METADATA_FILE = "orbax_safetensors.json"
-FORMAT_NAME = "orbax-safetensors"
-FORMAT_VERSION = 1
-_SHARE_PREFIX = "crc32c.process_"
-_MAX_METADATA_BYTES = 512 * 1024 * 1024
-_HEADER_METADATA = {"format": "flax"}  # every header's __metadata__, as safetensors.flax writes
-
-
-def library_version() -> str:
-    """This library's version, as recorded in ``orbax_safetensors.json``."""
-    return __version__
-
-
-def sharding_to_json(sharding: Any) -> dict[str, Any] | None:
-    """A JSON description of a ``NamedSharding`` (mesh axes and shape, partition spec), else None."""
-    if not isinstance(sharding, jax.sharding.NamedSharding):
-        return None
-    spec: list[Any] = []
-    for entry in sharding.spec:
-        if entry is None:
-            spec.append(None)
-        elif isinstance(entry, str):
-            spec.append(entry)
-        else:
-            spec.append(list(entry))
-    mesh = sharding.mesh
-    return {
-        "mesh_axes": list(mesh.axis_names),
-        "mesh_shape": [int(mesh.shape[a]) for a in mesh.axis_names],
-        "spec": spec,
-    }
-
-
-def sharding_from_json(desc: Mapping[str, Any] | None) -> jax.sharding.Sharding | None:
-    """A ``NamedSharding`` like the saved one over this job's devices, or None if impossible."""
-    if not desc:
-        return None
-    shape = tuple(int(d) for d in desc["mesh_shape"])
-    devices = jax.devices()
-    if int(np.prod(shape)) != len(devices):
-        return None
-    mesh = jax.sharding.Mesh(np.array(devices).reshape(shape), tuple(desc["mesh_axes"]))
-    spec = [tuple(e) if isinstance(e, list) else e for e in desc["spec"]]
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
 
 
 class ValidatedTree:
@@ -130,7 +84,7 @@ class ValidatedTree:
             sum(map(len, c.names)),
             len(c.names),
             max(map(len, c.shapes), default=0),
-            _HEADER_METADATA,
+            _metadata.HEADER_METADATA,
         )
 
 
@@ -146,15 +100,8 @@ def validate_save(tree: Any, user_metadata: Mapping[str, Any] | None = None) -> 
       MetadataError (a TypeError): when ``user_metadata`` is not JSON-serialisable.
     """
     captured = _tree.capture(tree)
-    _check_user_metadata(user_metadata)
+    _metadata.check_user_metadata(user_metadata)
     return ValidatedTree(captured)
-
-
-def _check_user_metadata(user_metadata: Mapping[str, Any] | None) -> None:
-    try:
-        json.dumps(dict(user_metadata or {}))
-    except (TypeError, ValueError) as e:
-        raise MetadataError(f"metadata must be JSON-serialisable: {e}") from e
 
 
 def check_not_deleted(arrays: Iterable[tuple[str, Any]]) -> None:
@@ -215,36 +162,23 @@ def prepare_save(
         validated = ValidatedTree(_tree.capture(tree))
     flat, specs = validated.flat, validated.specs
     # Headers depend only on names, dtypes and shapes: identical on every process.
-    plan = _plan.plan_files(specs, max_file_size=max_file_size, metadata=_HEADER_METADATA)
+    plan = _plan.plan_files(specs, max_file_size=max_file_size, metadata=_metadata.HEADER_METADATA)
     multi_process = jax.process_count() > 1
-    described = _memo.ShardingMemo(sharding_to_json)  # trees of many arrays share a few shardings
-    tensors = {}
+    # trees of many arrays share a few shardings
+    described = _memo.ShardingMemo(_sharding.sharding_to_json)
+    shardings = {}
     for s in specs:
         x = flat.arrays[s.name]
         # Host-local leaves (numpy; in a multi-process job also jax.Arrays held whole by
         # each process) have no global sharding to reuse.
-        sharding = (
+        shardings[s.name] = (
             described(x.sharding)
             if not _writer.is_host_local(x, multi_process)
             and isinstance(x.sharding, jax.sharding.NamedSharding)  # else nothing to describe
             else None
         )
-        tensors[s.name] = {
-            "dtype": s.dtype,
-            "shape": list(s.shape),
-            "file": plan.files[plan.file_of[s.name]].filename,
-            "sharding": sharding,
-        }
-    metadata = {
-        "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
-        "library_version": library_version(),
-        "files": [f.filename for f in plan.files],
-        "schema": flat.schema,
-        "tensors": tensors,
-        "metadata": dict(user_metadata or {}),
-    }
-    _check_user_metadata(user_metadata)  # fail early (before any I/O)
+    metadata = _metadata.build_metadata(plan, specs, flat.schema, shardings, user_metadata or {})
+    _metadata.check_user_metadata(user_metadata)  # fail early (before any I/O)
     pieces: Iterable[tuple[int, list[_io.Piece]]]
     if snapshot is not None:
         names = list(flat.arrays)  # snapshots are keyed by position in captured.arrays
@@ -450,7 +384,7 @@ def write_process_share(
         if len(plan.files) > 1:
             (directory / _plan.INDEX_FILE_NAME).write_text(json.dumps(plan.index_json(), indent=1))
         if persist_share:
-            (directory / (METADATA_FILE + ".draft")).write_text(json.dumps(prepared.metadata))
+            (directory / _metadata.DRAFT_FILE).write_text(json.dumps(prepared.metadata))
     # One record per tensor this process wrote any of: bytes written and this process's share
     # of the tensor's CRC32C (see _checksum.share), however many strided runs it wrote.
     tensors = {
@@ -459,7 +393,7 @@ def write_process_share(
     }
     doc = {"checksums": prepared.checksums, "tensors": tensors}
     if persist_share:
-        share_file = directory / f"{_SHARE_PREFIX}{prepared.process_index}.json"
+        share_file = directory / f"{_metadata.SHARE_FILE_PREFIX}{prepared.process_index}.json"
         share_file.write_text(json.dumps(doc))
     return doc
 
@@ -478,36 +412,18 @@ def finalize(
     """
     directory = epath.Path(directory)
     _io.finalize_files(directory)  # object storage: join what several processes staged
-    draft = directory / (METADATA_FILE + ".draft")
+    draft = directory / _metadata.DRAFT_FILE
     metadata = draft_metadata if draft_metadata is not None else json.loads(draft.read_text())
-    files = sorted(directory.glob(f"{_SHARE_PREFIX}*.json"))
+    files = sorted(directory.glob(f"{_metadata.SHARE_FILE_PREFIX}*.json"))
     # One small file per process: read them concurrently (object storage latency adds up).
     with concurrent.futures.ThreadPoolExecutor(min(32, max(1, len(files)))) as pool:
         docs = [*shares, *pool.map(lambda f: json.loads(f.read_text()), files)]
-    if docs and all(doc["checksums"] for doc in docs):
-        written = dict.fromkeys(metadata["tensors"], 0)
-        crcs = dict.fromkeys(metadata["tensors"], 0)
-        for doc in docs:
-            for name, (nbytes, share) in doc["tensors"].items():
-                written[name] += nbytes
-                crcs[name] ^= share
-        for name, info in metadata["tensors"].items():
-            if written[name] != _dtypes_nbytes(info):
-                raise IntegrityError(
-                    f"{directory}: the processes wrote {written[name]} bytes of tensor {name!r} "
-                    f"({info['dtype']}{info['shape']}, {_dtypes_nbytes(info)} bytes); every byte "
-                    "must be written exactly once"
-                )
-            info["crc32c"] = _checksum.to_hex(crcs[name])
-    (directory / METADATA_FILE).write_text(json.dumps(metadata))
+    _metadata.add_checksums(metadata, docs, directory)
+    (directory / _metadata.METADATA_FILE).write_text(json.dumps(metadata))
     if draft_metadata is None or draft.exists():
         draft.unlink()
     for f in files:
         f.unlink()
-
-
-def _dtypes_nbytes(t: Mapping[str, Any]) -> int:
-    return _dtypes.nbytes(t["dtype"], t["shape"])
 
 
 @_gcpause.paused
@@ -531,48 +447,21 @@ def save_directory(
 
 def read_metadata(directory: epath.PathLike) -> dict[str, Any]:
     """Reads and checks the metadata file of a checkpoint directory."""
-    path = epath.Path(directory) / METADATA_FILE
+    path = epath.Path(directory) / _metadata.METADATA_FILE
     if not path.exists():
         raise FileNotFoundError(
-            f"{directory} is not an orbax-safetensors checkpoint: no {METADATA_FILE}"
+            f"{directory} is not an orbax-safetensors checkpoint: no {_metadata.METADATA_FILE}"
         )
     if not _io.is_regular_file(path):  # a FIFO would block the read below
         raise SchemaError(f"{path}: not a regular file")
     with path.open("rb") as f:  # in chunks: memory follows the real size, not the cap
         chunks: list[bytes] = []
-        while sum(map(len, chunks)) <= _MAX_METADATA_BYTES and (chunk := f.read(1 << 20)):
+        while sum(map(len, chunks)) <= _metadata.MAX_METADATA_BYTES and (chunk := f.read(1 << 20)):
             chunks.append(chunk)
         raw = b"".join(chunks)
-    if len(raw) > _MAX_METADATA_BYTES:
-        raise SchemaError(f"{path}: larger than {_MAX_METADATA_BYTES} bytes")
-    try:
-        doc = json.loads(raw)
-    except RecursionError:
-        raise SchemaError(f"{path}: nested too deeply") from None
-    except ValueError as e:
-        raise SchemaError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
-        raise SchemaError(f"{path}: not an {FORMAT_NAME} metadata file")
-    version = doc.get("format_version")
-    if type(version) is not int or not 1 <= version <= FORMAT_VERSION:
-        raise SchemaError(
-            f"{path}: format_version {version!r} is not one this library reads (1..{FORMAT_VERSION})"
-        )
-    if not isinstance(doc.get("tensors"), dict) or not isinstance(doc.get("files"), list):
-        raise SchemaError(f"{path}: tensors/files missing")
-    if not isinstance(doc.get("schema"), dict):
-        raise SchemaError(f"{path}: the tree schema is missing")
-    return doc
-
-
-def is_plain_filename(name: object) -> bool:
-    """Whether ``name`` is a plain file name inside the checkpoint directory (no path parts)."""
-    return (
-        isinstance(name, str)
-        and 0 < len(name) <= 255
-        and not name.startswith(".")
-        and not any(c in name for c in "/\\\0")
-    )
+    if len(raw) > _metadata.MAX_METADATA_BYTES:
+        raise SchemaError(f"{path}: larger than {_metadata.MAX_METADATA_BYTES} bytes")
+    return _metadata.parse_metadata(raw, path)
 
 
 def locate_in_directory(
@@ -589,7 +478,7 @@ def locate_in_directory(
         filename = info.get("file") if isinstance(info, dict) else None
         if not isinstance(filename, str) or (
             filename not in headers
-            and (not is_plain_filename(filename) or filename not in metadata["files"])
+            and (not _metadata.is_plain_filename(filename) or filename not in metadata["files"])
         ):
             raise SchemaError(f"{directory}: tensor {name!r} names an invalid file {filename!r}")
         if filename not in headers:
@@ -724,7 +613,7 @@ def _saved_sharding_target(
         if desc is None:  # saved host-local (or not a NamedSharding): this process's device
             out.append(leaf)
             continue
-        sharding = sharding_from_json(desc)
+        sharding = _sharding.sharding_from_json(desc)
         if sharding is None:
             saved_devices = int(np.prod(desc.get("mesh_shape") or [0]))
             raise TargetMismatchError(

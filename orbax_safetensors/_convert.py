@@ -32,7 +32,9 @@ import numpy as np
 from etils import epath
 
 from orbax_safetensors import _inspect
+from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import plan as _plan
+from orbax_safetensors._src.core import sharding as _sharding
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
 
 DEFAULT_BATCH_BYTES = 256 * 1024 * 1024
@@ -162,17 +164,9 @@ def _orbax_sharding(leaf: Any) -> dict[str, Any] | None:
     sharding = getattr(leaf, "sharding", None)
     if not isinstance(sharding, ocp_metadata.NamedShardingMetadata):
         return None
-    spec: list[Any] = []
-    for entry in sharding.partition_spec:
-        if entry is None or isinstance(entry, str):
-            spec.append(entry)
-        else:
-            spec.append(list(entry))
-    return {
-        "mesh_axes": list(sharding.axis_names),
-        "mesh_shape": [int(d) for d in np.asarray(sharding.shape).tolist()],
-        "spec": spec,
-    }
+    return _sharding.named_sharding_json(
+        sharding.axis_names, np.asarray(sharding.shape).tolist(), sharding.partition_spec
+    )
 
 
 def orbax_item_to_safetensors(
@@ -251,7 +245,7 @@ def _orbax_item_to_safetensors(
     first = _tree.flatten(skeleton({}))
     to_orbax = {ours: orbax_name_of[id(v)] for ours, v in first.arrays.items()}
     specs = _plan.tensor_specs(first.arrays)
-    plan = _plan.plan_files(specs, max_file_size=max_file_size, metadata={"format": "flax"})
+    plan = _plan.plan_files(specs, max_file_size=max_file_size, metadata=_metadata.HEADER_METADATA)
     sizes = {s.name: s.nbytes for s in specs}
     key_impls: dict[str, str] = {}
     groups = _inspect.batches(
@@ -293,7 +287,6 @@ def _safetensors_metadata(
     plan: _plan.CheckpointPlan,
     specs: list[_plan.TensorSpec],
 ) -> dict[str, Any]:
-    from orbax_safetensors import _checkpoint
     from orbax_safetensors._src.core import tree as _tree
 
     flat = _tree.flatten(tree)
@@ -306,25 +299,10 @@ def _safetensors_metadata(
         if source.leaves[orbax_name][1].sharding is not None
     }
     _set_array_kinds(flat.schema["tree"], jax_names)
-    tensors = {}
-    for s in specs:
-        fplan, _ = plan.locate(s.name)
-        leaf = source.leaves[to_orbax[s.name]][1]
-        tensors[s.name] = {
-            "dtype": s.dtype,
-            "shape": list(s.shape),
-            "file": fplan.filename,
-            "sharding": _orbax_sharding(leaf),
-        }
-    return {
-        "format": _checkpoint.FORMAT_NAME,
-        "format_version": _checkpoint.FORMAT_VERSION,
-        "library_version": _checkpoint.library_version(),
-        "files": [f.filename for f in plan.files],
-        "schema": flat.schema,
-        "tensors": tensors,
-        "metadata": {"converted_from": "orbax"},
-    }
+    shardings = {s.name: _orbax_sharding(source.leaves[to_orbax[s.name]][1]) for s in specs}
+    return _metadata.build_metadata(
+        plan, specs, flat.schema, shardings, {"converted_from": "orbax"}
+    )
 
 
 # --------------------------------------------------------------------------- safetensors -> Orbax

@@ -36,11 +36,11 @@ from etils import epath
 
 from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
 from orbax_safetensors._src.core import dtypes as _dtypes
+from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import HeaderError, SafetensorsCheckpointError
 
-METADATA_FILE = "orbax_safetensors.json"  # same as _checkpoint.METADATA_FILE (no jax import)
 ORBAX_METADATA_FILE = "_METADATA"
 CHECKPOINT_METADATA_FILE = "_CHECKPOINT_METADATA"
 COMMIT_SUCCESS_FILE = "commit_success.txt"  # Orbax's commit marker (atomicity_types.py L31)
@@ -55,7 +55,6 @@ _LEGACY_COMMIT_FILE_SCHEMES = ("gs://",)  # orbax-checkpoint < 0.12.3 (see scan_
 # ValueError subclasses too).
 _UNREADABLE = (ValueError, OSError, EOFError)
 _TMP_REASON = "temporary directory of a save that never finished (Orbax renames it on commit)"
-_RESERVED_METADATA = ("orbax_safetensors.tree", "orbax_safetensors.crc32c")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +121,7 @@ def classify(path: epath.PathLike) -> str:
         raise FileNotFoundError(f"{path}: no such file or directory")
     if not path.is_dir():
         return "file"
-    if (path / METADATA_FILE).exists():
+    if (path / _metadata.METADATA_FILE).exists():
         return "item"
     if _is_orbax_item(path):
         return "orbax"
@@ -140,7 +139,7 @@ def classify(path: epath.PathLike) -> str:
 
 
 def _shallow_kind(path: epath.Path) -> str:
-    if (path / METADATA_FILE).exists():
+    if (path / _metadata.METADATA_FILE).exists():
         return "item"
     if _is_orbax_item(path):
         return "orbax"
@@ -342,15 +341,17 @@ def missing_entries(step: epath.PathLike) -> list[str]:
                 continue
             if not (step / name).is_dir():
                 missing.append(f"{name}/")
-            elif typestr == HANDLER_TYPESTR and not (step / name / METADATA_FILE).exists():
-                missing.append(f"{name}/{METADATA_FILE}")
-    elif handlers == HANDLER_TYPESTR and not (step / METADATA_FILE).exists():
-        missing.append(METADATA_FILE)  # a step that is itself one item (ocp.Checkpointer)
+            elif (
+                typestr == HANDLER_TYPESTR and not (step / name / _metadata.METADATA_FILE).exists()
+            ):
+                missing.append(f"{name}/{_metadata.METADATA_FILE}")
+    elif handlers == HANDLER_TYPESTR and not (step / _metadata.METADATA_FILE).exists():
+        missing.append(_metadata.METADATA_FILE)  # a step that is itself one item (ocp.Checkpointer)
     if _orbaxcompat.orbax_uses_legacy_commit_rule():
         missing.extend(n for n in _unfinished_items(step) if n not in missing)
     items = [("", step)] + [(f"{n}/", step / n) for n in list_items(step)]
     for prefix, item in items:
-        meta = _read_json(item / METADATA_FILE)
+        meta = _read_json(item / _metadata.METADATA_FILE)
         files = meta.get("files") if isinstance(meta, dict) else None
         for f in files if isinstance(files, list) else []:
             if _is_plain_name(f) and not (item / f).exists():
@@ -443,9 +444,9 @@ def _open_file(path: epath.Path) -> SafetensorsSource:
     from orbax_safetensors import _api
 
     header = _api.read_header(path)
-    crcs = _api.header_json(header, _api.CHECKSUM_KEY, str(path))
+    crcs = _metadata.header_json(header, _metadata.CHECKSUM_KEY, str(path))
     stored = _api.locate_in_file(path, header, crcs if isinstance(crcs, dict) else None)
-    user = {k: v for k, v in header.metadata.items() if k not in _RESERVED_METADATA}
+    user = {k: v for k, v in header.metadata.items() if k not in _metadata.RESERVED_KEYS}
     return SafetensorsSource(path, "file", stored, user)
 
 

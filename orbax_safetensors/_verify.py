@@ -45,6 +45,7 @@ from orbax_safetensors._restore import wrap_key
 from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import header as _header
+from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError, SchemaError
@@ -116,14 +117,14 @@ def verify(path: epath.PathLike, *, chunk_bytes: int = CHUNK_BYTES) -> VerifyRep
     report = VerifyReport()
     checker = _Checker(report, chunk_bytes)
     if not path.is_dir():
-        if (path.parent / _checkpoint.METADATA_FILE).exists():
+        if (path.parent / _metadata.METADATA_FILE).exists():
             checker.item(path.parent, only=path.name)  # one file of a checkpoint directory
         else:
             checker.file(path)
     elif (reason := _inspect.uncommitted_reason(path)) is not None:
         report.skipped.append(str(path))
         report._problem(f"{path}: uncommitted step, not checked ({reason}); Orbax does not list it")
-    elif (path / _checkpoint.METADATA_FILE).exists():
+    elif (path / _metadata.METADATA_FILE).exists():
         checker.item(path)
     elif not (
         checker.step(path, depth=0)  # one step directory
@@ -167,7 +168,7 @@ class _Checker:
             elif step is not None:
                 found = self.step(child) or found
             elif child.is_dir():
-                if (child / _checkpoint.METADATA_FILE).exists():
+                if (child / _metadata.METADATA_FILE).exists():
                     self.item(child)
                     found = True
                 elif depth == 0:
@@ -196,7 +197,7 @@ class _Checker:
                 "step but cannot restore it)"
             )
             return True
-        if (path / _checkpoint.METADATA_FILE).exists():
+        if (path / _metadata.METADATA_FILE).exists():
             self.item(path)
             return True
         return self.tree(path, depth=depth)
@@ -209,10 +210,10 @@ class _Checker:
         if header is None:
             return
         try:
-            schema = _api.header_json(header, _api.SCHEMA_KEY, str(path))
-            crcs = _api.header_json(header, _api.CHECKSUM_KEY, str(path))
+            schema = _metadata.header_json(header, _metadata.SCHEMA_KEY, str(path))
+            crcs = _metadata.header_json(header, _metadata.CHECKSUM_KEY, str(path))
             if crcs is not None and not isinstance(crcs, dict):
-                raise SchemaError(f"{path}: {_api.CHECKSUM_KEY} is not an object")
+                raise SchemaError(f"{path}: {_metadata.CHECKSUM_KEY} is not an object")
             stored = _api.locate_in_file(path, header, crcs)
         except SafetensorsCheckpointError as e:
             self.report._problem(str(e))
@@ -254,7 +255,7 @@ class _Checker:
             metadata = {**metadata, "files": [only], "tensors": mine}
         headers: dict[str, _header.Header] = {}
         for filename in metadata["files"]:
-            if not _checkpoint.is_plain_filename(filename):
+            if not _metadata.is_plain_filename(filename):
                 self.report._problem(f"{directory}: lists an invalid file name {filename!r}")
             elif (header := self._header(directory / filename)) is not None:
                 headers[filename] = header
@@ -268,11 +269,11 @@ class _Checker:
                 if stored.get(name) is None or stored[name].path.name != filename:
                     self.report._problem(
                         f"{directory / filename}: holds tensor {name!r}, which "
-                        f"{_checkpoint.METADATA_FILE} does not place in this file"
+                        f"{_metadata.METADATA_FILE} does not place in this file"
                     )
         if only is None:
             self._index(directory, metadata)
-            self._schema(metadata["schema"], stored, str(directory / _checkpoint.METADATA_FILE))
+            self._schema(metadata["schema"], stored, str(directory / _metadata.METADATA_FILE))
         self._stream(stored)
 
     def _index(self, directory: epath.Path, metadata: Mapping[str, Any]) -> None:
@@ -294,7 +295,7 @@ class _Checker:
                 | {n for n in expected if (weight_map or {}).get(n) != expected[n]}
             )
             self.report._problem(
-                f"{path}: weight_map disagrees with {_checkpoint.METADATA_FILE} for tensors "
+                f"{path}: weight_map disagrees with {_metadata.METADATA_FILE} for tensors "
                 f"{wrong[:10]!r}"
             )
 

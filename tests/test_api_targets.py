@@ -18,6 +18,7 @@ import orbax_safetensors as osf
 from orbax_safetensors import _api
 from orbax_safetensors._reader import ReadStats
 from orbax_safetensors._restore import restore_tree
+from orbax_safetensors._src.core import metadata as _metadata
 
 
 @pytest.fixture(scope="module")
@@ -121,8 +122,8 @@ def test_sharding_and_dtype_cast_together(saved, mesh):
 
 def _restore_with_stats(path: epath.Path, target: Any, **kwargs: Any) -> tuple[Any, ReadStats]:
     header = osf.read_header(path)
-    schema = json.loads(header.metadata[_api.SCHEMA_KEY])
-    crcs = json.loads(header.metadata[_api.CHECKSUM_KEY])
+    schema = json.loads(header.metadata[_metadata.SCHEMA_KEY])
+    crcs = json.loads(header.metadata[_metadata.CHECKSUM_KEY])
     stats = ReadStats()
     out = restore_tree(
         schema, _api.locate_in_file(path, header, crcs), target, stats=stats, **kwargs

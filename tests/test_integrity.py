@@ -23,6 +23,7 @@ import safetensors.numpy
 
 import orbax_safetensors as osf
 from orbax_safetensors import _checkpoint
+from orbax_safetensors._src.core import metadata as _metadata
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -194,7 +195,7 @@ def test_bit_flips_in_checkpoint_manager_steps(tmp_path: Path) -> None:
             )
         mngr.wait_until_finished()
     item = root / "1" / "state"
-    meta = json.loads((item / _checkpoint.METADATA_FILE).read_text())
+    meta = json.loads((item / _metadata.METADATA_FILE).read_text())
     assert len(meta["files"]) > 1  # split: bits are flipped in several files
     assert osf.verify(root).ok
 
@@ -250,7 +251,7 @@ def test_verify_whole_manager_root(tmp_path: Path) -> None:
     # An uncommitted step left by a crash is skipped, not reported.
     tmp_step = root / "4.orbax-checkpoint-tmp-123"
     shutil.copytree(root / "3", tmp_step)
-    (tmp_step / "state" / _checkpoint.METADATA_FILE).write_text("{garbage")
+    (tmp_step / "state" / _metadata.METADATA_FILE).write_text("{garbage")
     report = osf.verify(root)
     assert report.ok and report.skipped == [str(tmp_step)]
 
@@ -259,7 +260,7 @@ def test_verify_whole_manager_root(tmp_path: Path) -> None:
         item = root / str(step) / "state"
         path = (
             item
-            / json.loads((item / _checkpoint.METADATA_FILE).read_text())["tensors"]["params.w"][
+            / json.loads((item / _metadata.METADATA_FILE).read_text())["tensors"]["params.w"][
                 "file"
             ]
         )
@@ -304,9 +305,9 @@ def test_finalize_from_the_draft_in_memory_writes_what_the_file_draft_gives(
         )
         assert sorted(p.name for p in directory.iterdir()) == [
             "model.safetensors",
-            _checkpoint.METADATA_FILE,
+            _metadata.METADATA_FILE,
         ]
-        docs.append((directory / _checkpoint.METADATA_FILE).read_bytes())
+        docs.append((directory / _metadata.METADATA_FILE).read_bytes())
     assert docs[0] == docs[1] == docs[2]
     assert all(t["crc32c"] for t in json.loads(docs[1])["tensors"].values())
 
@@ -336,5 +337,5 @@ def test_single_process_manager_saves_keep_draft_and_part_in_memory(
         assert written == ["model.safetensors"], written
         np.testing.assert_array_equal(restored["w"], np.arange(6.0))
         step = tmp_path / f"async_{enable_async}" / "0" / "default"
-        doc = json.loads((step / _checkpoint.METADATA_FILE).read_text())
+        doc = json.loads((step / _metadata.METADATA_FILE).read_text())
         assert all(t["crc32c"] for t in doc["tensors"].values())

@@ -23,7 +23,7 @@ from flax.training import train_state
 from safetensors import safe_open
 
 import orbax_safetensors as osf
-from orbax_safetensors import _api
+from orbax_safetensors._src.core import metadata as _metadata
 
 
 def assert_same(a: Any, b: Any, where: str = "root") -> None:
@@ -64,7 +64,7 @@ def _names(path: Any) -> list[str]:
 
 
 def _schema(path: Any) -> dict:
-    return json.loads(osf.read_header(path).metadata[_api.SCHEMA_KEY])
+    return json.loads(osf.read_header(path).metadata[_metadata.SCHEMA_KEY])
 
 
 # --------------------------------------------------------------------------- naming rule

@@ -32,12 +32,12 @@ from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
 from orbax_safetensors._src.core import dtypes as _dtypes
+from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.core.errors import DeletedArrayError, SchemaError, UnsupportedLeafError
 
 SCHEMA_FORMAT = "orbax-safetensors/tree"
 SCHEMA_VERSION = 1
 ROOT_NAME = "value"  # the name of a tree that is a single leaf
-_RESERVED_NAME = "__metadata__"  # safetensors' metadata key: a leaf of this name becomes ~1
 _MAX_DEPTH = 256
 
 KeyEntry = Any  # DictKey | SequenceKey | GetAttrKey | FlattenedIndexKey
@@ -88,14 +88,14 @@ def assign_names(paths: list[tuple[KeyEntry, ...]]) -> list[str]:
 
 def _dedupe(names: list[str], paths: list[tuple[KeyEntry, ...]]) -> list[str]:
     # ``names`` are the joined ``paths``; gives the colliding ones their suffixes, in place.
-    if len(set(names)) == len(names) and _RESERVED_NAME not in names:
+    if len(set(names)) == len(names) and _header.METADATA_KEY not in names:
         return names  # the common case: nothing collides
     groups: dict[str, list[int]] = {}
     for i, n in enumerate(names):
         groups.setdefault(n, []).append(i)
     taken = set(names)
     for base, idx in groups.items():
-        reserved = base == _RESERVED_NAME  # the header's metadata slot: always suffixed
+        reserved = base == _header.METADATA_KEY  # the header's metadata slot: always suffixed
         if len(idx) < 2 and not reserved:
             continue
         idx.sort(key=lambda i: [_entry_order(e) for e in paths[i]])

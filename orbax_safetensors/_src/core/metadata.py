@@ -1,0 +1,192 @@
+"""The metadata a checkpoint carries, and the names it is stored under: the directory's
+``orbax_safetensors.json`` document (built, checked, parsed, checksums merged in) and the
+standalone file's ``__metadata__`` keys. Pure: the callers read and write the bytes.
+
+Example::
+
+    doc = build_metadata(plan, specs, flat.schema, shardings, {"step": 10})
+    add_checksums(doc, shares, directory)  # every process's checksum share, merged
+    json.dumps(doc)                        # the content of METADATA_FILE
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from orbax_safetensors._src.core import checksum as _checksum
+from orbax_safetensors._src.core import dtypes as _dtypes
+from orbax_safetensors._src.core import header as _header
+from orbax_safetensors._src.core import plan as _plan
+from orbax_safetensors._src.core.errors import (
+    IntegrityError,
+    MetadataError,
+    SchemaError,
+    UnsupportedLeafError,
+)
+from orbax_safetensors._version import __version__
+
+# -- a checkpoint directory -----------------------------------------------------------------
+
+METADATA_FILE = "orbax_safetensors.json"
+FORMAT_NAME = "orbax-safetensors"
+FORMAT_VERSION = 1
+SHARE_FILE_PREFIX = "crc32c.process_"  # + process index + ".json": a process's checksum share
+DRAFT_FILE = METADATA_FILE + ".draft"  # the metadata before the checksums are merged in
+MAX_METADATA_BYTES = 512 * 1024 * 1024
+HEADER_METADATA = {"format": "flax"}  # every header's __metadata__, as safetensors.flax writes
+
+# -- a standalone file's __metadata__ --------------------------------------------------------
+
+SCHEMA_KEY = "orbax_safetensors.tree"
+CHECKSUM_KEY = "orbax_safetensors.crc32c"
+FORMAT_KEY = "format"
+RESERVED_KEYS = (SCHEMA_KEY, CHECKSUM_KEY)
+
+
+def file_metadata(
+    schema: Mapping[str, Any], crcs: Mapping[str, str], user: Mapping[str, str] | None
+) -> dict[str, str]:
+    """A standalone file's ``__metadata__``: the format, the user's entries, the tree schema and
+    the checksum table.
+
+    Raises:
+      UnsupportedLeafError: a user entry is not ``str -> str`` or uses a reserved key.
+    """
+    meta: dict[str, str] = dict(HEADER_METADATA)
+    for k, v in (user or {}).items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise UnsupportedLeafError(
+                f"metadata must map str to str (safetensors' rule); got {k!r}: {type(v).__name__}"
+            )
+        if k in RESERVED_KEYS:
+            raise UnsupportedLeafError(f"metadata key {k!r} is reserved by orbax_safetensors")
+        meta[k] = v
+    meta[SCHEMA_KEY] = json.dumps(schema, separators=(",", ":"))
+    meta[CHECKSUM_KEY] = json.dumps(dict(crcs), separators=(",", ":"))
+    return meta
+
+
+def header_json(header: _header.Header, key: str, where: str) -> Any:
+    """The JSON value stored under ``key`` of a header's ``__metadata__``, or None if absent.
+
+    Raises:
+      SchemaError: the value is not valid JSON (or nested too deeply).
+    """
+    text = header.metadata.get(key)
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise SchemaError(f"{where}: {key} is nested too deeply") from None
+    except ValueError as e:
+        raise SchemaError(f"{where}: {key} is not valid JSON ({e})") from None
+
+
+def tensor_nbytes(t: Mapping[str, Any]) -> int:
+    """The stored size of a tensor entry of the metadata document."""
+    return _dtypes.nbytes(t["dtype"], t["shape"])
+
+
+def is_plain_filename(name: object) -> bool:
+    """Whether ``name`` is a plain file name inside the checkpoint directory (no path parts)."""
+    return (
+        isinstance(name, str)
+        and 0 < len(name) <= 255
+        and not name.startswith(".")
+        and not any(c in name for c in "/\\\0")
+    )
+
+
+def check_user_metadata(user_metadata: Mapping[str, Any] | None) -> None:
+    """Raises MetadataError (a TypeError) when ``user_metadata`` is not JSON-serialisable."""
+    try:
+        json.dumps(dict(user_metadata or {}))
+    except (TypeError, ValueError) as e:
+        raise MetadataError(f"metadata must be JSON-serialisable: {e}") from e
+
+
+def build_metadata(
+    plan: _plan.CheckpointPlan,
+    specs: Sequence[_plan.TensorSpec],
+    schema: Mapping[str, Any],
+    shardings: Mapping[str, dict[str, Any] | None],
+    user_metadata: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The metadata document of a checkpoint directory, less checksums (:func:`add_checksums`).
+
+    ``shardings`` maps each tensor to :func:`.sharding.sharding_to_json`'s description or None.
+    """
+    tensors = {
+        s.name: {
+            "dtype": s.dtype,
+            "shape": list(s.shape),
+            "file": plan.files[plan.file_of[s.name]].filename,
+            "sharding": shardings.get(s.name),
+        }
+        for s in specs
+    }
+    return {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "library_version": __version__,
+        "files": [f.filename for f in plan.files],
+        "schema": schema,
+        "tensors": tensors,
+        "metadata": dict(user_metadata),
+    }
+
+
+def parse_metadata(raw: bytes, where: object) -> dict[str, Any]:
+    """Parses and checks the metadata document ``raw`` (the content of ``where``).
+
+    Raises:
+      SchemaError: not valid JSON, not this format, a version this library does not read, or
+        the tensors, files or schema missing.
+    """
+    try:
+        doc = json.loads(raw)
+    except RecursionError:
+        raise SchemaError(f"{where}: nested too deeply") from None
+    except ValueError as e:
+        raise SchemaError(f"{where}: not valid JSON ({e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        raise SchemaError(f"{where}: not an {FORMAT_NAME} metadata file")
+    version = doc.get("format_version")
+    if type(version) is not int or not 1 <= version <= FORMAT_VERSION:
+        raise SchemaError(
+            f"{where}: format_version {version!r} is not one this library reads (1..{FORMAT_VERSION})"
+        )
+    if not isinstance(doc.get("tensors"), dict) or not isinstance(doc.get("files"), list):
+        raise SchemaError(f"{where}: tensors/files missing")
+    if not isinstance(doc.get("schema"), dict):
+        raise SchemaError(f"{where}: the tree schema is missing")
+    return doc
+
+
+def add_checksums(
+    metadata: dict[str, Any], shares: Sequence[dict[str, Any]], where: object
+) -> None:
+    """Merges every process's checksum share into ``metadata`` (each tensor's ``crc32c``), when
+    there are shares and every one has checksums.
+
+    Raises:
+      IntegrityError: the processes did not write every byte of a tensor exactly once.
+    """
+    if shares and all(doc["checksums"] for doc in shares):
+        written = dict.fromkeys(metadata["tensors"], 0)
+        crcs = dict.fromkeys(metadata["tensors"], 0)
+        for doc in shares:
+            for name, (nbytes, share) in doc["tensors"].items():
+                written[name] += nbytes
+                crcs[name] ^= share
+        for name, info in metadata["tensors"].items():
+            if written[name] != tensor_nbytes(info):
+                raise IntegrityError(
+                    f"{where}: the processes wrote {written[name]} bytes of tensor {name!r} "
+                    f"({info['dtype']}{info['shape']}, {tensor_nbytes(info)} bytes); every byte "
+                    "must be written exactly once"
+                )
+            info["crc32c"] = _checksum.to_hex(crcs[name])
