@@ -7,7 +7,7 @@ Example::
     state = osf.load_file("ckpt.safetensors", target=abstract_state)
 """
 
-from orbax_safetensors._api import load_file, load_metadata, read_header, save_file
+from orbax_safetensors._api import load_file, load_metadata, save_file
 from orbax_safetensors._checkpoint import restore_directory, save_directory
 from orbax_safetensors._convert import ConvertSummary, convert
 from orbax_safetensors._handler import (
@@ -28,14 +28,6 @@ from orbax_safetensors._hf import (
     load_pytorch,
 )
 from orbax_safetensors._nnx import load_model, save_model
-from orbax_safetensors._objstore import (
-    ObjectStoreError,
-    ObjectStoreOptions,
-    ObjectStoreStats,
-    manager_options_for,
-    object_store_stats,
-    set_object_store_options,
-)
 from orbax_safetensors._reader import ReadStats
 from orbax_safetensors._src.core.errors import (
     DeletedArrayError,
@@ -48,6 +40,15 @@ from orbax_safetensors._src.core.errors import (
     UnsupportedLeafError,
 )
 from orbax_safetensors._src.core.header import Header, TensorEntry
+from orbax_safetensors._src.orbax.object_storage import manager_options_for
+from orbax_safetensors._src.storage.objstore import (
+    ObjectStoreError,
+    ObjectStoreOptions,
+    ObjectStoreStats,
+    object_store_stats,
+    set_object_store_options,
+)
+from orbax_safetensors._src.storage.router import read_header
 from orbax_safetensors._verify import VerifyReport, verify
 from orbax_safetensors._version import __version__
 from orbax_safetensors._writer import WriteStats

@@ -20,7 +20,7 @@ from typing import Any
 
 from etils import epath
 
-from orbax_safetensors import _gcpause, _io, _writer
+from orbax_safetensors import _gcpause, _writer
 from orbax_safetensors._reader import StoredTensor
 from orbax_safetensors._restore import restore_tree
 from orbax_safetensors._src.core import checksum as _checksum
@@ -32,6 +32,8 @@ from orbax_safetensors._src.core.errors import (
     SafetensorsCheckpointError,
     SchemaError,
 )
+from orbax_safetensors._src.storage import interface as _interface
+from orbax_safetensors._src.storage import router as _router
 
 
 @_gcpause.paused
@@ -65,7 +67,7 @@ def save_file(tree: Any, path: epath.PathLike, metadata: Mapping[str, str] | Non
     sizes = {s.name: s.nbytes for s in specs}
     size = plan.files[0].size
 
-    def write(w: _io.Writer) -> None:
+    def write(w: _interface.Writer) -> None:
         # Data first, checksummed as it is written; then the header, which holds the CRCs
         # (fixed-width hex: the header's length, hence every offset, is known beforehand).
         crcs = _writer.tensor_checksums(w.write(pieces, checksums=True), sizes)
@@ -75,30 +77,23 @@ def save_file(tree: Any, path: epath.PathLike, metadata: Mapping[str, str] | Non
         final = _plan.plan_files(specs, max_file_size=None, metadata=final_meta).files[0]
         if final.data_start != plan.files[0].data_start:
             raise AssertionError("internal: header length changed after checksumming")
-        w.write([_io.header_piece(final.header)])
+        w.write([_interface.header_piece(final.header)])
 
-    if _io.is_object_url(path):
+    if _router.is_object_url(path):
         # An object appears whole or not at all: write the final object directly.
-        with _io.open_writer(path, size=size) as w:
+        with _router.open_writer(path, size=size) as w:
             write(w)
         return
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
     try:
-        with _io.open_writer(tmp, size=size, truncate=True) as w:
+        with _router.open_writer(tmp, size=size, truncate=True) as w:
             write(w)
         tmp.replace(path)
     except BaseException:
         if tmp.exists():
             tmp.unlink()
         raise
-    _io.fsync_dir(path.parent)
-
-
-def read_header(path: epath.PathLike) -> _header.Header:
-    """Reads and validates the header of a ``.safetensors`` file (no tensor bytes are read)."""
-    path = epath.Path(path)
-    with _io.open_reader(path) as r:
-        return _header.parse_header(r.pread(0, 8), lambda n: r.pread(8, n), r.size, where=str(path))
+    _router.fsync_dir(path.parent)
 
 
 def locate_in_file(
@@ -148,7 +143,7 @@ def load_file(
     # file in between, the reads mix two versions. Read again until the file stayed the same.
     for _ in range(_READ_ATTEMPTS):
         before = _identity(path)
-        header = read_header(path)
+        header = _router.read_header(path)
         schema = _metadata.header_json(header, _metadata.SCHEMA_KEY, str(path))
         crcs = _metadata.header_json(header, _metadata.CHECKSUM_KEY, str(path))
         if crcs is not None and not isinstance(crcs, dict):
@@ -172,7 +167,7 @@ _READ_ATTEMPTS = 5
 
 def _identity(path: epath.Path) -> tuple[int, ...] | None:
     """What changes when a local file is replaced or rewritten (None elsewhere)."""
-    if not _io.is_local(path):
+    if not _router.is_local(path):
         return None
     try:
         st = os.stat(os.fspath(path))
@@ -183,8 +178,8 @@ def _identity(path: epath.Path) -> tuple[int, ...] | None:
 
 def load_metadata(path: epath.PathLike) -> dict[str, str]:
     """The user metadata of a file saved with :func:`save_file` (reserved keys removed)."""
-    header = read_header(path)
+    header = _router.read_header(path)
     return {k: v for k, v in header.metadata.items() if k not in _metadata.RESERVED_KEYS}
 
 
-__all__ = ["load_file", "load_metadata", "read_header", "save_file"]
+__all__ = ["load_file", "load_metadata", "save_file"]

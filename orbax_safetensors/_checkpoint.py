@@ -38,7 +38,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from orbax_safetensors import _gcpause, _io, _writer
+from orbax_safetensors import _gcpause, _writer
 from orbax_safetensors._reader import ReadStats, StoredTensor
 from orbax_safetensors._restore import is_restore_args, restore_args_sharding, restore_tree
 from orbax_safetensors._src.core import checksum as _checksum
@@ -55,6 +55,8 @@ from orbax_safetensors._src.core.errors import (
     SchemaError,
     TargetMismatchError,
 )
+from orbax_safetensors._src.storage import interface as _interface
+from orbax_safetensors._src.storage import router as _router
 
 
 class ValidatedTree:
@@ -122,7 +124,7 @@ class PreparedSave:
     """
 
     plan: _plan.CheckpointPlan
-    pieces: Iterable[tuple[int, list[_io.Piece]]]
+    pieces: Iterable[tuple[int, list[_interface.Piece]]]
     metadata: dict[str, Any]  # the metadata file's content, less checksums
     sizes: dict[str, int]
     is_primary: bool
@@ -179,7 +181,7 @@ def prepare_save(
         )
     metadata = _metadata.build_metadata(plan, specs, flat.schema, shardings, user_metadata or {})
     _metadata.check_user_metadata(user_metadata)  # fail early (before any I/O)
-    pieces: Iterable[tuple[int, list[_io.Piece]]]
+    pieces: Iterable[tuple[int, list[_interface.Piece]]]
     if snapshot is not None:
         names = list(flat.arrays)  # snapshots are keyed by position in captured.arrays
         pieces = (_writer.tensor_pieces(plan, names[i], copies) for i, copies in snapshot)
@@ -294,11 +296,11 @@ _IN_FLIGHT_BYTES = 64 << 20
 
 
 def _batched(
-    items: Iterable[tuple[int, list[_io.Piece]]],
-) -> Iterator[tuple[int, list[_io.Piece]]]:
+    items: Iterable[tuple[int, list[_interface.Piece]]],
+) -> Iterator[tuple[int, list[_interface.Piece]]]:
     # Consecutive small tensors of one file go to the writer together (up to 8 MiB or 1024
     # pieces): one vectored write and one round of bookkeeping instead of one per tensor.
-    batch: list[_io.Piece] = []
+    batch: list[_interface.Piece] = []
     batch_file, size = -1, 0
     for file_index, pieces in items:
         nbytes = pieces[0].data.nbytes if len(pieces) == 1 else sum(p.data.nbytes for p in pieces)
@@ -337,7 +339,7 @@ def write_process_share(
     plan = prepared.plan
     runs: dict[str, list[tuple[int, int, int]]] = {}  # tensor -> (offset, nbytes, crc) written
     # Writes under way, oldest first: (file name, pieces, bytes, pending write).
-    pending: collections.deque[tuple[str, list[_io.Piece], int, _io.PendingWrite]] = (
+    pending: collections.deque[tuple[str, list[_interface.Piece], int, _interface.PendingWrite]] = (
         collections.deque()
     )
     in_flight = 0
@@ -355,9 +357,9 @@ def write_process_share(
         in_flight -= nbytes
 
     with contextlib.ExitStack() as stack:
-        writers: dict[int, _io.Writer] = {}
+        writers: dict[int, _interface.Writer] = {}
 
-        def write(file_index: int, pieces: list[_io.Piece], checksums: bool = False) -> None:
+        def write(file_index: int, pieces: list[_interface.Piece], checksums: bool = False) -> None:
             # Submitted, not awaited: the write threads go on with this batch while the next
             # one is produced (on accelerators: copied to host). At most _IN_FLIGHT_BYTES of
             # earlier batches stay under way, which bounds the host copies a lazy save holds.
@@ -365,7 +367,9 @@ def write_process_share(
             fplan = plan.files[file_index]
             if file_index not in writers:
                 path = directory / fplan.filename
-                writers[file_index] = stack.enter_context(_io.open_writer(path, size=fplan.size))
+                writers[file_index] = stack.enter_context(
+                    _router.open_writer(path, size=fplan.size)
+                )
             nbytes = sum(p.data.nbytes for p in pieces)
             submitted = writers[file_index].submit(pieces, checksums=checksums)
             pending.append((fplan.filename, pieces, nbytes, submitted))
@@ -375,7 +379,7 @@ def write_process_share(
 
         if prepared.is_primary:
             for i, fplan in enumerate(plan.files):
-                write(i, [_io.header_piece(fplan.header)])
+                write(i, [_interface.header_piece(fplan.header)])
         for file_index, pieces in _batched(prepared.pieces):
             write(file_index, pieces, checksums=prepared.checksums)
         while pending:  # before the files are made durable and closed
@@ -411,7 +415,7 @@ def finalize(
     :func:`write_process_share` returns them unpersisted), merged with those found on disk.
     """
     directory = epath.Path(directory)
-    _io.finalize_files(directory)  # object storage: join what several processes staged
+    _router.finalize_files(directory)  # object storage: join what several processes staged
     draft = directory / _metadata.DRAFT_FILE
     metadata = draft_metadata if draft_metadata is not None else json.loads(draft.read_text())
     files = sorted(directory.glob(f"{_metadata.SHARE_FILE_PREFIX}*.json"))
@@ -452,7 +456,7 @@ def read_metadata(directory: epath.PathLike) -> dict[str, Any]:
         raise FileNotFoundError(
             f"{directory} is not an orbax-safetensors checkpoint: no {_metadata.METADATA_FILE}"
         )
-    if not _io.is_regular_file(path):  # a FIFO would block the read below
+    if not _router.is_regular_file(path):  # a FIFO would block the read below
         raise SchemaError(f"{path}: not a regular file")
     with path.open("rb") as f:  # in chunks: memory follows the real size, not the cap
         chunks: list[bytes] = []
@@ -468,8 +472,6 @@ def locate_in_directory(
     directory: epath.PathLike, metadata: Mapping[str, Any]
 ) -> dict[str, StoredTensor]:
     """Every tensor of a checkpoint directory, cross-checked against the files' own headers."""
-    from orbax_safetensors._api import read_header
-
     directory = epath.Path(directory)
     headers: dict[str, _header.Header] = {}  # by file name, once the name has been checked
     paths: dict[str, epath.Path] = {}  # one Path object per file, shared by its tensors
@@ -483,12 +485,12 @@ def locate_in_directory(
             raise SchemaError(f"{directory}: tensor {name!r} names an invalid file {filename!r}")
         if filename not in headers:
             path = directory / filename
-            if not _io.is_regular_file(path):
+            if not _router.is_regular_file(path):
                 raise SchemaError(
                     f"{directory}: tensor {name!r} is stored in {filename!r}, which does not "
                     "exist or is not a regular file"
                 )
-            headers[filename] = read_header(path)
+            headers[filename] = _router.read_header(path)
             paths[filename] = path
         entry = headers[filename].tensors.get(name)
         if entry is None:

@@ -31,11 +31,13 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import future as ocp_future
 
-from orbax_safetensors import _checkpoint, _gcpause, _io, _writer
+from orbax_safetensors import _checkpoint, _gcpause, _writer
 from orbax_safetensors._reader import ReadStats
 from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
 from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.core import plan as _plan
+from orbax_safetensors._src.orbax import object_storage as _object_storage
+from orbax_safetensors._src.storage import router as _router
 
 TYPESTR = "orbax_safetensors.SafetensorsCheckpointHandler"
 
@@ -154,7 +156,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         prepared: _checkpoint.PreparedSave | None = None
         if (
             snapshot is None
-            or _io.is_object_url(directory)
+            or _router.is_object_url(directory)
             or args._validated.header_bound() > _header.MAX_HEADER_BYTES
         ):
             # Planned now, on the caller's thread: a sync save writes straight from the arrays;
@@ -258,8 +260,9 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
 def _prepare_directory(directory: epath.Path, prepared: _checkpoint.PreparedSave) -> None:
     # Main thread, every process, before any write: on S3 with several processes the primary
     # starts the multipart uploads the processes' parts go into (no-op elsewhere).
+    _object_storage.refuse_renaming_commit(directory)  # S3: a save Orbax would commit by renaming
     files = [(f.filename, f.size) for f in prepared.plan.files]
-    _io.prepare_directory(directory, files, is_primary=prepared.is_primary)
+    _router.prepare_directory(directory, files, is_primary=prepared.is_primary)
 
 
 def _persist_shares() -> bool:

@@ -41,10 +41,12 @@ from typing import Any, Protocol
 import numpy as np
 from etils import epath
 
-from orbax_safetensors import _inspect, _io
+from orbax_safetensors import _inspect
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core.errors import TargetMismatchError
+from orbax_safetensors._src.storage import interface as _interface
+from orbax_safetensors._src.storage import router as _router
 
 _PLACEHOLDER = re.compile(r"\{(\w+)(?::([^{}]+))?\}")
 
@@ -595,17 +597,17 @@ def export_pytorch(
         if old.exists():
             old.unlink()
     plan = _plan.plan_files(specs, max_file_size=max_file_size, metadata={"format": "pt"})
-    local = _io.is_local(directory)
+    local = _router.is_local(directory)
     by_name = {name: (key, transform) for name, key, transform in moves}
     groups = _inspect.batches(
         [infos[n] for n, _, _ in moves], batch_bytes if local else 1 << 62
     ) or [[]]
     for i, group in enumerate(groups):
         arrays = read([t.name for t in group])
-        pieces: dict[int, list[_io.Piece]] = {}
+        pieces: dict[int, list[_interface.Piece]] = {}
         if i == 0:
             for f, file_plan in enumerate(plan.files):
-                pieces[f] = [_io.header_piece(file_plan.header)]
+                pieces[f] = [_interface.header_piece(file_plan.header)]
         for t in group:
             key, transform = by_name[t.name]
             value = np.asarray(transform.to_torch(arrays.pop(t.name)))
@@ -614,13 +616,13 @@ def export_pytorch(
             file_plan, entry = plan.locate(key)
             raw = _dtypes.pack(np.ascontiguousarray(value), entry.dtype)
             pieces.setdefault(plan.file_of[key], []).append(
-                _io.Piece(file_plan.data_start + entry.begin, raw)
+                _interface.Piece(file_plan.data_start + entry.begin, raw)
             )
             report.moved.append((t.name, key))
         last = i == len(groups) - 1
         for f, file_plan in enumerate(plan.files):
             if f in pieces or last:
-                _io.write_file(
+                _router.write_file(
                     directory / file_plan.filename,
                     pieces.get(f, []),
                     size=file_plan.size,

@@ -40,6 +40,7 @@ from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import HeaderError, SafetensorsCheckpointError
+from orbax_safetensors._src.storage import router as _router
 
 ORBAX_METADATA_FILE = "_METADATA"
 CHECKPOINT_METADATA_FILE = "_CHECKPOINT_METADATA"
@@ -443,7 +444,7 @@ def _relative(path: epath.Path, base: epath.Path) -> str:
 def _open_file(path: epath.Path) -> SafetensorsSource:
     from orbax_safetensors import _api
 
-    header = _api.read_header(path)
+    header = _router.read_header(path)
     crcs = _metadata.header_json(header, _metadata.CHECKSUM_KEY, str(path))
     stored = _api.locate_in_file(path, header, crcs if isinstance(crcs, dict) else None)
     user = {k: v for k, v in header.metadata.items() if k not in _metadata.RESERVED_KEYS}
@@ -488,7 +489,7 @@ def _open_safetensors_dir(path: epath.Path) -> SafetensorsSource:
         weight_map = doc["weight_map"]
         metadata = {"index": doc.get("metadata", {})}
     for filename in safetensors_dir_files(path):
-        header = _api.read_header(path / filename)
+        header = _router.read_header(path / filename)
         metadata.setdefault("format", header.metadata.get("format"))
         for name, st in _api.locate_in_file(path / filename, header, None).items():
             if name in stored:

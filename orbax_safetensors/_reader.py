@@ -21,12 +21,14 @@ import jax
 import numpy as np
 from etils import epath
 
-from orbax_safetensors import _io, _place
+from orbax_safetensors import _place
 from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import memo as _memo
 from orbax_safetensors._src.core import runs as _runs
 from orbax_safetensors._src.core.errors import IntegrityError
+from orbax_safetensors._src.storage import buffers as _buffers
+from orbax_safetensors._src.storage import router as _router
 
 
 class StoredTensor(NamedTuple):
@@ -103,7 +105,7 @@ class _ReadBuffers:
 
 
 def _read_buffers(
-    req: ReadRequest, arena: _io.BufferArena, single_device: _memo.ShardingMemo[bool]
+    req: ReadRequest, arena: _buffers.BufferArena, single_device: _memo.ShardingMemo[bool]
 ) -> _ReadBuffers:
     shape = req.stored.shape
     if req.kind != "jax" or req.sharding is None or single_device(req.sharding):
@@ -119,7 +121,9 @@ def _read_buffers(
         # This process needs every byte: one whole read (verifiable) serves every box.
         return _ReadBuffers(arena.empty(req.stored.nbytes), [], device_keys)
     for box in boxes.values():
-        box.buffer = _io.aligned_empty(_dtypes.nbytes(req.stored.dtype, _runs.box_shape(box.index)))
+        box.buffer = _buffers.aligned_empty(
+            _dtypes.nbytes(req.stored.dtype, _runs.box_shape(box.index))
+        )
     return _ReadBuffers(None, list(boxes.values()), device_keys)
 
 
@@ -130,7 +134,7 @@ def _single_device(sharding: jax.sharding.Sharding) -> bool:
 
 def read_tensors(requests: Sequence[ReadRequest], stats: ReadStats | None = None) -> list[Any]:
     """Reads every request (grouped by file, one batched read per file) and returns values."""
-    arena = _io.BufferArena()
+    arena = _buffers.BufferArena()
     single_device = _memo.ShardingMemo(_single_device)  # many tensors share a few shardings
     buffers = [_read_buffers(r, arena, single_device) for r in requests]
     by_file: dict[epath.Path, list[tuple[int, np.ndarray]]] = {}
@@ -155,7 +159,7 @@ def read_tensors(requests: Sequence[ReadRequest], stats: ReadStats | None = None
             if i in file_checks:
                 _check(file_checks[i], runs[i][1])
 
-        with _io.open_reader(path) as reader:
+        with _router.open_reader(path) as reader:
             reader.read_runs(runs, on_run=on_run if file_checks else None)
         if stats is not None:
             stats.bytes_read += reader.bytes_read

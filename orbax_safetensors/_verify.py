@@ -39,7 +39,7 @@ from typing import Any
 import jax
 from etils import epath
 
-from orbax_safetensors import _api, _checkpoint, _inspect, _io
+from orbax_safetensors import _api, _checkpoint, _inspect
 from orbax_safetensors._reader import StoredTensor
 from orbax_safetensors._restore import wrap_key
 from orbax_safetensors._src.core import checksum as _checksum
@@ -49,6 +49,8 @@ from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError, SchemaError
+from orbax_safetensors._src.storage import buffers as _buffers
+from orbax_safetensors._src.storage import router as _router
 
 CHUNK_BYTES = 16 << 20
 _TMP_MARKER = ".orbax-checkpoint-tmp"
@@ -224,7 +226,7 @@ class _Checker:
 
     def _header(self, path: epath.Path) -> _header.Header | None:
         try:
-            header = _api.read_header(path)
+            header = _router.read_header(path)
         except _READ_ERRORS as e:
             self.report._problem(_message(e, path))
             return None
@@ -280,7 +282,7 @@ class _Checker:
         path = directory / _plan.INDEX_FILE_NAME
         if not path.exists():
             return
-        if not _io.is_regular_file(path):
+        if not _router.is_regular_file(path):
             self.report._problem(f"{path}: not a regular file")
             return
         try:
@@ -332,9 +334,9 @@ class _Checker:
         for path, tensors in by_file.items():
             tensors.sort(key=lambda t: t.offset)
             size = min(self.chunk_bytes, max(t.nbytes for t in tensors))
-            buf = _io.aligned_empty(max(size, 1))
+            buf = _buffers.aligned_empty(max(size, 1))
             try:
-                with _io.open_reader(path) as reader:
+                with _router.open_reader(path) as reader:
                     for t in tensors:
                         self._stream_one(reader, t, buf)
             except _READ_ERRORS as e:

@@ -21,12 +21,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from orbax_safetensors import _io
 from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import memo as _memo
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import runs as _runs
+from orbax_safetensors._src.storage import buffers as _buffers
+from orbax_safetensors._src.storage import interface as _interface
 
 
 @dataclasses.dataclass
@@ -44,7 +45,7 @@ class WriteStats:
     header_bytes: int = 0
     ranges: list[tuple[str, int, int]] = dataclasses.field(default_factory=list)
 
-    def add(self, filename: str, pieces: list[_io.Piece]) -> None:
+    def add(self, filename: str, pieces: list[_interface.Piece]) -> None:
         """Records the data pieces written into ``filename`` (pieces without a tag are headers)."""
         for p in sorted(pieces, key=lambda p: p.offset):
             n = int(p.data.nbytes)
@@ -131,7 +132,7 @@ def _owned_tensors(arrays: Iterable[tuple[Any, Any]], is_primary: bool) -> list[
     return owned
 
 
-def _host_array(data: Any, on_cpu: bool, buffers: _io.BufferArena | None) -> np.ndarray:
+def _host_array(data: Any, on_cpu: bool, buffers: _buffers.BufferArena | None) -> np.ndarray:
     """``data`` on the host, C-contiguous: a copy we own when ``buffers`` is given (else maybe
     a view of the caller's memory)."""
     host = data if isinstance(data, np.ndarray) else np.asarray(data)
@@ -147,7 +148,7 @@ def _host_array(data: Any, on_cpu: bool, buffers: _io.BufferArena | None) -> np.
     return out
 
 
-def _host_copies(owned: _Owned, buffers: _io.BufferArena | None) -> HostCopies:
+def _host_copies(owned: _Owned, buffers: _buffers.BufferArena | None) -> HostCopies:
     _, x, shards, on_cpu = owned
     if shards is None:
         return [(None, _host_array(x, on_cpu, buffers))]
@@ -156,7 +157,7 @@ def _host_copies(owned: _Owned, buffers: _io.BufferArena | None) -> HostCopies:
 
 def tensor_pieces(
     plan: _plan.CheckpointPlan, name: str, copies: HostCopies
-) -> tuple[int, list[_io.Piece]]:
+) -> tuple[int, list[_interface.Piece]]:
     """``(file index, pieces)`` writing a tensor's host ``copies`` where ``plan`` puts them.
 
     Each piece's tag is ``(tensor name, offset inside the tensor)``.
@@ -165,16 +166,16 @@ def tensor_pieces(
     fplan = plan.files[file_index]
     entry = fplan.entries[name]
     base = fplan.data_start + entry.begin
-    pieces: list[_io.Piece] = []
+    pieces: list[_interface.Piece] = []
     for index, host in copies:
         raw = _dtypes.pack(host, entry.dtype)
         if index is None or _runs.is_whole(index, entry.shape):  # e.g. a replica's first copy
-            pieces.append(_io.Piece(base, raw, (name, 0)))
+            pieces.append(_interface.Piece(base, raw, (name, 0)))
             continue
         offsets, length = _runs.byte_runs(entry.dtype, entry.shape, index)
         for j, off in enumerate(offsets.tolist()):
             chunk = raw[j * length : (j + 1) * length]
-            pieces.append(_io.Piece(base + off, chunk, (name, off)))
+            pieces.append(_interface.Piece(base + off, chunk, (name, off)))
     return file_index, pieces
 
 
@@ -185,7 +186,7 @@ def iter_host_pieces(
     copy: bool,
     is_primary: bool = True,
     copies_ahead: int | None = 1,
-) -> Iterator[tuple[int, list[_io.Piece]]]:
+) -> Iterator[tuple[int, list[_interface.Piece]]]:
     """The byte pieces this process writes, one tensor at a time: ``(file index, pieces)``.
 
     Args:
@@ -201,7 +202,7 @@ def iter_host_pieces(
     Each piece's tag is ``(tensor name, offset inside the tensor)``.
     """
     owned = _owned_tensors(arrays.items(), is_primary)
-    buffers = _io.BufferArena() if copy else None
+    buffers = _buffers.BufferArena() if copy else None
     started = 0
     ahead = len(owned) if copies_ahead is None else copies_ahead
     for k, item in enumerate(owned):
@@ -224,7 +225,7 @@ def iter_snapshots(
     """
     owned = _owned_tensors(arrays, is_primary)
     _start_copies(owned)  # all at once: everything is copied before this returns
-    buffers = _io.BufferArena()
+    buffers = _buffers.BufferArena()
     for item in owned:
         name, x, shards, on_cpu = item
         if shards is None and on_cpu:  # _host_copies of a small whole array on CPU, inlined
@@ -253,9 +254,9 @@ def host_pieces(
     *,
     copy: bool,
     is_primary: bool = True,
-) -> dict[int, list[_io.Piece]]:
+) -> dict[int, list[_interface.Piece]]:
     """All of :func:`iter_host_pieces` at once, grouped by file index."""
-    out: dict[int, list[_io.Piece]] = {}
+    out: dict[int, list[_interface.Piece]] = {}
     stream = iter_host_pieces(plan, arrays, copy=copy, is_primary=is_primary, copies_ahead=None)
     for file_index, pieces in stream:
         out.setdefault(file_index, []).extend(pieces)

@@ -31,6 +31,7 @@ from orbax_safetensors._restore import restore_tree
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.core import tree as _tree
+from orbax_safetensors._src.storage import router as _router
 
 try:  # pytest puts tests/ on sys.path while tests/ has no __init__.py
     from hostile import corpus
@@ -275,7 +276,7 @@ def _stored() -> Any:
     if _STORED is None:
         path = corpus._base_dir().parent / "fuzz-base.safetensors"
         path.write_bytes(_BASE)
-        header = _api.read_header(path)
+        header = _router.read_header(path)
         crcs = json.loads(header.metadata[corpus.CRC_KEY])
         _STORED = _api.locate_in_file(path, header, crcs)
     return _STORED

@@ -1,4 +1,4 @@
-"""The byte movers of ``_io``: positional writes with checksums computed on the way."""
+"""The byte movers of ``storage``: positional writes with checksums computed on the way."""
 
 from __future__ import annotations
 
@@ -8,14 +8,15 @@ import crc32c
 import numpy as np
 import pytest
 
-from orbax_safetensors import _io
+from orbax_safetensors._src.storage import interface as _interface
+from orbax_safetensors._src.storage import router as _router
 
 
-def _pieces(sizes: list[int], start: int = 16) -> list[_io.Piece]:
+def _pieces(sizes: list[int], start: int = 16) -> list[_interface.Piece]:
     rng = np.random.default_rng(0)
     out, offset = [], start
     for k, n in enumerate(sizes):
-        out.append(_io.Piece(offset, rng.integers(0, 256, n, dtype=np.uint8), ("t", k)))
+        out.append(_interface.Piece(offset, rng.integers(0, 256, n, dtype=np.uint8), ("t", k)))
         offset += n
     return out
 
@@ -33,9 +34,9 @@ def test_write_file_checksums_every_piece_and_writes_every_byte(
     tmp_path: Path, sizes: list[int]
 ) -> None:
     pieces = _pieces(sizes)
-    header = _io.header_piece(b"H" * 16)
+    header = _interface.header_piece(b"H" * 16)
     size = 16 + sum(sizes)
-    records = _io.write_file(tmp_path / "f", [*reversed(pieces), header], size=size)
+    records = _router.write_file(tmp_path / "f", [*reversed(pieces), header], size=size)
     by_tag = {tag: (n, crc) for tag, n, crc in records}
     for p in pieces:
         assert by_tag[p.tag] == (p.data.nbytes, crc32c.crc32c(p.data)), p.tag
@@ -45,15 +46,15 @@ def test_write_file_checksums_every_piece_and_writes_every_byte(
 
 def test_open_writer_writes_header_after_data_and_syncs_on_exit(tmp_path: Path) -> None:
     data = np.arange(100, dtype=np.uint8)
-    with _io.open_writer(tmp_path / "f", size=108, truncate=True) as w:
-        [(_, _, crc)] = w.write([_io.Piece(8, data, "d")], checksums=True)
-        w.write([_io.header_piece(crc.to_bytes(8, "little"))])
+    with _router.open_writer(tmp_path / "f", size=108, truncate=True) as w:
+        [(_, _, crc)] = w.write([_interface.Piece(8, data, "d")], checksums=True)
+        w.write([_interface.header_piece(crc.to_bytes(8, "little"))])
     raw = (tmp_path / "f").read_bytes()
     assert int.from_bytes(raw[:8], "little") == crc32c.crc32c(data) and raw[8:] == data.tobytes()
 
 
 def test_open_writer_error_names_the_file(tmp_path: Path) -> None:
-    with pytest.raises(OSError) as info, _io.open_writer(tmp_path / "missing" / "f", size=8):
+    with pytest.raises(OSError) as info, _router.open_writer(tmp_path / "missing" / "f", size=8):
         pass
     assert "missing" in str(info.value)
 
@@ -64,9 +65,9 @@ def test_submitted_writes_run_together_and_report_like_write(tmp_path: Path) -> 
     pieces = _pieces([(9 << 20) + 1, 1024, 5, 3 << 20, *([4096] * 300)])
     batches = [pieces[:1], pieces[1:3], pieces[3:4], pieces[4:]]
     size = 16 + sum(p.data.nbytes for p in pieces)
-    with _io.open_writer(tmp_path / "f", size=size, truncate=True) as w:
+    with _router.open_writer(tmp_path / "f", size=size, truncate=True) as w:
         pending = [w.submit(list(reversed(b)), checksums=True) for b in batches]
-        header = w.submit([_io.header_piece(b"H" * 16)])
+        header = w.submit([_interface.header_piece(b"H" * 16)])
         results = [p.result() for p in pending]
         assert header.result() == [(None, 16, 0)]
     for batch, records in zip(batches, results):

@@ -34,7 +34,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 import orbax_safetensors as osf
-from orbax_safetensors import _objstore
+from orbax_safetensors._src.orbax import object_storage as _object_storage
+from orbax_safetensors._src.storage import objstore as _objstore
 
 try:  # tests/ without __init__.py: pytest puts tests/ itself on sys.path.
     from multihost.launcher import run_workers
@@ -425,7 +426,7 @@ def test_manager_options_for() -> None:
 )
 def test_rename_commit_on_s3_is_refused_naming_the_fix(directory: str) -> None:
     with pytest.raises(osf.SafetensorsCheckpointError, match=r"osf\.manager_options_for"):
-        _objstore.check_commit_scheme(directory)
+        _object_storage.check_commit_scheme(directory)
 
 
 @pytest.mark.parametrize(
@@ -438,7 +439,7 @@ def test_rename_commit_on_s3_is_refused_naming_the_fix(directory: str) -> None:
     ],
 )
 def test_commit_file_and_other_stores_pass_the_check(directory: str) -> None:
-    _objstore.check_commit_scheme(directory)
+    _object_storage.check_commit_scheme(directory)
 
 
 _DEFAULT_OPTIONS_CHILD = textwrap.dedent(

@@ -7,11 +7,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from orbax_safetensors import _io, _place
+from orbax_safetensors import _place
+from orbax_safetensors._src.storage import buffers as _buffers
 
 
 def _aligned(values: np.ndarray) -> np.ndarray:
-    buf = _io.aligned_empty(values.nbytes).view(values.dtype).reshape(values.shape)
+    buf = _buffers.aligned_empty(values.nbytes).view(values.dtype).reshape(values.shape)
     buf[...] = values
     return buf
 

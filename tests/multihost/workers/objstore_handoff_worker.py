@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import orbax_safetensors as osf  # noqa: E402
-from orbax_safetensors import _objstore  # noqa: E402
+from orbax_safetensors._src.storage import objstore as _objstore  # noqa: E402
 
 MiB = 1 << 20
 primary = jax.process_index() == 0

@@ -1,8 +1,11 @@
-"""Object storage (``s3://``, ``gs://``): write engines and a ranged-read engine behind ``_io``.
+"""Object storage (``s3://``, ``gs://``): write engines and a ranged-read engine behind
+:mod:`.router`.
 
-:mod:`orbax_safetensors._io` stays the single entry point: it hands every non-local path whose
-scheme is ``s3`` or ``gs`` to this module (``write_file``, ``ObjectReader`` for
-``_io.open_reader``, and the two checkpoint hooks ``prepare_directory`` / ``finalize_directory``).
+:mod:`orbax_safetensors._src.storage.router` stays the single entry point: it hands every
+non-local path whose scheme is ``s3`` or ``gs`` to this module (``write_file``, ``ObjectReader``
+for ``router.open_reader``, and the two checkpoint hooks ``prepare_directory`` /
+``finalize_directory``). Orbax's rules for object storage (the commit scheme, manager options)
+are :mod:`orbax_safetensors._src.orbax.object_storage`.
 
 Clients: boto3 for S3 and google-cloud-storage for GCS, used directly (not fsspec). They speak
 every request the engines need as public API (multipart upload with caller-chosen part numbers
@@ -38,7 +41,7 @@ at once, naming the URL and the operation.
 
 Example::
 
-    with _io.open_reader("s3://bucket/ckpt/model.safetensors") as r:
+    with router.open_reader("s3://bucket/ckpt/model.safetensors") as r:
         head = r.pread(0, 8)
     print(object_store_stats().bytes_fetched)
 """
@@ -62,9 +65,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from orbax_safetensors import _io
 from orbax_safetensors._src.core import runs as _runs
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
+from orbax_safetensors._src.storage import interface as _interface
 
 MiB = 1 << 20
 S3_MIN_PART = 5 * MiB  # every part of a multipart upload but the last
@@ -925,7 +928,7 @@ def _run_all(jobs: Sequence[Callable[[], _T]]) -> list[_T]:
 class ObjectReader:
     """Random-access reads of one object through HTTP range requests.
 
-    The reader interface ``_io.open_reader`` hands out: ``size``, ``pread``, ``read_runs``, and
+    The reader interface ``router.open_reader`` hands out: ``size``, ``pread``, ``read_runs``, and
     the counters ``bytes_read`` (bytes requested, coalesced gaps included) and ``requests``.
     """
 
@@ -1051,7 +1054,7 @@ class _Segment:
         return _slice_views(self.views, a - self.start, b - self.start)
 
 
-def _segments(pieces: Sequence[_io.Piece]) -> list[_Segment]:
+def _segments(pieces: Sequence[_interface.Piece]) -> list[_Segment]:
     out: list[_Segment] = []
     for p in sorted(pieces, key=lambda p: p.offset):
         n = int(p.data.nbytes)
@@ -1087,7 +1090,7 @@ def part_number(offset: int, size: int) -> int:
     return 1 + offset // s3_min_part(size)
 
 
-def write_file(url: str, pieces: Sequence[_io.Piece], size: int) -> None:
+def write_file(url: str, pieces: Sequence[_interface.Piece], size: int) -> None:
     """Writes this process's ``pieces`` of the ``size``-byte file at ``url``.
 
     When the pieces tile ``[0, size)`` the final object is written directly. Otherwise other
@@ -1314,63 +1317,7 @@ def _write_ranges(
     _call(url, f"PUT manifest {mkey}", lambda: store.put(bucket, mkey, data))
 
 
-# Before anyone writes (S3): the commit scheme, shared upload ids -------------------------
-
-# Orbax's AtomicRenameTemporaryPath writes a step into ``<step><suffix>`` (and each item into
-# ``<item><suffix>``) and renames it when done (orbax.checkpoint.path.atomicity.TMP_DIR_SUFFIX;
-# older Orbax versions appended a timestamp to it). CommitFileTemporaryPath writes in place.
-_ORBAX_RENAME_SUFFIX = ".orbax-checkpoint-tmp"
-
-
-def check_commit_scheme(directory: str) -> None:
-    """Raises if Orbax will commit the save into ``directory`` by renaming it on ``s3://``.
-
-    Orbax's default ``AtomicRenameTemporaryPath`` renames the temporary step (and item)
-    directory once every file is written; S3 has no rename (fsspec copies and deletes, and
-    fails on the directory prefixes), so such a save would upload everything and then fail in
-    Orbax's background commit. The item directory then lies under ``<step>.orbax-checkpoint-tmp``
-    or is ``<item>.orbax-checkpoint-tmp`` itself; under ``CommitFileTemporaryPath`` it is
-    ``<root>/<step>/<item>``.
-    """
-    directory = os.fspath(directory).rstrip("/")
-    if not directory.startswith("s3://"):
-        return
-    parts = directory.split("/")
-    flagged = [
-        i for i in range(max(3, len(parts) - 2), len(parts)) if _ORBAX_RENAME_SUFFIX in parts[i]
-    ]
-    if not flagged:
-        return
-    root = "/".join(parts[: flagged[0]])
-    raise SafetensorsCheckpointError(
-        f"{directory}: Orbax is saving this step into a temporary directory that it renames "
-        "when done (its default AtomicRenameTemporaryPath), and S3 cannot rename: the commit "
-        "would fail after every upload. Create the manager with "
-        f"ocp.CheckpointManager({root!r}, options=osf.manager_options_for({root!r}, ...)) "
-        "(for an ocp.Checkpointer: temporary_path_class="
-        "ocp.path.atomicity.CommitFileTemporaryPath). No tensor data was uploaded."
-    )
-
-
-def _let_orbax_create_directories(timeout: float = 60.0) -> None:
-    """Waits (at most ``timeout`` seconds) until Orbax has created this save's directories.
-
-    Orbax starts creating the step and item directories in a background thread before it calls
-    the handler. A ``save()`` that raises before they exist leaves that thread racing
-    ``close()``, which shuts down the executor it writes the step metadata with; the thread
-    then dies before signalling, and a thread waiting for its signal keeps the process from
-    exiting until Orbax's coordination timeout. This waits for the same signals the handler's
-    own writes wait for, through the same public ``orbax.checkpoint.future`` class.
-    """
-    from orbax.checkpoint import future as ocp_future
-
-    async def nothing() -> None:
-        return None
-
-    with contextlib.suppress(Exception):  # best effort: the caller's error matters more
-        ocp_future.CommitFutureAwaitingContractedSignals(
-            nothing(), name="osf_refused_save", timeout_secs=int(timeout)
-        ).result(timeout=timeout)
+# Before anyone writes (S3): shared upload ids -------------------------------------------
 
 
 @dataclasses.dataclass
@@ -1414,8 +1361,7 @@ def prepare_directory(
 ) -> None:
     """Main-thread step of every process before a save into ``directory`` (S3 only).
 
-    Refuses a save Orbax would commit by renaming (see :func:`check_commit_scheme`). In a
-    multi-process job the primary then creates one multipart upload per file large enough to
+    In a multi-process job the primary creates one multipart upload per file large enough to
     hold parts from several processes, and every process receives the UploadIds through
     :func:`_broadcast_json` (a JAX collective). Every process must call this for every save, in
     the same order; if the primary fails, every process raises. Does nothing on GCS.
@@ -1425,11 +1371,6 @@ def prepare_directory(
     directory = os.fspath(directory).rstrip("/")
     if not directory.startswith("s3://"):
         return
-    try:
-        check_commit_scheme(directory)  # the same answer on every process
-    except SafetensorsCheckpointError:
-        _let_orbax_create_directories()
-        raise
     if jax.process_count() <= 1:
         return
     ids: dict[str, str] = {}
@@ -1820,25 +1761,3 @@ def _make_part(
         lambda: store.upload_part(bucket, key, upload_id, number, [memoryview(buffer)]),
     )
     return number, etag
-
-
-# --------------------------------------------------------------------------- Orbax helper
-
-
-def manager_options_for(path: Any, **kwargs: Any) -> Any:
-    """``ocp.CheckpointManagerOptions(**kwargs)`` that work for ``path``'s storage.
-
-    On ``s3://`` Orbax's default atomic rename does not work; a step is committed instead by
-    writing ``commit_success.txt`` last (``CommitFileTemporaryPath``, Orbax's default on
-    ``gs://``), and a step without it is never listed. Other paths keep Orbax's defaults.
-
-    Example::
-
-        options = osf.manager_options_for("s3://bucket/run", max_to_keep=3)
-        mngr = ocp.CheckpointManager("s3://bucket/run", options=options)
-    """
-    import orbax.checkpoint as ocp
-
-    if os.fspath(path).startswith("s3://") and "temporary_path_class" not in kwargs:
-        kwargs["temporary_path_class"] = ocp.path.atomicity.CommitFileTemporaryPath
-    return ocp.CheckpointManagerOptions(**kwargs)

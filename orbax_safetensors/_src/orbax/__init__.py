@@ -1,0 +1,1 @@
+"""Orbax integration: the handler and args, Orbax's directory conventions, object-storage rules."""

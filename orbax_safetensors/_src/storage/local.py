@@ -1,0 +1,319 @@
+"""The local engine: positional, vectored writes and reads of many byte runs into/out of
+files on a local (POSIX) filesystem.
+
+Hand-written because this is the performance-critical path: writes go straight from each
+shard's host buffer to its offsets with ``pwritev`` (no whole-file buffer, several processes
+can fill one pre-sized file), and reads land in 64-byte-aligned buffers with ``preadv``.
+Small gaps between wanted runs are read into a scratch buffer so one syscall serves many runs
+(:func:`orbax_safetensors._src.core.runs.coalesce_runs`).
+
+Example::
+
+    reader = LocalReader(path, threads=4)
+    reader.read_runs([(reader.size - 1024, buf)])
+    reader.close()
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import dataclasses
+import os
+import stat
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from etils import epath
+
+from orbax_safetensors._src.core import checksum as _checksum
+from orbax_safetensors._src.core import runs as _runs
+from orbax_safetensors._src.core.errors import HeaderError
+from orbax_safetensors._src.storage import interface as _interface
+
+
+def _vectored_all(
+    call: Callable[[int, list[memoryview], int], int],
+    fd: int,
+    bufs: list[memoryview],
+    offset: int,
+    on_stall: Callable[[int], Exception],
+) -> None:
+    # os.pwritev / os.preadv may move fewer bytes than asked: resume where they stopped.
+    while bufs:
+        moved = call(fd, bufs, offset)
+        if moved <= 0:
+            raise on_stall(offset)
+        offset += moved
+        while bufs and moved >= len(bufs[0]):
+            moved -= len(bufs[0])
+            bufs.pop(0)
+        if bufs and moved:
+            bufs[0] = bufs[0][moved:]
+
+
+def _pwritev_all(fd: int, bufs: list[memoryview], offset: int) -> None:
+    _vectored_all(os.pwritev, fd, bufs, offset, lambda at: OSError(f"pwritev stalled at {at}"))
+
+
+def _load_sync_file_range() -> Callable[[int, int, int], None] | None:
+    # Linux's sync_file_range(SYNC_FILE_RANGE_WRITE) starts writeback of a range without
+    # waiting for it. Calling it on each range as soon as it is written lets the disk work
+    # while later ranges are still being copied into the page cache, so the final fsync has
+    # little left to do (and the writer is not throttled for holding a GiB of dirty pages):
+    # measured 0.52-0.69 s against 0.74-2.9 s for write-all-then-fsync of 1 GiB here. Python's
+    # os module has no binding, hence ctypes; elsewhere this is a no-op.
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+
+    def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+        fn(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE; a failure only loses the head start
+
+    return start_writeback
+
+
+_start_writeback = _load_sync_file_range()
+
+# Work unit of a local write: up to this many bytes (or _runs.IOV_MAX pieces) per pwritev, each
+# checksummed just before it is written, so the CRC of one unit overlaps the write of another.
+_WRITE_UNIT_BYTES = 8 << 20
+WRITE_THREADS = 2
+
+
+def _write_units(pieces: Sequence[_interface.Piece]) -> list[list[tuple[int, int, memoryview]]]:
+    # (piece number, start inside the piece, bytes): contiguous runs of at most
+    # _WRITE_UNIT_BYTES / _runs.IOV_MAX entries; large pieces are cut into several units.
+    units: list[list[tuple[int, int, memoryview]]] = []
+    unit: list[tuple[int, int, memoryview]] = []
+    size = end = 0
+    for k, p in enumerate(pieces):
+        view = p.data.data
+        for start in range(0, len(view), _WRITE_UNIT_BYTES):  # nothing for an empty piece
+            chunk = (
+                view if len(view) <= _WRITE_UNIT_BYTES else view[start : start + _WRITE_UNIT_BYTES]
+            )
+            offset = p.offset + start
+            if unit and (
+                offset != end or len(unit) >= _runs.IOV_MAX or size + len(chunk) > _WRITE_UNIT_BYTES
+            ):
+                units.append(unit)
+                unit, size = [], 0
+            unit.append((k, start, chunk))
+            size += len(chunk)
+            end = offset + len(chunk)
+    if unit:
+        units.append(unit)
+    return units
+
+
+def _piece_results(
+    ordered: Sequence[_interface.Piece],
+    results: Sequence[list[tuple[int, int, int, int]]],
+    checksums: bool,
+) -> _interface.WriteResult:
+    # Per-unit (piece number, start, nbytes, crc) records -> (tag, nbytes, crc) per piece.
+    if not checksums:
+        return [(p.tag, p.data.nbytes, 0) for p in ordered]
+    runs: list[list[tuple[int, int, int]]] = [[] for _ in ordered]
+    for result in results:
+        for k, start, n, crc in result:
+            runs[k].append((start, n, crc))
+    return [
+        (p.tag, p.data.nbytes, _checksum.combine_runs(r, p.data.nbytes))
+        for p, r in zip(ordered, runs, strict=True)
+    ]
+
+
+@dataclasses.dataclass
+class _PendingUnits:
+    ordered: Sequence[_interface.Piece]
+    futures: list[concurrent.futures.Future[list[tuple[int, int, int, int]]]]
+    checksums: bool
+
+    def result(self) -> _interface.WriteResult:
+        return _piece_results(self.ordered, [f.result() for f in self.futures], self.checksums)
+
+
+class LocalWriter:
+    """Writes pieces with ``pwritev`` from a small thread pool; CRC32C on the way."""
+
+    def __init__(self, path: str, size: int, truncate: bool, threads: int, sync: bool) -> None:
+        self.path = path
+        self.size = size
+        self._sync = sync
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if truncate else 0)
+        self._fd = self._call(os.open, path, flags, 0o644)
+        self._threads = threads
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        try:
+            self._call(os.ftruncate, self._fd, size)
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except OSError as e:
+            if e.errno is None or e.filename is not None:
+                raise
+            # ftruncate/pwritev/fsync errors carry no file name: name the file (disk full, quota).
+            raise OSError(e.errno, f"{e.strerror} (writing {self.size} bytes)", self.path) from e
+
+    def _run(
+        self,
+        ordered: Sequence[_interface.Piece],
+        unit: list[tuple[int, int, memoryview]],
+        checksums: bool,
+    ) -> list[tuple[int, int, int, int]]:
+        # crc32c releases the GIL on large buffers, as pwritev does: two units proceed on two
+        # cores, and each unit's bytes are still in cache when written.
+        crcs = [(k, s, len(v), _checksum.crc32c(v) if checksums else 0) for k, s, v in unit]
+        offset = ordered[unit[0][0]].offset + unit[0][1]
+        views = [v for _, _, v in unit]
+        self._call(_pwritev_all, self._fd, views, offset)
+        if self._sync and _start_writeback is not None:
+            _start_writeback(self._fd, offset, sum(len(v) for v in views))
+        return crcs
+
+    def write(
+        self, pieces: Sequence[_interface.Piece], *, checksums: bool = False
+    ) -> _interface.WriteResult:
+        ordered = sorted(pieces, key=lambda p: p.offset)
+        units = _write_units(ordered)
+        if len(units) > 1 and self._threads > 1:
+            return self._submit_units(ordered, units, checksums).result()
+        return self._write_here(ordered, units, checksums)  # small: no thread hop
+
+    def submit(
+        self, pieces: Sequence[_interface.Piece], *, checksums: bool = False
+    ) -> _interface.PendingWrite:
+        ordered = sorted(pieces, key=lambda p: p.offset)
+        units = _write_units(ordered)
+        if self._threads <= 1:
+            return _interface.Done(self._write_here(ordered, units, checksums))
+        return self._submit_units(ordered, units, checksums)
+
+    def _write_here(
+        self,
+        ordered: Sequence[_interface.Piece],
+        units: list[list[tuple[int, int, memoryview]]],
+        checksums: bool,
+    ) -> _interface.WriteResult:
+        return _piece_results(ordered, [self._run(ordered, u, checksums) for u in units], checksums)
+
+    def _submit_units(
+        self,
+        ordered: Sequence[_interface.Piece],
+        units: list[list[tuple[int, int, memoryview]]],
+        checksums: bool,
+    ) -> _interface.PendingWrite:
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(self._threads)
+        futures = [self._pool.submit(self._run, ordered, u, checksums) for u in units]
+        return _PendingUnits(ordered, futures, checksums)
+
+    def close(self, sync: bool) -> None:
+        try:
+            if self._pool is not None:
+                # On failure (not sync) writes not yet started are dropped, not run.
+                self._pool.shutdown(cancel_futures=not sync)
+            if sync:
+                self._call(os.fsync, self._fd)
+        finally:
+            os.close(self._fd)
+
+
+class LocalReader:
+    def __init__(self, path: epath.PathLike, threads: int) -> None:
+        self.path = os.fspath(path)
+        # O_NONBLOCK: opening a FIFO planted where a file should be must not hang.
+        self._fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
+        st = os.fstat(self._fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(self._fd)
+            raise HeaderError(f"{self.path}: not a regular file (a directory, FIFO or device)")
+        self.size = st.st_size
+        self._threads = threads
+        self.bytes_read = 0  # bytes asked of the file, coalesced gaps included
+        self.requests = 0  # ranged read requests (one per coalesced batch)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+    def pread(self, offset: int, nbytes: int) -> bytes:
+        nbytes = max(0, min(nbytes, self.size - offset))
+        out = bytearray()
+        while len(out) < nbytes:
+            chunk = os.pread(
+                self._fd, min(nbytes - len(out), _runs.MAX_CALL_BYTES), offset + len(out)
+            )
+            if not chunk:
+                break
+            out += chunk
+        return bytes(out)
+
+    def read_runs(
+        self,
+        runs: Sequence[tuple[int, np.ndarray]],
+        max_gap: int = _runs.DEFAULT_MAX_GAP,
+        on_run: Callable[[int], None] | None = None,
+    ) -> None:
+        """Fills each ``(offset, dest)`` with the file bytes at ``offset`` (dest is flat uint8).
+
+        ``on_run(i)`` is called (from a reading thread) as soon as run ``i`` is in place: work
+        on its bytes then finds them still in the CPU cache.
+        """
+        batches = _runs.coalesce_runs(runs, max_gap, bounded=True, max_batch=_LOCAL_BATCH_BYTES)
+        self.requests += len(batches)
+        self.bytes_read += sum(len(b) for _, bufs, _ in batches for b in bufs)
+        if self._threads > 1 and len(batches) > 1:
+            # One task per thread, each a contiguous share of the batches: many small reads
+            # (column shards) would otherwise pay the pool's per-task overhead each.
+            workers = min(self._threads, len(batches))
+            step = -(-len(batches) // workers)
+            shares = [batches[i : i + step] for i in range(0, len(batches), step)]
+            with concurrent.futures.ThreadPoolExecutor(len(shares)) as pool:
+                list(pool.map(lambda share: self._read_share(share, on_run), shares))
+        else:
+            self._read_share(batches, on_run)
+        if on_run is not None:  # empty runs need no bytes: done at once
+            for i, (_, dest) in enumerate(runs):
+                if not dest.nbytes:
+                    on_run(i)
+
+    def _read_share(
+        self, batches: list[_runs.ReadBatch], on_run: Callable[[int], None] | None
+    ) -> None:
+        for start, bufs, ids in batches:
+            self._read_batch((start, bufs))
+            if on_run is not None:
+                for i in ids:
+                    on_run(i)
+
+    def _read_batch(self, batch: tuple[int, list[memoryview]]) -> None:
+        offset, bufs = batch
+        want = sum(len(b) for b in bufs)
+        if offset + want > self.size:
+            raise EOFError(f"{self.path}: needs bytes up to {offset + want}, file has {self.size}")
+        _vectored_all(
+            os.preadv,
+            self._fd,
+            bufs,
+            offset,
+            lambda at: EOFError(f"{self.path}: unexpected end of file at offset {at}"),
+        )
+
+
+# Local reads: batches of at most 16 MiB, so several threads share a large contiguous read and
+# each run's bytes are still cached when on_run looks at them.
+_LOCAL_BATCH_BYTES = 16 << 20
