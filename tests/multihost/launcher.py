@@ -46,9 +46,12 @@ _MAX_REPORT_LINES = 150
 # How a taken coordinator port shows: jax 0.7/0.10 log "Failed to add port to server" (and the
 # peers time out in RegisterTask); jax 0.6's gRPC logs "No address added out of total 1 resolved"
 # with "Address already in use" and the coordinator process dies of SIGSEGV.
+# (The last alternative: workers that reached another job's coordinator on the same port, as
+# when two test runs share the machine, collide on its gloo keys; a new port fixes it too.)
 PORT_CONFLICT = re.compile(
     r"(?s)Failed to add port to server|DEADLINE_EXCEEDED.*RegisterTask"
     r"|No address added out of total \d+ resolved.*Address already in use"
+    r"|Gloo context initialization failed: ALREADY_EXISTS: Config key"
 )
 # gloo chatter and native stack-trace lines that bury the Python traceback in failure reports.
 _NOISE = re.compile(
