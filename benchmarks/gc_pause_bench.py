@@ -2,7 +2,7 @@
 
 ``orbax_safetensors`` pauses Python's cyclic GC only while the caller's thread waits for it
 (``save_file``, ``load_file``, restores, the host copies inside an async ``save()``, a
-synchronous save's write; see ``orbax_safetensors/_gcpause.py``). This runs the same operations
+synchronous save's write; see ``orbax_safetensors/_src/pipeline/gcpause.py``). This runs the same operations
 on a tree of many small tensors with the pause on and off (``_gcpause.enabled``), interleaved
 round by round in one process, and prints medians and the ratio off / on. The tree lives
 alongside a heap of long-lived objects, as a training job's does, since each collection rescans
@@ -31,7 +31,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 import orbax_safetensors as osf
-from orbax_safetensors import _gcpause
+from orbax_safetensors._src.pipeline import gcpause as _gcpause
 
 
 def _tree(count: int) -> dict[str, dict[str, jax.Array]]:

@@ -8,7 +8,7 @@ Example::
 """
 
 from orbax_safetensors._api import load_file, load_metadata, save_file
-from orbax_safetensors._checkpoint import restore_directory, save_directory
+from orbax_safetensors._checkpoint import restore_directory
 from orbax_safetensors._convert import ConvertSummary, convert
 from orbax_safetensors._handler import (
     SafetensorsCheckpointHandler,
@@ -41,6 +41,8 @@ from orbax_safetensors._src.core.errors import (
 )
 from orbax_safetensors._src.core.header import Header, TensorEntry
 from orbax_safetensors._src.orbax.object_storage import manager_options_for
+from orbax_safetensors._src.pipeline.checkpoint_save import save_directory
+from orbax_safetensors._src.pipeline.pieces import WriteStats
 from orbax_safetensors._src.storage.objstore import (
     ObjectStoreError,
     ObjectStoreOptions,
@@ -51,7 +53,6 @@ from orbax_safetensors._src.storage.objstore import (
 from orbax_safetensors._src.storage.router import read_header
 from orbax_safetensors._verify import VerifyReport, verify
 from orbax_safetensors._version import __version__
-from orbax_safetensors._writer import WriteStats
 
 __all__ = [
     "Chain",

@@ -20,7 +20,6 @@ from typing import Any
 
 from etils import epath
 
-from orbax_safetensors import _gcpause, _writer
 from orbax_safetensors._reader import StoredTensor
 from orbax_safetensors._restore import restore_tree
 from orbax_safetensors._src.core import checksum as _checksum
@@ -32,6 +31,8 @@ from orbax_safetensors._src.core.errors import (
     SafetensorsCheckpointError,
     SchemaError,
 )
+from orbax_safetensors._src.pipeline import gcpause as _gcpause
+from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.storage import interface as _interface
 from orbax_safetensors._src.storage import router as _router
 
@@ -63,14 +64,14 @@ def save_file(tree: Any, path: epath.PathLike, metadata: Mapping[str, str] | Non
     placeholder = {s.name: _checksum.to_hex(0) for s in specs}
     meta = _metadata.file_metadata(flat.schema, placeholder, metadata)
     plan = _plan.plan_files(specs, max_file_size=None, metadata=meta)
-    pieces = _writer.host_pieces(plan, flat.arrays, copy=False).get(0, [])
+    pieces = _pieces.host_pieces(plan, flat.arrays, copy=False).get(0, [])
     sizes = {s.name: s.nbytes for s in specs}
     size = plan.files[0].size
 
     def write(w: _interface.Writer) -> None:
         # Data first, checksummed as it is written; then the header, which holds the CRCs
         # (fixed-width hex: the header's length, hence every offset, is known beforehand).
-        crcs = _writer.tensor_checksums(w.write(pieces, checksums=True), sizes)
+        crcs = _pieces.tensor_checksums(w.write(pieces, checksums=True), sizes)
         final_meta = _metadata.file_metadata(
             flat.schema, {n: _checksum.to_hex(c) for n, c in crcs.items()}, metadata
         )

@@ -36,6 +36,8 @@ from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import sharding as _sharding
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
+from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
+from orbax_safetensors._src.pipeline import pieces as _pieces
 
 DEFAULT_BATCH_BYTES = 256 * 1024 * 1024
 _TO_SAFETENSORS = "safetensors"
@@ -212,7 +214,6 @@ def _orbax_item_to_safetensors(
 ) -> ConvertSummary:
     import jax
 
-    from orbax_safetensors import _checkpoint, _writer
     from orbax_safetensors._src.core import dtypes as _dtypes
     from orbax_safetensors._src.core import tree as _tree
 
@@ -265,18 +266,18 @@ def _orbax_item_to_safetensors(
                     value = jax.random.key_data(value)
                 arrays[ours] = np.asarray(value)
             del values
-            pieces = _writer.iter_host_pieces(plan, arrays, copy=False)
+            pieces = _pieces.iter_host_pieces(plan, arrays, copy=False)
             last = i == len(groups) - 1
             metadata: dict[str, Any] = {}
             if last:
                 metadata = _safetensors_metadata(source, skeleton(key_impls), to_orbax, plan, specs)
-            prepared = _checkpoint.PreparedSave(
+            prepared = _checkpoint_save.PreparedSave(
                 plan, pieces, metadata, sizes, last, i, checksums=True
             )
-            _checkpoint.write_process_share(prepared, dst)
+            _checkpoint_save.write_process_share(prepared, dst)
             bar.update(sum(a.nbytes for a in arrays.values()))
             del arrays, pieces, prepared
-    _checkpoint.finalize(dst)
+    _checkpoint_save.finalize(dst)
     return ConvertSummary(_TO_SAFETENSORS, [""], [], len(specs), total)
 
 

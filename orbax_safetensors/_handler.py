@@ -31,12 +31,16 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import future as ocp_future
 
-from orbax_safetensors import _checkpoint, _gcpause, _writer
+from orbax_safetensors import _checkpoint
 from orbax_safetensors._reader import ReadStats
 from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
 from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.orbax import object_storage as _object_storage
+from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
+from orbax_safetensors._src.pipeline import gcpause as _gcpause
+from orbax_safetensors._src.pipeline import pieces as _pieces
+from orbax_safetensors._src.pipeline import snapshots as _snapshots
 from orbax_safetensors._src.storage import router as _router
 
 TYPESTR = "orbax_safetensors.SafetensorsCheckpointHandler"
@@ -84,7 +88,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         self._verify = verify
         self._primary_host = primary_host
         self.last_read_stats: ReadStats | None = None
-        self.last_write_stats: _writer.WriteStats | None = None
+        self.last_write_stats: _pieces.WriteStats | None = None
         # (item directory, metadata draft) of this process's last save as the primary, so that
         # finalize need not read the draft back (Orbax finalizes on the primary, after all wrote).
         self._draft: tuple[str, dict[str, Any]] | None = None
@@ -100,11 +104,11 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         directory: epath.Path,
         args: SafetensorsSave,
         *,
-        snapshot: _checkpoint.SnapshotQueue | None = None,
-    ) -> _checkpoint.PreparedSave:
+        snapshot: _snapshots.SnapshotQueue | None = None,
+    ) -> _checkpoint_save.PreparedSave:
         # Always lazy: ``pieces`` views each tensor when iterated, or writes ``snapshot``'s
         # host copies.
-        prepared = _checkpoint.prepare_save(
+        prepared = _checkpoint_save.prepare_save(
             args.item,
             validated=args._validated,
             user_metadata=args.metadata,
@@ -149,11 +153,11 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         """
         self._check_primary_host()
         sync = _orbaxcompat.orbax_waits_for_commit(skip=1)
-        stats = self.last_write_stats = _writer.WriteStats()
+        stats = self.last_write_stats = _pieces.WriteStats()
         persist = _persist_shares()
         self._share = None
-        snapshot = None if sync else _checkpoint.SnapshotQueue()
-        prepared: _checkpoint.PreparedSave | None = None
+        snapshot = None if sync else _snapshots.SnapshotQueue()
+        prepared: _checkpoint_save.PreparedSave | None = None
         if (
             snapshot is None
             or _router.is_object_url(directory)
@@ -181,7 +185,9 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
                     # caller's thread (reading another thread's frames can crash CPython).
                     time.sleep(_PLAN_DELAY_SECONDS)
                 ready = self._prepare(directory, args, snapshot=snapshot)
-            return _checkpoint.write_process_share(ready, directory, stats, persist_share=persist)
+            return _checkpoint_save.write_process_share(
+                ready, directory, stats, persist_share=persist
+            )
 
         def write_share_paused() -> dict[str, Any]:
             # The caller waits in Orbax's synchronous save() for this write: the cyclic GC
@@ -199,12 +205,12 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         if snapshot is not None:
             try:
                 arrays = enumerate(args._validated.captured.arrays)
-                for item in _writer.iter_snapshots(arrays, is_primary=self._is_primary()):
+                for item in _snapshots.iter_snapshots(arrays, is_primary=self._is_primary()):
                     snapshot.put(item)  # device-to-host copies, on the caller's thread
             except BaseException as e:
                 snapshot.fail(e)
                 captured = args._validated.captured  # arrays donated since the args were built?
-                _checkpoint.check_not_deleted(zip(captured.names, captured.arrays))
+                _checkpoint_save.check_not_deleted(zip(captured.names, captured.arrays))
                 raise
             snapshot.close()
 
@@ -219,9 +225,9 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         self._check_primary_host()
         prepared = self._prepare(directory, args)
         _prepare_directory(directory, prepared)
-        self.last_write_stats = _writer.WriteStats()
+        self.last_write_stats = _pieces.WriteStats()
         persist = _persist_shares()
-        share = _checkpoint.write_process_share(
+        share = _checkpoint_save.write_process_share(
             prepared, directory, self.last_write_stats, persist_share=persist
         )
         self._share = None if persist else (str(directory), share)
@@ -232,7 +238,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         share, self._share = self._share, None
         known = draft[1] if draft is not None and draft[0] == str(directory) else None
         shares = [share[1]] if share is not None and share[0] == str(directory) else []
-        _checkpoint.finalize(directory, known, shares)
+        _checkpoint_save.finalize(directory, known, shares)
 
     def restore(self, directory: epath.Path, args: SafetensorsRestore | None = None) -> Any:
         """Restores the tree; see :class:`SafetensorsRestore` for the target forms."""
@@ -257,7 +263,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         return TYPESTR
 
 
-def _prepare_directory(directory: epath.Path, prepared: _checkpoint.PreparedSave) -> None:
+def _prepare_directory(directory: epath.Path, prepared: _checkpoint_save.PreparedSave) -> None:
     # Main thread, every process, before any write: on S3 with several processes the primary
     # starts the multipart uploads the processes' parts go into (no-op elsewhere).
     _object_storage.refuse_renaming_commit(directory)  # S3: a save Orbax would commit by renaming
@@ -290,7 +296,7 @@ class SafetensorsSave(ocp.args.CheckpointArgs):
         # Validate here, on the caller's line: once CheckpointManager.save() has started its
         # background step-directory creation, an error inside async_save can leave the process
         # waiting in Orbax's barriers at exit.
-        self._validated = _checkpoint.validate_save(self.item, self.metadata)
+        self._validated = _checkpoint_save.validate_save(self.item, self.metadata)
 
 
 @ocp.args.register_with_handler(SafetensorsCheckpointHandler, for_restore=True)

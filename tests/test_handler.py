@@ -34,6 +34,8 @@ from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
 
 import orbax_safetensors as osf
+from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
+from orbax_safetensors._src.pipeline import snapshots as _snapshots
 
 SCRIPTS = Path(__file__).parent / "scripts"
 OUR_FILES = {"model.safetensors", "orbax_safetensors.json"}
@@ -884,11 +886,11 @@ def test_saving_a_donated_array_names_it(tmp_path: Path) -> None:
 def test_snapshot_queue_starts_the_writer_early_for_large_tensors() -> None:
     """A state of large tensors reaches the writer once 16 MiB is copied; 10,000 small tensors
     (10 MB) only at close, after the copy loop."""
-    large = osf._checkpoint.SnapshotQueue()
+    large = _snapshots.SnapshotQueue()
     for i in range(3):
         large.put((i, [(None, np.zeros(3 << 20, np.float32))]))  # 12 MiB each
         assert large.wait_started(timeout=0) == (i >= 1), i
-    small = osf._checkpoint.SnapshotQueue()
+    small = _snapshots.SnapshotQueue()
     for i in range(10_000):
         small.put((i, [(None, np.zeros(256, np.float32))]))
     assert not small.wait_started(timeout=0)
@@ -917,15 +919,15 @@ def test_writer_fails_when_the_copying_thread_fails(tmp_path: Path) -> None:
     """The async writer reads host copies from a queue as they are made; a failed copy makes
     the writer raise (the step is not committed) instead of waiting forever or finishing."""
     tree = {"w": np.ones(8, np.float32)}
-    validated = osf._checkpoint.validate_save(tree)
-    queue = osf._checkpoint.SnapshotQueue()
-    for item in osf._writer.iter_snapshots(enumerate(validated.captured.arrays)):
+    validated = _checkpoint_save.validate_save(tree)
+    queue = _snapshots.SnapshotQueue()
+    for item in _snapshots.iter_snapshots(enumerate(validated.captured.arrays)):
         queue.put(item)
     queue.fail(MemoryError("host copy failed"))
     assert queue.wait_started(timeout=0)
-    prepared = osf._checkpoint.prepare_save(tree, validated=validated, snapshot=queue)
+    prepared = _checkpoint_save.prepare_save(tree, validated=validated, snapshot=queue)
     with pytest.raises(RuntimeError, match=r"copying .* to host failed") as info:
-        osf._checkpoint.write_process_share(prepared, tmp_path)
+        _checkpoint_save.write_process_share(prepared, tmp_path)
     assert isinstance(info.value.__cause__, MemoryError)
     assert not (tmp_path / "orbax_safetensors.json").exists()
 
@@ -939,9 +941,9 @@ def test_snapshot_queue_hands_over_every_item_in_order_across_groups(tmp_path):
     tree["big"] = rng.standard_normal(17 << 20).astype(np.float32)  # 68 MiB: ends group one
     tree.update({f"t{i:04d}": rng.standard_normal(16).astype(np.float32) for i in range(600)})
     tree["tail"] = np.arange(5, dtype=np.int32)
-    validated = osf._checkpoint.validate_save(tree)
-    items = list(osf._writer.iter_snapshots(enumerate(validated.captured.arrays)))
-    queue = osf._checkpoint.SnapshotQueue()
+    validated = _checkpoint_save.validate_save(tree)
+    items = list(_snapshots.iter_snapshots(enumerate(validated.captured.arrays)))
+    queue = _snapshots.SnapshotQueue()
     got: list = []
     reader = threading.Thread(target=lambda: got.extend(queue))
     reader.start()
@@ -956,13 +958,13 @@ def test_snapshot_queue_hands_over_every_item_in_order_across_groups(tmp_path):
     assert [key for key, _ in got] == [key for key, _ in items] == list(range(len(tree)))
     assert all(a is b for (_, pa), (_, pb) in zip(got, items) for (_, a), (_, b) in zip(pa, pb))
     # and written through a queue, the checkpoint is whole
-    queue = osf._checkpoint.SnapshotQueue()
-    for item in osf._writer.iter_snapshots(enumerate(validated.captured.arrays)):
+    queue = _snapshots.SnapshotQueue()
+    for item in _snapshots.iter_snapshots(enumerate(validated.captured.arrays)):
         queue.put(item)
     queue.close()
-    prepared = osf._checkpoint.prepare_save(tree, validated=validated, snapshot=queue)
-    osf._checkpoint.write_process_share(prepared, tmp_path)
-    osf._checkpoint.finalize(tmp_path)
+    prepared = _checkpoint_save.prepare_save(tree, validated=validated, snapshot=queue)
+    _checkpoint_save.write_process_share(prepared, tmp_path)
+    _checkpoint_save.finalize(tmp_path)
     restored = osf.restore_directory(tmp_path)
     for name, value in tree.items():
         np.testing.assert_array_equal(restored[name], value)

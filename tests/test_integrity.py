@@ -22,8 +22,8 @@ import pytest
 import safetensors.numpy
 
 import orbax_safetensors as osf
-from orbax_safetensors import _checkpoint
 from orbax_safetensors._src.core import metadata as _metadata
+from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -294,13 +294,13 @@ def test_finalize_from_the_draft_in_memory_writes_what_the_file_draft_gives(
     for from_memory, part_in_memory in ((False, False), (True, False), (True, True)):
         directory = tmp_path / f"memory_{from_memory}_{part_in_memory}"
         directory.mkdir()
-        prepared = _checkpoint.prepare_save(tree, user_metadata={"epoch": 1}, copy=False)
-        part = _checkpoint.write_process_share(
+        prepared = _checkpoint_save.prepare_save(tree, user_metadata={"epoch": 1}, copy=False)
+        part = _checkpoint_save.write_process_share(
             prepared, directory, persist_share=not part_in_memory
         )
         if part_in_memory:  # nothing but the data files on disk until finalize
             assert sorted(p.name for p in directory.iterdir()) == ["model.safetensors"]
-        _checkpoint.finalize(
+        _checkpoint_save.finalize(
             directory, prepared.metadata if from_memory else None, [part] if part_in_memory else []
         )
         assert sorted(p.name for p in directory.iterdir()) == [
@@ -319,14 +319,14 @@ def test_single_process_manager_saves_keep_draft_and_part_in_memory(
     written, and the committed step holds checksums all the same (sync and async)."""
     tree = {"w": jnp.arange(6.0), "b": np.ones(3, np.int32)}
     written: list[str] = []  # what the item directory holds once this process's part is written
-    original = _checkpoint.write_process_share
+    original = _checkpoint_save.write_process_share
 
     def listing_after(*args: Any, **kwargs: Any) -> Any:
         part = original(*args, **kwargs)
         written.extend(sorted(p.name for p in Path(str(args[1])).iterdir()))
         return part
 
-    monkeypatch.setattr(_checkpoint, "write_process_share", listing_after)
+    monkeypatch.setattr(_checkpoint_save, "write_process_share", listing_after)
     for enable_async in (False, True):
         written.clear()
         options = ocp.CheckpointManagerOptions(enable_async_checkpointing=enable_async)

@@ -24,6 +24,8 @@ from safetensors import safe_open
 
 import orbax_safetensors as osf
 from orbax_safetensors._src.core import metadata as _metadata
+from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
+from orbax_safetensors._src.pipeline import snapshots as _snapshots
 
 
 def assert_same(a: Any, b: Any, where: str = "root") -> None:
@@ -544,15 +546,15 @@ def test_validated_tree_specs_come_from_the_capture_not_the_arrays(tmp_path):
     """An async save's writer plans from the dtypes and shapes read at capture and writes host
     copies: the caller's arrays may be deleted (donated) and its numpy arrays reshaped in place
     by then, and the checkpoint is still the tree as saved."""
-    from orbax_safetensors import _checkpoint, _writer
+    from orbax_safetensors import _checkpoint
 
     host = np.arange(6, dtype=np.float32)
     key = jax.random.key(7)
     key_data = np.asarray(jax.random.key_data(key)).copy()
     tree = {"w": jnp.arange(4.0), "host": host, "alias": host, "bf": jnp.ones(3, jnp.bfloat16)}
     tree["rng"] = key
-    validated = _checkpoint.validate_save(tree)
-    snapshot = list(_writer.iter_snapshots(enumerate(validated.captured.arrays)))
+    validated = _checkpoint_save.validate_save(tree)
+    snapshot = list(_snapshots.iter_snapshots(enumerate(validated.captured.arrays)))
     tree["w"].delete()
     tree["bf"].delete()
     key.delete()  # its key data (a view of the same buffer) goes with it
@@ -564,9 +566,9 @@ def test_validated_tree_specs_come_from_the_capture_not_the_arrays(tmp_path):
         ("bf", "BF16", (3,)),
         ("rng", "U32", (2,)),
     ]
-    prepared = _checkpoint.prepare_save(tree, validated=validated, snapshot=snapshot)
-    _checkpoint.write_process_share(prepared, tmp_path)
-    _checkpoint.finalize(tmp_path)
+    prepared = _checkpoint_save.prepare_save(tree, validated=validated, snapshot=snapshot)
+    _checkpoint_save.write_process_share(prepared, tmp_path)
+    _checkpoint_save.finalize(tmp_path)
     restored = _checkpoint.restore_directory(tmp_path)
     np.testing.assert_array_equal(np.asarray(restored["w"]), np.arange(4.0, dtype=np.float32))
     np.testing.assert_array_equal(restored["host"], np.arange(6, dtype=np.float32))

@@ -177,7 +177,7 @@ class CapturedTree:
 
     Nothing here refers to the caller's containers, so finishing later (on another thread, after
     the caller changed its dicts) gives the tree as it was captured. The arrays themselves are
-    the caller's: copy them (see ``_writer.iter_snapshots``) before they may change.
+    the caller's: copy them (see ``pipeline.snapshots.iter_snapshots``) before they may change.
 
     Attributes:
       arrays: the stored arrays in order (aliases once; typed PRNG keys as their key data).

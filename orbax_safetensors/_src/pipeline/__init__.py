@@ -1,0 +1,1 @@
+"""Save and restore: host copies, write orchestration, reads, placement, standalone files."""

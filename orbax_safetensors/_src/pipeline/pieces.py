@@ -1,0 +1,143 @@
+"""From host copies to write pieces: each shard's box as byte runs at offsets in the planned files.
+
+A shard's box inside the global row-major tensor becomes byte runs (``core.runs``), and each run
+a :class:`~orbax_safetensors._src.storage.interface.Piece` at its file offset, ready for the byte
+movers. Per-tensor CRC32C shares are computed from the same pieces.
+
+Example::
+
+    plan = _plan.plan_files(_plan.tensor_specs(flat.arrays), max_file_size=None)
+    pieces = host_pieces(plan, flat.arrays, copy=False)   # {file index: [Piece, ...]}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from orbax_safetensors._src.core import checksum as _checksum
+from orbax_safetensors._src.core import dtypes as _dtypes
+from orbax_safetensors._src.core import plan as _plan
+from orbax_safetensors._src.core import runs as _runs
+from orbax_safetensors._src.pipeline import snapshots as _snapshots
+from orbax_safetensors._src.storage import buffers as _buffers
+from orbax_safetensors._src.storage import interface as _interface
+
+
+@dataclasses.dataclass
+class WriteStats:
+    """What this process wrote into a checkpoint's safetensors files.
+
+    Attributes:
+      bytes_written: tensor data bytes written by this process.
+      header_bytes: header bytes written (the primary only).
+      ranges: ``(file name, offset, nbytes)`` of the tensor data written, adjacent runs merged;
+        across all processes of a save they tile every file's data section exactly once.
+    """
+
+    bytes_written: int = 0
+    header_bytes: int = 0
+    ranges: list[tuple[str, int, int]] = dataclasses.field(default_factory=list)
+
+    def add(self, filename: str, pieces: list[_interface.Piece]) -> None:
+        """Records the data pieces written into ``filename`` (pieces without a tag are headers)."""
+        for p in sorted(pieces, key=lambda p: p.offset):
+            n = int(p.data.nbytes)
+            if p.tag is None:
+                self.header_bytes += n
+                continue
+            self.bytes_written += n
+            last = self.ranges[-1] if self.ranges else None
+            if last is not None and last[0] == filename and last[1] + last[2] == p.offset:
+                self.ranges[-1] = (filename, last[1], last[2] + n)
+            else:
+                self.ranges.append((filename, int(p.offset), n))
+
+
+def tensor_pieces(
+    plan: _plan.CheckpointPlan, name: str, copies: _snapshots.HostCopies
+) -> tuple[int, list[_interface.Piece]]:
+    """``(file index, pieces)`` writing a tensor's host ``copies`` where ``plan`` puts them.
+
+    Each piece's tag is ``(tensor name, offset inside the tensor)``.
+    """
+    file_index = plan.file_of[name]
+    fplan = plan.files[file_index]
+    entry = fplan.entries[name]
+    base = fplan.data_start + entry.begin
+    pieces: list[_interface.Piece] = []
+    for index, host in copies:
+        raw = _dtypes.pack(host, entry.dtype)
+        if index is None or _runs.is_whole(index, entry.shape):  # e.g. a replica's first copy
+            pieces.append(_interface.Piece(base, raw, (name, 0)))
+            continue
+        offsets, length = _runs.byte_runs(entry.dtype, entry.shape, index)
+        for j, off in enumerate(offsets.tolist()):
+            chunk = raw[j * length : (j + 1) * length]
+            pieces.append(_interface.Piece(base + off, chunk, (name, off)))
+    return file_index, pieces
+
+
+def iter_host_pieces(
+    plan: _plan.CheckpointPlan,
+    arrays: Mapping[str, Any],
+    *,
+    copy: bool,
+    is_primary: bool = True,
+    copies_ahead: int | None = 1,
+) -> Iterator[tuple[int, list[_interface.Piece]]]:
+    """The byte pieces this process writes, one tensor at a time: ``(file index, pieces)``.
+
+    Args:
+      plan: the checkpoint's file plan.
+      arrays: stored tensors by name (``jax.Array`` or numpy).
+      copy: copy host data into buffers we own (needed when writing happens after return).
+      is_primary: whether this process writes host-local leaves (see :func:`is_host_local`).
+      copies_ahead: start device-to-host copies this many tensors ahead of the one yielded
+        (``None``: all at once, fastest when everything is copied before writing). With 1, a
+        consumer that writes each tensor before asking for the next holds about one tensor in
+        host memory at a time (on accelerators; on CPU, uncopied pieces are views).
+
+    Each piece's tag is ``(tensor name, offset inside the tensor)``.
+    """
+    owned = _snapshots.owned_tensors(arrays.items(), is_primary)
+    buffers = _buffers.BufferArena() if copy else None
+    started = 0
+    ahead = len(owned) if copies_ahead is None else copies_ahead
+    for k, item in enumerate(owned):
+        if started < len(owned):  # keep copies started `ahead` tensors past this one
+            until = min(len(owned), k + 1 + ahead)
+            _snapshots.start_copies(owned[started:until])
+            started = until
+        yield tensor_pieces(plan, item[0], _snapshots.host_copies(item, buffers))
+
+
+def host_pieces(
+    plan: _plan.CheckpointPlan,
+    arrays: Mapping[str, Any],
+    *,
+    copy: bool,
+    is_primary: bool = True,
+) -> dict[int, list[_interface.Piece]]:
+    """All of :func:`iter_host_pieces` at once, grouped by file index."""
+    out: dict[int, list[_interface.Piece]] = {}
+    stream = iter_host_pieces(plan, arrays, copy=copy, is_primary=is_primary, copies_ahead=None)
+    for file_index, pieces in stream:
+        out.setdefault(file_index, []).extend(pieces)
+    return out
+
+
+def tensor_checksums(
+    records: list[tuple[object, int, int]], sizes: Mapping[str, int]
+) -> dict[str, int]:
+    """Whole-tensor CRC32C from per-piece ``((name, offset), nbytes, crc)`` records.
+
+    Raises:
+      ValueError: when the pieces of a tensor do not tile it exactly.
+    """
+    by_tensor: dict[str, list[tuple[int, int, int]]] = {name: [] for name in sizes}
+    for tag, nbytes, crc in records:
+        name, offset = tag  # type: ignore[misc]
+        by_tensor[str(name)].append((int(offset), nbytes, crc))  # type: ignore[has-type]
+    return {name: _checksum.combine_runs(runs, sizes[name]) for name, runs in by_tensor.items()}
