@@ -7,8 +7,6 @@ Example::
     state = osf.load_file("ckpt.safetensors", target=abstract_state)
 """
 
-from orbax_safetensors._api import load_file, load_metadata, save_file
-from orbax_safetensors._checkpoint import restore_directory
 from orbax_safetensors._convert import ConvertSummary, convert
 from orbax_safetensors._handler import (
     SafetensorsCheckpointHandler,
@@ -28,7 +26,6 @@ from orbax_safetensors._hf import (
     load_pytorch,
 )
 from orbax_safetensors._nnx import load_model, save_model
-from orbax_safetensors._reader import ReadStats
 from orbax_safetensors._src.core.errors import (
     DeletedArrayError,
     HeaderError,
@@ -41,8 +38,11 @@ from orbax_safetensors._src.core.errors import (
 )
 from orbax_safetensors._src.core.header import Header, TensorEntry
 from orbax_safetensors._src.orbax.object_storage import manager_options_for
+from orbax_safetensors._src.pipeline.checkpoint_restore import restore_directory
 from orbax_safetensors._src.pipeline.checkpoint_save import save_directory
 from orbax_safetensors._src.pipeline.pieces import WriteStats
+from orbax_safetensors._src.pipeline.reader import ReadStats
+from orbax_safetensors._src.pipeline.standalone import load_file, load_metadata, save_file
 from orbax_safetensors._src.storage.objstore import (
     ObjectStoreError,
     ObjectStoreOptions,

@@ -342,15 +342,16 @@ def safetensors_item_to_orbax(
 
 
 def _restore_safetensors(src: epath.Path) -> tuple[Any, int, int]:
-    from orbax_safetensors import _api, _checkpoint
+    from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
+    from orbax_safetensors._src.pipeline import standalone as _standalone
 
     kind = _inspect.classify(src)
     source = _inspect.open_source(src)
     n, size = len(source.tensors), sum(t.nbytes for t in source.tensors.values())
     if kind == "item":
-        return _checkpoint.restore_directory(src), n, size
+        return _checkpoint_restore.restore_directory(src), n, size
     if kind == "file":
-        return _api.load_file(src), n, size
+        return _standalone.load_file(src), n, size
     if kind == "safetensors-dir":
         return source.read(list(source.tensors)), n, size
     raise SafetensorsCheckpointError(f"{src} is a {kind}, not a safetensors checkpoint")

@@ -206,12 +206,12 @@ def main(directory: str | None = None, steps: int = DEFAULT_STEPS) -> int:
 
 
 def _report(directory: str) -> None:
-    from orbax_safetensors import _checkpoint
+    from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
 
     steps = sorted(int(d) for d in os.listdir(directory) if d.isdigit())
     print(f"kept steps (max_to_keep=2): {steps}")
     item = os.path.join(directory, str(steps[-1]), "state")
-    meta = _checkpoint.read_metadata(item)
+    meta = _checkpoint_restore.read_metadata(item)
     total = sum(os.path.getsize(os.path.join(item, f)) for f in meta["files"])
     print(
         f"latest step's arrays: {item}/{meta['files'][0]} ({len(meta['tensors'])} tensors, {total} bytes)"

@@ -31,16 +31,16 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import future as ocp_future
 
-from orbax_safetensors import _checkpoint
-from orbax_safetensors._reader import ReadStats
 from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
 from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.orbax import object_storage as _object_storage
+from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
 from orbax_safetensors._src.pipeline import gcpause as _gcpause
 from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.pipeline import snapshots as _snapshots
+from orbax_safetensors._src.pipeline.reader import ReadStats
 from orbax_safetensors._src.storage import router as _router
 
 TYPESTR = "orbax_safetensors.SafetensorsCheckpointHandler"
@@ -245,7 +245,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         args = args or SafetensorsRestore()
         target = args.restore_args if args.restore_args is not None else args.item
         stats = ReadStats()
-        result = _checkpoint.restore_directory(
+        result = _checkpoint_restore.restore_directory(
             directory, target, strict=args.strict, verify=self._verify, stats=stats
         )
         self.last_read_stats = stats
@@ -253,7 +253,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
 
     def metadata(self, directory: epath.Path) -> Any:
         """The saved tree with ``jax.ShapeDtypeStruct`` leaves; reads no tensor bytes."""
-        return _checkpoint.abstract_tree(directory)
+        return _checkpoint_restore.abstract_tree(directory)
 
     def close(self) -> None:
         """Nothing to release: every file is closed when its write or read ends."""

@@ -40,6 +40,7 @@ from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import HeaderError, SafetensorsCheckpointError
+from orbax_safetensors._src.pipeline import reader as _reader
 from orbax_safetensors._src.storage import router as _router
 
 ORBAX_METADATA_FILE = "_METADATA"
@@ -428,10 +429,8 @@ class SafetensorsSource:
         }
 
     def read(self, names: Sequence[str]) -> dict[str, np.ndarray]:
-        from orbax_safetensors._reader import ReadRequest, read_tensors
-
-        requests = [ReadRequest(self.stored[n], kind="numpy") for n in names]
-        return dict(zip(names, read_tensors(requests)))
+        requests = [_reader.ReadRequest(self.stored[n], kind="numpy") for n in names]
+        return dict(zip(names, _reader.read_tensors(requests)))
 
 
 def _relative(path: epath.Path, base: epath.Path) -> str:
@@ -442,20 +441,19 @@ def _relative(path: epath.Path, base: epath.Path) -> str:
 
 
 def _open_file(path: epath.Path) -> SafetensorsSource:
-    from orbax_safetensors import _api
+    from orbax_safetensors._src.pipeline import standalone as _standalone
 
     header = _router.read_header(path)
-    crcs = _metadata.header_json(header, _metadata.CHECKSUM_KEY, str(path))
-    stored = _api.locate_in_file(path, header, crcs if isinstance(crcs, dict) else None)
+    _, stored = _standalone.file_index(path, header, strict=False)
     user = {k: v for k, v in header.metadata.items() if k not in _metadata.RESERVED_KEYS}
     return SafetensorsSource(path, "file", stored, user)
 
 
 def _open_item(path: epath.Path) -> SafetensorsSource:
-    from orbax_safetensors import _checkpoint
+    from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
 
-    meta = _checkpoint.read_metadata(path)
-    stored = _checkpoint.locate_in_directory(path, meta)
+    meta = _checkpoint_restore.read_metadata(path)
+    stored = _checkpoint_restore.locate_in_directory(path, meta)
     return SafetensorsSource(path, "item", stored, dict(meta.get("metadata") or {}))
 
 
@@ -478,7 +476,7 @@ def safetensors_dir_files(path: epath.Path) -> list[str]:
 
 
 def _open_safetensors_dir(path: epath.Path) -> SafetensorsSource:
-    from orbax_safetensors import _api
+    from orbax_safetensors._src.pipeline import standalone as _standalone
 
     stored: dict[str, Any] = {}
     metadata: dict[str, Any] = {}
@@ -491,7 +489,7 @@ def _open_safetensors_dir(path: epath.Path) -> SafetensorsSource:
     for filename in safetensors_dir_files(path):
         header = _router.read_header(path / filename)
         metadata.setdefault("format", header.metadata.get("format"))
-        for name, st in _api.locate_in_file(path / filename, header, None).items():
+        for name, st in _standalone.locate_in_file(path / filename, header, None).items():
             if name in stored:
                 raise HeaderError(
                     f"{path}: tensor {name!r} appears in both {stored[name].path.name} and {filename}"

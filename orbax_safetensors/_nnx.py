@@ -22,7 +22,7 @@ from etils import epath
 if TYPE_CHECKING:  # flax.nnx takes ~2 s to import: only when these helpers run
     from flax import nnx
 
-from orbax_safetensors._api import load_file, save_file
+from orbax_safetensors._src.pipeline.standalone import load_file, save_file
 
 
 def save_model(

@@ -39,9 +39,7 @@ from typing import Any
 import jax
 from etils import epath
 
-from orbax_safetensors import _api, _checkpoint, _inspect
-from orbax_safetensors._reader import StoredTensor
-from orbax_safetensors._restore import wrap_key
+from orbax_safetensors import _inspect
 from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import header as _header
@@ -49,6 +47,10 @@ from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError, SchemaError
+from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
+from orbax_safetensors._src.pipeline import standalone as _standalone
+from orbax_safetensors._src.pipeline.reader import StoredTensor
+from orbax_safetensors._src.pipeline.tree_restore import wrap_key
 from orbax_safetensors._src.storage import buffers as _buffers
 from orbax_safetensors._src.storage import router as _router
 
@@ -212,11 +214,7 @@ class _Checker:
         if header is None:
             return
         try:
-            schema = _metadata.header_json(header, _metadata.SCHEMA_KEY, str(path))
-            crcs = _metadata.header_json(header, _metadata.CHECKSUM_KEY, str(path))
-            if crcs is not None and not isinstance(crcs, dict):
-                raise SchemaError(f"{path}: {_metadata.CHECKSUM_KEY} is not an object")
-            stored = _api.locate_in_file(path, header, crcs)
+            schema, stored = _standalone.file_index(path, header)
         except SafetensorsCheckpointError as e:
             self.report._problem(str(e))
             return
@@ -243,7 +241,7 @@ class _Checker:
         metadata and checksums); a file the metadata does not list is checked on its own.
         """
         try:
-            metadata = _checkpoint.read_metadata(directory)
+            metadata = _checkpoint_restore.read_metadata(directory)
         except _READ_ERRORS as e:
             self.report._problem(_message(e, directory))
             return
@@ -262,7 +260,7 @@ class _Checker:
             elif (header := self._header(directory / filename)) is not None:
                 headers[filename] = header
         try:
-            stored = _checkpoint.locate_in_directory(directory, metadata)
+            stored = _checkpoint_restore.locate_in_directory(directory, metadata)
         except _READ_ERRORS as e:
             self.report._problem(_message(e, directory))
             return

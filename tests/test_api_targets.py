@@ -15,10 +15,10 @@ from etils import epath
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 import orbax_safetensors as osf
-from orbax_safetensors import _api
-from orbax_safetensors._reader import ReadStats
-from orbax_safetensors._restore import restore_tree
 from orbax_safetensors._src.core import metadata as _metadata
+from orbax_safetensors._src.pipeline import standalone as _standalone
+from orbax_safetensors._src.pipeline.reader import ReadStats
+from orbax_safetensors._src.pipeline.tree_restore import restore_tree
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +126,7 @@ def _restore_with_stats(path: epath.Path, target: Any, **kwargs: Any) -> tuple[A
     crcs = json.loads(header.metadata[_metadata.CHECKSUM_KEY])
     stats = ReadStats()
     out = restore_tree(
-        schema, _api.locate_in_file(path, header, crcs), target, stats=stats, **kwargs
+        schema, _standalone.locate_in_file(path, header, crcs), target, stats=stats, **kwargs
     )
     return out, stats
 

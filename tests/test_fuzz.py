@@ -26,11 +26,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orbax_safetensors import HeaderError, SafetensorsCheckpointError, SchemaError, _api
-from orbax_safetensors._restore import restore_tree
+from orbax_safetensors import HeaderError, SafetensorsCheckpointError, SchemaError
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.core import tree as _tree
+from orbax_safetensors._src.pipeline import standalone as _standalone
+from orbax_safetensors._src.pipeline.tree_restore import restore_tree
 from orbax_safetensors._src.storage import router as _router
 
 try:  # pytest puts tests/ on sys.path while tests/ has no __init__.py
@@ -278,7 +279,7 @@ def _stored() -> Any:
         path.write_bytes(_BASE)
         header = _router.read_header(path)
         crcs = json.loads(header.metadata[corpus.CRC_KEY])
-        _STORED = _api.locate_in_file(path, header, crcs)
+        _STORED = _standalone.locate_in_file(path, header, crcs)
     return _STORED
 
 

@@ -7,7 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from orbax_safetensors import _place
+from orbax_safetensors._src.pipeline import place as _place
 from orbax_safetensors._src.storage import buffers as _buffers
 
 

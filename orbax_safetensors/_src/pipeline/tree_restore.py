@@ -21,10 +21,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from orbax_safetensors._reader import ReadRequest, ReadStats, StoredTensor, read_tensors
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import SchemaError, TargetMismatchError
+from orbax_safetensors._src.pipeline.reader import (
+    ReadRequest,
+    ReadStats,
+    StoredTensor,
+    read_tensors,
+)
 
 _RESTORE_ARGS_TYPES: dict[type, bool] = {}  # type -> whether its instances are restore args
 

@@ -21,12 +21,12 @@ import jax
 import numpy as np
 from etils import epath
 
-from orbax_safetensors import _place
 from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import memo as _memo
 from orbax_safetensors._src.core import runs as _runs
 from orbax_safetensors._src.core.errors import IntegrityError
+from orbax_safetensors._src.pipeline import place as _place
 from orbax_safetensors._src.storage import buffers as _buffers
 from orbax_safetensors._src.storage import router as _router
 

@@ -17,8 +17,6 @@ import jax
 import numpy as np
 from etils import epath
 
-from orbax_safetensors._reader import ReadStats, StoredTensor
-from orbax_safetensors._restore import is_restore_args, restore_args_sharding, restore_tree
 from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import header as _header
@@ -31,6 +29,12 @@ from orbax_safetensors._src.core.errors import (
     TargetMismatchError,
 )
 from orbax_safetensors._src.pipeline import gcpause as _gcpause
+from orbax_safetensors._src.pipeline.reader import ReadStats, StoredTensor
+from orbax_safetensors._src.pipeline.tree_restore import (
+    is_restore_args,
+    restore_args_sharding,
+    restore_tree,
+)
 from orbax_safetensors._src.storage import router as _router
 
 # --------------------------------------------------------------------------- reading

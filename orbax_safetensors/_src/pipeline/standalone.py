@@ -20,8 +20,6 @@ from typing import Any
 
 from etils import epath
 
-from orbax_safetensors._reader import StoredTensor
-from orbax_safetensors._restore import restore_tree
 from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.core import metadata as _metadata
@@ -33,6 +31,8 @@ from orbax_safetensors._src.core.errors import (
 )
 from orbax_safetensors._src.pipeline import gcpause as _gcpause
 from orbax_safetensors._src.pipeline import pieces as _pieces
+from orbax_safetensors._src.pipeline.reader import StoredTensor
+from orbax_safetensors._src.pipeline.tree_restore import restore_tree
 from orbax_safetensors._src.storage import interface as _interface
 from orbax_safetensors._src.storage import router as _router
 
@@ -113,6 +113,29 @@ def locate_in_file(
 
 
 @_gcpause.paused
+def file_index(
+    path: epath.Path, header: _header.Header, *, strict: bool = True
+) -> tuple[Any, dict[str, StoredTensor]]:
+    """The schema (``None`` if the file has none, or when not ``strict``) and where each tensor
+    of a standalone file lies, with its checksum when the file records one.
+
+    ``strict=False`` skips the schema and ignores a checksum entry that is not an object (for
+    tools that list any safetensors file); the schema is parsed first, so the first error a
+    strict caller sees is the schema's.
+
+    Example::
+
+        schema, stored = file_index(path, _router.read_header(path))
+    """
+    schema = _metadata.header_json(header, _metadata.SCHEMA_KEY, str(path)) if strict else None
+    crcs = _metadata.header_json(header, _metadata.CHECKSUM_KEY, str(path))
+    if crcs is not None and not isinstance(crcs, dict):
+        if strict:
+            raise SchemaError(f"{path}: {_metadata.CHECKSUM_KEY} is not an object")
+        crcs = None
+    return schema, locate_in_file(path, header, crcs)
+
+
 def load_file(
     path: epath.PathLike, target: Any = None, *, strict: bool = True, verify: bool = True
 ) -> Any:
@@ -145,11 +168,7 @@ def load_file(
     for _ in range(_READ_ATTEMPTS):
         before = _identity(path)
         header = _router.read_header(path)
-        schema = _metadata.header_json(header, _metadata.SCHEMA_KEY, str(path))
-        crcs = _metadata.header_json(header, _metadata.CHECKSUM_KEY, str(path))
-        if crcs is not None and not isinstance(crcs, dict):
-            raise SchemaError(f"{path}: {_metadata.CHECKSUM_KEY} is not an object")
-        stored = locate_in_file(path, header, crcs)
+        schema, stored = file_index(path, header)
         try:
             tree = restore_tree(schema, stored, target, strict=strict, verify=verify)
         except (SafetensorsCheckpointError, OSError, EOFError):
