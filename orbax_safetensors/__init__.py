@@ -7,25 +7,6 @@ Example::
     state = osf.load_file("ckpt.safetensors", target=abstract_state)
 """
 
-from orbax_safetensors._convert import ConvertSummary, convert
-from orbax_safetensors._handler import (
-    SafetensorsCheckpointHandler,
-    SafetensorsRestore,
-    SafetensorsSave,
-)
-from orbax_safetensors._hf import (
-    Chain,
-    KeyMapping,
-    MappingReport,
-    Reshape,
-    Rule,
-    SplitHeads,
-    Transform,
-    Transpose,
-    export_pytorch,
-    load_pytorch,
-)
-from orbax_safetensors._nnx import load_model, save_model
 from orbax_safetensors._src.core.errors import (
     DeletedArrayError,
     HeaderError,
@@ -37,7 +18,25 @@ from orbax_safetensors._src.core.errors import (
     UnsupportedLeafError,
 )
 from orbax_safetensors._src.core.header import Header, TensorEntry
+from orbax_safetensors._src.integrations.nnx import load_model, save_model
+from orbax_safetensors._src.integrations.pytorch import (
+    Chain,
+    KeyMapping,
+    MappingReport,
+    Reshape,
+    Rule,
+    SplitHeads,
+    Transform,
+    Transpose,
+    export_pytorch,
+    load_pytorch,
+)
 from orbax_safetensors._src.orbax.object_storage import manager_options_for
+from orbax_safetensors._src.orbax.v0 import (
+    SafetensorsCheckpointHandler,
+    SafetensorsRestore,
+    SafetensorsSave,
+)
 from orbax_safetensors._src.pipeline.checkpoint_restore import restore_directory
 from orbax_safetensors._src.pipeline.checkpoint_save import save_directory
 from orbax_safetensors._src.pipeline.pieces import WriteStats
@@ -51,7 +50,8 @@ from orbax_safetensors._src.storage.objstore import (
     set_object_store_options,
 )
 from orbax_safetensors._src.storage.router import read_header
-from orbax_safetensors._verify import VerifyReport, verify
+from orbax_safetensors._src.tools.convert import ConvertSummary, convert
+from orbax_safetensors._src.tools.verify import VerifyReport, verify
 from orbax_safetensors._version import __version__
 
 __all__ = [

@@ -20,7 +20,10 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 import orbax_safetensors as osf
-from orbax_safetensors import _convert, _inspect, cli
+from orbax_safetensors import cli
+from orbax_safetensors._src.catalog import sources as _sources
+from orbax_safetensors._src.tools import convert as _convert
+from orbax_safetensors._src.tools import diff as _diff
 
 SUBCOMMANDS = ["inspect", "verify", "convert", "diff", "demo"]
 NnxList = getattr(nnx, "List", list)  # nnx.List: flax >= 0.12 (0.11 takes a plain list)
@@ -288,7 +291,7 @@ def test_convert_keeps_prng_keys_and_unwraps_nnx_values(tmp_dir):
     ckptr.wait_until_finished()
     plain = _convert.convert(tmp_dir / "native", tmp_dir / "plain")
     assert (
-        "layers.0.kernel.value" in _inspect.open_source(tmp_dir / "plain").tensors
+        "layers.0.kernel.value" in _sources.open_source(tmp_dir / "plain").tensors
     )  # Orbax's names
     _convert.convert(tmp_dir / "native", tmp_dir / "st", unwrap_values=True)
     assert plain.tensors == 6
@@ -472,16 +475,15 @@ def test_diff_reports_every_kind_of_difference(tmp_dir, capsys):
 
 def test_max_abs_difference_edge_cases():
     nan = np.float32("nan")
-    assert _inspect.max_abs_difference(np.array([nan, 1]), np.array([nan, 1])) == 0.0
+    assert _diff.max_abs_difference(np.array([nan, 1]), np.array([nan, 1])) == 0.0
     assert (
-        _inspect.max_abs_difference(np.array([0.0], np.float32), np.array([-0.0], np.float32))
-        == 0.0
+        _diff.max_abs_difference(np.array([0.0], np.float32), np.array([-0.0], np.float32)) == 0.0
     )
-    assert _inspect.max_abs_difference(np.array([nan]), np.array([1.0])) == np.inf
-    assert _inspect.max_abs_difference(np.array([np.inf]), np.array([-np.inf])) == np.inf
-    assert _inspect.max_abs_difference(np.array([True]), np.array([False])) == 1.0
+    assert _diff.max_abs_difference(np.array([nan]), np.array([1.0])) == np.inf
+    assert _diff.max_abs_difference(np.array([np.inf]), np.array([-np.inf])) == np.inf
+    assert _diff.max_abs_difference(np.array([True]), np.array([False])) == 1.0
     x = np.arange(10, dtype=ml_dtypes.bfloat16)
-    assert _inspect.max_abs_difference(x, x + 1) == 1.0
+    assert _diff.max_abs_difference(x, x + 1) == 1.0
 
 
 def test_relative_paths_work_for_orbax_sources(orbax_item, tmp_dir, monkeypatch, capsys):
@@ -584,4 +586,4 @@ def test_convert_plain_safetensors_file_and_hf_dir_to_orbax(tmp_dir):
         assert summary.direction == "orbax" and summary.tensors == 2
         restored = ocp.PyTreeCheckpointer().restore(dst)
         np.testing.assert_array_equal(restored["lin.weight"], state["lin.weight"].numpy())
-        assert _inspect.diff_paths(src, dst).identical
+        assert _diff.diff_paths(src, dst).identical

@@ -30,8 +30,9 @@ import pytest
 from etils import epath
 
 import orbax_safetensors as osf
-from orbax_safetensors import _inspect, cli
+from orbax_safetensors import cli
 from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
+from orbax_safetensors._src.orbax import steps as _steps
 
 COMMIT_FILE = "commit-file"
 ATOMIC_RENAME = "atomic-rename"
@@ -40,7 +41,7 @@ ATOMIC_RENAME = "atomic-rename"
 _TMP = ".orbax-checkpoint-tmp"
 # Before orbax-checkpoint 0.12.3 all_steps() never asks the manager's temporary_path_class: a
 # final-named step on local disk counts with or without commit_success.txt, so it lists a
-# commit-file step killed before its commit (the rule in orbax_safetensors/_inspect.py).
+# commit-file step killed before its commit (the rule in orbax_safetensors/_src/orbax/steps.py).
 ORBAX_VERSION = tuple(int(n) for n in re.findall(r"\d+", ocp.__version__)[:3])
 LEGACY_COMMIT_RULE = ORBAX_VERSION < (0, 12, 3)
 
@@ -94,8 +95,8 @@ def _assert_tools_agree(
     capsys: pytest.CaptureFixture[str], root: Any, orbax_steps: list[int]
 ) -> dict[str, Any]:
     """inspect, verify and list_steps list exactly ``orbax_steps``; returns inspect's JSON."""
-    assert [n for n, _ in _inspect.list_steps(root)] == orbax_steps
-    assert [s.step for s in _inspect.scan_steps(root) if s.committed] == orbax_steps
+    assert [n for n, _ in _steps.list_steps(root)] == orbax_steps
+    assert [s.step for s in _steps.scan_steps(root) if s.committed] == orbax_steps
     doc = _inspect_json(capsys, root)
     assert doc["kind"] == "root"
     assert [s["step"] for s in doc["steps"]] == orbax_steps
@@ -148,7 +149,7 @@ def _crash_mid_save(root: Path, mode: str) -> None:
 
 
 def test_handler_typestr_is_the_handlers() -> None:
-    assert osf.SafetensorsCheckpointHandler.typestr() == _inspect.HANDLER_TYPESTR
+    assert osf.SafetensorsCheckpointHandler.typestr() == _steps.HANDLER_TYPESTR
 
 
 def test_the_commit_rule_follows_the_installed_orbax() -> None:
@@ -237,7 +238,7 @@ def _check_listed_killed_step(
 def test_a_local_commit_file_step_without_commit_time_or_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The two local-disk cases of rule 4 (see _inspect): without its commit file a step
+    """The two local-disk cases of rule 4 (see _src/orbax/steps.py): without its commit file a step
     whose _CHECKPOINT_METADATA has no commit time is uncommitted; with a commit time it is
     committed, as Orbax's default (atomic rename) manager counts it. Orbax < 0.12.3 counts
     both, whatever the manager's class, and so do the tools there."""
@@ -261,7 +262,7 @@ def test_a_local_commit_file_step_without_commit_time_or_file(
         assert inspected["uncommitted"] == []
     else:
         assert commit_file_steps == [0]
-        # Step 1 is ambiguous on local disk (see the rule in _inspect): listed, like the
+        # Step 1 is ambiguous on local disk (see the rule in _src/orbax/steps.py): listed, like the
         # default manager does; step 2 cannot have been left by atomic rename under its final
         # name.
         inspected = _assert_tools_agree(capsys, root, [0, 1])

@@ -27,7 +27,7 @@ import pytest
 from orbax.checkpoint import checkpoint_managers as policies
 
 import orbax_safetensors as osf
-from orbax_safetensors import _inspect
+from orbax_safetensors._src.orbax import steps as _steps
 
 LOSSES = [5.0, 1.0, 4.0, 0.5, 3.0, 2.0, 7.0, 6.0]  # metric of step i
 # Orbax's temporary directories: "2.orbax-checkpoint-tmp/default.orbax-checkpoint-tmp", or with
@@ -198,7 +198,7 @@ def test_sigkill_during_async_save_leaves_earlier_steps(tmp_path: Path, mode: st
         assert (partial / "model.safetensors").is_file()
         assert not (partial / "orbax_safetensors.json").exists()  # finalize never ran
     # The library skips it, whichever form its name has.
-    assert [(s.step, s.committed) for s in _inspect.scan_steps(tmp_path)] == [(1, True), (2, False)]
+    assert [(s.step, s.committed) for s in _steps.scan_steps(tmp_path)] == [(1, True), (2, False)]
 
     fresh = ocp.CheckpointManager(tmp_path)
     assert fresh.all_steps() == [1] and fresh.latest_step() == 1
@@ -240,7 +240,7 @@ def test_resaving_over_a_stale_tmp_dir_without_cleanup(tmp_path: Path) -> None:
         # Each save takes a fresh "-<n>" name (a per-process counter), so the debris stays,
         # ignored by Orbax and by the library, until cleanup_tmp_directories removes it.
         assert leftovers == [stale_step.name]
-        assert [s.committed for s in _inspect.scan_steps(tmp_path)] == [True, True, True, False]
+        assert [s.committed for s in _steps.scan_steps(tmp_path)] == [True, True, True, False]
     else:
         assert leftovers == []  # the save of step 2 replaced its stale temporary directory
     _assert_restores(again, [0, 1, 2])

@@ -74,7 +74,7 @@ DirectPut = Callable[[Any, Any, Any], jax.Array]
 def batched_device_put() -> DirectPut | None:
     """The entry ``jax.device_put`` ends in for numpy inputs, as ``put(x, sharding, device)``
     (one numpy array onto one device of ``sharding``), or None when this JAX lacks it: callers
-    then use ``jax.device_put``, which gives the same array. See :mod:`orbax_safetensors._place`.
+    then use ``jax.device_put``, which gives the same array. See ``pipeline.place``.
     """
     try:  # jax 0.6-0.10 keep both here; guarded so that a move only costs speed
         from jax._src import core

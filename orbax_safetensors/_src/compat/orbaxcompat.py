@@ -64,7 +64,7 @@ ORBAX_CLASS_AWARE_COMMIT = (0, 12, 3)
 def orbax_uses_legacy_commit_rule() -> bool:
     """Whether the installed orbax-checkpoint is older than 0.12.3, whose ``all_steps()`` lists
     every final-named step directory except one on gs:// without ``commit_success.txt``,
-    whatever the manager's ``temporary_path_class`` (the rule above ``_inspect.StepDir``).
+    whatever the manager's ``temporary_path_class`` (the rule above ``_steps.StepDir``).
 
     Read from the installed distribution's version (no Orbax import); False when it cannot be
     read: the current rule.

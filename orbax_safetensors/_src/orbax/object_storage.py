@@ -14,11 +14,12 @@ import os
 from typing import Any
 
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
+from orbax_safetensors._src.orbax import steps as _steps
 
 # Orbax's AtomicRenameTemporaryPath writes a step into ``<step><suffix>`` (and each item into
 # ``<item><suffix>``) and renames it when done (orbax.checkpoint.path.atomicity.TMP_DIR_SUFFIX;
-# older Orbax versions appended a timestamp to it). CommitFileTemporaryPath writes in place.
-_ORBAX_RENAME_SUFFIX = ".orbax-checkpoint-tmp"
+# older Orbax versions appended a counter to it: _steps.TMP_SUFFIX). CommitFileTemporaryPath
+# writes in place.
 
 
 def check_commit_scheme(directory: str) -> None:
@@ -36,7 +37,7 @@ def check_commit_scheme(directory: str) -> None:
         return
     parts = directory.split("/")
     flagged = [
-        i for i in range(max(3, len(parts) - 2), len(parts)) if _ORBAX_RENAME_SUFFIX in parts[i]
+        i for i in range(max(3, len(parts) - 2), len(parts)) if _steps.TMP_SUFFIX in parts[i]
     ]
     if not flagged:
         return

@@ -195,11 +195,7 @@ def prepare_save(
 
 
 _BATCH_BYTES = 8 << 20
-
-
 _BATCH_PIECES = 1024
-
-
 _IN_FLIGHT_BYTES = 64 << 20
 
 
@@ -232,6 +228,7 @@ def write_process_share(
     stats: _pieces.WriteStats | None = None,
     *,
     persist_share: bool = True,
+    max_in_flight: int = _IN_FLIGHT_BYTES,
 ) -> dict[str, Any]:
     """Writes this process's bytes (and, on the primary, headers, index and metadata draft).
 
@@ -241,7 +238,9 @@ def write_process_share(
     Returns this process's checksum share (what :func:`finalize` merges). With
     ``persist_share=False`` neither the share nor the metadata draft is written to disk: the
     caller hands both to :func:`finalize` itself (a single-process save; saves the JSON round
-    trip of two documents with an entry per tensor).
+    trip of two documents with an entry per tensor). ``max_in_flight`` bounds the bytes of
+    earlier pieces still being written while the next are produced (their host copies stay
+    alive until then).
     """
     directory = epath.Path(directory)
     plan = prepared.plan
@@ -269,7 +268,7 @@ def write_process_share(
 
         def write(file_index: int, pieces: list[_interface.Piece], checksums: bool = False) -> None:
             # Submitted, not awaited: the write threads go on with this batch while the next
-            # one is produced (on accelerators: copied to host). At most _IN_FLIGHT_BYTES of
+            # one is produced (on accelerators: copied to host). At most max_in_flight bytes of
             # earlier batches stay under way, which bounds the host copies a lazy save holds.
             nonlocal in_flight
             fplan = plan.files[file_index]
@@ -282,7 +281,7 @@ def write_process_share(
             submitted = writers[file_index].submit(pieces, checksums=checksums)
             pending.append((fplan.filename, pieces, nbytes, submitted))
             in_flight += nbytes
-            while pending and in_flight > _IN_FLIGHT_BYTES:
+            while pending and in_flight > max_in_flight:
                 settle_oldest()
 
         if prepared.is_primary:

@@ -23,23 +23,27 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 from etils import epath
 
-from orbax_safetensors import _inspect
+from orbax_safetensors._src.catalog import sources as _sources
+from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import sharding as _sharding
+from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
+from orbax_safetensors._src.orbax import steps as _steps
+from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
 from orbax_safetensors._src.pipeline import pieces as _pieces
+from orbax_safetensors._src.pipeline import standalone as _standalone
+from orbax_safetensors._src.tools import terminal as _terminal
 
-DEFAULT_BATCH_BYTES = 256 * 1024 * 1024
 _TO_SAFETENSORS = "safetensors"
 _TO_ORBAX = "orbax"
 
@@ -64,31 +68,6 @@ class ConvertSummary:
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _stderr_is_terminal() -> bool:
-    try:
-        return sys.stderr is not None and sys.stderr.isatty()
-    except (AttributeError, ValueError, OSError):  # no isatty, or a closed stream
-        return False
-
-
-def _progress_bar(total: int, desc: str, progress: bool | None) -> Any:
-    """A tqdm bar on stderr, shown only when stderr is a terminal (never mixed into piped or
-    redirected output) and ``progress`` is not False."""
-    from tqdm import tqdm
-
-    return tqdm(
-        total=total,
-        desc=desc,
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        file=sys.stderr,
-        disable=progress is False or not _stderr_is_terminal(),
-        mininterval=0.5,
-        leave=False,
-    )
 
 
 def _fresh_destination(dst: epath.Path) -> epath.Path:
@@ -177,7 +156,7 @@ def orbax_item_to_safetensors(
     *,
     unwrap_values: bool = False,
     max_file_size: int | None = _plan.DEFAULT_MAX_FILE_SIZE,
-    batch_bytes: int = DEFAULT_BATCH_BYTES,
+    batch_bytes: int = _sources.DEFAULT_BATCH_BYTES,
     progress: bool | None = None,
 ) -> ConvertSummary:
     """Converts one Orbax-native PyTree item into a safetensors checkpoint directory.
@@ -214,10 +193,9 @@ def _orbax_item_to_safetensors(
 ) -> ConvertSummary:
     import jax
 
-    from orbax_safetensors._src.core import dtypes as _dtypes
     from orbax_safetensors._src.core import tree as _tree
 
-    source = _inspect.OrbaxSource(src)
+    source = _sources.OrbaxSource(src)
     inline_names = [n for n in source.leaves if n not in source.tensors]
     inline = source.restore(inline_names)
     orbax_name_of: dict[int, str] = {}
@@ -249,47 +227,49 @@ def _orbax_item_to_safetensors(
     plan = _plan.plan_files(specs, max_file_size=max_file_size, metadata=_metadata.HEADER_METADATA)
     sizes = {s.name: s.nbytes for s in specs}
     key_impls: dict[str, str] = {}
-    groups = _inspect.batches(
+    groups = _sources.batches(
         [source.tensors[to_orbax[s.name]] for s in specs], max_bytes=batch_bytes
     ) or [[]]
     from_orbax = {v: k for k, v in to_orbax.items()}
     total = sum(sizes.values())
     dst.mkdir(parents=True, exist_ok=True)
-    with _progress_bar(total, f"convert {src.name}", progress) as bar:
-        for i, group in enumerate(groups):
-            values = source.restore([t.name for t in group], as_jax=True)
-            arrays = {}
-            for orbax_name, value in values.items():
-                ours = from_orbax[orbax_name]
-                if _tree.is_prng_key(value):
-                    key_impls[orbax_name] = str(jax.random.key_impl(value))
-                    value = jax.random.key_data(value)
-                arrays[ours] = np.asarray(value)
-            del values
-            pieces = _pieces.iter_host_pieces(plan, arrays, copy=False)
-            last = i == len(groups) - 1
-            metadata: dict[str, Any] = {}
-            if last:
-                metadata = _safetensors_metadata(source, skeleton(key_impls), to_orbax, plan, specs)
-            prepared = _checkpoint_save.PreparedSave(
-                plan, pieces, metadata, sizes, last, i, checksums=True
-            )
-            _checkpoint_save.write_process_share(prepared, dst)
-            bar.update(sum(a.nbytes for a in arrays.values()))
-            del arrays, pieces, prepared
-    _checkpoint_save.finalize(dst)
+    with _terminal.progress_bar(total, f"convert {src.name}", progress) as bar:
+
+        def batch_pieces() -> Iterator[tuple[int, list[Any]]]:
+            # One batch of tensors in host memory at a time; one writer for all of them.
+            for group in groups:
+                values = source.restore([t.name for t in group], as_jax=True)
+                arrays = {}
+                for orbax_name, value in values.items():
+                    ours = from_orbax[orbax_name]
+                    if _tree.is_prng_key(value):
+                        key_impls[orbax_name] = str(jax.random.key_impl(value))
+                        value = jax.random.key_data(value)
+                    arrays[ours] = np.asarray(value)
+                del values
+                yield from _pieces.iter_host_pieces(plan, arrays, copy=False)
+                bar.update(sum(a.nbytes for a in arrays.values()))
+                del arrays
+
+        prepared = _checkpoint_save.PreparedSave(
+            plan, batch_pieces(), {}, sizes, is_primary=True, process_index=0, checksums=True
+        )
+        share = _checkpoint_save.write_process_share(
+            prepared, dst, persist_share=False, max_in_flight=batch_bytes
+        )
+    # The PRNG key implementations are known once their batches were read.
+    metadata = _safetensors_metadata(source, skeleton(key_impls), to_orbax, plan, specs)
+    _checkpoint_save.finalize(dst, metadata, [share])
     return ConvertSummary(_TO_SAFETENSORS, [""], [], len(specs), total)
 
 
 def _safetensors_metadata(
-    source: _inspect.OrbaxSource,
+    source: _sources.OrbaxSource,
     tree: Any,
     to_orbax: dict[str, str],
     plan: _plan.CheckpointPlan,
     specs: list[_plan.TensorSpec],
 ) -> dict[str, Any]:
-    from orbax_safetensors._src.core import tree as _tree
-
     flat = _tree.flatten(tree)
     final_specs = _plan.tensor_specs(flat.arrays)
     if final_specs != specs:  # the same tree, keys in place of placeholders
@@ -342,11 +322,9 @@ def safetensors_item_to_orbax(
 
 
 def _restore_safetensors(src: epath.Path) -> tuple[Any, int, int]:
-    from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
-    from orbax_safetensors._src.pipeline import standalone as _standalone
 
-    kind = _inspect.classify(src)
-    source = _inspect.open_source(src)
+    kind = _steps.classify(src)
+    source = _sources.open_source(src)
     n, size = len(source.tensors), sum(t.nbytes for t in source.tensors.values())
     if kind == "item":
         return _checkpoint_restore.restore_directory(src), n, size
@@ -364,10 +342,10 @@ def _safetensors_item_to_orbax(
 
     tree, n, size = _restore_safetensors(src)
     strings = _has_strings(tree)
-    with _progress_bar(size, f"convert {src.name}", progress) as bar:
+    with _terminal.progress_bar(size, f"convert {src.name}", progress) as bar:
         checkpointer = ocp.PyTreeCheckpointer() if strings else ocp.StandardCheckpointer()
         try:
-            checkpointer.save(_inspect.absolute(dst), tree, force=True)
+            checkpointer.save(_steps.absolute(dst), tree, force=True)
             if hasattr(checkpointer, "wait_until_finished"):  # the async StandardCheckpointer
                 checkpointer.wait_until_finished()
         finally:
@@ -385,18 +363,18 @@ def _direction_of(path: epath.Path, kind: str) -> str:
     if kind in ("item", "file", "safetensors-dir"):
         return _TO_ORBAX
     if kind == "step":
-        kinds = set(_inspect.list_items(path).values())
+        kinds = set(_steps.list_items(path).values())
         if "orbax" in kinds:
             return _TO_SAFETENSORS
         if kinds & {"item", "safetensors-dir"}:
             return _TO_ORBAX
         raise SafetensorsCheckpointError(f"{path}: a step with no tensor items to convert")
     if kind == "root":
-        steps = _inspect.list_steps(path)
+        steps = _steps.list_steps(path)
         if not steps:
             raise SafetensorsCheckpointError(f"{path}: a root with no steps")
         step = steps[-1][1]
-        return _direction_of(step, _inspect.classify(step))
+        return _direction_of(step, _steps.classify(step))
     raise SafetensorsCheckpointError(
         f"{path} is not an Orbax or safetensors checkpoint (file, item, step or root)"
     )
@@ -404,9 +382,7 @@ def _direction_of(path: epath.Path, kind: str) -> str:
 
 def _item_handler_typestr(direction: str, tree_has_strings: bool = False) -> str:
     if direction == _TO_SAFETENSORS:
-        from orbax_safetensors._handler import SafetensorsCheckpointHandler
-
-        return SafetensorsCheckpointHandler.typestr()
+        return _steps.HANDLER_TYPESTR
     import orbax.checkpoint as ocp
 
     handler = ocp.PyTreeCheckpointHandler if tree_has_strings else ocp.StandardCheckpointHandler
@@ -420,7 +396,7 @@ def _convert_step(
     dst.mkdir(parents=True, exist_ok=True)
     source_kind = "orbax" if direction == _TO_SAFETENSORS else None
     handlers: dict[str, str] = {}
-    for name, kind in _inspect.list_items(src).items():
+    for name, kind in _steps.list_items(src).items():
         converts = kind == source_kind if source_kind else kind in ("item", "safetensors-dir")
         if not converts:
             _copy_tree(src / name, dst / name)
@@ -437,21 +413,21 @@ def _convert_step(
         summary.tensors += item_summary.tensors
         summary.bytes += item_summary.bytes
     for entry in src.iterdir():
-        if not entry.is_dir() and entry.name != _inspect.CHECKPOINT_METADATA_FILE:
+        if not entry.is_dir() and entry.name != _steps.CHECKPOINT_METADATA_FILE:
             entry.copy(dst / entry.name, overwrite=True)
     _write_step_metadata(src, dst, handlers)
     return summary
 
 
 def _write_step_metadata(src: epath.Path, dst: epath.Path, handlers: dict[str, str]) -> None:
-    path = src / _inspect.CHECKPOINT_METADATA_FILE
+    path = src / _steps.CHECKPOINT_METADATA_FILE
     if not path.exists():
         return
     doc = json.loads(path.read_text())
     item_handlers = doc.get("item_handlers")
     if isinstance(item_handlers, dict):
         item_handlers.update(handlers)
-    (dst / _inspect.CHECKPOINT_METADATA_FILE).write_text(json.dumps(doc))
+    (dst / _steps.CHECKPOINT_METADATA_FILE).write_text(json.dumps(doc))
 
 
 def convert(
@@ -461,7 +437,7 @@ def convert(
     to: str | None = None,
     unwrap_values: bool = False,
     max_file_size: int | None = _plan.DEFAULT_MAX_FILE_SIZE,
-    batch_bytes: int = DEFAULT_BATCH_BYTES,
+    batch_bytes: int = _sources.DEFAULT_BATCH_BYTES,
     progress: bool | None = None,
 ) -> ConvertSummary:
     """Converts ``src`` (an item, step or CheckpointManager root) into ``dst``.
@@ -485,7 +461,7 @@ def convert(
         convert("/orbax_ckpts", "/st_ckpts")        # every step of a CheckpointManager root
     """
     src = epath.Path(src)
-    kind = _inspect.classify(src)
+    kind = _steps.classify(src)
     direction = to or _direction_of(src, kind)
     if direction not in (_TO_SAFETENSORS, _TO_ORBAX):
         raise ValueError(f"to must be 'safetensors' or 'orbax', not {direction!r}")
@@ -495,7 +471,7 @@ def convert(
         "batch_bytes": batch_bytes,
         "progress": progress,
     }
-    if kind in _inspect.TENSOR_KINDS:
+    if kind in _steps.TENSOR_KINDS:
         expected = (
             ("orbax",) if direction == _TO_SAFETENSORS else ("item", "file", "safetensors-dir")
         )
@@ -513,8 +489,8 @@ def convert(
         def write_root(tmp: epath.Path) -> ConvertSummary:
             total = ConvertSummary(direction)
             tmp.mkdir(parents=True, exist_ok=True)
-            for _, step in _inspect.list_steps(src):
-                if _inspect.classify(step) != "step":
+            for _, step in _steps.list_steps(src):
+                if _steps.classify(step) != "step":
                     raise SafetensorsCheckpointError(
                         f"{step}: a step that is not a directory of items cannot be converted "
                         "as part of a root; convert it as an item"

@@ -16,6 +16,10 @@ import time
 from typing import Any
 
 from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
+from orbax_safetensors._src.orbax import steps as _steps
+from orbax_safetensors._src.orbax import v0 as _v0
+from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
+from orbax_safetensors._src.tools import terminal as _terminal
 
 DEFAULT_STEPS = 300
 SAVE_EVERY = 50
@@ -77,13 +81,6 @@ def _manager(directory: str) -> Any:
     return ocp.CheckpointManager(directory, options=options)
 
 
-def _stderr_is_terminal() -> bool:
-    try:
-        return sys.stderr is not None and sys.stderr.isatty()
-    except (AttributeError, ValueError, OSError):  # no isatty, or a closed stream
-        return False
-
-
 def _note(text: str) -> None:
     """A line on stdout that does not break the progress bar (on stderr, if shown)."""
     from tqdm import tqdm
@@ -98,8 +95,6 @@ def run_training(directory: str, start_fresh: bool, total_steps: int, crash_at: 
     from flax import nnx
     from tqdm import tqdm
 
-    import orbax_safetensors as osf
-
     model, optimizer = _model_and_optimizer(seed=0)
     train_step = _train_step_fn()
     mngr = _manager(directory)
@@ -110,7 +105,7 @@ def run_training(directory: str, start_fresh: bool, total_steps: int, crash_at: 
         restored = mngr.restore(
             latest,
             args=ocp.args.Composite(
-                state=osf.SafetensorsRestore(abstract), meta=ocp.args.JsonRestore()
+                state=_v0.SafetensorsRestore(abstract), meta=ocp.args.JsonRestore()
             ),
         )
         nnx.update(model, restored["state"]["model"])
@@ -128,7 +123,7 @@ def run_training(directory: str, start_fresh: bool, total_steps: int, crash_at: 
         initial=start,
         total=total_steps,
         file=sys.stderr,
-        disable=not _stderr_is_terminal(),  # a bar only on a terminal, never in piped output
+        disable=not _terminal.stderr_is_terminal(),  # a bar only on a terminal, never in piped output
         mininterval=0.5,
     )
     loss = float("nan")
@@ -157,7 +152,7 @@ def run_training(directory: str, start_fresh: bool, total_steps: int, crash_at: 
             mngr.save(
                 done,
                 args=ocp.args.Composite(
-                    state=osf.SafetensorsSave(state),
+                    state=_v0.SafetensorsSave(state),
                     meta=ocp.args.JsonSave({"loss": loss, "step": done}),
                 ),
             )
@@ -185,7 +180,7 @@ def main(directory: str | None = None, steps: int = DEFAULT_STEPS) -> int:
         [
             sys.executable,
             "-m",
-            "orbax_safetensors._demo",
+            "orbax_safetensors._src.tools.demo",
             "train",
             directory,
             str(steps),
@@ -206,9 +201,7 @@ def main(directory: str | None = None, steps: int = DEFAULT_STEPS) -> int:
 
 
 def _report(directory: str) -> None:
-    from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
-
-    steps = sorted(int(d) for d in os.listdir(directory) if d.isdigit())
+    steps = [step for step, _ in _steps.list_steps(directory)]
     print(f"kept steps (max_to_keep=2): {steps}")
     item = os.path.join(directory, str(steps[-1]), "state")
     meta = _checkpoint_restore.read_metadata(item)

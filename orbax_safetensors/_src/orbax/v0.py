@@ -1,8 +1,8 @@
 """The Orbax plugin: ``SafetensorsCheckpointHandler`` and its registered args.
 
-Thin glue over :mod:`orbax_safetensors._checkpoint`: under an async save, ``async_save`` copies
-this process's owned shards to host (so the caller may donate its arrays as soon as ``save()``
-returns) and a commit future names, plans and writes them once Orbax has created the step
+Thin glue over ``pipeline.checkpoint_save`` and ``pipeline.checkpoint_restore``: under an async
+save, ``async_save`` copies this process's owned shards to host (so the caller may donate its
+arrays as soon as ``save()`` returns) and a commit future names, plans and writes them once Orbax has created the step
 directory; under a synchronous save it writes straight from the arrays. Orbax's barrier then
 orders "every process wrote" before the primary's :meth:`finalize`, which merges checksums into
 the metadata file, before Orbax commits the step atomically.
@@ -35,6 +35,7 @@ from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
 from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.orbax import object_storage as _object_storage
+from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
 from orbax_safetensors._src.pipeline import gcpause as _gcpause
@@ -42,8 +43,6 @@ from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.pipeline import snapshots as _snapshots
 from orbax_safetensors._src.pipeline.reader import ReadStats
 from orbax_safetensors._src.storage import router as _router
-
-TYPESTR = "orbax_safetensors.SafetensorsCheckpointHandler"
 
 # How long an async save's writer waits, once every host copy is made, before it plans the
 # files: time for the caller's thread to finish Orbax's save() without this thread's Python
@@ -260,7 +259,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
 
     @classmethod
     def typestr(cls) -> str:
-        return TYPESTR
+        return _steps.HANDLER_TYPESTR
 
 
 def _prepare_directory(directory: epath.Path, prepared: _checkpoint_save.PreparedSave) -> None:

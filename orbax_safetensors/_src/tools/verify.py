@@ -10,7 +10,7 @@ directory's metadata and checksums), a checkpoint directory (``orbax_safetensors
 inside), an Orbax step directory (item directories inside) or a ``CheckpointManager`` root.
 
 In a root, the steps checked are exactly those Orbax lists (``mngr.all_steps()``), as
-:func:`orbax_safetensors._inspect.scan_steps` decides: uncommitted steps (Orbax's
+:func:`orbax_safetensors._src.orbax.steps.scan_steps` decides: uncommitted steps (Orbax's
 ``*.orbax-checkpoint-tmp*`` directories, and commit-file steps without ``commit_success.txt``)
 are skipped and listed in ``skipped``, never checked as complete. A committed step with entries
 missing (an item, a metadata file, a safetensors file) is listed in ``incomplete`` and is a
@@ -39,7 +39,6 @@ from typing import Any
 import jax
 from etils import epath
 
-from orbax_safetensors import _inspect
 from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import header as _header
@@ -47,6 +46,7 @@ from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError, SchemaError
+from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
 from orbax_safetensors._src.pipeline import standalone as _standalone
 from orbax_safetensors._src.pipeline.reader import StoredTensor
@@ -55,7 +55,6 @@ from orbax_safetensors._src.storage import buffers as _buffers
 from orbax_safetensors._src.storage import router as _router
 
 CHUNK_BYTES = 16 << 20
-_TMP_MARKER = ".orbax-checkpoint-tmp"
 # What a damaged or hostile checkpoint may raise while being read: our errors (ValueError
 # subclasses), and the OS's when a listed file is missing or unreadable.
 _READ_ERRORS = (SafetensorsCheckpointError, OSError, EOFError)
@@ -125,14 +124,14 @@ def verify(path: epath.PathLike, *, chunk_bytes: int = CHUNK_BYTES) -> VerifyRep
             checker.item(path.parent, only=path.name)  # one file of a checkpoint directory
         else:
             checker.file(path)
-    elif (reason := _inspect.uncommitted_reason(path)) is not None:
+    elif (reason := _steps.uncommitted_reason(path)) is not None:
         report.skipped.append(str(path))
         report._problem(f"{path}: uncommitted step, not checked ({reason}); Orbax does not list it")
     elif (path / _metadata.METADATA_FILE).exists():
         checker.item(path)
     elif not (
         checker.step(path, depth=0)  # one step directory
-        if (path / _inspect.CHECKPOINT_METADATA_FILE).exists()
+        if (path / _steps.CHECKPOINT_METADATA_FILE).exists()
         else checker.tree(path, depth=0)
     ):
         report._problem(
@@ -161,13 +160,13 @@ class _Checker:
         The committed steps of a root are checked as steps (:meth:`step`), its uncommitted
         ones skipped; other directories and files are checked for what they hold.
         """
-        steps: dict[str, _inspect.StepDir] = {}
-        if depth == 0 and not (path / _inspect.CHECKPOINT_METADATA_FILE).exists():
-            steps = {s.path.name: s for s in _inspect.scan_steps(path)}
+        steps: dict[str, _steps.StepDir] = {}
+        if depth == 0 and not (path / _steps.CHECKPOINT_METADATA_FILE).exists():
+            steps = {s.path.name: s for s in _steps.scan_steps(path)}
         found = False
         for child in sorted(path.iterdir(), key=_natural):
             step = steps.get(child.name)
-            if _TMP_MARKER in child.name or (step is not None and not step.committed):
+            if _steps.TMP_SUFFIX in child.name or (step is not None and not step.committed):
                 self.report.skipped.append(str(child))
             elif step is not None:
                 found = self.step(child) or found
@@ -185,14 +184,14 @@ class _Checker:
         for s in sorted(committed, key=lambda s: s.step):
             if s.path in self.missing:
                 self.report.warnings.append(
-                    _inspect.incomplete_warning(s.step, s.path, self.missing[s.path], latest)
+                    _steps.incomplete_warning(s.step, s.path, self.missing[s.path], latest)
                 )
         return found
 
     def step(self, path: epath.Path, depth: int = 1) -> bool:
         """A committed step: its items (or the step itself, when it is an item), after checking
         that no part of it is missing. False if it holds nothing of ours."""
-        missing = _inspect.missing_entries(path)
+        missing = _steps.missing_entries(path)
         if missing:
             self.missing[path] = missing
             self.report.incomplete.append(str(path))

@@ -41,7 +41,7 @@ from typing import Any, Protocol
 import numpy as np
 from etils import epath
 
-from orbax_safetensors import _inspect
+from orbax_safetensors._src.catalog import sources as _sources
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core.errors import TargetMismatchError
@@ -389,7 +389,7 @@ def load_pytorch(
     *,
     strict: bool = True,
     variables: Any = None,
-    batch_bytes: int = 256 * 1024 * 1024,
+    batch_bytes: int = _sources.DEFAULT_BATCH_BYTES,
 ) -> MappingReport:
     """Loads a PyTorch/Hugging Face safetensors checkpoint into an NNX model, in place.
 
@@ -420,7 +420,7 @@ def load_pytorch(
     import jax
     from flax import nnx
 
-    source = _inspect.open_source(path)
+    source = _sources.open_source(path)
     model_vars = _model_variables(model, variables)
     report = MappingReport()
     moves: list[tuple[str, str, Transform]] = []
@@ -462,7 +462,7 @@ def load_pytorch(
         )
     updates = []
     by_key = {key: (name, transform) for key, name, transform in moves}
-    for group in _inspect.batches([source.tensors[k] for k, _, _ in moves], batch_bytes):
+    for group in _sources.batches([source.tensors[k] for k, _, _ in moves], batch_bytes):
         arrays = source.read([t.name for t in group])
         for t in group:
             name, transform = by_key[t.name]
@@ -487,7 +487,7 @@ def load_pytorch(
 
 def _flax_source(
     source: Any, prefix: str, variables: Any
-) -> tuple[dict[str, _inspect.TensorInfo], Any]:
+) -> tuple[dict[str, _sources.TensorInfo], Any]:
     """(tensor table, read function) for an NNX model or a checkpoint path."""
     from flax import nnx
 
@@ -498,13 +498,13 @@ def _flax_source(
         for n, x in values.items():
             dtype = _dtypes.from_numpy(x.dtype, key=n)
             shape = tuple(int(d) for d in x.shape)
-            infos[n] = _inspect.TensorInfo(n, dtype, shape, _dtypes.nbytes(dtype, shape), "(model)")
+            infos[n] = _sources.TensorInfo(n, dtype, shape, _dtypes.nbytes(dtype, shape), "(model)")
 
         def read_model(names: Sequence[str]) -> dict[str, np.ndarray]:
             return {n: np.asarray(values[n]) for n in names}
 
         return infos, read_model
-    src = _inspect.open_source(source)
+    src = _sources.open_source(source)
     infos = {
         n[len(prefix) :]: dataclasses.replace(t, name=n[len(prefix) :])
         for n, t in src.tensors.items()
@@ -528,7 +528,7 @@ def export_pytorch(
     max_file_size: int | None = _plan.DEFAULT_MAX_FILE_SIZE,
     strict: bool = True,
     variables: Any = None,
-    batch_bytes: int = 256 * 1024 * 1024,
+    batch_bytes: int = _sources.DEFAULT_BATCH_BYTES,
 ) -> MappingReport:
     """Writes an NNX model (or a checkpoint) as a Hugging Face style safetensors directory.
 
@@ -599,7 +599,7 @@ def export_pytorch(
     plan = _plan.plan_files(specs, max_file_size=max_file_size, metadata={"format": "pt"})
     local = _router.is_local(directory)
     by_name = {name: (key, transform) for name, key, transform in moves}
-    groups = _inspect.batches(
+    groups = _sources.batches(
         [infos[n] for n, _, _ in moves], batch_bytes if local else 1 << 62
     ) or [[]]
     for i, group in enumerate(groups):

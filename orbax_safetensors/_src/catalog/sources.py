@@ -1,0 +1,340 @@
+"""Any checkpoint as a table of tensors: what it holds, and reading it a batch at a time.
+
+Every tool (``inspect``, ``diff``, ``convert``, the Hugging Face loader) sees a checkpoint as a
+:class:`TensorSource`: a table of :class:`TensorInfo` by dotted name plus ``read(names)``, which
+returns host numpy arrays, a batch at a time, so no tool needs the whole checkpoint in memory.
+A source can be one ``.safetensors`` file (written by this library, PyTorch, anyone), a
+checkpoint directory of this library, plain safetensors files in a directory (Hugging Face
+style), or an Orbax-native PyTree item (``StandardSave``/``PyTreeSave``, OCDBT or not).
+
+Example::
+
+    source = open_source("/ckpt/100/state")
+    source.tensors["params.w"].shape        # (512, 512)
+    arrays = source.read(["params.w"])      # {"params.w": np.ndarray}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+from etils import epath
+
+from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
+from orbax_safetensors._src.core import dtypes as _dtypes
+from orbax_safetensors._src.core import metadata as _metadata
+from orbax_safetensors._src.core import plan as _plan
+from orbax_safetensors._src.core import tree as _tree
+from orbax_safetensors._src.core.errors import HeaderError, SafetensorsCheckpointError
+from orbax_safetensors._src.orbax import steps as _steps
+from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
+from orbax_safetensors._src.pipeline import reader as _reader
+from orbax_safetensors._src.pipeline import standalone as _standalone
+from orbax_safetensors._src.storage import router as _router
+
+DEFAULT_BATCH_BYTES = 256 * 1024 * 1024  # host memory a tool reads at a time
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """One stored tensor: dotted name, safetensors dtype, shape, size and file (relative)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    file: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "bytes": self.nbytes,
+            "file": self.file,
+        }
+
+
+class TensorSource(Protocol):
+    """A readable set of tensors (one file, one checkpoint item, one Orbax item)."""
+
+    path: epath.Path
+    kind: str
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, Any]
+
+    def read(self, names: Sequence[str]) -> dict[str, np.ndarray]:
+        """Host arrays of ``names`` (checksums verified where the files record them)."""
+        ...
+
+
+class SafetensorsSource:
+    """Tensors stored in safetensors files: one file, one of our items, or an HF directory."""
+
+    def __init__(
+        self, path: epath.Path, kind: str, stored: Mapping[str, Any], metadata: dict[str, Any]
+    ) -> None:
+        self.path = path
+        self.kind = kind
+        self.stored = dict(stored)  # name -> _reader.StoredTensor
+        self.metadata = metadata
+        base = path if path.is_dir() else path.parent
+        self.tensors = {
+            name: TensorInfo(name, s.dtype, tuple(s.shape), s.nbytes, _relative(s.path, base))
+            for name, s in self.stored.items()
+        }
+
+    def read(self, names: Sequence[str]) -> dict[str, np.ndarray]:
+        requests = [_reader.ReadRequest(self.stored[n], kind="numpy") for n in names]
+        return dict(zip(names, _reader.read_tensors(requests)))
+
+
+def _relative(path: epath.Path, base: epath.Path) -> str:
+    try:
+        return str(path.relative_to(base))
+    except ValueError:
+        return path.name
+
+
+def _open_file(path: epath.Path) -> SafetensorsSource:
+    header = _router.read_header(path)
+    _, stored = _standalone.file_index(path, header, strict=False)
+    user = {k: v for k, v in header.metadata.items() if k not in _metadata.RESERVED_KEYS}
+    return SafetensorsSource(path, "file", stored, user)
+
+
+def _open_item(path: epath.Path) -> SafetensorsSource:
+    meta = _checkpoint_restore.read_metadata(path)
+    stored = _checkpoint_restore.locate_in_directory(path, meta)
+    return SafetensorsSource(path, "item", stored, dict(meta.get("metadata") or {}))
+
+
+def safetensors_dir_files(path: epath.Path) -> list[str]:
+    """The files of a plain safetensors directory: those listed by the HF index, else every
+    ``*.safetensors`` file."""
+    index = path / _plan.INDEX_FILE_NAME
+    if index.exists():
+        try:
+            doc = json.loads(index.read_text())
+            weight_map = doc["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise HeaderError(f"{index}: not a valid index file ({e})") from None
+        for f in files:
+            if not isinstance(f, str) or "/" in f or f.startswith("."):
+                raise HeaderError(f"{index}: invalid file name {f!r}")
+        return files
+    return [p.name for p in _steps.safetensors_files(path)]
+
+
+def _open_safetensors_dir(path: epath.Path) -> SafetensorsSource:
+    stored: dict[str, Any] = {}
+    metadata: dict[str, Any] = {}
+    weight_map: dict[str, str] | None = None
+    index = path / _plan.INDEX_FILE_NAME
+    if index.exists():
+        doc = json.loads(index.read_text())
+        weight_map = doc["weight_map"]
+        metadata = {"index": doc.get("metadata", {})}
+    for filename in safetensors_dir_files(path):
+        header = _router.read_header(path / filename)
+        metadata.setdefault("format", header.metadata.get("format"))
+        for name, st in _standalone.locate_in_file(path / filename, header, None).items():
+            if name in stored:
+                raise HeaderError(
+                    f"{path}: tensor {name!r} appears in both {stored[name].path.name} and {filename}"
+                )
+            if weight_map is not None and weight_map.get(name) != filename:
+                raise HeaderError(
+                    f"{path / filename}: holds tensor {name!r}, which the index places in "
+                    f"{weight_map.get(name)!r}"
+                )
+            stored[name] = st
+    if weight_map is not None:
+        lost = sorted(set(weight_map) - set(stored))
+        if lost:
+            raise HeaderError(f"{index}: lists tensors found in no file: {lost[:10]}")
+    return SafetensorsSource(path, "safetensors-dir", stored, metadata)
+
+
+class OrbaxSource:
+    """An Orbax-native PyTree item (``StandardSave``/``PyTreeSave``), read through Orbax.
+
+    Tensors carry the dotted names of Orbax's own tree (dict keys and list indices joined by
+    ``.``); Python scalars and strings are not tensors. ``read`` restores only the requested
+    leaves (Orbax's ``partial_restore``), as host arrays.
+    """
+
+    def __init__(self, path: epath.Path) -> None:
+        import jax
+
+        self.path = path = _steps.absolute(path)
+        self.kind = "orbax"
+        self.tree = orbax_metadata_tree(path)
+        flat, _ = jax.tree_util.tree_flatten_with_path(self.tree)
+        names = _tree.assign_names([tuple(p) for p, _ in flat])
+        self.leaves: dict[str, tuple[tuple[Any, ...], Any]] = {}
+        self.tensors = {}
+        for name, (keypath, leaf) in zip(names, flat):
+            self.leaves[name] = (tuple(keypath), leaf)
+            if is_orbax_array(leaf):
+                shape = tuple(int(d) for d in leaf.shape)
+                dtype = _dtypes.from_numpy(np.dtype(leaf.dtype), key=name)
+                self.tensors[name] = TensorInfo(
+                    name, dtype, shape, _dtypes.nbytes(dtype, shape), "(orbax)"
+                )
+        self.metadata: dict[str, Any] = {}
+
+    def read(self, names: Sequence[str]) -> dict[str, np.ndarray]:
+        import jax
+
+        values = self.restore(names)
+        return {
+            n: np.asarray(jax.random.key_data(v) if _tree.is_prng_key(v) else v)
+            for n, v in values.items()
+        }
+
+    def restore(self, names: Sequence[str], *, as_jax: bool = False) -> dict[str, Any]:
+        """The leaves ``names`` as Orbax restores them (scalars, strings, arrays).
+
+        With ``as_jax``, arrays saved as ``jax.Array`` come back as single-device jax arrays
+        (typed PRNG keys keep their type); otherwise every array is a host numpy array.
+        """
+        import jax
+        import orbax.checkpoint as ocp
+
+        if not names:
+            return {}
+        wanted = set(names)
+        device = jax.devices()[0]
+
+        def restore_args(leaf: Any) -> Any:
+            if is_orbax_array(leaf) and (not as_jax or leaf.sharding is None):
+                return ocp.RestoreArgs(restore_type=np.ndarray)
+            if is_orbax_array(leaf):
+                return ocp.ArrayRestoreArgs(
+                    sharding=jax.sharding.SingleDeviceSharding(device),
+                    global_shape=tuple(leaf.shape),
+                )
+            return ocp.RestoreArgs()
+
+        item = _select(self.tree, wanted, self.name_of_path(), lambda leaf: 0)
+        args = _select(self.tree, wanted, self.name_of_path(), restore_args)
+        restored = ocp.PyTreeCheckpointer().restore(
+            self.path,
+            args=_orbaxcompat.pytree_partial_restore(item, args),
+        )
+        out = {}
+        flat, _ = jax.tree_util.tree_flatten_with_path(restored)
+        by_path = {tuple(p): v for p, v in flat}
+        for name in names:
+            keypath, _ = self.leaves[name]
+            out[name] = by_path[keypath]
+        return out
+
+    def name_of_path(self) -> dict[tuple[Any, ...], str]:
+        """Each leaf's key path in ``self.tree`` mapped to its tensor name."""
+        return {keypath: name for name, (keypath, _) in self.leaves.items()}
+
+
+def orbax_metadata_tree(path: epath.PathLike) -> Any:
+    """Orbax's metadata tree of a native PyTree item (``ArrayMetadata``/``ScalarMetadata``...)."""
+    import orbax.checkpoint as ocp
+
+    problem = (
+        f"{path}: Orbax cannot read this item's metadata ({_steps.ORBAX_METADATA_FILE} is missing "
+        "or damaged)"
+    )
+    try:
+        meta = ocp.PyTreeCheckpointer().metadata(_steps.absolute(path))
+    except (ValueError, TypeError, KeyError) as error:  # orbax < 0.12 raises on bad JSON
+        raise SafetensorsCheckpointError(f"{problem}: {error}") from error
+    meta = getattr(meta, "item_metadata", meta)
+    tree = getattr(meta, "tree", meta)
+    if tree is None:
+        raise SafetensorsCheckpointError(problem)
+    return tree
+
+
+def is_orbax_array(leaf: Any) -> bool:
+    """Whether an Orbax metadata leaf describes an array (jax or numpy), not a scalar/string."""
+    from orbax.checkpoint import metadata as ocp_metadata
+
+    return isinstance(leaf, ocp_metadata.ArrayMetadata) and not isinstance(
+        leaf, ocp_metadata.ScalarMetadata
+    )
+
+
+def _select(tree: Any, wanted: set[str], names: Mapping[tuple[Any, ...], str], fn: Any) -> Any:
+    """A copy of ``tree`` keeping only the leaves named in ``wanted`` (mapped through ``fn``):
+    dicts drop other keys, lists keep their length with None in unwanted places."""
+    from jax.tree_util import DictKey, SequenceKey
+
+    def walk(node: Any, path: tuple[Any, ...]) -> tuple[bool, Any]:
+        if isinstance(node, dict):
+            out = {}
+            for k, v in node.items():
+                keep, sub = walk(v, (*path, DictKey(k)))
+                if keep:
+                    out[k] = sub
+            return bool(out), out
+        if isinstance(node, (list, tuple)):
+            items = [walk(v, (*path, SequenceKey(i))) for i, v in enumerate(node)]
+            seq = [sub if keep else None for keep, sub in items]
+            return any(keep for keep, _ in items), type(node)(seq)
+        if node is None:
+            return False, None
+        name = names.get(path)
+        return (name in wanted), (fn(node) if name in wanted else None)
+
+    return walk(tree, ())[1]
+
+
+def open_source(path: epath.PathLike) -> TensorSource:
+    """Opens a file, item, safetensors directory or Orbax item as a :class:`TensorSource`.
+
+    A step with exactly one tensor item opens that item.
+
+    Raises:
+      SafetensorsCheckpointError: when ``path`` holds no tensors or several items.
+    """
+    path = epath.Path(path)
+    kind = _steps.classify(path)
+    if kind == "step":
+        items = [n for n, k in _steps.list_items(path).items() if k in _steps.TENSOR_KINDS]
+        if len(items) != 1:
+            raise SafetensorsCheckpointError(
+                f"{path} is a step with {len(items)} tensor items ({', '.join(items)}); "
+                "name one item directory"
+            )
+        path, kind = path / items[0], _steps.item_kind(path / items[0])
+    if kind == "file":
+        return _open_file(path)
+    if kind == "item":
+        return _open_item(path)
+    if kind == "safetensors-dir":
+        return _open_safetensors_dir(path)
+    if kind == "orbax":
+        return OrbaxSource(path)
+    raise SafetensorsCheckpointError(
+        f"{path} is a {kind}, not a safetensors file, checkpoint item or Orbax item"
+    )
+
+
+def batches(
+    infos: Sequence[TensorInfo], max_bytes: int = DEFAULT_BATCH_BYTES
+) -> list[list[TensorInfo]]:
+    """Groups tensors into batches of at most ``max_bytes`` (a larger tensor goes alone)."""
+    out: list[list[TensorInfo]] = []
+    used = 0
+    for t in infos:
+        if not out or (out[-1] and used + t.nbytes > max_bytes):
+            out.append([])
+            used = 0
+        out[-1].append(t)
+        used += t.nbytes
+    return out

@@ -1,0 +1,1 @@
+"""Framework integrations: Flax NNX models and PyTorch / Hugging Face."""

@@ -1,0 +1,1 @@
+"""Inspection, diff, verify, convert, the CLI and the demo (the top layer)."""

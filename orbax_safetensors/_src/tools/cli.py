@@ -1,0 +1,248 @@
+"""The ``orbax-safetensors`` command line.
+
+Example::
+
+    orbax-safetensors inspect /ckpt                 # the steps of a CheckpointManager root
+    orbax-safetensors inspect /ckpt/100/state --json
+    orbax-safetensors verify /ckpt                  # exit status 1 on any damage
+    orbax-safetensors convert /orbax/100 /st/100    # Orbax-native step -> safetensors (or back)
+    orbax-safetensors diff /st/100/state /st/200/state
+    orbax-safetensors demo /tmp/demo
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Sequence
+
+EXIT_OK = 0
+EXIT_DIFFERENT = 1  # diff: the checkpoints differ; verify: damage found
+EXIT_ERROR = 2  # bad usage, unreadable input
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from orbax_safetensors._src.tools import demo  # imported only when used
+
+    return demo.main(args.dir, steps=args.steps)
+
+
+def _inspect_cmd(args: argparse.Namespace) -> int:
+    from orbax_safetensors._src.tools import inspection as _inspection
+
+    report = _inspection.inspect_path(args.path)
+    if args.json:
+        print(json.dumps(report, indent=1, default=str))
+    else:
+        print(_inspection.format_report(report))
+    return EXIT_OK
+
+
+def _verify_cmd(args: argparse.Namespace) -> int:
+    from orbax_safetensors._src.tools.verify import verify  # imported only when used
+
+    report = verify(args.path)
+    if args.json:
+        doc = {
+            "path": args.path,
+            "ok": report.ok,
+            "problems": list(report.problems),
+            "files": report.files,
+            "tensors": report.tensors,
+            "bytes": report.bytes,
+            "unverified": list(getattr(report, "unverified", [])),
+            "skipped": list(getattr(report, "skipped", [])),
+            "incomplete": list(getattr(report, "incomplete", [])),
+            "warnings": list(getattr(report, "warnings", [])),
+        }
+        print(json.dumps(doc, indent=1))
+    elif report.ok:
+        print(
+            f"{args.path}: OK ({report.files} files, {report.tensors} tensors, "
+            f"{report.bytes} bytes checked)"
+        )
+    else:
+        print(f"{args.path}: DAMAGED ({len(report.problems)} problem(s))")
+        for problem in report.problems:
+            print(f"  {problem}")
+    if not args.json:
+        unverified = getattr(report, "unverified", [])
+        if unverified:
+            print(f"  {len(unverified)} tensor(s) have no recorded checksum (headers checked only)")
+        for skipped in getattr(report, "skipped", []):
+            print(f"  skipped uncommitted {skipped}")
+        for warning in getattr(report, "warnings", []):
+            print(f"  warning: {warning}")
+    return EXIT_OK if report.ok else EXIT_DIFFERENT
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """``"5GB"`` -> 5e9, ``"512MiB"`` -> 512 * 2**20, ``"1000"`` -> 1000."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GB, 512MiB, 1000000)")
+    number, unit, binary = m.groups()
+    base = 1024 if binary.lower().startswith("i") else 1000
+    power = " kmgt".index(unit.lower() or " ")
+    return int(float(number) * base**power)
+
+
+def _convert_cmd(args: argparse.Namespace) -> int:
+    from orbax_safetensors._src.tools import convert as _convert
+    from orbax_safetensors._src.tools import inspection as _inspection
+
+    summary = _convert.convert(
+        args.src,
+        args.dst,
+        to=args.to,
+        unwrap_values=args.unwrap_values,
+        max_file_size=args.max_file_size,
+        batch_bytes=args.batch_size,
+        progress=not args.quiet,
+    )
+    target = "safetensors" if summary.direction == "safetensors" else "Orbax-native"
+    items = ", ".join(i or "(item)" for i in summary.items) or "-"
+    print(
+        f"converted {summary.tensors} tensors ({_inspection.human_bytes(summary.bytes)}) to "
+        f"{target} in {args.dst}; items: {items}"
+        + (f"; copied unchanged: {', '.join(summary.copied)}" if summary.copied else "")
+    )
+    return EXIT_OK
+
+
+def _diff_cmd(args: argparse.Namespace) -> int:
+    from orbax_safetensors._src.tools import diff as _diff
+
+    report = _diff.diff_paths(args.a, args.b, atol=args.atol)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=1))
+    else:
+        print(report.format())
+    return EXIT_OK if report.identical else EXIT_DIFFERENT
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with every subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="orbax-safetensors",
+        description="Inspect, verify and convert safetensors checkpoints of JAX pytrees.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    inspect = sub.add_parser(
+        "inspect",
+        help="list the tensors (or steps) of a checkpoint",
+        description="Prints a table of tensors (name, dtype, shape, bytes, file) with totals. "
+        "PATH may be a .safetensors file, a checkpoint item directory, a plain safetensors "
+        "directory (Hugging Face style), an Orbax-native item, a step directory (every item) "
+        "or a CheckpointManager root (then the steps Orbax lists and their sizes, flagging "
+        "incomplete steps, and the uncommitted ones).",
+    )
+    inspect.add_argument("path", help="file, item, step or root directory")
+    inspect.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    inspect.set_defaults(func=_inspect_cmd)
+
+    verify = sub.add_parser(
+        "verify",
+        help="check headers and checksums; exit status 1 on damage",
+        description="Checks the headers, metadata and CRC32C checksums of a .safetensors file, "
+        "a checkpoint item, a step or a CheckpointManager root (the steps Orbax lists: "
+        "uncommitted steps are skipped, a step with missing parts is reported as incomplete). "
+        "Prints every problem found and exits with status 1 when there is any damage or "
+        "missing part, 0 when all is well.",
+    )
+    verify.add_argument("path", help="file, item, step or root directory")
+    verify.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    verify.set_defaults(func=_verify_cmd)
+
+    convert = sub.add_parser(
+        "convert",
+        help="convert Orbax-native checkpoints to safetensors, or back",
+        description="Converts an Orbax-native item, step or CheckpointManager root "
+        "(StandardSave/PyTreeSave, OCDBT or not) into safetensors checkpoints with the same "
+        "dotted names and values, streaming a batch of tensors at a time; or a safetensors "
+        "item, file, step or root into Orbax-native (StandardSave) checkpoints. Other items of a "
+        "step (e.g. JSON) are copied. DST must not exist (or be empty); it appears only once "
+        "complete.",
+    )
+    convert.add_argument("src", help="item, step or root to convert")
+    convert.add_argument("dst", help="where to write the converted checkpoint")
+    convert.add_argument(
+        "--to",
+        choices=("safetensors", "orbax"),
+        default=None,
+        help="direction (default: from what SRC holds)",
+    )
+    convert.add_argument(
+        "--unwrap-values",
+        action="store_true",
+        help="collapse {'value': x} dicts (how Orbax stores nnx.Variable) so names match "
+        "nnx.state(model) here (layers.0.kernel rather than layers.0.kernel.value)",
+    )
+    convert.add_argument(
+        "--max-file-size",
+        type=parse_size,
+        default="5GB",
+        help="split safetensors output into files of at most this size (default 5GB)",
+    )
+    convert.add_argument(
+        "--batch-size",
+        type=parse_size,
+        default="256MiB",
+        help="tensor bytes held in memory at once (default 256MiB)",
+    )
+    convert.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    convert.set_defaults(func=_convert_cmd)
+
+    diff = sub.add_parser(
+        "diff",
+        help="compare the tensors of two checkpoints",
+        description="Lists tensors missing on either side, differing in shape or dtype, or "
+        "differing in value (with the max abs difference). A and B may be files, items, "
+        "Orbax-native items or steps. Exit status 0 when identical, 1 when different.",
+    )
+    diff.add_argument("a", help="first checkpoint")
+    diff.add_argument("b", help="second checkpoint")
+    diff.add_argument(
+        "--atol",
+        type=float,
+        default=0.0,
+        help="values within this absolute difference count as equal (default 0: exact)",
+    )
+    diff.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    diff.set_defaults(func=_diff_cmd)
+
+    demo = sub.add_parser(
+        "demo",
+        help="train a small NNX model, checkpoint it, crash, resume",
+        description="Trains a small NNX model on synthetic data, checkpoints it asynchronously "
+        "through Orbax's CheckpointManager as safetensors, simulates a crash and resumes.",
+    )
+    demo.add_argument(
+        "dir", nargs="?", default=None, help="checkpoint directory (default: a new temp dir)"
+    )
+    demo.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
+    demo.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the command line; returns the exit status (2 on errors, printed without a
+    traceback)."""
+    from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (SafetensorsCheckpointError, FileNotFoundError, FileExistsError) as e:
+        print(f"orbax-safetensors {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

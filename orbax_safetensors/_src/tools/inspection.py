@@ -1,0 +1,262 @@
+"""``orbax-safetensors inspect``: what a path holds (files, items, steps of a root), as a
+JSON-able report and as text.
+
+Example::
+
+    report = inspect_path("/ckpt")          # JSON-able dict: the steps and their sizes
+    print(format_report(report))
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from etils import epath
+
+from orbax_safetensors._src.catalog import sources as _sources
+from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
+from orbax_safetensors._src.orbax import steps as _steps
+
+# What a damaged or half-deleted checkpoint may raise while being read (Orbax's readers raise
+# ValueError subclasses too).
+_UNREADABLE = (ValueError, OSError, EOFError)
+
+
+def _file_size(path: epath.Path) -> int:
+    st = path.stat()
+    return int(getattr(st, "st_size", getattr(st, "length", 0)))
+
+
+def _disk_bytes(path: epath.Path) -> int:
+    if not path.is_dir():
+        return _file_size(path)
+    return sum(_disk_bytes(p) for p in path.iterdir())
+
+
+def _source_report(source: _sources.TensorSource) -> dict[str, Any]:
+    tensors = list(source.tensors.values())
+    return {
+        "path": str(source.path),
+        "kind": source.kind,
+        "num_tensors": len(tensors),
+        "total_bytes": sum(t.nbytes for t in tensors),
+        "metadata": source.metadata,
+        "tensors": [t.to_json() for t in tensors],
+    }
+
+
+def _step_report(path: epath.Path) -> dict[str, Any]:
+    items: dict[str, Any] = {}
+    other: list[str] = []
+    for name, kind in _steps.list_items(path).items():
+        if kind in _steps.TENSOR_KINDS:
+            items[name] = _source_report(_sources.open_source(path / name))
+        else:
+            other.append(name)
+    return {
+        "path": str(path),
+        "kind": "step",
+        "items": items,
+        "other_items": other,
+        "num_tensors": sum(i["num_tensors"] for i in items.values()),
+        "total_bytes": sum(i["total_bytes"] for i in items.values()),
+    }
+
+
+def _root_step(step: _steps.StepDir) -> dict[str, Any]:
+    """One committed step of a root report; an incomplete or unreadable step says so."""
+    entry: dict[str, Any] = {
+        "step": step.step,
+        "name": step.path.name,
+        "path": str(step.path),
+        "items": list(_steps.list_items(step.path)),
+        "num_tensors": None,
+        "tensor_bytes": None,
+        "disk_bytes": _disk_bytes(step.path),
+        "status": "ok",
+        "problem": None,
+        "missing": [],
+    }
+    missing = _steps.missing_entries(step.path)
+    if missing:
+        entry["status"] = "incomplete"
+        entry["problem"] = f"missing {', '.join(missing)}"
+        entry["missing"] = missing
+        return entry
+    try:
+        if _steps.item_kind(step.path) in _steps.TENSOR_KINDS:  # a step that is itself an item
+            rep = _source_report(_sources.open_source(step.path))
+            entry["items"] = [""]
+        else:
+            rep = _step_report(step.path)
+            entry["items"] = [*rep["items"], *rep["other_items"]]
+    except _UNREADABLE as e:
+        entry["status"] = "unreadable"
+        entry["problem"] = str(e)
+        return entry
+    entry["num_tensors"] = rep["num_tensors"]
+    entry["tensor_bytes"] = rep["total_bytes"]
+    return entry
+
+
+def _root_report(path: epath.Path) -> dict[str, Any]:
+    scanned = _steps.scan_steps(path)
+    steps = [_root_step(s) for s in scanned if s.committed]
+    latest = steps[-1]["step"] if steps else None
+    warnings = []
+    for s in steps:
+        if s["status"] == "incomplete":
+            warnings.append(_steps.incomplete_warning(s["step"], s["path"], s["missing"], latest))
+        elif s["status"] == "unreadable":
+            warnings.append(f"step {s['step']} cannot be read: {s['problem']}")
+    return {
+        "path": str(path),
+        "kind": "root",
+        "steps": steps,  # the steps mngr.all_steps() lists
+        "latest_step": latest,
+        "uncommitted": [
+            {"step": s.step, "name": s.path.name, "path": str(s.path), "reason": s.reason}
+            for s in scanned
+            if not s.committed
+        ],
+        "warnings": warnings,
+    }
+
+
+def inspect_path(path: epath.PathLike) -> dict[str, Any]:
+    """A JSON-able description of ``path`` (see the module docstring for the kinds).
+
+    For a root: the committed steps (those ``mngr.all_steps()`` lists) with their items, tensor
+    counts, tensor bytes and bytes on disk, each with a ``status`` (``ok``; ``incomplete`` when
+    entries are missing, ``unreadable`` when a file is damaged, both with a ``problem``), the
+    uncommitted step directories (``uncommitted``, with the reason) and ``warnings``.
+    Otherwise every tensor's name, dtype, shape, bytes and file, with totals.
+
+    Example::
+
+        report = inspect_path("/ckpt")
+        [s["step"] for s in report["steps"]]     # [100, 200]
+    """
+    path = epath.Path(path)
+    kind = _steps.classify(path)
+    if kind == "root":
+        return _root_report(path)
+    if kind == "step":
+        reason = _steps.uncommitted_reason(path)
+        try:
+            report = _step_report(path)
+        except _UNREADABLE as e:
+            if reason is None:
+                raise
+            raise SafetensorsCheckpointError(f"{path}: uncommitted step ({reason}): {e}") from e
+        if reason is not None:
+            report["uncommitted"] = reason
+        return report
+    if kind == "other":
+        raise SafetensorsCheckpointError(
+            f"{path}: not a safetensors file, checkpoint item, Orbax item, step or root"
+        )
+    return _source_report(_sources.open_source(path))
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``'1.5 KiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> list[str]:
+    widths = [len(h) for h in headers]
+    for row in rows:
+        widths = [max(w, len(c)) for w, c in zip(widths, row)]
+
+    def fmt(row: Sequence[str]) -> str:
+        cells = [
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))
+        ]
+        return "  ".join(cells).rstrip()
+
+    return [fmt(headers), "  ".join("-" * w for w in widths), *(fmt(r) for r in rows)]
+
+
+def _tensor_lines(report: Mapping[str, Any], prefix: str = "") -> list[str]:
+    rows = [
+        [
+            t["name"],
+            t["dtype"],
+            "("
+            + ", ".join(str(d) for d in t["shape"])
+            + ("," if len(t["shape"]) == 1 else "")
+            + ")",
+            str(t["bytes"]),
+            prefix + t["file"],
+        ]
+        for t in report["tensors"]
+    ]
+    return _table(["name", "dtype", "shape", "bytes", "file"], rows, right={3})
+
+
+def format_report(report: Mapping[str, Any]) -> str:
+    """The human-readable table for a report from :func:`inspect_path`."""
+    lines: list[str] = []
+    kind = report["kind"]
+    if kind == "root":
+        lines.append(f"{report['path']}: CheckpointManager root, {len(report['steps'])} step(s)")
+        headers = ["step", "items", "tensors", "tensor bytes", "on disk"]
+        flagged = any(s["status"] != "ok" for s in report["steps"])
+        rows = []
+        for s in report["steps"]:
+            row = [
+                str(s["step"]),
+                ",".join(s["items"]) or "-",
+                "-" if s["num_tensors"] is None else str(s["num_tensors"]),
+                "-" if s["tensor_bytes"] is None else str(s["tensor_bytes"]),
+                human_bytes(s["disk_bytes"]),
+            ]
+            rows.append([*row, s["status"].upper()] if flagged else row)
+        lines += _table([*headers, "status"] if flagged else headers, rows, {0, 2, 3, 4})
+        if report["steps"]:
+            lines.append(f"latest step: {report['latest_step']}")
+        for u in report["uncommitted"]:
+            lines.append(f"uncommitted (not listed by Orbax): {u['name']}: {u['reason']}")
+        lines += [f"warning: {w}" for w in report["warnings"]]
+        return "\n".join(lines)
+    if kind == "step":
+        if report.get("uncommitted"):
+            lines.append(
+                f"warning: uncommitted step, Orbax does not list it: {report['uncommitted']}"
+            )
+        lines.append(
+            f"{report['path']}: step with item(s) {', '.join(report['items']) or '-'}"
+            + (
+                f"; other items: {', '.join(report['other_items'])}"
+                if report["other_items"]
+                else ""
+            )
+        )
+        for name, item in report["items"].items():
+            lines.append("")
+            lines.append(f"[{name}] {item['kind']}")
+            lines += _tensor_lines(item, prefix=f"{name}/")
+        lines.append("")
+        lines.append(_total_line(report))
+        return "\n".join(lines)
+    lines.append(f"{report['path']}: {kind}")
+    meta = report.get("metadata") or {}
+    if meta:
+        lines.append("metadata: " + json.dumps(meta, sort_keys=True)[:400])
+    lines += _tensor_lines(report)
+    lines.append(_total_line(report))
+    return "\n".join(lines)
+
+
+def _total_line(report: Mapping[str, Any]) -> str:
+    return (
+        f"total: {report['num_tensors']} tensors, {report['total_bytes']} bytes "
+        f"({human_bytes(report['total_bytes'])})"
+    )
