@@ -41,13 +41,12 @@ from orbax_safetensors._src.core.errors import (
 )
 from orbax_safetensors._src.core.header import Header, TensorEntry
 from orbax_safetensors._src.orbax.object_storage import manager_options_for
-from orbax_safetensors._src.storage.objstore import (
-    ObjectStoreError,
+from orbax_safetensors._src.storage.objstore.calls import ObjectStoreError
+from orbax_safetensors._src.storage.objstore.options import (
     ObjectStoreOptions,
-    ObjectStoreStats,
-    object_store_stats,
     set_object_store_options,
 )
+from orbax_safetensors._src.storage.objstore.stats import ObjectStoreStats, object_store_stats
 from orbax_safetensors._src.storage.router import read_header
 from orbax_safetensors._verify import VerifyReport, verify
 from orbax_safetensors._version import __version__
