@@ -42,13 +42,12 @@ from orbax_safetensors._src.pipeline.checkpoint_save import save_directory
 from orbax_safetensors._src.pipeline.pieces import WriteStats
 from orbax_safetensors._src.pipeline.reader import ReadStats
 from orbax_safetensors._src.pipeline.standalone import load_file, load_metadata, save_file
-from orbax_safetensors._src.storage.objstore import (
-    ObjectStoreError,
+from orbax_safetensors._src.storage.objstore.calls import ObjectStoreError
+from orbax_safetensors._src.storage.objstore.options import (
     ObjectStoreOptions,
-    ObjectStoreStats,
-    object_store_stats,
     set_object_store_options,
 )
+from orbax_safetensors._src.storage.objstore.stats import ObjectStoreStats, object_store_stats
 from orbax_safetensors._src.storage.router import read_header
 from orbax_safetensors._src.tools.convert import ConvertSummary, convert
 from orbax_safetensors._src.tools.verify import VerifyReport, verify

@@ -9,6 +9,7 @@ are injected by stopping a server or through :class:`FaultProxy`, a small HTTP p
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import http.client
 import http.server
 import json
@@ -35,7 +36,8 @@ import pytest
 
 import orbax_safetensors as osf
 from orbax_safetensors._src.orbax import object_storage as _object_storage
-from orbax_safetensors._src.storage import objstore as _objstore
+from orbax_safetensors._src.storage.objstore import options as _options
+from orbax_safetensors._src.storage.objstore import s3 as _s3
 
 try:  # tests/ without __init__.py: pytest puts tests/ itself on sys.path.
     from multihost.launcher import run_workers
@@ -59,9 +61,9 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 @pytest.fixture
 def options() -> Iterator[Callable[..., None]]:
     """Sets object-storage options for one test (restored afterwards)."""
-    previous = _objstore.get_object_store_options()
+    previous = _options.get_object_store_options()
     yield lambda **kw: osf.set_object_store_options(**kw) and None
-    _objstore._options = previous
+    osf.set_object_store_options(**dataclasses.asdict(previous))
 
 
 @pytest.fixture(params=KINDS)
@@ -306,7 +308,7 @@ def test_s3_part_plan_respects_multipart_limits(sizes: list[int], is_last: bool)
     for i, n in enumerate(sizes):
         sources.append({"offset": pos, "size": n, "key": f"obj{i}", "key_offset": 3 * i})
         pos += n
-    parts = _objstore.part_recipes(sources, is_last, min_part, part_size)
+    parts = _s3.part_recipes(sources, is_last, min_part, part_size)
     assert [p.start for p in parts] == [100] + [p.stop for p in parts[:-1]]
     assert parts[-1].stop == pos
     for k, part in enumerate(parts):
@@ -325,10 +327,10 @@ def test_s3_part_plan_respects_multipart_limits(sizes: list[int], is_last: bool)
 
 def test_s3_part_numbers_follow_offsets() -> None:
     size = 200 * 1024 * MiB  # 200 GiB: parts must exceed 5 MiB to stay within 10,000
-    min_part = _objstore.s3_min_part(size)
+    min_part = _s3.s3_min_part(size)
     assert min_part > 5 * MiB
     starts = range(0, size - min_part, min_part)
-    numbers = [_objstore.part_number(s, size) for s in starts]
+    numbers = [_s3.part_number(s, size) for s in starts]
     assert numbers == sorted(set(numbers)) and numbers[0] == 1 and numbers[-1] <= 10_000
 
 

@@ -1,6 +1,7 @@
 """The library's exceptions: one hierarchy under :class:`SafetensorsCheckpointError`, every
 class a ``ValueError``. :class:`MetadataError` is also a ``TypeError``, and ``ObjectStoreError``
-(``orbax_safetensors._src.storage.objstore``) is also an ``OSError``, so code that catches the built-in class still does.
+(``orbax_safetensors._src.storage.objstore.calls``) is also an ``OSError``, so code that
+catches the built-in class still does.
 
 Messages name the offending key, file, shape and dtype, and say what was expected.
 

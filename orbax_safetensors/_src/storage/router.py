@@ -1,5 +1,6 @@
-"""The only entry point for I/O by path: local files (:mod:`.local`), ``s3://`` and ``gs://``
-(:mod:`.objstore`), and other ``etils.epath`` backends (:mod:`.stream`).
+"""The only entry point for I/O by path: local files (:mod:`.local`), URLs whose scheme has a
+registered :class:`Provider` (``s3://`` and ``gs://``: :mod:`.objstore`), and other
+``etils.epath`` backends (:mod:`.stream`).
 
 Example::
 
@@ -14,15 +15,53 @@ import os
 import stat
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Protocol
 
 from etils import epath
 
 from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.storage import interface as _interface
 from orbax_safetensors._src.storage import local as _local
-from orbax_safetensors._src.storage import objstore as _objstore
 from orbax_safetensors._src.storage import stream as _stream
+from orbax_safetensors._src.storage.objstore import engine as _engine
+
+
+class Provider(Protocol):
+    """What serves the paths of one URL scheme (an object store): ranged readers, whole-file
+    writes, and the two checkpoint hooks around a save by several processes."""
+
+    def open_reader(self, url: str) -> Any:
+        """A reader with ``size``, ``pread``, ``read_runs`` and ``close`` (see
+        :func:`open_reader`)."""
+        ...
+
+    def write_file(self, url: str, pieces: Sequence[_interface.Piece], size: int) -> None:
+        """Writes this process's ``pieces`` of the ``size``-byte file at ``url``."""
+        ...
+
+    def prepare_directory(
+        self, directory: str, files: Sequence[tuple[str, int]], *, is_primary: bool
+    ) -> None:
+        """See :func:`prepare_directory`."""
+        ...
+
+    def finalize_directory(self, directory: str) -> None:
+        """See :func:`finalize_files`."""
+        ...
+
+
+_PROVIDERS: dict[str, Provider] = {"s3": _engine.S3, "gs": _engine.GCS}
+
+
+def register_scheme(scheme: str, provider: Provider) -> None:
+    """Serves every ``<scheme>://`` path through ``provider`` from now on (in this process)."""
+    _PROVIDERS[scheme] = provider
+
+
+def provider_for(path: epath.PathLike) -> Provider | None:
+    """The provider registered for ``path``'s URL scheme (case-sensitive), or None."""
+    scheme, sep, _ = os.fspath(path).partition("://")
+    return _PROVIDERS.get(scheme) if sep else None
 
 
 def is_regular_file(path: epath.PathLike) -> bool:
@@ -44,8 +83,8 @@ def is_local(path: epath.PathLike) -> bool:
 
 
 def is_object_url(path: epath.PathLike) -> bool:
-    """Whether ``path`` is on S3 or GCS (``s3://``, ``gs://``), served by :mod:`.objstore`."""
-    return os.fspath(path).startswith(("s3://", "gs://"))
+    """Whether ``path`` is served by a registered :class:`Provider` (``s3://``, ``gs://``)."""
+    return provider_for(path) is not None
 
 
 @contextmanager
@@ -71,10 +110,11 @@ def open_writer(
             w.write([header_piece(header)])  # Piece, header_piece: see .interface
     """
     writer: _local.LocalWriter | _stream.BufferedWriter
+    provider = provider_for(path)
     if is_local(path):
         writer = _local.LocalWriter(os.fspath(path), size, truncate, threads, sync)
-    elif is_object_url(path):
-        writer = _stream.BufferedWriter(os.fspath(path), size, flush=_objstore.write_file)
+    elif provider is not None:
+        writer = _stream.BufferedWriter(os.fspath(path), size, flush=provider.write_file)
     else:
         writer = _stream.BufferedWriter(os.fspath(path), size, flush=_stream.write_stream)
     try:
@@ -117,13 +157,15 @@ def fsync_dir(path: epath.PathLike) -> None:
 
 @contextmanager
 def open_reader(path: epath.PathLike, *, threads: int = 4) -> Iterator[Any]:
-    """Opens ``path`` for ranged reads: fd-level locally, HTTP range requests on S3 and GCS
-    (:class:`.objstore.ObjectReader`), a seekable stream elsewhere."""
+    """Opens ``path`` for ranged reads: fd-level locally, the scheme's provider (HTTP range
+    requests on S3 and GCS: :class:`.objstore.common.ObjectReader`), a seekable stream
+    elsewhere."""
     reader: Any
+    provider = provider_for(path)
     if is_local(path):
         reader = _local.LocalReader(path, threads)
-    elif is_object_url(path):
-        reader = _objstore.ObjectReader(os.fspath(path))
+    elif provider is not None:
+        reader = provider.open_reader(os.fspath(path))
     else:
         reader = _stream.StreamReader(path)
     try:
@@ -138,10 +180,11 @@ def prepare_directory(
     """Main-thread step of every process before a checkpoint's files are written.
 
     On S3 in a multi-process job the primary starts one multipart upload per large file here
-    (see :func:`.objstore.prepare_directory`); elsewhere it does nothing.
+    (see :func:`.objstore.s3.prepare_directory`); elsewhere it does nothing.
     """
-    if is_object_url(directory):
-        _objstore.prepare_directory(os.fspath(directory), files, is_primary=is_primary)
+    provider = provider_for(directory)
+    if provider is not None:
+        provider.prepare_directory(os.fspath(directory), files, is_primary=is_primary)
 
 
 def finalize_files(directory: epath.PathLike) -> None:
@@ -149,8 +192,9 @@ def finalize_files(directory: epath.PathLike) -> None:
 
     Local files need nothing: every process wrote its bytes in place.
     """
-    if is_object_url(directory):
-        _objstore.finalize_directory(os.fspath(directory))
+    provider = provider_for(directory)
+    if provider is not None:
+        provider.finalize_directory(os.fspath(directory))
 
 
 def read_header(path: epath.PathLike) -> _header.Header:

@@ -25,7 +25,8 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import orbax_safetensors as osf  # noqa: E402
-from orbax_safetensors._src.storage import objstore as _objstore  # noqa: E402
+from orbax_safetensors._src.storage import router as _router  # noqa: E402
+from orbax_safetensors._src.storage.objstore import s3 as _s3  # noqa: E402
 
 MiB = 1 << 20
 primary = jax.process_index() == 0
@@ -34,7 +35,7 @@ big = [("model.safetensors", 64 * MiB), ("small.safetensors", MiB)]
 
 # 1. The primary fails to create the uploads: every process raises.
 try:
-    _objstore.prepare_directory(
+    _router.prepare_directory(
         f"{ctx.args['missing_bucket']}/run/0/default", big, is_primary=primary
     )
     report["failed"] = None
@@ -43,10 +44,10 @@ except Exception as error:
 
 # 2. The next hand-off works, and every process gets the same ids.
 directory = f"{ctx.args['bucket']}/handoff/0/default"
-_objstore.prepare_directory(directory, big, is_primary=primary)
-report["ids"] = _objstore._directories[directory].ids
+_router.prepare_directory(directory, big, is_primary=primary)
+report["ids"] = _s3.upload_ids(directory)
 if primary:
-    _objstore.finalize_directory(directory)  # nothing was uploaded: aborts the uploads
+    _router.finalize_files(directory)  # nothing was uploaded: aborts the uploads
 
 # 3. Orbax's default options on S3: refused in save() on every process.
 mesh = Mesh(np.array(jax.devices()).reshape(ctx.num_processes, -1), ("data", "model"))

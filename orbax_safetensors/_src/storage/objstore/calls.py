@@ -1,0 +1,199 @@
+"""Requests to object storage: :func:`call` (bounded retries on transient failures, the
+final error wrapped as :class:`ObjectStoreError`), and :func:`run_all`, which runs a batch of
+requests on the process-wide pool.
+
+Example::
+
+    size = call(url, "HEAD", lambda: store.size(bucket, key))
+    sizes = run_all([lambda: store.size(bucket, k) for k in keys])
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
+from orbax_safetensors._src.storage.objstore import options as _options
+from orbax_safetensors._src.storage.objstore import stats as _stats
+
+_T = TypeVar("_T")
+
+
+class ObjectStoreError(SafetensorsCheckpointError, OSError):
+    """A request to object storage failed for good (after retries, or not retryable).
+
+    A :class:`SafetensorsCheckpointError` and an ``OSError`` (``str``, ``args`` and ``errno``
+    as for a plain ``OSError(message)``).
+
+    Attributes:
+      url: the object (or prefix) concerned.
+      operation: what was attempted, e.g. ``"GET bytes 0-65535"``.
+      attempts: tries made.
+    """
+
+    def __init__(self, url: str, operation: str, attempts: int, cause: BaseException) -> None:
+        tries = f" after {attempts} attempts" if attempts > 1 else ""
+        super().__init__(f"{url}: {operation} failed{tries}: {describe_error(cause)}")
+        self.url = url
+        self.operation = operation
+        self.attempts = attempts
+
+
+def describe_error(error: BaseException) -> str:
+    """``error``'s type, HTTP status when it has one, and message (cut at 300 characters)."""
+    status = http_status(error)
+    text = str(error).strip() or type(error).__name__
+    if len(text) > 300:
+        text = text[:300] + "..."
+    return (
+        f"{type(error).__name__} (HTTP {status}): {text}"
+        if status
+        else f"{type(error).__name__}: {text}"
+    )
+
+
+def http_status(error: BaseException) -> int | None:
+    response = getattr(error, "response", None)
+    if isinstance(response, dict):  # botocore ClientError
+        code = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return int(code) if code else None
+    code = getattr(error, "code", None)  # google.api_core GoogleAPICallError
+    if isinstance(code, int):
+        return code
+    status = getattr(response, "status_code", None)
+    return int(status) if isinstance(status, int) else None
+
+
+_TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
+_TRANSIENT_S3_CODES = {"RequestTimeout", "SlowDown", "InternalError", "ServiceUnavailable"}
+
+
+def _is_transient(error: BaseException) -> bool:
+    if isinstance(error, (ConnectionError, TimeoutError)):
+        return True
+    status = http_status(error)
+    if status in _TRANSIENT_STATUS:
+        return True
+    response = getattr(error, "response", None)
+    if isinstance(response, dict) and response.get("Error", {}).get("Code") in _TRANSIENT_S3_CODES:
+        return True
+    names = {cls.__name__ for cls in type(error).__mro__}
+    transient_names = {
+        # botocore
+        "EndpointConnectionError",
+        "ConnectionClosedError",
+        "ReadTimeoutError",
+        "ConnectTimeoutError",
+        "ResponseStreamingError",
+        "IncompleteReadError",
+        "HTTPClientError",
+        # requests / urllib3 / google
+        "ChunkedEncodingError",
+        "ProtocolError",
+        "TransportError",
+        "DataCorruption",
+    }
+    if names & transient_names:
+        return True
+    from_requests = type(error).__module__.startswith("requests")
+    return from_requests and bool(names & {"ConnectionError", "Timeout"})
+
+
+_TRACE = os.environ.get("OSF_OBJSTORE_TRACE") == "1"
+
+
+def _trace(message: str) -> None:
+    """One line per request on stderr when ``OSF_OBJSTORE_TRACE=1`` (debugging aid)."""
+    import sys
+
+    print(
+        f"[osf-objstore {time.time():.3f} {threading.current_thread().name}] {message}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def call(url: str, operation: str, fn: Callable[[], _T]) -> _T:
+    """Runs ``fn`` with bounded retries on transient failures; wraps final errors."""
+    options = _options.get_object_store_options()
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            if not _TRACE:
+                return fn()
+            start = time.perf_counter()
+            result = fn()
+            _trace(f"{time.perf_counter() - start:8.3f}s {operation} {url}")
+            return result
+        except (FileNotFoundError, EOFError, ObjectStoreError, ImportError):
+            raise
+        except Exception as error:
+            if is_not_found(error):
+                raise FileNotFoundError(f"{url}: no such object ({operation})") from error
+            if not _is_transient(error) or attempt >= options.max_attempts:
+                raise ObjectStoreError(url, operation, attempt, error) from error
+            _stats.count(retries=1)
+            if _TRACE:
+                _trace(f"retry after attempt {attempt}: {operation} {url}: {describe_error(error)}")
+            delay = min(options.backoff_max, options.backoff_initial * 2 ** (attempt - 1))
+            time.sleep(delay * (0.5 + random.random() / 2))
+
+
+def is_not_found(error: BaseException) -> bool:
+    """A missing object (not a missing bucket or multipart upload)."""
+    response = getattr(error, "response", None)
+    code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+    if code:
+        return code in ("NoSuchKey", "404", "NotFound")
+    return http_status(error) == 404
+
+
+_executor: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
+_worker = threading.local()
+_lock = threading.Lock()  # guards _executor
+
+
+def _shared_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The process-wide pool for object-storage requests (``max_in_flight`` threads).
+
+    One pool bounds the requests in flight across every reader and writer of the process, and
+    its long-lived threads keep their HTTP connections (and GCS clients) between calls.
+    """
+    global _executor
+    n = _options.get_object_store_options().max_in_flight
+    with _lock:
+        if _executor is None or _executor[0] != n:
+            pool = concurrent.futures.ThreadPoolExecutor(
+                n, thread_name_prefix="osf-objstore", initializer=_mark_worker
+            )
+            _executor = (n, pool)
+        return _executor[1]
+
+
+def _mark_worker() -> None:
+    _worker.active = True
+
+
+def run_all(jobs: Sequence[Callable[[], _T]]) -> list[_T]:
+    """Runs ``jobs`` on the shared pool and returns their results in order.
+
+    Jobs started from inside a pool thread run inline (a nested fan-out must not wait for pool
+    threads it occupies). The first failure is re-raised after the others were cancelled or
+    finished, so no request outlives the call.
+    """
+    if len(jobs) <= 1 or getattr(_worker, "active", False):
+        return [job() for job in jobs]
+    pool = _shared_pool()
+    futures = [pool.submit(job) for job in jobs]
+    concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+    for f in futures:
+        f.cancel()
+    concurrent.futures.wait(futures)
+    return [f.result() for f in futures]

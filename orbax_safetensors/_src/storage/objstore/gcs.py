@@ -1,0 +1,267 @@
+"""Google Cloud Storage through google-cloud-storage: the client (:class:`GcsStore`),
+composing objects (:func:`compose_tree`), and the joining of several processes' ranges into
+one object (:func:`assemble`).
+
+Example::
+
+    store = GcsStore()
+    compose_tree(store, url, "bucket", "ckpt/model.safetensors", names, "ckpt/.osf-parts/tmp")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import os
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from orbax_safetensors._src.storage.objstore import calls as _calls
+from orbax_safetensors._src.storage.objstore import common as _common
+from orbax_safetensors._src.storage.objstore import options as _options
+from orbax_safetensors._src.storage.objstore import stats as _stats
+from orbax_safetensors._src.storage.objstore import views as _views
+
+GCS_MAX_COMPOSE = 32
+
+
+def _import_gcs() -> Any:
+    """``google.cloud.storage``, or an ImportError naming the ``[gcs]`` extra."""
+    try:
+        from google.cloud import storage
+    except ImportError as error:
+        raise _common.missing_client("gs", "google-cloud-storage", "gcs", error) from error
+    return storage
+
+
+class GcsStore:
+    """Google Cloud Storage through google-cloud-storage: one client per thread."""
+
+    scheme = "gs"
+    _local = threading.local()
+
+    def client(self) -> Any:
+        env = tuple(
+            os.environ.get(k)
+            for k in (
+                "STORAGE_EMULATOR_HOST",
+                "GOOGLE_CLOUD_PROJECT",
+                "GOOGLE_APPLICATION_CREDENTIALS",
+            )
+        )
+        cached = getattr(self._local, "client", None)
+        if cached is not None and cached[0] == env:
+            return cached[1]
+        storage = _import_gcs()
+        client = storage.Client()
+        # google-cloud-storage >= 3.15 fetches every bucket's metadata in a background thread
+        # per client, for tracing attributes only: an extra request per thread and bucket.
+        if getattr(client, "_bucket_metadata_cache", None) is not None:
+            client._bucket_metadata_cache = None
+        self._local.client = (env, client)
+        return client
+
+    def _blob(self, bucket: str, key: str) -> Any:
+        return self.client().bucket(bucket).blob(key)
+
+    @staticmethod
+    def _timeout() -> tuple[float, float]:
+        options = _options.get_object_store_options()
+        return (options.connect_timeout, options.read_timeout)
+
+    def size(self, bucket: str, key: str) -> int:
+        _stats.count(head_requests=1)
+        blob = self.client().bucket(bucket).get_blob(key, retry=None, timeout=self._timeout())
+        if blob is None:
+            raise FileNotFoundError(f"gs://{bucket}/{key}: no such object")
+        return int(blob.size)
+
+    def _download(self, bucket: str, key: str, start: int, n: int, sink: Any) -> bool:
+        """Streams up to ``n`` bytes from ``start`` into the file ``sink`` (one GET, without the
+        client's own retries and checksums); False if the object has no byte at ``start``."""
+        _stats.count(get_requests=1, bytes_fetched=n)
+        try:
+            self._blob(bucket, key).download_to_file(
+                sink,
+                start=start,
+                end=start + n - 1,
+                raw_download=True,
+                checksum=None,
+                retry=None,
+                timeout=self._timeout(),
+                single_shot_download=True,
+            )
+        except Exception as error:
+            if _calls.http_status(error) == 416:
+                return False
+            raise
+        return True
+
+    def get_into(
+        self, bucket: str, key: str, start: int, views: Sequence[memoryview]
+    ) -> int | None:
+        """Fills ``views`` with the bytes from ``start``; returns None (the size is not known).
+
+        Raises EOFError when the object ends before the views are full.
+        """
+        n = sum(len(v) for v in views)
+        sink = _views.ViewsWriter(views)
+        if not self._download(bucket, key, start, n, sink):
+            raise EOFError(f"gs://{bucket}/{key}: no bytes at offset {start}")
+        if sink.written < n:
+            raise EOFError(
+                f"gs://{bucket}/{key}: needs bytes up to {start + n}, "
+                f"file has {start + sink.written}"
+            )
+        return None
+
+    def get_upto(self, bucket: str, key: str, start: int, n: int) -> tuple[bytes, int | None]:
+        """Up to ``n`` bytes from ``start`` (fewer at the end) and the object size if known."""
+        sink = io.BytesIO()
+        if not self._download(bucket, key, start, n, sink):
+            return b"", None
+        data = sink.getvalue()
+        return data, (start + len(data) if len(data) < n else None)
+
+    def put(self, bucket: str, key: str, views: Sequence[memoryview]) -> None:
+        body = _views.ViewsReader(views)
+        _stats.count(put_requests=1, bytes_uploaded=len(body))
+        self._blob(bucket, key).upload_from_file(
+            body,
+            size=len(body),
+            content_type="application/octet-stream",
+            checksum="crc32c",
+            retry=None,
+            timeout=self._timeout(),
+        )
+
+    def delete(self, bucket: str, keys: Sequence[str]) -> None:
+        from google.api_core import exceptions
+
+        for key in keys:
+            _stats.count(delete_requests=1)
+            with contextlib.suppress(exceptions.NotFound):
+                self._blob(bucket, key).delete(retry=None, timeout=self._timeout())
+
+    def list(self, bucket: str, prefix: str) -> dict[str, int]:
+        out: dict[str, int] = {}
+        pages = (
+            self.client()
+            .list_blobs(bucket, prefix=prefix, retry=None, timeout=self._timeout())
+            .pages
+        )
+        for page in pages:
+            _stats.count(list_requests=1)
+            for blob in page:
+                out[blob.name] = int(blob.size)
+        return out
+
+    def compose(self, bucket: str, key: str, sources: Sequence[str]) -> None:
+        if not 1 <= len(sources) <= GCS_MAX_COMPOSE:
+            raise ValueError(f"compose takes 1..{GCS_MAX_COMPOSE} sources, got {len(sources)}")
+        _stats.count(compose_requests=1)
+        b = self.client().bucket(bucket)
+        blob = b.blob(key)
+        blob.content_type = "application/octet-stream"
+        blob.compose([b.blob(s) for s in sources], retry=None, timeout=self._timeout())
+
+
+def write_composed(
+    store: GcsStore,
+    url: str,
+    bucket: str,
+    key: str,
+    seg: _views.Segment,
+    chunks: Sequence[tuple[int, int]],
+) -> None:
+    """Writes the whole object ``key`` from ``seg``: one staged object per chunk (in parallel),
+    composed into ``key``; the staged and intermediate objects are deleted afterwards."""
+    prefix, _ = _common.staging_prefix(key)
+    token = uuid.uuid4().hex[:12]
+    names = [f"{prefix}w-{token}-{i:05d}" for i in range(len(chunks))]
+    created: list[str] = []
+    try:
+
+        def put(name: str, a: int, b: int) -> None:
+            _calls.call(
+                url, f"PUT part object {name}", lambda: store.put(bucket, name, seg.slice(a, b))
+            )
+
+        _calls.run_all([functools.partial(put, n, a, b) for n, (a, b) in zip(names, chunks)])
+        created = list(names)
+        created += compose_tree(store, url, bucket, key, names, f"{prefix}c-{token}")
+    finally:
+        _common.delete_quietly(store, bucket, names + created)
+
+
+def compose_tree(
+    store: GcsStore, url: str, bucket: str, key: str, names: Sequence[str], tmp_prefix: str
+) -> list[str]:
+    """Composes ``names`` (in order) into ``key``, <= 32 sources per call, in a tree.
+
+    Returns the intermediate objects created (the caller deletes them).
+    """
+    level = 0
+    created: list[str] = []
+    names = list(names)
+    while len(names) > GCS_MAX_COMPOSE:
+        groups = [names[i : i + GCS_MAX_COMPOSE] for i in range(0, len(names), GCS_MAX_COMPOSE)]
+        targets = [f"{tmp_prefix}-{level}-{i:05d}" for i in range(len(groups))]
+        created += targets
+
+        def compose(target: str, group: list[str]) -> None:
+            _calls.call(
+                url,
+                f"compose {len(group)} objects into {target}",
+                lambda: store.compose(bucket, target, group),
+            )
+
+        _calls.run_all([functools.partial(compose, t, g) for t, g in zip(targets, groups)])
+        names = targets
+        level += 1
+    _calls.call(url, f"compose {len(names)} objects", lambda: store.compose(bucket, key, names))
+    return created
+
+
+def assemble(store: GcsStore, url: str, bucket: str, key: str, docs: list[dict[str, Any]]) -> None:
+    """Joins the ranges the manifests ``docs`` list into the object ``key``: staged objects as
+    they are, runs of loose ranges through filler objects, composed in offset order."""
+    size, sources = _common.checked_sources(url, docs)
+    prefix, _ = _common.staging_prefix(key)
+    names: list[str] = []
+    fill_jobs: list[Callable[[], None]] = []
+    run: list[dict[str, Any]] = []
+
+    def flush() -> None:
+        if not run:
+            return
+        ranges = list(run)
+        run.clear()
+        obj = f"{prefix}f-{int(ranges[0]['offset']):016x}"
+        names.append(obj)
+
+        def job() -> None:
+            buffer = bytearray(sum(int(p["size"]) for p in ranges))
+            _common.fetch(store, url, bucket, ranges, memoryview(buffer))
+            _calls.call(
+                url, f"PUT filler {obj}", lambda: store.put(bucket, obj, [memoryview(buffer)])
+            )
+
+        fill_jobs.append(job)
+
+    for s in sources:
+        if s.get("whole"):
+            flush()
+            names.append(s["key"])
+        else:
+            run.append(s)
+    flush()
+    _calls.run_all(fill_jobs)
+    if not names:  # an empty file
+        _calls.call(url, "PUT 0 bytes", lambda: store.put(bucket, key, []))
+        return
+    del size
+    compose_tree(store, url, bucket, key, names, f"{prefix}c-{uuid.uuid4().hex[:12]}")
