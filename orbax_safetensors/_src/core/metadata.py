@@ -19,6 +19,7 @@ from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.core import plan as _plan
+from orbax_safetensors._src.core import sharding as _sharding
 from orbax_safetensors._src.core.errors import (
     IntegrityError,
     MetadataError,
@@ -117,8 +118,10 @@ def build_metadata(
 ) -> dict[str, Any]:
     """The metadata document of a checkpoint directory, less checksums (:func:`add_checksums`).
 
-    ``shardings`` maps each tensor to :func:`.sharding.sharding_to_json`'s description or None.
+    ``shardings`` maps each tensor to :func:`.sharding.sharding_to_json`'s description or None;
+    their device ids go into the document's ``device_meshes`` table, once per distinct list.
     """
+    shardings, device_meshes = _sharding.intern_device_ids(shardings)
     tensors = {
         s.name: {
             "dtype": s.dtype,
@@ -135,6 +138,7 @@ def build_metadata(
         "files": [f.filename for f in plan.files],
         "schema": schema,
         "tensors": tensors,
+        "device_meshes": device_meshes,
         "metadata": dict(user_metadata),
     }
 
