@@ -168,21 +168,26 @@ def _sharded() -> jax.Array:
 
 
 def test_point1_saved_sharding_reused_without_target(tmp_path):
-    tree = {"x": _sharded(), "y": jnp.arange(3)}
+    tree = {"x": _sharded(), "y": jnp.arange(3), "z": jax.device_put(jnp.ones(2), jax.devices()[3])}
     theirs, ours = save_both(tmp_path, tree)
     got, want = restore_both(theirs, ours)
     assert_same_restore(got, want)
     assert len(got["x"].sharding.device_set) == 8 and got["x"].sharding.spec == P("a", "b")
+    assert got["z"].sharding == SingleDeviceSharding(jax.devices()[3])  # its saved device
 
 
 def test_point1_saved_sharding_reused_for_shardless_targets(tmp_path):
-    tree = {"x": _sharded(), "y": jnp.arange(3.0)}
+    tree = {
+        "x": _sharded(),
+        "y": jnp.arange(3.0),
+        "z": jax.device_put(jnp.ones(2), jax.devices()[5]),
+    }
     theirs, ours = save_both(tmp_path, tree)
     abstract = jax.eval_shape(lambda: tree)  # ShapeDtypeStructs without shardings
     assert_same_restore(*restore_both(theirs, ours, item=abstract))
     theirs, ours = save_both(tmp_path, tree, orbax="pytree")
     for args in (ocp.ArrayRestoreArgs(), ocp.RestoreArgs()):
-        restore_args = {"x": args, "y": args}
+        restore_args = dict.fromkeys(tree, args)
         got, want = restore_both(theirs, ours, restore_args=restore_args, standard=False)
         assert_same_restore(got, want)
         assert len(got["x"].sharding.device_set) == 8

@@ -119,10 +119,12 @@ def build_metadata(
     """The metadata document of a checkpoint directory, less checksums (:func:`add_checksums`).
 
     ``shardings`` maps each tensor to :func:`.sharding.sharding_to_json`'s description or None;
-    their device ids go into the document's ``device_meshes`` table, once per distinct list.
+    their device ids go into the document's ``device_meshes`` table, once per distinct list;
+    a single device's id into the tensor's ``device``.
     """
+    shardings, devices = _sharding.split_devices(shardings)
     shardings, device_meshes = _sharding.intern_device_ids(shardings)
-    tensors = {
+    tensors: dict[str, dict[str, Any]] = {
         s.name: {
             "dtype": s.dtype,
             "shape": list(s.shape),
@@ -131,6 +133,8 @@ def build_metadata(
         }
         for s in specs
     }
+    for name, device in devices.items():
+        tensors[name]["device"] = device
     return {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,

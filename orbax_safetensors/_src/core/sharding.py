@@ -45,7 +45,11 @@ def named_sharding_json(
 
 def sharding_to_json(sharding: Any) -> dict[str, Any] | None:
     """A JSON description of a ``NamedSharding`` (mesh axes and shape, partition spec, device
-    ids), else None."""
+    ids) or of a ``SingleDeviceSharding`` (``{"device_id": id}``: stored as the tensor's
+    ``device``, see :func:`split_devices`), else None."""
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        device: Any = next(iter(sharding.device_set))
+        return {"device_id": int(device.id)}
     if not isinstance(sharding, jax.sharding.NamedSharding):
         return None
     mesh = sharding.mesh
@@ -79,6 +83,36 @@ def intern_device_ids(
             by_desc[id(desc)] = done
         out[name] = done
     return out, table
+
+
+def split_devices(
+    shardings: Mapping[str, dict[str, Any] | None],
+) -> tuple[dict[str, dict[str, Any] | None], dict[str, int]]:
+    """``shardings`` without the single-device descriptions, and those as tensor -> device id.
+
+    A single device goes into the tensor's own ``device`` field, not its ``sharding``: readers
+    that know only named shardings (this library before 0.2) ignore it.
+    """
+    devices: dict[str, int] = {}
+    out: dict[str, dict[str, Any] | None] = {}
+    for name, desc in shardings.items():
+        if desc is not None and "device_id" in desc:
+            devices[name] = int(desc["device_id"])
+            desc = None
+        out[name] = desc
+    return out, devices
+
+
+def device_from_json(device_id: object) -> jax.sharding.Sharding | None:
+    """The ``SingleDeviceSharding`` of a saved device id, when that device is this process's
+    (as Orbax's ``SingleDeviceShardingMetadata`` looks it up among ``jax.local_devices()``),
+    else None."""
+    if type(device_id) is not int:
+        raise SchemaError(f"device id {device_id!r} is not an integer")
+    for device in jax.local_devices():
+        if device.id == device_id:
+            return jax.sharding.SingleDeviceSharding(device)
+    return None
 
 
 def mesh_size(desc: Mapping[str, Any]) -> int:

@@ -170,8 +170,14 @@ def saved_shardings(
     saved without one); None when no tensor has one. The function raises
     ``TargetMismatchError`` for a sharding this job's devices cannot reproduce."""
     tensors = metadata["tensors"]
-    if not any(isinstance(info, dict) and info.get("sharding") for info in tensors.values()):
+    if not any(
+        isinstance(info, dict) and (info.get("sharding") or "device" in info)
+        for info in tensors.values()
+    ):
         return None
+    # A saved single device counts in a single-process job only: in a multi-process one, each
+    # process places host-local arrays on its own first device (the same answer everywhere).
+    single_process = jax.process_count() == 1
     device_meshes = metadata.get("device_meshes")
     built: dict[str, Any] = {}  # one sharding object per distinct description
 
@@ -179,6 +185,15 @@ def saved_shardings(
         info = tensors.get(name)
         desc = info.get("sharding") if isinstance(info, dict) else None
         if not desc:
+            if single_process and isinstance(info, dict) and "device" in info:
+                device = _sharding.device_from_json(info["device"])
+                if device is None:
+                    raise TargetMismatchError(
+                        f"{directory}: tensor {name!r} was saved on device {info['device']}, "
+                        "which this process does not have; pass a restore target whose "
+                        "leaves are jax.ShapeDtypeStruct with the sharding you want"
+                    )
+                return device
             return None
         if not isinstance(desc, dict):
             raise SchemaError(f"{directory}: tensor {name!r} has a malformed sharding {desc!r}")
