@@ -186,7 +186,11 @@ def saved_shardings(
         desc = info.get("sharding") if isinstance(info, dict) else None
         if not desc:
             if single_process and isinstance(info, dict) and "device" in info:
-                device = _sharding.device_from_json(info["device"])
+                saved = info["device"]
+                key = f"device {saved!r}"
+                if key not in built:
+                    built[key] = _sharding.device_from_json(saved)
+                device = built[key]
                 if device is None:
                     raise TargetMismatchError(
                         f"{directory}: tensor {name!r} was saved on device {info['device']}, "

@@ -465,6 +465,9 @@ def _plan_tensor(
             # ocp.utils.to_shape_dtype_struct makes of a key): a jax.Array target gives the
             # typed key back, a numpy one its key data, as Orbax does.
             typed_key = kind == "jax"
+            if not typed_key:  # the key data itself: still checked to be key data of its impl
+                data = jax.ShapeDtypeStruct(stored_shape, _dtypes.to_numpy(stored.dtype))
+                jax.eval_shape(lambda: wrap_key(saved.name, data, original.node["impl"]))
         elif want.shape == key_shape:
             return (
                 f"{name}: a PRNG key in the checkpoint, an array in the target (give a typed "
