@@ -229,13 +229,17 @@ _FEWER_DEVICES = textwrap.dedent(
                 "sum": float(np.asarray(x).sum())}
 
     theirs, ours, abstract = sys.argv[2], sys.argv[3], {"x": jax.ShapeDtypeStruct((4, 8), np.float32)}
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[1])
     placed = {"x": jax.ShapeDtypeStruct((4, 8), np.float32, sharding=sharding)}
+    fallback = ocp.args.StandardRestore(abstract, fallback_sharding=sharding)
+    x = osf.restore_directory(ours + "/0/default", abstract, fallback_sharding=sharding)["x"]
     print(json.dumps({
         "theirs": [restore(theirs, None), restore(theirs, ocp.args.StandardRestore(abstract)),
-                   restore(theirs, ocp.args.StandardRestore(placed))],
+                   restore(theirs, ocp.args.StandardRestore(placed)), restore(theirs, fallback)],
         "ours": [restore(ours, None), restore(ours, osf.SafetensorsRestore(abstract)),
-                 restore(ours, osf.SafetensorsRestore(placed))],
+                 restore(ours, osf.SafetensorsRestore(placed)),
+                 {"devices": sorted(d.id for d in x.sharding.device_set),
+                  "sum": float(np.asarray(x).sum())}],
     }))
     """
 )
@@ -244,7 +248,7 @@ _FEWER_DEVICES = textwrap.dedent(
 def test_must_hold2_saved_mesh_missing_devices_falls_back_as_orbax(tmp_path):
     # Saved over 8 devices, restored by a job of 4: Orbax refuses a restore that needs the
     # saved sharding ("Topology mismatch"), and so do we, naming the tensor; with a target
-    # sharding both restore the same values.
+    # sharding or a fallback sharding both restore the same values.
     theirs, ours = save_both(tmp_path, {"x": _sharded()})
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     run = subprocess.run(
@@ -263,7 +267,10 @@ def test_must_hold2_saved_mesh_missing_devices_falls_back_as_orbax(tmp_path):
         message = res["ours"][i]["message"]
         assert "'x'" in message and "a mesh of 8 devices" in message
         assert "this job's 4 devices cannot reproduce" in message
-    assert res["ours"][2] == res["theirs"][2] == {"devices": [0], "sum": float(sum(range(32)))}
+    placed = {"devices": [1], "sum": float(sum(range(32)))}
+    assert res["ours"][2] == res["theirs"][2] == placed
+    # Orbax's StandardRestore(fallback_sharding=...): osf.restore_directory(fallback_sharding=)
+    assert res["ours"][3] == res["theirs"][3] == placed
 
 
 # --------------------------------------------------------------------------- point 2

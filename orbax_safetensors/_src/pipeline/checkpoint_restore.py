@@ -139,15 +139,17 @@ def restore_directory(
     strict: bool = True,
     verify: bool = True,
     stats: ReadStats | None = None,
+    fallback_sharding: jax.sharding.Sharding | None = None,
 ) -> Any:
     """Restores a checkpoint directory (see :func:`orbax_safetensors.load_file` for ``target``).
 
     As Orbax's handlers do, arrays saved as ``jax.Array`` without a sharding in the target (no
     target at all, ``jax.ShapeDtypeStruct`` or ``ArrayRestoreArgs`` without one,
     ``RestoreArgs()``) are placed with their saved sharding, rebuilt over the saved devices
-    when this job has them all; otherwise a ``TargetMismatchError`` asks for a target sharding
-    (Orbax: "Topology mismatch"). Arrays saved host-local come back on this process's first
-    device.
+    when this job has them all; otherwise on ``fallback_sharding`` (as Orbax's
+    ``StandardRestore(fallback_sharding=...)``) if given, else a ``TargetMismatchError`` asks
+    for a target sharding (Orbax: "Topology mismatch"). Arrays saved host-local come back on
+    this process's first device.
     """
     directory = epath.Path(directory)
     metadata = read_metadata(directory)
@@ -159,16 +161,19 @@ def restore_directory(
         strict=strict,
         verify=verify,
         stats=stats,
-        saved_sharding=saved_shardings(directory, metadata),
+        saved_sharding=saved_shardings(directory, metadata, fallback_sharding),
     )
 
 
 def saved_shardings(
-    directory: epath.PathLike, metadata: Mapping[str, Any]
+    directory: epath.PathLike,
+    metadata: Mapping[str, Any],
+    fallback_sharding: jax.sharding.Sharding | None = None,
 ) -> Callable[[str], Any] | None:
     """Each tensor's saved sharding over this job's devices, by tensor name (None for a tensor
-    saved without one); None when no tensor has one. The function raises
-    ``TargetMismatchError`` for a sharding this job's devices cannot reproduce."""
+    saved without one); None when no tensor has one. For a sharding this job's devices cannot
+    reproduce the function gives ``fallback_sharding``, or raises ``TargetMismatchError``
+    without one."""
     tensors = metadata["tensors"]
     if not any(
         isinstance(info, dict) and (info.get("sharding") or "device" in info)
@@ -191,6 +196,8 @@ def saved_shardings(
                 if key not in built:
                     built[key] = _sharding.device_from_json(saved)
                 device = built[key]
+                if device is None and fallback_sharding is not None:
+                    return fallback_sharding
                 if device is None:
                     raise TargetMismatchError(
                         f"{directory}: tensor {name!r} was saved on device {info['device']}, "
@@ -215,6 +222,8 @@ def saved_shardings(
         if key not in built:
             built[key] = _sharding.sharding_from_json(desc, device_meshes)
         sharding = built[key]
+        if sharding is None and fallback_sharding is not None:
+            return fallback_sharding
         if sharding is None:
             raise TargetMismatchError(
                 f"{directory}: tensor {name!r} was saved with sharding {desc!r} "
