@@ -227,3 +227,23 @@ def test_partial_restore_fallback_restores_the_same_leaves(tmp_path: Path) -> No
         value = restored["b"]["c"]
         assert type(value) is np.ndarray and value.dtype == np.int32
         np.testing.assert_array_equal(value, tree["b"]["c"])
+
+
+def test_nnx_internal_attrs_are_empty_pytree_children():
+    # What is_nnx_internal_attr names must hold no state of the user's on this flax (or be
+    # absent): a saved Module restored without a target leaves these children out.
+    from jax.tree_util import GetAttrKey
+
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    try:
+        children = _jaxcompat.flatten_one_level_with_keys(model)
+    except ValueError:
+        pytest.skip("this flax's Modules are not pytrees: nothing to leave out")
+    internal = [
+        child
+        for key, child in children
+        if isinstance(key, GetAttrKey) and _jaxcompat.is_nnx_internal_attr(key.name)
+    ]
+    for child in internal:
+        assert jax.tree.leaves(child) == []
+    assert not _jaxcompat.is_nnx_internal_attr("kernel")

@@ -14,6 +14,7 @@ attribute.
 | :func:`batched_device_put` | ``jax._src.interpreters.pxla.batched_device_put``, ``jax._src.core.ShapedArray`` | private | ``jax.device_put`` (``None`` here) |
 | :func:`single_device_key` | ``SingleDeviceSharding._device`` | private | the sharding itself as a dict key (``None`` here) |
 | :func:`nnx_list` | ``flax.nnx.List`` | public since flax 0.12 (needed there for lists of modules) | a plain ``list`` (what flax 0.11 takes) |
+| :func:`is_nnx_internal_attr` | ``Module._pytree__state`` (an empty pytree child of every flax 0.12 Module) | private | none needed: a flax without it has no such child |
 
 Example::
 
@@ -64,6 +65,19 @@ def nnx_list(items: list[Any]) -> Any:
 
     make = getattr(nnx, "List", None)
     return list(items) if make is None else make(items)
+
+
+# -- flax.nnx's internal Module attributes (private) ------------------------------------------
+
+_NNX_INTERNAL_ATTRS = frozenset({"_pytree__state"})
+
+
+def is_nnx_internal_attr(name: str) -> bool:
+    """Whether ``name`` is an attribute flax.nnx gives every Module as an empty pytree child
+    (flax 0.12's ``_pytree__state``): no state of the user's. A saved Module restored without
+    a target leaves it out, so the result is what ``nnx.to_pure_dict`` gives.
+    """
+    return name in _NNX_INTERNAL_ATTRS
 
 
 # -- pxla.batched_device_put (private) -------------------------------------------------------

@@ -19,6 +19,7 @@ from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.core import plan as _plan
+from orbax_safetensors._src.core import sharding as _sharding
 from orbax_safetensors._src.core.errors import (
     IntegrityError,
     MetadataError,
@@ -117,9 +118,13 @@ def build_metadata(
 ) -> dict[str, Any]:
     """The metadata document of a checkpoint directory, less checksums (:func:`add_checksums`).
 
-    ``shardings`` maps each tensor to :func:`.sharding.sharding_to_json`'s description or None.
+    ``shardings`` maps each tensor to :func:`.sharding.sharding_to_json`'s description or None;
+    their device ids go into the document's ``device_meshes`` table, once per distinct list;
+    a single device's id into the tensor's ``device``.
     """
-    tensors = {
+    shardings, devices = _sharding.split_devices(shardings)
+    shardings, device_meshes = _sharding.intern_device_ids(shardings)
+    tensors: dict[str, dict[str, Any]] = {
         s.name: {
             "dtype": s.dtype,
             "shape": list(s.shape),
@@ -128,6 +133,8 @@ def build_metadata(
         }
         for s in specs
     }
+    for name, device in devices.items():
+        tensors[name]["device"] = device
     return {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
@@ -135,6 +142,7 @@ def build_metadata(
         "files": [f.filename for f in plan.files],
         "schema": schema,
         "tensors": tensors,
+        "device_meshes": device_meshes,
         "metadata": dict(user_metadata),
     }
 

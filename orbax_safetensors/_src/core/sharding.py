@@ -1,47 +1,183 @@
-"""The sharding codec: a ``NamedSharding`` as JSON (mesh axes and shape, partition spec) in
-``orbax_safetensors.json``, and back over this job's devices.
+"""The sharding codec: a ``NamedSharding`` as JSON (mesh axes and shape, partition spec, the
+mesh's device ids) in ``orbax_safetensors.json``, and back over this job's devices.
+
+Device ids are long lists on large meshes and most tensors share a mesh, so the metadata file
+keeps each distinct list once, in a top-level ``device_meshes`` table, and a tensor's sharding
+names its index (``mesh_devices``): :func:`intern_device_ids` on save, ``device_meshes=`` of
+:func:`sharding_from_json` on restore.
 
 Example::
 
-    desc = sharding_to_json(x.sharding)  # {"mesh_axes": ["d"], "mesh_shape": [8], "spec": ["d", None]}
+    desc = sharding_to_json(x.sharding)
+    # {"mesh_axes": ["d"], "mesh_shape": [8], "spec": ["d", None], "device_ids": [0, ..., 7]}
     sharding = sharding_from_json(desc)  # None when this job's devices cannot form that mesh
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
+from orbax_safetensors._src.core.errors import SchemaError
+
 
 def named_sharding_json(
-    axis_names: Iterable[str], mesh_shape: Iterable[Any], spec: Iterable[Any]
+    axis_names: Iterable[str],
+    mesh_shape: Iterable[Any],
+    spec: Iterable[Any],
+    device_ids: Iterable[int] | None = None,
 ) -> dict[str, Any]:
-    """The JSON description of a named sharding from its mesh axes, mesh shape and partition spec."""
+    """The JSON description of a named sharding from its mesh axes, mesh shape, partition spec
+    and (optionally) the ids of the mesh's devices in mesh order."""
     out = [e if e is None or isinstance(e, str) else list(e) for e in spec]
-    return {"mesh_axes": list(axis_names), "mesh_shape": [int(d) for d in mesh_shape], "spec": out}
+    desc: dict[str, Any] = {
+        "mesh_axes": list(axis_names),
+        "mesh_shape": [int(d) for d in mesh_shape],
+        "spec": out,
+    }
+    if device_ids is not None:
+        desc["device_ids"] = [int(i) for i in device_ids]
+    return desc
 
 
 def sharding_to_json(sharding: Any) -> dict[str, Any] | None:
-    """A JSON description of a ``NamedSharding`` (mesh axes and shape, partition spec), else None."""
+    """A JSON description of a ``NamedSharding`` (mesh axes and shape, partition spec, device
+    ids) or of a ``SingleDeviceSharding`` (``{"device_id": id}``: stored as the tensor's
+    ``device``, see :func:`split_devices`), else None."""
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        device: Any = next(iter(sharding.device_set))
+        return {"device_id": int(device.id)}
     if not isinstance(sharding, jax.sharding.NamedSharding):
         return None
     mesh = sharding.mesh
+    ids = [d.id for d in np.asarray(mesh.devices).flat]
     return named_sharding_json(
-        mesh.axis_names, [mesh.shape[a] for a in mesh.axis_names], sharding.spec
+        mesh.axis_names, [mesh.shape[a] for a in mesh.axis_names], sharding.spec, ids
     )
 
 
-def sharding_from_json(desc: Mapping[str, Any] | None) -> jax.sharding.Sharding | None:
-    """A ``NamedSharding`` like the saved one over this job's devices, or None if impossible."""
+def intern_device_ids(
+    shardings: Mapping[str, dict[str, Any] | None],
+) -> tuple[dict[str, dict[str, Any] | None], list[list[int]]]:
+    """``shardings`` with each description's ``device_ids`` replaced by ``mesh_devices``, its
+    index in the returned table of distinct id lists (the metadata's ``device_meshes``)."""
+    table: list[list[int]] = []
+    index: dict[tuple[int, ...], int] = {}
+    by_desc: dict[int, dict[str, Any]] = {}  # equal shardings often share one description
+    out: dict[str, dict[str, Any] | None] = {}
+    for name, desc in shardings.items():
+        if desc is None or "device_ids" not in desc:
+            out[name] = desc
+            continue
+        done = by_desc.get(id(desc))
+        if done is None:
+            ids = tuple(desc["device_ids"])
+            if ids not in index:
+                index[ids] = len(table)
+                table.append(list(ids))
+            done = {k: v for k, v in desc.items() if k != "device_ids"}
+            done["mesh_devices"] = index[ids]
+            by_desc[id(desc)] = done
+        out[name] = done
+    return out, table
+
+
+def split_devices(
+    shardings: Mapping[str, dict[str, Any] | None],
+) -> tuple[dict[str, dict[str, Any] | None], dict[str, int]]:
+    """``shardings`` without the single-device descriptions, and those as tensor -> device id.
+
+    A single device goes into the tensor's own ``device`` field, not its ``sharding``: readers
+    that know only named shardings (this library before 0.2) ignore it.
+    """
+    devices: dict[str, int] = {}
+    out: dict[str, dict[str, Any] | None] = {}
+    for name, desc in shardings.items():
+        if desc is not None and "device_id" in desc:
+            devices[name] = int(desc["device_id"])
+            desc = None
+        out[name] = desc
+    return out, devices
+
+
+def device_from_json(device_id: object) -> jax.sharding.Sharding | None:
+    """The ``SingleDeviceSharding`` of a saved device id, when that device is this process's
+    (as Orbax's ``SingleDeviceShardingMetadata`` looks it up among ``jax.local_devices()``),
+    else None."""
+    if type(device_id) is not int:
+        raise SchemaError(f"device id {device_id!r} is not an integer")
+    for device in jax.local_devices():
+        if device.id == device_id:
+            return jax.sharding.SingleDeviceSharding(device)
+    return None
+
+
+def mesh_size(desc: Mapping[str, Any]) -> int:
+    """The number of devices of a described sharding's mesh."""
+    return int(np.prod([int(d) for d in desc.get("mesh_shape") or [0]]))
+
+
+def _device_ids(
+    desc: Mapping[str, Any], device_meshes: Sequence[Any] | None
+) -> Sequence[Any] | None:
+    ids = desc.get("device_ids")
+    if ids is None and "mesh_devices" in desc:
+        i = desc["mesh_devices"]
+        if (
+            type(i) is not int
+            or not isinstance(device_meshes, list)
+            or not 0 <= i < len(device_meshes)
+        ):
+            raise SchemaError(f"sharding {dict(desc)!r} names no entry of device_meshes")
+        ids = device_meshes[i]
+    if ids is not None and not (isinstance(ids, list) and all(type(x) is int for x in ids)):
+        raise SchemaError(f"sharding {dict(desc)!r}: device ids are not a list of integers")
+    return ids
+
+
+def sharding_from_json(
+    desc: Mapping[str, Any] | None, device_meshes: Sequence[Any] | None = None
+) -> jax.sharding.Sharding | None:
+    """A ``NamedSharding`` like the saved one over this job's devices, or None if impossible.
+
+    The mesh is rebuilt from the saved device ids when the description has them (as Orbax
+    rebuilds it from its ``NamedShardingMetadata``): None unless every one of them is a device
+    of this job and, in a multi-process job, the mesh has devices of every process.
+    Descriptions without ids (older files, conversions) take ``jax.devices()`` in order when
+    their number matches the mesh size.
+
+    Raises:
+      SchemaError: a malformed description.
+    """
     if not desc:
         return None
-    shape = tuple(int(d) for d in desc["mesh_shape"])
-    devices = jax.devices()
-    if int(np.prod(shape)) != len(devices):
-        return None
-    mesh = jax.sharding.Mesh(np.array(devices).reshape(shape), tuple(desc["mesh_axes"]))
-    spec = [tuple(e) if isinstance(e, list) else e for e in desc["spec"]]
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+    try:
+        shape = tuple(int(d) for d in desc["mesh_shape"])
+        axes = tuple(str(a) for a in desc["mesh_axes"])
+        spec = [tuple(e) if isinstance(e, list) else e for e in desc["spec"]]
+    except (KeyError, TypeError, ValueError):
+        raise SchemaError(f"sharding {desc!r} is malformed") from None
+    ids = _device_ids(desc, device_meshes)
+    size = int(np.prod(shape))
+    if ids is not None:
+        by_id = {d.id: d for d in jax.devices()}
+        if len(ids) != size or any(i not in by_id for i in ids):
+            return None
+        devices = [by_id[i] for i in ids]
+        count = jax.process_count()
+        if count > 1 and len({d.process_index for d in devices}) != count:
+            # A mesh that leaves out some process: that process could hold no shard of the
+            # array (the same answer on every process: the job's device list is global).
+            return None
+    else:
+        devices = jax.devices()
+        if size != len(devices):
+            return None
+    try:
+        mesh = jax.sharding.Mesh(np.array(devices).reshape(shape), axes)
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+    except (TypeError, ValueError) as e:
+        raise SchemaError(f"sharding {desc!r} is malformed ({e})") from None

@@ -551,7 +551,8 @@ def unflatten(
     """Rebuilds the stored tree; ``get(leaf)`` supplies each array leaf's value.
 
     Custom nodes come back as dicts keyed by their field names (or lists when keyed by
-    index); NNX Variables as their values. Pass a target to :func:`match_target` for the
+    index; None when empty, as Orbax restores them); NNX Variables as their values, and flax
+    NNX Modules without their internal empty child (as ``nnx.to_pure_dict`` gives them). Pass a target to :func:`match_target` for the
     original node types. ``leaves`` is :func:`validate_schema`'s result for ``schema`` when the
     caller has it already (the schema is validated here otherwise).
     """
@@ -567,9 +568,13 @@ def unflatten(
         if kind == "tuple":
             return tuple(build(c) for c in node["v"])
         if kind == "node":
+            if not node["k"]:  # an empty custom node (optax MaskedNode): None, as Orbax gives
+                return None
             if all(k[0] == "idx" for k in node["k"]):
                 return [build(c) for c in node["v"]]
-            return {k[1]: build(c) for k, c in zip(node["k"], node["v"])}
+            return {
+                k[1]: build(c) for k, c in zip(node["k"], node["v"]) if not _is_nnx_internal(k, c)
+            }
         if kind == "var":
             return build(node["v"])
         if kind == "none":
@@ -580,6 +585,16 @@ def unflatten(
         return get(leaf)
 
     return build(schema["tree"])
+
+
+def _is_nnx_internal(key: list[Any], child: Mapping[str, Any]) -> bool:
+    # flax.nnx's empty internal child of every Module (not the user's state), left out.
+    return (
+        key[0] == "attr"
+        and child.get("t") == "node"
+        and not child.get("k")
+        and _jaxcompat.is_nnx_internal_attr(str(key[1]))
+    )
 
 
 # --------------------------------------------------------------------------- targets

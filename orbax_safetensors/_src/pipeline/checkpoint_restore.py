@@ -9,12 +9,11 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping
+import json
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
-import numpy as np
 from etils import epath
 
 from orbax_safetensors._src.core import checksum as _checksum
@@ -30,11 +29,7 @@ from orbax_safetensors._src.core.errors import (
 )
 from orbax_safetensors._src.pipeline import gcpause as _gcpause
 from orbax_safetensors._src.pipeline.reader import ReadStats, StoredTensor
-from orbax_safetensors._src.pipeline.tree_restore import (
-    is_restore_args,
-    restore_args_sharding,
-    restore_tree,
-)
+from orbax_safetensors._src.pipeline.tree_restore import restore_tree
 from orbax_safetensors._src.storage import router as _router
 
 # --------------------------------------------------------------------------- reading
@@ -144,79 +139,98 @@ def restore_directory(
     strict: bool = True,
     verify: bool = True,
     stats: ReadStats | None = None,
+    fallback_sharding: jax.sharding.Sharding | None = None,
 ) -> Any:
     """Restores a checkpoint directory (see :func:`orbax_safetensors.load_file` for ``target``).
 
-    In a multi-process job, arrays without a target sharding (no target at all, or target
-    leaves that are ``jax.ShapeDtypeStruct``/``ArrayRestoreArgs`` without one) are placed with
-    their saved sharding when this job's devices allow it; otherwise a ``TargetMismatchError``
-    asks for a target sharding. Arrays saved host-local come back on this process's first
-    device.
+    As Orbax's handlers do, arrays saved as ``jax.Array`` without a sharding in the target (no
+    target at all, ``jax.ShapeDtypeStruct`` or ``ArrayRestoreArgs`` without one,
+    ``RestoreArgs()``) are placed with their saved sharding, rebuilt over the saved devices
+    when this job has them all; otherwise on ``fallback_sharding`` (as Orbax's
+    ``StandardRestore(fallback_sharding=...)``) if given, else a ``TargetMismatchError`` asks
+    for a target sharding (Orbax: "Topology mismatch"). Arrays saved host-local come back on
+    this process's first device.
     """
     directory = epath.Path(directory)
     metadata = read_metadata(directory)
     stored = locate_in_directory(directory, metadata)
-    if jax.process_count() > 1:
-        target = _saved_sharding_target(directory, metadata, target)
     return restore_tree(
-        metadata["schema"], stored, target, strict=strict, verify=verify, stats=stats
+        metadata["schema"],
+        stored,
+        target,
+        strict=strict,
+        verify=verify,
+        stats=stats,
+        saved_sharding=saved_shardings(directory, metadata, fallback_sharding),
     )
 
 
-def _lacks_sharding(leaf: Any) -> bool:
-    """Whether a target leaf asks for a jax.Array without saying where to place it."""
-    if isinstance(leaf, jax.ShapeDtypeStruct):
-        return leaf.sharding is None
-    if is_restore_args(leaf):
-        restore_type = getattr(leaf, "restore_type", None)
-        if restore_type in (bool, int, float, str) or (
-            isinstance(restore_type, type) and issubclass(restore_type, np.ndarray)
-        ):
-            return False
-        return restore_args_sharding(leaf) is None
-    return False
+def saved_shardings(
+    directory: epath.PathLike,
+    metadata: Mapping[str, Any],
+    fallback_sharding: jax.sharding.Sharding | None = None,
+) -> Callable[[str], Any] | None:
+    """Each tensor's saved sharding over this job's devices, by tensor name (None for a tensor
+    saved without one); None when no tensor has one. For a sharding this job's devices cannot
+    reproduce the function gives ``fallback_sharding``, or raises ``TargetMismatchError``
+    without one."""
+    tensors = metadata["tensors"]
+    if not any(
+        isinstance(info, dict) and (info.get("sharding") or "device" in info)
+        for info in tensors.values()
+    ):
+        return None
+    # A saved single device counts in a single-process job only: in a multi-process one, each
+    # process places host-local arrays on its own first device (the same answer everywhere).
+    single_process = jax.process_count() == 1
+    device_meshes = metadata.get("device_meshes")
+    built: dict[str, Any] = {}  # one sharding object per distinct description
 
-
-def _saved_sharding_target(
-    directory: epath.Path, metadata: Mapping[str, Any], target: Any = None
-) -> Any:
-    """``target`` (None: the saved tree) with every jax leaf that lacks a sharding given its
-    saved sharding rebuilt over this job's devices (multi-process restores)."""
-    untargeted = target is None
-    if untargeted:
-        target = abstract_tree(directory, metadata)
-    flat = _tree.flatten_target(target, is_leaf=is_restore_args)
-    leaves = _tree.validate_schema(metadata["schema"])
-    out = []
-    for name, leaf in zip(flat.names, flat.leaves):
-        saved = leaves.get(name)
-        if saved is None or not _lacks_sharding(leaf):
-            out.append(leaf)
-            continue
-        original = leaves.get(saved.tensor_name, saved)
-        info = metadata["tensors"].get(saved.tensor_name)
-        if original.kind == "tensor" and original.node.get("array") != "jax":
-            if untargeted:  # a host-local numpy leaf: every process reads it in full
-                host = np.zeros(leaf.shape, leaf.dtype)
-                out.append(host[()] if original.node.get("array") == "scalar" else host)
-            else:
-                out.append(leaf)
-            continue
+    def sharding_of(name: str) -> Any:
+        info = tensors.get(name)
         desc = info.get("sharding") if isinstance(info, dict) else None
-        if desc is None:  # saved host-local (or not a NamedSharding): this process's device
-            out.append(leaf)
-            continue
-        sharding = _sharding.sharding_from_json(desc)
-        if sharding is None:
-            saved_devices = int(np.prod(desc.get("mesh_shape") or [0]))
-            raise TargetMismatchError(
-                f"{directory}: tensor {saved.tensor_name!r} was saved with sharding {desc!r} "
-                f"(a mesh of {saved_devices} devices), which this job's {len(jax.devices())} "
-                "devices cannot reproduce; pass a restore target whose leaves are "
-                "jax.ShapeDtypeStruct with the sharding you want"
-            )
-        if isinstance(leaf, jax.ShapeDtypeStruct):
-            out.append(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding))
+        if not desc:
+            if single_process and isinstance(info, dict) and "device" in info:
+                saved = info["device"]
+                key = f"device {saved!r}"
+                if key not in built:
+                    built[key] = _sharding.device_from_json(saved)
+                device = built[key]
+                if device is None and fallback_sharding is not None:
+                    return fallback_sharding
+                if device is None:
+                    raise TargetMismatchError(
+                        f"{directory}: tensor {name!r} was saved on device {info['device']}, "
+                        "which this process does not have; pass a restore target whose "
+                        "leaves are jax.ShapeDtypeStruct with the sharding you want"
+                    )
+                return device
+            return None
+        if not isinstance(desc, dict):
+            raise SchemaError(f"{directory}: tensor {name!r} has a malformed sharding {desc!r}")
+        if "device_ids" in desc:  # (long lists: kept in device_meshes by this library)
+            key = json.dumps(desc, sort_keys=True)
         else:
-            out.append(dataclasses.replace(leaf, sharding=sharding))
-    return flat.rebuild(out)
+            key = repr(
+                (
+                    desc.get("mesh_axes"),
+                    desc.get("mesh_shape"),
+                    desc.get("spec"),
+                    desc.get("mesh_devices"),
+                )
+            )
+        if key not in built:
+            built[key] = _sharding.sharding_from_json(desc, device_meshes)
+        sharding = built[key]
+        if sharding is None and fallback_sharding is not None:
+            return fallback_sharding
+        if sharding is None:
+            raise TargetMismatchError(
+                f"{directory}: tensor {name!r} was saved with sharding {desc!r} "
+                f"(a mesh of {_sharding.mesh_size(desc)} devices), which this job's "
+                f"{len(jax.devices())} devices cannot reproduce; pass a restore target whose "
+                "leaves are jax.ShapeDtypeStruct with the sharding you want"
+            )
+        return sharding
+
+    return sharding_of

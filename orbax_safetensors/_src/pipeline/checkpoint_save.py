@@ -123,6 +123,9 @@ class PreparedSave:
     checksums: bool
 
 
+_SINGLE_DEVICE = jax.sharding.SingleDeviceSharding
+
+
 def prepare_save(
     tree: Any,
     *,
@@ -167,8 +170,8 @@ def prepare_save(
         shardings[s.name] = (
             described(x.sharding)
             if not _snapshots.is_host_local(x, multi_process)
-            and isinstance(x.sharding, jax.sharding.NamedSharding)  # else nothing to describe
-            else None
+            and isinstance(x.sharding, (jax.sharding.NamedSharding, _SINGLE_DEVICE))
+            else None  # nothing to describe
         )
     metadata = _metadata.build_metadata(plan, specs, flat.schema, shardings, user_metadata or {})
     _metadata.check_user_metadata(user_metadata)  # fail early (before any I/O)

@@ -190,6 +190,15 @@ def _host_value(req: ReadRequest, raw: np.ndarray, box_shape: tuple[int, ...]) -
     return value
 
 
+def _shard_targets(sharding: Any, devices: list[Any]) -> list[Any]:
+    """Where each device's shard of an array over ``sharding`` goes: the device, or its memory
+    of the sharding's kind (e.g. ``pinned_host``) when that is not the device's own."""
+    kind = getattr(sharding, "memory_kind", None)
+    if kind is None or kind == "device":
+        return devices
+    return [jax.sharding.SingleDeviceSharding(d, memory_kind=kind) for d in devices]
+
+
 def _place_all(requests: Sequence[ReadRequest], buffers: list[_ReadBuffers]) -> list[Any]:
     results: list[Any] = [None] * len(requests)
     default = jax.local_devices()[0]  # jax.devices()[0] may belong to another process
@@ -216,14 +225,14 @@ def _place_all(requests: Sequence[ReadRequest], buffers: list[_ReadBuffers]) -> 
                 }
                 spans.append((i, len(values), len(devices)))
                 values.extend(boxes[rbuf.device_keys[d]] for d in devices)
-                targets.extend(devices)
+                targets.extend(_shard_targets(req.sharding, devices))
         else:
             assert rbuf.device_keys is not None
             host = {b.key: _host_value(req, b.buffer, _runs.box_shape(b.index)) for b in rbuf.boxes}
             devices = list(rbuf.device_keys)
             spans.append((i, len(values), len(devices)))
             values.extend(host[rbuf.device_keys[d]] for d in devices)
-            targets.extend(devices)
+            targets.extend(_shard_targets(req.sharding, devices))
     placed = _place.put(values, targets)
     for i, start, shards in spans:
         if shards is None:

@@ -145,9 +145,11 @@ def load_file(
       path: a file written by :func:`save_file`, or any safetensors file (then the result is a
         flat ``{name: array}`` dict).
       target: optional pytree saying what to build: leaves may be ``jax.Array``, numpy arrays,
-        ``jax.ShapeDtypeStruct`` (placed with its sharding, if any) or Python scalars; the result
-        has the target's node types (TrainState, namedtuples, ``nnx.State``...). Only the
-        tensors the target asks for are read.
+        ``jax.ShapeDtypeStruct`` (placed with its sharding; without one, a leaf saved as numpy
+        comes back as numpy of the struct's dtype, as Orbax's ``StandardRestore`` gives it),
+        Python scalars, Orbax ``RestoreArgs``, or ``None`` / ``...`` / empty nodes to skip a
+        subtree; the result has the target's node types (TrainState, namedtuples,
+        ``nnx.State``...). Only the tensors the target asks for are read.
       strict: with a target, missing or unexpected keys raise one error listing all of them;
         with ``strict=False`` unexpected keys are skipped and missing ones keep the target's
         (concrete) value.
