@@ -34,8 +34,10 @@ from orbax.checkpoint import future as ocp_future
 from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
 from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.core import plan as _plan
+from orbax_safetensors._src.orbax import args as _args
 from orbax_safetensors._src.orbax import object_storage as _object_storage
 from orbax_safetensors._src.orbax import steps as _steps
+from orbax_safetensors._src.orbax.tree_metadata import TreeMetadata
 from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
 from orbax_safetensors._src.pipeline import gcpause as _gcpause
@@ -110,7 +112,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         prepared = _checkpoint_save.prepare_save(
             args.item,
             validated=args._validated,
-            user_metadata=args.metadata,
+            user_metadata=args.custom_metadata,
             max_file_size=self._max_file_size,
             is_primary=self._is_primary(),
             process_index=jax.process_index(),
@@ -242,17 +244,32 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
     def restore(self, directory: epath.Path, args: SafetensorsRestore | None = None) -> Any:
         """Restores the tree; see :class:`SafetensorsRestore` for the target forms."""
         args = args or SafetensorsRestore()
-        target = args.restore_args if args.restore_args is not None else args.item
+        target = _args.merge_restore_args(
+            args.item, args.restore_args, partial_restore=args.partial_restore
+        )
         stats = ReadStats()
         result = _checkpoint_restore.restore_directory(
-            directory, target, strict=args.strict, verify=self._verify, stats=stats
+            directory,
+            target,
+            strict=not args.partial_restore,
+            verify=self._verify,
+            stats=stats,
+            pad_or_truncate=not args.strict,
+            keep_missing=args.partial_restore,
+            key_hint=_KEY_HINT_STRICT_FALSE if not args.strict else _KEY_HINT,
+            shape_hint=_SHAPE_HINT,
         )
         self.last_read_stats = stats
         return result
 
-    def metadata(self, directory: epath.Path) -> Any:
-        """The saved tree with ``jax.ShapeDtypeStruct`` leaves; reads no tensor bytes."""
-        return _checkpoint_restore.abstract_tree(directory)
+    def metadata(self, directory: epath.Path) -> TreeMetadata:
+        """The saved tree (``jax.ShapeDtypeStruct`` leaves, inline values as saved) and its
+        ``custom_metadata``, as a ``TreeMetadata`` like Orbax's; reads no tensor bytes."""
+        metadata = _checkpoint_restore.read_metadata(directory)
+        return TreeMetadata.build(
+            _checkpoint_restore.abstract_tree(directory, metadata),
+            custom_metadata=metadata.get("metadata") or None,
+        )
 
     def close(self) -> None:
         """Nothing to release: every file is closed when its write or read ends."""
@@ -277,42 +294,117 @@ def _persist_shares() -> bool:
     return jax.process_count() > 1
 
 
+_KEY_HINT = "pass partial_restore=True to restore only the target's keys"
+_SHAPE_HINT = "pass strict=False to pad or truncate it, as Orbax's StandardRestore does"
+_KEY_HINT_STRICT_FALSE = (
+    "pass partial_restore=True to restore only the target's keys; strict=False pads or "
+    "truncates shapes, as in Orbax's StandardRestore, and no longer skips keys"
+)
+
+
 @ocp.args.register_with_handler(SafetensorsCheckpointHandler, for_save=True)
-@dataclasses.dataclass
+@dataclasses.dataclass(repr=False)
 class SafetensorsSave(ocp.args.CheckpointArgs):
-    """Save ``item`` (any pytree) as safetensors.
+    """Save ``item`` (any pytree) as safetensors; Orbax's ``StandardSave`` arguments.
 
     Attributes:
       item: the pytree to save.
-      metadata: optional JSON-serialisable dict stored in ``orbax_safetensors.json``.
+      save_args: as in ``StandardSave``: a tree like ``item`` of ``ocp.SaveArgs`` (or None).
+        ``SaveArgs(dtype=...)`` casts the leaf before saving, as Orbax does; the zarr
+        options (``chunk_byte_size``, ``shard_axes``) and ``aggregate`` raise a
+        ``ValueError`` saying what to do instead.
+      custom_metadata: optional JSON-serialisable dict stored in ``orbax_safetensors.json``,
+        returned by ``handler.metadata(...).custom_metadata`` (Orbax's name).
+      metadata: the same as ``custom_metadata`` (this library's earlier name); pass one.
+        ``custom_metadata`` holds the value either way.
+
+    Prints as a summary (``SafetensorsSave(item=<dict: 12 leaves, 3.4 MiB>)``), never the
+    arrays.
     """
 
     item: Any
+    save_args: Any = None
+    custom_metadata: Mapping[str, Any] | None = None
     metadata: Mapping[str, Any] | None = None
     _validated: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.custom_metadata is None:
+            self.custom_metadata = self.metadata
+        elif self.metadata is not None and self.metadata != self.custom_metadata:
+            raise ValueError(
+                "SafetensorsSave: pass custom_metadata (Orbax's name) or metadata, not both"
+            )
         # Validate here, on the caller's line: once CheckpointManager.save() has started its
         # background step-directory creation, an error inside async_save can leave the process
         # waiting in Orbax's barriers at exit.
-        self._validated = _checkpoint_save.validate_save(self.item, self.metadata)
+        item = _args.apply_save_args(self.item, self.save_args)
+        self._validated = _checkpoint_save.validate_save(item, self.custom_metadata)
+
+    def __repr__(self) -> str:
+        parts = [f"item={_args.tree_summary(self.item)}"]
+        if self.save_args is not None:
+            parts.append(f"save_args={_args.tree_summary(self.save_args)}")
+        if self.custom_metadata is not None:
+            parts.append(f"custom_metadata={_args.tree_summary(dict(self.custom_metadata))}")
+        return f"SafetensorsSave({', '.join(parts)})"
 
 
 @ocp.args.register_with_handler(SafetensorsCheckpointHandler, for_restore=True)
-@dataclasses.dataclass
+@dataclasses.dataclass(repr=False)
 class SafetensorsRestore(ocp.args.CheckpointArgs):
-    """Restore a safetensors checkpoint.
+    """Restore a safetensors checkpoint; Orbax's ``StandardRestore`` and ``PyTreeRestore``
+    arguments, with their meanings.
 
     Attributes:
       item: None (the saved tree, rebuilt from its schema) or a target pytree whose leaves are
         arrays, numpy arrays, ``jax.ShapeDtypeStruct`` (with an optional sharding), Python
-        scalars or ``ocp.ArrayRestoreArgs``; the result has the target's node types.
-      strict: missing or unexpected keys raise (False: skip unexpected, keep concrete target
-        values for missing ones).
-      restore_args: a pytree of ``ocp.ArrayRestoreArgs`` as ``PyTreeRestore`` takes (e.g. from
-        ``ocp.checkpoint_utils.construct_restore_args(target)``); used as the target when given.
+        scalars or ``ocp.ArrayRestoreArgs``; the result has the target's node types. A
+        ``TreeMetadata`` (from ``handler.metadata`` or ``mngr.item_metadata``) works too.
+      strict: as in ``StandardRestore``: an array whose stored shape differs from the
+        target's raises (False: it is truncated or padded with zeros to the target's shape,
+        same rank). Missing or unexpected keys are ``partial_restore``'s business.
+      restore_args: as in ``PyTreeRestore``: a tree of ``ocp.RestoreArgs`` /
+        ``ocp.ArrayRestoreArgs`` (e.g. from ``ocp.checkpoint_utils.construct_restore_args``).
+        With ``item``, the structure (and the shapes and dtypes an ``ArrayRestoreArgs`` leaves
+        open) come from ``item``, types, dtypes and shardings from ``restore_args``; alone, it
+        is the target.
+      partial_restore: as in ``PyTreeRestore``: restore only the target's keys (stored keys
+        it lacks are not read); a target key the checkpoint lacks comes back as given.
+        False: any key in one but not the other raises, naming them all.
+
+    The standalone ``load_file`` / ``load_model`` keep the safetensors and PyTorch meaning of
+    ``strict`` (keys). Prints as a summary, never the arrays.
     """
 
     item: Any = None
     strict: bool = True
     restore_args: Any = None
+    partial_restore: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.item, TreeMetadata) or _is_orbax_tree_metadata(self.item):
+            self.item = self.item.tree
+        if isinstance(self.restore_args, TreeMetadata) or _is_orbax_tree_metadata(
+            self.restore_args
+        ):
+            self.restore_args = self.restore_args.tree
+
+    def __repr__(self) -> str:
+        parts = [f"item={_args.tree_summary(self.item)}", f"strict={self.strict}"]
+        if self.restore_args is not None:
+            parts.append(f"restore_args={_args.tree_summary(self.restore_args)}")
+        if self.partial_restore:
+            parts.append("partial_restore=True")
+        return f"SafetensorsRestore({', '.join(parts)})"
+
+
+def _is_orbax_tree_metadata(x: object) -> bool:
+    # Orbax's own TreeMetadata (a runtime-checkable protocol of its private metadata module),
+    # recognised by its members.
+    return (
+        x is not None
+        and hasattr(x, "tree")
+        and hasattr(x, "custom_metadata")
+        and hasattr(type(x), "tree_flatten_with_keys")
+    )

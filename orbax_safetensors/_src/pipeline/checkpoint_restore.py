@@ -31,6 +31,7 @@ from orbax_safetensors._src.core.errors import (
 from orbax_safetensors._src.pipeline import gcpause as _gcpause
 from orbax_safetensors._src.pipeline.reader import ReadStats, StoredTensor
 from orbax_safetensors._src.pipeline.tree_restore import (
+    KEY_HINT,
     is_restore_args,
     restore_args_sharding,
     restore_tree,
@@ -144,8 +145,16 @@ def restore_directory(
     strict: bool = True,
     verify: bool = True,
     stats: ReadStats | None = None,
+    pad_or_truncate: bool = False,
+    keep_missing: bool = False,
+    key_hint: str = KEY_HINT,
+    shape_hint: str = "",
 ) -> Any:
     """Restores a checkpoint directory (see :func:`orbax_safetensors.load_file` for ``target``).
+
+    ``strict`` governs keys, as in ``load_file``; ``pad_or_truncate``, ``keep_missing``,
+    ``key_hint`` and ``shape_hint`` are :func:`.tree_restore.restore_tree`'s (the Orbax handler's
+    ``SafetensorsRestore(strict=False)`` and ``partial_restore=True`` use them).
 
     In a multi-process job, arrays without a target sharding (no target at all, or target
     leaves that are ``jax.ShapeDtypeStruct``/``ArrayRestoreArgs`` without one) are placed with
@@ -159,7 +168,16 @@ def restore_directory(
     if jax.process_count() > 1:
         target = _saved_sharding_target(directory, metadata, target)
     return restore_tree(
-        metadata["schema"], stored, target, strict=strict, verify=verify, stats=stats
+        metadata["schema"],
+        stored,
+        target,
+        strict=strict,
+        verify=verify,
+        stats=stats,
+        pad_or_truncate=pad_or_truncate,
+        keep_missing=keep_missing,
+        key_hint=key_hint,
+        shape_hint=shape_hint,
     )
 
 

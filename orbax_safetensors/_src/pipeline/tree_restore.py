@@ -68,6 +68,7 @@ class _Want:
     sharding: Any
     key_impl: str | None = None
     pytype: type | None = None  # for "python": the scalar type to return
+    resize: bool = False  # an Orbax ArrayRestoreArgs(strict=False): pad or truncate to shape
 
 
 def restore_args_sharding(leaf: Any) -> Any:
@@ -104,12 +105,64 @@ def _want(leaf: Any) -> _Want | None:
             tuple(shape) if shape is not None else None,
             dtype,
             restore_args_sharding(leaf),
+            resize=getattr(leaf, "strict", True) is False,
         )
     if isinstance(leaf, np.ndarray):
         return _Want("numpy", tuple(leaf.shape), leaf.dtype, None)
     if isinstance(leaf, np.generic):
         return _Want("scalar", (), leaf.dtype, None)
     return None
+
+
+# What a key-mismatch error tells the caller (the standalone API's strict governs keys).
+KEY_HINT = "pass strict=False to skip them"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Options:
+    """How a targeted restore treats shape and key mismatches (see :func:`restore_tree`)."""
+
+    pad_or_truncate: bool = False
+    keep_missing: bool = False
+    key_hint: str = KEY_HINT
+    shape_hint: str = ""
+
+
+def _shape_problem(
+    name: str,
+    stored: StoredTensor,
+    stored_shape: tuple[int, ...],
+    want: _Want,
+    is_key: bool,
+    options: _Options,
+) -> str | None:
+    """Why a stored shape cannot fill the target's (None: it can, padded or truncated)."""
+    assert want.shape is not None
+    text = (
+        f"{name}: checkpoint has shape {stored_shape} ({stored.dtype}), "
+        f"target wants {tuple(want.shape)}"
+    )
+    if not (options.pad_or_truncate or want.resize):
+        return f"{text} ({options.shape_hint})" if options.shape_hint else text
+    if is_key or want.kind not in ("jax", "numpy"):
+        return f"{text}; only arrays can be padded or truncated"
+    if len(want.shape) != len(stored_shape):
+        return f"{text}; padding or truncating keeps the rank ({len(stored_shape)} dimensions)"
+    return None
+
+
+def pad_or_truncate(value: Any, shape: tuple[int, ...], kind: str, sharding: Any = None) -> Any:
+    """``value`` (a host array) cut to ``shape`` and padded with zeros, as Orbax's
+    ``strict=False`` restores; a ``jax.Array`` on ``sharding`` for ``kind == "jax"``."""
+    host = np.asarray(value)
+    out = np.zeros(shape, host.dtype)
+    common = tuple(slice(0, min(a, b)) for a, b in zip(shape, host.shape))
+    out[common] = host[common]
+    if kind != "jax":
+        return out
+    if sharding is None:
+        return jax.device_put(out)
+    return jax.make_array_from_callback(shape, sharding, lambda index: out[index])
 
 
 class _Loader:
@@ -180,6 +233,10 @@ def restore_tree(
     strict: bool = True,
     verify: bool = True,
     stats: ReadStats | None = None,
+    pad_or_truncate: bool = False,
+    keep_missing: bool = False,
+    key_hint: str = KEY_HINT,
+    shape_hint: str = "",
 ) -> Any:
     """Rebuilds a tree from ``stored`` tensors (see the module docstring).
 
@@ -191,6 +248,14 @@ def restore_tree(
         are skipped and missing ones keep the target's value where it is concrete.
       verify: check CRC32C checksums of tensors read whole.
       stats: accumulates bytes read and needed.
+      pad_or_truncate: an array whose stored shape differs from the target's (same rank) is
+        cut to the target's extent and padded with zeros, as Orbax's
+        ``StandardRestore(strict=False)`` does; otherwise that is an error.
+      keep_missing: without ``strict``, a target leaf missing from the checkpoint is returned
+        as given even when abstract (Orbax's ``partial_restore``); otherwise only concrete
+        ones are, and an abstract one is an error.
+      key_hint: what the key-mismatch error tells the caller to pass to skip keys.
+      shape_hint: what a shape-mismatch error tells the caller ("": nothing).
     """
     if schema is not None:
         leaves = _tree.validate_schema(schema)
@@ -204,7 +269,13 @@ def restore_tree(
     loader = _Loader(leaves, stored, verify, stats)
     if target is None:
         return _restore_untargeted(schema, leaves, loader)
-    return _restore_targeted(target, leaves, loader, strict)
+    return _restore_targeted(
+        target,
+        leaves,
+        loader,
+        strict,
+        _Options(pad_or_truncate, keep_missing, key_hint, shape_hint),
+    )
 
 
 def _restore_untargeted(
@@ -231,12 +302,18 @@ def _restore_untargeted(
 
 
 def _restore_targeted(
-    target: Any, leaves: Mapping[str, _tree.SchemaLeaf], loader: _Loader, strict: bool
+    target: Any,
+    leaves: Mapping[str, _tree.SchemaLeaf],
+    loader: _Loader,
+    strict: bool,
+    options: _Options | None = None,
 ) -> Any:
+    options = options or _Options()
     flat = _tree.flatten_target(target, is_leaf=is_restore_args)
     missing: list[str] = []
     problems: list[str] = []
     matches: list[tuple[str, Any, _Want | None, _tree.SchemaLeaf | None, int | None]] = []
+    resized: dict[int, tuple[tuple[int, ...], _Want]] = {}  # match index -> (shape, want)
     for name, tleaf in zip(flat.names, flat.leaves):
         want = _want(tleaf)
         saved = leaves.get(name)
@@ -246,7 +323,7 @@ def _restore_targeted(
                 and not isinstance(tleaf, jax.ShapeDtypeStruct)
                 and not is_restore_args(tleaf)
             )
-            if strict or not concrete:
+            if strict or not (concrete or options.keep_missing):
                 missing.append(name)
             matches.append((name, tleaf, want, None, None))
             continue
@@ -262,12 +339,13 @@ def _restore_targeted(
         original = leaves.get(saved.tensor_name, saved)
         is_key = original.kind == "key"
         stored_shape = stored.shape[: len(stored.shape) - 1] if is_key else stored.shape
+        resize_to = None
         if want.shape is not None and want.shape != tuple(stored_shape):
-            problems.append(
-                f"{name}: checkpoint has shape {tuple(stored_shape)} ({stored.dtype}), "
-                f"target wants {tuple(want.shape)}"
-            )
-            continue
+            problem = _shape_problem(name, stored, tuple(stored_shape), want, is_key, options)
+            if problem is not None:
+                problems.append(problem)
+                continue
+            resize_to = want.shape
         if (want.key_impl is not None) != is_key:
             problems.append(
                 f"{name}: {'a PRNG key' if is_key else 'an array'} in the checkpoint, "
@@ -280,13 +358,19 @@ def _restore_targeted(
             if want.dtype is not None and want.dtype != _dtypes.to_numpy(stored.dtype)
             else None
         )
+        if resize_to is not None:  # read whole on the host; padded and placed below
+            resized[len(matches)] = (resize_to, want)
+            matches.append((name, tleaf, want, saved, loader.request(saved, "numpy", None, dtype)))
+            continue
         matches.append(
             (name, tleaf, want, saved, loader.request(saved, kind, want.sharding, dtype))
         )
     target_names = set(flat.names)
     unexpected = [n for n in leaves if n not in target_names] if strict else []
     if missing or unexpected or problems:
-        raise TargetMismatchError(_mismatch_message(missing, unexpected, problems))
+        raise TargetMismatchError(
+            _mismatch_message(missing, unexpected, problems, options.key_hint)
+        )
     values = loader.run()
     out: list[Any] = []
     finished: dict[int, Any] = {}
@@ -306,17 +390,21 @@ def _restore_targeted(
             if want is not None and want.kind == "python":
                 value = (want.pytype or type(tleaf))(value.item())
             out.append(value)
+    for index, (shape, want) in resized.items():
+        out[index] = pad_or_truncate(out[index], shape, want.kind, want.sharding)
     return flat.rebuild(out)
 
 
-def _mismatch_message(missing: list[str], unexpected: list[str], problems: list[str]) -> str:
+def _mismatch_message(
+    missing: list[str], unexpected: list[str], problems: list[str], key_hint: str = KEY_HINT
+) -> str:
     parts = ["the checkpoint does not match the restore target:"]
     if missing:
         parts.append(f"  missing from the checkpoint ({len(missing)}): {', '.join(missing[:50])}")
     if unexpected:
         parts.append(
             f"  in the checkpoint but not the target ({len(unexpected)}): {', '.join(unexpected[:50])}"
-            " (pass strict=False to skip them)"
+            f" ({key_hint})"
         )
     parts.extend(f"  {p}" for p in problems[:50])
     return "\n".join(parts)
