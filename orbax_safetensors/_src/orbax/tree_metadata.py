@@ -23,8 +23,13 @@ import jax
 from jax.tree_util import DictKey, GetAttrKey, SequenceKey
 
 
+def _fields(x: object) -> tuple[str, ...]:
+    # A namedtuple's field names (its public ``_fields``), else ().
+    return tuple(getattr(type(x), "_fields", ())) if isinstance(x, tuple) else ()
+
+
 def _is_namedtuple(x: object) -> bool:
-    return isinstance(x, tuple) and hasattr(x, "_fields")
+    return bool(_fields(x))
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -68,7 +73,7 @@ class TreeMetadata:
         if isinstance(tree, dict):
             return [DictKey(k) for k in tree], list(tree.values())
         if _is_namedtuple(tree):
-            return [DictKey(k) for k in tree._fields], list(tree)
+            return [DictKey(k) for k in _fields(tree)], list(tree)
         if isinstance(tree, (list, tuple)):
             return [SequenceKey(i) for i in range(len(tree))], list(tree)
         return [GetAttrKey("tree")], [tree]
@@ -104,7 +109,7 @@ class TreeMetadata:
         if isinstance(self._tree, dict):
             return key in self._tree
         if _is_namedtuple(self._tree) and isinstance(key, str):
-            return key in self._tree._fields
+            return key in _fields(self._tree)
         if isinstance(self._tree, (list, tuple)):
             return isinstance(key, int) and -len(self._tree) <= key < len(self._tree)
         return False
