@@ -432,3 +432,65 @@ def test_args_print_a_summary_never_the_arrays() -> None:
 
 def test_environment_has_eight_devices() -> None:
     assert len(jax.devices()) == 8, os.environ.get("JAX_NUM_CPU_DEVICES")
+
+
+# --------------------------------------------------------------------------- point 12: mixed roots
+
+
+def test_a_root_of_orbax_native_steps_continues_with_safetensors_steps(tmp_path: Path) -> None:
+    """Must-hold 5: the same manager saves both kinds, and a restore without args reads each
+    step with its own format, as Orbax's own manager restores its steps."""
+    root = tmp_path / "run"
+    first = {"w": jnp.arange(4.0), "step": 1}
+    with ocp.CheckpointManager(root) as mngr:  # the run so far: Orbax-native
+        mngr.save(1, args=ocp.args.StandardSave(first))
+        mngr.wait_until_finished()
+    with ocp.CheckpointManager(root) as mngr:
+        want = mngr.restore(1)  # what Orbax alone gives
+
+    abstract = jax.eval_shape(lambda: first)
+    with ocp.CheckpointManager(root, handler_registry=osf.handler_registry()) as mngr:
+        _assert_same(mngr.restore(1), want)
+        _assert_same(
+            mngr.restore(1, args=ocp.args.StandardRestore(abstract)),
+            _orbax_standard(root / "1" / "default", ocp.args.StandardRestore(abstract)),
+        )
+        mngr.save(2, args=osf.SafetensorsSave({"w": jnp.arange(4.0) + 1, "step": 2}))
+        mngr.save(3, args=ocp.args.StandardSave({"w": jnp.arange(4.0) + 2, "step": 3}))
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [1, 2, 3]
+        assert mngr.restore(2)["step"] == 2
+        # Orbax's args on a safetensors step mean what they mean in SafetensorsRestore.
+        got = mngr.restore(2, args=ocp.args.StandardRestore(abstract))
+        np.testing.assert_array_equal(got["w"], np.arange(4.0) + 1)
+        assert mngr.item_metadata(2).tree["w"].shape == (4,)
+        assert mngr.item_metadata(1)["w"].shape == (4,)
+
+    assert (root / "2" / "default" / "orbax_safetensors.json").exists()
+    assert (root / "3" / "default" / "_METADATA").exists()  # StandardSave stays Orbax-native
+    assert not (root / "3" / "default" / "orbax_safetensors.json").exists()
+    with ocp.CheckpointManager(root) as mngr:  # Orbax alone still reads its steps
+        step3 = mngr.restore(3, args=ocp.args.StandardRestore(abstract))
+    np.testing.assert_array_equal(step3["w"], np.arange(4.0) + 2)
+    with ocp.CheckpointManager(root, handler_registry=osf.handler_registry()) as mngr:
+        for step in (1, 2, 3):  # a fresh manager: every step without args
+            restored = mngr.restore(step)
+            np.testing.assert_array_equal(restored["w"], np.arange(4.0) + step - 1)
+
+
+def test_safetensors_restore_reads_an_orbax_native_step_with_orbaxs_meanings(
+    tmp_path: Path,
+) -> None:
+    orbax_dir, _ = _save_both(tmp_path, _state())
+    target = {"a": S((10,), jnp.float32), "b": S((3, 4), jnp.int32), "n": np.zeros(5, np.int64)}
+    target["s"] = 0
+    handler = osf.SafetensorsCheckpointHandler()
+    got = handler.restore(orbax_dir, osf.SafetensorsRestore(target, strict=False))
+    if _ORBAX >= _ORBAX_TARGET_SHAPES:
+        want = _orbax_standard(orbax_dir, ocp.args.StandardRestore(target, strict=False))
+        _assert_same(got, want)
+    item = {"a": S((8,), jnp.float32)}
+    partial = handler.restore(orbax_dir, osf.SafetensorsRestore(item, partial_restore=True))
+    assert set(partial) == {"a"}
+    np.testing.assert_array_equal(partial["a"], np.arange(8.0))
+    handler.close()
