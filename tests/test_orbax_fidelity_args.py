@@ -494,3 +494,21 @@ def test_safetensors_restore_reads_an_orbax_native_step_with_orbaxs_meanings(
     assert set(partial) == {"a"}
     np.testing.assert_array_equal(partial["a"], np.arange(8.0))
     handler.close()
+
+
+def test_a_plain_manager_refuses_the_other_args_with_a_short_message(tmp_path: Path) -> None:
+    """Without ``handler_registry()``, Orbax ties "default" to the first handler it met. Its
+    error (quoted in docs/migrating-from-orbax.md) now prints our summary, not the arrays."""
+    root = tmp_path / "run"
+    state = {"w": jnp.full((64, 64), 0.123, jnp.float32)}
+    with ocp.CheckpointManager(root) as mngr:
+        mngr.save(1, args=ocp.args.StandardSave(state))
+        mngr.wait_until_finished()
+    with ocp.CheckpointManager(root) as mngr:
+        mngr.restore(1, args=ocp.args.StandardRestore(jax.eval_shape(lambda: state)))
+        with pytest.raises(ValueError) as err:
+            mngr.save(2, args=osf.SafetensorsSave(state))
+        mngr.wait_until_finished()  # let Orbax's step-directory thread finish (see the docs)
+    text = str(err.value)
+    assert 'args "SafetensorsSave(item=<dict: 1 leaf, 16.0 KiB>)"' in text
+    assert "does not match with any registered handler" in text and "0.123" not in text
