@@ -20,6 +20,8 @@ import dataclasses
 import importlib.metadata
 import os
 import re
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -496,19 +498,45 @@ def test_safetensors_restore_reads_an_orbax_native_step_with_orbaxs_meanings(
     handler.close()
 
 
+_PLAIN_MANAGER_SCRIPT = """
+import os, sys
+import jax, jax.numpy as jnp, orbax.checkpoint as ocp
+import orbax_safetensors as osf
+
+root = sys.argv[1]
+state = {"w": jnp.full((64, 64), 0.123, jnp.float32)}
+with ocp.CheckpointManager(root) as mngr:
+    mngr.save(1, args=ocp.args.StandardSave(state))
+    mngr.wait_until_finished()
+mngr = ocp.CheckpointManager(root)
+mngr.restore(1, args=ocp.args.StandardRestore(jax.eval_shape(lambda: state)))
+try:
+    mngr.save(2, args=osf.SafetensorsSave(state))
+except ValueError as e:
+    print(e, flush=True)
+# Orbax's step-directory thread now waits 300 s for a signal that never comes, and Python
+# would wait for it at exit (the docs' "surprises"): leave without waiting.
+os._exit(0)
+"""
+
+
 def test_a_plain_manager_refuses_the_other_args_with_a_short_message(tmp_path: Path) -> None:
     """Without ``handler_registry()``, Orbax ties "default" to the first handler it met. Its
-    error (quoted in docs/migrating-from-orbax.md) now prints our summary, not the arrays."""
-    root = tmp_path / "run"
-    state = {"w": jnp.full((64, 64), 0.123, jnp.float32)}
-    with ocp.CheckpointManager(root) as mngr:
-        mngr.save(1, args=ocp.args.StandardSave(state))
-        mngr.wait_until_finished()
-    with ocp.CheckpointManager(root) as mngr:
-        mngr.restore(1, args=ocp.args.StandardRestore(jax.eval_shape(lambda: state)))
-        with pytest.raises(ValueError) as err:
-            mngr.save(2, args=osf.SafetensorsSave(state))
-        mngr.wait_until_finished()  # let Orbax's step-directory thread finish (see the docs)
-    text = str(err.value)
-    assert 'args "SafetensorsSave(item=<dict: 1 leaf, 16.0 KiB>)"' in text
+    error (quoted in docs/migrating-from-orbax.md) now prints our summary, not the arrays.
+    In a subprocess: after that error, Orbax leaves a thread that would delay the exit."""
+    script = tmp_path / "plain.py"
+    script.write_text(_PLAIN_MANAGER_SCRIPT)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1"}
+    package_root = str(Path(osf.__file__).parent.parent)  # this checkout, not an installed copy
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    text = done.stdout
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert 'args "SafetensorsSave(item=<dict: 1 leaf, 16.0 KiB>)"' in text, text[-2000:]
     assert "does not match with any registered handler" in text and "0.123" not in text

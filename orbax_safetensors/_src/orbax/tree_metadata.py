@@ -3,7 +3,7 @@
 Orbax's ``StandardCheckpointHandler.metadata`` and ``PyTreeCheckpointHandler.metadata`` return a
 ``TreeMetadata`` (orbax-checkpoint 0.11.11 to 0.12): a pytree over the saved tree's top-level
 entries, with ``.tree`` (the saved tree) and ``.custom_metadata`` (what the save was given).
-Orbax's class is private (``orbax.checkpoint._src.metadata.tree``); this one has the same public
+Orbax's class is private (in its internal metadata package); this one has the same public
 members, so it satisfies Orbax's ``runtime_checkable`` ``TreeMetadata`` protocol and Orbax's
 args (``StandardRestore``, ``PyTreeRestore``) accept it as a restore target, as do ours.
 

@@ -318,7 +318,8 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
     def close(self) -> None:
         """Closes Orbax's handlers used for Orbax's args; every file of ours is closed when its
         write or read ends."""
-        for handler in self._orbax.values():
+        handlers, self._orbax = list(self._orbax.values()), {}  # new ones if used again
+        for handler in handlers:
             handler.close()
 
     @classmethod
