@@ -339,7 +339,9 @@ class OursManager(Method):
 
     def restore_partial(self, directory: Path, abstract: Any) -> Any:
         restore_args = self._osf.SafetensorsRestore
-        if _accepts(restore_args, "strict"):
+        if _accepts(restore_args, "partial_restore"):  # Orbax's name, since issue 16
+            return self._mngr.restore(0, args=restore_args(abstract, partial_restore=True))
+        if _accepts(restore_args, "strict"):  # earlier versions: strict governed keys
             return self._mngr.restore(0, args=restore_args(abstract, strict=False))
         return self._mngr.restore(0, args=restore_args(abstract))
 

@@ -36,6 +36,7 @@ from orbax_safetensors._src.orbax.v0 import (
     SafetensorsCheckpointHandler,
     SafetensorsRestore,
     SafetensorsSave,
+    handler_registry,
 )
 from orbax_safetensors._src.pipeline.checkpoint_restore import restore_directory
 from orbax_safetensors._src.pipeline.checkpoint_save import save_directory
@@ -85,6 +86,7 @@ __all__ = [
     "__version__",
     "convert",
     "export_pytorch",
+    "handler_registry",
     "load_file",
     "load_metadata",
     "load_model",

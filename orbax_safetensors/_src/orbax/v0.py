@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 import jax
@@ -34,14 +34,17 @@ from orbax.checkpoint import future as ocp_future
 from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
 from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.core import plan as _plan
+from orbax_safetensors._src.orbax import args as _args
 from orbax_safetensors._src.orbax import object_storage as _object_storage
 from orbax_safetensors._src.orbax import steps as _steps
+from orbax_safetensors._src.orbax.tree_metadata import TreeMetadata
 from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
 from orbax_safetensors._src.pipeline import gcpause as _gcpause
 from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.pipeline import snapshots as _snapshots
 from orbax_safetensors._src.pipeline.reader import ReadStats
+from orbax_safetensors._src.pipeline.tree_restore import is_restore_args as _is_restore_args
 from orbax_safetensors._src.storage import router as _router
 
 # How long an async save's writer waits, once every host copy is made, before it plans the
@@ -94,6 +97,19 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         # In a single-process job: (item directory, checksum share) of the last save, which is
         # then kept in memory only, as is the draft (the finalize is this process's).
         self._share: tuple[str, dict[str, Any]] | None = None
+        # Orbax's own handlers, for Orbax's args in a mixed root (see handler_registry), by
+        # kind; and which of them saved each item directory still to finalize.
+        self._orbax: dict[str, Any] = {}
+        self._orbax_saved: dict[str, Any] = {}
+
+    def _orbax_handler(self, kind: str) -> Any:
+        handler = self._orbax.get(kind)
+        if handler is None:
+            make = (
+                ocp.StandardCheckpointHandler if kind == "standard" else ocp.PyTreeCheckpointHandler
+            )
+            handler = self._orbax[kind] = make()
+        return handler
 
     def _is_primary(self) -> bool:
         return jax.process_index() == self._primary_host
@@ -110,7 +126,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         prepared = _checkpoint_save.prepare_save(
             args.item,
             validated=args._validated,
-            user_metadata=args.metadata,
+            user_metadata=args.custom_metadata,
             max_file_size=self._max_file_size,
             is_primary=self._is_primary(),
             process_index=jax.process_index(),
@@ -134,7 +150,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
 
     @_gcpause.paused  # (the caller's thread only: what outlives save() is never paused)
     def async_save(  # type: ignore[override]
-        self, directory: epath.Path, args: SafetensorsSave
+        self, directory: epath.Path, args: SafetensorsSave | Any
     ) -> Coroutine[Any, Any, list[ocp_future.Future] | None]:
         """Starts the save; the returned coroutine (awaited by Orbax) gives its commit future.
 
@@ -150,6 +166,11 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         A plain method returning a coroutine, not ``async def``: the copies must happen in the
         caller's call, and :func:`_orbaxcompat.orbax_waits_for_commit` must see the caller's frames.
         """
+        kind = _orbax_kind(args)
+        if kind is not None:  # Orbax's StandardSave / PyTreeSave, in a mixed root
+            handler = self._orbax_handler(kind)
+            self._orbax_saved[str(directory)] = handler
+            return handler.async_save(directory, args=args)  # type: ignore[no-any-return]
         self._check_primary_host()
         sync = _orbaxcompat.orbax_waits_for_commit(skip=1)
         stats = self.last_write_stats = _pieces.WriteStats()
@@ -219,8 +240,14 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         return started()
 
     @_gcpause.paused
-    def save(self, directory: epath.Path, args: SafetensorsSave) -> None:
+    def save(self, directory: epath.Path, args: SafetensorsSave | Any) -> None:
         """Synchronous save (used by ``ocp.Checkpointer``): writes straight from the arrays."""
+        kind = _orbax_kind(args)
+        if kind is not None:  # Orbax's StandardSave / PyTreeSave, in a mixed root
+            handler = self._orbax_handler(kind)
+            self._orbax_saved[str(directory)] = handler
+            handler.save(directory, args=args)
+            return
         self._check_primary_host()
         prepared = self._prepare(directory, args)
         _prepare_directory(directory, prepared)
@@ -233,33 +260,163 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
 
     def finalize(self, directory: epath.Path) -> None:
         """Merges every process's checksums into the metadata file (primary, after all wrote)."""
+        orbax = self._orbax_saved.pop(str(directory), None)
+        if orbax is not None:  # an item Orbax's handler saved (Orbax's args)
+            orbax.finalize(directory)
+            return
         draft, self._draft = self._draft, None
         share, self._share = self._share, None
         known = draft[1] if draft is not None and draft[0] == str(directory) else None
         shares = [share[1]] if share is not None and share[0] == str(directory) else []
         _checkpoint_save.finalize(directory, known, shares)
 
-    def restore(self, directory: epath.Path, args: SafetensorsRestore | None = None) -> Any:
-        """Restores the tree; see :class:`SafetensorsRestore` for the target forms."""
+    def restore(self, directory: epath.Path, args: SafetensorsRestore | Any = None) -> Any:
+        """Restores the tree; see :class:`SafetensorsRestore` for the target forms.
+
+        An Orbax-native item (a step that ``StandardSave`` or ``PyTreeSave`` wrote in the same
+        root) is restored through Orbax's own handler, with the same arguments: a root can
+        hold both kinds of steps (see :func:`handler_registry`).
+        """
+        native = _steps.item_kind(epath.Path(directory)) == "orbax"
+        kind = _orbax_kind(args)
+        if kind is not None:  # Orbax's StandardRestore / PyTreeRestore, in a mixed root
+            if native:
+                return self._orbax_handler(kind).restore(directory, args=args)
+            args = _from_orbax_restore(args)
         args = args or SafetensorsRestore()
-        target = args.restore_args if args.restore_args is not None else args.item
+        if native:
+            return _restore_orbax_native(directory, args, self._orbax_handler)
+        target = _args.merge_restore_args(
+            args.item, args.restore_args, partial_restore=args.partial_restore
+        )
         stats = ReadStats()
         result = _checkpoint_restore.restore_directory(
-            directory, target, strict=args.strict, verify=self._verify, stats=stats
+            directory,
+            target,
+            strict=not args.partial_restore,
+            verify=self._verify,
+            stats=stats,
+            pad_or_truncate=not args.strict,
+            keep_missing=args.partial_restore,
+            key_hint=_KEY_HINT_STRICT_FALSE if not args.strict else _KEY_HINT,
+            shape_hint=_SHAPE_HINT,
+            fallback_sharding=args.fallback_sharding,
         )
         self.last_read_stats = stats
         return result
 
-    def metadata(self, directory: epath.Path) -> Any:
-        """The saved tree with ``jax.ShapeDtypeStruct`` leaves; reads no tensor bytes."""
-        return _checkpoint_restore.abstract_tree(directory)
+    def metadata(self, directory: epath.Path) -> TreeMetadata | Any:
+        """The saved tree (``jax.ShapeDtypeStruct`` leaves, inline values as saved) and its
+        ``custom_metadata``, as a ``TreeMetadata`` like Orbax's; reads no tensor bytes."""
+        if _steps.item_kind(epath.Path(directory)) == "orbax":  # an Orbax-native step
+            return self._orbax_handler("pytree").metadata(directory)  # type: ignore[no-any-return]
+        metadata = _checkpoint_restore.read_metadata(directory)
+        return TreeMetadata.build(
+            _checkpoint_restore.abstract_tree(directory, metadata),
+            custom_metadata=metadata.get("metadata") or None,
+        )
 
     def close(self) -> None:
-        """Nothing to release: every file is closed when its write or read ends."""
+        """Closes Orbax's handlers used for Orbax's args; every file of ours is closed when its
+        write or read ends."""
+        handlers, self._orbax = list(self._orbax.values()), {}  # new ones if used again
+        for handler in handlers:
+            handler.close()
 
     @classmethod
     def typestr(cls) -> str:
         return _steps.HANDLER_TYPESTR
+
+
+def _orbax_kind(args: object) -> str | None:
+    """``standard`` or ``pytree`` for Orbax's own args (a mixed root's), else None."""
+    if isinstance(args, (ocp.args.StandardSave, ocp.args.StandardRestore)):
+        return "standard"
+    if isinstance(args, (ocp.args.PyTreeSave, ocp.args.PyTreeRestore)):
+        return "pytree"
+    return None
+
+
+def _from_orbax_restore(args: Any) -> SafetensorsRestore:
+    """Orbax's ``StandardRestore`` / ``PyTreeRestore`` for a safetensors item, as ours."""
+    if isinstance(args, ocp.args.StandardRestore):
+        return SafetensorsRestore(args.item, strict=args.strict)
+    if getattr(args, "transforms", None) is not None or getattr(args, "legacy_transform_fn", None):
+        raise ValueError(
+            "PyTreeRestore(transforms=...) cannot restore a safetensors step: restore the tree "
+            "and transform it, or use SafetensorsRestore(item, partial_restore=True)"
+        )
+    return SafetensorsRestore(
+        args.item,
+        restore_args=args.restore_args,
+        partial_restore=bool(getattr(args, "partial_restore", False)),
+    )
+
+
+def _restore_orbax_native(
+    directory: epath.Path, args: SafetensorsRestore, orbax_handler: Callable[[str], Any]
+) -> Any:
+    """An Orbax-native item restored by Orbax's handler, with ``args``'s meanings: its
+    ``StandardRestore`` (``item``, ``strict``) or, given ``restore_args`` or
+    ``partial_restore``, its ``PyTreeRestore``."""
+    if args.restore_args is None and not args.partial_restore:
+        return orbax_handler("standard").restore(
+            directory, args=ocp.args.StandardRestore(args.item, strict=args.strict)
+        )
+    restore_args = args.restore_args
+    if restore_args is None:
+        item = args.item
+        restore_args = (
+            ocp.checkpoint_utils.construct_restore_args(item) if item is not None else None
+        )
+    if not args.strict and restore_args is not None:
+        restore_args = jax.tree.map(
+            lambda a: dataclasses.replace(a, strict=False) if hasattr(a, "strict") else a,
+            restore_args,
+            is_leaf=_is_restore_args,
+        )
+    if args.partial_restore:
+        pytree_args = _orbaxcompat.pytree_partial_restore(args.item, restore_args)
+    else:
+        pytree_args = ocp.args.PyTreeRestore(args.item, restore_args=restore_args)
+    return orbax_handler("pytree").restore(directory, args=pytree_args)
+
+
+def handler_registry(
+    handler: SafetensorsCheckpointHandler | None = None, item: str = "default"
+) -> Any:
+    """A ``CheckpointHandlerRegistry`` for a root that holds Orbax-native and safetensors steps.
+
+    Item ``item`` goes to ``handler`` (default ``SafetensorsCheckpointHandler()``) for
+    ``SafetensorsSave`` / ``SafetensorsRestore`` and for Orbax's ``StandardSave`` /
+    ``StandardRestore`` and ``PyTreeSave`` / ``PyTreeRestore``, which it passes to Orbax's own
+    handlers: those steps are Orbax-native, as before. ``mngr.restore(step)`` without args and
+    ``mngr.item_metadata(step)`` read each step with its own format; Orbax's restore args on a
+    safetensors step mean what they mean in ``SafetensorsRestore``. Without it, Orbax's ``CheckpointManager`` ties each item to the first
+    handler it meets, and the other kind of args fails with "does not match with any
+    registered handler".
+
+    Example::
+
+        mngr = ocp.CheckpointManager(root, handler_registry=osf.handler_registry())
+        state = mngr.restore(mngr.latest_step())  # an Orbax-native step
+        mngr.save(step + 1, args=osf.SafetensorsSave(state))
+    """
+    handler = handler or SafetensorsCheckpointHandler()
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    # One handler for every args type: Orbax finalizes, restores without args and reads
+    # metadata through one handler per item (the first or the last registered); ours passes
+    # Orbax's args to Orbax's handlers and reads either kind of step.
+    for args_type in (
+        SafetensorsSave,
+        SafetensorsRestore,
+        ocp.args.StandardSave,
+        ocp.args.StandardRestore,
+        ocp.args.PyTreeSave,
+        ocp.args.PyTreeRestore,
+    ):
+        registry.add(item, args_type, handler)
+    return registry
 
 
 def _prepare_directory(directory: epath.Path, prepared: _checkpoint_save.PreparedSave) -> None:
@@ -277,42 +434,123 @@ def _persist_shares() -> bool:
     return jax.process_count() > 1
 
 
+_KEY_HINT = "pass partial_restore=True to restore only the target's keys"
+_SHAPE_HINT = "pass strict=False to pad or truncate it, as Orbax's StandardRestore does"
+_KEY_HINT_STRICT_FALSE = (
+    "pass partial_restore=True to restore only the target's keys; strict=False pads or "
+    "truncates shapes, as in Orbax's StandardRestore, and no longer skips keys"
+)
+
+
 @ocp.args.register_with_handler(SafetensorsCheckpointHandler, for_save=True)
-@dataclasses.dataclass
+@dataclasses.dataclass(repr=False)
 class SafetensorsSave(ocp.args.CheckpointArgs):
-    """Save ``item`` (any pytree) as safetensors.
+    """Save ``item`` (any pytree) as safetensors; Orbax's ``StandardSave`` arguments.
 
     Attributes:
       item: the pytree to save.
-      metadata: optional JSON-serialisable dict stored in ``orbax_safetensors.json``.
+      save_args: as in ``StandardSave``: a tree like ``item`` of ``ocp.SaveArgs`` (or None).
+        ``SaveArgs(dtype=...)`` casts the leaf before saving, as Orbax does; the zarr
+        options (``chunk_byte_size``, ``shard_axes``) and ``aggregate`` raise a
+        ``ValueError`` saying what to do instead.
+      custom_metadata: optional JSON-serialisable dict stored in ``orbax_safetensors.json``,
+        returned by ``handler.metadata(...).custom_metadata`` (Orbax's name).
+      metadata: the same as ``custom_metadata`` (this library's earlier name); pass one.
+        ``custom_metadata`` holds the value either way.
+
+    Prints as a summary (``SafetensorsSave(item=<dict: 12 leaves, 3.4 MiB>)``), never the
+    arrays.
     """
 
     item: Any
+    save_args: Any = None
+    custom_metadata: Mapping[str, Any] | None = None
     metadata: Mapping[str, Any] | None = None
     _validated: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.custom_metadata is None:
+            self.custom_metadata = self.metadata
+        elif self.metadata is not None and self.metadata != self.custom_metadata:
+            raise ValueError(
+                "SafetensorsSave: pass custom_metadata (Orbax's name) or metadata, not both"
+            )
         # Validate here, on the caller's line: once CheckpointManager.save() has started its
         # background step-directory creation, an error inside async_save can leave the process
         # waiting in Orbax's barriers at exit.
-        self._validated = _checkpoint_save.validate_save(self.item, self.metadata)
+        item = _args.apply_save_args(self.item, self.save_args)
+        self._validated = _checkpoint_save.validate_save(item, self.custom_metadata)
+
+    def __repr__(self) -> str:
+        parts = [f"item={_args.tree_summary(self.item)}"]
+        if self.save_args is not None:
+            parts.append(f"save_args={_args.tree_summary(self.save_args)}")
+        if self.custom_metadata is not None:
+            parts.append(f"custom_metadata={_args.tree_summary(dict(self.custom_metadata))}")
+        return f"SafetensorsSave({', '.join(parts)})"
 
 
 @ocp.args.register_with_handler(SafetensorsCheckpointHandler, for_restore=True)
-@dataclasses.dataclass
+@dataclasses.dataclass(repr=False)
 class SafetensorsRestore(ocp.args.CheckpointArgs):
-    """Restore a safetensors checkpoint.
+    """Restore a safetensors checkpoint; Orbax's ``StandardRestore`` and ``PyTreeRestore``
+    arguments, with their meanings.
 
     Attributes:
       item: None (the saved tree, rebuilt from its schema) or a target pytree whose leaves are
         arrays, numpy arrays, ``jax.ShapeDtypeStruct`` (with an optional sharding), Python
-        scalars or ``ocp.ArrayRestoreArgs``; the result has the target's node types.
-      strict: missing or unexpected keys raise (False: skip unexpected, keep concrete target
-        values for missing ones).
-      restore_args: a pytree of ``ocp.ArrayRestoreArgs`` as ``PyTreeRestore`` takes (e.g. from
-        ``ocp.checkpoint_utils.construct_restore_args(target)``); used as the target when given.
+        scalars or ``ocp.ArrayRestoreArgs``; the result has the target's node types. A
+        ``TreeMetadata`` (from ``handler.metadata`` or ``mngr.item_metadata``) works too.
+      strict: as in ``StandardRestore``: an array whose stored shape differs from the
+        target's raises (False: it is truncated or padded with zeros to the target's shape,
+        same rank). Missing or unexpected keys are ``partial_restore``'s business.
+      restore_args: as in ``PyTreeRestore``: a tree of ``ocp.RestoreArgs`` /
+        ``ocp.ArrayRestoreArgs`` (e.g. from ``ocp.checkpoint_utils.construct_restore_args``).
+        With ``item``, the structure (and the shapes and dtypes an ``ArrayRestoreArgs`` leaves
+        open) come from ``item``, types, dtypes and shardings from ``restore_args``; alone, it
+        is the target.
+      partial_restore: as in ``PyTreeRestore``: restore only the target's keys (stored keys
+        it lacks are not read); a target key the checkpoint lacks comes back as given.
+        False: any key in one but not the other raises, naming them all.
+      fallback_sharding: as in ``StandardRestore``: where an array goes whose saved sharding
+        this job cannot reproduce (its devices are not all here) when the target gives none;
+        None: that is an error naming the tensor.
+
+    The standalone ``load_file`` / ``load_model`` keep the safetensors and PyTorch meaning of
+    ``strict`` (keys). Prints as a summary, never the arrays.
     """
 
     item: Any = None
     strict: bool = True
     restore_args: Any = None
+    partial_restore: bool = False
+    fallback_sharding: Any = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.item, TreeMetadata) or _is_orbax_tree_metadata(self.item):
+            self.item = self.item.tree
+        if isinstance(self.restore_args, TreeMetadata) or _is_orbax_tree_metadata(
+            self.restore_args
+        ):
+            self.restore_args = self.restore_args.tree
+
+    def __repr__(self) -> str:
+        parts = [f"item={_args.tree_summary(self.item)}", f"strict={self.strict}"]
+        if self.restore_args is not None:
+            parts.append(f"restore_args={_args.tree_summary(self.restore_args)}")
+        if self.partial_restore:
+            parts.append("partial_restore=True")
+        if self.fallback_sharding is not None:
+            parts.append(f"fallback_sharding={self.fallback_sharding}")
+        return f"SafetensorsRestore({', '.join(parts)})"
+
+
+def _is_orbax_tree_metadata(x: object) -> bool:
+    # Orbax's own TreeMetadata (a runtime-checkable protocol of its private metadata module),
+    # recognised by its members.
+    return (
+        x is not None
+        and hasattr(x, "tree")
+        and hasattr(x, "custom_metadata")
+        and hasattr(type(x), "tree_flatten_with_keys")
+    )

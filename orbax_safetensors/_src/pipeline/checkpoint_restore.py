@@ -29,7 +29,10 @@ from orbax_safetensors._src.core.errors import (
 )
 from orbax_safetensors._src.pipeline import gcpause as _gcpause
 from orbax_safetensors._src.pipeline.reader import ReadStats, StoredTensor
-from orbax_safetensors._src.pipeline.tree_restore import restore_tree
+from orbax_safetensors._src.pipeline.tree_restore import (
+    KEY_HINT,
+    restore_tree,
+)
 from orbax_safetensors._src.storage import router as _router
 
 # --------------------------------------------------------------------------- reading
@@ -140,8 +143,16 @@ def restore_directory(
     verify: bool = True,
     stats: ReadStats | None = None,
     fallback_sharding: jax.sharding.Sharding | None = None,
+    pad_or_truncate: bool = False,
+    keep_missing: bool = False,
+    key_hint: str = KEY_HINT,
+    shape_hint: str = "",
 ) -> Any:
     """Restores a checkpoint directory (see :func:`orbax_safetensors.load_file` for ``target``).
+
+    ``strict`` governs keys, as in ``load_file``; ``pad_or_truncate``, ``keep_missing``,
+    ``key_hint`` and ``shape_hint`` are :func:`.tree_restore.restore_tree`'s (the Orbax handler's
+    ``SafetensorsRestore(strict=False)`` and ``partial_restore=True`` use them).
 
     As Orbax's handlers do, arrays saved as ``jax.Array`` without a sharding in the target (no
     target at all, ``jax.ShapeDtypeStruct`` or ``ArrayRestoreArgs`` without one,
@@ -162,6 +173,10 @@ def restore_directory(
         verify=verify,
         stats=stats,
         saved_sharding=saved_shardings(directory, metadata, fallback_sharding),
+        pad_or_truncate=pad_or_truncate,
+        keep_missing=keep_missing,
+        key_hint=key_hint,
+        shape_hint=shape_hint,
     )
 
 

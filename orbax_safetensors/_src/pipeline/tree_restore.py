@@ -97,6 +97,7 @@ class _Want:
     key_impl: str | None = None
     pytype: type | None = None
     needs_sharding: bool = False
+    resize: bool = False  # an Orbax ArrayRestoreArgs(strict=False): pad or truncate to shape
 
 
 def restore_args_sharding(leaf: Any) -> Any:
@@ -139,16 +140,17 @@ def _want(leaf: Any) -> _Want | None:
         # Orbax's RestoreArgs name the type to return: numpy arrays and Python scalars stay on
         # the host (as PyTreeRestore returns them); None is the saved type; anything else
         # becomes a jax.Array.
+        resize = getattr(leaf, "strict", True) is False
         if isinstance(restore_type, type) and issubclass(restore_type, np.ndarray):
-            return _Want("numpy", shape, dtype, None)
+            return _Want("numpy", shape, dtype, None, resize=resize)
         if restore_type in (bool, int, float):
             return _Want("python", (), None, None, pytype=restore_type)
         if restore_type is str:
             return _Want("str", (), None, None)
         sharding = restore_args_sharding(leaf)
         if restore_type is None and sharding is None:
-            return _Want("saved", shape, dtype, None)
-        return _Want("jax", shape, dtype, sharding, needs_sharding=True)
+            return _Want("saved", shape, dtype, None, resize=resize)
+        return _Want("jax", shape, dtype, sharding, needs_sharding=True, resize=resize)
     if isinstance(leaf, np.ndarray):
         return _Want("numpy", tuple(leaf.shape), leaf.dtype, None)
     if isinstance(leaf, np.generic):
@@ -185,6 +187,62 @@ def key_sharding(sharding: Any, ndim: int) -> Any:
 SavedSharding = Callable[[str], Any]
 
 _INLINE_KINDS = frozenset(("bool", "int", "float", "str"))
+
+# What a key-mismatch error tells the caller (the standalone API's strict governs keys).
+KEY_HINT = "pass strict=False to skip them"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Options:
+    """How a targeted restore treats shape and key mismatches (see :func:`restore_tree`)."""
+
+    pad_or_truncate: bool = False
+    keep_missing: bool = False
+    key_hint: str = KEY_HINT
+    shape_hint: str = ""
+
+
+def _shape_problem(
+    name: str,
+    stored: StoredTensor,
+    stored_shape: tuple[int, ...],
+    want: _Want,
+    kind: str,
+    options: _Options,
+) -> str | None:
+    """Why a stored array's shape cannot fill the target's (None: it can, padded or
+    truncated to it, as Orbax's ``strict=False`` does)."""
+    assert want.shape is not None
+    text = (
+        f"{name}: checkpoint has shape {stored_shape} ({stored.dtype}), "
+        f"target wants {tuple(want.shape)}"
+    )
+    if not (options.pad_or_truncate or want.resize):
+        return f"{text} ({options.shape_hint})" if options.shape_hint else text
+    if kind not in ("jax", "numpy"):
+        return f"{text}; only arrays can be padded or truncated"
+    if len(want.shape) != len(stored_shape):
+        return f"{text}; padding or truncating keeps the rank ({len(stored_shape)} dimensions)"
+    return None
+
+
+def pad_or_truncate(value: Any, shape: tuple[int, ...], kind: str, sharding: Any = None) -> Any:
+    """``value`` (a host array) cut to ``shape`` and padded with zeros, as Orbax's
+    ``strict=False`` restores; a ``jax.Array`` on ``sharding`` for ``kind == "jax"``.
+
+    Example::
+
+        pad_or_truncate(np.ones(3), (5,), "numpy")   # array([1., 1., 1., 0., 0.])
+    """
+    host = np.asarray(value)
+    out = np.zeros(shape, host.dtype)
+    common = tuple(slice(0, min(a, b)) for a, b in zip(shape, host.shape))
+    out[common] = host[common]
+    if kind != "jax":
+        return out
+    if sharding is None:
+        return jax.device_put(out)
+    return jax.make_array_from_callback(shape, sharding, lambda index: out[index])
 
 
 class _Loader:
@@ -256,6 +314,10 @@ def restore_tree(
     verify: bool = True,
     stats: ReadStats | None = None,
     saved_sharding: SavedSharding | None = None,
+    pad_or_truncate: bool = False,
+    keep_missing: bool = False,
+    key_hint: str = KEY_HINT,
+    shape_hint: str = "",
 ) -> Any:
     """Rebuilds a tree from ``stored`` tensors (see the module docstring).
 
@@ -270,6 +332,14 @@ def restore_tree(
       saved_sharding: where to place a leaf saved as a ``jax.Array`` when the target gives no
         sharding (no target, a ``ShapeDtypeStruct`` without one, ``RestoreArgs()``); None:
         this process's first device.
+      pad_or_truncate: an array whose stored shape differs from the target's (same rank) is
+        cut to the target's extent and padded with zeros, as Orbax's
+        ``StandardRestore(strict=False)`` does; otherwise that is an error.
+      keep_missing: without ``strict``, a target leaf missing from the checkpoint is returned
+        as given even when abstract (Orbax's ``partial_restore``); otherwise only concrete
+        ones are, and an abstract one is an error.
+      key_hint: what the key-mismatch error tells the caller to pass to skip keys.
+      shape_hint: what a shape-mismatch error tells the caller ("": nothing).
     """
     if schema is not None:
         leaves = _tree.validate_schema(schema)
@@ -283,7 +353,8 @@ def restore_tree(
     loader = _Loader(leaves, stored, verify, stats)
     if target is None:
         return _restore_untargeted(schema, leaves, loader, saved_sharding)
-    return _restore_targeted(target, leaves, loader, strict, saved_sharding)
+    options = _Options(pad_or_truncate, keep_missing, key_hint, shape_hint)
+    return _restore_targeted(target, leaves, loader, strict, saved_sharding, options)
 
 
 def _restore_untargeted(
@@ -359,7 +430,9 @@ def _restore_targeted(
     loader: _Loader,
     strict: bool,
     saved_sharding: SavedSharding | None,
+    options: _Options | None = None,
 ) -> Any:
+    options = options or _Options()
     flat = _tree.flatten_target(target, is_leaf=_target_leaf)
     missing: list[str] = []
     problems: list[str] = []
@@ -385,7 +458,7 @@ def _restore_targeted(
                 and not isinstance(tleaf, jax.ShapeDtypeStruct)
                 and not is_restore_args(tleaf)
             )
-            if strict or not concrete:
+            if strict or not (concrete or options.keep_missing):
                 missing.append(name)
             plans.append(("v", tleaf))
             continue
@@ -400,7 +473,7 @@ def _restore_targeted(
                 f"{name}: target leaf of type {type(tleaf).__name__} cannot receive a tensor"
             )
             continue
-        plan = _plan_tensor(name, want, saved, leaves, loader, saved_sharding)
+        plan = _plan_tensor(name, want, saved, leaves, loader, saved_sharding, options)
         if isinstance(plan, str):
             problems.append(plan)
         else:
@@ -414,7 +487,9 @@ def _restore_targeted(
     else:
         unexpected = []
     if missing or unexpected or problems:
-        raise TargetMismatchError(_mismatch_message(missing, unexpected, problems))
+        raise TargetMismatchError(
+            _mismatch_message(missing, unexpected, problems, options.key_hint)
+        )
     values = loader.run()
     out: list[Any] = []
     finished: dict[tuple, Any] = {}
@@ -423,6 +498,9 @@ def _restore_targeted(
             out.append(plan[1])
         elif plan[0] == "r":
             out.append(values[plan[1]])  # the common case: nothing to finish (aliases share it)
+        elif plan[0] == "resize":  # read whole on the host, then padded or truncated
+            _, slot, shape, kind, sharding = plan
+            out.append(pad_or_truncate(values[slot], shape, kind, sharding))
         else:
             _, slot, saved, sharding, pytype = plan
             if pytype is not None:
@@ -442,6 +520,7 @@ def _plan_tensor(
     leaves: Mapping[str, _tree.SchemaLeaf],
     loader: _Loader,
     saved_sharding: SavedSharding | None,
+    options: _Options,
 ) -> tuple | str:
     """How to restore one stored tensor into a target leaf: a plan for
     :func:`_restore_targeted`, or the problem that prevents it."""
@@ -454,6 +533,7 @@ def _plan_tensor(
     kind = _resolve(want.kind, saved_kind)
     stored_shape = tuple(stored.shape)
     typed_key = False
+    resize_to: tuple[int, ...] | None = None
     if is_key:
         key_shape = stored_shape[:-1]
         if want.key_impl is not None:
@@ -482,7 +562,10 @@ def _plan_tensor(
         if want.key_impl is not None:
             return f"{name}: an array in the checkpoint, a PRNG key in the target"
         if want.shape is not None and want.shape != stored_shape:
-            return f"{name}: checkpoint has shape {stored_shape} ({stored.dtype}), target wants {want.shape}"
+            problem = _shape_problem(name, stored, stored_shape, want, kind, options)
+            if problem is not None:
+                return problem
+            resize_to = want.shape
     sharding = want.sharding if kind == "jax" else None
     if kind == "jax" and sharding is None:
         if saved_kind != "jax":
@@ -498,6 +581,8 @@ def _plan_tensor(
     dtype = want.dtype
     if typed_key or dtype == _dtypes.to_numpy(stored.dtype):
         dtype = None
+    if resize_to is not None:
+        return ("resize", loader.request(saved, "numpy", None, dtype), resize_to, kind, sharding)
     read_kind = "numpy" if kind == "python" else kind
     slot = loader.request(saved, read_kind, sharding, dtype)
     if typed_key:
@@ -507,14 +592,16 @@ def _plan_tensor(
     return ("r", slot)
 
 
-def _mismatch_message(missing: list[str], unexpected: list[str], problems: list[str]) -> str:
+def _mismatch_message(
+    missing: list[str], unexpected: list[str], problems: list[str], key_hint: str = KEY_HINT
+) -> str:
     parts = ["the checkpoint does not match the restore target:"]
     if missing:
         parts.append(f"  missing from the checkpoint ({len(missing)}): {', '.join(missing[:50])}")
     if unexpected:
         parts.append(
             f"  in the checkpoint but not the target ({len(unexpected)}): {', '.join(unexpected[:50])}"
-            " (pass strict=False to skip them)"
+            f" ({key_hint})"
         )
     parts.extend(f"  {p}" for p in problems[:50])
     return "\n".join(parts)

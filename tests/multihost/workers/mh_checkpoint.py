@@ -16,7 +16,7 @@ Args (``ctx.args``):
     ``"other_mesh"`` (ShapeDtypeStructs on a transposed mesh with other partition specs),
     ``"restore_args"`` (``ocp.checkpoint_utils.construct_restore_args`` of this job's save
     layout), ``"no_target"``, ``"no_sharding"`` (ShapeDtypeStructs without shardings) and
-    ``"partial"`` (two large tensors only, ``strict=False``).
+    ``"partial"`` (two large tensors only, ``partial_restore=True``).
 """
 
 import time
@@ -320,8 +320,9 @@ def restore_one(spec: dict[str, Any]) -> dict[str, Any]:
                 restored = mngr.restore(step, args=osf.SafetensorsRestore(abstract_target(None)))
             elif mode == "partial":
                 names = ["big.rows", "big.cols"]
+                target = abstract_target(other, names)
                 restored = mngr.restore(
-                    step, args=osf.SafetensorsRestore(abstract_target(other, names), strict=False)
+                    step, args=osf.SafetensorsRestore(target, partial_restore=True)
                 )
             else:
                 raise ValueError(f"unknown mode {mode}")

@@ -1,0 +1,180 @@
+"""Orbax's argument conventions, mapped onto the pipeline's restore targets and saves.
+
+- :func:`merge_restore_args`: ``PyTreeRestore(item, restore_args)``: the structure (and the
+  shapes and dtypes an ``ArrayRestoreArgs`` leaves open) from ``item``; types, dtypes and
+  shardings from ``restore_args``.
+- :func:`apply_save_args`: ``StandardSave(item, save_args)``: ``SaveArgs(dtype=...)`` casts
+  before saving, as Orbax does; options that have no safetensors meaning raise.
+- :func:`tree_summary`: what the args objects print instead of the arrays.
+
+Example::
+
+    target = merge_restore_args(item, restore_args, partial_restore=False)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from orbax_safetensors._src.core import tree as _tree
+from orbax_safetensors._src.core.errors import TargetMismatchError
+from orbax_safetensors._src.pipeline.tree_restore import is_restore_args
+
+# --------------------------------------------------------------------------- printing
+
+
+def _leaf_bytes(x: Any) -> int:
+    shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+    if shape is None or dtype is None:
+        return 0
+    try:
+        itemsize = np.dtype(dtype).itemsize
+    except TypeError:  # a typed PRNG key's dtype
+        itemsize = getattr(dtype, "itemsize", 0) or 0
+    return int(np.prod(shape, dtype=np.int64)) * itemsize
+
+
+def _human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def tree_summary(tree: Any) -> str:
+    """``<dict: 12 leaves, 3.4 MiB>``: a pytree described without printing its arrays."""
+    if tree is None:
+        return "None"
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=is_restore_args)
+    total = sum(_leaf_bytes(x) for x in leaves)
+    count = f"{len(leaves)} leaf" if len(leaves) == 1 else f"{len(leaves)} leaves"
+    return f"<{type(tree).__name__}: {count}, {_human_bytes(total)}>"
+
+
+# --------------------------------------------------------------------------- save_args
+
+
+def apply_save_args(item: Any, save_args: Any) -> Any:
+    """``item`` with each ``SaveArgs(dtype=...)`` leaf cast, as Orbax saves it.
+
+    Raises:
+      ValueError: naming the key, for ``SaveArgs`` options safetensors has no use for
+        (``aggregate``, ``chunk_byte_size``, ``shard_axes``) or a dtype on a non-array leaf.
+    """
+    if save_args is None:
+        return item
+    flat = _tree.flatten_target(item)
+    args = _tree.flatten_target(save_args, is_leaf=_is_save_args)
+    by_name = dict(zip(args.names, args.leaves))
+    extra = sorted(set(by_name) - set(flat.names))
+    if extra:
+        raise ValueError(
+            f"save_args has keys the item lacks: {', '.join(extra[:20])}; save_args must have "
+            "the item's structure (None where nothing is asked)"
+        )
+    out = []
+    for name, x in zip(flat.names, flat.leaves):
+        arg = by_name.get(name)
+        if arg is None:
+            out.append(x)
+            continue
+        if not _is_save_args(arg):
+            raise ValueError(
+                f"save_args[{name!r}] is a {type(arg).__name__}, not an ocp.SaveArgs (or None)"
+            )
+        _refuse_unmapped(name, arg)
+        dtype = getattr(arg, "dtype", None)
+        if dtype is None:
+            out.append(x)
+        elif isinstance(x, (jax.Array, np.ndarray, np.generic)):
+            out.append(x.astype(dtype))
+        else:
+            raise ValueError(
+                f"save_args[{name!r}].dtype={np.dtype(dtype)} applies to arrays; the leaf is a "
+                f"{type(x).__name__}"
+            )
+    return flat.rebuild(out)
+
+
+def _is_save_args(x: object) -> bool:
+    # Orbax's SaveArgs, recognised by its fields (no Orbax import needed).
+    return dataclasses.is_dataclass(x) and hasattr(x, "aggregate") and hasattr(x, "dtype")
+
+
+def _refuse_unmapped(name: str, arg: Any) -> None:
+    if getattr(arg, "aggregate", False):
+        raise ValueError(
+            f"save_args[{name!r}].aggregate=True: Orbax has deprecated it and StandardSave "
+            "refuses it; drop it (every leaf is stored as its own tensor)"
+        )
+    shard_axes: Any = getattr(arg, "shard_axes", ())
+    if getattr(arg, "chunk_byte_size", None) is not None or shard_axes:
+        raise ValueError(
+            f"save_args[{name!r}] sets chunk_byte_size or shard_axes, zarr chunking options: "
+            "safetensors stores each tensor contiguously, and a restore reads only the byte "
+            "ranges its devices need; drop them (to split files, pass "
+            "SafetensorsCheckpointHandler(max_file_size=...))"
+        )
+
+
+# --------------------------------------------------------------------------- restore_args
+
+
+def merge_restore_args(item: Any, restore_args: Any, *, partial_restore: bool) -> Any:
+    """The restore target for ``SafetensorsRestore(item, restore_args=...)``.
+
+    As Orbax's ``PyTreeRestore``: the tree (and its node types) is ``item``'s, each leaf is
+    the ``restore_args`` leaf of the same key. An ``ArrayRestoreArgs`` (with its ``strict``
+    left True) takes ``item``'s shape and dtype where it names none; its sharding is its own
+    (none: as the saved tree would be restored). ``restore_args`` keys that ``item`` lacks
+    are an error, or dropped with ``partial_restore``.
+
+    Raises:
+      TargetMismatchError: naming the keys in one of the two trees only.
+    """
+    if restore_args is None:
+        return item
+    if item is None:
+        return restore_args
+    flat = _tree.flatten_target(item, is_leaf=is_restore_args)
+    args = _tree.flatten_target(restore_args, is_leaf=is_restore_args)
+    by_name = dict(zip(args.names, args.leaves))
+    lacking = [n for n in flat.names if n not in by_name]
+    extra = [] if partial_restore else sorted(set(by_name) - set(flat.names))
+    if lacking or extra:
+        parts = ["restore_args does not match item:"]
+        if lacking:
+            parts.append(
+                f"  in item but not restore_args ({len(lacking)}): {', '.join(lacking[:50])}"
+            )
+        if extra:
+            parts.append(
+                f"  in restore_args but not item ({len(extra)}): {', '.join(extra[:50])} "
+                "(pass partial_restore=True to restore only item's keys)"
+            )
+        raise TargetMismatchError("\n".join(parts))
+    return flat.rebuild([_merge_leaf(x, by_name[n]) for n, x in zip(flat.names, flat.leaves)])
+
+
+def _merge_leaf(item_leaf: Any, arg: Any) -> Any:
+    if not is_restore_args(arg):
+        return arg if arg is not None else item_leaf
+    # Orbax fills an ArrayRestoreArgs's shape and dtype from the item when it is strict
+    # (orbax-checkpoint >= 0.11.40; 0.11.11 restored the saved shape and dtype).
+    if not getattr(arg, "strict", True) or not hasattr(arg, "global_shape"):
+        return arg
+    shape, dtype = getattr(item_leaf, "shape", None), getattr(item_leaf, "dtype", None)
+    if shape is None or dtype is None or _tree.is_prng_key(item_leaf):
+        return arg
+    updates: dict[str, Any] = {}
+    if arg.global_shape is None and getattr(arg, "shape", None) is None:
+        updates["global_shape"] = tuple(shape)
+    if arg.dtype is None:
+        updates["dtype"] = dtype
+    return dataclasses.replace(arg, **updates) if updates else arg
