@@ -509,7 +509,8 @@ def _orbax_pure(tree: Any) -> Any:
     if isinstance(tree, dict):
         if set(tree) == {"value"}:
             return tree["value"]
-        return {k: _orbax_pure(v) for k, v in tree.items() if k != "_pytree__state"}
+        internal = ("_pytree__state", "_object__state")  # flax 0.12, flax 0.11
+        return {k: _orbax_pure(v) for k, v in tree.items() if k not in internal}
     return tree
 
 
