@@ -246,4 +246,15 @@ def test_nnx_internal_attrs_are_empty_pytree_children():
     ]
     for child in internal:
         assert jax.tree.leaves(child) == []
+    # and every such empty private child this flax gives a Module is named (flax 0.11:
+    # _object__state, flax 0.12: _pytree__state), so none leaks into a restore.
+    unnamed = [
+        key.name
+        for key, child in children
+        if isinstance(key, GetAttrKey)
+        and key.name.startswith("_")
+        and jax.tree.leaves(child) == []
+        and not _jaxcompat.is_nnx_internal_attr(key.name)
+    ]
+    assert unnamed == []
     assert not _jaxcompat.is_nnx_internal_attr("kernel")

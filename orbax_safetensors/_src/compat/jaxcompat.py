@@ -14,7 +14,7 @@ attribute.
 | :func:`batched_device_put` | ``jax._src.interpreters.pxla.batched_device_put``, ``jax._src.core.ShapedArray`` | private | ``jax.device_put`` (``None`` here) |
 | :func:`single_device_key` | ``SingleDeviceSharding._device`` | private | the sharding itself as a dict key (``None`` here) |
 | :func:`nnx_list` | ``flax.nnx.List`` | public since flax 0.12 (needed there for lists of modules) | a plain ``list`` (what flax 0.11 takes) |
-| :func:`is_nnx_internal_attr` | ``Module._pytree__state`` (an empty pytree child of every flax 0.12 Module) | private | none needed: a flax without it has no such child |
+| :func:`is_nnx_internal_attr` | ``Module._pytree__state`` (flax 0.12), ``Module._object__state`` (flax 0.11): an empty pytree child of every Module | private | none needed: a flax without them has no such child |
 
 Example::
 
@@ -69,13 +69,15 @@ def nnx_list(items: list[Any]) -> Any:
 
 # -- flax.nnx's internal Module attributes (private) ------------------------------------------
 
-_NNX_INTERNAL_ATTRS = frozenset({"_pytree__state"})
+# flax 0.12 names it _pytree__state; flax 0.11 (flax/nnx/object.py, ObjectState) _object__state.
+_NNX_INTERNAL_ATTRS = frozenset({"_pytree__state", "_object__state"})
 
 
 def is_nnx_internal_attr(name: str) -> bool:
     """Whether ``name`` is an attribute flax.nnx gives every Module as an empty pytree child
-    (flax 0.12's ``_pytree__state``): no state of the user's. A saved Module restored without
-    a target leaves it out, so the result is what ``nnx.to_pure_dict`` gives.
+    (flax 0.12's ``_pytree__state``, flax 0.11's ``_object__state``): no state of the user's.
+    A saved Module restored without a target leaves it out, so the result is what
+    ``nnx.to_pure_dict`` gives.
     """
     return name in _NNX_INTERNAL_ATTRS
 
