@@ -27,6 +27,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import jax
 import numpy as np
 from etils import epath
 
@@ -191,8 +192,6 @@ def _orbax_item_to_safetensors(
     batch_bytes: int,
     progress: bool | None,
 ) -> ConvertSummary:
-    import jax
-
     from orbax_safetensors._src.core import tree as _tree
 
     source = _sources.OrbaxSource(src)
@@ -290,8 +289,6 @@ def _safetensors_metadata(
 
 
 def _has_strings(tree: Any) -> bool:
-    import jax
-
     return any(isinstance(x, str) for x in jax.tree_util.tree_leaves(tree))
 
 
@@ -322,12 +319,15 @@ def safetensors_item_to_orbax(
 
 
 def _restore_safetensors(src: epath.Path) -> tuple[Any, int, int]:
-
     kind = _steps.classify(src)
     source = _sources.open_source(src)
     n, size = len(source.tensors), sum(t.nbytes for t in source.tensors.values())
     if kind == "item":
-        return _checkpoint_restore.restore_directory(src), n, size
+        # A checkpoint saved on devices this machine lacks (e.g. by a multi-host job) is
+        # converted from this process's first device; Orbax then records that sharding.
+        first = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        tree = _checkpoint_restore.restore_directory(src, fallback_sharding=first)
+        return tree, n, size
     if kind == "file":
         return _standalone.load_file(src), n, size
     if kind == "safetensors-dir":
