@@ -149,6 +149,28 @@ def test_global_registration_in_fresh_process(tmp_path: Path) -> None:
 
 
 @needs_v1
+def test_metadata_and_mismatch_errors(v1: Any, tmp_path: Path) -> None:
+    tree = {"w": np.ones((2, 3), np.float32)}
+    v1.save(tmp_path / "ckpt", tree)
+    meta = v1.metadata(tmp_path / "ckpt").metadata
+    assert meta == {"w": jax.ShapeDtypeStruct((2, 3), np.float32)}
+    wrong = {"w": jax.ShapeDtypeStruct((4, 3), np.float32)}
+    with pytest.raises(osf.TargetMismatchError, match=r"w: checkpoint has shape \(2, 3\)"):
+        v1.load(tmp_path / "ckpt", wrong)
+
+
+@needs_v1
+def test_replace_named_handler_keeps_other_entries() -> None:
+    from orbax.checkpoint import v1 as ocp
+
+    registry = ocp.handlers.local_registry()
+    before = [e for e in registry.get_all_entries() if e[1] != "state"]
+    orbaxcompat.replace_named_handler(registry, "state", osf.SafetensorsHandler, [])
+    assert registry.get("state") is osf.SafetensorsHandler
+    assert [e for e in registry.get_all_entries() if e[1] != "state"] == before
+
+
+@needs_v1
 def test_handleable_checks() -> None:
     handler = osf.SafetensorsHandler()
     assert handler.is_handleable(_tree())
