@@ -38,6 +38,7 @@ from orbax_safetensors._src.orbax.v0 import (
     SafetensorsSave,
     handler_registry,
 )
+from orbax_safetensors._src.orbax.v1 import SafetensorsHandler, local_registry, register_handler
 from orbax_safetensors._src.pipeline.checkpoint_restore import restore_directory
 from orbax_safetensors._src.pipeline.checkpoint_save import save_directory
 from orbax_safetensors._src.pipeline.pieces import WriteStats
@@ -72,6 +73,7 @@ __all__ = [
     "Rule",
     "SafetensorsCheckpointError",
     "SafetensorsCheckpointHandler",
+    "SafetensorsHandler",
     "SafetensorsRestore",
     "SafetensorsSave",
     "SchemaError",
@@ -91,9 +93,11 @@ __all__ = [
     "load_metadata",
     "load_model",
     "load_pytorch",
+    "local_registry",
     "manager_options_for",
     "object_store_stats",
     "read_header",
+    "register_handler",
     "restore_directory",
     "save_directory",
     "save_file",

@@ -38,6 +38,7 @@ RUNNABLE_PAGES = [
     "getting-started.md",
     "migrating-from-safetensors-flax.md",
     "migrating-from-orbax.md",
+    "orbax-v1.md",
     "pytorch.md",
     "cli.md",
 ]

@@ -12,6 +12,8 @@ flax's names), nothing in the package reads another library's private attribute.
 | :func:`pytree_partial_restore` | ``PyTreeRestore(partial_restore=True)`` | public, newer than orbax-checkpoint 0.11.11 | ``PyTreeRestore(transforms={})``, which restores only what ``item`` holds |
 | :func:`orbax_uses_legacy_commit_rule` | which steps ``CheckpointManager.all_steps()`` lists | changed in orbax-checkpoint 0.12.3 | the installed version decides (``importlib.metadata``) |
 | :func:`orbax_waits_for_commit` | the qualnames of Orbax's synchronous save entry points | private | ``False``: the async path, a full host snapshot |
+| :func:`replace_named_handler` | a v1 registry's entry list (``_registry``) | private | ``AlreadyExistsError`` explained: register per context instead |
+| :func:`orbax_v1` | ``orbax.checkpoint.v1`` with ``save`` / ``save_async`` / ``load`` | public in orbax-checkpoint 0.12.8 (absent in 0.11.11; partial in 0.11.40) | none: an ``ImportError`` naming the version needed |
 
 Example::
 
@@ -117,3 +119,64 @@ def orbax_waits_for_commit(skip: int = 1) -> bool:
                 return True
         frame = frame.f_back
     return False
+
+
+# -- Orbax's v1 API (orbax.checkpoint.v1; save / save_async / load in orbax-checkpoint 0.12.8) --
+
+# The oldest orbax-checkpoint whose v1 API this package is tested with.
+ORBAX_V1_TESTED = "0.12.8"
+# What the v1 handler uses of ``orbax.checkpoint.v1``.
+ORBAX_V1_NAMES = ("save", "save_async", "load", "handlers")
+
+
+def orbax_v1(what: str = "the Orbax v1 API") -> Any:
+    """The ``orbax.checkpoint.v1`` module, or an ``ImportError`` saying which version ``what``
+    needs when the installed orbax-checkpoint lacks it (or one of :data:`ORBAX_V1_NAMES`).
+
+    Example::
+
+        ocp_v1 = orbax_v1("osf.SafetensorsHandler")
+    """
+    try:
+        installed = importlib.metadata.version("orbax-checkpoint")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover (a required dependency)
+        installed = "unknown"
+    try:
+        from orbax.checkpoint import v1
+    except ImportError as e:
+        raise ImportError(
+            f"{what} needs orbax-checkpoint >= {ORBAX_V1_TESTED} (its orbax.checkpoint.v1 API); "
+            f"the installed orbax-checkpoint {installed} has no orbax.checkpoint.v1. "
+            f"Upgrade with: pip install 'orbax-checkpoint>={ORBAX_V1_TESTED},<0.13'"
+        ) from e
+    missing = [name for name in ORBAX_V1_NAMES if not hasattr(v1, name)]
+    if missing:
+        raise ImportError(
+            f"{what} needs orbax-checkpoint >= {ORBAX_V1_TESTED}; the installed orbax-checkpoint "
+            f"{installed} has an orbax.checkpoint.v1 without "
+            + ", ".join(f"ocp.v1.{name}" for name in missing)
+            + f". Upgrade with: pip install 'orbax-checkpoint>={ORBAX_V1_TESTED},<0.13'"
+        )
+    return v1
+
+
+def replace_named_handler(
+    registry: Any, name: str, handler_type: type, secondary_typestrs: list[str]
+) -> None:
+    """Makes ``handler_type`` the handler of checkpointable ``name`` in a v1 registry that may
+    hold another one for that name (Orbax's global registry gives ``"state"`` to its
+    ``PyTreeHandler``, and its public ``add`` refuses a second entry for a name).
+
+    Drops the old entry from the registry's private entry list; a registry without one raises
+    a ``ValueError`` saying to register per context instead.
+    """
+    entries = getattr(registry, "_registry", None)
+    if registry.has(name):
+        if not isinstance(entries, list):
+            raise ValueError(
+                f"cannot replace the handler Orbax registered for checkpointable {name!r} in "
+                f"this orbax-checkpoint's registry: register per context instead, with "
+                f"ctx.checkpointables.registry = osf.local_registry()"
+            )
+        entries[:] = [entry for entry in entries if entry[1] != name]
+    registry.add(handler_type, checkpointable_name=name, secondary_typestrs=secondary_typestrs)

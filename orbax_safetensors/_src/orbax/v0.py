@@ -111,6 +111,11 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
             handler = self._orbax[kind] = make()
         return handler
 
+    @property
+    def primary_host(self) -> int:
+        """The process that writes headers, index and metadata and finalizes."""
+        return self._primary_host
+
     def _is_primary(self) -> bool:
         return jax.process_index() == self._primary_host
 

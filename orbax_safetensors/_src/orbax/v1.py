@@ -1,0 +1,243 @@
+"""The Orbax v1 plugin: ``SafetensorsHandler``, a ``CheckpointableHandler`` for pytrees.
+
+Thin glue over the v0 :class:`~orbax_safetensors._src.orbax.v0.SafetensorsCheckpointHandler`,
+which it drives through Orbax's v0 handler protocol: the same validation, host copies, files,
+``orbax_safetensors.json``, checksums, gather-free multi-host writes and byte-range reads. What
+v1 adds is the ordering Orbax's v0 ``AsyncCheckpointer`` does for a v0 handler: wait for every
+process's writes, finalize on the primary, wait again.
+
+Needs the v1 API of orbax-checkpoint 0.12.8 (``ocp.v1.save`` / ``save_async`` / ``load``);
+on an older Orbax the module imports, and the handler and :func:`register_handler` raise an
+``ImportError`` naming the version.
+
+Example::
+
+    from orbax.checkpoint import v1 as ocp
+    import orbax_safetensors as osf
+
+    osf.register_handler()  # global: every pytree saved through ocp.save is safetensors
+    ocp.save(path, state)
+    state = ocp.load(path, abstract_state)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from collections.abc import Awaitable
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp_v0
+from etils import epath
+
+from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
+from orbax_safetensors._src.core import errors as _errors
+from orbax_safetensors._src.orbax import steps as _steps
+from orbax_safetensors._src.orbax import v0 as _v0
+from orbax_safetensors._src.orbax.tree_metadata import TreeMetadata
+
+# The typestr Orbax records for this handler (``{__module__}.{__qualname__}``): the public
+# name, so that a checkpoint does not record this private module's path.
+HANDLER_TYPESTR = "orbax_safetensors.SafetensorsHandler"
+# Typestrs that load through this handler: the v0 handler's, so CheckpointManager steps saved
+# with SafetensorsSave load through ocp.load / ocp.load_checkpointables.
+SECONDARY_TYPESTRS = (_steps.HANDLER_TYPESTR,)
+# The checkpointable name ocp.save / ocp.load give the pytree.
+STATE_NAME = "state"
+
+# Barrier names: every process saves in the same order, so the n-th save has the same name
+# everywhere.
+_save_counter = itertools.count()
+
+
+class SafetensorsHandler:
+    """An Orbax v1 ``CheckpointableHandler`` storing a pytree as standard safetensors files plus
+    ``orbax_safetensors.json``: exactly what ``SafetensorsCheckpointHandler`` stores.
+
+    Register it globally with :func:`register_handler`, or per context with
+    :func:`local_registry` (both also take over the ``"state"`` checkpointable that
+    ``ocp.save`` uses, which Orbax gives its own ``PyTreeHandler`` by name; for other names
+    ``ocp.handlers.register_handler(osf.SafetensorsHandler, checkpointable_name=...,
+    secondary_typestrs=osf.SafetensorsHandler.SECONDARY_TYPESTRS)`` works as is). Orbax
+    constructs it without arguments; for other options, register a subclass that passes a
+    configured v0 handler.
+
+    Args:
+      handler: the ``SafetensorsCheckpointHandler`` doing the work (its ``max_file_size``,
+        ``checksums``, ``verify``, ``primary_host``); default ``SafetensorsCheckpointHandler()``.
+
+    Example::
+
+        class SmallFiles(osf.SafetensorsHandler):
+            def __init__(self):
+                super().__init__(osf.SafetensorsCheckpointHandler(max_file_size=1 << 30))
+    """
+
+    SECONDARY_TYPESTRS = SECONDARY_TYPESTRS
+
+    def __init__(self, handler: _v0.SafetensorsCheckpointHandler | None = None) -> None:
+        _orbaxcompat.orbax_v1("orbax_safetensors.SafetensorsHandler")
+        self._v0 = handler if handler is not None else _v0.SafetensorsCheckpointHandler()
+
+    async def save(self, directory: Any, checkpointable: Any) -> Awaitable[None]:
+        """Validates ``checkpointable`` and copies this process's shards to host (on the
+        caller's thread); the returned awaitable writes, then finalizes on the primary."""
+        args = _v0.SafetensorsSave(checkpointable)
+        path = epath.Path(directory.path)
+        commit_futures = await self._v0.async_save(path, args) or []
+        barrier = f"orbax_safetensors_v1_save_{next(_save_counter)}"
+        return self._background_save(directory, commit_futures, barrier)
+
+    async def _background_save(
+        self, directory: Any, commit_futures: list[Any], barrier: str
+    ) -> None:
+        path = epath.Path(await directory.await_creation())
+        for future in commit_futures:
+            await asyncio.to_thread(future.result)
+        await _sync_processes(f"{barrier}_written")
+        if jax.process_index() == self._v0.primary_host:
+            await asyncio.to_thread(self._v0.finalize, path)
+            await asyncio.to_thread(_write_pytree_marker, path)
+        await _sync_processes(f"{barrier}_finalized")
+
+    async def load(self, directory: Any, abstract_checkpointable: Any = None) -> Awaitable[Any]:
+        """Returns an awaitable that reads the tree: into ``abstract_checkpointable``'s
+        structure, shapes, dtypes and shardings, or (None) the saved tree as saved."""
+        args = _v0.SafetensorsRestore(abstract_checkpointable)
+        return self._background_load(epath.Path(directory), args)
+
+    async def _background_load(self, path: epath.Path, args: _v0.SafetensorsRestore) -> Any:
+        return await asyncio.to_thread(self._v0.restore, path, args)
+
+    async def metadata(self, directory: Any) -> Any:
+        """The saved tree with ``jax.ShapeDtypeStruct`` leaves; reads no tensor bytes."""
+        metadata = self._v0.metadata(epath.Path(directory))
+        return metadata.tree if isinstance(metadata, TreeMetadata) else metadata
+
+    def is_handleable(self, checkpointable: Any) -> bool:
+        """True for a pytree this handler can save (a ``SafetensorsSave`` accepts it)."""
+        if checkpointable is None or _is_stateful(checkpointable):
+            return False
+        try:
+            _v0.SafetensorsSave(checkpointable)
+        except (_errors.SafetensorsCheckpointError, ValueError, TypeError):
+            return False
+        return True
+
+    def is_abstract_handleable(self, abstract_checkpointable: Any) -> bool | None:
+        """True for a pytree of arrays, ``jax.ShapeDtypeStruct`` and scalars (a restore
+        target); None (defer to the saved typestr) for anything else."""
+        if _is_stateful(abstract_checkpointable):
+            return False
+        leaves = jax.tree.leaves(abstract_checkpointable)
+        return (bool(leaves) and all(isinstance(x, _ABSTRACT_LEAVES) for x in leaves)) or None
+
+
+SafetensorsHandler.__module__ = "orbax_safetensors"  # the recorded typestr (HANDLER_TYPESTR)
+
+_ABSTRACT_LEAVES = (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic, int, float, bool)
+
+
+def _write_pytree_marker(path: epath.Path) -> None:
+    # ocp.load finds the pytree of a checkpoint by the "_METADATA" file Orbax's PyTreeHandler
+    # writes (orbax_layout.has_pytree_metadata_file), whatever handler then loads it. This one
+    # only says what the item is: Orbax's own PyTreeHandler cannot read it as a tree (it has
+    # no "tree_metadata"), and this library reads orbax_safetensors.json first.
+    marker = {
+        "format": "orbax_safetensors",
+        "note": (
+            "safetensors files plus orbax_safetensors.json: load with orbax_safetensors "
+            "(osf.SafetensorsHandler, or SafetensorsRestore under CheckpointManager)"
+        ),
+    }
+    (path / _steps.ORBAX_METADATA_FILE).write_text(json.dumps(marker, indent=1))
+
+
+def _is_stateful(obj: Any) -> bool:
+    # Orbax's StatefulCheckpointable (objects that save themselves): never ours.
+    return callable(getattr(obj, "save", None)) and callable(getattr(obj, "load", None))
+
+
+async def _sync_processes(name: str) -> None:
+    if jax.process_count() > 1:
+        await asyncio.to_thread(ocp_v0.multihost.sync_global_processes, name)
+
+
+def register_handler(
+    handler_type: type[SafetensorsHandler] | None = None, *, checkpointable_name: str | None = None
+) -> None:
+    """Registers :class:`SafetensorsHandler` in Orbax v1's global registry, with the v0
+    handler's typestr as a secondary typestr (so ``CheckpointManager`` steps saved with
+    ``SafetensorsSave`` load too).
+
+    Args:
+      handler_type: :class:`SafetensorsHandler` (default) or a subclass of it.
+      checkpointable_name: only for checkpointables of this name; None: any pytree, and
+        ``"state"``, the name ``ocp.save``, ``ocp.load`` and ``ocp.training.Checkpointer``
+        use (Orbax's own ``PyTreeHandler`` had it; it keeps loading Orbax-native items by
+        their typestr).
+
+    Example::
+
+        osf.register_handler()
+        ocp.save(path, state)  # safetensors files plus orbax_safetensors.json
+    """
+    v1 = _orbaxcompat.orbax_v1("orbax_safetensors.register_handler")
+    handler_type = handler_type or SafetensorsHandler
+    registry = v1.handlers.global_registry()
+    secondary = _secondary_typestrs(handler_type)
+    if checkpointable_name is None:
+        if handler_type not in [t for t, name in registry.get_all_entries() if not name]:
+            registry.add(handler_type, secondary_typestrs=secondary)
+        checkpointable_name = STATE_NAME
+    _orbaxcompat.replace_named_handler(registry, checkpointable_name, handler_type, secondary)
+
+
+def _secondary_typestrs(handler_type: type[SafetensorsHandler]) -> list[str]:
+    # A subclass also loads what SafetensorsHandler itself saved.
+    extra = [HANDLER_TYPESTR] if handler_type is not SafetensorsHandler else []
+    return [*SECONDARY_TYPESTRS, *extra]
+
+
+def local_registry(
+    handler_type: type[SafetensorsHandler] | None = None, *, include_global_registry: bool = True
+) -> Any:
+    """A new Orbax v1 registry (``ocp.handlers.local_registry()``) in which
+    :class:`SafetensorsHandler` handles any pytree and the ``"state"`` checkpointable, for one
+    ``ocp.Context``; the global registry is left alone.
+
+    Args:
+      handler_type: :class:`SafetensorsHandler` (default) or a subclass of it.
+      include_global_registry: keep the globally registered handlers (Orbax's own, for
+        Orbax-native items and other checkpointables), minus the one for ``"state"``.
+
+    Example::
+
+        ctx = ocp.Context()
+        ctx.checkpointables.registry = osf.local_registry()
+        with ctx:
+            ocp.save(path, state)
+            state = ocp.load(path, abstract_state)
+    """
+    v1 = _orbaxcompat.orbax_v1("orbax_safetensors.local_registry")
+    handler_type = handler_type or SafetensorsHandler
+    source = v1.handlers.global_registry() if include_global_registry else None
+    registry = v1.handlers.local_registry(include_global_registry=False)
+    secondary = _secondary_typestrs(handler_type)
+    if source is not None:
+        # Orbax's entries (its PyTreeHandler still loads Orbax-native items by typestr),
+        # except the one for "state" and any of ours.
+        for entry, name in source.get_all_entries():
+            if name == STATE_NAME or issubclass(entry, SafetensorsHandler):
+                continue
+            registry.add(
+                entry,
+                checkpointable_name=name,
+                secondary_typestrs=source.get_secondary_typestrs(entry) or None,
+            )
+    registry.add(handler_type, secondary_typestrs=secondary)
+    registry.add(handler_type, checkpointable_name=STATE_NAME, secondary_typestrs=secondary)
+    return registry
