@@ -201,25 +201,32 @@ def saved_shardings(
     device_meshes = metadata.get("device_meshes")
     built: dict[str, Any] = {}  # one sharding object per distinct description
 
+    def rebuilt(name: str, key: str, build: Callable[[], Any], saved_on: Callable[[], str]) -> Any:
+        # One object per distinct description; fallback_sharding, or an error, where this job
+        # cannot reproduce it.
+        if key not in built:
+            built[key] = build()
+        if built[key] is not None:
+            return built[key]
+        if fallback_sharding is not None:
+            return fallback_sharding
+        raise TargetMismatchError(
+            f"{directory}: tensor {name!r} was saved {saved_on()}; pass a restore target whose "
+            "leaves are jax.ShapeDtypeStruct with the sharding you want"
+        )
+
     def sharding_of(name: str) -> Any:
         info = tensors.get(name)
         desc = info.get("sharding") if isinstance(info, dict) else None
         if not desc:
             if single_process and isinstance(info, dict) and "device" in info:
                 saved = info["device"]
-                key = f"device {saved!r}"
-                if key not in built:
-                    built[key] = _sharding.device_from_json(saved)
-                device = built[key]
-                if device is None and fallback_sharding is not None:
-                    return fallback_sharding
-                if device is None:
-                    raise TargetMismatchError(
-                        f"{directory}: tensor {name!r} was saved on device {info['device']}, "
-                        "which this process does not have; pass a restore target whose "
-                        "leaves are jax.ShapeDtypeStruct with the sharding you want"
-                    )
-                return device
+                return rebuilt(
+                    name,
+                    f"device {saved!r}",
+                    lambda: _sharding.device_from_json(saved),
+                    lambda: f"on device {saved}, which this process does not have",
+                )
             return None
         if not isinstance(desc, dict):
             raise SchemaError(f"{directory}: tensor {name!r} has a malformed sharding {desc!r}")
@@ -234,18 +241,14 @@ def saved_shardings(
                     desc.get("mesh_devices"),
                 )
             )
-        if key not in built:
-            built[key] = _sharding.sharding_from_json(desc, device_meshes)
-        sharding = built[key]
-        if sharding is None and fallback_sharding is not None:
-            return fallback_sharding
-        if sharding is None:
-            raise TargetMismatchError(
-                f"{directory}: tensor {name!r} was saved with sharding {desc!r} "
-                f"(a mesh of {_sharding.mesh_size(desc)} devices), which this job's "
-                f"{len(jax.devices())} devices cannot reproduce; pass a restore target whose "
-                "leaves are jax.ShapeDtypeStruct with the sharding you want"
-            )
-        return sharding
+        return rebuilt(
+            name,
+            key,
+            lambda: _sharding.sharding_from_json(desc, device_meshes),
+            lambda: (
+                f"with sharding {desc!r} (a mesh of {_sharding.mesh_size(desc)} devices), "
+                f"which this job's {len(jax.devices())} devices cannot reproduce"
+            ),
+        )
 
     return sharding_of
