@@ -538,5 +538,16 @@ def test_a_plain_manager_refuses_the_other_args_with_a_short_message(tmp_path: P
     )
     text = done.stdout
     assert done.returncode == 0, done.stderr[-2000:]
-    assert 'args "SafetensorsSave(item=<dict: 1 leaf, 16.0 KiB>)"' in text, text[-2000:]
+    assert 'args "SafetensorsSave(item=<dict: 1 leaf, 16.0 KiB>) [' in text, text[-2000:]
     assert "does not match with any registered handler" in text and "0.123" not in text
+    # ... and names the fix.
+    assert "handler_registry=osf.handler_registry()" in text, text[-2000:]
+
+
+def test_args_print_a_summary_and_their_str_names_the_registry_fix() -> None:
+    save = osf.SafetensorsSave({"w": np.zeros(4, np.float32)})
+    restore = osf.SafetensorsRestore()
+    assert repr(save) == "SafetensorsSave(item=<dict: 1 leaf, 16 B>)"
+    for args in (save, restore):
+        assert str(args).startswith(repr(args) + " [")
+        assert "handler_registry=osf.handler_registry()" in str(args)

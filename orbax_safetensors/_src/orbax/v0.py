@@ -439,6 +439,10 @@ def _persist_shares() -> bool:
     return jax.process_count() > 1
 
 
+_REGISTRY_HINT = (
+    "an item that also takes Orbax's StandardSave/PyTreeSave args needs "
+    "ocp.CheckpointManager(..., handler_registry=osf.handler_registry())"
+)
 _KEY_HINT = "pass partial_restore=True to restore only the target's keys"
 _SHAPE_HINT = "pass strict=False to pad or truncate it, as Orbax's StandardRestore does"
 _KEY_HINT_STRICT_FALSE = (
@@ -494,6 +498,9 @@ class SafetensorsSave(ocp.args.CheckpointArgs):
             parts.append(f"custom_metadata={_args.tree_summary(dict(self.custom_metadata))}")
         return f"SafetensorsSave({', '.join(parts)})"
 
+    def __str__(self) -> str:
+        return _with_registry_hint(repr(self))
+
 
 @ocp.args.register_with_handler(SafetensorsCheckpointHandler, for_restore=True)
 @dataclasses.dataclass(repr=False)
@@ -548,6 +555,16 @@ class SafetensorsRestore(ocp.args.CheckpointArgs):
         if self.fallback_sharding is not None:
             parts.append(f"fallback_sharding={self.fallback_sharding}")
         return f"SafetensorsRestore({', '.join(parts)})"
+
+    def __str__(self) -> str:
+        return _with_registry_hint(repr(self))
+
+
+def _with_registry_hint(summary: str) -> str:
+    # Orbax's only error for an item already tied to another handler is
+    # 'Item "default" and args "{args}" does not match with any registered handler!': it
+    # formats the args with str(), so the fix travels there (repr() stays the bare summary).
+    return f"{summary} [{_REGISTRY_HINT}]"
 
 
 def _is_orbax_tree_metadata(x: object) -> bool:
