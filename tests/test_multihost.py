@@ -50,6 +50,8 @@ ITEM = "default"
 # Orbax's v1 API is ``ocp.v1`` since orbax-checkpoint 0.11.12, loads safetensors since 0.11.20
 # and onto a mesh (sharded targets) since 0.11.23 (Orbax's CHANGELOG).
 ORBAX_SHARDED_SAFETENSORS_LOAD = (0, 11, 23)
+# This library's v1 handler needs ocp.v1.save/load of orbax-checkpoint 0.12.8 (compat/orbaxcompat).
+ORBAX_V1_SAVE = (0, 12, 8)
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -73,8 +75,16 @@ def roots(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
 
 
 @pytest.fixture(scope="module")
-def n2_run(roots: dict[int, Path]) -> list[Any]:
+def v1_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """Where the N=2 and N=4 launches also save once through Orbax's v1 API (issue 17)."""
+    base = tmp_path_factory.mktemp("multihost_v1")
+    return {2: base / "v1_by_2", 4: base / "v1_by_4"}
+
+
+@pytest.fixture(scope="module")
+def n2_run(roots: dict[int, Path], v1_paths: dict[int, Path]) -> list[Any]:
     args = {
+        "v1_path": str(v1_paths[2]),
         "save_root": str(roots[2]),
         "save_steps": STEPS,
         "max_to_keep": KEEP,
@@ -85,8 +95,9 @@ def n2_run(roots: dict[int, Path]) -> list[Any]:
 
 
 @pytest.fixture(scope="module")
-def n4_run(roots: dict[int, Path], n2_run: list[Any]) -> list[Any]:
+def n4_run(roots: dict[int, Path], v1_paths: dict[int, Path], n2_run: list[Any]) -> list[Any]:
     args = {
+        "v1_path": str(v1_paths[4]),
         "save_root": str(roots[4]),
         "save_steps": STEPS,
         "max_to_keep": KEEP,
@@ -358,3 +369,32 @@ def test_files_read_by_orbax_v1_safetensors_loader(
         # float64 host leaves come back as float32 without jax_enable_x64: compare values.
         assert np.array_equal(np.asarray(got), want.astype(got.dtype)), name
     assert loaded["big.cols"].sharding.spec == P(None, "a")
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_the_same_launches_save_and_load_once_through_orbax_v1(
+    n: int, v1_paths: dict[int, Path], n2_run: list[Any], n4_run: list[Any]
+) -> None:
+    """Issue 17: each process wrote its rows through ``osf.SafetensorsHandler`` (``ocp.v1.save``)
+    and loaded its shards back onto the same sharding; the official reader sees the whole
+    global array and ``osf.verify`` checks the checksums."""
+    import orbax.checkpoint as ocp
+    import safetensors.numpy
+
+    import orbax_safetensors as osf
+
+    results = {2: n2_run, 4: n4_run}[n]
+    if _version(ocp.__version__) < ORBAX_V1_SAVE:
+        assert all("skipped" in r.result["v1"] for r in results)
+        assert f"{ORBAX_V1_SAVE[0]}.{ORBAX_V1_SAVE[1]}" in results[0].result["v1"]["skipped"]
+        pytest.skip(f"orbax-checkpoint {ocp.__version__} lacks the v1 save API")
+    for r in results:
+        assert r.result["v1"] == {"shards_ok": True, "sharding_ok": True, "bias_ok": True}
+    item = v1_paths[n] / "state"
+    tensors = safetensors.numpy.load_file(str(item / "model.safetensors"))
+    np.testing.assert_array_equal(
+        tensors["w"], np.arange(8 * n * 6, dtype=np.float32).reshape(8 * n, 6)
+    )
+    np.testing.assert_array_equal(tensors["bias"], np.arange(5, dtype=np.int32))
+    report = osf.verify(item)
+    assert report.ok, report.problems

@@ -17,6 +17,10 @@ Args (``ctx.args``):
     ``"restore_args"`` (``ocp.checkpoint_utils.construct_restore_args`` of this job's save
     layout), ``"no_target"``, ``"no_sharding"`` (ShapeDtypeStructs without shardings) and
     ``"partial"`` (two large tensors only, ``partial_restore=True``).
+  v1_path: (optional) also save a globally sharded tree once through Orbax's v1 API
+    (``ocp.v1.save`` with ``osf.local_registry()``) into this directory and load it back onto
+    a sharded abstract tree; reported as ``result["v1"]`` (``{"skipped": reason}`` on an
+    orbax-checkpoint without the v1 API).
 """
 
 import time
@@ -347,9 +351,46 @@ def restore_one(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def v1_round_trip(path: str) -> dict[str, Any]:
+    """One ``ocp.v1.save`` + ``ocp.v1.load`` through ``osf.SafetensorsHandler`` in this job."""
+    try:
+        registry = osf.local_registry()  # ImportError naming the version on an older Orbax
+    except ImportError as e:
+        return {"skipped": str(e)}
+    from orbax.checkpoint import v1 as ocp_v1
+
+    rows, cols = 8 * nproc, 6
+    expected = np.arange(rows * cols, dtype=np.float32).reshape(rows, cols)
+    mesh = Mesh(np.array(jax.devices()).reshape(nproc, -1), ("data", "model"))
+    sharding = NamedSharding(mesh, P("data", None))
+    arr = jax.make_array_from_callback(expected.shape, sharding, lambda index: expected[index])
+    tree = {"w": arr, "bias": np.arange(5, dtype=np.int32)}
+    context = ocp_v1.Context()
+    context.checkpointables.registry = registry
+    t0 = time.monotonic()
+    with context:
+        ocp_v1.save(path, tree)
+        abstract = {
+            "w": jax.ShapeDtypeStruct(expected.shape, expected.dtype, sharding=sharding),
+            "bias": jax.ShapeDtypeStruct((5,), np.int32),
+        }
+        loaded = ocp_v1.load(path, abstract)
+    timed("v1 save+load", t0)
+    return {
+        "shards_ok": all(
+            np.array_equal(np.asarray(s.data), expected[s.index])
+            for s in loaded["w"].addressable_shards
+        ),
+        "sharding_ok": loaded["w"].sharding == sharding,
+        "bias_ok": np.array_equal(np.asarray(loaded["bias"]), np.arange(5, dtype=np.int32)),
+    }
+
+
 result: dict[str, Any] = {"process_index": pid, "process_count": nproc}
 if ctx.args.get("save_root"):
     result["save"] = save_all(ctx.args)
+if ctx.args.get("v1_path"):
+    result["v1"] = v1_round_trip(ctx.args["v1_path"])
 result["restores"] = [restore_one(r) for r in ctx.args.get("restores", [])]
 result["timings"] = timings
 worker_lib.emit_result(result)
