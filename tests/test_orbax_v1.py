@@ -159,6 +159,107 @@ def test_metadata_and_mismatch_errors(v1: Any, tmp_path: Path) -> None:
         v1.load(tmp_path / "ckpt", wrong)
 
 
+def _load_both(tmp_path: Path, tree: Any, abstract: Any, option: str | None = None) -> Any:
+    """``ocp.load`` of ``tree`` saved by Orbax's own v1 handler and by ours, each loaded in an
+    ``ocp.Context`` with ``option`` (a dotted name) set to True: (Orbax's result or error,
+    ours or error)."""
+    from orbax.checkpoint import v1 as ocp
+
+    ocp.save(tmp_path / "orbax", tree)
+    ours = ocp.Context()
+    ours.checkpointables.registry = osf.local_registry()
+    with ours:
+        ocp.save(tmp_path / "ours", tree)
+    results = []
+    for name, registry in (("orbax", None), ("ours", osf.local_registry())):
+        ctx = ocp.Context()
+        if option is not None:
+            group, loading, field = option.split(".")
+            setattr(getattr(getattr(ctx, group), loading), field, True)
+        if registry is not None:
+            ctx.checkpointables.registry = registry
+        with ctx:
+            try:
+                results.append(ocp.load(tmp_path / name, abstract))
+            except Exception as e:  # the error itself is compared
+                results.append(e)
+    return results
+
+
+@needs_v1
+def test_load_honours_the_contexts_padding_option_as_orbax_does(tmp_path: Path) -> None:
+    """``ArrayOptions.Loading(enable_padding_and_truncation=True)``: a stored shape that differs
+    from the abstract one is padded or truncated, as by Orbax's own v1 handler; without it
+    both raise, and ours names the option."""
+
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    tree = {"w": jnp.arange(6, dtype=jnp.float32), "b": jnp.arange(4, dtype=jnp.int32)}
+    abstract = {
+        "w": jax.ShapeDtypeStruct((8,), np.float32, sharding=one),
+        "b": jax.ShapeDtypeStruct((2,), np.int32, sharding=one),
+    }
+    orbax, ours = _load_both(
+        tmp_path / "pad", tree, abstract, "array.loading.enable_padding_and_truncation"
+    )
+    assert not isinstance(orbax, Exception), orbax
+    _assert_same(ours, orbax)
+    np.testing.assert_array_equal(np.asarray(ours["w"]), [0, 1, 2, 3, 4, 5, 0, 0])
+    orbax, ours = _load_both(tmp_path / "strict", tree, abstract)
+    assert isinstance(orbax, Exception), orbax
+    assert isinstance(ours, osf.TargetMismatchError)
+    assert "ctx.array.loading.enable_padding_and_truncation = True" in str(ours)
+    assert "strict=False" not in str(ours)  # v0's name, not this API's
+
+
+@needs_v1
+def test_load_honours_the_contexts_partial_load_option_as_orbax_does(tmp_path: Path) -> None:
+    """``PyTreeOptions.Loading(partial_load=True)``: only the abstract tree's keys load."""
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    tree = {"w": jnp.arange(6, dtype=jnp.float32), "b": jnp.arange(4, dtype=jnp.int32)}
+    abstract = {"w": jax.ShapeDtypeStruct((6,), np.float32, sharding=one)}
+    orbax, ours = _load_both(tmp_path / "partial", tree, abstract, "pytree.loading.partial_load")
+    assert not isinstance(orbax, Exception), orbax
+    _assert_same(ours, orbax)
+    assert set(ours) == {"w"}
+    orbax, ours = _load_both(tmp_path / "whole", tree, abstract)
+    assert isinstance(orbax, Exception), orbax
+    assert isinstance(ours, osf.TargetMismatchError)
+    assert "ctx.pytree.loading.partial_load = True" in str(ours)
+    assert "partial_restore" not in str(ours)
+
+
+@needs_v1
+def test_the_active_context_is_read_through_the_fence() -> None:
+    """The private ``get_context`` that :func:`orbaxcompat.v1_loading_options` reads exists on
+    this stack (else the options would silently stop applying: this test catches that)."""
+    from orbax.checkpoint import v1 as ocp
+
+    assert orbaxcompat.v1_loading_options() == orbaxcompat.V1LoadingOptions()
+    ctx = ocp.Context()
+    ctx.pytree.loading.partial_load = True
+    with ctx:
+        options = orbaxcompat.v1_loading_options()
+    assert options.readable and options.partial_load and not options.pad_or_truncate
+
+
+def test_replace_named_handler_without_an_entry_list_says_to_register_per_context() -> None:
+    """The fallback of the one private v1 registry name used (``_registry``): a registry that
+    keeps its entries otherwise (as a future Orbax may) gets a clear error, not a crash."""
+
+    class EntriesElsewhere:  # a CheckpointableHandler registry with its entries kept privately
+        def __init__(self) -> None:
+            self._entries = {"state": object}
+
+        def has(self, name: str) -> bool:
+            return name in self._entries
+
+        def add(self, handler: type, checkpointable_name: str, **kwargs: Any) -> None:
+            raise AssertionError("must not be reached")
+
+    with pytest.raises(ValueError, match=r"osf.local_registry\(\)"):
+        orbaxcompat.replace_named_handler(EntriesElsewhere(), "state", osf.SafetensorsHandler, [])
+
+
 @needs_v1
 def test_replace_named_handler_keeps_other_entries() -> None:
     from orbax.checkpoint import v1 as ocp

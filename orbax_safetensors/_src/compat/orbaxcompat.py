@@ -13,6 +13,7 @@ flax's names), nothing in the package reads another library's private attribute.
 | :func:`orbax_uses_legacy_commit_rule` | which steps ``CheckpointManager.all_steps()`` lists | changed in orbax-checkpoint 0.12.3 | the installed version decides (``importlib.metadata``) |
 | :func:`orbax_waits_for_commit` | the qualnames of Orbax's synchronous save entry points | private | ``False``: the async path, a full host snapshot |
 | :func:`replace_named_handler` | a v1 registry's entry list (``_registry``) | private | ``AlreadyExistsError`` explained: register per context instead |
+| :func:`v1_loading_options` | the active v1 ``Context`` (``experimental.v1._src.context.context.get_context``) | private (v1 exports no getter) | Orbax's defaults, marked ``readable=False``: a mismatch raises, never a silent change |
 | :func:`orbax_v1` | ``orbax.checkpoint.v1`` with ``save`` / ``save_async`` / ``load`` | public in orbax-checkpoint 0.12.8 (absent in 0.11.11; partial in 0.11.40) | none: an ``ImportError`` naming the version needed |
 
 Example::
@@ -158,6 +159,41 @@ def orbax_v1(what: str = "the Orbax v1 API") -> Any:
             + f". Upgrade with: pip install 'orbax-checkpoint>={ORBAX_V1_TESTED},<0.13'"
         )
     return v1
+
+
+@dataclasses.dataclass(frozen=True)
+class V1LoadingOptions:
+    """What a v1 ``load`` takes from the active ``ocp.Context``.
+
+    Attributes:
+      partial_load: ``PyTreeOptions.Loading.partial_load``: load only the abstract tree's keys.
+      pad_or_truncate: ``ArrayOptions.Loading.enable_padding_and_truncation``.
+      readable: False when this orbax-checkpoint's context could not be read (then both are
+        False, and a mismatch raises instead of being tolerated: never a silent change).
+    """
+
+    partial_load: bool = False
+    pad_or_truncate: bool = False
+    readable: bool = True
+
+
+def v1_loading_options() -> V1LoadingOptions:
+    """The loading options of the active v1 ``ocp.Context`` (or Orbax's defaults outside one).
+
+    Orbax's own v1 handlers read the active context with ``get_context()``, which the v1 API
+    does not export: this reads it from Orbax's private module, fenced: if that module or the
+    option fields move, the defaults apply (``readable=False``; tested on every stack).
+    """
+    try:
+        from orbax.checkpoint.experimental.v1._src.context import context as v1_context
+
+        active = v1_context.get_context()
+        return V1LoadingOptions(
+            partial_load=bool(active.pytree_options.loading.partial_load),
+            pad_or_truncate=bool(active.array_options.loading.enable_padding_and_truncation),
+        )
+    except (ImportError, AttributeError, TypeError):
+        return V1LoadingOptions(readable=False)
 
 
 def replace_named_handler(

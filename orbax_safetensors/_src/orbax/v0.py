@@ -291,6 +291,18 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         args = args or SafetensorsRestore()
         if native:
             return _restore_orbax_native(directory, args, self._orbax_handler)
+        return self.restore_safetensors(
+            directory,
+            args,
+            key_hint=_KEY_HINT_STRICT_FALSE if not args.strict else _KEY_HINT,
+            shape_hint=_SHAPE_HINT,
+        )
+
+    def restore_safetensors(
+        self, directory: epath.Path, args: SafetensorsRestore, *, key_hint: str, shape_hint: str
+    ) -> Any:
+        """Restores a safetensors item; a mismatch error ends with ``key_hint`` or
+        ``shape_hint`` (the option names of the API the caller came through)."""
         target = _args.merge_restore_args(
             args.item, args.restore_args, partial_restore=args.partial_restore
         )
@@ -303,8 +315,8 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
             stats=stats,
             pad_or_truncate=not args.strict,
             keep_missing=args.partial_restore,
-            key_hint=_KEY_HINT_STRICT_FALSE if not args.strict else _KEY_HINT,
-            shape_hint=_SHAPE_HINT,
+            key_hint=key_hint,
+            shape_hint=shape_hint,
             fallback_sharding=args.fallback_sharding,
         )
         self.last_read_stats = stats

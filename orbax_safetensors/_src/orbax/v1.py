@@ -53,6 +53,23 @@ STATE_NAME = "state"
 _save_counter = itertools.count()
 
 
+_PARTIAL_LOAD = "ctx.pytree.loading.partial_load = True"
+_PAD_OR_TRUNCATE = "ctx.array.loading.enable_padding_and_truncation = True"
+
+
+def _hints(options: _orbaxcompat.V1LoadingOptions) -> tuple[str, str]:
+    """The mismatch hints in v1's option names (SafetensorsRestore's are v0's)."""
+    key_hint = f"set {_PARTIAL_LOAD} on the ocp.Context you load in, to load only its keys"
+    shape_hint = f"set {_PAD_OR_TRUNCATE} on the ocp.Context you load in, to pad or truncate it"
+    if not options.readable:
+        unread = (
+            " (this orbax-checkpoint's active Context could not be read here, so its "
+            "loading options were not applied)"
+        )
+        key_hint, shape_hint = key_hint + unread, shape_hint + unread
+    return key_hint, shape_hint
+
+
 class SafetensorsHandler:
     """An Orbax v1 ``CheckpointableHandler`` storing a pytree as standard safetensors files plus
     ``orbax_safetensors.json``: exactly what ``SafetensorsCheckpointHandler`` stores.
@@ -106,11 +123,22 @@ class SafetensorsHandler:
     async def load(self, directory: Any, abstract_checkpointable: Any = None) -> Awaitable[Any]:
         """Returns an awaitable that reads the tree: into ``abstract_checkpointable``'s
         structure, shapes, dtypes and shardings, or (None) the saved tree as saved."""
-        args = _v0.SafetensorsRestore(abstract_checkpointable)
-        return self._background_load(epath.Path(directory), args)
+        # Read on the caller's thread, inside its ``with ocp.Context(...)``.
+        options = _orbaxcompat.v1_loading_options()
+        args = _v0.SafetensorsRestore(
+            abstract_checkpointable,
+            strict=not options.pad_or_truncate,
+            partial_restore=options.partial_load,
+        )
+        return self._background_load(epath.Path(directory), args, _hints(options))
 
-    async def _background_load(self, path: epath.Path, args: _v0.SafetensorsRestore) -> Any:
-        return await asyncio.to_thread(self._v0.restore, path, args)
+    async def _background_load(
+        self, path: epath.Path, args: _v0.SafetensorsRestore, hints: tuple[str, str]
+    ) -> Any:
+        key_hint, shape_hint = hints
+        return await asyncio.to_thread(
+            self._v0.restore_safetensors, path, args, key_hint=key_hint, shape_hint=shape_hint
+        )
 
     async def metadata(self, directory: Any) -> Any:
         """The saved tree with ``jax.ShapeDtypeStruct`` leaves; reads no tensor bytes."""
