@@ -59,7 +59,7 @@ _PAD_OR_TRUNCATE = "ctx.array.loading.enable_padding_and_truncation = True"
 
 def _hints(options: _orbaxcompat.V1LoadingOptions) -> tuple[str, str]:
     """The mismatch hints in v1's option names (SafetensorsRestore's are v0's)."""
-    key_hint = f"set {_PARTIAL_LOAD} on the ocp.Context you load in, to load only its keys"
+    key_hint = f"set {_PARTIAL_LOAD} on the ocp.Context to load only the abstract keys"
     shape_hint = f"set {_PAD_OR_TRUNCATE} on the ocp.Context you load in, to pad or truncate it"
     if not options.readable:
         unread = (
