@@ -19,7 +19,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from benchmarks.state import flatten, np_dtype, unflatten
+from benchmarks import device
+from benchmarks.state import case_specs, flatten, generate, np_dtype, unflatten
 
 ALIGN = 64
 
@@ -89,6 +90,14 @@ class Method:
     def notes(self) -> dict[str, Any]:
         """Method-specific observations about the last operation (e.g. zero-copy rate)."""
         return {}
+
+    def configure(self, job: dict[str, Any]) -> None:
+        """Untimed: sees the whole job (op, mode, case, run-wide settings) before ``open``."""
+
+    def own_seconds(self) -> float | None:
+        """The last operation's time as the method measured it itself, when the worker's wall
+        clock would count something else (the device row: fio's runtime without its start)."""
+        return None
 
     def close(self) -> None:
         """Untimed teardown."""
@@ -370,9 +379,81 @@ class OursManagerNoChecksums(OursManager):
         return {"item_handlers": handler}
 
 
+class DeviceLimit(Method):
+    """The device's limit for the same byte count: fio's sequential write until durable (save),
+    fio's O_DIRECT sequential read (cold restore; no arrays are built), and memory bandwidth
+    for warm restores: a numpy copy of the state into fresh 64-byte aligned buffers wrapped
+    zero-copy as ``jax.Array`` (first-touch page faults included, as in every restore).
+
+    The fio job settings are the fastest of a small grid, calibrated once per run
+    (``benchmarks/device.py``); the run passes them in the job (``"fio"``).
+    """
+
+    name = "device"
+    description = (
+        "the limit: fio sequential write + end fsync / fio O_DIRECT sequential read; "
+        "warm: numpy copy of the state (memory bandwidth)"
+    )
+
+    def __init__(self) -> None:
+        self._job: dict[str, Any] = {}
+        self._source: dict[str, np.ndarray] = {}
+        self._seconds: float | None = None
+
+    def own_seconds(self) -> float | None:
+        return self._seconds
+
+    def unavailable(self) -> str | None:
+        import shutil
+
+        return None if shutil.which("fio") else "fio is not installed (apt-get install fio)"
+
+    def configure(self, job: dict[str, Any]) -> None:
+        self._job = job
+        if job.get("op") == "restore" and job.get("mode") == "warm":
+            # The copy's source: the state itself, in memory (untimed).
+            seed = job["case"]["seed"]
+            self._source = {s.name: generate(s, seed) for s in case_specs(job["case"])}
+
+    def _settings(self, kind: str) -> dict[str, str]:
+        fio = self._job.get("fio") or {}
+        return (
+            fio.get(kind)
+            or (device.WRITE_CANDIDATES if kind == "write" else device.READ_CANDIDATES)[0]
+        )
+
+    def _nbytes(self) -> int:
+        return sum(s.nbytes for s in case_specs(self._job["case"]))
+
+    def save(self, state: Any, directory: Path) -> None:
+        device.run_fio(
+            directory / device.FIO_FILE, self._nbytes(), self._settings("write"), write=True
+        )
+
+    def restore(self, directory: Path, abstract: Any) -> Any:
+        if self._job.get("mode") != "warm":
+            self._seconds = device.run_fio(
+                directory / device.FIO_FILE, self._nbytes(), self._settings("read"), write=False
+            )
+            return None  # bytes only: the worker reports verified = "n/a"
+        import jax
+
+        dev = jax.devices()[0]
+        flat: dict[str, Any] = {}
+        for name, src in self._source.items():
+            buf = aligned_empty(src.nbytes).view(src.dtype).reshape(src.shape)
+            np.copyto(buf, src)
+            flat[name] = jax.device_put(buf, dev, may_alias=True)
+        return unflatten(flat)
+
+    def notes(self) -> dict[str, Any]:
+        return {"fio": {k: device.describe(self._settings(k)) for k in ("write", "read")}}
+
+
 METHODS: dict[str, type[Method]] = {
     m.name: m
     for m in (
+        DeviceLimit,
         Floor,
         SafetensorsFlax,
         OrbaxStandard,

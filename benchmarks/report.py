@@ -104,8 +104,11 @@ def case_table(case: dict[str, Any]) -> str:
     gib = state_bytes / GIB
     methods = case["methods"]
     floor = methods.get("floor", {}).get("summary", {})
+    limit = methods.get("device", {}).get("summary", {})
     head = (
-        "| method | save s | restore cold s | restore warm s | save GB/s | cold GB/s | warm GB/s "
+        "| method | save s | restore cold s | restore warm s "
+        "| x device bandwidth save / cold / warm "
+        "| save GB/s | cold GB/s | warm GB/s "
         "| save s/GiB | cold s/GiB | warm s/GiB | CPU s save / cold / warm "
         "| peak extra mem save / cold / warm (x state) "
         "| vs floor save / cold / warm | spread max | verified |"
@@ -123,10 +126,13 @@ def case_table(case: dict[str, Any]) -> str:
         per_gib = [t / gib if t else None for t in times]
         mem = " / ".join(_fmt(s.get(f"{op}_peak_x"), 2) for op in ("save", "cold", "warm"))
         vs_floor = " / ".join(_fmt(_ratio(s.get(k), floor.get(k)), 2) for _, k in _TIMES)
+        # Bandwidth as a fraction of the device's (1.0 = at the limit): device time / time.
+        vs_device = " / ".join(_fmt(_ratio(limit.get(k), s.get(k)), 2) for _, k in _TIMES)
         spreads = [s.get(f"{k}_spread") for _, k in _TIMES if s.get(f"{k}_spread") is not None]
         cells = [
             name if status == "ok" else f"{name} ({status})",
             *(_fmt(t) for t in times),
+            vs_device,
             *(_fmt(r) for r in rates),
             *(_fmt(p) for p in per_gib),
             " / ".join(_fmt(s.get(f"{op}_cpu_s"), 2) for op in ("save", "cold", "warm")),
@@ -244,6 +250,10 @@ def load_summary(results: dict[str, Any]) -> tuple[float, float] | None:
     return (statistics.median(loads), max(loads)) if loads else None
 
 
+def _settings(settings: dict[str, str]) -> str:
+    return " ".join(f"{k}={v}" for k, v in settings.items())
+
+
 def markdown(results: dict[str, Any]) -> str:
     """The whole report."""
     meta = results["meta"]
@@ -283,6 +293,22 @@ def markdown(results: dict[str, Any]) -> str:
         "operation (VmHWM after a reset) minus RSS before it, as a multiple of the state size. "
         "GB/s uses 10^9 bytes; s/GiB uses 2^30. Read differences under ~20% as noise."
     )
+    fio = meta.get("fio")
+    if fio:
+
+        def grid(kind: str) -> str:
+            return "; ".join(
+                f"{_settings(c['settings'])}: {c['gb_s']:.2f} GB/s"
+                for c in fio.get(f"{kind}_calibration", [])
+            )
+
+        out.append(
+            f"- device row (fio, fastest of a calibration grid on up to 1 GiB): write until "
+            f"durable `{_settings(fio['write'])}` (grid: {grid('write')}); O_DIRECT read "
+            f"`{_settings(fio['read'])}` (grid: {grid('read')}). "
+            "`x device bandwidth` = device time / method time (1.00 = at the device's limit; "
+            "warm: against a numpy copy of the state, i.e. memory bandwidth)"
+        )
     for name, reason in meta.get("unavailable", {}).items():
         out.append(f"- {name}: n/a: {reason}")
     out.append("")

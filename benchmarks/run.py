@@ -38,7 +38,7 @@ REPO = HERE.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 sys.path.insert(0, str(REPO))
 
-from benchmarks import procfs, report  # noqa: E402
+from benchmarks import device, procfs, report  # noqa: E402
 from benchmarks.methods import METHODS  # noqa: E402
 from benchmarks.state import (  # noqa: E402
     SUPPORTED_DTYPES,
@@ -153,7 +153,7 @@ def run_full_case(
             entry = case["methods"][name]
             directory = workdir / case["id"] / name.replace(".", "_")
             fresh_dir(directory)
-            job = {"method": name, "case": spec, "dir": str(directory)}
+            job = {"method": name, "case": spec, "dir": str(directory), "fio": args.fio}
             run: dict[str, Any] = {"round": r, "warmup": warm_up}
             run["save"] = run_worker({**job, "op": "save"}, args.timeout, hot)
             if "error" not in run["save"]:
@@ -185,6 +185,9 @@ def run_partial_case(
     hot.warm()
     ready: list[str] = []
     for name in names:
+        if name == "device":  # fio reads whole files: no partial row
+            case["methods"][name]["status"] = "n/a: whole-file device limit"
+            continue
         directory = workdir / case["id"] / name.replace(".", "_")
         fresh_dir(directory)
         save = run_worker(
@@ -405,6 +408,21 @@ def main(argv: list[str] | None = None) -> int:
     names = [n for n in args.method_list if n not in unavailable]
     for n, r in unavailable.items():
         log(f"{n}: n/a: {r}")
+    args.fio = None
+    if "device" in names:
+        fio_error = device.ensure_fio()
+        if fio_error:
+            log(f"device: n/a: {fio_error}")
+            unavailable["device"] = fio_error
+            names.remove("device")
+        else:
+            largest = max(args.size_list, default=parse_size(args.partial_size))
+            log("device: calibrating fio job settings (fastest of a small grid)...")
+            args.fio = device.calibrate(workdir / "fio-calibration", largest)
+            log(
+                f"device: write {device.describe(args.fio['write'])}; "
+                f"read {device.describe(args.fio['read'])}"
+            )
     drop_error = procfs.drop_caches()
     cold_note = (
         "page cache dropped before each (os.sync(); echo 3 > /proc/sys/vm/drop_caches)"
@@ -433,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
             "hot_memory": args.hot_memory,
             "methods": {n: METHODS[n].description for n in args.method_list},
             "unavailable": unavailable,
+            "fio": args.fio,
         },
         "cases": [],
     }
