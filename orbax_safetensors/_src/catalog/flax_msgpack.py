@@ -37,6 +37,7 @@ from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
 _EXT_NDARRAY, _EXT_COMPLEX, _EXT_NPSCALAR = 1, 2, 3  # flax's _MsgpackExtType
 _CHUNKED = "__msgpack_chunked_array__"
 _MAX_RANK = 64
+_MAX_DEPTH = 128  # nested maps; Flax state dicts are a few levels deep
 _STEP_NAME = re.compile(r"^(?:.*?_)?(\d+)$")  # checkpoint_<step>, flax's default prefix
 
 # The dtypes an ndarray ext may name: numeric numpy dtypes and ml_dtypes' (never object,
@@ -126,27 +127,35 @@ def decode(data: bytes | memoryview, *, where: str = "<bytes>") -> dict[Any, Any
         raise FlaxMsgpackError(
             f"{where}: bytes follow the end of the msgpack data (a damaged or concatenated file)"
         ) from None
+    except msgpack.exceptions.StackError:
+        raise FlaxMsgpackError(
+            f"{where}: not a valid msgpack file (nested too deeply for msgpack)"
+        ) from None
     except (ValueError, TypeError, msgpack.exceptions.UnpackException) as e:
         raise FlaxMsgpackError(
-            f"{where}: not a valid msgpack file ({e or type(e).__name__}); "
+            f"{where}: not a valid msgpack file ({str(e) or type(e).__name__}); "
             "it may be truncated or damaged"
         ) from None
     if not isinstance(tree, dict):
         raise FlaxMsgpackError(
             f"{where}: holds a msgpack {type(tree).__name__}, not the map of a Flax state dict"
         )
-    return _resolve(tree, "", where)  # type: ignore[no-any-return]
+    return _resolve(tree, "", where, 0)  # type: ignore[no-any-return]
 
 
-def _resolve(node: Any, name: str, where: str) -> Any:
+def _resolve(node: Any, name: str, where: str, depth: int) -> Any:
     """Decodes every ext value of ``node`` and joins chunked arrays, naming the key on error."""
     if isinstance(node, _Ext):
         return _decode_ext(node, name, where)
+    if isinstance(node, (dict, list)) and depth >= _MAX_DEPTH:
+        raise FlaxMsgpackError(
+            f"{where}: key {name[:100]!r}...: nested deeper than {_MAX_DEPTH} levels"
+        )
     if isinstance(node, dict):
-        out = {k: _resolve(v, _join(name, k), where) for k, v in node.items()}
+        out = {k: _resolve(v, _join(name, k), where, depth + 1) for k, v in node.items()}
         return _unchunk(out, name, where) if _CHUNKED in out else out
     if isinstance(node, list):
-        return [_resolve(v, _join(name, i), where) for i, v in enumerate(node)]
+        return [_resolve(v, _join(name, i), where, depth + 1) for i, v in enumerate(node)]
     return node
 
 
