@@ -7,6 +7,7 @@ and forged files fail clearly and write nothing."""
 from __future__ import annotations
 
 import struct
+import tracemalloc
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -234,8 +235,14 @@ def test_truncated_file_fails_clearly_and_writes_nothing(flax_ckpt, tmp_path, cu
 def test_forged_shape_is_checked_against_the_payload_before_allocating(tmp_path):
     huge = [2**20, 2**20, 2**10]  # 4 PiB of float32 claimed, 8 bytes present
     raw = msgpack.packb({"params": {"w": ndarray_ext(huge, "float32", b"\0" * 8)}})
-    message = assert_refused(tmp_path, raw, "'params.w'", "float32", "8")
+    tracemalloc.start()
+    try:
+        message = assert_refused(tmp_path, raw, "'params.w'", "float32", "8")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
     assert "(1048576, 1048576, 1024)" in message
+    assert peak < 4 << 20, peak  # bounded by the file's real size, not the claimed shape
 
 
 @pytest.mark.parametrize(

@@ -506,18 +506,20 @@ def flax_msgpack_to_safetensors(
             finally:
                 if tmp.exists():
                     tmp.unlink()
-        else:
+        elif step is not None:  # (a directory without a step was refused above)
             summary.items = [f"{step}/default"]
-            summary = _atomic(
-                dst, lambda tmp: _save_step(source.tree, tmp, step, max_file_size, summary)
-            )
+
+            def write_root(tmp: epath.Path) -> ConvertSummary:
+                _save_step(source.tree, tmp, step, max_file_size)
+                return summary
+
+            _atomic(dst, write_root)
         bar.update(size)
     return summary
 
 
-def _save_step(
-    tree: Any, root: epath.Path, step: Any, max_file_size: int | None, summary: ConvertSummary
-) -> ConvertSummary:
+def _save_step(tree: Any, root: epath.Path, step: int, max_file_size: int | None) -> None:
+    """Saves ``tree`` as step ``step`` of a new CheckpointManager root, through Orbax."""
     import orbax.checkpoint as ocp
 
     options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
@@ -525,9 +527,8 @@ def _save_step(
     with ocp.CheckpointManager(
         _steps.absolute(root), item_handlers=handler, options=options
     ) as mngr:
-        mngr.save(int(step), args=_v0.SafetensorsSave(tree))
+        mngr.save(step, args=_v0.SafetensorsSave(tree))
         mngr.wait_until_finished()
-    return summary
 
 
 # --------------------------------------------------------------------------- steps and roots
