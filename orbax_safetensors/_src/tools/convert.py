@@ -495,7 +495,7 @@ def flax_msgpack_to_safetensors(
         raise FileExistsError(f"{dst} already exists; choose a new destination")
     source = _sources.MsgpackSource(src)  # decoded (and checked) before anything is written
     size = sum(t.nbytes for t in source.tensors.values())
-    summary = ConvertSummary(_TO_SAFETENSORS, [""], [], len(source.tensors), size)
+    summary = ConvertSummary(_TO_SAFETENSORS, [], [], len(source.tensors), size)  # a file: no items
     with _terminal.progress_bar(size, f"convert {src.name}", progress) as bar:
         if as_file:
             dst.parent.mkdir(parents=True, exist_ok=True)
