@@ -5,7 +5,8 @@ Every tool (``inspect``, ``diff``, ``convert``, the Hugging Face loader) sees a 
 returns host numpy arrays, a batch at a time, so no tool needs the whole checkpoint in memory.
 A source can be one ``.safetensors`` file (written by this library, PyTorch, anyone), a
 checkpoint directory of this library, plain safetensors files in a directory (Hugging Face
-style), or an Orbax-native PyTree item (``StandardSave``/``PyTreeSave``, OCDBT or not).
+style), an Orbax-native PyTree item (``StandardSave``/``PyTreeSave``, OCDBT or not), or a legacy
+Flax msgpack file (``flax.serialization.to_bytes``, ``flax.training.checkpoints``).
 
 Example::
 
@@ -24,12 +25,17 @@ from typing import Any, Protocol
 import numpy as np
 from etils import epath
 
+from orbax_safetensors._src.catalog import flax_msgpack as _flax_msgpack
 from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import tree as _tree
-from orbax_safetensors._src.core.errors import HeaderError, SafetensorsCheckpointError
+from orbax_safetensors._src.core.errors import (
+    HeaderError,
+    SafetensorsCheckpointError,
+    UnsupportedLeafError,
+)
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
 from orbax_safetensors._src.pipeline import reader as _reader
@@ -241,6 +247,57 @@ class OrbaxSource:
         return {keypath: name for name, (keypath, _) in self.leaves.items()}
 
 
+class MsgpackSource:
+    """A legacy Flax msgpack file, decoded whole (host memory: about twice the file).
+
+    ``tree`` is the state dict as ``flax.serialization.msgpack_restore`` gives it (a Python
+    complex as a ``complex64`` scalar when that is exact: safetensors has no complex128);
+    tensors carry the dotted names of ``flax.traverse_util.flatten_dict(tree, sep=".")``.
+    Python scalars, strings and None are not tensors.
+    """
+
+    def __init__(self, path: epath.Path) -> None:
+        self.path = path
+        self.kind = "flax-msgpack"
+        self.step = _flax_msgpack.step_of(path)
+        self.tree = _exact_complex64(_flax_msgpack.read_file(path), str(path))
+        self.values = {
+            name: np.asarray(v)
+            for name, v in _flax_msgpack.flatten(self.tree).items()
+            if isinstance(v, (np.ndarray, np.generic))
+        }
+        self.tensors = {}
+        for name, v in self.values.items():
+            dtype = _dtypes.from_numpy(v.dtype, key=name)
+            shape = tuple(v.shape)
+            self.tensors[name] = TensorInfo(
+                name, dtype, shape, _dtypes.nbytes(dtype, shape), path.name
+            )
+        self.metadata: dict[str, Any] = {}
+
+    def read(self, names: Sequence[str]) -> dict[str, np.ndarray]:
+        return {n: self.values[n] for n in names}
+
+
+def _exact_complex64(node: Any, where: str, name: str = "") -> Any:
+    if isinstance(node, dict):
+        return {
+            k: _exact_complex64(v, where, f"{name}.{k}" if name else str(k))
+            for k, v in node.items()
+        }
+    if isinstance(node, list):
+        return [_exact_complex64(v, where, f"{name}.{i}") for i, v in enumerate(node)]
+    if isinstance(node, complex):
+        value = np.complex64(node)
+        if complex(value) != node:
+            raise UnsupportedLeafError(
+                f"{where}: key {name!r}: complex {node!r} is not exact in complex64, and "
+                "safetensors has no complex128"
+            )
+        return value
+    return node
+
+
 def orbax_metadata_tree(path: epath.PathLike) -> Any:
     """Orbax's metadata tree of a native PyTree item (``ArrayMetadata``/``ScalarMetadata``...)."""
     import orbax.checkpoint as ocp
@@ -295,7 +352,8 @@ def _select(tree: Any, wanted: set[str], names: Mapping[tuple[Any, ...], str], f
 
 
 def open_source(path: epath.PathLike) -> TensorSource:
-    """Opens a file, item, safetensors directory or Orbax item as a :class:`TensorSource`.
+    """Opens a file, item, safetensors directory, Orbax item or Flax msgpack file as a
+    :class:`TensorSource`.
 
     A step with exactly one tensor item opens that item.
 
@@ -313,6 +371,8 @@ def open_source(path: epath.PathLike) -> TensorSource:
             )
         path, kind = path / items[0], _steps.item_kind(path / items[0])
     if kind == "file":
+        if _flax_msgpack.is_flax_msgpack(path):
+            return MsgpackSource(path)
         return _open_file(path)
     if kind == "item":
         return _open_item(path)

@@ -101,6 +101,8 @@ def _convert_cmd(args: argparse.Namespace) -> int:
         args.dst,
         to=args.to,
         unwrap_values=args.unwrap_values,
+        wrap_values=args.wrap_values,
+        step=args.step,
         max_file_size=args.max_file_size,
         batch_bytes=args.batch_size,
         progress=not args.quiet,
@@ -166,9 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Converts an Orbax-native item, step or CheckpointManager root "
         "(StandardSave/PyTreeSave, OCDBT or not) into safetensors checkpoints with the same "
         "dotted names and values, streaming a batch of tensors at a time; or a safetensors "
-        "item, file, step or root into Orbax-native (StandardSave) checkpoints. Other items of a "
-        "step (e.g. JSON) are copied. DST must not exist (or be empty); it appears only once "
-        "complete.",
+        "item, file, step or root into Orbax-native (StandardSave) checkpoints; or a legacy Flax "
+        "msgpack file (flax.serialization.to_bytes, flax.training.checkpoints' checkpoint_<step>) "
+        "into a .safetensors file or a CheckpointManager root holding that step (decoded whole: "
+        "host memory about twice the file). Other items of a step (e.g. JSON) are copied. DST "
+        "must not exist (or be empty); it appears only once complete.",
     )
     convert.add_argument("src", help="item, step or root to convert")
     convert.add_argument("dst", help="where to write the converted checkpoint")
@@ -183,6 +187,22 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="collapse {'value': x} dicts (how Orbax stores nnx.Variable) so names match "
         "nnx.state(model) here (layers.0.kernel rather than layers.0.kernel.value)",
+    )
+    convert.add_argument(
+        "--wrap-values",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="to Orbax: wrap leaves in {'value': x} dicts, as Orbax stores nnx.Variable, so "
+        "StandardCheckpointer().restore(path, abstract nnx.State) works (undoes "
+        "--unwrap-values). Default: the leaves saved as nnx.Variable; --wrap-values: every "
+        "leaf; --no-wrap-values: none",
+    )
+    convert.add_argument(
+        "--step",
+        type=int,
+        default=None,
+        help="Flax msgpack source: the step of the CheckpointManager root written to DST "
+        "(default: from the checkpoint_<step> file name)",
     )
     convert.add_argument(
         "--max-file-size",

@@ -7,7 +7,12 @@
   schema; typed PRNG keys stay keys; saved ``NamedSharding`` layouts are recorded.
 - safetensors -> Orbax: the tree is restored (host memory: the whole item) and saved with
   Orbax's ``StandardCheckpointer`` (``PyTreeCheckpointer`` when the tree holds strings, which
-  ``StandardSave`` refuses).
+  ``StandardSave`` refuses). Leaves saved as ``nnx.Variable`` become ``{"value": x}`` dicts, as
+  Orbax stores them, so ``StandardCheckpointer().restore(path, abstract nnx.State)`` works.
+- legacy Flax msgpack (``flax.serialization.to_bytes``, ``flax.training.checkpoints``) ->
+  safetensors: the file is decoded whole (see ``catalog/flax_msgpack.py``, which executes
+  nothing), then written as one ``.safetensors`` file or as a step of a new CheckpointManager
+  root.
 
 Paths may be items, steps (every tensor item converted, other items such as JSON copied) or
 CheckpointManager roots (every step). Output appears atomically: it is written under a
@@ -31,6 +36,7 @@ import jax
 import numpy as np
 from etils import epath
 
+from orbax_safetensors._src.catalog import flax_msgpack as _flax_msgpack
 from orbax_safetensors._src.catalog import sources as _sources
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import metadata as _metadata
@@ -39,10 +45,12 @@ from orbax_safetensors._src.core import sharding as _sharding
 from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
 from orbax_safetensors._src.orbax import steps as _steps
+from orbax_safetensors._src.orbax import v0 as _v0
 from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
 from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.pipeline import standalone as _standalone
+from orbax_safetensors._src.storage import router as _router
 from orbax_safetensors._src.tools import terminal as _terminal
 
 _TO_SAFETENSORS = "safetensors"
@@ -117,16 +125,41 @@ def _placeholder(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
 def _unwrap_value_dicts(tree: Any) -> Any:
     """Replaces every ``{"value": x}`` dict (how Orbax stores an ``nnx.Variable``) by ``x``."""
     if isinstance(tree, dict):
-        if (
-            len(tree) == 1
-            and "value" in tree
-            and not isinstance(tree["value"], (dict, list, tuple))
-        ):
+        if _is_value_dict(tree):
             return tree["value"]
         return {k: _unwrap_value_dicts(v) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
         return type(tree)(_unwrap_value_dicts(v) for v in tree)
     return tree
+
+
+def _is_value_dict(node: Any) -> bool:
+    return (
+        isinstance(node, dict)
+        and len(node) == 1
+        and "value" in node
+        and not isinstance(node["value"], (dict, list, tuple))
+    )
+
+
+def _mark_variables(node: dict[str, Any], original: Any) -> dict[str, Any]:
+    """The schema ``node`` of an unwrapped tree with each collapsed ``{"value": x}`` dict of
+    ``original`` recorded as an NNX Variable (``var``), as a save of ``nnx.state`` records it:
+    converting back to Orbax wraps exactly those leaves again."""
+    if _is_value_dict(original):
+        return {"t": "var", "v": node}
+    kind = node.get("t")
+    if kind == "dict" and isinstance(original, dict):
+        return {
+            **node,
+            "v": [
+                _mark_variables(child, original[key]) if key in original else child
+                for key, child in zip(node["k"], node["v"])
+            ],
+        }
+    if kind in ("list", "tuple") and isinstance(original, (list, tuple)):
+        return {**node, "v": [_mark_variables(c, o) for c, o in zip(node["v"], original)]}
+    return node
 
 
 def _set_array_kinds(node: Any, jax_names: set[str]) -> None:
@@ -199,7 +232,7 @@ def _orbax_item_to_safetensors(
     inline = source.restore(inline_names)
     orbax_name_of: dict[int, str] = {}
 
-    def skeleton(keys: dict[str, str]) -> Any:
+    def skeleton(keys: dict[str, str], unwrap: bool = unwrap_values) -> Any:
         # The Orbax tree with placeholders for arrays (PRNG keys as tiny real keys) and the
         # restored values of scalars/strings.
         names = source.name_of_path()
@@ -218,7 +251,7 @@ def _orbax_item_to_safetensors(
             return value
 
         tree = jax.tree_util.tree_map_with_path(leaf, source.tree)
-        return _unwrap_value_dicts(tree) if unwrap_values else tree
+        return _unwrap_value_dicts(tree) if unwrap else tree
 
     first = _tree.flatten(skeleton({}))
     to_orbax = {ours: orbax_name_of[id(v)] for ours, v in first.arrays.items()}
@@ -257,7 +290,14 @@ def _orbax_item_to_safetensors(
             prepared, dst, persist_share=False, max_in_flight=batch_bytes
         )
     # The PRNG key implementations are known once their batches were read.
-    metadata = _safetensors_metadata(source, skeleton(key_impls), to_orbax, plan, specs)
+    metadata = _safetensors_metadata(
+        source,
+        skeleton(key_impls),
+        to_orbax,
+        plan,
+        specs,
+        original=skeleton({}, unwrap=False) if unwrap_values else None,
+    )
     _checkpoint_save.finalize(dst, metadata, [share])
     return ConvertSummary(_TO_SAFETENSORS, [""], [], len(specs), total)
 
@@ -268,8 +308,11 @@ def _safetensors_metadata(
     to_orbax: dict[str, str],
     plan: _plan.CheckpointPlan,
     specs: list[_plan.TensorSpec],
+    original: Any = None,
 ) -> dict[str, Any]:
     flat = _tree.flatten(tree)
+    if original is not None:  # unwrapped: the collapsed dicts are recorded as NNX Variables
+        flat.schema["tree"] = _mark_variables(flat.schema["tree"], original)
     final_specs = _plan.tensor_specs(flat.arrays)
     if final_specs != specs:  # the same tree, keys in place of placeholders
         raise AssertionError("internal: tensor layout changed between planning and writing")
@@ -293,7 +336,11 @@ def _has_strings(tree: Any) -> bool:
 
 
 def safetensors_item_to_orbax(
-    src: epath.PathLike, dst: epath.PathLike, *, progress: bool | None = None
+    src: epath.PathLike,
+    dst: epath.PathLike,
+    *,
+    wrap_values: bool | None = None,
+    progress: bool | None = None,
 ) -> ConvertSummary:
     """Converts a safetensors checkpoint directory (or file) into an Orbax-native item.
 
@@ -301,15 +348,26 @@ def safetensors_item_to_orbax(
     (``ocp.PyTreeCheckpointer`` when the tree holds strings); ``StandardRestore``/
     ``StandardCheckpointer().restore(dst)`` read it back.
 
+    Args:
+      src: the safetensors item directory, file or plain safetensors directory.
+      dst: the Orbax item directory to create (must not exist, or be empty).
+      wrap_values: None: leaves saved as ``nnx.Variable`` (``save_file(nnx.state(model))``,
+        ``SafetensorsSave(nnx.state(model))``, ``convert --unwrap-values``) become
+        ``{"value": x}`` dicts, as Orbax stores them, so Orbax restores the item with an
+        abstract ``nnx.State``; True: every leaf is wrapped so (for files that record no
+        Variables, e.g. written from ``nnx.to_pure_dict``); False: no leaf is.
+      progress: False: no progress bar; True or None: a bar on stderr when it is a terminal.
+
     Example::
 
         safetensors_item_to_orbax("/st/100/default", "/orbax/100/default")
+        ocp.StandardCheckpointer().restore("/orbax/100/default", nnx.state(abstract_model))
     """
     src = epath.Path(src)
     dst = epath.Path(dst)
     tmp = _fresh_destination(dst)
     try:
-        summary, _ = _safetensors_item_to_orbax(src, tmp, progress)
+        summary, _ = _safetensors_item_to_orbax(src, tmp, progress, wrap_values)
         _commit(tmp, dst)
     except BaseException:
         if tmp.exists():
@@ -318,7 +376,9 @@ def safetensors_item_to_orbax(
     return summary
 
 
-def _restore_safetensors(src: epath.Path) -> tuple[Any, int, int]:
+def _restore_safetensors(src: epath.Path) -> tuple[Any, Any, int, int]:
+    """The tree of a safetensors item, file or directory, its schema (None for plain
+    safetensors files), its tensor count and bytes."""
     kind = _steps.classify(src)
     source = _sources.open_source(src)
     n, size = len(source.tensors), sum(t.nbytes for t in source.tensors.values())
@@ -327,20 +387,56 @@ def _restore_safetensors(src: epath.Path) -> tuple[Any, int, int]:
         # converted from this process's first device; Orbax then records that sharding.
         first = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         tree = _checkpoint_restore.restore_directory(src, fallback_sharding=first)
-        return tree, n, size
+        return tree, _checkpoint_restore.read_metadata(src)["schema"], n, size
     if kind == "file":
-        return _standalone.load_file(src), n, size
+        schema, _ = _standalone.file_index(src, _router.read_header(src))
+        return _standalone.load_file(src), schema, n, size
     if kind == "safetensors-dir":
-        return source.read(list(source.tensors)), n, size
+        return source.read(list(source.tensors)), None, n, size
     raise SafetensorsCheckpointError(f"{src} is a {kind}, not a safetensors checkpoint")
 
 
+class _Name(str):
+    """A tensor leaf's name standing in for its value (told apart from inline strings)."""
+
+
+def _wrap_values(tree: Any, schema: Any, everything: bool) -> Any:
+    """``tree`` (restored without a target from ``schema``) with each leaf saved as an NNX
+    Variable (with ``everything``, each leaf) as a ``{"value": x}`` dict: what Orbax stores
+    for an ``nnx.Variable``, and the path an abstract ``nnx.State`` asks Orbax for."""
+    if schema is None:  # a plain safetensors file: a flat dict, no Variables recorded
+        if not everything:
+            return tree
+        return {k: {"value": v} for k, v in tree.items()}
+
+    def wrap(node: dict[str, Any], inside_var: bool = False) -> dict[str, Any]:
+        kind = node["t"]
+        if kind == "var":
+            return {"t": "dict", "k": ["value"], "v": [wrap(node["v"], inside_var=True)]}
+        if kind in ("dict", "list", "tuple", "node"):
+            return {**node, "v": [wrap(c, inside_var) for c in node["v"]]}
+        if everything and not inside_var and kind != "none":
+            return {"t": "dict", "k": ["value"], "v": [node]}
+        return node
+
+    names = _tree.unflatten(schema, lambda leaf: _Name(leaf.name))
+    name_leaves = jax.tree_util.tree_leaves(names)
+    value_leaves = jax.tree_util.tree_leaves(tree)
+    if len(name_leaves) != len(value_leaves):  # pragma: no cover - the same schema built both
+        raise AssertionError("internal: the restored tree does not follow its schema")
+    values = {str(n): v for n, v in zip(name_leaves, value_leaves) if isinstance(n, _Name)}
+    wrapped = {**schema, "tree": wrap(schema["tree"])}
+    return _tree.unflatten(wrapped, lambda leaf: values[leaf.name])
+
+
 def _safetensors_item_to_orbax(
-    src: epath.Path, dst: epath.Path, progress: bool | None
+    src: epath.Path, dst: epath.Path, progress: bool | None, wrap_values: bool | None = None
 ) -> tuple[ConvertSummary, str]:
     import orbax.checkpoint as ocp
 
-    tree, n, size = _restore_safetensors(src)
+    tree, schema, n, size = _restore_safetensors(src)
+    if wrap_values is not False:
+        tree = _wrap_values(tree, schema, everything=bool(wrap_values))
     strings = _has_strings(tree)
     with _terminal.progress_bar(size, f"convert {src.name}", progress) as bar:
         checkpointer = ocp.PyTreeCheckpointer() if strings else ocp.StandardCheckpointer()
@@ -352,6 +448,87 @@ def _safetensors_item_to_orbax(
             checkpointer.close()
         bar.update(size)
     return ConvertSummary(_TO_ORBAX, [""], [], n, size), _item_handler_typestr(_TO_ORBAX, strings)
+
+
+# --------------------------------------------------------------------------- Flax msgpack
+
+
+def flax_msgpack_to_safetensors(
+    src: epath.PathLike,
+    dst: epath.PathLike,
+    *,
+    step: int | None = None,
+    max_file_size: int | None = _plan.DEFAULT_MAX_FILE_SIZE,
+    progress: bool | None = None,
+) -> ConvertSummary:
+    """Converts a legacy Flax msgpack file into a ``.safetensors`` file or a new
+    CheckpointManager root holding one step.
+
+    The file is decoded whole (host memory: about twice its size) before anything is
+    written; a truncated or forged file raises and writes nothing. Tensors get the dotted
+    names ``flax.traverse_util.flatten_dict(state_dict, sep=".")`` gives; Python scalars and
+    strings are kept in the tree schema, so ``load_file``/``SafetensorsRestore`` without a
+    target give the state dict back.
+
+    Args:
+      src: a ``flax.serialization.to_bytes`` or ``flax.training.checkpoints`` file.
+      dst: a path ending in ``.safetensors`` (one file), or a directory to create as a
+        CheckpointManager root (the step under ``<dst>/<step>/default``).
+      step: the step for a directory ``dst`` (default: from ``checkpoint_<step>``).
+      max_file_size: split a directory's files at this size.
+      progress: False: no progress bar; True or None: a bar on stderr when it is a terminal.
+
+    Example::
+
+        flax_msgpack_to_safetensors("ckpts/checkpoint_3", "st_ckpts")   # st_ckpts/3/default
+        flax_msgpack_to_safetensors("flax_model.msgpack", "model.safetensors")
+    """
+    src, dst = epath.Path(src), epath.Path(dst)
+    as_file = dst.suffix == ".safetensors"
+    step = step if step is not None else _flax_msgpack.step_of(src)
+    if not as_file and step is None:
+        raise SafetensorsCheckpointError(
+            f"{src}: no step in its name (checkpoint_<step>); pass --step (step=) or a "
+            "destination ending in .safetensors"
+        )
+    if dst.exists() and (as_file or any(dst.iterdir())):
+        raise FileExistsError(f"{dst} already exists; choose a new destination")
+    source = _sources.MsgpackSource(src)  # decoded (and checked) before anything is written
+    size = sum(t.nbytes for t in source.tensors.values())
+    summary = ConvertSummary(_TO_SAFETENSORS, [], [], len(source.tensors), size)  # a file: no items
+    with _terminal.progress_bar(size, f"convert {src.name}", progress) as bar:
+        if as_file:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dst.parent / f".{dst.name}.converting-{uuid.uuid4().hex[:8]}"
+            try:
+                _standalone.save_file(source.tree, tmp, {"converted_from": "flax-msgpack"})
+                tmp.rename(dst)
+            finally:
+                if tmp.exists():
+                    tmp.unlink()
+        elif step is not None:  # (a directory without a step was refused above)
+            summary.items = [f"{step}/default"]
+
+            def write_root(tmp: epath.Path) -> ConvertSummary:
+                _save_step(source.tree, tmp, step, max_file_size)
+                return summary
+
+            _atomic(dst, write_root)
+        bar.update(size)
+    return summary
+
+
+def _save_step(tree: Any, root: epath.Path, step: int, max_file_size: int | None) -> None:
+    """Saves ``tree`` as step ``step`` of a new CheckpointManager root, through Orbax."""
+    import orbax.checkpoint as ocp
+
+    options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
+    handler = _v0.SafetensorsCheckpointHandler(max_file_size=max_file_size)
+    with ocp.CheckpointManager(
+        _steps.absolute(root), item_handlers=handler, options=options
+    ) as mngr:
+        mngr.save(step, args=_v0.SafetensorsSave(tree))
+        mngr.wait_until_finished()
 
 
 # --------------------------------------------------------------------------- steps and roots
@@ -390,7 +567,11 @@ def _item_handler_typestr(direction: str, tree_has_strings: bool = False) -> str
 
 
 def _convert_step(
-    src: epath.Path, dst: epath.Path, direction: str, options: dict[str, Any]
+    src: epath.Path,
+    dst: epath.Path,
+    direction: str,
+    options: dict[str, Any],
+    wrap_values: bool | None = None,
 ) -> ConvertSummary:
     summary = ConvertSummary(direction)
     dst.mkdir(parents=True, exist_ok=True)
@@ -407,7 +588,7 @@ def _convert_step(
             handlers[name] = _item_handler_typestr(direction)
         else:
             item_summary, handlers[name] = _safetensors_item_to_orbax(
-                src / name, dst / name, options.get("progress")
+                src / name, dst / name, options.get("progress"), wrap_values
             )
         summary.items.append(name)
         summary.tensors += item_summary.tensors
@@ -439,19 +620,31 @@ def convert(
     max_file_size: int | None = _plan.DEFAULT_MAX_FILE_SIZE,
     batch_bytes: int = _sources.DEFAULT_BATCH_BYTES,
     progress: bool | None = None,
+    wrap_values: bool | None = None,
+    step: int | None = None,
 ) -> ConvertSummary:
     """Converts ``src`` (an item, step or CheckpointManager root) into ``dst``.
 
     Args:
-      src: an Orbax-native item/step/root (converted to safetensors) or a safetensors
-        item/file/step/root (converted to Orbax-native).
-      dst: where to write the same kind of thing (must not exist, or be empty).
+      src: an Orbax-native item/step/root (converted to safetensors), a safetensors
+        item/file/step/root (converted to Orbax-native), or a legacy Flax msgpack file
+        (``flax.serialization.to_bytes``, ``flax.training.checkpoints``' ``checkpoint_<step>``;
+        converted to safetensors, decoded whole: host memory about twice the file).
+      dst: where to write the same kind of thing (must not exist, or be empty). For a Flax
+        msgpack file: a ``.safetensors`` file, or a directory that becomes a CheckpointManager
+        root holding the step.
       to: ``"safetensors"`` or ``"orbax"``; None picks it from what ``src`` holds.
       unwrap_values: collapse ``{"value": x}`` dicts (Orbax's form of ``nnx.Variable``) so
         the names match ``nnx.state(model)`` here (Orbax -> safetensors only).
       max_file_size: split safetensors output into files of at most this many bytes.
       batch_bytes: tensor bytes held in memory at once (Orbax -> safetensors).
       progress: False: no progress bar; True or None: a bar on stderr when it is a terminal.
+      wrap_values: safetensors -> Orbax: None wraps each leaf saved as an ``nnx.Variable``
+        (also those collapsed by ``unwrap_values``) in a ``{"value": x}`` dict, as Orbax
+        stores it, so ``StandardCheckpointer().restore(path, abstract nnx.State)`` works;
+        True wraps every leaf (for files that record no Variables); False none.
+      step: the step of a Flax msgpack file written into a directory (default: from the
+        ``checkpoint_<step>`` file name).
 
     Returns:
       A :class:`ConvertSummary`.
@@ -459,8 +652,18 @@ def convert(
     Example::
 
         convert("/orbax_ckpts", "/st_ckpts")        # every step of a CheckpointManager root
+        convert("/flax_ckpts/checkpoint_3", "/st_ckpts")   # a root holding step 3
+        convert("flax_model.msgpack", "model.safetensors")
     """
     src = epath.Path(src)
+    if _flax_msgpack.is_flax_msgpack(src):
+        if to == _TO_ORBAX:
+            raise SafetensorsCheckpointError(
+                f"{src} is a Flax msgpack file; it converts to safetensors only"
+            )
+        return flax_msgpack_to_safetensors(
+            src, dst, step=step, max_file_size=max_file_size, progress=progress
+        )
     kind = _steps.classify(src)
     direction = to or _direction_of(src, kind)
     if direction not in (_TO_SAFETENSORS, _TO_ORBAX):
@@ -481,9 +684,9 @@ def convert(
             )
         if direction == _TO_SAFETENSORS:
             return orbax_item_to_safetensors(src, dst, **options)
-        return safetensors_item_to_orbax(src, dst, progress=progress)
+        return safetensors_item_to_orbax(src, dst, wrap_values=wrap_values, progress=progress)
     if kind == "step":
-        return _atomic(dst, lambda tmp: _convert_step(src, tmp, direction, options))
+        return _atomic(dst, lambda tmp: _convert_step(src, tmp, direction, options, wrap_values))
     if kind == "root":
 
         def write_root(tmp: epath.Path) -> ConvertSummary:
@@ -495,7 +698,7 @@ def convert(
                         f"{step}: a step that is not a directory of items cannot be converted "
                         "as part of a root; convert it as an item"
                     )
-                step_summary = _convert_step(step, tmp / step.name, direction, options)
+                step_summary = _convert_step(step, tmp / step.name, direction, options, wrap_values)
                 total.items += [f"{step.name}/{i}" for i in step_summary.items]
                 total.copied += [f"{step.name}/{i}" for i in step_summary.copied]
                 total.tensors += step_summary.tensors
