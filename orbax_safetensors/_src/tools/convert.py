@@ -35,6 +35,7 @@ from orbax_safetensors._src.catalog import sources as _sources
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import plan as _plan
+from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.core import sharding as _sharding
 from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
@@ -159,6 +160,7 @@ def orbax_item_to_safetensors(
     max_file_size: int | None = _plan.DEFAULT_MAX_FILE_SIZE,
     batch_bytes: int = _sources.DEFAULT_BATCH_BYTES,
     progress: bool | None = None,
+    select: _select.Selection | None = None,
 ) -> ConvertSummary:
     """Converts one Orbax-native PyTree item into a safetensors checkpoint directory.
 
@@ -170,6 +172,8 @@ def orbax_item_to_safetensors(
       max_file_size: split into ``model-0000i-of-0000n.safetensors`` files above this size.
       batch_bytes: tensor bytes held in memory at once.
       progress: False: no progress bar; True or None: a bar on stderr when it is a terminal.
+      select: convert only the leaves it selects (by Orbax's dotted names), in their saved
+        containers; only their bytes are read.
 
     Example::
 
@@ -179,7 +183,7 @@ def orbax_item_to_safetensors(
     return _atomic(
         dst,
         lambda tmp: _orbax_item_to_safetensors(
-            epath.Path(src), tmp, unwrap_values, max_file_size, batch_bytes, progress
+            epath.Path(src), tmp, unwrap_values, max_file_size, batch_bytes, progress, select
         ),
     )
 
@@ -191,11 +195,21 @@ def _orbax_item_to_safetensors(
     max_file_size: int | None,
     batch_bytes: int,
     progress: bool | None,
+    select: _select.Selection | None = None,
 ) -> ConvertSummary:
     from orbax_safetensors._src.core import tree as _tree
 
     source = _sources.OrbaxSource(src)
+    saved_tree = source.tree
+    if select is not None:
+        select.check(source.leaves, str(src))
+        wanted = {n for n in source.leaves if select.selects(n)}
+        saved_tree = _sources.select_leaves(
+            source.tree, wanted, source.name_of_path(), lambda leaf: leaf
+        )
     inline_names = [n for n in source.leaves if n not in source.tensors]
+    if select is not None:
+        inline_names = [n for n in inline_names if select.selects(n)]
     inline = source.restore(inline_names)
     orbax_name_of: dict[int, str] = {}
 
@@ -217,7 +231,7 @@ def _orbax_item_to_safetensors(
             orbax_name_of[id(value)] = name
             return value
 
-        tree = jax.tree_util.tree_map_with_path(leaf, source.tree)
+        tree = jax.tree_util.tree_map_with_path(leaf, saved_tree)
         return _unwrap_value_dicts(tree) if unwrap_values else tree
 
     first = _tree.flatten(skeleton({}))
@@ -293,7 +307,11 @@ def _has_strings(tree: Any) -> bool:
 
 
 def safetensors_item_to_orbax(
-    src: epath.PathLike, dst: epath.PathLike, *, progress: bool | None = None
+    src: epath.PathLike,
+    dst: epath.PathLike,
+    *,
+    progress: bool | None = None,
+    select: _select.Selection | None = None,
 ) -> ConvertSummary:
     """Converts a safetensors checkpoint directory (or file) into an Orbax-native item.
 
@@ -309,7 +327,7 @@ def safetensors_item_to_orbax(
     dst = epath.Path(dst)
     tmp = _fresh_destination(dst)
     try:
-        summary, _ = _safetensors_item_to_orbax(src, tmp, progress)
+        summary, _ = _safetensors_item_to_orbax(src, tmp, progress, select)
         _commit(tmp, dst)
     except BaseException:
         if tmp.exists():
@@ -318,29 +336,41 @@ def safetensors_item_to_orbax(
     return summary
 
 
-def _restore_safetensors(src: epath.Path) -> tuple[Any, int, int]:
+def _restore_safetensors(
+    src: epath.Path, select: _select.Selection | None = None
+) -> tuple[Any, int, int]:
     kind = _steps.classify(src)
     source = _sources.open_source(src)
-    n, size = len(source.tensors), sum(t.nbytes for t in source.tensors.values())
+    infos = [t for n, t in source.tensors.items() if select is None or select.selects(n)]
+    n, size = len(infos), sum(t.nbytes for t in infos)
+    include = (select.include or None) if select else None
+    exclude = (select.exclude or None) if select else None
     if kind == "item":
         # A checkpoint saved on devices this machine lacks (e.g. by a multi-host job) is
         # converted from this process's first device; Orbax then records that sharding.
         first = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        tree = _checkpoint_restore.restore_directory(src, fallback_sharding=first)
+        tree = _checkpoint_restore.restore_directory(
+            src, fallback_sharding=first, include=include, exclude=exclude
+        )
         return tree, n, size
     if kind == "file":
-        return _standalone.load_file(src), n, size
+        return _standalone.load_file(src, include=include, exclude=exclude), n, size
     if kind == "safetensors-dir":
-        return source.read(list(source.tensors)), n, size
+        if select is not None:
+            select.check(source.tensors, str(src))
+        return source.read([t.name for t in infos]), n, size
     raise SafetensorsCheckpointError(f"{src} is a {kind}, not a safetensors checkpoint")
 
 
 def _safetensors_item_to_orbax(
-    src: epath.Path, dst: epath.Path, progress: bool | None
+    src: epath.Path,
+    dst: epath.Path,
+    progress: bool | None,
+    select: _select.Selection | None = None,
 ) -> tuple[ConvertSummary, str]:
     import orbax.checkpoint as ocp
 
-    tree, n, size = _restore_safetensors(src)
+    tree, n, size = _restore_safetensors(src, select)
     strings = _has_strings(tree)
     with _terminal.progress_bar(size, f"convert {src.name}", progress) as bar:
         checkpointer = ocp.PyTreeCheckpointer() if strings else ocp.StandardCheckpointer()
@@ -407,7 +437,7 @@ def _convert_step(
             handlers[name] = _item_handler_typestr(direction)
         else:
             item_summary, handlers[name] = _safetensors_item_to_orbax(
-                src / name, dst / name, options.get("progress")
+                src / name, dst / name, options.get("progress"), options.get("select")
             )
         summary.items.append(name)
         summary.tensors += item_summary.tensors
@@ -439,6 +469,8 @@ def convert(
     max_file_size: int | None = _plan.DEFAULT_MAX_FILE_SIZE,
     batch_bytes: int = _sources.DEFAULT_BATCH_BYTES,
     progress: bool | None = None,
+    include: _select.Patterns = None,
+    exclude: _select.Patterns = None,
 ) -> ConvertSummary:
     """Converts ``src`` (an item, step or CheckpointManager root) into ``dst``.
 
@@ -452,6 +484,10 @@ def convert(
       max_file_size: split safetensors output into files of at most this many bytes.
       batch_bytes: tensor bytes held in memory at once (Orbax -> safetensors).
       progress: False: no progress bar; True or None: a bar on stderr when it is a terminal.
+      include, exclude: convert only the tensors (and Python values) these globs over
+        dotted names select, as in ``osf.load_file``, in their saved containers; only their
+        bytes are read. In a step or root they apply to every converted item, and a pattern
+        matching no name of an item raises ``TargetMismatchError`` before DST appears.
 
     Returns:
       A :class:`ConvertSummary`.
@@ -460,6 +496,7 @@ def convert(
 
         convert("/orbax_ckpts", "/st_ckpts")        # every step of a CheckpointManager root
     """
+    select = _select.Selection.of(include, exclude)
     src = epath.Path(src)
     kind = _steps.classify(src)
     direction = to or _direction_of(src, kind)
@@ -470,6 +507,7 @@ def convert(
         "max_file_size": max_file_size,
         "batch_bytes": batch_bytes,
         "progress": progress,
+        "select": select,
     }
     if kind in _steps.TENSOR_KINDS:
         expected = (
@@ -481,7 +519,7 @@ def convert(
             )
         if direction == _TO_SAFETENSORS:
             return orbax_item_to_safetensors(src, dst, **options)
-        return safetensors_item_to_orbax(src, dst, progress=progress)
+        return safetensors_item_to_orbax(src, dst, progress=progress, select=select)
     if kind == "step":
         return _atomic(dst, lambda tmp: _convert_step(src, tmp, direction, options))
     if kind == "root":
