@@ -200,3 +200,23 @@ def test_sniff_needs_a_string_key_for_msgpack():
     found = sniff.sniff_bytes(b"\xde\x00\x02\xa6params\x80")
     assert found is not None and found.kind == "flax-msgpack" and "'params'" in found.description
     assert sniff.sniff_bytes(b"") is None
+
+
+def test_load_file_on_directories_of_our_own_layouts(tmp_path):
+    item = epath.Path(tmp_path) / "item"
+    osf.save_directory({"w": np.ones(2)}, item)
+    with pytest.raises(NotSafetensorsError, match="osf.restore_directory") as e:
+        osf.load_file(item)
+    assert e.value.found.kind == "osf-checkpoint" and "a directory, not a safetensors" in str(
+        e.value
+    )
+    plain = epath.Path(tmp_path) / "hf"
+    plain.mkdir()
+    osf.save_file({"w": np.ones(2)}, plain / "model.safetensors")
+    with pytest.raises(NotSafetensorsError, match="directory of safetensors files"):
+        osf.load_file(plain)
+    spaced = epath.Path(tmp_path) / "my ckpt.msgpack"
+    spaced.write_bytes(_flax_to_bytes(tmp_path).read_bytes())
+    with pytest.raises(NotSafetensorsError) as e:
+        osf.load_file(spaced)
+    assert f"convert '{spaced}' 'my ckpt.safetensors'" in str(e.value)  # shell-quoted

@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import re
+import shlex
 import struct
 from collections.abc import Collection
 from typing import NamedTuple
@@ -54,6 +55,11 @@ def message(where: str, found: Sniffed) -> str:
 DIRECTORY_KINDS = frozenset(
     ("osf-checkpoint", "orbax-item", "orbax-step", "orbax-root", "safetensors-dir")
 )
+
+
+def _q(path: str) -> str:
+    """``path`` as a shell word (quoted when it needs to be)."""
+    return shlex.quote(path)
 
 
 def _stem(where: str) -> str:
@@ -143,7 +149,8 @@ def sniff_bytes(head: bytes, where: str = "file") -> Sniffed | None:
             "flax-msgpack",
             "a Flax msgpack checkpoint (flax.serialization.to_bytes, e.g. flax_model.msgpack, or "
             f"a flax.training.checkpoints checkpoint_<step> file; first key {key!r})",
-            f"Convert it: orbax-safetensors convert {where} {stem}.safetensors (or restore it "
+            f"Convert it: orbax-safetensors convert {_q(where)} {_q(stem + '.safetensors')} (or "
+            "restore it "
             "with flax.serialization.msgpack_restore and save it with osf.save_file).",
         )
     if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):
@@ -243,7 +250,7 @@ def sniff_directory(entries: Collection[str], where: str = "directory") -> Sniff
             "Restore it with osf.restore_directory(path) or a CheckpointManager with "
             "osf.SafetensorsRestore; load_file reads one .safetensors file.",
         )
-    convert = f"orbax-safetensors convert {where} {_stem(where)}-safetensors"
+    convert = f"orbax-safetensors convert {_q(where)} {_q(_stem(where) + '-safetensors')}"
     if names & _ORBAX_ITEM_ENTRIES or any(n.startswith("ocdbt.process_") for n in names):
         return Sniffed(
             "orbax-item",
@@ -264,7 +271,7 @@ def sniff_directory(entries: Collection[str], where: str = "directory") -> Sniff
         return Sniffed(
             "orbax-root",
             f"a CheckpointManager root (steps {shown})",
-            f"orbax-safetensors inspect {where} lists its steps; restore one through "
+            f"orbax-safetensors inspect {_q(where)} lists its steps; restore one through "
             f"ocp.CheckpointManager, or convert them all: {convert}.",
         )
     if "model.safetensors.index.json" in names or any(n.endswith(".safetensors") for n in names):
@@ -272,7 +279,7 @@ def sniff_directory(entries: Collection[str], where: str = "directory") -> Sniff
             "safetensors-dir",
             "a directory of safetensors files",
             "Load one of its .safetensors files, or see it whole with "
-            f"orbax-safetensors inspect {where}.",
+            f"orbax-safetensors inspect {_q(where)}.",
         )
     return None
 

@@ -160,13 +160,15 @@ def load_file(
       strict: with a target, missing or unexpected keys raise one error listing all of them;
         with ``strict=False`` unexpected keys are skipped and missing ones keep the target's
         (concrete) value.
-      include, exclude: glob patterns (one string or a sequence) over dotted names, as
-        ``fnmatch`` reads them (``*`` crosses dots); a pattern also selects everything
-        beneath a name it matches (``params`` selects ``params.w``). Only the selected
-        tensors' bytes are read. Without a target the selected subtrees come back in their
-        saved containers (lists keep their length, None where nothing is selected); with
-        one, they select among the target's leaves and an unselected leaf comes back as
-        given. A pattern matching no name raises ``TargetMismatchError`` listing names.
+      include: glob patterns (one string or a sequence) over dotted names, as ``fnmatch``
+        reads them (``*`` crosses dots); a pattern also selects everything beneath a name it
+        matches (``params`` selects ``params.w``). Only the selected tensors' bytes are read.
+        Without a target the selected subtrees come back in their saved containers (lists
+        keep their length, None where nothing is selected); with one, they select among the
+        target's leaves and an unselected leaf comes back as given. A pattern matching no
+        name raises ``TargetMismatchError`` listing names. None: every name.
+      exclude: glob patterns of names not to read, by the same rule (applied after
+        ``include``).
       verify: check each tensor read whole against its stored CRC32C.
 
     Raises:

@@ -484,10 +484,11 @@ def convert(
       max_file_size: split safetensors output into files of at most this many bytes.
       batch_bytes: tensor bytes held in memory at once (Orbax -> safetensors).
       progress: False: no progress bar; True or None: a bar on stderr when it is a terminal.
-      include, exclude: convert only the tensors (and Python values) these globs over
-        dotted names select, as in ``osf.load_file``, in their saved containers; only their
-        bytes are read. In a step or root they apply to every converted item, and a pattern
-        matching no name of an item raises ``TargetMismatchError`` before DST appears.
+      include: convert only the tensors (and Python values) these globs over dotted names
+        select, as in ``osf.load_file``, in their saved containers; only their bytes are
+        read. In a step or root they apply to every converted item, and a pattern matching
+        no name of an item raises ``TargetMismatchError`` before DST appears.
+      exclude: do not convert what these globs select (same rule).
 
     Returns:
       A :class:`ConvertSummary`.
