@@ -205,7 +205,7 @@ def test_sniff_needs_a_string_key_for_msgpack():
 def test_load_file_on_directories_of_our_own_layouts(tmp_path):
     item = epath.Path(tmp_path) / "item"
     osf.save_directory({"w": np.ones(2)}, item)
-    with pytest.raises(NotSafetensorsError, match="osf.restore_directory") as e:
+    with pytest.raises(NotSafetensorsError, match=r"osf\.restore_directory") as e:
         osf.load_file(item)
     assert e.value.found.kind == "osf-checkpoint" and "a directory, not a safetensors" in str(
         e.value
