@@ -97,12 +97,13 @@ class Selection:
             ``where`` (the closest ones first).
         """
         names = list(names)
-        dead = [
-            (kind, p)
-            for kind, patterns in (("include", self.include), ("exclude", self.exclude))
-            for p in patterns
-            if not any(Selection((p,), ()).selects(n) for n in names)
-        ]
+        dead = []
+        for kind, patterns in (("include", self.include), ("exclude", self.exclude)):
+            for p in patterns:
+                one = _compile((p,))
+                assert one is not None
+                if not any(one.match(n) for n in names):
+                    dead.append((kind, p))
         if dead:
             lines = [f"{kind} pattern {p!r} matches no name in {where}" for kind, p in dead]
             raise TargetMismatchError("; ".join(lines) + _names_hint(names, dead[0][1]))
