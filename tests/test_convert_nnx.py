@@ -135,6 +135,18 @@ def test_save_model_file_to_orbax_item(tmp_path):
     )
 
 
+def test_a_selection_converts_back_wrapped(tmp_path):
+    """``include`` with the wrapping of Variables: the selected layer restores through Orbax
+    with the abstract state of that layer alone."""
+    model = trained()
+    osf.save_model(model, tmp_path / "model.safetensors")
+    summary = osf.convert(tmp_path / "model.safetensors", tmp_path / "item", include="linear1.*")
+    assert summary.tensors == 2
+    abstract = abstract_state()
+    got = ocp.StandardCheckpointer().restore(tmp_path / "item", {"linear1": abstract["linear1"]})
+    np.testing.assert_array_equal(got["linear1"]["kernel"].value, model.linear1.kernel.value)
+
+
 def test_wrap_values_flags(tmp_path, capsys):
     model = trained()
     # A file written from nnx.to_pure_dict records no Variables: --wrap-values wraps every leaf.

@@ -100,8 +100,9 @@ def test_the_file_is_really_flax_msgpack_with_chunks(flax_ckpt):
     raw = flax_ckpt.read_bytes()
     assert flax_ckpt.name == "checkpoint_3" and raw[:1] in (b"\x83", b"\xde")
     assert b"__msgpack_chunked_array__" in raw
-    with pytest.raises(osf.SafetensorsCheckpointError, match="header length"):
-        osf.load_file(flax_ckpt)  # (what users met before: not a safetensors file)
+    # load_file says what it is and what to run (it once said "header length ... exceeds").
+    with pytest.raises(osf.SafetensorsCheckpointError, match="looks like a Flax msgpack"):
+        osf.load_file(flax_ckpt)
 
 
 def test_decoder_gives_what_flax_restores(flax_ckpt):
@@ -286,3 +287,27 @@ def test_safetensors_file_is_never_taken_for_msgpack(tmp_path):
     head = (tmp_path / "x.bin").read_bytes()[:9]
     assert head[8:9] == b"{" and not flax_msgpack.looks_like_flax_msgpack(head)
     assert flax_msgpack.looks_like_flax_msgpack(struct.pack("B", 0x85) + b"\xa1w")
+
+
+def test_convert_selects_by_name(tmp_path):
+    """``convert(include=..., exclude=...)`` on a Flax msgpack file keeps only the selected
+    leaves (in their containers); a pattern matching nothing raises before DST exists."""
+
+    src = tmp_path / "fm.msgpack"
+    state = {"params": {"a": {"w": np.ones(2)}, "b": {"w": np.zeros(3)}}, "step": 3}
+    src.write_bytes(serialization.to_bytes(state))
+    summary = osf.convert(src, tmp_path / "a.safetensors", include=["params.a", "step"])
+    assert summary.tensors == 1
+    got = osf.load_file(tmp_path / "a.safetensors")
+    assert set(got) == {"params", "step"} and set(got["params"]) == {"a"} and got["step"] == 3
+    np.testing.assert_array_equal(got["params"]["a"]["w"], np.ones(2))
+    got = osf.load_file(_convert_to(src, tmp_path / "b.safetensors", exclude="params.a.*"))
+    assert set(got["params"]) == {"b"}
+    with pytest.raises(osf.TargetMismatchError, match=r"'nothing\.\*' matches no name"):
+        osf.convert(src, tmp_path / "c.safetensors", include="nothing.*")
+    assert not (tmp_path / "c.safetensors").exists()
+
+
+def _convert_to(src, dst, **selection):
+    osf.convert(src, dst, **selection)
+    return dst

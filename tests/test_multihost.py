@@ -45,7 +45,7 @@ WORKER = "mh_checkpoint.py"
 LAUNCH_TIMEOUT_S = 120.0  # a hung job fails its test (stacks dumped) instead of hanging CI
 SPLIT_MAX_FILE_SIZE = 200_000  # forces the N=4 checkpoint into several files
 STEPS, KEEP = [0, 1, 2], 2
-ALL_MODES = ["other_mesh", "restore_args", "no_target", "no_sharding", "partial"]
+ALL_MODES = ["other_mesh", "restore_args", "no_target", "no_sharding", "partial", "select"]
 ITEM = "default"
 # Orbax's v1 API is ``ocp.v1`` since orbax-checkpoint 0.11.12, loads safetensors since 0.11.20
 # and onto a mesh (sharded targets) since 0.11.23 (Orbax's CHANGELOG).
@@ -209,6 +209,10 @@ def _check_reads(mode: str, res: dict[str, Any], n: int) -> None:
         # column gaps, (n-1)/n of a 16 KiB row, are too wide to coalesce): 1 + 32 requests.
         assert res["bytes_needed"] == res["bytes_read"] == 2 * 128 * 1024 * 4 // n
         assert res["requests"] == 1 + 32
+    if mode == "select":
+        # include / exclude: big.rows by row blocks and the small params.bias, nothing else.
+        assert res["not_as_given"] == [], res
+        assert 128 * 1024 * 4 // n <= res["bytes_needed"] < 128 * 1024 * 4 // n + 4096
 
 
 def _check_restores(
@@ -243,7 +247,7 @@ def _check_restores(
                     "mesh": mesh,
                     "dtype": str(np.dtype(C.SHARDED[name][1])),
                 }, name
-        if mode != "partial":
+        if mode not in ("partial", "select"):
             for name in C.HOST_NUMPY:
                 assert leaves[name]["type"] == "ndarray", (mode, name)
             for name in C.HOST_JAX:

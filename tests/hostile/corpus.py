@@ -585,7 +585,7 @@ def dir_cases() -> list[Case]:
         ),
         ("file-missing", _meta_doc(_tensor_file("gone.safetensors")), S, "not a regular file"),
         ("file-is-directory", _file_edit(_make_dir_entry), S, "not a regular file"),
-        ("file-is-metadata", _meta_doc(_tensor_file(META_FILE)), H, "exceeds"),
+        ("file-is-metadata", _meta_doc(_tensor_file(META_FILE)), H, "not a safetensors file"),
         ("file-is-fifo", _file_edit(_fifo_tensor_file), S, "not a regular file"),
         ("meta-is-fifo", _file_edit(_fifo_metadata), S, "not a regular file"),
         (

@@ -32,6 +32,7 @@ import msgpack
 import numpy as np
 from etils import epath
 
+from orbax_safetensors._src.core import sniff as _sniff
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
 
 _EXT_NDARRAY, _EXT_COMPLEX, _EXT_NPSCALAR = 1, 2, 3  # flax's _MsgpackExtType
@@ -60,7 +61,6 @@ _DTYPES.update(
         if hasattr(ml_dtypes, name)
     }
 )  # fmt: skip
-_MAP_MARKERS = frozenset(range(0x80, 0x90)) | {0xDE, 0xDF}  # fixmap, map16, map32
 
 
 class FlaxMsgpackError(SafetensorsCheckpointError):
@@ -78,11 +78,11 @@ class _Ext:
 
 
 def looks_like_flax_msgpack(head: bytes) -> bool:
-    """Whether a file's first bytes look like a Flax msgpack state dict (a msgpack map) rather
-    than a safetensors file (an 8-byte header length, then ``{``)."""
-    if len(head) >= 9 and head[8:9] == b"{":
-        return False
-    return bool(head) and head[0] in _MAP_MARKERS
+    """Whether a file's first bytes look like a Flax msgpack state dict (a msgpack map whose
+    first key is a string) rather than a safetensors file or another format (a pickle also
+    starts with 0x80): :func:`orbax_safetensors._src.core.sniff.sniff_bytes` decides."""
+    found = _sniff.sniff_bytes(head)
+    return found is not None and found.kind == "flax-msgpack"
 
 
 def is_flax_msgpack(path: epath.PathLike) -> bool:
@@ -92,7 +92,7 @@ def is_flax_msgpack(path: epath.PathLike) -> bool:
     if path.suffix == ".safetensors" or not path.is_file():
         return False
     with path.open("rb") as f:
-        return looks_like_flax_msgpack(f.read(16))
+        return looks_like_flax_msgpack(f.read(_sniff.HEAD_BYTES))
 
 
 def step_of(path: epath.PathLike) -> int | None:

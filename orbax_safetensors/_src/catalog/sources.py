@@ -228,8 +228,8 @@ class OrbaxSource:
                 )
             return ocp.RestoreArgs()
 
-        item = _select(self.tree, wanted, self.name_of_path(), lambda leaf: 0)
-        args = _select(self.tree, wanted, self.name_of_path(), restore_args)
+        item = select_leaves(self.tree, wanted, self.name_of_path(), lambda leaf: 0)
+        args = select_leaves(self.tree, wanted, self.name_of_path(), restore_args)
         restored = ocp.PyTreeCheckpointer().restore(
             self.path,
             args=_orbaxcompat.pytree_partial_restore(item, args),
@@ -326,7 +326,9 @@ def is_orbax_array(leaf: Any) -> bool:
     )
 
 
-def _select(tree: Any, wanted: set[str], names: Mapping[tuple[Any, ...], str], fn: Any) -> Any:
+def select_leaves(
+    tree: Any, wanted: set[str], names: Mapping[tuple[Any, ...], str], fn: Any
+) -> Any:
     """A copy of ``tree`` keeping only the leaves named in ``wanted`` (mapped through ``fn``):
     dicts drop other keys, lists keep their length with None in unwanted places."""
     from jax.tree_util import DictKey, SequenceKey

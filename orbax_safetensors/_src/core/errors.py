@@ -15,6 +15,8 @@ Example::
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class SafetensorsCheckpointError(ValueError):
     """Base class of every error raised by orbax_safetensors about data or files."""
@@ -22,6 +24,16 @@ class SafetensorsCheckpointError(ValueError):
 
 class HeaderError(SafetensorsCheckpointError):
     """A ``.safetensors`` file's header is malformed, inconsistent or hostile."""
+
+
+class NotSafetensorsError(HeaderError):
+    """The path is not a safetensors file but something recognisable (a Flax msgpack
+    checkpoint, a pickle, a zip, an Orbax directory...); the message says what and what to
+    run instead. ``found`` holds the finding (``kind``, ``description``, ``suggestion``)."""
+
+    def __init__(self, message: str, found: Any = None) -> None:
+        super().__init__(message)
+        self.found = found
 
 
 class SchemaError(SafetensorsCheckpointError):

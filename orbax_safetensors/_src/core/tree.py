@@ -587,6 +587,66 @@ def unflatten(
     return build(schema["tree"])
 
 
+def prune_schema(schema: Mapping[str, Any], keep: Callable[[str], bool]) -> dict[str, Any] | None:
+    """``schema`` cut down to the leaves whose names ``keep`` accepts, in their saved
+    containers (None: nothing kept).
+
+    Dicts and named nodes lose the entries that hold nothing kept; lists, tuples and
+    index-keyed nodes keep their length, with None where nothing is kept, so indices still
+    name the same entries. A None leaf or an empty container is kept when ``keep`` accepts
+    its dotted path. Leaves are not re-validated: pass the full schema's leaves (aliases may
+    point at tensors that are not kept) to :func:`unflatten`.
+
+    Example::
+
+        pruned = prune_schema(schema, lambda name: name.startswith("params."))
+    """
+    drop = object()
+
+    def visit(node: Mapping[str, Any], name: str | None) -> Any:
+        kind = node["t"]
+        if kind in ("dict", "list", "tuple", "node"):
+            if kind in ("dict", "node"):
+                texts = [str(k[1]) if kind == "node" else str(k) for k in node["k"]]
+            else:
+                texts = [str(i) for i in range(len(node["v"]))]
+            kids = [
+                visit(c, t if name is None else f"{name}.{t}") for t, c in zip(texts, node["v"])
+            ]
+            if not any(k is not drop for k in kids):
+                return dict(node) if not kids and keep(name or ROOT_NAME) else drop
+            indexed = kind in ("list", "tuple") or (
+                kind == "node" and all(k[0] == "idx" for k in node["k"])
+            )
+            if indexed:
+                out = {**node, "v": [{"t": "none"} if k is drop else k for k in kids]}
+                return out
+            kept = [(key, k) for key, k in zip(node["k"], kids) if k is not drop]
+            return {**node, "k": [key for key, _ in kept], "v": [k for _, k in kept]}
+        if kind == "var":
+            inner = visit(node["v"], name)
+            return drop if inner is drop else {**node, "v": inner}
+        if kind == "none":
+            return node if keep(name or ROOT_NAME) else drop
+        return node if keep(node["name"]) else drop
+
+    tree = visit(schema["tree"], None)
+    return None if tree is drop else {**schema, "tree": tree}
+
+
+def selectable_names(schema: Mapping[str, Any]) -> list[str]:
+    """Every name :func:`prune_schema` asks about: the leaves', and the dotted paths of None
+    leaves and empty containers."""
+    names: list[str] = []
+
+    def record(name: str) -> bool:
+        names.append(name)
+        return False  # keeps nothing: every name is asked about
+
+    prune_schema(schema, record)
+    return names
+
+
 def _is_nnx_internal(key: list[Any], child: Mapping[str, Any]) -> bool:
     # flax.nnx's empty internal child of every Module (not the user's state), left out.
     return (

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -34,6 +34,7 @@ from orbax.checkpoint import future as ocp_future
 from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
 from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.core import plan as _plan
+from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.orbax import args as _args
 from orbax_safetensors._src.orbax import object_storage as _object_storage
 from orbax_safetensors._src.orbax import steps as _steps
@@ -290,6 +291,12 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
             args = _from_orbax_restore(args)
         args = args or SafetensorsRestore()
         if native:
+            if args.include is not None or args.exclude is not None:
+                raise ValueError(
+                    f"{directory}: an Orbax-native item; include/exclude select within "
+                    "safetensors items only: pass the keys to restore as the item with "
+                    "partial_restore=True, or convert the step (orbax-safetensors convert)"
+                )
             return _restore_orbax_native(directory, args, self._orbax_handler)
         return self.restore_safetensors(
             directory,
@@ -318,6 +325,8 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
             key_hint=key_hint,
             shape_hint=shape_hint,
             fallback_sharding=args.fallback_sharding,
+            include=args.include,
+            exclude=args.exclude,
         )
         self.last_read_stats = stats
         return result
@@ -539,6 +548,10 @@ class SafetensorsRestore(ocp.args.CheckpointArgs):
       fallback_sharding: as in ``StandardRestore``: where an array goes whose saved sharding
         this job cannot reproduce (its devices are not all here) when the target gives none;
         None: that is an error naming the tensor.
+      include, exclude: glob patterns (a string or a sequence) over dotted names, as in
+        ``osf.load_file``: only the selected tensors are read. Without ``item`` the selected
+        subtrees come back in their saved containers; with one, the patterns select among its
+        leaves, and an unselected leaf comes back as given (as Orbax's ``PLACEHOLDER``).
 
     The standalone ``load_file`` / ``load_model`` keep the safetensors and PyTorch meaning of
     ``strict`` (keys). Prints as a summary, never the arrays.
@@ -549,8 +562,11 @@ class SafetensorsRestore(ocp.args.CheckpointArgs):
     restore_args: Any = None
     partial_restore: bool = False
     fallback_sharding: Any = None
+    include: str | Sequence[str] | None = None
+    exclude: str | Sequence[str] | None = None
 
     def __post_init__(self) -> None:
+        _select.Selection.of(self.include, self.exclude)  # a bad pattern fails here
         if isinstance(self.item, TreeMetadata) or _is_orbax_tree_metadata(self.item):
             self.item = self.item.tree
         if isinstance(self.restore_args, TreeMetadata) or _is_orbax_tree_metadata(
@@ -566,6 +582,10 @@ class SafetensorsRestore(ocp.args.CheckpointArgs):
             parts.append("partial_restore=True")
         if self.fallback_sharding is not None:
             parts.append(f"fallback_sharding={self.fallback_sharding}")
+        if self.include is not None:
+            parts.append(f"include={self.include!r}")
+        if self.exclude is not None:
+            parts.append(f"exclude={self.exclude!r}")
         return f"SafetensorsRestore({', '.join(parts)})"
 
     def __str__(self) -> str:

@@ -20,6 +20,7 @@ from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.core import metadata as _metadata
+from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.core import sharding as _sharding
 from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import (
@@ -147,8 +148,11 @@ def restore_directory(
     keep_missing: bool = False,
     key_hint: str = KEY_HINT,
     shape_hint: str = "",
+    include: _select.Patterns = None,
+    exclude: _select.Patterns = None,
 ) -> Any:
-    """Restores a checkpoint directory (see :func:`orbax_safetensors.load_file` for ``target``).
+    """Restores a checkpoint directory (see :func:`orbax_safetensors.load_file` for ``target``,
+    ``include`` and ``exclude``: only the selected tensors' bytes are read).
 
     ``strict`` governs keys, as in ``load_file``; ``pad_or_truncate``, ``keep_missing``,
     ``key_hint`` and ``shape_hint`` are :func:`.tree_restore.restore_tree`'s (the Orbax handler's
@@ -162,6 +166,7 @@ def restore_directory(
     for a target sharding (Orbax: "Topology mismatch"). Arrays saved host-local come back on
     this process's first device.
     """
+    select = _select.Selection.of(include, exclude)
     directory = epath.Path(directory)
     metadata = read_metadata(directory)
     stored = locate_in_directory(directory, metadata)
@@ -177,6 +182,7 @@ def restore_directory(
         keep_missing=keep_missing,
         key_hint=key_hint,
         shape_hint=shape_hint,
+        select=select,
     )
 
 

@@ -24,6 +24,7 @@ from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import plan as _plan
+from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import (
     SafetensorsCheckpointError,
@@ -137,7 +138,13 @@ def file_index(
 
 
 def load_file(
-    path: epath.PathLike, target: Any = None, *, strict: bool = True, verify: bool = True
+    path: epath.PathLike,
+    target: Any = None,
+    *,
+    strict: bool = True,
+    include: _select.Patterns = None,
+    exclude: _select.Patterns = None,
+    verify: bool = True,
 ) -> Any:
     """Loads a ``.safetensors`` file, rebuilding the saved pytree.
 
@@ -153,6 +160,15 @@ def load_file(
       strict: with a target, missing or unexpected keys raise one error listing all of them;
         with ``strict=False`` unexpected keys are skipped and missing ones keep the target's
         (concrete) value.
+      include: glob patterns (one string or a sequence) over dotted names, as ``fnmatch``
+        reads them (``*`` crosses dots); a pattern also selects everything beneath a name it
+        matches (``params`` selects ``params.w``). Only the selected tensors' bytes are read.
+        Without a target the selected subtrees come back in their saved containers (lists
+        keep their length, None where nothing is selected); with one, they select among the
+        target's leaves and an unselected leaf comes back as given. A pattern matching no
+        name raises ``TargetMismatchError`` listing names. None: every name.
+      exclude: glob patterns of names not to read, by the same rule (applied after
+        ``include``).
       verify: check each tensor read whole against its stored CRC32C.
 
     Raises:
@@ -163,7 +179,9 @@ def load_file(
     Example::
 
         params = osf.load_file("w.safetensors", target=jax.eval_shape(lambda: params))
+        attn = osf.load_file("w.safetensors", include="layers.*.attn", exclude="*.bias")
     """
+    select = _select.Selection.of(include, exclude)
     path = epath.Path(path)
     # The header and the tensors are read through separate opens: if save_file replaces the
     # file in between, the reads mix two versions. Read again until the file stayed the same.
@@ -172,7 +190,7 @@ def load_file(
         header = _router.read_header(path)
         schema, stored = file_index(path, header)
         try:
-            tree = restore_tree(schema, stored, target, strict=strict, verify=verify)
+            tree = restore_tree(schema, stored, target, strict=strict, verify=verify, select=select)
         except (SafetensorsCheckpointError, OSError, EOFError):
             if _identity(path) == before:
                 raise

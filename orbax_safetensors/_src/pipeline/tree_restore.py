@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from orbax_safetensors._src.core import dtypes as _dtypes
+from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import SchemaError, TargetMismatchError
 from orbax_safetensors._src.pipeline.reader import (
@@ -200,6 +201,7 @@ class _Options:
     keep_missing: bool = False
     key_hint: str = KEY_HINT
     shape_hint: str = ""
+    select: _select.Selection | None = None
 
 
 def _shape_problem(
@@ -318,6 +320,7 @@ def restore_tree(
     keep_missing: bool = False,
     key_hint: str = KEY_HINT,
     shape_hint: str = "",
+    select: _select.Selection | None = None,
 ) -> Any:
     """Rebuilds a tree from ``stored`` tensors (see the module docstring).
 
@@ -340,6 +343,12 @@ def restore_tree(
         ones are, and an abstract one is an error.
       key_hint: what the key-mismatch error tells the caller to pass to skip keys.
       shape_hint: what a shape-mismatch error tells the caller ("": nothing).
+      select: read only the leaves whose dotted names it selects (``core/select.py``).
+        Without a target, the selected leaves come back in their saved containers (dicts
+        lose unselected entries, lists keep their length with None in unselected places);
+        with one, it selects among the target's leaves, and an unselected target leaf comes
+        back as given, nothing read for it (as Orbax returns a ``PLACEHOLDER``); in strict
+        mode only the selected names must agree. A pattern that matches no name raises.
     """
     if schema is not None:
         leaves = _tree.validate_schema(schema)
@@ -352,8 +361,8 @@ def restore_tree(
         leaves = {name: _leaf_of(s) for name, s in stored.items()}
     loader = _Loader(leaves, stored, verify, stats)
     if target is None:
-        return _restore_untargeted(schema, leaves, loader, saved_sharding)
-    options = _Options(pad_or_truncate, keep_missing, key_hint, shape_hint)
+        return _restore_untargeted(schema, leaves, loader, saved_sharding, select)
+    options = _Options(pad_or_truncate, keep_missing, key_hint, shape_hint, select)
     return _restore_targeted(target, leaves, loader, strict, saved_sharding, options)
 
 
@@ -362,10 +371,18 @@ def _restore_untargeted(
     leaves: Mapping[str, _tree.SchemaLeaf],
     loader: _Loader,
     saved_sharding: SavedSharding | None,
+    select: _select.Selection | None = None,
 ) -> Any:
     slots: dict[str, int] = {}
     shardings: dict[str, Any] = {}
-    for leaf in leaves.values():
+    wanted: Mapping[str, _tree.SchemaLeaf] = leaves
+    if select is not None:
+        select.check(leaves if schema is None else _tree.selectable_names(schema))
+        wanted = {n: leaf for n, leaf in leaves.items() if select.selects(n)}
+        if schema is not None:
+            schema = _tree.prune_schema(schema, select.selects)
+            assert schema is not None  # (check: something is selected)
+    for leaf in wanted.values():
         if leaf.kind in ("tensor", "key", "ref"):
             original = leaves.get(leaf.tensor_name, leaf)
             kind = original.node.get("array", "jax") if original.kind == "tensor" else "jax"
@@ -386,7 +403,7 @@ def _restore_untargeted(
         return finished[slot]
 
     if schema is None:
-        return {name: get(leaf) for name, leaf in leaves.items()}
+        return {name: get(leaf) for name, leaf in wanted.items()}
     return _tree.unflatten(schema, get, leaves)
 
 
@@ -434,6 +451,9 @@ def _restore_targeted(
 ) -> Any:
     options = options or _Options()
     flat = _tree.flatten_target(target, is_leaf=_target_leaf)
+    select = options.select
+    if select is not None:
+        select.check(flat.names, "the restore target")
     missing: list[str] = []
     problems: list[str] = []
     skipped: list[str] = []
@@ -442,6 +462,9 @@ def _restore_targeted(
     # Python type to convert to or None).
     plans: list[tuple] = []
     for name, tleaf in zip(flat.names, flat.leaves):
+        if select is not None and not select.selects(name):  # as given, nothing read
+            plans.append(("v", tleaf))
+            continue
         if is_skip_marker(tleaf):  # Orbax skips these: nothing read, the marker returned
             skipped.append(name)
             plans.append(("v", tleaf))
@@ -482,7 +505,11 @@ def _restore_targeted(
         target_names = set(flat.names)
         under = tuple(f"{n}." for n in skipped)
         unexpected = [
-            n for n in leaves if n not in target_names and not (under and n.startswith(under))
+            n
+            for n in leaves
+            if n not in target_names
+            and not (under and n.startswith(under))
+            and (select is None or select.selects(n))
         ]
     else:
         unexpected = []

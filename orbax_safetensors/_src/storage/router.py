@@ -20,6 +20,8 @@ from typing import Any, Protocol
 from etils import epath
 
 from orbax_safetensors._src.core import header as _header
+from orbax_safetensors._src.core import sniff as _sniff
+from orbax_safetensors._src.core.errors import HeaderError, NotSafetensorsError
 from orbax_safetensors._src.storage import interface as _interface
 from orbax_safetensors._src.storage import local as _local
 from orbax_safetensors._src.storage import stream as _stream
@@ -198,7 +200,46 @@ def finalize_files(directory: epath.PathLike) -> None:
 
 
 def read_header(path: epath.PathLike) -> _header.Header:
-    """Reads and validates the header of a ``.safetensors`` file (no tensor bytes are read)."""
+    """Reads and validates the header of a ``.safetensors`` file (no tensor bytes are read).
+
+    Raises:
+      NotSafetensorsError: ``path`` is something else that has a recognisable signature (a
+        Flax msgpack checkpoint, a pickle, a zip, an Orbax directory...: ``core/sniff.py``);
+        the message says what it looks like and what to run.
+      HeaderError: the header is malformed, inconsistent or hostile.
+    """
     path = epath.Path(path)
-    with open_reader(path) as r:
-        return _header.parse_header(r.pread(0, 8), lambda n: r.pread(8, n), r.size, where=str(path))
+    found: _sniff.Sniffed | None = None
+    try:
+        with open_reader(path) as r:
+            try:
+                return _header.parse_header(
+                    r.pread(0, 8), lambda n: r.pread(8, n), r.size, where=str(path)
+                )
+            except HeaderError:
+                # Only now: a valid header's length may begin with any byte.
+                found = _sniff.sniff_bytes(r.pread(0, _sniff.HEAD_BYTES), str(path))
+                if found is None:
+                    raise
+    except (HeaderError, OSError):
+        if found is None and _is_directory(path):
+            found = _sniff.sniff_directory(_entry_names(path), str(path))
+        if found is None:
+            raise
+    raise NotSafetensorsError(_sniff.message(str(path), found), found) from None
+
+
+def _is_directory(path: epath.Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError:
+        return False
+
+
+def _entry_names(path: epath.Path, limit: int = 10_000) -> list[str]:
+    names = []
+    for child in path.iterdir():
+        names.append(child.name)
+        if len(names) >= limit:
+            break
+    return names

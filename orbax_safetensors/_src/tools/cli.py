@@ -32,7 +32,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _inspect_cmd(args: argparse.Namespace) -> int:
     from orbax_safetensors._src.tools import inspection as _inspection
 
-    report = _inspection.inspect_path(args.path)
+    report = _inspection.inspect_path(args.path, include=args.include, exclude=args.exclude)
     if args.json:
         print(json.dumps(report, indent=1, default=str))
     else:
@@ -106,6 +106,8 @@ def _convert_cmd(args: argparse.Namespace) -> int:
         max_file_size=args.max_file_size,
         batch_bytes=args.batch_size,
         progress=not args.quiet,
+        include=args.include,
+        exclude=args.exclude,
     )
     target = "safetensors" if summary.direction == "safetensors" else "Orbax-native"
     items = ", ".join(i or "(item)" for i in summary.items) or "-"
@@ -120,12 +122,33 @@ def _convert_cmd(args: argparse.Namespace) -> int:
 def _diff_cmd(args: argparse.Namespace) -> int:
     from orbax_safetensors._src.tools import diff as _diff
 
-    report = _diff.diff_paths(args.a, args.b, atol=args.atol)
+    report = _diff.diff_paths(
+        args.a, args.b, atol=args.atol, include=args.include, exclude=args.exclude
+    )
     if args.json:
         print(json.dumps(report.to_json(), indent=1))
     else:
         print(report.format())
     return EXIT_OK if report.identical else EXIT_DIFFERENT
+
+
+def _add_selection(parser: argparse.ArgumentParser, verb: str) -> None:
+    rule = (
+        "GLOB is an fnmatch pattern over dotted names ('*' crosses dots); it also selects "
+        "everything beneath a name it matches (params selects params.w)"
+    )
+    parser.add_argument(
+        "--include",
+        action="append",
+        metavar="GLOB",
+        help=f"{verb} only the tensors it selects (repeatable); {rule}",
+    )
+    parser.add_argument(
+        "--exclude",
+        action="append",
+        metavar="GLOB",
+        help=f"do not {verb} the tensors it selects (repeatable)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument("path", help="file, item, step or root directory")
     inspect.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    _add_selection(inspect, "list")
     inspect.set_defaults(func=_inspect_cmd)
 
     verify = sub.add_parser(
@@ -217,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="tensor bytes held in memory at once (default 256MiB)",
     )
     convert.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    _add_selection(convert, "convert")
     convert.set_defaults(func=_convert_cmd)
 
     diff = sub.add_parser(
@@ -235,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="values within this absolute difference count as equal (default 0: exact)",
     )
     diff.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    _add_selection(diff, "compare")
     diff.set_defaults(func=_diff_cmd)
 
     demo = sub.add_parser(

@@ -41,6 +41,7 @@ from orbax_safetensors._src.catalog import sources as _sources
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import plan as _plan
+from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.core import sharding as _sharding
 from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
@@ -192,6 +193,7 @@ def orbax_item_to_safetensors(
     max_file_size: int | None = _plan.DEFAULT_MAX_FILE_SIZE,
     batch_bytes: int = _sources.DEFAULT_BATCH_BYTES,
     progress: bool | None = None,
+    select: _select.Selection | None = None,
 ) -> ConvertSummary:
     """Converts one Orbax-native PyTree item into a safetensors checkpoint directory.
 
@@ -203,6 +205,8 @@ def orbax_item_to_safetensors(
       max_file_size: split into ``model-0000i-of-0000n.safetensors`` files above this size.
       batch_bytes: tensor bytes held in memory at once.
       progress: False: no progress bar; True or None: a bar on stderr when it is a terminal.
+      select: convert only the leaves it selects (by Orbax's dotted names), in their saved
+        containers; only their bytes are read.
 
     Example::
 
@@ -212,7 +216,7 @@ def orbax_item_to_safetensors(
     return _atomic(
         dst,
         lambda tmp: _orbax_item_to_safetensors(
-            epath.Path(src), tmp, unwrap_values, max_file_size, batch_bytes, progress
+            epath.Path(src), tmp, unwrap_values, max_file_size, batch_bytes, progress, select
         ),
     )
 
@@ -224,11 +228,21 @@ def _orbax_item_to_safetensors(
     max_file_size: int | None,
     batch_bytes: int,
     progress: bool | None,
+    select: _select.Selection | None = None,
 ) -> ConvertSummary:
     from orbax_safetensors._src.core import tree as _tree
 
     source = _sources.OrbaxSource(src)
+    saved_tree = source.tree
+    if select is not None:
+        select.check(source.leaves, str(src))
+        wanted = {n for n in source.leaves if select.selects(n)}
+        saved_tree = _sources.select_leaves(
+            source.tree, wanted, source.name_of_path(), lambda leaf: leaf
+        )
     inline_names = [n for n in source.leaves if n not in source.tensors]
+    if select is not None:
+        inline_names = [n for n in inline_names if select.selects(n)]
     inline = source.restore(inline_names)
     orbax_name_of: dict[int, str] = {}
 
@@ -250,7 +264,7 @@ def _orbax_item_to_safetensors(
             orbax_name_of[id(value)] = name
             return value
 
-        tree = jax.tree_util.tree_map_with_path(leaf, source.tree)
+        tree = jax.tree_util.tree_map_with_path(leaf, saved_tree)
         return _unwrap_value_dicts(tree) if unwrap else tree
 
     first = _tree.flatten(skeleton({}))
@@ -341,6 +355,7 @@ def safetensors_item_to_orbax(
     *,
     wrap_values: bool | None = None,
     progress: bool | None = None,
+    select: _select.Selection | None = None,
 ) -> ConvertSummary:
     """Converts a safetensors checkpoint directory (or file) into an Orbax-native item.
 
@@ -367,7 +382,7 @@ def safetensors_item_to_orbax(
     dst = epath.Path(dst)
     tmp = _fresh_destination(dst)
     try:
-        summary, _ = _safetensors_item_to_orbax(src, tmp, progress, wrap_values)
+        summary, _ = _safetensors_item_to_orbax(src, tmp, progress, wrap_values, select)
         _commit(tmp, dst)
     except BaseException:
         if tmp.exists():
@@ -376,24 +391,42 @@ def safetensors_item_to_orbax(
     return summary
 
 
-def _restore_safetensors(src: epath.Path) -> tuple[Any, Any, int, int]:
-    """The tree of a safetensors item, file or directory, its schema (None for plain
-    safetensors files), its tensor count and bytes."""
+def _restore_safetensors(
+    src: epath.Path, select: _select.Selection | None = None
+) -> tuple[Any, Any, int, int]:
+    """The tree of a safetensors item, file or directory (only what ``select`` selects), its
+    schema pruned alike (None for plain safetensors files), its tensor count and bytes."""
     kind = _steps.classify(src)
     source = _sources.open_source(src)
-    n, size = len(source.tensors), sum(t.nbytes for t in source.tensors.values())
+    infos = [t for n, t in source.tensors.items() if select is None or select.selects(n)]
+    n, size = len(infos), sum(t.nbytes for t in infos)
+    include = (select.include or None) if select else None
+    exclude = (select.exclude or None) if select else None
     if kind == "item":
         # A checkpoint saved on devices this machine lacks (e.g. by a multi-host job) is
         # converted from this process's first device; Orbax then records that sharding.
         first = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        tree = _checkpoint_restore.restore_directory(src, fallback_sharding=first)
-        return tree, _checkpoint_restore.read_metadata(src)["schema"], n, size
+        tree = _checkpoint_restore.restore_directory(
+            src, fallback_sharding=first, include=include, exclude=exclude
+        )
+        schema = _checkpoint_restore.read_metadata(src)["schema"]
+        return tree, _pruned(schema, select), n, size
     if kind == "file":
         schema, _ = _standalone.file_index(src, _router.read_header(src))
-        return _standalone.load_file(src), schema, n, size
+        tree = _standalone.load_file(src, include=include, exclude=exclude)
+        return tree, _pruned(schema, select), n, size
     if kind == "safetensors-dir":
-        return source.read(list(source.tensors)), None, n, size
+        if select is not None:
+            select.check(source.tensors, str(src))
+        return source.read([t.name for t in infos]), None, n, size
     raise SafetensorsCheckpointError(f"{src} is a {kind}, not a safetensors checkpoint")
+
+
+def _pruned(schema: Any, select: _select.Selection | None) -> Any:
+    """``schema`` cut down to what ``select`` selects, as the selective restore cuts it."""
+    if select is None or schema is None:
+        return schema
+    return _tree.prune_schema(schema, select.selects)
 
 
 class _Name(str):
@@ -430,11 +463,15 @@ def _wrap_values(tree: Any, schema: Any, everything: bool) -> Any:
 
 
 def _safetensors_item_to_orbax(
-    src: epath.Path, dst: epath.Path, progress: bool | None, wrap_values: bool | None = None
+    src: epath.Path,
+    dst: epath.Path,
+    progress: bool | None,
+    wrap_values: bool | None = None,
+    select: _select.Selection | None = None,
 ) -> tuple[ConvertSummary, str]:
     import orbax.checkpoint as ocp
 
-    tree, schema, n, size = _restore_safetensors(src)
+    tree, schema, n, size = _restore_safetensors(src, select)
     if wrap_values is not False:
         tree = _wrap_values(tree, schema, everything=bool(wrap_values))
     strings = _has_strings(tree)
@@ -460,6 +497,7 @@ def flax_msgpack_to_safetensors(
     step: int | None = None,
     max_file_size: int | None = _plan.DEFAULT_MAX_FILE_SIZE,
     progress: bool | None = None,
+    select: _select.Selection | None = None,
 ) -> ConvertSummary:
     """Converts a legacy Flax msgpack file into a ``.safetensors`` file or a new
     CheckpointManager root holding one step.
@@ -477,6 +515,7 @@ def flax_msgpack_to_safetensors(
       step: the step for a directory ``dst`` (default: from ``checkpoint_<step>``).
       max_file_size: split a directory's files at this size.
       progress: False: no progress bar; True or None: a bar on stderr when it is a terminal.
+      select: convert only the leaves it selects (``convert(include=..., exclude=...)``).
 
     Example::
 
@@ -494,14 +533,19 @@ def flax_msgpack_to_safetensors(
     if dst.exists() and (as_file or any(dst.iterdir())):
         raise FileExistsError(f"{dst} already exists; choose a new destination")
     source = _sources.MsgpackSource(src)  # decoded (and checked) before anything is written
-    size = sum(t.nbytes for t in source.tensors.values())
-    summary = ConvertSummary(_TO_SAFETENSORS, [], [], len(source.tensors), size)  # a file: no items
+    tree, tensors = source.tree, source.tensors
+    if select is not None:
+        select.check(_flax_msgpack.flatten(tree), str(src))
+        tree = _select_state_dict(tree, select)
+        tensors = {n: t for n, t in tensors.items() if select.selects(n)}
+    size = sum(t.nbytes for t in tensors.values())
+    summary = ConvertSummary(_TO_SAFETENSORS, [], [], len(tensors), size)  # a file: no items
     with _terminal.progress_bar(size, f"convert {src.name}", progress) as bar:
         if as_file:
             dst.parent.mkdir(parents=True, exist_ok=True)
             tmp = dst.parent / f".{dst.name}.converting-{uuid.uuid4().hex[:8]}"
             try:
-                _standalone.save_file(source.tree, tmp, {"converted_from": "flax-msgpack"})
+                _standalone.save_file(tree, tmp, {"converted_from": "flax-msgpack"})
                 tmp.rename(dst)
             finally:
                 if tmp.exists():
@@ -510,12 +554,28 @@ def flax_msgpack_to_safetensors(
             summary.items = [f"{step}/default"]
 
             def write_root(tmp: epath.Path) -> ConvertSummary:
-                _save_step(source.tree, tmp, step, max_file_size)
+                _save_step(tree, tmp, step, max_file_size)
                 return summary
 
             _atomic(dst, write_root)
         bar.update(size)
     return summary
+
+
+def _select_state_dict(node: Any, select: _select.Selection, prefix: str = "") -> Any:
+    """The nested state dict with only the leaves ``select`` selects (dotted names as
+    ``flatten_dict(sep=".")`` gives them); dicts left empty are dropped."""
+    if isinstance(node, dict):
+        kept = {}
+        for key, child in node.items():
+            sub = _select_state_dict(child, select, f"{prefix}{key}.")
+            if sub is not _DROPPED:
+                kept[key] = sub
+        return kept if kept or not prefix else _DROPPED
+    return node if select.selects(prefix[:-1]) else _DROPPED
+
+
+_DROPPED = object()
 
 
 def _save_step(tree: Any, root: epath.Path, step: int, max_file_size: int | None) -> None:
@@ -588,7 +648,11 @@ def _convert_step(
             handlers[name] = _item_handler_typestr(direction)
         else:
             item_summary, handlers[name] = _safetensors_item_to_orbax(
-                src / name, dst / name, options.get("progress"), wrap_values
+                src / name,
+                dst / name,
+                options.get("progress"),
+                wrap_values,
+                options.get("select"),
             )
         summary.items.append(name)
         summary.tensors += item_summary.tensors
@@ -622,6 +686,8 @@ def convert(
     progress: bool | None = None,
     wrap_values: bool | None = None,
     step: int | None = None,
+    include: _select.Patterns = None,
+    exclude: _select.Patterns = None,
 ) -> ConvertSummary:
     """Converts ``src`` (an item, step or CheckpointManager root) into ``dst``.
 
@@ -645,6 +711,11 @@ def convert(
         True wraps every leaf (for files that record no Variables); False none.
       step: the step of a Flax msgpack file written into a directory (default: from the
         ``checkpoint_<step>`` file name).
+      include: convert only the tensors (and Python values) these globs over dotted names
+        select, as in ``osf.load_file``, in their saved containers; only their bytes are
+        read. In a step or root they apply to every converted item, and a pattern matching
+        no name of an item raises ``TargetMismatchError`` before DST appears.
+      exclude: do not convert what these globs select (same rule).
 
     Returns:
       A :class:`ConvertSummary`.
@@ -655,6 +726,7 @@ def convert(
         convert("/flax_ckpts/checkpoint_3", "/st_ckpts")   # a root holding step 3
         convert("flax_model.msgpack", "model.safetensors")
     """
+    select = _select.Selection.of(include, exclude)
     src = epath.Path(src)
     if _flax_msgpack.is_flax_msgpack(src):
         if to == _TO_ORBAX:
@@ -662,7 +734,7 @@ def convert(
                 f"{src} is a Flax msgpack file; it converts to safetensors only"
             )
         return flax_msgpack_to_safetensors(
-            src, dst, step=step, max_file_size=max_file_size, progress=progress
+            src, dst, step=step, max_file_size=max_file_size, progress=progress, select=select
         )
     kind = _steps.classify(src)
     direction = to or _direction_of(src, kind)
@@ -673,6 +745,7 @@ def convert(
         "max_file_size": max_file_size,
         "batch_bytes": batch_bytes,
         "progress": progress,
+        "select": select,
     }
     if kind in _steps.TENSOR_KINDS:
         expected = (
@@ -684,7 +757,9 @@ def convert(
             )
         if direction == _TO_SAFETENSORS:
             return orbax_item_to_safetensors(src, dst, **options)
-        return safetensors_item_to_orbax(src, dst, wrap_values=wrap_values, progress=progress)
+        return safetensors_item_to_orbax(
+            src, dst, wrap_values=wrap_values, progress=progress, select=select
+        )
     if kind == "step":
         return _atomic(dst, lambda tmp: _convert_step(src, tmp, direction, options, wrap_values))
     if kind == "root":

@@ -16,6 +16,7 @@ import numpy as np
 from etils import epath
 
 from orbax_safetensors._src.catalog import sources as _sources
+from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.orbax import steps as _steps
 
 
@@ -120,19 +121,38 @@ def _as_float(x: np.ndarray) -> np.ndarray:
 
 
 def diff_paths(
-    a: epath.PathLike, b: epath.PathLike, *, atol: float = 0.0, batch_bytes: int = 128 << 20
+    a: epath.PathLike,
+    b: epath.PathLike,
+    *,
+    atol: float = 0.0,
+    batch_bytes: int = 128 << 20,
+    include: _select.Patterns = None,
+    exclude: _select.Patterns = None,
 ) -> DiffReport:
     """Compares the tensors of two checkpoints (files, items, Orbax items or steps).
 
     Steps are compared item by item (names read ``item/name``); a step with a single tensor
     item compares with a single item or file. Values are read a batch at a time.
+    ``include`` / ``exclude`` (globs over dotted names, as in ``osf.load_file``) limit the
+    comparison to the tensors they select (in every item); only those are read. A pattern
+    that matches no tensor on either side raises ``TargetMismatchError``.
 
     Example::
 
         report = diff_paths("run1/100/state", "run2/100/state")
         report.identical, report.values    # (False, [("params.w", 0.5)])
     """
+    select = _select.Selection.of(include, exclude)
     sa, sb = _sources_of(epath.Path(a)), _sources_of(epath.Path(b))
+    if select is not None:
+        everywhere = [n for s in (*sa.values(), *sb.values()) for n in s.tensors]
+        select.check(dict.fromkeys(everywhere), f"{a} or {b}")
+
+    def tensors(source: _sources.TensorSource) -> dict[str, _sources.TensorInfo]:
+        if select is None:
+            return source.tensors
+        return {n: t for n, t in source.tensors.items() if select.selects(n)}
+
     if len(sa) == 1 and len(sb) == 1:
         pairs = [("", next(iter(sa.values())), next(iter(sb.values())))]
         only_items_a: list[str] = []
@@ -143,16 +163,17 @@ def diff_paths(
         only_items_b = [n for n in sb if n not in sa]
     report = DiffReport()
     for n in only_items_a:
-        report.only_a += [f"{n}/{t}" for t in sa[n].tensors]
+        report.only_a += [f"{n}/{t}" for t in tensors(sa[n])]
     for n in only_items_b:
-        report.only_b += [f"{n}/{t}" for t in sb[n].tensors]
+        report.only_b += [f"{n}/{t}" for t in tensors(sb[n])]
     for prefix, x, y in pairs:
-        report.only_a += [prefix + n for n in x.tensors if n not in y.tensors]
-        report.only_b += [prefix + n for n in y.tensors if n not in x.tensors]
-        common = [x.tensors[n] for n in x.tensors if n in y.tensors]
+        tx, ty = tensors(x), tensors(y)
+        report.only_a += [prefix + n for n in tx if n not in ty]
+        report.only_b += [prefix + n for n in ty if n not in tx]
+        common = [tx[n] for n in tx if n in ty]
         comparable = []
         for t in common:
-            u = y.tensors[t.name]
+            u = ty[t.name]
             if t.shape != u.shape:
                 report.mismatched.append((prefix + t.name, _dtype_shape(t), _dtype_shape(u)))
             else:
@@ -161,7 +182,7 @@ def diff_paths(
             names = [t.name for t in group]
             va, vb = x.read(names), y.read(names)
             for t in group:
-                u = y.tensors[t.name]
+                u = ty[t.name]
                 d = max_abs_difference(va[t.name], vb[t.name])
                 if t.dtype != u.dtype:
                     report.mismatched.append(

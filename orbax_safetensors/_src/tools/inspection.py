@@ -16,6 +16,7 @@ from typing import Any
 from etils import epath
 
 from orbax_safetensors._src.catalog import sources as _sources
+from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
 from orbax_safetensors._src.orbax import steps as _steps
 
@@ -35,8 +36,26 @@ def _disk_bytes(path: epath.Path) -> int:
     return sum(_disk_bytes(p) for p in path.iterdir())
 
 
-def _source_report(source: _sources.TensorSource) -> dict[str, Any]:
-    tensors = list(source.tensors.values())
+class _Filter:
+    """The tensors a report lists (all, or those ``include`` / ``exclude`` select), and every
+    name seen, to check the patterns against once the report is built."""
+
+    def __init__(self, select: _select.Selection | None) -> None:
+        self.select = select
+        self.seen: list[str] = []
+
+    def __call__(self, tensors: Mapping[str, _sources.TensorInfo]) -> list[_sources.TensorInfo]:
+        if self.select is None:
+            return list(tensors.values())
+        self.seen += tensors
+        return [t for n, t in tensors.items() if self.select.selects(n)]
+
+
+_ALL = _Filter(None)
+
+
+def _source_report(source: _sources.TensorSource, keep: _Filter = _ALL) -> dict[str, Any]:
+    tensors = keep(source.tensors)
     return {
         "path": str(source.path),
         "kind": source.kind,
@@ -47,12 +66,12 @@ def _source_report(source: _sources.TensorSource) -> dict[str, Any]:
     }
 
 
-def _step_report(path: epath.Path) -> dict[str, Any]:
+def _step_report(path: epath.Path, keep: _Filter = _ALL) -> dict[str, Any]:
     items: dict[str, Any] = {}
     other: list[str] = []
     for name, kind in _steps.list_items(path).items():
         if kind in _steps.TENSOR_KINDS:
-            items[name] = _source_report(_sources.open_source(path / name))
+            items[name] = _source_report(_sources.open_source(path / name), keep)
         else:
             other.append(name)
     return {
@@ -65,7 +84,7 @@ def _step_report(path: epath.Path) -> dict[str, Any]:
     }
 
 
-def _root_step(step: _steps.StepDir) -> dict[str, Any]:
+def _root_step(step: _steps.StepDir, keep: _Filter = _ALL) -> dict[str, Any]:
     """One committed step of a root report; an incomplete or unreadable step says so."""
     entry: dict[str, Any] = {
         "step": step.step,
@@ -87,10 +106,10 @@ def _root_step(step: _steps.StepDir) -> dict[str, Any]:
         return entry
     try:
         if _steps.item_kind(step.path) in _steps.TENSOR_KINDS:  # a step that is itself an item
-            rep = _source_report(_sources.open_source(step.path))
+            rep = _source_report(_sources.open_source(step.path), keep)
             entry["items"] = [""]
         else:
-            rep = _step_report(step.path)
+            rep = _step_report(step.path, keep)
             entry["items"] = [*rep["items"], *rep["other_items"]]
     except _UNREADABLE as e:
         entry["status"] = "unreadable"
@@ -101,9 +120,9 @@ def _root_step(step: _steps.StepDir) -> dict[str, Any]:
     return entry
 
 
-def _root_report(path: epath.Path) -> dict[str, Any]:
+def _root_report(path: epath.Path, keep: _Filter = _ALL) -> dict[str, Any]:
     scanned = _steps.scan_steps(path)
-    steps = [_root_step(s) for s in scanned if s.committed]
+    steps = [_root_step(s, keep) for s in scanned if s.committed]
     latest = steps[-1]["step"] if steps else None
     warnings = []
     for s in steps:
@@ -125,28 +144,42 @@ def _root_report(path: epath.Path) -> dict[str, Any]:
     }
 
 
-def inspect_path(path: epath.PathLike) -> dict[str, Any]:
+def inspect_path(
+    path: epath.PathLike,
+    *,
+    include: _select.Patterns = None,
+    exclude: _select.Patterns = None,
+) -> dict[str, Any]:
     """A JSON-able description of ``path`` (see the module docstring for the kinds).
 
     For a root: the committed steps (those ``mngr.all_steps()`` lists) with their items, tensor
     counts, tensor bytes and bytes on disk, each with a ``status`` (``ok``; ``incomplete`` when
     entries are missing, ``unreadable`` when a file is damaged, both with a ``problem``), the
     uncommitted step directories (``uncommitted``, with the reason) and ``warnings``.
-    Otherwise every tensor's name, dtype, shape, bytes and file, with totals.
+    Otherwise every tensor's name, dtype, shape, bytes and file, with totals. ``include`` /
+    ``exclude`` (globs over dotted names, as in ``osf.load_file``) limit the tensors listed
+    and counted; a pattern matching no tensor raises ``TargetMismatchError``.
 
     Example::
 
         report = inspect_path("/ckpt")
         [s["step"] for s in report["steps"]]     # [100, 200]
     """
-    path = epath.Path(path)
+    keep = _Filter(_select.Selection.of(include, exclude))
+    report = _report(epath.Path(path), keep)
+    if keep.select is not None:
+        keep.select.check(keep.seen, str(path))
+    return report
+
+
+def _report(path: epath.Path, keep: _Filter) -> dict[str, Any]:
     kind = _steps.classify(path)
     if kind == "root":
-        return _root_report(path)
+        return _root_report(path, keep)
     if kind == "step":
         reason = _steps.uncommitted_reason(path)
         try:
-            report = _step_report(path)
+            report = _step_report(path, keep)
         except _UNREADABLE as e:
             if reason is None:
                 raise
@@ -158,7 +191,7 @@ def inspect_path(path: epath.PathLike) -> dict[str, Any]:
         raise SafetensorsCheckpointError(
             f"{path}: not a safetensors file, checkpoint item, Orbax item, step or root"
         )
-    return _source_report(_sources.open_source(path))
+    return _source_report(_sources.open_source(path), keep)
 
 
 def human_bytes(n: float) -> str:

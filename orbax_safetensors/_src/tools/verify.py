@@ -44,8 +44,13 @@ from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import plan as _plan
+from orbax_safetensors._src.core import sniff as _sniff
 from orbax_safetensors._src.core import tree as _tree
-from orbax_safetensors._src.core.errors import SafetensorsCheckpointError, SchemaError
+from orbax_safetensors._src.core.errors import (
+    NotSafetensorsError,
+    SafetensorsCheckpointError,
+    SchemaError,
+)
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
 from orbax_safetensors._src.pipeline import standalone as _standalone
@@ -106,6 +111,9 @@ def verify(path: epath.PathLike, *, chunk_bytes: int = CHUNK_BYTES) -> VerifyRep
 
     Raises:
       FileNotFoundError: when ``path`` does not exist.
+      NotSafetensorsError: when ``path`` is recognisably something else (a Flax msgpack
+        checkpoint, a pickle, a zip, an Orbax-native checkpoint...); the message says what
+        it looks like and what to run.
 
     Example::
 
@@ -123,7 +131,7 @@ def verify(path: epath.PathLike, *, chunk_bytes: int = CHUNK_BYTES) -> VerifyRep
         if (path.parent / _metadata.METADATA_FILE).exists():
             checker.item(path.parent, only=path.name)  # one file of a checkpoint directory
         else:
-            checker.file(path)
+            checker.file(path, foreign_raises=True)
     elif (reason := _steps.uncommitted_reason(path)) is not None:
         report.skipped.append(str(path))
         report._problem(f"{path}: uncommitted step, not checked ({reason}); Orbax does not list it")
@@ -134,6 +142,13 @@ def verify(path: epath.PathLike, *, chunk_bytes: int = CHUNK_BYTES) -> VerifyRep
         if (path / _steps.CHECKPOINT_METADATA_FILE).exists()
         else checker.tree(path, depth=0)
     ):
+        found = _sniff.sniff_directory([c.name for c in path.iterdir()], str(path))
+        if found is not None and found.kind.startswith("orbax-"):
+            raise NotSafetensorsError(
+                f"{path}: holds no orbax-safetensors checkpoint or .safetensors file; it looks "
+                f"like {found.description}. {found.suggestion}",
+                found,
+            )
         report._problem(
             f"{path}: no orbax-safetensors checkpoint or .safetensors file found "
             "(expected a file, a checkpoint directory, a step directory or a manager root)"
@@ -207,9 +222,12 @@ class _Checker:
 
     # ----------------------------------------------------------------- one file
 
-    def file(self, path: epath.Path) -> None:
-        """A standalone ``.safetensors`` file (schema and checksums in its ``__metadata__``)."""
-        header = self._header(path)
+    def file(self, path: epath.Path, foreign_raises: bool = False) -> None:
+        """A standalone ``.safetensors`` file (schema and checksums in its ``__metadata__``).
+
+        With ``foreign_raises``, a file that is recognisably something else (a msgpack
+        checkpoint, a pickle...) raises ``NotSafetensorsError`` instead of being a problem."""
+        header = self._header(path, foreign_raises)
         if header is None:
             return
         try:
@@ -221,10 +239,12 @@ class _Checker:
             self._schema(schema, stored, str(path))
         self._stream(stored)
 
-    def _header(self, path: epath.Path) -> _header.Header | None:
+    def _header(self, path: epath.Path, foreign_raises: bool = False) -> _header.Header | None:
         try:
             header = _router.read_header(path)
         except _READ_ERRORS as e:
+            if foreign_raises and isinstance(e, NotSafetensorsError):
+                raise
             self.report._problem(_message(e, path))
             return None
         self.report.files += 1

@@ -16,7 +16,9 @@ Args (``ctx.args``):
     ``"other_mesh"`` (ShapeDtypeStructs on a transposed mesh with other partition specs),
     ``"restore_args"`` (``ocp.checkpoint_utils.construct_restore_args`` of this job's save
     layout), ``"no_target"``, ``"no_sharding"`` (ShapeDtypeStructs without shardings) and
-    ``"partial"`` (two large tensors only, ``partial_restore=True``).
+    ``"partial"`` (two large tensors only, ``partial_restore=True``) and ``"select"`` (the
+    whole target on the other mesh, ``include`` / ``exclude`` choosing two tensors and a
+    scalar; every other leaf must come back as given).
   v1_path: (optional) also save a globally sharded tree once through Orbax's v1 API
     (``ocp.v1.save`` with ``osf.local_registry()``) into this directory and load it back onto
     a sharded abstract tree; reported as ``result["v1"]`` (``{"skipped": reason}`` on an
@@ -328,6 +330,18 @@ def restore_one(spec: dict[str, Any]) -> dict[str, Any]:
                 restored = mngr.restore(
                     step, args=osf.SafetensorsRestore(target, partial_restore=True)
                 )
+            elif mode == "select":
+                names = ["big.rows", "params.bias", "step_count"]
+                target = abstract_target(other)
+                args = osf.SafetensorsRestore(
+                    target, include=["big", "params.bias", "step_*"], exclude="big.cols"
+                )
+                flat = C.flatten_dict(mngr.restore(step, args=args))
+                given = C.flatten_dict(target)
+                res["not_as_given"] = [
+                    n for n in given if n not in names and flat[n] is not given[n]
+                ]
+                restored = C.nest({n: flat[n] for n in names})
             else:
                 raise ValueError(f"unknown mode {mode}")
         except osf.TargetMismatchError as e:
