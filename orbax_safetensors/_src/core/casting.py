@@ -31,6 +31,7 @@ import ml_dtypes
 import numpy as np
 
 from orbax_safetensors._src.core import dtypes as _dtypes
+from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import SchemaError, UnsupportedLeafError
 
@@ -209,6 +210,17 @@ def _check_cast(
         _dtypes.nbytes(_dtypes.from_numpy(want), shape)
     except UnsupportedLeafError as e:
         raise UnsupportedLeafError(f"leaf {name!r} cast to {want}: {e}") from None
+
+
+def stored_specs(
+    arrays: Mapping[str, Any], casts: Sequence[np.dtype | None]
+) -> list[_plan.TensorSpec]:
+    """The tensor specs of ``arrays`` (a flat tree's) stored under ``casts`` (see
+    :func:`apply_policy`): each array's own dtype where its cast is None."""
+    return _plan.specs_of(
+        (name, a.dtype if want is None else want, a.shape)
+        for (name, a), want in zip(arrays.items(), casts)
+    )
 
 
 def cast_origins(leaves: Mapping[str, Any]) -> dict[str, str]:

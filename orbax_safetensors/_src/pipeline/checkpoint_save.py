@@ -239,7 +239,9 @@ def _batched(
     items: Iterable[tuple[int, list[_interface.Piece]]],
 ) -> Iterator[tuple[int, list[_interface.Piece]]]:
     # Consecutive small tensors of one file go to the writer together (up to 8 MiB or 1024
-    # pieces): one vectored write and one round of bookkeeping instead of one per tensor.
+    # pieces): one vectored write and one round of bookkeeping instead of one per tensor. A
+    # full batch goes at once, before the next tensor is produced (copied or cast): what a
+    # lazy save holds beyond the writes under way is one tensor plus one part-filled batch.
     batch: list[_interface.Piece] = []
     batch_file, size = -1, 0
     for file_index, pieces in items:
@@ -254,6 +256,9 @@ def _batched(
         batch_file = file_index
         batch.extend(pieces)
         size += nbytes
+        if size >= _BATCH_BYTES:
+            yield batch_file, batch
+            batch, size = [], 0
     if batch:
         yield batch_file, batch
 
@@ -317,7 +322,10 @@ def write_process_share(
             submitted = writers[file_index].submit(pieces, checksums=checksums)
             pending.append((fplan.filename, pieces, nbytes, submitted))
             in_flight += nbytes
-            while pending and in_flight > max_in_flight:
+            # (less one batch: the part-filled batch and the next tensor are held beside the
+            # writes under way, so a lazy save's extra memory stays within the largest tensor
+            # plus max_in_flight)
+            while pending and in_flight > max(0, max_in_flight - _BATCH_BYTES):
                 settle_oldest()
 
         if prepared.is_primary:

@@ -78,10 +78,7 @@ def save_file(
     path = epath.Path(path)
     policy = _casting.parse_policy(dtype)
     flat, casts = _casting.apply_policy(_tree.capture(tree), policy)
-    specs = _plan.specs_of(
-        (name, a.dtype if want is None else want, a.shape)
-        for (name, a), want in zip(flat.arrays.items(), casts)
-    )
+    specs = _casting.stored_specs(flat.arrays, casts)
     placeholder = {s.name: _checksum.to_hex(0) for s in specs}
     meta = _metadata.file_metadata(flat.schema, placeholder, metadata)
     plan = _plan.plan_files(specs, max_file_size=None, metadata=meta)

@@ -32,6 +32,7 @@ import numpy as np
 from etils import epath
 
 from orbax_safetensors._src.catalog import sources as _sources
+from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import plan as _plan
@@ -159,6 +160,7 @@ def orbax_item_to_safetensors(
     max_file_size: int | None = _plan.DEFAULT_MAX_FILE_SIZE,
     batch_bytes: int = _sources.DEFAULT_BATCH_BYTES,
     progress: bool | None = None,
+    dtype: _casting.DtypePolicy | None = None,
 ) -> ConvertSummary:
     """Converts one Orbax-native PyTree item into a safetensors checkpoint directory.
 
@@ -170,16 +172,19 @@ def orbax_item_to_safetensors(
       max_file_size: split into ``model-0000i-of-0000n.safetensors`` files above this size.
       batch_bytes: tensor bytes held in memory at once.
       progress: False: no progress bar; True or None: a bar on stderr when it is a terminal.
+      dtype: a save-time dtype policy, as in ``osf.save_file`` (each batch is cast as it is
+        written); a callable is given a placeholder of each leaf's stored shape and dtype.
 
     Example::
 
         orbax_item_to_safetensors("/orbax/100/default", "/st/100/default")
         tree = osf.restore_directory("/st/100/default")
     """
+    policy = _casting.parse_policy(dtype)  # before the destination exists
     return _atomic(
         dst,
         lambda tmp: _orbax_item_to_safetensors(
-            epath.Path(src), tmp, unwrap_values, max_file_size, batch_bytes, progress
+            epath.Path(src), tmp, unwrap_values, max_file_size, batch_bytes, progress, policy
         ),
     )
 
@@ -191,6 +196,7 @@ def _orbax_item_to_safetensors(
     max_file_size: int | None,
     batch_bytes: int,
     progress: bool | None,
+    dtype: _casting.Policy | None = None,
 ) -> ConvertSummary:
     from orbax_safetensors._src.core import tree as _tree
 
@@ -220,9 +226,9 @@ def _orbax_item_to_safetensors(
         tree = jax.tree_util.tree_map_with_path(leaf, source.tree)
         return _unwrap_value_dicts(tree) if unwrap_values else tree
 
-    first = _tree.flatten(skeleton({}))
+    first, casts = _casting.apply_policy(_tree.capture(skeleton({})), dtype)
     to_orbax = {ours: orbax_name_of[id(v)] for ours, v in first.arrays.items()}
-    specs = _plan.tensor_specs(first.arrays)
+    specs = _casting.stored_specs(first.arrays, casts)
     plan = _plan.plan_files(specs, max_file_size=max_file_size, metadata=_metadata.HEADER_METADATA)
     sizes = {s.name: s.nbytes for s in specs}
     key_impls: dict[str, str] = {}
@@ -257,7 +263,7 @@ def _orbax_item_to_safetensors(
             prepared, dst, persist_share=False, max_in_flight=batch_bytes
         )
     # The PRNG key implementations are known once their batches were read.
-    metadata = _safetensors_metadata(source, skeleton(key_impls), to_orbax, plan, specs)
+    metadata = _safetensors_metadata(source, skeleton(key_impls), to_orbax, plan, specs, dtype)
     _checkpoint_save.finalize(dst, metadata, [share])
     return ConvertSummary(_TO_SAFETENSORS, [""], [], len(specs), total)
 
@@ -268,9 +274,10 @@ def _safetensors_metadata(
     to_orbax: dict[str, str],
     plan: _plan.CheckpointPlan,
     specs: list[_plan.TensorSpec],
+    dtype: _casting.Policy | None,
 ) -> dict[str, Any]:
-    flat = _tree.flatten(tree)
-    final_specs = _plan.tensor_specs(flat.arrays)
+    flat, casts = _casting.apply_policy(_tree.capture(tree), dtype)
+    final_specs = _casting.stored_specs(flat.arrays, casts)
     if final_specs != specs:  # the same tree, keys in place of placeholders
         raise AssertionError("internal: tensor layout changed between planning and writing")
     jax_names = {
@@ -439,6 +446,7 @@ def convert(
     max_file_size: int | None = _plan.DEFAULT_MAX_FILE_SIZE,
     batch_bytes: int = _sources.DEFAULT_BATCH_BYTES,
     progress: bool | None = None,
+    dtype: _casting.DtypePolicy | None = None,
 ) -> ConvertSummary:
     """Converts ``src`` (an item, step or CheckpointManager root) into ``dst``.
 
@@ -452,6 +460,10 @@ def convert(
       max_file_size: split safetensors output into files of at most this many bytes.
       batch_bytes: tensor bytes held in memory at once (Orbax -> safetensors).
       progress: False: no progress bar; True or None: a bar on stderr when it is a terminal.
+      dtype: store the tensors in another dtype (to safetensors only): a save-time dtype
+        policy as in ``osf.save_file`` (one dtype for every floating-point tensor, glob
+        patterns over dotted names, or a callable); cast a batch at a time, each tensor's
+        original dtype recorded.
 
     Returns:
       A :class:`ConvertSummary`.
@@ -459,17 +471,25 @@ def convert(
     Example::
 
         convert("/orbax_ckpts", "/st_ckpts")        # every step of a CheckpointManager root
+        convert("/orbax/100", "/st-bf16/100", dtype="bfloat16")   # bf16 export
     """
     src = epath.Path(src)
+    policy = _casting.parse_policy(dtype)  # before anything is written
     kind = _steps.classify(src)
     direction = to or _direction_of(src, kind)
     if direction not in (_TO_SAFETENSORS, _TO_ORBAX):
         raise ValueError(f"to must be 'safetensors' or 'orbax', not {direction!r}")
+    if policy is not None and direction != _TO_SAFETENSORS:
+        raise ValueError(
+            f"dtype={policy.describe()}: a dtype policy applies to conversions to safetensors; "
+            f"{src} converts to Orbax-native (restore it, cast, and save with Orbax instead)"
+        )
     options: dict[str, Any] = {
         "unwrap_values": unwrap_values,
         "max_file_size": max_file_size,
         "batch_bytes": batch_bytes,
         "progress": progress,
+        "dtype": policy,
     }
     if kind in _steps.TENSOR_KINDS:
         expected = (
