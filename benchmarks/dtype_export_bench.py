@@ -15,6 +15,7 @@ Run::
 
     python benchmarks/dtype_export_bench.py [--size 1G] [--rounds 5] [--modes async,sync]
         [--out benchmarks/results/dtype_export]
+    python benchmarks/dtype_export_bench.py --from-json benchmarks/results/dtype_export/results.json
 """
 
 from __future__ import annotations
@@ -135,15 +136,15 @@ def _report(results: list[dict[str, Any]], modes: list[str], size: int) -> str:
         f"bf16 export of a {format_size(size)} float32 LLaMA-like state through "
         "CheckpointManager (medians; each run a fresh process; time until durable)",
         "",
-        "| mode | method | save s | save() call s | peak extra | peak extra / state | on disk | "
-        "time vs plain | time vs cast first | peak vs cast first |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| mode | method | save s | save() call s | CPU s | peak extra | peak extra / state | "
+        "on disk | time vs plain | time vs cast first | peak vs cast first |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode in modes:
         rows = {m: [r for r in results if r["mode"] == mode and r["method"] == m] for m in METHODS}
         rows = {m: [r for r in rs if "error" not in r] for m, rs in rows.items()}
         if not all(rows.values()):
-            lines.append(f"| {mode} | (missing runs) | | | | | | | | |")
+            lines.append(f"| {mode} | (missing runs) | | | | | | | | | |")
             continue
         base = {k: _median(rows["plain"], k) for k in ("seconds", "peak_extra")}
         cast = {k: _median(rows["cast_first"], k) for k in ("seconds", "peak_extra")}
@@ -151,7 +152,7 @@ def _report(results: list[dict[str, Any]], modes: list[str], size: int) -> str:
             t, p = _median(rs, "seconds"), _median(rs, "peak_extra")
             lines.append(
                 f"| {mode} | {m} | {t:.2f} | {_median(rs, 'save_call_s'):.2f} | "
-                f"{format_size(int(p))} | {p / rs[0]['state_bytes']:.2f}x | "
+                f"{_median(rs, 'cpu_seconds'):.2f} | {format_size(int(p))} | {p / rs[0]['state_bytes']:.2f}x | "
                 f"{format_size(int(_median(rs, 'disk_bytes')))} | {t / base['seconds']:.2f} | "
                 f"{t / cast['seconds']:.2f} | {p / max(cast['peak_extra'], 1):.2f} |"
             )
@@ -183,12 +184,17 @@ def main() -> None:
     parser.add_argument("--out", default="")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--worker", default="")
+    parser.add_argument("--from-json", default="", help="re-render the report of a results.json")
     args = parser.parse_args()
     if args.worker:
         print(_MARKER + json.dumps(_worker(json.loads(args.worker))), flush=True)
         return
     size = parse_size(args.size)
     modes = [m for m in args.modes.split(",") if m]
+    if args.from_json:
+        results = json.loads(Path(args.from_json).read_text())
+        print(_report(results, modes, results[0]["size"] if results else size))
+        return
     work = Path(tempfile.mkdtemp(prefix="dtype_export_bench_"))
     results: list[dict[str, Any]] = []
     order = list(METHODS)

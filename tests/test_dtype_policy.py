@@ -330,6 +330,19 @@ def test_sync_save_extra_memory_is_bounded_by_the_largest_tensor(tmp_path: Path)
     assert peak < 128 * mib * 0.7, peak / mib  # well under a cast copy of the state
 
 
+def test_save_file_extra_memory_is_bounded_by_the_largest_tensor(tmp_path: Path) -> None:
+    """save_file casts a batch of tensors at a time: 24 x 8 MiB float32 as bf16 (96 MiB cast)
+    with at most the largest tensor (8 MiB) plus 64 MiB extra."""
+    mib = 1 << 20
+    state = {f"w{i:02d}": np.full(2 * mib, i + 0.25, np.float32) for i in range(24)}
+    path = tmp_path / "w.safetensors"
+    osf.save_file({"w": np.ones(4, np.float32)}, path, dtype=jnp.bfloat16)  # warm-up
+    peak = _traced_peak(lambda: osf.save_file(state, path, dtype=jnp.bfloat16))
+    assert peak <= 8 * mib + 64 * mib, peak / mib
+    got = _official(path)
+    assert got["w23"].dtype == BF16 and float(got["w23"][0]) == 23.25
+
+
 def test_async_snapshot_holds_the_cast_bytes(tmp_path: Path) -> None:
     mib = 1 << 20
     state = {f"w{i}": jnp.full((2 * mib,), float(i), jnp.float32) for i in range(4)}  # 32 MiB
