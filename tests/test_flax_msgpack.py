@@ -311,3 +311,14 @@ def test_convert_selects_by_name(tmp_path):
 def _convert_to(src, dst, **selection):
     osf.convert(src, dst, **selection)
     return dst
+
+
+def test_convert_with_a_dtype_policy(tmp_path):
+    """``convert(dtype=...)`` applies to a Flax msgpack source too (a bf16 export)."""
+    src = tmp_path / "fm.msgpack"
+    state = {"params": {"w": np.ones(3, np.float32), "n": np.arange(2, dtype=np.int32)}}
+    src.write_bytes(serialization.to_bytes(state))
+    osf.convert(src, tmp_path / "bf16.safetensors", dtype="bfloat16")
+    with safe_open(str(tmp_path / "bf16.safetensors"), "flax") as f:
+        assert f.get_tensor("params.w").dtype == jnp.bfloat16
+        assert f.get_tensor("params.n").dtype == jnp.int32

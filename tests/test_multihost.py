@@ -4,7 +4,8 @@ Three launches, each checking many things (process start-up dominates):
 
 1. N=2 (2 CPU devices each): async CheckpointManager saves of steps 0-2 with ``max_to_keep=2``
    into one ``model.safetensors``; restores of step 2 onto another mesh and partition specs,
-   with Orbax restore args, without a target, with shardless targets, and a partial restore.
+   with Orbax restore args, without a target, with shardless targets, and a partial restore;
+   one save under a dtype policy (``dtype=bfloat16``), restored into the float32 target.
 2. N=4 (2 devices each): the same saves split into several files (small ``max_file_size``),
    the same restores, and restores of the N=2 checkpoint (another process count).
 3. N=2: restores of the N=4 checkpoint.
@@ -69,9 +70,9 @@ def _restore(root: Path, saved_processes: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def roots(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+def roots(tmp_path_factory: pytest.TempPathFactory) -> dict[Any, Path]:
     base = tmp_path_factory.mktemp("multihost")
-    return {2: base / "saved_by_2", 4: base / "saved_by_4"}
+    return {2: base / "saved_by_2", 4: base / "saved_by_4", "bf16": base / "bf16_by_2"}
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +91,7 @@ def n2_run(roots: dict[int, Path], v1_paths: dict[int, Path]) -> list[Any]:
         "max_to_keep": KEEP,
         "max_file_size": None,
         "restores": [_restore(roots[2], 2)],
+        "dtype_root": str(roots["bf16"]),
     }
     return run_workers(WORKER, 2, devices_per_process=2, args=args, timeout=LAUNCH_TIMEOUT_S)
 
@@ -329,6 +331,43 @@ def test_files_read_by_safetensors_safe_open(
             assert doc["metadata"]["total_size"] == _total_tensor_bytes()
         else:
             assert not index.exists() and set(seen.values()) == {"model.safetensors"}
+
+
+def test_n2_dtype_policy_save_each_process_casts_its_own_shards(
+    n2_run: list[Any], roots: dict[Any, Path]
+) -> None:
+    """SafetensorsSave(dtype=bfloat16) in a 2-process async save: every process writes only
+    the bf16 bytes of its own shards (arrays deleted once save() returns), the official reader
+    sees bf16 tensors equal to jnp's cast, the schema records the original dtypes, and a
+    float32 target on another mesh restores float32 (the values are exact in bf16)."""
+    from safetensors import safe_open
+
+    from orbax_safetensors._src.catalog import sources as _sources
+
+    per = [r.result["dtype_save"] for r in n2_run]
+    for p in per:
+        assert p["problems"] == [], p["problems"]
+        assert p["writes_only_owned"]
+        assert p["leaves"]["params.emb"]["dtype"] == "float32"
+    item_dir = roots["bf16"] / "0" / ITEM
+    expected = C.global_arrays(0)
+    stored = {n: (C.BF16 if v.dtype.kind == "f" else v.dtype) for n, v in expected.items()}
+    assert sum(p["bytes_written"] for p in per) == sum(
+        v.size * stored[n].itemsize for n, v in expected.items()
+    )
+    metadata = json.loads((item_dir / "orbax_safetensors.json").read_text())
+    with safe_open(str(item_dir / "model.safetensors"), framework="flax") as st:
+        assert set(st.keys()) == set(expected)
+        for name, want in expected.items():
+            got = np.asarray(st.get_tensor(name))
+            assert got.dtype == stored[name], name
+            assert np.array_equal(got, want.astype(stored[name])), name
+            crc = crc32c.crc32c(np.ascontiguousarray(got).tobytes())  # of the stored bytes
+            assert metadata["tensors"][name]["crc32c"] == f"{crc:08x}", name
+    origins = {n: t.cast_from for n, t in _sources.open_source(item_dir).tensors.items()}
+    assert origins == {
+        n: {"float32": "F32", "float64": "F64"}.get(v.dtype.name) for n, v in expected.items()
+    }
 
 
 @pytest.mark.filterwarnings("ignore:Explicitly requested dtype float64:UserWarning")

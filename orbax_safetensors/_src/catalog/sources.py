@@ -27,6 +27,7 @@ from etils import epath
 
 from orbax_safetensors._src.catalog import flax_msgpack as _flax_msgpack
 from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
+from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import plan as _plan
@@ -34,6 +35,7 @@ from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import (
     HeaderError,
     SafetensorsCheckpointError,
+    SchemaError,
     UnsupportedLeafError,
 )
 from orbax_safetensors._src.orbax import steps as _steps
@@ -47,22 +49,27 @@ DEFAULT_BATCH_BYTES = 256 * 1024 * 1024  # host memory a tool reads at a time
 
 @dataclasses.dataclass(frozen=True)
 class TensorInfo:
-    """One stored tensor: dotted name, safetensors dtype, shape, size and file (relative)."""
+    """One stored tensor: dotted name, safetensors dtype, shape, size and file (relative);
+    ``cast_from``: its dtype before a save-time dtype policy cast it (None: saved as is)."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
     file: str
+    cast_from: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "name": self.name,
             "dtype": self.dtype,
             "shape": list(self.shape),
             "bytes": self.nbytes,
             "file": self.file,
         }
+        if self.cast_from is not None:
+            out["cast_from"] = self.cast_from
+        return out
 
 
 class TensorSource(Protocol):
@@ -82,21 +89,45 @@ class SafetensorsSource:
     """Tensors stored in safetensors files: one file, one of our items, or an HF directory."""
 
     def __init__(
-        self, path: epath.Path, kind: str, stored: Mapping[str, Any], metadata: dict[str, Any]
+        self,
+        path: epath.Path,
+        kind: str,
+        stored: Mapping[str, Any],
+        metadata: dict[str, Any],
+        schema: Any = None,
     ) -> None:
         self.path = path
         self.kind = kind
         self.stored = dict(stored)  # name -> _reader.StoredTensor
         self.metadata = metadata
         base = path if path.is_dir() else path.parent
+        origins = _cast_origins(schema)
         self.tensors = {
-            name: TensorInfo(name, s.dtype, tuple(s.shape), s.nbytes, _relative(s.path, base))
+            name: TensorInfo(
+                name,
+                s.dtype,
+                tuple(s.shape),
+                s.nbytes,
+                _relative(s.path, base),
+                origins.get(name),
+            )
             for name, s in self.stored.items()
         }
 
     def read(self, names: Sequence[str]) -> dict[str, np.ndarray]:
         requests = [_reader.ReadRequest(self.stored[n], kind="numpy") for n in names]
         return dict(zip(names, _reader.read_tensors(requests)))
+
+
+def _cast_origins(schema: Any) -> dict[str, str]:
+    # The dtypes a save-time dtype policy cast from, by tensor name; none when the schema is
+    # absent or unreadable (the tools still list the tensors).
+    if schema is None:
+        return {}
+    try:
+        return _casting.cast_origins(_tree.validate_schema(schema))
+    except SchemaError:
+        return {}
 
 
 def _relative(path: epath.Path, base: epath.Path) -> str:
@@ -110,13 +141,19 @@ def _open_file(path: epath.Path) -> SafetensorsSource:
     header = _router.read_header(path)
     _, stored = _standalone.file_index(path, header, strict=False)
     user = {k: v for k, v in header.metadata.items() if k not in _metadata.RESERVED_KEYS}
-    return SafetensorsSource(path, "file", stored, user)
+    try:
+        schema = _metadata.header_json(header, _metadata.SCHEMA_KEY, str(path))
+    except SchemaError:
+        schema = None
+    return SafetensorsSource(path, "file", stored, user, schema)
 
 
 def _open_item(path: epath.Path) -> SafetensorsSource:
     meta = _checkpoint_restore.read_metadata(path)
     stored = _checkpoint_restore.locate_in_directory(path, meta)
-    return SafetensorsSource(path, "item", stored, dict(meta.get("metadata") or {}))
+    return SafetensorsSource(
+        path, "item", stored, dict(meta.get("metadata") or {}), meta.get("schema")
+    )
 
 
 def safetensors_dir_files(path: epath.Path) -> list[str]:

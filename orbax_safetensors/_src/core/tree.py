@@ -185,7 +185,17 @@ class CapturedTree:
       names: each stored array's dotted name before collision suffixes (see :meth:`finish`).
     """
 
-    __slots__ = ("_names", "_pending", "_tree", "_values", "arrays", "dtypes", "names", "shapes")
+    __slots__ = (
+        "_names",
+        "_pending",
+        "_stored",
+        "_tree",
+        "_values",
+        "arrays",
+        "dtypes",
+        "names",
+        "shapes",
+    )
 
     def __init__(
         self,
@@ -198,9 +208,15 @@ class CapturedTree:
         shapes: list[tuple[int, ...]],
     ) -> None:
         self._tree, self._pending, self._names, self._values = tree_node, pending, names, values
+        self._stored = stored
         self.arrays = [values[i] for i in stored]
         self.names = [names[i] for i in stored]
         self.dtypes, self.shapes = dtypes, shapes
+
+    def stored_nodes(self) -> list[dict[str, Any]]:
+        """The schema node of each stored array, in the order of ``arrays`` (a tensor's or a
+        PRNG key's; the caller may add fields to them)."""
+        return [self._pending[i][0] for i in self._stored]
 
     def finish(self) -> FlatTree:
         """The named schema and arrays. (Names the captured schema nodes in place: a second

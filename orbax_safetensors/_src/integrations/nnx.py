@@ -22,11 +22,16 @@ from etils import epath
 if TYPE_CHECKING:  # flax.nnx takes ~2 s to import: only when these helpers run
     from flax import nnx
 
+from orbax_safetensors._src.core.casting import DtypePolicy
 from orbax_safetensors._src.pipeline.standalone import load_file, save_file
 
 
 def save_model(
-    model: nnx.Module, path: epath.PathLike, metadata: Mapping[str, str] | None = None
+    model: nnx.Module,
+    path: epath.PathLike,
+    metadata: Mapping[str, str] | None = None,
+    *,
+    dtype: DtypePolicy | None = None,
 ) -> None:
     """Saves every variable of an ``nnx.Module`` to one ``.safetensors`` file.
 
@@ -34,10 +39,16 @@ def save_model(
       model: the module (its current state is saved; the module is not changed).
       path: the file to write.
       metadata: extra ``str -> str`` header metadata.
+      dtype: a dtype policy, as in ``save_file`` (e.g. ``jnp.bfloat16`` for bf16 weights of an
+        f32 model); ``load_model`` gives each variable the model's dtype back.
+
+    Example::
+
+        osf.save_model(model, "mlp-bf16.safetensors", dtype=jnp.bfloat16)
     """
     from flax import nnx
 
-    save_file(nnx.state(model), path, metadata)
+    save_file(nnx.state(model), path, metadata, dtype=dtype)
 
 
 def load_model(

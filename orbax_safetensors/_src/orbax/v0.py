@@ -32,6 +32,7 @@ from etils import epath
 from orbax.checkpoint import future as ocp_future
 
 from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
+from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import select as _select
@@ -231,7 +232,11 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         if snapshot is not None:
             try:
                 arrays = enumerate(args._validated.captured.arrays)
-                for item in _snapshots.iter_snapshots(arrays, is_primary=self._is_primary()):
+                casts = args._validated.snapshot_casts()  # a dtype policy: copy the cast bytes
+                snaps = _snapshots.iter_snapshots(
+                    arrays, is_primary=self._is_primary(), casts=casts
+                )
+                for item in snaps:
                     snapshot.put(item)  # device-to-host copies, on the caller's thread
             except BaseException as e:
                 snapshot.fail(e)
@@ -487,6 +492,13 @@ class SafetensorsSave(ocp.args.CheckpointArgs):
         returned by ``handler.metadata(...).custom_metadata`` (Orbax's name).
       metadata: the same as ``custom_metadata`` (this library's earlier name); pass one.
         ``custom_metadata`` holds the value either way.
+      dtype: a save-time dtype policy, as in ``osf.save_file``: one dtype (every
+        floating-point array is stored in it), a mapping of glob patterns over dotted names to
+        a dtype or None (first match wins), or a callable ``(dotted_name, leaf) -> dtype |
+        None``. Each tensor is cast as it is written (a synchronous save) or copied to host
+        (an async save's snapshot holds the cast bytes), never as a cast copy of the whole
+        state; each process casts its own shards. A bad policy raises here, before Orbax
+        creates the step.
 
     Prints as a summary (``SafetensorsSave(item=<dict: 12 leaves, 3.4 MiB>)``), never the
     arrays.
@@ -496,6 +508,7 @@ class SafetensorsSave(ocp.args.CheckpointArgs):
     save_args: Any = None
     custom_metadata: Mapping[str, Any] | None = None
     metadata: Mapping[str, Any] | None = None
+    dtype: Any = None
     _validated: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -509,7 +522,9 @@ class SafetensorsSave(ocp.args.CheckpointArgs):
         # background step-directory creation, an error inside async_save can leave the process
         # waiting in Orbax's barriers at exit.
         item = _args.apply_save_args(self.item, self.save_args)
-        self._validated = _checkpoint_save.validate_save(item, self.custom_metadata)
+        self._validated = _checkpoint_save.validate_save(
+            item, self.custom_metadata, dtype=self.dtype
+        )
 
     def __repr__(self) -> str:
         parts = [f"item={_args.tree_summary(self.item)}"]
@@ -517,6 +532,8 @@ class SafetensorsSave(ocp.args.CheckpointArgs):
             parts.append(f"save_args={_args.tree_summary(self.save_args)}")
         if self.custom_metadata is not None:
             parts.append(f"custom_metadata={_args.tree_summary(dict(self.custom_metadata))}")
+        if self.dtype is not None:
+            parts.append(_casting.parse_policy(self.dtype).describe())  # type: ignore[union-attr]
         return f"SafetensorsSave({', '.join(parts)})"
 
     def __str__(self) -> str:

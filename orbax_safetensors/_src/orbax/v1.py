@@ -34,6 +34,7 @@ import orbax.checkpoint as ocp_v0
 from etils import epath
 
 from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
+from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import errors as _errors
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.orbax import v0 as _v0
@@ -85,24 +86,38 @@ class SafetensorsHandler:
     Args:
       handler: the ``SafetensorsCheckpointHandler`` doing the work (its ``max_file_size``,
         ``checksums``, ``verify``, ``primary_host``); default ``SafetensorsCheckpointHandler()``.
+      dtype: a save-time dtype policy for every save through this handler, as
+        ``SafetensorsSave(dtype=...)`` takes it (one dtype for floating-point arrays, glob
+        patterns over dotted names, or a callable); checked here. Orbax v1's own
+        ``StorageOptions.dtype`` context option is not read: pass the policy here.
 
     Example::
 
         class SmallFiles(osf.SafetensorsHandler):
             def __init__(self):
                 super().__init__(osf.SafetensorsCheckpointHandler(max_file_size=1 << 30))
+
+        class Bf16Export(osf.SafetensorsHandler):  # every save stores floats as bf16
+            def __init__(self):
+                super().__init__(dtype=jnp.bfloat16)
     """
 
     SECONDARY_TYPESTRS = SECONDARY_TYPESTRS
 
-    def __init__(self, handler: _v0.SafetensorsCheckpointHandler | None = None) -> None:
+    def __init__(
+        self,
+        handler: _v0.SafetensorsCheckpointHandler | None = None,
+        *,
+        dtype: _casting.DtypePolicy | None = None,
+    ) -> None:
         _orbaxcompat.orbax_v1("orbax_safetensors.SafetensorsHandler")
         self._v0 = handler if handler is not None else _v0.SafetensorsCheckpointHandler()
+        self._dtype = _casting.parse_policy(dtype)
 
     async def save(self, directory: Any, checkpointable: Any) -> Awaitable[None]:
         """Validates ``checkpointable`` and copies this process's shards to host (on the
         caller's thread); the returned awaitable writes, then finalizes on the primary."""
-        args = _v0.SafetensorsSave(checkpointable)
+        args = _v0.SafetensorsSave(checkpointable, dtype=self._dtype)
         path = epath.Path(directory.path)
         commit_futures = await self._v0.async_save(path, args) or []
         barrier = f"orbax_safetensors_v1_save_{next(_save_counter)}"

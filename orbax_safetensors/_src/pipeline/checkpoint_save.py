@@ -32,8 +32,10 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from etils import epath
 
+from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import memo as _memo
 from orbax_safetensors._src.core import metadata as _metadata
@@ -55,11 +57,20 @@ class ValidatedTree:
     named (``flat``, each stored tensor's ``specs``) when first asked, on whatever thread asks.
 
     An async save copies ``captured.arrays`` in the call and leaves naming and planning to its
-    writer thread; the specs come from the dtypes and shapes read at capture.
+    writer thread; the specs come from the dtypes and shapes read at capture. Under a dtype
+    policy the tree is named at once (the policy matches dotted names): ``casts`` then gives
+    the stored dtype of each of ``captured.arrays`` (None: kept), and ``specs`` the stored
+    dtypes.
     """
 
-    def __init__(self, captured: _tree.CapturedTree) -> None:
+    def __init__(self, captured: _tree.CapturedTree, policy: _casting.Policy | None = None) -> None:
         self.captured = captured
+        self.casts: list[np.dtype | None] | None = None
+        if policy is not None:
+            flat, casts = _casting.apply_policy(captured, policy)
+            self.__dict__["flat"] = flat  # the cached property, named once
+            if any(c is not None for c in casts):
+                self.casts = casts
 
     @functools.cached_property
     def flat(self) -> _tree.FlatTree:
@@ -68,7 +79,17 @@ class ValidatedTree:
     @functools.cached_property
     def specs(self) -> list[_plan.TensorSpec]:
         c = self.captured
-        return _plan.specs_of(zip(self.flat.arrays, c.dtypes, c.shapes))
+        dtypes = c.dtypes
+        if self.casts is not None:
+            dtypes = [d if w is None else w for d, w in zip(dtypes, self.casts)]
+        return _plan.specs_of(zip(self.flat.arrays, dtypes, c.shapes))
+
+    def snapshot_casts(self) -> dict[int, np.dtype] | None:
+        """The stored dtype of each cast array by its position in ``captured.arrays`` (the
+        keys :func:`_snapshots.iter_snapshots` is given), or None when nothing is cast."""
+        if self.casts is None:
+            return None
+        return {i: w for i, w in enumerate(self.casts) if w is not None}
 
     def header_bound(self) -> int:
         """:func:`_plan.header_bound` of the files this tree may be planned into."""
@@ -82,8 +103,14 @@ class ValidatedTree:
 
 
 @_gcpause.paused
-def validate_save(tree: Any, user_metadata: Mapping[str, Any] | None = None) -> ValidatedTree:
-    """Checks that ``tree`` and ``user_metadata`` can be saved, before any I/O is scheduled.
+def validate_save(
+    tree: Any,
+    user_metadata: Mapping[str, Any] | None = None,
+    *,
+    dtype: _casting.DtypePolicy | None = None,
+) -> ValidatedTree:
+    """Checks that ``tree``, ``user_metadata`` and the dtype policy ``dtype`` (see
+    ``core.casting``) can be saved, before any I/O is scheduled.
 
     Pass the result to :func:`prepare_save` (``validated=``) to skip flattening again.
 
@@ -91,10 +118,12 @@ def validate_save(tree: Any, user_metadata: Mapping[str, Any] | None = None) -> 
       UnsupportedLeafError: naming the first leaf (or dtype) that cannot be stored.
       DeletedArrayError (a ValueError): naming a ``jax.Array`` that has been deleted (donated).
       MetadataError (a TypeError): when ``user_metadata`` is not JSON-serialisable.
+      ValueError: naming the pattern or value of a ``dtype`` policy that is not a dtype.
     """
+    policy = _casting.parse_policy(dtype)
     captured = _tree.capture(tree)
     _metadata.check_user_metadata(user_metadata)
-    return ValidatedTree(captured)
+    return ValidatedTree(captured, policy)
 
 
 def check_not_deleted(arrays: Iterable[tuple[str, Any]]) -> None:
@@ -138,6 +167,7 @@ def prepare_save(
     checksums: bool = True,
     validated: ValidatedTree | None = None,
     snapshot: Iterable[tuple[int, _snapshots.HostCopies]] | None = None,
+    dtype: _casting.DtypePolicy | None = None,
 ) -> PreparedSave:
     """Flattens ``tree``, plans its files and copies this process's owned bytes to host.
 
@@ -151,11 +181,14 @@ def prepare_save(
     :func:`_snapshots.iter_snapshots` over ``enumerate(validated.captured.arrays)`` (or a
     :class:`SnapshotQueue` it fills); ``pieces`` then writes them and never reads the arrays'
     data, which may be donated or deleted by now (an async save that copied before planning).
+
+    ``dtype`` (without ``validated``, whose policy it is otherwise): a dtype policy (see
+    ``core.casting``); each tensor is cast as it is written (or as it is copied to host).
     """
     if validated is None:
         if snapshot is not None:
             raise ValueError("prepare_save(snapshot=...) needs the validated tree it copied")
-        validated = ValidatedTree(_tree.capture(tree))
+        validated = ValidatedTree(_tree.capture(tree), _casting.parse_policy(dtype))
     flat, specs = validated.flat, validated.specs
     # Headers depend only on names, dtypes and shapes: identical on every process.
     plan = _plan.plan_files(specs, max_file_size=max_file_size, metadata=_metadata.HEADER_METADATA)
@@ -206,7 +239,9 @@ def _batched(
     items: Iterable[tuple[int, list[_interface.Piece]]],
 ) -> Iterator[tuple[int, list[_interface.Piece]]]:
     # Consecutive small tensors of one file go to the writer together (up to 8 MiB or 1024
-    # pieces): one vectored write and one round of bookkeeping instead of one per tensor.
+    # pieces): one vectored write and one round of bookkeeping instead of one per tensor. A
+    # full batch goes at once, before the next tensor is produced (copied or cast): what a
+    # lazy save holds beyond the writes under way is one tensor plus one part-filled batch.
     batch: list[_interface.Piece] = []
     batch_file, size = -1, 0
     for file_index, pieces in items:
@@ -221,6 +256,9 @@ def _batched(
         batch_file = file_index
         batch.extend(pieces)
         size += nbytes
+        if size >= _BATCH_BYTES:
+            yield batch_file, batch
+            batch, size = [], 0
     if batch:
         yield batch_file, batch
 
@@ -284,7 +322,10 @@ def write_process_share(
             submitted = writers[file_index].submit(pieces, checksums=checksums)
             pending.append((fplan.filename, pieces, nbytes, submitted))
             in_flight += nbytes
-            while pending and in_flight > max_in_flight:
+            # (less one batch: the part-filled batch and the next tensor are held beside the
+            # writes under way, so a lazy save's extra memory stays within the largest tensor
+            # plus max_in_flight)
+            while pending and in_flight > max(0, max_in_flight - _BATCH_BYTES):
                 settle_oldest()
 
         if prepared.is_primary:
@@ -347,10 +388,20 @@ def save_directory(
     *,
     metadata: Mapping[str, Any] | None = None,
     max_file_size: int | None = _plan.DEFAULT_MAX_FILE_SIZE,
+    dtype: _casting.DtypePolicy | None = None,
 ) -> None:
-    """Saves ``tree`` as a checkpoint directory from one process (no Orbax involved)."""
+    """Saves ``tree`` as a checkpoint directory from one process (no Orbax involved);
+    ``dtype`` is a dtype policy (see ``save_file``), applied tensor by tensor as it writes."""
     directory = epath.Path(directory)
+    validated = validate_save(tree, metadata, dtype=dtype)  # before the directory exists
     directory.mkdir(parents=True, exist_ok=True)
-    prepared = prepare_save(tree, user_metadata=metadata, max_file_size=max_file_size, copy=False)
+    prepared = prepare_save(
+        tree,
+        user_metadata=metadata,
+        max_file_size=max_file_size,
+        copy=False,
+        lazy=True,
+        validated=validated,
+    )
     share = write_process_share(prepared, directory, persist_share=False)
     finalize(directory, prepared.metadata, [share])

@@ -60,14 +60,18 @@ def tensor_pieces(
 ) -> tuple[int, list[_interface.Piece]]:
     """``(file index, pieces)`` writing a tensor's host ``copies`` where ``plan`` puts them.
 
-    Each piece's tag is ``(tensor name, offset inside the tensor)``.
+    Each piece's tag is ``(tensor name, offset inside the tensor)``. A copy whose dtype is not
+    the planned one (a save under a dtype policy) is cast here, one shard at a time.
     """
     file_index = plan.file_of[name]
     fplan = plan.files[file_index]
     entry = fplan.entries[name]
     base = fplan.data_start + entry.begin
     pieces: list[_interface.Piece] = []
+    stored = _dtypes.to_numpy(entry.dtype)
     for index, host in copies:
+        if host.dtype != stored:
+            host = host.astype(stored)
         raw = _dtypes.pack(host, entry.dtype)
         if index is None or _runs.is_whole(index, entry.shape):  # e.g. a replica's first copy
             pieces.append(_interface.Piece(base, raw, (name, 0)))
@@ -110,7 +114,8 @@ def iter_host_pieces(
             until = min(len(owned), k + 1 + ahead)
             _snapshots.start_copies(owned[started:until])
             started = until
-        yield tensor_pieces(plan, item[0], _snapshots.host_copies(item, buffers))
+        stored = _dtypes.to_numpy(plan.locate(item[0])[1].dtype)
+        yield tensor_pieces(plan, item[0], _snapshots.host_copies(item, buffers, stored))
 
 
 def host_pieces(

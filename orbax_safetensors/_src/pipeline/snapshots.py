@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -103,10 +103,14 @@ def owned_tensors(arrays: Iterable[tuple[Any, Any]], is_primary: bool) -> list[_
     return owned
 
 
-def _host_array(data: Any, on_cpu: bool, buffers: _buffers.BufferArena | None) -> np.ndarray:
+def _host_array(
+    data: Any, on_cpu: bool, buffers: _buffers.BufferArena | None, dtype: np.dtype | None = None
+) -> np.ndarray:
     """``data`` on the host, C-contiguous: a copy we own when ``buffers`` is given (else maybe
-    a view of the caller's memory)."""
+    a view of the caller's memory); cast to ``dtype`` when given (always a copy then)."""
     host = data if isinstance(data, np.ndarray) else np.asarray(data)
+    if dtype is not None and host.dtype != dtype:
+        return _cast(host, dtype, buffers)
     if buffers is None or not (on_cpu or not isinstance(data, jax.Array)):
         # (On accelerators np.asarray already produced a fresh host copy.)
         return host
@@ -119,18 +123,37 @@ def _host_array(data: Any, on_cpu: bool, buffers: _buffers.BufferArena | None) -
     return out
 
 
-def host_copies(owned: _Owned, buffers: _buffers.BufferArena | None) -> HostCopies:
+def _cast(host: np.ndarray, dtype: np.dtype, buffers: _buffers.BufferArena | None) -> np.ndarray:
+    # One pass from the caller's values into the stored dtype; large casts go to aligned
+    # buffers (see _SMALL_COPY).
+    nbytes = host.size * dtype.itemsize
+    if buffers is None or nbytes < _SMALL_COPY:
+        return host.astype(dtype, order="C")
+    out = buffers.empty(nbytes).view(dtype).reshape(host.shape)
+    np.copyto(out, host, casting="unsafe")
+    return out
+
+
+def host_copies(
+    owned: _Owned, buffers: _buffers.BufferArena | None, dtype: np.dtype | None = None
+) -> HostCopies:
+    """The host copies of a tensor this process writes (see :func:`owned_tensors`), cast to
+    ``dtype`` when given: copies we own when ``buffers`` is given, else maybe views."""
     _, x, shards, on_cpu = owned
     if shards is None:
-        return [(None, _host_array(x, on_cpu, buffers))]
-    return [(index, _host_array(data, on_cpu, buffers)) for index, data in shards]
+        return [(None, _host_array(x, on_cpu, buffers, dtype))]
+    return [(index, _host_array(data, on_cpu, buffers, dtype)) for index, data in shards]
 
 
 def iter_snapshots(
-    arrays: Iterable[tuple[Any, Any]], *, is_primary: bool = True
+    arrays: Iterable[tuple[Any, Any]],
+    *,
+    is_primary: bool = True,
+    casts: Mapping[Any, np.dtype] | None = None,
 ) -> Iterator[tuple[Any, HostCopies]]:
     """Host copies of the bytes this process writes, one tensor at a time: ``(key, copies)``
-    for each ``(key, array)`` of ``arrays`` this process writes any of.
+    for each ``(key, array)`` of ``arrays`` this process writes any of. ``casts`` maps keys
+    to the dtype their array is stored in (a dtype policy): those copies hold the cast bytes.
 
     Needs no file plan, so an async save can copy first and plan on its writer thread. Once
     the iteration ends the caller may donate, overwrite or delete its arrays; turn the copies
@@ -141,6 +164,10 @@ def iter_snapshots(
     buffers = _buffers.BufferArena()
     for item in owned:
         name, x, shards, on_cpu = item
+        dtype = casts.get(name) if casts else None
+        if dtype is not None:
+            yield name, host_copies(item, buffers, dtype)
+            continue
         if shards is None and on_cpu:  # host_copies of a small whole array on CPU, inlined
             # (two calls less per tensor, for trees of many small tensors)
             host = np.asarray(x)  # a view of the device buffer: copy it

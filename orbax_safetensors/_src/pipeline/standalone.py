@@ -20,6 +20,7 @@ from typing import Any
 
 from etils import epath
 
+from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.core import metadata as _metadata
@@ -39,7 +40,13 @@ from orbax_safetensors._src.storage import router as _router
 
 
 @_gcpause.paused
-def save_file(tree: Any, path: epath.PathLike, metadata: Mapping[str, str] | None = None) -> None:
+def save_file(
+    tree: Any,
+    path: epath.PathLike,
+    metadata: Mapping[str, str] | None = None,
+    *,
+    dtype: _casting.DtypePolicy | None = None,
+) -> None:
     """Saves a pytree as one ``.safetensors`` file.
 
     The file appears atomically (written beside ``path`` under a temporary name, made durable,
@@ -50,29 +57,51 @@ def save_file(tree: Any, path: epath.PathLike, metadata: Mapping[str, str] | Non
       tree: any pytree of arrays (``jax.Array``, numpy), Python scalars, strings and None.
       path: the file to write (any ``etils.epath`` path, including ``s3://`` and ``gs://``).
       metadata: extra ``str -> str`` entries for the header's ``__metadata__``.
+      dtype: store tensors in another dtype (e.g. bf16 weights from an f32 state): one dtype
+        (applied to floating-point arrays only), a mapping of glob patterns over dotted names
+        to a dtype or None (keep; the first matching pattern wins, unmatched names keep
+        theirs), or a callable ``(dotted_name, leaf) -> dtype | None``. Each tensor is cast
+        as it is written, never as a cast copy of the whole tree; the schema records each
+        cast tensor's original dtype. ``load_file`` without a target gives the stored dtype,
+        with a target the target's.
 
     Raises:
       UnsupportedLeafError: for a leaf or dtype that cannot be stored, before anything is written.
+      ValueError: for a ``dtype`` policy naming no dtype, before anything is written.
 
     Example::
 
         osf.save_file({"layers": [{"w": jnp.ones((2, 2))}]}, "w.safetensors")
         # safe_open("w.safetensors", "flax").keys() == ["layers.0.w"]
+        osf.save_file(params, "w16.safetensors", dtype=jnp.bfloat16)
+        osf.save_file(params, "w16.safetensors", dtype={"*.norm.*": None, "*": "bfloat16"})
     """
     path = epath.Path(path)
-    flat = _tree.flatten(tree)
-    specs = _plan.tensor_specs(flat.arrays)
+    policy = _casting.parse_policy(dtype)
+    flat, casts = _casting.apply_policy(_tree.capture(tree), policy)
+    specs = _casting.stored_specs(flat.arrays, casts)
     placeholder = {s.name: _checksum.to_hex(0) for s in specs}
     meta = _metadata.file_metadata(flat.schema, placeholder, metadata)
     plan = _plan.plan_files(specs, max_file_size=None, metadata=meta)
-    pieces = _pieces.host_pieces(plan, flat.arrays, copy=False).get(0, [])
     sizes = {s.name: s.nbytes for s in specs}
     size = plan.files[0].size
 
     def write(w: _interface.Writer) -> None:
-        # Data first, checksummed as it is written; then the header, which holds the CRCs
+        # Data first, checksummed as it is written, a batch of tensors at a time (cast or
+        # copied bytes are held for one batch only); then the header, which holds the CRCs
         # (fixed-width hex: the header's length, hence every offset, is known beforehand).
-        crcs = _pieces.tensor_checksums(w.write(pieces, checksums=True), sizes)
+        records: _interface.WriteResult = []
+        batch: list[_interface.Piece] = []
+        held = 0
+        for _, pieces in _pieces.iter_host_pieces(plan, flat.arrays, copy=False):
+            batch.extend(pieces)
+            held += sum(p.data.nbytes for p in pieces)
+            if held >= _WRITE_BATCH_BYTES:
+                records += w.write(batch, checksums=True)
+                batch, held = [], 0
+        records += w.write(batch, checksums=True)
+        del batch
+        crcs = _pieces.tensor_checksums(records, sizes)
         final_meta = _metadata.file_metadata(
             flat.schema, {n: _checksum.to_hex(c) for n, c in crcs.items()}, metadata
         )
@@ -203,6 +232,9 @@ def load_file(
 
 
 _READ_ATTEMPTS = 5
+# Tensor bytes handed to the writer at once by save_file: large enough for parallel writes,
+# small enough that cast or device-copied bytes stay a bounded extra.
+_WRITE_BATCH_BYTES = 64 << 20
 
 
 def _identity(path: epath.Path) -> tuple[int, ...] | None:

@@ -17,6 +17,7 @@ import json
 import re
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 EXIT_OK = 0
 EXIT_DIFFERENT = 1  # diff: the checkpoints differ; verify: damage found
@@ -92,10 +93,45 @@ def parse_size(text: str) -> int:
     return int(float(number) * base**power)
 
 
+def dtype_policy(values: Sequence[str] | None) -> Any:
+    """The dtype policy of ``--dtype`` values: one ``DTYPE`` (every floating-point tensor), or
+    ``PATTERN=DTYPE`` entries in order (first match wins; ``keep`` keeps a dtype).
+
+    Raises:
+      ValueError: naming the value that is neither, or a DTYPE that is no dtype.
+
+    Example::
+
+        dtype_policy(["bfloat16"])                           # 'bfloat16'
+        dtype_policy(["*norm*=keep", "*=bfloat16"])          # {'*norm*': None, '*': 'bfloat16'}
+    """
+    from orbax_safetensors._src.core import casting as _casting
+
+    if not values:
+        return None
+    if len(values) == 1 and "=" not in values[0]:
+        return _casting.parse_policy(values[0])
+    mapping: dict[str, str | None] = {}
+    for value in values:
+        pattern, sep, dtype = value.rpartition("=")
+        if not sep or not pattern:
+            raise ValueError(
+                f"--dtype {value!r}: give one DTYPE, or PATTERN=DTYPE entries (e.g. "
+                "'*.kernel=bfloat16', '*=keep')"
+            )
+        mapping[pattern] = None if dtype.lower() in ("keep", "none") else dtype
+    return _casting.parse_policy(mapping)
+
+
 def _convert_cmd(args: argparse.Namespace) -> int:
     from orbax_safetensors._src.tools import convert as _convert
     from orbax_safetensors._src.tools import inspection as _inspection
 
+    try:
+        policy = dtype_policy(args.dtype)
+    except ValueError as e:
+        print(f"orbax-safetensors convert: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
     summary = _convert.convert(
         args.src,
         args.dst,
@@ -108,6 +144,7 @@ def _convert_cmd(args: argparse.Namespace) -> int:
         progress=not args.quiet,
         include=args.include,
         exclude=args.exclude,
+        dtype=policy,
     )
     target = "safetensors" if summary.direction == "safetensors" else "Orbax-native"
     items = ", ".join(i or "(item)" for i in summary.items) or "-"
@@ -239,6 +276,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=parse_size,
         default="256MiB",
         help="tensor bytes held in memory at once (default 256MiB)",
+    )
+    convert.add_argument(
+        "--dtype",
+        action="append",
+        metavar="DTYPE | PATTERN=DTYPE",
+        help="store tensors in another dtype (to safetensors only), cast a batch at a time: "
+        "one DTYPE (e.g. bfloat16) for every floating-point tensor, or PATTERN=DTYPE "
+        "entries over dotted names, repeated, first match wins ('*norm*=keep' keeps a dtype); "
+        "the metadata records each tensor's original dtype",
     )
     convert.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     _add_selection(convert, "convert")

@@ -38,6 +38,7 @@ from etils import epath
 
 from orbax_safetensors._src.catalog import flax_msgpack as _flax_msgpack
 from orbax_safetensors._src.catalog import sources as _sources
+from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import plan as _plan
@@ -194,6 +195,7 @@ def orbax_item_to_safetensors(
     batch_bytes: int = _sources.DEFAULT_BATCH_BYTES,
     progress: bool | None = None,
     select: _select.Selection | None = None,
+    dtype: _casting.DtypePolicy | None = None,
 ) -> ConvertSummary:
     """Converts one Orbax-native PyTree item into a safetensors checkpoint directory.
 
@@ -207,16 +209,26 @@ def orbax_item_to_safetensors(
       progress: False: no progress bar; True or None: a bar on stderr when it is a terminal.
       select: convert only the leaves it selects (by Orbax's dotted names), in their saved
         containers; only their bytes are read.
+      dtype: a save-time dtype policy, as in ``osf.save_file`` (each batch is cast as it is
+        written); a callable is given a placeholder of each leaf's stored shape and dtype.
 
     Example::
 
         orbax_item_to_safetensors("/orbax/100/default", "/st/100/default")
         tree = osf.restore_directory("/st/100/default")
     """
+    policy = _casting.parse_policy(dtype)  # before the destination exists
     return _atomic(
         dst,
         lambda tmp: _orbax_item_to_safetensors(
-            epath.Path(src), tmp, unwrap_values, max_file_size, batch_bytes, progress, select
+            epath.Path(src),
+            tmp,
+            unwrap_values,
+            max_file_size,
+            batch_bytes,
+            progress,
+            select,
+            policy,
         ),
     )
 
@@ -229,6 +241,7 @@ def _orbax_item_to_safetensors(
     batch_bytes: int,
     progress: bool | None,
     select: _select.Selection | None = None,
+    dtype: _casting.Policy | None = None,
 ) -> ConvertSummary:
     from orbax_safetensors._src.core import tree as _tree
 
@@ -267,9 +280,9 @@ def _orbax_item_to_safetensors(
         tree = jax.tree_util.tree_map_with_path(leaf, saved_tree)
         return _unwrap_value_dicts(tree) if unwrap else tree
 
-    first = _tree.flatten(skeleton({}))
+    first, casts = _casting.apply_policy(_tree.capture(skeleton({})), dtype)
     to_orbax = {ours: orbax_name_of[id(v)] for ours, v in first.arrays.items()}
-    specs = _plan.tensor_specs(first.arrays)
+    specs = _casting.stored_specs(first.arrays, casts)
     plan = _plan.plan_files(specs, max_file_size=max_file_size, metadata=_metadata.HEADER_METADATA)
     sizes = {s.name: s.nbytes for s in specs}
     key_impls: dict[str, str] = {}
@@ -310,6 +323,7 @@ def _orbax_item_to_safetensors(
         to_orbax,
         plan,
         specs,
+        dtype,
         original=skeleton({}, unwrap=False) if unwrap_values else None,
     )
     _checkpoint_save.finalize(dst, metadata, [share])
@@ -322,12 +336,13 @@ def _safetensors_metadata(
     to_orbax: dict[str, str],
     plan: _plan.CheckpointPlan,
     specs: list[_plan.TensorSpec],
+    dtype: _casting.Policy | None,
     original: Any = None,
 ) -> dict[str, Any]:
-    flat = _tree.flatten(tree)
+    flat, casts = _casting.apply_policy(_tree.capture(tree), dtype)
     if original is not None:  # unwrapped: the collapsed dicts are recorded as NNX Variables
         flat.schema["tree"] = _mark_variables(flat.schema["tree"], original)
-    final_specs = _plan.tensor_specs(flat.arrays)
+    final_specs = _casting.stored_specs(flat.arrays, casts)
     if final_specs != specs:  # the same tree, keys in place of placeholders
         raise AssertionError("internal: tensor layout changed between planning and writing")
     jax_names = {
@@ -498,6 +513,7 @@ def flax_msgpack_to_safetensors(
     max_file_size: int | None = _plan.DEFAULT_MAX_FILE_SIZE,
     progress: bool | None = None,
     select: _select.Selection | None = None,
+    dtype: _casting.Policy | None = None,
 ) -> ConvertSummary:
     """Converts a legacy Flax msgpack file into a ``.safetensors`` file or a new
     CheckpointManager root holding one step.
@@ -516,6 +532,7 @@ def flax_msgpack_to_safetensors(
       max_file_size: split a directory's files at this size.
       progress: False: no progress bar; True or None: a bar on stderr when it is a terminal.
       select: convert only the leaves it selects (``convert(include=..., exclude=...)``).
+      dtype: a parsed save-time dtype policy (``convert(dtype=...)``).
 
     Example::
 
@@ -545,7 +562,7 @@ def flax_msgpack_to_safetensors(
             dst.parent.mkdir(parents=True, exist_ok=True)
             tmp = dst.parent / f".{dst.name}.converting-{uuid.uuid4().hex[:8]}"
             try:
-                _standalone.save_file(tree, tmp, {"converted_from": "flax-msgpack"})
+                _standalone.save_file(tree, tmp, {"converted_from": "flax-msgpack"}, dtype=dtype)
                 tmp.rename(dst)
             finally:
                 if tmp.exists():
@@ -554,7 +571,7 @@ def flax_msgpack_to_safetensors(
             summary.items = [f"{step}/default"]
 
             def write_root(tmp: epath.Path) -> ConvertSummary:
-                _save_step(tree, tmp, step, max_file_size)
+                _save_step(tree, tmp, step, max_file_size, dtype)
                 return summary
 
             _atomic(dst, write_root)
@@ -578,7 +595,13 @@ def _select_state_dict(node: Any, select: _select.Selection, prefix: str = "") -
 _DROPPED = object()
 
 
-def _save_step(tree: Any, root: epath.Path, step: int, max_file_size: int | None) -> None:
+def _save_step(
+    tree: Any,
+    root: epath.Path,
+    step: int,
+    max_file_size: int | None,
+    dtype: _casting.Policy | None = None,
+) -> None:
     """Saves ``tree`` as step ``step`` of a new CheckpointManager root, through Orbax."""
     import orbax.checkpoint as ocp
 
@@ -587,7 +610,7 @@ def _save_step(tree: Any, root: epath.Path, step: int, max_file_size: int | None
     with ocp.CheckpointManager(
         _steps.absolute(root), item_handlers=handler, options=options
     ) as mngr:
-        mngr.save(step, args=_v0.SafetensorsSave(tree))
+        mngr.save(step, args=_v0.SafetensorsSave(tree, dtype=dtype))
         mngr.wait_until_finished()
 
 
@@ -688,6 +711,7 @@ def convert(
     step: int | None = None,
     include: _select.Patterns = None,
     exclude: _select.Patterns = None,
+    dtype: _casting.DtypePolicy | None = None,
 ) -> ConvertSummary:
     """Converts ``src`` (an item, step or CheckpointManager root) into ``dst``.
 
@@ -716,6 +740,10 @@ def convert(
         read. In a step or root they apply to every converted item, and a pattern matching
         no name of an item raises ``TargetMismatchError`` before DST appears.
       exclude: do not convert what these globs select (same rule).
+      dtype: store the tensors in another dtype (to safetensors only): a save-time dtype
+        policy as in ``osf.save_file`` (one dtype for every floating-point tensor, glob
+        patterns over dotted names, or a callable); cast a batch at a time, each tensor's
+        original dtype recorded.
 
     Returns:
       A :class:`ConvertSummary`.
@@ -725,27 +753,41 @@ def convert(
         convert("/orbax_ckpts", "/st_ckpts")        # every step of a CheckpointManager root
         convert("/flax_ckpts/checkpoint_3", "/st_ckpts")   # a root holding step 3
         convert("flax_model.msgpack", "model.safetensors")
+        convert("/orbax/100", "/st-bf16/100", dtype="bfloat16")   # bf16 export
     """
     select = _select.Selection.of(include, exclude)
     src = epath.Path(src)
+    policy = _casting.parse_policy(dtype)  # before anything is written
     if _flax_msgpack.is_flax_msgpack(src):
         if to == _TO_ORBAX:
             raise SafetensorsCheckpointError(
                 f"{src} is a Flax msgpack file; it converts to safetensors only"
             )
         return flax_msgpack_to_safetensors(
-            src, dst, step=step, max_file_size=max_file_size, progress=progress, select=select
+            src,
+            dst,
+            step=step,
+            max_file_size=max_file_size,
+            progress=progress,
+            select=select,
+            dtype=policy,
         )
     kind = _steps.classify(src)
     direction = to or _direction_of(src, kind)
     if direction not in (_TO_SAFETENSORS, _TO_ORBAX):
         raise ValueError(f"to must be 'safetensors' or 'orbax', not {direction!r}")
+    if policy is not None and direction != _TO_SAFETENSORS:
+        raise ValueError(
+            f"dtype={policy.describe()}: a dtype policy applies to conversions to safetensors; "
+            f"{src} converts to Orbax-native (restore it, cast, and save with Orbax instead)"
+        )
     options: dict[str, Any] = {
         "unwrap_values": unwrap_values,
         "max_file_size": max_file_size,
         "batch_bytes": batch_bytes,
         "progress": progress,
         "select": select,
+        "dtype": policy,
     }
     if kind in _steps.TENSOR_KINDS:
         expected = (

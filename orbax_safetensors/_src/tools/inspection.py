@@ -221,7 +221,7 @@ def _tensor_lines(report: Mapping[str, Any], prefix: str = "") -> list[str]:
     rows = [
         [
             t["name"],
-            t["dtype"],
+            t["dtype"] + (f" (from {t['cast_from']})" if t.get("cast_from") else ""),
             "("
             + ", ".join(str(d) for d in t["shape"])
             + ("," if len(t["shape"]) == 1 else "")

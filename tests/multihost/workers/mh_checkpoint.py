@@ -23,6 +23,8 @@ Args (``ctx.args``):
     (``ocp.v1.save`` with ``osf.local_registry()``) into this directory and load it back onto
     a sharded abstract tree; reported as ``result["v1"]`` (``{"skipped": reason}`` on an
     orbax-checkpoint without the v1 API).
+  dtype_root: (optional) also save once under ``dtype=bfloat16`` into this root and restore
+    it into the float32 target on the other mesh; reported as ``result["dtype_save"]``.
 """
 
 import time
@@ -102,16 +104,20 @@ def intervals(mask: np.ndarray) -> list[tuple[int, int]]:
 class Masks:
     """One boolean byte mask per file of a checkpoint step."""
 
-    def __init__(self, item_dir: Path) -> None:
+    def __init__(self, item_dir: Path, stored_dtypes: bool = False) -> None:
+        # stored_dtypes: mark boxes in the files' dtypes (a save under a dtype policy)
+        self.stored_dtypes = stored_dtypes
         self.headers = read_headers(item_dir)
         self.masks = {
             f.name: np.zeros(f.stat().st_size, dtype=bool) for f in item_dir.glob("*.safetensors")
         }
 
     def mark(self, name: str, index: tuple[slice, ...] | None) -> None:
-        fname, begin, _, shape = self.headers[name]
+        fname, begin, stored, shape = self.headers[name]
         s, dtype = C.tensor_shape_dtype(name)
         assert s == shape, (name, s, shape)
+        if self.stored_dtypes:
+            dtype = {"BF16": C.BF16, "I32": np.int32, "I8": np.int8}[stored]
         index = tuple(slice(0, d) for d in shape) if index is None else index
         self.masks[fname][begin + box_bytes(shape, dtype, index)] = True
 
@@ -400,11 +406,43 @@ def v1_round_trip(path: str) -> dict[str, Any]:
     }
 
 
+def dtype_policy_save(root: Path) -> dict[str, Any]:
+    """An async save under ``dtype=bfloat16`` (each process casts its own shards; arrays
+    deleted once save() returns), restored into the float32 target on the other mesh."""
+    import jax.numpy as jnp
+
+    handler = osf.SafetensorsCheckpointHandler()
+    mngr = ocp.CheckpointManager(root, item_handlers=handler)
+    state = C.build_state(0)
+    owned = owned_boxes(state)
+    mngr.save(0, args=osf.SafetensorsSave(state, dtype=jnp.bfloat16))
+    stats = handler.last_write_stats
+    for leaf in jax.tree_util.tree_leaves(state):
+        if isinstance(leaf, jax.Array):
+            leaf.delete()
+    mngr.wait_until_finished()
+    masks = Masks(root / "0" / ITEM, stored_dtypes=True)
+    for name, boxes in owned.items():
+        for box in boxes:
+            masks.mark(name, box)
+    other = {n: NamedSharding(other_mesh(), OTHER_SPECS[n]) for n in C.SHARDED}
+    restored = mngr.restore(0, args=osf.SafetensorsRestore(abstract_target(other)))
+    mngr.close()
+    return {
+        "bytes_written": stats.bytes_written,
+        "writes_only_owned": merge(stats.ranges) == masks.ranges(),
+        "problems": check_tree(restored, 0),
+        "leaves": describe(restored),
+    }
+
+
 result: dict[str, Any] = {"process_index": pid, "process_count": nproc}
 if ctx.args.get("save_root"):
     result["save"] = save_all(ctx.args)
 if ctx.args.get("v1_path"):
     result["v1"] = v1_round_trip(ctx.args["v1_path"])
+if ctx.args.get("dtype_root"):
+    result["dtype_save"] = dtype_policy_save(Path(ctx.args["dtype_root"]))
 result["restores"] = [restore_one(r) for r in ctx.args.get("restores", [])]
 result["timings"] = timings
 worker_lib.emit_result(result)
