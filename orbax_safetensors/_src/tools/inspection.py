@@ -10,6 +10,8 @@ Example::
 from __future__ import annotations
 
 import json
+import os
+import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -279,7 +281,15 @@ def format_report(report: Mapping[str, Any]) -> str:
         lines.append("")
         lines.append(_total_line(report))
         return "\n".join(lines)
-    lines.append(f"{report['path']}: {kind}")
+    if kind == "flax-msgpack":  # read here, but not safetensors: say what to run
+        path = str(report["path"])
+        dst = shlex.quote(os.path.splitext(os.path.basename(path))[0] + ".safetensors")
+        lines.append(
+            f"{path}: a Flax msgpack checkpoint, not safetensors (decoded whole to list it); "
+            f"convert it: orbax-safetensors convert {shlex.quote(path)} {dst}"
+        )
+    else:
+        lines.append(f"{report['path']}: {kind}")
     meta = report.get("metadata") or {}
     if meta:
         lines.append("metadata: " + json.dumps(meta, sort_keys=True)[:400])
