@@ -47,6 +47,7 @@ from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.pipeline import snapshots as _snapshots
 from orbax_safetensors._src.pipeline.reader import ReadStats
 from orbax_safetensors._src.pipeline.tree_restore import is_restore_args as _is_restore_args
+from orbax_safetensors._src.storage import buffers as _buffers
 from orbax_safetensors._src.storage import router as _router
 
 # How long an async save's writer waits, once every host copy is made, before it plans the
@@ -66,6 +67,10 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
       verify: on restore, check every tensor read whole against its CRC32C.
       primary_host: the process that writes headers, index and metadata and finalizes
         (Orbax's convention; default 0).
+      reuse_host_buffers: an async save copies into host buffers kept from the previous
+        save (no allocation and page faults per save, so ``save()`` blocks for little more
+        than the copy); between saves they hold this process's share of the last save's large
+        tensors until ``close()``. False: fresh buffers each save, freed once written.
 
     After a save's writes finish, ``last_write_stats`` (a ``WriteStats``) holds the byte ranges
     this process wrote; after a restore, ``last_read_stats`` (a ``ReadStats``) holds the bytes
@@ -84,6 +89,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         checksums: bool = True,
         verify: bool = True,
         primary_host: int = 0,
+        reuse_host_buffers: bool = True,
     ) -> None:
         if max_file_size is not None and max_file_size <= 0:
             raise ValueError(f"max_file_size must be positive or None, got {max_file_size}")
@@ -103,6 +109,9 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         # kind; and which of them saved each item directory still to finalize.
         self._orbax: dict[str, Any] = {}
         self._orbax_saved: dict[str, Any] = {}
+        # An async save's host copies go to buffers kept from the previous save (no allocation
+        # and page faults per save); between saves they hold this process's share of one save.
+        self._host_buffers = _buffers.HostBufferPool() if reuse_host_buffers else None
 
     def _orbax_handler(self, kind: str) -> Any:
         handler = self._orbax.get(kind)
@@ -222,10 +231,17 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
             with _gcpause.gc_paused():
                 return write_share()
 
+        pool = self._host_buffers if snapshot is not None else None
+        arena = pool.arena() if pool is not None else None
+
         async def write() -> None:
             # Runs once the contracted signals arrive (the step directory exists); the blocking
             # file I/O runs on a worker thread so the event loop stays responsive.
-            share = await asyncio.to_thread(write_share_paused if sync else write_share)
+            try:
+                share = await asyncio.to_thread(write_share_paused if sync else write_share)
+            finally:
+                if pool is not None and arena is not None:
+                    pool.release(arena)  # written (or failed): the next save reuses them
             self._share = None if persist else (str(directory), share)
 
         future = ocp_future.CommitFutureAwaitingContractedSignals(write(), name="safetensors_save")
@@ -234,7 +250,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
                 arrays = enumerate(args._validated.captured.arrays)
                 casts = args._validated.snapshot_casts()  # a dtype policy: copy the cast bytes
                 snaps = _snapshots.iter_snapshots(
-                    arrays, is_primary=self._is_primary(), casts=casts
+                    arrays, is_primary=self._is_primary(), casts=casts, buffers=arena
                 )
                 for item in snaps:
                     snapshot.put(item)  # device-to-host copies, on the caller's thread
@@ -353,6 +369,8 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         handlers, self._orbax = list(self._orbax.values()), {}  # new ones if used again
         for handler in handlers:
             handler.close()
+        if self._host_buffers is not None:
+            self._host_buffers.clear()  # the host memory kept for the next save
 
     @classmethod
     def typestr(cls) -> str:

@@ -150,6 +150,7 @@ def iter_snapshots(
     *,
     is_primary: bool = True,
     casts: Mapping[Any, np.dtype] | None = None,
+    buffers: _buffers.BufferArena | None = None,
 ) -> Iterator[tuple[Any, HostCopies]]:
     """Host copies of the bytes this process writes, one tensor at a time: ``(key, copies)``
     for each ``(key, array)`` of ``arrays`` this process writes any of. ``casts`` maps keys
@@ -157,11 +158,13 @@ def iter_snapshots(
 
     Needs no file plan, so an async save can copy first and plan on its writer thread. Once
     the iteration ends the caller may donate, overwrite or delete its arrays; turn the copies
-    into write pieces with :func:`tensor_pieces`.
+    into write pieces with :func:`tensor_pieces`. ``buffers`` is where the copies go (e.g. a
+    :class:`~orbax_safetensors._src.storage.buffers.PooledArena` reusing the previous save's
+    memory); default a fresh arena.
     """
     owned = owned_tensors(arrays, is_primary)
     start_copies(owned)  # all at once: everything is copied before this returns
-    buffers = _buffers.BufferArena()
+    buffers = buffers if buffers is not None else _buffers.BufferArena()
     for item in owned:
         name, x, shards, on_cpu = item
         dtype = casts.get(name) if casts else None

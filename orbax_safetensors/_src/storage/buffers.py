@@ -10,6 +10,9 @@ Example::
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import numpy as np
 
 ALIGNMENT = 64
@@ -48,3 +51,85 @@ class BufferArena:
             self._slab, start = aligned_empty(self._SLAB), 0
         self._used = start + nbytes
         return self._slab[start : start + nbytes]
+
+
+class HostBufferPool:
+    """Large host buffers kept from one save to the next.
+
+    An async save copies this process's shards to host before ``save()`` returns. Into fresh
+    memory, every page of that copy is first allocated and faulted in by the copy itself, which
+    costs about as much again as copying; buffers reused from the previous save are already
+    mapped. Each save takes an :meth:`arena`, whose large buffers (above
+    ``BufferArena._SLAB // 8``) come from the pool when one of the same capacity is free, and
+    gives it back with :meth:`release` once its writes are done. Buffers of the previous save
+    that this one did not take are dropped then: between saves the pool holds one save's large
+    host copies (``idle_bytes``), never more. Thread-safe.
+
+    Example::
+
+        pool = HostBufferPool()
+        arena = pool.arena()
+        a = arena.empty(8 << 20)     # fresh
+        pool.release(arena)          # after a's bytes are written
+        b = pool.arena().empty(8 << 20)   # a's memory again
+    """
+
+    # Capacities are rounded up to whole pages, so that a slightly smaller tensor reuses too.
+    _GRANULE = 4096
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: dict[int, list[np.ndarray]] = {}
+
+    def arena(self) -> PooledArena:
+        """A :class:`BufferArena` for one save, drawing its large buffers from the pool."""
+        return PooledArena(self)
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A buffer of at least ``nbytes`` (a free one of the same rounded capacity, else a new
+        one), ``ALIGNMENT``-aligned; the caller gives it back through :meth:`release`."""
+        capacity = -(-nbytes // self._GRANULE) * self._GRANULE
+        with self._lock:
+            free = self._free.get(capacity)
+            if free:
+                return free.pop()
+        return aligned_empty(capacity)
+
+    def release(self, arena: PooledArena) -> None:
+        """Makes ``arena``'s large buffers the free ones (drops any left from earlier saves).
+
+        Call it only when nothing reads them any more (the save's writes are done)."""
+        taken, arena.taken = arena.taken, []
+        with self._lock:
+            self._free = {}
+            for buffer in taken:
+                self._free.setdefault(buffer.nbytes, []).append(buffer)
+
+    def clear(self) -> None:
+        """Frees every idle buffer."""
+        with self._lock:
+            self._free = {}
+
+    @property
+    def idle_bytes(self) -> int:
+        """Bytes held for the next save."""
+        with self._lock:
+            return sum(b.nbytes for buffers in self._free.values() for b in buffers)
+
+
+class PooledArena(BufferArena):
+    """A :class:`BufferArena` whose large buffers come from (and go back to) a
+    :class:`HostBufferPool`; small ones are carved from slabs as usual."""
+
+    def __init__(self, pool: HostBufferPool) -> None:
+        super().__init__()
+        self._pool = pool
+        self.taken: list[np.ndarray] = []
+
+    def empty(self, nbytes: int, **kwargs: Any) -> np.ndarray:
+        """As :meth:`BufferArena.empty`; a large buffer is the pool's."""
+        if nbytes <= self._SLAB // 8:
+            return super().empty(nbytes, **kwargs)
+        buffer = self._pool.take(nbytes)
+        self.taken.append(buffer)
+        return buffer[:nbytes]
