@@ -27,12 +27,12 @@ from typing import Any
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import orbax.checkpoint as ocp  # noqa: E402
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
 
-import orbax_safetensors as osf  # noqa: E402
-from benchmarks.state import llama_specs, make_state, parse_size  # noqa: E402
+import orbax_safetensors as osf
+from benchmarks.state import llama_specs, make_state, parse_size
 
 
 def _bare_copy(leaves: list[Any]) -> float:
