@@ -304,3 +304,23 @@ def test_damaged_bytes_read_direct_fail_the_checksum(
     _evict(path)
     with pytest.raises(osf.IntegrityError, match="'w'"):
         osf.load_file(path)
+
+
+def test_page_cache_probe_sees_cached_and_evicted_ranges(disk_dir: Path) -> None:
+    """The probe (``cachestat``, or ``mincore`` before Linux 6.5) agrees with ``mincore``:
+    a range just written is cached, one just evicted is not."""
+    path = disk_dir / "blob"
+    path.write_bytes(bytes(8 * MiB))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 4 * MiB, 4 * MiB, os.POSIX_FADV_DONTNEED)
+        cached = _direct.page_cache_probe(fd, str(path), os.fstat(fd))
+        assert cached is not None
+        pages = _direct.resident_pages(fd, 8 * MiB)
+        assert pages is not None
+        per_page = MiB // 4096 * 4
+        assert cached(0, 4 * MiB) and pages[:per_page].all()
+        assert not cached(4 * MiB, 4 * MiB) and not pages[per_page:].any()
+    finally:
+        os.close(fd)

@@ -14,11 +14,11 @@ buffered, as before.
 When it is used (``OSF_DIRECT_IO``, read when a file is opened for reading):
 
 - ``auto`` (the default): for each chunk of a large aligned run whose pages are mostly *not* in
-  the page cache (``mincore``). Warm data (just saved, or read before) is copied from the page
+  the page cache (``cachestat``, or ``mincore`` on kernels before 6.5). Warm data (just saved, or read before) is copied from the page
   cache, which is faster than reading it from the device again; cold data goes direct. Direct
   reads also leave nothing in the page cache, so a restore holds nothing beyond its arrays
   (the price: restoring the same cold file twice reads the device twice). Where the page
-  cache cannot be inspected (``mincore`` only reports other users' files to the owner or a
+  cache cannot be inspected (the kernel reports other users' files only to their owner or a
   writer), reads stay buffered.
 - ``never``: always buffered.
 - ``always``: direct for every large aligned run, cached or not (for measurements and tests).
@@ -108,37 +108,78 @@ def split_runs(
     return Split(buffered, direct)
 
 
-def _load_mincore() -> Callable[[int, int, int], int] | None:
-    # mincore(2) reports which pages of a mapping are in the page cache; Python's os and mmap
-    # modules have no binding, hence ctypes. Elsewhere (no mincore): the cache is unknown.
+class _CacheRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _CacheStat(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_uint64)
+        for name in ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")
+    ]
+
+
+_CACHESTAT = 451  # the syscall's number on every architecture (added after the tables merged)
+
+
+def _load_libc() -> ctypes.CDLL | None:
+    # cachestat(2) (Linux 6.5+) counts a file range's pages in the page cache in microseconds;
+    # mincore(2) (older kernels) answers per page, ~30 ms per GiB. Python's os and mmap modules
+    # bind neither, hence ctypes. Elsewhere: the cache is unknown (reads stay buffered).
     if not sys.platform.startswith("linux"):
         return None
     try:
-        fn = ctypes.CDLL(None, use_errno=True).mincore
-    except (OSError, AttributeError):
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
         return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-    return fn  # type: ignore[no-any-return]
 
 
-_mincore = _load_mincore()
+_libc = _load_libc()
 
 
-def cache_visible(path: str, st: os.stat_result) -> bool:
-    """Whether ``mincore`` reports the page cache of this file to this process: since Linux
-    5.0 only to its owner, a user who may write it, or root (others see every page as absent,
-    which would send warm reads direct)."""
-    if _mincore is None:
-        return False
+def page_cache_probe(fd: int, path: str, st: os.stat_result) -> Callable[[int, int], bool] | None:
+    """``cached(offset, nbytes)``: whether at least half of that range of the open file is in
+    the page cache; None when this process cannot tell (no ``cachestat`` or ``mincore``, or
+    the kernel hides other users' page cache: since Linux 5.0 ``mincore`` and later
+    ``cachestat`` report it only to the file's owner, a user who may write it, or root)."""
+    if _libc is None:
+        return None
+    if _cachestat(fd, 0, 1) is not None:
+
+        def counted(offset: int, nbytes: int) -> bool:
+            pages = _cachestat(fd, offset, nbytes)
+            return pages is None or 2 * pages * mmap.PAGESIZE >= nbytes  # unknown: buffered
+
+        return counted
+    if ctypes.get_errno() != errno.ENOSYS:  # EPERM: not ours to see
+        return None
     euid = os.geteuid()
-    return euid == 0 or st.st_uid == euid or os.access(path, os.W_OK)
+    if not (euid == 0 or st.st_uid == euid or os.access(path, os.W_OK)):
+        return None  # mincore would report every page absent, sending warm reads direct
+    pages = resident_pages(fd, st.st_size)
+    if pages is None:
+        return None
+
+    def cached(offset: int, nbytes: int) -> bool:
+        lo, hi = offset // mmap.PAGESIZE, -(-(offset + nbytes) // mmap.PAGESIZE)
+        return 2 * int(np.count_nonzero(pages[lo:hi])) >= hi - lo
+
+    return cached
+
+
+def _cachestat(fd: int, offset: int, nbytes: int) -> int | None:
+    assert _libc is not None
+    rng, out = _CacheRange(offset, nbytes), _CacheStat()
+    if _libc.syscall(_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(out), 0) != 0:
+        return None
+    return int(out.nr_cache)
 
 
 def resident_pages(fd: int, size: int) -> np.ndarray | None:
     """One byte per page of the file's first ``size`` bytes, nonzero where the page is in the
-    page cache; None when that cannot be known. Maps the file (no page is read or faulted)."""
-    if _mincore is None or size <= 0:
+    page cache (``mincore``); None when that cannot be known. Maps the file (no page is read
+    or faulted)."""
+    if _libc is None or size <= 0:
         return None
     try:
         m = mmap.mmap(fd, size, prot=mmap.PROT_READ)
@@ -147,22 +188,14 @@ def resident_pages(fd: int, size: int) -> np.ndarray | None:
     view = np.frombuffer(m, np.uint8)
     try:
         vec = np.zeros(-(-size // mmap.PAGESIZE), np.uint8)
-        if _mincore(view.ctypes.data, size, vec.ctypes.data) != 0:
+        mincore = _libc.mincore
+        mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        if mincore(view.ctypes.data, size, vec.ctypes.data) != 0:
             return None
         return vec & 1
     finally:
         del view  # the mapping cannot close while a view of it exists
         m.close()
-
-
-def cached_by(pages: np.ndarray) -> Callable[[int, int], bool]:
-    """``cached(offset, nbytes)`` over :func:`resident_pages`: at least half the pages in."""
-
-    def cached(offset: int, nbytes: int) -> bool:
-        lo, hi = offset // mmap.PAGESIZE, -(-(offset + nbytes) // mmap.PAGESIZE)
-        return 2 * int(np.count_nonzero(pages[lo:hi])) >= hi - lo
-
-    return cached
 
 
 def open_direct(path: str, like: os.stat_result) -> int | None:

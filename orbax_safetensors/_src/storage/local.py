@@ -321,12 +321,9 @@ class LocalReader:
             return None
         cached = None
         if self._direct_mode == "auto":
-            pages = None
-            if _direct.cache_visible(self.path, self._stat):
-                pages = _direct.resident_pages(self._fd, self.size)
-            if pages is None:
+            cached = _direct.page_cache_probe(self._fd, self.path, self._stat)
+            if cached is None:
                 return None  # the page cache cannot be seen: buffered, as warm reads want
-            cached = _direct.cached_by(pages)
         split = _direct.split_runs(runs, cached)
         if split.direct and self._direct_fd is None:
             self._direct_fd = _direct.open_direct(self.path, self._stat)
