@@ -253,6 +253,7 @@ class LocalReader:
         self.bytes_read = 0  # bytes asked of the file, coalesced gaps included
         self.requests = 0  # ranged read requests (one per coalesced batch)
         self.direct_bytes = 0  # of bytes_read, read through O_DIRECT
+        self._count_lock = threading.Lock()
 
     def close(self) -> None:
         if self._direct_fd is not None:
@@ -340,7 +341,8 @@ class LocalReader:
         if moved < len(view):  # refused or short: the rest buffered, and buffered from now on
             self._direct_refused = True
             self._read_batch((offset + moved, [view[moved:]]))
-        self.direct_bytes += moved  # (int += under the GIL: threads may race; a statistic)
+        with self._count_lock:  # reading threads finish at once: += is not atomic
+            self.direct_bytes += moved
         done(run)
 
     def _read_buffered(
