@@ -89,6 +89,9 @@ def split_runs(
     direct: list[tuple[int, memoryview, int]] = []
     for i, (offset, dest) in enumerate(runs):
         n = dest.nbytes
+        if n < MIN_BYTES:  # most runs of a tree of many small tensors: nothing to work out
+            buffered.append((offset, dest, i))
+            continue
         first = -(-offset // BLOCK) * BLOCK
         last = (offset + n) // BLOCK * BLOCK
         if last - first < MIN_BYTES or (dest.ctypes.data - offset) % BLOCK:
