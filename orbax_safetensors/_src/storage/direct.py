@@ -126,9 +126,10 @@ _CACHESTAT = 451  # the syscall's number on every architecture (added after the 
 
 
 def _load_libc() -> ctypes.CDLL | None:
-    # cachestat(2) (Linux 6.5+) counts a file range's pages in the page cache in microseconds;
-    # mincore(2) (older kernels) answers per page, ~30 ms per GiB. Python's os and mmap modules
-    # bind neither, hence ctypes. Elsewhere: the cache is unknown (reads stay buffered).
+    # cachestat(2) (Linux 6.5+) counts a file range's pages in the page cache in one call;
+    # mincore(2) (older kernels) answers page by page, slow on large files (figures in
+    # docs/performance.md). Python's os and mmap modules bind neither, hence ctypes.
+    # Elsewhere: the cache is unknown (reads stay buffered).
     if not sys.platform.startswith("linux"):
         return None
     try:
