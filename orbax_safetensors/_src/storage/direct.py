@@ -14,12 +14,12 @@ buffered, as before.
 When it is used (``OSF_DIRECT_IO``, read when a file is opened for reading):
 
 - ``auto`` (the default): for each chunk of a large aligned run whose pages are mostly *not* in
-  the page cache (``cachestat``, or ``mincore`` on kernels before 6.5). Warm data (just saved, or read before) is copied from the page
-  cache, which is faster than reading it from the device again; cold data goes direct. Direct
-  reads also leave nothing in the page cache, so a restore holds nothing beyond its arrays
-  (the price: restoring the same cold file twice reads the device twice). Where the page
-  cache cannot be inspected (the kernel reports other users' files only to their owner or a
-  writer), reads stay buffered.
+  the page cache (``cachestat``, or ``mincore`` on kernels before 6.5). Warm data (just saved,
+  or read before) is copied from the page cache, which is faster than reading it from the
+  device again; cold data goes direct. Direct reads also leave nothing in the page cache, so a
+  restore holds nothing beyond its arrays (the price: restoring the same cold file twice reads
+  the device twice). Where the page cache cannot be inspected (the kernel reports other users'
+  files only to their owner or a writer), reads stay buffered.
 - ``never``: always buffered.
 - ``always``: direct for every large aligned run, cached or not (for measurements and tests).
 
