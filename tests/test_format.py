@@ -186,6 +186,69 @@ def test_saved_file_layout_order_and_alignment(tmp_path):
     assert len(raw) == 8 + n + sum(a.nbytes for a in tree.values())
 
 
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("max_file_size", [None, 3000])
+def test_file_plans_are_laid_out_for_direct_io(seed, max_file_size):
+    """Every file's data section starts on a 4 KiB boundary; tensors stay contiguous (no gaps,
+    which readers refuse); each starts at a multiple of its element size, and every tensor
+    whose size is a multiple of 64 bytes starts 64-byte aligned. The plan is deterministic."""
+    from orbax_safetensors._src.core import plan as _plan
+
+    rng = np.random.default_rng(seed)
+    dtypes = ["F64", "F32", "BF16", "F16", "I8", "U8", "BOOL", "C64", "F4", "I64"]
+    specs = []
+    for i in range(60):
+        dtype = str(rng.choice(dtypes))
+        shape = tuple(int(d) for d in rng.integers(1, 40, size=int(rng.integers(0, 3))))
+        if dtype == "F4":
+            shape = (*shape, 2)  # sub-byte tensors fill whole bytes
+        specs.append(_plan.TensorSpec(f"t{i}", dtype, shape))
+    plan = _plan.plan_files(specs, max_file_size=max_file_size, metadata={"format": "flax"})
+    again = _plan.plan_files(specs, max_file_size=max_file_size, metadata={"format": "flax"})
+    assert [f.header for f in plan.files] == [f.header for f in again.files]
+    assert (len(plan.files) > 1) == (max_file_size is not None)
+    for f in plan.files:
+        assert f.data_start % 4096 == 0
+        parsed = _parse(f.header + bytes(f.size - f.data_start))  # contiguous, covers the data
+        assert parsed.data_start == f.data_start
+        for e in f.entries.values():
+            width = _dtypes.bits(e.dtype)
+            if width >= 8:
+                assert e.begin % (width // 8) == 0, e
+            if e.nbytes % 64 == 0:
+                assert e.begin % 64 == 0, e
+        # Only tensors whose sizes are not multiples of 64 may start misaligned.
+        odd = [e for e in f.entries.values() if e.nbytes % 64]
+        assert sum(e.begin % 64 != 0 for e in f.entries.values()) <= max(len(odd) - 1, 0)
+
+
+def test_files_padded_to_8_bytes_still_load(tmp_path):
+    """A file laid out as before 4 KiB alignment (the header padded to 8 bytes, tensors at
+    arbitrary 8-aligned offsets), as the official writer still writes them, loads, with its
+    schema and checksums."""
+    from safetensors.numpy import save_file as np_save_file
+
+    tree = {"w": np.arange(300_000, dtype=np.float32).reshape(600, 500), "b": np.ones(3, np.int8)}
+    new = tmp_path / "new.safetensors"
+    osf.save_file(tree, new)
+    raw = new.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    text = raw[8 : 8 + n].rstrip(b" ")
+    text += b" " * (-(8 + len(text)) % 8)
+    old = tmp_path / "old.safetensors"
+    old.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
+    assert (8 + len(text)) % 4096 != 0
+    got = osf.load_file(old)
+    np.testing.assert_array_equal(np.asarray(got["w"]), tree["w"])
+    np.testing.assert_array_equal(got["b"], tree["b"])
+
+    official = tmp_path / "official.safetensors"
+    np_save_file({"a": np.ones(5, np.float16), "w": tree["w"]}, str(official))
+    got = osf.load_file(official)
+    np.testing.assert_array_equal(got["w"], tree["w"])
+    np.testing.assert_array_equal(got["a"], np.ones(5, np.float16))
+
+
 # --------------------------------------------------------------------------- dtype table
 
 # The safetensors dtype vocabulary and the element types holding it (the public table).
@@ -581,4 +644,5 @@ def test_worked_example_in_format_md_is_what_save_file_writes(tmp_path):
         "run": "demo",
     }
     # the numbers quoted in the prose
-    assert (len(raw), n, raw[:8].hex(" ")) == (1116, 1080, "38 04 00 00 00 00 00 00")
+    assert (len(raw), n, raw[:8].hex(" ")) == (4124, 4088, "f8 0f 00 00 00 00 00 00")
+    assert len(raw[8 : 8 + n].rstrip(b" ")) == 1076

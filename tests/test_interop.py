@@ -207,6 +207,59 @@ def test_sharded_jax_array_is_one_plain_tensor_for_other_readers(tmp_path):
         np.testing.assert_array_equal(loaded[name].numpy(), value, err_msg=name)
 
 
+@pytest.fixture
+def aligned(tmp_path):
+    """A file laid out for direct I/O: sizes that are and are not multiples of 64 bytes, so
+    the header is padded to 4 KiB and tensors are reordered."""
+    tree = {
+        "bias": _values(np.dtype(np.float32), (7,), 1),
+        "w": _values(np.dtype(np.float32), (96, 80), 2),
+        "ids": _values(np.dtype(np.int8), (5, 3), 3),
+        "emb": _values(np.dtype(ml_dtypes.bfloat16), (33, 65), 4),
+        "f64": _values(np.dtype(np.float64), (3,), 5),
+        "big": _values(np.dtype(np.float32), (512, 515), 6),
+    }
+    path = tmp_path / "aligned.safetensors"
+    osf.save_file(tree, path)
+    return path, tree
+
+
+def test_aligned_layout_reads_with_every_official_api(aligned):
+    import json
+    import struct
+
+    path, tree = aligned
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    assert (8 + n) % 4096 == 0  # the data section starts on a 4 KiB boundary
+    doc = json.loads(raw[8 : 8 + n])
+    assert list(doc)[1:] != list(tree)  # reordered by size alignment
+    with safe_open(path, "numpy") as f:
+        for name, value in tree.items():
+            _same_bits(f.get_tensor(name), value)
+        _same_bits(f.get_slice("w")[3:17, 10:70], tree["w"][3:17, 10:70])
+        _same_bits(f.get_slice("big")[500:], tree["big"][500:])
+        _same_bits(f.get_slice("emb")[:, 1:64], tree["emb"][:, 1:64])
+        _same_bits(f.get_slice("bias")[2:5], tree["bias"][2:5])
+    loaded = np_load_file(str(path))
+    for name, value in tree.items():
+        _same_bits(loaded[name], value)
+    with safe_open(path, "flax") as f:
+        for name in ("w", "emb", "big", "ids"):
+            _same_bits(np.asarray(f.get_tensor(name)), tree[name])
+
+
+@needs_torch
+def test_aligned_layout_reads_with_torch(aligned):
+    path, tree = aligned
+    loaded = torch_load_file(str(path))
+    for name, value in tree.items():
+        np.testing.assert_array_equal(_torch_as_numpy(loaded[name]), _as_expected(value))
+    with safe_open(path, "pt") as f:
+        part = f.get_slice("big")[7:300, 5:9]
+        np.testing.assert_array_equal(part.numpy(), tree["big"][7:300, 5:9])
+
+
 def test_header_is_plain_json_other_readers_can_list(nested):
     import json
     import struct

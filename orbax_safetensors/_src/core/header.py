@@ -30,7 +30,11 @@ from orbax_safetensors._src.core.errors import HeaderError
 METADATA_KEY = "__metadata__"
 # Same cap as the reference implementation: a header larger than this is refused unread.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
-_ALIGN = 8  # the data section starts 8-byte aligned, as the reference writer pads it
+# New files start their data section on a 4 KiB boundary (the header's JSON is padded with
+# trailing spaces, which the format allows and every reader skips): O_DIRECT reads need file
+# offsets aligned to the device's block, and 4 KiB covers every common block and page size.
+# The reference writer pads to 8 only; files padded either way read the same.
+DATA_ALIGNMENT = 4096
 _MAX_ELEMENTS = 2**63 - 1  # numpy's and XLA's limit on elements (and on any one dimension)
 
 
@@ -97,7 +101,7 @@ def build_header(
     for e in entries:
         doc[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [e.begin, e.end]}
     text = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    text += b" " * (-len(text) % _ALIGN)
+    text += b" " * (-(8 + len(text)) % DATA_ALIGNMENT)
     if len(text) > MAX_HEADER_BYTES:
         raise HeaderError(f"header of {len(text)} bytes exceeds the {MAX_HEADER_BYTES} cap")
     return struct.pack("<Q", len(text)) + text, entries

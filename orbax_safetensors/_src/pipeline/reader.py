@@ -78,11 +78,14 @@ class ReadStats:
       bytes_needed: bytes of the distinct boxes this process's devices need (a whole tensor
         when it needs all of it).
       requests: ranged read requests issued (one per coalesced batch of runs).
+      direct_bytes: of ``bytes_read``, the bytes read from local files through ``O_DIRECT``
+        (cold data; see ``OSF_DIRECT_IO`` in ``docs/performance.md``).
     """
 
     bytes_read: int = 0
     bytes_needed: int = 0
     requests: int = 0
+    direct_bytes: int = 0
 
 
 @dataclasses.dataclass(slots=True)
@@ -109,7 +112,7 @@ def _read_buffers(
 ) -> _ReadBuffers:
     shape = req.stored.shape
     if req.kind != "jax" or req.sharding is None or single_device(req.sharding):
-        return _ReadBuffers(arena.empty(req.stored.nbytes), [], None)
+        return _ReadBuffers(arena.empty(req.stored.nbytes, file_offset=req.stored.offset), [], None)
     whole_index = _runs.whole_index(tuple(shape))
     device_keys: dict[Any, tuple] = {}
     boxes: dict[tuple, _Box] = {}
@@ -119,7 +122,9 @@ def _read_buffers(
         boxes.setdefault(device_keys[device], _Box(norm, np.empty(0, np.uint8)))
     if req.sharding.is_fully_addressable or _runs.index_key(whole_index) in boxes:
         # This process needs every byte: one whole read (verifiable) serves every box.
-        return _ReadBuffers(arena.empty(req.stored.nbytes), [], device_keys)
+        return _ReadBuffers(
+            arena.empty(req.stored.nbytes, file_offset=req.stored.offset), [], device_keys
+        )
     for box in boxes.values():
         box.buffer = _buffers.aligned_empty(
             _dtypes.nbytes(req.stored.dtype, _runs.box_shape(box.index))
@@ -164,6 +169,7 @@ def read_tensors(requests: Sequence[ReadRequest], stats: ReadStats | None = None
         if stats is not None:
             stats.bytes_read += reader.bytes_read
             stats.requests += reader.requests
+            stats.direct_bytes += getattr(reader, "direct_bytes", 0)  # local files only
     if stats is not None:
         stats.bytes_needed += sum(b.buffer.nbytes for p in buffers for b in p.boxes)
         stats.bytes_needed += sum(p.whole.nbytes for p in buffers if p.whole is not None)

@@ -19,9 +19,11 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import dataclasses
+import functools
 import os
 import stat
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,6 +33,7 @@ from etils import epath
 from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import runs as _runs
 from orbax_safetensors._src.core.errors import HeaderError
+from orbax_safetensors._src.storage import direct as _direct
 from orbax_safetensors._src.storage import interface as _interface
 
 
@@ -238,16 +241,23 @@ class LocalReader:
         self.path = os.fspath(path)
         # O_NONBLOCK: opening a FIFO planted where a file should be must not hang.
         self._fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
-        st = os.fstat(self._fd)
+        self._stat = st = os.fstat(self._fd)
         if not stat.S_ISREG(st.st_mode):
             os.close(self._fd)
             raise HeaderError(f"{self.path}: not a regular file (a directory, FIFO or device)")
         self.size = st.st_size
         self._threads = threads
+        self._direct_mode = _direct.mode() if _direct.available() else "never"
+        self._direct_fd: int | None = None  # opened on the first direct read
+        self._direct_refused = False  # the filesystem refused O_DIRECT: read buffered
         self.bytes_read = 0  # bytes asked of the file, coalesced gaps included
         self.requests = 0  # ranged read requests (one per coalesced batch)
+        self.direct_bytes = 0  # of bytes_read, read through O_DIRECT
+        self._count_lock = threading.Lock()
 
     def close(self) -> None:
+        if self._direct_fd is not None:
+            os.close(self._direct_fd)
         os.close(self._fd)
 
     def pread(self, offset: int, nbytes: int) -> bytes:
@@ -271,20 +281,101 @@ class LocalReader:
         """Fills each ``(offset, dest)`` with the file bytes at ``offset`` (dest is flat uint8).
 
         ``on_run(i)`` is called (from a reading thread) as soon as run ``i`` is in place: work
-        on its bytes then finds them still in the CPU cache.
+        on its bytes then finds them still in the CPU cache. The whole 4 KiB blocks of large
+        runs may be read through ``O_DIRECT`` (see :mod:`.direct`).
         """
+        split = self._split_direct(runs)
+        if split is None or not split.direct:
+            self._read_buffered(runs, max_gap, on_run, [])
+            return
+        # Runs read in several parts: run i is in place once its last part is.
+        owners = [i for _, _, i in split.buffered]
+        parts = [0] * len(runs)
+        for i in owners + [i for _, _, i in split.direct]:
+            parts[i] += 1
+        lock = threading.Lock()
+
+        def part_done(i: int) -> None:
+            with lock:
+                parts[i] -= 1
+                last = parts[i] == 0
+            if last and on_run is not None:
+                on_run(i)
+
+        self.requests += len(split.direct)
+        self.bytes_read += sum(len(v) for _, v, _ in split.direct)
+        direct_tasks: list[tuple[int, Callable[[], None]]] = [
+            (offset, functools.partial(self._read_direct, offset, view, i, part_done))
+            for offset, view, i in split.direct
+        ]
+        self._read_buffered(
+            [(o, d) for o, d, _ in split.buffered],
+            max_gap,
+            lambda k: part_done(owners[k]),
+            direct_tasks,
+        )
+
+    def _split_direct(self, runs: Sequence[tuple[int, np.ndarray]]) -> _direct.Split | None:
+        if self._direct_mode == "never" or self._direct_refused:
+            return None
+        if not any(dest.nbytes >= _direct.MIN_BYTES for _, dest in runs):
+            return None
+        cached = None
+        if self._direct_mode == "auto":
+            cached = _direct.page_cache_probe(self._fd, self.path, self._stat)
+            if cached is None:
+                return None  # the page cache cannot be seen: buffered, as warm reads want
+        split = _direct.split_runs(runs, cached)
+        if split.direct and self._direct_fd is None:
+            self._direct_fd = _direct.open_direct(self.path, self._stat)
+            if self._direct_fd is None:
+                self._direct_refused = True
+                return None
+        return split
+
+    def _read_direct(
+        self, offset: int, view: memoryview, run: int, done: Callable[[int], None]
+    ) -> None:
+        fd = self._direct_fd
+        moved = 0 if fd is None or self._direct_refused else _direct.read_direct(fd, offset, view)
+        if moved < len(view):  # refused or short: the rest buffered, and buffered from now on
+            self._direct_refused = True
+            self._read_batch((offset + moved, [view[moved:]]))
+        with self._count_lock:  # reading threads finish at once: += is not atomic
+            self.direct_bytes += moved
+        done(run)
+
+    def _read_buffered(
+        self,
+        runs: Sequence[tuple[int, np.ndarray]],
+        max_gap: int,
+        on_run: Callable[[int], None] | None,
+        extra: list[tuple[int, Callable[[], None]]],
+    ) -> None:
+        # ``extra``: (file offset, direct read) to run on the same threads, each one task.
         batches = _runs.coalesce_runs(runs, max_gap, bounded=True, max_batch=_LOCAL_BATCH_BYTES)
         self.requests += len(batches)
         self.bytes_read += sum(len(b) for _, bufs, _ in batches for b in bufs)
-        if self._threads > 1 and len(batches) > 1:
+        tasks = len(batches) + len(extra)
+        if self._threads > 1 and tasks > 1:
             # One task per thread, each a contiguous share of the batches: many small reads
-            # (column shards) would otherwise pay the pool's per-task overhead each.
-            workers = min(self._threads, len(batches))
-            step = -(-len(batches) // workers)
-            shares = [batches[i : i + step] for i in range(0, len(batches), step)]
-            with concurrent.futures.ThreadPoolExecutor(len(shares)) as pool:
-                list(pool.map(lambda share: self._read_share(share, on_run), shares))
+            # (column shards) would otherwise pay the pool's per-task overhead each. Direct
+            # reads are large: one task each, in file order, so the device sees one stream.
+            workers = min(self._threads, tasks)
+            shares = []
+            if batches:
+                step = -(-len(batches) // min(workers, len(batches)))
+                shares = [batches[i : i + step] for i in range(0, len(batches), step)]
+            jobs = extra + [
+                (s[0][0], functools.partial(self._read_share, s, on_run)) for s in shares
+            ]
+            jobs.sort(key=lambda job: job[0])
+            with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+                for future in [pool.submit(job) for _, job in jobs]:
+                    future.result()
         else:
+            for _, job in extra:
+                job()
             self._read_share(batches, on_run)
         if on_run is not None:  # empty runs need no bytes: done at once
             for i, (_, dest) in enumerate(runs):
