@@ -57,6 +57,12 @@ DIRECTORY_KINDS = frozenset(
 )
 
 
+def convert_command(where: str) -> str:
+    """The command converting a Flax msgpack file ``where`` into a ``.safetensors`` file
+    named after it, shell-quoted."""
+    return f"orbax-safetensors convert {_q(where)} {_q(_stem(where) + '.safetensors')}"
+
+
 def _q(path: str) -> str:
     """``path`` as a shell word (quoted when it needs to be)."""
     return shlex.quote(path)
@@ -127,7 +133,6 @@ def sniff_bytes(head: bytes, where: str = "file") -> Sniffed | None:
         return None  # a safetensors header (8-byte length, then JSON): damaged, not foreign
     if not head:
         return None
-    stem = _stem(where)
     if head[0] == 0x80 and len(head) > 1 and 2 <= head[1] <= 5:
         torchish = re.search(r"\.(pt|pth|bin|ckpt)$", where) is not None
         return Sniffed(
@@ -149,7 +154,7 @@ def sniff_bytes(head: bytes, where: str = "file") -> Sniffed | None:
             "flax-msgpack",
             "a Flax msgpack checkpoint (flax.serialization.to_bytes, e.g. flax_model.msgpack, or "
             f"a flax.training.checkpoints checkpoint_<step> file; first key {key!r})",
-            f"Convert it: orbax-safetensors convert {_q(where)} {_q(stem + '.safetensors')} (or "
+            f"Convert it: {convert_command(where)} (or "
             "restore it "
             "with flax.serialization.msgpack_restore and save it with osf.save_file).",
         )

@@ -10,8 +10,6 @@ Example::
 from __future__ import annotations
 
 import json
-import os
-import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -19,6 +17,7 @@ from etils import epath
 
 from orbax_safetensors._src.catalog import sources as _sources
 from orbax_safetensors._src.core import select as _select
+from orbax_safetensors._src.core import sniff as _sniff
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
 from orbax_safetensors._src.orbax import steps as _steps
 
@@ -283,10 +282,9 @@ def format_report(report: Mapping[str, Any]) -> str:
         return "\n".join(lines)
     if kind == "flax-msgpack":  # read here, but not safetensors: say what to run
         path = str(report["path"])
-        dst = shlex.quote(os.path.splitext(os.path.basename(path))[0] + ".safetensors")
         lines.append(
             f"{path}: a Flax msgpack checkpoint, not safetensors (decoded whole to list it); "
-            f"convert it: orbax-safetensors convert {shlex.quote(path)} {dst}"
+            f"convert it: {_sniff.convert_command(path)}"
         )
     else:
         lines.append(f"{report['path']}: {kind}")
