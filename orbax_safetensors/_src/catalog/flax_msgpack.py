@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import ml_dtypes
@@ -273,6 +273,24 @@ def flatten(tree: dict[Any, Any]) -> dict[str, Any]:
     """``flax.traverse_util.flatten_dict(tree, sep=".")``: dotted names of the non-dict leaves
     (empty dicts are left out, as there)."""
     return dict(_items(tree, ""))
+
+
+def select(tree: dict[Any, Any], keep: Callable[[str], bool]) -> dict[Any, Any]:
+    """``tree`` with only the leaves whose dotted names (as :func:`flatten` gives them)
+    ``keep`` accepts; dicts left empty are dropped (the root stays, maybe empty)."""
+
+    def walk(node: dict[Any, Any], prefix: str) -> dict[Any, Any]:
+        kept: dict[Any, Any] = {}
+        for k, v in node.items():
+            name = _join(prefix, k)
+            if isinstance(v, dict):
+                if sub := walk(v, name):
+                    kept[k] = sub
+            elif keep(name):
+                kept[k] = v
+        return kept
+
+    return walk(tree, "")
 
 
 def _items(node: dict[Any, Any], prefix: str) -> Iterator[tuple[str, Any]]:

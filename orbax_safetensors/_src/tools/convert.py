@@ -553,7 +553,7 @@ def flax_msgpack_to_safetensors(
     tree, tensors = source.tree, source.tensors
     if select is not None:
         select.check(_flax_msgpack.flatten(tree), str(src))
-        tree = _select_state_dict(tree, select)
+        tree = _flax_msgpack.select(tree, select.selects)
         tensors = {n: t for n, t in tensors.items() if select.selects(n)}
     size = sum(t.nbytes for t in tensors.values())
     summary = ConvertSummary(_TO_SAFETENSORS, [], [], len(tensors), size)  # a file: no items
@@ -577,22 +577,6 @@ def flax_msgpack_to_safetensors(
             _atomic(dst, write_root)
         bar.update(size)
     return summary
-
-
-def _select_state_dict(node: Any, select: _select.Selection, prefix: str = "") -> Any:
-    """The nested state dict with only the leaves ``select`` selects (dotted names as
-    ``flatten_dict(sep=".")`` gives them); dicts left empty are dropped."""
-    if isinstance(node, dict):
-        kept = {}
-        for key, child in node.items():
-            sub = _select_state_dict(child, select, f"{prefix}{key}.")
-            if sub is not _DROPPED:
-                kept[key] = sub
-        return kept if kept or not prefix else _DROPPED
-    return node if select.selects(prefix[:-1]) else _DROPPED
-
-
-_DROPPED = object()
 
 
 def _save_step(
