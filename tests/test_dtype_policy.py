@@ -14,7 +14,6 @@ host snapshot holds the cast bytes.
 from __future__ import annotations
 
 import json
-import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from safetensors import safe_open
+from traced_memory import traced_peak
 
 import orbax_safetensors as osf
 from orbax_safetensors._src.catalog import sources as _sources
@@ -297,18 +297,6 @@ def test_sharded_arrays_are_cast_shard_by_shard(tmp_path: Path) -> None:
     mngr.close()
 
 
-def _traced_peak(fn: Any) -> int:
-    """Peak bytes allocated by ``fn()`` (numpy reports its buffers to tracemalloc)."""
-    tracemalloc.start()
-    try:
-        tracemalloc.reset_peak()
-        base = tracemalloc.get_traced_memory()[0]
-        fn()
-        return tracemalloc.get_traced_memory()[1] - base
-    finally:
-        tracemalloc.stop()
-
-
 def test_sync_save_extra_memory_is_bounded_by_the_largest_tensor(tmp_path: Path) -> None:
     """16 x 16 MiB float32 saved as bf16: the whole cast state (128 MiB) is more than the
     bound (largest tensor, 16 MiB, plus 64 MiB), so a cast copy of the state would fail."""
@@ -321,7 +309,7 @@ def test_sync_save_extra_memory_is_bounded_by_the_largest_tensor(tmp_path: Path)
     def save() -> None:
         mngr.save(1, args=osf.SafetensorsSave(state, dtype=jnp.bfloat16))
 
-    peak = _traced_peak(save)
+    peak = traced_peak(save)
     restored = mngr.restore(1, args=osf.SafetensorsRestore())
     mngr.close()
     assert restored["w15"].dtype == BF16 and float(restored["w15"][0]) == 15.5
@@ -337,7 +325,7 @@ def test_save_file_extra_memory_is_bounded_by_the_largest_tensor(tmp_path: Path)
     state = {f"w{i:02d}": np.full(2 * mib, i + 0.25, np.float32) for i in range(24)}
     path = tmp_path / "w.safetensors"
     osf.save_file({"w": np.ones(4, np.float32)}, path, dtype=jnp.bfloat16)  # warm-up
-    peak = _traced_peak(lambda: osf.save_file(state, path, dtype=jnp.bfloat16))
+    peak = traced_peak(lambda: osf.save_file(state, path, dtype=jnp.bfloat16))
     assert peak <= 8 * mib + 64 * mib, peak / mib
     got = _official(path)
     assert got["w23"].dtype == BF16 and float(got["w23"][0]) == 23.25
@@ -364,7 +352,7 @@ def test_async_snapshot_holds_the_cast_bytes(tmp_path: Path) -> None:
         donate(state)  # right after save() returns: the snapshot must be complete
         mngr.wait_until_finished()
 
-    peak = _traced_peak(save)
+    peak = traced_peak(save)
     assert all(x.is_deleted() for x in state.values())
     restored = mngr.restore(1, args=osf.SafetensorsRestore())
     mngr.close()

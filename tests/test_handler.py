@@ -16,7 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ from flax.training import train_state
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
+from traced_memory import traced_peak
 
 import orbax_safetensors as osf
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
@@ -808,18 +808,6 @@ def test_item_metadata_of_a_composite(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- host memory of saves
 
 
-def _traced_peak(fn: Any) -> int:
-    """Peak bytes allocated (numpy buffers included: numpy reports to tracemalloc) by ``fn()``."""
-    tracemalloc.start()
-    try:
-        tracemalloc.reset_peak()
-        base = tracemalloc.get_traced_memory()[0]
-        fn()
-        return tracemalloc.get_traced_memory()[1] - base
-    finally:
-        tracemalloc.stop()
-
-
 def _big_state() -> dict[str, Any]:
     return {f"w{i}": jnp.full((1 << 21,), float(i), jnp.float32) for i in range(4)}  # 4 x 8 MiB
 
@@ -846,7 +834,7 @@ def test_sync_saves_write_in_place_async_saves_snapshot(
         mngr.save(1, args=osf.SafetensorsSave(state))
         mngr.wait_until_finished()
 
-    peak = _traced_peak(save)
+    peak = traced_peak(save)
     restored = mngr.restore(1, args=osf.SafetensorsRestore())
     mngr.close()
     _assert_same_values(restored, state)
@@ -871,7 +859,7 @@ def test_checkpointer_with_the_handler_alone(tmp_path: Path, checkpointer: Any) 
             donate(state)  # right after save() returns
             ckptr.wait_until_finished()
 
-    peak = _traced_peak(save)
+    peak = traced_peak(save)
     restored = ckptr.restore(tmp_path / "ck", args=osf.SafetensorsRestore())
     ckptr.close()
     for k in expected:
