@@ -8,6 +8,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from benchmarks.device import describe
 from benchmarks.state import GIB, format_size
 
 #: per-op metrics kept from each run: (summary key, op, field in the worker result)
@@ -250,10 +251,6 @@ def load_summary(results: dict[str, Any]) -> tuple[float, float] | None:
     return (statistics.median(loads), max(loads)) if loads else None
 
 
-def _settings(settings: dict[str, str]) -> str:
-    return " ".join(f"{k}={v}" for k, v in settings.items())
-
-
 def markdown(results: dict[str, Any]) -> str:
     """The whole report."""
     meta = results["meta"]
@@ -298,14 +295,14 @@ def markdown(results: dict[str, Any]) -> str:
 
         def grid(kind: str) -> str:
             return "; ".join(
-                f"{_settings(c['settings'])}: {c['gb_s']:.2f} GB/s"
+                f"{describe(c['settings'])}: {c['gb_s']:.2f} GB/s"
                 for c in fio.get(f"{kind}_calibration", [])
             )
 
         out.append(
             f"- device row (fio, fastest of a calibration grid on up to 1 GiB): write until "
-            f"durable `{_settings(fio['write'])}` (grid: {grid('write')}); O_DIRECT read "
-            f"`{_settings(fio['read'])}` (grid: {grid('read')}). "
+            f"durable `{describe(fio['write'])}` (grid: {grid('write')}); O_DIRECT read "
+            f"`{describe(fio['read'])}` (grid: {grid('read')}). "
             "`x device bandwidth` = device time / method time (1.00 = at the device's limit; "
             "warm: against a numpy copy of the state, i.e. memory bandwidth)"
         )
