@@ -37,6 +37,9 @@ WRITE_CANDIDATES: list[dict[str, str]] = [
     {"ioengine": "libaio", "direct": "1", "iodepth": "16", "bs": "1M", "numjobs": "4"},
     {"ioengine": "psync", "direct": "0", "bs": "1M"},
     {"ioengine": "psync", "direct": "0", "bs": "8M", "numjobs": "2"},
+    # Buffered, with writeback started after every 8 MiB write (as our buffered writer does).
+    {"ioengine": "psync", "direct": "0", "bs": "8M", "sync_file_range": "write:1"},
+    {"ioengine": "psync", "direct": "0", "bs": "8M", "sync_file_range": "write:1", "numjobs": "2"},
 ]
 READ_CANDIDATES: list[dict[str, str]] = [
     {"ioengine": "libaio", "direct": "1", "iodepth": "16", "bs": "1M"},

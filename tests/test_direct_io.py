@@ -8,6 +8,7 @@ makes its next read cold. ``OSF_DIRECT_IO`` picks the mode: ``auto`` (direct for
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import struct
@@ -18,9 +19,11 @@ import pytest
 from etils import epath
 
 import orbax_safetensors as osf
+from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.pipeline import reader as _reader
 from orbax_safetensors._src.pipeline import standalone as _standalone
 from orbax_safetensors._src.storage import direct as _direct
+from orbax_safetensors._src.storage import interface as _interface
 from orbax_safetensors._src.storage import local as _local
 from orbax_safetensors._src.storage import router as _router
 
@@ -124,8 +127,9 @@ def test_warm_restore_stays_buffered_in_auto_mode(
 ) -> None:
     monkeypatch.setenv("OSF_DIRECT_IO", "auto")
     tree = _tree(1)
-    osf.save_directory(tree, disk_dir / "ckpt")  # just written: its pages are cached
+    osf.save_directory(tree, disk_dir / "ckpt")
     path = disk_dir / "ckpt" / "model.safetensors"
+    path.read_bytes()  # read before: its pages are cached
     assert _resident(path) * 4096 >= os.path.getsize(path) // 2
     got, stats = _restore(disk_dir / "ckpt")
     _same(got, tree)
@@ -281,10 +285,12 @@ def test_refused_direct_read_is_read_buffered(disk_dir: Path) -> None:
 
 
 def test_unknown_mode_names_the_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("OSF_DIRECT_IO", "sometimes")
     osf.save_file({"w": np.ones(3)}, tmp_path / "w.safetensors")
+    monkeypatch.setenv("OSF_DIRECT_IO", "sometimes")
     with pytest.raises(ValueError, match="OSF_DIRECT_IO='sometimes'"):
         osf.load_file(tmp_path / "w.safetensors")
+    with pytest.raises(ValueError, match="OSF_DIRECT_IO='sometimes'"):
+        osf.save_file({"w": np.ones(3)}, tmp_path / "v.safetensors")
 
 
 def test_damaged_bytes_read_direct_fail_the_checksum(
@@ -324,3 +330,90 @@ def test_page_cache_probe_sees_cached_and_evicted_ranges(disk_dir: Path) -> None
         assert not cached(4 * MiB, 4 * MiB) and not pages[per_page:].any()
     finally:
         os.close(fd)
+
+
+# --------------------------------------------------------------------------- direct writes
+
+
+def _pieces_at(data: np.ndarray, cuts: list[int], base: int) -> list[_interface.Piece]:
+    bounds = [0, *cuts, data.nbytes]
+    return [
+        _interface.Piece(base + a, data[a:b], tag=i)
+        for i, (a, b) in enumerate(itertools.pairwise(bounds))
+    ]
+
+
+@pytest.mark.parametrize("base", [0, 4096, 100, 64 * 1001])
+def test_direct_writer_fills_every_byte_at_any_offset(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch, base: int
+) -> None:
+    """Pieces at block-aligned and misaligned file offsets, of sizes that are not whole
+    blocks, across several 8 MiB units: whole blocks go direct, the rest buffered; the file
+    holds every byte, the CRCs are those of the pieces, and its pages are not left cached."""
+    monkeypatch.setenv("OSF_DIRECT_IO", "auto")
+    data = np.random.default_rng(8).integers(0, 256, 21 * MiB + 333, dtype=np.uint8)
+    pieces = _pieces_at(data, [7, 5 * MiB + 1, 5 * MiB + 4097, 17 * MiB], base)
+    path = disk_dir / "blob"
+    path.write_bytes(b"\xff" * base)  # what lies before the pieces must stay
+    writer = _local.LocalWriter(str(path), base + data.nbytes, False, 2, True)
+    try:
+        result = writer.write(pieces, checksums=True)
+    finally:
+        writer.close(sync=True)
+    raw = np.frombuffer(path.read_bytes(), np.uint8)
+    assert (raw[:base] == 0xFF).all()
+    np.testing.assert_array_equal(raw[base:], data)
+    assert [(t, n, c) for t, n, c in result] == [
+        (p.tag, p.data.nbytes, _checksum.crc32c(p.data)) for p in pieces
+    ]
+    assert data.nbytes - 6 * 4096 * 3 <= writer.direct_bytes <= data.nbytes
+
+
+def test_durable_save_goes_direct_and_leaves_no_page_cache(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``auto``: a saved file reaches the device without filling the page cache; the official
+    reader and ours read it back; ``never`` writes through the page cache."""
+    from safetensors.numpy import load_file as official_load
+
+    tree = {"w": np.random.default_rng(9).standard_normal((1024, 2049), np.float32)}
+    tree["b"] = np.arange(7, dtype=np.float32)
+    for mode in ("auto", "never"):
+        monkeypatch.setenv("OSF_DIRECT_IO", mode)
+        path = disk_dir / f"{mode}.safetensors"
+        osf.save_file(tree, path)
+        resident = _resident(path) * 4096
+        if mode == "auto":
+            assert resident < 64 * 4096  # the header and the blocks at the tensors' ends
+        else:
+            assert resident >= tree["w"].nbytes // 2
+        _same(official_load(str(path)), tree)
+        _same(osf.load_file(path), tree)
+
+
+def test_refused_direct_write_is_written_buffered(disk_dir: Path) -> None:
+    """A direct write the kernel refuses (here: a staging buffer off the block boundary,
+    EINVAL) writes nothing; the writer writes those bytes buffered and stops trying direct."""
+    path = disk_dir / "blob"
+    path.write_bytes(bytes(2 * MiB))
+    fd = _direct.open_direct(str(path), os.stat(path), write=True)
+    assert fd is not None
+    try:
+        misaligned = _congruent(MiB + 64, 64)[64:]  # address 128 past a block
+        assert _direct.write_direct(fd, 0, misaligned.data) == 0
+        aligned = memoryview(_congruent(MiB, 0))
+        assert _direct.write_direct(fd, 1, aligned) == 0  # offset off the block
+        assert _direct.write_direct(fd, 4096, aligned) == MiB
+    finally:
+        os.close(fd)
+    data = np.random.default_rng(10).integers(0, 256, 4 * MiB, dtype=np.uint8)
+    writer = _local.LocalWriter(str(path), data.nbytes, True, 1, True)
+    try:
+        writer._staging.put(
+            _congruent(8 * MiB + 64, 64)[64:].data
+        )  # a staging buffer it will refuse
+        writer.write(_pieces_at(data, [MiB], 0))
+        assert writer.direct_bytes == 0 and not writer._direct_wanted
+    finally:
+        writer.close(sync=True)
+    np.testing.assert_array_equal(np.frombuffer(path.read_bytes(), np.uint8), data)

@@ -21,6 +21,7 @@ import ctypes
 import dataclasses
 import functools
 import os
+import queue
 import stat
 import sys
 import threading
@@ -90,21 +91,26 @@ _start_writeback = _load_sync_file_range()
 # checksummed just before it is written, so the CRC of one unit overlaps the write of another.
 _WRITE_UNIT_BYTES = 8 << 20
 WRITE_THREADS = 2
+# Units with fewer whole 4 KiB blocks than this are written buffered (a direct write waits for
+# the device; small writes are cheaper through the page cache).
+_DIRECT_WRITE_MIN = 1 << 20
 
 
 def _write_units(pieces: Sequence[_interface.Piece]) -> list[list[tuple[int, int, memoryview]]]:
     # (piece number, start inside the piece, bytes): contiguous runs of at most
-    # _WRITE_UNIT_BYTES / _runs.IOV_MAX entries; large pieces are cut into several units.
+    # _WRITE_UNIT_BYTES / _runs.IOV_MAX entries. Large pieces are cut where the file offset is
+    # a multiple of _WRITE_UNIT_BYTES, so the units of a large tensor are whole 4 KiB blocks
+    # (written direct, see LocalWriter) except at the tensor's two ends.
     units: list[list[tuple[int, int, memoryview]]] = []
     unit: list[tuple[int, int, memoryview]] = []
     size = end = 0
     for k, p in enumerate(pieces):
         view = p.data.data
-        for start in range(0, len(view), _WRITE_UNIT_BYTES):  # nothing for an empty piece
-            chunk = (
-                view if len(view) <= _WRITE_UNIT_BYTES else view[start : start + _WRITE_UNIT_BYTES]
-            )
+        start = 0
+        while start < len(view):  # nothing for an empty piece
             offset = p.offset + start
+            stop = min(len(view), (offset // _WRITE_UNIT_BYTES + 1) * _WRITE_UNIT_BYTES - p.offset)
+            chunk = view if (start, stop) == (0, len(view)) else view[start:stop]
             if unit and (
                 offset != end or len(unit) >= _runs.IOV_MAX or size + len(chunk) > _WRITE_UNIT_BYTES
             ):
@@ -113,9 +119,21 @@ def _write_units(pieces: Sequence[_interface.Piece]) -> list[list[tuple[int, int
             unit.append((k, start, chunk))
             size += len(chunk)
             end = offset + len(chunk)
+            start = stop
     if unit:
         units.append(unit)
     return units
+
+
+def _cut_views(views: Sequence[memoryview], lo: int, hi: int) -> list[memoryview]:
+    # The bytes [lo, hi) of the concatenation of ``views``, as views of them (no copy).
+    out, at = [], 0
+    for v in views:
+        a, b = max(lo - at, 0), min(hi - at, len(v))
+        if a < b:
+            out.append(v[a:b])
+        at += len(v)
+    return out
 
 
 def _piece_results(
@@ -147,16 +165,29 @@ class _PendingUnits:
 
 
 class LocalWriter:
-    """Writes pieces with ``pwritev`` from a small thread pool; CRC32C on the way."""
+    """Writes pieces with ``pwritev`` from a small thread pool; CRC32C on the way.
+
+    A durable writer (``sync``) writes the whole 4 KiB blocks of each large unit through
+    ``O_DIRECT`` (see :mod:`.direct`: ``OSF_DIRECT_IO``), staged through one aligned buffer per
+    thread; partial blocks, small units and filesystems that refuse direct I/O are written
+    buffered, with writeback started at once.
+    """
 
     def __init__(self, path: str, size: int, truncate: bool, threads: int, sync: bool) -> None:
         self.path = path
         self.size = size
         self._sync = sync
+        mode = _direct.mode() if _direct.available() else "never"  # (a bad value raises here)
         flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if truncate else 0)
         self._fd = self._call(os.open, path, flags, 0o644)
         self._threads = threads
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        # Direct writes only pay off for bytes that must reach the device (a durable file).
+        self._direct_wanted = mode == "always" or (mode == "auto" and sync)
+        self._direct_fd: int | None = None  # opened on the first direct write
+        self._direct_lock = threading.Lock()
+        self._staging: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
+        self.direct_bytes = 0  # bytes written through O_DIRECT
         try:
             self._call(os.ftruncate, self._fd, size)
         except BaseException:
@@ -183,10 +214,60 @@ class LocalWriter:
         crcs = [(k, s, len(v), _checksum.crc32c(v) if checksums else 0) for k, s, v in unit]
         offset = ordered[unit[0][0]].offset + unit[0][1]
         views = [v for _, _, v in unit]
+        nbytes = sum(len(v) for v in views)
+        first, last = _direct.block_span(offset, nbytes)
+        if last - first >= _DIRECT_WRITE_MIN and self._direct_descriptor() is not None:
+            # Partial blocks at either end buffered, the blocks between direct.
+            self._write_buffered(_cut_views(views, 0, first - offset), offset)
+            self._write_buffered(_cut_views(views, last - offset, nbytes), last)
+            self._write_direct(_cut_views(views, first - offset, last - offset), first)
+        else:
+            self._write_buffered(views, offset)
+        return crcs
+
+    def _write_buffered(self, views: list[memoryview], offset: int) -> None:
+        if not views:
+            return
         self._call(_pwritev_all, self._fd, views, offset)
         if self._sync and _start_writeback is not None:
             _start_writeback(self._fd, offset, sum(len(v) for v in views))
-        return crcs
+
+    def _direct_descriptor(self) -> int | None:
+        if not self._direct_wanted:
+            return None
+        with self._direct_lock:
+            if self._direct_fd is None:
+                self._direct_fd = _direct.open_direct(self.path, os.fstat(self._fd), write=True)
+                if self._direct_fd is None:  # the filesystem refuses: buffered from now on
+                    self._direct_wanted = False
+            return self._direct_fd
+
+    def _write_direct(self, views: list[memoryview], offset: int) -> None:
+        fd = self._direct_fd
+        assert fd is not None
+        nbytes = sum(len(v) for v in views)
+        # O_DIRECT needs a block-aligned source address: the pieces' host buffers are not
+        # (XLA's or numpy's allocations), so the bytes are staged through an aligned buffer of
+        # this thread's (a memory-speed copy, overlapped with the other thread's write).
+        try:
+            stage = self._staging.get_nowait()
+        except queue.Empty:
+            stage = _direct.staging_buffer(_WRITE_UNIT_BYTES)
+        try:
+            at = 0
+            for v in views:
+                np.copyto(
+                    np.frombuffer(stage[at : at + len(v)], np.uint8), np.frombuffer(v, np.uint8)
+                )
+                at += len(v)
+            moved = self._call(_direct.write_direct, fd, offset, stage[:nbytes])
+            if moved < nbytes:  # refused or short: the rest buffered, and buffered from now on
+                self._direct_wanted = False
+                self._write_buffered([stage[moved:nbytes]], offset + moved)
+        finally:
+            self._staging.put(stage)
+        with self._direct_lock:
+            self.direct_bytes += moved
 
     def write(
         self, pieces: Sequence[_interface.Piece], *, checksums: bool = False
@@ -230,9 +311,11 @@ class LocalWriter:
             if self._pool is not None:
                 # On failure (not sync) writes not yet started are dropped, not run.
                 self._pool.shutdown(cancel_futures=not sync)
-            if sync:
+            if sync:  # one inode: this also makes the direct writes durable (device cache)
                 self._call(os.fsync, self._fd)
         finally:
+            if self._direct_fd is not None:
+                os.close(self._direct_fd)
             os.close(self._fd)
 
 
