@@ -354,7 +354,9 @@ def _requested(case: dict[str, Any]) -> int:
 
 
 def plot(results: dict[str, Any], path: Path) -> str | None:
-    """Median time against state size per method (save, cold, warm panels); returns an error."""
+    """Per method against state size (save, cold, warm panels): with a ``device`` row, the
+    bandwidth as a multiple of the device's (top row; 1 = the limit) above the median
+    seconds (bottom row); without one, the seconds alone. Returns an error or None."""
     try:
         import matplotlib
 
@@ -366,47 +368,67 @@ def plot(results: dict[str, Any], path: Path) -> str | None:
     cases = [c for c in results["cases"] if c["kind"] == "llama" and not c.get("partial")]
     if not cases:
         return "no LLaMA-like cases to plot"
-    fig, axes = plt.subplots(1, 3, figsize=(16, 5), sharey=True)
+    has_device = any("device" in c["methods"] for c in cases)
+    rows = 2 if has_device else 1
+    fig, grid = plt.subplots(rows, 3, figsize=(16, 5 * rows), squeeze=False)
     styles = ["-", "--", ":", "-."]
     dtypes = sorted({c["dtype"] for c in cases})
     method_names = list(dict.fromkeys(n for c in cases for n in c["methods"]))
     colors = {n: f"C{i}" for i, n in enumerate(method_names)}
-    for ax, (op, key) in zip(axes, _TIMES):
-        for name in method_names:
-            for di, dtype in enumerate(dtypes):
-                pts = []
-                for c in cases:
-                    s = c["methods"].get(name, {}).get("summary", {})
-                    if c["dtype"] == dtype and key in s:
-                        pts.append((_requested(c) / 2**20, s[key]))
-                if not pts:
+    sizes = sorted({_requested(c) for c in cases})
+
+    def point(c: dict[str, Any], name: str, key: str, ratio: bool) -> float | None:
+        s = c["methods"].get(name, {}).get("summary", {})
+        if key not in s or not s[key]:
+            return None
+        if not ratio:
+            return float(s[key])
+        limit = c["methods"].get("device", {}).get("summary", {}).get(key)
+        return float(limit) / float(s[key]) if limit else None
+
+    for row, ratio in enumerate([True, False] if has_device else [False]):
+        for ax, (op, key) in zip(grid[row], _TIMES):
+            for name in method_names:
+                if ratio and name == "device":
                     continue
-                pts.sort()
-                xs, ys = zip(*pts)
-                ax.plot(
-                    xs,
-                    ys,
-                    styles[di % len(styles)],
-                    marker="o",
-                    color=colors[name],
-                    label=f"{name} {dtype}",
-                )
-        ax.set_xscale("log", base=2)
-        sizes = sorted({_requested(c) for c in cases})
-        ax.set_xticks([x / 2**20 for x in sizes], [format_size(x) for x in sizes])
-        ax.xaxis.set_minor_locator(NullLocator())
-        ax.set_yscale("log")
-        ax.set_xlabel("state size (MiB)")
-        ax.set_title(
-            {
+                for di, dtype in enumerate(dtypes):
+                    pts = []
+                    for c in cases:
+                        y = point(c, name, key, ratio) if c["dtype"] == dtype else None
+                        if y is not None:
+                            pts.append((_requested(c) / 2**20, y))
+                    if not pts:
+                        continue
+                    pts.sort()
+                    xs, ys = zip(*pts)
+                    ax.plot(
+                        xs,
+                        ys,
+                        styles[di % len(styles)],
+                        marker="o",
+                        color=colors[name],
+                        label=f"{name} {dtype}",
+                    )
+            ax.set_xscale("log", base=2)
+            ax.set_xticks([x / 2**20 for x in sizes], [format_size(x) for x in sizes])
+            ax.xaxis.set_minor_locator(NullLocator())
+            if not ratio:
+                ax.set_yscale("log")
+            ax.set_xlabel("state size (MiB)")
+            title = {
                 "save": "save (until durable)",
                 "cold": "restore, cold cache",
                 "warm": "restore, warm cache",
             }[op]
-        )
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0].set_ylabel("median seconds")
-    axes[-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+            if ratio:
+                ax.axhline(1.0, color="black", linewidth=1)
+                ax.set_ylim(bottom=0)
+                limit = "memory copy" if op == "warm" else "fio"
+                title += f": x device bandwidth (1 = {limit})"
+            ax.set_title(title, fontsize=10)
+            ax.grid(True, which="both", alpha=0.3)
+        grid[row][0].set_ylabel("x device bandwidth" if ratio else "median seconds")
+        grid[row][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
