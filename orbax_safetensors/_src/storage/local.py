@@ -91,6 +91,7 @@ _start_writeback = _load_sync_file_range()
 # checksummed just before it is written, so the CRC of one unit overlaps the write of another.
 _WRITE_UNIT_BYTES = 8 << 20
 WRITE_THREADS = 2
+DIRECT_WRITE_THREADS = 4  # at least this many threads when writing through O_DIRECT
 # Units with fewer whole 4 KiB blocks than this are written buffered (a direct write waits for
 # the device; small writes are cheaper through the page cache).
 _DIRECT_WRITE_MIN = 1 << 20
@@ -180,10 +181,13 @@ class LocalWriter:
         mode = _direct.mode() if _direct.available() else "never"  # (a bad value raises here)
         flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if truncate else 0)
         self._fd = self._call(os.open, path, flags, 0o644)
-        self._threads = threads
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         # Direct writes only pay off for bytes that must reach the device (a durable file).
         self._direct_wanted = mode == "always" or (mode == "auto" and sync)
+        # A direct write holds its thread until the device has the bytes: more threads keep
+        # more writes in flight (the page cache's writeback queues them for buffered writes).
+        direct_threads = max(threads, DIRECT_WRITE_THREADS) if threads > 1 else threads
+        self._threads = direct_threads if self._direct_wanted else threads
         self._direct_fd: int | None = None  # opened on the first direct write
         self._direct_lock = threading.Lock()
         self._staging: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
