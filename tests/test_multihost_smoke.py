@@ -69,6 +69,8 @@ def test_hung_worker_is_killed_at_timeout_with_its_stack(tmp_path: Path) -> None
     assert elapsed < 10, f"took {elapsed:.1f} s:\n{message}"
     assert "timed out" in message
     assert 'hang_worker.py", line' in message  # faulthandler's dump of the sleeping frame
+    # A hang outside JAX's collectives is not retried (see launcher.COLLECTIVE_HANG).
+    assert not (tmp_path / "attempt2").exists()
 
 
 def test_stolen_coordinator_port_is_retried(tmp_path: Path) -> None:
