@@ -409,9 +409,8 @@ def test_refused_direct_write_is_written_buffered(disk_dir: Path) -> None:
     data = np.random.default_rng(10).integers(0, 256, 4 * MiB, dtype=np.uint8)
     writer = _local.LocalWriter(str(path), data.nbytes, True, 1, True)
     try:
-        writer._staging.put(
-            _congruent(8 * MiB + 64, 64)[64:].data
-        )  # a staging buffer it will refuse
+        # A staging buffer off the block boundary: the kernel refuses the direct write.
+        writer._staging.put(_congruent(8 * MiB + 64, 64)[64:].data)
         writer.write(_pieces_at(data, [MiB], 0))
         assert writer.direct_bytes == 0 and not writer._direct_wanted
     finally:

@@ -26,10 +26,10 @@ A filesystem that refuses ``O_DIRECT`` (on open or on a read: ``EINVAL``) is rea
 only Linux has ``O_DIRECT`` here. Object stores never get here.
 
 Durable writes (every local save: the file is fsynced before it counts) go direct in ``auto``
-and ``always`` mode: the page cache cannot make a write that must reach the device faster, and
-a buffered write of a GiB first dirties a GiB of page cache that the kernel then writes back
-at its own pace (fio here: about 2 GB/s direct with requests in flight against 0.3 GB/s
-buffered + fsync; figures in docs/performance.md). The writer copies each block-aligned
+and ``always`` mode: a buffered write of a GiB first dirties a GiB of page cache (evicting what
+the job had cached) and costs the kernel's copy into it (about twice the CPU time of a direct
+save here). Where a host caches the disk (VMs), buffered writes with early writeback can be
+faster: docs/performance.md has both measured. The writer copies each block-aligned
 stretch into an aligned staging buffer (:func:`staging_buffer`) and writes it with
 :func:`write_direct`; the partial blocks at either end of a stretch are written buffered.
 A saved file therefore leaves nothing in the page cache (its first restore is cold).
@@ -54,7 +54,9 @@ from typing import NamedTuple
 import numpy as np
 
 BLOCK = 4096  # alignment of offsets, lengths and addresses of direct reads
-MIN_BYTES = 1 << 20  # runs shorter than this are read buffered (the per-call cost dominates)
+# Runs (reads) and units (writes) with less than this of whole blocks go buffered: a direct
+# transfer waits for the device, and below this the per-call cost dominates.
+MIN_BYTES = 1 << 20
 CHUNK_BYTES = 16 << 20  # one direct read: large enough to keep the device's queue full
 ENV = "OSF_DIRECT_IO"
 MODES = ("auto", "never", "always")
@@ -241,15 +243,15 @@ def block_span(offset: int, nbytes: int) -> tuple[int, int]:
     return -(-offset // BLOCK) * BLOCK, (offset + nbytes) // BLOCK * BLOCK
 
 
-def write_direct(fd: int, offset: int, view: memoryview) -> int:
-    """Writes ``view`` (page-aligned address, whole blocks) at ``offset`` through the
-    ``O_DIRECT`` descriptor ``fd``; returns how many bytes were written: fewer than asked when
-    the filesystem refuses this write or writes short (the caller writes the rest buffered).
-    Other errors (disk full, quota) are raised."""
+def _transfer_all(
+    call: Callable[[int, list[memoryview], int], int], fd: int, offset: int, view: memoryview
+) -> int:
+    # pwritev / preadv on an O_DIRECT descriptor until done, a short or unaligned transfer
+    # (end of file, or no longer block-aligned: the rest cannot go direct) or a refusal.
     done = 0
     try:
         while done < len(view):
-            moved = os.pwritev(fd, [view[done:]], offset + done)
+            moved = call(fd, [view[done:]], offset + done)
             done += max(moved, 0)
             if moved <= 0 or moved % BLOCK:
                 break
@@ -259,18 +261,16 @@ def write_direct(fd: int, offset: int, view: memoryview) -> int:
     return done
 
 
+def write_direct(fd: int, offset: int, view: memoryview) -> int:
+    """Writes ``view`` (page-aligned address, whole blocks) at ``offset`` through the
+    ``O_DIRECT`` descriptor ``fd``; returns how many bytes were written: fewer than asked when
+    the filesystem refuses this write or writes short (the caller writes the rest buffered).
+    Other errors (disk full, quota) are raised."""
+    return _transfer_all(os.pwritev, fd, offset, view)
+
+
 def read_direct(fd: int, offset: int, view: memoryview) -> int:
     """Reads into ``view`` (aligned, whole blocks) at ``offset`` through the ``O_DIRECT``
     descriptor ``fd``; returns how many bytes were read: fewer than asked on a short read or
     when the filesystem refuses this read (the caller reads the rest buffered)."""
-    done = 0
-    try:
-        while done < len(view):
-            moved = os.preadv(fd, [view[done:]], offset + done)
-            done += max(moved, 0)
-            if moved <= 0 or moved % BLOCK:  # end of file, or no longer block-aligned
-                break
-    except OSError as e:
-        if e.errno not in _UNSUPPORTED:
-            raise
-    return done
+    return _transfer_all(os.preadv, fd, offset, view)

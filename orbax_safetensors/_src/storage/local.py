@@ -92,9 +92,6 @@ _start_writeback = _load_sync_file_range()
 _WRITE_UNIT_BYTES = 8 << 20
 WRITE_THREADS = 2
 DIRECT_WRITE_THREADS = 4  # at least this many threads when writing through O_DIRECT
-# Units with fewer whole 4 KiB blocks than this are written buffered (a direct write waits for
-# the device; small writes are cheaper through the page cache).
-_DIRECT_WRITE_MIN = 1 << 20
 
 
 def _write_units(pieces: Sequence[_interface.Piece]) -> list[list[tuple[int, int, memoryview]]]:
@@ -220,7 +217,7 @@ class LocalWriter:
         views = [v for _, _, v in unit]
         nbytes = sum(len(v) for v in views)
         first, last = _direct.block_span(offset, nbytes)
-        if last - first >= _DIRECT_WRITE_MIN and self._direct_descriptor() is not None:
+        if last - first >= _direct.MIN_BYTES and self._direct_descriptor() is not None:
             # Partial blocks at either end buffered, the blocks between direct.
             self._write_buffered(_cut_views(views, 0, first - offset), offset)
             self._write_buffered(_cut_views(views, last - offset, nbytes), last)
@@ -252,7 +249,7 @@ class LocalWriter:
         nbytes = sum(len(v) for v in views)
         # O_DIRECT needs a block-aligned source address: the pieces' host buffers are not
         # (XLA's or numpy's allocations), so the bytes are staged through an aligned buffer of
-        # this thread's (a memory-speed copy, overlapped with the other thread's write).
+        # this thread's (a memory-speed copy, overlapped with the other threads' writes).
         try:
             stage = self._staging.get_nowait()
         except queue.Empty:
