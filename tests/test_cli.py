@@ -289,7 +289,7 @@ def test_convert_keeps_prng_keys_and_unwraps_nnx_values(tmp_dir):
     ckptr = ocp.StandardCheckpointer()
     ckptr.save(tmp_dir / "native", nnx.state(model))
     ckptr.wait_until_finished()
-    plain = _convert.convert(tmp_dir / "native", tmp_dir / "plain")
+    plain = _convert.convert(tmp_dir / "native", tmp_dir / "plain", unwrap_values=False)
     assert (
         "layers.0.kernel.value" in _sources.open_source(tmp_dir / "plain").tensors
     )  # Orbax's names

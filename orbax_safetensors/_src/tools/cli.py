@@ -252,18 +252,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     convert.add_argument(
         "--unwrap-values",
-        action="store_true",
-        help="collapse {'value': x} dicts (how Orbax stores nnx.Variable) so names match "
-        "nnx.state(model) here (layers.0.kernel rather than layers.0.kernel.value)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="to safetensors: collapse the {'value': x} dicts of Orbax's nnx.Variable form so "
+        "names match nnx.state(model) here (layers.0.kernel rather than "
+        "layers.0.kernel.value). Default: when SRC stores an nnx.State (every leaf so "
+        "wrapped) or is a copy this command wrote (its Variables recorded), so a round trip "
+        "is the identity; --unwrap-values: every such dict; --no-unwrap-values: none",
     )
     convert.add_argument(
         "--wrap-values",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="to Orbax: wrap leaves in {'value': x} dicts, as Orbax stores nnx.Variable, so "
-        "StandardCheckpointer().restore(path, abstract nnx.State) works (undoes "
-        "--unwrap-values). Default: the leaves saved as nnx.Variable; --wrap-values: every "
-        "leaf; --no-wrap-values: none",
+        "StandardCheckpointer().restore(path, abstract nnx.State) works. Default: the leaves "
+        "saved as nnx.Variable; --wrap-values: every leaf; --no-wrap-values: none",
     )
     convert.add_argument(
         "--step",

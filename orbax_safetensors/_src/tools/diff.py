@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,8 @@ from orbax_safetensors._src.catalog import sources as _sources
 from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
 from orbax_safetensors._src.orbax import steps as _steps
+from orbax_safetensors._src.tools import from_orbax as _from_orbax
+from orbax_safetensors._src.tools import nnx_values as _nnx_values
 
 
 @dataclasses.dataclass
@@ -88,12 +91,39 @@ class DiffReport:
         return "\n".join(lines)
 
 
+class _Renamed:
+    """A source whose tensors carry other names (an Orbax ``nnx.State`` under the names
+    ``convert`` gives it)."""
+
+    def __init__(self, source: _sources.TensorSource, names: dict[str, str]) -> None:
+        self.path, self.kind, self.metadata = source.path, source.kind, source.metadata
+        self.source = source
+        self.original = {names[n]: n for n in source.tensors}
+        self.tensors = {
+            names[n]: dataclasses.replace(t, name=names[n]) for n, t in source.tensors.items()
+        }
+
+    def read(self, names: Sequence[str]) -> dict[str, np.ndarray]:
+        values = self.source.read([self.original[n] for n in names])
+        return {n: values[self.original[n]] for n in names}
+
+
+def _open(path: epath.Path) -> _sources.TensorSource:
+    source = _sources.open_source(path)
+    if isinstance(source, _sources.OrbaxSource):
+        collapse = _from_orbax.unwrapped_paths(source, None)
+        if collapse:
+            leaves = {n: _nnx_values.raw_path(kp) for n, (kp, _) in source.leaves.items()}
+            return _Renamed(source, _nnx_values.renamed(leaves, collapse))
+    return source
+
+
 def _sources_of(path: epath.Path) -> dict[str, _sources.TensorSource]:
     kind = _steps.classify(path)
     if kind == "step":
         items = [n for n, k in _steps.list_items(path).items() if k in _steps.TENSOR_KINDS]
-        return {n: _sources.open_source(path / n) for n in items}
-    return {"": _sources.open_source(path)}
+        return {n: _open(path / n) for n in items}
+    return {"": _open(path)}
 
 
 def _dtype_shape(t: _sources.TensorInfo) -> str:
