@@ -248,3 +248,37 @@ def test_a_closed_pipe_ends_quietly_with_status_2(tmp_path):
         status = proc.wait(timeout=120)
     assert first.startswith(str(tmp_path / "item").encode())
     assert err == "" and status == 2
+
+
+def test_a_damaged_orbax_item_is_one_error_line(tmp_path):
+    """Orbax logs a warning (absl) and tensorstore may report a callback into a closed event
+    loop (an unraisable exception) while a damaged item fails: the command still prints only
+    its own line."""
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(tmp_path / "orbax", {"a": jnp.ones(4), "b": jnp.zeros(3)})
+    ckptr.wait_until_finished()
+    for chunk in (tmp_path / "orbax" / "d").iterdir():
+        chunk.write_bytes(os.urandom(50))
+    (tmp_path / "shape").mkdir()
+    for f in (tmp_path / "orbax").iterdir():
+        if f.is_file():
+            (tmp_path / "shape" / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "shape" / "_METADATA").write_text('{"tree_metadata": 5}')
+    for argv in (
+        ["convert", tmp_path / "orbax", tmp_path / "out", "-q"],
+        ["diff", tmp_path / "orbax", tmp_path / "orbax"],
+        ["inspect", tmp_path / "shape"],
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "orbax_safetensors.cli", *map(str, argv)],
+            capture_output=True,
+            text=True,
+            env=_subprocess_env(),
+            timeout=300,
+        )
+        assert done.returncode == 2, done.stderr
+        one_error_line(done.stderr, argv[0])
+        assert "Orbax cannot read this item's metadata" in done.stderr

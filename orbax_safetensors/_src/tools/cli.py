@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import sys
@@ -370,12 +371,35 @@ def _quiet_stdout() -> None:
         pass
 
 
+def _closed_loop_callback(unraisable: Any) -> bool:
+    """Whether an unraisable exception is tensorstore calling back into the event loop Orbax
+    already closed after a failed read (``RuntimeError('Event loop is closed')``)."""
+    error = unraisable.exc_value
+    return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+
+
+def _quiet_closed_loop_callbacks() -> None:
+    """Installs (once) an unraisable-exception hook that drops :func:`_closed_loop_callback`
+    reports, which Python would print as a traceback, possibly after the command's own
+    ``error:`` line; every other report goes to the previous hook."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_osf_quiet", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        if not _closed_loop_callback(unraisable):
+            previous(unraisable)
+
+    hook._osf_quiet = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit status.
 
     Every failure is one ``orbax-safetensors COMMAND: error: ...`` line on stderr and exit
     status 2 (no traceback): bad usage, unreadable or forged input, an existing destination,
-    any exception a command raises. A closed output pipe (``... | head``) ends the command
+    any exception a command raises. Orbax's absl log messages are silenced while it runs. A closed output pipe (``... | head``) ends the command
     quietly (no message) with exit status 2; Ctrl-C prints ``error: interrupted``, status 130.
 
     Example::
@@ -383,6 +407,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         main(["verify", "/ckpt"])   # 0 (OK), 1 (damage found) or 2 (error)
     """
     args = build_parser().parse_args(argv)
+    # Orbax logs through absl (e.g. a WARNING before it fails on a damaged item); the command
+    # reports problems itself, in one line each.
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(logging.CRITICAL)
+    _quiet_closed_loop_callbacks()
     try:
         status = int(args.func(args))
         sys.stdout.flush()
@@ -396,6 +426,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # every failure is one line, never a traceback
         _error_line(f"orbax-safetensors {args.command}", _describe(e))
         return EXIT_ERROR
+    finally:
+        absl_logger.setLevel(level)
 
 
 def _describe(error: Exception) -> str:
