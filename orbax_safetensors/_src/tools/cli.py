@@ -378,19 +378,22 @@ def _closed_loop_callback(unraisable: Any) -> bool:
     return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
 
 
+_QUIET_HOOKS: list[Any] = []  # the hook installed by _quiet_closed_loop_callbacks
+
+
 def _quiet_closed_loop_callbacks() -> None:
     """Installs (once) an unraisable-exception hook that drops :func:`_closed_loop_callback`
     reports, which Python would print as a traceback, possibly after the command's own
     ``error:`` line; every other report goes to the previous hook."""
     previous = sys.unraisablehook
-    if getattr(previous, "_osf_quiet", False):
+    if previous in _QUIET_HOOKS:
         return
 
     def hook(unraisable: Any) -> None:
         if not _closed_loop_callback(unraisable):
             previous(unraisable)
 
-    hook._osf_quiet = True  # type: ignore[attr-defined]
+    _QUIET_HOOKS.append(hook)
     sys.unraisablehook = hook
 
 
