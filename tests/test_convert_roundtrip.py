@@ -127,6 +127,10 @@ def test_the_flags_still_choose(tmp_path, capsys):
     )
     assert code == 0, err
     assert names(tmp_path / "collapsed") == ["bias", "kernel"]
+    # An item that is one {"value": x} dict is no nnx.State: its name stays.
+    save_native(tmp_path / "lone", {"value": jnp.ones(2)})
+    osf.convert(tmp_path / "lone", tmp_path / "lone_st", progress=False)
+    assert names(tmp_path / "lone_st") == ["value"]
 
 
 @pytest.mark.parametrize("flag", ["--unwrap-values", None])

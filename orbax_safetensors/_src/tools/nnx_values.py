@@ -10,8 +10,8 @@ x}}}}`` would. So, by default (``unwrap=None``):
    that were NNX Variables; exactly those dicts are collapsed again, so a round trip through
    Orbax-native is the identity;
 2. any other item is read as an ``nnx.State`` when every one of its leaves is the only entry
-   of a ``{"value": ...}`` dict (what Orbax writes for a state of Variables), and then every
-   such dict is collapsed; otherwise none is.
+   of a ``{"value": ...}`` dict below the item's root (what Orbax writes for a state of
+   Variables), and then every such dict is collapsed; otherwise none is.
 
 ``unwrap=True`` collapses every ``{"value": x}`` dict around a leaf; ``unwrap=False`` none.
 
@@ -116,8 +116,8 @@ def unwrapped_paths(
     if recorded is not None:
         wanted = {leaves[n] for n in recorded if n in leaves}
         return set(_wrapped(wanted, parents))
-    if leaves and len(candidates) == len(leaves):
-        return set(candidates)
+    if leaves and len(candidates) == len(leaves) and () not in candidates:
+        return set(candidates)  # an nnx.State (a lone {"value": x} item is not one)
     return set()
 
 
