@@ -1,5 +1,6 @@
 """``orbax-safetensors diff``: which tensors two checkpoints (of any kind) share, and how far
-apart their values are, compared a batch at a time.
+apart their values are, read a batch at a time and compared a bounded chunk at a time:
+bitwise by default (integers exactly, floats by their bits), or within a :class:`Tolerance`.
 
 Example::
 
