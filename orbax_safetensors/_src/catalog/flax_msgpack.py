@@ -215,6 +215,7 @@ def _ndarray(data: bytes, name: str, where: str) -> np.ndarray:
             f"{where}: key {name!r}: dtype {dtype_name!r} is not a numeric dtype this reader "
             f"accepts ({', '.join(_DTYPES)})"
         )
+    _check_extent(shape, dtype, problem)
     start, length = _bytes_header(data, offset, problem)
     expected = math.prod(shape) * dtype.itemsize
     if length != expected or start + length != len(data):
@@ -223,6 +224,20 @@ def _ndarray(data: bytes, name: str, where: str) -> np.ndarray:
             f"bytes, the file holds {min(length, len(data) - start)}"
         )
     return np.frombuffer(data, dtype=dtype, count=math.prod(shape), offset=start).reshape(shape)
+
+
+_MAX_EXTENT = 2**63 - 1  # numpy's limit on (product of dimensions) * itemsize, zeros as 1
+
+
+def _check_extent(shape: list[int], dtype: np.dtype, problem: str) -> None:
+    """Refuses a shape numpy cannot represent even when it holds no element (a zero-size
+    array with a dimension of 2**64 - 1), before numpy raises a bare ValueError."""
+    extent = math.prod(max(d, 1) for d in shape) * dtype.itemsize
+    if extent > _MAX_EXTENT:
+        raise FlaxMsgpackError(
+            f"{problem}: shape {tuple(shape)} of {dtype.name} is beyond any array's size "
+            f"(a dimension times the others exceeds {_MAX_EXTENT} bytes)"
+        )
 
 
 def _bytes_header(data: bytes, offset: int, problem: str) -> tuple[int, int]:
@@ -260,6 +275,7 @@ def _unchunk(node: dict[Any, Any], name: str, where: str) -> np.ndarray:
     dtypes = {c.dtype for c in chunks}
     if len(dtypes) != 1:
         raise FlaxMsgpackError(f"{problem} (chunks of several dtypes: {sorted(map(str, dtypes))})")
+    _check_extent(shape, chunks[0].dtype, problem)
     total = sum(c.size for c in chunks)
     if total != math.prod(shape):
         raise FlaxMsgpackError(

@@ -345,7 +345,8 @@ def orbax_metadata_tree(path: epath.PathLike) -> Any:
     )
     try:
         meta = ocp.PyTreeCheckpointer().metadata(_steps.absolute(path))
-    except (ValueError, TypeError, KeyError) as error:  # orbax < 0.12 raises on bad JSON
+    except Exception as error:  # Orbax raises many types on a damaged file
+        # (ValueError/TypeError/KeyError on bad JSON, AttributeError on JSON of another shape)
         raise SafetensorsCheckpointError(f"{problem}: {error}") from error
     meta = getattr(meta, "item_metadata", meta)
     tree = getattr(meta, "tree", meta)

@@ -171,7 +171,66 @@ def parse_metadata(raw: bytes, where: object) -> dict[str, Any]:
         raise SchemaError(f"{where}: tensors/files missing")
     if not isinstance(doc.get("schema"), dict):
         raise SchemaError(f"{where}: the tree schema is missing")
+    validate_entries(doc, where)
     return doc
+
+
+def validate_entries(doc: Mapping[str, Any], where: object) -> None:
+    """Checks every field of a metadata document that a restore relies on (the one validator
+    restore and ``verify`` share, run by :func:`parse_metadata`): the file list, each tensor's
+    dtype, shape, file, checksum, device and sharding, the ``device_meshes`` table and the
+    user metadata. The schema is checked by ``tree.validate_schema``, the files' headers
+    against these entries when they are read.
+
+    Raises:
+      SchemaError: naming the tensor and the field.
+
+    Example::
+
+        validate_entries(json.loads(raw), "ckpt/orbax_safetensors.json")
+    """
+    files = doc["files"]
+    for filename in files:
+        if not is_plain_filename(filename):
+            raise SchemaError(f"{where}: lists an invalid file name {filename!r}")
+    meshes = doc.get("device_meshes")
+    if meshes is not None and not (
+        isinstance(meshes, list)
+        and all(isinstance(m, list) and all(type(i) is int for i in m) for m in meshes)
+    ):
+        raise SchemaError(f"{where}: device_meshes is not a list of lists of device ids")
+    user = doc.get("metadata")
+    if user is not None and not isinstance(user, dict):
+        raise SchemaError(f"{where}: metadata is {type(user).__name__}, not a JSON object")
+    listed = set(files)
+    for name, info in doc["tensors"].items():
+        _validate_tensor(name, info, listed, meshes, where)
+
+
+def _validate_tensor(
+    name: str, info: object, files: set[str], meshes: object, where: object
+) -> None:
+    if not isinstance(info, dict):
+        raise SchemaError(f"{where}: tensor {name!r} has no entry (got {info!r})")
+    dtype, shape = info.get("dtype"), info.get("shape")
+    if not _dtypes.is_known(dtype):
+        raise SchemaError(f"{where}: tensor {name!r} has an unknown dtype {dtype!r}")
+    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+        raise SchemaError(f"{where}: tensor {name!r} has a malformed shape {shape!r}")
+    filename = info.get("file")
+    if not isinstance(filename, str) or filename not in files:
+        raise SchemaError(f"{where}: tensor {name!r} names an invalid file {filename!r}")
+    crc = info.get("crc32c")
+    if crc is not None and _checksum.from_hex(crc) is None:
+        raise SchemaError(f"{where}: checksum of {name!r} is malformed: {crc!r}")
+    if "device" in info and type(info["device"]) is not int:
+        raise SchemaError(
+            f"{where}: tensor {name!r}: device id {info['device']!r} is not an integer"
+        )
+    try:
+        _sharding.check_sharding_json(info.get("sharding"), meshes, rank=len(shape))
+    except SchemaError as e:
+        raise SchemaError(f"{where}: tensor {name!r} has a malformed sharding: {e}") from None
 
 
 def add_checksums(

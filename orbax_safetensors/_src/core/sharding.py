@@ -103,6 +103,68 @@ def split_devices(
     return out, devices
 
 
+def _is_int(x: object) -> bool:
+    return type(x) is int
+
+
+def check_sharding_json(
+    desc: object, device_meshes: object = None, rank: int | None = None
+) -> None:
+    """Checks a tensor's stored sharding description as :func:`sharding_from_json` reads it:
+    mesh axes (distinct strings) and mesh shape (sizes >= 1) of one length, a partition spec
+    of at most ``rank`` entries, each None, a mesh axis or a list of mesh axes (no axis twice),
+    and device ids (``device_ids``, or ``mesh_devices`` naming an entry of ``device_meshes``)
+    that are integers, one per device of the mesh. The metadata parser runs it on every
+    tensor, so ``verify`` and restore refuse the same descriptions.
+
+    Raises:
+      SchemaError: naming what is malformed.
+
+    Example::
+
+        check_sharding_json({"mesh_axes": ["d"], "mesh_shape": [8], "spec": ["d"]}, rank=1)
+    """
+    if desc is None:
+        return
+    if not isinstance(desc, dict) or not desc:
+        raise SchemaError(f"sharding {desc!r} is malformed (not a mesh description)")
+    shape, axes, spec = desc.get("mesh_shape"), desc.get("mesh_axes"), desc.get("spec")
+    if not (isinstance(shape, list) and shape and all(_is_int(d) and d >= 1 for d in shape)):
+        raise SchemaError(f"sharding {desc!r} is malformed (mesh_shape is not a list of sizes)")
+    if not (
+        isinstance(axes, list)
+        and len(axes) == len(shape)
+        and all(isinstance(a, str) for a in axes)
+        and len(set(axes)) == len(axes)
+    ):
+        raise SchemaError(
+            f"sharding {desc!r} is malformed (mesh_axes are not {len(shape)} distinct names)"
+        )
+    if not isinstance(spec, list) or (rank is not None and len(spec) > rank):
+        raise SchemaError(
+            f"sharding {desc!r} is malformed (spec is not a list of at most {rank} entries)"
+            if rank is not None
+            else f"sharding {desc!r} is malformed (spec is not a list)"
+        )
+    used: list[str] = []
+    for entry in spec:
+        names = [] if entry is None else [entry] if isinstance(entry, str) else entry
+        if not isinstance(names, list) or not all(isinstance(a, str) and a in axes for a in names):
+            raise SchemaError(
+                f"sharding {desc!r} is malformed (spec entry {entry!r} is not None, a mesh axis "
+                "or a list of mesh axes)"
+            )
+        used += names
+    if len(set(used)) != len(used):
+        raise SchemaError(f"sharding {desc!r} is malformed (a mesh axis is used twice in spec)")
+    ids = _device_ids(desc, device_meshes if isinstance(device_meshes, list) else None)
+    if ids is not None and len(ids) != int(np.prod(shape)):
+        raise SchemaError(
+            f"sharding {desc!r} is malformed ({len(ids)} device ids for a mesh of "
+            f"{int(np.prod(shape))} devices)"
+        )
+
+
 def device_from_json(device_id: object) -> jax.sharding.Sharding | None:
     """The ``SingleDeviceSharding`` of a saved device id, when that device is this process's
     (as Orbax's ``SingleDeviceShardingMetadata`` looks it up among ``jax.local_devices()``),
@@ -154,6 +216,7 @@ def sharding_from_json(
     """
     if not desc:
         return None
+    check_sharding_json(desc, device_meshes)
     try:
         shape = tuple(int(d) for d in desc["mesh_shape"])
         axes = tuple(str(a) for a in desc["mesh_axes"])

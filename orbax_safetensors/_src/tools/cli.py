@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import re
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 EXIT_OK = 0
 EXIT_DIFFERENT = 1  # diff: the checkpoints differ; verify: damage found
-EXIT_ERROR = 2  # bad usage, unreadable input
+EXIT_ERROR = 2  # bad usage, unreadable input, any failure (one `error:` line)
+EXIT_INTERRUPTED = 130  # Ctrl-C
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -130,7 +133,7 @@ def _convert_cmd(args: argparse.Namespace) -> int:
     try:
         policy = dtype_policy(args.dtype)
     except ValueError as e:
-        print(f"orbax-safetensors convert: error: {e}", file=sys.stderr)
+        _error_line("orbax-safetensors convert", e)
         return EXIT_ERROR
     summary = _convert.convert(
         args.src,
@@ -160,7 +163,12 @@ def _diff_cmd(args: argparse.Namespace) -> int:
     from orbax_safetensors._src.tools import diff as _diff
 
     report = _diff.diff_paths(
-        args.a, args.b, atol=args.atol, include=args.include, exclude=args.exclude
+        args.a,
+        args.b,
+        atol=args.atol,
+        rtol=args.rtol,
+        include=args.include,
+        exclude=args.exclude,
     )
     if args.json:
         print(json.dumps(report.to_json(), indent=1))
@@ -190,7 +198,7 @@ def _add_selection(parser: argparse.ArgumentParser, verb: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="orbax-safetensors",
         description="Inspect, verify and convert safetensors checkpoints of JAX pytrees.",
     )
@@ -245,18 +253,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     convert.add_argument(
         "--unwrap-values",
-        action="store_true",
-        help="collapse {'value': x} dicts (how Orbax stores nnx.Variable) so names match "
-        "nnx.state(model) here (layers.0.kernel rather than layers.0.kernel.value)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="to safetensors: collapse the {'value': x} dicts of Orbax's nnx.Variable form so "
+        "names match nnx.state(model) here (layers.0.kernel rather than "
+        "layers.0.kernel.value). Default: when SRC stores an nnx.State (every leaf so "
+        "wrapped) or is a copy this command wrote (its Variables recorded), so a round trip "
+        "is the identity; --unwrap-values: every such dict; --no-unwrap-values: none",
     )
     convert.add_argument(
         "--wrap-values",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="to Orbax: wrap leaves in {'value': x} dicts, as Orbax stores nnx.Variable, so "
-        "StandardCheckpointer().restore(path, abstract nnx.State) works (undoes "
-        "--unwrap-values). Default: the leaves saved as nnx.Variable; --wrap-values: every "
-        "leaf; --no-wrap-values: none",
+        "StandardCheckpointer().restore(path, abstract nnx.State) works. Default: the leaves "
+        "saved as nnx.Variable; --wrap-values: every leaf; --no-wrap-values: none",
     )
     convert.add_argument(
         "--step",
@@ -295,15 +306,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="compare the tensors of two checkpoints",
         description="Lists tensors missing on either side, differing in shape or dtype, or "
         "differing in value (with the max abs difference). A and B may be files, items, "
-        "Orbax-native items or steps. Exit status 0 when identical, 1 when different.",
+        "Orbax-native items or steps. Values compare bitwise unless --atol/--rtol is given. "
+        "Exit status 0 when identical, 1 when different.",
     )
     diff.add_argument("a", help="first checkpoint")
     diff.add_argument("b", help="second checkpoint")
     diff.add_argument(
         "--atol",
         type=float,
-        default=0.0,
-        help="values within this absolute difference count as equal (default 0: exact)",
+        default=None,
+        help="compare values with a tolerance: floats within ATOL + RTOL * |b| count as equal "
+        "(any NaN equal to any NaN), integers within ATOL (exactly). Default: no tolerance, "
+        "every tensor compared bitwise (-0.0 differs from 0.0)",
+    )
+    diff.add_argument(
+        "--rtol",
+        type=float,
+        default=None,
+        help="relative tolerance for floating-point tensors (see --atol; not applied to integers)",
     )
     diff.add_argument("--json", action="store_true", help="print machine-readable JSON")
     _add_selection(diff, "compare")
@@ -323,17 +343,104 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _error_line(where: str, message: object) -> None:
+    text = " ".join(str(message).split("\n")).strip()
+    try:
+        print(f"{where}: error: {text}", file=sys.stderr)
+        sys.stderr.flush()
+    except (OSError, ValueError):  # stderr closed too: the exit status is all there is
+        pass
+
+
+class _Parser(argparse.ArgumentParser):
+    """``argparse`` with usage errors as one ``error:`` line (exit status 2), no usage dump."""
+
+    def error(self, message: str) -> NoReturn:
+        _error_line(self.prog, f"{message} (see {self.prog} --help)")
+        raise SystemExit(EXIT_ERROR)
+
+
+def _quiet_stdout() -> None:
+    """After the reader of stdout went away (``| head``): point stdout at /dev/null so the
+    interpreter's final flush does not print a BrokenPipeError."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def _closed_loop_callback(unraisable: Any) -> bool:
+    """Whether an unraisable exception is tensorstore calling back into the event loop Orbax
+    already closed after a failed read (``RuntimeError('Event loop is closed')``)."""
+    error = unraisable.exc_value
+    return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+
+
+_QUIET_HOOKS: list[Any] = []  # the hook installed by _quiet_closed_loop_callbacks
+
+
+def _quiet_closed_loop_callbacks() -> None:
+    """Installs (once) an unraisable-exception hook that drops :func:`_closed_loop_callback`
+    reports, which Python would print as a traceback, possibly after the command's own
+    ``error:`` line; every other report goes to the previous hook."""
+    previous = sys.unraisablehook
+    if previous in _QUIET_HOOKS:
+        return
+
+    def hook(unraisable: Any) -> None:
+        if not _closed_loop_callback(unraisable):
+            previous(unraisable)
+
+    _QUIET_HOOKS.append(hook)
+    sys.unraisablehook = hook
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the command line; returns the exit status (2 on errors, printed without a
-    traceback)."""
+    """Runs the command line; returns the exit status.
+
+    Every failure is one ``orbax-safetensors COMMAND: error: ...`` line on stderr and exit
+    status 2 (no traceback): bad usage, unreadable or forged input, an existing destination,
+    any exception a command raises. Orbax's absl log messages are silenced while it runs. A closed output pipe (``... | head``) ends the command
+    quietly (no message) with exit status 2; Ctrl-C prints ``error: interrupted``, status 130.
+
+    Example::
+
+        main(["verify", "/ckpt"])   # 0 (OK), 1 (damage found) or 2 (error)
+    """
+    args = build_parser().parse_args(argv)
+    # Orbax logs through absl (e.g. a WARNING before it fails on a damaged item); the command
+    # reports problems itself, in one line each.
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(logging.CRITICAL)
+    _quiet_closed_loop_callbacks()
+    try:
+        status = int(args.func(args))
+        sys.stdout.flush()
+        return status
+    except BrokenPipeError:
+        _quiet_stdout()
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        _error_line(f"orbax-safetensors {args.command}", "interrupted")
+        return EXIT_INTERRUPTED
+    except Exception as e:  # every failure is one line, never a traceback
+        _error_line(f"orbax-safetensors {args.command}", _describe(e))
+        return EXIT_ERROR
+    finally:
+        absl_logger.setLevel(level)
+
+
+def _describe(error: Exception) -> str:
+    """The message of ``error``; an exception not from this library (or the OS) also names
+    its type, as it is likely a bug to report."""
     from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
 
-    args = build_parser().parse_args(argv)
-    try:
-        return int(args.func(args))
-    except (SafetensorsCheckpointError, FileNotFoundError, FileExistsError) as e:
-        print(f"orbax-safetensors {args.command}: error: {e}", file=sys.stderr)
-        return EXIT_ERROR
+    if isinstance(error, (SafetensorsCheckpointError, OSError)):
+        return str(error) or type(error).__name__
+    return f"{type(error).__name__}: {error}"
 
 
 if __name__ == "__main__":

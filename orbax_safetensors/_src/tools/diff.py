@@ -1,5 +1,6 @@
 """``orbax-safetensors diff``: which tensors two checkpoints (of any kind) share, and how far
-apart their values are, compared a batch at a time.
+apart their values are, read a batch at a time and compared a bounded chunk at a time:
+bitwise by default (integers exactly, floats by their bits), or within a :class:`Tolerance`.
 
 Example::
 
@@ -10,6 +11,8 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -17,7 +20,10 @@ from etils import epath
 
 from orbax_safetensors._src.catalog import sources as _sources
 from orbax_safetensors._src.core import select as _select
+from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
 from orbax_safetensors._src.orbax import steps as _steps
+from orbax_safetensors._src.tools import from_orbax as _from_orbax
+from orbax_safetensors._src.tools import nnx_values as _nnx_values
 
 
 @dataclasses.dataclass
@@ -28,7 +34,9 @@ class DiffReport:
       only_a, only_b: tensor names present on one side only.
       mismatched: ``(name, a, b)`` where shape or dtype differ (``a``/``b`` read ``F32(4, 3)``),
         with the max abs difference appended when the shapes agree.
-      values: ``(name, max_abs_difference)`` for tensors whose values differ.
+      values: ``(name, max_abs_difference)`` for tensors whose values differ (exact for
+        integers; 0 when only the bits differ, e.g. ``-0.0`` against ``0.0``).
+      differing: by name, how many elements of each tensor in ``values`` differ.
       same: how many tensors are equal.
     """
 
@@ -36,6 +44,7 @@ class DiffReport:
     only_b: list[str] = dataclasses.field(default_factory=list)
     mismatched: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
     values: list[tuple[str, float]] = dataclasses.field(default_factory=list)
+    differing: dict[str, int] = dataclasses.field(default_factory=dict)
     same: int = 0
 
     @property
@@ -48,9 +57,19 @@ class DiffReport:
             "only_a": self.only_a,
             "only_b": self.only_b,
             "mismatched": [{"name": n, "a": a, "b": b} for n, a, b in self.mismatched],
-            "values": [{"name": n, "max_abs_diff": d} for n, d in self.values],
+            "values": [
+                {"name": n, "max_abs_diff": d, "differing": self.differing.get(n)}
+                for n, d in self.values
+            ],
             "same": self.same,
         }
+
+    def _value_line(self, name: str, d: float) -> str:
+        line = f"max abs difference {d:.6g}"
+        if d == 0:
+            line += " (equal values, different bits: -0.0 vs 0.0 or NaN payloads)"
+        count = self.differing.get(name)
+        return line if count is None else f"{line}; {count} element(s) differ"
 
     def format(self) -> str:
         lines = []
@@ -65,7 +84,7 @@ class DiffReport:
             lines += [f"  {n}: {a} vs {b}" for n, a, b in self.mismatched]
         if self.values:
             lines.append(f"values differ ({len(self.values)}):")
-            lines += [f"  {n}: max abs difference {d:.6g}" for n, d in self.values]
+            lines += [f"  {n}: {self._value_line(n, d)}" for n, d in self.values]
         lines.append(
             f"{self.same} tensor(s) equal; "
             + ("checkpoints are identical" if self.identical else "checkpoints differ")
@@ -73,40 +92,184 @@ class DiffReport:
         return "\n".join(lines)
 
 
+class _Renamed:
+    """A source whose tensors carry other names (an Orbax ``nnx.State`` under the names
+    ``convert`` gives it)."""
+
+    def __init__(self, source: _sources.TensorSource, names: dict[str, str]) -> None:
+        self.path, self.kind, self.metadata = source.path, source.kind, source.metadata
+        self.source = source
+        self.original = {names[n]: n for n in source.tensors}
+        self.tensors = {
+            names[n]: dataclasses.replace(t, name=names[n]) for n, t in source.tensors.items()
+        }
+
+    def read(self, names: Sequence[str]) -> dict[str, np.ndarray]:
+        values = self.source.read([self.original[n] for n in names])
+        return {n: values[self.original[n]] for n in names}
+
+
+def _open(path: epath.Path) -> _sources.TensorSource:
+    source = _sources.open_source(path)
+    if isinstance(source, _sources.OrbaxSource):
+        collapse = _from_orbax.unwrapped_paths(source, None)
+        if collapse:
+            leaves = {n: _nnx_values.raw_path(kp) for n, (kp, _) in source.leaves.items()}
+            return _Renamed(source, _nnx_values.renamed(leaves, collapse))
+    return source
+
+
 def _sources_of(path: epath.Path) -> dict[str, _sources.TensorSource]:
     kind = _steps.classify(path)
     if kind == "step":
         items = [n for n, k in _steps.list_items(path).items() if k in _steps.TENSOR_KINDS]
-        return {n: _sources.open_source(path / n) for n in items}
-    return {"": _sources.open_source(path)}
+        return {n: _open(path / n) for n in items}
+    return {"": _open(path)}
 
 
 def _dtype_shape(t: _sources.TensorInfo) -> str:
     return f"{t.dtype}{list(t.shape)}"
 
 
-_CHUNK = 1 << 22
+_CHUNK = 1 << 22  # elements compared at a time (bounded memory whatever the tensor size)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """When two values of one tensor count as equal (``diff --atol/--rtol``).
+
+    Without a tolerance (both None) values are equal only when their bytes are: integers
+    exactly, floats bitwise (``-0.0`` differs from ``0.0``; NaNs are equal only with the same
+    bits). With one, a floating-point or complex pair is equal when
+    ``|a - b| <= atol + rtol * |b|`` (computed in float64 / complex128), NaN equals NaN
+    whatever the payload, and an infinity equals only the same infinity; an integer or bool
+    pair is equal when the exact difference ``|a - b|`` is at most ``atol`` (``rtol`` does not
+    apply to integers).
+
+    Example::
+
+        Tolerance.of(None, None).bitwise      # True
+        Tolerance.of(1e-6, None).bitwise      # False
+    """
+
+    atol: float = 0.0
+    rtol: float = 0.0
+    bitwise: bool = True
+
+    @classmethod
+    def of(cls, atol: float | None, rtol: float | None) -> Tolerance:
+        for name, value in (("atol", atol), ("rtol", rtol)):
+            if value is not None and not (value >= 0 and math.isfinite(value)):
+                raise SafetensorsCheckpointError(
+                    f"{name}={value!r}: a tolerance is a finite number >= 0"
+                )
+        if atol is None and rtol is None:
+            return cls()
+        return cls(float(atol or 0.0), float(rtol or 0.0), bitwise=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """How two same-shaped arrays compare: ``equal`` under the tolerance, how many elements
+    differ (under it), and the largest ``|a - b|`` (exact for integers; ``inf`` for a NaN
+    against a number or opposite infinities; 0 when only the bits differ)."""
+
+    equal: bool
+    differing: int
+    max_abs_difference: float | int
+
+
+def _is_integer(dtype: np.dtype) -> bool:
+    return np.issubdtype(dtype, np.integer) or dtype == np.bool_
+
+
+def _int_abs_difference(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``|a - b|`` of two integer arrays of one dtype, exact, as unsigned of the same width."""
+    if a.dtype == np.bool_:
+        return (a != b).astype(np.uint8)
+    unsigned = np.dtype(f"u{a.dtype.itemsize}")
+    with np.errstate(over="ignore"):
+        up = (a - b).view(unsigned)  # wraps, but read as unsigned it is exact when a >= b
+        down = (b - a).view(unsigned)
+    return np.where(a >= b, up, down)
+
+
+def _float_abs_difference(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    ca, cb = _as_float(a), _as_float(b)
+    with np.errstate(invalid="ignore", over="ignore"):
+        d = np.abs(ca - cb)
+        d[(ca == cb) | (np.isnan(ca) & np.isnan(cb))] = 0.0
+    d[np.isnan(d)] = np.inf
+    return d
+
+
+def compare_arrays(a: np.ndarray, b: np.ndarray, tolerance: Tolerance | None = None) -> Comparison:
+    """Compares two arrays of one shape and dtype, a bounded chunk of elements at a time.
+
+    Example::
+
+        compare_arrays(np.array([0.0]), np.array([-0.0])).equal               # False (bits)
+        compare_arrays(np.array([2**53], np.int64), np.array([2**53 + 1], np.int64))
+        # Comparison(equal=False, differing=1, max_abs_difference=1)
+    """
+    tolerance = tolerance or Tolerance()
+    if a.shape != b.shape or a.dtype != b.dtype:
+        raise ValueError(
+            f"arrays differ in shape or dtype: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
+        )
+    fa = np.ascontiguousarray(a).reshape(-1)
+    fb = np.ascontiguousarray(b).reshape(-1)
+    integer = _is_integer(a.dtype)
+    differing = 0
+    worst: float | int = 0 if integer else 0.0
+    for start in range(0, fa.size, _CHUNK):
+        ca, cb = fa[start : start + _CHUNK], fb[start : start + _CHUNK]
+        bits_differ = _bits_differ(ca, cb)
+        if not bits_differ.any():
+            continue
+        if integer:
+            d = _int_abs_difference(ca, cb)
+            worst = max(worst, int(d.max()))
+            if tolerance.bitwise:
+                differing += int(np.count_nonzero(bits_differ))
+            else:
+                differing += int(np.count_nonzero(d > math.floor(tolerance.atol)))
+            continue
+        d = _float_abs_difference(ca, cb)
+        worst = max(worst, float(d.max()))
+        if tolerance.bitwise:
+            differing += int(np.count_nonzero(bits_differ))
+        else:
+            bound: Any = tolerance.atol
+            if tolerance.rtol:
+                bound = tolerance.atol + tolerance.rtol * np.abs(_as_float(cb))
+            with np.errstate(invalid="ignore"):
+                differing += int(np.count_nonzero((d != 0) & ~(d <= bound)))
+    return Comparison(differing == 0, differing, worst)
+
+
+def _bits_differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per element: whether the bit patterns of ``a`` and ``b`` differ."""
+    size = a.dtype.itemsize
+    if size in (1, 2, 4, 8):
+        unsigned = np.dtype(f"u{size}")
+        return a.view(unsigned) != b.view(unsigned)
+    rows = (a.size, size)
+    return (a.view(np.uint8).reshape(rows) != b.view(np.uint8).reshape(rows)).any(axis=1)
 
 
 def max_abs_difference(a: np.ndarray, b: np.ndarray) -> float:
-    """The largest ``|a - b|`` (0.0 for bitwise-equal arrays; NaN equals NaN; a NaN against a
-    number, or infinities of opposite sign, give ``inf``)."""
+    """The largest ``|a - b|`` (0.0 for equal values, ``-0.0`` and ``0.0`` included; NaN
+    equals NaN; a NaN against a number, or infinities of opposite sign, give ``inf``).
+    Integers of one dtype are subtracted exactly; other dtypes through float64."""
     if a.shape != b.shape:
         raise ValueError(f"shapes differ: {a.shape} vs {b.shape}")
-    if a.dtype == b.dtype:
-        ra = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-        rb = np.ascontiguousarray(b).reshape(-1).view(np.uint8)
-        if np.array_equal(ra, rb):
-            return 0.0
+    if a.dtype == b.dtype and _is_integer(a.dtype):
+        return compare_arrays(a, b).max_abs_difference
     fa, fb = a.reshape(-1), b.reshape(-1)
     worst = 0.0
     for start in range(0, fa.size, _CHUNK):
-        ca = _as_float(fa[start : start + _CHUNK])
-        cb = _as_float(fb[start : start + _CHUNK])
-        with np.errstate(invalid="ignore", over="ignore"):
-            d = np.abs(ca - cb)
-            d[(ca == cb) | (np.isnan(ca) & np.isnan(cb))] = 0.0
-        d[np.isnan(d)] = np.inf
+        d = _float_abs_difference(fa[start : start + _CHUNK], fb[start : start + _CHUNK])
         if d.size:
             worst = max(worst, float(d.max()))
     return worst
@@ -115,8 +278,6 @@ def max_abs_difference(a: np.ndarray, b: np.ndarray) -> float:
 def _as_float(x: np.ndarray) -> np.ndarray:
     if np.iscomplexobj(x):
         return x.astype(np.complex128)
-    if x.dtype == np.bool_:
-        return x.astype(np.float64)
     return x.astype(np.float64)
 
 
@@ -124,7 +285,8 @@ def diff_paths(
     a: epath.PathLike,
     b: epath.PathLike,
     *,
-    atol: float = 0.0,
+    atol: float | None = None,
+    rtol: float | None = None,
     batch_bytes: int = 128 << 20,
     include: _select.Patterns = None,
     exclude: _select.Patterns = None,
@@ -137,11 +299,19 @@ def diff_paths(
     comparison to the tensors they select (in every item); only those are read. A pattern
     that matches no tensor on either side raises ``TargetMismatchError``.
 
+    Without ``atol``/``rtol`` values compare bitwise (integers exactly, ``-0.0 != 0.0``,
+    NaNs equal only with the same bits); with either, as :class:`Tolerance` says (floats
+    within ``atol + rtol * |b|``, any NaN equal to any NaN; integers within ``atol``, exactly).
+    An Orbax-native item that stores an ``nnx.State`` (each leaf a ``{"value": x}`` dict) is
+    compared under the names ``convert`` gives it (``layers.0.kernel``, not
+    ``layers.0.kernel.value``), so a checkpoint equals its converted copy.
+
     Example::
 
         report = diff_paths("run1/100/state", "run2/100/state")
         report.identical, report.values    # (False, [("params.w", 0.5)])
     """
+    tolerance = Tolerance.of(atol, rtol)
     select = _select.Selection.of(include, exclude)
     sa, sb = _sources_of(epath.Path(a)), _sources_of(epath.Path(b))
     if select is not None:
@@ -183,8 +353,8 @@ def diff_paths(
             va, vb = x.read(names), y.read(names)
             for t in group:
                 u = ty[t.name]
-                d = max_abs_difference(va[t.name], vb[t.name])
                 if t.dtype != u.dtype:
+                    d = max_abs_difference(va[t.name], vb[t.name])
                     report.mismatched.append(
                         (
                             prefix + t.name,
@@ -192,9 +362,12 @@ def diff_paths(
                             f"{_dtype_shape(u)} (max abs difference {d:.6g})",
                         )
                     )
-                elif d > atol:
-                    report.values.append((prefix + t.name, d))
-                else:
+                    continue
+                result = compare_arrays(va[t.name], vb[t.name], tolerance)
+                if result.equal:
                     report.same += 1
+                else:
+                    report.values.append((prefix + t.name, result.max_abs_difference))
+                    report.differing[prefix + t.name] = result.differing
             del va, vb
     return report

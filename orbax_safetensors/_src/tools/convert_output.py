@@ -1,0 +1,82 @@
+"""What every conversion shares: its summary, and output that appears only once complete
+(written under a temporary sibling name, renamed at the end, removed on failure).
+
+Example::
+
+    summary = atomic("/new/ckpt", lambda tmp: write_everything_into(tmp))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Callable
+
+from etils import epath
+
+TO_SAFETENSORS = "safetensors"
+TO_ORBAX = "orbax"
+
+
+@dataclasses.dataclass
+class ConvertSummary:
+    """What a conversion did.
+
+    Attributes:
+      direction: ``"safetensors"`` (Orbax -> safetensors) or ``"orbax"`` (the reverse).
+      items: converted item directories (relative to the destination; ``""`` for an item).
+      copied: items copied unchanged (e.g. Orbax JSON items of a step).
+      tensors: tensors converted.
+      bytes: tensor bytes converted.
+    """
+
+    direction: str
+    items: list[str] = dataclasses.field(default_factory=list)
+    copied: list[str] = dataclasses.field(default_factory=list)
+    tensors: int = 0
+    bytes: int = 0
+
+
+def fresh_destination(dst: epath.Path) -> epath.Path:
+    """The temporary sibling to write ``dst`` into; ``dst`` must not exist, or be an empty
+    directory.
+
+    Raises:
+      FileExistsError: ``dst`` exists and is not an empty directory.
+    """
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise FileExistsError(f"{dst} already exists; choose a new destination")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    return dst.parent / f".{dst.name}.converting-{uuid.uuid4().hex[:8]}"
+
+
+def commit(tmp: epath.Path, dst: epath.Path) -> None:
+    """Renames the complete ``tmp`` to ``dst`` (removing the empty directory ``dst`` was)."""
+    if dst.exists():
+        dst.rmdir()  # the empty directory checked by fresh_destination
+    tmp.rename(dst)
+
+
+def copy_tree(src: epath.Path, dst: epath.Path) -> None:
+    """Copies a file or directory tree (items a conversion keeps unchanged)."""
+    if src.is_dir():
+        dst.mkdir(parents=True, exist_ok=True)
+        for child in src.iterdir():
+            copy_tree(child, dst / child.name)
+    else:
+        src.copy(dst, overwrite=True)
+
+
+def atomic(dst: epath.PathLike, write: Callable[[epath.Path], ConvertSummary]) -> ConvertSummary:
+    """Runs ``write`` into a temporary sibling of ``dst`` and renames it to ``dst`` when it
+    returns; on any failure the temporary directory is removed and ``dst`` never appears."""
+    dst = epath.Path(dst)
+    tmp = fresh_destination(dst)
+    try:
+        summary = write(tmp)
+        commit(tmp, dst)
+    except BaseException:
+        if tmp.exists():
+            tmp.rmtree()
+        raise
+    return summary

@@ -1,0 +1,148 @@
+"""A round trip through ``convert`` is the identity by default, and Orbax-native ``nnx.State``
+checkpoints migrate without flags (issue 25, point 10). Real Orbax, real files."""
+
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx
+
+import orbax_safetensors as osf
+from orbax_safetensors import cli
+from orbax_safetensors._src.catalog import sources as _sources
+from orbax_safetensors._src.tools import diff as _diff
+
+
+class Model(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.linear = nnx.Linear(3, 4, rngs=rngs)
+        self.bn = nnx.BatchNorm(4, rngs=rngs)
+        self.out = nnx.Linear(4, 2, rngs=rngs)
+
+
+def names(path) -> list[str]:
+    return sorted(_sources.open_source(path).tensors)
+
+
+def run(capsys, *argv):
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def save_native(path, tree):
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(os.path.abspath(path), tree)
+    ckptr.wait_until_finished()
+
+
+def test_a_safetensors_root_round_trips_through_orbax(tmp_path, capsys):
+    model = Model(nnx.Rngs(0))
+    with ocp.CheckpointManager(tmp_path / "st") as mngr:
+        for step in (1, 2):
+            mngr.save(
+                step,
+                args=ocp.args.Composite(
+                    state=osf.SafetensorsSave(nnx.state(model)),
+                    meta=ocp.args.JsonSave({"step": step}),
+                ),
+            )
+        mngr.wait_until_finished()
+    for argv in (("st", "orbax"), ("orbax", "back")):
+        code, _, err = run(capsys, "convert", *(tmp_path / a for a in argv), "-q")
+        assert code == 0, err
+    assert names(tmp_path / "back/2/state") == names(tmp_path / "st/2/state")
+    assert "linear.kernel" in names(tmp_path / "back/2/state")
+    # The Orbax copy compares equal to both, tensor by tensor, under the same names.
+    for other in ("orbax/2", "back/2", "orbax/2/state"):
+        a = tmp_path / ("st/2/state" if other.endswith("state") else "st/2")
+        code, out, _ = run(capsys, "diff", a, tmp_path / other)
+        assert code == 0, out
+        assert f"{len(names(tmp_path / 'st/2/state'))} tensor(s) equal" in out
+    # The copy restores as Orbax users restore an nnx.State.
+    abstract = nnx.state(nnx.eval_shape(lambda: Model(nnx.Rngs(0))))
+    restored = ocp.StandardCheckpointer().restore(tmp_path / "orbax/2/state", abstract)
+    np.testing.assert_array_equal(restored["linear"]["kernel"][...], model.linear.kernel[...])
+
+
+def test_a_mixed_tree_keeps_its_own_value_dicts(tmp_path):
+    """Only the leaves recorded as NNX Variables are wrapped and unwrapped again: a genuine
+    ``{"value": x}`` dict next to them keeps its name both ways."""
+    model = Model(nnx.Rngs(0))
+    tree = {"model": nnx.state(model), "critic": {"value": np.arange(3.0)}, "step": 7}
+    osf.save_directory(tree, tmp_path / "st")
+    osf.convert(tmp_path / "st", tmp_path / "orbax", progress=False)
+    osf.convert(tmp_path / "orbax", tmp_path / "back", progress=False)
+    assert names(tmp_path / "back") == names(tmp_path / "st")
+    assert "critic.value" in names(tmp_path / "back")
+    assert "model.linear.kernel" in names(tmp_path / "back")
+    back = osf.restore_directory(tmp_path / "back")
+    assert back["step"] == 7
+    np.testing.assert_array_equal(back["critic"]["value"], np.arange(3.0))
+    assert _diff.diff_paths(tmp_path / "st", tmp_path / "orbax").identical
+
+
+def test_an_orbax_native_nnx_root_migrates_without_flags(tmp_path, capsys):
+    model = Model(nnx.Rngs(0))
+    with ocp.CheckpointManager(tmp_path / "native") as mngr:
+        mngr.save(5, args=ocp.args.StandardSave(nnx.state(model)))
+        mngr.wait_until_finished()
+    code, _, err = run(capsys, "convert", tmp_path / "native", tmp_path / "st", "-q")
+    assert code == 0, err
+    fresh = Model(nnx.Rngs(1))
+    with ocp.CheckpointManager(tmp_path / "st") as mngr:
+        restored = mngr.restore(5, args=osf.SafetensorsRestore(nnx.state(fresh)))
+    nnx.update(fresh, restored)
+    np.testing.assert_array_equal(fresh.out.kernel[...], model.out.kernel[...])
+    np.testing.assert_array_equal(fresh.bn.var[...], model.bn.var[...])
+    code, out, _ = run(capsys, "diff", tmp_path / "native/5", tmp_path / "st/5")
+    assert code == 0 and "checkpoints are identical" in out
+    # ...and back to Orbax-native, then safetensors again: the same names each time.
+    code, _, err = run(capsys, "convert", tmp_path / "st", tmp_path / "native2", "-q")
+    assert code == 0, err
+    code, _, err = run(capsys, "convert", tmp_path / "native2", tmp_path / "st2", "-q")
+    assert code == 0, err
+    assert names(tmp_path / "st2/5/default") == names(tmp_path / "st/5/default")
+
+
+def test_the_flags_still_choose(tmp_path, capsys):
+    model = Model(nnx.Rngs(0))
+    save_native(tmp_path / "nnx", nnx.state(model))
+    code, _, err = run(
+        capsys, "convert", tmp_path / "nnx", tmp_path / "kept", "--no-unwrap-values", "-q"
+    )
+    assert code == 0, err
+    assert "linear.kernel.value" in names(tmp_path / "kept")
+    # A plain dict where only some leaves sit in {"value": x}: not an nnx.State, kept as is...
+    save_native(tmp_path / "mixed", {"kernel": {"value": jnp.ones(2)}, "bias": jnp.zeros(1)})
+    osf.convert(tmp_path / "mixed", tmp_path / "as_is", progress=False)
+    assert names(tmp_path / "as_is") == ["bias", "kernel.value"]
+    # ...unless asked.
+    code, _, err = run(
+        capsys, "convert", tmp_path / "mixed", tmp_path / "collapsed", "--unwrap-values", "-q"
+    )
+    assert code == 0, err
+    assert names(tmp_path / "collapsed") == ["bias", "kernel"]
+    # An item that is one {"value": x} dict is no nnx.State: its name stays.
+    save_native(tmp_path / "lone", {"value": jnp.ones(2)})
+    osf.convert(tmp_path / "lone", tmp_path / "lone_st", progress=False)
+    assert names(tmp_path / "lone_st") == ["value"]
+
+
+@pytest.mark.parametrize("flag", ["--unwrap-values", None])
+def test_a_native_nnx_item_round_trips_to_itself(tmp_path, capsys, flag):
+    """Orbax-native -> safetensors -> Orbax-native gives Orbax's own layout back."""
+    model = Model(nnx.Rngs(0))
+    save_native(tmp_path / "native", nnx.state(model))
+    extra = [flag] if flag else []
+    code, _, err = run(capsys, "convert", tmp_path / "native", tmp_path / "st", "-q", *extra)
+    assert code == 0, err
+    code, _, err = run(capsys, "convert", tmp_path / "st", tmp_path / "back", "-q")
+    assert code == 0, err
+    orbax_names = sorted(_sources.OrbaxSource(tmp_path / "native").tensors)
+    assert sorted(_sources.OrbaxSource(tmp_path / "back").tensors) == orbax_names
+    assert _diff.diff_paths(tmp_path / "native", tmp_path / "back").identical
