@@ -227,6 +227,7 @@ def _merge_leaf(item_leaf: Any, arg: Any) -> Any:
 # How a v0 restore (SafetensorsRestore, or Orbax's own args) tells its caller what to pass.
 V0_WORDS = Words(
     keys="pass partial_restore=True to restore only the target's keys",
+    missing="pass partial_restore=True to return them as given",
     shape="pass strict=False to pad or truncate it, as Orbax's StandardRestore does",
 )
 V0_WORDS_STRICT_FALSE = dataclasses.replace(

@@ -62,14 +62,15 @@ _PAD_OR_TRUNCATE = "ctx.array.loading.enable_padding_and_truncation = True"
 def _words(options: _orbaxcompat.V1LoadingOptions) -> Words:
     """The mismatch wording in v1's option names (SafetensorsRestore's is v0's)."""
     keys = f"set {_PARTIAL_LOAD} on the ocp.Context to load only the abstract keys"
+    missing = f"set {_PARTIAL_LOAD} on the ocp.Context to return them as given"
     shape = f"set {_PAD_OR_TRUNCATE} on the ocp.Context you load in, to pad or truncate it"
     if not options.readable:
         unread = (
             " (this orbax-checkpoint's active Context could not be read here, so its "
             "loading options were not applied)"
         )
-        keys, shape = keys + unread, shape + unread
-    return Words(keys=keys, shape=shape)
+        keys, missing, shape = keys + unread, missing + unread, shape + unread
+    return Words(keys=keys, missing=missing, shape=shape)
 
 
 class SafetensorsHandler:

@@ -146,10 +146,12 @@ class Words:
     Attributes:
       keys: appended to the list of keys in the checkpoint but not the target (and to
         structure mismatches): what to pass to restore only the target's keys.
+      missing: appended to the list of target keys the checkpoint lacks.
       shape: appended to a shape mismatch that padding or truncating would resolve.
     """
 
     keys: str = ""
+    missing: str = ""
     shape: str = ""
 
 
@@ -171,8 +173,9 @@ def mismatch_message(mismatches: Sequence[Mismatch], words: Words = STANDALONE_W
     unexpected = [m.key for m in mismatches if m.kind is MismatchKind.UNEXPECTED]
     parts = ["the checkpoint does not match the restore target:"]
     if missing:
+        hint = f" ({words.missing})" if words.missing else ""
         parts.append(
-            f"  missing from the checkpoint ({len(missing)}): {', '.join(missing[:_LIMIT])}"
+            f"  missing from the checkpoint ({len(missing)}): {', '.join(missing[:_LIMIT])}{hint}"
         )
     if unexpected:
         hint = f" ({words.keys})" if words.keys else ""

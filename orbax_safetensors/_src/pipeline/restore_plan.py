@@ -191,7 +191,7 @@ def host_local_message(what: str) -> str:
     return (
         f"saved as {what} (host-local: no sharding saved), and the target asks for a "
         "jax.Array without a sharding; give it a sharding, or ask for a numpy array "
-        "(restore_type=np.ndarray, as Orbax requires)"
+        "(as Orbax requires)"
     )
 
 
