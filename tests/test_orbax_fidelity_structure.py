@@ -270,3 +270,26 @@ def test_point9_partial_restore_with_omitted_and_unexpected_keys(tmp_path, throu
         got = _restore(ours, osf.SafetensorsRestore(item, partial_restore=True))
     assert_same_restore(got, want)
     assert got["z"] is kept and got["b"]["q"] is item["b"]["q"]
+
+
+# --------------------------------------------------------------------------- the standalone API
+
+
+def test_load_file_still_takes_orbaxs_restore_args_and_placeholder(tmp_path):
+    """Translated in ``orbax/restoring.py`` before the (Orbax-free) pipeline sees them."""
+    path = tmp_path / "x.safetensors"
+    osf.save_file({"a": jnp.arange(3.0), "b": np.ones(2, np.int16), "c": jnp.ones(4)}, path)
+    target = {
+        "a": ocp.RestoreArgs(restore_type=np.ndarray, dtype=np.float16),
+        "b": ocp.PLACEHOLDER,
+        "c": ocp.ArrayRestoreArgs(sharding=jax.sharding.SingleDeviceSharding(jax.devices()[1])),
+    }
+    got = osf.load_file(path, target)
+    assert type(got["a"]) is np.ndarray and got["a"].dtype == np.float16
+    assert got["b"] is ocp.PLACEHOLDER
+    assert got["c"].devices() == {jax.devices()[1]}
+    got = osf.restore_directory(
+        _mixed(tmp_path / "m", {"a": jnp.arange(3.0)}).directory / "0" / "default",
+        {"a": ocp.PLACEHOLDER},
+    )
+    assert got == {"a": ocp.PLACEHOLDER}

@@ -259,7 +259,7 @@ class _Targeted:
         plans: list[Plan] = []
         for name, tleaf in zip(flat.names, flat.leaves):
             if select is not None and not select.selects(name):  # as given, nothing read
-                plans.append(Known(tleaf))
+                plans.append(Known(_given(tleaf)))
                 continue
             plan = self.plan(name, tleaf)
             if isinstance(plan, Mismatch):
@@ -276,7 +276,7 @@ class _Targeted:
     def plan(self, name: str, tleaf: Any) -> Plan | Mismatch:
         keys = self.options.keys
         if isinstance(tleaf, Skip) or is_empty(tleaf):
-            given = tleaf.value if isinstance(tleaf, Skip) else tleaf
+            given = _given(tleaf)
             if name in self.leaves or name in self.empties:
                 return Known(given)  # nothing read, the marker returned (as Orbax skips it)
             if self.saved_under(name):
@@ -298,7 +298,7 @@ class _Targeted:
         if saved is None:
             if name in self.empties:  # None or an empty node saved: None, as Orbax gives
                 return Known(None)
-            given = tleaf.given if isinstance(tleaf, LeafRequest) else tleaf
+            given = _given(tleaf)
             concrete = want is not None and not isinstance(
                 tleaf, (jax.ShapeDtypeStruct, LeafRequest)
             )
@@ -360,6 +360,15 @@ class _Targeted:
                     )
                 out.append(finished[once])
         return out
+
+
+def _given(tleaf: Any) -> Any:
+    """What a target leaf comes back as when nothing is read for it."""
+    if isinstance(tleaf, Skip):
+        return tleaf.value
+    if isinstance(tleaf, LeafRequest):
+        return tleaf.given
+    return tleaf
 
 
 def _describe_empty(value: Any) -> str:
