@@ -28,7 +28,7 @@ from orbax_safetensors._src.core.errors import (
     SchemaError,
     TargetMismatchError,
 )
-from orbax_safetensors._src.pipeline.reader import StoredTensor
+from orbax_safetensors._src.pipeline.reader import ReadKind, StoredTensor
 from orbax_safetensors._src.pipeline.restore_options import Build, LeafRequest
 
 # A tensor name -> its saved sharding over this job's devices (None: none saved, the default
@@ -41,7 +41,7 @@ class Loader(Protocol):
 
     def stored_for(self, leaf: _tree.SchemaLeaf) -> StoredTensor: ...
 
-    def request(self, leaf: _tree.SchemaLeaf, kind: str, sharding: Any, dtype: Any) -> int: ...
+    def request(self, leaf: _tree.SchemaLeaf, kind: ReadKind, sharding: Any, dtype: Any) -> int: ...
 
 
 # --------------------------------------------------------------------------- plans
@@ -320,8 +320,10 @@ def plan_tensor(
     if typed_key or dtype == _dtypes.to_numpy(stored.dtype):
         dtype = None
     if resize_to is not None:
-        return Resize(loader.request(saved, "numpy", None, dtype), resize_to, build, sharding)
-    read_kind = "numpy" if build is Build.PYTHON else build.value
+        return Resize(
+            loader.request(saved, ReadKind.NUMPY, None, dtype), resize_to, build, sharding
+        )
+    read_kind = ReadKind.NUMPY if build is Build.PYTHON else ReadKind(build.value)
     slot = loader.request(saved, read_kind, sharding, dtype)
     if typed_key:
         return Finish(slot, saved, sharding)

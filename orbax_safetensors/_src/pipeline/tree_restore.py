@@ -35,6 +35,7 @@ from orbax_safetensors._src.core.errors import (
     TargetMismatchError,
 )
 from orbax_safetensors._src.pipeline.reader import (
+    ReadKind,
     ReadRequest,
     ReadStats,
     StoredTensor,
@@ -106,9 +107,9 @@ class _Loader:
             )
         return self.stored[name]
 
-    def request(self, leaf: _tree.SchemaLeaf, kind: str, sharding: Any, dtype: Any) -> int:
+    def request(self, leaf: _tree.SchemaLeaf, kind: ReadKind, sharding: Any, dtype: Any) -> int:
         stored = self.stored_for(leaf)
-        if kind == "jax" and self.leaves.get(leaf.tensor_name, leaf).kind == "key":
+        if kind is ReadKind.JAX and self.leaves.get(leaf.tensor_name, leaf).kind == "key":
             sharding, dtype = None, None  # key data is read plainly, wrapped, then placed
         slot = (stored.name, kind, id(sharding) if sharding is not None else None, str(dtype))
         index = self.slots.get(slot)
@@ -192,9 +193,10 @@ def _restore_untargeted(
     for leaf in wanted.values():
         if leaf.kind in ("tensor", "key", "ref"):
             original = leaves.get(leaf.tensor_name, leaf)
-            kind = original.node.get("array", "jax") if original.kind == "tensor" else "jax"
+            saved_kind = original.node.get("array", "jax") if original.kind == "tensor" else "jax"
+            kind = ReadKind(saved_kind)
             sharding = None
-            if kind == "jax" and saved_sharding is not None:
+            if kind is ReadKind.JAX and saved_sharding is not None:
                 sharding = saved_sharding(original.name)
                 if original.kind == "key":  # saved: the key data's sharding
                     sharding = key_sharding(sharding, len(loader.stored_for(leaf).shape) - 1)
