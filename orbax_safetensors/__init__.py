@@ -33,6 +33,7 @@ from orbax_safetensors._src.integrations.pytorch import (
     load_pytorch,
 )
 from orbax_safetensors._src.orbax.object_storage import manager_options_for
+from orbax_safetensors._src.orbax.restoring import load_file, restore_directory
 from orbax_safetensors._src.orbax.v0 import (
     SafetensorsCheckpointHandler,
     SafetensorsRestore,
@@ -40,11 +41,10 @@ from orbax_safetensors._src.orbax.v0 import (
     handler_registry,
 )
 from orbax_safetensors._src.orbax.v1 import SafetensorsHandler, local_registry, register_handler
-from orbax_safetensors._src.pipeline.checkpoint_restore import restore_directory
 from orbax_safetensors._src.pipeline.checkpoint_save import save_directory
 from orbax_safetensors._src.pipeline.pieces import WriteStats
 from orbax_safetensors._src.pipeline.reader import ReadStats
-from orbax_safetensors._src.pipeline.standalone import load_file, load_metadata, save_file
+from orbax_safetensors._src.pipeline.standalone import load_metadata, save_file
 from orbax_safetensors._src.storage.objstore.calls import ObjectStoreError
 from orbax_safetensors._src.storage.objstore.options import (
     ObjectStoreOptions,

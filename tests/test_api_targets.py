@@ -18,6 +18,7 @@ import orbax_safetensors as osf
 from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.pipeline import standalone as _standalone
 from orbax_safetensors._src.pipeline.reader import ReadStats
+from orbax_safetensors._src.pipeline.restore_options import RestoreOptions
 from orbax_safetensors._src.pipeline.tree_restore import restore_tree
 
 
@@ -127,9 +128,8 @@ def _restore_with_stats(path: epath.Path, target: Any, **kwargs: Any) -> tuple[A
     schema = json.loads(header.metadata[_metadata.SCHEMA_KEY])
     crcs = json.loads(header.metadata[_metadata.CHECKSUM_KEY])
     stats = ReadStats()
-    out = restore_tree(
-        schema, _standalone.locate_in_file(path, header, crcs), target, stats=stats, **kwargs
-    )
+    options = RestoreOptions.standalone(target, **kwargs)
+    out = restore_tree(schema, _standalone.locate_in_file(path, header, crcs), options, stats=stats)
     return out, stats
 
 

@@ -1,6 +1,7 @@
 """The architecture rules that import-linter cannot express (its contracts are in pyproject.toml
-and run by ``lint-imports`` in CI): no module uses another module's underscore names, and the
-implementation under ``_src/`` never reaches back up through the package root.
+and run by ``lint-imports`` in CI): no module uses another module's underscore names, the
+implementation under ``_src/`` never reaches back up through the package root, and the layers
+below ``orbax/`` do not recognise Orbax's restore arguments by name (issue 26).
 
 An ``ast`` walk over every module of the package; a failure names file:line.
 """
@@ -8,6 +9,8 @@ An ``ast`` walk over every module of the package; a failure names file:line.
 from __future__ import annotations
 
 import ast
+import io
+import tokenize
 from pathlib import Path
 
 import orbax_safetensors as osf
@@ -99,3 +102,59 @@ def test_the_package_root_holds_only_the_public_surface() -> None:
     assert layers == sorted(
         ["tools", "integrations", "catalog", "orbax", "pipeline", "storage", "core", "compat"]
     )
+
+
+# Orbax's restore vocabulary: recognised and translated in _src/orbax/ only.
+ORBAX_RESTORE_NAMES = (
+    "RestoreArgs",  # ArrayRestoreArgs too
+    "PLACEHOLDER",
+    "ShardingMetadata",
+    "restore_type",
+    "to_jax_sharding",
+    "partial_restore",
+    "is_placeholder",
+)
+ORBAX_FREE_LAYERS = ("_src/pipeline/", "_src/storage/", "_src/core/")
+
+
+def _code_words(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of every identifier, comment and string literal of a module except its
+    docstrings (which may compare with Orbax by name)."""
+    source = path.read_text()
+    tree = ast.parse(source)
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                docstrings.add(body[0].lineno)
+    words = []
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type in (tokenize.NAME, tokenize.COMMENT) or (
+            tok.type == tokenize.STRING and tok.start[0] not in docstrings
+        ):
+            words.append((tok.start[0], tok.string))
+    return words
+
+
+def test_the_layers_below_orbax_do_not_know_orbaxs_restore_names() -> None:
+    found = [
+        f"{rel}:{line}: {text.strip()[:80]}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if (rel := str(path.relative_to(PACKAGE))).startswith(ORBAX_FREE_LAYERS)
+        for line, text in _code_words(path)
+        if any(name in text for name in ORBAX_RESTORE_NAMES)
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_the_orbax_name_check_sees_code_comments_and_strings(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text(
+        '"""Docstrings may say RestoreArgs."""\n'
+        "x = ocp.PLACEHOLDER  # a ShardingMetadata\n"
+        "y = 'restore_type'\n"
+    )
+    texts = [t for _, t in _code_words(module)]
+    assert "PLACEHOLDER" in texts and "# a ShardingMetadata" in texts and "'restore_type'" in texts
+    assert not any("RestoreArgs" in t for t in texts)

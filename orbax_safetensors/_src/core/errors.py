@@ -15,6 +15,9 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -52,8 +55,54 @@ class MetadataError(SafetensorsCheckpointError, TypeError):
     """User metadata of a checkpoint directory is not JSON-serialisable."""
 
 
+class MismatchKind(enum.Enum):
+    """What kind of disagreement a :class:`Mismatch` records."""
+
+    MISSING = "missing"  # the target has the key, the checkpoint does not
+    UNEXPECTED = "unexpected"  # the checkpoint has the key, the target does not
+    STRUCTURE = "structure"  # a leaf or empty node in one, a subtree in the other
+    SHAPE = "shape"  # the stored shape is not the target's
+    KIND = "kind"  # the target asks for something the stored value cannot give
+    SHARDING = "sharding"  # the saved sharding cannot be rebuilt and the target gives none
+
+
+@dataclasses.dataclass(frozen=True)
+class Mismatch:
+    """One disagreement between a restore target and a checkpoint, at one dotted key.
+
+    Attributes:
+      key: the dotted name.
+      kind: what disagrees.
+      detail: a sentence saying what (without the key, without advice).
+      saved, wanted: what the checkpoint holds and what the target asks (a shape, a
+        structure's description), where that applies.
+      resizable: a shape mismatch that padding or truncating would resolve.
+
+    Example::
+
+        Mismatch("w", MismatchKind.SHAPE, "checkpoint has shape (8,) (F32), target wants (10,)",
+                 saved=(8,), wanted=(10,), resizable=True)
+    """
+
+    key: str
+    kind: MismatchKind
+    detail: str = ""
+    saved: Any = None
+    wanted: Any = None
+    resizable: bool = False
+
+
 class TargetMismatchError(SafetensorsCheckpointError):
-    """The restore target disagrees with the checkpoint (keys, shapes, dtypes)."""
+    """The restore target disagrees with the checkpoint (keys, shapes, dtypes).
+
+    ``mismatches`` lists each disagreement as a :class:`Mismatch` (empty for errors that are
+    not about one key, such as an include pattern that matches nothing); the message words
+    them in the vocabulary of the API the restore came through.
+    """
+
+    def __init__(self, message: str, mismatches: Iterable[Mismatch] = ()) -> None:
+        super().__init__(message)
+        self.mismatches: tuple[Mismatch, ...] = tuple(mismatches)
 
 
 class IntegrityError(SafetensorsCheckpointError):

@@ -1,15 +1,12 @@
-"""Orbax's argument conventions, mapped onto the pipeline's restore targets and saves.
+"""Orbax's argument conventions for saves (restore args are translated in ``restoring``).
 
-- :func:`merge_restore_args`: ``PyTreeRestore(item, restore_args)``: the structure (and the
-  shapes and dtypes an ``ArrayRestoreArgs`` leaves open) from ``item``; types, dtypes and
-  shardings from ``restore_args``.
 - :func:`apply_save_args`: ``StandardSave(item, save_args)``: ``SaveArgs(dtype=...)`` casts
   before saving, as Orbax does; options that have no safetensors meaning raise.
 - :func:`tree_summary`: what the args objects print instead of the arrays.
 
 Example::
 
-    target = merge_restore_args(item, restore_args, partial_restore=False)
+    item = apply_save_args(item, save_args)
 """
 
 from __future__ import annotations
@@ -21,8 +18,7 @@ import jax
 import numpy as np
 
 from orbax_safetensors._src.core import tree as _tree
-from orbax_safetensors._src.core.errors import TargetMismatchError
-from orbax_safetensors._src.pipeline.tree_restore import is_restore_args
+from orbax_safetensors._src.orbax.restoring import is_restore_args
 
 # --------------------------------------------------------------------------- printing
 
@@ -121,60 +117,3 @@ def _refuse_unmapped(name: str, arg: Any) -> None:
             "ranges its devices need; drop them (to split files, pass "
             "SafetensorsCheckpointHandler(max_file_size=...))"
         )
-
-
-# --------------------------------------------------------------------------- restore_args
-
-
-def merge_restore_args(item: Any, restore_args: Any, *, partial_restore: bool) -> Any:
-    """The restore target for ``SafetensorsRestore(item, restore_args=...)``.
-
-    As Orbax's ``PyTreeRestore``: the tree (and its node types) is ``item``'s, each leaf is
-    the ``restore_args`` leaf of the same key. An ``ArrayRestoreArgs`` (with its ``strict``
-    left True) takes ``item``'s shape and dtype where it names none; its sharding is its own
-    (none: as the saved tree would be restored). ``restore_args`` keys that ``item`` lacks
-    are an error, or dropped with ``partial_restore``.
-
-    Raises:
-      TargetMismatchError: naming the keys in one of the two trees only.
-    """
-    if restore_args is None:
-        return item
-    if item is None:
-        return restore_args
-    flat = _tree.flatten_target(item, is_leaf=is_restore_args)
-    args = _tree.flatten_target(restore_args, is_leaf=is_restore_args)
-    by_name = dict(zip(args.names, args.leaves))
-    lacking = [n for n in flat.names if n not in by_name]
-    extra = [] if partial_restore else sorted(set(by_name) - set(flat.names))
-    if lacking or extra:
-        parts = ["restore_args does not match item:"]
-        if lacking:
-            parts.append(
-                f"  in item but not restore_args ({len(lacking)}): {', '.join(lacking[:50])}"
-            )
-        if extra:
-            parts.append(
-                f"  in restore_args but not item ({len(extra)}): {', '.join(extra[:50])} "
-                "(pass partial_restore=True to restore only item's keys)"
-            )
-        raise TargetMismatchError("\n".join(parts))
-    return flat.rebuild([_merge_leaf(x, by_name[n]) for n, x in zip(flat.names, flat.leaves)])
-
-
-def _merge_leaf(item_leaf: Any, arg: Any) -> Any:
-    if not is_restore_args(arg):
-        return arg if arg is not None else item_leaf
-    # Orbax fills an ArrayRestoreArgs's shape and dtype from the item when it is strict
-    # (orbax-checkpoint >= 0.11.40; 0.11.11 restored the saved shape and dtype).
-    if not getattr(arg, "strict", True) or not hasattr(arg, "global_shape"):
-        return arg
-    shape, dtype = getattr(item_leaf, "shape", None), getattr(item_leaf, "dtype", None)
-    if shape is None or dtype is None or _tree.is_prng_key(item_leaf):
-        return arg
-    updates: dict[str, Any] = {}
-    if arg.global_shape is None and getattr(arg, "shape", None) is None:
-        updates["global_shape"] = tuple(shape)
-    if arg.dtype is None:
-        updates["dtype"] = dtype
-    return dataclasses.replace(arg, **updates) if updates else arg

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -38,6 +38,7 @@ from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.orbax import args as _args
 from orbax_safetensors._src.orbax import object_storage as _object_storage
+from orbax_safetensors._src.orbax import restoring as _restoring
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.orbax.tree_metadata import TreeMetadata
 from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
@@ -46,7 +47,7 @@ from orbax_safetensors._src.pipeline import gcpause as _gcpause
 from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.pipeline import snapshots as _snapshots
 from orbax_safetensors._src.pipeline.reader import ReadStats
-from orbax_safetensors._src.pipeline.tree_restore import is_restore_args as _is_restore_args
+from orbax_safetensors._src.pipeline.restore_options import Words
 from orbax_safetensors._src.storage import buffers as _buffers
 from orbax_safetensors._src.storage import router as _router
 
@@ -309,45 +310,24 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         if kind is not None:  # Orbax's StandardRestore / PyTreeRestore, in a mixed root
             if native:
                 return self._orbax_handler(kind).restore(directory, args=args)
-            args = _from_orbax_restore(args)
+            args = SafetensorsRestore(**_restoring.from_orbax_restore(args))
         args = args or SafetensorsRestore()
         if native:
-            if args.include is not None or args.exclude is not None:
-                raise ValueError(
-                    f"{directory}: an Orbax-native item; include/exclude select within "
-                    "safetensors items only: pass the keys to restore as the item with "
-                    "partial_restore=True, or convert the step (orbax-safetensors convert)"
-                )
-            return _restore_orbax_native(directory, args, self._orbax_handler)
-        return self.restore_safetensors(
-            directory,
-            args,
-            key_hint=_KEY_HINT_STRICT_FALSE if not args.strict else _KEY_HINT,
-            shape_hint=_SHAPE_HINT,
-        )
+            return _restoring.restore_orbax_native(directory, args, self._orbax_handler)
+        return self.restore_safetensors(directory, args)
 
     def restore_safetensors(
-        self, directory: epath.Path, args: SafetensorsRestore, *, key_hint: str, shape_hint: str
+        self, directory: epath.Path, args: SafetensorsRestore, *, words: Words | None = None
     ) -> Any:
-        """Restores a safetensors item; a mismatch error ends with ``key_hint`` or
-        ``shape_hint`` (the option names of the API the caller came through)."""
-        target = _args.merge_restore_args(
-            args.item, args.restore_args, partial_restore=args.partial_restore
-        )
+        """Restores a safetensors item; a mismatch error is worded in ``words`` (the option
+        names of the API the caller came through; default ``SafetensorsRestore``'s)."""
         stats = ReadStats()
-        result = _checkpoint_restore.restore_directory(
+        result = _restoring.restore_safetensors(
             directory,
-            target,
-            strict=not args.partial_restore,
+            args,
             verify=self._verify,
+            words=words or _restoring.v0_words(args),
             stats=stats,
-            pad_or_truncate=not args.strict,
-            keep_missing=args.partial_restore,
-            key_hint=key_hint,
-            shape_hint=shape_hint,
-            fallback_sharding=args.fallback_sharding,
-            include=args.include,
-            exclude=args.exclude,
         )
         self.last_read_stats = stats
         return result
@@ -384,51 +364,6 @@ def _orbax_kind(args: object) -> str | None:
     if isinstance(args, (ocp.args.PyTreeSave, ocp.args.PyTreeRestore)):
         return "pytree"
     return None
-
-
-def _from_orbax_restore(args: Any) -> SafetensorsRestore:
-    """Orbax's ``StandardRestore`` / ``PyTreeRestore`` for a safetensors item, as ours."""
-    if isinstance(args, ocp.args.StandardRestore):
-        return SafetensorsRestore(args.item, strict=args.strict)
-    if getattr(args, "transforms", None) is not None or getattr(args, "legacy_transform_fn", None):
-        raise ValueError(
-            "PyTreeRestore(transforms=...) cannot restore a safetensors step: restore the tree "
-            "and transform it, or use SafetensorsRestore(item, partial_restore=True)"
-        )
-    return SafetensorsRestore(
-        args.item,
-        restore_args=args.restore_args,
-        partial_restore=bool(getattr(args, "partial_restore", False)),
-    )
-
-
-def _restore_orbax_native(
-    directory: epath.Path, args: SafetensorsRestore, orbax_handler: Callable[[str], Any]
-) -> Any:
-    """An Orbax-native item restored by Orbax's handler, with ``args``'s meanings: its
-    ``StandardRestore`` (``item``, ``strict``) or, given ``restore_args`` or
-    ``partial_restore``, its ``PyTreeRestore``."""
-    if args.restore_args is None and not args.partial_restore:
-        return orbax_handler("standard").restore(
-            directory, args=ocp.args.StandardRestore(args.item, strict=args.strict)
-        )
-    restore_args = args.restore_args
-    if restore_args is None:
-        item = args.item
-        restore_args = (
-            ocp.checkpoint_utils.construct_restore_args(item) if item is not None else None
-        )
-    if not args.strict and restore_args is not None:
-        restore_args = jax.tree.map(
-            lambda a: dataclasses.replace(a, strict=False) if hasattr(a, "strict") else a,
-            restore_args,
-            is_leaf=_is_restore_args,
-        )
-    if args.partial_restore:
-        pytree_args = _orbaxcompat.pytree_partial_restore(args.item, restore_args)
-    else:
-        pytree_args = ocp.args.PyTreeRestore(args.item, restore_args=restore_args)
-    return orbax_handler("pytree").restore(directory, args=pytree_args)
 
 
 def handler_registry(
@@ -486,12 +421,6 @@ def _persist_shares() -> bool:
 _REGISTRY_HINT = (
     "an item that also takes Orbax's StandardSave/PyTreeSave args needs "
     "ocp.CheckpointManager(..., handler_registry=osf.handler_registry())"
-)
-_KEY_HINT = "pass partial_restore=True to restore only the target's keys"
-_SHAPE_HINT = "pass strict=False to pad or truncate it, as Orbax's StandardRestore does"
-_KEY_HINT_STRICT_FALSE = (
-    "pass partial_restore=True to restore only the target's keys; strict=False pads or "
-    "truncates shapes, as in Orbax's StandardRestore, and no longer skips keys"
 )
 
 

@@ -39,6 +39,7 @@ from orbax_safetensors._src.core import errors as _errors
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.orbax import v0 as _v0
 from orbax_safetensors._src.orbax.tree_metadata import TreeMetadata
+from orbax_safetensors._src.pipeline.restore_options import Words
 
 # The typestr Orbax records for this handler (``{__module__}.{__qualname__}``): the public
 # name, so that a checkpoint does not record this private module's path.
@@ -58,17 +59,18 @@ _PARTIAL_LOAD = "ctx.pytree.loading.partial_load = True"
 _PAD_OR_TRUNCATE = "ctx.array.loading.enable_padding_and_truncation = True"
 
 
-def _hints(options: _orbaxcompat.V1LoadingOptions) -> tuple[str, str]:
-    """The mismatch hints in v1's option names (SafetensorsRestore's are v0's)."""
-    key_hint = f"set {_PARTIAL_LOAD} on the ocp.Context to load only the abstract keys"
-    shape_hint = f"set {_PAD_OR_TRUNCATE} on the ocp.Context you load in, to pad or truncate it"
+def _words(options: _orbaxcompat.V1LoadingOptions) -> Words:
+    """The mismatch wording in v1's option names (SafetensorsRestore's is v0's)."""
+    keys = f"set {_PARTIAL_LOAD} on the ocp.Context to load only the abstract keys"
+    missing = f"set {_PARTIAL_LOAD} on the ocp.Context to return them as given"
+    shape = f"set {_PAD_OR_TRUNCATE} on the ocp.Context you load in, to pad or truncate it"
     if not options.readable:
         unread = (
             " (this orbax-checkpoint's active Context could not be read here, so its "
             "loading options were not applied)"
         )
-        key_hint, shape_hint = key_hint + unread, shape_hint + unread
-    return key_hint, shape_hint
+        keys, missing, shape = keys + unread, missing + unread, shape + unread
+    return Words(keys=keys, missing=missing, shape=shape)
 
 
 class SafetensorsHandler:
@@ -145,15 +147,12 @@ class SafetensorsHandler:
             strict=not options.pad_or_truncate,
             partial_restore=options.partial_load,
         )
-        return self._background_load(epath.Path(directory), args, _hints(options))
+        return self._background_load(epath.Path(directory), args, _words(options))
 
     async def _background_load(
-        self, path: epath.Path, args: _v0.SafetensorsRestore, hints: tuple[str, str]
+        self, path: epath.Path, args: _v0.SafetensorsRestore, words: Words
     ) -> Any:
-        key_hint, shape_hint = hints
-        return await asyncio.to_thread(
-            self._v0.restore_safetensors, path, args, key_hint=key_hint, shape_hint=shape_hint
-        )
+        return await asyncio.to_thread(self._v0.restore_safetensors, path, args, words=words)
 
     async def metadata(self, directory: Any) -> Any:
         """The saved tree with ``jax.ShapeDtypeStruct`` leaves; reads no tensor bytes."""

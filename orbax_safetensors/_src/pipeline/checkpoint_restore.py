@@ -30,10 +30,8 @@ from orbax_safetensors._src.core.errors import (
 )
 from orbax_safetensors._src.pipeline import gcpause as _gcpause
 from orbax_safetensors._src.pipeline.reader import ReadStats, StoredTensor
-from orbax_safetensors._src.pipeline.tree_restore import (
-    KEY_HINT,
-    restore_tree,
-)
+from orbax_safetensors._src.pipeline.restore_options import RestoreOptions
+from orbax_safetensors._src.pipeline.tree_restore import restore_tree
 from orbax_safetensors._src.storage import router as _router
 
 # --------------------------------------------------------------------------- reading
@@ -136,6 +134,39 @@ def abstract_tree(directory: epath.PathLike, metadata: Mapping[str, Any] | None 
 
 
 @_gcpause.paused
+def restore_checkpoint(
+    directory: epath.PathLike,
+    options: RestoreOptions | None = None,
+    *,
+    stats: ReadStats | None = None,
+) -> Any:
+    """Restores a checkpoint directory as ``options`` asks (see :class:`.RestoreOptions`).
+
+    As Orbax's handlers do, arrays saved as ``jax.Array`` without a sharding in the target (no
+    target at all, a ``jax.ShapeDtypeStruct`` without one, a request for the saved kind) are
+    placed with their saved sharding, rebuilt over the saved devices when this job has them
+    all; otherwise on ``options.fallback_sharding`` (as Orbax's
+    ``StandardRestore(fallback_sharding=...)``) if given, else a ``TargetMismatchError`` asks
+    for a target sharding (Orbax: "Topology mismatch"). Arrays saved host-local come back on
+    this process's first device.
+
+    Example::
+
+        tree = restore_checkpoint(path, RestoreOptions(target=abstract, keys=Keys.PARTIAL))
+    """
+    options = options or RestoreOptions()
+    directory = epath.Path(directory)
+    metadata = read_metadata(directory)
+    stored = locate_in_directory(directory, metadata)
+    return restore_tree(
+        metadata["schema"],
+        stored,
+        options,
+        stats=stats,
+        saved_sharding=saved_shardings(directory, metadata, options.fallback_sharding),
+    )
+
+
 def restore_directory(
     directory: epath.PathLike,
     target: Any = None,
@@ -144,46 +175,27 @@ def restore_directory(
     verify: bool = True,
     stats: ReadStats | None = None,
     fallback_sharding: jax.sharding.Sharding | None = None,
-    pad_or_truncate: bool = False,
-    keep_missing: bool = False,
-    key_hint: str = KEY_HINT,
-    shape_hint: str = "",
     include: _select.Patterns = None,
     exclude: _select.Patterns = None,
 ) -> Any:
-    """Restores a checkpoint directory (see :func:`orbax_safetensors.load_file` for ``target``,
-    ``include`` and ``exclude``: only the selected tensors' bytes are read).
+    """Restores a checkpoint directory: the standalone API's form of
+    :func:`restore_checkpoint` (``strict``, ``include``, ``exclude`` and ``target`` as in
+    ``load_file``; ``fallback_sharding`` as in Orbax's ``StandardRestore``). Only the
+    selected tensors' bytes are read.
 
-    ``strict`` governs keys, as in ``load_file``; ``pad_or_truncate``, ``keep_missing``,
-    ``key_hint`` and ``shape_hint`` are :func:`.tree_restore.restore_tree`'s (the Orbax handler's
-    ``SafetensorsRestore(strict=False)`` and ``partial_restore=True`` use them).
+    Example::
 
-    As Orbax's handlers do, arrays saved as ``jax.Array`` without a sharding in the target (no
-    target at all, ``jax.ShapeDtypeStruct`` or ``ArrayRestoreArgs`` without one,
-    ``RestoreArgs()``) are placed with their saved sharding, rebuilt over the saved devices
-    when this job has them all; otherwise on ``fallback_sharding`` (as Orbax's
-    ``StandardRestore(fallback_sharding=...)``) if given, else a ``TargetMismatchError`` asks
-    for a target sharding (Orbax: "Topology mismatch"). Arrays saved host-local come back on
-    this process's first device.
+        state = restore_directory("/tmp/ckpt/100/default", target=abstract_state)
     """
-    select = _select.Selection.of(include, exclude)
-    directory = epath.Path(directory)
-    metadata = read_metadata(directory)
-    stored = locate_in_directory(directory, metadata)
-    return restore_tree(
-        metadata["schema"],
-        stored,
+    options = RestoreOptions.standalone(
         target,
         strict=strict,
+        include=include,
+        exclude=exclude,
         verify=verify,
-        stats=stats,
-        saved_sharding=saved_shardings(directory, metadata, fallback_sharding),
-        pad_or_truncate=pad_or_truncate,
-        keep_missing=keep_missing,
-        key_hint=key_hint,
-        shape_hint=shape_hint,
-        select=select,
+        fallback_sharding=fallback_sharding,
     )
+    return restore_checkpoint(directory, options, stats=stats)
 
 
 def saved_shardings(

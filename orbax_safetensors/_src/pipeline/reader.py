@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -50,19 +51,27 @@ class StoredTensor(NamedTuple):
         return _dtypes.nbytes(self.dtype, self.shape)
 
 
+class ReadKind(enum.StrEnum):
+    """What a read request materialises (a ``str`` enum: ``"numpy"`` still compares equal)."""
+
+    JAX = "jax"  # a jax.Array
+    NUMPY = "numpy"  # a numpy array
+    SCALAR = "scalar"  # a numpy scalar
+
+
 class ReadRequest(NamedTuple):
     """One tensor to materialise.
 
     Attributes:
       stored: where its bytes are.
-      kind: ``"jax"`` (a ``jax.Array``), ``"numpy"`` or ``"scalar"`` (a numpy scalar).
+      kind: a :class:`ReadKind` (or its value).
       sharding: for ``"jax"``: where to place it (None: the default device).
       dtype: cast to this dtype after reading (None: keep the stored dtype).
       verify: check the CRC32C when the whole tensor is read.
     """
 
     stored: StoredTensor
-    kind: str = "jax"
+    kind: ReadKind | str = ReadKind.JAX
     sharding: jax.sharding.Sharding | None = None
     dtype: np.dtype | None = None
     verify: bool = True
@@ -111,7 +120,7 @@ def _read_buffers(
     req: ReadRequest, arena: _buffers.BufferArena, single_device: _memo.ShardingMemo[bool]
 ) -> _ReadBuffers:
     shape = req.stored.shape
-    if req.kind != "jax" or req.sharding is None or single_device(req.sharding):
+    if req.kind != ReadKind.JAX or req.sharding is None or single_device(req.sharding):
         return _ReadBuffers(arena.empty(req.stored.nbytes, file_offset=req.stored.offset), [], None)
     whole_index = _runs.whole_index(tuple(shape))
     device_keys: dict[Any, tuple] = {}
@@ -217,8 +226,8 @@ def _place_all(requests: Sequence[ReadRequest], buffers: list[_ReadBuffers]) -> 
     for i, (req, rbuf) in enumerate(zip(requests, buffers)):
         if rbuf.whole is not None:
             full = _host_value(req, rbuf.whole, req.stored.shape)
-            if req.kind != "jax":
-                results[i] = full[()] if req.kind == "scalar" else full
+            if req.kind != ReadKind.JAX:
+                results[i] = full[()] if req.kind == ReadKind.SCALAR else full
             elif rbuf.device_keys is None:  # one device: put to the sharding itself
                 spans.append((i, len(values), None))
                 values.append(full)

@@ -34,6 +34,7 @@ from orbax_safetensors._src.core.errors import (
 from orbax_safetensors._src.pipeline import gcpause as _gcpause
 from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.pipeline.reader import StoredTensor
+from orbax_safetensors._src.pipeline.restore_options import RestoreOptions
 from orbax_safetensors._src.pipeline.tree_restore import restore_tree
 from orbax_safetensors._src.storage import interface as _interface
 from orbax_safetensors._src.storage import router as _router
@@ -175,30 +176,22 @@ def load_file(
     exclude: _select.Patterns = None,
     verify: bool = True,
 ) -> Any:
-    """Loads a ``.safetensors`` file, rebuilding the saved pytree.
+    """Loads a ``.safetensors`` file, rebuilding the saved pytree: the standalone API's form of
+    :func:`load_with_options` (``strict`` governs keys). The public ``osf.load_file`` (which
+    also takes Orbax's restore args as target leaves) documents the arguments.
 
-    Args:
-      path: a file written by :func:`save_file`, or any safetensors file (then the result is a
-        flat ``{name: array}`` dict).
-      target: optional pytree saying what to build: leaves may be ``jax.Array``, numpy arrays,
-        ``jax.ShapeDtypeStruct`` (placed with its sharding; without one, a leaf saved as numpy
-        comes back as numpy of the struct's dtype, as Orbax's ``StandardRestore`` gives it),
-        Python scalars, Orbax ``RestoreArgs``, or ``None`` / ``...`` / empty nodes to skip a
-        subtree; the result has the target's node types (TrainState, namedtuples,
-        ``nnx.State``...). Only the tensors the target asks for are read.
-      strict: with a target, missing or unexpected keys raise one error listing all of them;
-        with ``strict=False`` unexpected keys are skipped and missing ones keep the target's
-        (concrete) value.
-      include: glob patterns (one string or a sequence) over dotted names, as ``fnmatch``
-        reads them (``*`` crosses dots); a pattern also selects everything beneath a name it
-        matches (``params`` selects ``params.w``). Only the selected tensors' bytes are read.
-        Without a target the selected subtrees come back in their saved containers (lists
-        keep their length, None where nothing is selected); with one, they select among the
-        target's leaves and an unselected leaf comes back as given. A pattern matching no
-        name raises ``TargetMismatchError`` listing names. None: every name.
-      exclude: glob patterns of names not to read, by the same rule (applied after
-        ``include``).
-      verify: check each tensor read whole against its stored CRC32C.
+    Example::
+
+        params = load_file("w.safetensors", target=jax.eval_shape(lambda: params))
+    """
+    options = RestoreOptions.standalone(
+        target, strict=strict, include=include, exclude=exclude, verify=verify
+    )
+    return load_with_options(path, options)
+
+
+def load_with_options(path: epath.PathLike, options: RestoreOptions) -> Any:
+    """Loads a ``.safetensors`` file as ``options`` asks (see :class:`.RestoreOptions`).
 
     Raises:
       HeaderError, SchemaError: the file is damaged or hostile.
@@ -207,10 +200,8 @@ def load_file(
 
     Example::
 
-        params = osf.load_file("w.safetensors", target=jax.eval_shape(lambda: params))
-        attn = osf.load_file("w.safetensors", include="layers.*.attn", exclude="*.bias")
+        tree = load_with_options("w.safetensors", RestoreOptions(target=abstract))
     """
-    select = _select.Selection.of(include, exclude)
     path = epath.Path(path)
     # The header and the tensors are read through separate opens: if save_file replaces the
     # file in between, the reads mix two versions. Read again until the file stayed the same.
@@ -219,7 +210,7 @@ def load_file(
         header = _router.read_header(path)
         schema, stored = file_index(path, header)
         try:
-            tree = restore_tree(schema, stored, target, strict=strict, verify=verify, select=select)
+            tree = restore_tree(schema, stored, options)
         except (SafetensorsCheckpointError, OSError, EOFError):
             if _identity(path) == before:
                 raise
@@ -254,4 +245,4 @@ def load_metadata(path: epath.PathLike) -> dict[str, str]:
     return {k: v for k, v in header.metadata.items() if k not in _metadata.RESERVED_KEYS}
 
 
-__all__ = ["load_file", "load_metadata", "save_file"]
+__all__ = ["load_file", "load_metadata", "load_with_options", "save_file"]
