@@ -196,7 +196,7 @@ def _meshes() -> list[Mesh]:
 
 
 @st.composite
-def shardings(draw: st.DrawFn, shape: tuple[int, ...]) -> Any:
+def shardings(draw: st.DrawFn, shape: tuple[int, ...], bits: int = 8) -> Any:
     """None (default placement), a replicated, or a NamedSharding that splits dimensions
     divisible by a mesh axis (zero-size dimensions included)."""
     choice = draw(st.sampled_from(["default", "replicated", "split", "split"]))
@@ -207,8 +207,10 @@ def shardings(draw: st.DrawFn, shape: tuple[int, ...]) -> Any:
         return NamedSharding(mesh, P())
     spec: list[Any] = []
     free = list(mesh.axis_names)
-    for d in shape:
-        fits = [a for a in free if d % mesh.shape[a] == 0]
+    for i, d in enumerate(shape):
+        # A shard of a sub-byte dtype must start and end on whole bytes (documented refusal).
+        inner = int(np.prod(shape[i + 1 :], dtype=np.int64)) * bits
+        fits = [a for a in free if d % mesh.shape[a] == 0 and inner % 8 == 0]
         pick = draw(st.sampled_from([None, *fits]))
         if pick is not None:
             free.remove(pick)
@@ -236,7 +238,7 @@ def jax_arrays(
     dtype = draw(st.sampled_from(dtypes if dtypes is not None else JAX_DTYPES))
     shape = draw(shapes(dtype, big=big, nonzero=nonzero))
     value = random_values(dtype, shape, draw(st.integers(0, 2**32 - 1)))
-    sharding = draw(shardings(shape))
+    sharding = draw(shardings(shape, bits(dtype)))
     return jax.device_put(value, sharding) if sharding is not None else jnp.asarray(value)
 
 
