@@ -121,14 +121,15 @@ def test_policy_float_to_int_equals_jnp_astype(tmp_path: Path, target: type) -> 
         ([0x7C01, 0x7E00, 0xFE00], np.float16, ml_dtypes.float8_e5m2),
         ([0x7F800001, 0x7FC00001], np.float32, np.float16),
         ([0xFFC00000, 0x7FC00000], np.float32, ml_dtypes.float4_e2m1fn),
+        ([0x7D, 0x7E, 0xFF], ml_dtypes.float8_e5m2, np.float16),
     ],
-    ids=["f16-f8e5m2", "f32-f16", "f32-f4"],
+    ids=["f16-f8e5m2", "f32-f16", "f32-f4", "f8e5m2-f16"],
 )
 @pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
 def test_policy_cast_of_nan_equals_jnp_astype(
     tmp_path: Path, bits: list[int], source: type, target: type, async_: bool
 ) -> None:
-    x = np.array(bits, np.uint16 if np.dtype(source).itemsize == 2 else np.uint32).view(source)
+    x = np.array(bits, f"u{np.dtype(source).itemsize}").view(source)
     want = as_x64(lambda: np.asarray(jnp.astype(jnp.asarray(x), target)))
     options = ocp.CheckpointManagerOptions(enable_async_checkpointing=async_)
     with ocp.CheckpointManager(
