@@ -53,9 +53,6 @@ KNOWN_DIFF_NOT_BITWISE = True
 KNOWN_VERIFY_SHARDING = True
 # issue 25 points 8, 9: optimizer-state mismatch accepted; MaskedNode / PLACEHOLDER / scalars.
 KNOWN_ORBAX_STRUCTURE = True
-# issue 25 point 7: inspect/diff/convert on a zero-size msgpack array with a huge dimension,
-# `convert --dtype` on a safetensors source, `inspect | head` (closed pipe).
-KNOWN_CLI_TRACEBACKS = True
 
 
 def known(flag: bool, point: str) -> Any:
