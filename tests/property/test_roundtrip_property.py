@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import official_reader
-from hypothesis import HealthCheck, given, settings
+from campaign import campaign
+from hypothesis import given
 from hypothesis import strategies as st
 from safetensors import safe_open
 
@@ -143,11 +144,7 @@ def _as_tree(tree: Any) -> Any:
     return tree
 
 
-@settings(
-    max_examples=60,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+@campaign(3.0)
 @given(tree=trees())
 def test_random_pytrees_round_trip_exactly(tree: Any) -> None:
     with tempfile.TemporaryDirectory() as d:
@@ -168,7 +165,7 @@ def test_random_pytrees_round_trip_exactly(tree: Any) -> None:
         )
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@campaign(1.5)
 @given(
     tree=st.dictionaries(
         str_keys,
