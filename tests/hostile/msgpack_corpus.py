@@ -66,8 +66,8 @@ def cases() -> list[Case]:
     f32 = np.zeros(2, np.float32).tobytes()
     items = [
         Case("zero-size-huge-dim", state(ndarray([0, 2**64 - 1], "float32", b"")), "", "7"),
-        Case("huge-dims", state(ndarray([2**40, 2**40], "float32", f32)), "needs"),
-        Case("huge-dim-u64", state(ndarray([2**64 - 1], "uint8", b"\0")), "needs"),
+        Case("huge-dims", state(ndarray([2**40, 2**40], "float32", f32)), "beyond any array"),
+        Case("huge-dim-u64", state(ndarray([2**64 - 1], "uint8", b"\0")), "beyond any array"),
         Case("rank-65", state(ndarray([1] * 65, "float32", f32[:4])), "not a list of sizes"),
         Case("negative-dim", state(ndarray([-1], "float32", f32)), "not a list of sizes"),
         Case("bool-dim", state(ndarray([True], "float32", f32)), "not a list of sizes"),
@@ -78,7 +78,7 @@ def cases() -> list[Case]:
         Case("bytes-short", state(ndarray([4], "float32", f32)), "needs 16 bytes"),
         Case("bytes-missing", state(ext(1, msgpack.packb(([2], "float32")))), "damaged array"),
         Case("ext-unknown", state(ext(7, b"\0")), "ext type 7"),
-        Case("ext-timestamp", b"\x82\xa6params\x81\xa1w\xd6\xff\0\0\0\x01\xa4step\x03", ""),
+        Case("ext-timestamp", b"\x82\xa6params\x81\xa1w\xd6\xff\0\0\0\x01\xa4step\x03", "Timestamp"),
         Case("ext-not-triple", state(ext(1, msgpack.packb([1, 2]))), "damaged array"),
         Case("ext-garbage", state(ext(1, b"\xc1\xc1")), "damaged array"),
         Case(
@@ -113,7 +113,7 @@ def cases() -> list[Case]:
         Case(
             "chunked-huge-shape",
             _chunked({"0": 2**62, "1": 2**62}, {"0": ndarray([2], "float32", f32)}),
-            "needs",
+            "needs|beyond any array",
         ),
         Case("chunked-missing-entry", _chunked({"1": 2}, {"0": 1}), "missing"),
         Case("chunked-not-arrays", _chunked({"0": 2}, {"0": "xx"}), "1-D arrays"),

@@ -203,8 +203,9 @@ def _ours_and_orbax(tmp_path: Path, saved: object, target: object) -> tuple[obje
         ("ours", osf.SafetensorsSave, osf.SafetensorsRestore),
         ("orbax", ocp.args.StandardSave, ocp.args.StandardRestore),
     ]:
-        handlers = osf.SafetensorsCheckpointHandler() if name == "ours" else None
-        with ocp.CheckpointManager(tmp_path / name, item_handlers=handlers) as m:
+        # Ours in a manager that also takes Orbax's args (osf.handler_registry).
+        registry = osf.handler_registry() if name == "ours" else None
+        with ocp.CheckpointManager(tmp_path / name, handler_registry=registry) as m:
             m.save(0, args=save(saved))
             m.wait_until_finished()
             out.append(m.restore(0, args=restore(target)))
@@ -229,14 +230,15 @@ def _pytree_both(tmp_path: Path, saved: object, item: object, restore_args: obje
     """(ours, Orbax's) PyTreeRestore(item, restore_args) of ``saved``."""
     out = []
     for name in ("ours", "orbax"):
-        handlers = osf.SafetensorsCheckpointHandler() if name == "ours" else None
-        with ocp.CheckpointManager(tmp_path / name, item_handlers=handlers) as m:
+        # Ours in a manager that also takes Orbax's args (osf.handler_registry).
+        registry = osf.handler_registry() if name == "ours" else None
+        with ocp.CheckpointManager(tmp_path / name, handler_registry=registry) as m:
             if name == "ours":
                 m.save(0, args=osf.SafetensorsSave(saved))
-                args = osf.SafetensorsRestore(item, restore_args=restore_args)
             else:
                 m.save(0, args=ocp.args.PyTreeSave(saved))
-                args = ocp.args.PyTreeRestore(item, restore_args=restore_args)
+            # Orbax's own PyTreeRestore args in both: our handler takes them on its steps.
+            args = ocp.args.PyTreeRestore(item, restore_args=restore_args)
             m.wait_until_finished()
             out.append(m.restore(0, args=args))
     return out[0], out[1]

@@ -156,6 +156,11 @@ def _resolve(node: Any, name: str, where: str, depth: int) -> Any:
         return _unchunk(out, name, where) if _CHUNKED in out else out
     if isinstance(node, list):
         return [_resolve(v, _join(name, i), where, depth + 1) for i, v in enumerate(node)]
+    if isinstance(node, msgpack.Timestamp):  # ext type -1, decoded by msgpack itself
+        raise FlaxMsgpackError(
+            f"{where}: key {name!r}: msgpack Timestamp (ext type -1) is not a value Flax writes "
+            "(ndarrays, complex numbers and numpy scalars are ext types 1-3)"
+        )
     return node
 
 
