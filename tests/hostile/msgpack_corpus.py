@@ -78,7 +78,9 @@ def cases() -> list[Case]:
         Case("bytes-short", state(ndarray([4], "float32", f32)), "needs 16 bytes"),
         Case("bytes-missing", state(ext(1, msgpack.packb(([2], "float32")))), "damaged array"),
         Case("ext-unknown", state(ext(7, b"\0")), "ext type 7"),
-        Case("ext-timestamp", b"\x82\xa6params\x81\xa1w\xd6\xff\0\0\0\x01\xa4step\x03", "Timestamp"),
+        Case(
+            "ext-timestamp", b"\x82\xa6params\x81\xa1w\xd6\xff\0\0\0\x01\xa4step\x03", "Timestamp"
+        ),
         Case("ext-not-triple", state(ext(1, msgpack.packb([1, 2]))), "damaged array"),
         Case("ext-garbage", state(ext(1, b"\xc1\xc1")), "damaged array"),
         Case(
