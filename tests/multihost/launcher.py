@@ -129,9 +129,12 @@ def _child_env(
     # fight JAX_NUM_CPU_DEVICES.
     flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
     env["XLA_FLAGS"] = flags.strip()
+    extra = dict(extra or {})
     pythonpath = [str(MULTIHOST_DIR), str(REPO_ROOT)]
-    if env.get("PYTHONPATH"):
-        pythonpath.append(env["PYTHONPATH"])
+    # A PYTHONPATH in ``extra`` (often a copy of os.environ's) is kept, after the workers' own.
+    for given in (extra.pop("PYTHONPATH", None), env.get("PYTHONPATH")):
+        if given and given not in pythonpath:
+            pythonpath.append(given)
     env.update(
         {
             "PYTHONPATH": os.pathsep.join(pythonpath),
@@ -145,7 +148,7 @@ def _child_env(
             worker_lib.ENV_ARGS: json.dumps(dict(args)),
         }
     )
-    env.update(extra or {})
+    env.update(extra)
     return env
 
 
