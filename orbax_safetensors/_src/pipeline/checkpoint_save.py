@@ -49,6 +49,7 @@ from orbax_safetensors._src.pipeline import gcpause as _gcpause
 from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.pipeline import snapshots as _snapshots
 from orbax_safetensors._src.storage import interface as _interface
+from orbax_safetensors._src.storage import replace as _replace
 from orbax_safetensors._src.storage import router as _router
 
 
@@ -392,16 +393,16 @@ def save_directory(
 ) -> None:
     """Saves ``tree`` as a checkpoint directory from one process (no Orbax involved);
     ``dtype`` is a dtype policy (see ``save_file``), applied tensor by tensor as it writes."""
-    directory = epath.Path(directory)
     validated = validate_save(tree, metadata, dtype=dtype)  # before the directory exists
-    directory.mkdir(parents=True, exist_ok=True)
-    prepared = prepare_save(
-        tree,
-        user_metadata=metadata,
-        max_file_size=max_file_size,
-        copy=False,
-        lazy=True,
-        validated=validated,
-    )
-    share = write_process_share(prepared, directory, persist_share=False)
-    finalize(directory, prepared.metadata, [share])
+    # An existing directory's checkpoint files are replaced whole (storage/replace.py).
+    with _replace.replacing_directory(directory) as out:
+        prepared = prepare_save(
+            tree,
+            user_metadata=metadata,
+            max_file_size=max_file_size,
+            copy=False,
+            lazy=True,
+            validated=validated,
+        )
+        share = write_process_share(prepared, out, persist_share=False)
+        finalize(out, prepared.metadata, [share])
