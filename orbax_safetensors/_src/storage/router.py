@@ -182,7 +182,7 @@ def prepare_directory(
     """Main-thread step of every process before a checkpoint's files are written.
 
     On S3 in a multi-process job the primary starts one multipart upload per large file here
-    (see :func:`.objstore.s3.prepare_directory`); elsewhere it does nothing.
+    (see :func:`.objstore.s3_uploads.prepare_directory`); elsewhere it does nothing.
     """
     provider = provider_for(directory)
     if provider is not None:

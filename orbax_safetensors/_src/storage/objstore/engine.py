@@ -22,6 +22,7 @@ from orbax_safetensors._src.storage.objstore import common as _common
 from orbax_safetensors._src.storage.objstore import gcs as _gcs
 from orbax_safetensors._src.storage.objstore import options as _options
 from orbax_safetensors._src.storage.objstore import s3 as _s3
+from orbax_safetensors._src.storage.objstore import s3_uploads as _s3_uploads
 from orbax_safetensors._src.storage.objstore import views as _views
 
 _Store: TypeAlias = _s3.S3Store | _gcs.GcsStore
@@ -71,7 +72,7 @@ def _write_ranges(
     options = _options.get_object_store_options()
     prefix, name = _common.staging_prefix(key)
     s3 = isinstance(store, _s3.S3Store)
-    upload_id = _s3.upload_id_for(url) if s3 else None
+    upload_id = _s3_uploads.upload_id_for(url) if s3 else None
     min_part = _s3.s3_min_part(size)
     target = max(options.part_size, 2 * min_part)
     sources: list[dict[str, Any]] = []
@@ -152,9 +153,9 @@ def prepare_directory(
     store: _Store, directory: str, files: Sequence[tuple[str, int]], *, is_primary: bool
 ) -> None:
     """Main-thread step of every process before a save into ``directory``: on S3, see
-    :func:`.s3.prepare_directory`; does nothing on GCS."""
+    :func:`.s3_uploads.prepare_directory`; does nothing on GCS."""
     if isinstance(store, _s3.S3Store):
-        _s3.prepare_directory(store, directory, files, is_primary=is_primary)
+        _s3_uploads.prepare_directory(store, directory, files, is_primary=is_primary)
 
 
 def finalize_directory(store: _Store, directory: str) -> None:
@@ -168,7 +169,7 @@ def finalize_directory(store: _Store, directory: str) -> None:
         "LIST parts",
         lambda: store.list(bucket, f"{base}{_common.STAGING_DIR}/"),
     )
-    entry = _s3.take_uploads(directory) if isinstance(store, _s3.S3Store) else None
+    entry = _s3_uploads.take_uploads(directory) if isinstance(store, _s3.S3Store) else None
     if not listing and (entry is None or not entry.ids):
         return  # every file was written whole (by one process): nothing to join
     manifests: dict[str, list[dict[str, Any]]] = {}
