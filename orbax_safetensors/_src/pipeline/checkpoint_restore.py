@@ -34,6 +34,7 @@ from orbax_safetensors._src.pipeline.tree_restore import (
     KEY_HINT,
     restore_tree,
 )
+from orbax_safetensors._src.storage import config as _config
 from orbax_safetensors._src.storage import router as _router
 
 # --------------------------------------------------------------------------- reading
@@ -59,7 +60,7 @@ def read_metadata(directory: epath.PathLike) -> dict[str, Any]:
 
 
 def locate_in_directory(
-    directory: epath.PathLike, metadata: Mapping[str, Any]
+    directory: epath.PathLike, metadata: Mapping[str, Any], *, io: _config.IOOptions | None = None
 ) -> dict[str, StoredTensor]:
     """Every tensor of a checkpoint directory, cross-checked against the files' own headers."""
     directory = epath.Path(directory)
@@ -80,7 +81,7 @@ def locate_in_directory(
                     f"{directory}: tensor {name!r} is stored in {filename!r}, which does not "
                     "exist or is not a regular file"
                 )
-            headers[filename] = _router.read_header(path)
+            headers[filename] = _router.read_header(path, io)
             paths[filename] = path
         entry = headers[filename].tensors.get(name)
         if entry is None:
@@ -150,9 +151,10 @@ def restore_directory(
     shape_hint: str = "",
     include: _select.Patterns = None,
     exclude: _select.Patterns = None,
+    io_options: _config.IOOptions | None = None,
 ) -> Any:
     """Restores a checkpoint directory (see :func:`orbax_safetensors.load_file` for ``target``,
-    ``include`` and ``exclude``: only the selected tensors' bytes are read).
+    ``include``, ``exclude`` and ``io_options``: only the selected tensors' bytes are read).
 
     ``strict`` governs keys, as in ``load_file``; ``pad_or_truncate``, ``keep_missing``,
     ``key_hint`` and ``shape_hint`` are :func:`.tree_restore.restore_tree`'s (the Orbax handler's
@@ -169,7 +171,8 @@ def restore_directory(
     select = _select.Selection.of(include, exclude)
     directory = epath.Path(directory)
     metadata = read_metadata(directory)
-    stored = locate_in_directory(directory, metadata)
+    io = io_options
+    stored = locate_in_directory(directory, metadata, io=io)
     return restore_tree(
         metadata["schema"],
         stored,
@@ -183,6 +186,7 @@ def restore_directory(
         key_hint=key_hint,
         shape_hint=shape_hint,
         select=select,
+        io=io,
     )
 
 

@@ -35,6 +35,7 @@ from orbax_safetensors._src.pipeline import gcpause as _gcpause
 from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.pipeline.reader import StoredTensor
 from orbax_safetensors._src.pipeline.tree_restore import restore_tree
+from orbax_safetensors._src.storage import config as _config
 from orbax_safetensors._src.storage import interface as _interface
 from orbax_safetensors._src.storage import router as _router
 
@@ -46,6 +47,7 @@ def save_file(
     metadata: Mapping[str, str] | None = None,
     *,
     dtype: _casting.DtypePolicy | None = None,
+    io_options: _config.IOOptions | None = None,
 ) -> None:
     """Saves a pytree as one ``.safetensors`` file.
 
@@ -64,6 +66,8 @@ def save_file(
         as it is written, never as a cast copy of the whole tree; the schema records each
         cast tensor's original dtype. ``load_file`` without a target gives the stored dtype,
         with a target the target's.
+      io_options: how the file is written (:class:`~orbax_safetensors.IOOptions`: direct
+        I/O mode, object-store options, tracing); None: the defaults (environment).
 
     Raises:
       UnsupportedLeafError: for a leaf or dtype that cannot be stored, before anything is written.
@@ -112,12 +116,12 @@ def save_file(
 
     if _router.is_object_url(path):
         # An object appears whole or not at all: write the final object directly.
-        with _router.open_writer(path, size=size) as w:
+        with _router.open_writer(path, size=size, io=io_options) as w:
             write(w)
         return
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
     try:
-        with _router.open_writer(tmp, size=size, truncate=True) as w:
+        with _router.open_writer(tmp, size=size, truncate=True, io=io_options) as w:
             write(w)
         tmp.replace(path)
     except BaseException:
@@ -174,6 +178,7 @@ def load_file(
     include: _select.Patterns = None,
     exclude: _select.Patterns = None,
     verify: bool = True,
+    io_options: _config.IOOptions | None = None,
 ) -> Any:
     """Loads a ``.safetensors`` file, rebuilding the saved pytree.
 
@@ -199,6 +204,8 @@ def load_file(
       exclude: glob patterns of names not to read, by the same rule (applied after
         ``include``).
       verify: check each tensor read whole against its stored CRC32C.
+      io_options: how the file is read (:class:`~orbax_safetensors.IOOptions`: direct I/O
+        mode, object-store options, tracing); None: the defaults (environment).
 
     Raises:
       HeaderError, SchemaError: the file is damaged or hostile.
@@ -216,10 +223,18 @@ def load_file(
     # file in between, the reads mix two versions. Read again until the file stayed the same.
     for _ in range(_READ_ATTEMPTS):
         before = _identity(path)
-        header = _router.read_header(path)
+        header = _router.read_header(path, io_options)
         schema, stored = file_index(path, header)
         try:
-            tree = restore_tree(schema, stored, target, strict=strict, verify=verify, select=select)
+            tree = restore_tree(
+                schema,
+                stored,
+                target,
+                strict=strict,
+                verify=verify,
+                select=select,
+                io=io_options,
+            )
         except (SafetensorsCheckpointError, OSError, EOFError):
             if _identity(path) == before:
                 raise

@@ -36,6 +36,7 @@ from orbax_safetensors._src.pipeline.reader import (
     StoredTensor,
     read_tensors,
 )
+from orbax_safetensors._src.storage import config as _config
 
 _RESTORE_ARGS_TYPES: dict[type, bool] = {}  # type -> whether its instances are restore args
 
@@ -254,8 +255,10 @@ class _Loader:
         stored: Mapping[str, StoredTensor],
         verify: bool,
         stats: ReadStats | None,
+        io: _config.IOOptions | None = None,
     ) -> None:
         self.leaves, self.stored, self.verify, self.stats = leaves, stored, verify, stats
+        self.io = io
         self.requests: list[ReadRequest] = []
         self.slots: dict[tuple, int] = {}
 
@@ -279,7 +282,7 @@ class _Loader:
         return index
 
     def run(self) -> list[Any]:
-        return read_tensors(self.requests, self.stats)
+        return read_tensors(self.requests, self.stats, self.io)
 
 
 def _finish(
@@ -321,8 +324,10 @@ def restore_tree(
     key_hint: str = KEY_HINT,
     shape_hint: str = "",
     select: _select.Selection | None = None,
+    io: _config.IOOptions | None = None,
 ) -> Any:
-    """Rebuilds a tree from ``stored`` tensors (see the module docstring).
+    """Rebuilds a tree from ``stored`` tensors (see the module docstring); ``io``: how files
+    are read (see :class:`~orbax_safetensors.IOOptions`).
 
     Args:
       schema: the stored tree schema, or None for a plain safetensors file (a flat dict).
@@ -359,7 +364,7 @@ def restore_tree(
                 )
     else:
         leaves = {name: _leaf_of(s) for name, s in stored.items()}
-    loader = _Loader(leaves, stored, verify, stats)
+    loader = _Loader(leaves, stored, verify, stats, io)
     if target is None:
         return _restore_untargeted(schema, leaves, loader, saved_sharding, select)
     options = _Options(pad_or_truncate, keep_missing, key_hint, shape_hint, select)

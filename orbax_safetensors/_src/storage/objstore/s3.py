@@ -14,11 +14,11 @@ import contextlib
 import dataclasses
 import functools
 import json
-import os
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from orbax_safetensors._src.storage import config as _config
 from orbax_safetensors._src.storage.objstore import calls as _calls
 from orbax_safetensors._src.storage.objstore import common as _common
 from orbax_safetensors._src.storage.objstore import options as _options
@@ -48,16 +48,16 @@ def _import_boto3() -> tuple[Any, Any]:
     return boto3, Config
 
 
-class S3Store:
+class S3Store(_calls.Configured):
     """S3 (or an S3-compatible server) through boto3: one thread-safe client per configuration."""
 
     scheme = "s3"
     _clients: dict[tuple[Any, ...], Any] = {}
 
     def client(self) -> Any:
-        options = _options.get_object_store_options()
+        options = self.options
         env = tuple(
-            os.environ.get(k)
+            _config.env_var(k)
             for k in (
                 "AWS_ENDPOINT_URL_S3",
                 "AWS_ENDPOINT_URL",
@@ -77,11 +77,11 @@ class S3Store:
 
         kwargs: dict[str, Any] = {}
         client_kwargs = conf.get("client_kwargs") or {}
-        if not (os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")):
+        if not (_config.env_var("AWS_ENDPOINT_URL_S3") or _config.env_var("AWS_ENDPOINT_URL")):
             endpoint = conf.get("endpoint_url") or client_kwargs.get("endpoint_url")
             if endpoint:
                 kwargs["endpoint_url"] = endpoint
-        if not os.environ.get("AWS_ACCESS_KEY_ID") and conf.get("key") and conf.get("secret"):
+        if not _config.env_var("AWS_ACCESS_KEY_ID") and conf.get("key") and conf.get("secret"):
             kwargs["aws_access_key_id"] = conf["key"]
             kwargs["aws_secret_access_key"] = conf["secret"]
         session = boto3.session.Session()
@@ -278,18 +278,18 @@ def write_multipart(
 ) -> None:
     """Writes the whole object ``key`` from ``seg`` as a multipart upload, one part per chunk
     (in parallel); the upload is aborted if any request fails."""
-    upload_id = _calls.call(url, "CreateMultipartUpload", lambda: store.create_upload(bucket, key))
+    upload_id = store.call(url, "CreateMultipartUpload", lambda: store.create_upload(bucket, key))
     try:
 
         def upload(n: int, a: int, b: int) -> tuple[int, str]:
-            etag = _calls.call(
+            etag = store.call(
                 url,
                 f"UploadPart {n} (bytes {a}-{b - 1})",
                 lambda: store.upload_part(bucket, key, upload_id, n, seg.slice(a, b)),
             )
             return n, etag
 
-        etags = _calls.run_all(
+        etags = store.run_all(
             [functools.partial(upload, n, a, b) for n, (a, b) in enumerate(chunks, start=1)]
         )
         complete(store, url, bucket, key, upload_id, etags, seg.size)
@@ -320,7 +320,7 @@ def complete(
                 return
             raise
 
-    _calls.call(url, f"CompleteMultipartUpload ({len(parts)} parts)", request)
+    store.call(url, f"CompleteMultipartUpload ({len(parts)} parts)", request)
 
 
 @dataclasses.dataclass
@@ -414,7 +414,7 @@ def assemble(store: S3Store, url: str, bucket: str, key: str, docs: list[dict[st
     """Joins the ranges the manifests ``docs`` list into the object ``key``: completes the
     shared multipart upload with parts built from the staged objects (or makes a new upload, or
     one PUT for a small file)."""
-    options = _options.get_object_store_options()
+    options = store.options
     size, sources = _common.checked_sources(url, docs)
     ids = {d.get("upload_id") for d in docs if d.get("upload_id")}
     if len(ids) > 1:
@@ -429,10 +429,10 @@ def assemble(store: S3Store, url: str, bucket: str, key: str, docs: list[dict[st
         # A small file of small ranges from several writers: one PUT of the downloaded ranges.
         buffer = bytearray(size)
         _common.fetch(store, url, bucket, flexible, memoryview(buffer))
-        _calls.call(url, f"PUT {size} bytes", lambda: store.put(bucket, key, [memoryview(buffer)]))
+        store.call(url, f"PUT {size} bytes", lambda: store.put(bucket, key, [memoryview(buffer)]))
         return
     if upload_id is None:
-        upload_id = _calls.call(
+        upload_id = store.call(
             url, "CreateMultipartUpload", lambda: store.create_upload(bucket, key)
         )
     try:
@@ -455,7 +455,7 @@ def assemble(store: S3Store, url: str, bucket: str, key: str, docs: list[dict[st
         jobs = [
             lambda p=p: _make_part(store, url, bucket, key, upload_id, p, size) for p in recipes
         ]
-        done += _calls.run_all(jobs)
+        done += store.run_all(jobs)
         numbers = [n for n, _ in done]
         if len(set(numbers)) != len(numbers):
             raise AssertionError(f"internal: duplicate part numbers in {sorted(numbers)}")
@@ -472,7 +472,7 @@ def _make_part(
     if p.copy is not None:
         src = p.copy
         a = int(src["key_offset"])
-        etag = _calls.call(
+        etag = store.call(
             url,
             f"UploadPartCopy {number} from {src['key']} bytes {a}-{a + p.size - 1}",
             lambda: store.copy_part(bucket, key, upload_id, number, src["key"], a, a + p.size),
@@ -480,7 +480,7 @@ def _make_part(
         return number, etag
     buffer = bytearray(p.size)
     _common.fetch(store, url, bucket, p.ranges, memoryview(buffer))
-    etag = _calls.call(
+    etag = store.call(
         url,
         f"UploadPart {number} (bytes {p.start}-{p.stop - 1})",
         lambda: store.upload_part(bucket, key, upload_id, number, [memoryview(buffer)]),

@@ -113,7 +113,7 @@ def _create_uploads(
         for name, size in files:
             if size >= 3 * s3_min_part(size):
                 obj = f"{key}/{name}" if key else name
-                ids[name] = _calls.call(
+                ids[name] = store.call(
                     f"{directory}/{name}",
                     "CreateMultipartUpload",
                     functools.partial(store.create_upload, bucket, obj),
