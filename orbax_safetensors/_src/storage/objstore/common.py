@@ -283,7 +283,7 @@ def fetch(
                 n = sum(len(v) for v in views)
                 jobs.append(
                     functools.partial(
-                        _calls.call,
+                        store.call,
                         url,
                         f"GET {obj} bytes {s}-{s + n - 1}",
                         functools.partial(store.get_into, bucket, obj, s, views),
