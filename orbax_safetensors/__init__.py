@@ -45,6 +45,7 @@ from orbax_safetensors._src.pipeline.checkpoint_save import save_directory
 from orbax_safetensors._src.pipeline.pieces import WriteStats
 from orbax_safetensors._src.pipeline.reader import ReadStats
 from orbax_safetensors._src.pipeline.standalone import load_metadata, save_file
+from orbax_safetensors._src.storage.config import IOOptions
 from orbax_safetensors._src.storage.objstore.calls import ObjectStoreError
 from orbax_safetensors._src.storage.objstore.options import (
     ObjectStoreOptions,
@@ -62,6 +63,7 @@ __all__ = [
     "DeletedArrayError",
     "Header",
     "HeaderError",
+    "IOOptions",
     "IntegrityError",
     "KeyMapping",
     "MappingReport",

@@ -36,7 +36,7 @@ import pytest
 
 import orbax_safetensors as osf
 from orbax_safetensors._src.orbax import object_storage as _object_storage
-from orbax_safetensors._src.storage.objstore import options as _options
+from orbax_safetensors._src.storage import config as _config
 from orbax_safetensors._src.storage.objstore import s3 as _s3
 
 try:  # tests/ without __init__.py: pytest puts tests/ itself on sys.path.
@@ -61,9 +61,15 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 @pytest.fixture
 def options() -> Iterator[Callable[..., None]]:
     """Sets object-storage options for one test (restored afterwards)."""
-    previous = _options.get_object_store_options()
-    yield lambda **kw: osf.set_object_store_options(**kw) and None
-    osf.set_object_store_options(**dataclasses.asdict(previous))
+
+    # The process defaults (what set_object_store_options, deprecated, changes), so that the
+    # manager and handler paths inside each test see them too.
+    def change(**kw: object) -> None:
+        current = _config.default_object_store_options()
+        _config.reset_object_store_defaults(dataclasses.replace(current, **kw))
+
+    yield change
+    _config.reset_object_store_defaults(None)
 
 
 @pytest.fixture(params=KINDS)

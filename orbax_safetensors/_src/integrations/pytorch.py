@@ -40,6 +40,7 @@ import numpy as np
 from etils import epath
 
 from orbax_safetensors._src.catalog import sources as _sources
+from orbax_safetensors._src.core import astype as _astype
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core.errors import TargetMismatchError
@@ -54,6 +55,7 @@ from orbax_safetensors._src.integrations.key_mapping import (
     Transpose,
 )
 from orbax_safetensors._src.storage import interface as _interface
+from orbax_safetensors._src.storage import replace as _replace
 from orbax_safetensors._src.storage import router as _router
 
 __all__ = [
@@ -307,43 +309,41 @@ def export_pytorch(
         raise TargetMismatchError(
             f"cannot export to {directory} through this mapping\n" + report.problems()
         )
-    directory.mkdir(parents=True, exist_ok=True)
-    for old in [*directory.glob("model*.safetensors"), directory / _plan.INDEX_FILE_NAME]:
-        if old.exists():
-            old.unlink()
-    plan = _plan.plan_files(specs, max_file_size=max_file_size, metadata={"format": "pt"})
-    local = _router.is_local(directory)
-    by_name = {name: (key, transform) for name, key, transform in moves}
-    groups = _sources.batches(
-        [infos[n] for n, _, _ in moves], batch_bytes if local else 1 << 62
-    ) or [[]]
-    for i, group in enumerate(groups):
-        arrays = read([t.name for t in group])
-        pieces: dict[int, list[_interface.Piece]] = {}
-        if i == 0:
-            for f, file_plan in enumerate(plan.files):
-                pieces[f] = [_interface.header_piece(file_plan.header)]
-        for t in group:
-            key, transform = by_name[t.name]
-            value = np.asarray(transform.to_torch(arrays.pop(t.name)))
-            if out_dtype is not None:
-                value = value.astype(out_dtype)
-            file_plan, entry = plan.locate(key)
-            raw = _dtypes.pack(np.ascontiguousarray(value), entry.dtype)
-            pieces.setdefault(plan.file_of[key], []).append(
-                _interface.Piece(file_plan.data_start + entry.begin, raw)
-            )
-            report.moved.append((t.name, key))
-        last = i == len(groups) - 1
-        for f, file_plan in enumerate(plan.files):
-            if f in pieces or last:
-                _router.write_file(
-                    directory / file_plan.filename,
-                    pieces.get(f, []),
-                    size=file_plan.size,
-                    checksums=False,
-                    sync=last,
+    # Earlier model files and index are replaced whole, other files kept (storage/replace.py).
+    with _replace.replacing_directory(directory) as out:
+        plan = _plan.plan_files(specs, max_file_size=max_file_size, metadata={"format": "pt"})
+        local = _router.is_local(out)
+        by_name = {name: (key, transform) for name, key, transform in moves}
+        groups = _sources.batches(
+            [infos[n] for n, _, _ in moves], batch_bytes if local else 1 << 62
+        ) or [[]]
+        for i, group in enumerate(groups):
+            arrays = read([t.name for t in group])
+            pieces: dict[int, list[_interface.Piece]] = {}
+            if i == 0:
+                for f, file_plan in enumerate(plan.files):
+                    pieces[f] = [_interface.header_piece(file_plan.header)]
+            for t in group:
+                key, transform = by_name[t.name]
+                value = np.asarray(transform.to_torch(arrays.pop(t.name)))
+                if out_dtype is not None:
+                    value = _astype.astype(value, out_dtype)
+                file_plan, entry = plan.locate(key)
+                raw = _dtypes.pack(np.ascontiguousarray(value), entry.dtype)
+                pieces.setdefault(plan.file_of[key], []).append(
+                    _interface.Piece(file_plan.data_start + entry.begin, raw)
                 )
-    if len(plan.files) > 1:
-        (directory / _plan.INDEX_FILE_NAME).write_text(json.dumps(plan.index_json(), indent=2))
+                report.moved.append((t.name, key))
+            last = i == len(groups) - 1
+            for f, file_plan in enumerate(plan.files):
+                if f in pieces or last:
+                    _router.write_file(
+                        out / file_plan.filename,
+                        pieces.get(f, []),
+                        size=file_plan.size,
+                        checksums=False,
+                        sync=last,
+                    )
+        if len(plan.files) > 1:
+            (out / _plan.INDEX_FILE_NAME).write_text(json.dumps(plan.index_json(), indent=2))
     return report

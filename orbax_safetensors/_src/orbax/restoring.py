@@ -46,6 +46,7 @@ from orbax_safetensors._src.pipeline.restore_options import (
     mismatch_message,
     reworded,
 )
+from orbax_safetensors._src.storage import config as _config
 
 # --------------------------------------------------------------------------- leaves
 
@@ -244,9 +245,12 @@ def v0_words(args: Any) -> Words:
     return V0_WORDS_STRICT_FALSE if not args.strict else V0_WORDS
 
 
-def restore_options(args: Any, *, verify: bool) -> RestoreOptions:
+def restore_options(
+    args: Any, *, verify: bool, io: _config.IOOptions | None = None
+) -> RestoreOptions:
     """The neutral options of a ``SafetensorsRestore``: ``strict`` governs shapes (as in
-    ``StandardRestore``), ``partial_restore`` keys (as in ``PyTreeRestore``)."""
+    ``StandardRestore``), ``partial_restore`` keys (as in ``PyTreeRestore``); ``io``: the
+    handler's I/O options."""
     target = merge_restore_args(args.item, args.restore_args, partial_restore=args.partial_restore)
     return RestoreOptions(
         target,
@@ -255,16 +259,23 @@ def restore_options(args: Any, *, verify: bool) -> RestoreOptions:
         select=_select.Selection.of(args.include, args.exclude),
         verify=verify,
         fallback_sharding=args.fallback_sharding,
+        io=io,
     )
 
 
 def restore_safetensors(
-    directory: epath.Path, args: Any, *, verify: bool, words: Words, stats: ReadStats
+    directory: epath.Path,
+    args: Any,
+    *,
+    verify: bool,
+    words: Words,
+    stats: ReadStats,
+    io: _config.IOOptions | None = None,
 ) -> Any:
     """Restores a safetensors item as ``SafetensorsRestore`` ``args`` ask; a mismatch error
     is worded in ``words``."""
     try:
-        options = restore_options(args, verify=verify)
+        options = restore_options(args, verify=verify, io=io)
         return _checkpoint_restore.restore_checkpoint(directory, options, stats=stats)
     except TargetMismatchError as e:
         raise reworded(e, words) from None
@@ -338,6 +349,7 @@ def load_file(
     include: _select.Patterns = None,
     exclude: _select.Patterns = None,
     verify: bool = True,
+    io_options: _config.IOOptions | None = None,
 ) -> Any:
     """Loads a ``.safetensors`` file, rebuilding the saved pytree.
 
@@ -364,6 +376,8 @@ def load_file(
       exclude: glob patterns of names not to read, by the same rule (applied after
         ``include``).
       verify: check each tensor read whole against its stored CRC32C.
+      io_options: how the file is read (:class:`~orbax_safetensors.IOOptions`: direct I/O
+        mode, object-store options, tracing); None: the defaults (environment).
 
     Raises:
       HeaderError, SchemaError: the file is damaged or hostile.
@@ -377,7 +391,12 @@ def load_file(
         attn = osf.load_file("w.safetensors", include="layers.*.attn", exclude="*.bias")
     """
     options = RestoreOptions.standalone(
-        neutral_target(target), strict=strict, include=include, exclude=exclude, verify=verify
+        neutral_target(target),
+        strict=strict,
+        include=include,
+        exclude=exclude,
+        verify=verify,
+        io=io_options,
     )
     return _standalone.load_with_options(path, options)
 
@@ -392,11 +411,12 @@ def restore_directory(
     fallback_sharding: jax.sharding.Sharding | None = None,
     include: _select.Patterns = None,
     exclude: _select.Patterns = None,
+    io_options: _config.IOOptions | None = None,
 ) -> Any:
     """Restores a checkpoint directory (an item directory of a step, or one that
     ``save_directory`` wrote), without Orbax's manager.
 
-    ``target``, ``strict``, ``include``, ``exclude`` and ``verify`` are as in
+    ``target``, ``strict``, ``include``, ``exclude``, ``verify`` and ``io_options`` are as in
     :func:`load_file` (``strict`` governs keys); only the selected tensors' bytes are read.
     ``stats`` (a ``ReadStats``) accumulates the bytes read and needed.
 
@@ -419,5 +439,6 @@ def restore_directory(
         exclude=exclude,
         verify=verify,
         fallback_sharding=fallback_sharding,
+        io=io_options,
     )
     return _checkpoint_restore.restore_checkpoint(directory, options, stats=stats)

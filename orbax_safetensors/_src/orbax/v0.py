@@ -49,6 +49,7 @@ from orbax_safetensors._src.pipeline import snapshots as _snapshots
 from orbax_safetensors._src.pipeline.reader import ReadStats
 from orbax_safetensors._src.pipeline.restore_options import Words
 from orbax_safetensors._src.storage import buffers as _buffers
+from orbax_safetensors._src.storage import config as _config
 from orbax_safetensors._src.storage import router as _router
 
 # How long an async save's writer waits, once every host copy is made, before it plans the
@@ -72,6 +73,8 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         save (no allocation and page faults per save, so ``save()`` blocks for little more
         than the copy); between saves they hold this process's share of the last save's large
         tensors until ``close()``. False: fresh buffers each save, freed once written.
+      io_options: how files are written and read (``osf.IOOptions``: direct I/O mode,
+        object-store options, tracing); None: the defaults (environment variables).
 
     After a save's writes finish, ``last_write_stats`` (a ``WriteStats``) holds the byte ranges
     this process wrote; after a restore, ``last_read_stats`` (a ``ReadStats``) holds the bytes
@@ -91,6 +94,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         verify: bool = True,
         primary_host: int = 0,
         reuse_host_buffers: bool = True,
+        io_options: _config.IOOptions | None = None,
     ) -> None:
         if max_file_size is not None and max_file_size <= 0:
             raise ValueError(f"max_file_size must be positive or None, got {max_file_size}")
@@ -98,6 +102,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         self._checksums = checksums
         self._verify = verify
         self._primary_host = primary_host
+        self._io = io_options
         self.last_read_stats: ReadStats | None = None
         self.last_write_stats: _pieces.WriteStats | None = None
         # (item directory, metadata draft) of this process's last save as the primary, so that
@@ -204,7 +209,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
             # object storage must start its uploads here (see _prepare_directory); a header
             # that may exceed the safetensors cap must fail here, not in the background.
             prepared = self._prepare(directory, args, snapshot=snapshot)
-            _prepare_directory(directory, prepared)
+            _prepare_directory(directory, prepared, self._io)
 
         def write_share() -> dict[str, Any]:
             ready = prepared
@@ -223,7 +228,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
                     time.sleep(_PLAN_DELAY_SECONDS)
                 ready = self._prepare(directory, args, snapshot=snapshot)
             return _checkpoint_save.write_process_share(
-                ready, directory, stats, persist_share=persist
+                ready, directory, stats, persist_share=persist, io=self._io
             )
 
         def write_share_paused() -> dict[str, Any]:
@@ -278,11 +283,11 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
             return
         self._check_primary_host()
         prepared = self._prepare(directory, args)
-        _prepare_directory(directory, prepared)
+        _prepare_directory(directory, prepared, self._io)
         self.last_write_stats = _pieces.WriteStats()
         persist = _persist_shares()
         share = _checkpoint_save.write_process_share(
-            prepared, directory, self.last_write_stats, persist_share=persist
+            prepared, directory, self.last_write_stats, persist_share=persist, io=self._io
         )
         self._share = None if persist else (str(directory), share)
 
@@ -296,7 +301,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         share, self._share = self._share, None
         known = draft[1] if draft is not None and draft[0] == str(directory) else None
         shares = [share[1]] if share is not None and share[0] == str(directory) else []
-        _checkpoint_save.finalize(directory, known, shares)
+        _checkpoint_save.finalize(directory, known, shares, io=self._io)
 
     def restore(self, directory: epath.Path, args: SafetensorsRestore | Any = None) -> Any:
         """Restores the tree; see :class:`SafetensorsRestore` for the target forms.
@@ -328,6 +333,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
             verify=self._verify,
             words=words or _restoring.v0_words(args),
             stats=stats,
+            io=self._io,
         )
         self.last_read_stats = stats
         return result
@@ -403,12 +409,16 @@ def handler_registry(
     return registry
 
 
-def _prepare_directory(directory: epath.Path, prepared: _checkpoint_save.PreparedSave) -> None:
+def _prepare_directory(
+    directory: epath.Path,
+    prepared: _checkpoint_save.PreparedSave,
+    io: _config.IOOptions | None = None,
+) -> None:
     # Main thread, every process, before any write: on S3 with several processes the primary
     # starts the multipart uploads the processes' parts go into (no-op elsewhere).
     _object_storage.refuse_renaming_commit(directory)  # S3: a save Orbax would commit by renaming
     files = [(f.filename, f.size) for f in prepared.plan.files]
-    _router.prepare_directory(directory, files, is_primary=prepared.is_primary)
+    _router.prepare_directory(directory, files, is_primary=prepared.is_primary, io=io)
 
 
 def _persist_shares() -> bool:

@@ -32,6 +32,7 @@ from orbax_safetensors._src.pipeline import gcpause as _gcpause
 from orbax_safetensors._src.pipeline.reader import ReadStats, StoredTensor
 from orbax_safetensors._src.pipeline.restore_options import RestoreOptions
 from orbax_safetensors._src.pipeline.tree_restore import restore_tree
+from orbax_safetensors._src.storage import config as _config
 from orbax_safetensors._src.storage import router as _router
 
 # --------------------------------------------------------------------------- reading
@@ -57,7 +58,7 @@ def read_metadata(directory: epath.PathLike) -> dict[str, Any]:
 
 
 def locate_in_directory(
-    directory: epath.PathLike, metadata: Mapping[str, Any]
+    directory: epath.PathLike, metadata: Mapping[str, Any], *, io: _config.IOOptions | None = None
 ) -> dict[str, StoredTensor]:
     """Every tensor of a checkpoint directory, cross-checked against the files' own headers."""
     directory = epath.Path(directory)
@@ -78,7 +79,7 @@ def locate_in_directory(
                     f"{directory}: tensor {name!r} is stored in {filename!r}, which does not "
                     "exist or is not a regular file"
                 )
-            headers[filename] = _router.read_header(path)
+            headers[filename] = _router.read_header(path, io)
             paths[filename] = path
         entry = headers[filename].tensors.get(name)
         if entry is None:
@@ -157,7 +158,7 @@ def restore_checkpoint(
     options = options or RestoreOptions()
     directory = epath.Path(directory)
     metadata = read_metadata(directory)
-    stored = locate_in_directory(directory, metadata)
+    stored = locate_in_directory(directory, metadata, io=options.io)
     return restore_tree(
         metadata["schema"],
         stored,
@@ -177,11 +178,12 @@ def restore_directory(
     fallback_sharding: jax.sharding.Sharding | None = None,
     include: _select.Patterns = None,
     exclude: _select.Patterns = None,
+    io_options: _config.IOOptions | None = None,
 ) -> Any:
     """Restores a checkpoint directory: the standalone API's form of
     :func:`restore_checkpoint` (``strict``, ``include``, ``exclude`` and ``target`` as in
     ``load_file``; ``fallback_sharding`` as in Orbax's ``StandardRestore``). Only the
-    selected tensors' bytes are read.
+    selected tensors' bytes are read; ``io_options`` as in ``load_file``.
 
     Example::
 
@@ -194,6 +196,7 @@ def restore_directory(
         exclude=exclude,
         verify=verify,
         fallback_sharding=fallback_sharding,
+        io=io_options,
     )
     return restore_checkpoint(directory, options, stats=stats)
 

@@ -48,7 +48,9 @@ from orbax_safetensors._src.core.errors import (
 from orbax_safetensors._src.pipeline import gcpause as _gcpause
 from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.pipeline import snapshots as _snapshots
+from orbax_safetensors._src.storage import config as _config
 from orbax_safetensors._src.storage import interface as _interface
+from orbax_safetensors._src.storage import replace as _replace
 from orbax_safetensors._src.storage import router as _router
 
 
@@ -270,6 +272,7 @@ def write_process_share(
     *,
     persist_share: bool = True,
     max_in_flight: int = _IN_FLIGHT_BYTES,
+    io: _config.IOOptions | None = None,
 ) -> dict[str, Any]:
     """Writes this process's bytes (and, on the primary, headers, index and metadata draft).
 
@@ -316,7 +319,7 @@ def write_process_share(
             if file_index not in writers:
                 path = directory / fplan.filename
                 writers[file_index] = stack.enter_context(
-                    _router.open_writer(path, size=fplan.size)
+                    _router.open_writer(path, size=fplan.size, io=io)
                 )
             nbytes = sum(p.data.nbytes for p in pieces)
             submitted = writers[file_index].submit(pieces, checksums=checksums)
@@ -357,6 +360,7 @@ def finalize(
     directory: epath.PathLike,
     draft_metadata: dict[str, Any] | None = None,
     shares: Sequence[dict[str, Any]] = (),
+    io: _config.IOOptions | None = None,
 ) -> None:
     """Merges every process's checksum share into the metadata file (run once, after all wrote).
 
@@ -366,7 +370,7 @@ def finalize(
     :func:`write_process_share` returns them unpersisted), merged with those found on disk.
     """
     directory = epath.Path(directory)
-    _router.finalize_files(directory)  # object storage: join what several processes staged
+    _router.finalize_files(directory, io)  # object storage: join what several processes staged
     draft = directory / _metadata.DRAFT_FILE
     metadata = draft_metadata if draft_metadata is not None else json.loads(draft.read_text())
     files = sorted(directory.glob(f"{_metadata.SHARE_FILE_PREFIX}*.json"))
@@ -389,19 +393,20 @@ def save_directory(
     metadata: Mapping[str, Any] | None = None,
     max_file_size: int | None = _plan.DEFAULT_MAX_FILE_SIZE,
     dtype: _casting.DtypePolicy | None = None,
+    io_options: _config.IOOptions | None = None,
 ) -> None:
     """Saves ``tree`` as a checkpoint directory from one process (no Orbax involved);
-    ``dtype`` is a dtype policy (see ``save_file``), applied tensor by tensor as it writes."""
-    directory = epath.Path(directory)
+    ``dtype`` is a dtype policy and ``io_options`` the I/O options (see ``save_file``)."""
     validated = validate_save(tree, metadata, dtype=dtype)  # before the directory exists
-    directory.mkdir(parents=True, exist_ok=True)
-    prepared = prepare_save(
-        tree,
-        user_metadata=metadata,
-        max_file_size=max_file_size,
-        copy=False,
-        lazy=True,
-        validated=validated,
-    )
-    share = write_process_share(prepared, directory, persist_share=False)
-    finalize(directory, prepared.metadata, [share])
+    # An existing directory's checkpoint files are replaced whole (storage/replace.py).
+    with _replace.replacing_directory(directory) as out:
+        prepared = prepare_save(
+            tree,
+            user_metadata=metadata,
+            max_file_size=max_file_size,
+            copy=False,
+            lazy=True,
+            validated=validated,
+        )
+        share = write_process_share(prepared, out, persist_share=False, io=io_options)
+        finalize(out, prepared.metadata, [share], io=io_options)

@@ -16,6 +16,7 @@ import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from orbax_safetensors._src.core import astype as _astype
 from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import plan as _plan
@@ -71,7 +72,7 @@ def tensor_pieces(
     stored = _dtypes.to_numpy(entry.dtype)
     for index, host in copies:
         if host.dtype != stored:
-            host = host.astype(stored)
+            host = _astype.astype(host, stored)
         raw = _dtypes.pack(host, entry.dtype)
         if index is None or _runs.is_whole(index, entry.shape):  # e.g. a replica's first copy
             pieces.append(_interface.Piece(base, raw, (name, 0)))

@@ -29,6 +29,7 @@ from orbax_safetensors._src.core import runs as _runs
 from orbax_safetensors._src.core.errors import IntegrityError
 from orbax_safetensors._src.pipeline import place as _place
 from orbax_safetensors._src.storage import buffers as _buffers
+from orbax_safetensors._src.storage import config as _config
 from orbax_safetensors._src.storage import router as _router
 
 
@@ -146,8 +147,13 @@ def _single_device(sharding: jax.sharding.Sharding) -> bool:
     return len(sharding.device_set) == 1 and sharding.is_fully_addressable
 
 
-def read_tensors(requests: Sequence[ReadRequest], stats: ReadStats | None = None) -> list[Any]:
-    """Reads every request (grouped by file, one batched read per file) and returns values."""
+def read_tensors(
+    requests: Sequence[ReadRequest],
+    stats: ReadStats | None = None,
+    io: _config.IOOptions | None = None,
+) -> list[Any]:
+    """Reads every request (grouped by file, one batched read per file) and returns values;
+    ``io``: the direct I/O mode and object-store options (None: the defaults)."""
     arena = _buffers.BufferArena()
     single_device = _memo.ShardingMemo(_single_device)  # many tensors share a few shardings
     buffers = [_read_buffers(r, arena, single_device) for r in requests]
@@ -173,7 +179,7 @@ def read_tensors(requests: Sequence[ReadRequest], stats: ReadStats | None = None
             if i in file_checks:
                 _check(file_checks[i], runs[i][1])
 
-        with _router.open_reader(path) as reader:
+        with _router.open_reader(path, io=io) as reader:
             reader.read_runs(runs, on_run=on_run if file_checks else None)
         if stats is not None:
             stats.bytes_read += reader.bytes_read

@@ -26,6 +26,7 @@ import numpy as np
 
 from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.core.errors import Mismatch, MismatchKind, TargetMismatchError
+from orbax_safetensors._src.storage import config as _config
 
 
 class Build(enum.Enum):
@@ -101,6 +102,8 @@ class RestoreOptions:
       verify: check each tensor read whole against its CRC32C.
       fallback_sharding: where an array goes whose saved sharding this job's devices cannot
         rebuild and whose target gives none (None: that is an error).
+      io: how files are read (direct I/O mode, object-store options; None: the defaults, see
+        :class:`~orbax_safetensors.IOOptions`).
 
     Example::
 
@@ -113,6 +116,7 @@ class RestoreOptions:
     select: _select.Selection | None = None
     verify: bool = True
     fallback_sharding: jax.sharding.Sharding | None = None
+    io: _config.IOOptions | None = None
 
     @classmethod
     def standalone(
@@ -124,6 +128,7 @@ class RestoreOptions:
         exclude: _select.Patterns = None,
         verify: bool = True,
         fallback_sharding: jax.sharding.Sharding | None = None,
+        io: _config.IOOptions | None = None,
     ) -> RestoreOptions:
         """The options of ``load_file`` / ``restore_directory``: ``strict`` governs keys (the
         safetensors and PyTorch meaning)."""
@@ -133,6 +138,7 @@ class RestoreOptions:
             select=_select.Selection.of(include, exclude),
             verify=verify,
             fallback_sharding=fallback_sharding,
+            io=io,
         )
 
 

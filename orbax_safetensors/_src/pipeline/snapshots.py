@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from orbax_safetensors._src.core import astype as _astype
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import memo as _memo
 from orbax_safetensors._src.core import runs as _runs
@@ -128,9 +129,9 @@ def _cast(host: np.ndarray, dtype: np.dtype, buffers: _buffers.BufferArena | Non
     # buffers (see _SMALL_COPY).
     nbytes = host.size * dtype.itemsize
     if buffers is None or nbytes < _SMALL_COPY:
-        return host.astype(dtype, order="C")
+        return _astype.astype(host, dtype)
     out = buffers.empty(nbytes).view(dtype).reshape(host.shape)
-    np.copyto(out, host, casting="unsafe")
+    _astype.cast_into(out, host)
     return out
 
 

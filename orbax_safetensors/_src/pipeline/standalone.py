@@ -36,6 +36,7 @@ from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.pipeline.reader import StoredTensor
 from orbax_safetensors._src.pipeline.restore_options import RestoreOptions
 from orbax_safetensors._src.pipeline.tree_restore import restore_tree
+from orbax_safetensors._src.storage import config as _config
 from orbax_safetensors._src.storage import interface as _interface
 from orbax_safetensors._src.storage import router as _router
 
@@ -47,6 +48,7 @@ def save_file(
     metadata: Mapping[str, str] | None = None,
     *,
     dtype: _casting.DtypePolicy | None = None,
+    io_options: _config.IOOptions | None = None,
 ) -> None:
     """Saves a pytree as one ``.safetensors`` file.
 
@@ -65,6 +67,8 @@ def save_file(
         as it is written, never as a cast copy of the whole tree; the schema records each
         cast tensor's original dtype. ``load_file`` without a target gives the stored dtype,
         with a target the target's.
+      io_options: how the file is written (:class:`~orbax_safetensors.IOOptions`: direct
+        I/O mode, object-store options, tracing); None: the defaults (environment).
 
     Raises:
       UnsupportedLeafError: for a leaf or dtype that cannot be stored, before anything is written.
@@ -113,12 +117,12 @@ def save_file(
 
     if _router.is_object_url(path):
         # An object appears whole or not at all: write the final object directly.
-        with _router.open_writer(path, size=size) as w:
+        with _router.open_writer(path, size=size, io=io_options) as w:
             write(w)
         return
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
     try:
-        with _router.open_writer(tmp, size=size, truncate=True) as w:
+        with _router.open_writer(tmp, size=size, truncate=True, io=io_options) as w:
             write(w)
         tmp.replace(path)
     except BaseException:
@@ -175,6 +179,7 @@ def load_file(
     include: _select.Patterns = None,
     exclude: _select.Patterns = None,
     verify: bool = True,
+    io_options: _config.IOOptions | None = None,
 ) -> Any:
     """Loads a ``.safetensors`` file, rebuilding the saved pytree: the standalone API's form of
     :func:`load_with_options` (``strict`` governs keys). The public ``osf.load_file`` (which
@@ -185,7 +190,7 @@ def load_file(
         params = load_file("w.safetensors", target=jax.eval_shape(lambda: params))
     """
     options = RestoreOptions.standalone(
-        target, strict=strict, include=include, exclude=exclude, verify=verify
+        target, strict=strict, include=include, exclude=exclude, verify=verify, io=io_options
     )
     return load_with_options(path, options)
 
@@ -207,7 +212,7 @@ def load_with_options(path: epath.PathLike, options: RestoreOptions) -> Any:
     # file in between, the reads mix two versions. Read again until the file stayed the same.
     for _ in range(_READ_ATTEMPTS):
         before = _identity(path)
-        header = _router.read_header(path)
+        header = _router.read_header(path, options.io)
         schema, stored = file_index(path, header)
         try:
             tree = restore_tree(schema, stored, options)

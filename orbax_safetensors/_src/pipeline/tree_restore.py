@@ -62,6 +62,7 @@ from orbax_safetensors._src.pipeline.restore_plan import (
     plan_tensor,
     wrap_key,
 )
+from orbax_safetensors._src.storage import config as _config
 
 _INLINE_KINDS = frozenset(("bool", "int", "float", "str"))
 
@@ -94,8 +95,10 @@ class _Loader:
         stored: Mapping[str, StoredTensor],
         verify: bool,
         stats: ReadStats | None,
+        io: _config.IOOptions | None = None,
     ) -> None:
         self.leaves, self.stored, self.verify, self.stats = leaves, stored, verify, stats
+        self.io = io
         self.requests: list[ReadRequest] = []
         self.slots: dict[tuple, int] = {}
 
@@ -119,7 +122,7 @@ class _Loader:
         return index
 
     def run(self) -> list[Any]:
-        return read_tensors(self.requests, self.stats)
+        return read_tensors(self.requests, self.stats, self.io)
 
 
 def _finish(
@@ -168,7 +171,7 @@ def restore_tree(
                 )
     else:
         leaves = {name: _leaf_of(s) for name, s in stored.items()}
-    loader = _Loader(leaves, stored, options.verify, stats)
+    loader = _Loader(leaves, stored, options.verify, stats, options.io)
     if options.target is None:
         return _restore_untargeted(schema, leaves, loader, saved_sharding, options.select)
     return _Targeted(schema, leaves, loader, saved_sharding, options).restore()

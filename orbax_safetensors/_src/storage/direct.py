@@ -10,7 +10,8 @@ in place. The bytes before the first and after the last whole block of a run (an
 is small, misaligned as in files from other writers, or whose buffer is not congruent) are read
 buffered, as before.
 
-When it is used (``OSF_DIRECT_IO``, read when a file is opened for reading):
+When it is used (``IOOptions(direct_io=...)``, default ``OSF_DIRECT_IO``; see
+:mod:`orbax_safetensors._src.storage.config`):
 
 - ``auto`` (the default): for each chunk of a large aligned run whose pages are mostly *not* in
   the page cache (``cachestat``, or ``mincore`` on kernels before 6.5). Warm data (just saved,
@@ -53,27 +54,31 @@ from typing import NamedTuple
 
 import numpy as np
 
+from orbax_safetensors._src.storage import config as _config
+
 BLOCK = 4096  # alignment of offsets, lengths and addresses of direct reads
 # Runs (reads) and units (writes) with less than this of whole blocks go buffered: a direct
 # transfer waits for the device, and below this the per-call cost dominates.
 MIN_BYTES = 1 << 20
 CHUNK_BYTES = 16 << 20  # one direct read: large enough to keep the device's queue full
-ENV = "OSF_DIRECT_IO"
-MODES = ("auto", "never", "always")
+ENV = _config.DIRECT_IO_ENV
+MODES = _config.DIRECT_IO_MODES
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux only
 # Errors that mean "this file or filesystem does not do direct I/O": read it buffered instead.
 _UNSUPPORTED = {errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}
 
 
-def mode() -> str:
-    """The direct I/O mode from ``OSF_DIRECT_IO`` (``auto`` when unset).
+def mode(value: str | None) -> str:
+    """The direct I/O mode ``value`` (``IOOptions.direct_io``), checked; None: the default
+    (``OSF_DIRECT_IO``, else ``auto``: see :mod:`..config`).
 
     Raises:
-      ValueError: naming the variable, for a value other than ``auto``, ``never``, ``always``.
+      ValueError: for a value other than ``auto``, ``never``, ``always``.
     """
-    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if value is None:
+        return _config.resolve(None).direct_io or "auto"
     if value not in MODES:
-        raise ValueError(f"{ENV}={value!r}: expected one of {', '.join(MODES)}")
+        raise ValueError(f"direct_io={value!r}: expected one of {', '.join(MODES)}")
     return value
 
 

@@ -171,11 +171,20 @@ class LocalWriter:
     buffered, with writeback started at once.
     """
 
-    def __init__(self, path: str, size: int, truncate: bool, threads: int, sync: bool) -> None:
+    def __init__(
+        self,
+        path: str,
+        size: int,
+        truncate: bool,
+        threads: int,
+        sync: bool,
+        *,
+        direct_io: str | None = None,
+    ) -> None:
         self.path = path
         self.size = size
         self._sync = sync
-        mode = _direct.mode() if _direct.available() else "never"  # (a bad value raises here)
+        mode = _direct.mode(direct_io) if _direct.available() else "never"
         flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if truncate else 0)
         self._fd = self._call(os.open, path, flags, 0o644)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -321,7 +330,7 @@ class LocalWriter:
 
 
 class LocalReader:
-    def __init__(self, path: epath.PathLike, threads: int) -> None:
+    def __init__(self, path: epath.PathLike, threads: int, *, direct_io: str | None = None) -> None:
         self.path = os.fspath(path)
         # O_NONBLOCK: opening a FIFO planted where a file should be must not hang.
         self._fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
@@ -331,7 +340,7 @@ class LocalReader:
             raise HeaderError(f"{self.path}: not a regular file (a directory, FIFO or device)")
         self.size = st.st_size
         self._threads = threads
-        self._direct_mode = _direct.mode() if _direct.available() else "never"
+        self._direct_mode = _direct.mode(direct_io) if _direct.available() else "never"
         self._direct_fd: int | None = None  # opened on the first direct read
         self._direct_refused = False  # the filesystem refused O_DIRECT: read buffered
         self.bytes_read = 0  # bytes asked of the file, coalesced gaps included

@@ -11,6 +11,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 from collections.abc import Iterator, Sequence
@@ -22,6 +23,7 @@ from etils import epath
 from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.core import sniff as _sniff
 from orbax_safetensors._src.core.errors import HeaderError, NotSafetensorsError
+from orbax_safetensors._src.storage import config as _config
 from orbax_safetensors._src.storage import interface as _interface
 from orbax_safetensors._src.storage import local as _local
 from orbax_safetensors._src.storage import stream as _stream
@@ -32,22 +34,29 @@ class Provider(Protocol):
     """What serves the paths of one URL scheme (an object store): ranged readers, whole-file
     writes, and the two checkpoint hooks around a save by several processes."""
 
-    def open_reader(self, url: str) -> Any:
+    def open_reader(self, url: str, io: _config.IOOptions) -> Any:
         """A reader with ``size``, ``pread``, ``read_runs`` and ``close`` (see
-        :func:`open_reader`)."""
+        :func:`open_reader`); ``io`` is resolved (:func:`.config.resolve`) in every method."""
         ...
 
-    def write_file(self, url: str, pieces: Sequence[_interface.Piece], size: int) -> None:
+    def write_file(
+        self, url: str, pieces: Sequence[_interface.Piece], size: int, io: _config.IOOptions
+    ) -> None:
         """Writes this process's ``pieces`` of the ``size``-byte file at ``url``."""
         ...
 
     def prepare_directory(
-        self, directory: str, files: Sequence[tuple[str, int]], *, is_primary: bool
+        self,
+        directory: str,
+        files: Sequence[tuple[str, int]],
+        *,
+        is_primary: bool,
+        io: _config.IOOptions,
     ) -> None:
         """See :func:`prepare_directory`."""
         ...
 
-    def finalize_directory(self, directory: str) -> None:
+    def finalize_directory(self, directory: str, io: _config.IOOptions) -> None:
         """See :func:`finalize_files`."""
         ...
 
@@ -97,13 +106,15 @@ def open_writer(
     truncate: bool = False,
     sync: bool = True,
     threads: int = _local.WRITE_THREADS,
+    io: _config.IOOptions | None = None,
 ) -> Iterator[_interface.Writer]:
     """Opens a file of final size ``size`` for positional writes; durable (fsync) on exit.
 
     Local files are opened without truncation (unless ``truncate``) so several processes can
     fill disjoint ranges of one file; each sets the same final size. Non-local paths are
     written as one sequential stream when the block exits, so the pieces must tile
-    ``[0, size)`` exactly. If the block raises, nothing more is written or synced.
+    ``[0, size)`` exactly. If the block raises, nothing more is written or synced. ``io``:
+    the direct I/O mode and object-store options (None: the defaults, see :mod:`.config`).
 
     Example::
 
@@ -113,10 +124,14 @@ def open_writer(
     """
     writer: _local.LocalWriter | _stream.BufferedWriter
     provider = provider_for(path)
+    resolved = _config.resolve(io)
     if is_local(path):
-        writer = _local.LocalWriter(os.fspath(path), size, truncate, threads, sync)
+        writer = _local.LocalWriter(
+            os.fspath(path), size, truncate, threads, sync, direct_io=resolved.direct_io
+        )
     elif provider is not None:
-        writer = _stream.BufferedWriter(os.fspath(path), size, flush=provider.write_file)
+        flush = functools.partial(_flush_to, provider, resolved)
+        writer = _stream.BufferedWriter(os.fspath(path), size, flush=flush)
     else:
         writer = _stream.BufferedWriter(os.fspath(path), size, flush=_stream.write_stream)
     try:
@@ -128,6 +143,16 @@ def open_writer(
     writer.close(sync)
 
 
+def _flush_to(
+    provider: Provider,
+    io: _config.IOOptions,
+    url: str,
+    pieces: Sequence[_interface.Piece],
+    size: int,
+) -> None:
+    provider.write_file(url, pieces, size, io)
+
+
 def write_file(
     path: epath.PathLike,
     pieces: Sequence[_interface.Piece],
@@ -136,13 +161,14 @@ def write_file(
     checksums: bool = True,
     truncate: bool = False,
     sync: bool = True,
+    io: _config.IOOptions | None = None,
 ) -> list[tuple[object, int, int]]:
     """Writes ``pieces`` into the file at ``path`` and sets its size to ``size``.
 
     See :func:`open_writer`. Returns ``(tag, nbytes, crc32c)`` for every piece written, in
     offset order (crc32c 0 unless ``checksums``).
     """
-    with open_writer(path, size=size, truncate=truncate, sync=sync) as w:
+    with open_writer(path, size=size, truncate=truncate, sync=sync, io=io) as w:
         return w.write(pieces, checksums=checksums)
 
 
@@ -158,16 +184,18 @@ def fsync_dir(path: epath.PathLike) -> None:
 
 
 @contextmanager
-def open_reader(path: epath.PathLike, *, threads: int = 4) -> Iterator[Any]:
+def open_reader(
+    path: epath.PathLike, *, threads: int = 4, io: _config.IOOptions | None = None
+) -> Iterator[Any]:
     """Opens ``path`` for ranged reads: fd-level locally, the scheme's provider (HTTP range
     requests on S3 and GCS: :class:`.objstore.common.ObjectReader`), a seekable stream
-    elsewhere."""
+    elsewhere. ``io``: the direct I/O mode and object-store options (None: the defaults)."""
     reader: Any
     provider = provider_for(path)
     if is_local(path):
-        reader = _local.LocalReader(path, threads)
+        reader = _local.LocalReader(path, threads, direct_io=_config.resolve(io).direct_io)
     elif provider is not None:
-        reader = provider.open_reader(os.fspath(path))
+        reader = provider.open_reader(os.fspath(path), _config.resolve(io))
     else:
         reader = _stream.StreamReader(path)
     try:
@@ -177,29 +205,35 @@ def open_reader(path: epath.PathLike, *, threads: int = 4) -> Iterator[Any]:
 
 
 def prepare_directory(
-    directory: epath.PathLike, files: Sequence[tuple[str, int]], *, is_primary: bool
+    directory: epath.PathLike,
+    files: Sequence[tuple[str, int]],
+    *,
+    is_primary: bool,
+    io: _config.IOOptions | None = None,
 ) -> None:
     """Main-thread step of every process before a checkpoint's files are written.
 
     On S3 in a multi-process job the primary starts one multipart upload per large file here
-    (see :func:`.objstore.s3.prepare_directory`); elsewhere it does nothing.
+    (see :func:`.objstore.s3_uploads.prepare_directory`); elsewhere it does nothing.
     """
     provider = provider_for(directory)
     if provider is not None:
-        provider.prepare_directory(os.fspath(directory), files, is_primary=is_primary)
+        provider.prepare_directory(
+            os.fspath(directory), files, is_primary=is_primary, io=_config.resolve(io)
+        )
 
 
-def finalize_files(directory: epath.PathLike) -> None:
+def finalize_files(directory: epath.PathLike, io: _config.IOOptions | None = None) -> None:
     """Joins files that several processes wrote in parts (object storage; primary, once).
 
     Local files need nothing: every process wrote its bytes in place.
     """
     provider = provider_for(directory)
     if provider is not None:
-        provider.finalize_directory(os.fspath(directory))
+        provider.finalize_directory(os.fspath(directory), _config.resolve(io))
 
 
-def read_header(path: epath.PathLike) -> _header.Header:
+def read_header(path: epath.PathLike, io: _config.IOOptions | None = None) -> _header.Header:
     """Reads and validates the header of a ``.safetensors`` file (no tensor bytes are read).
 
     Raises:
@@ -211,7 +245,7 @@ def read_header(path: epath.PathLike) -> _header.Header:
     path = epath.Path(path)
     found: _sniff.Sniffed | None = None
     try:
-        with open_reader(path) as r:
+        with open_reader(path, io=io) as r:
             try:
                 return _header.parse_header(
                     r.pread(0, 8), lambda n: r.pread(8, n), r.size, where=str(path)

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import orbax_safetensors as osf  # noqa: E402
 from orbax_safetensors._src.storage import router as _router  # noqa: E402
-from orbax_safetensors._src.storage.objstore import s3 as _s3  # noqa: E402
+from orbax_safetensors._src.storage.objstore import s3_uploads as _s3_uploads  # noqa: E402
 
 MiB = 1 << 20
 primary = jax.process_index() == 0
@@ -45,7 +45,7 @@ except Exception as error:
 # 2. The next hand-off works, and every process gets the same ids.
 directory = f"{ctx.args['bucket']}/handoff/0/default"
 _router.prepare_directory(directory, big, is_primary=primary)
-report["ids"] = _s3.upload_ids(directory)
+report["ids"] = _s3_uploads.upload_ids(directory)
 if primary:
     _router.finalize_files(directory)  # nothing was uploaded: aborts the uploads
 

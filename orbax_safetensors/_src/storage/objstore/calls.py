@@ -4,14 +4,13 @@ requests on the process-wide pool.
 
 Example::
 
-    size = call(url, "HEAD", lambda: store.size(bucket, key))
-    sizes = run_all([lambda: store.size(bucket, k) for k in keys])
+    size = call(url, "HEAD", lambda: store.size(bucket, key), options)
+    sizes = run_all([lambda: store.size(bucket, k) for k in keys], options.max_in_flight)
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import random
 import threading
 import time
@@ -105,11 +104,8 @@ def _is_transient(error: BaseException) -> bool:
     return from_requests and bool(names & {"ConnectionError", "Timeout"})
 
 
-_TRACE = os.environ.get("OSF_OBJSTORE_TRACE") == "1"
-
-
 def _trace(message: str) -> None:
-    """One line per request on stderr when ``OSF_OBJSTORE_TRACE=1`` (debugging aid)."""
+    """One line per request on stderr (``IOOptions(trace=True)``; a debugging aid)."""
     import sys
 
     print(
@@ -119,14 +115,21 @@ def _trace(message: str) -> None:
     )
 
 
-def call(url: str, operation: str, fn: Callable[[], _T]) -> _T:
-    """Runs ``fn`` with bounded retries on transient failures; wraps final errors."""
-    options = _options.get_object_store_options()
+def call(
+    url: str,
+    operation: str,
+    fn: Callable[[], _T],
+    options: _options.ObjectStoreOptions,
+    *,
+    trace: bool = False,
+) -> _T:
+    """Runs ``fn`` with up to ``options.max_attempts`` tries on transient failures; wraps
+    final errors; ``trace`` prints one line per request and retry on stderr."""
     attempt = 0
     while True:
         attempt += 1
         try:
-            if not _TRACE:
+            if not trace:
                 return fn()
             start = time.perf_counter()
             result = fn()
@@ -140,7 +143,7 @@ def call(url: str, operation: str, fn: Callable[[], _T]) -> _T:
             if not _is_transient(error) or attempt >= options.max_attempts:
                 raise ObjectStoreError(url, operation, attempt, error) from error
             _stats.count(retries=1)
-            if _TRACE:
+            if trace:
                 _trace(f"retry after attempt {attempt}: {operation} {url}: {describe_error(error)}")
             delay = min(options.backoff_max, options.backoff_initial * 2 ** (attempt - 1))
             time.sleep(delay * (0.5 + random.random() / 2))
@@ -160,14 +163,13 @@ _worker = threading.local()
 _lock = threading.Lock()  # guards _executor
 
 
-def _shared_pool() -> concurrent.futures.ThreadPoolExecutor:
+def _shared_pool(n: int) -> concurrent.futures.ThreadPoolExecutor:
     """The process-wide pool for object-storage requests (``max_in_flight`` threads).
 
     One pool bounds the requests in flight across every reader and writer of the process, and
     its long-lived threads keep their HTTP connections (and GCS clients) between calls.
     """
     global _executor
-    n = _options.get_object_store_options().max_in_flight
     with _lock:
         if _executor is None or _executor[0] != n:
             pool = concurrent.futures.ThreadPoolExecutor(
@@ -181,8 +183,9 @@ def _mark_worker() -> None:
     _worker.active = True
 
 
-def run_all(jobs: Sequence[Callable[[], _T]]) -> list[_T]:
-    """Runs ``jobs`` on the shared pool and returns their results in order.
+def run_all(jobs: Sequence[Callable[[], _T]], max_in_flight: int) -> list[_T]:
+    """Runs ``jobs`` on the shared pool (``max_in_flight`` threads) and returns their results
+    in order.
 
     Jobs started from inside a pool thread run inline (a nested fan-out must not wait for pool
     threads it occupies). The first failure is re-raised after the others were cancelled or
@@ -190,10 +193,35 @@ def run_all(jobs: Sequence[Callable[[], _T]]) -> list[_T]:
     """
     if len(jobs) <= 1 or getattr(_worker, "active", False):
         return [job() for job in jobs]
-    pool = _shared_pool()
+    pool = _shared_pool(max_in_flight)
     futures = [pool.submit(job) for job in jobs]
     concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
     for f in futures:
         f.cancel()
     concurrent.futures.wait(futures)
     return [f.result() for f in futures]
+
+
+class Configured:
+    """What an object-store client is configured with: its :class:`ObjectStoreOptions` and
+    whether requests are traced; :meth:`call` and :meth:`run_all` apply them.
+
+    Example::
+
+        store = S3Store(ObjectStoreOptions(max_attempts=8))
+        size = store.call(url, "HEAD", lambda: store.size(bucket, key))
+    """
+
+    def __init__(
+        self, options: _options.ObjectStoreOptions | None = None, trace: bool = False
+    ) -> None:
+        self.options = options if options is not None else _options.ObjectStoreOptions()
+        self.trace = trace
+
+    def call(self, url: str, operation: str, fn: Callable[[], _T]) -> _T:
+        """:func:`call` with this client's options."""
+        return call(url, operation, fn, self.options, trace=self.trace)
+
+    def run_all(self, jobs: Sequence[Callable[[], _T]]) -> list[_T]:
+        """:func:`run_all` with this client's ``max_in_flight``."""
+        return run_all(jobs, self.options.max_in_flight)

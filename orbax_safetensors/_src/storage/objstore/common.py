@@ -14,7 +14,7 @@ import contextlib
 import functools
 import os
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -48,12 +48,25 @@ def missing_client(scheme: str, package: str, extra: str, error: ImportError) ->
     )
 
 
+_T = TypeVar("_T")
+
+
 class Store(Protocol):
     """The requests every provider's client answers (``S3Store``, ``GcsStore``), given the
     bucket and key of an object. Every method sends its requests once (no retries: callers
-    wrap them in :func:`.calls.call`) and counts them in :mod:`.stats`."""
+    wrap them in :meth:`call`) and counts them in :mod:`.stats`."""
 
     scheme: str  # the URL scheme, e.g. "s3"
+    options: _options.ObjectStoreOptions  # see .calls.Configured
+    trace: bool
+
+    def call(self, url: str, operation: str, fn: Callable[[], _T]) -> _T:
+        """:func:`.calls.call` with this store's options."""
+        ...
+
+    def run_all(self, jobs: Sequence[Callable[[], _T]]) -> list[_T]:
+        """:func:`.calls.run_all` with this store's ``max_in_flight``."""
+        ...
 
     def size(self, bucket: str, key: str) -> int:
         """The object's size (FileNotFoundError-like client error when it is missing)."""
@@ -104,7 +117,7 @@ class ObjectReader:
     @property
     def size(self) -> int:
         if self._size is None:
-            self._size = _calls.call(
+            self._size = self._store.call(
                 self.path, "HEAD", lambda: self._store.size(self._bucket, self._key)
             )
         return self._size
@@ -114,7 +127,7 @@ class ObjectReader:
 
     def _get(self, start: int, views: Sequence[memoryview]) -> int | None:
         n = sum(len(v) for v in views)
-        return _calls.call(
+        return self._store.call(
             self.path,
             f"GET bytes {start}-{start + n - 1}",
             lambda: self._store.get_into(self._bucket, self._key, start, views),
@@ -125,7 +138,7 @@ class ObjectReader:
         # S3 also reports the object size with it (Content-Range).
         self.requests += 1
         self.bytes_read += _HEAD_PREFETCH
-        data, total = _calls.call(
+        data, total = self._store.call(
             self.path,
             f"GET bytes 0-{_HEAD_PREFETCH - 1}",
             lambda: self._store.get_upto(self._bucket, self._key, 0, _HEAD_PREFETCH),
@@ -172,7 +185,7 @@ class ObjectReader:
                 on_run(i)
 
     def _read_runs(self, runs: Sequence[tuple[int, np.ndarray]], max_gap: int | None) -> None:
-        options = _options.get_object_store_options()
+        options = self._store.options
         max_gap = options.max_gap if max_gap is None else max_gap
         wanted = [(o, d) for o, d in runs if d.nbytes]
         if not wanted:
@@ -185,7 +198,7 @@ class ObjectReader:
             requests.extend(_views.split_request(start, bufs, options.max_request_bytes))
         self.requests += len(requests)
         self.bytes_read += sum(len(v) for _, views in requests for v in views)
-        _calls.run_all([functools.partial(self._get, s, v) for s, v in requests])
+        self._store.run_all([functools.partial(self._get, s, v) for s, v in requests])
 
 
 def staging_prefix(key: str) -> tuple[str, str]:
@@ -209,7 +222,7 @@ def delete_quietly(store: Store, bucket: str, keys: Sequence[str]) -> None:
     keys = list(dict.fromkeys(keys))
     if keys:
         with contextlib.suppress(Exception):
-            _calls.call(
+            store.call(
                 f"{store.scheme}://{bucket}/{keys[0]}",
                 f"DELETE {len(keys)} temporary objects",
                 lambda: store.delete(bucket, keys),
@@ -255,7 +268,7 @@ def fetch(
     Ranges of one object that lie close together (one process's loose ranges are stored back
     to back) share a request, as in :meth:`ObjectReader.read_runs`.
     """
-    options = _options.get_object_store_options()
+    options = store.options
     dest = np.frombuffer(out, dtype=np.uint8)
     by_object: dict[str, list[tuple[int, np.ndarray]]] = {}
     pos = 0
@@ -270,14 +283,14 @@ def fetch(
                 n = sum(len(v) for v in views)
                 jobs.append(
                     functools.partial(
-                        _calls.call,
+                        store.call,
                         url,
                         f"GET {obj} bytes {s}-{s + n - 1}",
                         functools.partial(store.get_into, bucket, obj, s, views),
                     )
                 )
     _stats.count(bytes_reassembled=pos)
-    _calls.run_all(jobs)
+    store.run_all(jobs)
 
 
 def cut(source: dict[str, Any], a: int, b: int) -> dict[str, Any]:

@@ -16,12 +16,12 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
+from orbax_safetensors._src.storage import config as _config
 from orbax_safetensors._src.storage import interface as _interface
-from orbax_safetensors._src.storage.objstore import calls as _calls
 from orbax_safetensors._src.storage.objstore import common as _common
 from orbax_safetensors._src.storage.objstore import gcs as _gcs
-from orbax_safetensors._src.storage.objstore import options as _options
 from orbax_safetensors._src.storage.objstore import s3 as _s3
+from orbax_safetensors._src.storage.objstore import s3_uploads as _s3_uploads
 from orbax_safetensors._src.storage.objstore import views as _views
 
 _Store: TypeAlias = _s3.S3Store | _gcs.GcsStore
@@ -46,9 +46,9 @@ def write_file(store: _Store, url: str, pieces: Sequence[_interface.Piece], size
 
 
 def _write_whole(store: _Store, url: str, bucket: str, key: str, seg: _views.Segment) -> None:
-    options = _options.get_object_store_options()
+    options = store.options
     if seg.size <= options.part_size:
-        _calls.call(url, f"PUT {seg.size} bytes", lambda: store.put(bucket, key, seg.views))
+        store.call(url, f"PUT {seg.size} bytes", lambda: store.put(bucket, key, seg.views))
         return
     chunks = _views.even_chunks(seg.size, options.part_size)
     if isinstance(store, _s3.S3Store):
@@ -68,10 +68,10 @@ def _write_ranges(
     (everything smaller, and the 5 MiB edges around S3 direct parts). A manifest listing them
     by file offset is written last.
     """
-    options = _options.get_object_store_options()
+    options = store.options
     prefix, name = _common.staging_prefix(key)
     s3 = isinstance(store, _s3.S3Store)
-    upload_id = _s3.upload_id_for(url) if s3 else None
+    upload_id = _s3_uploads.upload_id_for(url) if s3 else None
     min_part = _s3.s3_min_part(size)
     target = max(options.part_size, 2 * min_part)
     sources: list[dict[str, Any]] = []
@@ -79,14 +79,14 @@ def _write_ranges(
     loose: list[tuple[int, list[memoryview], int]] = []  # (file offset, views, nbytes)
 
     def put_job(obj: str, views: list[memoryview], what: str) -> Callable[[], None]:
-        return lambda: _calls.call(url, f"PUT {what} {obj}", lambda: store.put(bucket, obj, views))
+        return lambda: store.call(url, f"PUT {what} {obj}", lambda: store.put(bucket, obj, views))
 
     def part_job(record: dict[str, Any], views: list[memoryview]) -> Callable[[], None]:
         assert isinstance(store, _s3.S3Store) and upload_id is not None
         number, a = record["part"], record["offset"]
 
         def job() -> None:
-            record["etag"] = _calls.call(
+            record["etag"] = store.call(
                 url,
                 f"UploadPart {number} (bytes {a}-{a + record['size'] - 1})",
                 lambda: store.upload_part(bucket, key, upload_id, number, views),
@@ -136,7 +136,7 @@ def _write_ranges(
             pos += n
         uploads.append(put_job(obj, views, "loose ranges"))
 
-    _calls.run_all(uploads)
+    store.run_all(uploads)
     manifest = {
         "file": name,
         "size": size,
@@ -145,16 +145,16 @@ def _write_ranges(
     }
     data = [memoryview(json.dumps(manifest).encode())]
     mkey = f"{prefix}m-{segments[0].start:016x}.json"
-    _calls.call(url, f"PUT manifest {mkey}", lambda: store.put(bucket, mkey, data))
+    store.call(url, f"PUT manifest {mkey}", lambda: store.put(bucket, mkey, data))
 
 
 def prepare_directory(
     store: _Store, directory: str, files: Sequence[tuple[str, int]], *, is_primary: bool
 ) -> None:
     """Main-thread step of every process before a save into ``directory``: on S3, see
-    :func:`.s3.prepare_directory`; does nothing on GCS."""
+    :func:`.s3_uploads.prepare_directory`; does nothing on GCS."""
     if isinstance(store, _s3.S3Store):
-        _s3.prepare_directory(store, directory, files, is_primary=is_primary)
+        _s3_uploads.prepare_directory(store, directory, files, is_primary=is_primary)
 
 
 def finalize_directory(store: _Store, directory: str) -> None:
@@ -163,12 +163,12 @@ def finalize_directory(store: _Store, directory: str) -> None:
     directory = os.fspath(directory).rstrip("/")
     _, bucket, key = _common.split_url(directory)
     base = f"{key}/" if key else ""
-    listing = _calls.call(
+    listing = store.call(
         f"{directory}/{_common.STAGING_DIR}/",
         "LIST parts",
         lambda: store.list(bucket, f"{base}{_common.STAGING_DIR}/"),
     )
-    entry = _s3.take_uploads(directory) if isinstance(store, _s3.S3Store) else None
+    entry = _s3_uploads.take_uploads(directory) if isinstance(store, _s3.S3Store) else None
     if not listing and (entry is None or not entry.ids):
         return  # every file was written whole (by one process): nothing to join
     manifests: dict[str, list[dict[str, Any]]] = {}
@@ -176,7 +176,7 @@ def finalize_directory(store: _Store, directory: str) -> None:
         rest = obj[len(f"{base}{_common.STAGING_DIR}/") :]
         name, _, leaf = rest.rpartition("/")
         if leaf.startswith("m-") and leaf.endswith(".json"):
-            data, _ = _calls.call(
+            data, _ = store.call(
                 f"{store.scheme}://{bucket}/{obj}",
                 "GET manifest",
                 functools.partial(store.get_upto, bucket, obj, 0, listing[obj] + 1),
@@ -195,13 +195,13 @@ def finalize_directory(store: _Store, directory: str) -> None:
             # written whole by one process
             if name not in manifests and isinstance(store, _s3.S3Store):
                 store.abort_upload(bucket, f"{base}{name}", upload_id)
-    leftovers = _calls.call(
+    leftovers = store.call(
         f"{directory}/{_common.STAGING_DIR}/",
         "LIST parts",
         lambda: store.list(bucket, f"{base}{_common.STAGING_DIR}/"),
     )
     if leftovers:
-        _calls.call(
+        store.call(
             f"{directory}/{_common.STAGING_DIR}/",
             f"DELETE {len(leftovers)} part objects",
             lambda: store.delete(bucket, sorted(leftovers)),
@@ -210,29 +210,42 @@ def finalize_directory(store: _Store, directory: str) -> None:
 
 class ObjectStoreProvider:
     """One object store as a :class:`orbax_safetensors._src.storage.router.Provider`: the
-    router hands it every path of its URL scheme."""
+    router hands it every path of its URL scheme, with the I/O options of the call."""
 
-    def __init__(self, store: _Store) -> None:
-        self.store = store
+    def __init__(self, make_store: Callable[[_config.ObjectStoreOptions, bool], _Store]) -> None:
+        self._make_store = make_store
 
-    def open_reader(self, url: str) -> _common.ObjectReader:
+    @functools.lru_cache(maxsize=16)  # noqa: B019 (two module-level providers, kept for good)
+    def store(self, io: _config.IOOptions) -> _Store:
+        """The client for ``io`` (resolved: see :func:`.config.resolve`); one per options."""
+        assert io.object_store is not None and io.trace is not None
+        return self._make_store(io.object_store, io.trace)
+
+    def open_reader(self, url: str, io: _config.IOOptions) -> _common.ObjectReader:
         """A ranged reader of the object at ``url``."""
-        return _common.ObjectReader(self.store, url)
+        return _common.ObjectReader(self.store(io), url)
 
-    def write_file(self, url: str, pieces: Sequence[_interface.Piece], size: int) -> None:
+    def write_file(
+        self, url: str, pieces: Sequence[_interface.Piece], size: int, io: _config.IOOptions
+    ) -> None:
         """See :func:`write_file`."""
-        write_file(self.store, url, pieces, size)
+        write_file(self.store(io), url, pieces, size)
 
     def prepare_directory(
-        self, directory: str, files: Sequence[tuple[str, int]], *, is_primary: bool
+        self,
+        directory: str,
+        files: Sequence[tuple[str, int]],
+        *,
+        is_primary: bool,
+        io: _config.IOOptions,
     ) -> None:
         """See :func:`prepare_directory`."""
-        prepare_directory(self.store, directory, files, is_primary=is_primary)
+        prepare_directory(self.store(io), directory, files, is_primary=is_primary)
 
-    def finalize_directory(self, directory: str) -> None:
+    def finalize_directory(self, directory: str, io: _config.IOOptions) -> None:
         """See :func:`finalize_directory`."""
-        finalize_directory(self.store, directory)
+        finalize_directory(self.store(io), directory)
 
 
-S3 = ObjectStoreProvider(_s3.S3Store())
-GCS = ObjectStoreProvider(_gcs.GcsStore())
+S3 = ObjectStoreProvider(_s3.S3Store)
+GCS = ObjectStoreProvider(_gcs.GcsStore)

@@ -13,15 +13,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
-import os
 import threading
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from orbax_safetensors._src.storage import config as _config
 from orbax_safetensors._src.storage.objstore import calls as _calls
 from orbax_safetensors._src.storage.objstore import common as _common
-from orbax_safetensors._src.storage.objstore import options as _options
 from orbax_safetensors._src.storage.objstore import stats as _stats
 from orbax_safetensors._src.storage.objstore import views as _views
 
@@ -37,7 +36,7 @@ def _import_gcs() -> Any:
     return storage
 
 
-class GcsStore:
+class GcsStore(_calls.Configured):
     """Google Cloud Storage through google-cloud-storage: one client per thread."""
 
     scheme = "gs"
@@ -45,7 +44,7 @@ class GcsStore:
 
     def client(self) -> Any:
         env = tuple(
-            os.environ.get(k)
+            _config.env_var(k)
             for k in (
                 "STORAGE_EMULATOR_HOST",
                 "GOOGLE_CLOUD_PROJECT",
@@ -67,9 +66,8 @@ class GcsStore:
     def _blob(self, bucket: str, key: str) -> Any:
         return self.client().bucket(bucket).blob(key)
 
-    @staticmethod
-    def _timeout() -> tuple[float, float]:
-        options = _options.get_object_store_options()
+    def _timeout(self) -> tuple[float, float]:
+        options = self.options
         return (options.connect_timeout, options.read_timeout)
 
     def size(self, bucket: str, key: str) -> int:
@@ -186,11 +184,11 @@ def write_composed(
     try:
 
         def put(name: str, a: int, b: int) -> None:
-            _calls.call(
+            store.call(
                 url, f"PUT part object {name}", lambda: store.put(bucket, name, seg.slice(a, b))
             )
 
-        _calls.run_all([functools.partial(put, n, a, b) for n, (a, b) in zip(names, chunks)])
+        store.run_all([functools.partial(put, n, a, b) for n, (a, b) in zip(names, chunks)])
         created = list(names)
         created += compose_tree(store, url, bucket, key, names, f"{prefix}c-{token}")
     finally:
@@ -213,16 +211,16 @@ def compose_tree(
         created += targets
 
         def compose(target: str, group: list[str]) -> None:
-            _calls.call(
+            store.call(
                 url,
                 f"compose {len(group)} objects into {target}",
                 lambda: store.compose(bucket, target, group),
             )
 
-        _calls.run_all([functools.partial(compose, t, g) for t, g in zip(targets, groups)])
+        store.run_all([functools.partial(compose, t, g) for t, g in zip(targets, groups)])
         names = targets
         level += 1
-    _calls.call(url, f"compose {len(names)} objects", lambda: store.compose(bucket, key, names))
+    store.call(url, f"compose {len(names)} objects", lambda: store.compose(bucket, key, names))
     return created
 
 
@@ -246,7 +244,7 @@ def assemble(store: GcsStore, url: str, bucket: str, key: str, docs: list[dict[s
         def job() -> None:
             buffer = bytearray(sum(int(p["size"]) for p in ranges))
             _common.fetch(store, url, bucket, ranges, memoryview(buffer))
-            _calls.call(
+            store.call(
                 url, f"PUT filler {obj}", lambda: store.put(bucket, obj, [memoryview(buffer)])
             )
 
@@ -259,9 +257,9 @@ def assemble(store: GcsStore, url: str, bucket: str, key: str, docs: list[dict[s
         else:
             run.append(s)
     flush()
-    _calls.run_all(fill_jobs)
+    store.run_all(fill_jobs)
     if not names:  # an empty file
-        _calls.call(url, "PUT 0 bytes", lambda: store.put(bucket, key, []))
+        store.call(url, "PUT 0 bytes", lambda: store.put(bucket, key, []))
         return
     del size
     compose_tree(store, url, bucket, key, names, f"{prefix}c-{uuid.uuid4().hex[:12]}")

@@ -1,12 +1,11 @@
 """Amazon S3 (and S3-compatible servers) through boto3: the client (:class:`S3Store`),
-multipart uploads, the upload ids shared by every process of a save, and the joining of
-several processes' ranges into one object (:func:`assemble`).
+multipart uploads, and the joining of several processes' ranges into one object
+(:func:`assemble`). The upload ids every process of a save shares: :mod:`.s3_uploads`.
 
 Example::
 
     store = S3Store()
-    prepare_directory(store, "s3://bucket/run/0/default", [("model.safetensors", 1 << 30)],
-                      is_primary=jax.process_index() == 0)
+    write_multipart(store, url, bucket, key, segment, chunks)
 """
 
 from __future__ import annotations
@@ -15,13 +14,11 @@ import contextlib
 import dataclasses
 import functools
 import json
-import os
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
+from orbax_safetensors._src.storage import config as _config
 from orbax_safetensors._src.storage.objstore import calls as _calls
 from orbax_safetensors._src.storage.objstore import common as _common
 from orbax_safetensors._src.storage.objstore import options as _options
@@ -29,7 +26,7 @@ from orbax_safetensors._src.storage.objstore import stats as _stats
 from orbax_safetensors._src.storage.objstore import views as _views
 
 S3_MAX_PARTS = 10_000
-_lock = threading.Lock()  # guards S3Store._clients and _directories
+_lock = threading.Lock()  # guards S3Store._clients
 
 
 def _fsspec_conf(protocol: str) -> dict[str, Any]:
@@ -51,16 +48,16 @@ def _import_boto3() -> tuple[Any, Any]:
     return boto3, Config
 
 
-class S3Store:
+class S3Store(_calls.Configured):
     """S3 (or an S3-compatible server) through boto3: one thread-safe client per configuration."""
 
     scheme = "s3"
     _clients: dict[tuple[Any, ...], Any] = {}
 
     def client(self) -> Any:
-        options = _options.get_object_store_options()
+        options = self.options
         env = tuple(
-            os.environ.get(k)
+            _config.env_var(k)
             for k in (
                 "AWS_ENDPOINT_URL_S3",
                 "AWS_ENDPOINT_URL",
@@ -80,11 +77,11 @@ class S3Store:
 
         kwargs: dict[str, Any] = {}
         client_kwargs = conf.get("client_kwargs") or {}
-        if not (os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")):
+        if not (_config.env_var("AWS_ENDPOINT_URL_S3") or _config.env_var("AWS_ENDPOINT_URL")):
             endpoint = conf.get("endpoint_url") or client_kwargs.get("endpoint_url")
             if endpoint:
                 kwargs["endpoint_url"] = endpoint
-        if not os.environ.get("AWS_ACCESS_KEY_ID") and conf.get("key") and conf.get("secret"):
+        if not _config.env_var("AWS_ACCESS_KEY_ID") and conf.get("key") and conf.get("secret"):
             kwargs["aws_access_key_id"] = conf["key"]
             kwargs["aws_secret_access_key"] = conf["secret"]
         session = boto3.session.Session()
@@ -281,18 +278,18 @@ def write_multipart(
 ) -> None:
     """Writes the whole object ``key`` from ``seg`` as a multipart upload, one part per chunk
     (in parallel); the upload is aborted if any request fails."""
-    upload_id = _calls.call(url, "CreateMultipartUpload", lambda: store.create_upload(bucket, key))
+    upload_id = store.call(url, "CreateMultipartUpload", lambda: store.create_upload(bucket, key))
     try:
 
         def upload(n: int, a: int, b: int) -> tuple[int, str]:
-            etag = _calls.call(
+            etag = store.call(
                 url,
                 f"UploadPart {n} (bytes {a}-{b - 1})",
                 lambda: store.upload_part(bucket, key, upload_id, n, seg.slice(a, b)),
             )
             return n, etag
 
-        etags = _calls.run_all(
+        etags = store.run_all(
             [functools.partial(upload, n, a, b) for n, (a, b) in enumerate(chunks, start=1)]
         )
         complete(store, url, bucket, key, upload_id, etags, seg.size)
@@ -323,142 +320,7 @@ def complete(
                 return
             raise
 
-    _calls.call(url, f"CompleteMultipartUpload ({len(parts)} parts)", request)
-
-
-@dataclasses.dataclass
-class _Uploads:
-    """The multipart uploads of one checkpoint directory (S3, multi-process saves)."""
-
-    ids: dict[str, str]  # file name -> UploadId
-    created_here: bool  # by this process (the primary), which completes or aborts them
-
-
-_directories: dict[str, _Uploads] = {}  # checkpoint directory -> its uploads
-_MAX_REMEMBERED = 64
-_MIN_BROADCAST_BYTES = 256  # smallest padded length of _broadcast_json's bytes
-
-
-def _broadcast_json(doc: Any, *, is_source: bool) -> Any:
-    """``doc`` of the process where ``is_source`` is True, returned on every process.
-
-    A collective: every process calls it at the same point of its main thread. Two calls of
-    the public ``jax.experimental.multihost_utils.broadcast_one_to_all`` (same signature in
-    jax 0.6 to 0.10; it sums the source's array with zeros from the others): the length of the
-    JSON text, then its bytes, one per int32 (a reduction every backend has), padded to a power
-    of two (few distinct shapes, so few compilations).
-    """
-    from jax.experimental import multihost_utils
-
-    data = json.dumps(doc).encode() if is_source else b""
-    length = multihost_utils.broadcast_one_to_all(
-        np.array([len(data)], dtype=np.int32), is_source=is_source
-    )
-    n = int(np.asarray(length).reshape(-1)[0])
-    buffer = np.zeros(max(_MIN_BROADCAST_BYTES, 1 << max(0, n - 1).bit_length()), np.int32)
-    if is_source:
-        buffer[:n] = np.frombuffer(data, dtype=np.uint8)
-    out = np.asarray(multihost_utils.broadcast_one_to_all(buffer, is_source=is_source))
-    return json.loads(out[:n].astype(np.uint8).tobytes()) if n else None
-
-
-def prepare_directory(
-    store: S3Store, directory: str, files: Sequence[tuple[str, int]], *, is_primary: bool
-) -> None:
-    """Main-thread step of every process before a save into the ``s3://`` ``directory``.
-
-    In a multi-process job the primary creates one multipart upload per file large enough to
-    hold parts from several processes, and every process receives the UploadIds through
-    :func:`_broadcast_json` (a JAX collective). Every process must call this for every save, in
-    the same order; if the primary fails, every process raises.
-    """
-    import jax
-
-    directory = os.fspath(directory).rstrip("/")
-    if jax.process_count() <= 1:
-        return
-    ids: dict[str, str] = {}
-    failure: BaseException | None = None
-    if is_primary:
-        try:
-            ids = _create_uploads(store, directory, files)
-        except BaseException as error:  # every process must still reach the broadcast
-            failure = error
-    sent = {"uploads": ids} if failure is None else {"error": _calls.describe_error(failure)}
-    try:
-        doc = _broadcast_json(sent, is_source=is_primary)
-    except BaseException:
-        _abort_uploads(store, directory, ids)
-        raise
-    if failure is not None:
-        raise failure
-    if not isinstance(doc, dict) or not isinstance(doc.get("uploads"), dict):
-        reason = doc.get("error") if isinstance(doc, dict) else "no process sent the upload ids"
-        raise _calls.ObjectStoreError(
-            directory, "starting the multipart uploads (primary)", 1, RuntimeError(reason)
-        )
-    _remember(directory, _Uploads(ids=dict(doc["uploads"]), created_here=is_primary))
-
-
-def _create_uploads(
-    store: S3Store, directory: str, files: Sequence[tuple[str, int]]
-) -> dict[str, str]:
-    """One multipart upload per file large enough for direct parts (primary); all or none."""
-    _, bucket, key = _common.split_url(directory)
-    ids: dict[str, str] = {}
-    try:
-        for name, size in files:
-            if size >= 3 * s3_min_part(size):
-                obj = f"{key}/{name}" if key else name
-                ids[name] = _calls.call(
-                    f"{directory}/{name}",
-                    "CreateMultipartUpload",
-                    functools.partial(store.create_upload, bucket, obj),
-                )
-    except BaseException:
-        _abort_uploads(store, directory, ids)
-        raise
-    return ids
-
-
-def _abort_uploads(store: S3Store, directory: str, ids: Mapping[str, str]) -> None:
-    if not ids:
-        return
-    _, bucket, key = _common.split_url(directory)
-    for name, upload_id in ids.items():
-        store.abort_upload(bucket, f"{key}/{name}" if key else name, upload_id)
-
-
-def _remember(directory: str, entry: _Uploads) -> None:
-    with _lock:
-        _directories.pop(directory, None)
-        _directories[directory] = entry
-        while len(_directories) > _MAX_REMEMBERED:
-            _directories.pop(next(iter(_directories)))
-
-
-def upload_id_for(url: str) -> str | None:
-    """The shared multipart upload of the file at ``url``, if :func:`prepare_directory` made one."""
-    directory, _, name = url.rpartition("/")
-    with _lock:
-        entry = _directories.get(directory)
-    return None if entry is None else entry.ids.get(name)
-
-
-def take_uploads(directory: str) -> _Uploads | None:
-    """The uploads :func:`prepare_directory` made for ``directory``, forgotten from now on
-    (``finalize_directory`` completes or aborts them)."""
-    with _lock:
-        return _directories.pop(directory, None)
-
-
-def upload_ids(directory: str) -> dict[str, str]:
-    """File name -> UploadId of the uploads :func:`prepare_directory` made for ``directory``.
-
-    Raises KeyError if it made none (a single-process job, or already finalized).
-    """
-    with _lock:
-        return dict(_directories[directory].ids)
+    store.call(url, f"CompleteMultipartUpload ({len(parts)} parts)", request)
 
 
 @dataclasses.dataclass
@@ -552,7 +414,7 @@ def assemble(store: S3Store, url: str, bucket: str, key: str, docs: list[dict[st
     """Joins the ranges the manifests ``docs`` list into the object ``key``: completes the
     shared multipart upload with parts built from the staged objects (or makes a new upload, or
     one PUT for a small file)."""
-    options = _options.get_object_store_options()
+    options = store.options
     size, sources = _common.checked_sources(url, docs)
     ids = {d.get("upload_id") for d in docs if d.get("upload_id")}
     if len(ids) > 1:
@@ -567,10 +429,10 @@ def assemble(store: S3Store, url: str, bucket: str, key: str, docs: list[dict[st
         # A small file of small ranges from several writers: one PUT of the downloaded ranges.
         buffer = bytearray(size)
         _common.fetch(store, url, bucket, flexible, memoryview(buffer))
-        _calls.call(url, f"PUT {size} bytes", lambda: store.put(bucket, key, [memoryview(buffer)]))
+        store.call(url, f"PUT {size} bytes", lambda: store.put(bucket, key, [memoryview(buffer)]))
         return
     if upload_id is None:
-        upload_id = _calls.call(
+        upload_id = store.call(
             url, "CreateMultipartUpload", lambda: store.create_upload(bucket, key)
         )
     try:
@@ -593,7 +455,7 @@ def assemble(store: S3Store, url: str, bucket: str, key: str, docs: list[dict[st
         jobs = [
             lambda p=p: _make_part(store, url, bucket, key, upload_id, p, size) for p in recipes
         ]
-        done += _calls.run_all(jobs)
+        done += store.run_all(jobs)
         numbers = [n for n, _ in done]
         if len(set(numbers)) != len(numbers):
             raise AssertionError(f"internal: duplicate part numbers in {sorted(numbers)}")
@@ -610,7 +472,7 @@ def _make_part(
     if p.copy is not None:
         src = p.copy
         a = int(src["key_offset"])
-        etag = _calls.call(
+        etag = store.call(
             url,
             f"UploadPartCopy {number} from {src['key']} bytes {a}-{a + p.size - 1}",
             lambda: store.copy_part(bucket, key, upload_id, number, src["key"], a, a + p.size),
@@ -618,7 +480,7 @@ def _make_part(
         return number, etag
     buffer = bytearray(p.size)
     _common.fetch(store, url, bucket, p.ranges, memoryview(buffer))
-    etag = _calls.call(
+    etag = store.call(
         url,
         f"UploadPart {number} (bytes {p.start}-{p.stop - 1})",
         lambda: store.upload_part(bucket, key, upload_id, number, [memoryview(buffer)]),

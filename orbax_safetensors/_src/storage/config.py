@@ -1,0 +1,192 @@
+"""I/O configuration: :class:`IOOptions` (direct I/O mode, object-store tuning, request
+tracing), passed explicitly to ``save_file`` / ``load_file``, the Orbax handler and the
+storage engines; the environment only gives documented defaults.
+
+This is the only module of the package that reads environment variables, and it reads them
+when a value left unset is needed (never at import, never kept):
+
+- ``OSF_DIRECT_IO``: the default ``direct_io`` (``auto`` when unset);
+- ``OSF_OBJSTORE_<FIELD>`` (e.g. ``OSF_OBJSTORE_MAX_IN_FLIGHT=32``): a default field of
+  ``object_store``;
+- ``OSF_OBJSTORE_TRACE=1``: the default ``trace``;
+- the cloud SDKs' own variables (``AWS_*``, ``STORAGE_EMULATOR_HOST``...), read through
+  :func:`env_var` by the object-store clients, which follow what boto3 and
+  google-cloud-storage read.
+
+An explicit field always wins over the environment. :func:`set_object_store_options`
+(deprecated) changes this process's default object-store options.
+
+Example::
+
+    io = IOOptions(direct_io="never", object_store=ObjectStoreOptions(max_in_flight=32))
+    resolve(io).trace   # False unless OSF_OBJSTORE_TRACE=1
+"""
+
+from __future__ import annotations  # keeps dataclass field types strings (_store_from_env)
+
+import dataclasses
+import os
+import warnings
+from typing import Any
+
+MiB = 1 << 20
+S3_MIN_PART = 5 * MiB  # every part of a multipart upload but the last
+S3_MAX_PART = 5 << 30
+DIRECT_IO_ENV = "OSF_DIRECT_IO"
+DIRECT_IO_MODES = ("auto", "never", "always")
+OBJSTORE_ENV_PREFIX = "OSF_OBJSTORE_"
+TRACE_ENV = "OSF_OBJSTORE_TRACE"
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectStoreOptions:
+    """Tuning for the object-storage engines (defaults suit a real bucket and the test servers).
+
+    Pass it as ``IOOptions(object_store=...)``; a field's default can also be set for a whole
+    job through ``OSF_OBJSTORE_<FIELD>`` (e.g. ``OSF_OBJSTORE_MAX_IN_FLIGHT=32``).
+
+    Attributes:
+      max_in_flight: HTTP requests one reader or writer runs at once (its thread pool size).
+      part_size: target bytes per uploaded part / staged object / copied part.
+      max_request_bytes: largest ranged GET; longer coalesced reads are split.
+      max_gap: reads of runs closer than this are merged into one request (the gap is read and
+        dropped); object-storage requests cost far more than a few hundred KiB of transfer.
+      max_attempts: tries per request (1 = no retry) on transient failures.
+      backoff_initial: first retry delay in seconds; doubles per try, with jitter.
+      backoff_max: longest retry delay in seconds.
+      connect_timeout: seconds to open a connection.
+      read_timeout: seconds without data before a request counts as failed (and is retried).
+      gcs_min_object: a process's contiguous range shorter than this goes into its loose object
+        instead of a staged object of its own (GCS multi-process writes).
+
+    Example::
+
+        osf.IOOptions(object_store=osf.ObjectStoreOptions(max_in_flight=32, max_attempts=8))
+    """
+
+    max_in_flight: int = 8
+    part_size: int = 64 * MiB
+    max_request_bytes: int = 16 * MiB
+    max_gap: int = 1 * MiB
+    max_attempts: int = 5
+    backoff_initial: float = 0.2
+    backoff_max: float = 5.0
+    connect_timeout: float = 10.0
+    read_timeout: float = 60.0
+    gcs_min_object: int = 1 * MiB
+
+    def __post_init__(self) -> None:
+        if self.max_in_flight < 1 or self.max_attempts < 1:
+            raise ValueError("max_in_flight and max_attempts must be >= 1")
+        if not 2 * S3_MIN_PART <= self.part_size <= S3_MAX_PART:
+            raise ValueError(f"part_size must be in [{2 * S3_MIN_PART}, {S3_MAX_PART}]")
+        if self.max_request_bytes < 1 or self.max_gap < 0:
+            raise ValueError("max_request_bytes must be >= 1 and max_gap >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class IOOptions:
+    """How files are read and written; a field left None takes its environment default.
+
+    Attributes:
+      direct_io: ``"auto"`` (direct reads of cold data, direct durable writes), ``"never"``
+        or ``"always"`` (see ``docs/performance.md``); default ``OSF_DIRECT_IO``, else auto.
+      object_store: :class:`ObjectStoreOptions` for ``s3://`` and ``gs://`` paths; default
+        from ``OSF_OBJSTORE_<FIELD>``.
+      trace: one line per object-store request and retry on stderr; default
+        ``OSF_OBJSTORE_TRACE=1``.
+
+    Example::
+
+        osf.load_file(path, io_options=osf.IOOptions(direct_io="never"))
+    """
+
+    direct_io: str | None = None
+    object_store: ObjectStoreOptions | None = None
+    trace: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.direct_io is not None and self.direct_io not in DIRECT_IO_MODES:
+            raise ValueError(
+                f"direct_io={self.direct_io!r}: expected one of {', '.join(DIRECT_IO_MODES)}"
+            )
+        if self.object_store is not None and not isinstance(self.object_store, ObjectStoreOptions):
+            raise TypeError(
+                f"object_store={self.object_store!r}: expected an osf.ObjectStoreOptions"
+            )
+
+
+def env_var(name: str) -> str | None:
+    """The environment variable ``name`` (the package's one reader of the environment)."""
+    return os.environ.get(name)
+
+
+# The deprecated set_object_store_options' value: this process's default object-store
+# options, overriding OSF_OBJSTORE_* (None: not set).
+_store_defaults: ObjectStoreOptions | None = None
+
+
+def resolve(io: IOOptions | None) -> IOOptions:
+    """``io`` with every field set: explicit fields as given, the others from the environment.
+
+    Raises:
+      ValueError: naming the variable, for a malformed environment default.
+    """
+    io = io if io is not None else IOOptions()
+    direct_io = io.direct_io if io.direct_io is not None else _direct_io_from_env()
+    store = io.object_store if io.object_store is not None else default_object_store_options()
+    trace = io.trace if io.trace is not None else env_var(TRACE_ENV) == "1"
+    return IOOptions(direct_io=direct_io, object_store=store, trace=trace)
+
+
+def _direct_io_from_env() -> str:
+    value = (env_var(DIRECT_IO_ENV) or "auto").strip().lower() or "auto"
+    if value not in DIRECT_IO_MODES:
+        raise ValueError(f"{DIRECT_IO_ENV}={value!r}: expected one of {', '.join(DIRECT_IO_MODES)}")
+    return value
+
+
+def default_object_store_options() -> ObjectStoreOptions:
+    """The object-store options used where none are given: those of the deprecated
+    :func:`set_object_store_options`, else ``OSF_OBJSTORE_<FIELD>`` over the defaults."""
+    if _store_defaults is not None:
+        return _store_defaults
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(ObjectStoreOptions):
+        name = f"{OBJSTORE_ENV_PREFIX}{f.name.upper()}"
+        text = env_var(name)
+        if text is not None:
+            try:
+                kwargs[f.name] = float(text) if f.type == "float" else int(text)
+            except ValueError:
+                raise ValueError(f"{name}={text!r}: expected a number") from None
+    return ObjectStoreOptions(**kwargs)
+
+
+def set_object_store_options(**changes: Any) -> ObjectStoreOptions:
+    """Deprecated: pass ``osf.IOOptions(object_store=osf.ObjectStoreOptions(...))`` to
+    ``save_file`` / ``load_file`` / the handler instead.
+
+    Changes this process's default object-store options (used where none are given) and
+    returns the previous defaults.
+
+    Example::
+
+        old = osf.set_object_store_options(max_in_flight=32)  # DeprecationWarning
+    """
+    global _store_defaults
+    warnings.warn(
+        "set_object_store_options is deprecated: pass io_options=osf.IOOptions("
+        "object_store=osf.ObjectStoreOptions(...)) to save_file, load_file or the handler",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    previous = default_object_store_options()
+    _store_defaults = dataclasses.replace(previous, **changes)
+    return previous
+
+
+def reset_object_store_defaults(options: ObjectStoreOptions | None = None) -> None:
+    """Sets (None: clears) the defaults :func:`set_object_store_options` changed."""
+    global _store_defaults
+    _store_defaults = options

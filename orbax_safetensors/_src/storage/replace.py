@@ -1,0 +1,136 @@
+"""Writing a directory that may already exist, so that no reader ever follows a stale file.
+
+Saving a 3-file tree and then a 1-file tree into the same directory must not leave the first
+save's ``model-0000i-of-00003.safetensors`` and ``model.safetensors.index.json`` behind: a
+reader that follows the index (transformers does) would get the old weights. Every writer of
+a directory goes through :func:`replacing_directory`:
+
+- **local filesystems**: the new content is written into a fresh hidden sibling directory,
+  then swapped in. On Linux the swap is one ``renameat2(RENAME_EXCHANGE)`` of the two
+  directories: a reader sees the old directory or the new one, never a mix, and a crash leaves
+  one of them complete at the path (the other under its hidden ``.NAME.old-*`` name). Where
+  the exchange is unavailable, the old directory is renamed aside and the new one into place:
+  two renames, between which the path briefly does not exist. A failed write removes the
+  sibling and leaves the old directory untouched.
+- **object storage** (``s3://``, ``gs://``), which has no rename: the writer's own objects
+  of the old content (``*.safetensors``, the index, ``orbax_safetensors*.json``) are deleted,
+  the index and metadata first, before the new content is written into the path. A crash
+  then leaves an incomplete checkpoint without metadata (restore and ``verify`` refuse it),
+  never an index or metadata naming old shards.
+
+Files the writer does not own (``config.json``, a tokenizer...) are kept: copied into the new
+directory locally, left in place on object storage.
+
+Example::
+
+    with replacing_directory("/ckpt/hf") as tmp:
+        write_everything_into(tmp)
+    # /ckpt/hf now holds exactly what was written (plus the files it kept)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import uuid
+from collections.abc import Iterator
+
+from etils import epath
+
+from orbax_safetensors._src.storage import router as _router
+
+_INDEX_SUFFIX = ".safetensors.index.json"
+_METADATA_PREFIX = "orbax_safetensors"
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def owned(name: str) -> bool:
+    """Whether a file named ``name`` belongs to a checkpoint writer (and is replaced)."""
+    return (
+        name.endswith((".safetensors", _INDEX_SUFFIX))
+        or (name.startswith(_METADATA_PREFIX) and name.endswith(".json"))
+        or name.startswith(f"{_METADATA_PREFIX}.")
+    )
+
+
+@contextlib.contextmanager
+def replacing_directory(directory: epath.PathLike) -> Iterator[epath.Path]:
+    """Yields where to write the new content of ``directory``; on a normal exit that content
+    replaces the directory's checkpoint files (see the module docstring)."""
+    directory = epath.Path(directory)
+    if not _router.is_local(directory):
+        _remove_owned(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        yield directory
+        return
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = directory.parent / f".{directory.name}.writing-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        _swap_in(tmp, directory)
+    except BaseException:
+        if tmp.exists():
+            tmp.rmtree()
+        raise
+
+
+def _swap_in(tmp: epath.Path, directory: epath.Path) -> None:
+    if not directory.exists():
+        tmp.rename(directory)
+        _router.fsync_dir(directory.parent)
+        return
+    if not directory.is_dir():
+        raise FileExistsError(f"{directory} exists and is not a directory")
+    for child in directory.iterdir():
+        if not owned(child.name) and not (tmp / child.name).exists():
+            _copy(child, tmp / child.name)
+    old = directory.parent / f".{directory.name}.old-{uuid.uuid4().hex[:8]}"
+    if _exchange(tmp, directory):
+        tmp.rename(old)  # (the old content, now under the temporary name)
+    else:
+        directory.rename(old)
+        tmp.rename(directory)
+    _router.fsync_dir(directory.parent)
+    old.rmtree()
+
+
+def _copy(src: epath.Path, dst: epath.Path) -> None:
+    if src.is_dir():
+        dst.mkdir()
+        for child in src.iterdir():
+            _copy(child, dst / child.name)
+        return
+    try:
+        os.link(os.fspath(src), os.fspath(dst))  # kept files: linked, not copied, when possible
+    except OSError:
+        src.copy(dst)
+
+
+def _exchange(a: epath.Path, b: epath.Path) -> bool:
+    """Atomically exchanges two paths (Linux ``renameat2``); False where unavailable."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p]
+    renameat2.argtypes += [ctypes.c_uint]
+    rc = renameat2(
+        _AT_FDCWD, os.fsencode(os.fspath(a)), _AT_FDCWD, os.fsencode(os.fspath(b)),
+        _RENAME_EXCHANGE,
+    )  # fmt: skip
+    return rc == 0
+
+
+def _remove_owned(directory: epath.Path) -> None:
+    # Object storage: the old checkpoint's own objects, what names others (index, metadata)
+    # first, so no interrupted state has an index or metadata naming a missing or old shard.
+    if not directory.exists():
+        return
+    children = [c for c in directory.iterdir() if owned(c.name)]
+    children.sort(key=lambda c: c.name.endswith(".safetensors"))
+    for child in children:
+        child.unlink()
