@@ -87,9 +87,21 @@ def sources(dt: np.dtype, rng: np.random.Generator) -> np.ndarray:
         values = np.concatenate([values, halves.astype(real)])
     if real.itemsize == 4:  # every class of float32 bit pattern, NaN payloads included
         values = np.concatenate([values, rng.integers(0, 1 << 32, 20000, np.uint32).view(real)])
+    values = np.concatenate([values, single_bit_nans(real)])
     if dt.kind == "c":
         return values + 1j * values[::-1]
     return values
+
+
+def single_bit_nans(dt: np.dtype) -> np.ndarray:
+    """NaNs of a float32 / float64 whose payload is one bit, for every bit and both signs
+    (a narrowing cast that drops the low payload bits must still give a NaN)."""
+    width, mantissa = 8 * dt.itemsize, np.finfo(dt).nmant
+    exponent = ((1 << (width - 1)) - 1) & ~((1 << mantissa) - 1)
+    patterns = [
+        exponent | (1 << k) | sign for k in range(mantissa) for sign in (0, 1 << (width - 1))
+    ]
+    return np.array(patterns, np.uint64).astype(f"u{dt.itemsize}").view(dt)
 
 
 @functools.cache

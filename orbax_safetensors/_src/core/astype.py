@@ -14,7 +14,8 @@ ml_dtypes differ from XLA's CPU conversions in these places, each handled here:
   zero first;
 - NaN: into float8_e5m2 from a 16- or 8-bit float it is 0x7f; into float4_e2m1fn (which has
   no NaN) it is 0x8 (-0); from a float8 ``fnuz`` type (whose one NaN has the sign bit set) it
-  is a positive NaN.
+  is a positive NaN; float32 -> float16 and float16 -> wider floats quiet it, keeping the
+  sign and the payload's top bits (numpy keeps a signalling NaN signalling).
 
 Everything else (integer wrap, int -> float rounding, float -> float rounding and overflow,
 bool) is numpy's / ml_dtypes' already. ``tests/test_astype.py`` compares every source/target
@@ -173,8 +174,9 @@ def _fix_nans(c: np.ndarray, out: np.ndarray, nan: np.ndarray) -> None:
         bits[nan] &= ~sign  # fnuz's one NaN has the sign bit set: XLA gives a positive NaN
     elif src == _F16 and dst in (_F32, _F64, _C64):
         bits[nan] |= np.array(_QUIET[width], bits.dtype)
-    elif src == _F32 and dst == _F16:
-        bits[nan] |= np.array(_QUIET[2], bits.dtype)
+    elif src == _F32 and dst == _F16:  # quieted, the payload's top 10 bits kept
+        raw = c.view(np.uint32)[nan]
+        bits[nan] = ((raw >> 16) & 0x8000) | 0x7E00 | ((raw >> 13) & 0x3FF)
     elif src == _F64 and dst == _F16:  # the canonical NaN, with the sign
         bits[nan] = (bits[nan] & sign) | np.array(0x7E00, bits.dtype)
     elif src == _BF16 and dst == _F16:  # the payload shifted along, quieted
