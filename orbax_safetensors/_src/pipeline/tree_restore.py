@@ -84,7 +84,7 @@ def _target_leaf(x: object) -> bool:
 
 def _leaf_of(stored: StoredTensor) -> _tree.SchemaLeaf:
     return _tree.SchemaLeaf(
-        stored.name, "tensor", {"t": "tensor", "name": stored.name, "array": "jax"}
+        stored.name, _tree.LeafKind.TENSOR, _tree.Tensor(stored.name, _tree.ArrayKind.JAX)
     )
 
 

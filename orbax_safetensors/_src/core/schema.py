@@ -1,0 +1,534 @@
+"""The tree schema's one typed codec: JSON document <-> typed nodes, validated on the way in.
+
+The schema (``docs/format.md``) records a saved tree's containers and leaves as JSON objects
+whose ``"t"`` names their kind. Here each kind is an immutable named tuple: :class:`DictNode`,
+:class:`ListNode`, :class:`TupleNode`, :class:`CustomNode` (any other pytree node, by its key
+:class:`Entry` values), :class:`VarNode` (an NNX Variable), :data:`NONE`, and the leaves
+:class:`Tensor` (with its :class:`ArrayKind`), :class:`PrngKey`, :class:`Alias` and
+:class:`Inline` (a Python bool, int, float or str). :func:`from_json` checks a document read from
+a file (kinds, keys, names, aliases, depth, leaf count) and raises :class:`SchemaError` naming the
+first problem; :func:`to_json` writes exactly the document the format specifies, field order
+included, so files are byte-for-byte what they always were.
+
+Example::
+
+    schema = from_json({"format": SCHEMA_FORMAT, "version": 1,
+                        "tree": {"t": "tensor", "array": "numpy", "name": "value"}})
+    schema.tree                  # Tensor(name='value', array=<ArrayKind.NUMPY: 'numpy'>)
+    to_json(schema)["tree"]      # {"t": "tensor", "array": "numpy", "name": "value"}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import reprlib
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+from orbax_safetensors._src.core.errors import SchemaError
+
+SCHEMA_FORMAT = "orbax-safetensors/tree"
+SCHEMA_VERSION = 1
+MAX_DEPTH = 256  # containers nested deeper are refused, on save and on load
+MAX_LEAVES = 10_000_000  # the default bound on a schema's leaves
+
+
+class ArrayKind(enum.StrEnum):
+    """What a stored tensor comes back as: ``jax.Array``, ``np.ndarray`` or a numpy scalar."""
+
+    JAX = "jax"
+    NUMPY = "numpy"
+    SCALAR = "scalar"
+
+
+class LeafKind(enum.StrEnum):
+    """A schema leaf's kind (its ``"t"``): stored tensor, PRNG key, alias or an inline value."""
+
+    TENSOR = "tensor"
+    KEY = "key"
+    REF = "ref"
+    BOOL = "bool"
+    INT = "int"
+    FLOAT = "float"
+    STR = "str"
+
+
+# (Members read once: a class attribute lookup on an Enum costs a descriptor call.)
+_TENSOR, _KEY, _REF = LeafKind.TENSOR, LeafKind.KEY, LeafKind.REF
+_BOOL, _INT, _STR, _FLOAT = LeafKind.BOOL, LeafKind.INT, LeafKind.STR, LeafKind.FLOAT
+
+
+class EntryKind(enum.StrEnum):
+    """The kind of a custom node's key entry: a mapping key, an attribute or an index."""
+
+    KEY = "key"
+    ATTR = "attr"
+    IDX = "idx"
+
+
+INLINE_KINDS = frozenset((LeafKind.BOOL, LeafKind.INT, LeafKind.FLOAT, LeafKind.STR))
+STORED_KINDS = frozenset((LeafKind.TENSOR, LeafKind.KEY))  # leaves whose bytes are stored
+
+
+# Nodes are named tuples: immutable, and cheap to build for trees of millions of leaves. Unlike
+# plain tuples, two nodes are equal only when they are of the same kind (see _typed_eq below).
+
+
+class Entry(NamedTuple):
+    """One key entry of a :class:`CustomNode` (JSON ``["attr", "w"]``)."""
+
+    kind: EntryKind
+    key: str | int
+
+    @property
+    def text(self) -> str:
+        """The entry's text in a dotted name."""
+        return str(self.key)
+
+
+class Tensor(NamedTuple):
+    """A stored tensor; ``cast_from``: its safetensors dtype before a save-time cast."""
+
+    name: str
+    array: ArrayKind
+    cast_from: str | None = None
+
+    @property
+    def kind(self) -> LeafKind:
+        return _TENSOR
+
+    def get(self, field: str, default: Any = None) -> Any:
+        """A JSON field (``leaf.get("array")``), for code written against the JSON dicts."""
+        return node_to_json(self).get(field, default)
+
+    def __getitem__(self, field: str) -> Any:  # type: ignore[override]
+        return _json_field(self, field)
+
+
+class PrngKey(NamedTuple):
+    """A typed PRNG key array, stored as its key data; ``impl`` names the PRNG implementation."""
+
+    name: str
+    impl: str
+
+    @property
+    def kind(self) -> LeafKind:
+        return _KEY
+
+    def get(self, field: str, default: Any = None) -> Any:
+        """A JSON field (``leaf.get("impl")``), for code written against the JSON dicts."""
+        return node_to_json(self).get(field, default)
+
+    def __getitem__(self, field: str) -> Any:  # type: ignore[override]
+        return _json_field(self, field)
+
+
+class Alias(NamedTuple):
+    """The same array object as the stored tensor or key named ``of`` (stored once)."""
+
+    name: str
+    of: str
+
+    @property
+    def kind(self) -> LeafKind:
+        return _REF
+
+    def get(self, field: str, default: Any = None) -> Any:
+        """A JSON field (``leaf.get("of")``), for code written against the JSON dicts."""
+        return node_to_json(self).get(field, default)
+
+    def __getitem__(self, field: str) -> Any:  # type: ignore[override]
+        return _json_field(self, field)
+
+
+class Inline(NamedTuple):
+    """A Python bool, int, float or str kept in the schema. ``v`` is the JSON value (a float's
+    as ``float.hex()`` text); :attr:`value` is the Python value."""
+
+    kind: LeafKind  # one of INLINE_KINDS
+    name: str
+    v: bool | int | str
+
+    @property
+    def value(self) -> bool | int | float | str:
+        return float.fromhex(self.v) if self.kind == "float" else self.v  # type: ignore[arg-type]
+
+    def get(self, field: str, default: Any = None) -> Any:
+        """A JSON field (``leaf.get("v")``), for code written against the JSON dicts."""
+        return node_to_json(self).get(field, default)
+
+    def __getitem__(self, field: str) -> Any:  # type: ignore[override]
+        return _json_field(self, field)
+
+
+class DictNode(NamedTuple):
+    """A ``dict`` in insertion order; int and str keys are kept apart."""
+
+    keys: tuple[str | int, ...]
+    children: tuple[Node, ...]
+
+
+class ListNode(NamedTuple):
+    children: tuple[Node, ...]
+
+
+class TupleNode(NamedTuple):
+    children: tuple[Node, ...]
+
+
+class CustomNode(NamedTuple):
+    """Any other pytree node, by its key entries; ``type_name`` is for people only (never
+    imported; None when a file did not record it)."""
+
+    type_name: str | None
+    entries: tuple[Entry, ...]
+    children: tuple[Node, ...]
+
+    @property
+    def indexed(self) -> bool:
+        """Whether every entry is an index (the node reads back as a list)."""
+        return all(e.kind == "idx" for e in self.entries)
+
+
+class VarNode(NamedTuple):
+    """An NNX ``Variable`` holding one value: transparent for naming."""
+
+    child: Node
+
+
+class NoneNode(NamedTuple):
+    """``None`` (use :data:`NONE`)."""
+
+
+NONE = NoneNode()
+
+Leaf = Tensor | PrngKey | Alias | Inline
+Container = DictNode | ListNode | TupleNode | CustomNode
+Node = Container | VarNode | NoneNode | Leaf
+LEAF_TYPES = (Tensor, PrngKey, Alias, Inline)
+_NODE_TYPES = (Entry, DictNode, ListNode, TupleNode, CustomNode, VarNode, NoneNode, *LEAF_TYPES)
+
+
+def _typed_eq(self: tuple[Any, ...], other: object) -> bool:
+    return type(self) is type(other) and tuple.__eq__(self, other)  # type: ignore[operator]
+
+
+def _typed_ne(self: tuple[Any, ...], other: object) -> bool:
+    return not _typed_eq(self, other)
+
+
+def _json_field(self: Leaf, field: Any) -> Any:
+    # leaf["impl"]: a JSON field, for code written against the JSON dicts (ints still index).
+    if isinstance(field, str):
+        return node_to_json(self)[field]
+    return tuple.__getitem__(self, field)
+
+
+for _cls in _NODE_TYPES:
+    _cls.__eq__ = _typed_eq  # type: ignore[method-assign, assignment]
+    _cls.__ne__ = _typed_ne  # type: ignore[method-assign, assignment]
+    _cls.__hash__ = tuple.__hash__  # type: ignore[method-assign, assignment]
+
+
+class SchemaLeaf(NamedTuple):
+    """A leaf of a stored tree by name, as :func:`from_json` lists them: its name, kind and
+    typed node (a named tuple: immutable, and cheap to create for trees of many leaves)."""
+
+    name: str
+    kind: LeafKind
+    node: Any  # the Leaf (Tensor, PrngKey, Alias, Inline); Any while callers index its JSON fields
+
+    @property
+    def tensor_name(self) -> str:
+        """The stored tensor holding this leaf's bytes (aliases point at their original)."""
+        return str(self.node["of"]) if self.kind == "ref" else self.name
+
+
+class SchemaLeaves(dict[str, SchemaLeaf]):
+    """:func:`from_json`'s leaves by name, remembering the document (``doc``) and typed tree
+    (``tree``) they were read from: given them back with the same document, ``unflatten``
+    does not read it again."""
+
+    __slots__ = ("doc", "tree")
+    doc: object
+    tree: Node
+
+
+@dataclasses.dataclass(frozen=True)
+class Schema:
+    """A whole schema document: the tree, its version, and (not compared) its leaves by name."""
+
+    tree: Node
+    leaves: Mapping[str, SchemaLeaf] = dataclasses.field(default_factory=dict, compare=False)
+    version: int = SCHEMA_VERSION
+
+
+# --------------------------------------------------------------------------- to JSON
+
+
+def to_json(schema: Schema) -> dict[str, Any]:
+    """The JSON document of ``schema`` (what files store, field order included)."""
+    return {"format": SCHEMA_FORMAT, "version": schema.version, "tree": node_to_json(schema.tree)}
+
+
+def node_to_json(node: Node, leaf_json: dict[int, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The JSON object of ``node``. ``leaf_json``, when given, receives each leaf's object by
+    ``id`` of its node."""
+    out: dict[str, Any]
+    if isinstance(node, Tensor):
+        out = {"t": "tensor", "array": str(node.array), "name": node.name}
+        if node.cast_from is not None:
+            out["cast_from"] = node.cast_from
+    elif isinstance(node, DictNode):
+        return {
+            "t": "dict",
+            "k": list(node.keys),
+            "v": [node_to_json(c, leaf_json) for c in node.children],
+        }
+    elif isinstance(node, (ListNode, TupleNode)):
+        kind = "list" if type(node) is ListNode else "tuple"
+        return {"t": kind, "v": [node_to_json(c, leaf_json) for c in node.children]}
+    elif isinstance(node, CustomNode):
+        out = {"t": "node"}
+        if node.type_name is not None:
+            out["type"] = node.type_name
+        out["k"] = [[str(e.kind), e.key] for e in node.entries]
+        out["v"] = [node_to_json(c, leaf_json) for c in node.children]
+        return out
+    elif isinstance(node, VarNode):
+        return {"t": "var", "v": node_to_json(node.child, leaf_json)}
+    elif isinstance(node, NoneNode):
+        return {"t": "none"}
+    elif isinstance(node, Inline):
+        out = {"t": str(node.kind), "v": node.v, "name": node.name}
+    elif isinstance(node, Alias):
+        out = {"t": "ref", "of": node.of, "name": node.name}
+    elif isinstance(node, PrngKey):
+        out = {"t": "key", "impl": node.impl, "name": node.name}
+    else:
+        raise TypeError(f"not a schema node: {node!r}")
+    if leaf_json is not None:
+        leaf_json[id(node)] = out
+    return out
+
+
+# --------------------------------------------------------------------------- from JSON
+
+_ARRAY_KINDS = {k.value: k for k in ArrayKind}
+_LEAF_KINDS = {k.value: k for k in LeafKind}
+_ENTRY_KINDS = {k.value: k for k in EntryKind}
+_BRIEF = reprlib.Repr()
+_BRIEF.maxlevel, _BRIEF.maxstring, _BRIEF.maxother = 3, 60, 60
+
+
+def _brief(obj: object) -> str:
+    """A bounded repr of (possibly huge, hostile) JSON for an error message."""
+    return _BRIEF.repr(obj)[:80]
+
+
+def check_header(doc: object) -> int:
+    """Checks a schema document's format and version; returns the version.
+
+    Raises:
+      SchemaError: not an object, another format, or a version this library cannot read.
+    """
+    if not isinstance(doc, dict):
+        raise SchemaError("schema is not a JSON object")
+    if doc.get("format") != SCHEMA_FORMAT:
+        raise SchemaError(f"schema format {_brief(doc.get('format'))} is not {SCHEMA_FORMAT!r}")
+    version = doc.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise SchemaError(f"schema version {_brief(version)} is not a positive integer")
+    if version > SCHEMA_VERSION:
+        raise SchemaError(
+            f"schema version {version} is newer than this library reads ({SCHEMA_VERSION}); "
+            "upgrade orbax-safetensors"
+        )
+    return version
+
+
+def from_json(doc: object, *, max_leaves: int = MAX_LEAVES, check_aliases: bool = True) -> Schema:
+    """Checks a schema document read from a file and gives it typed.
+
+    ``check_aliases=False`` accepts aliases whose tensor is not in this document (a schema
+    cut down by ``prune_schema``). Hostile input cannot make it recurse past :data:`MAX_DEPTH`
+    or build more than the input holds.
+
+    Raises:
+      SchemaError: naming the first problem (unknown version or kind, bad keys, duplicate names,
+        aliases pointing nowhere or at another alias, trees nested too deeply, more than
+        ``max_leaves`` leaves).
+    """
+    version = check_header(doc)
+    assert isinstance(doc, dict)  # (check_header raised otherwise)
+    parser = _Parser(max_leaves)
+    tree = parser.node(doc.get("tree"), 0)
+    leaves = parser.leaves
+    leaves.doc, leaves.tree = doc, tree
+    if check_aliases:
+        for leaf in leaves.values():
+            if leaf.kind is _REF:
+                target = leaves.get(leaf.node.of)  # type: ignore[union-attr]
+                if target is None or target.kind not in STORED_KINDS:
+                    raise SchemaError(
+                        f"alias {leaf.name!r} points at {leaf.tensor_name!r}, "
+                        "which is not a stored tensor"
+                    )
+    return Schema(tree, leaves, version)
+
+
+class _Parser:
+    __slots__ = ("leaves", "max_leaves")
+
+    def __init__(self, max_leaves: int) -> None:
+        self.leaves = SchemaLeaves()
+        self.max_leaves = max_leaves
+
+    def node(self, obj: object, depth: int) -> Node:
+        if depth > MAX_DEPTH:
+            raise SchemaError(f"schema tree nested deeper than {MAX_DEPTH}")
+        if not isinstance(obj, dict) or not isinstance(obj.get("t"), str):
+            raise SchemaError(f"schema node {_brief(obj)!r} has no kind")
+        kind = obj["t"]
+        leaf_kind = _LEAF_KINDS.get(kind)
+        if leaf_kind is not None:
+            return self.leaf(leaf_kind, obj)
+        if kind in ("dict", "list", "tuple", "node"):
+            raw = obj.get("v")
+            if not isinstance(raw, list):
+                raise SchemaError(f"schema {kind} node has no child list")
+            keys: tuple[Any, ...] = ()
+            if kind in ("dict", "node"):
+                raw_keys = obj.get("k")
+                if not isinstance(raw_keys, list) or len(raw_keys) != len(raw):
+                    raise SchemaError(f"schema {kind} node keys do not match its children")
+                keys = tuple(_dict_key(k) if kind == "dict" else _entry(k) for k in raw_keys)
+                if len(set(keys)) != len(keys):
+                    raise SchemaError(
+                        f"schema {kind} node has a duplicate key in {_brief(raw_keys[:8])}"
+                    )
+            children = tuple([self.node(c, depth + 1) for c in raw])
+            if kind == "dict":
+                return DictNode(keys, children)
+            if kind == "list":
+                return ListNode(children)
+            if kind == "tuple":
+                return TupleNode(children)
+            type_name = obj.get("type")
+            if type_name is not None and type(type_name) is not str:
+                raise SchemaError(f"schema node type {_brief(type_name)} is not a string")
+            return CustomNode(type_name, keys, children)
+        if kind == "var":
+            return VarNode(self.node(obj.get("v"), depth + 1))
+        if kind == "none":
+            return NONE
+        raise SchemaError(f"schema node kind {_brief(kind)} is unknown")
+
+    def leaf(self, kind: LeafKind, obj: dict[str, Any]) -> Leaf:
+        name = obj.get("name")
+        if type(name) is not str:
+            raise SchemaError(f"schema {kind} leaf has no name")
+        if name in self.leaves:
+            raise SchemaError(f"schema names leaf {name!r} twice")
+        node = _leaf(kind, obj, name)
+        self.leaves[name] = SchemaLeaf(name, kind, node)
+        if len(self.leaves) > self.max_leaves:
+            raise SchemaError(f"schema has more than {self.max_leaves} leaves")
+        return node
+
+
+def _dict_key(key: object) -> str | int:
+    if not isinstance(key, (str, int)) or isinstance(key, bool):
+        raise SchemaError(f"dict key {_brief(key)} is neither str nor int")
+    return key
+
+
+def _entry(key: object) -> Entry:
+    if (
+        isinstance(key, list)
+        and len(key) == 2
+        and type(key[0]) is str
+        and key[0] in _ENTRY_KINDS
+        and isinstance(key[1], (str, int))
+        and not isinstance(key[1], bool)
+    ):
+        return Entry(_ENTRY_KINDS[key[0]], key[1])
+    raise SchemaError(f"node key entry {_brief(key)} is malformed")
+
+
+def _leaf(kind: LeafKind, obj: dict[str, Any], name: str) -> Leaf:
+    if kind is _TENSOR:
+        array = obj.get("array")
+        array_kind = _ARRAY_KINDS.get(array) if type(array) is str else None
+        if array_kind is None:
+            raise SchemaError(f"leaf {name!r}: unknown array kind {_brief(array)}")
+        cast_from = obj.get("cast_from")
+        if cast_from is not None and type(cast_from) is not str:
+            raise SchemaError(f"leaf {name!r}: cast_from {_brief(cast_from)} is not a dtype name")
+        return Tensor(name, array_kind, cast_from)
+    if kind is _KEY:
+        impl = obj.get("impl")
+        if not isinstance(impl, str):
+            raise SchemaError(f"leaf {name!r}: PRNG key without impl")
+        return PrngKey(name, impl)
+    if kind is _REF:
+        of = obj.get("of")
+        if not isinstance(of, str):
+            raise SchemaError(f"alias {name!r} names no tensor")
+        return Alias(name, of)
+    v = obj.get("v")
+    if kind is _BOOL and not isinstance(v, bool):
+        raise SchemaError(f"leaf {name!r}: bool value {_brief(v)}")
+    if kind is _INT and (not isinstance(v, int) or isinstance(v, bool)):
+        raise SchemaError(f"leaf {name!r}: int value {_brief(v)}")
+    if kind is _STR and not isinstance(v, str):
+        raise SchemaError(f"leaf {name!r}: str value {_brief(v)}")
+    if kind is _FLOAT:
+        try:
+            float.fromhex(v)  # type: ignore[arg-type]
+        except (TypeError, ValueError, OverflowError):
+            raise SchemaError(
+                f"leaf {name!r}: float value {_brief(v)} is not a hex float"
+            ) from None
+    return Inline(kind, name, v)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- rewriting
+
+
+def with_children(node: Container, children: tuple[Node, ...]) -> Container:
+    """``node`` with other children (the same keys, entries and type)."""
+    if isinstance(node, DictNode):
+        return DictNode(node.keys, children)
+    if isinstance(node, CustomNode):
+        return CustomNode(node.type_name, node.entries, children)
+    return type(node)(children)
+
+
+def renamed(leaf: Leaf, name: str) -> Leaf:
+    """``leaf`` under another name."""
+    if isinstance(leaf, Tensor):
+        return Tensor(name, leaf.array, leaf.cast_from)
+    if isinstance(leaf, PrngKey):
+        return PrngKey(name, leaf.impl)
+    if isinstance(leaf, Alias):
+        return Alias(name, leaf.of)
+    return Inline(leaf.kind, name, leaf.v)
+
+
+def map_leaves(node: Node, fn: Callable[[Leaf], Leaf]) -> Node:
+    """``node`` with each leaf replaced by ``fn(leaf)``; subtrees without a changed leaf are
+    shared, not copied."""
+    if isinstance(node, (DictNode, ListNode, TupleNode, CustomNode)):
+        old = node.children
+        new = tuple([map_leaves(c, fn) for c in old])
+        if all(a is b for a, b in zip(old, new)):
+            return node
+        return with_children(node, new)
+    if isinstance(node, VarNode):
+        child = map_leaves(node.child, fn)
+        return node if child is node.child else VarNode(child)
+    if isinstance(node, NoneNode):
+        return node
+    return fn(node)
