@@ -24,7 +24,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import jax
@@ -33,13 +33,14 @@ from etils import epath
 from orbax.checkpoint import future as ocp_future
 
 from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
-from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.orbax import args as _args
 from orbax_safetensors._src.orbax import routing as _routing
+from orbax_safetensors._src.orbax import save_args as _save_args
 from orbax_safetensors._src.orbax import saving as _saving
 from orbax_safetensors._src.orbax import steps as _steps
+from orbax_safetensors._src.orbax.save_args import SafetensorsSave
 from orbax_safetensors._src.orbax.tree_metadata import TreeMetadata
 from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
@@ -51,6 +52,7 @@ from orbax_safetensors._src.pipeline.tree_restore import is_restore_args as _is_
 from orbax_safetensors._src.storage import buffers as _buffers
 
 _orbax_kind = _routing.orbax_kind
+_with_registry_hint = _save_args.with_registry_hint
 
 
 class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
@@ -114,7 +116,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         """A ``SaveJob`` of ``args`` into ``directory`` with this handler's options (on the
         caller's thread: raises if ``primary_host`` is not a process of this job)."""
         job = _save_job.SaveJob(
-            args._validated,
+            args.validated_tree,
             directory,
             mode=mode,
             layout=self._layout,
@@ -339,10 +341,6 @@ def handler_registry(
     )
 
 
-_REGISTRY_HINT = (
-    "an item that also takes Orbax's StandardSave/PyTreeSave args needs "
-    "ocp.CheckpointManager(..., handler_registry=osf.handler_registry())"
-)
 _KEY_HINT = "pass partial_restore=True to restore only the target's keys"
 _SHAPE_HINT = "pass strict=False to pad or truncate it, as Orbax's StandardRestore does"
 _KEY_HINT_STRICT_FALSE = (
@@ -351,67 +349,8 @@ _KEY_HINT_STRICT_FALSE = (
 )
 
 
-@ocp.args.register_with_handler(SafetensorsCheckpointHandler, for_save=True)
-@dataclasses.dataclass(repr=False)
-class SafetensorsSave(ocp.args.CheckpointArgs):
-    """Save ``item`` (any pytree) as safetensors; Orbax's ``StandardSave`` arguments.
-
-    Attributes:
-      item: the pytree to save.
-      save_args: as in ``StandardSave``: a tree like ``item`` of ``ocp.SaveArgs`` (or None).
-        ``SaveArgs(dtype=...)`` casts the leaf before saving, as Orbax does; the zarr
-        options (``chunk_byte_size``, ``shard_axes``) and ``aggregate`` raise a
-        ``ValueError`` saying what to do instead.
-      custom_metadata: optional JSON-serialisable dict stored in ``orbax_safetensors.json``,
-        returned by ``handler.metadata(...).custom_metadata`` (Orbax's name).
-      metadata: the same as ``custom_metadata`` (this library's earlier name); pass one.
-        ``custom_metadata`` holds the value either way.
-      dtype: a save-time dtype policy, as in ``osf.save_file``: one dtype (every
-        floating-point array is stored in it), a mapping of glob patterns over dotted names to
-        a dtype or None (first match wins), or a callable ``(dotted_name, leaf) -> dtype |
-        None``. Each tensor is cast as it is written (a synchronous save) or copied to host
-        (an async save's snapshot holds the cast bytes), never as a cast copy of the whole
-        state; each process casts its own shards. A bad policy raises here, before Orbax
-        creates the step.
-
-    Prints as a summary (``SafetensorsSave(item=<dict: 12 leaves, 3.4 MiB>)``), never the
-    arrays.
-    """
-
-    item: Any
-    save_args: Any = None
-    custom_metadata: Mapping[str, Any] | None = None
-    metadata: Mapping[str, Any] | None = None
-    dtype: Any = None
-    _validated: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        if self.custom_metadata is None:
-            self.custom_metadata = self.metadata
-        elif self.metadata is not None and self.metadata != self.custom_metadata:
-            raise ValueError(
-                "SafetensorsSave: pass custom_metadata (Orbax's name) or metadata, not both"
-            )
-        # Validate here, on the caller's line: once CheckpointManager.save() has started its
-        # background step-directory creation, an error inside async_save can leave the process
-        # waiting in Orbax's barriers at exit.
-        item = _args.apply_save_args(self.item, self.save_args)
-        self._validated = _checkpoint_save.validate_save(
-            item, self.custom_metadata, dtype=self.dtype
-        )
-
-    def __repr__(self) -> str:
-        parts = [f"item={_args.tree_summary(self.item)}"]
-        if self.save_args is not None:
-            parts.append(f"save_args={_args.tree_summary(self.save_args)}")
-        if self.custom_metadata is not None:
-            parts.append(f"custom_metadata={_args.tree_summary(dict(self.custom_metadata))}")
-        if self.dtype is not None:
-            parts.append(_casting.parse_policy(self.dtype).describe())  # type: ignore[union-attr]
-        return f"SafetensorsSave({', '.join(parts)})"
-
-    def __str__(self) -> str:
-        return _with_registry_hint(repr(self))
+# SafetensorsSave is defined in save_args.py; it saves through this handler.
+ocp.args.register_with_handler(SafetensorsCheckpointHandler, for_save=True)(SafetensorsSave)
 
 
 @ocp.args.register_with_handler(SafetensorsCheckpointHandler, for_restore=True)
@@ -481,13 +420,6 @@ class SafetensorsRestore(ocp.args.CheckpointArgs):
 
     def __str__(self) -> str:
         return _with_registry_hint(repr(self))
-
-
-def _with_registry_hint(summary: str) -> str:
-    # Orbax's only error for an item already tied to another handler is
-    # 'Item "default" and args "{args}" does not match with any registered handler!': it
-    # formats the args with str(), so the fix travels there (repr() stays the bare summary).
-    return f"{summary} [{_REGISTRY_HINT}]"
 
 
 def _is_orbax_tree_metadata(x: object) -> bool:
