@@ -231,7 +231,8 @@ class SaveJob:
     def write(self) -> None:
         """Writes this process's bytes (and on the primary headers, index and, with several
         processes, the metadata draft); keeps what :meth:`finalize` needs. Returns at once,
-        writing nothing, if the job was aborted before."""
+        writing nothing, if the job was aborted before; ends without error, its files removed,
+        if it is aborted meanwhile (whoever aborted it reports the error)."""
         with self._lock:
             if self._state is _State.ABORTED:
                 return
@@ -247,7 +248,8 @@ class SaveJob:
             else:
                 share = self._write()
         except BaseException:
-            self._end(_State.FAILED)
+            if self._end(_State.FAILED) is _State.ABORTED:
+                return  # whoever aborted the job reports its error
             raise
         self._share = None if self._persist else share
         self._end(_State.WRITTEN)
@@ -274,16 +276,17 @@ class SaveJob:
             prepared, self.directory, self.stats, persist_share=self._persist
         )
 
-    def _end(self, state: _State) -> None:
+    def _end(self, state: _State) -> _State:
         with self._lock:
             aborted = self._state is _State.ABORTING
-            self._state = _State.ABORTED if aborted else state
+            state = self._state = _State.ABORTED if aborted else state
         try:
             if aborted:
                 self._remove_written()
         finally:
             self._release()
             self._idle.set()
+        return state
 
     def _release(self) -> None:
         # The caller's arrays and the host copies are no longer needed: the job keeps only
