@@ -41,9 +41,9 @@ from orbax_safetensors._src.orbax.v0 import (
     handler_registry,
 )
 from orbax_safetensors._src.orbax.v1 import SafetensorsHandler, local_registry, register_handler
-from orbax_safetensors._src.pipeline.checkpoint_save import save_directory
 from orbax_safetensors._src.pipeline.pieces import WriteStats
 from orbax_safetensors._src.pipeline.reader import ReadStats
+from orbax_safetensors._src.pipeline.save_job import save_directory
 from orbax_safetensors._src.pipeline.standalone import load_metadata, save_file
 from orbax_safetensors._src.storage.config import IOOptions
 from orbax_safetensors._src.storage.objstore.calls import ObjectStoreError

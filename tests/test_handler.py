@@ -923,7 +923,9 @@ def test_writer_fails_when_the_copying_thread_fails(tmp_path: Path) -> None:
         queue.put(item)
     queue.fail(MemoryError("host copy failed"))
     assert queue.wait_started(timeout=0)
-    prepared = _checkpoint_save.prepare_save(tree, validated=validated, snapshot=queue)
+    prepared = _checkpoint_save.PreparedSave.from_snapshots(
+        validated, queue, _checkpoint_save.SaveLayout()
+    )
     with pytest.raises(RuntimeError, match=r"copying .* to host failed") as info:
         _checkpoint_save.write_process_share(prepared, tmp_path)
     assert isinstance(info.value.__cause__, MemoryError)
@@ -960,7 +962,9 @@ def test_snapshot_queue_hands_over_every_item_in_order_across_groups(tmp_path):
     for item in _snapshots.iter_snapshots(enumerate(validated.captured.arrays)):
         queue.put(item)
     queue.close()
-    prepared = _checkpoint_save.prepare_save(tree, validated=validated, snapshot=queue)
+    prepared = _checkpoint_save.PreparedSave.from_snapshots(
+        validated, queue, _checkpoint_save.SaveLayout()
+    )
     _checkpoint_save.write_process_share(prepared, tmp_path)
     _checkpoint_save.finalize(tmp_path)
     restored = osf.restore_directory(tmp_path)

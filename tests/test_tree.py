@@ -566,7 +566,9 @@ def test_validated_tree_specs_come_from_the_capture_not_the_arrays(tmp_path):
         ("bf", "BF16", (3,)),
         ("rng", "U32", (2,)),
     ]
-    prepared = _checkpoint_save.prepare_save(tree, validated=validated, snapshot=snapshot)
+    prepared = _checkpoint_save.PreparedSave.from_snapshots(
+        validated, snapshot, _checkpoint_save.SaveLayout()
+    )
     _checkpoint_save.write_process_share(prepared, tmp_path)
     _checkpoint_save.finalize(tmp_path)
     restored = _checkpoint_restore.restore_directory(tmp_path)

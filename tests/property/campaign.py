@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 # --------------------------------------------------------------------------- known bugs
 
 # issue 25 point 1: one SafetensorsCheckpointHandler instance serving two items or managers.
-KNOWN_SHARED_HANDLER = True
+KNOWN_SHARED_HANDLER = False
 # issue 25 point 5: dtype-policy casts float -> integer differ from jnp.astype.
 KNOWN_POLICY_FLOAT_TO_INT = False
 # Found by this campaign (route with point 5): the cast of a NaN keeps numpy's payload and

@@ -1,10 +1,11 @@
 """The Orbax v1 plugin: ``SafetensorsHandler``, a ``CheckpointableHandler`` for pytrees.
 
-Thin glue over the v0 :class:`~orbax_safetensors._src.orbax.v0.SafetensorsCheckpointHandler`,
-which it drives through Orbax's v0 handler protocol: the same validation, host copies, files,
+Thin glue over the same save object as the v0
+:class:`~orbax_safetensors._src.orbax.v0.SafetensorsCheckpointHandler` (a ``SaveJob`` with the
+v0 handler's options, started by ``orbax/saving.py``): the same validation, host copies, files,
 ``orbax_safetensors.json``, checksums, gather-free multi-host writes and byte-range reads. What
 v1 adds is the ordering Orbax's v0 ``AsyncCheckpointer`` does for a v0 handler: wait for every
-process's writes, finalize on the primary, wait again.
+process's writes, finalize the job on the primary, wait again.
 
 Needs the v1 API of orbax-checkpoint 0.12.8 (``ocp.v1.save`` / ``save_async`` / ``load``);
 on an older Orbax the module imports, and the handler and :func:`register_handler` raise an
@@ -36,9 +37,11 @@ from etils import epath
 from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
 from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import errors as _errors
+from orbax_safetensors._src.orbax import saving as _saving
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.orbax import v0 as _v0
 from orbax_safetensors._src.orbax.tree_metadata import TreeMetadata
+from orbax_safetensors._src.pipeline import save_job as _save_job
 from orbax_safetensors._src.pipeline.restore_options import Words
 
 # The typestr Orbax records for this handler (``{__module__}.{__qualname__}``): the public
@@ -120,20 +123,20 @@ class SafetensorsHandler:
         """Validates ``checkpointable`` and copies this process's shards to host (on the
         caller's thread); the returned awaitable writes, then finalizes on the primary."""
         args = _v0.SafetensorsSave(checkpointable, dtype=self._dtype)
-        path = epath.Path(directory.path)
-        commit_futures = await self._v0.async_save(path, args) or []
+        job = self._v0.new_job(epath.Path(directory.path), args, _saving.save_mode(skip=1))
+        commit_futures = _saving.start(job)
         barrier = f"orbax_safetensors_v1_save_{next(_save_counter)}"
-        return self._background_save(directory, commit_futures, barrier)
+        return self._background_save(directory, job, commit_futures, barrier)
 
     async def _background_save(
-        self, directory: Any, commit_futures: list[Any], barrier: str
+        self, directory: Any, job: _save_job.SaveJob, commit_futures: list[Any], barrier: str
     ) -> None:
         path = epath.Path(await directory.await_creation())
         for future in commit_futures:
             await asyncio.to_thread(future.result)
         await _sync_processes(f"{barrier}_written")
-        if jax.process_index() == self._v0.primary_host:
-            await asyncio.to_thread(self._v0.finalize, path)
+        if job.processes.is_primary:
+            await asyncio.to_thread(job.finalize)
             await asyncio.to_thread(_write_pytree_marker, path)
         await _sync_processes(f"{barrier}_finalized")
 

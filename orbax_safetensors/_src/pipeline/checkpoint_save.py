@@ -8,16 +8,20 @@ Layout of a checkpoint directory::
     orbax_safetensors.json                 # schema, versions, per-tensor dtype/shape/file,
                                            # saved sharding, CRC32C, user metadata
 
-Saving happens in three steps so that Orbax (or any driver) can put them where it needs:
-:func:`prepare_save` (every process; plans, and copies owned shards to host, now or as the
-writer reaches each tensor), :func:`write_process_share` (every process; its own byte ranges,
-plus headers and index on the primary; a small per-process checksum file, which a
-single-process save keeps in memory instead) and :func:`finalize` (one process, after all
-wrote; merges checksums into the metadata file).
+The steps of a save, which ``pipeline.save_job.SaveJob`` puts in order for every driver:
+:func:`validate_save` (the caller's thread), :class:`PreparedSave` (every process; plans, and
+writes either the arrays as the writer reaches them or host copies made beforehand),
+:func:`write_process_share` (every process; its own byte ranges, plus headers and index on the
+primary; a small per-process checksum file, which a single-process save keeps in memory
+instead) and :func:`finalize` (one process, after all wrote; merges checksums into the
+metadata file).
 
 Example::
 
-    save_directory(state, "/tmp/ckpt")                 # all three steps, one process
+    validated = validate_save(state)
+    prepared = PreparedSave.direct(validated, SaveLayout())
+    share = write_process_share(prepared, "/tmp/ckpt", persist_share=False)
+    finalize("/tmp/ckpt", prepared.metadata, [share])
 """
 
 from __future__ import annotations
@@ -50,7 +54,6 @@ from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.pipeline import snapshots as _snapshots
 from orbax_safetensors._src.storage import config as _config
 from orbax_safetensors._src.storage import interface as _interface
-from orbax_safetensors._src.storage import replace as _replace
 from orbax_safetensors._src.storage import router as _router
 
 
@@ -65,8 +68,14 @@ class ValidatedTree:
     dtypes.
     """
 
-    def __init__(self, captured: _tree.CapturedTree, policy: _casting.Policy | None = None) -> None:
+    def __init__(
+        self,
+        captured: _tree.CapturedTree,
+        policy: _casting.Policy | None = None,
+        user_metadata: Mapping[str, Any] | None = None,
+    ) -> None:
         self.captured = captured
+        self.user_metadata = user_metadata  # checked JSON-serialisable (validate_save)
         self.casts: list[np.dtype | None] | None = None
         if policy is not None:
             flat, casts = _casting.apply_policy(captured, policy)
@@ -114,7 +123,8 @@ def validate_save(
     """Checks that ``tree``, ``user_metadata`` and the dtype policy ``dtype`` (see
     ``core.casting``) can be saved, before any I/O is scheduled.
 
-    Pass the result to :func:`prepare_save` (``validated=``) to skip flattening again.
+    The result is what every later step of a save takes (:class:`PreparedSave`,
+    ``pipeline.save_job.SaveJob``).
 
     Raises:
       UnsupportedLeafError: naming the first leaf (or dtype) that cannot be stored.
@@ -125,7 +135,7 @@ def validate_save(
     policy = _casting.parse_policy(dtype)
     captured = _tree.capture(tree)
     _metadata.check_user_metadata(user_metadata)
-    return ValidatedTree(captured, policy)
+    return ValidatedTree(captured, policy, user_metadata)
 
 
 def check_not_deleted(arrays: Iterable[tuple[str, Any]]) -> None:
@@ -140,9 +150,10 @@ def check_not_deleted(arrays: Iterable[tuple[str, Any]]) -> None:
 class PreparedSave:
     """Everything a process needs to write its bytes of the checkpoint.
 
-    ``pieces`` yields ``(file index, pieces)`` one tensor at a time: a list whose host copies
-    are complete, a generator that copies each tensor when the writer reaches it, or one that
-    takes them from a :class:`SnapshotQueue` filled by another thread.
+    ``pieces`` yields ``(file index, pieces)`` one tensor at a time. Build one with
+    :meth:`direct` (each tensor viewed when the writer reaches it: the caller's arrays must
+    stay untouched until the write returns) or :meth:`from_snapshots` (host copies made
+    beforehand; the arrays may be donated by then).
     """
 
     plan: _plan.CheckpointPlan
@@ -153,47 +164,80 @@ class PreparedSave:
     process_index: int
     checksums: bool
 
+    @classmethod
+    def direct(
+        cls,
+        validated: ValidatedTree,
+        layout: SaveLayout,
+        *,
+        is_primary: bool = True,
+        process_index: int = 0,
+    ) -> PreparedSave:
+        """Plans ``validated``'s files; ``pieces`` views (or casts) each tensor as the writer
+        reaches it, so host memory holds about one tensor beyond the writes under way.
+
+        Example::
+
+            prepared = PreparedSave.direct(validate_save(tree), SaveLayout())
+            write_process_share(prepared, directory, persist_share=False)
+        """
+        plan, metadata, sizes = _plan_tree(validated, layout)
+        flat = validated.flat
+        check_not_deleted(flat.arrays.items())
+        pieces = _pieces.iter_host_pieces(
+            plan, flat.arrays, copy=False, is_primary=is_primary, copies_ahead=1
+        )
+        return cls(plan, pieces, metadata, sizes, is_primary, process_index, layout.checksums)
+
+    @classmethod
+    def from_snapshots(
+        cls,
+        validated: ValidatedTree,
+        snapshots: Iterable[tuple[int, _snapshots.HostCopies]],
+        layout: SaveLayout,
+        *,
+        is_primary: bool = True,
+        process_index: int = 0,
+    ) -> PreparedSave:
+        """Plans ``validated``'s files; ``pieces`` writes ``snapshots``, this process's host
+        copies from :func:`_snapshots.iter_snapshots` over ``enumerate(validated.captured.
+        arrays)`` (or a :class:`SnapshotQueue` it fills), and never reads the arrays' data."""
+        plan, metadata, sizes = _plan_tree(validated, layout)
+        names = list(validated.flat.arrays)  # snapshots are keyed by position in captured.arrays
+        pieces = (_pieces.tensor_pieces(plan, names[i], copies) for i, copies in snapshots)
+        return cls(plan, pieces, metadata, sizes, is_primary, process_index, layout.checksums)
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveLayout:
+    """How a checkpoint directory's files are laid out.
+
+    Attributes:
+      max_file_size: split the tensors into files of at most this many bytes of data (None:
+        one file).
+      checksums: compute every tensor's CRC32C while writing.
+    """
+
+    max_file_size: int | None = _plan.DEFAULT_MAX_FILE_SIZE
+    checksums: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_file_size is not None and self.max_file_size <= 0:
+            raise ValueError(f"max_file_size must be positive or None, got {self.max_file_size}")
+
 
 _SINGLE_DEVICE = jax.sharding.SingleDeviceSharding
 
 
-def prepare_save(
-    tree: Any,
-    *,
-    user_metadata: Mapping[str, Any] | None = None,
-    max_file_size: int | None = _plan.DEFAULT_MAX_FILE_SIZE,
-    is_primary: bool = True,
-    process_index: int = 0,
-    copy: bool = True,
-    lazy: bool = False,
-    checksums: bool = True,
-    validated: ValidatedTree | None = None,
-    snapshot: Iterable[tuple[int, _snapshots.HostCopies]] | None = None,
-    dtype: _casting.DtypePolicy | None = None,
-) -> PreparedSave:
-    """Flattens ``tree``, plans its files and copies this process's owned bytes to host.
-
-    With ``copy=True`` (and not ``lazy``) the caller may donate or overwrite its arrays as soon
-    as this returns. With ``lazy=True`` nothing is copied yet: ``pieces`` is a generator that
-    takes each tensor's bytes when the writer reaches it, so the arrays must stay untouched
-    until :func:`write_process_share` returns (a synchronous save; host memory about one tensor).
-    ``validated`` is :func:`validate_save`'s result for ``tree``, to skip flattening again.
-
-    ``snapshot`` (with ``validated``): this process's host copies, from
-    :func:`_snapshots.iter_snapshots` over ``enumerate(validated.captured.arrays)`` (or a
-    :class:`SnapshotQueue` it fills); ``pieces`` then writes them and never reads the arrays'
-    data, which may be donated or deleted by now (an async save that copied before planning).
-
-    ``dtype`` (without ``validated``, whose policy it is otherwise): a dtype policy (see
-    ``core.casting``); each tensor is cast as it is written (or as it is copied to host).
-    """
-    if validated is None:
-        if snapshot is not None:
-            raise ValueError("prepare_save(snapshot=...) needs the validated tree it copied")
-        validated = ValidatedTree(_tree.capture(tree), _casting.parse_policy(dtype))
+def _plan_tree(
+    validated: ValidatedTree, layout: SaveLayout
+) -> tuple[_plan.CheckpointPlan, dict[str, Any], dict[str, int]]:
+    # The file plan, the metadata document (less checksums) and each tensor's stored size.
     flat, specs = validated.flat, validated.specs
     # Headers depend only on names, dtypes and shapes: identical on every process.
-    plan = _plan.plan_files(specs, max_file_size=max_file_size, metadata=_metadata.HEADER_METADATA)
+    plan = _plan.plan_files(
+        specs, max_file_size=layout.max_file_size, metadata=_metadata.HEADER_METADATA
+    )
     multi_process = jax.process_count() > 1
     # trees of many arrays share a few shardings
     described = _memo.ShardingMemo(_sharding.sharding_to_json)
@@ -208,28 +252,10 @@ def prepare_save(
             and isinstance(x.sharding, (jax.sharding.NamedSharding, _SINGLE_DEVICE))
             else None  # nothing to describe
         )
+    user_metadata = validated.user_metadata
     metadata = _metadata.build_metadata(plan, specs, flat.schema, shardings, user_metadata or {})
-    _metadata.check_user_metadata(user_metadata)  # fail early (before any I/O)
-    pieces: Iterable[tuple[int, list[_interface.Piece]]]
-    if snapshot is not None:
-        names = list(flat.arrays)  # snapshots are keyed by position in captured.arrays
-        pieces = (_pieces.tensor_pieces(plan, names[i], copies) for i, copies in snapshot)
-    else:
-        check_not_deleted(flat.arrays.items())
-        pieces = _pieces.iter_host_pieces(
-            plan, flat.arrays, copy=copy, is_primary=is_primary, copies_ahead=None if copy else 1
-        )
-        if not lazy:
-            pieces = list(pieces)
-    return PreparedSave(
-        plan,
-        pieces,
-        metadata,
-        {s.name: plan.locate(s.name)[1].nbytes for s in specs},
-        is_primary,
-        process_index,
-        checksums,
-    )
+    sizes = {s.name: plan.locate(s.name)[1].nbytes for s in specs}
+    return plan, metadata, sizes
 
 
 _BATCH_BYTES = 8 << 20
@@ -383,30 +409,3 @@ def finalize(
         draft.unlink()
     for f in files:
         f.unlink()
-
-
-@_gcpause.paused
-def save_directory(
-    tree: Any,
-    directory: epath.PathLike,
-    *,
-    metadata: Mapping[str, Any] | None = None,
-    max_file_size: int | None = _plan.DEFAULT_MAX_FILE_SIZE,
-    dtype: _casting.DtypePolicy | None = None,
-    io_options: _config.IOOptions | None = None,
-) -> None:
-    """Saves ``tree`` as a checkpoint directory from one process (no Orbax involved);
-    ``dtype`` is a dtype policy and ``io_options`` the I/O options (see ``save_file``)."""
-    validated = validate_save(tree, metadata, dtype=dtype)  # before the directory exists
-    # An existing directory's checkpoint files are replaced whole (storage/replace.py).
-    with _replace.replacing_directory(directory) as out:
-        prepared = prepare_save(
-            tree,
-            user_metadata=metadata,
-            max_file_size=max_file_size,
-            copy=False,
-            lazy=True,
-            validated=validated,
-        )
-        share = write_process_share(prepared, out, persist_share=False, io=io_options)
-        finalize(out, prepared.metadata, [share], io=io_options)

@@ -201,7 +201,7 @@ class SnapshotQueue:
 
         queue = SnapshotQueue()
         writer = threading.Thread(target=lambda: write_process_share(
-            prepare_save(tree, validated=v, snapshot=queue), directory))
+            PreparedSave.from_snapshots(v, queue, SaveLayout()), directory))
         writer.start()
         for item in _snapshots.iter_snapshots(enumerate(v.captured.arrays)):
             queue.put(item)

@@ -26,11 +26,11 @@ from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import select as _select
-from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import (
     SafetensorsCheckpointError,
     SchemaError,
 )
+from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
 from orbax_safetensors._src.pipeline import gcpause as _gcpause
 from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.pipeline.reader import StoredTensor
@@ -82,9 +82,8 @@ def save_file(
         osf.save_file(params, "w16.safetensors", dtype={"*.norm.*": None, "*": "bfloat16"})
     """
     path = epath.Path(path)
-    policy = _casting.parse_policy(dtype)
-    flat, casts = _casting.apply_policy(_tree.capture(tree), policy)
-    specs = _casting.stored_specs(flat.arrays, casts)
+    validated = _checkpoint_save.validate_save(tree, dtype=dtype)  # a save job's first step
+    flat, specs = validated.flat, validated.specs
     placeholder = {s.name: _checksum.to_hex(0) for s in specs}
     meta = _metadata.file_metadata(flat.schema, placeholder, metadata)
     plan = _plan.plan_files(specs, max_file_size=None, metadata=meta)

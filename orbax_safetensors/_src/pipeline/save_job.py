@@ -1,0 +1,422 @@
+"""One save as one object: validate -> snapshot -> plan -> write -> finalize.
+
+A :class:`SaveJob` holds everything one save of one checkpoint directory needs, from the
+caller's call to the primary's finalize: the validated tree, how the caller's arrays are treated
+(:class:`SaveMode`), the host buffers of its snapshot, its file plan, and what its finalize merges
+(the metadata draft and, in a one-process job, the checksum share, both kept in memory). Drivers
+hold no state of their own per save: the Orbax handlers (through ``orbax/saving.py``) and
+:func:`save_directory` each build a job and call its steps where their protocol puts them, so one
+driver serves any number of saves at once.
+
+The steps, and the thread each runs on:
+
+- :meth:`SaveJob.start` (the caller's): plans now when the plan must come first (a direct save,
+  object storage, a header that may be too large) and prepares the directory.
+- :meth:`SaveJob.snapshot` (the caller's, ``SNAPSHOT`` only): copies this process's owned shards
+  to host; once it returns the caller may donate or overwrite its arrays. If a copy fails the
+  job is aborted before this raises: no thread writes for it any more and nothing it wrote stays.
+- :meth:`SaveJob.write` (a writer thread, or the caller's): plans if not yet planned, writes
+  this process's bytes, keeps what :meth:`SaveJob.finalize` needs.
+- :meth:`SaveJob.finalize` (one process, after every process wrote).
+
+Example::
+
+    job = SaveJob(validate_save(state), "/tmp/ckpt", mode=SaveMode.SNAPSHOT)
+    job.start()
+    writer = threading.Thread(target=job.write)
+    writer.start()
+    job.snapshot()       # state may be donated from here on
+    writer.join()
+    job.finalize()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+from etils import epath
+
+from orbax_safetensors._src.core import casting as _casting
+from orbax_safetensors._src.core import header as _header
+from orbax_safetensors._src.core import metadata as _metadata
+from orbax_safetensors._src.core import plan as _plan
+from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
+from orbax_safetensors._src.pipeline import gcpause as _gcpause
+from orbax_safetensors._src.pipeline import pieces as _pieces
+from orbax_safetensors._src.pipeline import snapshots as _snapshots
+from orbax_safetensors._src.storage import buffers as _buffers
+from orbax_safetensors._src.storage import config as _config
+from orbax_safetensors._src.storage import replace as _replace
+from orbax_safetensors._src.storage import router as _router
+
+# How long an async save's writer waits, once every host copy is made, before it plans the
+# files: time for the caller's thread to finish the driver's save() without this thread's
+# Python work competing for the GIL.
+_PLAN_DELAY_SECONDS = 0.03
+
+
+class SaveMode(enum.Enum):
+    """How a save treats the caller's arrays.
+
+    ``DIRECT``: the caller waits for the write (a synchronous save, :func:`save_directory`):
+    each tensor is written straight from its array (zero-copy on CPU; one tensor at a time in
+    host memory on accelerators), cast as it is written under a dtype policy.
+
+    ``SNAPSHOT``: the caller goes on once :meth:`SaveJob.snapshot` returns (an async save): this
+    process's owned shards are copied to host on the caller's thread (cast bytes under a dtype
+    policy), and the writer writes the copies while later ones are still being made.
+    """
+
+    DIRECT = "direct"
+    SNAPSHOT = "snapshot"
+
+
+@dataclasses.dataclass(frozen=True)
+class Processes:
+    """The processes of a save: this one (``index``), how many (``count``), which finalizes.
+
+    Example::
+
+        Processes.of_jax(primary=0)   # from jax.process_index() / jax.process_count()
+    """
+
+    index: int = 0
+    count: int = 1
+    primary: int = 0
+
+    @classmethod
+    def of_jax(cls, primary: int = 0) -> Processes:
+        """This JAX job's processes; a ``ValueError`` if ``primary`` is not one of them."""
+        count = jax.process_count()
+        if not 0 <= primary < count:
+            # Checked on the caller's thread: otherwise no process writes the headers and the
+            # step fails later, in the driver's background commit, with a FileNotFoundError.
+            raise ValueError(
+                f"primary_host={primary} is not a process of this job "
+                f"(jax.process_count() is {count}); pass a process index in [0, {count})"
+            )
+        return cls(jax.process_index(), count, primary)
+
+    @property
+    def is_primary(self) -> bool:
+        """Whether this process writes headers, index and metadata and finalizes."""
+        return self.index == self.primary
+
+
+class _State(enum.Enum):
+    NEW = "new"  # not written yet
+    WRITING = "writing"
+    ABORTING = "aborting"  # aborted while its writer runs: the writer removes what it wrote
+    ABORTED = "aborted"
+    WRITTEN = "written"
+    FAILED = "failed"
+    FINALIZED = "finalized"
+
+
+class SaveJob:
+    """One save of ``validated`` into ``directory`` by this process; see the module docstring.
+
+    Args:
+      validated: the tree, from ``checkpoint_save.validate_save`` (with its user metadata and
+        dtype policy).
+      directory: the checkpoint directory (it must exist when :meth:`write` runs).
+      mode: :class:`SaveMode`.
+      layout: file size limit and checksums (``checkpoint_save.SaveLayout``; default its
+        defaults).
+      processes: this save's processes (default: one).
+      host_buffers: a pool the ``SNAPSHOT`` copies draw their large buffers from (reused from
+        the previous save) and go back to once written; None: fresh buffers.
+      io: how files are written (direct I/O mode, object-store options; None: the defaults,
+        see ``storage/config.IOOptions``).
+
+    After :meth:`write`, ``stats`` holds the byte ranges this process wrote.
+    """
+
+    def __init__(
+        self,
+        validated: _checkpoint_save.ValidatedTree,
+        directory: epath.PathLike,
+        *,
+        mode: SaveMode,
+        layout: _checkpoint_save.SaveLayout | None = None,
+        processes: Processes | None = None,
+        host_buffers: _buffers.HostBufferPool | None = None,
+        io: _config.IOOptions | None = None,
+    ) -> None:
+        self.directory = epath.Path(directory)
+        self.io = io
+        self.mode = mode
+        self.layout = layout if layout is not None else _checkpoint_save.SaveLayout()
+        self.processes = processes = processes if processes is not None else Processes()
+        self.stats = _pieces.WriteStats()
+        # Several processes: the draft and the checksum shares go to disk for the primary's
+        # finalize; one process: the finalize is this one's and takes them from memory.
+        self._persist = processes.count > 1
+        self._validated: _checkpoint_save.ValidatedTree | None = validated
+        snapshot = mode is SaveMode.SNAPSHOT
+        self._queue = _snapshots.SnapshotQueue() if snapshot else None
+        self._pool = host_buffers if snapshot else None
+        self._arena = self._pool.arena() if self._pool is not None else None
+        self._prepared: _checkpoint_save.PreparedSave | None = None
+        self._draft: dict[str, Any] | None = None  # the metadata file less checksums (primary)
+        self._share: dict[str, Any] | None = None  # this process's checksum share, unpersisted
+        self._lock = threading.Lock()
+        self._state = _State.NEW
+        self._idle = threading.Event()  # set once no writer runs for this job any more
+
+    def __repr__(self) -> str:
+        return f"SaveJob({str(self.directory)!r}, {self.mode.name}, {self._state.value})"
+
+    # -- the caller's thread ------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Plans now, on the caller's thread, when the plan must come first: a direct save writes
+        straight from the arrays; object storage starts its uploads here (every process, before
+        any write); a header that may exceed the safetensors cap fails here, not in the
+        background. Otherwise the writer plans, off the caller's thread."""
+        validated = self._require_validated()
+        if (
+            self.mode is SaveMode.DIRECT
+            or _router.is_object_url(self.directory)
+            or validated.header_bound() > _header.MAX_HEADER_BYTES
+        ):
+            prepared = self._prepared = self._plan(validated)
+            files = [(f.filename, f.size) for f in prepared.plan.files]
+            _router.prepare_directory(
+                self.directory, files, is_primary=prepared.is_primary, io=self.io
+            )
+
+    def snapshot(self) -> None:
+        """``SNAPSHOT``: copies this process's owned shards to host (no-op for ``DIRECT``).
+
+        Raises (after :meth:`abort`) what the copy raised, or a ``DeletedArrayError`` naming an
+        array donated since the tree was validated.
+        """
+        if self._queue is None:
+            return
+        validated = self._require_validated()
+        try:
+            snaps = _snapshots.iter_snapshots(
+                enumerate(validated.captured.arrays),
+                is_primary=self.processes.is_primary,
+                casts=validated.snapshot_casts(),  # a dtype policy: copy the cast bytes
+                buffers=self._arena,
+            )
+            for item in snaps:
+                self._queue.put(item)  # device-to-host copies, on the caller's thread
+        except BaseException as e:
+            self.abort(e)
+            captured = validated.captured  # arrays donated since the tree was validated?
+            _checkpoint_save.check_not_deleted(zip(captured.names, captured.arrays))
+            raise
+        self._queue.close()
+
+    def abort(self, error: BaseException) -> None:
+        """Ends the save: its writer writes nothing more and removes what it wrote (a writer
+        not yet started returns at once). Returns once no thread writes for this job."""
+        with self._lock:
+            state = self._state
+            if state is _State.NEW:
+                self._state = _State.ABORTED
+            elif state is _State.WRITING:
+                self._state = _State.ABORTING
+        if self._queue is not None:
+            self._queue.fail(error)
+        if state is _State.WRITING:
+            self._idle.wait()
+        elif state is _State.NEW:
+            self._release()
+
+    # -- the writer's thread ------------------------------------------------------------------
+
+    def write(self) -> None:
+        """Writes this process's bytes (and on the primary headers, index and, with several
+        processes, the metadata draft); keeps what :meth:`finalize` needs. Returns at once,
+        writing nothing, if the job was aborted before; ends without error, its files removed,
+        if it is aborted meanwhile (whoever aborted it reports the error)."""
+        with self._lock:
+            if self._state is _State.ABORTED:
+                return
+            if self._state is not _State.NEW:
+                raise RuntimeError(f"{self!r}: written twice")
+            self._state = _State.WRITING
+        try:
+            if self.mode is SaveMode.DIRECT:
+                # The caller waits for this write: the cyclic GC may pause for it. An async
+                # save's write outlives save(): it never pauses the GC.
+                with _gcpause.gc_paused():
+                    share = self._write()
+            else:
+                share = self._write()
+        except BaseException:
+            if self._end(_State.FAILED) is _State.ABORTED:
+                return  # whoever aborted the job reports its error
+            raise
+        self._share = None if self._persist else share
+        self._end(_State.WRITTEN)
+
+    def _write(self) -> dict[str, Any]:
+        prepared = self._prepared
+        if prepared is None:
+            # Planned here, on the writer thread, once the first host copies (or all of a
+            # small state's) are in: the planning is Python work per tensor, which the
+            # caller need not wait for.
+            assert self._queue is not None
+            self._queue.wait_started()
+            if self._state is _State.ABORTING:
+                raise RuntimeError(f"{self.directory}: the save was aborted")
+            if self._queue.complete():
+                # All copied: give the caller's thread time to leave save() before this
+                # thread takes the GIL for planning. A fixed courtesy: nothing here may look
+                # at the caller's thread (reading another thread's frames can crash CPython).
+                time.sleep(_PLAN_DELAY_SECONDS)
+            prepared = self._prepared = self._plan(self._require_validated())
+        if prepared.is_primary:
+            self._draft = prepared.metadata
+        return _checkpoint_save.write_process_share(
+            prepared, self.directory, self.stats, persist_share=self._persist, io=self.io
+        )
+
+    def _end(self, state: _State) -> _State:
+        with self._lock:
+            aborted = self._state is _State.ABORTING
+            state = self._state = _State.ABORTED if aborted else state
+        try:
+            if aborted:
+                self._remove_written()
+        finally:
+            self._release()
+            self._idle.set()
+        return state
+
+    def _release(self) -> None:
+        # The caller's arrays and the host copies are no longer needed: the job keeps only
+        # what finalize merges (it may wait in a driver's registry until then).
+        self._validated = None
+        self._prepared = None
+        pool, arena, self._arena = self._pool, self._arena, None
+        if pool is not None and arena is not None:
+            pool.release(arena)  # written (or failed): the next save reuses them
+
+    def _remove_written(self) -> None:
+        # An aborted save's files: nothing of it may stay for a reader or a retry to meet.
+        prepared = self._prepared
+        names = [f.filename for f in prepared.plan.files] if prepared is not None else []
+        names += [
+            _plan.INDEX_FILE_NAME,
+            _metadata.DRAFT_FILE,
+            f"{_metadata.SHARE_FILE_PREFIX}{self.processes.index}.json",
+        ]
+        for name in names:
+            with contextlib.suppress(OSError):
+                (self.directory / name).unlink(missing_ok=True)
+        self._draft = None
+
+    # -- one process, after every process wrote -----------------------------------------------
+
+    def finalize(self) -> None:
+        """Merges every process's checksum share into the metadata file (one process, after
+        all wrote): this process's draft and share from memory, the others' from disk."""
+        with self._lock:
+            if self._state is not _State.WRITTEN:
+                raise RuntimeError(f"{self!r}: finalize needs a written save")
+            self._state = _State.FINALIZED
+        draft, share = self._draft, self._share
+        self._draft = self._share = None
+        shares = [share] if share is not None else []
+        _checkpoint_save.finalize(self.directory, draft, shares, io=self.io)
+
+    def _plan(self, validated: _checkpoint_save.ValidatedTree) -> _checkpoint_save.PreparedSave:
+        is_primary, index = self.processes.is_primary, self.processes.index
+        if self._queue is not None:
+            return _checkpoint_save.PreparedSave.from_snapshots(
+                validated, self._queue, self.layout, is_primary=is_primary, process_index=index
+            )
+        return _checkpoint_save.PreparedSave.direct(
+            validated, self.layout, is_primary=is_primary, process_index=index
+        )
+
+    def _require_validated(self) -> _checkpoint_save.ValidatedTree:
+        validated = self._validated
+        if validated is None:
+            raise RuntimeError(f"{self!r}: the tree was already written or the save aborted")
+        return validated
+
+
+def finalize_from_disk(directory: epath.PathLike, io: _config.IOOptions | None = None) -> None:
+    """Finalizes a save whose job this process does not hold (its draft and checksum shares
+    were persisted: a save by several processes, finalized by a fresh driver)."""
+    _checkpoint_save.finalize(directory, io=io)
+
+
+class PendingSaves:
+    """Written save jobs awaiting their finalize, by directory: how a driver that finalizes a
+    directory (Orbax's handler protocol) finds its save's job. Thread-safe; a driver holds one
+    for any number of concurrent saves.
+
+    Example::
+
+        pending.add(job)                       # when the save starts (on the primary)
+        pending.pop(directory).finalize()      # after every process wrote
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: dict[str, SaveJob] = {}
+
+    def add(self, job: SaveJob) -> None:
+        """Registers ``job`` for its directory (replacing an earlier job's, which failed)."""
+        with self._lock:
+            self._jobs[str(job.directory)] = job
+
+    def pop(self, directory: epath.PathLike) -> SaveJob | None:
+        """The job registered for ``directory``, removed; None if there is none."""
+        with self._lock:
+            return self._jobs.pop(str(directory), None)
+
+    def discard(self, job: SaveJob) -> None:
+        """Forgets ``job`` (a failed save, never finalized), if it is still registered."""
+        with self._lock:
+            if self._jobs.get(str(job.directory)) is job:
+                del self._jobs[str(job.directory)]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._jobs)
+
+
+@_gcpause.paused
+def save_directory(
+    tree: Any,
+    directory: epath.PathLike,
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    max_file_size: int | None = _plan.DEFAULT_MAX_FILE_SIZE,
+    dtype: _casting.DtypePolicy | None = None,
+    io_options: _config.IOOptions | None = None,
+) -> None:
+    """Saves ``tree`` as a checkpoint directory from one process (no Orbax involved);
+    ``dtype`` is a dtype policy (see ``save_file``), applied tensor by tensor as it writes;
+    ``io_options`` the I/O options (see ``save_file``). An existing directory's checkpoint
+    files are replaced whole (``storage/replace.py``): a reader never meets old and new
+    files mixed.
+
+    Example::
+
+        osf.save_directory(state, "/tmp/ckpt", max_file_size=1 << 30)
+    """
+    directory = epath.Path(directory)
+    layout = _checkpoint_save.SaveLayout(max_file_size)
+    validated = _checkpoint_save.validate_save(tree, metadata, dtype=dtype)  # before any I/O
+    with _replace.replacing_directory(directory) as out:
+        job = SaveJob(validated, out, mode=SaveMode.DIRECT, layout=layout, io=io_options)
+        job.start()
+        job.write()
+        job.finalize()
