@@ -34,35 +34,13 @@ except ImportError:  # tests/ became a package
 
 pytestmark = pytest.mark.timeout(300)
 
-# issue 25 point 7 (fixed on another branch): inspect/diff/convert of a zero-size msgpack array
-# with a huge dimension end in a ValueError traceback; convert --dtype of a safetensors source
-# exits 1; `inspect | head` ends in BrokenPipeError.
-KNOWN_CLI_TRACEBACKS = False
-# Found here: a msgpack Timestamp (ext type -1) is decoded into the tree instead of refused.
-KNOWN_MSGPACK_TIMESTAMP = False
 _SLACK = 16 << 20  # fixed allowance: imports, messages, fixed-size read buffers
 CASES = corpus.all_cases()
 MSGPACK = msgpack_corpus.cases()
 
 
-def _xfail_if(flag: bool, point: str) -> pytest.MarkDecorator:
-    return pytest.mark.xfail(
-        flag, strict=False, reason=f"issue 25 point {point}, fixed on another branch"
-    )
-
-
-_TIMESTAMP = pytest.mark.xfail(
-    KNOWN_MSGPACK_TIMESTAMP, strict=False, reason="msgpack Timestamp decoded (found here)"
-)
-
-
 def _msgpack_param(case: msgpack_corpus.Case) -> object:
-    marks = []
-    if case.known:
-        marks.append(_xfail_if(KNOWN_CLI_TRACEBACKS, case.known))
-    if case.name == "ext-timestamp":
-        marks.append(_TIMESTAMP)
-    return pytest.param(case, id=case.name, marks=marks)
+    return pytest.param(case, id=case.name)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -205,7 +183,6 @@ def test_the_real_command_line_on_hostile_files(tmp_path: Path) -> None:
             assert "DAMAGED" in out and not err.strip(), (out, err)
 
 
-@_xfail_if(KNOWN_CLI_TRACEBACKS, "7")
 def test_zero_size_msgpack_array_with_a_huge_dimension(tmp_path: Path) -> None:
     path = tmp_path / "checkpoint_5"
     path.write_bytes(next(c for c in MSGPACK if c.name == "zero-size-huge-dim").data)
@@ -214,7 +191,6 @@ def test_zero_size_msgpack_array_with_a_huge_dimension(tmp_path: Path) -> None:
     assert_error(["inspect"], proc.returncode, err)
 
 
-@_xfail_if(KNOWN_CLI_TRACEBACKS, "7")
 def test_convert_dtype_of_a_safetensors_source_is_an_error_line(tmp_path: Path) -> None:
     src = tmp_path / "item"
     osf.save_directory({"w": jax.numpy.ones(3)}, src)
@@ -223,7 +199,6 @@ def test_convert_dtype_of_a_safetensors_source_is_an_error_line(tmp_path: Path) 
     assert_error(argv, status, err)
 
 
-@_xfail_if(KNOWN_CLI_TRACEBACKS, "7")
 def test_inspect_into_a_closed_pipe(tmp_path: Path) -> None:
     path = tmp_path / "many.safetensors"
     osf.save_file({f"t{i}": jax.numpy.ones(1) for i in range(3000)}, path)

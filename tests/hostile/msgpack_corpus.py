@@ -29,7 +29,6 @@ class Case:
     name: str
     data: bytes
     match: str
-    known: str = ""  # issue 25 point whose fix (on another branch) makes this case pass
 
 
 def ext(code: int, payload: bytes) -> msgpack.ExtType:
@@ -65,7 +64,9 @@ def cases() -> list[Case]:
     good = valid()
     f32 = np.zeros(2, np.float32).tobytes()
     items = [
-        Case("zero-size-huge-dim", state(ndarray([0, 2**64 - 1], "float32", b"")), "", "7"),
+        Case(
+            "zero-size-huge-dim", state(ndarray([0, 2**64 - 1], "float32", b"")), "beyond any array"
+        ),
         Case("huge-dims", state(ndarray([2**40, 2**40], "float32", f32)), "beyond any array"),
         Case("huge-dim-u64", state(ndarray([2**64 - 1], "uint8", b"\0")), "beyond any array"),
         Case("rank-65", state(ndarray([1] * 65, "float32", f32[:4])), "not a list of sizes"),

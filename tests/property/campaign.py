@@ -34,36 +34,6 @@ from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-# --------------------------------------------------------------------------- known bugs
-
-# issue 25 point 1: one SafetensorsCheckpointHandler instance serving two items or managers.
-KNOWN_SHARED_HANDLER = False
-# issue 25 point 5: dtype-policy casts float -> integer differ from jnp.astype.
-KNOWN_POLICY_FLOAT_TO_INT = False
-# Found by this campaign (route with point 5): the cast of a NaN keeps numpy's payload and
-# sign (float16 -> float8_e5m2, float32 -> float16 payloads; -NaN -> float4), jnp.astype
-# canonicalizes it.
-KNOWN_POLICY_NAN_PAYLOAD = False
-# Found by this campaign (route with point 5): float32 subnormals cast to float8_e8m0fnu
-# round down (numpy / ml_dtypes: 8.0e-39 -> 2**-127) where jnp.astype gives 2**-126.
-KNOWN_POLICY_E8M0_SUBNORMAL = False
-# issue 25 point 3: diff compares integers through float64, -0.0 == 0.0, NaN payloads equal.
-KNOWN_DIFF_NOT_BITWISE = False
-# issue 25 point 6: verify passes a malformed per-tensor sharding entry that restore refuses.
-KNOWN_VERIFY_SHARDING = False
-# issue 25 points 8, 9: optimizer-state mismatch accepted; MaskedNode / PLACEHOLDER / scalars.
-KNOWN_ORBAX_STRUCTURE = False
-
-
-def known(flag: bool, point: str) -> Any:
-    """``pytest.mark.xfail`` while ``flag`` is set (the bug is fixed on another branch)."""
-    import pytest
-
-    return pytest.mark.xfail(
-        flag, strict=False, reason=f"issue 25 point {point}, fixed on another branch"
-    )
-
-
 # --------------------------------------------------------------------------- settings
 
 PROFILE = os.environ.get("OSF_PROPERTY_PROFILE", "ci")

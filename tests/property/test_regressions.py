@@ -17,16 +17,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from campaign import (
-    KNOWN_DIFF_NOT_BITWISE,
-    KNOWN_ORBAX_STRUCTURE,
-    KNOWN_POLICY_E8M0_SUBNORMAL,
-    KNOWN_POLICY_FLOAT_TO_INT,
-    KNOWN_POLICY_NAN_PAYLOAD,
-    KNOWN_SHARED_HANDLER,
-    KNOWN_VERIFY_SHARDING,
     as_x64,
     assert_trees_equal,
-    known,
 )
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -44,7 +36,6 @@ def _mesh() -> Mesh:
 # --------------------------------------------------------------------------- point 1
 
 
-@known(KNOWN_SHARED_HANDLER, "1")
 @pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
 def test_one_handler_instance_serves_two_items(tmp_path: Path, async_: bool) -> None:
     handler = osf.SafetensorsCheckpointHandler()
@@ -63,7 +54,6 @@ def test_one_handler_instance_serves_two_items(tmp_path: Path, async_: bool) -> 
     assert_trees_equal(out["b"], b)
 
 
-@known(KNOWN_SHARED_HANDLER, "1")
 def test_one_handler_instance_serves_two_managers_saving_together(tmp_path: Path) -> None:
     handler = osf.SafetensorsCheckpointHandler()
     trees = [{"w": np.full(4 << 20, i, np.float32)} for i in range(2)]  # writes overlap
@@ -84,7 +74,6 @@ def test_one_handler_instance_serves_two_managers_saving_together(tmp_path: Path
 # --------------------------------------------------------------------------- point 3
 
 
-@known(KNOWN_DIFF_NOT_BITWISE, "3")
 @pytest.mark.parametrize(
     "a, b",
     [
@@ -105,7 +94,6 @@ def test_diff_is_bitwise(tmp_path: Path, a: np.ndarray, b: np.ndarray) -> None:
 # --------------------------------------------------------------------------- point 5
 
 
-@known(KNOWN_POLICY_FLOAT_TO_INT, "5")
 @pytest.mark.parametrize("target", [jnp.int8, jnp.uint8, jnp.int32, jnp.uint32, jnp.int16])
 def test_policy_float_to_int_equals_jnp_astype(tmp_path: Path, target: type) -> None:
     x = np.array([300, -1, np.nan, np.inf, -np.inf, 255.5, 1e10, -1e10, -0.5], np.float32)
@@ -115,7 +103,6 @@ def test_policy_float_to_int_equals_jnp_astype(tmp_path: Path, target: type) -> 
     assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), (got, want)
 
 
-@known(KNOWN_POLICY_NAN_PAYLOAD, "5 (NaN payloads, found by the campaign)")
 @pytest.mark.parametrize(
     "bits, source, target",
     [
@@ -141,7 +128,6 @@ def test_policy_cast_of_nan_equals_jnp_astype(
     assert np.asarray(got).tobytes() == want.tobytes(), (got, want)
 
 
-@known(KNOWN_POLICY_E8M0_SUBNORMAL, "5 (float8_e8m0fnu of subnormals, found by the campaign)")
 def test_policy_cast_of_subnormals_to_e8m0_equals_jnp_astype(tmp_path: Path) -> None:
     x = np.array([0x571F87, 0x4B6593, 0x3F800000], np.uint32).view(np.float32)
     osf.save_file({"x": x}, tmp_path / "t.safetensors", dtype={"*": ml_dtypes.float8_e8m0fnu})
@@ -153,7 +139,6 @@ def test_policy_cast_of_subnormals_to_e8m0_equals_jnp_astype(tmp_path: Path) -> 
 # --------------------------------------------------------------------------- point 6
 
 
-@known(KNOWN_VERIFY_SHARDING, "6")
 @pytest.mark.parametrize("entry", [{"spec": 3}, "x", {"mesh_shape": [-1]}])
 def test_verify_refuses_the_sharding_entry_restore_refuses(tmp_path: Path, entry: object) -> None:
     x = jax.device_put(np.arange(16, dtype=np.float32), NamedSharding(_mesh(), P("x")))
@@ -172,7 +157,6 @@ def test_verify_refuses_the_sharding_entry_restore_refuses(tmp_path: Path, entry
 # --------------------------------------------------------------------------- points 8, 9
 
 
-@known(KNOWN_ORBAX_STRUCTURE, "8")
 def test_restoring_into_another_optimizers_state_is_refused(tmp_path: Path) -> None:
     import optax
 
@@ -186,7 +170,6 @@ def test_restoring_into_another_optimizers_state_is_refused(tmp_path: Path) -> N
             m.restore(0, args=osf.SafetensorsRestore(target))
 
 
-@known(KNOWN_ORBAX_STRUCTURE, "9")
 def test_masked_node_restored_under_a_full_target_as_orbax_does(tmp_path: Path) -> None:
     import optax
 
@@ -244,7 +227,6 @@ def _pytree_both(tmp_path: Path, saved: object, item: object, restore_args: obje
     return out[0], out[1]
 
 
-@known(KNOWN_ORBAX_STRUCTURE, "9")
 @pytest.mark.skipif(not hasattr(ocp, "PLACEHOLDER"), reason="orbax-checkpoint without PLACEHOLDER")
 def test_placeholder_leaves_stay_placeholders_as_in_orbax(tmp_path: Path) -> None:
     saved = {"a": jnp.arange(3.0), "b": jnp.ones(2)}
@@ -256,7 +238,6 @@ def test_placeholder_leaves_stay_placeholders_as_in_orbax(tmp_path: Path) -> Non
     assert_trees_equal(ours["b"], orbax["b"])
 
 
-@known(KNOWN_ORBAX_STRUCTURE, "9")
 def test_python_scalar_item_leaves_take_the_saved_array_as_in_orbax(tmp_path: Path) -> None:
     saved = {"w": jnp.arange(3.0), "n": jnp.asarray(7)}
     ours, orbax = _pytree_both(tmp_path, saved, {"w": 0.0, "n": 0}, None)
