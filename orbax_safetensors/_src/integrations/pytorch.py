@@ -228,9 +228,10 @@ def _link_batches(
 CONFIG_FILE_NAME = "config.json"
 
 
-def _config_json(hf_config: Any, dtypes: Sequence[str]) -> str:
-    """``config.json`` text of a transformers config object or a dict; a missing ``dtype`` is
-    the stored floating-point dtype (the most bytes), as ``save_pretrained`` records it."""
+def _config_json(hf_config: Any, dtypes: Sequence[str], cast: bool) -> str:
+    """``config.json`` text of a transformers config object or a dict. Its ``dtype`` (and
+    ``torch_dtype`` if present) is the stored floating-point dtype (the one most tensors
+    have) when unset, or when a dtype policy (``cast``) changed what is stored."""
     if isinstance(hf_config, dict):
         doc = dict(hf_config)
     elif hasattr(hf_config, "to_json_string"):
@@ -242,11 +243,13 @@ def _config_json(hf_config: Any, dtypes: Sequence[str]) -> str:
             f"hf_config must be a transformers config object or a dict, not "
             f"{type(hf_config).__name__}"
         )
-    if doc.get("dtype") is None and doc.get("torch_dtype") is None and dtypes:
-        names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
-        floats = [names[d] for d in dtypes if d in names]
-        if floats:
-            doc["dtype"] = max(set(floats), key=floats.count)
+    names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+    floats = [names[d] for d in dtypes if d in names]
+    if floats:
+        stored = max(sorted(set(floats)), key=floats.count)
+        for key in ("dtype", "torch_dtype"):
+            if (key == "dtype" and doc.get(key) is None) or (cast and key in doc):
+                doc[key] = stored
     return json.dumps(doc, indent=2, sort_keys=True) + "\n"
 
 
@@ -312,7 +315,8 @@ def export_pytorch(
       directory: where to write.
       mapping: the same mapping :func:`load_pytorch` uses, applied in reverse.
       hf_config: a transformers config object (``LlamaConfig(...)``) or a dict, written as
-        ``config.json`` (its ``dtype``, when unset, is the stored floating-point dtype).
+        ``config.json``; its ``dtype`` is set to the stored floating-point dtype when unset
+        or when ``dtype`` changes what is stored.
       dtype: a dtype policy over the Flax-side dotted names, as ``SafetensorsSave`` takes: one
         dtype (every floating-point tensor), ``{glob: dtype, None or "keep"}`` (first match
         wins) or a callable ``(name, value) -> dtype | None``. Default: keep.
@@ -398,7 +402,7 @@ def export_pytorch(
     if len(plan.files) > 1:
         (directory / _plan.INDEX_FILE_NAME).write_text(json.dumps(plan.index_json(), indent=2))
     if hf_config is not None:
-        text = _config_json(hf_config, [s.dtype for s in specs])
+        text = _config_json(hf_config, [s.dtype for s in specs], policy is not None)
         (directory / CONFIG_FILE_NAME).write_text(text)
     return report
 
