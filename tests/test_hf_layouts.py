@@ -163,3 +163,56 @@ def test_export_latest_step_of_a_manager_root_and_one_item(tmp_dir):
         osf.export_pytorch(tmp_dir / "ckpt", tmp_dir / "x", mapping, item="nope")
     with pytest.raises(osf.SafetensorsCheckpointError, match="no committed step 7"):
         osf.export_pytorch(tmp_dir / "ckpt", tmp_dir / "x", mapping, item="state", step=7)
+
+
+def test_export_from_linen_params_train_state_nnx_state_and_sharded_arrays(tmp_dir):
+    optax = pytest.importorskip("optax")
+    from flax import linen
+    from flax.training import train_state
+
+    dense = linen.Dense(3)
+    params = dense.init(jax.random.key(0), jnp.ones((1, 2)))
+    mapping = osf.KeyMapping(osf.Rule.linear("fc", "params"))
+    want = np.asarray(params["params"]["kernel"]).T
+    assert osf.export_pytorch(params, tmp_dir / "linen", mapping).ok
+    np.testing.assert_array_equal(read(tmp_dir / "linen" / "model.safetensors")["fc.weight"], want)
+    state = train_state.TrainState.create(apply_fn=dense.apply, params=params, tx=optax.adam(1e-3))
+    assert osf.export_pytorch(state.params, tmp_dir / "ts", mapping).ok
+    report = osf.export_pytorch(state, tmp_dir / "ts2", mapping, prefix="params.")
+    assert report.ok
+    np.testing.assert_array_equal(read(tmp_dir / "ts2" / "model.safetensors")["fc.weight"], want)
+    # an nnx.State with RNG state: the RNG variables are not weights
+    model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.Dropout(0.1, rngs=nnx.Rngs(1)))
+    rules = osf.KeyMapping(osf.Rule.linear("fc", "layers.0"))
+    assert osf.export_pytorch(nnx.state(model), tmp_dir / "state", rules).ok
+    # sharded jax.Arrays, with hf_config as a dict
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "x"))
+    kernel = jax.device_put(jnp.arange(32.0).reshape(8, 4), sharding)
+    tree = {"params": {"kernel": kernel, "bias": jnp.zeros(4)}}
+    osf.export_pytorch(tree, tmp_dir / "sharded", mapping, hf_config={"model_type": "x"})
+    out = read(tmp_dir / "sharded" / "model.safetensors")
+    np.testing.assert_array_equal(out["fc.weight"], np.arange(32.0).reshape(8, 4).T)
+    config = (tmp_dir / "sharded" / "config.json").read_text()
+    assert '"dtype": "float32"' in config and '"model_type": "x"' in config
+
+
+def test_export_holds_one_batch_in_host_memory(tmp_dir):
+    """A checkpoint of 32 MiB exported with 2 MiB batches: host allocations stay near a batch."""
+    import tracemalloc
+
+    rng = np.random.default_rng(0)
+    tensors = {f"l{i}.kernel": rng.normal(size=(512, 512)).astype(np.float32) for i in range(32)}
+    safetensors.numpy.save_file(tensors, str(tmp_dir / "ckpt.safetensors"))
+    del tensors
+    mapping = osf.KeyMapping([osf.Rule("layers.{i}.weight", "l{i}.kernel", osf.Transpose())])
+    tracemalloc.start()
+    try:
+        report = osf.export_pytorch(
+            tmp_dir / "ckpt.safetensors", tmp_dir / "hf", mapping, batch_bytes=2 << 20
+        )
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert report.ok and len(report.moved) == 32
+    assert peak < 12 << 20, peak  # a batch read, its transposed copies: not the 32 MiB model

@@ -4,7 +4,8 @@ table of tensors by dotted Flax name plus a batch reader.
 - an ``nnx.Module``: its variables selected by an ``nnx`` filter (default ``nnx.Param`` and
   ``nnx.BatchStat``; ``nnx.LoRAParam`` is an ``nnx.Param``);
 - a pytree (dicts, lists, Linen ``params``, ``nnx.State``, ``TrainState.params``): its array
-  leaves, named by their key paths joined with ``.`` (``nnx.Variable`` leaves by their value);
+  leaves, named by their key paths joined with ``.`` (``nnx.Variable`` leaves by their value;
+  RNG state and typed PRNG keys left out);
 - a path: a ``.safetensors`` file, a checkpoint item, a plain safetensors directory, an
   Orbax-native item, a step directory (``item=`` picks one of several items) or a
   CheckpointManager root (its latest committed step, or ``step=``).
@@ -69,6 +70,8 @@ def _tree_values(tree: Any) -> dict[str, Any]:
     flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
     out = {}
     for path, leaf in flat:
+        if isinstance(leaf, nnx.RngState):
+            continue  # RNG keys and counts are training state, never model weights
         value = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
         if not hasattr(value, "shape") or not hasattr(value, "dtype"):
             continue  # Python scalars, strings, None: not tensors

@@ -4,11 +4,15 @@ a Flax name pattern, an optional :class:`Transform`), their :class:`KeyMapping`,
 with them.
 
 - patterns are literal dotted names with placeholders: ``{i}`` matches one name component
-  (``[^.]+``), ``{i:REGEX}`` matches ``REGEX``; both sides use the same placeholders, so every
-  rule works in both directions;
+  (``[^.]+``), ``{i:REGEX}`` matches ``REGEX`` (declared once, on either side, it holds on
+  both); both sides use the same placeholders, so every rule works in both directions;
+- ``stacked="i"``: one Flax tensor ``[L, ...]`` is the L PyTorch tensors ``i = 0..L-1``
+  (scanned layers); ``fused="p"`` with ``{p:a|b|c}`` on one side: one tensor of the other
+  side is the parts joined along ``axis`` (fused QKV, gate/up); ``links.py`` applies them;
 - transforms have a ``to_flax`` and a ``to_torch`` side: :class:`Transpose` (``nn.Linear``
   weight ``(out, in)`` -> Flax kernel ``(in, out)``), :class:`SplitHeads` (``(heads * dim)``
-  -> ``(heads, dim)`` for attention projections), :class:`Reshape` and :class:`Chain`.
+  -> ``(heads, dim)`` for attention projections), :class:`Reshape` and :class:`Chain`;
+- a :class:`KeyMapping` adds keys left out, tied keys and the LoRA merge scale.
 
 The first rule that matches a key wins.
 
