@@ -177,8 +177,8 @@ def test_bf16_export_with_keep_policy_loads_in_bf16(tmp_dir):
     np.testing.assert_allclose(got, np.asarray(model(jnp.asarray(IDS))), atol=5e-2)
 
 
-@pytest.mark.parametrize("max_file_size", [None, 20_000])
-def test_gpt2_conv1d_round_trip(tmp_dir, max_file_size):
+@pytest.mark.parametrize("max_file_size, dtype", [(None, None), (20_000, "bfloat16")])
+def test_gpt2_conv1d_round_trip(tmp_dir, max_file_size, dtype):
     config = gpt2_config()
     torch.manual_seed(4)
     hf = transformers.AutoModelForCausalLM.from_config(config).eval()
@@ -189,11 +189,23 @@ def test_gpt2_conv1d_round_trip(tmp_dir, max_file_size):
     want = hf_logits(tmp_dir / "orig")
     np.testing.assert_allclose(np.asarray(model(jnp.asarray(IDS))), want, rtol=1e-5, atol=1e-5)
     osf.export_pytorch(
-        model, tmp_dir / "back", mapping, hf_config=config, max_file_size=max_file_size
+        model,
+        tmp_dir / "back",
+        mapping,
+        hf_config=config,
+        max_file_size=max_file_size,
+        dtype=dtype,
     )
-    official_reader_opens(tmp_dir / "back")
+    files = official_reader_opens(tmp_dir / "back")
+    assert (len(files) > 1) == (max_file_size is not None)
     load_cleanly(tmp_dir / "back")
-    np.testing.assert_array_equal(hf_logits(tmp_dir / "back"), want)
+    if dtype is None:
+        np.testing.assert_array_equal(hf_logits(tmp_dir / "back"), want)
+        return
+    assert json.loads((tmp_dir / "back" / "config.json").read_text())["dtype"] == "bfloat16"
+    bf16 = transformers.AutoModelForCausalLM.from_pretrained(tmp_dir / "back").eval()
+    assert bf16.transformer.wte.weight.dtype == torch.bfloat16
+    np.testing.assert_allclose(hf_logits(tmp_dir / "back", dtype=torch.float32), want, atol=2e-2)
 
 
 def test_gpt2_fused_c_attn_as_separate_jax_projections(tmp_dir):
