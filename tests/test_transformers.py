@@ -62,6 +62,8 @@ def hf_logits(directory, dtype=None):
 
 
 def load_cleanly(directory):
+    """transformers loads every tensor and the official reader opens every file."""
+    official_reader_opens(directory)
     _, info = transformers.AutoModelForCausalLM.from_pretrained(directory, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert not info["mismatched_keys"], info
