@@ -20,6 +20,7 @@ from orbax_safetensors._src.core.errors import (
 )
 from orbax_safetensors._src.core.header import Header, TensorEntry
 from orbax_safetensors._src.integrations.nnx import load_model, save_model
+from orbax_safetensors._src.integrations.presets import preset_mapping
 from orbax_safetensors._src.integrations.pytorch import (
     Chain,
     KeyMapping,
@@ -100,6 +101,7 @@ __all__ = [
     "local_registry",
     "manager_options_for",
     "object_store_stats",
+    "preset_mapping",
     "read_header",
     "register_handler",
     "restore_directory",

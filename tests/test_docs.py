@@ -42,9 +42,11 @@ RUNNABLE_PAGES = [
     "migrating-from-orbax.md",
     "orbax-v1.md",
     "pytorch.md",
+    "huggingface.md",
     "cli.md",
 ]
-NEEDS_TORCH = {"pytorch.md"}
+NEEDS_TORCH = {"pytorch.md", "huggingface.md"}
+NEEDS_TRANSFORMERS = {"huggingface.md"}
 _FENCE = re.compile(r"^```(\w+)[^\n]*\n(.*?)^```\s*$", re.MULTILINE | re.DOTALL)
 NOT_RUN = "# not run"
 
@@ -146,6 +148,8 @@ class InProcessCli:
 def test_page_examples_run(page, tmp_path, monkeypatch):
     if page in NEEDS_TORCH:
         pytest.importorskip("torch", reason="needs PyTorch (in the main environment)")
+    if page in NEEDS_TRANSFORMERS:
+        pytest.importorskip("transformers", minversion="5", reason="needs transformers>=5")
     if page == "orbax-v1.md":
         try:
             _orbaxcompat.orbax_v1("docs/orbax-v1.md")

@@ -4,8 +4,8 @@ A policy (the ``dtype=`` argument of ``save_file``, ``SafetensorsSave``, ``save_
 ``convert``) is one of:
 
 - one dtype: every floating-point array is stored in it; other arrays keep their dtype;
-- a mapping of glob patterns (``fnmatch``, over dotted names) to a dtype or ``None`` (keep the
-  dtype); the first pattern that matches wins, a name no pattern matches keeps its dtype;
+- a mapping of glob patterns (``fnmatch``, over dotted names) to a dtype or ``None`` /
+  ``"keep"`` (keep the dtype); the first pattern that matches wins, a name no pattern matches keeps its dtype;
 - a callable ``(dotted_name, leaf) -> dtype | None``.
 
 :func:`parse_policy` checks a policy before anything is written; :func:`resolve` gives each
@@ -116,7 +116,8 @@ def parse_policy(policy: DtypePolicy | Policy | None) -> Policy | None:
                     f"dtype policy pattern {pattern!r}: patterns are non-empty glob strings "
                     "over dotted names, e.g. '*.kernel'"
                 )
-            dt = None if value is None else to_dtype(value, f"dtype policy pattern {pattern!r}")
+            keep = value is None or (isinstance(value, str) and value.lower() == "keep")
+            dt = None if keep else to_dtype(value, f"dtype policy pattern {pattern!r}")
             patterns.append((pattern, dt))
         return Policy(patterns=tuple(patterns))
     if callable(policy) and not _is_dtype_like(policy):

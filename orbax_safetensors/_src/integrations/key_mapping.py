@@ -4,11 +4,15 @@ a Flax name pattern, an optional :class:`Transform`), their :class:`KeyMapping`,
 with them.
 
 - patterns are literal dotted names with placeholders: ``{i}`` matches one name component
-  (``[^.]+``), ``{i:REGEX}`` matches ``REGEX``; both sides use the same placeholders, so every
-  rule works in both directions;
+  (``[^.]+``), ``{i:REGEX}`` matches ``REGEX`` (declared once, on either side, it holds on
+  both); both sides use the same placeholders, so every rule works in both directions;
+- ``stacked="i"``: one Flax tensor ``[L, ...]`` is the L PyTorch tensors ``i = 0..L-1``
+  (scanned layers); ``fused="p"`` with ``{p:a|b|c}`` on one side: one tensor of the other
+  side is the parts joined along ``axis`` (fused QKV, gate/up); ``links.py`` applies them;
 - transforms have a ``to_flax`` and a ``to_torch`` side: :class:`Transpose` (``nn.Linear``
   weight ``(out, in)`` -> Flax kernel ``(in, out)``), :class:`SplitHeads` (``(heads * dim)``
-  -> ``(heads, dim)`` for attention projections), :class:`Reshape` and :class:`Chain`.
+  -> ``(heads, dim)`` for attention projections), :class:`Reshape` and :class:`Chain`;
+- a :class:`KeyMapping` adds keys left out, tied keys and the LoRA merge scale.
 
 The first rule that matches a key wins.
 
@@ -26,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -138,13 +142,18 @@ IDENTITY = _Identity()
 
 
 @functools.lru_cache(maxsize=4096)
-def _compile(pattern: str) -> tuple[re.Pattern[str], list[str]]:
+def _compile(
+    pattern: str, regexes: tuple[tuple[str, str], ...] = ()
+) -> tuple[re.Pattern[str], list[str]]:
+    # ``regexes``: a placeholder's regex declared on the other side of its rule (or here).
+    given = dict(regexes)
     parts: list[str] = []
     names: list[str] = []
     pos = 0
     for m in _PLACEHOLDER.finditer(pattern):
         parts.append(re.escape(pattern[pos : m.start()]))
-        name, regex = m.group(1), m.group(2) or r"[^.]+"
+        name = m.group(1)
+        regex = m.group(2) or given.get(name) or r"[^.]+"
         if name in names:
             parts.append(f"(?P={name})")
         else:
@@ -155,8 +164,22 @@ def _compile(pattern: str) -> tuple[re.Pattern[str], list[str]]:
     return re.compile("".join(parts)), names
 
 
+def _declared(pattern: str) -> dict[str, str]:
+    return {m.group(1): m.group(2) for m in _PLACEHOLDER.finditer(pattern) if m.group(2)}
+
+
 def _fill(pattern: str, values: dict[str, str]) -> str:
     return _PLACEHOLDER.sub(lambda m: values[m.group(1)], pattern)
+
+
+def _alternatives(regex: str | None, where: str) -> tuple[str, ...]:
+    parts = tuple((regex or "").split("|"))
+    if not regex or any(not p or re.escape(p) != p for p in parts):
+        raise ValueError(
+            f"{where}: a fused placeholder lists its parts in order as literal alternatives, "
+            "e.g. {p:q_proj|k_proj|v_proj}"
+        )
+    return parts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,36 +188,135 @@ class Rule:
 
     Attributes:
       torch: e.g. ``"layers.{i}.mlp.fc1.weight"``.
-      flax: e.g. ``"layers.{i}.mlp.fc1.kernel"`` (the same placeholders).
-      transform: applied to the tensor (default: none).
+      flax: e.g. ``"layers.{i}.mlp.fc1.kernel"`` (the same placeholders). A placeholder's
+        regex (``{p:q_proj|k_proj}``) is declared once, on either side, and holds on both.
+      transform: applied to the tensor (default: none); with ``stacked`` or ``fused``, to each
+        part (one layer, one projection).
+      stacked: a placeholder of the PyTorch side only (``"i"``): the Flax tensor ``[L, ...]``
+        holds the L PyTorch tensors ``i = 0..L-1`` along axis 0 (scanned layers).
+      fused: a placeholder on one side only, declared with its parts in order
+        (``{p:q_proj|k_proj|v_proj}``): the tensor of the other side is its parts joined along
+        ``axis`` (of the joined tensor, per layer when ``stacked``) and split back in
+        ``sizes`` (default: equal parts).
+      axis: see ``fused``.
+      sizes: see ``fused``.
 
     Example::
 
         Rule("layers.{i}.fc.weight", "blocks.{i}.dense.kernel", Transpose())
         Rule("h.{i:\\d+}.ln.weight", "h.{i}.ln.scale")     # a placeholder with its own regex
+        Rule("layers.{i}.mlp.fc.weight", "layers.mlp.fc.kernel", Transpose(), stacked="i")
+        Rule("l.{i}.{p:q_proj|k_proj|v_proj}.weight", "l.{i}.qkv.kernel", Transpose(),
+             fused="p", axis=-1, sizes=(64, 16, 16))
     """
 
     torch: str
     flax: str
     transform: Any = None
+    stacked: str | None = None
+    fused: str | None = None
+    axis: int = 0
+    sizes: tuple[int, ...] | None = None
+    _regexes: tuple[tuple[str, str], ...] = dataclasses.field(
+        default=(), init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
-        (_, torch_names), (_, flax_names) = _compile(self.torch), _compile(self.flax)
-        if set(torch_names) != set(flax_names):
+        where = f"rule {self.torch!r} -> {self.flax!r}"
+        declared = _declared(self.torch)
+        for name, regex in _declared(self.flax).items():
+            if declared.setdefault(name, regex) != regex:
+                raise ValueError(
+                    f"{where}: placeholder {{{name}}} declares two regexes; declare it once"
+                )
+        object.__setattr__(self, "_regexes", tuple(sorted(declared.items())))
+        torch_names, flax_names = set(self._torch_re[1]), set(self._flax_re[1])
+        collective = {n for n in (self.stacked, self.fused) if n is not None}
+        if self.stacked is not None and (
+            self.stacked not in torch_names or self.stacked in flax_names
+        ):
             raise ValueError(
-                f"rule {self.torch!r} -> {self.flax!r}: both sides need the same placeholders "
+                f"{where}: stacked={self.stacked!r} must be a placeholder of the PyTorch side "
+                "only (it indexes axis 0 of the Flax tensor)"
+            )
+        if self.fused is not None:
+            if (self.fused in torch_names) == (self.fused in flax_names):
+                raise ValueError(
+                    f"{where}: fused={self.fused!r} must be a placeholder of one side only"
+                )
+            if self.stacked is not None and self.fused in flax_names:
+                raise ValueError(
+                    f"{where}: stacked and fused together need both placeholders on the "
+                    "PyTorch side"
+                )
+            _alternatives(declared.get(self.fused), where)
+        if torch_names - collective != flax_names - collective:
+            raise ValueError(
+                f"{where}: both sides need the same placeholders "
                 f"(torch has {sorted(torch_names)}, flax has {sorted(flax_names)})"
             )
+        if self.sizes is not None:
+            object.__setattr__(self, "sizes", tuple(int(n) for n in self.sizes))
+
+    @property
+    def _torch_re(self) -> tuple[re.Pattern[str], list[str]]:
+        return _compile(self.torch, self._regexes)
+
+    @property
+    def _flax_re(self) -> tuple[re.Pattern[str], list[str]]:
+        return _compile(self.flax, self._regexes)
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """The fused placeholder's values, in order (empty without ``fused``)."""
+        if self.fused is None:
+            return ()
+        return _alternatives(dict(self._regexes)[self.fused], self.torch)
+
+    @property
+    def one_to_one(self) -> bool:
+        """Whether one PyTorch key is one Flax name (no ``stacked``, no ``fused``)."""
+        return self.stacked is None and self.fused is None
+
+    def torch_groups(self, key: str) -> dict[str, str] | None:
+        """The placeholder values of PyTorch ``key``, or None if the rule does not apply."""
+        m = self._torch_re[0].fullmatch(key)
+        return None if m is None else m.groupdict()
+
+    def flax_groups(self, name: str) -> dict[str, str] | None:
+        """The placeholder values of Flax ``name``, or None if the rule does not apply."""
+        m = self._flax_re[0].fullmatch(name)
+        return None if m is None else m.groupdict()
+
+    def torch_key(self, values: dict[str, str]) -> str:
+        """The PyTorch key for placeholder ``values``."""
+        return _fill(self.torch, values)
+
+    def flax_name(self, values: dict[str, str]) -> str:
+        """The Flax name for placeholder ``values``."""
+        return _fill(self.flax, values)
 
     def match_torch(self, key: str) -> str | None:
-        """The Flax name for PyTorch ``key``, or None if the rule does not apply."""
-        m = _compile(self.torch)[0].fullmatch(key)
-        return None if m is None else _fill(self.flax, m.groupdict())
+        """The Flax name for PyTorch ``key``, or None if the rule does not apply (with
+        ``stacked``/``fused``: the joined tensor's name, or the part named like ``key``)."""
+        values = self.torch_groups(key)
+        if values is None:
+            return None
+        if self.fused is not None and self.fused not in values:
+            values = {**values, self.fused: self.parts[0]}
+        return _fill(self.flax, values)
 
     def match_flax(self, name: str) -> str | None:
-        """The PyTorch key for Flax ``name``, or None if the rule does not apply."""
-        m = _compile(self.flax)[0].fullmatch(name)
-        return None if m is None else _fill(self.torch, m.groupdict())
+        """The PyTorch key for Flax ``name``, or None if the rule does not apply (with
+        ``stacked``/``fused``: the first part's key)."""
+        values = self.flax_groups(name)
+        if values is None:
+            return None
+        if self.stacked is not None:
+            values = {**values, self.stacked: "0"}
+        if self.fused is not None and self.fused not in values:
+            values = {**values, self.fused: self.parts[0]}
+        return _fill(self.torch, values)
 
     @property
     def transform_or_identity(self) -> Transform:
@@ -232,6 +354,13 @@ class Rule:
         raise ValueError(f"heads_on must be 'output' or 'input', not {heads_on!r}")
 
     @staticmethod
+    def conv1d(torch: str, flax: str) -> list[Rule]:
+        """GPT-2 style ``Conv1D`` (``transformers.pytorch_utils.Conv1D``) ``{torch}.weight/bias``
+        -> NNX ``{flax}.kernel/bias``: ``Conv1D`` already stores its weight ``(in, out)``, as
+        the kernel, so nothing is transposed (``Rule.linear`` would be wrong here)."""
+        return [Rule(f"{torch}.weight", f"{flax}.kernel"), Rule(f"{torch}.bias", f"{flax}.bias")]
+
+    @staticmethod
     def layer_norm(torch: str, flax: str) -> list[Rule]:
         """``nn.LayerNorm`` ``weight/bias`` -> NNX ``LayerNorm`` ``scale/bias``."""
         return [Rule(f"{torch}.weight", f"{flax}.scale"), Rule(f"{torch}.bias", f"{flax}.bias")]
@@ -251,11 +380,22 @@ class KeyMapping:
       ignore_torch: regexes (full match) of PyTorch keys that are not loaded and not reported,
         e.g. ``r".*\\.num_batches_tracked"``.
       ignore_flax: regexes of Flax names that are neither loaded nor exported.
+      tied: ``{tied PyTorch key: the key it is tied to}``, e.g. ``{"lm_head.weight":
+        "model.embed_tokens.weight"}``: nothing is exported for the tied key, and a file
+        without it loads it from the other key (through the tied key's own rule).
+      lora_scale: LoRA adapters (``P.lora.lora_a``/``P.lora.lora_b`` of ``nnx.LoRALinear``
+        next to ``P.kernel``, or ``P.lora_a``/``P.lora_b`` of ``nnx.LoRA`` next to
+        ``P.base_module.kernel``) are merged into the kernel on export as
+        ``kernel + lora_a @ lora_b * lora_scale``, in the kernel's dtype. Flax's LoRA
+        computes ``x @ lora_a @ lora_b`` unscaled: 1.0; adapters trained with a scaling
+        ``alpha / rank`` (PEFT, Tunix) give it here.
     """
 
     rules: tuple[Rule, ...]
     ignore_torch: tuple[str, ...] = ()
     ignore_flax: tuple[str, ...] = ()
+    tied: tuple[tuple[str, str], ...] = ()
+    lora_scale: float = 1.0
 
     def __init__(
         self,
@@ -263,13 +403,20 @@ class KeyMapping:
         *,
         ignore_torch: Iterable[str] = (),
         ignore_flax: Iterable[str] = (),
+        tied: Mapping[str, str] | None = None,
+        lora_scale: float = 1.0,
     ) -> None:
         object.__setattr__(self, "rules", tuple(rules))
         object.__setattr__(self, "ignore_torch", tuple(ignore_torch))
         object.__setattr__(self, "ignore_flax", tuple(ignore_flax))
+        object.__setattr__(self, "tied", tuple((tied or {}).items()))
+        object.__setattr__(self, "lora_scale", float(lora_scale))
         for r in self.rules:
             if not isinstance(r, Rule):
                 raise TypeError(f"KeyMapping takes Rule objects, got {r!r}")
+        for key, source in self.tied:
+            if key == source or key in dict(self.tied).values():
+                raise ValueError(f"tied={{{key!r}: {source!r}}}: a key cannot be tied to itself")
 
     def torch_ignored(self, key: str) -> bool:
         return any(re.fullmatch(p, key) for p in self.ignore_torch)
@@ -281,7 +428,7 @@ class KeyMapping:
         """``(flax name, transform)`` for a PyTorch key, or None when no rule matches."""
         for rule in self.rules:
             name = rule.match_torch(key)
-            if name is not None:
+            if name is not None:  # (the joined tensor with stacked/fused: see links.py)
                 return name, rule.transform_or_identity
         return None
 

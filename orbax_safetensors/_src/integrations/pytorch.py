@@ -40,10 +40,12 @@ import numpy as np
 from etils import epath
 
 from orbax_safetensors._src.catalog import sources as _sources
-from orbax_safetensors._src.core import astype as _astype
+from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core.errors import TargetMismatchError
+from orbax_safetensors._src.integrations import flax_tables as _flax_tables
+from orbax_safetensors._src.integrations import links as _links
 from orbax_safetensors._src.integrations.key_mapping import (
     Chain,
     KeyMapping,
@@ -54,6 +56,7 @@ from orbax_safetensors._src.integrations.key_mapping import (
     Transform,
     Transpose,
 )
+from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.storage import interface as _interface
 from orbax_safetensors._src.storage import replace as _replace
 from orbax_safetensors._src.storage import router as _router
@@ -72,31 +75,30 @@ __all__ = [
 ]
 
 
-# --------------------------------------------------------------------------- models
-
-
-def _variable_filter(variables: Any) -> Any:
-    from flax import nnx
-
-    if variables is None:
-        return (nnx.Param, nnx.BatchStat)
-    return variables
+# --------------------------------------------------------------------------- load
 
 
 def _model_variables(model: Any, variables: Any) -> dict[str, tuple[tuple[Any, ...], Any]]:
     """``{dotted name: (path, Variable)}`` of the model's variables selected by ``variables``."""
     from flax import nnx
 
-    state = nnx.state(model, _variable_filter(variables))
+    filt = (nnx.Param, nnx.BatchStat) if variables is None else variables
+    state = nnx.state(model, filt)
     return {".".join(str(k) for k in path): (path, var) for path, var in nnx.to_flat_state(state)}
 
 
-def _shape_after(
-    transform: Transform, shape: tuple[int, ...], dtype: Any, to_flax: bool
-) -> tuple[int, ...]:
-    probe = np.broadcast_to(np.zeros((), dtype), shape)  # no memory: zero strides
-    out = transform.to_flax(probe) if to_flax else transform.to_torch(probe)
-    return tuple(int(d) for d in out.shape)
+def _with_tied(
+    tensors: dict[str, _sources.TensorInfo], mapping: KeyMapping, model_vars: Any
+) -> tuple[dict[str, _sources.TensorInfo], dict[str, str]]:
+    # A tied key the file lacks reads the key it is tied to, when the model has its variable.
+    table, alias = dict(tensors), {}
+    for key, source in mapping.tied:
+        target = mapping.to_flax(key)
+        if key in table or source not in table or target is None or target[0] not in model_vars:
+            continue
+        table[key] = dataclasses.replace(table[source], name=key)
+        alias[key] = source
+    return table, alias
 
 
 def load_pytorch(
@@ -116,7 +118,8 @@ def load_pytorch(
       path: a ``.safetensors`` file (e.g. ``safetensors.torch.save_file(model.state_dict())``)
         or a directory of them (Hugging Face style, sharded with
         ``model.safetensors.index.json`` or a single ``model.safetensors``).
-      mapping: how PyTorch keys become the model's variable names.
+      mapping: how PyTorch keys become the model's variable names (stacked layers and fused
+        projections are joined, tied keys the file lacks read the key they are tied to).
       strict: raise if any key is unmapped, unexpected, missing or mis-shaped (checked before
         anything is loaded); with ``strict=False``, load what fits and return the report.
       variables: an ``nnx`` filter of the variables to fill (default ``(nnx.Param,
@@ -139,38 +142,36 @@ def load_pytorch(
 
     source = _sources.open_source(path)
     model_vars = _model_variables(model, variables)
-    report = MappingReport()
-    moves: list[tuple[str, str, Transform]] = []
+    tensors, alias = _with_tied(source.tensors, mapping, model_vars)
+    links, report = _links.load_links(mapping, tensors)
+    moves: list[_links.Link] = []
     claimed: dict[str, str] = {}
-    for key, info in source.tensors.items():
-        if mapping.torch_ignored(key):
-            report.ignored.append(key)
+    for link in links:
+        key = link.torch[0]
+        absent = [n for n in link.flax if n not in model_vars]
+        if absent:
+            report.unexpected += [f"{key} -> {n}" for n in absent]
             continue
-        target = mapping.to_flax(key)
-        if target is None:
-            report.unmapped.append(key)
+        taken = [n for n in link.flax if n in claimed]
+        if taken:
+            report.mismatched += [f"{key} and {claimed[n]} both map to {n}" for n in taken]
             continue
-        name, transform = target
-        if name not in model_vars:
-            report.unexpected.append(f"{key} -> {name}")
-            continue
-        if name in claimed:
-            report.mismatched.append(f"{key} and {claimed[name]} both map to {name}")
-            continue
-        claimed[name] = key
-        var = model_vars[name][1]
-        want = tuple(var.get_value().shape)
+        claimed.update(dict.fromkeys(link.flax, key))
+        infos = [tensors[k] for k in link.torch]
+        want = [tuple(model_vars[n][1].get_value().shape) for n in link.flax]
+        described = f"{key} {infos[0].dtype}{list(infos[0].shape)}"
         try:
-            got = _shape_after(transform, info.shape, _dtypes.to_numpy(info.dtype), True)
+            got = link.flax_shapes([t.shape for t in infos], _dtypes.to_numpy(infos[0].dtype))
         except ValueError as e:
-            report.mismatched.append(f"{key} {info.dtype}{list(info.shape)} -> {name}: {e}")
+            report.mismatched.append(f"{described} -> {', '.join(link.flax)}: {e}")
             continue
         if got != want:
             report.mismatched.append(
-                f"{key} {info.dtype}{list(info.shape)} becomes {list(got)} but {name} is {list(want)}"
+                f"{described} becomes {', '.join(str(list(g)) for g in got)} but "
+                f"{', '.join(link.flax)} is {', '.join(str(list(w)) for w in want)}"
             )
             continue
-        moves.append((key, name, transform))
+        moves.append(link)
     report.missing = [n for n in model_vars if n not in claimed and not mapping.flax_ignored(n)]
     if strict and not report.ok:
         raise TargetMismatchError(
@@ -178,61 +179,106 @@ def load_pytorch(
             + report.problems()
         )
     updates = []
-    by_key = {key: (name, transform) for key, name, transform in moves}
-    for group in _sources.batches([source.tensors[k] for k, _, _ in moves], batch_bytes):
-        arrays = source.read([t.name for t in group])
-        for t in group:
-            name, transform = by_key[t.name]
-            path_, var = model_vars[name]
-            current = var.get_value()
-            value = np.asarray(transform.to_flax(arrays.pop(t.name))).astype(current.dtype)
-            sharding = getattr(current, "sharding", None)
-            placed = (
-                jax.device_put(value, sharding)
-                if sharding is not None
-                else jax.numpy.asarray(value)
-            )
-            updates.append((path_, var.replace(placed)))
-            report.moved.append((t.name, name))
+    for group in _link_batches(moves, lambda k: tensors[k].nbytes, batch_bytes, torch_side=True):
+        wanted = sorted({alias.get(k, k) for link in group for k in link.torch})
+        arrays = source.read(wanted)
+        for link in group:
+            values = link.to_flax([arrays[alias.get(k, k)] for k in link.torch])
+            for name, value in zip(link.flax, values):
+                path_, var = model_vars[name]
+                current = var.get_value()
+                value = np.asarray(value).astype(current.dtype)
+                sharding = getattr(current, "sharding", None)
+                placed = (
+                    jax.device_put(value, sharding)
+                    if sharding is not None
+                    else jax.numpy.asarray(value)
+                )
+                updates.append((path_, var.replace(placed)))
+            report.moved += _pairs(link)
     if updates:
         nnx.update(model, nnx.from_flat_state(updates))
     return report
 
 
+def _pairs(link: _links.Link) -> list[tuple[str, str]]:
+    # (torch key, flax name) pairs of a link, for the report
+    if len(link.flax) == 1:
+        return [(k, link.flax[0]) for k in link.torch]
+    return [(link.torch[0], n) for n in link.flax]
+
+
+def _link_batches(
+    links: Sequence[_links.Link], nbytes: Any, max_bytes: int, *, torch_side: bool
+) -> list[list[_links.Link]]:
+    out: list[list[_links.Link]] = []
+    used = 0
+    for link in links:
+        size = sum(nbytes(k) for k in (link.torch if torch_side else link.flax))
+        if not out or (out[-1] and used + size > max_bytes):
+            out.append([])
+            used = 0
+        out[-1].append(link)
+        used += size
+    return out
+
+
 # --------------------------------------------------------------------------- export
 
 
-def _flax_source(
-    source: Any, prefix: str, variables: Any
-) -> tuple[dict[str, _sources.TensorInfo], Any]:
-    """(tensor table, read function) for an NNX model or a checkpoint path."""
-    from flax import nnx
+CONFIG_FILE_NAME = "config.json"
 
-    if isinstance(source, nnx.Module):
-        model_vars = _model_variables(source, variables)
-        values = {n: v.get_value() for n, (_, v) in model_vars.items()}
-        infos = {}
-        for n, x in values.items():
-            dtype = _dtypes.from_numpy(x.dtype, key=n)
-            shape = tuple(int(d) for d in x.shape)
-            infos[n] = _sources.TensorInfo(n, dtype, shape, _dtypes.nbytes(dtype, shape), "(model)")
 
-        def read_model(names: Sequence[str]) -> dict[str, np.ndarray]:
-            return {n: np.asarray(values[n]) for n in names}
+def _config_json(hf_config: Any, dtypes: Sequence[str], cast: bool) -> str:
+    """``config.json`` text of a transformers config object or a dict. Its ``dtype`` (and
+    ``torch_dtype`` if present) is the stored floating-point dtype (the one most tensors
+    have) when unset, or when a dtype policy (``cast``) changed what is stored."""
+    if isinstance(hf_config, dict):
+        doc = dict(hf_config)
+    elif hasattr(hf_config, "to_json_string"):
+        doc = json.loads(hf_config.to_json_string(use_diff=False))
+    elif hasattr(hf_config, "to_dict"):
+        doc = dict(hf_config.to_dict())
+    else:
+        raise TypeError(
+            f"hf_config must be a transformers config object or a dict, not "
+            f"{type(hf_config).__name__}"
+        )
+    names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+    floats = [names[d] for d in dtypes if d in names]
+    if floats:
+        stored = max(sorted(set(floats)), key=floats.count)
+        for key in ("dtype", "torch_dtype"):
+            if (key == "dtype" and doc.get(key) is None) or (cast and key in doc):
+                doc[key] = stored
+    return json.dumps(doc, indent=2, sort_keys=True) + "\n"
 
-        return infos, read_model
-    src = _sources.open_source(source)
-    infos = {
-        n[len(prefix) :]: dataclasses.replace(t, name=n[len(prefix) :])
-        for n, t in src.tensors.items()
-        if n.startswith(prefix)
-    }
 
-    def read_checkpoint(names: Sequence[str]) -> dict[str, np.ndarray]:
-        got = src.read([prefix + n for n in names])
-        return {n: got[prefix + n] for n in names}
+def _merged_lora(
+    table: _flax_tables.FlaxTable, mapping: KeyMapping, report: MappingReport
+) -> _flax_tables.FlaxTable:
+    """``table`` with LoRA adapters folded into their kernels (see ``KeyMapping.lora_scale``)."""
+    merges = _links.lora_merges(table.infos)
+    if not merges:
+        return table
+    adapters = {n for pair in merges.values() for n in pair}
+    report.ignored += sorted(adapters)
+    infos = {n: t for n, t in table.infos.items() if n not in adapters}
+    read = table.read
 
-    return infos, read_checkpoint
+    def read_merged(names: Sequence[str]) -> dict[str, np.ndarray]:
+        wanted = list(names) + [n for k in names if k in merges for n in merges[k]]
+        got = read(wanted)
+        out = {}
+        for n in names:
+            if n in merges:
+                a, b = merges[n]
+                out[n] = _links.merge_lora(got[n], got[a], got[b], mapping.lora_scale)
+            else:
+                out[n] = got[n]
+        return out
+
+    return _flax_tables.FlaxTable(infos, read_merged, table.values, table.where)
 
 
 def export_pytorch(
@@ -240,110 +286,165 @@ def export_pytorch(
     directory: epath.PathLike,
     mapping: KeyMapping,
     *,
-    prefix: str = "",
-    dtype: Any = None,
+    hf_config: Any = None,
+    dtype: _casting.DtypePolicy | None = None,
     max_file_size: int | None = _plan.DEFAULT_MAX_FILE_SIZE,
+    prefix: str = "",
+    step: int | None = None,
+    item: str | None = None,
     strict: bool = True,
     variables: Any = None,
     batch_bytes: int = _sources.DEFAULT_BATCH_BYTES,
 ) -> MappingReport:
-    """Writes an NNX model (or a checkpoint) as a Hugging Face style safetensors directory.
+    """Writes a model, a pytree or a checkpoint as a Hugging Face model directory.
 
     The directory gets ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` plus
     ``model.safetensors.index.json`` above ``max_file_size``), with header metadata
-    ``{"format": "pt"}``, ready for ``safetensors.torch.load_file`` / ``load_state_dict`` or
-    ``huggingface_hub.load_torch_model`` (the layout ``transformers`` loads from). Other files in the directory (``config.json``...)
-    are kept; earlier ``model*.safetensors`` files and index are replaced.
+    ``{"format": "pt"}``, and with ``hf_config`` a ``config.json``: what
+    ``transformers.AutoModelForCausalLM.from_pretrained(directory)`` loads (and
+    ``safetensors.torch.load_file``, ``huggingface_hub.load_torch_model``). Other files in the
+    directory are kept; earlier ``model*.safetensors`` files and index are replaced. Tensors
+    are read, transformed and written a batch at a time: host memory holds one batch, not the
+    model. LoRA adapters are merged into their kernels (``KeyMapping.lora_scale``); tied keys
+    (``KeyMapping.tied``) are not written.
 
     Args:
-      source: an ``nnx.Module``, or a checkpoint path (file, item directory, Orbax item)
-        whose tensor names are the model's variable names after ``prefix``.
+      source: an ``nnx.Module``; any pytree of arrays (dicts, Linen params, ``nnx.State``,
+        ``TrainState.params``, sharded ``jax.Array`` s) named by its dotted key paths; or a
+        path: a ``.safetensors`` file, a checkpoint item, an Orbax-native item, a step
+        directory or a CheckpointManager root (its latest committed step).
       directory: where to write.
       mapping: the same mapping :func:`load_pytorch` uses, applied in reverse.
-      prefix: with a checkpoint path, only names starting with it are exported (e.g.
-        ``"model."`` for a ``{"model": ..., "optimizer": ...}`` checkpoint), without it.
-      dtype: cast every tensor to this dtype (e.g. ``jnp.bfloat16``); default: keep.
+      hf_config: a transformers config object (``LlamaConfig(...)``) or a dict, written as
+        ``config.json``; its ``dtype`` is set to the stored floating-point dtype when unset
+        or when ``dtype`` changes what is stored.
+      dtype: a dtype policy over the Flax-side dotted names, as ``SafetensorsSave`` takes: one
+        dtype (every floating-point tensor), ``{glob: dtype, None or "keep"}`` (first match
+        wins) or a callable ``(name, value) -> dtype | None``. Default: keep.
       max_file_size: split into shards above this many bytes (None: one file).
+      prefix: only names starting with it are exported, without it (e.g. ``"model."`` for a
+        ``{"model": ..., "optimizer": ...}`` checkpoint or pytree).
+      step: with a CheckpointManager root, the step (default: the latest committed one).
+      item: with a step (or root) of several items, the item to export.
       strict: raise if a Flax name has no rule; with ``strict=False`` skip it and report.
       variables: with a model, the ``nnx`` filter of variables to export (default
         ``(nnx.Param, nnx.BatchStat)``).
-      batch_bytes: tensor bytes held in memory at a time (checkpoint sources).
+      batch_bytes: tensor bytes held in host memory at a time.
 
     Returns:
       A :class:`MappingReport` (``moved`` pairs are ``(flax name, torch key)``).
 
+    Raises:
+      TargetMismatchError: with ``strict``, listing every problem at once (nothing written).
+
     Example::
 
-        osf.export_pytorch(model, "/tmp/hf", mapping)
-        torch_model.load_state_dict(safetensors.torch.load_file("/tmp/hf/model.safetensors"))
+        osf.export_pytorch(model, "/tmp/hf", mapping, hf_config=config, dtype=jnp.bfloat16)
+        transformers.AutoModelForCausalLM.from_pretrained("/tmp/hf")
     """
     directory = epath.Path(directory)
-    infos, read = _flax_source(source, prefix, variables)
+    policy = _casting.parse_policy(dtype)
     report = MappingReport()
-    moves: list[tuple[str, str, Transform]] = []
+    table = _flax_tables.flax_table(
+        source, prefix=prefix, variables=variables, step=step, item=item
+    )
+    table = _merged_lora(table, mapping, report)
+    infos = table.infos
+    links, found = _links.export_links(mapping, {n: t.shape for n, t in infos.items()})
+    report.ignored += found.ignored
+    report.unmapped += found.unmapped
+    report.mismatched += found.mismatched
+    names = list(infos)
+    casts = _casting.resolve(
+        policy,
+        names,
+        [_dtypes.to_numpy(infos[n].dtype) for n in names],
+        [infos[n].shape for n in names],
+        [table.values.get(n, infos[n]) for n in names],
+    )
+    stored = {
+        n: infos[n].dtype if c is None else _dtypes.from_numpy(c, key=n)
+        for n, c in zip(names, casts)
+    }
+    tied = dict(mapping.tied)
     taken: dict[str, str] = {}
-    specs = []
-    out_dtype = None if dtype is None else np.dtype(dtype)
-    for name, info in infos.items():
-        if mapping.flax_ignored(name):
-            report.ignored.append(name)
+    specs, moves = [], []
+    for link in links:
+        first = infos[link.flax[0]]
+        described = f"{link.flax[0]} {first.dtype}{list(first.shape)}"
+        clash = [k for k in link.torch if k in taken]
+        if clash:
+            report.mismatched += [f"{link.flax[0]} and {taken[k]} both map to {k}" for k in clash]
             continue
-        target = mapping.to_torch(name)
-        if target is None:
-            report.unmapped.append(name)
-            continue
-        key, transform = target
-        if key in taken:
-            report.mismatched.append(f"{name} and {taken[key]} both map to {key}")
-            continue
-        taken[key] = name
+        taken.update(dict.fromkeys(link.torch, link.flax[0]))
         try:
-            shape = _shape_after(transform, info.shape, _dtypes.to_numpy(info.dtype), False)
+            shapes = link.torch_shapes(
+                [infos[n].shape for n in link.flax], _dtypes.to_numpy(first.dtype)
+            )
         except ValueError as e:
-            report.mismatched.append(f"{name} {info.dtype}{list(info.shape)} -> {key}: {e}")
+            report.mismatched.append(f"{described} -> {link.torch[0]}: {e}")
             continue
-        st_dtype = info.dtype if out_dtype is None else _dtypes.from_numpy(out_dtype, key=name)
-        specs.append(_plan.TensorSpec(key, st_dtype, shape))
-        moves.append((name, key, transform))
+        kept = [(k, s) for k, s in zip(link.torch, shapes) if k not in tied]
+        if not kept:
+            report.ignored += list(link.flax)
+            continue
+        specs += [_plan.TensorSpec(k, stored[link.flax[0]], s) for k, s in kept]
+        moves.append(link)
     if strict and not report.ok:
         raise TargetMismatchError(
             f"cannot export to {directory} through this mapping\n" + report.problems()
         )
+    plan = _plan.plan_files(specs, max_file_size=max_file_size, metadata={"format": "pt"})
     # Earlier model files and index are replaced whole, other files kept (storage/replace.py).
     with _replace.replacing_directory(directory) as out:
-        plan = _plan.plan_files(specs, max_file_size=max_file_size, metadata={"format": "pt"})
-        local = _router.is_local(out)
-        by_name = {name: (key, transform) for name, key, transform in moves}
-        groups = _sources.batches(
-            [infos[n] for n, _, _ in moves], batch_bytes if local else 1 << 62
-        ) or [[]]
-        for i, group in enumerate(groups):
-            arrays = read([t.name for t in group])
-            pieces: dict[int, list[_interface.Piece]] = {}
-            if i == 0:
-                for f, file_plan in enumerate(plan.files):
-                    pieces[f] = [_interface.header_piece(file_plan.header)]
-            for t in group:
-                key, transform = by_name[t.name]
-                value = np.asarray(transform.to_torch(arrays.pop(t.name)))
-                if out_dtype is not None:
-                    value = _astype.astype(value, out_dtype)
-                file_plan, entry = plan.locate(key)
-                raw = _dtypes.pack(np.ascontiguousarray(value), entry.dtype)
-                pieces.setdefault(plan.file_of[key], []).append(
-                    _interface.Piece(file_plan.data_start + entry.begin, raw)
-                )
-                report.moved.append((t.name, key))
-            last = i == len(groups) - 1
-            for f, file_plan in enumerate(plan.files):
-                if f in pieces or last:
-                    _router.write_file(
-                        out / file_plan.filename,
-                        pieces.get(f, []),
-                        size=file_plan.size,
-                        checksums=False,
-                        sync=last,
-                    )
+        _write(out, plan, moves, table, tied, report, batch_bytes)
         if len(plan.files) > 1:
             (out / _plan.INDEX_FILE_NAME).write_text(json.dumps(plan.index_json(), indent=2))
+        if hf_config is not None:
+            text = _config_json(hf_config, [s.dtype for s in specs], policy is not None)
+            (out / CONFIG_FILE_NAME).write_text(text)
     return report
+
+
+def _write(
+    directory: epath.Path,
+    plan: _plan.CheckpointPlan,
+    moves: Sequence[_links.Link],
+    table: _flax_tables.FlaxTable,
+    tied: dict[str, str],
+    report: MappingReport,
+    batch_bytes: int,
+) -> None:
+    """Writes the files of ``plan`` a batch of links at a time: each tensor becomes pieces at
+    its file offsets (``pipeline/pieces``), cast to its planned dtype there."""
+    local = _router.is_local(directory)
+    groups = _link_batches(
+        moves, lambda n: table.infos[n].nbytes, batch_bytes if local else 1 << 62, torch_side=False
+    ) or [[]]
+    for i, group in enumerate(groups):
+        arrays = table.read(sorted({n for link in group for n in link.flax}))
+        pieces: dict[int, list[_interface.Piece]] = {}
+        if i == 0:
+            for f, file_plan in enumerate(plan.files):
+                pieces[f] = [_interface.header_piece(file_plan.header)]
+        for link in group:
+            values = link.to_torch([arrays[n] for n in link.flax])
+            for key, value in zip(link.torch, values):
+                if key in tied:
+                    continue
+                host = np.ascontiguousarray(value)
+                f, tensor_pieces = _pieces.tensor_pieces(plan, key, [(None, host)])
+                pieces.setdefault(f, []).extend(tensor_pieces)
+            report.moved += [(n, k) for k, n in _pairs(link) if k not in tied]
+            for n in link.flax:
+                arrays.pop(n, None)
+        last = i == len(groups) - 1
+        for f, file_plan in enumerate(plan.files):
+            if f in pieces or last:
+                _router.write_file(
+                    directory / file_plan.filename,
+                    pieces.get(f, []),
+                    size=file_plan.size,
+                    checksums=False,
+                    sync=last,
+                )

@@ -7,6 +7,7 @@ Example::
     orbax-safetensors verify /ckpt                  # exit status 1 on any damage
     orbax-safetensors convert /orbax/100 /st/100    # Orbax-native step -> safetensors (or back)
     orbax-safetensors diff /st/100/state /st/200/state
+    orbax-safetensors export /ckpt /hf --mapping llama --hf-config config.json --item state
     orbax-safetensors demo /tmp/demo
 """
 
@@ -159,6 +160,32 @@ def _convert_cmd(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _export_cmd(args: argparse.Namespace) -> int:
+    from orbax_safetensors._src.integrations import pytorch as _pytorch
+    from orbax_safetensors._src.tools import hf_export as _hf_export
+
+    try:
+        policy = dtype_policy(args.dtype)
+        config = _hf_export.read_hf_config(args.hf_config)
+        mapping = _hf_export.resolve_mapping(args.mapping, config)
+    except ValueError as e:
+        _error_line("orbax-safetensors export", e)
+        return EXIT_ERROR
+    report = _pytorch.export_pytorch(
+        args.src,
+        args.out,
+        mapping,
+        hf_config=config,
+        dtype=policy,
+        max_file_size=args.max_file_size,
+        step=args.step,
+        item=args.item,
+        batch_bytes=args.batch_size,
+    )
+    print(_hf_export.summary(args.out, report))
+    return EXIT_OK
+
+
 def _diff_cmd(args: argparse.Namespace) -> int:
     from orbax_safetensors._src.tools import diff as _diff
 
@@ -300,6 +327,58 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     _add_selection(convert, "convert")
     convert.set_defaults(func=_convert_cmd)
+
+    export = sub.add_parser(
+        "export",
+        help="write a checkpoint as a Hugging Face model directory",
+        description="Writes the tensors of SRC (a .safetensors file, a checkpoint item, an "
+        "Orbax-native item, a step or a CheckpointManager root: its latest committed step) as "
+        "a Hugging Face model directory OUT: model.safetensors (or shards plus "
+        "model.safetensors.index.json), header format 'pt', and config.json from --hf-config, "
+        "renamed and transformed by the key mapping, a batch of tensors at a time. Earlier "
+        "model*.safetensors files in OUT are replaced, other files kept.",
+    )
+    export.add_argument("src", help="file, item, step or root to export")
+    export.add_argument("out", help="the Hugging Face model directory to write")
+    export.add_argument(
+        "--mapping",
+        required=True,
+        metavar="NAME | module:attr",
+        help="a preset (llama, qwen2, qwen3, gpt2: NNX ports named as Hugging Face names its "
+        "modules) or module:attr naming an osf.KeyMapping (or a function returning one)",
+    )
+    export.add_argument(
+        "--hf-config",
+        metavar="FILE",
+        help="the model's config.json (or a directory holding one), written to OUT",
+    )
+    export.add_argument(
+        "--dtype",
+        action="append",
+        metavar="DTYPE | PATTERN=DTYPE",
+        help="stored dtype: one DTYPE (e.g. bfloat16) for every floating-point tensor, or "
+        "PATTERN=DTYPE entries over the checkpoint's dotted names, repeated, first match wins "
+        "('*norm*=keep' keeps a dtype)",
+    )
+    export.add_argument(
+        "--step", type=int, default=None, help="with a root: the step (default: the latest)"
+    )
+    export.add_argument(
+        "--item", default=None, help="with a step of several items: the item to export"
+    )
+    export.add_argument(
+        "--max-file-size",
+        type=parse_size,
+        default="5GB",
+        help="split into shards of at most this size (default 5GB)",
+    )
+    export.add_argument(
+        "--batch-size",
+        type=parse_size,
+        default="256MiB",
+        help="tensor bytes held in memory at once (default 256MiB)",
+    )
+    export.set_defaults(func=_export_cmd)
 
     diff = sub.add_parser(
         "diff",

@@ -1,0 +1,186 @@
+"""What an export reads from: an NNX module, any pytree of arrays, or a checkpoint path, as a
+table of tensors by dotted Flax name plus a batch reader.
+
+- an ``nnx.Module``: its variables selected by an ``nnx`` filter (default ``nnx.Param`` and
+  ``nnx.BatchStat``; ``nnx.LoRAParam`` is an ``nnx.Param``);
+- a pytree (dicts, lists, Linen ``params``, ``nnx.State``, ``TrainState.params``): its array
+  leaves, named by their key paths joined with ``.`` (``nnx.Variable`` leaves by their value;
+  RNG state and typed PRNG keys left out);
+- a path: a ``.safetensors`` file, a checkpoint item, a plain safetensors directory, an
+  Orbax-native item, a step directory (``item=`` picks one of several items) or a
+  CheckpointManager root (its latest committed step, or ``step=``).
+
+Example::
+
+    table = flax_table({"params": {"w": jnp.ones((2, 3))}})
+    table.infos["params.w"].shape        # (2, 3)
+    table.read(["params.w"])             # {"params.w": np.ndarray}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from etils import epath
+
+from orbax_safetensors._src.catalog import sources as _sources
+from orbax_safetensors._src.core import dtypes as _dtypes
+from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
+from orbax_safetensors._src.orbax import steps as _steps
+
+
+@dataclasses.dataclass
+class FlaxTable:
+    """Tensors by Flax name: their infos, a reader of host arrays, and (for in-memory
+    sources) the values themselves, which callable dtype policies see."""
+
+    infos: dict[str, _sources.TensorInfo]
+    read: Callable[[Sequence[str]], dict[str, np.ndarray]]
+    values: dict[str, Any] = dataclasses.field(default_factory=dict)
+    where: str = "(model)"
+
+
+def _is_path(source: Any) -> bool:
+    return isinstance(source, (str, epath.PathLikeCls)) or hasattr(source, "__fspath__")
+
+
+def _in_memory(values: dict[str, Any], where: str) -> FlaxTable:
+    infos = {}
+    for n, x in values.items():
+        dtype = _dtypes.from_numpy(np.dtype(x.dtype), key=n)
+        shape = tuple(int(d) for d in x.shape)
+        infos[n] = _sources.TensorInfo(n, dtype, shape, _dtypes.nbytes(dtype, shape), where)
+
+    def read(names: Sequence[str]) -> dict[str, np.ndarray]:
+        return {n: np.asarray(values[n]) for n in names}
+
+    return FlaxTable(infos, read, values, where)
+
+
+def _tree_values(tree: Any) -> dict[str, Any]:
+    import jax
+    from flax import nnx
+
+    def is_leaf(x: Any) -> bool:
+        return isinstance(x, nnx.Variable)
+
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    out = {}
+    for path, leaf in flat:
+        if isinstance(leaf, nnx.RngState):
+            continue  # RNG keys and counts are training state, never model weights
+        value = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
+        if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+            continue  # Python scalars, strings, None: not tensors
+        if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+            continue  # typed PRNG keys are training state, never model weights
+        name = ".".join(_key_text(k) for k in path) or "value"
+        out[name] = value
+    return out
+
+
+def _key_text(entry: Any) -> str:
+    for attr in ("key", "idx", "name"):
+        if hasattr(entry, attr):
+            return str(getattr(entry, attr))
+    return str(entry)
+
+
+def model_values(model: Any, variables: Any) -> dict[str, Any]:
+    """``{dotted name: value}`` of an NNX module's variables selected by ``variables``."""
+    from flax import nnx
+
+    filt = (nnx.Param, nnx.BatchStat) if variables is None else variables
+    state = nnx.state(model, filt)
+    return {
+        ".".join(str(k) for k in path): var.get_value() for path, var in nnx.to_flat_state(state)
+    }
+
+
+def resolve_path(
+    path: epath.PathLike, *, step: int | None = None, item: str | None = None
+) -> epath.Path:
+    """The tensor source a path names: a root's latest committed step (or ``step``), and in a
+    step the item ``item`` (needed when the step holds several).
+
+    Raises:
+      SafetensorsCheckpointError: a root without committed steps (or without ``step``), an
+        unknown item, ``step``/``item`` given for a path that has none.
+    """
+    path = epath.Path(path)
+    kind = _steps.classify(path)
+    if kind == "root":
+        steps = dict(_steps.list_steps(path))
+        if not steps:
+            raise SafetensorsCheckpointError(
+                f"{path}: a CheckpointManager root with no committed step"
+            )
+        if step is not None and step not in steps:
+            raise SafetensorsCheckpointError(
+                f"{path}: no committed step {step} (steps: {', '.join(map(str, sorted(steps)))})"
+            )
+        path = steps[max(steps) if step is None else step]
+        kind = _steps.classify(path)
+    elif step is not None:
+        raise SafetensorsCheckpointError(
+            f"{path} is a {kind}, not a CheckpointManager root: step= does not apply"
+        )
+    if item is not None:
+        if kind != "step":
+            raise SafetensorsCheckpointError(
+                f"{path} is a {kind}, not a step: item= does not apply"
+            )
+        items = _steps.list_items(path)
+        if items.get(item) not in _steps.TENSOR_KINDS:
+            raise SafetensorsCheckpointError(
+                f"{path}: no tensor item {item!r} (items: {', '.join(items) or '-'})"
+            )
+        path = path / item
+    return path
+
+
+def flax_table(
+    source: Any,
+    *,
+    prefix: str = "",
+    variables: Any = None,
+    step: int | None = None,
+    item: str | None = None,
+) -> FlaxTable:
+    """The tensors of ``source`` by Flax name (see the module docstring); with ``prefix``, only
+    names starting with it, without it.
+
+    Raises:
+      SafetensorsCheckpointError: a path that holds no tensors (see :func:`resolve_path`).
+      TypeError: a source that is none of these.
+    """
+    from flax import nnx
+
+    if isinstance(source, nnx.Module):
+        values = model_values(source, variables)
+    elif _is_path(source):
+        src = _sources.open_source(resolve_path(source, step=step, item=item))
+        infos = {
+            n[len(prefix) :]: dataclasses.replace(t, name=n[len(prefix) :])
+            for n, t in src.tensors.items()
+            if n.startswith(prefix)
+        }
+
+        def read_checkpoint(names: Sequence[str]) -> dict[str, np.ndarray]:
+            got = src.read([prefix + n for n in names])
+            return {n: got[prefix + n] for n in names}
+
+        return FlaxTable(infos, read_checkpoint, {}, str(src.path))
+    else:
+        values = _tree_values(source)
+        if not values and source is not None and not isinstance(source, (dict, list, tuple)):
+            raise TypeError(
+                f"cannot export a {type(source).__name__}: give an nnx.Module, a pytree of "
+                "arrays or a checkpoint path"
+            )
+    if prefix:
+        values = {n[len(prefix) :]: v for n, v in values.items() if n.startswith(prefix)}
+    return _in_memory(values, "(model)" if isinstance(source, nnx.Module) else "(pytree)")

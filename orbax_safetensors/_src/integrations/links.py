@@ -1,0 +1,324 @@
+"""A key mapping applied to a table of names: the :class:`Link` s of a load or an export.
+
+A link ties one or more Flax tensors to one or more PyTorch tensors through one :class:`Rule`:
+one to one for a plain rule; one Flax tensor to L (``stacked``) or P (``fused`` on the PyTorch
+side) or L * P PyTorch tensors; P Flax tensors to one PyTorch tensor (``fused`` on the Flax side).
+Links carry the shape arithmetic (checked before any byte moves) and the tensor arithmetic
+(host numpy arrays, one link at a time). :func:`lora_merges` finds the LoRA adapters an export
+folds into their base kernels.
+
+Example::
+
+    links, report = export_links(mapping, {"layers.mlp.kernel": (4, 8, 16)})
+    links[0].torch      # ('layers.0.mlp.weight', ..., 'layers.3.mlp.weight')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from orbax_safetensors._src.integrations.key_mapping import KeyMapping, MappingReport, Rule
+
+Shape = tuple[int, ...]
+
+
+def _probe_shape(fn: Any, shape: Shape, dtype: Any) -> Shape:
+    probe = np.broadcast_to(np.zeros((), dtype), shape)  # no memory: zero strides
+    return tuple(int(d) for d in np.shape(fn(probe)))
+
+
+def _sizes(rule: Rule, total: int, n: int, where: str) -> list[int]:
+    if rule.sizes is not None:
+        if len(rule.sizes) != n or sum(rule.sizes) != total:
+            raise ValueError(f"{where}: sizes {list(rule.sizes)} do not split {total} in {n}")
+        return list(rule.sizes)
+    if total % n:
+        raise ValueError(f"{where}: {total} does not split into {n} equal parts (give sizes=)")
+    return [total // n] * n
+
+
+def _split_shape(shape: Shape, axis: int, sizes: list[int]) -> list[Shape]:
+    axis %= len(shape)
+    return [(*shape[:axis], s, *shape[axis + 1 :]) for s in sizes]
+
+
+def _join_shape(shapes: Sequence[Shape], axis: int, where: str) -> Shape:
+    first = shapes[0]
+    ax = axis % len(first)
+    for s in shapes[1:]:
+        if len(s) != len(first) or s[:ax] + s[ax + 1 :] != first[:ax] + first[ax + 1 :]:
+            raise ValueError(f"{where}: parts {[list(p) for p in shapes]} do not join on {axis}")
+    return (*first[:ax], sum(s[ax] for s in shapes), *first[ax + 1 :])
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """Flax tensors ``flax`` <-> PyTorch tensors ``torch`` through ``rule``.
+
+    With ``stacked``, ``layers`` is L and ``torch`` lists the layers' keys in order (each
+    layer's fused parts in order). Arrays passed in and returned follow ``flax``/``torch``.
+    """
+
+    rule: Rule
+    flax: tuple[str, ...]
+    torch: tuple[str, ...]
+    layers: int = 0
+
+    @property
+    def parts_on_torch(self) -> bool:
+        """Whether one Flax tensor is several PyTorch tensors (stacked or fused there)."""
+        return len(self.flax) == 1 and not self.rule.one_to_one
+
+    def _n_parts(self) -> int:
+        return max(1, len(self.rule.parts))
+
+    def _where(self) -> str:
+        return f"{', '.join(self.flax)} <-> {', '.join(self.torch[:3])}" + (
+            ", ..." if len(self.torch) > 3 else ""
+        )
+
+    # ---- shapes
+
+    def torch_shapes(self, shapes: Sequence[Shape], dtype: Any) -> list[Shape]:
+        """The PyTorch shapes of Flax tensors of ``shapes``.
+
+        Raises:
+          ValueError: when they do not split, join or transform.
+        """
+        t = self.rule.transform_or_identity
+        if self.rule.one_to_one:
+            return [_probe_shape(t.to_torch, shapes[0], dtype)]
+        if not self.parts_on_torch:
+            parts = [_probe_shape(t.to_torch, s, dtype) for s in shapes]
+            return [_join_shape(parts, self.rule.axis, self._where())]
+        shape = shapes[0]
+        if self.rule.stacked is not None:
+            if not shape or shape[0] != self.layers:
+                raise ValueError(f"{self._where()}: {list(shape)} has no {self.layers} layers")
+            shape = shape[1:]
+        layer = [shape]
+        if self.rule.fused is not None:
+            total = shape[self.rule.axis % len(shape)] if shape else 0
+            sizes = _sizes(self.rule, total, self._n_parts(), self._where())
+            layer = _split_shape(shape, self.rule.axis, sizes)
+        per_layer = [_probe_shape(t.to_torch, s, dtype) for s in layer]
+        return per_layer * max(1, self.layers)
+
+    def flax_shapes(self, shapes: Sequence[Shape], dtype: Any) -> list[Shape]:
+        """The Flax shapes of PyTorch tensors of ``shapes``.
+
+        Raises:
+          ValueError: when they do not split, join or transform.
+        """
+        t = self.rule.transform_or_identity
+        if self.rule.one_to_one:
+            return [_probe_shape(t.to_flax, shapes[0], dtype)]
+        if not self.parts_on_torch:
+            shape = shapes[0]
+            total = shape[self.rule.axis % len(shape)] if shape else 0
+            sizes = _sizes(self.rule, total, len(self.flax), self._where())
+            return [
+                _probe_shape(t.to_flax, s, dtype)
+                for s in _split_shape(shape, self.rule.axis, sizes)
+            ]
+        n = self._n_parts()
+        layers = []
+        for i in range(max(1, self.layers)):
+            parts = [_probe_shape(t.to_flax, s, dtype) for s in shapes[i * n : (i + 1) * n]]
+            layers.append(
+                _join_shape(parts, self.rule.axis, self._where()) if self.rule.fused else parts[0]
+            )
+        if self.rule.stacked is None:
+            return [layers[0]]
+        if any(s != layers[0] for s in layers):
+            raise ValueError(
+                f"{self._where()}: layers of shapes {sorted(set(layers))} do not stack"
+            )
+        return [(len(layers), *layers[0])]
+
+    # ---- values
+
+    def to_torch(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """The PyTorch tensors of the Flax ``arrays``."""
+        t = self.rule.transform_or_identity
+        if self.rule.one_to_one:
+            return [t.to_torch(arrays[0])]
+        if not self.parts_on_torch:
+            return [np.concatenate([t.to_torch(a) for a in arrays], axis=self.rule.axis)]
+        x = arrays[0]
+        layers = [x[i] for i in range(self.layers)] if self.rule.stacked is not None else [x]
+        out = []
+        for y in layers:
+            if self.rule.fused is not None:
+                axis = self.rule.axis % y.ndim
+                sizes = _sizes(self.rule, y.shape[axis], self._n_parts(), self._where())
+                parts = np.split(y, np.cumsum(sizes)[:-1], axis=axis)
+            else:
+                parts = [y]
+            out += [t.to_torch(p) for p in parts]
+        return out
+
+    def to_flax(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """The Flax tensors of the PyTorch ``arrays``."""
+        t = self.rule.transform_or_identity
+        if self.rule.one_to_one:
+            return [t.to_flax(arrays[0])]
+        if not self.parts_on_torch:
+            y = arrays[0]
+            axis = self.rule.axis % y.ndim
+            sizes = _sizes(self.rule, y.shape[axis], len(self.flax), self._where())
+            return [t.to_flax(p) for p in np.split(y, np.cumsum(sizes)[:-1], axis=axis)]
+        n = self._n_parts()
+        layers = []
+        for i in range(max(1, self.layers)):
+            parts = [t.to_flax(a) for a in arrays[i * n : (i + 1) * n]]
+            layers.append(
+                np.concatenate(parts, axis=self.rule.axis) if self.rule.fused else parts[0]
+            )
+        return [np.stack(layers) if self.rule.stacked is not None else layers[0]]
+
+
+def _first_rule(
+    mapping: KeyMapping, name: str, flax_side: bool
+) -> tuple[int, Rule, dict[str, str]] | None:
+    for r, rule in enumerate(mapping.rules):
+        values = rule.flax_groups(name) if flax_side else rule.torch_groups(name)
+        if values is not None:
+            return r, rule, values
+    return None
+
+
+def export_links(
+    mapping: KeyMapping, shapes: Mapping[str, Shape]
+) -> tuple[list[Link], MappingReport]:
+    """The links exporting Flax tensors of ``shapes`` (by name); the report lists the names
+    ignored and unmapped, and fused parts left without their siblings (``mismatched``)."""
+    report = MappingReport()
+    links: list[Link] = []
+    groups: dict[tuple[int, str], dict[str, str]] = {}
+    for name, shape in shapes.items():
+        if mapping.flax_ignored(name):
+            report.ignored.append(name)
+            continue
+        found = _first_rule(mapping, name, True)
+        if found is None:
+            report.unmapped.append(name)
+            continue
+        r, rule, values = found
+        if rule.one_to_one:
+            links.append(Link(rule, (name,), (rule.torch_key(values),)))
+        elif rule.fused is not None and rule.fused in values:  # a part of a joined torch key
+            groups.setdefault((r, rule.torch_key(values)), {})[values[rule.fused]] = name
+        else:
+            layers = int(shape[0]) if rule.stacked is not None and shape else 0
+            if rule.stacked is not None and not shape:
+                report.mismatched.append(f"{name} is a scalar: nothing to unstack")
+                continue
+            keys = []
+            for i in range(layers) if rule.stacked is not None else [None]:
+                for p in rule.parts or [None]:
+                    v = dict(values)
+                    if i is not None:
+                        v[str(rule.stacked)] = str(i)
+                    if p is not None:
+                        v[str(rule.fused)] = p
+                    keys.append(rule.torch_key(v))
+            links.append(Link(rule, (name,), tuple(keys), layers))
+    for (r, key), parts in groups.items():
+        rule = mapping.rules[r]
+        lacking = [p for p in rule.parts if p not in parts]
+        if lacking:
+            report.mismatched.append(
+                f"{key} joins {', '.join(rule.parts)} but no tensor is the part(s) "
+                f"{', '.join(lacking)}"
+            )
+            continue
+        links.append(Link(rule, tuple(parts[p] for p in rule.parts), (key,)))
+    return links, report
+
+
+def load_links(mapping: KeyMapping, keys: Iterable[str]) -> tuple[list[Link], MappingReport]:
+    """The links loading PyTorch tensors ``keys``; the report lists the keys ignored and
+    unmapped, and stacked or fused groups with a part absent (``mismatched``)."""
+    report = MappingReport()
+    links: list[Link] = []
+    groups: dict[tuple[int, str], dict[tuple[int, str], str]] = {}
+    for key in keys:
+        if mapping.torch_ignored(key):
+            report.ignored.append(key)
+            continue
+        found = _first_rule(mapping, key, False)
+        if found is None:
+            report.unmapped.append(key)
+            continue
+        r, rule, values = found
+        if rule.one_to_one:
+            links.append(Link(rule, (rule.flax_name(values),), (key,)))
+        elif rule.fused is not None and rule.fused not in values:  # one torch key, fused parts
+            names = tuple(rule.flax_name({**values, rule.fused: p}) for p in rule.parts)
+            links.append(Link(rule, names, (key,)))
+        else:
+            i = -1
+            if rule.stacked is not None:
+                index = values[rule.stacked]
+                if not index.isdecimal():
+                    report.mismatched.append(f"{key}: layer index {index!r} is not a number")
+                    continue
+                i = int(index)
+            p = values[rule.fused] if rule.fused is not None else ""
+            rest = {k: v for k, v in values.items() if k not in (rule.stacked, rule.fused)}
+            groups.setdefault((r, rule.flax_name(rest)), {})[(i, p)] = key
+    for (r, name), got in groups.items():
+        rule = mapping.rules[r]
+        layers = 1 + max(i for i, _ in got) if rule.stacked is not None else 0
+        want = [
+            (i, p)
+            for i in (range(layers) if rule.stacked is not None else [-1])
+            for p in (rule.parts or ("",))
+        ]
+        lacking = [w for w in want if w not in got]
+        if lacking:
+            report.mismatched.append(
+                f"{name} joins {len(want)} tensors but {len(lacking)} are absent (e.g. layer "
+                f"{lacking[0][0]} {lacking[0][1]})".replace("layer -1 ", "")
+            )
+            continue
+        links.append(Link(rule, (name,), tuple(got[w] for w in want), layers))
+    return links, report
+
+
+# --------------------------------------------------------------------------- LoRA
+
+
+def lora_merges(names: Iterable[str]) -> dict[str, tuple[str, str]]:
+    """``{kernel name: (lora_a name, lora_b name)}`` of the LoRA adapters among ``names``:
+    ``P.lora.lora_a/lora_b`` next to ``P.kernel`` (``nnx.LoRALinear``) or ``P.lora_a/lora_b``
+    next to ``P.base_module.kernel`` (``nnx.LoRA`` wrapping a layer)."""
+    present = set(names)
+    out = {}
+    for a in sorted(present):
+        if not (a == "lora_a" or a.endswith(".lora_a")):
+            continue
+        stem = a[: -len("lora_a")]
+        b = stem + "lora_b"
+        if b not in present:
+            continue
+        for kernel in (
+            stem[: -len("lora.")] + "kernel" if stem.endswith("lora.") else None,
+            stem + "base_module.kernel",
+        ):
+            if kernel is not None and kernel in present:
+                out[kernel] = (a, b)
+                break
+    return out
+
+
+def merge_lora(kernel: np.ndarray, a: np.ndarray, b: np.ndarray, scale: float) -> np.ndarray:
+    """``kernel + a @ b * scale`` in the kernel's dtype (computed in at least float32)."""
+    work = np.result_type(kernel.dtype, np.float32) if kernel.dtype.kind == "f" else np.float32
+    delta = np.matmul(a.astype(work), b.astype(work)) * np.asarray(scale, work)
+    return (kernel.astype(work) + delta).astype(kernel.dtype)

@@ -1,0 +1,105 @@
+"""``orbax-safetensors export``: a checkpoint (or a file, an item, a step) as a Hugging Face
+model directory, through a preset or user key mapping.
+
+``--mapping`` is a preset name (``llama``, ``qwen2``, ``qwen3``, ``gpt2``; with a config whose
+``tie_word_embeddings`` is true, the preset ties ``lm_head`` to the embedding) or
+``module:attr`` naming a :class:`KeyMapping` (or a function of no arguments returning one),
+imported like ``python -c 'import module'`` from the current directory.
+
+Example::
+
+    orbax-safetensors export /ckpt out/ --mapping llama --hf-config config.json --item state
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import sys
+from typing import Any
+
+from etils import epath
+
+from orbax_safetensors._src.integrations import presets as _presets
+from orbax_safetensors._src.integrations.key_mapping import KeyMapping, MappingReport
+from orbax_safetensors._src.tools import inspection as _inspection
+
+
+def read_hf_config(path: str | None) -> dict[str, Any] | None:
+    """The ``config.json`` at ``path`` (a file, or a directory holding one), or None.
+
+    Raises:
+      ValueError: when it is missing or not a JSON object.
+    """
+    if path is None:
+        return None
+    p = epath.Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.exists():
+        raise ValueError(f"--hf-config {path}: no such file")
+    try:
+        doc = json.loads(p.read_text())
+    except ValueError as e:
+        raise ValueError(f"--hf-config {p}: not JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"--hf-config {p}: not a JSON object")
+    return doc
+
+
+def resolve_mapping(spec: str, hf_config: dict[str, Any] | None = None) -> KeyMapping:
+    """The mapping ``spec`` names: a preset, or ``module:attr``.
+
+    Raises:
+      ValueError: an unknown preset, a module that does not import, an attribute that is not
+        a KeyMapping.
+    """
+    if ":" not in spec:
+        if spec not in _presets.PRESETS:
+            raise ValueError(
+                f"--mapping {spec!r}: not a preset ({', '.join(_presets.PRESETS)}) nor module:attr"
+            )
+        tie = bool((hf_config or {}).get("tie_word_embeddings", False))
+        return _presets.preset_mapping(spec, tie_word_embeddings=tie)
+    module_name, _, attr = spec.partition(":")
+    added = "" not in sys.path and "." not in sys.path
+    if added:
+        sys.path.insert(0, "")  # the current directory, as ``python -c`` has it
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # any import failure is the user's module's
+        raise ValueError(f"--mapping {spec!r}: cannot import {module_name!r} ({e})") from None
+    finally:
+        if added:
+            sys.path.remove("")
+    value: Any = module
+    for part in attr.split("."):
+        if not hasattr(value, part):
+            raise ValueError(f"--mapping {spec!r}: {module_name} has no attribute {attr!r}")
+        value = getattr(value, part)
+    if callable(value) and not isinstance(value, KeyMapping) and _takes_no_arguments(value):
+        value = value()
+    if not isinstance(value, KeyMapping):
+        raise ValueError(f"--mapping {spec!r}: is a {type(value).__name__}, not an osf.KeyMapping")
+    return value
+
+
+def _takes_no_arguments(fn: Any) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return all(
+        p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params
+    )
+
+
+def summary(out: str, report: MappingReport) -> str:
+    """The line ``export`` prints: tensors written, their bytes, the files of ``out``."""
+    files = sorted(p for p in epath.Path(out).iterdir() if p.is_file())
+    size = sum(p.stat().length for p in files if p.suffix == ".safetensors")
+    return (
+        f"exported {len(report.moved)} tensors ({_inspection.human_bytes(size)}) to {out}: "
+        + ", ".join(p.name for p in files)
+    )

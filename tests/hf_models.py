@@ -1,0 +1,158 @@
+"""Reference NNX ports of Hugging Face causal LMs (LLaMA, Qwen 2, Qwen 3, GPT-2), named as
+Hugging Face names its modules, so that ``osf.preset_mapping`` maps them: each computes the
+same logits as the transformers model of the same config and weights."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+NnxList = getattr(nnx, "List", list)  # nnx.List: flax >= 0.12
+
+
+def _rope(x, theta):
+    # x: (batch, seq, heads, dim); Hugging Face's rotate_half convention
+    dim = x.shape[-1]
+    inv = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    freqs = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * inv[None]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    cos, sin = jnp.cos(emb)[None, :, None], jnp.sin(emb)[None, :, None]
+    half = dim // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def _attend(q, k, v):
+    # q: (b, t, h, d), k/v: (b, t, kv, d): causal grouped-query attention
+    groups = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+    t = q.shape[1]
+    scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+
+
+class SelfAttention(nnx.Module):
+    def __init__(self, c, kind, rngs):
+        dim, self.heads, self.kv = c.hidden_size, c.num_attention_heads, c.num_key_value_heads
+        self.head_dim = getattr(c, "head_dim", None) or dim // self.heads
+        bias = kind == "qwen2" or bool(getattr(c, "attention_bias", False))
+        hd = self.head_dim
+        self.q_proj = nnx.Linear(dim, self.heads * hd, use_bias=bias, rngs=rngs)
+        self.k_proj = nnx.Linear(dim, self.kv * hd, use_bias=bias, rngs=rngs)
+        self.v_proj = nnx.Linear(dim, self.kv * hd, use_bias=bias, rngs=rngs)
+        self.o_proj = nnx.Linear(self.heads * hd, dim, use_bias=False, rngs=rngs)
+        if kind == "qwen3":
+            self.q_norm = nnx.RMSNorm(hd, epsilon=c.rms_norm_eps, rngs=rngs)
+            self.k_norm = nnx.RMSNorm(hd, epsilon=c.rms_norm_eps, rngs=rngs)
+        self.kind, self.theta = kind, c.rope_parameters["rope_theta"]
+
+    def __call__(self, x):
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, self.heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, t, self.kv, self.head_dim)
+        v = self.v_proj(x).reshape(b, t, self.kv, self.head_dim)
+        if self.kind == "qwen3":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = _rope(q, self.theta), _rope(k, self.theta)
+        return self.o_proj(_attend(q, k, v).reshape(b, t, -1))
+
+
+class Mlp(nnx.Module):
+    def __init__(self, c, rngs):
+        dim, hidden = c.hidden_size, c.intermediate_size
+        self.gate_proj = nnx.Linear(dim, hidden, use_bias=False, rngs=rngs)
+        self.up_proj = nnx.Linear(dim, hidden, use_bias=False, rngs=rngs)
+        self.down_proj = nnx.Linear(hidden, dim, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, c, kind, rngs):
+        self.self_attn = SelfAttention(c, kind, rngs)
+        self.mlp = Mlp(c, rngs)
+        self.input_layernorm = nnx.RMSNorm(c.hidden_size, epsilon=c.rms_norm_eps, rngs=rngs)
+        self.post_attention_layernorm = nnx.RMSNorm(
+            c.hidden_size, epsilon=c.rms_norm_eps, rngs=rngs
+        )
+
+    def __call__(self, x):
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nnx.Module):
+    def __init__(self, c, kind, rngs):
+        self.embed_tokens = nnx.Embed(c.vocab_size, c.hidden_size, rngs=rngs)
+        self.layers = NnxList([DecoderLayer(c, kind, rngs) for _ in range(c.num_hidden_layers)])
+        self.norm = nnx.RMSNorm(c.hidden_size, epsilon=c.rms_norm_eps, rngs=rngs)
+
+    def __call__(self, ids):
+        x = self.embed_tokens(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
+class CausalLM(nnx.Module):
+    """LLaMA (``kind="llama"``), Qwen 2 (``"qwen2"``: q/k/v biases) or Qwen 3 (``"qwen3"``:
+    q/k norms); with ``config.tie_word_embeddings`` the logits come from the embedding."""
+
+    def __init__(self, config, kind="llama", *, rngs):
+        self.model = Decoder(config, kind, rngs)
+        self.tied = bool(config.tie_word_embeddings)
+        if not self.tied:
+            self.lm_head = nnx.Linear(
+                config.hidden_size, config.vocab_size, use_bias=False, rngs=rngs
+            )
+
+    def __call__(self, ids):
+        x = self.model(ids)
+        return self.model.embed_tokens.attend(x) if self.tied else self.lm_head(x)
+
+
+class Gpt2Block(nnx.Module):
+    def __init__(self, c, rngs):
+        e, eps = c.n_embd, c.layer_norm_epsilon
+        self.ln_1 = nnx.LayerNorm(e, epsilon=eps, rngs=rngs)
+        self.attn = nnx.Module()
+        self.attn.c_attn = nnx.Linear(e, 3 * e, rngs=rngs)  # Conv1D: kernel (in, out)
+        self.attn.c_proj = nnx.Linear(e, e, rngs=rngs)
+        self.ln_2 = nnx.LayerNorm(e, epsilon=eps, rngs=rngs)
+        self.mlp = nnx.Module()
+        self.mlp.c_fc = nnx.Linear(e, 4 * e, rngs=rngs)
+        self.mlp.c_proj = nnx.Linear(4 * e, e, rngs=rngs)
+        self.heads = c.n_head
+
+    def __call__(self, x):
+        b, t, e = x.shape
+        qkv = self.attn.c_attn(self.ln_1(x)).reshape(b, t, 3, self.heads, e // self.heads)
+        att = _attend(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]).reshape(b, t, e)
+        x = x + self.attn.c_proj(att)
+        h = jax.nn.gelu(self.mlp.c_fc(self.ln_2(x)), approximate=True)
+        return x + self.mlp.c_proj(h)
+
+
+class Gpt2(nnx.Module):
+    def __init__(self, c, rngs):
+        self.wte = nnx.Embed(c.vocab_size, c.n_embd, rngs=rngs)
+        self.wpe = nnx.Embed(c.n_positions, c.n_embd, rngs=rngs)
+        self.h = NnxList([Gpt2Block(c, rngs) for _ in range(c.n_layer)])
+        self.ln_f = nnx.LayerNorm(c.n_embd, epsilon=c.layer_norm_epsilon, rngs=rngs)
+
+
+class Gpt2LM(nnx.Module):
+    """GPT-2 with its ``lm_head`` tied to ``wte``."""
+
+    def __init__(self, config, *, rngs):
+        self.transformer = Gpt2(config, rngs)
+
+    def __call__(self, ids):
+        tr = self.transformer
+        x = tr.wte(ids) + tr.wpe(jnp.arange(ids.shape[1]))[None]
+        for block in tr.h:
+            x = block(x)
+        return tr.wte.attend(tr.ln_f(x))
