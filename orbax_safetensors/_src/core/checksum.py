@@ -1,7 +1,7 @@
 """CRC32C checksums that can be computed in pieces, by many processes, and merged.
 
-CRC32C runs at memory speed with the CPU's CRC instructions (the ``crc32c`` package, ~16 GB/s
-here) and, unlike xxh3 or SHA-256, is *combinable*: ``crc(A + B)`` follows from ``crc(A)``,
+CRC32C runs at memory speed with the CPU's CRC instructions (the ``crc32c`` package; figures in
+docs/performance.md) and, unlike xxh3 or SHA-256, is *combinable*: ``crc(A + B)`` follows from ``crc(A)``,
 ``crc(B)`` and ``len(B)``. So each process checksums the byte runs it writes and one process
 merges them into a whole-tensor checksum without seeing any data.
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from etils import epath
 
-if TYPE_CHECKING:  # flax.nnx takes ~2 s to import: only when these helpers run
+if TYPE_CHECKING:  # flax.nnx is slow to import: only when these helpers run
     from flax import nnx
 
 from orbax_safetensors._src.core.casting import DtypePolicy

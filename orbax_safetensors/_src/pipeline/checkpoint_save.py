@@ -391,7 +391,7 @@ def finalize(
     """Merges every process's checksum share into the metadata file (run once, after all wrote).
 
     ``draft_metadata`` is the draft's content when this process wrote it (``PreparedSave.
-    metadata``): it spares reading back and parsing the draft (~4 ms per 1,000 tensors); it is
+    metadata``): it spares reading back and parsing the draft; it is
     required when the draft was not persisted. ``shares`` are checksum shares held in memory (as
     :func:`write_process_share` returns them unpersisted), merged with those found on disk.
     """

@@ -1,9 +1,9 @@
 """Host buffers to ``jax.Array``s: one call for many arrays, zero-copy where XLA allows it.
 
-``jax.device_put`` of a numpy array spends about 30 us in Python (it builds the abstract value
-several times over and runs sharding checks meant for resharding ``jax.Array``s) before XLA's
-C++ transfer, which takes a fraction of that. Restoring 10,000 small tensors, that Python was
-most of the restore. So a numpy array bound for one addressable device takes the entry that
+``jax.device_put`` of a numpy array spends most of its time in Python (it builds the abstract
+value several times over and runs sharding checks meant for resharding ``jax.Array``s) before
+XLA's C++ transfer, which takes a fraction of that. Restoring 10,000 small tensors, that Python
+was most of the restore (docs/performance.md, "Figures behind the code"). So a numpy array bound for one addressable device takes the entry that
 ``jax.device_put`` itself ends in for numpy inputs (``pxla.batched_device_put``: the same
 transfer, the same zero-copy aliasing of 64-byte aligned buffers on CPU, committed like
 ``device_put`` to a device) straight away. Anything else (shardings over several devices,

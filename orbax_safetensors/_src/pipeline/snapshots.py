@@ -64,7 +64,7 @@ def _placement(sharding: jax.sharding.Sharding) -> tuple[bool, bool, bool]:
     return whole, any(d.platform == "cpu" for d in devices), addressable
 
 
-# Host copies smaller than this are plain numpy copies (one call, ~1 us); larger ones go to
+# Host copies smaller than this are plain numpy copies (one call); larger ones go to
 # 64-byte-aligned buffers, which the kernel copies into the page cache faster.
 _SMALL_COPY = 64 << 10
 
@@ -216,8 +216,8 @@ class SnapshotQueue:
     # The first group, on which the writer plans (Python work per tensor), waits for 16 MiB
     # of at most 256 tensors, else for 64 MiB, else for the end: a state of large tensors
     # starts writing after a few milliseconds of copying, and a small state of many tensors is
-    # planned after the copy loop rather than against it for the GIL. (At 256 MiB, starting
-    # after 16 MiB rather than 64 MiB saved 10% of the save.)
+    # planned after the copy loop rather than against it for the GIL (docs/performance.md,
+    # "Figures behind the code", has what the first group's size did to a save).
     _FIRST_GROUP_BYTES = 16 << 20
     _FIRST_GROUP_MAX_BYTES = 64 << 20
 

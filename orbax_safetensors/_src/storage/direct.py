@@ -28,8 +28,8 @@ only Linux has ``O_DIRECT`` here. Object stores never get here.
 
 Durable writes (every local save: the file is fsynced before it counts) go direct in ``auto``
 and ``always`` mode: a buffered write of a GiB first dirties a GiB of page cache (evicting what
-the job had cached) and costs the kernel's copy into it (about twice the CPU time of a direct
-save here). Where a host caches the disk (VMs), buffered writes with early writeback can be
+the job had cached) and costs the kernel's copy into it (more CPU time than a direct save;
+docs/performance.md has the figures). Where a host caches the disk (VMs), buffered writes with early writeback can be
 faster: docs/performance.md has both measured. The writer copies each block-aligned
 stretch into an aligned staging buffer (:func:`staging_buffer`) and writes it with
 :func:`write_direct`; the partial blocks at either end of a stretch are written buffered.

@@ -66,9 +66,9 @@ def _load_sync_file_range() -> Callable[[int, int, int], None] | None:
     # Linux's sync_file_range(SYNC_FILE_RANGE_WRITE) starts writeback of a range without
     # waiting for it. Calling it on each range as soon as it is written lets the disk work
     # while later ranges are still being copied into the page cache, so the final fsync has
-    # little left to do (and the writer is not throttled for holding a GiB of dirty pages):
-    # measured 0.52-0.69 s against 0.74-2.9 s for write-all-then-fsync of 1 GiB here. Python's
-    # os module has no binding, hence ctypes; elsewhere this is a no-op.
+    # little left to do (and the writer is not throttled for holding a GiB of dirty pages;
+    # docs/performance.md, "Figures behind the code"). Python's os module has no binding,
+    # hence ctypes; elsewhere this is a no-op.
     if not sys.platform.startswith("linux"):
         return None
     try:
