@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import io
+import re
 import tokenize
 from pathlib import Path
 
@@ -158,3 +159,47 @@ def test_the_orbax_name_check_sees_code_comments_and_strings(tmp_path: Path) -> 
     texts = [t for _, t in _code_words(module)]
     assert "PLACEHOLDER" in texts and "# a ShardingMetadata" in texts and "'restore_type'" in texts
     assert not any("RestoreArgs" in t for t in texts)
+
+
+# A measured figure: a number with a unit of time or bandwidth, or "N.Nx faster/slower".
+_FIGURE = re.compile(
+    r"\b\d+(?:\.\d+)?\s?(?:ns|us|µs|ms|s|seconds|GB/s|MB/s|GiB/s|MiB/s)\b"
+    r"|\b\d+(?:\.\d+)?x (?:faster|slower)\b",
+)
+
+
+def _comments_and_docstrings(source: str) -> list[tuple[int, str]]:
+    """(line, text) of every comment and docstring of a module."""
+    out = [
+        (tok.start[0], tok.string)
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+        if tok.type == tokenize.COMMENT
+    ]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc:
+                out.append((node.body[0].lineno, doc))
+    return out
+
+
+def test_code_comments_hold_no_measured_figures() -> None:
+    # Figures go stale in comments; they live in docs/performance.md with their command
+    # (issue 26). Comments and docstrings say why, not how fast.
+    found = [
+        f"{path.relative_to(PACKAGE)}:{line}: {match.group(0)!r}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for line, text in _comments_and_docstrings(path.read_text())
+        for match in _FIGURE.finditer(text)
+    ]
+    assert not found, "measured figures in code comments (move them to docs/performance.md):\n" + (
+        "\n".join(found)
+    )
+
+
+def test_the_figure_check_sees_comments_and_docstrings() -> None:
+    source = (
+        '"""Saves at 2.5 GB/s."""\nx = 1  # took 30 ms\ny = "40 ms"  # a string, not a comment\n'
+    )
+    texts = [m.group(0) for _, t in _comments_and_docstrings(source) for m in _FIGURE.finditer(t)]
+    assert sorted(texts) == ["2.5 GB/s", "30 ms"]
