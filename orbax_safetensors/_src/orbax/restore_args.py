@@ -1,0 +1,102 @@
+"""``SafetensorsRestore``: the restore args of ``SafetensorsCheckpointHandler``.
+
+Registered with the handler in :mod:`.v0` (as ``SafetensorsSave`` in :mod:`.save_args`), so a
+``CheckpointManager`` routes it to the handler; :mod:`.restoring` translates it into the
+pipeline's ``RestoreOptions``.
+
+Example::
+
+    state = mngr.restore(step, args=osf.SafetensorsRestore(abstract_state, partial_restore=True))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import orbax.checkpoint as ocp
+
+from orbax_safetensors._src.core import select as _select
+from orbax_safetensors._src.orbax import args as _args
+from orbax_safetensors._src.orbax import save_args as _save_args
+from orbax_safetensors._src.orbax.tree_metadata import TreeMetadata
+
+
+@dataclasses.dataclass(repr=False)
+class SafetensorsRestore(ocp.args.CheckpointArgs):
+    """Restore a safetensors checkpoint; Orbax's ``StandardRestore`` and ``PyTreeRestore``
+    arguments, with their meanings.
+
+    Attributes:
+      item: None (the saved tree, rebuilt from its schema) or a target pytree whose leaves are
+        arrays, numpy arrays, ``jax.ShapeDtypeStruct`` (with an optional sharding), Python
+        scalars or ``ocp.ArrayRestoreArgs``; the result has the target's node types. A
+        ``TreeMetadata`` (from ``handler.metadata`` or ``mngr.item_metadata``) works too.
+      strict: as in ``StandardRestore``: an array whose stored shape differs from the
+        target's raises (False: it is truncated or padded with zeros to the target's shape,
+        same rank). Missing or unexpected keys are ``partial_restore``'s business.
+      restore_args: as in ``PyTreeRestore``: a tree of ``ocp.RestoreArgs`` /
+        ``ocp.ArrayRestoreArgs`` (e.g. from ``ocp.checkpoint_utils.construct_restore_args``).
+        With ``item``, the structure (and the shapes and dtypes an ``ArrayRestoreArgs`` leaves
+        open) come from ``item``, types, dtypes and shardings from ``restore_args``; alone, it
+        is the target.
+      partial_restore: as in ``PyTreeRestore``: restore only the target's keys (stored keys
+        it lacks are not read); a target key the checkpoint lacks comes back as given.
+        False: any key in one but not the other raises, naming them all.
+      fallback_sharding: as in ``StandardRestore``: where an array goes whose saved sharding
+        this job cannot reproduce (its devices are not all here) when the target gives none;
+        None: that is an error naming the tensor.
+      include, exclude: glob patterns (a string or a sequence) over dotted names, as in
+        ``osf.load_file``: only the selected tensors are read. Without ``item`` the selected
+        subtrees come back in their saved containers; with one, the patterns select among its
+        leaves, and an unselected leaf comes back as given (as Orbax's ``PLACEHOLDER``).
+
+    The standalone ``load_file`` / ``load_model`` keep the safetensors and PyTorch meaning of
+    ``strict`` (keys). Prints as a summary, never the arrays.
+    """
+
+    item: Any = None
+    strict: bool = True
+    restore_args: Any = None
+    partial_restore: bool = False
+    fallback_sharding: Any = None
+    include: str | Sequence[str] | None = None
+    exclude: str | Sequence[str] | None = None
+
+    def __post_init__(self) -> None:
+        _select.Selection.of(self.include, self.exclude)  # a bad pattern fails here
+        if isinstance(self.item, TreeMetadata) or _is_orbax_tree_metadata(self.item):
+            self.item = self.item.tree
+        if isinstance(self.restore_args, TreeMetadata) or _is_orbax_tree_metadata(
+            self.restore_args
+        ):
+            self.restore_args = self.restore_args.tree
+
+    def __repr__(self) -> str:
+        parts = [f"item={_args.tree_summary(self.item)}", f"strict={self.strict}"]
+        if self.restore_args is not None:
+            parts.append(f"restore_args={_args.tree_summary(self.restore_args)}")
+        if self.partial_restore:
+            parts.append("partial_restore=True")
+        if self.fallback_sharding is not None:
+            parts.append(f"fallback_sharding={self.fallback_sharding}")
+        if self.include is not None:
+            parts.append(f"include={self.include!r}")
+        if self.exclude is not None:
+            parts.append(f"exclude={self.exclude!r}")
+        return f"SafetensorsRestore({', '.join(parts)})"
+
+    def __str__(self) -> str:
+        return _save_args.with_registry_hint(repr(self))
+
+
+def _is_orbax_tree_metadata(x: object) -> bool:
+    # Orbax's own TreeMetadata (a runtime-checkable protocol of its private metadata module),
+    # recognised by its members.
+    return (
+        x is not None
+        and hasattr(x, "tree")
+        and hasattr(x, "custom_metadata")
+        and hasattr(type(x), "tree_flatten_with_keys")
+    )
