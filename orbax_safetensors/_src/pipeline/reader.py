@@ -89,12 +89,19 @@ class ReadStats:
       requests: ranged read requests issued (one per coalesced batch of runs).
       direct_bytes: of ``bytes_read``, the bytes read from local files through ``O_DIRECT``
         (cold data; see ``OSF_DIRECT_IO`` in ``docs/performance.md``).
+      header_reads: safetensors headers read to find the tensors (0 when the checkpoint's
+        metadata places every tensor itself).
+      header_bytes: bytes of those headers (length prefix, JSON and padding).
+      metadata_bytes: bytes of the checkpoint's metadata file read.
     """
 
     bytes_read: int = 0
     bytes_needed: int = 0
     requests: int = 0
     direct_bytes: int = 0
+    header_reads: int = 0
+    header_bytes: int = 0
+    metadata_bytes: int = 0
 
 
 @dataclasses.dataclass(slots=True)
