@@ -173,7 +173,8 @@ def _row_blocks(req: ReadRequest) -> jax.sharding.Sharding | None:
     reads one contiguous block of rows (its devices' consecutive share) in one range, and a
     collective moves the shards to the target sharding. Decided from global facts only (the
     path's scheme, the sharding, the shape), so every process decides alike and calls the
-    collective in the same order.
+    collective in the same order. Extra memory: while one tensor is resharded, its row blocks
+    beside its target shards (one tensor's share of a process at a time).
     """
     sharding, shape = req.sharding, req.stored.shape
     if (
@@ -200,7 +201,11 @@ def _row_blocks(req: ReadRequest) -> jax.sharding.Sharding | None:
         if dim > 0 and any(n in across for n in names if n is not None):
             cut = dim
             break
-    if cut is None or int(np.prod(shape[:cut])) <= EXCHANGE_MIN_RUNS:
+    if (
+        cut is None
+        or int(np.prod(shape[:cut])) <= EXCHANGE_MIN_RUNS
+        or shape[0] % mesh.devices.size  # row blocks of equal size only
+    ):
         return None
     # The target mesh's devices in its own order (a jitted reshard keeps the device order):
     # each process's rows are as many blocks as its devices form runs in that order, one when
