@@ -221,7 +221,10 @@ def read_tensors(requests: Sequence[ReadRequest], stats: ReadStats | None = None
     by row blocks and resharded on the devices (:func:`_row_blocks`)."""
     rows = [_row_blocks(r) for r in requests]
     targets = requests
-    requests = [r if s is None else r._replace(sharding=s) for r, s in zip(requests, rows)]
+    requests = [
+        r if s is None else ReadRequest(r.stored, r.kind, s, r.dtype, r.verify)
+        for r, s in zip(requests, rows)
+    ]
     values = _read_tensors(requests, stats)
     for i, s in enumerate(rows):
         if s is not None:  # a collective: every process reaches it in the same order
