@@ -206,6 +206,10 @@ def _check_reads(mode: str, res: dict[str, Any], n: int) -> None:
     assert res["bytes_needed"] == res["oracle_needed"], (mode, res)
     assert res["oracle_needed"] <= res["bytes_read"], (mode, res)
     assert res["bytes_read"] <= res["oracle_needed"] + res["oracle_slack"], (mode, res)
+    # Every tensor is placed by orbax_safetensors.json: no process reads any header, and the
+    # one metadata file it reads does not grow with the number of processes.
+    assert res["header_reads"] == 0 and res["header_bytes"] == 0, (mode, res)
+    assert 0 < res["metadata_bytes"] < 64 * 1024, (mode, res)
     if mode == "partial":
         # big.rows by row blocks and big.cols by column blocks: 1/n of each, read exactly (the
         # column gaps, (n-1)/n of a 16 KiB row, are too wide to coalesce): 1 + 32 requests.
@@ -236,6 +240,7 @@ def _check_restores(
         report.append(
             f"{label:<22} {mode:<13} read {res['bytes_read']:>8} needed {res['bytes_needed']:>8}"
             f" (+{res['bytes_read'] - res['bytes_needed']} coalesced) requests {res['requests']}"
+            f" headers {res['header_bytes']} metadata {res['metadata_bytes']}"
         )
         leaves = res["leaves"]
         if mode in ("no_target", "no_sharding"):

@@ -766,8 +766,13 @@ def test_two_processes_save_and_restore_on_s3_and_gcs(
             assert report["bad"] == [] and report["steps"] == [steps - 1], (process, report)
             # Each process uploaded its own share only (no gather), about half of every step.
             assert 0.35 * total * steps < report["uploaded"] < 0.65 * total * steps, report
-            # Its restore (reversed process order) fetched about half the bytes.
+            # Its restore (reversed process order) fetched about half the bytes, at most 1.5x
+            # what its shards need, through the engine's GETs only: no header was read.
             assert 0.35 * total < report["fetched"] < 0.65 * total, report
+            read = report["read_stats"]
+            assert read["header_reads"] == 0 and read["header_bytes"] == 0, report
+            assert report["fetched"] == read["bytes_read"] <= 1.5 * read["bytes_needed"], report
+            assert report["get_requests"] == read["requests"], report
             assert report["retries"] == 0
         primary, other = reports
         assert other["reassembled"] == 0

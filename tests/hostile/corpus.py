@@ -484,6 +484,32 @@ def _meta_doc(edit: Callable[[dict[str, Any]], Any]) -> Callable[[Path], Path]:
     return build
 
 
+def _legacy(doc: dict[str, Any]) -> None:
+    """The document as written before it placed tensors itself: no ``file_layout``, no
+    ``data_offsets``; a restore then reads and cross-checks every header."""
+    doc.pop("file_layout", None)
+    for info in doc["tensors"].values():
+        if isinstance(info, dict):
+            info.pop("data_offsets", None)
+
+
+def _legacy_doc(edit: Callable[[dict[str, Any]], Any]) -> Callable[[Path], Path]:
+    """:func:`_meta_doc` on a checkpoint written the old way."""
+    return _meta_doc(lambda doc: (_legacy(doc), edit(doc))[1])
+
+
+def _legacy_files(edit: Callable[[Path], None]) -> Callable[[Path], Path]:
+    """:func:`_file_edit` on a checkpoint written the old way."""
+
+    def both(ckpt: Path) -> None:
+        doc = json.loads((ckpt / META_FILE).read_text())
+        _legacy(doc)
+        (ckpt / META_FILE).write_text(json.dumps(doc))
+        edit(ckpt)
+
+    return _file_edit(both)
+
+
 def _tensor_file(name: str) -> Callable[[dict[str, Any]], None]:
     def edit(doc: dict[str, Any]) -> None:
         doc["tensors"]["a"]["file"] = name
@@ -585,26 +611,26 @@ def dir_cases() -> list[Case]:
             S,
             "invalid file",
         ),
-        ("file-missing", _meta_doc(_tensor_file("gone.safetensors")), S, "not a regular file"),
-        ("file-is-directory", _file_edit(_make_dir_entry), S, "not a regular file"),
-        ("file-is-metadata", _meta_doc(_tensor_file(META_FILE)), H, "not a safetensors file"),
-        ("file-is-fifo", _file_edit(_fifo_tensor_file), S, "not a regular file"),
+        ("file-missing", _legacy_doc(_tensor_file("gone.safetensors")), S, "not a regular file"),
+        ("file-is-directory", _legacy_files(_make_dir_entry), S, "not a regular file"),
+        ("file-is-metadata", _legacy_doc(_tensor_file(META_FILE)), H, "not a safetensors file"),
+        ("file-is-fifo", _legacy_files(_fifo_tensor_file), S, "not a regular file"),
         ("meta-is-fifo", _file_edit(_fifo_metadata), S, "not a regular file"),
         (
             "tensor-not-in-header",
-            _meta_doc(lambda m: m["tensors"].update(zz=dict(m["tensors"]["a"]))),
+            _legacy_doc(lambda m: m["tensors"].update(zz=dict(m["tensors"]["a"]))),
             H,
             "'zz' is listed in the metadata but not in the file",
         ),
         (
             "dtype-mismatch",
-            _meta_doc(lambda m: m["tensors"]["a"].update(dtype="I32")),
+            _legacy_doc(lambda m: m["tensors"]["a"].update(dtype="I32")),
             H,
             "in the metadata",
         ),
         (
             "shape-mismatch",
-            _meta_doc(lambda m: m["tensors"]["a"].update(shape=[2**62, 2**62])),
+            _legacy_doc(lambda m: m["tensors"]["a"].update(shape=[2**62, 2**62])),
             H,
             "in the metadata",
         ),
@@ -619,8 +645,8 @@ def dir_cases() -> list[Case]:
         ("schema-unknown-kind", _schema_in_meta(_leaf("b", t="pickle", name="b")), S, "unknown"),
         ("schema-extra-tensor", _schema_in_meta(_update("b", name="zz")), S, "no file holds"),
         ("schema-version-99", _schema_in_meta(lambda s: s.update(version=99)), S, "newer"),
-        ("model-length-2**63", _file_edit(_damage_length), H, "exceeds"),
-        ("model-truncated", _file_edit(_truncate), H, "past the|cover"),
+        ("model-length-2**63", _legacy_files(_damage_length), H, "exceeds"),
+        ("model-truncated", _legacy_files(_truncate), H, "past the|cover"),
         ("model-bit-flip", _file_edit(_flip_bit), IntegrityError, "'b'.*CRC32C"),
     ]
     return [Case(f"dir-{n}", "dir", b, e, r) for n, b, e, r in items]
@@ -628,4 +654,6 @@ def dir_cases() -> list[Case]:
 
 def all_cases() -> list[Case]:
     """Every case of every kind."""
-    return header_cases() + schema_cases() + dir_cases()
+    from . import layout  # the layout cases use this module's helpers
+
+    return header_cases() + schema_cases() + dir_cases() + layout.cases()

@@ -118,6 +118,8 @@ def build_metadata(
 ) -> dict[str, Any]:
     """The metadata document of a checkpoint directory, less checksums (:func:`add_checksums`).
 
+    Each tensor's ``data_offsets`` (as in its file's header) and each file's ``file_layout``
+    (``data_start``, ``size``) let a restore find every tensor without reading any header.
     ``shardings`` maps each tensor to :func:`.sharding.sharding_to_json`'s description or None;
     their device ids go into the document's ``device_meshes`` table, once per distinct list;
     a single device's id into the tensor's ``device``.
@@ -135,11 +137,17 @@ def build_metadata(
     }
     for name, device in devices.items():
         tensors[name]["device"] = device
+    for s in specs:
+        entry = plan.files[plan.file_of[s.name]].entries[s.name]
+        tensors[s.name]["data_offsets"] = [entry.begin, entry.end]
     return {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         "library_version": __version__,
         "files": [f.filename for f in plan.files],
+        "file_layout": {
+            f.filename: {"data_start": f.data_start, "size": f.size} for f in plan.files
+        },
         "schema": schema,
         "tensors": tensors,
         "device_meshes": device_meshes,
@@ -205,6 +213,78 @@ def validate_entries(doc: Mapping[str, Any], where: object) -> None:
     listed = set(files)
     for name, info in doc["tensors"].items():
         _validate_tensor(name, info, listed, meshes, where)
+    _validate_layout(doc, where)
+
+
+def has_layout(doc: Mapping[str, Any]) -> bool:
+    """Whether a checked metadata document places every tensor itself (``file_layout`` and
+    each tensor's ``data_offsets``), so that a restore reads no header; False for checkpoints
+    written before these fields existed."""
+    return doc.get("file_layout") is not None
+
+
+def _validate_layout(doc: Mapping[str, Any], where: object) -> None:
+    # file_layout and data_offsets come together or not at all (checkpoints written before
+    # them have neither). When present they must describe files a header could: each tensor's
+    # offsets as long as its dtype and shape say, the tensors of a file tiling its data section
+    # exactly up to the recorded size. A restore that trusts them then reads inside the files.
+    layout = doc.get("file_layout")
+    tensors = doc["tensors"]
+    if layout is None:
+        for name, info in tensors.items():
+            if "data_offsets" in info:
+                raise SchemaError(
+                    f"{where}: tensor {name!r} has data_offsets but the document has no file_layout"
+                )
+        return
+    files = doc["files"]
+    if not isinstance(layout, dict) or sorted(layout) != sorted(files):
+        raise SchemaError(f"{where}: file_layout must describe exactly the listed files {files!r}")
+    spans: dict[str, list[tuple[int, int, str]]] = {f: [] for f in files}
+    for filename, info in layout.items():
+        start = info.get("data_start") if isinstance(info, dict) else None
+        size = info.get("size") if isinstance(info, dict) else None
+        if not (
+            type(start) is int
+            and type(size) is int
+            and 8 <= start <= 8 + _header.MAX_HEADER_BYTES
+            and size >= start
+        ):
+            raise SchemaError(
+                f"{where}: file_layout of {filename!r} is malformed: {info!r} (needs integers "
+                "8 <= data_start <= size, data_start within the header size limit)"
+            )
+    for name, info in tensors.items():
+        offsets = info.get("data_offsets")
+        nbytes = tensor_nbytes(info)
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(type(o) is int for o in offsets)
+            and offsets[0] >= 0
+            and offsets[1] - offsets[0] == nbytes
+        ):
+            raise SchemaError(
+                f"{where}: tensor {name!r} has data_offsets {offsets!r}; a {info['dtype']}"
+                f"{info['shape']} tensor needs [begin, begin + {nbytes}] with 0 <= begin"
+            )
+        spans[info["file"]].append((offsets[0], offsets[1], name))
+    for filename, found in spans.items():
+        found.sort()
+        pos = 0
+        for begin, end, name in found:
+            if begin != pos:
+                what = "overlaps the tensor before it" if begin < pos else "leaves a hole before it"
+                raise SchemaError(
+                    f"{where}: tensor {name!r} at data_offsets {[begin, end]} in {filename!r} {what}"
+                )
+            pos = end
+        data = layout[filename]["size"] - layout[filename]["data_start"]
+        if pos != data:
+            raise SchemaError(
+                f"{where}: the tensors of {filename!r} cover {pos} bytes of data but file_layout "
+                f"gives it {data} ({layout[filename]})"
+            )
 
 
 def _validate_tensor(

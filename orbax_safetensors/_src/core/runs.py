@@ -22,6 +22,9 @@ IOV_MAX = 1024  # Linux's per-call iovec limit
 MAX_BATCH_BYTES = 256 << 20  # per vectored read
 MAX_CALL_BYTES = 0x7FFFF000  # Linux transfers at most this much per read/write call
 DEFAULT_MAX_GAP = 4096
+# Object-storage reads fetch at most this many times the bytes wanted (Orbax's own safetensors
+# loader warns above the same ratio).
+MAX_READ_RATIO = 1.5
 ReadBatch = tuple[int, list[memoryview], list[int]]  # file offset, buffers, run numbers
 
 
@@ -154,3 +157,48 @@ def coalesce_runs(
     if bufs:
         batches.append((start, bufs, ids))
     return batches
+
+
+def ranged_reads(
+    runs: Sequence[tuple[int, np.ndarray]], max_gap: int, *, max_ratio: float = MAX_READ_RATIO
+) -> list[tuple[int, list[memoryview]]]:
+    """Wanted byte runs ``(offset, buffer)`` grouped into as few contiguous ranges as any
+    grouping can use while reading at most ``max_ratio`` times the wanted bytes: ``(file
+    offset, buffers)`` per range, in offset order (gap bytes land in a shared scratch buffer).
+
+    The gaps between consecutive runs are merged smallest first while the bytes they add stay
+    within ``(max_ratio - 1) x`` the wanted bytes; a gap longer than ``max_gap`` is never
+    merged. Merging gap ``i`` saves one range and costs ``gap_i`` bytes, so taking the smallest
+    gaps first gives the fewest ranges for the budget. Guarantee: bytes read <= ``max_ratio``
+    x wanted, and ranges = 1 + the gaps left, the fewest for that byte bound.
+
+    Example::
+
+        # 4 runs of 8 bytes, 8-byte gaps: wanted 32, budget 16 bytes = two gaps merged
+        reads = ranged_reads([(k * 16, np.empty(8, np.uint8)) for k in range(4)], 1 << 20)
+        len(reads)  # 2
+    """
+    ordered = sorted(((o, d) for o, d in runs if d.nbytes), key=lambda r: r[0])
+    if not ordered:
+        return []
+    offsets = np.fromiter((o for o, _ in ordered), dtype=np.int64, count=len(ordered))
+    sizes = np.fromiter((d.nbytes for _, d in ordered), dtype=np.int64, count=len(ordered))
+    gaps = offsets[1:] - (offsets[:-1] + sizes[:-1])
+    budget = int((max_ratio - 1) * int(sizes.sum()))
+    candidates = np.flatnonzero((gaps >= 0) & (gaps <= max_gap))
+    by_size = candidates[np.argsort(gaps[candidates], kind="stable")]
+    taken = int(np.searchsorted(np.cumsum(gaps[by_size]), budget, side="right"))
+    merged = np.zeros(len(gaps), dtype=bool)
+    merged[by_size[:taken]] = True
+    widest = int(gaps[by_size[:taken]].max()) if taken else 0
+    scratch = np.empty(max(widest, 1), dtype=np.uint8).data
+    reads: list[tuple[int, list[memoryview]]] = []
+    for k, (offset, dest) in enumerate(ordered):
+        if k and merged[k - 1]:
+            gap = int(gaps[k - 1])
+            if gap:
+                reads[-1][1].append(scratch[:gap])
+            reads[-1][1].append(dest.data)
+        else:
+            reads.append((offset, [dest.data]))
+    return reads

@@ -10,6 +10,8 @@ Example::
 from __future__ import annotations
 
 import json
+import os
+import stat
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -38,8 +40,9 @@ from orbax_safetensors._src.storage import router as _router
 # --------------------------------------------------------------------------- reading
 
 
-def read_metadata(directory: epath.PathLike) -> dict[str, Any]:
-    """Reads and checks the metadata file of a checkpoint directory."""
+def read_metadata(directory: epath.PathLike, *, stats: ReadStats | None = None) -> dict[str, Any]:
+    """Reads and checks the metadata file of a checkpoint directory (its size is added to
+    ``stats.metadata_bytes``)."""
     path = epath.Path(directory) / _metadata.METADATA_FILE
     if not path.exists():
         raise FileNotFoundError(
@@ -54,58 +57,142 @@ def read_metadata(directory: epath.PathLike) -> dict[str, Any]:
         raw = b"".join(chunks)
     if len(raw) > _metadata.MAX_METADATA_BYTES:
         raise SchemaError(f"{path}: larger than {_metadata.MAX_METADATA_BYTES} bytes")
+    if stats is not None:
+        stats.metadata_bytes += len(raw)
     return _metadata.parse_metadata(raw, path)
 
 
 def locate_in_directory(
-    directory: epath.PathLike, metadata: Mapping[str, Any], *, io: _config.IOOptions | None = None
+    directory: epath.PathLike,
+    metadata: Mapping[str, Any],
+    *,
+    check_headers: bool = False,
+    stats: ReadStats | None = None,
+    io: _config.IOOptions | None = None,
 ) -> dict[str, StoredTensor]:
-    """Every tensor of a checkpoint directory, cross-checked against the files' own headers."""
+    """Every tensor of a checkpoint directory: where its bytes lie, dtype, shape, checksum.
+
+    When the metadata places every tensor itself (``file_layout`` and each tensor's
+    ``data_offsets``; checkpoints of this version on), no header is read: a restore by N processes
+    reads the metadata file and the tensor bytes it needs, nothing that grows with N. Local
+    files must then have the recorded sizes. Older checkpoints, or ``check_headers=True``
+    (``verify``), read each file's header once and cross-check it against the metadata;
+    ``stats`` counts the header bytes read; ``io``: the I/O options of the header reads.
+
+    Example::
+
+        stored = locate_in_directory(path, read_metadata(path))
+        stored["params.w"].offset  # where its bytes start in stored["params.w"].path
+    """
     directory = epath.Path(directory)
+    layout = metadata.get("file_layout") if _metadata.has_layout(metadata) else None
     headers: dict[str, _header.Header] = {}  # by file name, once the name has been checked
     paths: dict[str, epath.Path] = {}  # one Path object per file, shared by its tensors
     out: dict[str, StoredTensor] = {}
     for name, info in metadata["tensors"].items():
         filename = info.get("file") if isinstance(info, dict) else None
         if not isinstance(filename, str) or (
-            filename not in headers
+            filename not in paths
             and (not _metadata.is_plain_filename(filename) or filename not in metadata["files"])
         ):
             raise SchemaError(f"{directory}: tensor {name!r} names an invalid file {filename!r}")
-        if filename not in headers:
+        if filename not in paths:
             path = directory / filename
-            if not _router.is_regular_file(path):
-                raise SchemaError(
-                    f"{directory}: tensor {name!r} is stored in {filename!r}, which does not "
-                    "exist or is not a regular file"
-                )
-            headers[filename] = _router.read_header(path, io)
+            _check_file(directory, name, filename, path, layout)
+            if layout is None or check_headers:
+                headers[filename] = _router.read_header(path, io)
+                if stats is not None:
+                    stats.header_reads += 1
+                    stats.header_bytes += headers[filename].data_start
             paths[filename] = path
-        entry = headers[filename].tensors.get(name)
-        if entry is None:
-            raise HeaderError(
-                f"{directory / filename}: tensor {name!r} is listed in the metadata but not in the file"
+        if filename in headers:
+            entry = _checked_entry(directory, name, info, headers[filename], layout)
+            start, dtype, shape = (
+                headers[filename].data_start + entry.begin,
+                entry.dtype,
+                entry.shape,
             )
-        if entry.dtype != info.get("dtype") or list(entry.shape) != info.get("shape"):
-            raise HeaderError(
-                f"{directory / filename}: tensor {name!r} is {entry.dtype}{list(entry.shape)} in the "
-                f"file but {info.get('dtype')}{info.get('shape')} in the metadata"
-            )
+        else:  # checked by the metadata validator: inside the file, as its dtype and shape say
+            assert layout is not None
+            start = layout[filename]["data_start"] + info["data_offsets"][0]
+            dtype, shape = info["dtype"], tuple(info["shape"])
         crc_text = info.get("crc32c")
         crc = None
         if crc_text is not None:
             crc = _checksum.from_hex(crc_text)
             if crc is None:
                 raise SchemaError(f"{directory}: checksum of {name!r} is malformed: {crc_text!r}")
-        out[name] = StoredTensor(
-            name,
-            paths[filename],
-            headers[filename].data_start + entry.begin,
-            entry.dtype,
-            entry.shape,
-            crc,
-        )
+        out[name] = StoredTensor(name, paths[filename], start, dtype, shape, crc)
     return out
+
+
+def _check_file(
+    directory: epath.Path,
+    name: str,
+    filename: str,
+    path: epath.Path,
+    layout: Mapping[str, Any] | None,
+) -> None:
+    # A listed file must exist as a regular file. Local files are also checked against the
+    # recorded size (one stat). On object storage, where each check is a request per file and
+    # process, the ranged reads themselves fail on a missing or shorter object.
+    if layout is not None and _router.is_object_url(path):
+        return
+    if layout is not None and _router.is_local(path):
+        size = _local_size(path)
+        expected = layout[filename]["size"]
+        if size is not None and size != expected:
+            raise SchemaError(
+                f"{directory}: {filename!r} is {size} bytes but {_metadata.METADATA_FILE} "
+                f"records {expected}; the file was changed or truncated"
+            )
+        if size is not None:
+            return
+    if not _router.is_regular_file(path):
+        raise SchemaError(
+            f"{directory}: tensor {name!r} is stored in {filename!r}, which does not "
+            "exist or is not a regular file"
+        )
+
+
+def _local_size(path: epath.Path) -> int | None:
+    # The size of a local regular file, None when it is missing or something else.
+    try:
+        st = os.stat(os.fspath(path))
+    except (OSError, ValueError):
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+
+def _checked_entry(
+    directory: epath.Path,
+    name: str,
+    info: Mapping[str, Any],
+    header: _header.Header,
+    layout: Mapping[str, Any] | None,
+) -> _header.TensorEntry:
+    # The header's entry of a tensor, which must agree with the metadata's.
+    filename = info["file"]
+    entry = header.tensors.get(name)
+    if entry is None:
+        raise HeaderError(
+            f"{directory / filename}: tensor {name!r} is listed in the metadata but not in the file"
+        )
+    if entry.dtype != info.get("dtype") or list(entry.shape) != info.get("shape"):
+        raise HeaderError(
+            f"{directory / filename}: tensor {name!r} is {entry.dtype}{list(entry.shape)} in the "
+            f"file but {info.get('dtype')}{info.get('shape')} in the metadata"
+        )
+    if layout is not None and (
+        [entry.begin, entry.end] != info["data_offsets"]
+        or header.data_start != layout[filename]["data_start"]
+    ):
+        raise HeaderError(
+            f"{directory / filename}: tensor {name!r} lies at data_offsets "
+            f"{[entry.begin, entry.end]} after a {header.data_start}-byte header in the file, "
+            f"but at {info['data_offsets']} after {layout[filename]['data_start']} in the metadata"
+        )
+    return entry
 
 
 def abstract_tree(directory: epath.PathLike, metadata: Mapping[str, Any] | None = None) -> Any:
@@ -157,8 +244,8 @@ def restore_checkpoint(
     """
     options = options or RestoreOptions()
     directory = epath.Path(directory)
-    metadata = read_metadata(directory)
-    stored = locate_in_directory(directory, metadata, io=options.io)
+    metadata = read_metadata(directory, stats=stats)
+    stored = locate_in_directory(directory, metadata, stats=stats, io=options.io)
     return restore_tree(
         metadata["schema"],
         stored,

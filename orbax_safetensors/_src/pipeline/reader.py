@@ -90,12 +90,19 @@ class ReadStats:
       requests: ranged read requests issued (one per coalesced batch of runs).
       direct_bytes: of ``bytes_read``, the bytes read from local files through ``O_DIRECT``
         (cold data; see ``OSF_DIRECT_IO`` in ``docs/performance.md``).
+      header_reads: safetensors headers read to find the tensors (0 when the checkpoint's
+        metadata places every tensor itself).
+      header_bytes: bytes of those headers (length prefix, JSON and padding).
+      metadata_bytes: bytes of the checkpoint's metadata file read.
     """
 
     bytes_read: int = 0
     bytes_needed: int = 0
     requests: int = 0
     direct_bytes: int = 0
+    header_reads: int = 0
+    header_bytes: int = 0
+    metadata_bytes: int = 0
 
 
 @dataclasses.dataclass(slots=True)
@@ -147,13 +154,93 @@ def _single_device(sharding: jax.sharding.Sharding) -> bool:
     return len(sharding.device_set) == 1 and sharding.is_fully_addressable
 
 
+# On object storage, a tensor whose target sharding cuts a later dimension across processes
+# (a column stripe per process) into more runs than this is read by row blocks and resharded
+# on the devices instead.
+EXCHANGE_MIN_RUNS = 16
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+def _row_blocks(req: ReadRequest) -> jax.sharding.Sharding | None:
+    """The sharding to read ``req`` with before moving its shards between processes, or None
+    to read its target boxes directly.
+
+    For a tensor on object storage whose target sharding spans processes and cuts every row
+    into runs (its across-host axis is not the first), reading the boxes takes about one
+    request per row within 1.5x the bytes (``core.runs.ranged_reads``). Instead every process
+    reads one contiguous block of rows (its devices' consecutive share) in one range, and a
+    collective moves the shards to the target sharding. Decided from global facts only (the
+    path's scheme, the sharding, the shape), so every process decides alike and calls the
+    collective in the same order. Extra memory: while one tensor is resharded, its row blocks
+    beside its target shards (one tensor's share of a process at a time).
+    """
+    sharding, shape = req.sharding, req.stored.shape
+    if (
+        req.kind != ReadKind.JAX
+        or not isinstance(sharding, jax.sharding.NamedSharding)
+        or len(shape) < 2
+        or sharding.is_fully_addressable
+        or getattr(sharding, "memory_kind", None) not in (None, "device")
+        or not _router.is_object_url(req.stored.path)
+    ):
+        return None
+    # Which dimensions an axis that spans processes cuts: the mesh axes along which the
+    # devices' processes change, looked up in the partition spec (global facts only).
+    mesh = sharding.mesh
+    if not isinstance(mesh, jax.sharding.Mesh):  # an abstract mesh has no devices
+        return None
+    procs = np.vectorize(lambda d: d.process_index)(mesh.devices)
+    across = {
+        name for ax, name in enumerate(mesh.axis_names) if np.any(np.diff(procs, axis=ax) != 0)
+    }
+    cut = None
+    for dim, entry in enumerate(sharding.spec):
+        names = entry if isinstance(entry, tuple) else (entry,)
+        if dim > 0 and any(n in across for n in names if n is not None):
+            cut = dim
+            break
+    if (
+        cut is None
+        or int(np.prod(shape[:cut])) <= EXCHANGE_MIN_RUNS
+        or shape[0] % mesh.devices.size  # row blocks of equal size only
+    ):
+        return None
+    # The target mesh's devices in its own order (a jitted reshard keeps the device order):
+    # each process's rows are as many blocks as its devices form runs in that order, one when
+    # they are adjacent (as in meshes built process by process).
+    rows = jax.sharding.Mesh(np.array(list(mesh.devices.flat)), ("rows",))
+    return jax.sharding.NamedSharding(rows, jax.sharding.PartitionSpec("rows"))
+
+
 def read_tensors(
     requests: Sequence[ReadRequest],
     stats: ReadStats | None = None,
     io: _config.IOOptions | None = None,
 ) -> list[Any]:
     """Reads every request (grouped by file, one batched read per file) and returns values;
-    ``io``: the direct I/O mode and object-store options (None: the defaults)."""
+    ``io``: the direct I/O mode and object-store options (None: the defaults).
+
+    On object storage, tensors whose target boxes are column stripes across processes are read
+    by row blocks and resharded on the devices (:func:`_row_blocks`)."""
+    rows = [_row_blocks(r) for r in requests]
+    targets = requests
+    requests = [
+        r if s is None else ReadRequest(r.stored, r.kind, s, r.dtype, r.verify)
+        for r, s in zip(requests, rows)
+    ]
+    values = _read_tensors(requests, stats, io)
+    for i, s in enumerate(rows):
+        if s is not None:  # a collective: every process reaches it in the same order
+            values[i] = jax.jit(_identity, out_shardings=targets[i].sharding)(values[i])
+    return values
+
+
+def _read_tensors(
+    requests: Sequence[ReadRequest], stats: ReadStats | None, io: _config.IOOptions | None
+) -> list[Any]:
     arena = _buffers.BufferArena()
     single_device = _memo.ShardingMemo(_single_device)  # many tensors share a few shardings
     buffers = [_read_buffers(r, arena, single_device) for r in requests]

@@ -49,8 +49,9 @@ class ObjectStoreOptions:
       max_in_flight: HTTP requests one reader or writer runs at once (its thread pool size).
       part_size: target bytes per uploaded part / staged object / copied part.
       max_request_bytes: largest ranged GET; longer coalesced reads are split.
-      max_gap: reads of runs closer than this are merged into one request (the gap is read and
-        dropped); object-storage requests cost far more than a few hundred KiB of transfer.
+      max_gap: the longest gap between wanted runs that a ranged read may span (the gap is read
+        and dropped); gaps are merged smallest first while a read stays within 1.5x the wanted
+        bytes (``core.runs.ranged_reads``).
       max_attempts: tries per request (1 = no retry) on transient failures.
       backoff_initial: first retry delay in seconds; doubles per try, with jitter.
       backoff_max: longest retry delay in seconds.

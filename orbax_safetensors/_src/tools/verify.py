@@ -279,7 +279,9 @@ class _Checker:
             elif (header := self._header(directory / filename)) is not None:
                 headers[filename] = header
         try:
-            stored = _checkpoint_restore.locate_in_directory(directory, metadata)
+            stored = _checkpoint_restore.locate_in_directory(
+                directory, metadata, check_headers=True
+            )
         except _READ_ERRORS as e:
             self.report._problem(_message(e, directory))
             return

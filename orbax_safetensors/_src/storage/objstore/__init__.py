@@ -40,8 +40,9 @@ Writes:
     range is >= 5 MiB, download and upload otherwise) so that every part but the last is
     >= 5 MiB. See ``docs/object-storage.md``.
 
-Reads: ``ObjectReader.read_runs`` coalesces runs whose gaps are <= ``max_gap`` (as the local
-reader does), splits the result into HTTP range requests of <= ``max_request_bytes`` and runs at
+Reads: ``ObjectReader.read_runs`` groups the wanted runs into ranges that fetch at most 1.5x the
+wanted bytes in the fewest requests (gaps merged smallest first, none over ``max_gap``:
+``core.runs.ranged_reads``), splits the result into HTTP range requests of <= ``max_request_bytes`` and runs at
 most ``max_in_flight`` of them at once, streaming each body into the caller's buffers.
 
 Every request is retried on transient failures (HTTP 5xx/429/408, timeouts, connection resets)

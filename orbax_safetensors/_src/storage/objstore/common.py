@@ -175,7 +175,9 @@ class ObjectReader:
     ) -> None:
         """Fills each ``(offset, dest)`` with the object's bytes at ``offset`` (dest flat uint8).
 
-        Runs closer than ``max_gap`` share a request; requests are at most
+        Runs share a request as far as the bytes read stay within
+        ``core.runs.MAX_READ_RATIO`` x the bytes wanted (smallest gaps first, none longer than
+        ``max_gap``: :func:`.runs.ranged_reads`); requests are at most
         ``max_request_bytes`` long and at most ``max_in_flight`` run at once. ``on_run(i)`` is
         called for every run once all are in place.
         """
@@ -194,7 +196,7 @@ class ObjectReader:
         if self._size is not None and end > self._size:
             raise EOFError(f"{self.path}: needs bytes up to {end}, file has {self._size}")
         requests: list[tuple[int, list[memoryview]]] = []
-        for start, bufs in _runs.coalesced_reads(wanted, max_gap):
+        for start, bufs in _runs.ranged_reads(wanted, max_gap):
             requests.extend(_views.split_request(start, bufs, options.max_request_bytes))
         self.requests += len(requests)
         self.bytes_read += sum(len(v) for _, views in requests for v in views)

@@ -1,0 +1,183 @@
+"""Restores from ``s3://`` and ``gs://`` (issue 27): no safetensors header is read when the
+metadata places the tensors (must-hold 3), and a column-sharded read fetches at most 1.5x the
+bytes it needs in the fewest requests that bound allows (must-hold 2), counted by the engine's
+own counters (``osf.object_store_stats``) against SeaweedFS and fake-gcs-server.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+from etils import epath
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import orbax_safetensors as osf
+from orbax_safetensors._src.core import runs as _runs
+from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
+from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
+from orbax_safetensors._src.pipeline.reader import ReadStats
+from orbax_safetensors._src.storage import buffers as _buffers
+from orbax_safetensors._src.storage import router as _router
+from orbax_safetensors._src.storage.objstore import calls as _calls
+
+try:  # tests/ without __init__.py: pytest puts tests/ itself on sys.path.
+    from multihost.launcher import run_workers
+    from objstore import servers
+except ImportError:  # tests/ is a package: the repository root is on sys.path.
+    from tests.multihost.launcher import run_workers  # type: ignore[no-redef]
+    from tests.objstore import servers  # type: ignore[no-redef]
+
+KINDS = ["s3", "gcs"]
+META = "orbax_safetensors.json"
+
+
+@pytest.fixture(params=KINDS)
+def store(request: pytest.FixtureRequest) -> tuple[servers.ObjectStoreServer, str]:
+    """(server, fresh bucket URL) for each kind."""
+    kind = request.param
+    return request.getfixturevalue(f"{kind}_server"), request.getfixturevalue(f"{kind}_bucket")
+
+
+def state() -> dict[str, Any]:
+    rng = np.random.default_rng(0)
+    return {
+        "w": rng.standard_normal((64, 96), dtype=np.float32),
+        "b": np.arange(96, dtype=np.float32),
+        "emb": rng.integers(0, 100, (50, 8), dtype=np.int32),
+        "step": 3,
+    }
+
+
+def rewrite_metadata(directory: str, edit: Any) -> None:
+    path = epath.Path(directory) / META
+    doc = json.loads(path.read_text())
+    edit(doc)
+    path.write_text(json.dumps(doc))
+
+
+def strip_layout(doc: dict[str, Any]) -> None:
+    doc.pop("file_layout")
+    for info in doc["tensors"].values():
+        info.pop("data_offsets")
+
+
+def test_restores_read_no_header_unless_the_metadata_lacks_offsets(store) -> None:
+    _, bucket = store
+    directory = f"{bucket}/ckpt"
+    osf.save_directory(state(), directory, max_file_size=16 << 10)  # w; b and emb
+    files = json.loads((epath.Path(directory) / META).read_text())["files"]
+    assert len(files) == 2
+
+    osf.object_store_stats(reset=True)
+    stats = ReadStats()
+    got = _checkpoint_restore.restore_directory(directory, stats=stats)
+    engine = osf.object_store_stats(reset=True)
+    for name, want in state().items():
+        np.testing.assert_array_equal(np.asarray(got[name]), want)
+    assert stats.header_reads == 0 and stats.header_bytes == 0, stats
+    # The engine sent only the tensors' ranged GETs: no header GET, no HEAD.
+    assert engine.get_requests == stats.requests and engine.head_requests == 0, engine
+    assert engine.bytes_fetched == stats.bytes_read == stats.bytes_needed, (engine, stats)
+
+    rewrite_metadata(directory, strip_layout)  # as written before the fields existed
+    stats = ReadStats()
+    got = _checkpoint_restore.restore_directory(directory, stats=stats)
+    engine = osf.object_store_stats(reset=True)
+    np.testing.assert_array_equal(np.asarray(got["w"]), state()["w"])
+    assert stats.header_reads == len(files) and stats.header_bytes == len(files) * 4096
+    assert engine.get_requests == stats.requests + len(files), engine  # one header GET each
+
+
+def test_a_forged_layout_past_the_object_end_fails_clearly(store) -> None:
+    """Offsets consistent with each other but past the object's end: the ranged GET stops at
+    the end of the object and the restore fails naming it; nothing outside it is used."""
+    _, bucket = store
+    directory = f"{bucket}/ckpt"
+    osf.save_directory({"w": np.ones((8, 8), np.float32)}, directory)
+
+    def forge(doc: dict[str, Any]) -> None:
+        layout = doc["file_layout"]["model.safetensors"]
+        layout["data_start"] += 4096
+        layout["size"] += 4096
+
+    rewrite_metadata(directory, forge)
+    with pytest.raises((SafetensorsCheckpointError, EOFError, _calls.ObjectStoreError)) as info:
+        osf.restore_directory(directory)
+    assert "model.safetensors" in str(info.value)
+
+
+def test_a_column_quarter_reads_at_most_1_5x_in_the_fewest_requests(store) -> None:
+    """8 CPU devices, ``P(None, "x")``: a process holding 2 of them needs a quarter of the
+    columns (one 4 KiB run per row, 12 KiB gaps). Before, the 1 MiB gap rule fetched the
+    whole 4 MiB matrix (4x); reading each row alone takes 256 requests. The planner fetches
+    <= 1.5x in the fewest requests that allows."""
+    _, bucket = store
+    rows, cols = 256, 4096
+    matrix = np.random.default_rng(1).standard_normal((rows, cols), dtype=np.float32)
+    directory = f"{bucket}/cols"
+    osf.save_directory({"m": matrix}, directory)
+    metadata = _checkpoint_restore.read_metadata(directory)
+    stored = _checkpoint_restore.locate_in_directory(directory, metadata)["m"]
+
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    sharding = NamedSharding(mesh, P(None, "x"))
+    indices = sharding.devices_indices_map(matrix.shape)
+    mine = list(mesh.devices)[:2]  # the addressable subset of one process of four
+    runs: list[tuple[int, np.ndarray]] = []
+    boxes = []
+    for device in mine:
+        index = _runs.normalize_index(indices[device], matrix.shape)
+        offsets, length = _runs.byte_runs("F32", matrix.shape, index)
+        buffer = _buffers.aligned_empty(len(offsets) * length)
+        boxes.append((index, buffer))
+        runs.extend(
+            (stored.offset + int(o), buffer[k * length : (k + 1) * length])
+            for k, o in enumerate(offsets)
+        )
+    needed = sum(d.nbytes for _, d in runs)
+    assert needed == matrix.nbytes // 4
+
+    osf.object_store_stats(reset=True)
+    with _router.open_reader(stored.path) as reader:
+        reader.read_runs(runs)
+    engine = osf.object_store_stats(reset=True)
+    for index, buffer in boxes:
+        got = buffer.view(np.float32).reshape(_runs.box_shape(index))
+        np.testing.assert_array_equal(got, matrix[index])
+    assert engine.bytes_fetched <= 1.5 * needed, (engine.bytes_fetched, needed)
+    # The fewest ranges within 1.5x: each merged gap (3 runs wide) buys one request, the
+    # budget is half the needed bytes: 256 - 42 = 214 requests, all the engine sent.
+    assert engine.get_requests == len(_runs.ranged_reads(runs, 1 << 20)) == 214, engine
+    assert engine.head_requests == 0
+
+
+@pytest.mark.multihost
+@pytest.mark.timeout(300)
+def test_two_processes_restore_column_stripes_in_one_range_each(
+    s3_server, gcs_server, s3_bucket, gcs_bucket
+) -> None:
+    """N=2: a 512 x 4096 float32 matrix saved by rows, restored with ``P(None, "data")``: each
+    process needs half of every row. Each reads one block of rows in one GET (exactly its
+    share) and the shards move to the column sharding between the processes' devices; by
+    ranged GETs alone, staying within 1.5x would take 256 GETs per process."""
+    roots = [f"{s3_bucket}/cols", f"{gcs_bucket}/cols"]
+    results = run_workers(
+        "objstore_cols_worker.py",
+        2,
+        args={"roots": roots},
+        env=gcs_server.child_env(s3_server.child_env()),
+        timeout=240,
+    )
+    for root in roots:
+        for r in results:
+            report = r.result["roots"][root]
+            read = report["read_stats"]
+            assert report["ok"], (root, report)
+            assert read["header_reads"] == 0, (root, report)
+            assert report["fetched"] == report["needed"] == 4 << 20, (root, report)
+            assert report["get_requests"] == 1, (root, report)
