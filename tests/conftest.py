@@ -9,7 +9,14 @@ os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import pytest
-from objstore.fixtures import gcs_bucket, gcs_server, s3_bucket, s3_server  # noqa: F401
+from objstore.fixtures import (  # noqa: F401
+    gcs_bucket,
+    gcs_server,
+    options,
+    s3_bucket,
+    s3_server,
+    store,
+)
 
 
 @pytest.fixture

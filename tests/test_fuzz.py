@@ -77,7 +77,7 @@ def _parse(raw: bytes) -> _header.Header | None:
     return header
 
 
-_BASE = corpus._base_file_bytes()
+_BASE = corpus.base_file_bytes()
 _HEADER_END = 8 + struct.unpack("<Q", _BASE[:8])[0]
 _DOC, _DATA = corpus.split(_BASE)
 _SCHEMA = json.loads(_DOC["__metadata__"][corpus.SCHEMA_KEY])
@@ -275,7 +275,7 @@ _STORED = None
 def _stored() -> Any:
     global _STORED
     if _STORED is None:
-        path = corpus._base_dir().parent / "fuzz-base.safetensors"
+        path = corpus.base_dir().parent / "fuzz-base.safetensors"
         path.write_bytes(_BASE)
         header = _router.read_header(path)
         crcs = json.loads(header.metadata[corpus.CRC_KEY])

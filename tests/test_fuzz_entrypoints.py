@@ -143,7 +143,7 @@ def _cli(argv: list[str]) -> None:
         assert len(lines) == 1 and f"orbax-safetensors {argv[0]}: error: " in lines[0], lines
 
 
-_SAFETENSORS = corpus._base_file_bytes()
+_SAFETENSORS = corpus.base_file_bytes()
 
 
 @settings(_SETTINGS, max_examples=15)

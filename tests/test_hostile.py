@@ -39,8 +39,8 @@ _SLACK = 8 << 20  # fixed allowance: Python objects, error messages, small buffe
 def _warm_up() -> None:
     # JAX's backend and the corpus bases are set up once, outside the measured regions.
     jax.devices()
-    corpus._base_file_bytes()
-    corpus._base_dir()
+    corpus.base_file_bytes()
+    corpus.base_dir()
 
 
 def _real_size(path: Path) -> int:
@@ -121,13 +121,13 @@ def test_verify_reports_each_case(case: corpus.Case, tmp_path: Path) -> None:
 
 def test_bases_are_valid(tmp_path: Path) -> None:
     path = tmp_path / "base.safetensors"
-    path.write_bytes(corpus._base_file_bytes())
+    path.write_bytes(corpus.base_file_bytes())
     tree = osf.load_file(path)
     assert tree["tied"] is tree["a"] and tree["step"] == 7
     assert osf.verify(path).ok
-    restored = _checkpoint_restore.restore_directory(corpus._base_dir())
+    restored = _checkpoint_restore.restore_directory(corpus.base_dir())
     assert restored["name"] == "run"
-    report = osf.verify(corpus._base_dir())
+    report = osf.verify(corpus.base_dir())
     assert report.ok and report.files > 1, report
 
 

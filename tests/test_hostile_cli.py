@@ -49,10 +49,10 @@ def _warm_up(tmp_path_factory: pytest.TempPathFactory) -> None:
     jax.devices()
     tmp = tmp_path_factory.mktemp("warm")
     base = tmp / "base.safetensors"
-    base.write_bytes(corpus._base_file_bytes())
+    base.write_bytes(corpus.base_file_bytes())
     good = tmp / "good_7"
     good.write_bytes(msgpack_corpus.valid())
-    for path in (base, corpus._base_dir(), good):
+    for path in (base, corpus.base_dir(), good):
         for argv in [*_commands(path, tmp, base), ["verify", str(path)]]:
             with (
                 contextlib.redirect_stdout(io.StringIO()),
@@ -105,7 +105,7 @@ def _commands(path: Path, tmp_path: Path, base: Path) -> list[list[str]]:
 def test_safetensors_corpus_through_the_cli(case: corpus.Case, tmp_path: Path) -> None:
     path = case.build(tmp_path / re.sub(r"\W", "_", case.name))
     base = tmp_path / "base.safetensors"
-    base.write_bytes(corpus._base_file_bytes())
+    base.write_bytes(corpus.base_file_bytes())
     for argv in _commands(path, tmp_path, base):
         status, _, err = run_cli(argv, path)
         if status == 2 or case.kind == "header":

@@ -2,7 +2,7 @@
 
 Each test saves the same tree through Orbax's own handler and through ours (real managers,
 real files), restores both with the same arguments, and compares the results leaf by leaf
-with ``assert_same_restore`` of ``test_orbax_fidelity`` (structure, type, dtype, shape,
+with ``assert_same_restore`` of ``tests/fidelity.py`` (structure, type, dtype, shape,
 sharding, value), or checks that both refuse:
 
 - a TrainState saved with one optimizer, restored into another optimizer's state, is refused
@@ -30,9 +30,9 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from fidelity import assert_same_restore, restore_both, save_both
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_orbax_fidelity import assert_same_restore, restore_both, save_both
 
 import orbax_safetensors as osf
 from orbax_safetensors._src.core.errors import MismatchKind

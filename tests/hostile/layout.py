@@ -2,7 +2,7 @@
 ``data_offsets``, each file's ``file_layout``), which a restore trusts without reading any
 header: each place must fit its dtype and shape and stay inside its file.
 
-Built with the helpers of :mod:`.corpus`; :func:`.corpus.all_cases` includes them.
+Built with the helpers of :mod:`.dir_cases`; :func:`.corpus.all_cases` includes them.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from typing import Any
 
 from orbax_safetensors._src.core.errors import SchemaError
 
-from . import corpus
+from . import dir_cases
+from .bases import Case, drop
 
 
 def _offsets(tensor: str, offsets: Any) -> Callable[[dict[str, Any]], None]:
@@ -33,62 +34,67 @@ def _layout(tensor: str, **fields: Any) -> Callable[[dict[str, Any]], None]:
 
 
 def _grow_file(ckpt: Path) -> None:
-    path = corpus._file_of(ckpt, "a")
+    path = dir_cases.file_of(ckpt, "a")
     path.write_bytes(path.read_bytes() + b"\0")
 
 
 def _remove_file(ckpt: Path) -> None:
-    corpus._file_of(ckpt, "a").unlink()
+    dir_cases.file_of(ckpt, "a").unlink()
 
 
-def cases() -> list[corpus.Case]:
+def cases() -> list[Case]:
     """The layout cases, as directory cases."""
     S = SchemaError
     items: list[tuple[str, Callable[[Path], Path], type[Exception], str]] = [
-        ("layout-file-missing", corpus._file_edit(_remove_file), S, "not a regular file"),
-        ("layout-file-truncated", corpus._file_edit(corpus._truncate), S, "changed or truncated"),
-        ("layout-file-grown", corpus._file_edit(_grow_file), S, "changed or truncated"),
-        ("offsets-too-short", corpus._meta_doc(_offsets("a", [0, 1])), S, "'a' has data_offsets"),
-        ("offsets-negative", corpus._meta_doc(_shift("a", -8)), S, "'a' has data_offsets"),
+        ("layout-file-missing", dir_cases.file_edit(_remove_file), S, "not a regular file"),
+        (
+            "layout-file-truncated",
+            dir_cases.file_edit(dir_cases.truncate),
+            S,
+            "changed or truncated",
+        ),
+        ("layout-file-grown", dir_cases.file_edit(_grow_file), S, "changed or truncated"),
+        ("offsets-too-short", dir_cases.meta_doc(_offsets("a", [0, 1])), S, "'a' has data_offsets"),
+        ("offsets-negative", dir_cases.meta_doc(_shift("a", -8)), S, "'a' has data_offsets"),
         (
             "offsets-not-ints",
-            corpus._meta_doc(_offsets("a", ["0", "4"])),
+            dir_cases.meta_doc(_offsets("a", ["0", "4"])),
             S,
             "'a' has data_offsets",
         ),
         (
             "offsets-missing",
-            corpus._meta_doc(lambda m: corpus._drop(m["tensors"]["a"], "data_offsets")),
+            dir_cases.meta_doc(lambda m: drop(m["tensors"]["a"], "data_offsets")),
             S,
             "'a' has data_offsets None",
         ),
-        ("offsets-past-end", corpus._meta_doc(_shift("a", 1 << 40)), S, "'a'.*hole"),
-        ("offsets-overlap", corpus._meta_doc(_shift("a", 1)), S, "hole|overlaps"),
+        ("offsets-past-end", dir_cases.meta_doc(_shift("a", 1 << 40)), S, "'a'.*hole"),
+        ("offsets-overlap", dir_cases.meta_doc(_shift("a", 1)), S, "hole|overlaps"),
         (
             "offsets-without-layout",
-            corpus._meta_doc(lambda m: corpus._drop(m, "file_layout")),
+            dir_cases.meta_doc(lambda m: drop(m, "file_layout")),
             S,
             "no file_layout",
         ),
-        ("layout-size-forged", corpus._meta_doc(_layout("a", size=1 << 40)), S, "cover"),
-        ("layout-start-zero", corpus._meta_doc(_layout("a", data_start=0)), S, "file_layout of"),
+        ("layout-size-forged", dir_cases.meta_doc(_layout("a", size=1 << 40)), S, "cover"),
+        ("layout-start-zero", dir_cases.meta_doc(_layout("a", data_start=0)), S, "file_layout of"),
         (
             "layout-start-huge",
-            corpus._meta_doc(_layout("a", data_start=1 << 40, size=1 << 41)),
+            dir_cases.meta_doc(_layout("a", data_start=1 << 40, size=1 << 41)),
             S,
             "file_layout of",
         ),
         (
             "layout-not-object",
-            corpus._meta_doc(lambda m: m.update(file_layout=[])),
+            dir_cases.meta_doc(lambda m: m.update(file_layout=[])),
             S,
             "file_layout",
         ),
         (
             "layout-extra-file",
-            corpus._meta_doc(lambda m: m["file_layout"].update(x={})),
+            dir_cases.meta_doc(lambda m: m["file_layout"].update(x={})),
             S,
             "file_layout must describe",
         ),
     ]
-    return [corpus.Case(f"dir-{n}", "dir", b, e, r) for n, b, e, r in items]
+    return [Case(f"dir-{n}", "dir", b, e, r) for n, b, e, r in items]

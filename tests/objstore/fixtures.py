@@ -2,7 +2,7 @@
 
 Import them where pytest will find them, e.g. in ``tests/conftest.py``::
 
-    from objstore.fixtures import gcs_bucket, gcs_server, s3_bucket, s3_server  # noqa: F401
+    from objstore.fixtures import gcs_bucket, gcs_server, options, s3_bucket, s3_server, store
 
 Fixtures:
   s3_server, gcs_server: session-scoped :class:`~objstore.servers.ObjectStoreServer`. While
@@ -11,6 +11,8 @@ Fixtures:
     processes) at the local servers.
   s3_bucket, gcs_bucket: function-scoped URL of a fresh, empty bucket (``"s3://osf-…"``,
     ``"gs://osf-…"``), deleted with its contents after the test.
+  store: ``(server, fresh bucket URL)``, parametrized over both kinds.
+  options: sets the process's default object-storage options for one test (restored after).
 
 When a server's packages are missing the fixtures fail, naming them; with
 ``OSF_ALLOW_SKIP_OBJSTORE=1`` in the environment they skip instead. They never install
@@ -19,16 +21,20 @@ anything.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
+
+from orbax_safetensors._src.storage import config as _config
 
 from . import servers
 from .servers import Kind, ObjectStoreServer
 
 ALLOW_SKIP_ENV = "OSF_ALLOW_SKIP_OBJSTORE"
+KINDS = ["s3", "gcs"]
 
 
 def require_object_store(kind: Kind) -> None:
@@ -88,3 +94,24 @@ def s3_bucket(s3_server: ObjectStoreServer) -> Iterator[str]:
 def gcs_bucket(gcs_server: ObjectStoreServer) -> Iterator[str]:
     """URL (``gs://name``) of a fresh bucket on :func:`gcs_server`, deleted after the test."""
     yield from _bucket(gcs_server)
+
+
+@pytest.fixture
+def options() -> Iterator[Callable[..., None]]:
+    """Sets object-storage options for one test (restored afterwards)."""
+
+    # The process defaults (what set_object_store_options, deprecated, changes), so that the
+    # manager and handler paths inside each test see them too.
+    def change(**kw: object) -> None:
+        current = _config.default_object_store_options()
+        _config.reset_object_store_defaults(dataclasses.replace(current, **kw))
+
+    yield change
+    _config.reset_object_store_defaults(None)
+
+
+@pytest.fixture(params=KINDS)
+def store(request: pytest.FixtureRequest) -> tuple[servers.ObjectStoreServer, str]:
+    """(server, fresh bucket URL) for each kind."""
+    kind = request.param
+    return request.getfixturevalue(f"{kind}_server"), request.getfixturevalue(f"{kind}_bucket")

@@ -1,8 +1,9 @@
 """Deterministic global tensors for the object-storage multi-process test.
 
-Shared by ``objstore_worker.py`` (which holds shards) and ``tests/test_objstore.py`` (which
-downloads the files and checks them whole). Mesh: ``(N, 2)`` with axes ``("data", "model")``,
-so "data" splits across processes and "model" across a process's two devices.
+Shared by ``objstore_worker.py`` (which holds shards) and ``tests/test_objstore_multiprocess.py``
+(which downloads the files and checks them whole). Mesh: ``(N, 2)`` with axes
+``("data", "model")``, so "data" splits across processes and "model" across a process's two
+devices.
 """
 
 from __future__ import annotations
