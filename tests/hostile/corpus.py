@@ -20,6 +20,7 @@ Example::
             osf.load_file(path)
 """
 
+from . import layout
 from .bases import (
     CRC_KEY,
     MAX_HEADER,
@@ -32,7 +33,6 @@ from .bases import (
     join,
     split,
 )
-from . import layout
 from .dir_cases import dir_cases
 from .header_cases import header_cases
 from .schema_cases import schema_cases
