@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 
@@ -12,24 +11,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from jax_casts import OLD_JAX as _OLD_JAX
+from jax_casts import small_float as _small_float
+from jax_casts import x64
 
 from orbax_safetensors._src.core import astype as _astype
 from orbax_safetensors._src.core import dtypes as _dtypes
-
-
-@contextlib.contextmanager
-def x64():
-    """64-bit JAX types for one reference cast (jax.enable_x64 on new releases,
-    jax.experimental.enable_x64 on old ones)."""
-    ctx = getattr(jax, "enable_x64", None)
-    if ctx is not None:
-        with ctx(True):
-            yield
-        return
-    from jax.experimental import enable_x64  # (releases before jax.enable_x64)
-
-    with enable_x64():
-        yield
 
 
 @functools.cache
@@ -120,17 +107,6 @@ def pairs():
     for s, t in itertools.product(dts, dts):
         if s != t and not (s.kind == "c" and t.kind != "c"):
             yield pytest.param(s, t, id=f"{s}->{t}")
-
-
-# JAX releases before 0.10 (CI's floor and mid-2025 stacks) convert to and from float8 and
-# float4 differently in places (double rounding through float16, NaN bits, float4's +-6 to
-# integers); the library follows the current release (docs/api.md), so there only the other
-# pairs are compared.
-_OLD_JAX = tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 10)
-
-
-def _small_float(dt: np.dtype) -> bool:
-    return _astype.is_float(dt) and dt.itemsize == 1
 
 
 @pytest.mark.parametrize(("src", "dst"), list(pairs()))

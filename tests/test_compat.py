@@ -258,3 +258,16 @@ def test_nnx_internal_attrs_are_empty_pytree_children():
     ]
     assert unnamed == []
     assert not _jaxcompat.is_nnx_internal_attr("kernel")
+
+
+def test_nnx_value_reads_every_leaf_an_nnx_state_holds():
+    # flax 0.12: nnx.state holds Variables (get_value); flax 0.11: VariableStates, whose
+    # unknown attributes forward to the array (so get_value would fail there).
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    leaves = jax.tree.leaves(
+        nnx.state(model), is_leaf=lambda x: isinstance(x, _jaxcompat.nnx_variable_types())
+    )
+    assert leaves and all(isinstance(x, _jaxcompat.nnx_variable_types()) for x in leaves)
+    values = sorted((np.asarray(_jaxcompat.nnx_value(x)).shape for x in leaves), key=len)
+    assert values == [(3,), (2, 3)]
+    np.testing.assert_array_equal(_jaxcompat.nnx_value(model.kernel), model.kernel.value)

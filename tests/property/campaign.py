@@ -33,6 +33,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from jax_casts import x64
 
 # --------------------------------------------------------------------------- settings
 
@@ -357,5 +358,5 @@ def assert_trees_equal(got: Any, want: Any, *, sharding: bool = True, values: bo
 
 def as_x64(fn: Callable[[], Any]) -> Any:
     """``fn()`` with 64-bit types enabled (jnp.astype of float64 / int64 sources)."""
-    with jax.enable_x64(True):
+    with x64():
         return fn()

@@ -38,6 +38,7 @@ from campaign import (
 )
 from hypothesis import assume, given
 from hypothesis import strategies as st
+from jax_casts import compared
 
 import orbax_safetensors as osf
 
@@ -254,6 +255,9 @@ _POLICY_LEAVES = arrays([d for d in NUMPY_DTYPES if not d.name.startswith("float
 def test_dtype_policy_stores_jnp_astype(async_: bool, tree: Any, policy: Any) -> None:
     tree = {"t": tree}
     assume(_policy_ok(tree, policy))
+    want = np.dtype(policy if not isinstance(policy, dict) else policy["*"])
+    # Older JAX converts float8/float4 differently; the library follows JAX 0.10 (jax_casts).
+    assume(all(compared(x.dtype, want) for x in jax.tree.leaves(tree) if hasattr(x, "dtype")))
     expected = _expected(tree, policy)
     with tempfile.TemporaryDirectory() as d:
         mngr = ocp.CheckpointManager(

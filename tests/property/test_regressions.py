@@ -22,6 +22,7 @@ from campaign import (
 )
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from jax_casts import compared
 
 import orbax_safetensors as osf
 from orbax_safetensors._src.tools import diff as _diff
@@ -116,6 +117,8 @@ def test_policy_float_to_int_equals_jnp_astype(tmp_path: Path, target: type) -> 
 def test_policy_cast_of_nan_equals_jnp_astype(
     tmp_path: Path, bits: list[int], source: type, target: type, async_: bool
 ) -> None:
+    if not compared(source, target):
+        pytest.skip(f"jax {jax.__version__} converts float8/float4 differently (see docs/api.md)")
     x = np.array(bits, f"u{np.dtype(source).itemsize}").view(source)
     want = as_x64(lambda: np.asarray(jnp.astype(jnp.asarray(x), target)))
     options = ocp.CheckpointManagerOptions(enable_async_checkpointing=async_)
@@ -129,6 +132,8 @@ def test_policy_cast_of_nan_equals_jnp_astype(
 
 
 def test_policy_cast_of_subnormals_to_e8m0_equals_jnp_astype(tmp_path: Path) -> None:
+    if not compared(ml_dtypes.float8_e8m0fnu):
+        pytest.skip(f"jax {jax.__version__} converts float8 differently (see docs/api.md)")
     x = np.array([0x571F87, 0x4B6593, 0x3F800000], np.uint32).view(np.float32)
     osf.save_file({"x": x}, tmp_path / "t.safetensors", dtype={"*": ml_dtypes.float8_e8m0fnu})
     got = osf.load_file(tmp_path / "t.safetensors")["x"]

@@ -120,10 +120,17 @@ def test_verify_passes_exactly_when_restore_succeeds(
         else:
             path = victim = Path(d) / "t.safetensors"
             osf.save_file(tree, path)
-        # verify checks more than a restore reads: the index file, and files holding no tensor
-        # (an empty tree's) are not opened by restore_directory.
+        # verify checks more than a restore reads: the index file, files holding no tensor
+        # (an empty tree's), and in a directory every file's header (a restore takes the
+        # tensors' places from orbax_safetensors.json and reads no header; verify holds the
+        # headers, which other readers follow, against it).
+        header_bytes = osf.read_header(victim).data_start if victim.suffix == ".safetensors" else 0
         verify_only = victim.name.endswith(".index.json") or (
-            victim.suffix == ".safetensors" and not osf.read_header(victim).tensors
+            victim.suffix == ".safetensors"
+            and (
+                not osf.read_header(victim).tensors
+                or (as_dir and (where // 8) % victim.stat().st_size < header_bytes)
+            )
         )
         _damage(victim, where // 8, bit)
         try:

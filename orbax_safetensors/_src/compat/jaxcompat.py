@@ -67,6 +67,26 @@ def nnx_list(items: list[Any]) -> Any:
     return list(items) if make is None else make(items)
 
 
+# -- flax.nnx variable values (Variable.get_value since flax 0.12) -----------------------------
+
+
+def nnx_variable_types() -> tuple[type, ...]:
+    """The classes an ``nnx.State`` holds its leaves in: ``nnx.Variable`` (flax 0.12+) and, on
+    flax 0.11, also ``nnx.VariableState`` (what ``nnx.state`` returns there)."""
+    from flax import nnx  # imported here: flax.nnx takes seconds to import
+
+    state_type = getattr(nnx, "VariableState", None)
+    return (nnx.Variable,) if state_type is None else (nnx.Variable, state_type)
+
+
+def nnx_value(var: Any) -> Any:
+    """The value an NNX ``Variable`` (or flax 0.11's ``VariableState``) holds: its
+    ``get_value()`` where the class defines one (flax 0.12+), else its ``value`` (flax 0.11's
+    ``VariableState`` forwards unknown attributes to the array, so ``get_value`` would fail)."""
+    get = getattr(type(var), "get_value", None)
+    return var.value if get is None else get(var)
+
+
 # -- flax.nnx's internal Module attributes (private) ------------------------------------------
 
 # flax 0.12 names it _pytree__state; flax 0.11 (flax/nnx/object.py, ObjectState) _object__state.

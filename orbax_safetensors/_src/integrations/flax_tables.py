@@ -27,6 +27,7 @@ import numpy as np
 from etils import epath
 
 from orbax_safetensors._src.catalog import sources as _sources
+from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
 from orbax_safetensors._src.orbax import steps as _steps
@@ -64,15 +65,17 @@ def _tree_values(tree: Any) -> dict[str, Any]:
     import jax
     from flax import nnx
 
+    variables = _jaxcompat.nnx_variable_types()
+
     def is_leaf(x: Any) -> bool:
-        return isinstance(x, nnx.Variable)
+        return isinstance(x, variables)
 
     flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
     out = {}
     for path, leaf in flat:
         if isinstance(leaf, nnx.RngState):
             continue  # RNG keys and counts are training state, never model weights
-        value = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
+        value = _jaxcompat.nnx_value(leaf) if isinstance(leaf, variables) else leaf
         if not hasattr(value, "shape") or not hasattr(value, "dtype"):
             continue  # Python scalars, strings, None: not tensors
         if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
@@ -96,7 +99,8 @@ def model_values(model: Any, variables: Any) -> dict[str, Any]:
     filt = (nnx.Param, nnx.BatchStat) if variables is None else variables
     state = nnx.state(model, filt)
     return {
-        ".".join(str(k) for k in path): var.get_value() for path, var in nnx.to_flat_state(state)
+        ".".join(str(k) for k in path): _jaxcompat.nnx_value(var)
+        for path, var in nnx.to_flat_state(state)
     }
 
 

@@ -40,6 +40,7 @@ import numpy as np
 from etils import epath
 
 from orbax_safetensors._src.catalog import sources as _sources
+from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
 from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import plan as _plan
@@ -158,7 +159,7 @@ def load_pytorch(
             continue
         claimed.update(dict.fromkeys(link.flax, key))
         infos = [tensors[k] for k in link.torch]
-        want = [tuple(model_vars[n][1].get_value().shape) for n in link.flax]
+        want = [tuple(_jaxcompat.nnx_value(model_vars[n][1]).shape) for n in link.flax]
         described = f"{key} {infos[0].dtype}{list(infos[0].shape)}"
         try:
             got = link.flax_shapes([t.shape for t in infos], _dtypes.to_numpy(infos[0].dtype))
@@ -186,7 +187,7 @@ def load_pytorch(
             values = link.to_flax([arrays[alias.get(k, k)] for k in link.torch])
             for name, value in zip(link.flax, values):
                 path_, var = model_vars[name]
-                current = var.get_value()
+                current = _jaxcompat.nnx_value(var)
                 value = np.asarray(value).astype(current.dtype)
                 sharding = getattr(current, "sharding", None)
                 placed = (
