@@ -98,13 +98,6 @@ class Tensor(NamedTuple):
     def kind(self) -> LeafKind:
         return _TENSOR
 
-    def get(self, field: str, default: Any = None) -> Any:
-        """A JSON field (``leaf.get("array")``), for code written against the JSON dicts."""
-        return node_to_json(self).get(field, default)
-
-    def __getitem__(self, field: str) -> Any:  # type: ignore[override]
-        return _json_field(self, field)
-
 
 class PrngKey(NamedTuple):
     """A typed PRNG key array, stored as its key data; ``impl`` names the PRNG implementation."""
@@ -116,13 +109,6 @@ class PrngKey(NamedTuple):
     def kind(self) -> LeafKind:
         return _KEY
 
-    def get(self, field: str, default: Any = None) -> Any:
-        """A JSON field (``leaf.get("impl")``), for code written against the JSON dicts."""
-        return node_to_json(self).get(field, default)
-
-    def __getitem__(self, field: str) -> Any:  # type: ignore[override]
-        return _json_field(self, field)
-
 
 class Alias(NamedTuple):
     """The same array object as the stored tensor or key named ``of`` (stored once)."""
@@ -133,13 +119,6 @@ class Alias(NamedTuple):
     @property
     def kind(self) -> LeafKind:
         return _REF
-
-    def get(self, field: str, default: Any = None) -> Any:
-        """A JSON field (``leaf.get("of")``), for code written against the JSON dicts."""
-        return node_to_json(self).get(field, default)
-
-    def __getitem__(self, field: str) -> Any:  # type: ignore[override]
-        return _json_field(self, field)
 
 
 class Inline(NamedTuple):
@@ -153,13 +132,6 @@ class Inline(NamedTuple):
     @property
     def value(self) -> bool | int | float | str:
         return float.fromhex(self.v) if self.kind == "float" else self.v  # type: ignore[arg-type]
-
-    def get(self, field: str, default: Any = None) -> Any:
-        """A JSON field (``leaf.get("v")``), for code written against the JSON dicts."""
-        return node_to_json(self).get(field, default)
-
-    def __getitem__(self, field: str) -> Any:  # type: ignore[override]
-        return _json_field(self, field)
 
 
 class DictNode(NamedTuple):
@@ -218,13 +190,6 @@ def _typed_ne(self: tuple[Any, ...], other: object) -> bool:
     return not _typed_eq(self, other)
 
 
-def _json_field(self: Leaf, field: Any) -> Any:
-    # leaf["impl"]: a JSON field, for code written against the JSON dicts (ints still index).
-    if isinstance(field, str):
-        return node_to_json(self)[field]
-    return tuple.__getitem__(self, field)
-
-
 for _cls in _NODE_TYPES:
     _cls.__eq__ = _typed_eq  # type: ignore[method-assign, assignment]
     _cls.__ne__ = _typed_ne  # type: ignore[method-assign, assignment]
@@ -237,12 +202,13 @@ class SchemaLeaf(NamedTuple):
 
     name: str
     kind: LeafKind
-    node: Any  # the Leaf (Tensor, PrngKey, Alias, Inline); Any while callers index its JSON fields
+    node: Leaf
 
     @property
     def tensor_name(self) -> str:
         """The stored tensor holding this leaf's bytes (aliases point at their original)."""
-        return str(self.node["of"]) if self.kind == "ref" else self.name
+        node = self.node
+        return node.of if type(node) is Alias else self.name
 
 
 class SchemaLeaves(dict[str, SchemaLeaf]):
@@ -272,45 +238,47 @@ def to_json(schema: Schema) -> dict[str, Any]:
     return {"format": SCHEMA_FORMAT, "version": schema.version, "tree": node_to_json(schema.tree)}
 
 
-def node_to_json(node: Node, leaf_json: dict[int, dict[str, Any]] | None = None) -> dict[str, Any]:
-    """The JSON object of ``node``. ``leaf_json``, when given, receives each leaf's object by
-    ``id`` of its node."""
-    out: dict[str, Any]
-    if isinstance(node, Tensor):
-        out = {"t": "tensor", "array": str(node.array), "name": node.name}
-        if node.cast_from is not None:
-            out["cast_from"] = node.cast_from
-    elif isinstance(node, DictNode):
+def node_to_json(node: Node) -> dict[str, Any]:
+    """The JSON object of ``node``."""
+    t = type(node)
+    if t is Tensor:
+        if node.cast_from is None:  # type: ignore[union-attr]
+            return {"t": "tensor", "array": node.array.value, "name": node.name}  # type: ignore[union-attr]
+        return {
+            "t": "tensor",
+            "array": node.array.value,  # type: ignore[union-attr]
+            "name": node.name,  # type: ignore[union-attr]
+            "cast_from": node.cast_from,  # type: ignore[union-attr]
+        }
+    if t is DictNode:
         return {
             "t": "dict",
-            "k": list(node.keys),
-            "v": [node_to_json(c, leaf_json) for c in node.children],
+            "k": list(node.keys),  # type: ignore[union-attr]
+            "v": [node_to_json(c) for c in node.children],  # type: ignore[union-attr]
         }
-    elif isinstance(node, (ListNode, TupleNode)):
-        kind = "list" if type(node) is ListNode else "tuple"
-        return {"t": kind, "v": [node_to_json(c, leaf_json) for c in node.children]}
-    elif isinstance(node, CustomNode):
-        out = {"t": "node"}
+    if t is ListNode:
+        return {"t": "list", "v": [node_to_json(c) for c in node.children]}  # type: ignore[union-attr]
+    if t is TupleNode:
+        return {"t": "tuple", "v": [node_to_json(c) for c in node.children]}  # type: ignore[union-attr]
+    if t is CustomNode:
+        assert isinstance(node, CustomNode)
+        out: dict[str, Any] = {"t": "node"}
         if node.type_name is not None:
             out["type"] = node.type_name
-        out["k"] = [[str(e.kind), e.key] for e in node.entries]
-        out["v"] = [node_to_json(c, leaf_json) for c in node.children]
+        out["k"] = [[e.kind.value, e.key] for e in node.entries]
+        out["v"] = [node_to_json(c) for c in node.children]
         return out
-    elif isinstance(node, VarNode):
-        return {"t": "var", "v": node_to_json(node.child, leaf_json)}
-    elif isinstance(node, NoneNode):
+    if t is VarNode:
+        return {"t": "var", "v": node_to_json(node.child)}  # type: ignore[union-attr]
+    if t is NoneNode:
         return {"t": "none"}
-    elif isinstance(node, Inline):
-        out = {"t": str(node.kind), "v": node.v, "name": node.name}
-    elif isinstance(node, Alias):
-        out = {"t": "ref", "of": node.of, "name": node.name}
-    elif isinstance(node, PrngKey):
-        out = {"t": "key", "impl": node.impl, "name": node.name}
-    else:
-        raise TypeError(f"not a schema node: {node!r}")
-    if leaf_json is not None:
-        leaf_json[id(node)] = out
-    return out
+    if t is Inline:
+        return {"t": node.kind.value, "v": node.v, "name": node.name}  # type: ignore[union-attr]
+    if t is Alias:
+        return {"t": "ref", "of": node.of, "name": node.name}  # type: ignore[union-attr]
+    if t is PrngKey:
+        return {"t": "key", "impl": node.impl, "name": node.name}  # type: ignore[union-attr]
+    raise TypeError(f"not a schema node: {node!r}")
 
 
 # --------------------------------------------------------------------------- from JSON
