@@ -179,6 +179,7 @@ Leaf = Tensor | PrngKey | Alias | Inline
 Container = DictNode | ListNode | TupleNode | CustomNode
 Node = Container | VarNode | NoneNode | Leaf
 LEAF_TYPES = (Tensor, PrngKey, Alias, Inline)
+_LEAF_TYPE_SET = frozenset(LEAF_TYPES)
 _NODE_TYPES = (Entry, DictNode, ListNode, TupleNode, CustomNode, VarNode, NoneNode, *LEAF_TYPES)
 
 
@@ -238,9 +239,13 @@ def to_json(schema: Schema) -> dict[str, Any]:
     return {"format": SCHEMA_FORMAT, "version": schema.version, "tree": node_to_json(schema.tree)}
 
 
-def node_to_json(node: Node) -> dict[str, Any]:
-    """The JSON object of ``node``."""
+def node_to_json(node: Node, swap: Mapping[int, Leaf] | None = None) -> dict[str, Any]:
+    """The JSON object of ``node``; ``swap``: leaves written in place of others, by ``id`` of
+    the leaf they replace (how a captured tree is named without copying it first)."""
     t = type(node)
+    if swap and t in _LEAF_TYPE_SET:
+        node = swap.get(id(node), node)  # type: ignore[arg-type]
+        t = type(node)
     if t is Tensor:
         if node.cast_from is None:  # type: ignore[union-attr]
             return {"t": "tensor", "array": node.array.value, "name": node.name}  # type: ignore[union-attr]
@@ -254,22 +259,22 @@ def node_to_json(node: Node) -> dict[str, Any]:
         return {
             "t": "dict",
             "k": list(node.keys),  # type: ignore[union-attr]
-            "v": [node_to_json(c) for c in node.children],  # type: ignore[union-attr]
+            "v": [node_to_json(c, swap) for c in node.children],  # type: ignore[union-attr]
         }
     if t is ListNode:
-        return {"t": "list", "v": [node_to_json(c) for c in node.children]}  # type: ignore[union-attr]
+        return {"t": "list", "v": [node_to_json(c, swap) for c in node.children]}  # type: ignore[union-attr]
     if t is TupleNode:
-        return {"t": "tuple", "v": [node_to_json(c) for c in node.children]}  # type: ignore[union-attr]
+        return {"t": "tuple", "v": [node_to_json(c, swap) for c in node.children]}  # type: ignore[union-attr]
     if t is CustomNode:
         assert isinstance(node, CustomNode)
         out: dict[str, Any] = {"t": "node"}
         if node.type_name is not None:
             out["type"] = node.type_name
         out["k"] = [[e.kind.value, e.key] for e in node.entries]
-        out["v"] = [node_to_json(c) for c in node.children]
+        out["v"] = [node_to_json(c, swap) for c in node.children]
         return out
     if t is VarNode:
-        return {"t": "var", "v": node_to_json(node.child)}  # type: ignore[union-attr]
+        return {"t": "var", "v": node_to_json(node.child, swap)}  # type: ignore[union-attr]
     if t is NoneNode:
         return {"t": "none"}
     if t is Inline:
@@ -286,6 +291,8 @@ def node_to_json(node: Node) -> dict[str, Any]:
 _ARRAY_KINDS = {k.value: k for k in ArrayKind}
 _LEAF_KINDS = {k.value: k for k in LeafKind}
 _ENTRY_KINDS = {k.value: k for k in EntryKind}
+_CONTAINER_KINDS = frozenset(("dict", "list", "tuple", "node"))
+_new = tuple.__new__  # builds a node without its Python-level __new__ (no defaults, no checks)
 _BRIEF = reprlib.Repr()
 _BRIEF.maxlevel, _BRIEF.maxstring, _BRIEF.maxother = 3, 60, 60
 
@@ -354,41 +361,77 @@ class _Parser:
         self.max_leaves = max_leaves
 
     def node(self, obj: object, depth: int) -> Node:
+        # (Hot for trees of millions of leaves: globals bound as locals, tensors and dicts
+        # checked inline, nodes built by tuple.__new__; anything unusual takes the slow path.)
+        leaves, max_leaves, parse = self.leaves, self.max_leaves, self.node
+        new, tensor, tensor_kind, schema_leaf, array_kinds = (
+            _new,
+            Tensor,
+            _TENSOR,
+            SchemaLeaf,
+            _ARRAY_KINDS,
+        )
         if depth > MAX_DEPTH:
             raise SchemaError(f"schema tree nested deeper than {MAX_DEPTH}")
-        if not isinstance(obj, dict) or not isinstance(obj.get("t"), str):
+        kind = obj.get("t") if isinstance(obj, dict) else None
+        if type(kind) is not str and not isinstance(kind, str):
             raise SchemaError(f"schema node {_brief(obj)!r} has no kind")
-        kind = obj["t"]
-        leaf_kind = _LEAF_KINDS.get(kind)
-        if leaf_kind is not None:
-            return self.leaf(leaf_kind, obj)
-        if kind in ("dict", "list", "tuple", "node"):
+        assert isinstance(obj, dict)
+        if kind == "dict" or kind in _CONTAINER_KINDS:
             raw = obj.get("v")
-            if not isinstance(raw, list):
+            if type(raw) is not list and not isinstance(raw, list):
                 raise SchemaError(f"schema {kind} node has no child list")
             keys: tuple[Any, ...] = ()
-            if kind in ("dict", "node"):
+            if kind == "dict" or kind == "node":
                 raw_keys = obj.get("k")
                 if not isinstance(raw_keys, list) or len(raw_keys) != len(raw):
                     raise SchemaError(f"schema {kind} node keys do not match its children")
-                keys = tuple(_dict_key(k) if kind == "dict" else _entry(k) for k in raw_keys)
+                if kind == "dict":
+                    keys = tuple(raw_keys)
+                    for k in keys:
+                        if type(k) is not str and type(k) is not int:
+                            _dict_key(k)
+                else:
+                    keys = tuple([_entry(k) for k in raw_keys])
                 if len(set(keys)) != len(keys):
                     raise SchemaError(
                         f"schema {kind} node has a duplicate key in {_brief(raw_keys[:8])}"
                     )
-            children = tuple([self.node(c, depth + 1) for c in raw])
+            depth += 1
+            out: list[Node] = []
+            add = out.append
+            for c in raw:
+                if type(c) is dict and c.get("t") == "tensor":  # the common leaf, inline
+                    name, array = c.get("name"), c.get("array")
+                    if (
+                        type(name) is str
+                        and type(array) is str
+                        and array in array_kinds
+                        and c.get("cast_from") is None
+                        and name not in leaves
+                        and len(leaves) < max_leaves
+                    ):
+                        leaf = new(tensor, (name, array_kinds[array], None))
+                        leaves[name] = new(schema_leaf, (name, tensor_kind, leaf))
+                        add(leaf)
+                        continue
+                add(parse(c, depth))
+            children = tuple(out)
             if kind == "dict":
-                return DictNode(keys, children)
+                return new(DictNode, (keys, children))
             if kind == "list":
-                return ListNode(children)
+                return new(ListNode, (children,))
             if kind == "tuple":
-                return TupleNode(children)
+                return new(TupleNode, (children,))
             type_name = obj.get("type")
             if type_name is not None and type(type_name) is not str:
                 raise SchemaError(f"schema node type {_brief(type_name)} is not a string")
             return CustomNode(type_name, keys, children)
+        leaf_kind = _LEAF_KINDS.get(kind)
+        if leaf_kind is not None:
+            return self.leaf(leaf_kind, obj)
         if kind == "var":
-            return VarNode(self.node(obj.get("v"), depth + 1))
+            return VarNode(parse(obj.get("v"), depth + 1))
         if kind == "none":
             return NONE
         raise SchemaError(f"schema node kind {_brief(kind)} is unknown")

@@ -199,15 +199,12 @@ class CapturedTree:
                 leaf = final.get(id(leaves[i]), leaves[i])
                 if origin is not None and isinstance(leaf, Tensor):
                     final[id(leaves[i])] = Tensor(leaf.name, leaf.array, origin)
-        tree = self._tree
-        if final:
-            tree = _schema.map_leaves(tree, lambda leaf: final.get(id(leaf), leaf))
         values = self._values
         arrays = {names[i]: values[i] for i in stored}
         doc = {
             "format": SCHEMA_FORMAT,
             "version": SCHEMA_VERSION,
-            "tree": _schema.node_to_json(tree),
+            "tree": _schema.node_to_json(self._tree, final),
         }
         return FlatTree(doc, arrays)
 
