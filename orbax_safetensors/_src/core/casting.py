@@ -224,7 +224,7 @@ def stored_specs(
     )
 
 
-def cast_origins(leaves: Mapping[str, Any]) -> dict[str, str]:
+def cast_origins(leaves: Mapping[str, _tree.SchemaLeaf]) -> dict[str, str]:
     """``{tensor name: dtype before the cast}`` of a validated schema's leaves (``SchemaLeaf``
     by name, see ``tree.validate_schema``), for the tensors saved under a dtype policy.
 
@@ -233,9 +233,10 @@ def cast_origins(leaves: Mapping[str, Any]) -> dict[str, str]:
     """
     out = {}
     for name, leaf in leaves.items():
-        origin = leaf.node.get(CAST_FROM)
-        if origin is None or leaf.kind != "tensor":
+        node = leaf.node
+        if not isinstance(node, _tree.Tensor) or node.cast_from is None:
             continue
+        origin = node.cast_from
         if not _dtypes.is_known(origin):
             raise SchemaError(f"leaf {name!r}: {CAST_FROM} {origin!r} is not a safetensors dtype")
         out[name] = str(origin)
@@ -255,14 +256,16 @@ def apply_policy(
     flat = captured.finish()
     if policy is None:
         return flat, [None] * len(flat.arrays)
-    nodes = captured.stored_nodes()
-    keys = frozenset(i for i, node in enumerate(nodes) if node["t"] == "key")
+    key = _tree.LeafKind.KEY
+    keys = frozenset(i for i, kind in enumerate(captured.stored_kinds()) if kind is key)
     casts = resolve(
         policy, list(flat.arrays), captured.dtypes, captured.shapes, captured.arrays, keys=keys
     )
-    for node, dtype, want in zip(nodes, captured.dtypes, casts):
-        if want is not None:
-            node[CAST_FROM] = _dtypes.from_numpy(dtype)
-        else:
-            node.pop(CAST_FROM, None)
+    if any(want is not None for want in casts):
+        flat = captured.finish(
+            cast_from=[
+                None if want is None else _dtypes.from_numpy(dtype)
+                for dtype, want in zip(captured.dtypes, casts)
+            ]
+        )
     return flat, casts

@@ -63,10 +63,9 @@ def _typed(schema: Schema | SchemaDoc, *, check_aliases: bool = True) -> Schema:
 def inline_value(leaf: SchemaLeaf) -> Any:
     """The Python value of an inline (non-tensor) leaf (a float from its hex text)."""
     node = leaf.node
-    if isinstance(node, Inline):
-        return node.value
-    v = node["v"]  # a leaf given as its JSON object
-    return float.fromhex(v) if leaf.kind == "float" else v
+    if not isinstance(node, Inline):
+        raise TypeError(f"leaf {leaf.name!r} is not an inline value")
+    return node.value
 
 
 def unflatten(

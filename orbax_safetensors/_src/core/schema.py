@@ -98,13 +98,6 @@ class Tensor(NamedTuple):
     def kind(self) -> LeafKind:
         return _TENSOR
 
-    def get(self, field: str, default: Any = None) -> Any:
-        """A JSON field (``leaf.get("array")``), for code written against the JSON dicts."""
-        return node_to_json(self).get(field, default)
-
-    def __getitem__(self, field: str) -> Any:  # type: ignore[override]
-        return _json_field(self, field)
-
 
 class PrngKey(NamedTuple):
     """A typed PRNG key array, stored as its key data; ``impl`` names the PRNG implementation."""
@@ -116,13 +109,6 @@ class PrngKey(NamedTuple):
     def kind(self) -> LeafKind:
         return _KEY
 
-    def get(self, field: str, default: Any = None) -> Any:
-        """A JSON field (``leaf.get("impl")``), for code written against the JSON dicts."""
-        return node_to_json(self).get(field, default)
-
-    def __getitem__(self, field: str) -> Any:  # type: ignore[override]
-        return _json_field(self, field)
-
 
 class Alias(NamedTuple):
     """The same array object as the stored tensor or key named ``of`` (stored once)."""
@@ -133,13 +119,6 @@ class Alias(NamedTuple):
     @property
     def kind(self) -> LeafKind:
         return _REF
-
-    def get(self, field: str, default: Any = None) -> Any:
-        """A JSON field (``leaf.get("of")``), for code written against the JSON dicts."""
-        return node_to_json(self).get(field, default)
-
-    def __getitem__(self, field: str) -> Any:  # type: ignore[override]
-        return _json_field(self, field)
 
 
 class Inline(NamedTuple):
@@ -153,13 +132,6 @@ class Inline(NamedTuple):
     @property
     def value(self) -> bool | int | float | str:
         return float.fromhex(self.v) if self.kind == "float" else self.v  # type: ignore[arg-type]
-
-    def get(self, field: str, default: Any = None) -> Any:
-        """A JSON field (``leaf.get("v")``), for code written against the JSON dicts."""
-        return node_to_json(self).get(field, default)
-
-    def __getitem__(self, field: str) -> Any:  # type: ignore[override]
-        return _json_field(self, field)
 
 
 class DictNode(NamedTuple):
@@ -207,6 +179,7 @@ Leaf = Tensor | PrngKey | Alias | Inline
 Container = DictNode | ListNode | TupleNode | CustomNode
 Node = Container | VarNode | NoneNode | Leaf
 LEAF_TYPES = (Tensor, PrngKey, Alias, Inline)
+_LEAF_TYPE_SET = frozenset(LEAF_TYPES)
 _NODE_TYPES = (Entry, DictNode, ListNode, TupleNode, CustomNode, VarNode, NoneNode, *LEAF_TYPES)
 
 
@@ -216,13 +189,6 @@ def _typed_eq(self: tuple[Any, ...], other: object) -> bool:
 
 def _typed_ne(self: tuple[Any, ...], other: object) -> bool:
     return not _typed_eq(self, other)
-
-
-def _json_field(self: Leaf, field: Any) -> Any:
-    # leaf["impl"]: a JSON field, for code written against the JSON dicts (ints still index).
-    if isinstance(field, str):
-        return node_to_json(self)[field]
-    return tuple.__getitem__(self, field)
 
 
 for _cls in _NODE_TYPES:
@@ -237,12 +203,13 @@ class SchemaLeaf(NamedTuple):
 
     name: str
     kind: LeafKind
-    node: Any  # the Leaf (Tensor, PrngKey, Alias, Inline); Any while callers index its JSON fields
+    node: Leaf
 
     @property
     def tensor_name(self) -> str:
         """The stored tensor holding this leaf's bytes (aliases point at their original)."""
-        return str(self.node["of"]) if self.kind == "ref" else self.name
+        node = self.node
+        return node.of if type(node) is Alias else self.name
 
 
 class SchemaLeaves(dict[str, SchemaLeaf]):
@@ -272,45 +239,51 @@ def to_json(schema: Schema) -> dict[str, Any]:
     return {"format": SCHEMA_FORMAT, "version": schema.version, "tree": node_to_json(schema.tree)}
 
 
-def node_to_json(node: Node, leaf_json: dict[int, dict[str, Any]] | None = None) -> dict[str, Any]:
-    """The JSON object of ``node``. ``leaf_json``, when given, receives each leaf's object by
-    ``id`` of its node."""
-    out: dict[str, Any]
-    if isinstance(node, Tensor):
-        out = {"t": "tensor", "array": str(node.array), "name": node.name}
-        if node.cast_from is not None:
-            out["cast_from"] = node.cast_from
-    elif isinstance(node, DictNode):
+def node_to_json(node: Node, swap: Mapping[int, Leaf] | None = None) -> dict[str, Any]:
+    """The JSON object of ``node``; ``swap``: leaves written in place of others, by ``id`` of
+    the leaf they replace (how a captured tree is named without copying it first)."""
+    t = type(node)
+    if swap and t in _LEAF_TYPE_SET:
+        node = swap.get(id(node), node)  # type: ignore[arg-type]
+        t = type(node)
+    if t is Tensor:
+        if node.cast_from is None:  # type: ignore[union-attr]
+            return {"t": "tensor", "array": node.array.value, "name": node.name}  # type: ignore[union-attr]
+        return {
+            "t": "tensor",
+            "array": node.array.value,  # type: ignore[union-attr]
+            "name": node.name,  # type: ignore[union-attr]
+            "cast_from": node.cast_from,  # type: ignore[union-attr]
+        }
+    if t is DictNode:
         return {
             "t": "dict",
-            "k": list(node.keys),
-            "v": [node_to_json(c, leaf_json) for c in node.children],
+            "k": list(node.keys),  # type: ignore[union-attr]
+            "v": [node_to_json(c, swap) for c in node.children],  # type: ignore[union-attr]
         }
-    elif isinstance(node, (ListNode, TupleNode)):
-        kind = "list" if type(node) is ListNode else "tuple"
-        return {"t": kind, "v": [node_to_json(c, leaf_json) for c in node.children]}
-    elif isinstance(node, CustomNode):
-        out = {"t": "node"}
+    if t is ListNode:
+        return {"t": "list", "v": [node_to_json(c, swap) for c in node.children]}  # type: ignore[union-attr]
+    if t is TupleNode:
+        return {"t": "tuple", "v": [node_to_json(c, swap) for c in node.children]}  # type: ignore[union-attr]
+    if t is CustomNode:
+        assert isinstance(node, CustomNode)
+        out: dict[str, Any] = {"t": "node"}
         if node.type_name is not None:
             out["type"] = node.type_name
-        out["k"] = [[str(e.kind), e.key] for e in node.entries]
-        out["v"] = [node_to_json(c, leaf_json) for c in node.children]
+        out["k"] = [[e.kind.value, e.key] for e in node.entries]
+        out["v"] = [node_to_json(c, swap) for c in node.children]
         return out
-    elif isinstance(node, VarNode):
-        return {"t": "var", "v": node_to_json(node.child, leaf_json)}
-    elif isinstance(node, NoneNode):
+    if t is VarNode:
+        return {"t": "var", "v": node_to_json(node.child, swap)}  # type: ignore[union-attr]
+    if t is NoneNode:
         return {"t": "none"}
-    elif isinstance(node, Inline):
-        out = {"t": str(node.kind), "v": node.v, "name": node.name}
-    elif isinstance(node, Alias):
-        out = {"t": "ref", "of": node.of, "name": node.name}
-    elif isinstance(node, PrngKey):
-        out = {"t": "key", "impl": node.impl, "name": node.name}
-    else:
-        raise TypeError(f"not a schema node: {node!r}")
-    if leaf_json is not None:
-        leaf_json[id(node)] = out
-    return out
+    if t is Inline:
+        return {"t": node.kind.value, "v": node.v, "name": node.name}  # type: ignore[union-attr]
+    if t is Alias:
+        return {"t": "ref", "of": node.of, "name": node.name}  # type: ignore[union-attr]
+    if t is PrngKey:
+        return {"t": "key", "impl": node.impl, "name": node.name}  # type: ignore[union-attr]
+    raise TypeError(f"not a schema node: {node!r}")
 
 
 # --------------------------------------------------------------------------- from JSON
@@ -318,6 +291,8 @@ def node_to_json(node: Node, leaf_json: dict[int, dict[str, Any]] | None = None)
 _ARRAY_KINDS = {k.value: k for k in ArrayKind}
 _LEAF_KINDS = {k.value: k for k in LeafKind}
 _ENTRY_KINDS = {k.value: k for k in EntryKind}
+_CONTAINER_KINDS = frozenset(("dict", "list", "tuple", "node"))
+_new = tuple.__new__  # builds a node without its Python-level __new__ (no defaults, no checks)
 _BRIEF = reprlib.Repr()
 _BRIEF.maxlevel, _BRIEF.maxstring, _BRIEF.maxother = 3, 60, 60
 
@@ -386,41 +361,77 @@ class _Parser:
         self.max_leaves = max_leaves
 
     def node(self, obj: object, depth: int) -> Node:
+        # (Hot for trees of millions of leaves: globals bound as locals, tensors and dicts
+        # checked inline, nodes built by tuple.__new__; anything unusual takes the slow path.)
+        leaves, max_leaves, parse = self.leaves, self.max_leaves, self.node
+        new, tensor, tensor_kind, schema_leaf, array_kinds = (
+            _new,
+            Tensor,
+            _TENSOR,
+            SchemaLeaf,
+            _ARRAY_KINDS,
+        )
         if depth > MAX_DEPTH:
             raise SchemaError(f"schema tree nested deeper than {MAX_DEPTH}")
-        if not isinstance(obj, dict) or not isinstance(obj.get("t"), str):
+        kind = obj.get("t") if isinstance(obj, dict) else None
+        if type(kind) is not str and not isinstance(kind, str):
             raise SchemaError(f"schema node {_brief(obj)!r} has no kind")
-        kind = obj["t"]
-        leaf_kind = _LEAF_KINDS.get(kind)
-        if leaf_kind is not None:
-            return self.leaf(leaf_kind, obj)
-        if kind in ("dict", "list", "tuple", "node"):
+        assert isinstance(obj, dict)
+        if kind == "dict" or kind in _CONTAINER_KINDS:
             raw = obj.get("v")
-            if not isinstance(raw, list):
+            if type(raw) is not list and not isinstance(raw, list):
                 raise SchemaError(f"schema {kind} node has no child list")
             keys: tuple[Any, ...] = ()
-            if kind in ("dict", "node"):
+            if kind == "dict" or kind == "node":
                 raw_keys = obj.get("k")
                 if not isinstance(raw_keys, list) or len(raw_keys) != len(raw):
                     raise SchemaError(f"schema {kind} node keys do not match its children")
-                keys = tuple(_dict_key(k) if kind == "dict" else _entry(k) for k in raw_keys)
+                if kind == "dict":
+                    keys = tuple(raw_keys)
+                    for k in keys:
+                        if type(k) is not str and type(k) is not int:
+                            _dict_key(k)
+                else:
+                    keys = tuple([_entry(k) for k in raw_keys])
                 if len(set(keys)) != len(keys):
                     raise SchemaError(
                         f"schema {kind} node has a duplicate key in {_brief(raw_keys[:8])}"
                     )
-            children = tuple([self.node(c, depth + 1) for c in raw])
+            depth += 1
+            out: list[Node] = []
+            add = out.append
+            for c in raw:
+                if type(c) is dict and c.get("t") == "tensor":  # the common leaf, inline
+                    name, array = c.get("name"), c.get("array")
+                    if (
+                        type(name) is str
+                        and type(array) is str
+                        and array in array_kinds
+                        and c.get("cast_from") is None
+                        and name not in leaves
+                        and len(leaves) < max_leaves
+                    ):
+                        leaf = new(tensor, (name, array_kinds[array], None))
+                        leaves[name] = new(schema_leaf, (name, tensor_kind, leaf))
+                        add(leaf)
+                        continue
+                add(parse(c, depth))
+            children = tuple(out)
             if kind == "dict":
-                return DictNode(keys, children)
+                return new(DictNode, (keys, children))
             if kind == "list":
-                return ListNode(children)
+                return new(ListNode, (children,))
             if kind == "tuple":
-                return TupleNode(children)
+                return new(TupleNode, (children,))
             type_name = obj.get("type")
             if type_name is not None and type(type_name) is not str:
                 raise SchemaError(f"schema node type {_brief(type_name)} is not a string")
             return CustomNode(type_name, keys, children)
+        leaf_kind = _LEAF_KINDS.get(kind)
+        if leaf_kind is not None:
+            return self.leaf(leaf_kind, obj)
         if kind == "var":
-            return VarNode(self.node(obj.get("v"), depth + 1))
+            return VarNode(parse(obj.get("v"), depth + 1))
         if kind == "none":
             return NONE
         raise SchemaError(f"schema node kind {_brief(kind)} is unknown")

@@ -150,7 +150,6 @@ class CapturedTree:
 
     __slots__ = (
         "_aliases",
-        "_leaf_json",
         "_leaves",
         "_paths",
         "_stored",
@@ -175,7 +174,6 @@ class CapturedTree:
     ) -> None:
         self._tree, self._leaves, self._paths, self._values = tree_node, leaves, paths, values
         self._stored, self._aliases = stored, aliases
-        self._leaf_json: list[dict[str, Any]] | None = None
         self.arrays = [values[i] for i in stored]
         self.names = [leaves[i].name for i in stored]
         self.dtypes, self.shapes = dtypes, shapes
@@ -183,15 +181,6 @@ class CapturedTree:
     def stored_kinds(self) -> list[LeafKind]:
         """Each stored array's kind (``TENSOR`` or ``KEY``), in the order of ``arrays``."""
         return [self._leaves[i].kind for i in self._stored]
-
-    def stored_nodes(self) -> list[dict[str, Any]]:
-        """The JSON object of each stored array in the last :meth:`finish`'s schema (finishing
-        first if needed), in the order of ``arrays``; fields set on them show in that schema.
-        (For callers written against the JSON schema: ``finish(cast_from=...)`` is the typed way.)"""
-        if self._leaf_json is None:
-            self.finish()
-        assert self._leaf_json is not None
-        return self._leaf_json
 
     def finish(self, cast_from: Sequence[str | None] | None = None) -> FlatTree:
         """The named schema and arrays. ``cast_from``: for each stored array, the safetensors
@@ -210,18 +199,13 @@ class CapturedTree:
                 leaf = final.get(id(leaves[i]), leaves[i])
                 if origin is not None and isinstance(leaf, Tensor):
                     final[id(leaves[i])] = Tensor(leaf.name, leaf.array, origin)
-        tree = self._tree
-        if final:
-            tree = _schema.map_leaves(tree, lambda leaf: final.get(id(leaf), leaf))
         values = self._values
         arrays = {names[i]: values[i] for i in stored}
-        leaf_json: dict[int, dict[str, Any]] = {}
         doc = {
             "format": SCHEMA_FORMAT,
             "version": SCHEMA_VERSION,
-            "tree": _schema.node_to_json(tree, leaf_json),
+            "tree": _schema.node_to_json(self._tree, final),
         }
-        self._leaf_json = [leaf_json[id(final.get(id(leaves[i]), leaves[i]))] for i in stored]
         return FlatTree(doc, arrays)
 
 

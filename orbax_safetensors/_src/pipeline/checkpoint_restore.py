@@ -208,9 +208,9 @@ def abstract_tree(directory: epath.PathLike, metadata: Mapping[str, Any] | None 
             raise SchemaError(
                 f"schema leaf {leaf.name!r} refers to unknown tensor {leaf.tensor_name!r}"
             )
-        original = leaves.get(leaf.tensor_name, leaf)
-        if original.kind == "key":
-            impl = original.node["impl"]
+        original = leaves.get(leaf.tensor_name, leaf).node
+        if isinstance(original, _tree.PrngKey):
+            impl = original.impl
             return jax.eval_shape(
                 lambda: jax.random.wrap_key_data(
                     jax.numpy.zeros(info["shape"], jax.numpy.uint32), impl=impl

@@ -28,6 +28,7 @@ from orbax_safetensors._src.core.errors import (
     SchemaError,
     TargetMismatchError,
 )
+from orbax_safetensors._src.core.schema import ArrayKind, PrngKey, Tensor
 from orbax_safetensors._src.pipeline.reader import ReadKind, StoredTensor
 from orbax_safetensors._src.pipeline.restore_options import Build, LeafRequest
 
@@ -254,8 +255,10 @@ def plan_tensor(
         return _kind(name, "target leaf of type str cannot receive a tensor")
     stored = loader.stored_for(saved)
     original = leaves.get(saved.tensor_name, saved)
-    is_key = original.kind == "key"
-    saved_kind = original.node.get("array", "jax") if original.kind == "tensor" else "jax"
+    node = original.node
+    is_key = type(node) is PrngKey
+    impl = node.impl if type(node) is PrngKey else ""
+    saved_kind = node.array if type(node) is Tensor else ArrayKind.JAX
     stored_shape = tuple(stored.shape)
     typed_key = False
     resize_to: tuple[int, ...] | None = None
@@ -284,7 +287,7 @@ def plan_tensor(
                 typed_key = build is Build.JAX
                 if not typed_key:  # the key data itself: still checked to be key data
                     data = jax.ShapeDtypeStruct(stored_shape, _dtypes.to_numpy(stored.dtype))
-                    jax.eval_shape(lambda: wrap_key(saved.name, data, original.node["impl"]))
+                    jax.eval_shape(lambda: wrap_key(saved.name, data, impl))
             elif want.shape == key_shape:
                 return _kind(
                     name,

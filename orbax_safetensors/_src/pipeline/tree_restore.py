@@ -26,6 +26,7 @@ from typing import Any
 import jax
 
 from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
+from orbax_safetensors._src.core import schema as _schema
 from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import (
@@ -63,8 +64,6 @@ from orbax_safetensors._src.pipeline.restore_plan import (
     wrap_key,
 )
 from orbax_safetensors._src.storage import config as _config
-
-_INLINE_KINDS = frozenset(("bool", "int", "float", "str"))
 
 
 def is_empty(x: object) -> bool:
@@ -128,9 +127,9 @@ class _Loader:
 def _finish(
     leaf: _tree.SchemaLeaf, leaves: Mapping[str, _tree.SchemaLeaf], value: Any, sharding: Any = None
 ) -> Any:
-    original = leaves.get(leaf.tensor_name, leaf)
-    if original.kind == "key":
-        key = wrap_key(leaf.name, value, original.node["impl"])
+    original = leaves.get(leaf.tensor_name, leaf).node
+    if type(original) is _schema.PrngKey:
+        key = wrap_key(leaf.name, value, original.impl)
         return jax.device_put(key, sharding) if sharding is not None else key
     return value
 
@@ -162,8 +161,10 @@ def restore_tree(
         standalone API (an adapter rewords it with ``restore_options.reworded``).
     """
     options = options or RestoreOptions()
+    typed: _schema.Schema | None = None
     if schema is not None:
-        leaves = _tree.validate_schema(schema)
+        typed = _schema.from_json(schema)  # read once: selection and rebuild use it typed
+        leaves = typed.leaves
         for leaf in leaves.values():  # a damaged file fails whole, whatever the target asks
             if leaf.kind in ("tensor", "key") and leaf.name not in stored:
                 raise SchemaError(
@@ -173,12 +174,12 @@ def restore_tree(
         leaves = {name: _leaf_of(s) for name, s in stored.items()}
     loader = _Loader(leaves, stored, options.verify, stats, options.io)
     if options.target is None:
-        return _restore_untargeted(schema, leaves, loader, saved_sharding, options.select)
-    return _Targeted(schema, leaves, loader, saved_sharding, options).restore()
+        return _restore_untargeted(typed, leaves, loader, saved_sharding, options.select)
+    return _Targeted(typed, leaves, loader, saved_sharding, options).restore()
 
 
 def _restore_untargeted(
-    schema: Mapping[str, Any] | None,
+    schema: _schema.Schema | None,
     leaves: Mapping[str, _tree.SchemaLeaf],
     loader: _Loader,
     saved_sharding: SavedSharding | None,
@@ -196,8 +197,8 @@ def _restore_untargeted(
     for leaf in wanted.values():
         if leaf.kind in ("tensor", "key", "ref"):
             original = leaves.get(leaf.tensor_name, leaf)
-            saved_kind = original.node.get("array", "jax") if original.kind == "tensor" else "jax"
-            kind = ReadKind(saved_kind)
+            node = original.node
+            kind = ReadKind(node.array) if type(node) is _schema.Tensor else ReadKind.JAX
             sharding = None
             if kind is ReadKind.JAX and saved_sharding is not None:
                 sharding = saved_sharding(original.name)
@@ -225,7 +226,7 @@ class _Targeted:
 
     def __init__(
         self,
-        schema: Mapping[str, Any] | None,
+        schema: _schema.Schema | None,
         leaves: Mapping[str, _tree.SchemaLeaf],
         loader: _Loader,
         saved_sharding: SavedSharding | None,
@@ -310,7 +311,7 @@ class _Targeted:
             if keys is Keys.PARTIAL or (keys is Keys.LENIENT and concrete):
                 return Known(given)
             return Mismatch(name, MismatchKind.MISSING)
-        if saved.kind in _INLINE_KINDS:
+        if saved.kind in _schema.INLINE_KINDS:
             try:
                 return Known(inline_as(name, saved, want))
             except TargetMismatchError as e:

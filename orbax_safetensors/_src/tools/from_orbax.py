@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,6 +29,7 @@ from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import plan as _plan
+from orbax_safetensors._src.core import schema as _schema
 from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.core import sharding as _sharding
 from orbax_safetensors._src.core import tree as _tree
@@ -43,15 +45,10 @@ def _placeholder(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     return np.broadcast_to(np.zeros((), dtype), shape)
 
 
-def _set_array_kinds(node: Any, jax_names: set[str]) -> None:
-    if isinstance(node, dict):
-        if node.get("t") == "tensor" and node.get("name") in jax_names:
-            node["array"] = "jax"
-        for v in node.values():
-            _set_array_kinds(v, jax_names)
-    elif isinstance(node, list):
-        for v in node:
-            _set_array_kinds(v, jax_names)
+def _as_jax(leaf: _schema.Leaf, jax_names: set[str]) -> _schema.Leaf:
+    if isinstance(leaf, _schema.Tensor) and leaf.name in jax_names:
+        return _schema.Tensor(leaf.name, _schema.ArrayKind.JAX, leaf.cast_from)
+    return leaf
 
 
 def _orbax_sharding(leaf: Any) -> dict[str, Any] | None:
@@ -231,8 +228,6 @@ def _safetensors_metadata(
     collapse: set[Any],
 ) -> dict[str, Any]:
     flat, casts = _casting.apply_policy(_tree.capture(tree), dtype)
-    if collapse:  # unwrapped: the collapsed dicts are recorded as NNX Variables
-        flat.schema["tree"] = _nnx_values.mark_variables(flat.schema["tree"], collapse)
     final_specs = _casting.stored_specs(flat.arrays, casts)
     if final_specs != specs:  # the same tree, keys in place of placeholders
         raise AssertionError("internal: tensor layout changed between planning and writing")
@@ -241,7 +236,12 @@ def _safetensors_metadata(
         for ours, orbax_name in to_orbax.items()
         if source.leaves[orbax_name][1].sharding is not None
     }
-    _set_array_kinds(flat.schema["tree"], jax_names)
+    schema = _schema.from_json(flat.schema)
+    node = schema.tree
+    if collapse:  # unwrapped: the collapsed dicts are recorded as NNX Variables
+        node = _nnx_values.mark_variables(node, collapse)
+    node = _schema.map_leaves(node, lambda leaf: _as_jax(leaf, jax_names))
+    flat.schema = _schema.to_json(dataclasses.replace(schema, tree=node))
     shardings = {s.name: _orbax_sharding(source.leaves[to_orbax[s.name]][1]) for s in specs}
     return _metadata.build_metadata(
         plan, specs, flat.schema, shardings, {"converted_from": "orbax"}

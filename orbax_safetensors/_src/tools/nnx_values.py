@@ -27,6 +27,7 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from orbax_safetensors._src.core import schema as _schema
 from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.orbax import steps as _steps
 
@@ -132,23 +133,22 @@ def unwrap(tree: Any, paths: set[Path], path: Path = ()) -> Any:
     return tree
 
 
-def mark_variables(node: dict[str, Any], paths: set[Path], path: Path = ()) -> dict[str, Any]:
+def mark_variables(node: _schema.Node, paths: set[Path], path: Path = ()) -> _schema.Node:
     """The schema ``node`` of an unwrapped tree with the leaf at each of ``paths`` recorded as
     an NNX Variable (``var``), as a save of ``nnx.state`` records it: converting back to Orbax
     wraps exactly those leaves again."""
     if path in paths:
-        return {"t": "var", "v": node}
-    kind = node.get("t")
-    if kind == "dict":
-        return {
-            **node,
-            "v": [mark_variables(c, paths, (*path, k)) for k, c in zip(node["k"], node["v"])],
-        }
-    if kind in ("list", "tuple"):
-        return {
-            **node,
-            "v": [mark_variables(c, paths, (*path, i)) for i, c in enumerate(node["v"])],
-        }
+        return _schema.VarNode(node)
+    if isinstance(node, _schema.DictNode):
+        return _schema.DictNode(
+            node.keys,
+            tuple([mark_variables(c, paths, (*path, k)) for k, c in zip(node.keys, node.children)]),
+        )
+    if isinstance(node, (_schema.ListNode, _schema.TupleNode)):
+        return _schema.with_children(
+            node,
+            tuple([mark_variables(c, paths, (*path, i)) for i, c in enumerate(node.children)]),
+        )
     return node
 
 

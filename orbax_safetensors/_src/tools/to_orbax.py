@@ -21,6 +21,7 @@ import jax
 from etils import epath
 
 from orbax_safetensors._src.catalog import sources as _sources
+from orbax_safetensors._src.core import schema as _schema
 from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
@@ -155,23 +156,26 @@ def wrap_variables(tree: Any, schema: Any, everything: bool) -> Any:
             return tree
         return {k: {_VALUE: v} for k, v in tree.items()}
 
-    def wrap(node: dict[str, Any], inside_var: bool = False) -> dict[str, Any]:
-        kind = node["t"]
-        if kind == "var":
-            return {"t": "dict", "k": [_VALUE], "v": [wrap(node["v"], inside_var=True)]}
-        if kind in ("dict", "list", "tuple", "node"):
-            return {**node, "v": [wrap(c, inside_var) for c in node["v"]]}
-        if everything and not inside_var and kind != "none":
-            return {"t": "dict", "k": [_VALUE], "v": [node]}
+    def wrap(node: _schema.Node, inside_var: bool = False) -> _schema.Node:
+        if isinstance(node, _schema.VarNode):
+            return _schema.DictNode((_VALUE,), (wrap(node.child, inside_var=True),))
+        if isinstance(
+            node, (_schema.DictNode, _schema.ListNode, _schema.TupleNode, _schema.CustomNode)
+        ):
+            return _schema.with_children(node, tuple([wrap(c, inside_var) for c in node.children]))
+        if everything and not inside_var and not isinstance(node, _schema.NoneNode):
+            return _schema.DictNode((_VALUE,), (node,))
         return node
 
+    if not isinstance(schema, _schema.Schema):
+        schema = _schema.from_json(schema)
     names = _tree.unflatten(schema, lambda leaf: _Name(leaf.name))
     name_leaves = jax.tree_util.tree_leaves(names)
     value_leaves = jax.tree_util.tree_leaves(tree)
     if len(name_leaves) != len(value_leaves):  # pragma: no cover - the same schema built both
         raise AssertionError("internal: the restored tree does not follow its schema")
     values = {str(n): v for n, v in zip(name_leaves, value_leaves) if isinstance(n, _Name)}
-    wrapped = {**schema, "tree": wrap(schema["tree"])}
+    wrapped = _schema.Schema(wrap(schema.tree), schema.leaves, schema.version)
     return _tree.unflatten(wrapped, lambda leaf: values[leaf.name])
 
 

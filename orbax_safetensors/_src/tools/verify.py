@@ -335,10 +335,10 @@ class _Checker:
                         f"schema leaf {leaf.name!r} refers to tensor {leaf.tensor_name!r}, "
                         "which no file holds"
                     )
-                original = leaves.get(leaf.tensor_name, leaf)
-                if original.kind == "key":
+                original = leaves.get(leaf.tensor_name, leaf).node
+                if isinstance(original, _tree.PrngKey):
                     abstract = jax.ShapeDtypeStruct(tensor.shape, _dtypes.to_numpy(tensor.dtype))
-                    impl = original.node["impl"]
+                    impl = original.impl
                     jax.eval_shape(functools.partial(wrap_key, leaf.name, impl=impl), abstract)
         except SafetensorsCheckpointError as e:
             self.report._problem(f"{where}: {e}")
