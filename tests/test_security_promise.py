@@ -56,6 +56,9 @@ def test_every_promise_names_existing_tests() -> None:
 
 _FORBIDDEN_CALLS = {"eval", "exec", "__import__", "compile"}
 _FORBIDDEN_MODULES = {"pickle", "cPickle", "dill", "cloudpickle", "importlib", "marshal", "shelve"}
+# The one import by name: `orbax-safetensors export --mapping module:attr` imports the module
+# its user names on the command line (as `python -m` does); nothing read from a file is.
+_USER_NAMED_IMPORT = "orbax_safetensors/_src/tools/hf_export.py"
 
 
 def test_the_package_never_unpickles_evaluates_or_imports_by_name() -> None:
@@ -70,12 +73,15 @@ def test_the_package_never_unpickles_evaluates_or_imports_by_name() -> None:
                 names = {(node.module or "").split(".")[0]}
             else:
                 names = set()
+            user_named = str(path.relative_to(ROOT)) == _USER_NAMED_IMPORT
+            if user_named:
+                names -= {"importlib"}
             if names & _FORBIDDEN_MODULES:
                 problems.append(f"{where}: imports {names & _FORBIDDEN_MODULES}")
             if isinstance(node, ast.Call):
                 fn = node.func
                 name = fn.id if isinstance(fn, ast.Name) else getattr(fn, "attr", "")
-                if name == "import_module" or (
+                if (name == "import_module" and not user_named) or (
                     isinstance(fn, ast.Name) and name in _FORBIDDEN_CALLS
                 ):
                     problems.append(f"{where}: calls {name}")
