@@ -203,3 +203,17 @@ def test_the_figure_check_sees_comments_and_docstrings() -> None:
     )
     texts = [m.group(0) for _, t in _comments_and_docstrings(source) for m in _FIGURE.finditer(t)]
     assert sorted(texts) == ["2.5 GB/s", "30 ms"]
+
+
+def test_the_architecture_diagram_names_every_module() -> None:
+    # docs/architecture.md's layer diagram is the map of the code (issue 26): a module it
+    # does not name is a module a maintainer cannot place.
+    doc = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    start = doc.index("```\n tools/")
+    diagram = doc[start : doc.index("```", start + 3)]
+    missing = [
+        str(path.relative_to(PACKAGE))
+        for path in sorted((PACKAGE / "_src").rglob("*.py"))
+        if path.name != "__init__.py" and not re.search(rf"\b{path.stem}\b", diagram)
+    ]
+    assert not missing, f"modules missing from docs/architecture.md's diagram: {missing}"

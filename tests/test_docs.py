@@ -6,7 +6,7 @@ Conventions for the pages in ``RUNNABLE_PAGES``:
   fresh temporary directory (so relative paths in examples are scratch files);
 - every ```` ```bash ```` block runs there too, with ``bash -e``; to save a JAX import per
   command, ``orbax-safetensors`` there is a small client that runs ``cli.main`` inside the test
-  process (``tests/test_cli.py`` runs the real console script);
+  process (``tests/tools/test_cli.py`` runs the real console script);
 - a block whose first line is ``# not run`` (optionally followed by a reason) is only shown.
 
 If ``mkdocs`` is installed, ``mkdocs build --strict`` must succeed (into a temporary

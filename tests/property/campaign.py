@@ -1,13 +1,10 @@
 """Shared strategies, settings and comparisons of the property campaign (``tests/property``).
 
 Settings: every campaign test takes its example count from one hypothesis profile,
-``OSF_PROPERTY_PROFILE`` (``ci``, the default, bounded for a 2-core CI machine; ``long`` for
-local runs, 25 times the examples). ``deadline=None`` throughout: a first save compiles.
-
-Known bugs, fixed on other branches (issue 25): while a flag below is True the campaign's random
-strategies steer around that bug and a dedicated test exercising it is marked ``xfail``
-(``strict=False``). Flip the flag to False once the fix is merged: the strategies then reach
-the case again and the dedicated tests must pass.
+``OSF_PROPERTY_PROFILE`` (``ci``, the default, bounded for a 2-core CI machine; ``stack``, a
+quarter of that, for CI's runs on the older stacks, where the point is the versions rather than
+the search; ``long`` for local runs, 25 times the examples). ``deadline=None`` throughout: a
+first save compiles. Each failure the campaign found is a named test in ``test_regressions.py``.
 
 Example::
 
@@ -47,9 +44,14 @@ settings.register_profile(
 )
 
 
+settings.register_profile(
+    "osf-stack", max_examples=5, deadline=None, suppress_health_check=_SUPPRESS, print_blob=True
+)
+
+
 def campaign(weight: float = 1.0) -> settings:
     """The profile's settings with ``weight`` times its example count (at least 2)."""
-    base = settings.get_profile("osf-long" if PROFILE == "long" else "osf-ci")
+    base = settings.get_profile(f"osf-{PROFILE}" if PROFILE in ("long", "stack") else "osf-ci")
     return settings(base, max_examples=max(2, int(base.max_examples * weight)))
 
 

@@ -1,5 +1,5 @@
 """Deterministic global arrays for the multi-host checkpoint tests, shared by the workers and
-the single-process checks in ``tests/test_multihost.py``.
+the single-process checks in ``tests/multihost/test_multihost.py``.
 
 Every tensor's value is a pure function of its name, shape, dtype and the save step, so any
 process (a worker holding a few shards, or the test process with no ``jax.distributed``) can

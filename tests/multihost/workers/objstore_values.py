@@ -1,6 +1,6 @@
 """Deterministic global tensors for the object-storage multi-process test.
 
-Shared by ``objstore_worker.py`` (which holds shards) and ``tests/test_objstore_multiprocess.py``
+Shared by ``objstore_worker.py`` (which holds shards) and ``tests/objstore/test_objstore_multiprocess.py``
 (which downloads the files and checks them whole). Mesh: ``(N, 2)`` with axes
 ``("data", "model")``, so "data" splits across processes and "model" across a process's two
 devices.

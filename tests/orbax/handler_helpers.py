@@ -14,7 +14,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
-SCRIPTS = Path(__file__).parent / "scripts"
+SCRIPTS = Path(__file__).parents[1] / "scripts"
 OUR_FILES = {"model.safetensors", "orbax_safetensors.json"}
 ORBAX_MARKERS = {"commit_success.txt"}  # Orbax's own per-item commit marker on local disks
 

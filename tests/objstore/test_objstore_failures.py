@@ -16,14 +16,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+import orbax_safetensors as osf
+
 # tests/ is on sys.path (as for tests/conftest.py).
 from objstore import servers
 from objstore.buckets import download, list_keys, pending_uploads, split_url
 from objstore.faultproxy import through_proxy
 from objstore.fixtures import KINDS, require_object_store
 from objstore.trees import MiB, check_tree, official_tensors, sample_tree
-
-import orbax_safetensors as osf
 
 # --------------------------------------------------------------------------- failures
 

@@ -5,7 +5,7 @@ PyTreeCheckpointHandler do (points 2 to 13; point 1, shardings, in
 Every test saves the same tree through Orbax's own handler (``StandardSave`` / ``PyTreeSave``)
 and through ``SafetensorsSave``, each with a real ``ocp.CheckpointManager``, restores both with
 the same target or restore args, and compares the results leaf by leaf with one helper
-(``assert_same_restore`` in ``tests/fidelity.py``). The installed Orbax is the reference.
+(``assert_same_restore`` in ``tests/orbax/fidelity.py``). The installed Orbax is the reference.
 """
 
 from __future__ import annotations

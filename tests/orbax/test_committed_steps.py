@@ -7,7 +7,7 @@ steps); old steps are damaged the way a kill during Orbax's cleanup of old steps
 (files deleted); object stores are the local S3 and GCS test servers. The command line runs
 in-process (``cli.main``) and once as ``python -m orbax_safetensors.cli``.
 
-Run as a script, this file is the saver (``python tests/test_committed_steps.py ROOT MODE``).
+Run as a script, this file is the saver (``python tests/orbax/test_committed_steps.py ROOT MODE``).
 """
 
 from __future__ import annotations

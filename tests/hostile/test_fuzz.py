@@ -7,7 +7,7 @@ schemas. Only our own ``ValueError`` subclasses may escape; whatever parses must
 
 Run longer locally::
 
-    OSF_FUZZ_SECONDS=600 python -m pytest tests/test_fuzz.py
+    OSF_FUZZ_SECONDS=600 python -m pytest tests/hostile/test_fuzz.py
 """
 
 from __future__ import annotations

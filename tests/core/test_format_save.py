@@ -146,7 +146,7 @@ def _doc_json_blocks() -> list[object]:
     import re
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parent.parent / "docs" / "format.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "format.md").read_text()
     blocks = re.findall(r"^```json\n(.*?)^```", text, re.MULTILINE | re.DOTALL)
     out = []
     for b in blocks:

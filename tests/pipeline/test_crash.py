@@ -15,7 +15,7 @@ a later save of the same step then usually takes another name, so the debris of 
 stays (ignored) beside the directory of the step being written when this trial's saver was
 killed.
 
-Run as a script, this file is the zygote (``python tests/test_crash.py zygote``).
+Run as a script, this file is the zygote (``python tests/pipeline/test_crash.py zygote``).
 """
 
 from __future__ import annotations

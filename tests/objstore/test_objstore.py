@@ -21,11 +21,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+import orbax_safetensors as osf
+
 # tests/ is on sys.path (as for tests/conftest.py).
 from objstore.buckets import download, list_keys, pending_uploads, upload
 from objstore.trees import MiB, as_comparable, check_tree, official_tensors, sample_tree
-
-import orbax_safetensors as osf
 from orbax_safetensors._src.orbax import object_storage as _object_storage
 from orbax_safetensors._src.storage.objstore import s3 as _s3
 

@@ -2,7 +2,7 @@
 
 Each test saves the same tree through Orbax's own handler and through ours (real managers,
 real files), restores both with the same arguments, and compares the results leaf by leaf
-with ``assert_same_restore`` of ``tests/fidelity.py`` (structure, type, dtype, shape,
+with ``assert_same_restore`` of ``tests/orbax/fidelity.py`` (structure, type, dtype, shape,
 sharding, value), or checks that both refuse:
 
 - a TrainState saved with one optimizer, restored into another optimizer's state, is refused

@@ -3,7 +3,7 @@
 still restore, reading each header once; the object-store read planner's byte bound and
 request count (issue 27, must-hold 2) on byte runs.
 
-The object-store halves (S3 and GCS test servers) are in ``tests/test_objstore_reads.py``.
+The object-store halves (S3 and GCS test servers) are in ``tests/objstore/test_objstore_reads.py``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from orbax_safetensors._src.core.errors import IntegrityError, SchemaError
 from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
 from orbax_safetensors._src.pipeline.reader import ReadStats
 
-GOLDEN = Path(__file__).parent / "golden" / "format1_without_offsets"
+GOLDEN = Path(__file__).parents[1] / "golden" / "format1_without_offsets"
 META = "orbax_safetensors.json"
 
 

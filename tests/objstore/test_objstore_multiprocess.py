@@ -13,11 +13,11 @@ import pytest
 # tests/ is on sys.path (as for tests/conftest.py).
 from multihost.launcher import run_workers
 from multihost.workers import objstore_values as vals
+
+import orbax_safetensors as osf
 from objstore import servers
 from objstore.buckets import download, list_keys, pending_uploads
 from objstore.trees import MiB, as_comparable, official_tensors
-
-import orbax_safetensors as osf
 
 # --------------------------------------------------------------------------- multi-process
 

@@ -40,7 +40,7 @@ try:  # pytest puts tests/ on sys.path while tests/ has no __init__.py
 except ImportError:  # pragma: no cover - run from the repository root as a package
     from tests.golden.rich_tree import rich_tree
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).parents[1] / "golden"
 POLICY = {"*.w": "bfloat16", "nnx.*": "float16"}
 
 

@@ -5,7 +5,7 @@ Every test drives a real ``ocp.CheckpointManager`` whose steps are written by
 each kept step restores to the values saved at that step. The crash test SIGKILLs a real
 subprocess during an async save.
 
-Run as a script, this file is that subprocess (``python tests/test_manager_options.py ROOT
+Run as a script, this file is that subprocess (``python tests/orbax/test_manager_options.py ROOT
 MODE``, see :func:`_save_then_kill`).
 """
 

@@ -27,6 +27,7 @@ from orbax_safetensors._src.storage.objstore import calls as _calls
 
 try:  # tests/ without __init__.py: pytest puts tests/ itself on sys.path.
     from multihost.launcher import run_workers
+
     from objstore import servers
 except ImportError:  # tests/ is a package: the repository root is on sys.path.
     from tests.multihost.launcher import run_workers  # type: ignore[no-redef]

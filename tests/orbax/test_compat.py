@@ -131,7 +131,7 @@ def test_sharding_memo_gives_the_same_answers_without_the_private_key() -> None:
 
 
 def test_direct_device_put_is_found() -> None:
-    # tests/test_place.py compares it with jax.device_put (and the fallback path) leaf by leaf.
+    # tests/pipeline/test_place.py compares it with jax.device_put (and the fallback path) leaf by leaf.
     assert _jaxcompat.batched_device_put() is not None, (
         f"pxla.batched_device_put moved in jax {jax.__version__}: restores of many small "
         "tensors take jax.device_put (correct, slower); update _src/compat/jaxcompat.py"

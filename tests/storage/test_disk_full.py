@@ -10,7 +10,7 @@ Either way the error surfaces from ``save()`` or ``wait_until_finished()`` namin
 failed step is never listed, earlier steps restore bit for bit, and ``save_file`` leaves no
 partial file at (or beside) its destination.
 
-Run as a script, this file is the RLIMIT_FSIZE subprocess (``python tests/test_disk_full.py``).
+Run as a script, this file is the RLIMIT_FSIZE subprocess (``python tests/storage/test_disk_full.py``).
 """
 
 from __future__ import annotations
