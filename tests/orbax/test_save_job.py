@@ -376,6 +376,31 @@ def test_save_directory_is_a_direct_job(tmp_path: Path) -> None:
     _assert_checksummed(tmp_path / "d")
 
 
+def test_save_file_is_a_file_save_job(tmp_path: Path) -> None:
+    """``osf.save_file`` is ``FileSaveJob``'s steps: driven by hand they write the same bytes
+    (data, then the header with the checksums); nothing is at the path before ``finalize``."""
+    state = {**_state(4), "step": 7}
+    policy = {"w": jnp.bfloat16}
+    osf.save_file(state, tmp_path / "a.safetensors", {"k": "v"}, dtype=policy)
+    validated = _checkpoint_save.validate_save(state, dtype=policy)
+    job = _save_job.FileSaveJob(validated, tmp_path / "b.safetensors", metadata={"k": "v"})
+    with pytest.raises(RuntimeError, match="start first"):
+        job.write()
+    job.start()
+    job.write()
+    written = [p.name for p in tmp_path.iterdir()]
+    assert "b.safetensors" not in written and any(
+        n.startswith(".b.safetensors.tmp-") for n in written
+    )
+    job.finalize()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors", "b.safetensors"]
+    data = (tmp_path / "b.safetensors").read_bytes()
+    assert data == (tmp_path / "a.safetensors").read_bytes()
+    _assert_same(
+        osf.load_file(tmp_path / "b.safetensors"), {**state, "w": state["w"].astype(jnp.bfloat16)}
+    )
+
+
 def test_a_process_whose_save_raised_exits_cleanly(tmp_path: Path) -> None:
     """Issue 25.2 at interpreter exit: a script whose async ``save()`` raised (a leaf deleted
     after the args were built) and that exits at once ends with status 0, no traceback from a

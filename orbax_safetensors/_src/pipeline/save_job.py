@@ -37,6 +37,7 @@ import dataclasses
 import enum
 import threading
 import time
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -44,6 +45,7 @@ import jax
 from etils import epath
 
 from orbax_safetensors._src.core import casting as _casting
+from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import plan as _plan
@@ -53,6 +55,7 @@ from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.pipeline import snapshots as _snapshots
 from orbax_safetensors._src.storage import buffers as _buffers
 from orbax_safetensors._src.storage import config as _config
+from orbax_safetensors._src.storage import interface as _interface
 from orbax_safetensors._src.storage import replace as _replace
 from orbax_safetensors._src.storage import router as _router
 
@@ -348,6 +351,116 @@ class SaveJob:
         if validated is None:
             raise RuntimeError(f"{self!r}: the tree was already written or the save aborted")
         return validated
+
+
+# Tensor bytes a FileSaveJob hands to the writer at once: large enough for parallel writes,
+# small enough that cast or device-copied bytes stay a bounded extra.
+_WRITE_BATCH_BYTES = 64 << 20
+
+
+class FileSaveJob:
+    """One save of ``validated`` as ONE ``.safetensors`` file at ``path`` (``save_file``): the
+    single-file sibling of :class:`SaveJob`, with the same steps (a ``DIRECT`` save by one
+    process), where the schema and the checksums go into the header's ``__metadata__``.
+
+    - :meth:`start` plans the file, checksums as fixed-width placeholders (so the header's
+      length, hence every offset, is known before any byte is written);
+    - :meth:`write` writes the data, checksummed as written, a batch of tensors at a time (cast
+      or copied bytes are held for one batch only), then the header with the real checksums,
+      into a temporary file beside ``path`` (on ``s3://`` and ``gs://``: the object itself,
+      which appears only once complete);
+    - :meth:`finalize` renames the temporary file onto ``path`` and makes the rename durable.
+
+    A step that fails removes the temporary file: nothing half-written is ever at ``path``.
+
+    Example::
+
+        job = FileSaveJob(validate_save(params), "/tmp/w.safetensors")
+        job.start()
+        job.write()
+        job.finalize()
+    """
+
+    def __init__(
+        self,
+        validated: _checkpoint_save.ValidatedTree,
+        path: epath.PathLike,
+        *,
+        metadata: Mapping[str, str] | None = None,
+        io: _config.IOOptions | None = None,
+    ) -> None:
+        self.path = path = epath.Path(path)
+        self.io = io
+        self._validated = validated
+        self._metadata = metadata
+        self._plan: _plan.CheckpointPlan | None = None
+        self._tmp: epath.Path | None = None
+        if not _router.is_object_url(path):
+            self._tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
+
+    def __repr__(self) -> str:
+        return f"FileSaveJob({str(self.path)!r})"
+
+    def start(self) -> None:
+        """Plans the file (with placeholder checksums of the final width)."""
+        placeholder = {s.name: _checksum.to_hex(0) for s in self._validated.specs}
+        self._plan = self._plan_file(placeholder)
+
+    def write(self) -> None:
+        """Writes the data, then the header holding its checksums (see the class docstring)."""
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError(f"{self!r}: write needs start first")
+        target = self._tmp if self._tmp is not None else self.path  # an object: written whole
+        size = plan.files[0].size
+        try:
+            with _router.open_writer(
+                target, size=size, truncate=self._tmp is not None, io=self.io
+            ) as w:
+                self._write(w, plan)
+        except BaseException:
+            self._remove_tmp()
+            raise
+
+    def _write(self, w: _interface.Writer, plan: _plan.CheckpointPlan) -> None:
+        # Data first, checksummed as written, a batch of tensors at a time (cast or copied
+        # bytes are held for one batch only); then the header, which holds the CRCs.
+        flat, specs = self._validated.flat, self._validated.specs
+        records: _interface.WriteResult = []
+        batch: list[_interface.Piece] = []
+        held = 0
+        for _, pieces in _pieces.iter_host_pieces(plan, flat.arrays, copy=False):
+            batch.extend(pieces)
+            held += sum(p.data.nbytes for p in pieces)
+            if held >= _WRITE_BATCH_BYTES:
+                records += w.write(batch, checksums=True)
+                batch, held = [], 0
+        records += w.write(batch, checksums=True)
+        del batch
+        crcs = _pieces.tensor_checksums(records, {s.name: s.nbytes for s in specs})
+        final = self._plan_file({n: _checksum.to_hex(c) for n, c in crcs.items()}).files[0]
+        if final.data_start != plan.files[0].data_start:
+            raise AssertionError("internal: header length changed after checksumming")
+        w.write([_interface.header_piece(final.header)])
+
+    def finalize(self) -> None:
+        """Renames the written file onto ``path`` and syncs its directory (local files)."""
+        if self._tmp is None:
+            return  # an object store's object appeared whole when its writer closed
+        try:
+            self._tmp.replace(self.path)
+        except BaseException:
+            self._remove_tmp()
+            raise
+        _router.fsync_dir(self.path.parent)
+
+    def _plan_file(self, checksums: Mapping[str, str]) -> _plan.CheckpointPlan:
+        meta = _metadata.file_metadata(self._validated.flat.schema, checksums, self._metadata)
+        return _plan.plan_files(self._validated.specs, max_file_size=None, metadata=meta)
+
+    def _remove_tmp(self) -> None:
+        if self._tmp is not None and self._tmp.exists():
+            self._tmp.unlink()
 
 
 def finalize_from_disk(directory: epath.PathLike, io: _config.IOOptions | None = None) -> None:

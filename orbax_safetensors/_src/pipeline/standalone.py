@@ -14,7 +14,6 @@ Example::
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,7 +23,6 @@ from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.core import metadata as _metadata
-from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.core.errors import (
     SafetensorsCheckpointError,
@@ -32,12 +30,11 @@ from orbax_safetensors._src.core.errors import (
 )
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
 from orbax_safetensors._src.pipeline import gcpause as _gcpause
-from orbax_safetensors._src.pipeline import pieces as _pieces
+from orbax_safetensors._src.pipeline import save_job as _save_job
 from orbax_safetensors._src.pipeline.reader import StoredTensor
 from orbax_safetensors._src.pipeline.restore_options import RestoreOptions
 from orbax_safetensors._src.pipeline.tree_restore import restore_tree
 from orbax_safetensors._src.storage import config as _config
-from orbax_safetensors._src.storage import interface as _interface
 from orbax_safetensors._src.storage import router as _router
 
 
@@ -81,54 +78,11 @@ def save_file(
         osf.save_file(params, "w16.safetensors", dtype=jnp.bfloat16)
         osf.save_file(params, "w16.safetensors", dtype={"*.norm.*": None, "*": "bfloat16"})
     """
-    path = epath.Path(path)
-    validated = _checkpoint_save.validate_save(tree, dtype=dtype)  # a save job's first step
-    flat, specs = validated.flat, validated.specs
-    placeholder = {s.name: _checksum.to_hex(0) for s in specs}
-    meta = _metadata.file_metadata(flat.schema, placeholder, metadata)
-    plan = _plan.plan_files(specs, max_file_size=None, metadata=meta)
-    sizes = {s.name: s.nbytes for s in specs}
-    size = plan.files[0].size
-
-    def write(w: _interface.Writer) -> None:
-        # Data first, checksummed as it is written, a batch of tensors at a time (cast or
-        # copied bytes are held for one batch only); then the header, which holds the CRCs
-        # (fixed-width hex: the header's length, hence every offset, is known beforehand).
-        records: _interface.WriteResult = []
-        batch: list[_interface.Piece] = []
-        held = 0
-        for _, pieces in _pieces.iter_host_pieces(plan, flat.arrays, copy=False):
-            batch.extend(pieces)
-            held += sum(p.data.nbytes for p in pieces)
-            if held >= _WRITE_BATCH_BYTES:
-                records += w.write(batch, checksums=True)
-                batch, held = [], 0
-        records += w.write(batch, checksums=True)
-        del batch
-        crcs = _pieces.tensor_checksums(records, sizes)
-        final_meta = _metadata.file_metadata(
-            flat.schema, {n: _checksum.to_hex(c) for n, c in crcs.items()}, metadata
-        )
-        final = _plan.plan_files(specs, max_file_size=None, metadata=final_meta).files[0]
-        if final.data_start != plan.files[0].data_start:
-            raise AssertionError("internal: header length changed after checksumming")
-        w.write([_interface.header_piece(final.header)])
-
-    if _router.is_object_url(path):
-        # An object appears whole or not at all: write the final object directly.
-        with _router.open_writer(path, size=size, io=io_options) as w:
-            write(w)
-        return
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
-    try:
-        with _router.open_writer(tmp, size=size, truncate=True, io=io_options) as w:
-            write(w)
-        tmp.replace(path)
-    except BaseException:
-        if tmp.exists():
-            tmp.unlink()
-        raise
-    _router.fsync_dir(path.parent)
+    validated = _checkpoint_save.validate_save(tree, dtype=dtype)  # before any I/O
+    job = _save_job.FileSaveJob(validated, path, metadata=metadata, io=io_options)
+    job.start()
+    job.write()
+    job.finalize()
 
 
 def locate_in_file(
@@ -227,9 +181,6 @@ def load_with_options(path: epath.PathLike, options: RestoreOptions) -> Any:
 
 
 _READ_ATTEMPTS = 5
-# Tensor bytes handed to the writer at once by save_file: large enough for parallel writes,
-# small enough that cast or device-copied bytes stay a bounded extra.
-_WRITE_BATCH_BYTES = 64 << 20
 
 
 def _identity(path: epath.Path) -> tuple[int, ...] | None:
