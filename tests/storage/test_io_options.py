@@ -70,6 +70,25 @@ def test_the_handler_takes_io_options(tmp_path: Path, monkeypatch: pytest.Monkey
     assert handler.last_read_stats is not None and handler.last_read_stats.direct_bytes == 0
 
 
+def test_the_args_take_io_options_over_the_handlers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The handler has none, so its default is the environment's (a bad one here): the args'
+    # options are the ones used, for the save and for the restore.
+    monkeypatch.setenv("OSF_DIRECT_IO", "sometimes")
+    io = osf.IOOptions(direct_io="never")
+    handler = osf.SafetensorsCheckpointHandler()
+    with ocp.CheckpointManager(tmp_path, item_handlers=handler) as mngr:
+        mngr.save(0, args=osf.SafetensorsSave(_tree(), io_options=io))
+        mngr.wait_until_finished()
+        got = mngr.restore(0, args=osf.SafetensorsRestore(io_options=io))
+        np.testing.assert_array_equal(np.asarray(got["w"]), _tree()["w"])
+        assert handler.last_read_stats is not None and handler.last_read_stats.direct_bytes == 0
+        with pytest.raises(ValueError, match="OSF_DIRECT_IO='sometimes'"):
+            mngr.restore(0, args=osf.SafetensorsRestore())  # the handler's: the environment's
+    assert "io_options=" in repr(osf.SafetensorsSave(_tree(), io_options=io))
+
+
 def test_save_file_and_load_file_take_io_options(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -21,6 +21,7 @@ from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.orbax import args as _args
 from orbax_safetensors._src.orbax import save_args as _save_args
 from orbax_safetensors._src.orbax.tree_metadata import TreeMetadata
+from orbax_safetensors._src.storage import config as _config
 
 
 @dataclasses.dataclass(repr=False)
@@ -51,6 +52,8 @@ class SafetensorsRestore(ocp.args.CheckpointArgs):
         ``osf.load_file``: only the selected tensors are read. Without ``item`` the selected
         subtrees come back in their saved containers; with one, the patterns select among its
         leaves, and an unselected leaf comes back as given (as Orbax's ``PLACEHOLDER``).
+      io_options: how this restore reads (``osf.IOOptions``: direct I/O mode, object-store
+        options, tracing); None: the handler's.
 
     The standalone ``load_file`` / ``load_model`` keep the safetensors and PyTorch meaning of
     ``strict`` (keys). Prints as a summary, never the arrays.
@@ -63,6 +66,7 @@ class SafetensorsRestore(ocp.args.CheckpointArgs):
     fallback_sharding: Any = None
     include: str | Sequence[str] | None = None
     exclude: str | Sequence[str] | None = None
+    io_options: _config.IOOptions | None = None
 
     def __post_init__(self) -> None:
         _select.Selection.of(self.include, self.exclude)  # a bad pattern fails here
@@ -85,6 +89,8 @@ class SafetensorsRestore(ocp.args.CheckpointArgs):
             parts.append(f"include={self.include!r}")
         if self.exclude is not None:
             parts.append(f"exclude={self.exclude!r}")
+        if self.io_options is not None:
+            parts.append(f"io_options={self.io_options!r}")
         return f"SafetensorsRestore({', '.join(parts)})"
 
     def __str__(self) -> str:

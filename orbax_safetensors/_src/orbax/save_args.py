@@ -17,6 +17,7 @@ import orbax.checkpoint as ocp
 from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.orbax import args as _args
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
+from orbax_safetensors._src.storage import config as _config
 
 REGISTRY_HINT = (
     "an item that also takes Orbax's StandardSave/PyTreeSave args needs "
@@ -45,6 +46,8 @@ class SafetensorsSave(ocp.args.CheckpointArgs):
         (an async save's snapshot holds the cast bytes), never as a cast copy of the whole
         state; each process casts its own shards. A bad policy raises here, before Orbax
         creates the step.
+      io_options: how this save writes (``osf.IOOptions``: direct I/O mode, object-store
+        options, tracing); None: the handler's.
 
     Prints as a summary (``SafetensorsSave(item=<dict: 12 leaves, 3.4 MiB>)``), never the
     arrays.
@@ -55,6 +58,7 @@ class SafetensorsSave(ocp.args.CheckpointArgs):
     custom_metadata: Mapping[str, Any] | None = None
     metadata: Mapping[str, Any] | None = None
     dtype: Any = None
+    io_options: _config.IOOptions | None = None
     _validated: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -85,6 +89,8 @@ class SafetensorsSave(ocp.args.CheckpointArgs):
             parts.append(f"custom_metadata={_args.tree_summary(dict(self.custom_metadata))}")
         if self.dtype is not None:
             parts.append(_casting.parse_policy(self.dtype).describe())  # type: ignore[union-attr]
+        if self.io_options is not None:
+            parts.append(f"io_options={self.io_options!r}")
         return f"SafetensorsSave({', '.join(parts)})"
 
     def __str__(self) -> str:

@@ -120,7 +120,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
             layout=self._layout,
             processes=_save_job.Processes.of_jax(self._primary_host),
             host_buffers=self._host_buffers,
-            io=self._io,
+            io=args.io_options if args.io_options is not None else self._io,
         )
         self.last_write_stats = job.stats
         return job
@@ -226,7 +226,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
             verify=self._verify,
             words=words or _restoring.v0_words(args),
             stats=stats,
-            io=self._io,
+            io=args.io_options if args.io_options is not None else self._io,
         )
         self.last_read_stats = stats
         return result
