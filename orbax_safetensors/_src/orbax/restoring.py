@@ -390,15 +390,15 @@ def load_file(
         params = osf.load_file("w.safetensors", target=jax.eval_shape(lambda: params))
         attn = osf.load_file("w.safetensors", include="layers.*.attn", exclude="*.bias")
     """
-    options = RestoreOptions.standalone(
+    return _standalone.load_file(
+        path,
         neutral_target(target),
         strict=strict,
         include=include,
         exclude=exclude,
         verify=verify,
-        io=io_options,
+        io_options=io_options,
     )
-    return _standalone.load_with_options(path, options)
 
 
 def restore_directory(
@@ -432,13 +432,14 @@ def restore_directory(
 
         state = osf.restore_directory("/tmp/ckpt/100/default", target=abstract_state)
     """
-    options = RestoreOptions.standalone(
+    return _checkpoint_restore.restore_directory(
+        directory,
         neutral_target(target),
         strict=strict,
+        verify=verify,
+        stats=stats,
+        fallback_sharding=fallback_sharding,
         include=include,
         exclude=exclude,
-        verify=verify,
-        fallback_sharding=fallback_sharding,
-        io=io_options,
+        io_options=io_options,
     )
-    return _checkpoint_restore.restore_checkpoint(directory, options, stats=stats)
