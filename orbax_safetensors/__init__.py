@@ -19,6 +19,7 @@ from orbax_safetensors._src.core.errors import (
     UnsupportedLeafError,
 )
 from orbax_safetensors._src.core.header import Header, TensorEntry
+from orbax_safetensors._src.integrations import publish as _publish  # noqa: F401 (mapping=)
 from orbax_safetensors._src.integrations.nnx import load_model, save_model
 from orbax_safetensors._src.integrations.presets import preset_mapping
 from orbax_safetensors._src.integrations.pytorch import (

@@ -4,9 +4,10 @@ A policy (the ``dtype=`` argument of ``save_file``, ``SafetensorsSave``, ``save_
 ``convert``) is one of:
 
 - one dtype: every floating-point array is stored in it; other arrays keep their dtype;
+  ``None`` or ``"keep"``: every array keeps its dtype;
 - a mapping of glob patterns (``fnmatch``, over dotted names) to a dtype or ``None`` /
   ``"keep"`` (keep the dtype); the first pattern that matches wins, a name no pattern matches keeps its dtype;
-- a callable ``(dotted_name, leaf) -> dtype | None``.
+- a callable ``(dotted_name, leaf) -> dtype | None | "keep"``.
 
 :func:`parse_policy` checks a policy before anything is written; :func:`resolve` gives each
 tensor's stored dtype (pure: names, dtypes and shapes in, dtypes out). The schema records each
@@ -108,6 +109,8 @@ def parse_policy(policy: DtypePolicy | Policy | None) -> Policy | None:
     """
     if policy is None or isinstance(policy, Policy):
         return policy
+    if _is_keep(policy):
+        return None
     if isinstance(policy, Mapping):
         patterns = []
         for pattern, value in policy.items():
@@ -116,8 +119,7 @@ def parse_policy(policy: DtypePolicy | Policy | None) -> Policy | None:
                     f"dtype policy pattern {pattern!r}: patterns are non-empty glob strings "
                     "over dotted names, e.g. '*.kernel'"
                 )
-            keep = value is None or (isinstance(value, str) and value.lower() == "keep")
-            dt = None if keep else to_dtype(value, f"dtype policy pattern {pattern!r}")
+            dt = None if _is_keep(value) else to_dtype(value, f"dtype policy pattern {pattern!r}")
             patterns.append((pattern, dt))
         return Policy(patterns=tuple(patterns))
     if callable(policy) and not _is_dtype_like(policy):
@@ -129,6 +131,11 @@ def parse_policy(policy: DtypePolicy | Policy | None) -> Policy | None:
             "(e.g. bfloat16); to cast other arrays, map their names: {'*.ids': 'int32'}"
         )
     return Policy(single=dt)
+
+
+def _is_keep(value: object) -> bool:
+    # None or "keep" (any case): the tensor keeps its dtype.
+    return value is None or (isinstance(value, str) and value.lower() == "keep")
 
 
 def _is_floating(dt: np.dtype) -> bool:
@@ -179,7 +186,7 @@ def resolve(
         else:
             assert policy.fn is not None
             value = policy.fn(name, leaves[i])
-            want = None if value is None else _leaf_dtype(value, name)
+            want = None if _is_keep(value) else _leaf_dtype(value, name)
         if want is None or want == current:
             continue
         _check_cast(name, current, want, shapes[i], i in keys)

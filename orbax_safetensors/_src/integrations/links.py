@@ -162,8 +162,9 @@ class Link:
             out += [t.to_torch(p) for p in parts]
         return out
 
-    def to_flax(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """The Flax tensors of the PyTorch ``arrays``."""
+    def to_flax(self, arrays: Sequence[Any], xp: Any = np) -> list[Any]:
+        """The Flax tensors of the PyTorch ``arrays``; ``xp``: the array module the joins and
+        splits use (``jax.numpy`` to run on device, under ``jit``)."""
         t = self.rule.transform_or_identity
         if self.rule.one_to_one:
             return [t.to_flax(arrays[0])]
@@ -171,15 +172,39 @@ class Link:
             y = arrays[0]
             axis = self.rule.axis % y.ndim
             sizes = _sizes(self.rule, y.shape[axis], len(self.flax), self._where())
-            return [t.to_flax(p) for p in np.split(y, np.cumsum(sizes)[:-1], axis=axis)]
+            cuts = [int(c) for c in np.cumsum(sizes)[:-1]]
+            return [t.to_flax(p) for p in xp.split(y, cuts, axis=axis)]
         n = self._n_parts()
         layers = []
         for i in range(max(1, self.layers)):
             parts = [t.to_flax(a) for a in arrays[i * n : (i + 1) * n]]
             layers.append(
-                np.concatenate(parts, axis=self.rule.axis) if self.rule.fused else parts[0]
+                xp.concatenate(parts, axis=self.rule.axis) if self.rule.fused else parts[0]
             )
-        return [np.stack(layers) if self.rule.stacked is not None else layers[0]]
+        return [xp.stack(layers) if self.rule.stacked is not None else layers[0]]
+
+    def pairs(self) -> list[tuple[str, str]]:
+        """``(torch key, flax name)`` pairs of this link, for a report."""
+        if len(self.flax) == 1:
+            return [(k, self.flax[0]) for k in self.torch]
+        return [(self.torch[0], n) for n in self.flax]
+
+
+def link_batches(
+    links: Sequence[Link], nbytes: Any, max_bytes: int, *, torch_side: bool
+) -> list[list[Link]]:
+    """``links`` in batches of at most ``max_bytes`` (``nbytes(name)`` of each link's tensors
+    on the PyTorch or the Flax side; a larger link is a batch alone)."""
+    out: list[list[Link]] = []
+    used = 0
+    for link in links:
+        size = sum(nbytes(k) for k in (link.torch if torch_side else link.flax))
+        if not out or (out[-1] and used + size > max_bytes):
+            out.append([])
+            used = 0
+        out[-1].append(link)
+        used += size
+    return out
 
 
 def _first_rule(

@@ -31,7 +31,6 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -40,12 +39,12 @@ import numpy as np
 from etils import epath
 
 from orbax_safetensors._src.catalog import sources as _sources
-from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
 from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core.errors import TargetMismatchError
 from orbax_safetensors._src.integrations import flax_tables as _flax_tables
+from orbax_safetensors._src.integrations import hf_load as _hf_load
 from orbax_safetensors._src.integrations import links as _links
 from orbax_safetensors._src.integrations.key_mapping import (
     Chain,
@@ -79,149 +78,91 @@ __all__ = [
 # --------------------------------------------------------------------------- load
 
 
-def _model_variables(model: Any, variables: Any) -> dict[str, tuple[tuple[Any, ...], Any]]:
-    """``{dotted name: (path, Variable)}`` of the model's variables selected by ``variables``."""
-    from flax import nnx
-
-    filt = (nnx.Param, nnx.BatchStat) if variables is None else variables
-    state = nnx.state(model, filt)
-    return {".".join(str(k) for k in path): (path, var) for path, var in nnx.to_flat_state(state)}
-
-
-def _with_tied(
-    tensors: dict[str, _sources.TensorInfo], mapping: KeyMapping, model_vars: Any
-) -> tuple[dict[str, _sources.TensorInfo], dict[str, str]]:
-    # A tied key the file lacks reads the key it is tied to, when the model has its variable.
-    table, alias = dict(tensors), {}
-    for key, source in mapping.tied:
-        target = mapping.to_flax(key)
-        if key in table or source not in table or target is None or target[0] not in model_vars:
-            continue
-        table[key] = dataclasses.replace(table[source], name=key)
-        alias[key] = source
-    return table, alias
+def _source_path(path: epath.PathLike) -> epath.Path:
+    # A Hugging Face index file names its directory.
+    path = epath.Path(path)
+    if path.name.endswith(".index.json") and not path.is_dir():
+        return path.parent
+    return path
 
 
 def load_pytorch(
-    model: Any,
+    target: Any,
     path: epath.PathLike,
     mapping: KeyMapping,
     *,
     strict: bool = True,
     variables: Any = None,
+    prefix: str = "",
+    with_report: bool = False,
     batch_bytes: int = _sources.DEFAULT_BATCH_BYTES,
-) -> MappingReport:
-    """Loads a PyTorch/Hugging Face safetensors checkpoint into an NNX model, in place.
+) -> Any:
+    """Loads a PyTorch/Hugging Face safetensors checkpoint into an NNX model (in place) or into
+    any pytree (returned).
 
     Args:
-      model: the NNX module to fill (its variables keep their dtype and sharding; values are
-        cast to the variable's dtype).
-      path: a ``.safetensors`` file (e.g. ``safetensors.torch.save_file(model.state_dict())``)
-        or a directory of them (Hugging Face style, sharded with
-        ``model.safetensors.index.json`` or a single ``model.safetensors``).
-      mapping: how PyTorch keys become the model's variable names (stacked layers and fused
+      target: an NNX module, filled in place; or any pytree (dicts, Linen ``params``,
+        ``nnx.State``, ``TrainState.params``) of arrays, numpy arrays or
+        ``jax.ShapeDtypeStruct`` s (with shardings), named by their key paths joined with
+        ``.``: a tree of the same structure comes back, each leaf of its target's dtype and
+        sharding (numpy leaves stay numpy; a struct without sharding goes to the default
+        device). A sharded target is read sharded: each process reads the byte ranges of
+        its own shards (a reshaping rule reads the tensor whole), and the rule runs on device.
+      path: a ``.safetensors`` file (e.g. ``safetensors.torch.save_file(model.state_dict())``),
+        a directory of them (Hugging Face style, sharded with
+        ``model.safetensors.index.json`` or a single ``model.safetensors``), that index file,
+        or an item this library wrote.
+      mapping: how PyTorch keys become the target's names (stacked layers and fused
         projections are joined, tied keys the file lacks read the key they are tied to).
       strict: raise if any key is unmapped, unexpected, missing or mis-shaped (checked before
-        anything is loaded); with ``strict=False``, load what fits and return the report.
-      variables: an ``nnx`` filter of the variables to fill (default ``(nnx.Param,
-        nnx.BatchStat)``; RNG state is left alone).
-      batch_bytes: tensor bytes read at a time.
+        anything is read); with ``strict=False``, load what fits (the rest stays as given)
+        and report.
+      variables: with a module, an ``nnx`` filter of the variables to fill (default
+        ``(nnx.Param, nnx.BatchStat)``; RNG state is left alone).
+      prefix: only target names starting with it are filled, matched without it (e.g.
+        ``"params."`` for Linen's ``{"params": ...}``).
+      with_report: with a pytree, return ``(tree, report)``.
+      batch_bytes: tensor bytes read at a time (whole-tensor reads).
 
     Returns:
-      A :class:`MappingReport`.
+      With a module, a :class:`MappingReport`; with a pytree, the filled tree (and the report
+      with ``with_report``).
 
     Raises:
-      TargetMismatchError: with ``strict``, listing every problem at once.
+      TargetMismatchError: with ``strict``, listing every problem at once (naming keys,
+        names and shapes).
 
     Example::
 
         report = osf.load_pytorch(model, "pytorch_model.safetensors", mapping)
-        assert report.ok
+        params = osf.load_pytorch(abstract_params, "hf_dir", mapping, prefix="params.")
     """
-    import jax
     from flax import nnx
 
-    source = _sources.open_source(path)
-    model_vars = _model_variables(model, variables)
-    tensors, alias = _with_tied(source.tensors, mapping, model_vars)
-    links, report = _links.load_links(mapping, tensors)
-    moves: list[_links.Link] = []
-    claimed: dict[str, str] = {}
-    for link in links:
-        key = link.torch[0]
-        absent = [n for n in link.flax if n not in model_vars]
-        if absent:
-            report.unexpected += [f"{key} -> {n}" for n in absent]
-            continue
-        taken = [n for n in link.flax if n in claimed]
-        if taken:
-            report.mismatched += [f"{key} and {claimed[n]} both map to {n}" for n in taken]
-            continue
-        claimed.update(dict.fromkeys(link.flax, key))
-        infos = [tensors[k] for k in link.torch]
-        want = [tuple(_jaxcompat.nnx_value(model_vars[n][1]).shape) for n in link.flax]
-        described = f"{key} {infos[0].dtype}{list(infos[0].shape)}"
-        try:
-            got = link.flax_shapes([t.shape for t in infos], _dtypes.to_numpy(infos[0].dtype))
-        except ValueError as e:
-            report.mismatched.append(f"{described} -> {', '.join(link.flax)}: {e}")
-            continue
-        if got != want:
-            report.mismatched.append(
-                f"{described} becomes {', '.join(str(list(g)) for g in got)} but "
-                f"{', '.join(link.flax)} is {', '.join(str(list(w)) for w in want)}"
-            )
-            continue
-        moves.append(link)
-    report.missing = [n for n in model_vars if n not in claimed and not mapping.flax_ignored(n)]
-    if strict and not report.ok:
-        raise TargetMismatchError(
-            f"{path}: the checkpoint does not fit the model through this mapping\n"
-            + report.problems()
+    source = _sources.open_source(_source_path(path))
+    if isinstance(target, nnx.Module):
+        filt = (nnx.Param, nnx.BatchStat) if variables is None else variables
+        state, report = _hf_load.load_tree(
+            nnx.state(target, filt),
+            source,
+            mapping,
+            prefix=prefix,
+            strict=strict,
+            batch_bytes=batch_bytes,
+            where=str(path),
         )
-    updates = []
-    for group in _link_batches(moves, lambda k: tensors[k].nbytes, batch_bytes, torch_side=True):
-        wanted = sorted({alias.get(k, k) for link in group for k in link.torch})
-        arrays = source.read(wanted)
-        for link in group:
-            values = link.to_flax([arrays[alias.get(k, k)] for k in link.torch])
-            for name, value in zip(link.flax, values):
-                path_, var = model_vars[name]
-                current = _jaxcompat.nnx_value(var)
-                value = np.asarray(value).astype(current.dtype)
-                sharding = getattr(current, "sharding", None)
-                placed = (
-                    jax.device_put(value, sharding)
-                    if sharding is not None
-                    else jax.numpy.asarray(value)
-                )
-                updates.append((path_, var.replace(placed)))
-            report.moved += _pairs(link)
-    if updates:
-        nnx.update(model, nnx.from_flat_state(updates))
-    return report
-
-
-def _pairs(link: _links.Link) -> list[tuple[str, str]]:
-    # (torch key, flax name) pairs of a link, for the report
-    if len(link.flax) == 1:
-        return [(k, link.flax[0]) for k in link.torch]
-    return [(link.torch[0], n) for n in link.flax]
-
-
-def _link_batches(
-    links: Sequence[_links.Link], nbytes: Any, max_bytes: int, *, torch_side: bool
-) -> list[list[_links.Link]]:
-    out: list[list[_links.Link]] = []
-    used = 0
-    for link in links:
-        size = sum(nbytes(k) for k in (link.torch if torch_side else link.flax))
-        if not out or (out[-1] and used + size > max_bytes):
-            out.append([])
-            used = 0
-        out[-1].append(link)
-        used += size
-    return out
+        nnx.update(target, state)
+        return report
+    tree, report = _hf_load.load_tree(
+        target,
+        source,
+        mapping,
+        prefix=prefix,
+        strict=strict,
+        batch_bytes=batch_bytes,
+        where=str(path),
+    )
+    return (tree, report) if with_report else tree
 
 
 # --------------------------------------------------------------------------- export
@@ -230,7 +171,7 @@ def _link_batches(
 CONFIG_FILE_NAME = "config.json"
 
 
-def _config_json(hf_config: Any, dtypes: Sequence[str], cast: bool) -> str:
+def config_json(hf_config: Any, dtypes: Sequence[str], cast: bool) -> str:
     """``config.json`` text of a transformers config object or a dict. Its ``dtype`` (and
     ``torch_dtype`` if present) is the stored floating-point dtype (the one most tensors
     have) when unset, or when a dtype policy (``cast``) changed what is stored."""
@@ -402,7 +343,7 @@ def export_pytorch(
         if len(plan.files) > 1:
             (out / _plan.INDEX_FILE_NAME).write_text(json.dumps(plan.index_json(), indent=2))
         if hf_config is not None:
-            text = _config_json(hf_config, [s.dtype for s in specs], policy is not None)
+            text = config_json(hf_config, [s.dtype for s in specs], policy is not None)
             (out / CONFIG_FILE_NAME).write_text(text)
     return report
 
@@ -419,7 +360,7 @@ def _write(
     """Writes the files of ``plan`` a batch of links at a time: each tensor becomes pieces at
     its file offsets (``pipeline/pieces``), cast to its planned dtype there."""
     local = _router.is_local(directory)
-    groups = _link_batches(
+    groups = _links.link_batches(
         moves, lambda n: table.infos[n].nbytes, batch_bytes if local else 1 << 62, torch_side=False
     ) or [[]]
     for i, group in enumerate(groups):
@@ -436,7 +377,7 @@ def _write(
                 host = np.ascontiguousarray(value)
                 f, tensor_pieces = _pieces.tensor_pieces(plan, key, [(None, host)])
                 pieces.setdefault(f, []).extend(tensor_pieces)
-            report.moved += [(n, k) for k, n in _pairs(link) if k not in tied]
+            report.moved += [(n, k) for k, n in link.pairs() if k not in tied]
             for n in link.flax:
                 arrays.pop(n, None)
         last = i == len(groups) - 1

@@ -19,6 +19,7 @@ import orbax.checkpoint as ocp
 
 from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.orbax import args as _args
+from orbax_safetensors._src.orbax import mappings as _mappings
 from orbax_safetensors._src.orbax import save_args as _save_args
 from orbax_safetensors._src.orbax.tree_metadata import TreeMetadata
 from orbax_safetensors._src.storage import config as _config
@@ -54,6 +55,13 @@ class SafetensorsRestore(ocp.args.CheckpointArgs):
         leaves, and an unselected leaf comes back as given (as Orbax's ``PLACEHOLDER``).
       io_options: how this restore reads (``osf.IOOptions``: direct I/O mode, object-store
         options, tracing); None: the handler's.
+      mapping: an ``osf.KeyMapping``: the item holds the mapping's PyTorch tensors (saved with
+        ``SafetensorsSave(item, mapping=...)``, or any Hugging Face directory in an item);
+        they are read back into ``item``'s layout (needed: arrays, ``jax.ShapeDtypeStruct``
+        with shardings, numpy arrays, NNX variables), stacked and fused tensors joined, each
+        process reading the byte ranges of its shards. ``partial_restore=True``: target
+        leaves nothing maps to come back as given. ``restore_args``, ``include`` /
+        ``exclude`` and ``fallback_sharding`` do not apply.
 
     The standalone ``load_file`` / ``load_model`` keep the safetensors and PyTorch meaning of
     ``strict`` (keys). Prints as a summary, never the arrays.
@@ -67,9 +75,28 @@ class SafetensorsRestore(ocp.args.CheckpointArgs):
     include: str | Sequence[str] | None = None
     exclude: str | Sequence[str] | None = None
     io_options: _config.IOOptions | None = None
+    mapping: Any = None
 
     def __post_init__(self) -> None:
         _select.Selection.of(self.include, self.exclude)  # a bad pattern fails here
+        if self.mapping is not None:
+            _mappings.hooks_for(self.mapping)  # an unknown mapping type fails here
+            unused = [
+                n
+                for n, v in (
+                    ("restore_args", self.restore_args),
+                    ("include", self.include),
+                    ("exclude", self.exclude),
+                    ("fallback_sharding", self.fallback_sharding),
+                )
+                if v is not None
+            ]
+            if self.item is None or unused:
+                raise ValueError(
+                    "SafetensorsRestore(mapping=...) restores into a target: give item= "
+                    "(the JAX tree or its abstract tree)"
+                    + (f"; {', '.join(unused)} do(es) not apply" if unused else "")
+                )
         if isinstance(self.item, TreeMetadata) or _is_orbax_tree_metadata(self.item):
             self.item = self.item.tree
         if isinstance(self.restore_args, TreeMetadata) or _is_orbax_tree_metadata(
@@ -91,6 +118,8 @@ class SafetensorsRestore(ocp.args.CheckpointArgs):
             parts.append(f"exclude={self.exclude!r}")
         if self.io_options is not None:
             parts.append(f"io_options={self.io_options!r}")
+        if self.mapping is not None:
+            parts.append(f"mapping=<{type(self.mapping).__name__}>")
         return f"SafetensorsRestore({', '.join(parts)})"
 
     def __str__(self) -> str:

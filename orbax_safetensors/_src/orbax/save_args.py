@@ -16,7 +16,9 @@ import orbax.checkpoint as ocp
 
 from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.orbax import args as _args
+from orbax_safetensors._src.orbax import mappings as _mappings
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
+from orbax_safetensors._src.pipeline import export_plan as _export_plan
 from orbax_safetensors._src.storage import config as _config
 
 REGISTRY_HINT = (
@@ -41,13 +43,25 @@ class SafetensorsSave(ocp.args.CheckpointArgs):
         ``custom_metadata`` holds the value either way.
       dtype: a save-time dtype policy, as in ``osf.save_file``: one dtype (every
         floating-point array is stored in it), a mapping of glob patterns over dotted names to
-        a dtype or None (first match wins), or a callable ``(dotted_name, leaf) -> dtype |
-        None``. Each tensor is cast as it is written (a synchronous save) or copied to host
+        a dtype, None or ``"keep"`` (first match wins), or a callable ``(dotted_name, leaf) ->
+        dtype | None | "keep"``; ``"keep"`` alone keeps every dtype. With ``mapping``, the
+        names are the item's (JAX-side) dotted names. Each tensor is cast as it is written (a synchronous save) or copied to host
         (an async save's snapshot holds the cast bytes), never as a cast copy of the whole
         state; each process casts its own shards. A bad policy raises here, before Orbax
         creates the step.
       io_options: how this save writes (``osf.IOOptions``: direct I/O mode, object-store
         options, tracing); None: the handler's.
+      mapping: an ``osf.KeyMapping``: the item is written as a Hugging Face model directory
+        (the mapping's PyTorch names and layouts, header format ``pt``, shards plus
+        ``model.safetensors.index.json`` above the handler's ``max_file_size``), which
+        ``transformers``' ``from_pretrained`` loads, plus ``orbax_safetensors.json``. Renames,
+        transposes, stacked-layer and fused splits, LoRA merges and casts happen on the writer
+        thread, from the host copies: ``save()`` waits for the copies only. Tied keys are not
+        written. Every name that does not fit raises here, all at once. One process.
+        ``SafetensorsRestore(target, mapping=...)`` reads it back into the JAX layout.
+      hf_config: with ``mapping``: a transformers config object or a dict, written as
+        ``config.json`` (its ``dtype`` set to the stored dtype, as ``osf.export_pytorch``
+        does).
 
     Prints as a summary (``SafetensorsSave(item=<dict: 12 leaves, 3.4 MiB>)``), never the
     arrays.
@@ -59,7 +73,10 @@ class SafetensorsSave(ocp.args.CheckpointArgs):
     metadata: Mapping[str, Any] | None = None
     dtype: Any = None
     io_options: _config.IOOptions | None = None
+    mapping: Any = None
+    hf_config: Any = None
     _validated: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    _export: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.custom_metadata is None:
@@ -72,14 +89,30 @@ class SafetensorsSave(ocp.args.CheckpointArgs):
         # background step-directory creation, an error inside async_save can leave the process
         # waiting in Orbax's barriers at exit.
         item = _args.apply_save_args(self.item, self.save_args)
-        self._validated = _checkpoint_save.validate_save(
-            item, self.custom_metadata, dtype=self.dtype
-        )
+        if self.mapping is None:
+            if self.hf_config is not None:
+                raise ValueError(
+                    "SafetensorsSave: hf_config= writes the config.json of a Hugging Face "
+                    "model directory, which needs mapping= (an osf.KeyMapping)"
+                )
+            self._validated = _checkpoint_save.validate_save(
+                item, self.custom_metadata, dtype=self.dtype
+            )
+            return
+        # The policy names the item's tensors; the export plan applies it to their outputs.
+        hooks = _mappings.hooks_for(self.mapping)
+        self._validated = _checkpoint_save.validate_save(item, self.custom_metadata)
+        self._export = hooks.export_plan(self.mapping, self._validated, self.dtype, self.hf_config)
 
     @property
     def validated_tree(self) -> _checkpoint_save.ValidatedTree:
         """The tree as validated when these args were built (what the save writes)."""
         return self._validated  # type: ignore[no-any-return]
+
+    @property
+    def export_plan(self) -> _export_plan.ExportPlan | None:
+        """With ``mapping``: the tensors the save writes instead of the item's."""
+        return self._export  # type: ignore[no-any-return]
 
     def __repr__(self) -> str:
         parts = [f"item={_args.tree_summary(self.item)}"]
@@ -87,10 +120,13 @@ class SafetensorsSave(ocp.args.CheckpointArgs):
             parts.append(f"save_args={_args.tree_summary(self.save_args)}")
         if self.custom_metadata is not None:
             parts.append(f"custom_metadata={_args.tree_summary(dict(self.custom_metadata))}")
-        if self.dtype is not None:
-            parts.append(_casting.parse_policy(self.dtype).describe())  # type: ignore[union-attr]
+        policy = _casting.parse_policy(self.dtype)
+        if policy is not None:
+            parts.append(policy.describe())
         if self.io_options is not None:
             parts.append(f"io_options={self.io_options!r}")
+        if self._export is not None:
+            parts.append(f"mapping=<{self._export.summary}>")
         return f"SafetensorsSave({', '.join(parts)})"
 
     def __str__(self) -> str:

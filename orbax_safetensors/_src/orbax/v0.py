@@ -31,6 +31,7 @@ from etils import epath
 from orbax.checkpoint import future as ocp_future
 
 from orbax_safetensors._src.core import plan as _plan
+from orbax_safetensors._src.orbax import mappings as _mappings
 from orbax_safetensors._src.orbax import restoring as _restoring
 from orbax_safetensors._src.orbax import routing as _routing
 from orbax_safetensors._src.orbax import saving as _saving
@@ -121,6 +122,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
             processes=_save_job.Processes.of_jax(self._primary_host),
             host_buffers=self._host_buffers,
             io=args.io_options if args.io_options is not None else self._io,
+            export=args.export_plan,
         )
         self.last_write_stats = job.stats
         return job
@@ -220,6 +222,19 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         """Restores a safetensors item; a mismatch error is worded in ``words`` (the option
         names of the API the caller came through; default ``SafetensorsRestore``'s)."""
         stats = ReadStats()
+        io = args.io_options if args.io_options is not None else self._io
+        if args.mapping is not None:  # a Hugging Face directory, read into the JAX layout
+            result = _mappings.hooks_for(args.mapping).restore(
+                epath.Path(directory),
+                args.item,
+                args.mapping,
+                strict=not args.partial_restore,
+                verify=self._verify,
+                io=io,
+                stats=stats,
+            )
+            self.last_read_stats = stats
+            return result
         result = _restoring.restore_safetensors(
             directory,
             args,

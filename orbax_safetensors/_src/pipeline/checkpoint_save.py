@@ -163,6 +163,7 @@ class PreparedSave:
     is_primary: bool
     process_index: int
     checksums: bool
+    files: Mapping[str, str] = dataclasses.field(default_factory=dict)  # more, by the primary
 
     @classmethod
     def direct(
@@ -181,7 +182,7 @@ class PreparedSave:
             prepared = PreparedSave.direct(validate_save(tree), SaveLayout())
             write_process_share(prepared, directory, persist_share=False)
         """
-        plan, metadata, sizes = _plan_tree(validated, layout)
+        plan, metadata, sizes = plan_tree(validated, layout)
         flat = validated.flat
         check_not_deleted(flat.arrays.items())
         pieces = _pieces.iter_host_pieces(
@@ -202,7 +203,7 @@ class PreparedSave:
         """Plans ``validated``'s files; ``pieces`` writes ``snapshots``, this process's host
         copies from :func:`_snapshots.iter_snapshots` over ``enumerate(validated.captured.
         arrays)`` (or a :class:`SnapshotQueue` it fills), and never reads the arrays' data."""
-        plan, metadata, sizes = _plan_tree(validated, layout)
+        plan, metadata, sizes = plan_tree(validated, layout)
         names = list(validated.flat.arrays)  # snapshots are keyed by position in captured.arrays
         pieces = (_pieces.tensor_pieces(plan, names[i], copies) for i, copies in snapshots)
         return cls(plan, pieces, metadata, sizes, is_primary, process_index, layout.checksums)
@@ -229,15 +230,17 @@ class SaveLayout:
 _SINGLE_DEVICE = jax.sharding.SingleDeviceSharding
 
 
-def _plan_tree(
-    validated: ValidatedTree, layout: SaveLayout
+def plan_tree(
+    validated: ValidatedTree,
+    layout: SaveLayout,
+    header_metadata: Mapping[str, str] = _metadata.HEADER_METADATA,
 ) -> tuple[_plan.CheckpointPlan, dict[str, Any], dict[str, int]]:
-    # The file plan, the metadata document (less checksums) and each tensor's stored size.
+    """The file plan of ``validated`` (each header's ``__metadata__`` is
+    ``header_metadata``), the metadata document (less checksums) and each tensor's stored
+    size."""
     flat, specs = validated.flat, validated.specs
     # Headers depend only on names, dtypes and shapes: identical on every process.
-    plan = _plan.plan_files(
-        specs, max_file_size=layout.max_file_size, metadata=_metadata.HEADER_METADATA
-    )
+    plan = _plan.plan_files(specs, max_file_size=layout.max_file_size, metadata=header_metadata)
     multi_process = jax.process_count() > 1
     # trees of many arrays share a few shardings
     described = _memo.ShardingMemo(_sharding.sharding_to_json)
@@ -367,6 +370,8 @@ def write_process_share(
     if prepared.is_primary:
         if len(plan.files) > 1:
             (directory / _plan.INDEX_FILE_NAME).write_text(json.dumps(plan.index_json(), indent=1))
+        for name, text in prepared.files.items():
+            (directory / name).write_text(text)
         if persist_share:
             (directory / _metadata.DRAFT_FILE).write_text(json.dumps(prepared.metadata))
     # One record per tensor this process wrote any of: bytes written and this process's share

@@ -50,6 +50,7 @@ from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
+from orbax_safetensors._src.pipeline import export_plan as _export_plan
 from orbax_safetensors._src.pipeline import gcpause as _gcpause
 from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.pipeline import snapshots as _snapshots
@@ -138,6 +139,8 @@ class SaveJob:
         the previous save) and go back to once written; None: fresh buffers.
       io: how files are written (direct I/O mode, object-store options; None: the defaults,
         see ``storage/config.IOOptions``).
+      export: write these tensors instead of the tree's (``export_plan.ExportPlan``: a Hugging
+        Face model directory), computed from the snapshot on the writer's thread; one process.
 
     After :meth:`write`, ``stats`` holds the byte ranges this process wrote.
     """
@@ -152,12 +155,20 @@ class SaveJob:
         processes: Processes | None = None,
         host_buffers: _buffers.HostBufferPool | None = None,
         io: _config.IOOptions | None = None,
+        export: _export_plan.ExportPlan | None = None,
     ) -> None:
         self.directory = epath.Path(directory)
         self.io = io
+        self.export = export
         self.mode = mode
         self.layout = layout if layout is not None else _checkpoint_save.SaveLayout()
         self.processes = processes = processes if processes is not None else Processes()
+        if export is not None and processes.count > 1:
+            raise ValueError(
+                f"{self.directory}: a save with an export plan (SafetensorsSave(mapping=...)) "
+                f"runs in one process; this job has {processes.count}. Save the training "
+                "state sharded and call osf.export_pytorch on the step instead"
+            )
         self.stats = _pieces.WriteStats()
         # Several processes: the draft and the checksum shares go to disk for the primary's
         # finalize; one process: the finalize is this one's and takes them from memory.
@@ -312,6 +323,7 @@ class SaveJob:
         # An aborted save's files: nothing of it may stay for a reader or a retry to meet.
         prepared = self._prepared
         names = [f.filename for f in prepared.plan.files] if prepared is not None else []
+        names += list(self.export.files) if self.export is not None else []
         names += [
             _plan.INDEX_FILE_NAME,
             _metadata.DRAFT_FILE,
@@ -338,6 +350,8 @@ class SaveJob:
 
     def _plan(self, validated: _checkpoint_save.ValidatedTree) -> _checkpoint_save.PreparedSave:
         is_primary, index = self.processes.is_primary, self.processes.index
+        if self.export is not None:
+            return _export_plan.prepare(validated, self.export, self._queue, self.layout)
         if self._queue is not None:
             return _checkpoint_save.PreparedSave.from_snapshots(
                 validated, self._queue, self.layout, is_primary=is_primary, process_index=index

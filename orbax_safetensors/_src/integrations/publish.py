@@ -1,0 +1,174 @@
+"""Publishing every step: a ``KeyMapping`` as the save and restore hooks of the Orbax args.
+
+``SafetensorsSave(item, mapping=..., hf_config=...)`` makes a CheckpointManager item that is
+a Hugging Face model directory. The Orbax layer cannot import this layer, so this module
+registers ``KeyMapping`` with it (``orbax/mappings.py``) when the package is imported:
+
+- :func:`export_plan` compiles the mapping, on the caller's line and from names, shapes and
+  dtypes only, into the neutral ``pipeline/export_plan.ExportPlan``: which PyTorch tensors are
+  written, in which dtype, and a function per link that computes them from the item's host
+  arrays (LoRA adapters merged, the rule's ``to_torch``, tied keys dropped); the save job runs
+  those functions on its writer thread, from the snapshot;
+- :func:`restore_item` reads such an item (or any safetensors item) back into a target's
+  layout with the load machinery of ``integrations/hf_load.py``.
+
+Example::
+
+    mngr.save(step, args=ocp.args.Composite(
+        state=osf.SafetensorsSave(train_state),
+        hf=osf.SafetensorsSave(params, mapping=osf.preset_mapping("llama"), hf_config=config),
+    ))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from etils import epath
+
+from orbax_safetensors._src.catalog import sources as _sources
+from orbax_safetensors._src.core import casting as _casting
+from orbax_safetensors._src.core import dtypes as _dtypes
+from orbax_safetensors._src.core import plan as _plan
+from orbax_safetensors._src.core.errors import TargetMismatchError
+from orbax_safetensors._src.integrations import hf_load as _hf_load
+from orbax_safetensors._src.integrations import links as _links
+from orbax_safetensors._src.integrations import pytorch as _pytorch
+from orbax_safetensors._src.integrations.key_mapping import KeyMapping, MappingReport
+from orbax_safetensors._src.orbax import mappings as _mappings
+from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
+from orbax_safetensors._src.pipeline import export_plan as _export_plan
+from orbax_safetensors._src.pipeline import reader as _reader
+from orbax_safetensors._src.storage import config as _config
+
+HEADER_METADATA = {"format": "pt"}  # what transformers and safetensors.torch write
+
+
+def _group(
+    link: _links.Link, tied: dict[str, str], merges: dict[str, tuple[str, str]], scale: float
+) -> _export_plan.ExportGroup:
+    adapters = [n for name in link.flax if name in merges for n in merges[name]]
+    sources = (*link.flax, *adapters)
+    outputs = tuple(k for k in link.torch if k not in tied)
+    n = len(link.flax)
+
+    def apply(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+        got = dict(zip(sources, arrays))
+        flax = []
+        for name in link.flax:
+            if name in merges:
+                a, b = merges[name]
+                flax.append(_links.merge_lora(got[name], got[a], got[b], scale))
+            else:
+                flax.append(got[name])
+        del arrays, got
+        torch = link.to_torch(flax[:n])
+        return [v for k, v in zip(link.torch, torch) if k not in tied]
+
+    return _export_plan.ExportGroup(sources, outputs, apply)
+
+
+def export_plan(
+    mapping: KeyMapping,
+    validated: _checkpoint_save.ValidatedTree,
+    dtype: _casting.DtypePolicy | None,
+    hf_config: Any,
+) -> _export_plan.ExportPlan:
+    """The Hugging Face tensors of ``validated``'s arrays through ``mapping`` (see the module
+    docstring); ``dtype`` is a policy over the item's dotted names.
+
+    Raises:
+      TargetMismatchError: every name no rule maps, fused part without its siblings and
+        shape that does not fit, all at once.
+    """
+    policy = _casting.parse_policy(dtype)
+    arrays = validated.flat.arrays
+    shapes = {n: tuple(int(d) for d in a.shape) for n, a in arrays.items()}
+    report = MappingReport()
+    merges = _links.lora_merges(arrays)
+    adapters = {n for pair in merges.values() for n in pair}
+    report.ignored += sorted(adapters)
+    links, found = _links.export_links(
+        mapping, {n: s for n, s in shapes.items() if n not in adapters}
+    )
+    report.ignored += found.ignored
+    report.unmapped += found.unmapped
+    report.mismatched += found.mismatched
+    names = list(arrays)
+    casts = _casting.resolve(
+        policy,
+        names,
+        [np.dtype(arrays[n].dtype) for n in names],
+        [shapes[n] for n in names],
+        [arrays[n] for n in names],
+    )
+    stored = {
+        n: _dtypes.from_numpy(np.dtype(arrays[n].dtype) if c is None else c, key=n)
+        for n, c in zip(names, casts)
+    }
+    tied = dict(mapping.tied)
+    taken: dict[str, str] = {}
+    specs: list[_plan.TensorSpec] = []
+    groups = []
+    for link in links:
+        first = link.flax[0]
+        described = f"{first} {stored[first]}{list(shapes[first])}"
+        clash = [k for k in link.torch if k in taken]
+        if clash:
+            report.mismatched += [f"{first} and {taken[k]} both map to {k}" for k in clash]
+            continue
+        taken.update(dict.fromkeys(link.torch, first))
+        try:
+            torch_shapes = link.torch_shapes(
+                [shapes[n] for n in link.flax], np.dtype(arrays[first].dtype)
+            )
+        except ValueError as e:
+            report.mismatched.append(f"{described} -> {link.torch[0]}: {e}")
+            continue
+        kept = [(k, s) for k, s in zip(link.torch, torch_shapes) if k not in tied]
+        if not kept:
+            continue
+        specs += [_plan.TensorSpec(k, stored[first], s) for k, s in kept]
+        groups.append(_group(link, tied, merges, mapping.lora_scale))
+    if not report.ok:
+        raise TargetMismatchError(
+            "SafetensorsSave(mapping=...): the item does not fit this mapping\n" + report.problems()
+        )
+    files = {}
+    if hf_config is not None:
+        dtypes = [s.dtype for s in specs]
+        files[_pytorch.CONFIG_FILE_NAME] = _pytorch.config_json(
+            hf_config, dtypes, policy is not None
+        )
+    summary = f"KeyMapping: {len(names)} tensors -> {len(specs)} Hugging Face tensors"
+    return _export_plan.ExportPlan(tuple(specs), tuple(groups), HEADER_METADATA, files, summary)
+
+
+def restore_item(
+    directory: epath.Path,
+    target: Any,
+    mapping: KeyMapping,
+    *,
+    strict: bool = True,
+    verify: bool = True,
+    io: _config.IOOptions | None = None,
+    stats: _reader.ReadStats | None = None,
+) -> Any:
+    """``target`` (a pytree, an abstract pytree, ``nnx.State``) filled from the item in
+    ``directory`` through ``mapping`` (see ``hf_load.load_tree``)."""
+    tree, _ = _hf_load.load_tree(
+        target,
+        _sources.open_source(directory),
+        mapping,
+        strict=strict,
+        verify=verify,
+        io=io,
+        stats=stats,
+        where=str(directory),
+    )
+    return tree
+
+
+_mappings.register_mapping(KeyMapping, _mappings.MappingHooks(export_plan, restore_item))
