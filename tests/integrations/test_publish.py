@@ -255,9 +255,9 @@ def test_problems_raise_before_the_step_exists(tmp_dir):
     mapping = osf.KeyMapping([osf.Rule("l.weight", "layer.kernel", osf.Transpose())])
     with pytest.raises(osf.TargetMismatchError, match=r"(?s)no rule maps.*layer\.extra"):
         osf.SafetensorsSave(tree, mapping=mapping)
-    with pytest.raises(ValueError, match="hf_config= .* needs mapping="):
+    with pytest.raises(ValueError, match=r"hf_config= .* needs mapping="):
         osf.SafetensorsSave(tree, hf_config={"model_type": "llama"})
-    with pytest.raises(TypeError, match="mapping= takes an osf.KeyMapping"):
+    with pytest.raises(TypeError, match=r"mapping= takes an osf\.KeyMapping"):
         osf.SafetensorsSave(tree, mapping={"l.weight": "layer.kernel"})
     with pytest.raises(ValueError, match="give item="):
         osf.SafetensorsRestore(mapping=mapping)
