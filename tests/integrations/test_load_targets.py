@@ -108,7 +108,7 @@ def test_linen_params_with_prefix_and_nnx_state(reference):
 
 def test_abstract_sharded_target(reference):
     """ShapeDtypeStruct leaves with shardings: jax.Arrays of those shardings and dtypes."""
-    root, logits, _ = reference
+    root, _, _ = reference
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
     abstract = nnx.eval_shape(lambda: hf_models.CausalLM(llama_config(), rngs=nnx.Rngs(0)))
     state = nnx.state(abstract, nnx.Param)
