@@ -264,3 +264,11 @@ def test_problems_raise_before_the_step_exists(tmp_dir):
     stacked = osf.KeyMapping([osf.Rule("l.{i}.w", "w", stacked="i")])
     with pytest.raises(osf.TargetMismatchError, match="w is a scalar"):
         osf.SafetensorsSave({"w": jnp.ones(())}, mapping=stacked)
+
+
+@pytest.mark.parametrize("policy", ["keep", "KEEP", {"*": "keep"}, lambda name, leaf: "keep"])
+def test_keep_is_a_dtype_policy_value(tmp_dir, policy):
+    tree = {"w": jnp.ones(3, jnp.float32), "b": jnp.ones(2, jnp.bfloat16)}
+    args = osf.SafetensorsSave(tree, dtype=policy)
+    assert "SafetensorsSave(item=" in repr(args)
+    assert [s.dtype for s in args.validated_tree.specs] == ["F32", "BF16"]
