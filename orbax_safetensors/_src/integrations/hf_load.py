@@ -22,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -251,16 +252,43 @@ def _place(value: np.ndarray, target: Target) -> Any:
 
 
 def _run_on_device(link: _links.Link, targets: Sequence[Target], arrays: Sequence[Any]) -> Any:
+    dtypes = tuple(t.dtype for t in targets)
+    shardings = tuple(t.sharding for t in targets)
+    try:
+        fn = _jitted(link.rule, link.layers, len(link.flax), len(link.torch), dtypes, shardings)
+    except TypeError:  # a rule holding an unhashable transform: compiled for this link alone
+        fn = _jitted.__wrapped__(
+            link.rule, link.layers, len(link.flax), len(link.torch), dtypes, shardings
+        )
+    return fn(*arrays)
+
+
+@functools.lru_cache(maxsize=256)
+def _jitted(
+    rule: Any,
+    layers: int,
+    n_flax: int,
+    n_torch: int,
+    dtypes: tuple[np.dtype, ...],
+    shardings: tuple[Any, ...],
+) -> Any:
+    # One compiled function per rule and target layout, shared by every link of that rule (the
+    # layers of a model that is not scanned): a link's arithmetic depends on its rule, layer
+    # count and tensor counts only, not its names.
     import jax.numpy as jnp
 
-    dtypes = [t.dtype for t in targets]
+    link = _links.Link(
+        rule,
+        tuple(f"flax{i}" for i in range(n_flax)),
+        tuple(f"torch{i}" for i in range(n_torch)),
+        layers,
+    )
 
     def apply(*xs: Any) -> tuple[Any, ...]:
         outs = link.to_flax(list(xs), xp=jnp)
         return tuple(o.astype(d) for o, d in zip(outs, dtypes))
 
-    out_shardings = tuple(t.sharding for t in targets)
-    return jax.jit(apply, out_shardings=out_shardings)(*arrays)
+    return jax.jit(apply, out_shardings=shardings)
 
 
 def load_flat(

@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 
 from orbax_safetensors._src.core import casting as _casting
@@ -101,6 +102,12 @@ class SafetensorsSave(ocp.args.CheckpointArgs):
             return
         # The policy names the item's tensors; the export plan applies it to their outputs.
         hooks = _mappings.hooks_for(self.mapping)
+        if jax.process_count() > 1:
+            raise ValueError(
+                "SafetensorsSave(mapping=...) writes a Hugging Face directory from one process; "
+                f"this job has {jax.process_count()}. Save the training state sharded and call "
+                "osf.export_pytorch on the step instead"
+            )
         self._validated = _checkpoint_save.validate_save(item, self.custom_metadata)
         self._export = hooks.export_plan(self.mapping, self._validated, self.dtype, self.hf_config)
 
