@@ -123,7 +123,7 @@ def write_processes(
         plan=plan,
         pieces=pieces,
         metadata={},
-        sizes={},
+        sizes={n: e.nbytes for f in plan.files for n, e in f.entries.items()},
         is_primary=primary,
         process_index=jax.process_index(),
         checksums=False,
