@@ -166,16 +166,28 @@ def device_value(link: Link, arrays: Sequence[Any], j: int) -> Any:
     return t.to_torch(y)
 
 
-def spread_sharding(shape: Shape) -> Any:
-    """A sharding of a tensor of ``shape`` over every device of the job: its first axis whose
-    size the device count divides is split over all devices (in ``jax.devices()`` order);
-    replicated when none is."""
+def row_axis(link: Link, flax_shapes: Sequence[Shape]) -> int:
+    """The axis of the Flax tensor(s) of ``link`` that becomes the PyTorch tensors' first axis
+    (0 when the link does not commute): split there, each process's share of each PyTorch
+    tensor is one contiguous byte range."""
+    if not commutes(link, flax_shapes):
+        return 0
+    perm = axis_permutation(link.rule.transform, _part_ndim(link, flax_shapes))
+    assert perm is not None
+    stacked = link.parts_on_torch and link.rule.stacked is not None
+    return perm[0] + 1 if stacked else perm[0]
+
+
+def spread_sharding(shape: Shape, first: int = 0) -> Any:
+    """A sharding of a tensor of ``shape`` over every device of the job: axis ``first`` is
+    split over all devices (in ``jax.devices()`` order) if the device count divides it, else
+    the first axis it divides; replicated when none is."""
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     devices = jax.devices()
     mesh = Mesh(np.array(devices), ("devices",))
-    for axis, size in enumerate(shape):
-        if size and size % len(devices) == 0:
+    for axis in [first, *(a for a in range(len(shape)) if a != first)]:
+        if axis < len(shape) and shape[axis] and shape[axis] % len(devices) == 0:
             return NamedSharding(mesh, PartitionSpec(*([None] * axis), "devices"))
     return NamedSharding(mesh, PartitionSpec())

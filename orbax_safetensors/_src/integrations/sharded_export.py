@@ -45,6 +45,8 @@ import numpy as np
 from etils import epath
 from jax.experimental import multihost_utils
 
+from orbax_safetensors._src.core import astype as _astype
+from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.integrations import export_plan as _export_plan
 from orbax_safetensors._src.integrations import flax_tables as _flax_tables
@@ -182,7 +184,12 @@ def _process_pieces(
         if table.source is None:
             values = {n: _merged(table.values, n, lora) for n in names}
         elif isinstance(stored, dict) and not any(n in lora.merges for n in names):
-            values = _read_sharded(stored, [table.prefix + n for n in names], names, infos)
+            first = {
+                n: _export_plan.row_axis(link, [infos[m].shape for m in link.flax])
+                for link in group
+                for n in link.flax
+            }
+            values = _read_sharded(stored, table.prefix, names, infos, first)
         else:  # a source read whole (not safetensors, or LoRA merges): the primary's
             values = table.read(names) if primary else dict.fromkeys(names)
         for link in group:
@@ -192,14 +199,21 @@ def _process_pieces(
 
 
 def _read_sharded(
-    stored: Mapping[str, Any], keys: Sequence[str], names: Sequence[str], infos: Mapping[str, Any]
+    stored: Mapping[str, Any],
+    prefix: str,
+    names: Sequence[str],
+    infos: Mapping[str, Any],
+    first: Mapping[str, int],
 ) -> dict[str, Any]:
-    # Each tensor spread over every device of the job; this process reads its boxes only.
+    # Each tensor spread over every device of the job, split where each process's share of
+    # the PyTorch tensors is one range (export_plan.row_axis); this process reads its boxes.
     requests = [
         _reader.ReadRequest(
-            stored[k], kind="jax", sharding=_export_plan.spread_sharding(infos[n].shape)
+            stored[prefix + n],
+            kind="jax",
+            sharding=_export_plan.spread_sharding(infos[n].shape, first[n]),
         )
-        for k, n in zip(keys, names)
+        for n in names
     ]
     return dict(zip(names, _reader.read_tensors(requests)))
 
@@ -241,9 +255,15 @@ def _link_pieces(
         return
     shapes = [tuple(int(d) for d in a.shape) for a in arrays]
     if all(glob) and _export_plan.commutes(link, shapes):
+        # Cast first (contiguous, as pieces.tensor_pieces would): a transposed shard is then
+        # moved in the stored dtype, and the cast reads memory in order.
+        kept = next(k for k in link.torch if k not in tied)
+        stored = _dtypes.to_numpy(plan.locate(kept)[1].dtype)
         for k, x in enumerate(arrays):
             for index, data in _snapshots.owned_shards(x):
                 host = np.asarray(data)
+                if host.dtype != stored:
+                    host = _astype.astype(host, stored)
                 for j, box, values in _export_plan.shard_boxes(link, k, index, host, shapes):
                     key = link.torch[j]
                     if key not in tied:
