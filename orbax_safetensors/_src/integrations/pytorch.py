@@ -310,6 +310,10 @@ def export_pytorch(
     model. LoRA adapters are merged into their kernels (``KeyMapping.lora_scale``); tied keys
     (``KeyMapping.tied``) are not written.
 
+    In a multi-process JAX job every process calls it with the same arguments and writes only
+    the bytes of the shards it owns (``integrations/sharded_export.py``): no gather, the same
+    bytes as a one-process export; ``directory`` must be on a file system every process sees.
+
     Args:
       source: an ``nnx.Module``; any pytree of arrays (dicts, Linen params, ``nnx.State``,
         ``TrainState.params``, sharded ``jax.Array`` s) named by its dotted key paths; or a
