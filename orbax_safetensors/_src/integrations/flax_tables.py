@@ -36,12 +36,16 @@ from orbax_safetensors._src.orbax import steps as _steps
 @dataclasses.dataclass
 class FlaxTable:
     """Tensors by Flax name: their infos, a reader of host arrays, and (for in-memory
-    sources) the values themselves, which callable dtype policies see."""
+    sources) the values themselves, which callable dtype policies see; for a path, the
+    opened ``source`` and the ``prefix`` its names carry (a multi-process export reads each
+    process's boxes from it)."""
 
     infos: dict[str, _sources.TensorInfo]
     read: Callable[[Sequence[str]], dict[str, np.ndarray]]
     values: dict[str, Any] = dataclasses.field(default_factory=dict)
     where: str = "(model)"
+    source: Any = None
+    prefix: str = ""
 
 
 def _is_path(source: Any) -> bool:
@@ -177,7 +181,7 @@ def flax_table(
             got = src.read([prefix + n for n in names])
             return {n: got[prefix + n] for n in names}
 
-        return FlaxTable(infos, read_checkpoint, {}, str(src.path))
+        return FlaxTable(infos, read_checkpoint, {}, str(src.path), src, prefix)
     else:
         values = _tree_values(source)
         if not values and source is not None and not isinstance(source, (dict, list, tuple)):

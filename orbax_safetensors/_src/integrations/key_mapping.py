@@ -456,6 +456,8 @@ class MappingReport:
       missing: model variables that received no value (load only).
       mismatched: shape problems, each naming both keys and both shapes.
       ignored: keys skipped on purpose (``ignore_torch``/``ignore_flax``).
+      bytes_written: tensor data bytes this process wrote (an export; in a multi-process
+        export, its own share).
     """
 
     moved: list[tuple[str, str]] = dataclasses.field(default_factory=list)
@@ -464,6 +466,7 @@ class MappingReport:
     missing: list[str] = dataclasses.field(default_factory=list)
     mismatched: list[str] = dataclasses.field(default_factory=list)
     ignored: list[str] = dataclasses.field(default_factory=list)
+    bytes_written: int = 0
 
     @property
     def ok(self) -> bool:

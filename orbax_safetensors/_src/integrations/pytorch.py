@@ -46,6 +46,7 @@ from orbax_safetensors._src.core.errors import TargetMismatchError
 from orbax_safetensors._src.integrations import flax_tables as _flax_tables
 from orbax_safetensors._src.integrations import hf_load as _hf_load
 from orbax_safetensors._src.integrations import links as _links
+from orbax_safetensors._src.integrations import sharded_export as _sharded_export
 from orbax_safetensors._src.integrations.key_mapping import (
     Chain,
     KeyMapping,
@@ -250,6 +251,10 @@ def export_pytorch(
     model. LoRA adapters are merged into their kernels (``KeyMapping.lora_scale``); tied keys
     (``KeyMapping.tied``) are not written.
 
+    In a multi-process JAX job every process calls it with the same arguments and writes only
+    the bytes of the shards it owns (``integrations/sharded_export.py``): no gather, the same
+    bytes as a one-process export; ``directory`` must be on a file system every process sees.
+
     Args:
       source: an ``nnx.Module``; any pytree of arrays (dicts, Linen params, ``nnx.State``,
         ``TrainState.params``, sharded ``jax.Array`` s) named by its dotted key paths; or a
@@ -284,12 +289,15 @@ def export_pytorch(
         osf.export_pytorch(model, "/tmp/hf", mapping, hf_config=config, dtype=jnp.bfloat16)
         transformers.AutoModelForCausalLM.from_pretrained("/tmp/hf")
     """
+    import jax
+
     directory = epath.Path(directory)
     policy = _casting.parse_policy(dtype)
     report = MappingReport()
     table = _flax_tables.flax_table(
         source, prefix=prefix, variables=variables, step=step, item=item
     )
+    lora = _sharded_export.Lora(_links.lora_merges(table.infos), mapping.lora_scale)
     table = _merged_lora(table, mapping, report)
     infos = table.infos
     links, found = _links.export_links(mapping, {n: t.shape for n, t in infos.items()})
@@ -337,14 +345,24 @@ def export_pytorch(
             f"cannot export to {directory} through this mapping\n" + report.problems()
         )
     plan = _plan.plan_files(specs, max_file_size=max_file_size, metadata={"format": "pt"})
+    extra = {}
+    if len(plan.files) > 1:
+        extra[_plan.INDEX_FILE_NAME] = json.dumps(plan.index_json(), indent=2)
+    if hf_config is not None:
+        extra[CONFIG_FILE_NAME] = config_json(
+            hf_config, [s.dtype for s in specs], cast=policy is not None
+        )
+    if jax.process_count() > 1:  # every process writes its own bytes (sharded_export)
+        stats = _sharded_export.write_processes(
+            directory, plan, moves, table, tied, report, extra, lora=lora, batch_bytes=batch_bytes
+        )
+        report.bytes_written = stats.bytes_written
+        return report
     # Earlier model files and index are replaced whole, other files kept (storage/replace.py).
     with _replace.replacing_directory(directory) as out:
         _write(out, plan, moves, table, tied, report, batch_bytes)
-        if len(plan.files) > 1:
-            (out / _plan.INDEX_FILE_NAME).write_text(json.dumps(plan.index_json(), indent=2))
-        if hf_config is not None:
-            text = config_json(hf_config, [s.dtype for s in specs], policy is not None)
-            (out / CONFIG_FILE_NAME).write_text(text)
+        for name, text in extra.items():
+            (out / name).write_text(text)
     return report
 
 
@@ -377,6 +395,7 @@ def _write(
                 host = np.ascontiguousarray(value)
                 f, tensor_pieces = _pieces.tensor_pieces(plan, key, [(None, host)])
                 pieces.setdefault(f, []).extend(tensor_pieces)
+                report.bytes_written += sum(int(p.data.nbytes) for p in tensor_pieces)
             report.moved += [(n, k) for k, n in link.pairs() if k not in tied]
             for n in link.flax:
                 arrays.pop(n, None)

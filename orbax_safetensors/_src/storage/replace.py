@@ -66,18 +66,32 @@ def replacing_directory(directory: epath.PathLike) -> Iterator[epath.Path]:
         yield directory
         return
     directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = directory.parent / f".{directory.name}.writing-{uuid.uuid4().hex[:8]}"
+    tmp = staging_path(directory, uuid.uuid4().hex[:8])
     tmp.mkdir()
     try:
         yield tmp
-        _swap_in(tmp, directory)
+        swap_in(tmp, directory)
     except BaseException:
         if tmp.exists():
             tmp.rmtree()
         raise
 
 
-def _swap_in(tmp: epath.Path, directory: epath.Path) -> None:
+def staging_path(directory: epath.PathLike, token: str) -> epath.Path:
+    """The hidden sibling of a local ``directory`` into which its new content is written
+    (several processes writing one directory agree on ``token`` first).
+
+    Example::
+
+        tmp = staging_path("/out/hf", "3f9a0c1e")   # /out/.hf.writing-3f9a0c1e
+    """
+    directory = epath.Path(directory)
+    return directory.parent / f".{directory.name}.writing-{token}"
+
+
+def swap_in(tmp: epath.Path, directory: epath.Path) -> None:
+    """Makes ``tmp`` (written under :func:`staging_path`) the content of the local
+    ``directory``, keeping the files of ``directory`` that no checkpoint writer owns."""
     if not directory.exists():
         tmp.rename(directory)
         _router.fsync_dir(directory.parent)

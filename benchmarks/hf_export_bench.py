@@ -1,0 +1,455 @@
+#!/usr/bin/env python
+"""Publishing a training checkpoint as a Hugging Face directory: ``osf.export_pytorch``
+against restore-then-gather-then-``safetensors`` ``save_file`` and against transformers'
+``save_pretrained``, single process and N = 2 / 4 ``jax.distributed`` processes.
+
+The training state is a LLaMA-shaped float32 tree (``model.layers.{i}.*_proj.kernel`` in
+JAX's ``(in, out)`` layout, norms, embedding, head; ``--size`` bytes), saved once, untimed,
+as a checkpoint directory (``osf.save_directory``). Every method starts from it and writes a
+bfloat16 Hugging Face directory (``nn.Linear`` weights transposed to ``(out, in)``):
+
+- ``ours``: ``osf.export_pytorch(ckpt, out, osf.preset_mapping("llama"),
+  dtype=jnp.bfloat16, hf_config=config)``; at N > 1 every process calls it and writes only
+  its bytes (each reads only its boxes of the checkpoint);
+- ``gather``: ``osf.restore_directory`` (at N > 1 sharded over every device), each tensor
+  gathered (``np.asarray``; at N > 1 ``multihost_utils.process_allgather``), transposed, cast
+  to bfloat16, then ``safetensors.numpy.save_file`` of the whole dict by process 0;
+- ``transformers`` (N = 1): the same restore and conversion into torch tensors, loaded into a
+  ``LlamaForCausalLM`` built on the meta device (``load_state_dict(assign=True)``), then
+  ``save_pretrained`` (its own time is reported too).
+
+Time: until every file is written and fsynced (wall clock; at N > 1 the slowest process,
+after a barrier). Peak host memory: ``VmHWM`` reset right before the method, minus ``VmRSS``
+before it (per process; the largest). The device's write bandwidth is ``fio``'s (a buffered
+sequential write of the output's byte count with ``end_fsync=1``, median of 3) when fio is
+installed. Each single-process measurement is a fresh Python process; each multi-process
+round one launch running both methods (order alternating). Medians of ``--rounds``.
+
+Run::
+
+    python benchmarks/hf_export_bench.py --size 1G --rounds 3 --procs 1,2,4
+    python benchmarks/hf_export_bench.py --size 256M --rounds 3     # a smaller state
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+sys.path.insert(0, str(REPO))
+
+from benchmarks import procfs  # noqa: E402
+
+_MARKER = "@@HF_EXPORT@@"
+E, F, HEAD_DIM = 1024, 2816, 64
+METHODS = ("ours", "gather", "transformers")
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper()
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
+def dims(size: int) -> tuple[int, int]:
+    """``(layers, vocab)`` of a float32 state of about ``size`` bytes (E=1024, F=2816)."""
+    layer = 4 * (4 * E * E + 3 * E * F + 2 * E)
+    vocab = 32000 if size >= 1 << 30 else 8192
+    layers = max(1, round((size - 4 * 2 * vocab * E) / layer))
+    return layers, vocab
+
+
+def shapes(size: int) -> dict[str, tuple[int, ...]]:
+    """Dotted name -> shape of the training state (NNX names the ``llama`` preset maps)."""
+    layers, vocab = dims(size)
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.embedding": (vocab, E)}
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            out[f"{p}.self_attn.{proj}.kernel"] = (E, E)
+        out[f"{p}.mlp.gate_proj.kernel"] = (E, F)
+        out[f"{p}.mlp.up_proj.kernel"] = (E, F)
+        out[f"{p}.mlp.down_proj.kernel"] = (F, E)
+        out[f"{p}.input_layernorm.scale"] = (E,)
+        out[f"{p}.post_attention_layernorm.scale"] = (E,)
+    out["model.norm.scale"] = (E,)
+    out["lm_head.kernel"] = (E, vocab)
+    return out
+
+
+def nested(flat: dict[str, Any]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for name, value in flat.items():
+        *path, leaf = name.split(".")
+        node = tree
+        for part in path:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return tree
+
+
+def config(size: int) -> dict[str, Any]:
+    layers, vocab = dims(size)
+    return {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": E,
+        "intermediate_size": F,
+        "num_hidden_layers": layers,
+        "num_attention_heads": E // HEAD_DIM,
+        "num_key_value_heads": E // HEAD_DIM,
+        "vocab_size": vocab,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+    }
+
+
+def torch_key(name: str) -> str:
+    """The Hugging Face key of a state name (what the ``llama`` preset maps it to)."""
+    if name.endswith(".embedding"):
+        return name[: -len("embedding")] + "weight"
+    if name.endswith(".kernel"):
+        return name[: -len("kernel")] + "weight"
+    return name[: -len("scale")] + "weight"
+
+
+def to_torch_layout(name: str, value: Any) -> Any:
+    """``value`` (numpy, float32) as the Hugging Face tensor, bfloat16."""
+    import ml_dtypes
+    import numpy as np
+
+    if name.endswith(".kernel"):
+        value = value.T
+    return np.ascontiguousarray(value.astype(ml_dtypes.bfloat16))
+
+
+def write_checkpoint(size: int, directory: Path) -> int:
+    """Saves the float32 training state (random values); returns its bytes."""
+    import numpy as np
+
+    import orbax_safetensors as osf
+
+    rng = np.random.default_rng(0)
+    flat = {n: rng.random(s, dtype=np.float32) - 0.5 for n, s in shapes(size).items()}
+    osf.save_directory(nested(flat), directory)
+    return sum(v.nbytes for v in flat.values())
+
+
+# ------------------------------------------------------------------- the methods
+
+
+def run_ours(ckpt: Path, out: Path, size: int) -> None:
+    import jax.numpy as jnp
+
+    import orbax_safetensors as osf
+
+    report = osf.export_pytorch(
+        ckpt, out, osf.preset_mapping("llama"), hf_config=config(size), dtype=jnp.bfloat16
+    )
+    assert report.ok, report.problems()
+
+
+def _gathered(ckpt: Path, size: int) -> dict[str, Any]:
+    """The restored state gathered to host (process 0 keeps it), in the torch layout."""
+    import jax
+    import numpy as np
+
+    import orbax_safetensors as osf
+
+    names = shapes(size)
+    if jax.process_count() == 1:
+        state = osf.restore_directory(ckpt)
+        flat = {n: np.asarray(_leaf(state, n)) for n in names}
+        del state
+        return {torch_key(n): to_torch_layout(n, v) for n, v in flat.items()}
+    from jax.experimental import multihost_utils
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    abstract = {
+        n: jax.ShapeDtypeStruct(s, np.float32, sharding=NamedSharding(mesh, P("d")))
+        for n, s in names.items()
+    }
+    state = osf.restore_directory(ckpt, nested(abstract))
+    out = {}
+    for n in names:
+        whole = np.asarray(multihost_utils.process_allgather(_leaf(state, n), tiled=True))
+        if jax.process_index() == 0:
+            out[torch_key(n)] = to_torch_layout(n, whole)
+        del whole
+    return out
+
+
+def _leaf(tree: Any, name: str) -> Any:
+    for part in name.split("."):
+        tree = tree[part]
+    return tree
+
+
+def run_gather(ckpt: Path, out: Path, size: int) -> None:
+    import jax
+    from safetensors.numpy import save_file
+
+    tensors = _gathered(ckpt, size)
+    if jax.process_index() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        (out / "config.json").write_text(json.dumps(config(size)))
+
+
+def run_transformers(ckpt: Path, out: Path, size: int) -> float:
+    import torch
+    import transformers
+
+    tensors = _gathered(ckpt, size)
+    state = {k: torch.from_numpy(v.view("int16")).view(torch.bfloat16) for k, v in tensors.items()}
+    del tensors
+    cfg = transformers.LlamaConfig(**{k: v for k, v in config(size).items() if k != "model_type"})
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.load_state_dict(state, assign=True, strict=True)
+    del state
+    t0 = time.perf_counter()
+    model.save_pretrained(out, max_shard_size="100GB")
+    return time.perf_counter() - t0
+
+
+def measure(method: str, ckpt: Path, out: Path, size: int) -> dict[str, Any]:
+    """Runs one method in this process: seconds until durable, peak extra memory (imports
+    made first, untimed: they are no part of an export)."""
+    import flax.nnx  # noqa: F401
+    import ml_dtypes  # noqa: F401
+    import safetensors.numpy  # noqa: F401
+
+    import orbax_safetensors  # noqa: F401
+
+    if method == "transformers":
+        import transformers  # noqa: F401
+    gc.collect()
+    rss0 = procfs.rss_bytes()
+    reset = procfs.reset_peak()
+    t0 = time.perf_counter()
+    extra: dict[str, Any] = {}
+    if method == "ours":
+        run_ours(ckpt, out, size)
+    elif method == "gather":
+        run_gather(ckpt, out, size)
+    else:
+        extra["save_pretrained_s"] = run_transformers(ckpt, out, size)
+    if out.exists():
+        procfs.fsync_tree(out)
+    seconds = time.perf_counter() - t0
+    return {
+        "method": method,
+        "seconds": seconds,
+        "peak_extra": max(0, procfs.hwm_bytes() - rss0),
+        "peak_reset": reset,
+        **extra,
+    }
+
+
+def tensors_equal(a: Path, b: Path) -> bool:
+    """Whether two Hugging Face directories hold the same tensors (names, dtypes, bytes)."""
+    from safetensors.numpy import load_file
+
+    def load(d: Path) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in sorted(d.glob("*.safetensors")):
+            out.update(load_file(str(f)))
+        return out
+
+    x, y = load(a), load(b)
+    return x.keys() == y.keys() and all(
+        x[k].dtype == y[k].dtype and x[k].tobytes() == y[k].tobytes() for k in x
+    )
+
+
+# ------------------------------------------------------------------- driver
+
+
+def _single(job: dict[str, Any], timeout: float) -> dict[str, Any]:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="2")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "benchmarks.hf_export_bench", "--worker", json.dumps(job)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    for line in proc.stdout.splitlines():
+        if line.startswith(_MARKER):
+            return json.loads(line[len(_MARKER) :])  # type: ignore[no-any-return]
+    return {**job, "error": proc.stderr.strip().splitlines()[-8:]}
+
+
+def _multi(n: int, job: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
+    sys.path.insert(0, str(REPO / "tests"))
+    from multihost.launcher import run_workers
+
+    results = run_workers(
+        HERE / "workers" / "hf_export_bench_worker.py",
+        n,
+        devices_per_process=1,
+        args=job,
+        timeout=timeout,
+        check=False,
+    )
+    bad = [r for r in results if r.returncode or r.result is None]
+    if bad:
+        return [{"error": bad[0].stderr.strip().splitlines()[-8:]}]
+    runs = []
+    for method in job["methods"]:
+        per = [r.result[method] for r in results]
+        runs.append(
+            {
+                "method": method,
+                "seconds": max(p["seconds"] for p in per),
+                "peak_extra": max(p["peak_extra"] for p in per),
+                "peak_extra_per_process": [p["peak_extra"] for p in per],
+                "same_tensors": results[0].result.get("same_tensors"),
+            }
+        )
+    return runs
+
+
+def _fio_seconds(directory: Path, nbytes: int) -> float | None:
+    if shutil.which("fio") is None:
+        return None
+    from benchmarks import device
+
+    settings = {"ioengine": "psync", "direct": "0", "bs": "8M"}
+    times = [
+        device.run_fio(directory / device.FIO_FILE, nbytes, settings, write=True) for _ in range(3)
+    ]
+    (directory / device.FIO_FILE).unlink(missing_ok=True)
+    return statistics.median(times)
+
+
+def _mib(n: float) -> str:
+    return f"{n / (1 << 20):,.0f} MiB"
+
+
+def report(rows: list[dict[str, Any]], state_bytes: int, out_bytes: int, fio: float | None) -> str:
+    lines = [
+        f"bf16 Hugging Face export of a {_mib(state_bytes)} float32 LLaMA-shaped checkpoint "
+        f"({_mib(out_bytes)} written); medians; time until fsynced",
+        "",
+        "| N | method | s | peak extra host memory (max per process) | vs ours: time | "
+        "vs ours: memory | x device write bandwidth |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for n in sorted({r["n"] for r in rows}):
+        by = {m: [r for r in rows if r["n"] == n and r["method"] == m] for m in METHODS}
+        if not by["ours"]:
+            continue
+        ours_t = statistics.median(r["seconds"] for r in by["ours"])
+        ours_m = statistics.median(r["peak_extra"] for r in by["ours"])
+        for m, rs in by.items():
+            if not rs:
+                continue
+            t = statistics.median(r["seconds"] for r in rs)
+            mem = statistics.median(r["peak_extra"] for r in rs)
+            dev = f"{fio / t:.2f}" if fio else "n/a"
+            lines.append(
+                f"| {n} | {m} | {t:.2f} | {_mib(mem)} | {t / ours_t:.2f} | "
+                f"{mem / max(ours_m, 1):.2f} | {dev} |"
+            )
+        sp = [r["save_pretrained_s"] for r in by["transformers"] if "save_pretrained_s" in r]
+        if sp:
+            lines.append(f"| {n} | (save_pretrained alone) | {statistics.median(sp):.2f} | | | | |")
+    lines.append("")
+    if fio:
+        lines.append(
+            f"device: fio buffered sequential write of {_mib(out_bytes)} with end_fsync=1: "
+            f"{fio:.2f} s ({out_bytes / fio / 1e6:,.0f} MB/s)"
+        )
+    else:
+        lines.append("device: fio not installed (n/a)")
+    lines.append(f"load average (1 min) at the end: {os.getloadavg()[0]:.1f}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", default="1G")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--procs", default="1,2,4")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--dir", default=None, help="where files go (default: a temp dir)")
+    parser.add_argument("--out", default="", help="write results.json and results.md here")
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--worker", default="")
+    args = parser.parse_args()
+    if args.worker:
+        job = json.loads(args.worker)
+        print(
+            _MARKER
+            + json.dumps(measure(job["method"], Path(job["ckpt"]), Path(job["out"]), job["size"]))
+        )
+        return
+    size = parse_size(args.size)
+    methods = [m for m in args.methods.split(",") if m]
+    work = Path(tempfile.mkdtemp(prefix="hf_export_bench_", dir=args.dir))
+    rows: list[dict[str, Any]] = []
+    try:
+        ckpt = work / "ckpt"
+        state_bytes = write_checkpoint(size, ckpt)
+        out_bytes = state_bytes // 2
+        print(f"checkpoint: {_mib(state_bytes)} in {ckpt}", file=sys.stderr)
+        for rnd in range(args.rounds):
+            for n in [int(p) for p in args.procs.split(",") if p]:
+                order = methods if rnd % 2 == 0 else methods[::-1]
+                if n == 1:
+                    for m in order:
+                        out = work / f"out_{m}"
+                        job = {"method": m, "ckpt": str(ckpt), "out": str(out), "size": size}
+                        row = _single(job, args.timeout)
+                        rows.append({**row, "n": 1, "round": rnd})
+                        print(json.dumps(rows[-1]), file=sys.stderr)
+                    if rnd == 0 and {"ours", "gather"} <= set(methods):
+                        same = tensors_equal(work / "out_ours", work / "out_gather")
+                        print(
+                            f"N=1: ours and gather hold the same tensors: {same}", file=sys.stderr
+                        )
+                    for m in methods:
+                        shutil.rmtree(work / f"out_{m}", ignore_errors=True)
+                    continue
+                mh = [m for m in order if m != "transformers"]
+                job = {
+                    "methods": mh,
+                    "ckpt": str(ckpt),
+                    "out": str(work / "mh"),
+                    "size": size,
+                    "check": rnd == 0,
+                }
+                for row in _multi(n, job, args.timeout):
+                    rows.append({**row, "n": n, "round": rnd})
+                    print(json.dumps(rows[-1]), file=sys.stderr)
+        fio = _fio_seconds(work, out_bytes)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    text = report([r for r in rows if "error" not in r], state_bytes, out_bytes, fio)
+    errors = [r for r in rows if "error" in r]
+    if errors:
+        text += f"\nerrors: {json.dumps(errors[:3])}"
+    print(text)
+    if args.out:
+        out_dir = Path(args.out)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "results.json").write_text(json.dumps(rows, indent=1))
+        (out_dir / "results.md").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

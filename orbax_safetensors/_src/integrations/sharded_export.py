@@ -1,0 +1,271 @@
+"""A Hugging Face export written by every process of a multi-process JAX job, gather-free.
+
+Every process calls ``export_pytorch`` with the same arguments. Each one plans the same files
+(names, shapes, dtypes, offsets: from global facts only, ``core/plan``) and writes only the
+bytes of the shards it owns (``replica_id == 0``), through the writer a checkpoint save uses
+(``pipeline/checkpoint_save.write_process_share``):
+
+1. the primary creates a staging directory beside ``directory`` (its name broadcast to every
+   process), then a barrier;
+2. every process writes its pieces, link by link in the same order:
+   - Flax tensors sharded over processes whose link commutes with the sharding
+     (``export_plan.commutes``: renames, transposes, stacked layers, fused parts): each owned
+     shard is transformed on its own and written at its boxes' offsets;
+   - other links of sharded tensors: each PyTorch tensor is re-laid-out on the devices by one
+     jitted transform with ``export_plan.spread_sharding`` as ``out_shardings`` (a collective
+     every process issues in the same order), and its owned shards written;
+   - host-local tensors (numpy, a ``jax.Array`` each process holds whole): the primary writes
+     them, as a one-process export does;
+   - a checkpoint path: each batch of tensors is read sharded over every device
+     (``pipeline/reader.read_tensors``: each process reads only its boxes' bytes) and written
+     as above; host memory holds one batch of this process's share;
+3. a barrier; the primary writes the index and ``config.json`` and swaps the staging
+   directory in (``storage/replace.swap_in``); a last barrier, so that every process returns
+   once the directory is complete.
+
+The files are byte-identical to a one-process export of the same values (LoRA merges, made on
+the devices here, may differ in the last bit of float rounding).
+
+Example::
+
+    # on every process of the job, with params sharded over the job's devices
+    osf.export_pytorch(params, "/shared/hf", mapping, hf_config=config)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from etils import epath
+from jax.experimental import multihost_utils
+
+from orbax_safetensors._src.core import astype as _astype
+from orbax_safetensors._src.core import dtypes as _dtypes
+from orbax_safetensors._src.core import plan as _plan
+from orbax_safetensors._src.integrations import export_plan as _export_plan
+from orbax_safetensors._src.integrations import flax_tables as _flax_tables
+from orbax_safetensors._src.integrations import links as _links
+from orbax_safetensors._src.integrations.key_mapping import MappingReport
+from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
+from orbax_safetensors._src.pipeline import pieces as _pieces
+from orbax_safetensors._src.pipeline import reader as _reader
+from orbax_safetensors._src.pipeline import snapshots as _snapshots
+from orbax_safetensors._src.storage import interface as _interface
+from orbax_safetensors._src.storage import replace as _replace
+from orbax_safetensors._src.storage import router as _router
+
+_PRIMARY = 0
+
+Pieces = tuple[int, list[_interface.Piece]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Lora:
+    """The LoRA adapters an export merges: ``{kernel: (lora_a, lora_b)}`` and the scale."""
+
+    merges: Mapping[str, tuple[str, str]]
+    scale: float
+
+
+def is_global(x: Any) -> bool:
+    """Whether ``x`` is a ``jax.Array`` sharded over several processes (not host-local)."""
+    return isinstance(x, jax.Array) and not _snapshots.is_host_local(x, True)
+
+
+def _barrier(name: str) -> None:
+    multihost_utils.sync_global_devices(f"orbax_safetensors.export.{name}")
+
+
+def _staging_token(is_primary: bool) -> str:
+    # The primary's random token, as every process gets it (one collective).
+    mine = np.frombuffer(uuid.uuid4().bytes[:8], np.uint8) if is_primary else np.zeros(8, np.uint8)
+    got = np.asarray(multihost_utils.broadcast_one_to_all(mine, is_source=is_primary))
+    return bytes(got.astype(np.uint8)).hex()
+
+
+def write_processes(
+    directory: epath.Path,
+    plan: _plan.CheckpointPlan,
+    moves: Sequence[_links.Link],
+    table: _flax_tables.FlaxTable,
+    tied: Mapping[str, str],
+    report: MappingReport,
+    extra_files: Mapping[str, str],
+    *,
+    lora: Lora,
+    batch_bytes: int,
+) -> _pieces.WriteStats:
+    """Writes ``plan``'s files into ``directory`` from every process of the job (see the
+    module docstring); ``extra_files`` (``{name: text}``, e.g. the index and ``config.json``)
+    are written by the primary. Returns what this process wrote.
+
+    Raises:
+      ValueError: ``directory`` is not on a local (POSIX, shared) file system.
+    """
+    if not _router.is_local(directory):
+        raise ValueError(
+            f"{directory}: a multi-process export writes to a file system every process "
+            "sees (local or network POSIX); export to it and copy to object storage"
+        )
+    primary = jax.process_index() == _PRIMARY
+    tmp = _replace.staging_path(directory, _staging_token(primary))
+    if primary:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    _barrier("staged")
+    stats = _pieces.WriteStats()
+    pieces = _process_pieces(plan, moves, table, tied, lora, batch_bytes, primary)
+    prepared = _checkpoint_save.PreparedSave(
+        plan=plan,
+        pieces=pieces,
+        metadata={},
+        sizes={n: e.nbytes for f in plan.files for n, e in f.entries.items()},
+        is_primary=primary,
+        process_index=jax.process_index(),
+        checksums=False,
+    )
+    _checkpoint_save.write_process_share(prepared, tmp, stats, persist_share=False)
+    report.moved += [(n, k) for link in moves for k, n in link.pairs() if k not in tied]
+    _barrier("written")
+    if primary:
+        index = tmp / _plan.INDEX_FILE_NAME
+        if index.exists():
+            index.unlink()  # (written by write_process_share; extra_files has the export's own)
+        for name, text in extra_files.items():
+            (tmp / name).write_text(text)
+        _replace.swap_in(tmp, directory)
+    _barrier("done")
+    return stats
+
+
+def _process_pieces(
+    plan: _plan.CheckpointPlan,
+    moves: Sequence[_links.Link],
+    table: _flax_tables.FlaxTable,
+    tied: Mapping[str, str],
+    lora: Lora,
+    batch_bytes: int,
+    primary: bool,
+) -> Iterator[Pieces]:
+    """This process's pieces, link by link in the same order on every process."""
+    infos = table.infos
+    stored = getattr(table.source, "stored", None)
+    sizes = {n: t.nbytes for n, t in infos.items()}
+    for group in _links.link_batches(moves, sizes.__getitem__, batch_bytes, torch_side=False):
+        names = sorted({n for link in group for n in link.flax})
+        if table.source is None:
+            values = {n: _merged(table.values, n, lora) for n in names}
+        elif isinstance(stored, dict) and not any(n in lora.merges for n in names):
+            first = {
+                n: _export_plan.row_axis(link, [infos[m].shape for m in link.flax])
+                for link in group
+                for n in link.flax
+            }
+            values = _read_sharded(stored, table.prefix, names, infos, first)
+        else:  # a source read whole (not safetensors, or LoRA merges): the primary's
+            values = table.read(names) if primary else dict.fromkeys(names)
+        for link in group:
+            yield from _link_pieces(plan, link, [values[n] for n in link.flax], tied, primary)
+            for n in link.flax:
+                values.pop(n, None)
+
+
+def _read_sharded(
+    stored: Mapping[str, Any],
+    prefix: str,
+    names: Sequence[str],
+    infos: Mapping[str, Any],
+    first: Mapping[str, int],
+) -> dict[str, Any]:
+    # Each tensor spread over every device of the job, split where each process's share of
+    # the PyTorch tensors is one range (export_plan.row_axis); this process reads its boxes.
+    requests = [
+        _reader.ReadRequest(
+            stored[prefix + n],
+            kind="jax",
+            sharding=_export_plan.spread_sharding(infos[n].shape, first[n]),
+        )
+        for n in names
+    ]
+    return dict(zip(names, _reader.read_tensors(requests)))
+
+
+def _merged(values: Mapping[str, Any], name: str, lora: Lora) -> Any:
+    x = values[name]
+    if name not in lora.merges:
+        return x
+    a, b = (values[n] for n in lora.merges[name])
+    if not any(is_global(v) for v in (x, a, b)):
+        return _links.merge_lora(np.asarray(x), np.asarray(a), np.asarray(b), lora.scale)
+    merge = functools.partial(_merge_on_device, scale=lora.scale)
+    return jax.jit(merge, out_shardings=x.sharding if is_global(x) else None)(x, a, b)
+
+
+def _merge_on_device(kernel: Any, a: Any, b: Any, *, scale: float) -> Any:
+    # links.merge_lora in jax.numpy: kernel + a @ b * scale, computed in at least float32
+    jnp = jax.numpy
+    floating = jnp.issubdtype(kernel.dtype, jnp.floating)
+    work = jnp.promote_types(kernel.dtype, jnp.float32) if floating else jnp.float32
+    delta = jnp.matmul(a.astype(work), b.astype(work)) * jnp.asarray(scale, work)
+    return (kernel.astype(work) + delta).astype(kernel.dtype)
+
+
+def _link_pieces(
+    plan: _plan.CheckpointPlan,
+    link: _links.Link,
+    arrays: list[Any],
+    tied: Mapping[str, str],
+    primary: bool,
+) -> Iterator[Pieces]:
+    glob = [is_global(a) for a in arrays]
+    if not any(glob):  # host-local values: the primary writes them whole
+        if not primary:
+            return
+        for key, value in zip(link.torch, link.to_torch([np.asarray(a) for a in arrays])):
+            if key not in tied:
+                yield _pieces.tensor_pieces(plan, key, [(None, np.ascontiguousarray(value))])
+        return
+    shapes = [tuple(int(d) for d in a.shape) for a in arrays]
+    if all(glob) and _export_plan.commutes(link, shapes):
+        # Cast first (contiguous, as pieces.tensor_pieces would): a transposed shard is then
+        # moved in the stored dtype, and the cast reads memory in order.
+        kept = next(k for k in link.torch if k not in tied)
+        stored = _dtypes.to_numpy(plan.locate(kept)[1].dtype)
+        for k, x in enumerate(arrays):
+            for index, data in _snapshots.owned_shards(x):
+                host = np.asarray(data)
+                if host.dtype != stored:
+                    host = _astype.astype(host, stored)
+                for j, box, values in _export_plan.shard_boxes(link, k, index, host, shapes):
+                    key = link.torch[j]
+                    if key not in tied:
+                        yield _pieces.tensor_pieces(plan, key, [(box, values)])
+        return
+    for j, key in enumerate(link.torch):  # re-laid-out on the devices, one tensor at a time
+        if key in tied:
+            continue
+        shape = plan.files[plan.file_of[key]].entries[key].shape
+        relayout = jax.jit(
+            functools.partial(_export_plan.device_value, link, j=j),
+            out_shardings=_export_plan.spread_sharding(tuple(shape)),
+        )
+        try:
+            value = relayout(arrays)
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                f"{', '.join(link.flax)} -> {key}: the rule's transform "
+                f"{link.rule.transform!r} does not run on sharded jax.Arrays ({e}); "
+                "use Transpose, Reshape, SplitHeads or Chain of them"
+            ) from e
+        owned: _snapshots.HostCopies = [
+            (index, np.asarray(data)) for index, data in _snapshots.owned_shards(value)
+        ]
+        if owned:
+            yield _pieces.tensor_pieces(plan, key, owned)
+        del value, owned

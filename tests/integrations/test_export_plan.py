@@ -1,0 +1,112 @@
+"""The per-shard export arithmetic (``integrations/export_plan``): cutting a Flax tensor into
+boxes, mapping each box on its own and assembling the PyTorch tensors gives exactly what
+``Link.to_torch`` gives for the whole tensor; transforms that are not axis permutations are
+recognised and computed on the devices instead. One process, no files."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import numpy as np
+import pytest
+
+import orbax_safetensors as osf
+from orbax_safetensors._src.integrations import export_plan, links
+
+RNG = np.random.default_rng(0)
+
+
+def _link(rule, shapes):
+    parts = rule.parts if len(shapes) > 1 else ["w"]  # several Flax parts: named by the rule
+    names = {(f"{p}.kernel" if len(shapes) > 1 else p): s for p, s in zip(parts, shapes)}
+    found, report = links.export_links(osf.KeyMapping([rule]), names)
+    assert report.ok and len(found) == 1, report.problems()
+    return found[0]
+
+
+def _boxes(shape, cuts):
+    # a grid of boxes: each axis cut into ``cuts[axis]`` uneven slices
+    per_axis = []
+    for size, n in zip(shape, cuts):
+        edges = sorted({0, size, *RNG.integers(1, max(2, size), n - 1).tolist()})
+        per_axis.append([slice(a, b) for a, b in itertools.pairwise(edges) if a < b])
+    return list(itertools.product(*per_axis))
+
+
+CASES = [
+    # (rule, Flax shapes)
+    (osf.Rule("a.weight", "w", osf.Transpose()), [(6, 10)]),
+    (osf.Rule("a.weight", "w"), [(6, 10)]),
+    (osf.Rule("a.weight", "w", osf.Transpose((2, 0, 1))), [(3, 4, 5)]),
+    (osf.Rule("a.weight", "w", osf.Chain(osf.Transpose(), osf.Transpose((1, 0)))), [(6, 10)]),
+    (osf.Rule("l.{i}.w", "w", osf.Transpose(), stacked="i"), [(4, 6, 10)]),
+    (
+        osf.Rule(
+            "l.{i}.{p:q|k|v}.w",
+            "w",
+            osf.Transpose(),
+            stacked="i",
+            fused="p",
+            axis=-1,
+            sizes=(8, 4, 4),
+        ),
+        [(3, 6, 16)],
+    ),
+    (osf.Rule("l.{p:gate|up}.w", "w", osf.Transpose(), fused="p", axis=-1), [(6, 10)]),
+    (osf.Rule("c_attn.weight", "{p:q|k|v}.kernel", fused="p", axis=-1), [(6, 4)] * 3),
+    (osf.Rule("qkv.weight", "{p:q|k}.kernel", osf.Transpose(), fused="p", axis=0), [(6, 4)] * 2),
+]
+
+
+@pytest.mark.parametrize("rule, shapes", CASES)
+def test_boxes_mapped_alone_assemble_the_whole_export(rule, shapes):
+    link = _link(rule, shapes)
+    arrays = [RNG.standard_normal(s).astype(np.float32) for s in shapes]
+    want = link.to_torch(arrays)
+    assert export_plan.commutes(link, shapes)
+    got = [np.full(w.shape, np.nan, np.float32) for w in want]
+    for k, x in enumerate(arrays):
+        for box in _boxes(x.shape, [3] * x.ndim):
+            for j, tbox, values in export_plan.shard_boxes(link, k, box, x[box], shapes):
+                assert np.isnan(got[j][tbox]).all(), "a byte written twice"
+                got[j][tbox] = values
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize(
+    "rule, shapes",
+    [
+        (osf.Rule("q.weight", "w", osf.Chain(osf.Transpose(), osf.SplitHeads(2, -1))), [(6, 2, 4)]),
+        (osf.Rule("l.{i}.w", "w", osf.Reshape((2, 6), (12,)), stacked="i"), [(3, 2, 6)]),
+        (osf.Rule("l.{p:a|b}.w", "w", osf.SplitHeads(2, 0), fused="p", axis=-1), [(2, 3, 8)]),
+        (osf.Rule("a.weight", "w", osf.Transpose()), [(6, 10)]),
+    ],
+)
+def test_device_value_matches_host_transform(rule, shapes):
+    link = _link(rule, shapes)
+    arrays = [RNG.standard_normal(s).astype(np.float32) for s in shapes]
+    want = link.to_torch(arrays)
+    for j, w in enumerate(want):
+        got = jax.jit(lambda a, j=j: export_plan.device_value(link, a, j))(arrays)
+        np.testing.assert_array_equal(np.asarray(got), w)
+
+
+def test_only_axis_permutations_commute():
+    assert export_plan.axis_permutation(osf.Transpose(), 3) == (2, 1, 0)
+    assert export_plan.axis_permutation(osf.Transpose((2, 0, 1)), 3) == (1, 2, 0)
+    assert export_plan.axis_permutation(osf.SplitHeads(2), 2) is None
+    assert (
+        export_plan.axis_permutation(osf.Chain(osf.Transpose(), osf.Reshape((4,), (4,))), 1) is None
+    )
+    link = _link(
+        osf.Rule("q.weight", "w", osf.Chain(osf.Transpose(), osf.SplitHeads(2, -1))), [(6, 2, 4)]
+    )
+    assert not export_plan.commutes(link, [(6, 2, 4)])
+
+
+def test_spread_sharding_splits_the_first_divisible_axis():
+    n = len(jax.devices())
+    spec = export_plan.spread_sharding((3, 4 * n)).spec
+    assert tuple(spec) == ((None, "devices") if n > 1 else ("devices",))
