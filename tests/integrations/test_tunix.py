@@ -9,10 +9,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
 import orbax_safetensors as osf
+from orbax_safetensors import cli
 
 transformers = pytest.importorskip("transformers", minversion="5", reason="needs transformers>=5")
 torch = pytest.importorskip("torch")
@@ -177,3 +179,21 @@ def test_tunix_preset_needs_head_dim_and_reports_a_wrong_one(tmp_dir):
     wrong = osf.preset_mapping("tunix-llama3", head_dim=16)
     with pytest.raises(osf.TargetMismatchError, match=r"q_proj\.weight .*\[32, 2, 16\]"):
         osf.load_pytorch(model, tmp_dir / "hf", wrong)
+
+
+def test_tunix_checkpoint_exported_by_the_command_line(tmp_dir, capsys):
+    """A Tunix model's nnx.State in a CheckpointManager step -> ``orbax-safetensors export
+    --mapping tunix-qwen3`` (head_dim from --hf-config) -> transformers, same logits."""
+    config = hf_config("qwen3", tied=True)
+    model = tunix_model("qwen3", config, seed=5)
+    randomize(model, seed=5)
+    config.save_pretrained(tmp_dir / "config")
+    with ocp.CheckpointManager(tmp_dir / "ckpt") as mngr:
+        mngr.save(7, args=ocp.args.Composite(model=osf.SafetensorsSave(nnx.state(model))))
+        mngr.wait_until_finished()
+    argv = ["export", tmp_dir / "ckpt", tmp_dir / "hf", "--mapping", "tunix-qwen3"]
+    assert cli.main([str(a) for a in argv]) == 2
+    assert "needs --hf-config with head_dim" in capsys.readouterr().err
+    assert cli.main([str(a) for a in [*argv, "--hf-config", tmp_dir / "config"]]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_dir / "hf").eval()
+    np.testing.assert_allclose(hf_logits(hf), tunix_logits(model), rtol=0, atol=ATOL)
