@@ -2,7 +2,7 @@
 (``google-tunix``) and transformers' real ones, tiny configs, both directions: a Hugging Face
 directory (``save_pretrained``) loads into the Tunix model with the same logits; a Tunix model
 exports to a directory that ``from_pretrained`` loads (no missing or unexpected keys) with the
-same logits. Float32; tied embeddings where Tunix's config has them."""
+same logits. Float32; tied embeddings where Tunix's config has them; Qwen 3 MoE too."""
 
 from __future__ import annotations
 
@@ -29,6 +29,19 @@ ROPE_THETA = 1_000_000
 ATOL = 1e-6
 
 
+SIZES = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    vocab_size=96,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
+)
+
+
 @pytest.fixture(autouse=True)
 def _tunix_flags():
     with tunix_models.tunix_flags():
@@ -37,18 +50,21 @@ def _tunix_flags():
 
 def hf_config(kind, tied):
     common = dict(
-        hidden_size=32,
+        **SIZES,
         intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        vocab_size=96,
         tie_word_embeddings=tied,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
     )
+    if kind == "qwen3-moe":  # Tunix's MoE normalises the top-k routing weights
+        return transformers.Qwen3MoeConfig(
+            **SIZES,
+            moe_intermediate_size=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            tie_word_embeddings=tied,
+        )
     if kind == "qwen3":
         return transformers.Qwen3Config(**common)
     return transformers.LlamaConfig(**common)
@@ -60,15 +76,19 @@ def tunix_model(kind, config, seed=1):
         num_layers=config.num_hidden_layers,
         vocab_size=config.vocab_size,
         embed_dim=config.hidden_size,
-        hidden_dim=config.intermediate_size,
+        hidden_dim=getattr(config, "moe_intermediate_size", config.intermediate_size),
         num_heads=config.num_attention_heads,
         head_dim=config.head_dim,
         num_kv_heads=config.num_key_value_heads,
         rope_theta=ROPE_THETA,
         norm_eps=config.rms_norm_eps,
     )
-    if kind == "qwen3":
-        cfg = QWEN3.ModelConfig(**sizes, use_tied_embedding=config.tie_word_embeddings)
+    if kind.startswith("qwen3"):
+        experts = dict(
+            num_experts=getattr(config, "num_experts", None),
+            num_experts_per_tok=getattr(config, "num_experts_per_tok", None),
+        )
+        cfg = QWEN3.ModelConfig(**sizes, **experts, use_tied_embedding=config.tie_word_embeddings)
         return QWEN3.Qwen3(cfg, rngs=nnx.Rngs(seed))
     cfg = LLAMA3.ModelConfig(**sizes, weight_tying=config.tie_word_embeddings)
     return LLAMA3.Llama3(cfg, rngs=nnx.Rngs(seed))
@@ -89,7 +109,9 @@ def hf_logits(model):
 
 def mapping_for(kind, config):
     return osf.preset_mapping(
-        f"tunix-{kind}", head_dim=config.head_dim, tie_word_embeddings=config.tie_word_embeddings
+        "tunix-" + kind.removesuffix("-moe"),
+        head_dim=config.head_dim,
+        tie_word_embeddings=config.tie_word_embeddings,
     )
 
 
@@ -105,7 +127,13 @@ def randomize(model, seed):
             var.set_value(0.02 * jax.random.normal(key, value.shape, value.dtype))
 
 
-KINDS = [("llama3", False), ("llama3", True), ("qwen3", False), ("qwen3", True)]
+KINDS = [
+    ("llama3", False),
+    ("llama3", True),
+    ("qwen3", False),
+    ("qwen3", True),
+    ("qwen3-moe", False),
+]
 
 
 @pytest.mark.parametrize("kind, tied", KINDS)
@@ -148,7 +176,8 @@ def test_tunix_model_exports_to_transformers_same_logits(tmp_dir, kind, tied):
     )
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert not info["mismatched_keys"], info
-    assert type(hf).__name__ == ("Qwen3ForCausalLM" if kind == "qwen3" else "LlamaForCausalLM")
+    classes = {"llama3": "Llama", "qwen3": "Qwen3", "qwen3-moe": "Qwen3Moe"}
+    assert type(hf).__name__ == classes[kind] + "ForCausalLM"
     np.testing.assert_allclose(hf_logits(hf.eval()), tunix_logits(model), rtol=0, atol=ATOL)
 
 

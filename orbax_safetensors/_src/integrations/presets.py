@@ -18,7 +18,9 @@ Face's module names (``nnx.Linear`` for ``nn.Linear``, ``nnx.Embed``, ``nnx.RMSN
   ``(heads, head_dim, embed)`` (``head_dim=`` is required: one rule fits query and key/value
   heads), ``layers.{i}.mlp.{gate,up,down}_proj.kernel``, every norm as ``.w``
   (``attn.q_norm``/``k_norm``, ``input_layernorm``, ``post_attention_layernorm``,
-  ``final_norm``), ``lm_head.w`` (absent with Tunix's tied embeddings).
+  ``final_norm``), ``lm_head.w`` (absent with Tunix's tied embeddings); ``tunix-qwen3`` also
+  maps Qwen 3 MoE: ``mlp.experts.{e}.*_proj.weight`` stacked as ``layers.{i}.mlp.*_proj``
+  ``(experts, in, out)``, the router ``mlp.gate.weight`` as ``layers.{i}.mlp.router.kernel``.
 
 With ``tie_word_embeddings=True`` (LLaMA/Qwen), a directory without ``lm_head.weight`` loads a
 model's ``lm_head.kernel`` from the embedding, and an export writes no ``lm_head.weight``.
@@ -127,6 +129,19 @@ def _tunix(name: str, head_dim: int | None, tie_word_embeddings: bool) -> KeyMap
             ),
             Rule("model.norm.weight", "final_norm.w"),
             Rule("lm_head.weight", "lm_head.w", Transpose()),
+            *(_TUNIX_MOE if name == "tunix-qwen3" else []),
         ],
         tied=_TIED if tie_word_embeddings else None,
     )
+
+
+# Qwen 3 MoE (Tunix's MoELayer): the experts' projections stacked on axis 0, (experts, in, out)
+_TUNIX_MOE = [
+    Rule(
+        "model.layers.{i}.mlp.experts.{e}.{p:gate_proj|up_proj|down_proj}.weight",
+        "layers.{i}.mlp.{p}",
+        Transpose(),
+        stacked="e",
+    ),
+    Rule("model.layers.{i}.mlp.gate.weight", "layers.{i}.mlp.router.kernel", Transpose()),
+]
