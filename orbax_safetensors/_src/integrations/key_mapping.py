@@ -75,17 +75,39 @@ class SplitHeads:
     """Splits axis ``axis`` of size ``heads * dim`` into ``(heads, dim)`` (and merges it back
     for PyTorch), as NNX ``MultiHeadAttention`` stores its projections: query/key/value kernels
     ``(features, heads, dim)`` and biases ``(heads, dim)``, the output kernel
-    ``(heads, dim, features)``."""
+    ``(heads, dim, features)``. Give the number of ``heads`` or the ``head_dim`` (one rule
+    then fits query heads and fewer key/value heads alike, e.g. Tunix's
+    ``(embed, heads, head_dim)`` attention kernels).
 
-    heads: int
+    Example::
+
+        SplitHeads(4, -1).to_flax(np.zeros((6, 12))).shape          # (6, 4, 3)
+        SplitHeads(head_dim=3, axis=0).to_flax(np.zeros((12, 6))).shape   # (4, 3, 6)
+    """
+
+    heads: int | None = None
     axis: int = -1
+    head_dim: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.heads is None) == (self.head_dim is None):
+            raise ValueError("SplitHeads takes one of heads= or head_dim=")
 
     def to_flax(self, x: np.ndarray) -> np.ndarray:
         axis = self.axis % x.ndim
         size = x.shape[axis]
-        if size % self.heads:
-            raise ValueError(f"axis {axis} of size {size} does not split into {self.heads} heads")
-        return x.reshape(*x.shape[:axis], self.heads, size // self.heads, *x.shape[axis + 1 :])
+        if self.head_dim is not None:
+            if size % self.head_dim:
+                raise ValueError(
+                    f"axis {axis} of size {size} does not split into heads of {self.head_dim}"
+                )
+            split = (size // self.head_dim, self.head_dim)
+        else:
+            heads = int(self.heads or 0)
+            if size % heads:
+                raise ValueError(f"axis {axis} of size {size} does not split into {heads} heads")
+            split = (heads, size // heads)
+        return x.reshape(*x.shape[:axis], *split, *x.shape[axis + 1 :])
 
     def to_torch(self, x: np.ndarray) -> np.ndarray:
         axis = self.axis % (x.ndim - 1)

@@ -1,8 +1,9 @@
 """``orbax-safetensors export``: a checkpoint (or a file, an item, a step) as a Hugging Face
 model directory, through a preset or user key mapping.
 
-``--mapping`` is a preset name (``llama``, ``qwen2``, ``qwen3``, ``gpt2``; with a config whose
-``tie_word_embeddings`` is true, the preset ties ``lm_head`` to the embedding) or
+``--mapping`` is a preset name (``llama``, ``qwen2``, ``qwen3``, ``gpt2``, ``tunix-llama3``,
+``tunix-qwen3``; with a config whose ``tie_word_embeddings`` is true, the preset ties
+``lm_head`` to the embedding; the Tunix presets take their ``head_dim`` from it) or
 ``module:attr`` naming a :class:`KeyMapping` (or a function of no arguments returning one),
 imported like ``python -c 'import module'`` from the current directory.
 
@@ -60,8 +61,18 @@ def resolve_mapping(spec: str, hf_config: dict[str, Any] | None = None) -> KeyMa
             raise ValueError(
                 f"--mapping {spec!r}: not a preset ({', '.join(_presets.PRESETS)}) nor module:attr"
             )
-        tie = bool((hf_config or {}).get("tie_word_embeddings", False))
-        return _presets.preset_mapping(spec, tie_word_embeddings=tie)
+        doc = hf_config or {}
+        tie = bool(doc.get("tie_word_embeddings", False))
+        if spec not in _presets.TUNIX_PRESETS:
+            return _presets.preset_mapping(spec, tie_word_embeddings=tie)
+        heads = doc.get("num_attention_heads")
+        head_dim = doc.get("head_dim") or (doc.get("hidden_size", 0) // heads if heads else None)
+        if not head_dim:
+            raise ValueError(
+                f"--mapping {spec!r} needs --hf-config with head_dim (or hidden_size and "
+                "num_attention_heads)"
+            )
+        return _presets.preset_mapping(spec, tie_word_embeddings=tie, head_dim=int(head_dim))
     module_name, _, attr = spec.partition(":")
     added = "" not in sys.path and "." not in sys.path
     if added:
