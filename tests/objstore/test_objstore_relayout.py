@@ -53,7 +53,8 @@ def test_two_processes_upload_column_stripes_as_one_range_per_tensor(
     "data")``), beside a row-sharded one and one with too few rows to re-lay out. S3 saves
     async (from host copies), GCS sync (from the arrays), local disk async: every save
     writes the same bytes; on object storage each process writes each re-laid-out tensor as
-    the one range ``core.relayout.row_block_layout`` gives it; restores are exact."""
+    the one range ``core.relayout.row_block_layout`` gives it; restores are exact, and a
+    restore of the column stripes alone reads one range per process."""
     n = 2
     local = str(tmp_path / "local")
     s3_root, gcs_root = f"{s3_bucket}/run", f"{gcs_bucket}/run"
@@ -90,6 +91,13 @@ def test_two_processes_upload_column_stripes_as_one_range_per_tensor(
             for name in _RELAID:
                 (block,) = layouts[name].byte_ranges(process)
                 assert _covered(ranges, offsets[name] + block[0], block[1]), (root, name)
+            # Restoring the column stripes alone: one block of rows read in one GET (exactly
+            # this process's share, no header) and moved between the devices; by ranged GETs
+            # alone, staying within 1.5x would take 256 GETs per process.
+            assert report[root]["cols_ok"], (root, process)
+            cols, read = report[root]["cols_restore"], report[root]["cols_read_stats"]
+            assert cols["bytes_fetched"] == read["bytes_read"] == (8 << 20) // n, (root, read)
+            assert cols["get_requests"] == 1 and read["header_reads"] == 0, (root, cols, read)
             save = report[root]["save"]
             assert save["retries"] == 0, save
             if process != 0:  # its share, in a few requests (a manifest, staged objects)

@@ -73,6 +73,12 @@ for root, use_async in ctx.args["saves"]:
         saved = osf.object_store_stats(reset=True)
         restored = mngr.restore(0, args=osf.SafetensorsRestore(target))
         fetched = osf.object_store_stats(reset=True)
+        # The column stripes alone: each process needs half of every row.
+        cols = mngr.restore(
+            0, args=osf.SafetensorsRestore({"cols": target["cols"]}, partial_restore=True)
+        )["cols"]
+        cols_fetched = osf.object_store_stats(reset=True)
+        cols_read = vars(handler.last_read_stats)
     bad = [
         name
         for name in TENSORS
@@ -87,6 +93,13 @@ for root, use_async in ctx.args["saves"]:
         "save": counters(saved),
         "ranges": [r[1:] for r in handler.last_write_stats.ranges],  # (offset, size)
         "restore": counters(fetched),
+        "cols_ok": cols.sharding == target["cols"].sharding
+        and all(
+            np.array_equal(np.asarray(s.data), values["cols"][s.index])
+            for s in cols.addressable_shards
+        ),
+        "cols_restore": counters(cols_fetched),
+        "cols_read_stats": cols_read,
     }
 worker_lib.emit_result(report)
 worker_lib.finish()
