@@ -173,9 +173,15 @@ class PreparedSave:
         *,
         is_primary: bool = True,
         process_index: int = 0,
+        row_blocks: bool = False,
     ) -> PreparedSave:
         """Plans ``validated``'s files; ``pieces`` views (or casts) each tensor as the writer
         reaches it, so host memory holds about one tensor beyond the writes under way.
+
+        ``row_blocks`` (a save to object storage; call on the main thread of every process):
+        the tensors whose across-process axis cuts a later dimension are moved to row blocks
+        on the devices and copied to host now, one at a time (``snapshots.iter_relaid``);
+        host memory then also holds this process's share of those tensors until written.
 
         Example::
 
@@ -185,8 +191,17 @@ class PreparedSave:
         plan, metadata, sizes = plan_tree(validated, layout)
         flat = validated.flat
         check_not_deleted(flat.arrays.items())
+        ready = None
+        if row_blocks:
+            names = list(flat.arrays)  # in the order of captured.arrays
+            relaid = _snapshots.iter_relaid(
+                enumerate(validated.captured.arrays),
+                is_primary=is_primary,
+                casts=validated.snapshot_casts(),
+            )
+            ready = {names[i]: copies for i, copies in relaid}
         pieces = _pieces.iter_host_pieces(
-            plan, flat.arrays, copy=False, is_primary=is_primary, copies_ahead=1
+            plan, flat.arrays, copy=False, is_primary=is_primary, copies_ahead=1, ready=ready
         )
         return cls(plan, pieces, metadata, sizes, is_primary, process_index, layout.checksums)
 

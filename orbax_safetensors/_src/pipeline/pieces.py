@@ -91,6 +91,7 @@ def iter_host_pieces(
     copy: bool,
     is_primary: bool = True,
     copies_ahead: int | None = 1,
+    ready: Mapping[str, _snapshots.HostCopies] | None = None,
 ) -> Iterator[tuple[int, list[_interface.Piece]]]:
     """The byte pieces this process writes, one tensor at a time: ``(file index, pieces)``.
 
@@ -103,10 +104,17 @@ def iter_host_pieces(
         (``None``: all at once, fastest when everything is copied before writing). With 1, a
         consumer that writes each tensor before asking for the next holds about one tensor in
         host memory at a time (on accelerators; on CPU, uncopied pieces are views).
+      ready: host copies made beforehand, by tensor name (e.g. row blocks,
+        ``snapshots.iter_relaid``): written instead of those arrays' shards.
 
     Each piece's tag is ``(tensor name, offset inside the tensor)``.
     """
-    owned = _snapshots.owned_tensors(arrays.items(), is_primary)
+    items: Any = arrays.items()
+    if ready:
+        for name, copies in ready.items():
+            yield tensor_pieces(plan, name, copies)
+        items = [(name, x) for name, x in items if name not in ready]
+    owned = _snapshots.owned_tensors(items, is_primary)
     buffers = _buffers.BufferArena() if copy else None
     started = 0
     ahead = len(owned) if copies_ahead is None else copies_ahead

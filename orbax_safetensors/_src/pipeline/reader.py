@@ -28,6 +28,7 @@ from orbax_safetensors._src.core import memo as _memo
 from orbax_safetensors._src.core import runs as _runs
 from orbax_safetensors._src.core.errors import IntegrityError
 from orbax_safetensors._src.pipeline import place as _place
+from orbax_safetensors._src.pipeline import relayout as _relayout
 from orbax_safetensors._src.storage import buffers as _buffers
 from orbax_safetensors._src.storage import config as _config
 from orbax_safetensors._src.storage import router as _router
@@ -154,16 +155,6 @@ def _single_device(sharding: jax.sharding.Sharding) -> bool:
     return len(sharding.device_set) == 1 and sharding.is_fully_addressable
 
 
-# On object storage, a tensor whose target sharding cuts a later dimension across processes
-# (a column stripe per process) into more runs than this is read by row blocks and resharded
-# on the devices instead.
-EXCHANGE_MIN_RUNS = 16
-
-
-def _identity(x: Any) -> Any:
-    return x
-
-
 def _row_blocks(req: ReadRequest) -> jax.sharding.Sharding | None:
     """The sharding to read ``req`` with before moving its shards between processes, or None
     to read its target boxes directly.
@@ -173,46 +164,14 @@ def _row_blocks(req: ReadRequest) -> jax.sharding.Sharding | None:
     request per row within 1.5x the bytes (``core.runs.ranged_reads``). Instead every process
     reads one contiguous block of rows (its devices' consecutive share) in one range, and a
     collective moves the shards to the target sharding. Decided from global facts only (the
-    path's scheme, the sharding, the shape), so every process decides alike and calls the
-    collective in the same order. Extra memory: while one tensor is resharded, its row blocks
-    beside its target shards (one tensor's share of a process at a time).
+    path's scheme, the sharding, the shape: ``core.relayout.row_block_layout``, as a save
+    decides), so every process decides alike and calls the collective in the same order.
+    Extra memory: while one tensor is resharded, its row blocks beside its target shards (one
+    tensor's share of a process at a time).
     """
-    sharding, shape = req.sharding, req.stored.shape
-    if (
-        req.kind != ReadKind.JAX
-        or not isinstance(sharding, jax.sharding.NamedSharding)
-        or len(shape) < 2
-        or sharding.is_fully_addressable
-        or getattr(sharding, "memory_kind", None) not in (None, "device")
-        or not _router.is_object_url(req.stored.path)
-    ):
+    if req.kind != ReadKind.JAX or not _router.is_object_url(req.stored.path):
         return None
-    # Which dimensions an axis that spans processes cuts: the mesh axes along which the
-    # devices' processes change, looked up in the partition spec (global facts only).
-    mesh = sharding.mesh
-    if not isinstance(mesh, jax.sharding.Mesh):  # an abstract mesh has no devices
-        return None
-    procs = np.vectorize(lambda d: d.process_index)(mesh.devices)
-    across = {
-        name for ax, name in enumerate(mesh.axis_names) if np.any(np.diff(procs, axis=ax) != 0)
-    }
-    cut = None
-    for dim, entry in enumerate(sharding.spec):
-        names = entry if isinstance(entry, tuple) else (entry,)
-        if dim > 0 and any(n in across for n in names if n is not None):
-            cut = dim
-            break
-    if (
-        cut is None
-        or int(np.prod(shape[:cut])) <= EXCHANGE_MIN_RUNS
-        or shape[0] % mesh.devices.size  # row blocks of equal size only
-    ):
-        return None
-    # The target mesh's devices in its own order (a jitted reshard keeps the device order):
-    # each process's rows are as many blocks as its devices form runs in that order, one when
-    # they are adjacent (as in meshes built process by process).
-    rows = jax.sharding.Mesh(np.array(list(mesh.devices.flat)), ("rows",))
-    return jax.sharding.NamedSharding(rows, jax.sharding.PartitionSpec("rows"))
+    return _relayout.row_block_sharding(req.sharding, req.stored.shape, req.stored.dtype)
 
 
 def read_tensors(
@@ -233,8 +192,9 @@ def read_tensors(
     ]
     values = _read_tensors(requests, stats, io)
     for i, s in enumerate(rows):
-        if s is not None:  # a collective: every process reaches it in the same order
-            values[i] = jax.jit(_identity, out_shardings=targets[i].sharding)(values[i])
+        target = targets[i].sharding
+        if s is not None and target is not None:  # a collective, in the same order everywhere
+            values[i] = _relayout.move(values[i], target)
     return values
 
 

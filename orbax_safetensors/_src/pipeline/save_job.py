@@ -222,6 +222,7 @@ class SaveJob:
                 is_primary=self.processes.is_primary,
                 casts=validated.snapshot_casts(),  # a dtype policy: copy the cast bytes
                 buffers=self._arena,
+                row_blocks=_router.is_object_url(self.directory),  # contiguous uploads
             )
             for item in snaps:
                 self._queue.put(item)  # device-to-host copies, on the caller's thread
@@ -356,8 +357,13 @@ class SaveJob:
             return _checkpoint_save.PreparedSave.from_snapshots(
                 validated, self._queue, self.layout, is_primary=is_primary, process_index=index
             )
+        # (DIRECT: planned in start, on the caller's thread, where row blocks are moved)
         return _checkpoint_save.PreparedSave.direct(
-            validated, self.layout, is_primary=is_primary, process_index=index
+            validated,
+            self.layout,
+            is_primary=is_primary,
+            process_index=index,
+            row_blocks=_router.is_object_url(self.directory),
         )
 
     def _require_validated(self) -> _checkpoint_save.ValidatedTree:

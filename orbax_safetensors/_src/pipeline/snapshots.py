@@ -26,6 +26,7 @@ from orbax_safetensors._src.core import astype as _astype
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import memo as _memo
 from orbax_safetensors._src.core import runs as _runs
+from orbax_safetensors._src.pipeline import relayout as _relayout
 from orbax_safetensors._src.pipeline import snapshots as _snapshots
 from orbax_safetensors._src.storage import buffers as _buffers
 
@@ -152,6 +153,7 @@ def iter_snapshots(
     is_primary: bool = True,
     casts: Mapping[Any, np.dtype] | None = None,
     buffers: _buffers.BufferArena | None = None,
+    row_blocks: bool = False,
 ) -> Iterator[tuple[Any, HostCopies]]:
     """Host copies of the bytes this process writes, one tensor at a time: ``(key, copies)``
     for each ``(key, array)`` of ``arrays`` this process writes any of. ``casts`` maps keys
@@ -162,13 +164,21 @@ def iter_snapshots(
     into write pieces with :func:`tensor_pieces`. ``buffers`` is where the copies go (e.g. a
     :class:`~orbax_safetensors._src.storage.buffers.PooledArena` reusing the previous save's
     memory); default a fresh arena.
+
+    ``row_blocks`` (a save to object storage): the tensors ``relayout.row_block_sharding``
+    names are first moved to row blocks on the devices, one at a time, and their copies are
+    this process's row blocks (contiguous bytes of the file); see :func:`iter_relaid`.
     """
     owned = owned_tensors(arrays, is_primary)
-    start_copies(owned)  # all at once: everything is copied before this returns
+    moved = _row_block_targets(owned, casts) if row_blocks else {}
+    start_copies([o for o in owned if o[0] not in moved])  # all at once: copied before return
     buffers = buffers if buffers is not None else _buffers.BufferArena()
     for item in owned:
         name, x, shards, on_cpu = item
         dtype = casts.get(name) if casts else None
+        if moved and name in moved:
+            yield name, _relaid_copies(item, moved[name], buffers, dtype)
+            continue
         if dtype is not None:
             yield name, host_copies(item, buffers, dtype)
             continue
@@ -179,6 +189,67 @@ def iter_snapshots(
                 yield name, [(None, host.copy())]
                 continue
         yield name, host_copies(item, buffers)
+
+
+def iter_relaid(
+    arrays: Iterable[tuple[Any, Any]],
+    *,
+    is_primary: bool = True,
+    casts: Mapping[Any, np.dtype] | None = None,
+    buffers: _buffers.BufferArena | None = None,
+) -> Iterator[tuple[Any, HostCopies]]:
+    """Host copies of this process's row blocks of the tensors of ``arrays`` that a save to
+    object storage re-lays out (``relayout.row_block_sharding``), and of those only.
+
+    Each such tensor is moved to row blocks on the devices (a jitted identity: a collective,
+    so every process must iterate this on its main thread, in the same order), copied to host
+    and the moved array deleted before the next: the extra device memory is one tensor's
+    share of this process at a time. Its copies are contiguous bytes of the file (one range
+    when this process's devices are adjacent in the mesh's order) instead of a run per row.
+    """
+    owned = owned_tensors(arrays, is_primary)
+    buffers = buffers if buffers is not None else _buffers.BufferArena()
+    for item in owned:
+        target = _row_block_targets([item], casts).get(item[0])
+        if target is not None:
+            dtype = casts.get(item[0]) if casts else None
+            yield item[0], _relaid_copies(item, target, buffers, dtype)
+
+
+def _row_block_targets(
+    owned: list[_Owned], casts: Mapping[Any, np.dtype] | None
+) -> dict[Any, jax.sharding.Sharding]:
+    # key -> the row-block sharding of each tensor a save to object storage re-lays out
+    out: dict[Any, jax.sharding.Sharding] = {}
+    seen: dict[tuple[Any, ...], jax.sharding.Sharding | None] = {}  # models repeat shapes
+    for name, x, shards, _ in owned:
+        if shards is None or not isinstance(x, jax.Array):
+            continue  # written whole (one device, or host-local)
+        stored = casts.get(name) if casts else None
+        dtype = _dtypes.from_numpy(stored if stored is not None else x.dtype, key=name)
+        key = (x.sharding, x.shape, dtype)
+        if key not in seen:
+            seen[key] = _relayout.row_block_sharding(x.sharding, x.shape, dtype)
+        target = seen[key]
+        if target is not None:
+            out[name] = target
+    return out
+
+
+def _relaid_copies(
+    item: _Owned,
+    target: jax.sharding.Sharding,
+    buffers: _buffers.BufferArena,
+    dtype: np.dtype | None,
+) -> HostCopies:
+    # The tensor moved to ``target`` (a collective), this process's blocks copied to host
+    # (copies we own: ``buffers`` is given), the moved array freed at once.
+    name, x, _, on_cpu = item
+    moved = _relayout.move(x, target)
+    try:
+        return host_copies((name, moved, owned_shards(moved), on_cpu), buffers, dtype)
+    finally:
+        moved.delete()
 
 
 def start_copies(owned: list[_Owned]) -> None:
