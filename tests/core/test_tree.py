@@ -571,7 +571,7 @@ def test_validated_tree_specs_come_from_the_capture_not_the_arrays(tmp_path):
     )
     _checkpoint_save.write_process_share(prepared, tmp_path)
     _checkpoint_save.finalize(tmp_path)
-    restored = _checkpoint_restore.restore_directory(tmp_path)
+    restored = _checkpoint_restore.restore_checkpoint(tmp_path)
     np.testing.assert_array_equal(np.asarray(restored["w"]), np.arange(4.0, dtype=np.float32))
     np.testing.assert_array_equal(restored["host"], np.arange(6, dtype=np.float32))
     assert restored["alias"] is restored["host"]

@@ -25,6 +25,7 @@ from orbax_safetensors._src.core import schema as _schema
 from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
+from orbax_safetensors._src.orbax import restoring as _restoring
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
 from orbax_safetensors._src.pipeline import standalone as _standalone
@@ -89,14 +90,14 @@ def _restore_safetensors(
         # A checkpoint saved on devices this machine lacks (e.g. by a multi-host job) is
         # converted from this process's first device; Orbax then records that sharding.
         first = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        tree = _checkpoint_restore.restore_directory(
+        tree = _restoring.restore_directory(
             src, fallback_sharding=first, include=include, exclude=exclude
         )
         schema = _checkpoint_restore.read_metadata(src)["schema"]
         return tree, _pruned(schema, select), n, size
     if kind == "file":
         schema, _ = _standalone.file_index(src, _router.read_header(src))
-        tree = _standalone.load_file(src, include=include, exclude=exclude)
+        tree = _restoring.load_file(src, include=include, exclude=exclude)
         return tree, _pruned(schema, select), n, size
     if kind == "safetensors-dir":
         if select is not None:
