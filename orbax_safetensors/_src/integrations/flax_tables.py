@@ -31,6 +31,7 @@ from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
 from orbax_safetensors._src.orbax import steps as _steps
+from orbax_safetensors._src.orbax.steps import PathKind
 
 
 @dataclasses.dataclass
@@ -116,7 +117,7 @@ def resolve_path(
     """
     path = epath.Path(path)
     kind = _steps.classify(path)
-    if kind == "root":
+    if kind is PathKind.ROOT:
         steps = dict(_steps.list_steps(path))
         if not steps:
             raise SafetensorsCheckpointError(
@@ -133,7 +134,7 @@ def resolve_path(
             f"{path} is a {kind}, not a CheckpointManager root: step= does not apply"
         )
     if item is not None:
-        if kind != "step":
+        if kind is not PathKind.STEP:
             raise SafetensorsCheckpointError(
                 f"{path} is a {kind}, not a step: item= does not apply"
             )

@@ -150,6 +150,7 @@ def _convert_cmd(args: argparse.Namespace) -> int:
     must not exist (or be empty); it appears only once complete."""
     from orbax_safetensors._src.tools import convert as _convert
     from orbax_safetensors._src.tools import inspection as _inspection
+    from orbax_safetensors._src.tools.convert_output import Direction
 
     try:
         policy = dtype_policy(args.dtype)
@@ -170,7 +171,7 @@ def _convert_cmd(args: argparse.Namespace) -> int:
         exclude=args.exclude,
         dtype=policy,
     )
-    target = "safetensors" if summary.direction == "safetensors" else "Orbax-native"
+    target = "safetensors" if summary.direction is Direction.SAFETENSORS else "Orbax-native"
     items = ", ".join(i or "(item)" for i in summary.items) or "-"
     print(
         f"converted {summary.tensors} tensors ({_inspection.human_bytes(summary.bytes)}) to "
