@@ -95,6 +95,12 @@ def _verify_cmd(args: argparse.Namespace) -> int:
     return EXIT_OK if report.ok else EXIT_DIFFERENT
 
 
+def _keywords(args: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
+    """The options ``names`` as keyword arguments: each option's name is the keyword of the
+    function its subcommand calls."""
+    return {name: getattr(args, name) for name in names}
+
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 
@@ -157,19 +163,14 @@ def _convert_cmd(args: argparse.Namespace) -> int:
     except ValueError as e:
         _error_line("orbax-safetensors convert", e)
         return EXIT_ERROR
+    passed = ("to", "unwrap_values", "wrap_values", "step", "max_file_size", "include", "exclude")
     summary = _convert.convert(
         args.src,
         args.dst,
-        to=args.to,
-        unwrap_values=args.unwrap_values,
-        wrap_values=args.wrap_values,
-        step=args.step,
-        max_file_size=args.max_file_size,
         batch_bytes=args.batch_size,
         progress=not args.quiet,
-        include=args.include,
-        exclude=args.exclude,
         dtype=policy,
+        **_keywords(args, passed),
     )
     target = "safetensors" if summary.direction is Direction.SAFETENSORS else "Orbax-native"
     items = ", ".join(i or "(item)" for i in summary.items) or "-"
@@ -204,10 +205,8 @@ def _export_cmd(args: argparse.Namespace) -> int:
         mapping,
         hf_config=config,
         dtype=policy,
-        max_file_size=args.max_file_size,
-        step=args.step,
-        item=args.item,
         batch_bytes=args.batch_size,
+        **_keywords(args, ("max_file_size", "step", "item")),
     )
     print(_hf_export.summary(args.out, report))
     return EXIT_OK
@@ -221,12 +220,7 @@ def _diff_cmd(args: argparse.Namespace) -> int:
     from orbax_safetensors._src.tools import diff as _diff
 
     report = _diff.diff_paths(
-        args.a,
-        args.b,
-        atol=args.atol,
-        rtol=args.rtol,
-        include=args.include,
-        exclude=args.exclude,
+        args.a, args.b, **_keywords(args, ("atol", "rtol", "include", "exclude"))
     )
     if args.json:
         print(json.dumps(report.to_json(), indent=1))
