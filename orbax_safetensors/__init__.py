@@ -20,9 +20,7 @@ from orbax_safetensors._src.core.errors import (
 )
 from orbax_safetensors._src.core.header import Header, TensorEntry
 from orbax_safetensors._src.integrations import publish as _publish  # noqa: F401 (mapping=)
-from orbax_safetensors._src.integrations.nnx import load_model, save_model
-from orbax_safetensors._src.integrations.presets import preset_mapping
-from orbax_safetensors._src.integrations.pytorch import (
+from orbax_safetensors._src.integrations.key_mapping import (
     Chain,
     KeyMapping,
     MappingReport,
@@ -31,9 +29,10 @@ from orbax_safetensors._src.integrations.pytorch import (
     SplitHeads,
     Transform,
     Transpose,
-    export_pytorch,
-    load_pytorch,
 )
+from orbax_safetensors._src.integrations.nnx import load_model, save_model
+from orbax_safetensors._src.integrations.presets import preset_mapping
+from orbax_safetensors._src.integrations.pytorch import export_pytorch, load_pytorch
 from orbax_safetensors._src.orbax.object_storage import manager_options_for
 from orbax_safetensors._src.orbax.restoring import load_file, restore_directory
 from orbax_safetensors._src.orbax.v0 import (

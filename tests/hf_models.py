@@ -156,3 +156,34 @@ class Gpt2LM(nnx.Module):
         for block in tr.h:
             x = block(x)
         return tr.wte.attend(tr.ln_f(x))
+
+
+# The tiny test models' dimensions: width, layers, heads, vocabulary, positions.
+TINY = (32, 2, 4, 96, 64)
+_TINY_NAMES = {  # what each config class calls them
+    "gpt2": ("n_embd", "n_layer", "n_head", "vocab_size", "n_positions"),
+    "llama": (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "vocab_size",
+        "max_position_embeddings",
+    ),
+}
+
+
+def tiny_config(kind="llama", tied=False):
+    """A tiny transformers config of ``kind`` (``llama``, ``qwen2``, ``qwen3`` or ``gpt2``)
+    built in code, no hub download; ``tied``: input and output embeddings shared (not GPT-2)."""
+    import transformers
+
+    if kind == "gpt2":
+        sizes = dict(zip(_TINY_NAMES["gpt2"], TINY))
+        return transformers.GPT2Config(**sizes, bos_token_id=0, eos_token_id=0)
+    sizes = dict(zip(_TINY_NAMES["llama"], TINY))
+    common = dict(sizes, intermediate_size=64, num_key_value_heads=2, tie_word_embeddings=tied)
+    if kind == "qwen3":
+        return transformers.Qwen3Config(head_dim=8, **common)
+    if kind == "qwen2":
+        return transformers.Qwen2Config(**common)
+    return transformers.LlamaConfig(**common)

@@ -17,23 +17,6 @@ from orbax_safetensors import SchemaError
 from orbax_safetensors._src.core import rebuild as _rebuild
 from orbax_safetensors._src.core import schema as _schema
 from orbax_safetensors._src.core import tree as _tree
-from orbax_safetensors._src.core.schema import (
-    NONE,
-    Alias,
-    ArrayKind,
-    CustomNode,
-    DictNode,
-    Entry,
-    EntryKind,
-    Inline,
-    LeafKind,
-    ListNode,
-    PrngKey,
-    Schema,
-    Tensor,
-    TupleNode,
-    VarNode,
-)
 
 try:  # pytest puts tests/ on sys.path while tests/ has no __init__.py
     from golden.rich_tree import rich_tree
@@ -82,56 +65,63 @@ def test_golden_files_restore_to_the_saved_tree(tmp_path: Path) -> None:
     assert restored[1] is None and restored["big"] == 2**80
 
 
-def _rich_schema() -> Schema:
+def _rich_schema() -> _schema.Schema:
     return _schema.from_json(json.loads((GOLDEN / "schema_rich_bf16.json").read_text()))
 
 
 def test_typed_nodes_of_the_rich_tree() -> None:
     schema = _rich_schema()
     leaves = schema.leaves
-    assert leaves["layers.0.w"].node == Tensor("layers.0.w", ArrayKind.JAX, "F32")
-    assert leaves["layers.0.b"].node == Tensor("layers.0.b", ArrayKind.NUMPY)
-    assert leaves["1"].node.array is ArrayKind.SCALAR
-    assert leaves["head"].node == Alias("head", "layers.0.w")
+    assert leaves["layers.0.w"].node == _schema.Tensor("layers.0.w", _schema.ArrayKind.JAX, "F32")
+    assert leaves["layers.0.b"].node == _schema.Tensor("layers.0.b", _schema.ArrayKind.NUMPY)
+    assert leaves["1"].node.array is _schema.ArrayKind.SCALAR
+    assert leaves["head"].node == _schema.Alias("head", "layers.0.w")
     assert leaves["head"].tensor_name == "layers.0.w"
-    assert leaves["rbg"].node == PrngKey("rbg", "rbg")
-    assert leaves["floats.3"].node == Inline(LeafKind.FLOAT, "floats.3", "-0x0.0p+0")
+    assert leaves["rbg"].node == _schema.PrngKey("rbg", "rbg")
+    assert leaves["floats.3"].node == _schema.Inline(
+        _schema.LeafKind.FLOAT, "floats.3", "-0x0.0p+0"
+    )
     assert leaves["big"].node.value == 2**80
-    assert leaves["a.b~1"].kind is LeafKind.TENSOR
-    assert isinstance(schema.tree, DictNode) and schema.tree.keys[11] == 1
+    assert leaves["a.b~1"].kind is _schema.LeafKind.TENSOR
+    assert isinstance(schema.tree, _schema.DictNode) and schema.tree.keys[11] == 1
     box = schema.tree.children[schema.tree.keys.index("box")]
-    assert isinstance(box, CustomNode) and box.indexed and box.type_name == "Box"
-    assert box.entries == (Entry(EntryKind.IDX, 0), Entry(EntryKind.IDX, 1))
+    assert isinstance(box, _schema.CustomNode) and box.indexed and box.type_name == "Box"
+    assert box.entries == (
+        _schema.Entry(_schema.EntryKind.IDX, 0),
+        _schema.Entry(_schema.EntryKind.IDX, 1),
+    )
     var = schema.tree.children[schema.tree.keys.index("var")]
-    assert var == VarNode(Tensor("var", ArrayKind.JAX))
-    assert leaves["rng"].node == PrngKey("rng", "threefry2x32")
+    assert var == _schema.VarNode(_schema.Tensor("var", _schema.ArrayKind.JAX))
+    assert leaves["rng"].node == _schema.PrngKey("rng", "threefry2x32")
     w, b = leaves["layers.0.w"].node, leaves["layers.0.b"].node
-    assert isinstance(w, Tensor) and w.cast_from == "F32"
-    assert isinstance(b, Tensor) and b.cast_from is None
+    assert isinstance(w, _schema.Tensor) and w.cast_from == "F32"
+    assert isinstance(b, _schema.Tensor) and b.cast_from is None
 
 
 def test_round_trip_and_equality_by_kind() -> None:
     schema = _rich_schema()
     assert _schema.from_json(_schema.to_json(schema)) == schema
-    assert ListNode((NONE,)) != TupleNode((NONE,))
-    assert Alias("a", "b") != PrngKey("a", "b")
-    assert Entry(EntryKind.KEY, 1) != Entry(EntryKind.KEY, "1")
-    assert hash(Tensor("a", ArrayKind.JAX)) == hash(Tensor("a", ArrayKind.JAX))
-    tree = DictNode(
+    assert _schema.ListNode((_schema.NONE,)) != _schema.TupleNode((_schema.NONE,))
+    assert _schema.Alias("a", "b") != _schema.PrngKey("a", "b")
+    assert _schema.Entry(_schema.EntryKind.KEY, 1) != _schema.Entry(_schema.EntryKind.KEY, "1")
+    assert hash(_schema.Tensor("a", _schema.ArrayKind.JAX)) == hash(
+        _schema.Tensor("a", _schema.ArrayKind.JAX)
+    )
+    tree = _schema.DictNode(
         (1, "1"),
         (
-            CustomNode(None, (), ()),
-            TupleNode((Inline(LeafKind.STR, "1.0", "x"), NONE)),
+            _schema.CustomNode(None, (), ()),
+            _schema.TupleNode((_schema.Inline(_schema.LeafKind.STR, "1.0", "x"), _schema.NONE)),
         ),
     )
-    doc = _schema.to_json(Schema(tree))
+    doc = _schema.to_json(_schema.Schema(tree))
     assert doc["tree"]["v"][0] == {"t": "node", "k": [], "v": []}  # no type recorded
     assert _schema.from_json(doc).tree == tree
 
 
 def test_capture_finish_cast_from_and_kinds() -> None:
     captured = _tree.capture({"w": np.ones(2, np.float32), "k": np.zeros(1, np.int8), "s": 1})
-    assert captured.stored_kinds() == [LeafKind.TENSOR, LeafKind.TENSOR]
+    assert captured.stored_kinds() == [_schema.LeafKind.TENSOR, _schema.LeafKind.TENSOR]
     flat = captured.finish(cast_from=["F32", None])
     assert flat.schema["tree"]["v"][0] == {
         "t": "tensor",
@@ -176,7 +166,7 @@ def _t(name: str) -> dict[str, Any]:
 HOSTILE: list[tuple[str, Any, str]] = [
     ("not-object", [], "not a JSON object"),
     ("format", {"format": "x" * 10_000, "version": 1}, "schema format"),
-    ("version-str", _doc(NONE, version="1"), "version"),
+    ("version-str", _doc(_schema.NONE, version="1"), "version"),
     ("version-new", _doc(None, version=2), "newer"),
     ("no-tree", {"format": _schema.SCHEMA_FORMAT, "version": 1}, "no kind"),
     ("kind-unknown", _doc({"t": "pickle"}), "unknown"),
@@ -259,3 +249,11 @@ def test_pruned_aliases_are_accepted_only_when_asked() -> None:
     with pytest.raises(SchemaError, match="alias 'b'"):
         _schema.from_json(doc)
     assert _schema.from_json(doc, check_aliases=False).leaves["b"].tensor_name == "a"
+
+
+def test_leaf_kind_names_each_leaf_node_kind() -> None:
+    assert _schema.leaf_kind(_schema.Tensor("w", _schema.ArrayKind.JAX)) is _schema.LeafKind.TENSOR
+    assert _schema.leaf_kind(_schema.PrngKey("k", "rbg")) is _schema.LeafKind.KEY
+    assert _schema.leaf_kind(_schema.Alias("a", "w")) is _schema.LeafKind.REF
+    inline = _schema.Inline(_schema.LeafKind.FLOAT, "f", (0.5).hex())
+    assert _schema.leaf_kind(inline) is _schema.LeafKind.FLOAT and inline.value == 0.5

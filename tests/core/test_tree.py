@@ -4,7 +4,6 @@ target node types, a schema that names no class, tied weights."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from exact import assert_same  # (tests/ is on sys.path)
 from flax import nnx, struct
 from flax.training import train_state
 from safetensors import safe_open
@@ -26,33 +26,6 @@ import orbax_safetensors as osf
 from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
 from orbax_safetensors._src.pipeline import snapshots as _snapshots
-
-
-def assert_same(a: Any, b: Any, where: str = "root") -> None:
-    """Exact equality including container, key, scalar and array types (NaN == NaN, -0.0 != 0.0)."""
-    assert type(a) is type(b), f"{where}: {type(a).__name__} != {type(b).__name__}"
-    if isinstance(a, dict):
-        assert list(a) == list(b), f"{where}: keys {list(a)} != {list(b)}"
-        for k in a:
-            assert type(k) is type(next(x for x in b if x == k and type(x) is type(k)))
-            assert_same(a[k], b[k], f"{where}.{k!r}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), f"{where}: length"
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}[{i}]")
-    elif isinstance(a, float):
-        assert (math.isnan(a) and math.isnan(b)) or (
-            a == b and math.copysign(1, a) == math.copysign(1, b)
-        ), where
-    elif isinstance(a, (jax.Array, np.ndarray, np.generic)):
-        if isinstance(a, jax.Array) and jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
-            assert jax.random.key_impl(a) == jax.random.key_impl(b), where
-            a, b = jax.random.key_data(a), jax.random.key_data(b)
-        assert a.dtype == b.dtype, f"{where}: {a.dtype} != {b.dtype}"
-        assert a.shape == b.shape, f"{where}: {a.shape} != {b.shape}"
-        assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), where
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 def _roundtrip(tree: Any, path: Any, target: Any = None) -> Any:
@@ -571,7 +544,7 @@ def test_validated_tree_specs_come_from_the_capture_not_the_arrays(tmp_path):
     )
     _checkpoint_save.write_process_share(prepared, tmp_path)
     _checkpoint_save.finalize(tmp_path)
-    restored = _checkpoint_restore.restore_directory(tmp_path)
+    restored = _checkpoint_restore.restore_checkpoint(tmp_path)
     np.testing.assert_array_equal(np.asarray(restored["w"]), np.arange(4.0, dtype=np.float32))
     np.testing.assert_array_equal(restored["host"], np.arange(6, dtype=np.float32))
     assert restored["alias"] is restored["host"]

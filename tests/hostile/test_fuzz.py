@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import struct
-import time
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -35,12 +32,11 @@ from orbax_safetensors._src.pipeline.tree_restore import restore_tree
 from orbax_safetensors._src.storage import router as _router
 
 try:  # pytest puts tests/ on sys.path while tests/ has no __init__.py
-    from hostile import corpus
+    from hostile import corpus, fuzzing
 except ImportError:  # tests/ became a package
-    from tests.hostile import corpus
+    from tests.hostile import corpus, fuzzing
 
-BUDGET = float(os.environ.get("OSF_FUZZ_SECONDS", "24"))
-pytestmark = pytest.mark.timeout(int(BUDGET * 3) + 120)
+pytestmark = pytest.mark.timeout(int(fuzzing.BUDGET * 3) + 120)
 
 _SETTINGS = settings(
     max_examples=150,
@@ -48,17 +44,6 @@ _SETTINGS = settings(
     suppress_health_check=list(HealthCheck),
     print_blob=True,
 )
-
-
-def _run_for(share: float, batch: Callable[[], None]) -> int:
-    """Runs hypothesis ``batch`` repeatedly for ``share`` of the budget; returns batches run."""
-    end = time.monotonic() + BUDGET * share
-    runs = 0
-    while True:
-        batch()
-        runs += 1
-        if time.monotonic() >= end:
-            return runs
 
 
 def _parse(raw: bytes) -> _header.Header | None:
@@ -185,10 +170,10 @@ def _edited_header(raw: bytes) -> None:
 
 def test_fuzz_header_parser() -> None:
     assert _parse(_BASE) is not None
-    runs = _run_for(0.1, _random_bytes)
-    runs += _run_for(0.1, _random_after_prefix)
-    runs += _run_for(0.2, _mutated_file)
-    runs += _run_for(0.2, _edited_header)
+    runs = fuzzing.run_for(0.1, _random_bytes)
+    runs += fuzzing.run_for(0.1, _random_after_prefix)
+    runs += fuzzing.run_for(0.2, _mutated_file)
+    runs += fuzzing.run_for(0.2, _edited_header)
     assert runs >= 4
 
 
@@ -295,7 +280,7 @@ def test_fuzz_schema_validator() -> None:
     assert _validate(_SCHEMA) is not None
     tree = restore_tree(_SCHEMA, _stored(), None)
     assert np.array_equal(tree["a"], corpus.base_tree()["a"])
-    runs = _run_for(0.1, _random_schema)
-    runs += _run_for(0.15, _mutated_schema)
-    runs += _run_for(0.15, _mutated_schema_restore)
+    runs = fuzzing.run_for(0.1, _random_schema)
+    runs += fuzzing.run_for(0.15, _mutated_schema)
+    runs += fuzzing.run_for(0.15, _mutated_schema_restore)
     assert runs >= 3

@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,25 +25,14 @@ from orbax_safetensors._src.catalog import flax_msgpack
 from orbax_safetensors._src.tools import cli
 
 try:  # pytest puts tests/ on sys.path while tests/ has no __init__.py
-    from hostile import corpus, msgpack_corpus
+    from hostile import corpus, fuzzing, msgpack_corpus
 except ImportError:  # tests/ became a package
-    from tests.hostile import corpus, msgpack_corpus
+    from tests.hostile import corpus, fuzzing, msgpack_corpus
 
-BUDGET = float(os.environ.get("OSF_FUZZ_SECONDS", "24"))
-pytestmark = pytest.mark.timeout(int(BUDGET * 3) + 180)
+pytestmark = pytest.mark.timeout(int(fuzzing.BUDGET * 3) + 180)
 _SETTINGS = settings(
     max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), print_blob=True
 )
-
-
-def _run_for(share: float, batch: Callable[[], None]) -> int:
-    end = time.monotonic() + BUDGET * share
-    runs = 0
-    while True:
-        batch()
-        runs += 1
-        if time.monotonic() >= end:
-            return runs
 
 
 @st.composite
@@ -127,9 +113,9 @@ def _random_bytes(raw: bytes) -> None:
 
 def test_fuzz_flax_msgpack_reader() -> None:
     _decode(_MSGPACK)
-    runs = _run_for(0.15, _mutated_msgpack)
-    runs += _run_for(0.15, _random_msgpack)
-    runs += _run_for(0.1, _random_bytes)
+    runs = fuzzing.run_for(0.15, _mutated_msgpack)
+    runs += fuzzing.run_for(0.15, _random_msgpack)
+    runs += fuzzing.run_for(0.1, _random_bytes)
     assert runs >= 3
 
 
@@ -167,5 +153,5 @@ def _mutated_through_the_cli(raw: bytes, command: str) -> None:
 
 
 def test_fuzz_the_command_line() -> None:
-    runs = _run_for(0.2, _mutated_through_the_cli)
+    runs = fuzzing.run_for(0.2, _mutated_through_the_cli)
     assert runs >= 1

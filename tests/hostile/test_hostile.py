@@ -107,7 +107,7 @@ def test_hostile_schema(case: corpus.Case, tmp_path: Path) -> None:
 @pytest.mark.parametrize("case", DIRS, ids=lambda c: c.name)
 def test_hostile_directory(case: corpus.Case, tmp_path: Path) -> None:
     path = _build(case, tmp_path)
-    _raises(case, lambda: _checkpoint_restore.restore_directory(path), path)
+    _raises(case, lambda: _checkpoint_restore.restore_checkpoint(path), path)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -125,7 +125,7 @@ def test_bases_are_valid(tmp_path: Path) -> None:
     tree = osf.load_file(path)
     assert tree["tied"] is tree["a"] and tree["step"] == 7
     assert osf.verify(path).ok
-    restored = _checkpoint_restore.restore_directory(corpus.base_dir())
+    restored = _checkpoint_restore.restore_checkpoint(corpus.base_dir())
     assert restored["name"] == "run"
     report = osf.verify(corpus.base_dir())
     assert report.ok and report.files > 1, report

@@ -23,36 +23,6 @@ import safetensors  # noqa: E402
 IDS = np.random.default_rng(0).integers(0, 96, size=(2, 9))
 
 
-def llama_config(kind="llama", tied=False):
-    common = dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=96,
-        tie_word_embeddings=tied,
-        max_position_embeddings=64,
-    )
-    if kind == "qwen3":
-        return transformers.Qwen3Config(head_dim=8, **common)
-    if kind == "qwen2":
-        return transformers.Qwen2Config(**common)
-    return transformers.LlamaConfig(**common)
-
-
-def gpt2_config():
-    return transformers.GPT2Config(
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
-        vocab_size=96,
-        n_positions=64,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-
-
 def hf_logits(directory, dtype=None):
     model = transformers.AutoModelForCausalLM.from_pretrained(
         directory, output_loading_info=False, dtype=dtype
@@ -81,7 +51,7 @@ def official_reader_opens(directory):
 
 
 def jax_model(kind, tied, seed=0):
-    config = llama_config(kind, tied)
+    config = hf_models.tiny_config(kind, tied)
     model = hf_models.CausalLM(config, kind, rngs=nnx.Rngs(seed))
     # non-trivial norms, so a wrong norm mapping cannot pass; weights of the scale
     # transformers initialises (std 0.02), so logits stay O(1) and f32 rounding small
@@ -128,7 +98,7 @@ def test_export_jax_model_loads_in_transformers_with_same_logits(
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_hf_directory_into_jax_model_and_back(tmp_dir, kind):
     """transformers' save_pretrained -> load_pytorch -> same logits; export -> same model."""
-    config = llama_config(kind, tied=True)
+    config = hf_models.tiny_config(kind, tied=True)
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(config).eval()
     hf.save_pretrained(tmp_dir / "orig")
@@ -145,11 +115,11 @@ def test_hf_directory_into_jax_model_and_back(tmp_dir, kind):
 def test_tied_head_loads_from_embedding_and_is_not_written(tmp_dir):
     """An untied JAX model (own lm_head) with a tied HF config: loaded from the embedding,
     exported without lm_head.weight."""
-    config = llama_config(tied=True)
+    config = hf_models.tiny_config(tied=True)
     torch.manual_seed(2)
     hf = transformers.AutoModelForCausalLM.from_config(config).eval()
     hf.save_pretrained(tmp_dir / "orig")
-    untied = hf_models.CausalLM(llama_config(tied=False), rngs=nnx.Rngs(0))
+    untied = hf_models.CausalLM(hf_models.tiny_config(tied=False), rngs=nnx.Rngs(0))
     mapping = osf.preset_mapping("llama", tie_word_embeddings=True)
     report = osf.load_pytorch(untied, tmp_dir / "orig", mapping)
     assert report.ok
@@ -181,7 +151,7 @@ def test_bf16_export_with_keep_policy_loads_in_bf16(tmp_dir):
 
 @pytest.mark.parametrize("max_file_size, dtype", [(None, None), (20_000, "bfloat16")])
 def test_gpt2_conv1d_round_trip(tmp_dir, max_file_size, dtype):
-    config = gpt2_config()
+    config = hf_models.tiny_config("gpt2")
     torch.manual_seed(4)
     hf = transformers.AutoModelForCausalLM.from_config(config).eval()
     hf.save_pretrained(tmp_dir / "orig")
@@ -212,7 +182,7 @@ def test_gpt2_conv1d_round_trip(tmp_dir, max_file_size, dtype):
 
 def test_gpt2_fused_c_attn_as_separate_jax_projections(tmp_dir):
     """fused on the Flax side: one HF c_attn is three JAX kernels (and biases)."""
-    config = gpt2_config()
+    config = hf_models.tiny_config("gpt2")
     torch.manual_seed(5)
     hf = transformers.AutoModelForCausalLM.from_config(config).eval()
     hf.save_pretrained(tmp_dir / "orig")

@@ -69,6 +69,28 @@ def _restore(root: Path, saved_processes: int) -> dict[str, Any]:
     }
 
 
+def _save_run(
+    n: int,
+    roots: dict[Any, Path],
+    v1_paths: dict[int, Path],
+    max_file_size: int | None,
+    restores: list[dict[str, Any]],
+    **more: Any,
+) -> list[Any]:
+    """N processes save STEPS into ``roots[n]`` (and once through Orbax's v1 API), then
+    restore ``restores``; ``more``: further worker arguments."""
+    args = {
+        "v1_path": str(v1_paths[n]),
+        "save_root": str(roots[n]),
+        "save_steps": STEPS,
+        "max_to_keep": KEEP,
+        "max_file_size": max_file_size,
+        "restores": restores,
+        **more,
+    }
+    return run_workers(WORKER, n, devices_per_process=2, args=args, timeout=LAUNCH_TIMEOUT_S)
+
+
 @pytest.fixture(scope="module")
 def roots(tmp_path_factory: pytest.TempPathFactory) -> dict[Any, Path]:
     base = tmp_path_factory.mktemp("multihost")
@@ -84,29 +106,14 @@ def v1_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
 
 @pytest.fixture(scope="module")
 def n2_run(roots: dict[int, Path], v1_paths: dict[int, Path]) -> list[Any]:
-    args = {
-        "v1_path": str(v1_paths[2]),
-        "save_root": str(roots[2]),
-        "save_steps": STEPS,
-        "max_to_keep": KEEP,
-        "max_file_size": None,
-        "restores": [_restore(roots[2], 2)],
-        "dtype_root": str(roots["bf16"]),
-    }
-    return run_workers(WORKER, 2, devices_per_process=2, args=args, timeout=LAUNCH_TIMEOUT_S)
+    restores = [_restore(roots[2], 2)]
+    return _save_run(2, roots, v1_paths, None, restores, dtype_root=str(roots["bf16"]))
 
 
 @pytest.fixture(scope="module")
 def n4_run(roots: dict[int, Path], v1_paths: dict[int, Path], n2_run: list[Any]) -> list[Any]:
-    args = {
-        "v1_path": str(v1_paths[4]),
-        "save_root": str(roots[4]),
-        "save_steps": STEPS,
-        "max_to_keep": KEEP,
-        "max_file_size": SPLIT_MAX_FILE_SIZE,
-        "restores": [_restore(roots[4], 4), _restore(roots[2], 2)],
-    }
-    return run_workers(WORKER, 4, devices_per_process=2, args=args, timeout=LAUNCH_TIMEOUT_S)
+    restores = [_restore(roots[4], 4), _restore(roots[2], 2)]
+    return _save_run(4, roots, v1_paths, SPLIT_MAX_FILE_SIZE, restores)
 
 
 @pytest.fixture(scope="module")

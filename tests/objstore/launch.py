@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.metadata
 import importlib.util
 import json
@@ -16,6 +17,7 @@ import sysconfig
 import tempfile
 import time
 import uuid
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -239,52 +241,27 @@ def start_seaweedfs_once(binary: Path, deadline: float) -> ObjectStoreServer:
         AWS_ACCESS_KEY_ID=S3_ACCESS_KEY,
         AWS_SECRET_ACCESS_KEY=S3_SECRET_KEY,
     )
-    process = spawn(argv, workdir, server_env)
-    watchdog = spawn_watchdog(process.pid, cleanup)
-    try:
-        wait_ready(
-            process,
-            lambda: http_status(f"{endpoint}/healthz") == 200,
-            name="SeaweedFS",
-            deadline=deadline,
-            log_path=workdir / "server.log",
-        )
-        client = _s3_client(endpoint)
-        probe_bucket = f"osf-probe-{uuid.uuid4().hex[:12]}"
+    client = _s3_client(endpoint)
+    probe_bucket = f"osf-probe-{uuid.uuid4().hex[:12]}"
 
-        def probe() -> bool:
-            # Healthy is not enough: the volume server must have registered for writes.
-            with contextlib.suppress(
-                client.exceptions.BucketAlreadyOwnedByYou, client.exceptions.BucketAlreadyExists
-            ):
-                client.create_bucket(Bucket=probe_bucket)
-            client.put_object(Bucket=probe_bucket, Key="probe", Body=b"ok")
-            body = client.get_object(Bucket=probe_bucket, Key="probe")["Body"].read()
-            return body == b"ok"
-
-        wait_ready(
-            process, probe, name="SeaweedFS", deadline=deadline, log_path=workdir / "server.log"
-        )
+    def writable() -> bool:
+        # Healthy is not enough: the volume server must have registered for writes.
+        with contextlib.suppress(
+            client.exceptions.BucketAlreadyOwnedByYou, client.exceptions.BucketAlreadyExists
+        ):
+            client.create_bucket(Bucket=probe_bucket)
+        client.put_object(Bucket=probe_bucket, Key="probe", Body=b"ok")
+        body = client.get_object(Bucket=probe_bucket, Key="probe")["Body"].read()
         client.delete_object(Bucket=probe_bucket, Key="probe")
         client.delete_bucket(Bucket=probe_bucket)
-    except BaseException:
-        if watchdog.poll() is None:
-            watchdog.kill()
-            watchdog.wait()
-        kill_group(process, 10.0)
-        remove_paths(cleanup)
-        raise
-    return ObjectStoreServer(
-        kind="s3",
-        endpoint_url=endpoint,
+        return body == b"ok"
+
+    return _start(
+        _Launch("s3", "SeaweedFS", argv, workdir, server_env, cleanup, started, deadline),
+        endpoint,
+        (lambda: http_status(f"{endpoint}/healthz") == 200, writable),
         env=_s3_env(endpoint, workdir),
         env_unset=S3_UNSET,
-        pid=process.pid,
-        workdir=workdir,
-        startup_seconds=time.monotonic() - started,
-        cleanup_paths=cleanup,
-        process=process,
-        watchdog=watchdog,
     )
 
 
@@ -334,33 +311,79 @@ def start_fake_gcs_once(binary: Path, deadline: float, backend: str) -> ObjectSt
     if backend == "filesystem":
         (workdir / "data").mkdir()
         argv += ["-filesystem-root", str(workdir / "data")]
-    cleanup = (workdir,)
-    process = spawn(argv, workdir, {**os.environ, "TMPDIR": str(workdir)})
-    watchdog = spawn_watchdog(process.pid, cleanup)
+    return _start(
+        _Launch(
+            "gcs",
+            "fake-gcs-server",
+            argv,
+            workdir,
+            {**os.environ, "TMPDIR": str(workdir)},
+            (workdir,),
+            started,
+            deadline,
+        ),
+        endpoint,
+        (lambda: http_status(f"{endpoint}/storage/v1/b?project={GCS_PROJECT}") == 200,),
+        env=_gcs_env(endpoint),
+        env_unset=GCS_UNSET,
+    )
+
+
+# --------------------------------------------------------------------------- both
+
+
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+    """How to start one server: its kind, name (in errors), command line, work directory
+    and environment, the paths to remove when it stops, when it started and its deadline."""
+
+    kind: Kind
+    name: str
+    argv: list[str]
+    workdir: Path
+    env: Mapping[str, str]
+    cleanup: tuple[Path, ...]
+    started: float
+    deadline: float
+
+
+def _start(
+    launch: _Launch,
+    endpoint: str,
+    ready: Sequence[Callable[[], bool]],
+    *,
+    env: Mapping[str, str],
+    env_unset: tuple[str, ...],
+) -> ObjectStoreServer:
+    """Spawns ``launch``'s server with its watchdog and waits until each ``ready`` probe in
+    turn answers True; on any failure kills it and removes its paths."""
+    process = spawn(launch.argv, launch.workdir, dict(launch.env))
+    watchdog = spawn_watchdog(process.pid, launch.cleanup)
     try:
-        wait_ready(
-            process,
-            lambda: http_status(f"{endpoint}/storage/v1/b?project={GCS_PROJECT}") == 200,
-            name="fake-gcs-server",
-            deadline=deadline,
-            log_path=workdir / "server.log",
-        )
+        for probe in ready:
+            wait_ready(
+                process,
+                probe,
+                name=launch.name,
+                deadline=launch.deadline,
+                log_path=launch.workdir / "server.log",
+            )
     except BaseException:
         if watchdog.poll() is None:
             watchdog.kill()
             watchdog.wait()
         kill_group(process, 10.0)
-        remove_paths(cleanup)
+        remove_paths(launch.cleanup)
         raise
     return ObjectStoreServer(
-        kind="gcs",
+        kind=launch.kind,
         endpoint_url=endpoint,
-        env=_gcs_env(endpoint),
-        env_unset=GCS_UNSET,
+        env=env,
+        env_unset=env_unset,
         pid=process.pid,
-        workdir=workdir,
-        startup_seconds=time.monotonic() - started,
-        cleanup_paths=cleanup,
+        workdir=launch.workdir,
+        startup_seconds=time.monotonic() - launch.started,
+        cleanup_paths=launch.cleanup,
         process=process,
         watchdog=watchdog,
     )

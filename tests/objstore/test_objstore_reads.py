@@ -74,7 +74,7 @@ def test_restores_read_no_header_unless_the_metadata_lacks_offsets(store) -> Non
 
     osf.object_store_stats(reset=True)
     stats = ReadStats()
-    got = _checkpoint_restore.restore_directory(directory, stats=stats)
+    got = _checkpoint_restore.restore_checkpoint(directory, stats=stats)
     engine = osf.object_store_stats(reset=True)
     for name, want in state().items():
         np.testing.assert_array_equal(np.asarray(got[name]), want)
@@ -85,7 +85,7 @@ def test_restores_read_no_header_unless_the_metadata_lacks_offsets(store) -> Non
 
     rewrite_metadata(directory, strip_layout)  # as written before the fields existed
     stats = ReadStats()
-    got = _checkpoint_restore.restore_directory(directory, stats=stats)
+    got = _checkpoint_restore.restore_checkpoint(directory, stats=stats)
     engine = osf.object_store_stats(reset=True)
     np.testing.assert_array_equal(np.asarray(got["w"]), state()["w"])
     assert stats.header_reads == len(files) and stats.header_bytes == len(files) * 4096

@@ -1,4 +1,5 @@
-"""Shared helpers of the handler tests (tests/test_handler_*.py): a mesh, a state, managers, file offsets."""
+"""Shared helpers of the handler tests (tests/orbax/test_handler_*.py and the v1 tests): a
+mesh, a state, managers, file offsets, whether Orbax's v1 API is installed."""
 
 from __future__ import annotations
 
@@ -12,12 +13,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 from jax.sharding import Mesh
+
+from orbax_safetensors._src.compat import orbaxcompat
 
 SCRIPTS = Path(__file__).parents[1] / "scripts"
 OUR_FILES = {"model.safetensors", "orbax_safetensors.json"}
 ORBAX_MARKERS = {"commit_success.txt"}  # Orbax's own per-item commit marker on local disks
 
+
+HAS_V1 = (
+    orbaxcompat.has_orbax_v1()
+)  # the installed orbax-checkpoint has the v1 API this package uses
+needs_v1 = pytest.mark.skipif(
+    not HAS_V1, reason="this orbax-checkpoint lacks the v1 API (ocp.v1.save/load)"
+)
 
 # --------------------------------------------------------------------------- helpers
 

@@ -11,40 +11,12 @@ import os
 from pathlib import Path
 
 import crc32c
+import handler_helpers as helpers  # (tests/orbax/ is on sys.path)
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from handler_helpers import (
-    ORBAX_MARKERS,
-    OUR_FILES,
-    STATE_TENSORS,
-)
-from handler_helpers import (
-    abstract as _abstract,
-)
-from handler_helpers import (
-    assert_same_values as _assert_same_values,
-)
-from handler_helpers import (
-    item_dir as _item_dir,
-)
-from handler_helpers import (
-    let_step_directory_creation_finish as _let_step_directory_creation_finish,
-)
-from handler_helpers import (
-    manager as _manager,
-)
-from handler_helpers import (
-    mesh as _mesh,
-)
-from handler_helpers import (
-    state as _state,
-)
-from handler_helpers import (
-    tensor_offsets as _tensor_offsets,
-)
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
@@ -60,14 +32,16 @@ def test_max_file_size_splits_into_standard_sharded_files(tmp_path: Path) -> Non
     }
     state["big"] = jnp.asarray(rng.standard_normal((40, 100), np.float32))  # 16000 B > limit
     limit = 4096
-    mngr = _manager(tmp_path, item_handlers=osf.SafetensorsCheckpointHandler(max_file_size=limit))
+    mngr = helpers.manager(
+        tmp_path, item_handlers=osf.SafetensorsCheckpointHandler(max_file_size=limit)
+    )
     mngr.save(1, args=osf.SafetensorsSave(state))
     mngr.wait_until_finished()
-    restored = mngr.restore(1, args=osf.SafetensorsRestore(_abstract(state)))
+    restored = mngr.restore(1, args=osf.SafetensorsRestore(helpers.abstract(state)))
     mngr.close()
-    _assert_same_values(restored, state)
+    helpers.assert_same_values(restored, state)
 
-    item = _item_dir(tmp_path, 1)
+    item = helpers.item_dir(tmp_path, 1)
     files = sorted(p.name for p in item.glob("*.safetensors"))
     n = len(files)
     assert n >= 4 and "model.safetensors" not in files
@@ -95,15 +69,17 @@ def test_max_file_size_splits_into_standard_sharded_files(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize("checksums", [True, False])
 def test_checksums_on_and_off(tmp_path: Path, checksums: bool) -> None:
-    state = _state()
-    mngr = _manager(tmp_path, item_handlers=osf.SafetensorsCheckpointHandler(checksums=checksums))
+    state = helpers.state()
+    mngr = helpers.manager(
+        tmp_path, item_handlers=osf.SafetensorsCheckpointHandler(checksums=checksums)
+    )
     mngr.save(1, args=osf.SafetensorsSave(state))
     mngr.wait_until_finished()
     mngr.close()
-    item = _item_dir(tmp_path, 1)
+    item = helpers.item_dir(tmp_path, 1)
     doc = json.loads((item / "orbax_safetensors.json").read_text())
-    assert set(doc["tensors"]) == STATE_TENSORS
-    ranges = _tensor_offsets(item / "model.safetensors")
+    assert set(doc["tensors"]) == helpers.STATE_TENSORS
+    ranges = helpers.tensor_offsets(item / "model.safetensors")
     raw = (item / "model.safetensors").read_bytes()
     for name, info in doc["tensors"].items():
         if checksums:
@@ -111,11 +87,13 @@ def test_checksums_on_and_off(tmp_path: Path, checksums: bool) -> None:
             assert info["crc32c"] == f"{crc32c.crc32c(raw[begin:end]):08x}", name
         else:
             assert "crc32c" not in info
-    assert set(os.listdir(item)) - ORBAX_MARKERS == OUR_FILES  # no leftover part/draft files
+    assert (
+        set(os.listdir(item)) - helpers.ORBAX_MARKERS == helpers.OUR_FILES
+    )  # no leftover part/draft files
 
 
 def _corrupt_one_byte(path: Path, name: str) -> None:
-    begin, _ = _tensor_offsets(path)[name]
+    begin, _ = helpers.tensor_offsets(path)[name]
     with open(path, "r+b") as f:
         f.seek(begin)
         b = f.read(1)
@@ -125,19 +103,21 @@ def _corrupt_one_byte(path: Path, name: str) -> None:
 
 def test_verify_on_detects_damage_and_off_skips_the_check(tmp_path: Path) -> None:
     state = {"a": jnp.arange(32, dtype=jnp.float32), "b": jnp.ones((4, 4), jnp.float32)}
-    mngr = _manager(tmp_path)
+    mngr = helpers.manager(tmp_path)
     mngr.save(1, args=osf.SafetensorsSave(state))
     mngr.wait_until_finished()
     mngr.close()
-    _corrupt_one_byte(_item_dir(tmp_path, 1) / "model.safetensors", "a")
+    _corrupt_one_byte(helpers.item_dir(tmp_path, 1) / "model.safetensors", "a")
 
-    checked = _manager(tmp_path)  # default handler: verify=True
+    checked = helpers.manager(tmp_path)  # default handler: verify=True
     with pytest.raises(osf.IntegrityError, match="'a'"):
-        checked.restore(1, args=osf.SafetensorsRestore(_abstract(state)))
+        checked.restore(1, args=osf.SafetensorsRestore(helpers.abstract(state)))
     checked.close()
 
-    unchecked = _manager(tmp_path, item_handlers=osf.SafetensorsCheckpointHandler(verify=False))
-    restored = unchecked.restore(1, args=osf.SafetensorsRestore(_abstract(state)))
+    unchecked = helpers.manager(
+        tmp_path, item_handlers=osf.SafetensorsCheckpointHandler(verify=False)
+    )
+    restored = unchecked.restore(1, args=osf.SafetensorsRestore(helpers.abstract(state)))
     unchecked.close()
     np.testing.assert_array_equal(restored["b"], state["b"])
     diff = np.flatnonzero(np.asarray(restored["a"]) != np.asarray(state["a"]))
@@ -145,18 +125,20 @@ def test_verify_on_detects_damage_and_off_skips_the_check(tmp_path: Path) -> Non
 
 
 def test_primary_host(tmp_path: Path) -> None:
-    state = _state()
-    mngr = _manager(tmp_path, item_handlers=osf.SafetensorsCheckpointHandler(primary_host=0))
+    state = helpers.state()
+    mngr = helpers.manager(tmp_path, item_handlers=osf.SafetensorsCheckpointHandler(primary_host=0))
     mngr.save(1, args=osf.SafetensorsSave(state))
     mngr.wait_until_finished()
-    _assert_same_values(mngr.restore(1, args=osf.SafetensorsRestore()), state)
+    helpers.assert_same_values(mngr.restore(1, args=osf.SafetensorsRestore()), state)
     mngr.close()
     # A primary host this job does not have is refused when save() is called, not later in
     # the background commit thread.
-    bad = _manager(tmp_path / "bad", item_handlers=osf.SafetensorsCheckpointHandler(primary_host=1))
+    bad = helpers.manager(
+        tmp_path / "bad", item_handlers=osf.SafetensorsCheckpointHandler(primary_host=1)
+    )
     with pytest.raises(ValueError, match="primary_host"):
         bad.save(1, args=osf.SafetensorsSave(state))
-    _let_step_directory_creation_finish(tmp_path / "bad", 1)
+    helpers.let_step_directory_creation_finish(tmp_path / "bad", 1)
     bad.close()
     with pytest.raises(ValueError, match="max_file_size"):
         osf.SafetensorsCheckpointHandler(max_file_size=0)
@@ -167,10 +149,12 @@ def test_async_save_of_a_header_over_the_cap_fails_in_the_call(tmp_path: Path) -
     safetensors' 100 MiB cap: then the HeaderError comes from save(), not the background."""
     long = "k" * (1 << 20)
     state = {f"{long}{i:03d}": np.zeros(1, np.float32) for i in range(101)}  # 101 MiB of names
-    mngr = _manager(tmp_path, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=True))
+    mngr = helpers.manager(
+        tmp_path, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=True)
+    )
     with pytest.raises(osf.HeaderError, match="exceeds"):
         mngr.save(1, args=osf.SafetensorsSave(state))
-    _let_step_directory_creation_finish(tmp_path, 1)
+    helpers.let_step_directory_creation_finish(tmp_path, 1)
     mngr.close()
     assert mngr.all_steps() == []
 
@@ -185,12 +169,14 @@ def test_sub_byte_shards_off_whole_bytes_fail_in_the_call(tmp_path: Path) -> Non
     values = np.zeros((8, 3), ml_dtypes.float4_e2m1fn)  # 12 bits per shard
     state = {"q": jax.device_put(values, sharding)}
     even = {"q": jax.device_put(np.zeros((8, 4), ml_dtypes.float4_e2m1fn), sharding)}
-    mngr = _manager(tmp_path, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=True))
+    mngr = helpers.manager(
+        tmp_path, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=True)
+    )
     mngr.save(0, args=osf.SafetensorsSave(even))  # 2 bytes per shard: fine
     mngr.wait_until_finished()
     with pytest.raises(osf.UnsupportedLeafError, match="whole bytes"):
         mngr.save(1, args=osf.SafetensorsSave(state))
-    _let_step_directory_creation_finish(tmp_path, 1)
+    helpers.let_step_directory_creation_finish(tmp_path, 1)
     mngr.close()
     assert mngr.all_steps() == [0]
 
@@ -199,18 +185,18 @@ def test_sub_byte_shards_off_whole_bytes_fail_in_the_call(tmp_path: Path) -> Non
 
 
 def test_item_directory_holds_one_safetensors_file_and_the_json(tmp_path: Path) -> None:
-    state = _state()
+    state = helpers.state()
     sharded = jax.device_put(
-        jnp.arange(64, dtype=jnp.float32).reshape(8, 8), NamedSharding(_mesh(), P("x", "y"))
+        jnp.arange(64, dtype=jnp.float32).reshape(8, 8), NamedSharding(helpers.mesh(), P("x", "y"))
     )
     state["params"]["sharded"] = sharded
-    mngr = _manager(tmp_path)
+    mngr = helpers.manager(tmp_path)
     mngr.save(1, args=osf.SafetensorsSave(state))
     mngr.wait_until_finished()
     mngr.close()
-    item = _item_dir(tmp_path, 1)
-    assert set(os.listdir(item)) - ORBAX_MARKERS == OUR_FILES
-    names = STATE_TENSORS | {"params.sharded"}
+    item = helpers.item_dir(tmp_path, 1)
+    assert set(os.listdir(item)) - helpers.ORBAX_MARKERS == helpers.OUR_FILES
+    names = helpers.STATE_TENSORS | {"params.sharded"}
     with safe_open(item / "model.safetensors", framework="numpy") as g:
         keys = g.keys()
         assert set(keys) == names
@@ -259,7 +245,7 @@ def test_donated_and_mutated_arrays_after_save_keep_old_values(
     donate = jax.jit(lambda s: jax.tree.map(lambda x: x * 0 - 1, s), donate_argnums=0)
     donate({"w": jnp.zeros(n), "m": jnp.zeros(n)})  # compiled now: nothing delays the strike
     options = ocp.CheckpointManagerOptions(enable_async_checkpointing=async_enabled)
-    mngr = _manager(tmp_path, options=options)
+    mngr = helpers.manager(tmp_path, options=options)
     mngr.save(1, args=osf.SafetensorsSave(state))
     # Right after save() returns: overwrite the numpy leaf in place, donate the jax arrays.
     state["np"][:] = -1

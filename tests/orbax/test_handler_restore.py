@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import handler_helpers as helpers  # (tests/orbax/ is on sys.path)
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,27 +17,6 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 from flax.training import train_state
-from handler_helpers import (
-    abstract as _abstract,
-)
-from handler_helpers import (
-    assert_same_values as _assert_same_values,
-)
-from handler_helpers import (
-    data_region as _data_region,
-)
-from handler_helpers import (
-    item_dir as _item_dir,
-)
-from handler_helpers import (
-    manager as _manager,
-)
-from handler_helpers import (
-    mesh as _mesh,
-)
-from handler_helpers import (
-    state as _state,
-)
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -44,14 +24,14 @@ import orbax_safetensors as osf
 
 
 def test_restore_into_concrete_arrays(tmp_path: Path) -> None:
-    state = _state()
-    mngr = _manager(tmp_path)
+    state = helpers.state()
+    mngr = helpers.manager(tmp_path)
     mngr.save(1, args=osf.SafetensorsSave(state))
     mngr.wait_until_finished()
     target = jax.tree.map(lambda x: jnp.zeros_like(x) if isinstance(x, jax.Array) else x * 0, state)
     restored = mngr.restore(1, args=osf.SafetensorsRestore(target))
     mngr.close()
-    _assert_same_values(restored, state)
+    helpers.assert_same_values(restored, state)
     assert isinstance(restored["host"], np.ndarray)  # a numpy target leaf stays numpy
     assert isinstance(restored["layers"][0], jax.Array)
 
@@ -74,7 +54,7 @@ _TARGET_SPECS = {
 def test_sharded_restore_carries_exactly_the_target_sharding(
     tmp_path: Path, saved_spec: P | None
 ) -> None:
-    mesh = _mesh()
+    mesh = helpers.mesh()
     values = {
         "w": np.arange(16 * 24, dtype=np.float32).reshape(16, 24),
         "b": (np.arange(8 * 32, dtype=np.float32) / 7).reshape(8, 32).astype(jnp.bfloat16),
@@ -83,7 +63,7 @@ def test_sharded_restore_carries_exactly_the_target_sharding(
         state = {k: jnp.asarray(v) for k, v in values.items()}
     else:
         state = {k: jax.device_put(v, NamedSharding(mesh, saved_spec)) for k, v in values.items()}
-    mngr = _manager(tmp_path)
+    mngr = helpers.manager(tmp_path)
     mngr.save(1, args=osf.SafetensorsSave(state))
     mngr.wait_until_finished()
     for label, spec in _TARGET_SPECS.items():
@@ -104,9 +84,9 @@ def test_sharded_restore_carries_exactly_the_target_sharding(
 
 
 def test_restore_args_from_construct_restore_args(tmp_path: Path) -> None:
-    mesh = _mesh()
+    mesh = helpers.mesh()
     state = {"w": jnp.arange(32.0).reshape(4, 8), "b": jnp.arange(8, dtype=jnp.int32)}
-    mngr = _manager(tmp_path)
+    mngr = helpers.manager(tmp_path)
     mngr.save(1, args=osf.SafetensorsSave(state))
     mngr.wait_until_finished()
     shardings = {"w": NamedSharding(mesh, P("x", "y")), "b": NamedSharding(mesh, P("y"))}
@@ -115,7 +95,7 @@ def test_restore_args_from_construct_restore_args(tmp_path: Path) -> None:
     }
     restore_args = ocp.checkpoint_utils.construct_restore_args(target)
     restored = mngr.restore(1, args=osf.SafetensorsRestore(restore_args=restore_args))
-    _assert_same_values(restored, state)
+    helpers.assert_same_values(restored, state)
     assert all(restored[k].sharding == shardings[k] for k in state)
     # ArrayRestoreArgs may also ask for another dtype.
     cast = {
@@ -134,7 +114,7 @@ def test_partial_restore_reads_only_requested_tensors(tmp_path: Path) -> None:
         "small": {"a": jnp.arange(4, dtype=jnp.float32), "b": jnp.arange(3, dtype=jnp.int32)},
     }
     handler = osf.SafetensorsCheckpointHandler()
-    mngr = _manager(tmp_path, item_handlers=handler)
+    mngr = helpers.manager(tmp_path, item_handlers=handler)
     mngr.save(1, args=osf.SafetensorsSave(state))
     mngr.wait_until_finished()
 
@@ -158,10 +138,13 @@ def test_partial_restore_reads_only_requested_tensors(tmp_path: Path) -> None:
 
 def test_shape_mismatch_names_the_key(tmp_path: Path) -> None:
     state = {"enc": {"w": jnp.zeros((3, 4), jnp.float32)}, "b": jnp.zeros(2)}
-    mngr = _manager(tmp_path)
+    mngr = helpers.manager(tmp_path)
     mngr.save(1, args=osf.SafetensorsSave(state))
     mngr.wait_until_finished()
-    target = {"enc": {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32)}, "b": _abstract(state["b"])}
+    target = {
+        "enc": {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32)},
+        "b": helpers.abstract(state["b"]),
+    }
     with pytest.raises(osf.TargetMismatchError, match=r"enc\.w.*\(3, 4\).*\(4, 4\)"):
         mngr.restore(1, args=osf.SafetensorsRestore(target))
     mngr.close()
@@ -187,18 +170,20 @@ def test_flax_train_state_with_adamw_round_trips(tmp_path: Path) -> None:
         return ts.apply_gradients(grads=grads)
 
     ts = train_step(create(jax.random.key(0)))  # a non-trivial step count, mu and nu
-    mngr = _manager(tmp_path)
+    mngr = helpers.manager(tmp_path)
     mngr.save(1, args=osf.SafetensorsSave(ts))
     mngr.wait_until_finished()
 
-    restored = mngr.restore(1, args=osf.SafetensorsRestore(_abstract(create(jax.random.key(1)))))
+    restored = mngr.restore(
+        1, args=osf.SafetensorsRestore(helpers.abstract(create(jax.random.key(1))))
+    )
     mngr.close()
     assert isinstance(restored, train_state.TrainState)
     assert int(restored.step) == 1
-    _assert_same_values(restored.params, ts.params)
-    _assert_same_values(restored.opt_state, ts.opt_state)
+    helpers.assert_same_values(restored.params, ts.params)
+    helpers.assert_same_values(restored.opt_state, ts.opt_state)
     # It trains on exactly like the original.
-    _assert_same_values(train_step(restored).params, train_step(ts).params)
+    helpers.assert_same_values(train_step(restored).params, train_step(ts).params)
 
 
 def test_nnx_optimizer_state_round_trips(tmp_path: Path) -> None:
@@ -215,7 +200,7 @@ def test_nnx_optimizer_state_round_trips(tmp_path: Path) -> None:
     model, opt = make(0)
     train_step(model, opt, jnp.ones((4, 3)))
     saved = nnx.state(opt)
-    mngr = _manager(tmp_path)
+    mngr = helpers.manager(tmp_path)
     mngr.save(1, args=osf.SafetensorsSave(saved))
     mngr.wait_until_finished()
 
@@ -224,7 +209,7 @@ def test_nnx_optimizer_state_round_trips(tmp_path: Path) -> None:
     mngr.close()
     assert type(restored) is type(saved)
     nnx.update(opt2, restored)
-    _assert_same_values(nnx.state(opt2), saved)
+    helpers.assert_same_values(nnx.state(opt2), saved)
     assert int(opt2.step[...]) == 1
 
 
@@ -242,12 +227,12 @@ def test_item_metadata_reads_no_tensor_bytes(tmp_path: Path) -> None:
         "nested": {"k": jnp.zeros((3, 5), jnp.bfloat16), "n": np.arange(4, dtype=np.int64)},
         "step": 12,
     }
-    mngr = _manager(tmp_path)
+    mngr = helpers.manager(tmp_path)
     mngr.save(1, args=osf.SafetensorsSave(state))
     mngr.wait_until_finished()
     mngr.close()
-    path = _item_dir(tmp_path, 1) / "model.safetensors"
-    start, end = _data_region(path)
+    path = helpers.item_dir(tmp_path, 1) / "model.safetensors"
+    start, end = helpers.data_region(path)
     with open(path, "r+b") as f:  # scramble every tensor byte; headers stay intact
         f.seek(start)
         f.write(np.random.default_rng(0).integers(0, 256, end - start, np.uint8).tobytes())
@@ -255,7 +240,7 @@ def test_item_metadata_reads_no_tensor_bytes(tmp_path: Path) -> None:
     # A fresh manager learns the item's handler from item_handlers (Orbax resolves handlers
     # from the step's typestr only in restore(); item_metadata() would give None, as it does
     # for Orbax's own StandardCheckpointHandler).
-    fresh = _manager(tmp_path, item_handlers=osf.SafetensorsCheckpointHandler())
+    fresh = helpers.manager(tmp_path, item_handlers=osf.SafetensorsCheckpointHandler())
     before = _rchar()
     meta = fresh.item_metadata(1)
     read = _rchar() - before
@@ -283,7 +268,7 @@ def test_item_metadata_reads_no_tensor_bytes(tmp_path: Path) -> None:
 
 def test_item_metadata_of_a_composite(tmp_path: Path) -> None:
     state = {"w": jnp.zeros((2, 3), jnp.float32)}
-    mngr = _manager(tmp_path)
+    mngr = helpers.manager(tmp_path)
     mngr.save(
         1, args=ocp.args.Composite(state=osf.SafetensorsSave(state), meta=ocp.args.JsonSave({}))
     )

@@ -10,20 +10,12 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import handler_helpers as helpers  # (tests/orbax/ is on sys.path)
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from handler_helpers import (
-    assert_same_values as _assert_same_values,
-)
-from handler_helpers import (
-    let_step_directory_creation_finish as _let_step_directory_creation_finish,
-)
-from handler_helpers import (
-    manager as _manager,
-)
 from traced_memory import traced_peak
 
 import orbax_safetensors as osf
@@ -51,7 +43,7 @@ def test_sync_saves_write_in_place_async_saves_snapshot(
     state = _big_state()
     options = ocp.CheckpointManagerOptions(enable_async_checkpointing=async_enabled)
     handler = osf.SafetensorsCheckpointHandler(reuse_host_buffers=reuse)
-    mngr = _manager(tmp_path, options=options, item_handlers=handler)
+    mngr = helpers.manager(tmp_path, options=options, item_handlers=handler)
     mngr.save(0, args=osf.SafetensorsSave(state))  # warm-up: Orbax's one-off allocations
     mngr.wait_until_finished()
 
@@ -62,7 +54,7 @@ def test_sync_saves_write_in_place_async_saves_snapshot(
     peak = traced_peak(save)
     restored = mngr.restore(1, args=osf.SafetensorsRestore())
     mngr.close()
-    _assert_same_values(restored, state)
+    helpers.assert_same_values(restored, state)
     if async_enabled and not reuse:
         assert peak >= 8 << 20, peak  # at least the largest tensor was snapshotted
     else:
@@ -98,7 +90,7 @@ def test_checkpointer_with_the_handler_alone(tmp_path: Path, checkpointer: Any) 
 def test_saving_a_donated_array_names_it(tmp_path: Path) -> None:
     state = {"layer": {"w": jnp.ones((4, 4)), "b": jnp.zeros(4)}}
     jax.jit(lambda s: s, donate_argnums=0)(state["layer"]["w"])
-    mngr = _manager(tmp_path)
+    mngr = helpers.manager(tmp_path)
     with pytest.raises(ValueError, match=r"'layer\.w'.*deleted.*donated"):
         # Raised where the args are built, before Orbax starts any background work.
         mngr.save(1, args=osf.SafetensorsSave(state))
@@ -127,13 +119,15 @@ def test_args_reused_after_a_donation_fail_naming_the_leaf(tmp_path: Path) -> No
     the arrays were donated fail in save() with the same message, not a bare JAX error."""
     state = {"layer": {"w": jnp.arange(8.0)}}
     args = osf.SafetensorsSave(state)
-    mngr = _manager(tmp_path, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=True))
+    mngr = helpers.manager(
+        tmp_path, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=True)
+    )
     mngr.save(0, args=args)
     mngr.wait_until_finished()
     jax.jit(lambda s: s, donate_argnums=0)(state["layer"]["w"])
     with pytest.raises(ValueError, match=r"'layer\.w'.*deleted.*donated"):
         mngr.save(1, args=args)
-    _let_step_directory_creation_finish(tmp_path, 1)
+    helpers.let_step_directory_creation_finish(tmp_path, 1)
     mngr.close()
     assert mngr.all_steps() == [0]
 

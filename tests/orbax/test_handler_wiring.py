@@ -13,37 +13,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import handler_helpers as helpers  # (tests/orbax/ is on sys.path)
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from handler_helpers import (
-    OUR_FILES,
-    SCRIPTS,
-)
-from handler_helpers import (
-    abstract as _abstract,
-)
-from handler_helpers import (
-    assert_same_values as _assert_same_values,
-)
-from handler_helpers import (
-    item_dir as _item_dir,
-)
-from handler_helpers import (
-    manager as _manager,
-)
-from handler_helpers import (
-    state as _state,
-)
 from safetensors import safe_open
 
 import orbax_safetensors as osf
 
 
 def test_issue_snippet_works_with_no_other_registration(tmp_path: Path) -> None:
-    state = _state()
-    abstract_state = _abstract(state)
+    state = helpers.state()
+    abstract_state = helpers.abstract(state)
     path = tmp_path / "ckpt"
     step = 3
     # The exact snippet of issue 3, point 1.
@@ -56,7 +38,7 @@ def test_issue_snippet_works_with_no_other_registration(tmp_path: Path) -> None:
     assert mngr.latest_step() == step
     # As Orbax's StandardRestore gives it: a ShapeDtypeStruct without a sharding restores a
     # leaf saved as numpy as a numpy array of the struct's dtype (float64 here, not narrowed).
-    _assert_same_values(restored, state)
+    helpers.assert_same_values(restored, state)
     assert isinstance(restored["host"], np.ndarray) and restored["host"].dtype == np.float64
     assert isinstance(restored["step"], int) and isinstance(restored["lr"], float)
     # The stable typestr is what Orbax records for the item.
@@ -71,20 +53,20 @@ def test_issue_snippet_works_with_no_other_registration(tmp_path: Path) -> None:
 
 
 def test_restore_without_target_returns_the_saved_tree(tmp_path: Path) -> None:
-    state = _state()
-    mngr = _manager(tmp_path)
+    state = helpers.state()
+    mngr = helpers.manager(tmp_path)
     mngr.save(0, args=osf.SafetensorsSave(state))
     mngr.wait_until_finished()
     restored = mngr.restore(0, args=osf.SafetensorsRestore())
     mngr.close()
-    _assert_same_values(restored, state)
+    helpers.assert_same_values(restored, state)
     assert isinstance(restored["host"], np.ndarray)  # host-local leaves come back as numpy
     assert isinstance(restored["params"]["dense"]["kernel"], jax.Array)
 
 
 def test_composite_item_with_json(tmp_path: Path) -> None:
-    state = _state()
-    mngr = _manager(tmp_path)
+    state = helpers.state()
+    mngr = helpers.manager(tmp_path)
     mngr.save(
         5,
         args=ocp.args.Composite(
@@ -96,23 +78,23 @@ def test_composite_item_with_json(tmp_path: Path) -> None:
     restored = mngr.restore(
         5,
         args=ocp.args.Composite(
-            state=osf.SafetensorsRestore(_abstract(state)), meta=ocp.args.JsonRestore()
+            state=osf.SafetensorsRestore(helpers.abstract(state)), meta=ocp.args.JsonRestore()
         ),
     )
     mngr.close()
-    _assert_same_values(restored["state"], state)  # "host" as saved: numpy float64, as Orbax
+    helpers.assert_same_values(restored["state"], state)  # "host" as saved: numpy float64, as Orbax
     assert restored["meta"] == {"loss": 0.5, "epoch": 2}
-    item = _item_dir(tmp_path, 5, "state")
-    assert set(os.listdir(item)) >= OUR_FILES
+    item = helpers.item_dir(tmp_path, 5, "state")
+    assert set(os.listdir(item)) >= helpers.OUR_FILES
     doc = json.loads((item / "orbax_safetensors.json").read_text())
     assert doc["metadata"] == {"note": "hello"}
 
 
 def test_restore_with_no_args_in_a_fresh_process(tmp_path: Path) -> None:
-    state = _state()
+    state = helpers.state()
     roots = {"default-item": tmp_path / "plain", "composite": tmp_path / "composite"}
     for label, root in roots.items():
-        mngr = _manager(root)
+        mngr = helpers.manager(root)
         if label == "composite":
             args = ocp.args.Composite(
                 state=osf.SafetensorsSave(state), meta=ocp.args.JsonSave({"epoch": 4})
@@ -124,7 +106,7 @@ def test_restore_with_no_args_in_a_fresh_process(tmp_path: Path) -> None:
         mngr.close()
 
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1")
-    cmd = [sys.executable, str(SCRIPTS / "restore_no_args.py")]
+    cmd = [sys.executable, str(helpers.SCRIPTS / "restore_no_args.py")]
     for root in roots.values():
         cmd += [str(root), "2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, check=False)
@@ -164,19 +146,19 @@ def _tensor_names(item: Path) -> set[str]:
 def test_configured_handler_as_the_single_item_handler(tmp_path: Path) -> None:
     state = {f"w{i}": jnp.full((64,), i, jnp.float32) for i in range(6)}  # 256 bytes each
     handler = osf.SafetensorsCheckpointHandler(max_file_size=600, checksums=False)
-    mngr = _manager(tmp_path, item_handlers=handler)
+    mngr = helpers.manager(tmp_path, item_handlers=handler)
     mngr.save(1, args=osf.SafetensorsSave(state))
     mngr.wait_until_finished()
-    restored = mngr.restore(1, args=osf.SafetensorsRestore(_abstract(state)))
+    restored = mngr.restore(1, args=osf.SafetensorsRestore(helpers.abstract(state)))
     mngr.close()
-    _assert_same_values(restored, state)
+    helpers.assert_same_values(restored, state)
     # The options reached the writer: split files, no checksums.
-    _assert_split_without_checksums(_item_dir(tmp_path, 1), files=3)
+    _assert_split_without_checksums(helpers.item_dir(tmp_path, 1), files=3)
 
 
 def test_configured_handler_per_item_in_a_composite(tmp_path: Path) -> None:
     state = {f"w{i}": jnp.full((64,), i, jnp.float32) for i in range(4)}
-    mngr = _manager(
+    mngr = helpers.manager(
         tmp_path,
         item_handlers={
             "state": osf.SafetensorsCheckpointHandler(max_file_size=300),
@@ -185,7 +167,7 @@ def test_configured_handler_per_item_in_a_composite(tmp_path: Path) -> None:
     )
     restored = _composite_round_trip(mngr, state)
     assert restored["meta"] == {"a": 1}
-    assert len(list(_item_dir(tmp_path, 1, "state").glob("model-*-of-*.safetensors"))) == 4
+    assert len(list(helpers.item_dir(tmp_path, 1, "state").glob("model-*-of-*.safetensors"))) == 4
 
 
 def _composite_round_trip(mngr: ocp.CheckpointManager, state: Any) -> Any:
@@ -198,11 +180,11 @@ def _composite_round_trip(mngr: ocp.CheckpointManager, state: Any) -> Any:
     restored = mngr.restore(
         1,
         args=ocp.args.Composite(
-            state=osf.SafetensorsRestore(_abstract(state)), meta=ocp.args.JsonRestore()
+            state=osf.SafetensorsRestore(helpers.abstract(state)), meta=ocp.args.JsonRestore()
         ),
     )
     mngr.close()
-    _assert_same_values(restored["state"], state)
+    helpers.assert_same_values(restored["state"], state)
     return restored
 
 
@@ -218,19 +200,19 @@ def test_configured_handler_through_handler_registry(tmp_path: Path) -> None:
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
     registry.add("state", osf.SafetensorsSave, handler)
     registry.add("state", osf.SafetensorsRestore, handler)
-    mngr = _manager(tmp_path, handler_registry=registry)
+    mngr = helpers.manager(tmp_path, handler_registry=registry)
     _composite_round_trip(mngr, state)
-    _assert_split_without_checksums(_item_dir(tmp_path, 1, "state"), files=2)
+    _assert_split_without_checksums(helpers.item_dir(tmp_path, 1, "state"), files=2)
 
 
 def test_plain_checkpointer_uses_the_synchronous_save(tmp_path: Path) -> None:
-    state = _state()
+    state = helpers.state()
     ckptr = ocp.Checkpointer(osf.SafetensorsCheckpointHandler())
     ckptr.save(tmp_path / "ck", args=osf.SafetensorsSave(state))
     restored = ckptr.restore(tmp_path / "ck", args=osf.SafetensorsRestore())
     ckptr.close()
-    _assert_same_values(restored, state)
-    assert set(os.listdir(tmp_path / "ck")) >= OUR_FILES
+    helpers.assert_same_values(restored, state)
+    assert set(os.listdir(tmp_path / "ck")) >= helpers.OUR_FILES
 
 
 # --------------------------------------------------------------------------- constructor options

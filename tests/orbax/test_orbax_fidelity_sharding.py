@@ -13,20 +13,12 @@ import subprocess
 import sys
 import textwrap
 
+import fidelity  # (tests/orbax/ is on sys.path)
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from fidelity import (
-    assert_same_restore,
-    restore_both,
-    restore_orbax,
-    restore_ours,
-    save_both,
-    save_manager,
-    sharded_array,
-)
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
@@ -35,41 +27,42 @@ import orbax_safetensors as osf
 # --------------------------------------------------------------------------- point 1
 
 
-def test_point1_saved_sharding_reused_without_target(tmp_path):
-    tree = {
-        "x": sharded_array(),
-        "y": jnp.arange(3),
-        "z": jax.device_put(jnp.ones(2), jax.devices()[3]),
+def _spread(y: jax.Array, device: int) -> dict:
+    """``x`` sharded over the mesh, ``y`` on the default device, ``z`` on ``device``."""
+    return {
+        "x": fidelity.sharded_array(),
+        "y": y,
+        "z": jax.device_put(jnp.ones(2), jax.devices()[device]),
     }
-    theirs, ours = save_both(tmp_path, tree)
-    got, want = restore_both(theirs, ours)
-    assert_same_restore(got, want)
+
+
+def test_point1_saved_sharding_reused_without_target(tmp_path):
+    tree = _spread(jnp.arange(3), 3)
+    theirs, ours = fidelity.save_both(tmp_path, tree)
+    got, want = fidelity.restore_both(theirs, ours)
+    fidelity.assert_same_restore(got, want)
     assert len(got["x"].sharding.device_set) == 8 and got["x"].sharding.spec == P("a", "b")
     assert got["z"].sharding == SingleDeviceSharding(jax.devices()[3])  # its saved device
 
 
 def test_point1_saved_sharding_reused_for_shardless_targets(tmp_path):
-    tree = {
-        "x": sharded_array(),
-        "y": jnp.arange(3.0),
-        "z": jax.device_put(jnp.ones(2), jax.devices()[5]),
-    }
-    theirs, ours = save_both(tmp_path, tree)
+    tree = _spread(jnp.arange(3.0), 5)
+    theirs, ours = fidelity.save_both(tmp_path, tree)
     abstract = jax.eval_shape(lambda: tree)  # ShapeDtypeStructs without shardings
-    assert_same_restore(*restore_both(theirs, ours, item=abstract))
-    theirs, ours = save_both(tmp_path, tree, orbax="pytree")
+    fidelity.assert_same_restore(*fidelity.restore_both(theirs, ours, item=abstract))
+    theirs, ours = fidelity.save_both(tmp_path, tree, orbax="pytree")
     for args in (ocp.ArrayRestoreArgs(), ocp.RestoreArgs()):
         restore_args = dict.fromkeys(tree, args)
-        got, want = restore_both(theirs, ours, restore_args=restore_args, standard=False)
-        assert_same_restore(got, want)
+        got, want = fidelity.restore_both(theirs, ours, restore_args=restore_args, standard=False)
+        fidelity.assert_same_restore(got, want)
         assert len(got["x"].sharding.device_set) == 8
 
 
 def test_point1_saved_sharding_with_a_cast(tmp_path):
-    tree = {"x": sharded_array()}
-    theirs, ours = save_both(tmp_path, tree)
+    tree = {"x": fidelity.sharded_array()}
+    theirs, ours = fidelity.save_both(tmp_path, tree)
     target = {"x": jax.ShapeDtypeStruct((4, 8), jnp.bfloat16)}
-    assert_same_restore(*restore_both(theirs, ours, item=target))
+    fidelity.assert_same_restore(*fidelity.restore_both(theirs, ours, item=target))
 
 
 def _orbax_cannot_save_replicated_arrays() -> bool:
@@ -92,9 +85,11 @@ def test_point1_sub_mesh_of_the_job(tmp_path):
     # A mesh over 4 of the 8 devices: its devices all exist, so it is reused as saved.
     mesh = jax.sharding.Mesh(np.array(jax.devices()[2:6]).reshape(2, 2), ("a", "b"))
     x = jax.device_put(jnp.ones((4, 4)), NamedSharding(mesh, P("b", None)))
-    ours = save_manager(tmp_path / "ours", osf.SafetensorsSave({"x": x}))
-    got = restore_ours(ours)
-    assert_same_restore(got, {"x": x})  # exactly as saved: what Orbax gives where it can save
+    ours = fidelity.save_manager(tmp_path / "ours", osf.SafetensorsSave({"x": x}))
+    got = fidelity.restore_ours(ours)
+    fidelity.assert_same_restore(
+        got, {"x": x}
+    )  # exactly as saved: what Orbax gives where it can save
     assert sorted(d.id for d in got["x"].sharding.device_set) == [2, 3, 4, 5]
     if _orbax_cannot_save_replicated_arrays():
         pytest.skip(
@@ -102,8 +97,8 @@ def test_point1_sub_mesh_of_the_job(tmp_path):
             "array fails (replica_slices.py uses jax.sharding.set_mesh as a context manager, "
             "which it is in newer jax); our restore was checked against the saved array"
         )
-    theirs = save_manager(tmp_path / "orbax_standard", ocp.args.StandardSave({"x": x}))
-    assert_same_restore(got, restore_orbax(theirs))
+    theirs = fidelity.save_manager(tmp_path / "orbax_standard", ocp.args.StandardSave({"x": x}))
+    fidelity.assert_same_restore(got, fidelity.restore_orbax(theirs))
 
 
 _FEWER_DEVICES = textwrap.dedent(
@@ -145,7 +140,7 @@ def test_must_hold2_saved_mesh_missing_devices_falls_back_as_orbax(tmp_path):
     # Saved over 8 devices, restored by a job of 4: Orbax refuses a restore that needs the
     # saved sharding ("Topology mismatch"), and so do we, naming the tensor; with a target
     # sharding or a fallback sharding both restore the same values.
-    theirs, ours = save_both(tmp_path, {"x": sharded_array()})
+    theirs, ours = fidelity.save_both(tmp_path, {"x": fidelity.sharded_array()})
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     run = subprocess.run(
         [sys.executable, "-c", _FEWER_DEVICES, "4", str(theirs.directory), str(ours.directory)],

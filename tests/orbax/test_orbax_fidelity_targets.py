@@ -11,25 +11,13 @@ import warnings
 from contextlib import nullcontext
 from typing import Any
 
+import fidelity  # (tests/orbax/ is on sys.path)
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from fidelity import (
-    ORBAX_SDS_TARGET_GIVES_NDARRAY,
-    assert_same_restore,
-    is_key,
-    make_mesh,
-    orbax_restores_typed_key_targets,
-    restore_both,
-    restore_orbax,
-    restore_ours,
-    save_both,
-    save_manager,
-    sharded_array,
-)
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -39,7 +27,7 @@ import orbax_safetensors as osf
 
 
 SAVED_KINDS = {
-    "jax_sharded": sharded_array,
+    "jax_sharded": fidelity.sharded_array,
     "jax_one_device": lambda: jax.device_put(jnp.arange(4, dtype=jnp.int32), jax.devices()[0]),
     "numpy_int64": lambda: np.array([2**40, 7]),
     "numpy_0d_float64": lambda: np.array(1e300),
@@ -51,7 +39,7 @@ SAVED_KINDS = {
 
 
 def _sds(v: Any, dtype: Any = None, sharding: Any = None) -> jax.ShapeDtypeStruct:
-    shape = np.shape(jax.random.key_data(v))[:-1] if is_key(v) else np.shape(v)
+    shape = np.shape(jax.random.key_data(v))[:-1] if fidelity.is_key(v) else np.shape(v)
     dtype = dtype or (v.dtype if hasattr(v, "dtype") else np.asarray(v).dtype)
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
@@ -99,8 +87,8 @@ DELIBERATE = {
 }
 
 
-if not ORBAX_SDS_TARGET_GIVES_NDARRAY:
-    # orbax-checkpoint 0.11.11 (checkpoint_utils.py:447, see ORBAX_SDS_TARGET_GIVES_NDARRAY)
+if not fidelity.ORBAX_SDS_TARGET_GIVES_NDARRAY:
+    # orbax-checkpoint 0.11.11 (checkpoint_utils.py:447, see fidelity.ORBAX_SDS_TARGET_GIVES_NDARRAY)
     # restores a saved jax.Array into a sharding-less ShapeDtypeStruct of another shape in its
     # saved shape; 0.12.8 refuses, and we report the mismatch on every stack.
     for _kind in ("jax_sharded", "jax_one_device"):
@@ -110,7 +98,7 @@ if not ORBAX_SDS_TARGET_GIVES_NDARRAY:
         )
 
 # (saved kind, target form) that orbax-checkpoint 0.11.11 refuses only because it cannot
-# restore typed keys into a ShapeDtypeStruct (see orbax_restores_typed_key_targets); newer
+# restore typed keys into a ShapeDtypeStruct (see fidelity.orbax_restores_typed_key_targets); newer
 # Orbax and we give the typed key as saved.
 NEWER_ORBAX_RESTORES = {("key", "sds")}
 
@@ -121,9 +109,9 @@ def saved_kinds(tmp_path_factory) -> dict[str, tuple[Any, ocp.CheckpointManager,
     for name, make in SAVED_KINDS.items():
         root = tmp_path_factory.mktemp(name)
         tree = {"v": make()}
-        standard = save_manager(root / "orbax_standard", ocp.args.StandardSave(tree))
-        pytree = save_manager(root / "orbax_pytree", ocp.args.PyTreeSave(tree))
-        ours = save_manager(root / "ours", osf.SafetensorsSave(tree))
+        standard = fidelity.save_manager(root / "orbax_standard", ocp.args.StandardSave(tree))
+        pytree = fidelity.save_manager(root / "orbax_pytree", ocp.args.PyTreeSave(tree))
+        ours = fidelity.save_manager(root / "ours", osf.SafetensorsSave(tree))
         out[name] = (tree["v"], standard, pytree, ours)
     return out
 
@@ -143,26 +131,26 @@ def test_target_form_against_saved_kind(saved_kinds, kind, form):
     else:
         kwargs = {"restore_args": {"v": leaf}}
     try:
-        want = restore_orbax(theirs, standard=orbax_kind == "standard", **kwargs)
+        want = fidelity.restore_orbax(theirs, standard=orbax_kind == "standard", **kwargs)
     except Exception:  # Orbax refuses: so must we (with our clearer error)
         want = None
     if (kind, form) in DELIBERATE:
         expect = pytest.raises(osf.TargetMismatchError) if want is not None else nullcontext()
         with expect:
-            restore_ours(ours, **kwargs)
+            fidelity.restore_ours(ours, **kwargs)
         return
     if want is None and (kind, form) in NEWER_ORBAX_RESTORES:
-        assert not orbax_restores_typed_key_targets()  # the newer Orbax restores it
-        assert_same_restore(restore_ours(ours, **kwargs), {"v": value})
+        assert not fidelity.orbax_restores_typed_key_targets()  # the newer Orbax restores it
+        fidelity.assert_same_restore(fidelity.restore_ours(ours, **kwargs), {"v": value})
         return
     if want is None:
         with pytest.raises((osf.TargetMismatchError, ValueError, TypeError)):
-            restore_ours(ours, **kwargs)
+            fidelity.restore_ours(ours, **kwargs)
         return
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # casts that overflow, as Orbax's do
-        got = restore_ours(ours, **kwargs)
-    assert_same_restore(got, want)
+        got = fidelity.restore_ours(ours, **kwargs)
+    fidelity.assert_same_restore(got, want)
 
 
 # --------------------------------------------------------------------------- more cases
@@ -170,13 +158,15 @@ def test_target_form_against_saved_kind(saved_kinds, kind, form):
 
 def test_construct_restore_args_from_a_sharded_target(tmp_path):
     # The PyTreeCheckpointHandler idiom: restore args built by Orbax's own helper.
-    tree = {"x": sharded_array(), "n": np.arange(4, dtype=np.int64), "i": 3, "f": 0.5}
-    theirs, ours = save_both(tmp_path, tree, orbax="pytree")
-    other = NamedSharding(make_mesh(), P(None, ("a", "b")))
+    tree = {"x": fidelity.sharded_array(), "n": np.arange(4, dtype=np.int64), "i": 3, "f": 0.5}
+    theirs, ours = fidelity.save_both(tmp_path, tree, orbax="pytree")
+    other = NamedSharding(fidelity.make_mesh(), P(None, ("a", "b")))
     target = dict(tree, x=jax.ShapeDtypeStruct((4, 8), jnp.float32, sharding=other))
     restore_args = ocp.checkpoint_utils.construct_restore_args(target)
-    got, want = restore_both(theirs, ours, item=target, restore_args=restore_args, standard=False)
-    assert_same_restore(got, want)
+    got, want = fidelity.restore_both(
+        theirs, ours, item=target, restore_args=restore_args, standard=False
+    )
+    fidelity.assert_same_restore(got, want)
     assert got["x"].sharding == other
 
 
@@ -186,11 +176,11 @@ def test_optax_state_without_target(tmp_path):
         optax.clip_by_global_norm(1.0), optax.masked(optax.adam(1e-3), {"w": True, "b": False})
     )
     state = {"params": params, "opt": opt.init(params), "step": 4}
-    theirs, ours = save_both(tmp_path, state)
-    got, want = restore_both(theirs, ours)
+    theirs, ours = fidelity.save_both(tmp_path, state)
+    got, want = fidelity.restore_both(theirs, ours)
     # Deliberate: Orbax gives a saved tuple back as a list; we keep the tuple.
     assert isinstance(got["opt"], tuple) and isinstance(want["opt"], list)
-    assert_same_restore(_tuples_as_lists(got), want)
+    fidelity.assert_same_restore(_tuples_as_lists(got), want)
 
 
 def _tuples_as_lists(tree: Any) -> Any:
@@ -206,17 +196,19 @@ def _tuples_as_lists(tree: Any) -> Any:
 def test_aliased_arrays(tmp_path):
     shared = jnp.arange(6.0)
     tree = {"a": shared, "b": shared, "c": {"d": shared}}
-    theirs, ours = save_both(tmp_path, tree)
-    assert_same_restore(*restore_both(theirs, ours))
-    assert_same_restore(*restore_both(theirs, ours, item=jax.eval_shape(lambda: tree)))
+    theirs, ours = fidelity.save_both(tmp_path, tree)
+    fidelity.assert_same_restore(*fidelity.restore_both(theirs, ours))
+    fidelity.assert_same_restore(
+        *fidelity.restore_both(theirs, ours, item=jax.eval_shape(lambda: tree))
+    )
 
 
 def test_checkpointer_without_manager(tmp_path):
-    tree = {"x": sharded_array(), "n": np.array([2**40]), "k": jax.random.key(3)}
+    tree = {"x": fidelity.sharded_array(), "n": np.array([2**40]), "k": jax.random.key(3)}
     # An Orbax that cannot restore typed keys into a target (orbax-checkpoint 0.11.11, see
-    # orbax_restores_typed_key_targets) is compared without "k"; ours is then checked against
+    # fidelity.orbax_restores_typed_key_targets) is compared without "k"; ours is then checked against
     # the saved key, which is what newer Orbax gives.
-    with_keys = orbax_restores_typed_key_targets()
+    with_keys = fidelity.orbax_restores_typed_key_targets()
     orbax_tree = tree if with_keys else {k: v for k, v in tree.items() if k != "k"}
     theirs = ocp.Checkpointer(ocp.StandardCheckpointHandler())
     theirs.save(tmp_path / "theirs", args=ocp.args.StandardSave(orbax_tree))
@@ -227,6 +219,6 @@ def test_checkpointer_without_manager(tmp_path):
     orbax_target = {k: target[k] for k in orbax_tree}
     want = theirs.restore(tmp_path / "theirs", args=ocp.args.StandardRestore(orbax_target))
     if not with_keys:
-        assert_same_restore(got["k"], tree["k"])
+        fidelity.assert_same_restore(got["k"], tree["k"])
         want = dict(want, k=tree["k"])
-    assert_same_restore(got, want)
+    fidelity.assert_same_restore(got, want)

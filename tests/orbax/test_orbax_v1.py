@@ -20,20 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp_v0
 import pytest
+from handler_helpers import HAS_V1, needs_v1  # (tests/orbax/ is on sys.path)
 from safetensors.numpy import load_file as st_load_file
 
 import orbax_safetensors as osf
 from orbax_safetensors._src.compat import orbaxcompat
 
-try:
-    orbaxcompat.orbax_v1()
-    HAS_V1 = True
-except ImportError:
-    HAS_V1 = False
-
-needs_v1 = pytest.mark.skipif(
-    not HAS_V1, reason="this orbax-checkpoint lacks the v1 API (ocp.v1.save/load)"
-)
 lacks_v1 = pytest.mark.skipif(
     HAS_V1, reason="the installed orbax-checkpoint has the v1 API: nothing to refuse"
 )

@@ -22,22 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from handler_helpers import needs_v1  # (tests/orbax/ is on sys.path)
 
 import orbax_safetensors as osf
 from orbax_safetensors._src.compat import orbaxcompat
 from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
 from orbax_safetensors._src.pipeline import save_job as _save_job
-
-try:
-    orbaxcompat.orbax_v1()
-    HAS_V1 = True
-except ImportError:
-    HAS_V1 = False
-
-needs_v1 = pytest.mark.skipif(
-    not HAS_V1, reason="this orbax-checkpoint lacks the v1 API (ocp.v1.save/load)"
-)
 
 # Tensors above BufferArena's slab threshold (512 KiB): async saves copy them into the
 # handler's reused host buffers.

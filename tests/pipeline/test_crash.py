@@ -35,6 +35,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from managers import script_env, state_manager  # (tests/: on sys.path, PYTHONPATH)
 
 import orbax_safetensors as osf
 
@@ -68,15 +69,6 @@ def _host_state(base: np.ndarray, step: int) -> dict[str, Any]:
     }
 
 
-def _manager(root: Path, **options: Any) -> ocp.CheckpointManager:
-    return ocp.CheckpointManager(
-        root,
-        options=ocp.CheckpointManagerOptions(**options),
-        item_names=("state",),
-        item_handlers={"state": osf.SafetensorsCheckpointHandler()},
-    )
-
-
 # --------------------------------------------------------------------------- subprocess side
 
 
@@ -85,7 +77,7 @@ def _saver(root: Path, seed: int, base: np.ndarray) -> None:
     rng = random.Random(seed)
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
     sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
-    mngr = _manager(root, max_to_keep=2)
+    mngr = state_manager(root, max_to_keep=2)
     step = (mngr.latest_step() or 0) + 1
     print(f"ready {step}", flush=True)
     while True:
@@ -124,7 +116,7 @@ def _zygote(root: Path) -> None:
 
 class _Zygote:
     def __init__(self, root: Path) -> None:
-        env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="4")
+        env = script_env(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="4")
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "zygote", str(root)],
             stdin=subprocess.PIPE,
@@ -227,7 +219,7 @@ def test_sigkill_during_async_saves_never_loses_the_last_step(tmp_path: Path) ->
             partial = sorted(found)
             # The step being written at this kill: a temporary directory this trial created.
             changed = sorted(name for name, key in found.items() if before.get(name) != key)
-            mngr = _manager(root, read_only=True)
+            mngr = state_manager(root, read_only=True)
             steps = mngr.all_steps()
             # Orbax < 0.12 (find_step_path(include_uncommitted=True) in its deleter) deletes the
             # debris of an earlier kill of step N in place of the committed step N when N

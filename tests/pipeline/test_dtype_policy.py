@@ -363,15 +363,7 @@ def test_async_snapshot_holds_the_cast_bytes(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- v1 and convert
 
 
-def _has_v1() -> bool:
-    try:
-        orbaxcompat.orbax_v1()
-    except ImportError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _has_v1(), reason="this orbax-checkpoint lacks the v1 API")
+@pytest.mark.skipif(not orbaxcompat.has_orbax_v1(), reason="this orbax-checkpoint lacks the v1 API")
 def test_v1_handler_with_a_dtype_policy(tmp_path: Path) -> None:
     from orbax.checkpoint import v1
 

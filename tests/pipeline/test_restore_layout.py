@@ -61,7 +61,7 @@ def strip_layout(directory: Path) -> None:
 
 def restore(directory: Path) -> tuple[Any, ReadStats]:
     stats = ReadStats()
-    return _checkpoint_restore.restore_directory(directory, stats=stats), stats
+    return _checkpoint_restore.restore_checkpoint(directory, stats=stats), stats
 
 
 def test_metadata_records_each_tensor_where_its_header_does(tmp_path: Path) -> None:

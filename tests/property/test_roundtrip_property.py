@@ -8,7 +8,6 @@ that collide once joined are part of the search space on purpose.
 
 from __future__ import annotations
 
-import math
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import ml_dtypes
 import numpy as np
 import official_reader
 from campaign import campaign
+from exact import assert_same  # (tests/ is on sys.path)
 from hypothesis import given
 from hypothesis import strategies as st
 from safetensors import safe_open
@@ -107,28 +107,6 @@ def trees() -> st.SearchStrategy[Any]:
         ),
         max_leaves=12,
     )
-
-
-def assert_same(a: Any, b: Any, where: str = "root") -> None:
-    assert type(a) is type(b), f"{where}: {type(a).__name__} != {type(b).__name__}"
-    if isinstance(a, dict):
-        assert [(type(k), k) for k in a] == [(type(k), k) for k in b], f"{where}: keys"
-        for k in a:
-            assert_same(a[k], b[k], f"{where}.{k!r}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), f"{where}: length"
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}[{i}]")
-    elif isinstance(a, float):
-        same = (math.isnan(a) and math.isnan(b)) or (
-            a == b and math.copysign(1, a) == math.copysign(1, b)
-        )
-        assert same, f"{where}: {a!r} != {b!r}"
-    elif isinstance(a, (jax.Array, np.ndarray, np.generic)):
-        assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{where}: {a.dtype}{a.shape}"
-        assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), f"{where}: bytes differ"
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
 
 
 def _array_leaves(tree: Any) -> int:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import resource
 import signal
 import subprocess
@@ -29,6 +28,7 @@ from typing import Any
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from managers import script_env, state_manager  # (tests/: on sys.path, PYTHONPATH)
 
 import orbax_safetensors as osf
 
@@ -41,15 +41,6 @@ def _state(step: int, nbytes: int) -> dict[str, Any]:
         "w": rng.integers(0, 256, nbytes, dtype=np.uint8).reshape(-1, 1024),
         "step": step,
     }
-
-
-def _manager(root: Path, **options: Any) -> ocp.CheckpointManager:
-    return ocp.CheckpointManager(
-        root,
-        options=ocp.CheckpointManagerOptions(**options),
-        item_names=("state",),
-        item_handlers={"state": osf.SafetensorsCheckpointHandler()},
-    )
 
 
 def _save(mngr: ocp.CheckpointManager, step: int, nbytes: int) -> str:
@@ -67,13 +58,13 @@ def _save(mngr: ocp.CheckpointManager, step: int, nbytes: int) -> str:
 
 
 def _restore(root: Path, step: int) -> dict[str, Any]:
-    with _manager(root, read_only=True) as mngr:
+    with state_manager(root, read_only=True) as mngr:
         args = ocp.args.Composite(state=osf.SafetensorsRestore())
         return mngr.restore(step, args=args)["state"]
 
 
 def _assert_intact(root: Path, steps: list[int], nbytes: int) -> None:
-    with _manager(root, read_only=True) as mngr:
+    with state_manager(root, read_only=True) as mngr:
         assert mngr.all_steps() == steps
     for step in steps:
         restored = _restore(root, step)
@@ -110,7 +101,7 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
 
 def test_enospc_mid_write_on_a_full_tmpfs(small_tmpfs: Path) -> None:
     root = small_tmpfs / "ckpts"
-    with _manager(root) as mngr:
+    with state_manager(root) as mngr:
         assert _save(mngr, 1, 2 << 20) == ""
         with pytest.raises(OSError) as info:  # 32 MiB cannot fit: fails inside the data
             mngr.save(2, args=ocp.args.Composite(state=osf.SafetensorsSave(_state(2, 32 << 20))))
@@ -122,7 +113,7 @@ def test_enospc_mid_write_on_a_full_tmpfs(small_tmpfs: Path) -> None:
     _assert_intact(root, [1], 2 << 20)
 
     # Once the partial step is cleaned up (Orbax does it at start-up when asked), saving works.
-    with _manager(root, cleanup_tmp_directories=True) as mngr:
+    with state_manager(root, cleanup_tmp_directories=True) as mngr:
         assert _save(mngr, 3, 2 << 20) == ""
     _assert_intact(root, [1, 3], 2 << 20)
 
@@ -147,7 +138,7 @@ def _limited_child(root: Path) -> dict[str, Any]:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of being killed
     resource.setrlimit(resource.RLIMIT_FSIZE, (_LIMIT, _LIMIT))
     out: dict[str, Any] = {}
-    with _manager(root / "ckpts") as mngr:
+    with state_manager(root / "ckpts") as mngr:
         out["step1"] = _save(mngr, 1, 1 << 20)
         args = ocp.args.Composite(state=osf.SafetensorsSave(_state(2, 16 << 20)))
         try:
@@ -166,7 +157,7 @@ def _limited_child(root: Path) -> dict[str, Any]:
 
 
 def test_rlimit_fsize_in_a_subprocess(tmp_path: Path) -> None:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="2")
+    env = script_env(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="2")
     done = subprocess.run(
         [sys.executable, __file__, str(tmp_path)],
         capture_output=True,

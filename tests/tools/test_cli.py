@@ -36,6 +36,15 @@ def run(capsys, *argv):
     return code, out, err
 
 
+def saved_root(root, steps, args_of):
+    """A CheckpointManager root holding ``steps``, each saved with ``args_of(step)``."""
+    with ocp.CheckpointManager(root) as mngr:
+        for step in steps:
+            mngr.save(step, args=args_of(step))
+        mngr.wait_until_finished()
+    return root
+
+
 def tree_example():
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
     sharded = jax.device_put(
@@ -78,16 +87,14 @@ def orbax_item(tmp_path_factory):
 def orbax_root(tmp_path_factory):
     """A CheckpointManager root of Orbax-native steps: a StandardSave item plus a JSON item."""
     root = tmp_path_factory.mktemp("orbax_root") / "ckpts"
-    with ocp.CheckpointManager(root) as mngr:
-        for step in (1, 2):
-            tree = {"w": jnp.full((4, 3), float(step)), "count": jnp.array(step)}
-            mngr.save(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave({"step": step})
-                ),
-            )
-        mngr.wait_until_finished()
+
+    def args_of(step):
+        tree = {"w": jnp.full((4, 3), float(step)), "count": jnp.array(step)}
+        return ocp.args.Composite(
+            state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave({"step": step})
+        )
+
+    saved_root(root, (1, 2), args_of)
     return root
 
 
@@ -172,16 +179,14 @@ def test_inspect_sharded_item_names_files(tmp_dir, capsys):
 
 def test_inspect_step_and_root_of_a_checkpoint_manager(tmp_dir, capsys):
     root = tmp_dir / "ckpts"
-    with ocp.CheckpointManager(root) as mngr:
-        for step in (10, 20):
-            mngr.save(
-                step,
-                args=ocp.args.Composite(
-                    state=osf.SafetensorsSave({"w": np.ones((step, 4), np.float32)}),
-                    meta=ocp.args.JsonSave({"step": step}),
-                ),
-            )
-        mngr.wait_until_finished()
+    saved_root(
+        root,
+        (10, 20),
+        lambda step: ocp.args.Composite(
+            state=osf.SafetensorsSave({"w": np.ones((step, 4), np.float32)}),
+            meta=ocp.args.JsonSave({"step": step}),
+        ),
+    )
     code, out, _ = run(capsys, "inspect", root, "--json")
     doc = json.loads(out)
     assert doc["kind"] == "root" and doc["latest_step"] == 20
@@ -506,13 +511,11 @@ def test_relative_paths_work_for_orbax_sources(orbax_item, tmp_dir, monkeypatch,
 
 def test_verify_good_and_damaged(tmp_dir, capsys):
     root = tmp_dir / "ckpts"
-    with ocp.CheckpointManager(root) as mngr:
-        for step in (1, 2):
-            mngr.save(
-                step,
-                args=osf.SafetensorsSave({"w": np.full((32,), step, np.float32), "b": np.ones(4)}),
-            )
-        mngr.wait_until_finished()
+    saved_root(
+        root,
+        (1, 2),
+        lambda step: osf.SafetensorsSave({"w": np.full((32,), step, np.float32), "b": np.ones(4)}),
+    )
     code, out, _ = run(capsys, "verify", root)
     assert code == 0 and "OK (2 files, 4 tensors" in out
     code, out, _ = run(capsys, "verify", root / "2" / "default" / "model.safetensors")

@@ -32,21 +32,10 @@ def one_error_line(err):
     assert len(lines) == 1 and lines[0].startswith("orbax-safetensors export: error: "), err
 
 
-CONFIG = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=96,
-    tie_word_embeddings=False,
-)
-
-
 @pytest.fixture
 def trained(tmp_path):
     """A CheckpointManager root whose steps hold a LLaMA port's nnx.State and a JSON item."""
-    config = transformers.LlamaConfig(**CONFIG)
+    config = hf_models.tiny_config()
     (tmp_path / "config.json").write_text(config.to_json_string())
     model = hf_models.CausalLM(config, rngs=nnx.Rngs(0))
     with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:

@@ -39,6 +39,7 @@ from orbax_safetensors._src.core.errors import (
     UnsupportedLeafError,
 )
 from orbax_safetensors._src.orbax import steps as _steps
+from orbax_safetensors._src.orbax.steps import PathKind
 from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
 from orbax_safetensors._src.pipeline import reader as _reader
 from orbax_safetensors._src.pipeline import standalone as _standalone
@@ -402,7 +403,7 @@ def open_source(path: epath.PathLike) -> TensorSource:
     """
     path = epath.Path(path)
     kind = _steps.classify(path)
-    if kind == "step":
+    if kind is PathKind.STEP:
         items = [n for n, k in _steps.list_items(path).items() if k in _steps.TENSOR_KINDS]
         if len(items) != 1:
             raise SafetensorsCheckpointError(
@@ -410,15 +411,15 @@ def open_source(path: epath.PathLike) -> TensorSource:
                 "name one item directory"
             )
         path, kind = path / items[0], _steps.item_kind(path / items[0])
-    if kind == "file":
+    if kind is PathKind.FILE:
         if _flax_msgpack.is_flax_msgpack(path):
             return MsgpackSource(path)
         return _open_file(path)
-    if kind == "item":
+    if kind is PathKind.ITEM:
         return _open_item(path)
-    if kind == "safetensors-dir":
+    if kind is PathKind.SAFETENSORS_DIR:
         return _open_safetensors_dir(path)
-    if kind == "orbax":
+    if kind is PathKind.ORBAX:
         return OrbaxSource(path)
     raise SafetensorsCheckpointError(
         f"{path} is a {kind}, not a safetensors file, checkpoint item or Orbax item"

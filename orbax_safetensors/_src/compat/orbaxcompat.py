@@ -161,6 +161,21 @@ def orbax_v1(what: str = "the Orbax v1 API") -> Any:
     return v1
 
 
+def has_orbax_v1() -> bool:
+    """Whether the installed orbax-checkpoint has the v1 API :func:`orbax_v1` gives.
+
+    Example::
+
+        if has_orbax_v1():
+            osf.register_handler()
+    """
+    try:
+        orbax_v1()
+    except ImportError:
+        return False
+    return True
+
+
 @dataclasses.dataclass(frozen=True)
 class V1LoadingOptions:
     """What a v1 ``load`` takes from the active ``ocp.Context``.

@@ -94,10 +94,6 @@ class Tensor(NamedTuple):
     array: ArrayKind
     cast_from: str | None = None
 
-    @property
-    def kind(self) -> LeafKind:
-        return _TENSOR
-
 
 class PrngKey(NamedTuple):
     """A typed PRNG key array, stored as its key data; ``impl`` names the PRNG implementation."""
@@ -105,20 +101,12 @@ class PrngKey(NamedTuple):
     name: str
     impl: str
 
-    @property
-    def kind(self) -> LeafKind:
-        return _KEY
-
 
 class Alias(NamedTuple):
     """The same array object as the stored tensor or key named ``of`` (stored once)."""
 
     name: str
     of: str
-
-    @property
-    def kind(self) -> LeafKind:
-        return _REF
 
 
 class Inline(NamedTuple):
@@ -131,7 +119,7 @@ class Inline(NamedTuple):
 
     @property
     def value(self) -> bool | int | float | str:
-        return float.fromhex(self.v) if self.kind == "float" else self.v  # type: ignore[arg-type]
+        return float.fromhex(self.v) if self.kind is _FLOAT else self.v  # type: ignore[arg-type]
 
 
 class DictNode(NamedTuple):
@@ -160,7 +148,7 @@ class CustomNode(NamedTuple):
     @property
     def indexed(self) -> bool:
         """Whether every entry is an index (the node reads back as a list)."""
-        return all(e.kind == "idx" for e in self.entries)
+        return all(e.kind is EntryKind.IDX for e in self.entries)
 
 
 class VarNode(NamedTuple):
@@ -179,6 +167,19 @@ Leaf = Tensor | PrngKey | Alias | Inline
 Container = DictNode | ListNode | TupleNode | CustomNode
 Node = Container | VarNode | NoneNode | Leaf
 LEAF_TYPES = (Tensor, PrngKey, Alias, Inline)
+_KIND_OF = {Tensor: _TENSOR, PrngKey: _KEY, Alias: _REF}  # an Inline holds its kind
+
+
+def leaf_kind(leaf: Leaf) -> LeafKind:
+    """A leaf node's kind (its ``"t"``).
+
+    Example::
+
+        leaf_kind(PrngKey("rng", "threefry2x32"))   # LeafKind.KEY
+    """
+    return leaf.kind if type(leaf) is Inline else _KIND_OF[type(leaf)]  # type: ignore[union-attr]
+
+
 _LEAF_TYPE_SET = frozenset(LEAF_TYPES)
 _NODE_TYPES = (Entry, DictNode, ListNode, TupleNode, CustomNode, VarNode, NoneNode, *LEAF_TYPES)
 

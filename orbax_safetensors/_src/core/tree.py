@@ -69,6 +69,7 @@ from orbax_safetensors._src.core.schema import (
     Tensor,
     TupleNode,
     VarNode,
+    leaf_kind,
 )
 
 _MAX_DEPTH = _schema.MAX_DEPTH
@@ -180,7 +181,7 @@ class CapturedTree:
 
     def stored_kinds(self) -> list[LeafKind]:
         """Each stored array's kind (``TENSOR`` or ``KEY``), in the order of ``arrays``."""
-        return [self._leaves[i].kind for i in self._stored]
+        return [leaf_kind(self._leaves[i]) for i in self._stored]
 
     def finish(self, cast_from: Sequence[str | None] | None = None) -> FlatTree:
         """The named schema and arrays. ``cast_from``: for each stored array, the safetensors

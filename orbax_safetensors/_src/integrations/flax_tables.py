@@ -29,8 +29,10 @@ from etils import epath
 from orbax_safetensors._src.catalog import sources as _sources
 from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
 from orbax_safetensors._src.core import dtypes as _dtypes
+from orbax_safetensors._src.core import naming as _naming
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
 from orbax_safetensors._src.orbax import steps as _steps
+from orbax_safetensors._src.orbax.steps import PathKind
 
 
 @dataclasses.dataclass
@@ -84,16 +86,9 @@ def _tree_values(tree: Any) -> dict[str, Any]:
             continue  # Python scalars, strings, None: not tensors
         if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
             continue  # typed PRNG keys are training state, never model weights
-        name = ".".join(_key_text(k) for k in path) or "value"
+        name = ".".join(_naming.entry_text(k) for k in path) or "value"
         out[name] = value
     return out
-
-
-def _key_text(entry: Any) -> str:
-    for attr in ("key", "idx", "name"):
-        if hasattr(entry, attr):
-            return str(getattr(entry, attr))
-    return str(entry)
 
 
 def model_values(model: Any, variables: Any) -> dict[str, Any]:
@@ -120,7 +115,7 @@ def resolve_path(
     """
     path = epath.Path(path)
     kind = _steps.classify(path)
-    if kind == "root":
+    if kind is PathKind.ROOT:
         steps = dict(_steps.list_steps(path))
         if not steps:
             raise SafetensorsCheckpointError(
@@ -137,7 +132,7 @@ def resolve_path(
             f"{path} is a {kind}, not a CheckpointManager root: step= does not apply"
         )
     if item is not None:
-        if kind != "step":
+        if kind is not PathKind.STEP:
             raise SafetensorsCheckpointError(
                 f"{path} is a {kind}, not a step: item= does not apply"
             )

@@ -16,7 +16,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -81,21 +81,41 @@ class Link:
             ", ..." if len(self.torch) > 3 else ""
         )
 
-    # ---- shapes
+    # ---- shapes and values: one to one (transformed), else joined or split on either side
 
     def torch_shapes(self, shapes: Sequence[Shape], dtype: Any) -> list[Shape]:
-        """The PyTorch shapes of Flax tensors of ``shapes``.
+        """The PyTorch shapes of Flax tensors of ``shapes`` (see :meth:`shapes`)."""
+        return self.shapes(shapes, dtype, to_torch=True)
+
+    def flax_shapes(self, shapes: Sequence[Shape], dtype: Any) -> list[Shape]:
+        """The Flax shapes of PyTorch tensors of ``shapes`` (see :meth:`shapes`)."""
+        return self.shapes(shapes, dtype, to_torch=False)
+
+    def shapes(self, shapes: Sequence[Shape], dtype: Any, *, to_torch: bool) -> list[Shape]:
+        """The shapes on the PyTorch side (``to_torch``) or the Flax side of the other side's
+        tensors of ``shapes``, of ``dtype``.
 
         Raises:
           ValueError: when they do not split, join or transform.
         """
         t = self.rule.transform_or_identity
+        fn = t.to_torch if to_torch else t.to_flax
         if self.rule.one_to_one:
-            return [_probe_shape(t.to_torch, shapes[0], dtype)]
-        if not self.parts_on_torch:
-            parts = [_probe_shape(t.to_torch, s, dtype) for s in shapes]
+            return [_probe_shape(fn, shapes[0], dtype)]
+        if to_torch:
+            if self.parts_on_torch:
+                return self._torch_parts_shapes(shapes[0], fn, dtype)
+            parts = [_probe_shape(fn, s, dtype) for s in shapes]
             return [_join_shape(parts, self.rule.axis, self._where())]
+        if self.parts_on_torch:
+            return self._flax_whole_shape(shapes, fn, dtype)
         shape = shapes[0]
+        total = shape[self.rule.axis % len(shape)] if shape else 0
+        sizes = _sizes(self.rule, total, len(self.flax), self._where())
+        return [_probe_shape(fn, s, dtype) for s in _split_shape(shape, self.rule.axis, sizes)]
+
+    def _torch_parts_shapes(self, shape: Shape, fn: Any, dtype: Any) -> list[Shape]:
+        # One Flax tensor, unstacked into layers and/or split into fused parts.
         if self.rule.stacked is not None:
             if not shape or shape[0] != self.layers:
                 raise ValueError(f"{self._where()}: {list(shape)} has no {self.layers} layers")
@@ -105,30 +125,15 @@ class Link:
             total = shape[self.rule.axis % len(shape)] if shape else 0
             sizes = _sizes(self.rule, total, self._n_parts(), self._where())
             layer = _split_shape(shape, self.rule.axis, sizes)
-        per_layer = [_probe_shape(t.to_torch, s, dtype) for s in layer]
+        per_layer = [_probe_shape(fn, s, dtype) for s in layer]
         return per_layer * max(1, self.layers)
 
-    def flax_shapes(self, shapes: Sequence[Shape], dtype: Any) -> list[Shape]:
-        """The Flax shapes of PyTorch tensors of ``shapes``.
-
-        Raises:
-          ValueError: when they do not split, join or transform.
-        """
-        t = self.rule.transform_or_identity
-        if self.rule.one_to_one:
-            return [_probe_shape(t.to_flax, shapes[0], dtype)]
-        if not self.parts_on_torch:
-            shape = shapes[0]
-            total = shape[self.rule.axis % len(shape)] if shape else 0
-            sizes = _sizes(self.rule, total, len(self.flax), self._where())
-            return [
-                _probe_shape(t.to_flax, s, dtype)
-                for s in _split_shape(shape, self.rule.axis, sizes)
-            ]
+    def _flax_whole_shape(self, shapes: Sequence[Shape], fn: Any, dtype: Any) -> list[Shape]:
+        # Layers and/or fused parts on the PyTorch side, joined and stacked into one tensor.
         n = self._n_parts()
         layers = []
         for i in range(max(1, self.layers)):
-            parts = [_probe_shape(t.to_flax, s, dtype) for s in shapes[i * n : (i + 1) * n]]
+            parts = [_probe_shape(fn, s, dtype) for s in shapes[i * n : (i + 1) * n]]
             layers.append(
                 _join_shape(parts, self.rule.axis, self._where()) if self.rule.fused else parts[0]
             )
@@ -140,48 +145,49 @@ class Link:
             )
         return [(len(layers), *layers[0])]
 
-    # ---- values
-
     def to_torch(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         """The PyTorch tensors of the Flax ``arrays``."""
-        t = self.rule.transform_or_identity
-        if self.rule.one_to_one:
-            return [t.to_torch(arrays[0])]
-        if not self.parts_on_torch:
-            return [np.concatenate([t.to_torch(a) for a in arrays], axis=self.rule.axis)]
-        x = arrays[0]
-        layers = [x[i] for i in range(self.layers)] if self.rule.stacked is not None else [x]
-        out = []
-        for y in layers:
-            if self.rule.fused is not None:
-                axis = self.rule.axis % y.ndim
-                sizes = _sizes(self.rule, y.shape[axis], self._n_parts(), self._where())
-                parts = np.split(y, np.cumsum(sizes)[:-1], axis=axis)
-            else:
-                parts = [y]
-            out += [t.to_torch(p) for p in parts]
-        return out
+        return self.values(arrays, to_torch=True)
 
     def to_flax(self, arrays: Sequence[Any], xp: Any = np) -> list[Any]:
         """The Flax tensors of the PyTorch ``arrays``; ``xp``: the array module the joins and
         splits use (``jax.numpy`` to run on device, under ``jit``)."""
+        return self.values(arrays, to_torch=False, xp=xp)
+
+    def values(self, arrays: Sequence[Any], *, to_torch: bool, xp: Any = np) -> list[Any]:
+        """The tensors on the PyTorch side (``to_torch``) or the Flax side of the other side's
+        ``arrays`` (host numpy arrays, as :meth:`shapes` has them; or ``xp`` arrays)."""
         t = self.rule.transform_or_identity
+        fn = t.to_torch if to_torch else t.to_flax
         if self.rule.one_to_one:
-            return [t.to_flax(arrays[0])]
+            return [fn(arrays[0])]
+        if to_torch and not self.parts_on_torch:
+            return [np.concatenate([fn(a) for a in arrays], axis=self.rule.axis)]
+        if to_torch:
+            x = arrays[0]
+            layers = [x[i] for i in range(self.layers)] if self.rule.stacked is not None else [x]
+            out = []
+            for y in layers:
+                parts = [y]
+                if self.rule.fused is not None:
+                    parts = self._split(y, self._n_parts())
+                out += [fn(p) for p in parts]
+            return out
         if not self.parts_on_torch:
-            y = arrays[0]
-            axis = self.rule.axis % y.ndim
-            sizes = _sizes(self.rule, y.shape[axis], len(self.flax), self._where())
-            cuts = [int(c) for c in np.cumsum(sizes)[:-1]]
-            return [t.to_flax(p) for p in xp.split(y, cuts, axis=axis)]
+            return [fn(p) for p in self._split(arrays[0], len(self.flax), xp)]
         n = self._n_parts()
-        layers = []
+        joined = []
         for i in range(max(1, self.layers)):
-            parts = [t.to_flax(a) for a in arrays[i * n : (i + 1) * n]]
-            layers.append(
+            parts = [fn(a) for a in arrays[i * n : (i + 1) * n]]
+            joined.append(
                 xp.concatenate(parts, axis=self.rule.axis) if self.rule.fused else parts[0]
             )
-        return [xp.stack(layers) if self.rule.stacked is not None else layers[0]]
+        return [xp.stack(joined) if self.rule.stacked is not None else joined[0]]
+
+    def _split(self, y: Any, n: int, xp: Any = np) -> list[Any]:
+        axis = self.rule.axis % y.ndim
+        sizes = _sizes(self.rule, y.shape[axis], n, self._where())
+        return list(xp.split(y, [int(c) for c in np.cumsum(sizes)[:-1]], axis=axis))
 
     def pairs(self) -> list[tuple[str, str]]:
         """``(torch key, flax name)`` pairs of this link, for a report."""
@@ -207,14 +213,24 @@ def link_batches(
     return out
 
 
-def _first_rule(
-    mapping: KeyMapping, name: str, flax_side: bool
-) -> tuple[int, Rule, dict[str, str]] | None:
-    for r, rule in enumerate(mapping.rules):
-        values = rule.flax_groups(name) if flax_side else rule.torch_groups(name)
-        if values is not None:
-            return r, rule, values
-    return None
+def _matched(
+    mapping: KeyMapping, names: Iterable[str], report: MappingReport, *, flax_side: bool
+) -> Iterator[tuple[str, int, Rule, dict[str, str]]]:
+    """Each of ``names`` (Flax names, else PyTorch keys) that a rule maps, with the first such
+    rule, its index and the placeholders' values; the ignored and unmapped ones go to
+    ``report``."""
+    ignored = mapping.flax_ignored if flax_side else mapping.torch_ignored
+    for name in names:
+        if ignored(name):
+            report.ignored.append(name)
+            continue
+        for r, rule in enumerate(mapping.rules):
+            values = rule.flax_groups(name) if flax_side else rule.torch_groups(name)
+            if values is not None:
+                yield name, r, rule, values
+                break
+        else:
+            report.unmapped.append(name)
 
 
 def export_links(
@@ -225,15 +241,8 @@ def export_links(
     report = MappingReport()
     links: list[Link] = []
     groups: dict[tuple[int, str], dict[str, str]] = {}
-    for name, shape in shapes.items():
-        if mapping.flax_ignored(name):
-            report.ignored.append(name)
-            continue
-        found = _first_rule(mapping, name, True)
-        if found is None:
-            report.unmapped.append(name)
-            continue
-        r, rule, values = found
+    for name, r, rule, values in _matched(mapping, shapes, report, flax_side=True):
+        shape = shapes[name]
         if rule.one_to_one:
             links.append(Link(rule, (name,), (rule.torch_key(values),)))
         elif rule.fused is not None and rule.fused in values:  # a part of a joined torch key
@@ -272,15 +281,7 @@ def load_links(mapping: KeyMapping, keys: Iterable[str]) -> tuple[list[Link], Ma
     report = MappingReport()
     links: list[Link] = []
     groups: dict[tuple[int, str], dict[tuple[int, str], str]] = {}
-    for key in keys:
-        if mapping.torch_ignored(key):
-            report.ignored.append(key)
-            continue
-        found = _first_rule(mapping, key, False)
-        if found is None:
-            report.unmapped.append(key)
-            continue
-        r, rule, values = found
+    for key, r, rule, values in _matched(mapping, keys, report, flax_side=False):
         if rule.one_to_one:
             links.append(Link(rule, (rule.flax_name(values),), (key,)))
         elif rule.fused is not None and rule.fused not in values:  # one torch key, fused parts

@@ -47,33 +47,13 @@ from orbax_safetensors._src.integrations import flax_tables as _flax_tables
 from orbax_safetensors._src.integrations import hf_load as _hf_load
 from orbax_safetensors._src.integrations import links as _links
 from orbax_safetensors._src.integrations import sharded_export as _sharded_export
-from orbax_safetensors._src.integrations.key_mapping import (
-    Chain,
-    KeyMapping,
-    MappingReport,
-    Reshape,
-    Rule,
-    SplitHeads,
-    Transform,
-    Transpose,
-)
+from orbax_safetensors._src.integrations.key_mapping import KeyMapping, MappingReport
 from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.storage import interface as _interface
 from orbax_safetensors._src.storage import replace as _replace
 from orbax_safetensors._src.storage import router as _router
 
-__all__ = [
-    "Chain",
-    "KeyMapping",
-    "MappingReport",
-    "Reshape",
-    "Rule",
-    "SplitHeads",
-    "Transform",
-    "Transpose",
-    "export_pytorch",
-    "load_pytorch",
-]
+__all__ = ["export_pytorch", "load_pytorch"]
 
 
 # --------------------------------------------------------------------------- load

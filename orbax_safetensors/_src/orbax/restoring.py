@@ -8,9 +8,9 @@ gives, and ``mesh`` / ``mesh_axes``) become :class:`.restore_options.LeafRequest
 :class:`.restore_options.RestoreOptions`, and the pipeline's structured mismatch errors are
 worded in the option names of the API the caller came through.
 
-The public ``load_file`` and ``restore_directory`` are defined here as well: the standalone
-API takes Orbax's restore args and ``...`` as target leaves, translated before the pipeline
-sees them.
+The public ``load_file`` and ``restore_directory`` are defined here as well (the pipeline
+takes a :class:`.restore_options.RestoreOptions` only): the standalone API takes Orbax's
+restore args and ``...`` as target leaves, translated before the pipeline sees them.
 
 Example::
 
@@ -341,6 +341,29 @@ def restore_orbax_native(
 # --------------------------------------------------------------------------- the standalone API
 
 
+def _standalone_options(
+    target: Any,
+    strict: bool,
+    include: _select.Patterns,
+    exclude: _select.Patterns,
+    verify: bool,
+    io_options: _config.IOOptions | None,
+    fallback_sharding: jax.sharding.Sharding | None = None,
+) -> RestoreOptions:
+    """The one value :func:`load_file` and :func:`restore_directory` pass to the pipeline
+    (arguments in ``load_file``'s order): Orbax's target leaves translated, ``strict``
+    governing keys."""
+    return RestoreOptions.standalone(
+        neutral_target(target),
+        strict=strict,
+        include=include,
+        exclude=exclude,
+        verify=verify,
+        fallback_sharding=fallback_sharding,
+        io=io_options,
+    )
+
+
 def load_file(
     path: epath.PathLike,
     target: Any = None,
@@ -390,15 +413,8 @@ def load_file(
         params = osf.load_file("w.safetensors", target=jax.eval_shape(lambda: params))
         attn = osf.load_file("w.safetensors", include="layers.*.attn", exclude="*.bias")
     """
-    return _standalone.load_file(
-        path,
-        neutral_target(target),
-        strict=strict,
-        include=include,
-        exclude=exclude,
-        verify=verify,
-        io_options=io_options,
-    )
+    options = _standalone_options(target, strict, include, exclude, verify, io_options)
+    return _standalone.load_with_options(path, options)
 
 
 def restore_directory(
@@ -432,14 +448,7 @@ def restore_directory(
 
         state = osf.restore_directory("/tmp/ckpt/100/default", target=abstract_state)
     """
-    return _checkpoint_restore.restore_directory(
-        directory,
-        neutral_target(target),
-        strict=strict,
-        verify=verify,
-        stats=stats,
-        fallback_sharding=fallback_sharding,
-        include=include,
-        exclude=exclude,
-        io_options=io_options,
+    options = _standalone_options(
+        target, strict, include, exclude, verify, io_options, fallback_sharding
     )
+    return _checkpoint_restore.restore_checkpoint(directory, options, stats=stats)

@@ -14,13 +14,14 @@ What a path can be (:func:`classify`):
 
 Example::
 
-    classify("/ckpt")                 # "root"
+    classify("/ckpt")                 # PathKind.ROOT
     [step for step, _ in list_steps("/ckpt")]   # the committed steps, as Orbax lists them
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import os
 import re
@@ -37,7 +38,22 @@ ORBAX_METADATA_FILE = "_METADATA"
 CHECKPOINT_METADATA_FILE = "_CHECKPOINT_METADATA"
 COMMIT_SUCCESS_FILE = "commit_success.txt"  # Orbax's commit marker (atomicity_types.py L31)
 HANDLER_TYPESTR = "orbax_safetensors.SafetensorsCheckpointHandler"  # the v0 handler's typestr()
-TENSOR_KINDS = ("file", "item", "safetensors-dir", "orbax")
+
+
+class PathKind(enum.StrEnum):
+    """What a path is (:func:`classify`; :func:`item_kind` gives the kinds of a directory on
+    its own). String-valued: reports and messages show the value."""
+
+    FILE = "file"  # a file (a .safetensors or another file)
+    ITEM = "item"  # a safetensors checkpoint item (its metadata file present)
+    SAFETENSORS_DIR = "safetensors-dir"  # plain safetensors files (Hugging Face style)
+    ORBAX = "orbax"  # an Orbax-native item
+    STEP = "step"  # a step directory of items
+    ROOT = "root"  # a CheckpointManager root of steps
+    OTHER = "other"  # none of these (e.g. an Orbax JSON item)
+
+
+TENSOR_KINDS = frozenset((PathKind.FILE, PathKind.ITEM, PathKind.SAFETENSORS_DIR, PathKind.ORBAX))
 _STEP_NAME = re.compile(r"^(?:.*?[_-])?(\d+)$")
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 _TMP_STEP_NAME = re.compile(rf"^(?:.*?[_-])?(\d+){re.escape(TMP_SUFFIX)}")  # step.py L50
@@ -62,7 +78,7 @@ def safetensors_files(path: epath.Path) -> list[epath.Path]:
     return sorted(p for p in path.glob("*.safetensors") if not p.name.startswith("."))
 
 
-def classify(path: epath.PathLike) -> str:
+def classify(path: epath.PathLike) -> PathKind:
     """What ``path`` is: one of ``file``, ``item``, ``safetensors-dir``, ``orbax``, ``step``,
     ``root``, or ``other``.
 
@@ -73,34 +89,34 @@ def classify(path: epath.PathLike) -> str:
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file or directory")
     if not path.is_dir():
-        return "file"
+        return PathKind.FILE
     kind = item_kind(path)
-    if kind != "other":
+    if kind is not PathKind.OTHER:
         return kind
     children = [c for c in path.iterdir() if c.is_dir() and TMP_SUFFIX not in c.name]
     kinds = {c.name: item_kind(c) for c in children}
     if any(k in TENSOR_KINDS for k in kinds.values()):
-        return "step"
+        return PathKind.STEP
     if (path / CHECKPOINT_METADATA_FILE).exists():
-        return "step"  # a step whose items hold no tensors (e.g. JSON only)
+        return PathKind.STEP  # a step whose items hold no tensors (e.g. JSON only)
     if any(True for _ in _step_candidates(path)):
-        return "root"
-    return "other"
+        return PathKind.ROOT
+    return PathKind.OTHER
 
 
-def item_kind(path: epath.Path) -> str:
+def item_kind(path: epath.Path) -> PathKind:
     """What a directory is on its own, without looking into its children: ``item``, ``orbax``,
     ``safetensors-dir`` or ``other``."""
     if (path / _metadata.METADATA_FILE).exists():
-        return "item"
+        return PathKind.ITEM
     if _is_orbax_item(path):
-        return "orbax"
+        return PathKind.ORBAX
     if (path / _plan.INDEX_FILE_NAME).exists() or safetensors_files(path):
-        return "safetensors-dir"
-    return "other"
+        return PathKind.SAFETENSORS_DIR
+    return PathKind.OTHER
 
 
-def list_items(step: epath.PathLike) -> dict[str, str]:
+def list_items(step: epath.PathLike) -> dict[str, PathKind]:
     """The items of a step directory by name, with their kind (``other`` for non-tensor items
     such as Orbax JSON items)."""
     step = epath.Path(step)
@@ -227,11 +243,11 @@ def _step_candidates(root: epath.Path) -> Iterator[tuple[epath.Path, int]]:
 
 def _looks_like_step(path: epath.Path) -> bool:
     """Whether a step-named directory holds a step (or is an item itself), not something else."""
-    if item_kind(path) != "other":
+    if item_kind(path) is not PathKind.OTHER:
         return True
     if (path / CHECKPOINT_METADATA_FILE).exists() or (path / COMMIT_SUCCESS_FILE).exists():
         return True
-    return any(g.is_dir() and item_kind(g) != "other" for g in path.iterdir())
+    return any(g.is_dir() and item_kind(g) is not PathKind.OTHER for g in path.iterdir())
 
 
 def uncommitted_reason(path: epath.PathLike) -> str | None:

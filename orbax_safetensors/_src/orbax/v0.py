@@ -38,6 +38,7 @@ from orbax_safetensors._src.orbax import saving as _saving
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.orbax.restore_args import SafetensorsRestore
 from orbax_safetensors._src.orbax.save_args import SafetensorsSave
+from orbax_safetensors._src.orbax.steps import PathKind
 from orbax_safetensors._src.orbax.tree_metadata import TreeMetadata
 from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
@@ -205,7 +206,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         root) is restored through Orbax's own handler, with the same arguments: a root can
         hold both kinds of steps (see :func:`handler_registry`).
         """
-        native = _steps.item_kind(epath.Path(directory)) == "orbax"
+        native = _steps.item_kind(epath.Path(directory)) is PathKind.ORBAX
         kind = _routing.orbax_kind(args)
         if kind is not None:  # Orbax's StandardRestore / PyTreeRestore, in a mixed root
             if native:
@@ -249,7 +250,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
     def metadata(self, directory: epath.Path) -> TreeMetadata | Any:
         """The saved tree (``jax.ShapeDtypeStruct`` leaves, inline values as saved) and its
         ``custom_metadata``, as a ``TreeMetadata`` like Orbax's; reads no tensor bytes."""
-        if _steps.item_kind(epath.Path(directory)) == "orbax":  # an Orbax-native step
+        if _steps.item_kind(epath.Path(directory)) is PathKind.ORBAX:  # an Orbax-native step
             return self._orbax_handler("pytree").metadata(directory)  # type: ignore[no-any-return]
         metadata = _checkpoint_restore.read_metadata(directory)
         return TreeMetadata.build(

@@ -4,7 +4,7 @@ shardings when the target gives none).
 
 Example::
 
-    state = restore_directory("/tmp/ckpt", target=abstract_state)
+    state = restore_checkpoint("/tmp/ckpt", RestoreOptions(target=abstract_state))
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.core import metadata as _metadata
-from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.core import sharding as _sharding
 from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import (
@@ -253,39 +252,6 @@ def restore_checkpoint(
         stats=stats,
         saved_sharding=saved_shardings(directory, metadata, options.fallback_sharding),
     )
-
-
-def restore_directory(
-    directory: epath.PathLike,
-    target: Any = None,
-    *,
-    strict: bool = True,
-    verify: bool = True,
-    stats: ReadStats | None = None,
-    fallback_sharding: jax.sharding.Sharding | None = None,
-    include: _select.Patterns = None,
-    exclude: _select.Patterns = None,
-    io_options: _config.IOOptions | None = None,
-) -> Any:
-    """Restores a checkpoint directory: the standalone API's form of
-    :func:`restore_checkpoint` (``strict``, ``include``, ``exclude`` and ``target`` as in
-    ``load_file``; ``fallback_sharding`` as in Orbax's ``StandardRestore``). Only the
-    selected tensors' bytes are read; ``io_options`` as in ``load_file``.
-
-    Example::
-
-        state = restore_directory("/tmp/ckpt/100/default", target=abstract_state)
-    """
-    options = RestoreOptions.standalone(
-        target,
-        strict=strict,
-        include=include,
-        exclude=exclude,
-        verify=verify,
-        fallback_sharding=fallback_sharding,
-        io=io_options,
-    )
-    return restore_checkpoint(directory, options, stats=stats)
 
 
 def saved_shardings(

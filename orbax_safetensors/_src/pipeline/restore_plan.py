@@ -124,21 +124,21 @@ def leaf_request(leaf: Any) -> LeafRequest | _Key | None:
     return None
 
 
-def resolve(build: Build, saved_kind: str) -> Build:
-    """``build`` made concrete by the saved leaf's kind ("jax", "numpy", "scalar", or
-    "inline" for a Python value kept in the schema)."""
+def resolve(build: Build, saved_kind: ArrayKind | None) -> Build:
+    """``build`` made concrete by the saved leaf's kind: its :class:`ArrayKind`, or None for
+    a Python value kept in the schema."""
     if build is Build.SAVED_ARRAY:
-        return Build.JAX if saved_kind == "jax" else Build.NUMPY
+        return Build.JAX if saved_kind is ArrayKind.JAX else Build.NUMPY
     if build is Build.SAVED:
         return _SAVED_BUILDS[saved_kind]
     return build
 
 
-_SAVED_BUILDS = {
-    "jax": Build.JAX,
-    "numpy": Build.NUMPY,
-    "scalar": Build.SCALAR,
-    "inline": Build.SAVED,  # the inline value as it is
+_SAVED_BUILDS: dict[ArrayKind | None, Build] = {
+    ArrayKind.JAX: Build.JAX,
+    ArrayKind.NUMPY: Build.NUMPY,
+    ArrayKind.SCALAR: Build.SCALAR,
+    None: Build.SAVED,  # an inline value as it is
 }
 
 
@@ -216,7 +216,7 @@ def inline_as(name: str, saved: _tree.SchemaLeaf, want: LeafRequest | _Key | Non
         raise TargetMismatchError(
             "", [_kind(name, "a Python value in the checkpoint, a PRNG key in the target")]
         )
-    build = resolve(want.build, "inline")
+    build = resolve(want.build, None)  # an inline value
     if build in (Build.SAVED, Build.STR):
         return value
     if build is Build.PYTHON:
@@ -310,7 +310,7 @@ def plan_tensor(
             resize_to = want.shape
     sharding = wanted_sharding if build is Build.JAX else None
     if build is Build.JAX and sharding is None:
-        if saved_kind != "jax":
+        if saved_kind is not ArrayKind.JAX:
             if isinstance(want, LeafRequest) and want.needs_sharding:
                 return _kind(name, host_local_message("a numpy array"))
         elif saved_sharding is not None:

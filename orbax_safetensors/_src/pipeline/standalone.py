@@ -23,7 +23,6 @@ from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.core import metadata as _metadata
-from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.core.errors import (
     SafetensorsCheckpointError,
     SchemaError,
@@ -124,30 +123,6 @@ def file_index(
     return schema, locate_in_file(path, header, crcs)
 
 
-def load_file(
-    path: epath.PathLike,
-    target: Any = None,
-    *,
-    strict: bool = True,
-    include: _select.Patterns = None,
-    exclude: _select.Patterns = None,
-    verify: bool = True,
-    io_options: _config.IOOptions | None = None,
-) -> Any:
-    """Loads a ``.safetensors`` file, rebuilding the saved pytree: the standalone API's form of
-    :func:`load_with_options` (``strict`` governs keys). The public ``osf.load_file`` (which
-    also takes Orbax's restore args as target leaves) documents the arguments.
-
-    Example::
-
-        params = load_file("w.safetensors", target=jax.eval_shape(lambda: params))
-    """
-    options = RestoreOptions.standalone(
-        target, strict=strict, include=include, exclude=exclude, verify=verify, io=io_options
-    )
-    return load_with_options(path, options)
-
-
 def load_with_options(path: epath.PathLike, options: RestoreOptions) -> Any:
     """Loads a ``.safetensors`` file as ``options`` asks (see :class:`.RestoreOptions`).
 
@@ -200,4 +175,4 @@ def load_metadata(path: epath.PathLike) -> dict[str, str]:
     return {k: v for k, v in header.metadata.items() if k not in _metadata.RESERVED_KEYS}
 
 
-__all__ = ["load_file", "load_metadata", "load_with_options", "save_file"]
+__all__ = ["load_metadata", "load_with_options", "save_file"]

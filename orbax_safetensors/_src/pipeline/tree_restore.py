@@ -65,6 +65,8 @@ from orbax_safetensors._src.pipeline.restore_plan import (
 )
 from orbax_safetensors._src.storage import config as _config
 
+_KEY = _schema.LeafKind.KEY
+
 
 def is_empty(x: object) -> bool:
     """Whether a target leaf asks for nothing: ``None`` or an empty node (``{}``, ``[]``,
@@ -111,7 +113,7 @@ class _Loader:
 
     def request(self, leaf: _tree.SchemaLeaf, kind: ReadKind, sharding: Any, dtype: Any) -> int:
         stored = self.stored_for(leaf)
-        if kind is ReadKind.JAX and self.leaves.get(leaf.tensor_name, leaf).kind == "key":
+        if kind is ReadKind.JAX and self.leaves.get(leaf.tensor_name, leaf).kind is _KEY:
             sharding, dtype = None, None  # key data is read plainly, wrapped, then placed
         slot = (stored.name, kind, id(sharding) if sharding is not None else None, str(dtype))
         index = self.slots.get(slot)
@@ -166,7 +168,7 @@ def restore_tree(
         typed = _schema.from_json(schema)  # read once: selection and rebuild use it typed
         leaves = typed.leaves
         for leaf in leaves.values():  # a damaged file fails whole, whatever the target asks
-            if leaf.kind in ("tensor", "key") and leaf.name not in stored:
+            if leaf.kind in _schema.STORED_KINDS and leaf.name not in stored:
                 raise SchemaError(
                     f"schema leaf {leaf.name!r} refers to tensor {leaf.name!r}, which no file holds"
                 )
@@ -195,14 +197,14 @@ def _restore_untargeted(
             schema = _tree.prune_schema(schema, select.selects)
             assert schema is not None  # (check: something is selected)
     for leaf in wanted.values():
-        if leaf.kind in ("tensor", "key", "ref"):
+        if leaf.kind not in _schema.INLINE_KINDS:
             original = leaves.get(leaf.tensor_name, leaf)
             node = original.node
             kind = ReadKind(node.array) if type(node) is _schema.Tensor else ReadKind.JAX
             sharding = None
             if kind is ReadKind.JAX and saved_sharding is not None:
                 sharding = saved_sharding(original.name)
-                if original.kind == "key":  # saved: the key data's sharding
+                if original.kind is _KEY:  # saved: the key data's sharding
                     sharding = key_sharding(sharding, len(loader.stored_for(leaf).shape) - 1)
                 shardings[leaf.name] = sharding
             slots[leaf.name] = loader.request(leaf, kind, sharding, None)

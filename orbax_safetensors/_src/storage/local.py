@@ -62,6 +62,23 @@ def _pwritev_all(fd: int, bufs: list[memoryview], offset: int) -> None:
     _vectored_all(os.pwritev, fd, bufs, offset, lambda at: OSError(f"pwritev stalled at {at}"))
 
 
+def libc_function(name: str, argtypes: list[Any]) -> Any | None:
+    """The C library's function ``name`` taking ``argtypes`` and returning an int (errno
+    kept), or None where this C library has none.
+
+    Example::
+
+        fsync = libc_function("fsync", [ctypes.c_int])
+    """
+    try:
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = argtypes
+    fn.restype = ctypes.c_int
+    return fn
+
+
 def _load_sync_file_range() -> Callable[[int, int, int], None] | None:
     # Linux's sync_file_range(SYNC_FILE_RANGE_WRITE) starts writeback of a range without
     # waiting for it. Calling it on each range as soon as it is written lets the disk work
@@ -71,13 +88,11 @@ def _load_sync_file_range() -> Callable[[int, int, int], None] | None:
     # hence ctypes; elsewhere this is a no-op.
     if not sys.platform.startswith("linux"):
         return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.sync_file_range
-    except (OSError, AttributeError):
+    fn = libc_function(
+        "sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    )
+    if fn is None:
         return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
 
     def start_writeback(fd: int, offset: int, nbytes: int) -> None:
         fn(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE; a failure only loses the head start

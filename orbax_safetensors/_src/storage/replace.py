@@ -38,6 +38,7 @@ from collections.abc import Iterator
 
 from etils import epath
 
+from orbax_safetensors._src.storage import local as _local
 from orbax_safetensors._src.storage import router as _router
 
 _INDEX_SUFFIX = ".safetensors.index.json"
@@ -125,13 +126,10 @@ def _copy(src: epath.Path, dst: epath.Path) -> None:
 
 def _exchange(a: epath.Path, b: epath.Path) -> bool:
     """Atomically exchanges two paths (Linux ``renameat2``); False where unavailable."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
+    c_int, c_path = ctypes.c_int, ctypes.c_char_p
+    renameat2 = _local.libc_function("renameat2", [c_int, c_path, c_int, c_path, ctypes.c_uint])
+    if renameat2 is None:
         return False
-    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p]
-    renameat2.argtypes += [ctypes.c_uint]
     rc = renameat2(
         _AT_FDCWD, os.fsencode(os.fspath(a)), _AT_FDCWD, os.fsencode(os.fspath(b)),
         _RENAME_EXCHANGE,

@@ -19,7 +19,7 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 EXIT_OK = 0
@@ -29,12 +29,19 @@ EXIT_INTERRUPTED = 130  # Ctrl-C
 
 
 def _demo(args: argparse.Namespace) -> int:
+    """Trains a small NNX model on synthetic data, checkpoints it asynchronously through
+    Orbax's CheckpointManager as safetensors, simulates a crash and resumes."""
     from orbax_safetensors._src.tools import demo  # imported only when used
 
     return demo.main(args.dir, steps=args.steps)
 
 
 def _inspect_cmd(args: argparse.Namespace) -> int:
+    """Prints a table of tensors (name, dtype, shape, bytes, file) with totals. PATH may be
+    a .safetensors file, a checkpoint item directory, a plain safetensors directory (Hugging
+    Face style), an Orbax-native item, a step directory (every item) or a CheckpointManager
+    root (then the steps Orbax lists and their sizes, flagging incomplete steps, and the
+    uncommitted ones)."""
     from orbax_safetensors._src.tools import inspection as _inspection
 
     report = _inspection.inspect_path(args.path, include=args.include, exclude=args.exclude)
@@ -46,6 +53,11 @@ def _inspect_cmd(args: argparse.Namespace) -> int:
 
 
 def _verify_cmd(args: argparse.Namespace) -> int:
+    """Checks the headers, metadata and CRC32C checksums of a .safetensors file, a
+    checkpoint item, a step or a CheckpointManager root (the steps Orbax lists: uncommitted
+    steps are skipped, a step with missing parts is reported as incomplete). Prints every
+    problem found and exits with status 1 when there is any damage or missing part, 0 when
+    all is well."""
     from orbax_safetensors._src.tools.verify import verify  # imported only when used
 
     report = verify(args.path)
@@ -81,6 +93,12 @@ def _verify_cmd(args: argparse.Namespace) -> int:
         for warning in getattr(report, "warnings", []):
             print(f"  warning: {warning}")
     return EXIT_OK if report.ok else EXIT_DIFFERENT
+
+
+def _keywords(args: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
+    """The options ``names`` as keyword arguments: each option's name is the keyword of the
+    function its subcommand calls."""
+    return {name: getattr(args, name) for name in names}
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -128,29 +146,33 @@ def dtype_policy(values: Sequence[str] | None) -> Any:
 
 
 def _convert_cmd(args: argparse.Namespace) -> int:
+    """Converts an Orbax-native item, step or CheckpointManager root
+    (StandardSave/PyTreeSave, OCDBT or not) into safetensors checkpoints with the same
+    dotted names and values, streaming a batch of tensors at a time; or a safetensors item,
+    file, step or root into Orbax-native (StandardSave) checkpoints; or a legacy Flax
+    msgpack file (flax.serialization.to_bytes, flax.training.checkpoints' checkpoint_<step>)
+    into a .safetensors file or a CheckpointManager root holding that step (decoded whole:
+    host memory about twice the file). Other items of a step (e.g. JSON) are copied. DST
+    must not exist (or be empty); it appears only once complete."""
     from orbax_safetensors._src.tools import convert as _convert
     from orbax_safetensors._src.tools import inspection as _inspection
+    from orbax_safetensors._src.tools.convert_output import Direction
 
     try:
         policy = dtype_policy(args.dtype)
     except ValueError as e:
         _error_line("orbax-safetensors convert", e)
         return EXIT_ERROR
+    passed = ("to", "unwrap_values", "wrap_values", "step", "max_file_size", "include", "exclude")
     summary = _convert.convert(
         args.src,
         args.dst,
-        to=args.to,
-        unwrap_values=args.unwrap_values,
-        wrap_values=args.wrap_values,
-        step=args.step,
-        max_file_size=args.max_file_size,
         batch_bytes=args.batch_size,
         progress=not args.quiet,
-        include=args.include,
-        exclude=args.exclude,
         dtype=policy,
+        **_keywords(args, passed),
     )
-    target = "safetensors" if summary.direction == "safetensors" else "Orbax-native"
+    target = "safetensors" if summary.direction is Direction.SAFETENSORS else "Orbax-native"
     items = ", ".join(i or "(item)" for i in summary.items) or "-"
     print(
         f"converted {summary.tensors} tensors ({_inspection.human_bytes(summary.bytes)}) to "
@@ -161,6 +183,12 @@ def _convert_cmd(args: argparse.Namespace) -> int:
 
 
 def _export_cmd(args: argparse.Namespace) -> int:
+    """Writes the tensors of SRC (a .safetensors file, a checkpoint item, an Orbax-native
+    item, a step or a CheckpointManager root: its latest committed step) as a Hugging Face
+    model directory OUT: model.safetensors (or shards plus model.safetensors.index.json),
+    header format 'pt', and config.json from --hf-config, renamed and transformed by the key
+    mapping, a batch of tensors at a time. Earlier model*.safetensors files in OUT are
+    replaced, other files kept."""
     from orbax_safetensors._src.integrations import pytorch as _pytorch
     from orbax_safetensors._src.tools import hf_export as _hf_export
 
@@ -177,25 +205,22 @@ def _export_cmd(args: argparse.Namespace) -> int:
         mapping,
         hf_config=config,
         dtype=policy,
-        max_file_size=args.max_file_size,
-        step=args.step,
-        item=args.item,
         batch_bytes=args.batch_size,
+        **_keywords(args, ("max_file_size", "step", "item")),
     )
     print(_hf_export.summary(args.out, report))
     return EXIT_OK
 
 
 def _diff_cmd(args: argparse.Namespace) -> int:
+    """Lists tensors missing on either side, differing in shape or dtype, or differing in
+    value (with the max abs difference). A and B may be files, items, Orbax-native items or
+    steps. Values compare bitwise unless --atol/--rtol is given. Exit status 0 when
+    identical, 1 when different."""
     from orbax_safetensors._src.tools import diff as _diff
 
     report = _diff.diff_paths(
-        args.a,
-        args.b,
-        atol=args.atol,
-        rtol=args.rtol,
-        include=args.include,
-        exclude=args.exclude,
+        args.a, args.b, **_keywords(args, ("atol", "rtol", "include", "exclude"))
     )
     if args.json:
         print(json.dumps(report.to_json(), indent=1))
@@ -209,18 +234,64 @@ def _add_selection(parser: argparse.ArgumentParser, verb: str) -> None:
         "GLOB is an fnmatch pattern over dotted names ('*' crosses dots); it also selects "
         "everything beneath a name it matches (params selects params.w)"
     )
-    parser.add_argument(
-        "--include",
-        action="append",
-        metavar="GLOB",
-        help=f"{verb} only the tensors it selects (repeatable); {rule}",
+    _add_options(
+        parser,
+        include=f"{verb} only the tensors it selects (repeatable); {rule}",
+        exclude=f"do not {verb} the tensors it selects (repeatable)",
     )
-    parser.add_argument(
-        "--exclude",
-        action="append",
-        metavar="GLOB",
-        help=f"do not {verb} the tensors it selects (repeatable)",
-    )
+
+
+# Every option of the subcommands, by name: its flags and settings (help apart).
+_OPTIONS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
+    "path": (("path",), {}),
+    "json": (("--json",), {"action": "store_true"}),
+    "include": (("--include",), {"action": "append", "metavar": "GLOB"}),
+    "exclude": (("--exclude",), {"action": "append", "metavar": "GLOB"}),
+    "to": (("--to",), {"choices": ("safetensors", "orbax"), "default": None}),
+    "unwrap_values": (
+        ("--unwrap-values",),
+        {"action": argparse.BooleanOptionalAction, "default": None},
+    ),
+    "wrap_values": (
+        ("--wrap-values",),
+        {"action": argparse.BooleanOptionalAction, "default": None},
+    ),
+    "mapping": (("--mapping",), {"required": True, "metavar": "NAME | module:attr"}),
+    "hf_config": (("--hf-config",), {"metavar": "FILE"}),
+    "step": (("--step",), {"type": int, "default": None}),
+    "item": (("--item",), {"default": None}),
+    "max_file_size": (("--max-file-size",), {"type": parse_size, "default": "5GB"}),
+    "batch_size": (("--batch-size",), {"type": parse_size, "default": "256MiB"}),
+    "dtype": (("--dtype",), {"action": "append", "metavar": "DTYPE | PATTERN=DTYPE"}),
+    "quiet": (("-q", "--quiet"), {"action": "store_true"}),
+    "atol": (("--atol",), {"type": float, "default": None}),
+    "rtol": (("--rtol",), {"type": float, "default": None}),
+    "dir": (("dir",), {"nargs": "?", "default": None}),
+    "steps": (("--steps",), {"type": int, "default": 300}),
+}
+_HELP = {  # the help of an option where a subcommand gives none
+    "path": "file, item, step or root directory",
+    "json": "print machine-readable JSON",
+    "batch_size": "tensor bytes held in memory at once (default 256MiB)",
+}
+
+
+def _add_options(parser: argparse.ArgumentParser, **helps: str | None) -> None:
+    """Adds the shared options named (see ``_OPTIONS``), in order, each with its help text
+    (None: the option's usual one)."""
+    for name, text in helps.items():
+        flags, settings = _OPTIONS[name]
+        parser.add_argument(*flags, **settings, help=text or _HELP[name])
+
+
+def _command(
+    sub: Any, name: str, func: Callable[[argparse.Namespace], int], summary: str
+) -> argparse.ArgumentParser:
+    """The subcommand ``name`` run by ``func``: ``summary`` is its line in the top-level
+    help, ``func``'s docstring its description (argparse refills the text)."""
+    parser: argparse.ArgumentParser = sub.add_parser(name, help=summary, description=func.__doc__)
+    parser.set_defaults(func=func)
+    return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -231,194 +302,81 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    inspect = sub.add_parser(
-        "inspect",
-        help="list the tensors (or steps) of a checkpoint",
-        description="Prints a table of tensors (name, dtype, shape, bytes, file) with totals. "
-        "PATH may be a .safetensors file, a checkpoint item directory, a plain safetensors "
-        "directory (Hugging Face style), an Orbax-native item, a step directory (every item) "
-        "or a CheckpointManager root (then the steps Orbax lists and their sizes, flagging "
-        "incomplete steps, and the uncommitted ones).",
-    )
-    inspect.add_argument("path", help="file, item, step or root directory")
-    inspect.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    inspect = _command(sub, "inspect", _inspect_cmd, "list the tensors (or steps) of a checkpoint")
+    _add_options(inspect, path=None, json=None)
     _add_selection(inspect, "list")
-    inspect.set_defaults(func=_inspect_cmd)
 
-    verify = sub.add_parser(
-        "verify",
-        help="check headers and checksums; exit status 1 on damage",
-        description="Checks the headers, metadata and CRC32C checksums of a .safetensors file, "
-        "a checkpoint item, a step or a CheckpointManager root (the steps Orbax lists: "
-        "uncommitted steps are skipped, a step with missing parts is reported as incomplete). "
-        "Prints every problem found and exits with status 1 when there is any damage or "
-        "missing part, 0 when all is well.",
+    verify = _command(
+        sub, "verify", _verify_cmd, "check headers and checksums; exit status 1 on damage"
     )
-    verify.add_argument("path", help="file, item, step or root directory")
-    verify.add_argument("--json", action="store_true", help="print machine-readable JSON")
-    verify.set_defaults(func=_verify_cmd)
+    _add_options(verify, path=None, json=None)
 
-    convert = sub.add_parser(
-        "convert",
-        help="convert Orbax-native checkpoints to safetensors, or back",
-        description="Converts an Orbax-native item, step or CheckpointManager root "
-        "(StandardSave/PyTreeSave, OCDBT or not) into safetensors checkpoints with the same "
-        "dotted names and values, streaming a batch of tensors at a time; or a safetensors "
-        "item, file, step or root into Orbax-native (StandardSave) checkpoints; or a legacy Flax "
-        "msgpack file (flax.serialization.to_bytes, flax.training.checkpoints' checkpoint_<step>) "
-        "into a .safetensors file or a CheckpointManager root holding that step (decoded whole: "
-        "host memory about twice the file). Other items of a step (e.g. JSON) are copied. DST "
-        "must not exist (or be empty); it appears only once complete.",
+    convert = _command(
+        sub, "convert", _convert_cmd, "convert Orbax-native checkpoints to safetensors, or back"
     )
     convert.add_argument("src", help="item, step or root to convert")
     convert.add_argument("dst", help="where to write the converted checkpoint")
-    convert.add_argument(
-        "--to",
-        choices=("safetensors", "orbax"),
-        default=None,
-        help="direction (default: from what SRC holds)",
-    )
-    convert.add_argument(
-        "--unwrap-values",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="to safetensors: collapse the {'value': x} dicts of Orbax's nnx.Variable form so "
-        "names match nnx.state(model) here (layers.0.kernel rather than "
+    _add_options(
+        convert,
+        to="direction (default: from what SRC holds)",
+        unwrap_values="to safetensors: collapse the {'value': x} dicts of Orbax's nnx.Variable "
+        "form so names match nnx.state(model) here (layers.0.kernel rather than "
         "layers.0.kernel.value). Default: when SRC stores an nnx.State (every leaf so "
         "wrapped) or is a copy this command wrote (its Variables recorded), so a round trip "
         "is the identity; --unwrap-values: every such dict; --no-unwrap-values: none",
-    )
-    convert.add_argument(
-        "--wrap-values",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="to Orbax: wrap leaves in {'value': x} dicts, as Orbax stores nnx.Variable, so "
-        "StandardCheckpointer().restore(path, abstract nnx.State) works. Default: the leaves "
-        "saved as nnx.Variable; --wrap-values: every leaf; --no-wrap-values: none",
-    )
-    convert.add_argument(
-        "--step",
-        type=int,
-        default=None,
-        help="Flax msgpack source: the step of the CheckpointManager root written to DST "
+        wrap_values="to Orbax: wrap leaves in {'value': x} dicts, as Orbax stores nnx.Variable, "
+        "so StandardCheckpointer().restore(path, abstract nnx.State) works. Default: the "
+        "leaves saved as nnx.Variable; --wrap-values: every leaf; --no-wrap-values: none",
+        step="Flax msgpack source: the step of the CheckpointManager root written to DST "
         "(default: from the checkpoint_<step> file name)",
-    )
-    convert.add_argument(
-        "--max-file-size",
-        type=parse_size,
-        default="5GB",
-        help="split safetensors output into files of at most this size (default 5GB)",
-    )
-    convert.add_argument(
-        "--batch-size",
-        type=parse_size,
-        default="256MiB",
-        help="tensor bytes held in memory at once (default 256MiB)",
-    )
-    convert.add_argument(
-        "--dtype",
-        action="append",
-        metavar="DTYPE | PATTERN=DTYPE",
-        help="store tensors in another dtype (to safetensors only), cast a batch at a time: "
+        max_file_size="split safetensors output into files of at most this size (default 5GB)",
+        batch_size=None,
+        dtype="store tensors in another dtype (to safetensors only), cast a batch at a time: "
         "one DTYPE (e.g. bfloat16) for every floating-point tensor, or PATTERN=DTYPE "
         "entries over dotted names, repeated, first match wins ('*norm*=keep' keeps a dtype); "
         "the metadata records each tensor's original dtype",
+        quiet="no progress bar",
     )
-    convert.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     _add_selection(convert, "convert")
-    convert.set_defaults(func=_convert_cmd)
 
-    export = sub.add_parser(
-        "export",
-        help="write a checkpoint as a Hugging Face model directory",
-        description="Writes the tensors of SRC (a .safetensors file, a checkpoint item, an "
-        "Orbax-native item, a step or a CheckpointManager root: its latest committed step) as "
-        "a Hugging Face model directory OUT: model.safetensors (or shards plus "
-        "model.safetensors.index.json), header format 'pt', and config.json from --hf-config, "
-        "renamed and transformed by the key mapping, a batch of tensors at a time. Earlier "
-        "model*.safetensors files in OUT are replaced, other files kept.",
+    export = _command(
+        sub, "export", _export_cmd, "write a checkpoint as a Hugging Face model directory"
     )
     export.add_argument("src", help="file, item, step or root to export")
     export.add_argument("out", help="the Hugging Face model directory to write")
-    export.add_argument(
-        "--mapping",
-        required=True,
-        metavar="NAME | module:attr",
-        help="a preset (llama, qwen2, qwen3, gpt2: NNX ports named as Hugging Face names its "
-        "modules) or module:attr naming an osf.KeyMapping (or a function returning one)",
-    )
-    export.add_argument(
-        "--hf-config",
-        metavar="FILE",
-        help="the model's config.json (or a directory holding one), written to OUT",
-    )
-    export.add_argument(
-        "--dtype",
-        action="append",
-        metavar="DTYPE | PATTERN=DTYPE",
-        help="stored dtype: one DTYPE (e.g. bfloat16) for every floating-point tensor, or "
+    _add_options(
+        export,
+        mapping="a preset (llama, qwen2, qwen3, gpt2: NNX ports named as Hugging Face names "
+        "its modules) or module:attr naming an osf.KeyMapping (or a function returning one)",
+        hf_config="the model's config.json (or a directory holding one), written to OUT",
+        dtype="stored dtype: one DTYPE (e.g. bfloat16) for every floating-point tensor, or "
         "PATTERN=DTYPE entries over the checkpoint's dotted names, repeated, first match wins "
         "('*norm*=keep' keeps a dtype)",
+        step="with a root: the step (default: the latest)",
+        item="with a step of several items: the item to export",
+        max_file_size="split into shards of at most this size (default 5GB)",
+        batch_size=None,
     )
-    export.add_argument(
-        "--step", type=int, default=None, help="with a root: the step (default: the latest)"
-    )
-    export.add_argument(
-        "--item", default=None, help="with a step of several items: the item to export"
-    )
-    export.add_argument(
-        "--max-file-size",
-        type=parse_size,
-        default="5GB",
-        help="split into shards of at most this size (default 5GB)",
-    )
-    export.add_argument(
-        "--batch-size",
-        type=parse_size,
-        default="256MiB",
-        help="tensor bytes held in memory at once (default 256MiB)",
-    )
-    export.set_defaults(func=_export_cmd)
 
-    diff = sub.add_parser(
-        "diff",
-        help="compare the tensors of two checkpoints",
-        description="Lists tensors missing on either side, differing in shape or dtype, or "
-        "differing in value (with the max abs difference). A and B may be files, items, "
-        "Orbax-native items or steps. Values compare bitwise unless --atol/--rtol is given. "
-        "Exit status 0 when identical, 1 when different.",
-    )
+    diff = _command(sub, "diff", _diff_cmd, "compare the tensors of two checkpoints")
     diff.add_argument("a", help="first checkpoint")
     diff.add_argument("b", help="second checkpoint")
-    diff.add_argument(
-        "--atol",
-        type=float,
-        default=None,
-        help="compare values with a tolerance: floats within ATOL + RTOL * |b| count as equal "
+    _add_options(
+        diff,
+        atol="compare values with a tolerance: floats within ATOL + RTOL * |b| count as equal "
         "(any NaN equal to any NaN), integers within ATOL (exactly). Default: no tolerance, "
         "every tensor compared bitwise (-0.0 differs from 0.0)",
+        rtol="relative tolerance for floating-point tensors (see --atol; not applied to integers)",
+        json=None,
     )
-    diff.add_argument(
-        "--rtol",
-        type=float,
-        default=None,
-        help="relative tolerance for floating-point tensors (see --atol; not applied to integers)",
-    )
-    diff.add_argument("--json", action="store_true", help="print machine-readable JSON")
     _add_selection(diff, "compare")
-    diff.set_defaults(func=_diff_cmd)
 
-    demo = sub.add_parser(
-        "demo",
-        help="train a small NNX model, checkpoint it, crash, resume",
-        description="Trains a small NNX model on synthetic data, checkpoints it asynchronously "
-        "through Orbax's CheckpointManager as safetensors, simulates a crash and resumes.",
+    demo = _command(sub, "demo", _demo, "train a small NNX model, checkpoint it, crash, resume")
+    _add_options(
+        demo,
+        dir="checkpoint directory (default: a new temp dir)",
+        steps="training steps (default 300)",
     )
-    demo.add_argument(
-        "dir", nargs="?", default=None, help="checkpoint directory (default: a new temp dir)"
-    )
-    demo.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
-    demo.set_defaults(func=_demo)
     return parser
 
 

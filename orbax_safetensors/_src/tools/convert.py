@@ -31,11 +31,12 @@ from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
 from orbax_safetensors._src.orbax import steps as _steps
+from orbax_safetensors._src.orbax.steps import PathKind
 from orbax_safetensors._src.tools import from_orbax as _from_orbax
 from orbax_safetensors._src.tools import to_orbax as _to_orbax
 from orbax_safetensors._src.tools.convert_output import TO_ORBAX as _TO_ORBAX
 from orbax_safetensors._src.tools.convert_output import TO_SAFETENSORS as _TO_SAFETENSORS
-from orbax_safetensors._src.tools.convert_output import ConvertSummary, atomic, copy_tree
+from orbax_safetensors._src.tools.convert_output import ConvertSummary, Direction, atomic, copy_tree
 from orbax_safetensors._src.tools.from_msgpack import flax_msgpack_to_safetensors
 from orbax_safetensors._src.tools.from_orbax import orbax_item_to_safetensors
 from orbax_safetensors._src.tools.to_orbax import safetensors_item_to_orbax
@@ -52,19 +53,19 @@ __all__ = [
 # --------------------------------------------------------------------------- steps and roots
 
 
-def _direction_of(path: epath.Path, kind: str) -> str:
-    if kind == "orbax":
+def _direction_of(path: epath.Path, kind: PathKind) -> Direction:
+    if kind is PathKind.ORBAX:
         return _TO_SAFETENSORS
-    if kind in ("item", "file", "safetensors-dir"):
+    if kind in (PathKind.ITEM, PathKind.FILE, PathKind.SAFETENSORS_DIR):
         return _TO_ORBAX
-    if kind == "step":
+    if kind is PathKind.STEP:
         kinds = set(_steps.list_items(path).values())
-        if "orbax" in kinds:
+        if PathKind.ORBAX in kinds:
             return _TO_SAFETENSORS
-        if kinds & {"item", "safetensors-dir"}:
+        if kinds & {PathKind.ITEM, PathKind.SAFETENSORS_DIR}:
             return _TO_ORBAX
         raise SafetensorsCheckpointError(f"{path}: a step with no tensor items to convert")
-    if kind == "root":
+    if kind is PathKind.ROOT:
         steps = _steps.list_steps(path)
         if not steps:
             raise SafetensorsCheckpointError(f"{path}: a root with no steps")
@@ -78,16 +79,20 @@ def _direction_of(path: epath.Path, kind: str) -> str:
 def _convert_step(
     src: epath.Path,
     dst: epath.Path,
-    direction: str,
+    direction: Direction,
     options: dict[str, Any],
     wrap_values: bool | None = None,
 ) -> ConvertSummary:
     summary = ConvertSummary(direction)
     dst.mkdir(parents=True, exist_ok=True)
-    source_kind = "orbax" if direction == _TO_SAFETENSORS else None
+    source_kind = PathKind.ORBAX if direction == _TO_SAFETENSORS else None
     handlers: dict[str, str] = {}
     for name, kind in _steps.list_items(src).items():
-        converts = kind == source_kind if source_kind else kind in ("item", "safetensors-dir")
+        converts = (
+            kind == source_kind
+            if source_kind
+            else kind in (PathKind.ITEM, PathKind.SAFETENSORS_DIR)
+        )
         if not converts:
             copy_tree(src / name, dst / name)
             summary.copied.append(name)
@@ -202,9 +207,9 @@ def convert(
             dtype=policy,
         )
     kind = _steps.classify(src)
-    direction = to or _direction_of(src, kind)
-    if direction not in (_TO_SAFETENSORS, _TO_ORBAX):
-        raise SafetensorsCheckpointError(f"to must be 'safetensors' or 'orbax', not {direction!r}")
+    if to and to not in tuple(Direction):
+        raise SafetensorsCheckpointError(f"to must be 'safetensors' or 'orbax', not {to!r}")
+    direction = Direction(to) if to else _direction_of(src, kind)
     if policy is not None and direction != _TO_SAFETENSORS:
         raise SafetensorsCheckpointError(
             f"{policy.describe()}: a dtype policy applies to conversions to safetensors; "
@@ -220,7 +225,9 @@ def convert(
     }
     if kind in _steps.TENSOR_KINDS:
         expected = (
-            ("orbax",) if direction == _TO_SAFETENSORS else ("item", "file", "safetensors-dir")
+            (PathKind.ORBAX,)
+            if direction is Direction.SAFETENSORS
+            else (PathKind.ITEM, PathKind.FILE, PathKind.SAFETENSORS_DIR)
         )
         if kind not in expected:
             raise SafetensorsCheckpointError(
@@ -231,15 +238,15 @@ def convert(
         return safetensors_item_to_orbax(
             src, dst, wrap_values=wrap_values, progress=progress, select=select
         )
-    if kind == "step":
+    if kind is PathKind.STEP:
         return atomic(dst, lambda tmp: _convert_step(src, tmp, direction, options, wrap_values))
-    if kind == "root":
+    if kind is PathKind.ROOT:
 
         def write_root(tmp: epath.Path) -> ConvertSummary:
             total = ConvertSummary(direction)
             tmp.mkdir(parents=True, exist_ok=True)
             for _, step in _steps.list_steps(src):
-                if _steps.classify(step) != "step":
+                if _steps.classify(step) is not PathKind.STEP:
                     raise SafetensorsCheckpointError(
                         f"{step}: a step that is not a directory of items cannot be converted "
                         "as part of a root; convert it as an item"

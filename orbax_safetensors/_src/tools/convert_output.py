@@ -9,13 +9,22 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import enum
 import uuid
 from collections.abc import Callable
 
 from etils import epath
 
-TO_SAFETENSORS = "safetensors"
-TO_ORBAX = "orbax"
+
+class Direction(enum.StrEnum):
+    """Which way a conversion goes (string-valued: ``ConvertSummary.direction`` and messages
+    show the value)."""
+
+    SAFETENSORS = "safetensors"  # Orbax-native (or Flax msgpack) -> safetensors
+    ORBAX = "orbax"  # safetensors -> Orbax-native
+
+
+TO_SAFETENSORS, TO_ORBAX = Direction.SAFETENSORS, Direction.ORBAX
 
 
 @dataclasses.dataclass
@@ -30,7 +39,7 @@ class ConvertSummary:
       bytes: tensor bytes converted.
     """
 
-    direction: str
+    direction: Direction
     items: list[str] = dataclasses.field(default_factory=list)
     copied: list[str] = dataclasses.field(default_factory=list)
     tensors: int = 0

@@ -22,6 +22,7 @@ from orbax_safetensors._src.catalog import sources as _sources
 from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
 from orbax_safetensors._src.orbax import steps as _steps
+from orbax_safetensors._src.orbax.steps import PathKind
 from orbax_safetensors._src.tools import from_orbax as _from_orbax
 from orbax_safetensors._src.tools import nnx_values as _nnx_values
 
@@ -121,7 +122,7 @@ def _open(path: epath.Path) -> _sources.TensorSource:
 
 def _sources_of(path: epath.Path) -> dict[str, _sources.TensorSource]:
     kind = _steps.classify(path)
-    if kind == "step":
+    if kind is PathKind.STEP:
         items = [n for n, k in _steps.list_items(path).items() if k in _steps.TENSOR_KINDS]
         return {n: _open(path / n) for n in items}
     return {"": _open(path)}

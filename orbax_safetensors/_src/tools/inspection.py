@@ -20,6 +20,7 @@ from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.core import sniff as _sniff
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
 from orbax_safetensors._src.orbax import steps as _steps
+from orbax_safetensors._src.orbax.steps import PathKind
 
 # What a damaged or half-deleted checkpoint may raise while being read (Orbax's readers raise
 # ValueError subclasses too).
@@ -175,9 +176,9 @@ def inspect_path(
 
 def _report(path: epath.Path, keep: _Filter) -> dict[str, Any]:
     kind = _steps.classify(path)
-    if kind == "root":
+    if kind is PathKind.ROOT:
         return _root_report(path, keep)
-    if kind == "step":
+    if kind is PathKind.STEP:
         reason = _steps.uncommitted_reason(path)
         try:
             report = _step_report(path, keep)
@@ -188,7 +189,7 @@ def _report(path: epath.Path, keep: _Filter) -> dict[str, Any]:
         if reason is not None:
             report["uncommitted"] = reason
         return report
-    if kind == "other":
+    if kind is PathKind.OTHER:
         raise SafetensorsCheckpointError(
             f"{path}: not a safetensors file, checkpoint item, Orbax item, step or root"
         )

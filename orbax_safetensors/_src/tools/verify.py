@@ -44,6 +44,7 @@ from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import plan as _plan
+from orbax_safetensors._src.core import schema as _schema
 from orbax_safetensors._src.core import sniff as _sniff
 from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import (
@@ -327,7 +328,7 @@ class _Checker:
         try:
             leaves = _tree.validate_schema(schema)
             for leaf in leaves.values():
-                if leaf.kind not in ("tensor", "key", "ref"):
+                if leaf.kind in _schema.INLINE_KINDS:
                     continue
                 tensor = stored.get(leaf.tensor_name)
                 if tensor is None:
