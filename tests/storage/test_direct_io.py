@@ -73,7 +73,7 @@ def _load_file(path: Path) -> tuple[dict, osf.ReadStats]:
     header = _router.read_header(path)
     _, stored = _standalone.file_index(epath.Path(path), header, strict=False)
     stats = osf.ReadStats()
-    requests = [_reader.ReadRequest(s, kind="numpy") for s in stored.values()]
+    requests = [_reader.ReadRequest(s, kind=_reader.ReadKind.NUMPY) for s in stored.values()]
     return dict(zip(stored, _reader.read_tensors(requests, stats))), stats
 
 

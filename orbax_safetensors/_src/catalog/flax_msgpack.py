@@ -82,7 +82,7 @@ def looks_like_flax_msgpack(head: bytes) -> bool:
     first key is a string) rather than a safetensors file or another format (a pickle also
     starts with 0x80): :func:`orbax_safetensors._src.core.sniff.sniff_bytes` decides."""
     found = _sniff.sniff_bytes(head)
-    return found is not None and found.kind == "flax-msgpack"
+    return found is not None and found.kind == _sniff.Kind.FLAX_MSGPACK
 
 
 def is_flax_msgpack(path: epath.PathLike) -> bool:

@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
@@ -73,11 +74,21 @@ class TensorInfo:
         return out
 
 
+class SourceKind(enum.StrEnum):
+    """What a :class:`TensorSource` reads (shown in reports as the string itself)."""
+
+    FILE = "file"
+    ITEM = "item"
+    SAFETENSORS_DIR = "safetensors-dir"
+    ORBAX = "orbax"
+    FLAX_MSGPACK = "flax-msgpack"
+
+
 class TensorSource(Protocol):
     """A readable set of tensors (one file, one checkpoint item, one Orbax item)."""
 
     path: epath.Path
-    kind: str
+    kind: SourceKind
     tensors: dict[str, TensorInfo]
     metadata: dict[str, Any]
 
@@ -92,7 +103,7 @@ class SafetensorsSource:
     def __init__(
         self,
         path: epath.Path,
-        kind: str,
+        kind: SourceKind,
         stored: Mapping[str, Any],
         metadata: dict[str, Any],
         schema: Any = None,
@@ -116,7 +127,7 @@ class SafetensorsSource:
         }
 
     def read(self, names: Sequence[str]) -> dict[str, np.ndarray]:
-        requests = [_reader.ReadRequest(self.stored[n], kind="numpy") for n in names]
+        requests = [_reader.ReadRequest(self.stored[n], kind=_reader.ReadKind.NUMPY) for n in names]
         return dict(zip(names, _reader.read_tensors(requests)))
 
 
@@ -146,14 +157,14 @@ def _open_file(path: epath.Path) -> SafetensorsSource:
         schema = _metadata.header_json(header, _metadata.SCHEMA_KEY, str(path))
     except SchemaError:
         schema = None
-    return SafetensorsSource(path, "file", stored, user, schema)
+    return SafetensorsSource(path, SourceKind.FILE, stored, user, schema)
 
 
 def _open_item(path: epath.Path) -> SafetensorsSource:
     meta = _checkpoint_restore.read_metadata(path)
     stored = _checkpoint_restore.locate_in_directory(path, meta)
     return SafetensorsSource(
-        path, "item", stored, dict(meta.get("metadata") or {}), meta.get("schema")
+        path, SourceKind.ITEM, stored, dict(meta.get("metadata") or {}), meta.get("schema")
     )
 
 
@@ -202,7 +213,7 @@ def _open_safetensors_dir(path: epath.Path) -> SafetensorsSource:
         lost = sorted(set(weight_map) - set(stored))
         if lost:
             raise HeaderError(f"{index}: lists tensors found in no file: {lost[:10]}")
-    return SafetensorsSource(path, "safetensors-dir", stored, metadata)
+    return SafetensorsSource(path, SourceKind.SAFETENSORS_DIR, stored, metadata)
 
 
 class OrbaxSource:
@@ -217,7 +228,7 @@ class OrbaxSource:
         import jax
 
         self.path = path = _steps.absolute(path)
-        self.kind = "orbax"
+        self.kind = SourceKind.ORBAX
         self.tree = orbax_metadata_tree(path)
         flat, _ = jax.tree_util.tree_flatten_with_path(self.tree)
         names = _tree.assign_names([tuple(p) for p, _ in flat])
@@ -296,7 +307,7 @@ class MsgpackSource:
 
     def __init__(self, path: epath.Path) -> None:
         self.path = path
-        self.kind = "flax-msgpack"
+        self.kind = SourceKind.FLAX_MSGPACK
         self.step = _flax_msgpack.step_of(path)
         self.tree = _exact_complex64(_flax_msgpack.read_file(path), str(path))
         self.values = {

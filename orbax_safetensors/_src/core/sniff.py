@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import enum
 import re
 import shlex
 import struct
@@ -25,19 +26,46 @@ from typing import NamedTuple
 HEAD_BYTES = 512  # enough for every signature below (a tar header's "ustar" is at 257)
 
 
+class Kind(enum.StrEnum):
+    """What a path that is not a safetensors file looks like; each value is a stable tag
+    (shown in messages and JSON reports as the string itself)."""
+
+    FLAX_MSGPACK = "flax-msgpack"
+    PICKLE = "pickle"
+    TORCH_ZIP = "torch-zip"
+    NPZ = "npz"
+    ZIP = "zip"
+    NPY = "npy"
+    GZIP = "gzip"
+    TAR = "tar"
+    HDF5 = "hdf5"
+    GGUF = "gguf"
+    LFS_POINTER = "lfs-pointer"
+    HTML = "html"
+    SAFETENSORS_INDEX = "safetensors-index"
+    JSON = "json"
+    OSF_CHECKPOINT = "osf-checkpoint"
+    ORBAX_ITEM = "orbax-item"
+    ORBAX_STEP = "orbax-step"
+    ORBAX_ROOT = "orbax-root"
+    SAFETENSORS_DIR = "safetensors-dir"
+
+    @property
+    def is_orbax(self) -> bool:
+        """An Orbax item, step or root directory."""
+        return self in (Kind.ORBAX_ITEM, Kind.ORBAX_STEP, Kind.ORBAX_ROOT)
+
+
 class Sniffed(NamedTuple):
     """What a path looks like.
 
     Attributes:
-      kind: a stable tag: ``flax-msgpack``, ``pickle``, ``torch-zip``, ``npz``, ``zip``,
-        ``npy``, ``gzip``, ``tar``, ``hdf5``, ``gguf``, ``lfs-pointer``, ``html``,
-        ``safetensors-index``, ``json``, ``osf-checkpoint``, ``orbax-item``, ``orbax-step``,
-        ``orbax-root``, ``safetensors-dir``.
+      kind: what it is, a :class:`Kind` (a stable tag: ``flax-msgpack``, ``orbax-step``...).
       description: what it looks like (a noun phrase: "a Flax msgpack checkpoint (...)").
       suggestion: what to run instead (one or two sentences).
     """
 
-    kind: str
+    kind: Kind
     description: str
     suggestion: str
 
@@ -53,7 +81,7 @@ def message(where: str, found: Sniffed) -> str:
 
 
 DIRECTORY_KINDS = frozenset(
-    ("osf-checkpoint", "orbax-item", "orbax-step", "orbax-root", "safetensors-dir")
+    (Kind.OSF_CHECKPOINT, Kind.ORBAX_ITEM, Kind.ORBAX_STEP, Kind.ORBAX_ROOT, Kind.SAFETENSORS_DIR)
 )
 
 
@@ -136,7 +164,7 @@ def sniff_bytes(head: bytes, where: str = "file") -> Sniffed | None:
     if head[0] == 0x80 and len(head) > 1 and 2 <= head[1] <= 5:
         torchish = re.search(r"\.(pt|pth|bin|ckpt)$", where) is not None
         return Sniffed(
-            "pickle",
+            Kind.PICKLE,
             f"a Python pickle (protocol {head[1]})"
             + (", e.g. a PyTorch checkpoint in the legacy torch.save format" if torchish else ""),
             f"{_NEVER_UNPICKLE}. "
@@ -151,7 +179,7 @@ def sniff_bytes(head: bytes, where: str = "file") -> Sniffed | None:
     key = _msgpack_first_key(head)
     if key is not None:
         return Sniffed(
-            "flax-msgpack",
+            Kind.FLAX_MSGPACK,
             "a Flax msgpack checkpoint (flax.serialization.to_bytes, e.g. flax_model.msgpack, or "
             f"a flax.training.checkpoints checkpoint_<step> file; first key {key!r})",
             f"Convert it: {convert_command(where)} (or "
@@ -162,78 +190,80 @@ def sniff_bytes(head: bytes, where: str = "file") -> Sniffed | None:
         first = _zip_first_name(head)
         if first.endswith(("data.pkl", ".format_version", "/version")):
             return Sniffed(
-                "torch-zip",
+                Kind.TORCH_ZIP,
                 f"a PyTorch checkpoint written by torch.save (a zip holding {first!r}, a pickle)",
                 f"{_NEVER_UNPICKLE}. {_TORCH_RESAVE}.",
             )
         if first.endswith(".npy"):
             return Sniffed(
-                "npz",
+                Kind.NPZ,
                 "a NumPy .npz archive",
                 "Load it with dict(np.load(path, allow_pickle=False)) and save it with "
                 "osf.save_file(arrays, 'out.safetensors').",
             )
         return Sniffed(
-            "zip",
+            Kind.ZIP,
             f"a zip archive (first entry {first!r})" if first else "a zip archive",
             "Unzip it and pass the .safetensors file (or the checkpoint directory) inside.",
         )
     if head.startswith(b"\x93NUMPY"):
         return Sniffed(
-            "npy",
+            Kind.NPY,
             "a NumPy .npy array",
             "Load it with np.load(path, allow_pickle=False) and save it with "
             "osf.save_file({'name': array}, 'out.safetensors').",
         )
     if head.startswith(b"\x1f\x8b"):
         return Sniffed(
-            "gzip",
+            Kind.GZIP,
             "a gzip-compressed file (e.g. a .tar.gz)",
             "Decompress it (tar -xzf / gunzip) and pass the checkpoint inside.",
         )
     if len(head) >= 262 and head[257:262] == b"ustar":
-        return Sniffed("tar", "a tar archive", "Extract it and pass the checkpoint inside.")
+        return Sniffed(Kind.TAR, "a tar archive", "Extract it and pass the checkpoint inside.")
     if head.startswith(b"\x89HDF\r\n\x1a\n"):
         return Sniffed(
-            "hdf5",
+            Kind.HDF5,
             "an HDF5 file (e.g. Keras .h5 or Hugging Face tf_model.h5 weights)",
             "Read its datasets with h5py and save them with osf.save_file, or take the "
             "model's .safetensors weights instead.",
         )
     if head.startswith(b"GGUF"):
         return Sniffed(
-            "gguf",
+            Kind.GGUF,
             "a GGUF file (llama.cpp)",
             "Take the original model's .safetensors weights instead (GGUF tensors are often "
             "quantized to block formats safetensors has no dtype for).",
         )
     if head.startswith(b"version https://git-lfs"):
         return Sniffed(
-            "lfs-pointer",
+            Kind.LFS_POINTER,
             "a Git LFS pointer file, not the weights themselves",
             "Fetch the real file: git lfs pull (or huggingface_hub.hf_hub_download).",
         )
     text = head.lstrip()[:16].lower()
     if text.startswith((b"<!doctype html", b"<html")):
         return Sniffed(
-            "html",
+            Kind.HTML,
             "an HTML page (a failed or redirected download?)",
             "Download the file again (on the Hugging Face Hub: the /resolve/ URL, not /blob/).",
         )
     if head.lstrip()[:1] == b"{":
         if b"weight_map" in head:
             return Sniffed(
-                "safetensors-index",
+                Kind.SAFETENSORS_INDEX,
                 "a safetensors index (model.safetensors.index.json)",
                 "Pass the directory that holds it and its .safetensors files instead.",
             )
         if b"orbax-safetensors" in head or b"orbax_safetensors" in head:
             return Sniffed(
-                "json",
+                Kind.JSON,
                 "the metadata file of an orbax-safetensors checkpoint directory",
                 "Pass the directory that holds it instead.",
             )
-        return Sniffed("json", "a JSON file", "Pass a .safetensors file or a checkpoint directory.")
+        return Sniffed(
+            Kind.JSON, "a JSON file", "Pass a .safetensors file or a checkpoint directory."
+        )
     return None
 
 
@@ -250,7 +280,7 @@ def sniff_directory(entries: Collection[str], where: str = "directory") -> Sniff
     names = set(entries)
     if "orbax_safetensors.json" in names:
         return Sniffed(
-            "osf-checkpoint",
+            Kind.OSF_CHECKPOINT,
             "an orbax-safetensors checkpoint directory",
             "Restore it with osf.restore_directory(path) or a CheckpointManager with "
             "osf.SafetensorsRestore; load_file reads one .safetensors file.",
@@ -258,7 +288,7 @@ def sniff_directory(entries: Collection[str], where: str = "directory") -> Sniff
     convert = f"orbax-safetensors convert {_q(where)} {_q(_stem(where) + '-safetensors')}"
     if names & _ORBAX_ITEM_ENTRIES or any(n.startswith("ocdbt.process_") for n in names):
         return Sniffed(
-            "orbax-item",
+            Kind.ORBAX_ITEM,
             "an Orbax-native checkpoint (OCDBT / TensorStore, e.g. written by "
             "ocp.StandardCheckpointer)",
             "Restore it with ocp.StandardCheckpointer().restore(path), or convert it to "
@@ -266,7 +296,7 @@ def sniff_directory(entries: Collection[str], where: str = "directory") -> Sniff
         )
     if "_CHECKPOINT_METADATA" in names:
         return Sniffed(
-            "orbax-step",
+            Kind.ORBAX_STEP,
             "an Orbax checkpoint step directory",
             f"Restore it through ocp.CheckpointManager, or convert it to safetensors: {convert}.",
         )
@@ -274,14 +304,14 @@ def sniff_directory(entries: Collection[str], where: str = "directory") -> Sniff
     if steps:
         shown = ", ".join(steps[:5]) + (", ..." if len(steps) > 5 else "")
         return Sniffed(
-            "orbax-root",
+            Kind.ORBAX_ROOT,
             f"a CheckpointManager root (steps {shown})",
             f"orbax-safetensors inspect {_q(where)} lists its steps; restore one through "
             f"ocp.CheckpointManager, or convert them all: {convert}.",
         )
     if "model.safetensors.index.json" in names or any(n.endswith(".safetensors") for n in names):
         return Sniffed(
-            "safetensors-dir",
+            Kind.SAFETENSORS_DIR,
             "a directory of safetensors files",
             "Load one of its .safetensors files, or see it whole with "
             f"orbax-safetensors inspect {_q(where)}.",

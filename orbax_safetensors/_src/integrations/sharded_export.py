@@ -188,7 +188,7 @@ def _read_sharded(
     requests = [
         _reader.ReadRequest(
             stored[prefix + n],
-            kind="jax",
+            kind=_reader.ReadKind.JAX,
             sharding=_export_plan.spread_sharding(infos[n].shape, first[n]),
         )
         for n in names

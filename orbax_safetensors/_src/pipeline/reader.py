@@ -8,7 +8,7 @@ copying. A tensor read whole is checked against its CRC32C.
 
 Example::
 
-    value, = read_tensors([ReadRequest(stored, sharding=None, kind="numpy")])
+    value, = read_tensors([ReadRequest(stored, sharding=None, kind=ReadKind.NUMPY)])
 """
 
 from __future__ import annotations
@@ -66,14 +66,14 @@ class ReadRequest(NamedTuple):
 
     Attributes:
       stored: where its bytes are.
-      kind: a :class:`ReadKind` (or its value).
+      kind: a :class:`ReadKind`.
       sharding: for ``"jax"``: where to place it (None: the default device).
       dtype: cast to this dtype after reading (None: keep the stored dtype).
       verify: check the CRC32C when the whole tensor is read.
     """
 
     stored: StoredTensor
-    kind: ReadKind | str = ReadKind.JAX
+    kind: ReadKind = ReadKind.JAX
     sharding: jax.sharding.Sharding | None = None
     dtype: np.dtype | None = None
     verify: bool = True

@@ -144,7 +144,7 @@ def verify(path: epath.PathLike, *, chunk_bytes: int = CHUNK_BYTES) -> VerifyRep
         else checker.tree(path, depth=0)
     ):
         found = _sniff.sniff_directory([c.name for c in path.iterdir()], str(path))
-        if found is not None and found.kind.startswith("orbax-"):
+        if found is not None and found.kind.is_orbax:
             raise NotSafetensorsError(
                 f"{path}: holds no orbax-safetensors checkpoint or .safetensors file; it looks "
                 f"like {found.description}. {found.suggestion}",
