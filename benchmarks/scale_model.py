@@ -151,7 +151,8 @@ class Mesh:
         empty, as jax's uneven shardings); a process owns the box of its devices' blocks; of
         processes holding the same box the lowest writes it (replica 0). When boxes cut the
         columns, local disk writes one run per row; with ``relayout`` (object stores) each
-        writer's bytes are one contiguous block of rows instead, in process order, its share.
+        writer's bytes are one contiguous block of rows instead, in process order, its share
+        (the ranges returned either way; ``runs`` counts the rows without ``relayout``).
         """
         lo0, hi0, lo1, hi1 = _COORDS_CACHE.setdefault(self, self.coords())
         shape = spec.shape
@@ -189,9 +190,8 @@ class Mesh:
             order = np.argsort(starts, kind="stable")
             runs[writers] = 1
             return starts[order], writers[order], runs
-        runs[writers] = (r1 - r0)[writers]
-        if not relayout:
-            raise ValueError(f"{spec.name}: column stripes are runs per row (local disk only)")
+        runs[writers] = (r1 - r0)[writers]  # written in place: one run per row
+        # (without ``relayout`` the byte ranges are runs per row: only their counts are kept)
         return np.cumsum(share) - share, writers, runs
 
 

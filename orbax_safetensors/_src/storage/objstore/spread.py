@@ -387,24 +387,63 @@ class _Run:
                         for k in ready[g * fan_in : (g + 1) * fan_in]:
                             self.kv.wait(k, f"{k} (sources of {target})")
                         url = f"{self.directory}/{f.name}"
-                        store.call(
-                            url,
-                            f"compose {len(sources)} into {target}",
-                            functools.partial(store.compose, self.bucket, target, sources),
-                        )
-                        store.call(
-                            url,
-                            f"DELETE {len(sources)} composed objects",
-                            functools.partial(store.delete, self.bucket, sources),
-                        )
+                        _compose(store, url, self.bucket, target, sources)
                     targets.append(target)
                     done.append(f"c/{index}/{level}/{composer}")
                 if any(c == self.me for c, _ in groups):
                     self.kv.set(f"c/{index}/{level}/{self.me}")
                 names, ready = targets, done
+            if not f.compose and f.top == self.me:  # one compose makes the file: ours
+                for k in ready:
+                    self.kv.wait(k, f"{k} (sources of {key})")
+                url = f"{self.directory}/{f.name}"
+                _compose(store, url, self.bucket, key, names)
+                self.kv.set(f"top/{index}")
+
+    def _delete_composed(self, store: _gcs.GcsStore) -> None:
+        """GCS: the window objects and composites this process wrote, once the compose that
+        used them is done (the top level's sources are the primary's, in :func:`commit`)."""
+        fan_in = self.plan.limits.compose_fan_in
+        for index, f in enumerate(self.plan.files):
+            if f.whole_owner >= 0 or f.windows <= 1:
+                continue
+            key = self.base + f.name
+            levels = [[p for p, _ in groups] for groups in f.compose]
+            # (objects of one level, their writers, the key announcing their compose)
+            writers = f.writer.tolist()
+            doomed: list[str] = []
+            for level in range(len(levels) + 1):
+                if level == len(levels) and levels:
+                    break  # the top's sources: the primary deletes them
+                names = (
+                    [window_key(key, w) for w in range(f.windows)]
+                    if level == 0
+                    else [compose_key(key, level - 1, g) for g in range(len(levels[level - 1]))]
+                )
+                for i, (name, writer) in enumerate(zip(names, writers)):
+                    if writer != self.me:
+                        continue
+                    done = (
+                        f"c/{index}/{level}/{levels[level][i // fan_in]}"
+                        if level < len(levels)
+                        else f"top/{index}"
+                    )
+                    self.kv.wait(done, f"{done} (the compose of {name})")
+                    doomed.append(name)
+                if level < len(levels):
+                    writers = levels[level]
+            if doomed:
+                store.call(
+                    f"{self.directory}/{f.name}",
+                    f"DELETE {len(doomed)} composed objects",
+                    functools.partial(store.delete, self.bucket, doomed),
+                )
 
     def cleanup(self) -> None:
-        """Deletes this process's loose bundles once every builder reading them is done."""
+        """Deletes this process's loose bundles once every builder reading them is done, and
+        (GCS) its window objects and composites once they were composed."""
+        if isinstance(self.store, _gcs.GcsStore):
+            self._delete_composed(self.store)
         plan = self.plan
         mine = plan.item_owner == self.me
         if not mine.any():
@@ -420,6 +459,30 @@ class _Run:
             f"DELETE {len(keys)} loose bundles",
             lambda: store.delete(bucket, keys),
         )
+
+
+def _compose(store: _gcs.GcsStore, url: str, bucket: str, target: str, sources: list[str]) -> None:
+    store.call(
+        url,
+        f"compose {len(sources)} objects into {target}",
+        functools.partial(store.compose, bucket, target, sources),
+    )
+
+
+def _compose_and_delete(
+    store: _gcs.GcsStore, url: str, bucket: str, target: str, sources: list[str]
+) -> None:
+    """Composes ``sources`` into ``target``, then deletes them (one request per object)."""
+    store.call(
+        url,
+        f"compose {len(sources)} objects into {target}",
+        functools.partial(store.compose, bucket, target, sources),
+    )
+    store.call(
+        url,
+        f"DELETE {len(sources)} composed objects",
+        functools.partial(store.delete, bucket, sources),
+    )
 
 
 def window_key(key: str, w: int) -> str:
@@ -470,22 +533,10 @@ def commit(store: _Store, directory: str) -> bool:
                 _s3.complete(store, url, bucket, key, upload_id, parts, f.size)
             else:
                 assert isinstance(store, _gcs.GcsStore)
-                if f.compose:
-                    sources = [
-                        compose_key(key, len(f.compose) - 1, g) for g in range(len(f.compose[-1]))
-                    ]
-                else:
-                    sources = [window_key(key, w) for w in range(f.windows)]
-                store.call(
-                    url,
-                    f"compose {len(sources)} objects",
-                    functools.partial(store.compose, bucket, key, sources),
-                )
-                store.call(
-                    url,
-                    f"DELETE {len(sources)} composed objects",
-                    functools.partial(store.delete, bucket, sources),
-                )
+                if f.compose:  # (else one of its writers composed it: see _Run.compose)
+                    last = len(f.compose) - 1
+                    sources = [compose_key(key, last, g) for g in range(len(f.compose[-1]))]
+                    _compose_and_delete(store, url, bucket, key, sources)
     except BaseException:
         if isinstance(store, _s3.S3Store):
             for name, upload_id in entry.upload_ids.items():

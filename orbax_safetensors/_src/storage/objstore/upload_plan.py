@@ -19,9 +19,11 @@ compose of its own chunks). A file several processes own bytes of is cut into **
   uploads the window (S3 ``UploadPart``, GCS filler object);
 * GCS: the window objects of a file are composed in a tree of at most ``compose_fan_in``
   sources per call; the levels below the top are composed by the processes that wrote their
-  sources (the least loaded of a group's writers), which then delete those sources;
+  sources (the least loaded of a group's writers); every object is deleted by the process that
+  wrote it once it was composed (the primary deletes the top level's sources);
 * the primary only creates (S3, before anyone writes) and completes the uploads, or composes
-  each file's top level, and deletes the top level's sources; each process deletes its own
+  each file's top level above a tree (a GCS file of <= 32 window objects is composed by the
+  least loaded of its writers), and deletes the top level's sources; each process deletes its own
   loose objects once every builder that reads them is done.
 
 On S3 every window but a file's last is >= the minimum part (5 MiB, or more for files over
@@ -186,6 +188,7 @@ class FileUpload:
     pair_owner: np.ndarray
     pair_bytes: np.ndarray
     compose: list[list[tuple[int, int]]]  # GCS: per level below the top, (composer, sources)
+    top: int = -1  # GCS: who composes the final object (the primary above a tree)
 
     @property
     def windows(self) -> int:
@@ -293,7 +296,7 @@ def _compose_levels(
         for k in range(0, len(writers), fan_in):
             group = writers[k : k + fan_in]
             composer = min(set(group), key=lambda p: (load[p], p))
-            load[composer] += _REQUEST_WEIGHT * (1 + len(group))
+            load[composer] += _REQUEST_WEIGHT * 2  # the compose, and deleting the composite
             level.append((composer, len(group)))
         levels.append(level)
         writers = [c for c, _ in level]
@@ -323,6 +326,8 @@ def plan_uploads(
     load = np.zeros(n, np.int64)
     for f in files:
         load += np.bincount(f.owners, weights=f.stops() - f.starts, minlength=n).astype(np.int64)
+        if not (f.owners == f.owners[0]).all():  # the primary completes or composes it
+            load[primary] += 3 * _REQUEST_WEIGHT
     out: list[FileUpload] = []
     items: list[tuple[np.ndarray, ...]] = []
     for index, f in enumerate(files):
@@ -364,11 +369,17 @@ def plan_uploads(
                 writer[pw][others],
             )
         )
-        compose = (
-            _compose_levels(writer, limits.compose_fan_in, load) if kind is StoreKind.GCS else []
-        )
-        load[primary] += _REQUEST_WEIGHT * (3 + len(wstart) // 1000)  # complete / top compose
-        out.append(FileUpload(f.name, f.size, -1, wstart, writer, ~mixed, pw, po, pb, compose))
+        compose, top = [], primary
+        if kind is StoreKind.GCS:
+            compose = _compose_levels(writer, limits.compose_fan_in, load)
+            if not compose and len(wstart) > 1:
+                # One compose makes the file: the least loaded writer sends it, not the primary
+                # (whose top-level load was counted up front).
+                top = min(set(writer.tolist()), key=lambda p: (load[p], p))
+                load[top] += _REQUEST_WEIGHT
+                load[primary] -= 3 * _REQUEST_WEIGHT
+        upload = FileUpload(f.name, f.size, -1, wstart, writer, ~mixed, pw, po, pb, compose, top)
+        out.append(upload)
     columns: list[np.ndarray] = (
         [np.concatenate(c) for c in zip(*items)] if items else [np.zeros(0, np.int64)] * 5
     )

@@ -126,6 +126,10 @@ def requests_of(plan: UploadPlan, process: int) -> list[Request]:
             out.append(
                 Request(kind, phase, index, upload=b - a, start=a, stop=b, number=w + 1, window=w)
             )
+        if not s3 and k > 1:  # window objects: deleted by their writers once composed
+            mine = int((f.writer == process).sum())
+            out += [Request(RequestKind.DELETE, Phase.CLEANUP, index, sources=1)] * mine
+        last = len(f.compose) - 1
         for level, groups in enumerate(f.compose):
             for composer, sources in groups:
                 if composer == process:
@@ -134,20 +138,19 @@ def requests_of(plan: UploadPlan, process: int) -> list[Request]:
                             RequestKind.COMPOSE, Phase.BUILD, index, number=level, sources=sources
                         )
                     )
-                    out += [Request(RequestKind.DELETE, Phase.BUILD, index, sources=1)] * sources
-        if primary and k > 1:
-            if s3:
-                out.append(Request(RequestKind.LIST_PARTS, Phase.COMMIT, index, sources=k))
-                out += [Request(RequestKind.LIST_PARTS, Phase.COMMIT, index)] * ((k - 1) // _PAGE)
-                out.append(Request(RequestKind.COMPLETE_UPLOAD, Phase.COMMIT, index, sources=k))
-            else:
-                top = len(f.compose[-1]) if f.compose else k
-                out.append(
-                    Request(
-                        RequestKind.COMPOSE, Phase.COMMIT, index, number=len(f.compose), sources=top
-                    )
-                )
-                out += [Request(RequestKind.DELETE, Phase.COMMIT, index, sources=1)] * top
+                    if level < last:  # deleted once composed at the next level
+                        out.append(Request(RequestKind.DELETE, Phase.CLEANUP, index, sources=1))
+        if primary and k > 1 and s3:
+            out.append(Request(RequestKind.LIST_PARTS, Phase.COMMIT, index, sources=k))
+            out += [Request(RequestKind.LIST_PARTS, Phase.COMMIT, index)] * ((k - 1) // _PAGE)
+            out.append(Request(RequestKind.COMPLETE_UPLOAD, Phase.COMMIT, index, sources=k))
+        elif k > 1 and not s3 and f.top == process:
+            top = len(f.compose[-1]) if f.compose else k
+            phase = Phase.COMMIT if f.compose else Phase.BUILD
+            level = len(f.compose)
+            out.append(Request(RequestKind.COMPOSE, phase, index, number=level, sources=top))
+            if f.compose:  # the last level's composites
+                out += [Request(RequestKind.DELETE, phase, index, sources=1)] * top
     bundles = _bundles_of(plan, process)
     for bundle, nbytes in bundles:
         out.append(Request(RequestKind.PUT_LOOSE, Phase.OWN, -1, upload=nbytes, number=bundle))
@@ -195,22 +198,21 @@ def tally(plan: UploadPlan) -> Tally:
             t.requests[RequestKind.PUT_STAGED] += np.bincount(f.writer[f.pure], minlength=n)
             t.requests[RequestKind.PUT_FILLER] += np.bincount(f.writer[~f.pure], minlength=n)
         t.upload += np.bincount(f.writer, weights=size, minlength=n).astype(np.int64)
-        for groups in f.compose:
+        if not s3 and k > 1:
+            t.requests[RequestKind.DELETE] += np.bincount(f.writer, minlength=n)
+        for level, groups in enumerate(f.compose):
             composers = np.array([c for c, _ in groups], np.int64)
-            sources = np.array([s for _, s in groups], np.int64)
             t.requests[RequestKind.COMPOSE] += np.bincount(composers, minlength=n)
-            t.requests[RequestKind.DELETE] += np.bincount(
-                composers, weights=sources, minlength=n
-            ).astype(np.int64)
+            if level < len(f.compose) - 1:
+                t.requests[RequestKind.DELETE] += np.bincount(composers, minlength=n)
         if k > 1:
             if s3:
                 t.requests[RequestKind.CREATE_UPLOAD][primary] += 1
                 t.requests[RequestKind.LIST_PARTS][primary] += 1 + (k - 1) // _PAGE
                 t.requests[RequestKind.COMPLETE_UPLOAD][primary] += 1
             else:
-                top = len(f.compose[-1]) if f.compose else k
-                t.requests[RequestKind.COMPOSE][primary] += 1
-                t.requests[RequestKind.DELETE][primary] += top
+                t.requests[RequestKind.COMPOSE][f.top] += 1
+                t.requests[RequestKind.DELETE][f.top] += len(f.compose[-1]) if f.compose else 0
     # loose items: uploaded by their owners, downloaded by their builders
     t.requests[RequestKind.GET_RANGE] += np.bincount(plan.item_builder, minlength=n)
     t.download += np.bincount(plan.item_builder, weights=plan.item_bytes, minlength=n).astype(
