@@ -65,6 +65,11 @@ def planned(plan, me: int) -> dict:
         "bytes_uploaded": sum(r.upload for r in mine),
         "bytes_fetched": sum(r.download for r in mine),
         "windows": sum(f.windows for f in plan.files),
+        # owners of the most shared window: its builder sends one GET per other owner
+        "window_owners_max": max(
+            [int(np.bincount(f.pair_window).max()) for f in plan.files if len(f.pair_window)],
+            default=1,
+        ),
         "mixed_target": plan.mixed_target,
     }
 
