@@ -8,8 +8,8 @@ byte (the primary also lists the staging directory once and aborts the multipart
 ``prepare_directory`` started for files that needed none); upload plus download bytes stay
 within 1.25 x (checkpoint bytes / N) + 2 part windows; no process sends more than 2x the mean
 requests (plus, at N = 8, the GETs of one window shared by every process: a file too small to
-split, whose builder must fetch every other owner's bytes); every restore is right. One launch per N checks all four saves. N = 8 is marked
-``slow`` (several minutes on a 2-core machine).
+split, whose builder must fetch every other owner's bytes); every restore is right. One
+launch per N checks all four saves; N = 8 is marked ``slow``.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def _check(results: list, n: int, servers: dict) -> list[dict]:
             assert moved[process] <= 1.25 * total / n + 2 * PART_SIZE, (process, moved, total)
             # A window has one builder, which fetches each other owner's bytes of it: a file
             # too small for two S3 parts, shared by all N processes, costs its builder N - 1
-            # GETs however small the state (N = 8 here: 7 against a mean of about 5).
+            # GETs however small the state.
             allowance = p["planned"]["window_owners_max"] - 1
             assert requests[process] <= 2 * sum(requests) / n + allowance, (process, requests)
         rows.append(
