@@ -88,8 +88,8 @@ def test_two_processes_save_and_restore_on_s3_and_gcs(
             assert report["reassembled"] < 0.25 * total * steps, report
         if server.kind == "s3":
             assert primary["multipart_parts"] > 0 and other["multipart_parts"] > 0
-        else:
-            assert primary["compose_requests"] >= 2 * steps
+        else:  # composed by the files' writers (the primary only composes tops of trees)
+            assert primary["compose_requests"] + other["compose_requests"] >= 2 * steps
 
 
 @pytest.mark.multihost
