@@ -502,8 +502,9 @@ def commit(store: _Store, directory: str) -> bool:
     or composes each GCS file's top level. False if this process planned no such save."""
     directory = directory.rstrip("/")
     with _lock:
-        if directory in _saves:
-            raise RuntimeError(f"{directory}: finalize before this process finished its writes")
+        # Registered but never finished: nothing went through the plan here (a caller that
+        # prepared the directory and wrote nothing); the engine's own finalize takes over.
+        _saves.pop(directory, None)
         entry = _plans.pop(directory, None)
     if entry is None:
         return False
