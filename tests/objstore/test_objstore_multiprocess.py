@@ -28,7 +28,7 @@ def test_two_processes_save_and_restore_on_s3_and_gcs(
     s3_server, gcs_server, s3_bucket, gcs_bucket
 ) -> None:
     """N=2 processes save through an async CheckpointManager to both stores; each uploads
-    only its own bytes; the files are standard safetensors files; restores onto other
+    about its own share; the files are standard safetensors files; restores onto other
     shardings are right and fetch about half the bytes per process."""
     roots = [f"{s3_bucket}/run", f"{gcs_bucket}/run"]
     steps = 2
@@ -82,13 +82,14 @@ def test_two_processes_save_and_restore_on_s3_and_gcs(
             assert report["get_requests"] == read["requests"], report
             assert report["retries"] == 0
         primary, other = reports
-        assert other["reassembled"] == 0
-        # The primary rebuilt only the interleaved column-sharded tensor and small ranges.
-        assert primary["reassembled"] < 0.1 * total * steps, primary
+        # The part building is spread over both processes (storage/objstore/spread.py,
+        # measured per process in test_objstore_spread.py): each rebuilt a few windows only.
+        for report in reports:
+            assert report["reassembled"] < 0.25 * total * steps, report
         if server.kind == "s3":
-            assert primary["copy_requests"] > 0 and other["multipart_parts"] > 0
-        else:
-            assert primary["compose_requests"] >= 2 * steps
+            assert primary["multipart_parts"] > 0 and other["multipart_parts"] > 0
+        else:  # composed by the files' writers (the primary only composes tops of trees)
+            assert primary["compose_requests"] + other["compose_requests"] >= steps
 
 
 @pytest.mark.multihost

@@ -271,3 +271,16 @@ def test_nnx_value_reads_every_leaf_an_nnx_state_holds():
     values = sorted((np.asarray(_jaxcompat.nnx_value(x)).shape for x in leaves), key=len)
     assert values == [(3,), (2, 3)]
     np.testing.assert_array_equal(_jaxcompat.nnx_value(model.kernel), model.kernel.value)
+
+
+def test_distributed_key_value_store_is_found_where_expected() -> None:
+    """The spread object-store save (storage/objstore/spread.py) finds jax.distributed's
+    key-value store here; a single process has none (its saves take the engine's own path);
+    tests/objstore/test_objstore_spread.py uses it from real processes."""
+    from jax._src import distributed
+
+    assert hasattr(distributed, "global_state") and hasattr(distributed.global_state, "client"), (
+        f"jax {jax.__version__} moved jax._src.distributed.global_state.client: update "
+        "_src/compat/jaxcompat.distributed_kv"
+    )
+    assert _jaxcompat.distributed_kv() is None  # not initialized in this test process

@@ -14,6 +14,7 @@ attribute.
 | :func:`batched_device_put` | ``jax._src.interpreters.pxla.batched_device_put``, ``jax._src.core.ShapedArray`` | private | ``jax.device_put`` (``None`` here) |
 | :func:`single_device_key` | ``SingleDeviceSharding._device`` | private | the sharding itself as a dict key (``None`` here) |
 | :func:`nnx_list` | ``flax.nnx.List`` | public since flax 0.12 (needed there for lists of modules) | a plain ``list`` (what flax 0.11 takes) |
+| :func:`distributed_kv` | ``jax._src.distributed.global_state.client`` (its ``key_value_set``, ``blocking_key_value_get``) | private | None: object-store saves by several processes join the ranges on the primary as before |
 | :func:`is_nnx_internal_attr` | ``Module._pytree__state`` (flax 0.12), ``Module._object__state`` (flax 0.11): an empty pytree child of every Module | private | none needed: a flax without them has no such child |
 
 Example::
@@ -151,3 +152,25 @@ def single_device_key(sharding: Any) -> Any:
         return None
     device = getattr(sharding, "_device", None)
     return None if device is None else (device, sharding.memory_kind)
+
+
+# -- jax._src.distributed.global_state.client (private) --------------------------------------
+
+
+def distributed_kv() -> Any:
+    """The key-value store of ``jax.distributed`` (the coordination service every process of a
+    job is connected to), or None when this JAX hides it or the job is not distributed.
+
+    What callers use of it: ``key_value_set(key, value)`` and
+    ``blocking_key_value_get(key, timeout_in_ms)`` (strings; the get waits until another
+    process set the key). Callers without it keep their single-process or older behaviour.
+    """
+    try:  # jax 0.6-0.10 keep the client here
+        from jax._src import distributed
+    except ImportError:
+        return None
+    client = getattr(getattr(distributed, "global_state", None), "client", None)
+    needed = ("key_value_set", "blocking_key_value_get")
+    if client is None or not all(hasattr(client, name) for name in needed):
+        return None
+    return client

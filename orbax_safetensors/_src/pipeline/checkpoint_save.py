@@ -382,6 +382,8 @@ def write_process_share(
             write(file_index, pieces, checksums=prepared.checksums)
         while pending:  # before the files are made durable and closed
             settle_oldest()
+    # Object storage, several processes: this process's uploads (and the parts it builds).
+    _router.finish_files(directory, io)
     if prepared.is_primary:
         if len(plan.files) > 1:
             (directory / _plan.INDEX_FILE_NAME).write_text(json.dumps(plan.index_json(), indent=1))

@@ -56,6 +56,10 @@ class Provider(Protocol):
         """See :func:`prepare_directory`."""
         ...
 
+    def finish_directory(self, directory: str, io: _config.IOOptions) -> None:
+        """See :func:`finish_files`."""
+        ...
+
     def finalize_directory(self, directory: str, io: _config.IOOptions) -> None:
         """See :func:`finalize_files`."""
         ...
@@ -221,6 +225,16 @@ def prepare_directory(
         provider.prepare_directory(
             os.fspath(directory), files, is_primary=is_primary, io=_config.resolve(io)
         )
+
+
+def finish_files(directory: epath.PathLike, io: _config.IOOptions | None = None) -> None:
+    """Every process, after it wrote all its files of a checkpoint directory: on object
+    storage in a multi-process save, uploads this process's share of the plan (its bytes, the
+    parts it builds; see :mod:`.objstore.spread`). Local files need nothing.
+    """
+    provider = provider_for(directory)
+    if provider is not None:
+        provider.finish_directory(os.fspath(directory), _config.resolve(io))
 
 
 def finalize_files(directory: epath.PathLike, io: _config.IOOptions | None = None) -> None:

@@ -14,6 +14,9 @@ The modules, lowest first:
     ``ObjectReader``, staged objects, downloading object ranges);
   * :mod:`.s3` and :mod:`.gcs`: one module per provider (its client, its multipart or compose
     requests, how it joins the ranges of several processes);
+  * :mod:`.upload_plan` and :mod:`.upload_requests`: the pure plan of a save by several
+    processes (part windows, their builders, compose trees; every process's requests);
+  * :mod:`.spread`: executes this process's part of that plan (``jax.distributed`` jobs);
   * :mod:`.engine`: the provider-neutral write flow, and the providers the router registers.
 
 Clients: boto3 for S3 and google-cloud-storage for GCS, used directly (not fsspec). They speak
@@ -28,7 +31,10 @@ Writes:
     object is written directly and appears whole or not at all (S3: one PUT, or a multipart
     upload of ``part_size`` parts in parallel; GCS: one upload, or parallel staged objects
     composed into the final object).
-  * Several processes filling one file (multi-host checkpoints, no bytes move between hosts):
+  * Several processes filling one file in a ``jax.distributed`` job: the spread plan
+    (:mod:`.spread`): each process uploads its own bytes and builds the part windows the plan
+    gives it; the primary only completes the uploads or composes the top level.
+  * Several processes filling one file without the key-value store (the earlier flow):
     each process uploads only its own contiguous byte ranges under the hidden prefix
     ``<dir>/.osf-parts/<file>/`` plus a small manifest; the primary's ``finalize_directory``
     joins them. GCS: ranges are staged objects, composed in offset order (<= 32 sources per call,

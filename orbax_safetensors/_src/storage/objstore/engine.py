@@ -22,6 +22,7 @@ from orbax_safetensors._src.storage.objstore import common as _common
 from orbax_safetensors._src.storage.objstore import gcs as _gcs
 from orbax_safetensors._src.storage.objstore import s3 as _s3
 from orbax_safetensors._src.storage.objstore import s3_uploads as _s3_uploads
+from orbax_safetensors._src.storage.objstore import spread as _spread
 from orbax_safetensors._src.storage.objstore import views as _views
 
 _Store: TypeAlias = _s3.S3Store | _gcs.GcsStore
@@ -33,8 +34,12 @@ def write_file(store: _Store, url: str, pieces: Sequence[_interface.Piece], size
     When the pieces tile ``[0, size)`` the final object is written directly. Otherwise other
     processes hold the rest: this process uploads its ranges under the file's hidden staging
     prefix, and :func:`finalize_directory` (primary, after everyone wrote) joins them.
+    In a save that :func:`prepare_directory` registered for the spread plan (several
+    processes, see :mod:`.spread`) the pieces are kept for :func:`finish_directory` instead.
     """
     url = os.fspath(url)
+    if _spread.take(url, pieces, size):
+        return  # a save by several processes: sent by finish_directory
     _, bucket, key = _common.split_url(url)
     segments = _views.segments_of(pieces)
     if segments and segments[-1].end > size:
@@ -152,15 +157,24 @@ def prepare_directory(
     store: _Store, directory: str, files: Sequence[tuple[str, int]], *, is_primary: bool
 ) -> None:
     """Main-thread step of every process before a save into ``directory``: on S3, see
-    :func:`.s3_uploads.prepare_directory`; does nothing on GCS."""
+    :func:`.s3_uploads.prepare_directory`; in a multi-process job, registers the directory
+    for the spread plan (:func:`.spread.register`)."""
     if isinstance(store, _s3.S3Store):
         _s3_uploads.prepare_directory(store, directory, files, is_primary=is_primary)
+    _spread.register(os.fspath(directory).rstrip("/"), files, is_primary=is_primary)
+
+
+def finish_directory(store: _Store, directory: str) -> None:
+    """Every process, once it wrote all its files of ``directory``: its part of a spread save
+    (:func:`.spread.finish`); nothing otherwise."""
+    _spread.finish(store, os.fspath(directory).rstrip("/"), _write_whole)
 
 
 def finalize_directory(store: _Store, directory: str) -> None:
     """Joins the ranges every process uploaded into each file of ``directory``, then deletes
     the staged objects. Run once, on the primary, after all processes finished writing."""
     directory = os.fspath(directory).rstrip("/")
+    _spread.commit(store, directory)  # a spread save: complete the uploads / compose the tops
     _, bucket, key = _common.split_url(directory)
     base = f"{key}/" if key else ""
     listing = store.call(
@@ -241,6 +255,10 @@ class ObjectStoreProvider:
     ) -> None:
         """See :func:`prepare_directory`."""
         prepare_directory(self.store(io), directory, files, is_primary=is_primary)
+
+    def finish_directory(self, directory: str, io: _config.IOOptions) -> None:
+        """See :func:`finish_directory`."""
+        finish_directory(self.store(io), directory)
 
     def finalize_directory(self, directory: str, io: _config.IOOptions) -> None:
         """See :func:`finalize_directory`."""

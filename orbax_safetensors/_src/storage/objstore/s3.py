@@ -10,6 +10,7 @@ Example::
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import dataclasses
 import functools
@@ -242,6 +243,20 @@ class S3Store(_calls.Configured):
             UploadId=upload_id,
             MultipartUpload={"Parts": [{"PartNumber": n, "ETag": e} for n, e in sorted(parts)]},
         )
+
+    def list_parts(self, bucket: str, key: str, upload_id: str) -> builtins.list[tuple[int, str]]:
+        """``(part number, ETag)`` of every part uploaded so far (one request per 1,000)."""
+        out: builtins.list[tuple[int, str]] = []
+        marker = 0
+        while True:
+            _stats.count(list_requests=1)
+            page = self.client().list_parts(
+                Bucket=bucket, Key=key, UploadId=upload_id, PartNumberMarker=marker
+            )
+            out += [(int(p["PartNumber"]), str(p["ETag"])) for p in page.get("Parts", [])]
+            if not page.get("IsTruncated"):
+                return out
+            marker = int(page["NextPartNumberMarker"])
 
     def abort_upload(self, bucket: str, key: str, upload_id: str) -> None:
         _stats.count(other_requests=1)

@@ -1,0 +1,551 @@
+"""A save by several processes on S3 or GCS, with the part building spread over the processes:
+each process executes its part of the :mod:`.upload_plan` (issue 27 point 1).
+
+:func:`register` (every process, from ``prepare_directory``) marks a checkpoint directory;
+the engine's ``write_file`` then hands this process's bytes of each file to :func:`take`
+instead of uploading them; :func:`finish` (every process, once it wrote all its files) does
+the work: every process publishes which bytes of which file it holds and reads everyone
+else's through the ``jax.distributed`` key-value store, all compute the same plan, and each
+sends its own requests, phase by phase:
+
+1. its own bytes: files it owns whole, pure windows (S3 parts, GCS staged objects) and its
+   loose bundles (the bytes of windows others build), then it announces ``own``;
+2. the windows it builds: it waits for the owners' ``own``, fetches their bytes (one ranged GET
+   per owner and window), adds its own and uploads the part or filler, announces ``built``;
+   on GCS it then composes the subtrees assigned to it (after their writers announced them)
+   and deletes their sources;
+3. it waits for the builders that read its loose bundles and deletes them.
+
+The primary's ``finalize_directory`` (after every process finished) then only completes each
+S3 upload (``ListParts`` gives the ETags) or composes each GCS file's top level
+(:func:`commit`). Waits time out after :data:`WAIT_SECONDS` with an error naming the process
+and step waited for. Without the key-value store (or in a single-process job) nothing is
+registered and the engine works as before.
+
+Example::
+
+    register("gs://b/ckpt/1/default", [("model.safetensors", size)], is_primary=True)
+    # ... write_file(...) per file: take() keeps the pieces ...
+    finish(store, "gs://b/ckpt/1/default")      # every process
+    commit(store, "gs://b/ckpt/1/default")      # the primary, from finalize_directory
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
+from orbax_safetensors._src.storage import interface as _interface
+from orbax_safetensors._src.storage.objstore import calls as _calls
+from orbax_safetensors._src.storage.objstore import common as _common
+from orbax_safetensors._src.storage.objstore import gcs as _gcs
+from orbax_safetensors._src.storage.objstore import s3 as _s3
+from orbax_safetensors._src.storage.objstore import s3_uploads as _s3_uploads
+from orbax_safetensors._src.storage.objstore import stats as _stats
+from orbax_safetensors._src.storage.objstore import upload_plan as _up
+from orbax_safetensors._src.storage.objstore import views as _views
+
+WAIT_SECONDS = 600.0  # longest wait for another process's step
+LOOSE_DIR = "_loose"  # under the staging directory: every process's loose bundles
+_lock = threading.Lock()  # guards _saves, _plans, _counts
+_Store = _s3.S3Store | _gcs.GcsStore
+WriteWhole = Callable[[Any, str, str, str, _views.Segment], None]
+
+
+@dataclasses.dataclass
+class _Save:
+    """A registered directory: its files and what this process wrote of them."""
+
+    files: list[tuple[str, int]]
+    is_primary: bool
+    process: int
+    count: int
+    key: str  # key-value store namespace of this save
+    written: dict[str, list[_views.Segment]] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class _Committable:
+    plan: _up.UploadPlan
+    upload_ids: dict[str, str]
+
+
+_saves: dict[str, _Save] = {}
+_plans: dict[str, _Committable] = {}  # the primary's plans, until finalize
+_counts: dict[str, int] = {}  # saves registered per directory (the same on every process)
+_last: list[tuple[_up.UploadPlan, int]] = []  # the last plan this process executed, and its index
+
+
+def last_plan() -> tuple[_up.UploadPlan, int] | None:
+    """The plan of the last spread save this process finished and its own process index (to
+    compare what it sent, :func:`.stats.object_store_stats`, with what the plan says)."""
+    with _lock:
+        return _last[-1] if _last else None
+
+
+def register(directory: str, files: Sequence[tuple[str, int]], *, is_primary: bool) -> None:
+    """Marks ``directory`` for a spread save (every process, main thread, same order), when
+    the job has several processes and a ``jax.distributed`` key-value store."""
+    import jax
+
+    if jax.process_count() <= 1 or _jaxcompat.distributed_kv() is None:
+        return
+    with _lock:
+        n = _counts[directory] = _counts.get(directory, 0) + 1
+        _saves[directory] = _Save(
+            list(files),
+            is_primary,
+            jax.process_index(),
+            jax.process_count(),
+            f"osf/{directory}/{n}",
+        )
+
+
+def take(url: str, pieces: Sequence[_interface.Piece], size: int) -> bool:
+    """Keeps this process's ``pieces`` of the file at ``url`` for :func:`finish` if its
+    directory is registered (True), else False (the engine writes them itself)."""
+    directory, _, name = url.rpartition("/")
+    with _lock:
+        save = _saves.get(directory)
+    if save is None or all(name != f for f, _ in save.files):
+        return False
+    segments = _views.segments_of(pieces)
+    if segments and segments[-1].end > size:
+        raise ValueError(f"{url}: pieces end at {segments[-1].end}, past the file size {size}")
+    save.written[name] = segments
+    return True
+
+
+class _Kv:
+    """The steps of one save in the key-value store."""
+
+    def __init__(self, save: _Save, directory: str) -> None:
+        self.client = _jaxcompat.distributed_kv()
+        self.prefix = save.key
+        self.directory = directory
+        self.seen: set[str] = set()
+
+    def set(self, key: str, value: str = "1") -> None:
+        self.client.key_value_set(f"{self.prefix}/{key}", value)
+
+    def get(self, key: str, what: str) -> str:
+        try:
+            value = self.client.blocking_key_value_get(
+                f"{self.prefix}/{key}", int(WAIT_SECONDS * 1000)
+            )
+        except Exception as error:
+            raise _calls.ObjectStoreError(
+                self.directory, f"waiting {WAIT_SECONDS:.0f} s for {what}", 1, error
+            ) from error
+        self.seen.add(key)
+        return str(value)
+
+    def wait(self, key: str, what: str) -> None:
+        if key not in self.seen:
+            self.get(key, what)
+
+
+def _slices(segments: Sequence[_views.Segment], a: int, b: int) -> list[memoryview]:
+    """Views of this process's bytes within ``[a, b)``, in offset order."""
+    out: list[memoryview] = []
+    for s in segments:
+        if s.end > a and s.start < b:
+            out += s.slice(max(a, s.start), min(b, s.end))
+    return out
+
+
+def _peer_ranges(f: _up.FileOwners, a: int, b: int) -> dict[int, list[tuple[int, int]]]:
+    """Each owner's ranges within ``[a, b)`` of the file, in offset order."""
+    stops = f.stops()
+    lo = int(np.searchsorted(stops, a, "right"))
+    hi = int(np.searchsorted(f.starts, b, "left"))
+    out: dict[int, list[tuple[int, int]]] = {}
+    for i in range(lo, hi):
+        out.setdefault(int(f.owners[i]), []).append(
+            (max(a, int(f.starts[i])), min(b, int(stops[i])))
+        )
+    return out
+
+
+def finish(store: _Store, directory: str, write_whole: WriteWhole) -> None:
+    """This process's part of the save of ``directory`` (see the module docstring); does
+    nothing unless :func:`register` marked it. Every process calls it once it wrote its files.
+    ``write_whole(store, url, bucket, key, segment)`` writes a file this process owns all of."""
+    directory = directory.rstrip("/")
+    with _lock:
+        save = _saves.pop(directory, None)
+    if save is None:
+        return
+    kv = _Kv(save, directory)
+    me, s3 = save.process, isinstance(store, _s3.S3Store)
+    mine = {name: [[s.start, s.end] for s in segs] for name, segs in save.written.items()}
+    kv.set(f"seg/{me}", json.dumps(mine))
+    if save.is_primary:
+        kv.set("primary", str(me))
+    primary = me if save.is_primary else int(kv.get("primary", "the primary's index"))
+    docs = {me: mine}
+    for p in range(save.count):
+        if p != me:
+            docs[p] = json.loads(kv.get(f"seg/{p}", f"process {p}'s byte ranges"))
+    owners = []
+    for name, size in save.files:
+        try:
+            ranges = {p: [(a, b) for a, b in d.get(name, [])] for p, d in docs.items()}
+            owners.append(_up.FileOwners.from_segments(name, size, ranges))
+        except ValueError as error:
+            raise _calls.ObjectStoreError(
+                f"{directory}/{name}", "planning the upload", 1, error
+            ) from error
+    kind = _up.StoreKind.S3 if s3 else _up.StoreKind.GCS
+    limits = _up.UploadLimits.of(store.options)
+    plan = _up.plan_uploads(kind, limits, owners, save.count, primary)
+    _, bucket, base = _common.split_url(directory)
+    base = f"{base}/" if base else ""
+    ids: dict[str, str] = {}
+    if s3:
+        assert isinstance(store, _s3.S3Store)
+        if me == primary:
+            prepared = _s3_uploads.upload_id_for
+            for f in plan.files:
+                if f.whole_owner < 0 and f.windows > 1:
+                    url = f"{directory}/{f.name}"
+                    ids[f.name] = prepared(url) or store.call(
+                        url,
+                        "CreateMultipartUpload",
+                        functools.partial(store.create_upload, bucket, base + f.name),
+                    )
+            kv.set("uploads", json.dumps(ids))
+        else:
+            ids = json.loads(kv.get("uploads", "the primary's multipart uploads"))
+    run = _Run(store, directory, bucket, base, plan, owners, save, kv, ids, write_whole)
+    run.own()
+    kv.set(f"own/{me}")
+    run.build()
+    kv.set(f"built/{me}")
+    if not s3:
+        run.compose()
+    run.cleanup()
+    with _lock:
+        _last[:] = [(plan, me)]
+        if me == primary:
+            _plans[directory] = _Committable(plan, ids)
+
+
+class _Run:
+    """The requests of one process for one save."""
+
+    def __init__(
+        self,
+        store: _Store,
+        directory: str,
+        bucket: str,
+        base: str,
+        plan: _up.UploadPlan,
+        owners: list[_up.FileOwners],
+        save: _Save,
+        kv: _Kv,
+        ids: dict[str, str],
+        write_whole: WriteWhole,
+    ) -> None:
+        self.write_whole = write_whole
+        self.store, self.directory, self.bucket, self.base = store, directory, bucket, base
+        self.plan, self.owners, self.save, self.kv, self.ids = plan, owners, save, kv, ids
+        self.me = save.process
+
+    def loose_key(self, process: int, bundle: int) -> str:
+        return f"{self.base}{_common.STAGING_DIR}/{LOOSE_DIR}/{process:06d}-{bundle:06d}"
+
+    def _put_window(self, index: int, w: int, views: list[memoryview]) -> None:
+        f = self.plan.files[index]
+        url, key = f"{self.directory}/{f.name}", self.base + f.name
+        store, bucket = self.store, self.bucket
+        if f.windows == 1:
+            store.call(url, "PUT", lambda: store.put(bucket, key, views))
+        elif isinstance(store, _s3.S3Store):
+            upload_id = self.ids[f.name]
+            store.call(
+                url,
+                f"UploadPart {w + 1}",
+                lambda: store.upload_part(bucket, key, upload_id, w + 1, views),
+            )
+        else:
+            obj = window_key(key, w)
+            store.call(url, f"PUT window {obj}", lambda: store.put(bucket, obj, views))
+
+    def own(self) -> None:
+        """Files this process owns whole, its pure windows, its loose bundles."""
+        jobs: list[Any] = []
+        written = self.save.written
+        for index, f in enumerate(self.plan.files):
+            segs = written.get(f.name, [])
+            url = f"{self.directory}/{f.name}"
+            if f.whole_owner == self.me:
+                seg = segs[0] if segs else _views.Segment(0, [], 0)
+                key = self.base + f.name
+                jobs.append(
+                    functools.partial(self.write_whole, self.store, url, self.bucket, key, seg)
+                )
+                continue
+            if f.whole_owner >= 0:
+                continue
+            stops = f.wstop()
+            for w in np.flatnonzero((f.writer == self.me) & f.pure).tolist():
+                views = _slices(segs, int(f.wstart[w]), int(stops[w]))
+                jobs.append(functools.partial(self._put_window, index, w, views))
+        plan = self.plan
+        mine = np.flatnonzero(plan.item_owner == self.me)
+        bundles: dict[int, list[memoryview]] = {}
+        for i in mine.tolist():
+            f = plan.files[int(plan.item_file[i])]
+            w = int(plan.item_window[i])
+            a, b = int(f.wstart[w]), int(f.wstop()[w])
+            bundles.setdefault(int(plan.item_bundle[i]), []).extend(
+                _slices(written.get(f.name, []), a, b)
+            )
+        for bundle, views in bundles.items():
+            obj = self.loose_key(self.me, bundle)
+            jobs.append(
+                functools.partial(
+                    self.store.call,
+                    f"{self.store.scheme}://{self.bucket}/{obj}",
+                    "PUT loose bundle",
+                    functools.partial(self.store.put, self.bucket, obj, views),
+                )
+            )
+        self.store.run_all(jobs)
+
+    def _build(self, index: int, w: int) -> None:
+        plan, f, owners = self.plan, self.plan.files[index], self.owners[index]
+        a, b = int(f.wstart[w]), int(f.wstop()[w])
+        buffer = bytearray(b - a)
+        out = memoryview(buffer)
+        ranges = _peer_ranges(owners, a, b)
+        for x, y in ranges.get(self.me, []):
+            pos = x - a
+            for v in _slices(self.save.written.get(f.name, []), x, y):
+                out[pos : pos + len(v)] = v
+                pos += len(v)
+        reads = np.flatnonzero((plan.item_file == index) & (plan.item_window == w))
+        jobs = []
+        for i in reads.tolist():
+            peer = int(plan.item_owner[i])
+            self.kv.wait(f"own/{peer}", f"process {peer} to upload its own bytes")
+            views = [out[x - a : y - a] for x, y in ranges[peer]]
+            obj = self.loose_key(peer, int(plan.item_bundle[i]))
+            start = int(plan.item_offset[i])
+            jobs.append(self._get_job(obj, start, views))
+        _stats.count(bytes_reassembled=sum(int(n) for n in plan.item_bytes[reads]))
+        self.store.run_all(jobs)
+        self._put_window(index, w, [out])
+
+    def _get_job(self, obj: str, start: int, views: list[memoryview]) -> Any:
+        n = sum(len(v) for v in views)
+        store, bucket = self.store, self.bucket
+        return functools.partial(
+            store.call,
+            f"{store.scheme}://{bucket}/{obj}",
+            f"GET bytes {start}-{start + n - 1}",
+            functools.partial(store.get_into, bucket, obj, start, views),
+        )
+
+    def build(self) -> None:
+        """The mixed windows this process builds."""
+        jobs = []
+        for index, f in enumerate(self.plan.files):
+            if f.whole_owner < 0:
+                for w in np.flatnonzero((f.writer == self.me) & ~f.pure).tolist():
+                    jobs.append(functools.partial(self._build, index, w))
+        self.store.run_all(jobs)
+
+    def compose(self) -> None:
+        """GCS: the compose subtrees this process was given, level by level."""
+        store = self.store
+        assert isinstance(store, _gcs.GcsStore)
+        fan_in = self.plan.limits.compose_fan_in
+        for index, f in enumerate(self.plan.files):
+            if f.whole_owner >= 0 or f.windows <= 1:
+                continue
+            key = self.base + f.name
+            names = [window_key(key, w) for w in range(f.windows)]
+            ready = [
+                f"own/{p}" if pure else f"built/{p}"
+                for p, pure in zip(f.writer.tolist(), f.pure.tolist())
+            ]
+            for level, groups in enumerate(f.compose):
+                targets, done = [], []
+                for g, (composer, _) in enumerate(groups):
+                    target = compose_key(key, level, g)
+                    sources = names[g * fan_in : (g + 1) * fan_in]
+                    if composer == self.me:
+                        for k in ready[g * fan_in : (g + 1) * fan_in]:
+                            self.kv.wait(k, f"{k} (sources of {target})")
+                        url = f"{self.directory}/{f.name}"
+                        _compose(store, url, self.bucket, target, sources)
+                    targets.append(target)
+                    done.append(f"c/{index}/{level}/{composer}")
+                if any(c == self.me for c, _ in groups):
+                    self.kv.set(f"c/{index}/{level}/{self.me}")
+                names, ready = targets, done
+            if not f.compose and f.top == self.me:  # one compose makes the file: ours
+                for k in ready:
+                    self.kv.wait(k, f"{k} (sources of {key})")
+                url = f"{self.directory}/{f.name}"
+                _compose(store, url, self.bucket, key, names)
+                self.kv.set(f"top/{index}")
+
+    def _delete_composed(self, store: _gcs.GcsStore) -> None:
+        """GCS: the window objects and composites this process wrote, once the compose that
+        used them is done (the top level's sources are the primary's, in :func:`commit`)."""
+        fan_in = self.plan.limits.compose_fan_in
+        for index, f in enumerate(self.plan.files):
+            if f.whole_owner >= 0 or f.windows <= 1:
+                continue
+            key = self.base + f.name
+            levels = [[p for p, _ in groups] for groups in f.compose]
+            # (objects of one level, their writers, the key announcing their compose)
+            writers = f.writer.tolist()
+            doomed: list[str] = []
+            for level in range(len(levels) + 1):
+                if level == len(levels) and levels:
+                    break  # the top's sources: the primary deletes them
+                names = (
+                    [window_key(key, w) for w in range(f.windows)]
+                    if level == 0
+                    else [compose_key(key, level - 1, g) for g in range(len(levels[level - 1]))]
+                )
+                for i, (name, writer) in enumerate(zip(names, writers)):
+                    if writer != self.me:
+                        continue
+                    done = (
+                        f"c/{index}/{level}/{levels[level][i // fan_in]}"
+                        if level < len(levels)
+                        else f"top/{index}"
+                    )
+                    self.kv.wait(done, f"{done} (the compose of {name})")
+                    doomed.append(name)
+                if level < len(levels):
+                    writers = levels[level]
+            if doomed:
+                store.call(
+                    f"{self.directory}/{f.name}",
+                    f"DELETE {len(doomed)} composed objects",
+                    functools.partial(store.delete, self.bucket, doomed),
+                )
+
+    def cleanup(self) -> None:
+        """Deletes this process's loose bundles once every builder reading them is done, and
+        (GCS) its window objects and composites once they were composed."""
+        if isinstance(self.store, _gcs.GcsStore):
+            self._delete_composed(self.store)
+        plan = self.plan
+        mine = plan.item_owner == self.me
+        if not mine.any():
+            return
+        for b in sorted(set(plan.item_builder[mine].tolist())):
+            self.kv.wait(f"built/{b}", f"process {b} to build its windows")
+        keys = [
+            self.loose_key(self.me, int(k)) for k in sorted(set(plan.item_bundle[mine].tolist()))
+        ]
+        store, bucket = self.store, self.bucket
+        store.call(
+            f"{store.scheme}://{bucket}/{keys[0]}",
+            f"DELETE {len(keys)} loose bundles",
+            lambda: store.delete(bucket, keys),
+        )
+
+
+def _compose(store: _gcs.GcsStore, url: str, bucket: str, target: str, sources: list[str]) -> None:
+    store.call(
+        url,
+        f"compose {len(sources)} objects into {target}",
+        functools.partial(store.compose, bucket, target, sources),
+    )
+
+
+def _compose_and_delete(
+    store: _gcs.GcsStore, url: str, bucket: str, target: str, sources: list[str]
+) -> None:
+    """Composes ``sources`` into ``target``, then deletes them (one request per object)."""
+    store.call(
+        url,
+        f"compose {len(sources)} objects into {target}",
+        functools.partial(store.compose, bucket, target, sources),
+    )
+    store.call(
+        url,
+        f"DELETE {len(sources)} composed objects",
+        functools.partial(store.delete, bucket, sources),
+    )
+
+
+def window_key(key: str, w: int) -> str:
+    """The staged object of window ``w`` of the object ``key`` (GCS)."""
+    prefix, _ = _common.staging_prefix(key)
+    return f"{prefix}w-{w:06d}"
+
+
+def compose_key(key: str, level: int, group: int) -> str:
+    """The composite of group ``group`` of compose level ``level`` of the object ``key``."""
+    prefix, _ = _common.staging_prefix(key)
+    return f"{prefix}c{level}-{group:06d}"
+
+
+def commit(store: _Store, directory: str) -> bool:
+    """The primary's last step of a spread save of ``directory``: completes each S3 upload
+    or composes each GCS file's top level. False if this process planned no such save."""
+    directory = directory.rstrip("/")
+    with _lock:
+        # Registered but never finished: nothing went through the plan here (a caller that
+        # prepared the directory and wrote nothing); the engine's own finalize takes over.
+        _saves.pop(directory, None)
+        entry = _plans.pop(directory, None)
+    if entry is None:
+        return False
+    plan = entry.plan
+    _, bucket, base = _common.split_url(directory)
+    base = f"{base}/" if base else ""
+    prepared = _s3_uploads.take_uploads(directory) if isinstance(store, _s3.S3Store) else None
+    try:
+        for f in plan.files:
+            if f.whole_owner >= 0 or f.windows <= 1:
+                continue
+            url, key = f"{directory}/{f.name}", base + f.name
+            if isinstance(store, _s3.S3Store):
+                upload_id = entry.upload_ids[f.name]
+                parts = store.call(
+                    url, "ListParts", functools.partial(store.list_parts, bucket, key, upload_id)
+                )
+                numbers = sorted(n for n, _ in parts)
+                if numbers != list(range(1, f.windows + 1)):
+                    missing = sorted(set(range(1, f.windows + 1)) - set(numbers))
+                    raise _calls.ObjectStoreError(
+                        url,
+                        "finalize",
+                        1,
+                        RuntimeError(f"parts {missing[:10]} were never uploaded"),
+                    )
+                _s3.complete(store, url, bucket, key, upload_id, parts, f.size)
+            else:
+                assert isinstance(store, _gcs.GcsStore)
+                if f.compose:  # (else one of its writers composed it: see _Run.compose)
+                    last = len(f.compose) - 1
+                    sources = [compose_key(key, last, g) for g in range(len(f.compose[-1]))]
+                    _compose_and_delete(store, url, bucket, key, sources)
+    except BaseException:
+        if isinstance(store, _s3.S3Store):
+            for name, upload_id in entry.upload_ids.items():
+                store.abort_upload(bucket, base + name, upload_id)
+        raise
+    finally:
+        if prepared is not None and isinstance(store, _s3.S3Store):
+            for name, upload_id in prepared.ids.items():
+                if entry.upload_ids.get(name) != upload_id:
+                    store.abort_upload(bucket, base + name, upload_id)  # not needed after all
+    return True

@@ -1,0 +1,416 @@
+"""The object-store upload plan of a save by several processes: which requests each process
+sends, and the bytes it moves. Pure and deterministic (no I/O, no JAX): every process computes
+the same plan from global facts (the files' sizes and every process's bytes of each file, which
+``core.plan`` gives every process), so no process has to be told what to build.
+
+A file written by one process is written whole by it (one PUT, or one multipart upload or
+compose of its own chunks). A file several processes own bytes of is cut into **windows**
+(:func:`_windows`), each one S3 part or one GCS object:
+
+* a window inside one process's range is **pure**: its owner uploads it directly (S3
+  ``UploadPart``, GCS staged object);
+* any other window is **mixed**: it is assigned to one of its owners, its **builder**: the one
+  it adds least to, counting what that owner moves already (its bytes, and the windows it
+  builds, a request weighing as 2 MiB moved). That is the owner of most of the window's bytes, but
+  for ties and owners loaded already: building is spread over the processes. The
+  other owners upload their bytes of it in their **loose** objects (one stream per process,
+  cut into bundles of about ``part_size``, across files); the builder downloads exactly those
+  bytes (one ranged GET per other owner), adds its own bytes (never uploaded separately) and
+  uploads the window (S3 ``UploadPart``, GCS filler object);
+* GCS: the window objects of a file are composed in a tree of at most ``compose_fan_in``
+  sources per call; the levels below the top are composed by the processes that wrote their
+  sources (the least loaded of a group's writers); every object is deleted by the process that
+  wrote it once it was composed (the primary deletes the top level's sources);
+* the primary only creates (S3, before anyone writes) and completes the uploads, or composes
+  each file's top level above a tree (a GCS file of <= 32 window objects is composed by the
+  least loaded of its writers), and deletes the top level's sources; each process deletes its own
+  loose objects once every builder that reads them is done.
+
+On S3 every window but a file's last is >= the minimum part (5 MiB, or more for files over
+about 48 GiB) and a file has at most 10,000 windows; on GCS a compose joins at most 32 objects.
+
+Example::
+
+    owners = [FileOwners.from_segments("model.safetensors", 100 << 20,
+                                       {0: [(0, 60 << 20)], 1: [(60 << 20, 100 << 20)]})]
+    plan = plan_uploads(StoreKind.S3, UploadLimits(), owners, num_processes=2)
+    plan.files[0].writer                         # who uploads each window
+    upload_requests.requests_of(plan, 1)         # what process 1 sends
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from orbax_safetensors._src.storage.objstore import options as _options
+from orbax_safetensors._src.storage.objstore.gcs import GCS_MAX_COMPOSE
+from orbax_safetensors._src.storage.objstore.s3 import S3_MAX_PARTS
+
+MiB = 1 << 20
+# What one request weighs against bytes moved when builders are balanced: a window of many
+# owners' short ranges costs its builder one GET per owner, however few its bytes.
+_REQUEST_WEIGHT = 2 * MiB
+
+
+class StoreKind(enum.Enum):
+    """The object store a plan is for."""
+
+    S3 = "s3"
+    GCS = "gs"
+
+
+class Phase(enum.IntEnum):
+    """When a request is sent, in the order of a save."""
+
+    PREPARE = 0  # primary, before anyone writes (S3 CreateMultipartUpload)
+    OWN = 1  # every process: its own bytes (whole files, pure windows, loose objects)
+    BUILD = 2  # builders: mixed windows and compose subtrees (after the owners' OWN phase)
+    CLEANUP = 3  # owners delete their loose objects (after their builders' BUILD phase)
+    COMMIT = 4  # primary: complete the uploads / compose the top level
+
+
+class RequestKind(enum.Enum):
+    """One request to the object store."""
+
+    PUT_OBJECT = "put_object"  # a final object in one PUT
+    PUT_STAGED = "put_staged"  # GCS: one object of one owner's bytes (a pure window, a chunk)
+    PUT_LOOSE = "put_loose"  # a bundle of a process's bytes that builders fetch
+    PUT_FILLER = "put_filler"  # GCS: a mixed window's object, built by its builder
+    CREATE_UPLOAD = "create_upload"  # S3 CreateMultipartUpload
+    UPLOAD_PART = "upload_part"  # S3 UploadPart
+    LIST_PARTS = "list_parts"  # S3 ListParts (the ETags to complete with), one per 1,000 parts
+    COMPLETE_UPLOAD = "complete_upload"  # S3 CompleteMultipartUpload
+    GET_RANGE = "get_range"  # a ranged GET of another process's loose object
+    COMPOSE = "compose"  # GCS compose
+    DELETE = "delete"  # S3: one DeleteObjects of <= 1,000 keys; GCS: one object
+
+
+WRITE_KINDS = frozenset(
+    k for k in RequestKind if k not in (RequestKind.GET_RANGE, RequestKind.LIST_PARTS)
+)
+"""Kinds that write (create or delete) objects: what a bucket's write-rate limit counts."""
+
+
+@dataclasses.dataclass(frozen=True)
+class UploadLimits:
+    """The sizes a plan obeys (see :class:`ObjectStoreOptions` and the providers' limits)."""
+
+    part_size: int = 64 * MiB
+    gcs_min_object: int = 1 * MiB
+    compose_fan_in: int = GCS_MAX_COMPOSE
+    s3_min_part: int = _options.S3_MIN_PART
+    s3_max_parts: int = S3_MAX_PARTS
+
+    @classmethod
+    def of(cls, options: _options.ObjectStoreOptions) -> UploadLimits:
+        """The limits of a store configured with ``options``."""
+        return cls(part_size=options.part_size, gcs_min_object=options.gcs_min_object)
+
+    def min_part(self, size: int) -> int:
+        """Smallest S3 part but the last of a ``size``-byte file (<= ``s3_max_parts`` parts)."""
+        return max(self.s3_min_part, -(-size // (self.s3_max_parts - 1)))
+
+
+@dataclasses.dataclass(frozen=True)
+class FileOwners:
+    """Who owns which bytes of one file: process ``owners[i]`` owns ``[starts[i], next)``,
+    where next is ``starts[i + 1]`` (``size`` for the last); the segments tile the file."""
+
+    name: str
+    size: int
+    starts: np.ndarray  # int64, increasing, starts[0] == 0
+    owners: np.ndarray  # int64 process indices
+
+    @classmethod
+    def from_segments(
+        cls, name: str, size: int, segments: Mapping[int, Sequence[tuple[int, int]]]
+    ) -> FileOwners:
+        """From each process's ``[start, stop)`` byte ranges; ValueError naming the file and
+        the bytes unless they tile ``[0, size)`` exactly (touching ranges of one owner join)."""
+        items = sorted((a, b, p) for p, ranges in segments.items() for a, b in ranges if b > a)
+        starts: list[int] = []
+        owners: list[int] = []
+        pos = 0
+        for a, b, p in items:
+            if a != pos:
+                what = "owned by no process" if a > pos else "owned twice"
+                raise ValueError(f"{name}: bytes {min(a, pos)}-{max(a, pos) - 1} are {what}")
+            if not owners or owners[-1] != p:
+                starts.append(a)
+                owners.append(p)
+            pos = b
+        if pos != size or not starts:
+            raise ValueError(f"{name}: bytes {pos}-{size - 1} are owned by no process")
+        return cls(name, size, np.array(starts, np.int64), np.array(owners, np.int64))
+
+    def stops(self) -> np.ndarray:
+        return np.append(self.starts[1:], self.size)
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One request of a process: its kind, phase, file (index in the plan; -1 for a loose
+    bundle, which may hold bytes of several files) and bytes moved. ``start``/``stop``: the
+    file bytes of a part or window object (of a GET: the bytes in the peer's loose object);
+    ``number``: S3 part number, bundle index (loose objects, GETs) or compose level; ``peer``:
+    whose loose object a GET reads; ``window``: the window a part or GET is for; ``sources``:
+    objects composed or deleted (parts completed)."""
+
+    kind: RequestKind
+    phase: Phase
+    file: int
+    upload: int = 0
+    download: int = 0
+    start: int = 0
+    stop: int = 0
+    number: int = 0
+    peer: int = -1
+    window: int = -1
+    sources: int = 0
+
+
+@dataclasses.dataclass
+class FileUpload:
+    """The plan of one file: written whole by ``whole_owner``, or in windows."""
+
+    name: str
+    size: int
+    whole_owner: int  # -1: several owners, see the windows
+    wstart: np.ndarray  # window starts (int64); the last window ends at ``size``
+    writer: np.ndarray  # who uploads each window: its owner (pure) or its builder (mixed)
+    pure: np.ndarray  # bool: the writer owns the whole window
+    # (window, owner, bytes) of every mixed window's owners, sorted by window then owner
+    pair_window: np.ndarray
+    pair_owner: np.ndarray
+    pair_bytes: np.ndarray
+    compose: list[list[tuple[int, int]]]  # GCS: per level below the top, (composer, sources)
+    top: int = -1  # GCS: who composes the final object (the primary above a tree)
+
+    @property
+    def windows(self) -> int:
+        return len(self.wstart)
+
+    def wstop(self) -> np.ndarray:
+        return np.append(self.wstart[1:], self.size)
+
+
+@dataclasses.dataclass
+class UploadPlan:
+    """Every process's requests for one save (see the module docstring)."""
+
+    kind: StoreKind
+    limits: UploadLimits
+    num_processes: int
+    primary: int
+    files: list[FileUpload]
+    mixed_target: int  # bytes per mixed window (before the S3 minimum of large files)
+    # loose items: bytes of a mixed window uploaded by an owner that does not build it
+    item_owner: np.ndarray
+    item_file: np.ndarray
+    item_window: np.ndarray
+    item_bytes: np.ndarray
+    item_builder: np.ndarray
+    item_bundle: np.ndarray  # bundle index among the owner's loose objects
+    item_offset: np.ndarray  # offset of the item in its bundle
+
+
+def _even_bounds(a: int, b: int, target: int) -> list[int]:
+    """Starts of the fewest near-equal chunks of ``[a, b)`` of at most ``target`` bytes."""
+    n = max(1, -(-(b - a) // target))
+    return [a + (b - a) * k // n for k in range(n)]
+
+
+def _windows(
+    kind: StoreKind, limits: UploadLimits, f: FileOwners, mixed_target: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(window starts, owner of each pure window or -1)`` of a file with several owners.
+
+    Ranges long enough (S3: 2 x the minimum part; GCS: ``gcs_min_object``) are cut into pure
+    windows of <= ``part_size``; the bytes between them into mixed windows of about
+    ``mixed_target``. On S3 a run of short ranges under the minimum part borrows the missing
+    bytes from the long range after it, so every window but the file's last is >= the minimum.
+    """
+    s3 = kind is StoreKind.S3
+    m = limits.min_part(f.size) if s3 else limits.gcs_min_object
+    mixed = max(mixed_target, 2 * m) if s3 else mixed_target
+    lengths = f.stops() - f.starts
+    long = np.flatnonzero(lengths >= (2 * m if s3 else m))
+    starts: list[int] = []
+    pure: list[int] = []
+
+    def add(a: int, b: int, target: int, owner: int) -> None:
+        bounds = _even_bounds(a, b, target)
+        starts.extend(bounds)
+        pure.extend([owner] * len(bounds))
+
+    pos = 0
+    for i in long.tolist():
+        a, b, owner = int(f.starts[i]), int(f.starts[i] + lengths[i]), int(f.owners[i])
+        if a > pos:
+            if s3 and a - pos < m:  # borrow from this long range
+                add(pos, pos + m, mixed, -1)
+                a = pos + m
+            else:
+                add(pos, a, mixed, -1)
+        add(a, b, limits.part_size, owner)
+        pos = b
+    if pos < f.size:
+        add(pos, f.size, mixed, -1)
+    return np.array(starts, np.int64), np.array(pure, np.int64)
+
+
+def _pairs(
+    f: FileOwners, wstart: np.ndarray, mixed: np.ndarray, n: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(window, owner, bytes) of the owners of the mixed windows, by window then owner."""
+    starts, stops = f.starts, f.stops()
+    first = np.searchsorted(wstart, starts, "right") - 1
+    last = np.searchsorted(wstart, stops - 1, "right") - 1
+    count = last - first + 1
+    seg = np.repeat(np.arange(len(starts)), count)
+    ramp = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+    window = np.repeat(first, count) + ramp
+    wstop = np.append(wstart[1:], f.size)
+    nbytes = np.minimum(stops[seg], wstop[window]) - np.maximum(starts[seg], wstart[window])
+    keep = mixed[window]
+    key = window[keep] * n + f.owners[seg[keep]]
+    unique, inverse = np.unique(key, return_inverse=True)
+    total = np.bincount(inverse, weights=nbytes[keep]).astype(np.int64)
+    return unique // n, unique % n, total
+
+
+def _compose_levels(
+    writer: np.ndarray, fan_in: int, load: np.ndarray
+) -> list[list[tuple[int, int]]]:
+    """The compose tree below the top of a file whose window objects ``writer`` wrote: per
+    level, ``(composer, sources)`` of each group of <= ``fan_in`` consecutive objects; the
+    composer is the least loaded of the group's writers (``load``, updated)."""
+    levels: list[list[tuple[int, int]]] = []
+    writers = writer.tolist()
+    while len(writers) > fan_in:
+        level = []
+        for k in range(0, len(writers), fan_in):
+            group = writers[k : k + fan_in]
+            composer = min(set(group), key=lambda p: (load[p], p))
+            load[composer] += _REQUEST_WEIGHT * 2  # the compose, and deleting the composite
+            level.append((composer, len(group)))
+        levels.append(level)
+        writers = [c for c, _ in level]
+    return levels
+
+
+def plan_uploads(
+    kind: StoreKind,
+    limits: UploadLimits,
+    files: Sequence[FileOwners],
+    num_processes: int,
+    primary: int = 0,
+) -> UploadPlan:
+    """The upload plan of a save of ``files`` by ``num_processes`` processes (see the module
+    docstring); ``files`` lists every file with every process's bytes of it.
+
+    Example::
+
+        plan = plan_uploads(StoreKind.GCS, UploadLimits(), owners, num_processes=4)
+        plan.files[0].writer
+    """
+    n = num_processes
+    total = sum(f.size for f in files)
+    low = 2 * (limits.s3_min_part if kind is StoreKind.S3 else limits.gcs_min_object)
+    mixed_target = int(min(limits.part_size, max(low, total // (4 * n))))
+    # Balance by bytes moved: start from each process's own bytes.
+    load = np.zeros(n, np.int64)
+    for f in files:
+        load += np.bincount(f.owners, weights=f.stops() - f.starts, minlength=n).astype(np.int64)
+        if not (f.owners == f.owners[0]).all():  # the primary completes or composes it
+            load[primary] += 3 * _REQUEST_WEIGHT
+    out: list[FileUpload] = []
+    items: list[tuple[np.ndarray, ...]] = []
+    for index, f in enumerate(files):
+        if (f.owners == f.owners[0]).all():
+            empty = np.zeros(0, np.int64)
+            sole = int(f.owners[0])
+            out.append(
+                FileUpload(
+                    f.name, f.size, sole, empty, empty, empty.astype(bool), empty, empty, empty, []
+                )
+            )
+            continue
+        wstart, pure_owner = _windows(kind, limits, f, mixed_target)
+        mixed = pure_owner < 0
+        pw, po, pb = _pairs(f, wstart, mixed, n)
+        wsize = np.append(wstart[1:], f.size) - wstart
+        writer = pure_owner.copy()
+        bounds = np.searchsorted(pw, np.arange(len(wstart) + 1))
+        alone = mixed & (np.diff(bounds) == 1)  # short ranges of one owner only: pure
+        writer[alone] = po[bounds[:-1][alone]]
+        mixed &= ~alone
+        for w in np.flatnonzero(mixed).tolist():
+            lo, hi = bounds[w], bounds[w + 1]
+            owners_w, bytes_w = po[lo:hi], pb[lo:hi]
+            # What building it adds: the others' bytes down and the window up, one GET per
+            # other owner. The owner of most bytes adds least unless it is loaded already.
+            added = 2 * (int(wsize[w]) - bytes_w) + _REQUEST_WEIGHT * len(owners_w)
+            best = int(np.argmin(load[owners_w] + added))
+            chosen = int(owners_w[best])
+            writer[w] = chosen
+            load[chosen] += int(added[best])
+        others = po != writer[pw]
+        items.append(
+            (
+                po[others],
+                np.full(int(others.sum()), index, np.int64),
+                pw[others],
+                pb[others],
+                writer[pw][others],
+            )
+        )
+        compose, top = [], primary
+        if kind is StoreKind.GCS:
+            compose = _compose_levels(writer, limits.compose_fan_in, load)
+            if not compose and len(wstart) > 1:
+                # One compose makes the file: the least loaded writer sends it, not the primary
+                # (whose top-level load was counted up front).
+                top = min(set(writer.tolist()), key=lambda p: (load[p], p))
+                load[top] += _REQUEST_WEIGHT
+                load[primary] -= 3 * _REQUEST_WEIGHT
+        upload = FileUpload(f.name, f.size, -1, wstart, writer, ~mixed, pw, po, pb, compose, top)
+        out.append(upload)
+    columns: list[np.ndarray] = (
+        [np.concatenate(c) for c in zip(*items)] if items else [np.zeros(0, np.int64)] * 5
+    )
+    owner, file, window, nbytes, builder = columns
+    # Each process's loose bytes, in file and window order, cut into bundles of ~part_size.
+    order = np.argsort(owner, kind="stable")
+    owner, file, window, nbytes, builder = (
+        a[order] for a in (owner, file, window, nbytes, builder)
+    )
+    cumulative = np.cumsum(nbytes) - nbytes
+    head_of = np.searchsorted(owner, owner, "left")
+    within = cumulative - cumulative[head_of] if len(owner) else cumulative
+    bundle = within // limits.part_size
+    bundle_start = np.zeros_like(within)
+    if len(owner):
+        # offset of each item inside its bundle: bytes before it in the same bundle
+        key = owner * (int(bundle.max()) + 1) + bundle
+        head = np.searchsorted(key, key, "left")
+        bundle_start = within - within[head]
+    return UploadPlan(
+        kind,
+        limits,
+        n,
+        primary,
+        out,
+        mixed_target,
+        owner,
+        file,
+        window,
+        nbytes,
+        builder,
+        bundle,
+        bundle_start,
+    )
