@@ -18,8 +18,10 @@ from multihost.launcher import run_workers
 
 from objstore.buckets import download, list_keys
 from orbax_safetensors._src.core import relayout as _relayout
+from orbax_safetensors._src.storage.config import ObjectStoreOptions
 
 _FILES = ("model.safetensors", "orbax_safetensors.json")
+_WINDOW = ObjectStoreOptions().part_size  # the engine's part window, by default
 # As in tests/multihost/workers/objstore_relayout_worker.py: name -> (shape, dtype, spec) on a
 # (N, 2) mesh ("data", "model"), "data" across processes.
 _TENSORS = {
@@ -100,9 +102,11 @@ def test_two_processes_upload_column_stripes_as_one_range_per_tensor(
             assert cols["get_requests"] == 1 and read["header_reads"] == 0, (root, cols, read)
             save = report[root]["save"]
             assert save["retries"] == 0, save
-            if process != 0:  # its share, in a few requests (a manifest, staged objects)
-                assert data // n <= save["bytes_uploaded"] < data // n + (64 << 10), save
-                assert save["put_requests"] <= 4 and save["get_requests"] == 0, save
+            # Its share (the objects engine spreads the part building: issue 27's bound, with
+            # the default part window), in a few requests: one range per re-laid-out tensor.
+            moved = save["bytes_uploaded"] + save["bytes_fetched"]
+            assert data // n <= moved <= 1.25 * data / n + 2 * _WINDOW + (64 << 10), save
+            assert save["put_requests"] + save["get_requests"] <= 8, save
     # GCS joins staged objects of >= 1 MiB as they are: the primary re-assembles only what is
     # smaller (the short tensor's rows, the bfloat16 tensor's quarter), not the column stripes.
     assert reports[0][gcs_root]["save"]["bytes_reassembled"] < (1 << 20), reports[0][gcs_root]
