@@ -285,12 +285,19 @@ def _add_options(parser: argparse.ArgumentParser, **helps: str | None) -> None:
 
 
 def _command(
-    sub: Any, name: str, func: Callable[[argparse.Namespace], int], summary: str
+    sub: Any,
+    name: str,
+    func: Callable[[argparse.Namespace], int],
+    summary: str,
+    **positionals: str,
 ) -> argparse.ArgumentParser:
     """The subcommand ``name`` run by ``func``: ``summary`` is its line in the top-level
-    help, ``func``'s docstring its description (argparse refills the text)."""
+    help, ``func``'s docstring its description (argparse refills the text); ``positionals``:
+    its positional arguments in order, each with its help."""
     parser: argparse.ArgumentParser = sub.add_parser(name, help=summary, description=func.__doc__)
     parser.set_defaults(func=func)
+    for dest, help_text in positionals.items():
+        parser.add_argument(dest, help=help_text)
     return parser
 
 
@@ -312,10 +319,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_options(verify, path=None, json=None)
 
     convert = _command(
-        sub, "convert", _convert_cmd, "convert Orbax-native checkpoints to safetensors, or back"
+        sub,
+        "convert",
+        _convert_cmd,
+        "convert Orbax-native checkpoints to safetensors, or back",
+        src="item, step or root to convert",
+        dst="where to write the converted checkpoint",
     )
-    convert.add_argument("src", help="item, step or root to convert")
-    convert.add_argument("dst", help="where to write the converted checkpoint")
     _add_options(
         convert,
         to="direction (default: from what SRC holds)",
@@ -340,10 +350,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_selection(convert, "convert")
 
     export = _command(
-        sub, "export", _export_cmd, "write a checkpoint as a Hugging Face model directory"
+        sub,
+        "export",
+        _export_cmd,
+        "write a checkpoint as a Hugging Face model directory",
+        src="file, item, step or root to export",
+        out="the Hugging Face model directory to write",
     )
-    export.add_argument("src", help="file, item, step or root to export")
-    export.add_argument("out", help="the Hugging Face model directory to write")
     _add_options(
         export,
         mapping="a preset (llama, qwen2, qwen3, gpt2: NNX ports named as Hugging Face names "
