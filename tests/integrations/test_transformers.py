@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 import orbax_safetensors as osf
+from orbax_safetensors._src.compat import orbaxcompat
 
 transformers = pytest.importorskip("transformers", minversion="5", reason="needs transformers>=5")
 torch = pytest.importorskip("torch")
@@ -42,12 +43,28 @@ def load_cleanly(directory):
 def official_reader_opens(directory):
     files = sorted(p for p in directory.iterdir() if p.suffix == ".safetensors")
     assert files
+    values = {}
     for f in files:
         with safetensors.safe_open(str(f), "np") as g:
             assert g.metadata() == {"format": "pt"}
             for k in g.keys():  # noqa: SIM118 (safe_open is no dict)
-                g.get_tensor(k)
+                values[k] = g.get_tensor(k)
+    orbax_layout_opens(directory, values)
     return files
+
+
+def orbax_layout_opens(directory, values):
+    """Orbax's own safetensors loader (its v1 ``checkpoint_layout="safetensors"``) reads the
+    same tensors, where this orbax-checkpoint has it."""
+    if not orbaxcompat.has_orbax_v1():
+        return
+    from orbax.checkpoint import v1 as ocp
+
+    with ocp.Context(checkpoint_layout="safetensors"):
+        got = dict(ocp.load(directory))
+    assert sorted(got) == sorted(values)
+    for k, v in values.items():
+        assert np.array_equal(np.asarray(got[k]).view(np.uint8), v.view(np.uint8)), k
 
 
 def jax_model(kind, tied, seed=0):
