@@ -39,7 +39,13 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 sys.path.insert(0, str(REPO))
 
 from benchmarks import procfs  # noqa: E402
-from benchmarks.state import format_size, llama_specs, make_state, parse_size  # noqa: E402
+from benchmarks.state import (  # noqa: E402
+    format_size,
+    llama_specs,
+    make_state,
+    parse_size,
+    write_results,
+)
 
 METHODS = {
     "plain": "SafetensorsSave(state): float32 as is",
@@ -224,11 +230,7 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     text = _report(results, modes, size)
     print(text)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(results, indent=1))
-        (out / "results.md").write_text(text + "\n")
+    write_results(args.out, results, text)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 sys.path.insert(0, str(REPO))
 
 from benchmarks import procfs  # noqa: E402
+from benchmarks.state import unflatten, write_results  # noqa: E402
 
 _MARKER = "@@HF_EXPORT@@"
 E, F, HEAD_DIM = 1024, 2816, 64
@@ -88,17 +89,6 @@ def shapes(size: int) -> dict[str, tuple[int, ...]]:
     out["model.norm.scale"] = (E,)
     out["lm_head.kernel"] = (E, vocab)
     return out
-
-
-def nested(flat: dict[str, Any]) -> dict[str, Any]:
-    tree: dict[str, Any] = {}
-    for name, value in flat.items():
-        *path, leaf = name.split(".")
-        node = tree
-        for part in path:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return tree
 
 
 def config(size: int) -> dict[str, Any]:
@@ -145,7 +135,7 @@ def write_checkpoint(size: int, directory: Path) -> int:
 
     rng = np.random.default_rng(0)
     flat = {n: rng.random(s, dtype=np.float32) - 0.5 for n, s in shapes(size).items()}
-    osf.save_directory(nested(flat), directory)
+    osf.save_directory(unflatten(flat), directory)
     return sum(v.nbytes for v in flat.values())
 
 
@@ -185,7 +175,7 @@ def _gathered(ckpt: Path, size: int) -> dict[str, Any]:
         n: jax.ShapeDtypeStruct(s, np.float32, sharding=NamedSharding(mesh, P("d")))
         for n, s in names.items()
     }
-    state = osf.restore_directory(ckpt, nested(abstract))
+    state = osf.restore_directory(ckpt, unflatten(abstract))
     out = {}
     for n in names:
         whole = np.asarray(multihost_utils.process_allgather(_leaf(state, n), tiled=True))
@@ -444,11 +434,7 @@ def main() -> None:
     if errors:
         text += f"\nerrors: {json.dumps(errors[:3])}"
     print(text)
-    if args.out:
-        out_dir = Path(args.out)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "results.json").write_text(json.dumps(rows, indent=1))
-        (out_dir / "results.md").write_text(text + "\n")
+    write_results(args.out, rows, text)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,10 @@ essentially incompressible, as real checkpoints are.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -83,6 +85,17 @@ def format_size(nbytes: int) -> str:
             value = nbytes / scale
             return f"{value:g}{unit}" if value == int(value) else f"{value:.3g}{unit}"
     return f"{nbytes}B"
+
+
+def write_results(out: str, rows: Any, text: str) -> None:
+    """A benchmark's ``rows`` as ``<out>/results.json`` and its report ``text`` as
+    ``<out>/results.md`` (nothing when ``out`` is empty)."""
+    if not out:
+        return
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(rows, indent=1))
+    (out_dir / "results.md").write_text(text + "\n")
 
 
 def _round_to(value: float, multiple: int) -> int:

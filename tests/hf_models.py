@@ -187,3 +187,36 @@ def tiny_config(kind="llama", tied=False):
     if kind == "qwen2":
         return transformers.Qwen2Config(**common)
     return transformers.LlamaConfig(**common)
+
+
+def stacked_fused_rule(pattern, flax, sizes=None):
+    """A transposed rule of ``pattern``'s ``{i}`` layers stacked on axis 0 and its ``{p}``
+    parts fused on the last axis (``sizes``: the parts' sizes, default equal)."""
+    import orbax_safetensors as osf
+
+    return osf.Rule(pattern, flax, osf.Transpose(), stacked="i", fused="p", axis=-1, sizes=sizes)
+
+
+def scanned_llama_mapping(head="head", out=None):
+    """``tiny_config()``'s LLaMA in a scanned layout: layers stacked on axis 0, QKV and gate/up
+    fused on the last axis. ``head``: the Flax name of the LM head; ``out``: the o_proj
+    transform (default a transpose)."""
+    import orbax_safetensors as osf
+
+    layer = "model.layers.{i}"
+    transpose = osf.Transpose()
+    return osf.KeyMapping(
+        [
+            osf.Rule("model.embed_tokens.weight", "embed"),
+            stacked_fused_rule(
+                layer + ".self_attn.{p:q_proj|k_proj|v_proj}.weight", "qkv", (32, 16, 16)
+            ),
+            osf.Rule(layer + ".self_attn.o_proj.weight", "out", out or transpose, stacked="i"),
+            stacked_fused_rule(layer + ".mlp.{p:gate_proj|up_proj}.weight", "gate_up"),
+            osf.Rule(layer + ".mlp.down_proj.weight", "down", transpose, stacked="i"),
+            osf.Rule(layer + ".input_layernorm.weight", "attn_norm", stacked="i"),
+            osf.Rule(layer + ".post_attention_layernorm.weight", "mlp_norm", stacked="i"),
+            osf.Rule("model.norm.weight", "norm"),
+            osf.Rule("lm_head.weight", head, transpose),
+        ]
+    )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 
+import hf_models
 import jax
 import numpy as np
 import pytest
@@ -41,18 +42,7 @@ CASES = [
     (osf.Rule("a.weight", "w", osf.Transpose((2, 0, 1))), [(3, 4, 5)]),
     (osf.Rule("a.weight", "w", osf.Chain(osf.Transpose(), osf.Transpose((1, 0)))), [(6, 10)]),
     (osf.Rule("l.{i}.w", "w", osf.Transpose(), stacked="i"), [(4, 6, 10)]),
-    (
-        osf.Rule(
-            "l.{i}.{p:q|k|v}.w",
-            "w",
-            osf.Transpose(),
-            stacked="i",
-            fused="p",
-            axis=-1,
-            sizes=(8, 4, 4),
-        ),
-        [(3, 6, 16)],
-    ),
+    (hf_models.stacked_fused_rule("l.{i}.{p:q|k|v}.w", "w", (8, 4, 4)), [(3, 6, 16)]),
     (osf.Rule("l.{p:gate|up}.w", "w", osf.Transpose(), fused="p", axis=-1), [(6, 10)]),
     (osf.Rule("c_attn.weight", "{p:q|k|v}.kernel", fused="p", axis=-1), [(6, 4)] * 3),
     (osf.Rule("qkv.weight", "{p:q|k}.kernel", osf.Transpose(), fused="p", axis=0), [(6, 4)] * 2),

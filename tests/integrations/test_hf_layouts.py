@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import hf_models
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,14 +64,8 @@ class Scanned(nnx.Module):
 
 STACKED = osf.KeyMapping(
     [
-        osf.Rule(
-            "layers.{i}.attn.{p:q_proj|k_proj|v_proj}.weight",
-            "qkv",
-            osf.Transpose(),
-            stacked="i",
-            fused="p",
-            axis=-1,
-            sizes=(4, 2, 2),
+        hf_models.stacked_fused_rule(
+            "layers.{i}.attn.{p:q_proj|k_proj|v_proj}.weight", "qkv", (4, 2, 2)
         ),
         osf.Rule("layers.{i}.fc.weight", "fc", osf.Transpose(), stacked="i"),
     ]

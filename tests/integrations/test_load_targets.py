@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from flax import nnx
+from flax import nnx, traverse_util
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -23,17 +23,8 @@ import hf_models  # noqa: E402
 IDS = np.random.default_rng(0).integers(0, 96, size=(2, 9))
 
 
-def llama_config(tied=False):
-    return transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=96,
-        tie_word_embeddings=tied,
-        max_position_embeddings=64,
-    )
+def nested(flat):
+    return traverse_util.unflatten_dict(flat, sep=".")
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +32,7 @@ def reference(tmp_path_factory):
     """A seeded transformers LLaMA saved whole and sharded; its logits and state dict."""
     root = tmp_path_factory.mktemp("ref")
     torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(llama_config()).eval()
+    hf = transformers.AutoModelForCausalLM.from_config(hf_models.tiny_config()).eval()
     hf.save_pretrained(root / "whole")
     hf.save_pretrained(root / "sharded", max_shard_size="40KB")
     with torch.no_grad():
@@ -50,19 +41,8 @@ def reference(tmp_path_factory):
     return root, logits, weights
 
 
-def nest(flat):
-    out = {}
-    for name, value in flat.items():
-        node = out
-        *parents, leaf = name.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return out
-
-
 def model_names():
-    model = hf_models.CausalLM(llama_config(), rngs=nnx.Rngs(0))
+    model = hf_models.CausalLM(hf_models.tiny_config(), rngs=nnx.Rngs(0))
     return {
         ".".join(map(str, path)): var.get_value()
         for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
@@ -78,7 +58,7 @@ def test_plain_dict_of_numpy_from_every_path_form(reference, where):
         "index": root / "sharded" / "model.safetensors.index.json",
         "file": root / "whole" / "model.safetensors",
     }[where]
-    target = nest({n: np.zeros(v.shape, np.float32) for n, v in model_names().items()})
+    target = nested({n: np.zeros(v.shape, np.float32) for n, v in model_names().items()})
     got = osf.load_pytorch(target, path, osf.preset_mapping("llama"))
     assert jax.tree.structure(got) == jax.tree.structure(target)
     q = got["model"]["layers"]["0"]["self_attn"]["q_proj"]["kernel"]
@@ -90,14 +70,14 @@ def test_plain_dict_of_numpy_from_every_path_form(reference, where):
 def test_linen_params_with_prefix_and_nnx_state(reference):
     root, logits, weights = reference
     names = model_names()
-    params = {"params": nest({n: jnp.zeros(v.shape, v.dtype) for n, v in names.items()})}
+    params = {"params": nested({n: jnp.zeros(v.shape, v.dtype) for n, v in names.items()})}
     got = osf.load_pytorch(params, root / "whole", osf.preset_mapping("llama"), prefix="params.")
     assert set(got) == {"params"}
     embed = got["params"]["model"]["embed_tokens"]["embedding"]
     assert isinstance(embed, jax.Array)
     np.testing.assert_array_equal(embed, weights["model.embed_tokens.weight"])
     # nnx.State: the same structure back, variables kept; the model then gives the HF logits
-    model = hf_models.CausalLM(llama_config(), rngs=nnx.Rngs(5))
+    model = hf_models.CausalLM(hf_models.tiny_config(), rngs=nnx.Rngs(5))
     state = osf.load_pytorch(
         nnx.state(model, nnx.Param), root / "sharded", osf.preset_mapping("llama")
     )
@@ -110,7 +90,7 @@ def test_abstract_sharded_target(reference):
     """ShapeDtypeStruct leaves with shardings: jax.Arrays of those shardings and dtypes."""
     root, _, _ = reference
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
-    abstract = nnx.eval_shape(lambda: hf_models.CausalLM(llama_config(), rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: hf_models.CausalLM(hf_models.tiny_config(), rngs=nnx.Rngs(0)))
     state = nnx.state(abstract, nnx.Param)
 
     def shard(x):
@@ -131,34 +111,7 @@ def test_abstract_sharded_target(reference):
         np.testing.assert_array_equal(np.asarray(value), ref.astype(jnp.bfloat16))
 
 
-SCANNED = osf.KeyMapping(
-    [
-        osf.Rule("model.embed_tokens.weight", "embed"),
-        osf.Rule(
-            "model.layers.{i}.self_attn.{p:q_proj|k_proj|v_proj}.weight",
-            "qkv",
-            osf.Transpose(),
-            stacked="i",
-            fused="p",
-            axis=-1,
-            sizes=(32, 16, 16),
-        ),
-        osf.Rule("model.layers.{i}.self_attn.o_proj.weight", "out", osf.Transpose(), stacked="i"),
-        osf.Rule(
-            "model.layers.{i}.mlp.{p:gate_proj|up_proj}.weight",
-            "gate_up",
-            osf.Transpose(),
-            stacked="i",
-            fused="p",
-            axis=-1,
-        ),
-        osf.Rule("model.layers.{i}.mlp.down_proj.weight", "down", osf.Transpose(), stacked="i"),
-        osf.Rule("model.layers.{i}.input_layernorm.weight", "attn_norm", stacked="i"),
-        osf.Rule("model.layers.{i}.post_attention_layernorm.weight", "mlp_norm", stacked="i"),
-        osf.Rule("model.norm.weight", "norm"),
-        osf.Rule("lm_head.weight", "head", osf.Transpose()),
-    ]
-)
+SCANNED = hf_models.scanned_llama_mapping()
 SCANNED_SPECS = {
     "embed": ((96, 32), P("x", "y")),
     "qkv": ((2, 32, 64), P("x", None, "y")),
@@ -202,7 +155,7 @@ def test_stacked_and_fused_abstract_sharded_target_and_restore(reference, tmp_pa
 
 def test_tied_embeddings_load_from_the_embedding(tmp_path):
     torch.manual_seed(1)
-    hf = transformers.AutoModelForCausalLM.from_config(llama_config(tied=True))
+    hf = transformers.AutoModelForCausalLM.from_config(hf_models.tiny_config(tied=True))
     hf.save_pretrained(tmp_path / "tied")
     target = {
         "model": {"embed_tokens": {"embedding": np.zeros((96, 32), np.float32)}},
@@ -225,14 +178,14 @@ def test_errors_name_keys_and_shapes(reference):
     del flat["model.norm.scale"]  # the file has it: unexpected
     flat["extra.kernel"] = np.ones((3,), np.float32)  # nothing fills it: missing
     with pytest.raises(osf.TargetMismatchError) as e:
-        osf.load_pytorch(nest(flat), root / "whole", osf.preset_mapping("llama"))
+        osf.load_pytorch(nested(flat), root / "whole", osf.preset_mapping("llama"))
     message = str(e.value)
     assert "model.layers.0.mlp.up_proj.weight F32[64, 32] becomes [32, 64]" in message
     assert "model.layers.0.mlp.up_proj.kernel is [32, 65]" in message
     assert "model.norm.weight -> model.norm.scale" in message
     assert "extra.kernel" in message
     got, report = osf.load_pytorch(
-        nest(flat), root / "whole", osf.preset_mapping("llama"), strict=False, with_report=True
+        nested(flat), root / "whole", osf.preset_mapping("llama"), strict=False, with_report=True
     )
     assert not report.ok and report.missing == ["extra.kernel"]
     np.testing.assert_array_equal(got["extra"]["kernel"], np.ones(3))  # as given

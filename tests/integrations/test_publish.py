@@ -27,19 +27,6 @@ import safetensors  # noqa: E402
 IDS = np.random.default_rng(0).integers(0, 96, size=(2, 9))
 
 
-def llama_config(tied=False):
-    return transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=96,
-        tie_word_embeddings=tied,
-        max_position_embeddings=64,
-    )
-
-
 def randomize(model, seed):
     """Weights of the scale transformers initialises, norms non-trivial (a wrong norm mapping
     cannot pass)."""
@@ -78,7 +65,7 @@ def equal_trees(a, b):
 def test_rl_weight_publication_recipe(tmp_dir):
     """Training state + servable item per step, async, max_to_keep=2: each kept step's
     servable item loads in transformers with the JAX logits and restores back exactly."""
-    config = llama_config()
+    config = hf_models.tiny_config()
     model = hf_models.CausalLM(config, rngs=nnx.Rngs(0))
     mapping = osf.preset_mapping("llama")
     root = tmp_dir / "run"
@@ -155,40 +142,11 @@ def test_transforms_run_off_the_caller_thread_from_the_snapshot(tmp_dir):
 def test_scanned_fused_lora_model_publishes_a_plain_hf_model(tmp_dir):
     """Stacked layers, fused QKV and gate/up, a LoRA adapter merged, a sync save: transformers
     loads the item with the reference model's logits."""
-    config = llama_config()
+    config = hf_models.tiny_config()
     torch.manual_seed(0)
     reference = transformers.AutoModelForCausalLM.from_config(config).eval()
     reference.save_pretrained(tmp_dir / "ref")
-    layer = "model.layers.{i}"
-    q, kv = 32, 16
-    mapping = osf.KeyMapping(
-        [
-            osf.Rule("model.embed_tokens.weight", "embed"),
-            osf.Rule(
-                layer + ".self_attn.{p:q_proj|k_proj|v_proj}.weight",
-                "qkv",
-                osf.Transpose(),
-                stacked="i",
-                fused="p",
-                axis=-1,
-                sizes=(q, kv, kv),
-            ),
-            osf.Rule(layer + ".self_attn.o_proj.weight", "out", osf.Transpose(), stacked="i"),
-            osf.Rule(
-                layer + ".mlp.{p:gate_proj|up_proj}.weight",
-                "gate_up",
-                osf.Transpose(),
-                stacked="i",
-                fused="p",
-                axis=-1,
-            ),
-            osf.Rule(layer + ".mlp.down_proj.weight", "down", osf.Transpose(), stacked="i"),
-            osf.Rule(layer + ".input_layernorm.weight", "attn_norm", stacked="i"),
-            osf.Rule(layer + ".post_attention_layernorm.weight", "mlp_norm", stacked="i"),
-            osf.Rule("model.norm.weight", "norm"),
-            osf.Rule("lm_head.weight", "head.kernel", osf.Transpose()),
-        ]
-    )
+    mapping = hf_models.scanned_llama_mapping(head="head.kernel")
     abstract = {
         "embed": jax.ShapeDtypeStruct((96, 32), jnp.float32),
         "qkv": jax.ShapeDtypeStruct((2, 32, 64), jnp.float32),
@@ -223,7 +181,7 @@ def test_scanned_fused_lora_model_publishes_a_plain_hf_model(tmp_dir):
 def test_dtype_policy_keep_and_tied_embeddings(tmp_dir):
     """The dtype policy over JAX names ("keep" accepted), tied lm_head not written,
     config.json's dtype the stored one."""
-    config = llama_config(tied=True)
+    config = hf_models.tiny_config(tied=True)
     model = hf_models.CausalLM(config, rngs=nnx.Rngs(0))
     randomize(model, seed=7)
     state = nnx.state(model, nnx.Param)

@@ -50,19 +50,6 @@ IDS = np.random.default_rng(0).integers(0, V.V, size=(2, 9))
 WRITE_OVERHEAD = 64 << 10
 
 
-def _config():
-    return transformers.LlamaConfig(
-        hidden_size=V.E,
-        intermediate_size=V.F,
-        num_hidden_layers=V.L,
-        num_attention_heads=V.H,
-        num_key_value_heads=V.KV_HEADS,
-        vocab_size=V.V,
-        tie_word_embeddings=False,
-        max_position_embeddings=64,
-    )
-
-
 def _scanned(model) -> dict[str, np.ndarray]:
     """The JAX model's weights in the scanned layout of ``hf_export_values``."""
     m = model.model
@@ -104,7 +91,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from flax import nnx
 
     base = tmp_path_factory.mktemp("hf_export_mh")
-    config = _config()
+    config = hf_models.tiny_config()
     model = hf_models.CausalLM(config, "llama", rngs=nnx.Rngs(0))
     # norms away from 1 so that a misplaced norm shows in the logits
     for layer in model.model.layers:

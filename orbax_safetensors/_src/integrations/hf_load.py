@@ -208,15 +208,32 @@ def _device_path(link: _links.Link, targets: Sequence[Target]) -> bool:
 # --------------------------------------------------------------------------- reading
 
 
+@dataclasses.dataclass(frozen=True)
+class LoadOptions:
+    """How :func:`load_flat` and :func:`load_tree` load: ``strict`` raises on any mapping
+    problem (else the report lists it); ``batch_bytes`` of tensors held at a time; ``where``
+    names the source in errors; ``verify``, ``io`` and ``stats`` go to the pipeline's reader.
+
+    Example::
+
+        values, report = load_flat(source, flat, mapping, LoadOptions(strict=False))
+    """
+
+    strict: bool = True
+    batch_bytes: int = _sources.DEFAULT_BATCH_BYTES
+    where: str = ""
+    verify: bool = True
+    io: _config.IOOptions | None = None
+    stats: _reader.ReadStats | None = None
+
+
 @dataclasses.dataclass
 class _Reads:
     """How a load reads its source: ranged and sharded when the source is safetensors."""
 
     source: Any
     alias: dict[str, str]
-    verify: bool = True
-    io: _config.IOOptions | None = None
-    stats: _reader.ReadStats | None = None
+    options: LoadOptions
 
     def stored(self, key: str) -> Any:
         stored = getattr(self.source, "stored", None)
@@ -227,17 +244,17 @@ class _Reads:
             got = self.source.read(sorted({self.alias.get(k, k) for k in keys}))
             return {k: got[self.alias.get(k, k)] for k in keys}
         requests = [
-            _reader.ReadRequest(self.stored(k), _reader.ReadKind.NUMPY, verify=self.verify)
+            _reader.ReadRequest(self.stored(k), _reader.ReadKind.NUMPY, verify=self.options.verify)
             for k in keys
         ]
-        return dict(zip(keys, _reader.read_tensors(requests, self.stats, self.io)))
+        return dict(zip(keys, _reader.read_tensors(requests, self.options.stats, self.options.io)))
 
     def sharded(self, keys: Sequence[str], shardings: Sequence[Any]) -> list[jax.Array]:
         requests = [
-            _reader.ReadRequest(self.stored(k), _reader.ReadKind.JAX, s, verify=self.verify)
+            _reader.ReadRequest(self.stored(k), _reader.ReadKind.JAX, s, verify=self.options.verify)
             for k, s in zip(keys, shardings)
         ]
-        return _reader.read_tensors(requests, self.stats, self.io)
+        return _reader.read_tensors(requests, self.options.stats, self.options.io)
 
 
 def _place(value: np.ndarray, target: Target) -> Any:
@@ -295,13 +312,7 @@ def load_flat(
     source: Any,
     targets: Mapping[str, Target],
     mapping: KeyMapping,
-    *,
-    strict: bool = True,
-    batch_bytes: int = _sources.DEFAULT_BATCH_BYTES,
-    where: str = "",
-    verify: bool = True,
-    io: _config.IOOptions | None = None,
-    stats: _reader.ReadStats | None = None,
+    options: LoadOptions | None = None,
 ) -> tuple[dict[str, Any], MappingReport]:
     """The values of ``targets`` (by Flax name) read from ``source`` (a catalog
     ``TensorSource``) through ``mapping``, and the report.
@@ -311,18 +322,19 @@ def load_flat(
     """
     from orbax_safetensors._src.core.errors import TargetMismatchError
 
+    options = options or LoadOptions()
     tensors, alias = _with_tied(source.tensors, mapping, targets)
     moves, report = plan_links(tensors, targets, mapping)
-    if strict and not report.ok:
+    if options.strict and not report.ok:
         raise TargetMismatchError(
-            f"{where or source.path}: the checkpoint does not fit the target through this "
+            f"{options.where or source.path}: the checkpoint does not fit the target through this "
             "mapping\n" + report.problems()
         )
-    reads = _Reads(source, alias, verify, io, stats)
+    reads = _Reads(source, alias, options)
     values: dict[str, Any] = {}
     sharded = getattr(source, "stored", None) is not None
     for group in _links.link_batches(
-        moves, lambda k: tensors[k].nbytes, batch_bytes, torch_side=True
+        moves, lambda k: tensors[k].nbytes, options.batch_bytes, torch_side=True
     ):
         on_host = [
             not (sharded and _device_path(link, [targets[n] for n in link.flax])) for link in group
@@ -357,14 +369,9 @@ def load_tree(
     tree: Any,
     source: Any,
     mapping: KeyMapping,
+    options: LoadOptions | None = None,
     *,
     prefix: str = "",
-    strict: bool = True,
-    batch_bytes: int = _sources.DEFAULT_BATCH_BYTES,
-    where: str = "",
-    verify: bool = True,
-    io: _config.IOOptions | None = None,
-    stats: _reader.ReadStats | None = None,
 ) -> tuple[Any, MappingReport]:
     """``tree`` with its tensor leaves read from ``source`` through ``mapping`` (see
     :func:`load_flat`), and the report. Leaves are named by their key paths joined with ``.``
@@ -390,17 +397,7 @@ def load_tree(
         if target is not None:
             targets[name[len(prefix) :]] = target
             positions[name[len(prefix) :]] = i
-    values, report = load_flat(
-        source,
-        targets,
-        mapping,
-        strict=strict,
-        batch_bytes=batch_bytes,
-        where=where,
-        verify=verify,
-        io=io,
-        stats=stats,
-    )
+    values, report = load_flat(source, targets, mapping, options)
     leaves = [leaf for _, leaf in flat]
     for name, value in values.items():
         i = positions[name]

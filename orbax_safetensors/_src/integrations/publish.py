@@ -31,7 +31,6 @@ from etils import epath
 from orbax_safetensors._src.catalog import sources as _sources
 from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import dtypes as _dtypes
-from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core.errors import TargetMismatchError
 from orbax_safetensors._src.integrations import hf_load as _hf_load
 from orbax_safetensors._src.integrations import links as _links
@@ -90,48 +89,18 @@ def export_plan(
     merges = _links.lora_merges(arrays)
     adapters = {n for pair in merges.values() for n in pair}
     report.ignored += sorted(adapters)
-    links, found = _links.export_links(
-        mapping, {n: s for n, s in shapes.items() if n not in adapters}
-    )
-    report.ignored += found.ignored
-    report.unmapped += found.unmapped
-    report.mismatched += found.mismatched
-    names = list(arrays)
-    casts = _casting.resolve(
+    specs, links = _pytorch.plan_tensors(
+        mapping,
+        shapes,
+        {n: _dtypes.from_numpy(np.dtype(a.dtype), key=n) for n, a in arrays.items()},
+        arrays,
         policy,
-        names,
-        [np.dtype(arrays[n].dtype) for n in names],
-        [shapes[n] for n in names],
-        [arrays[n] for n in names],
+        report,
+        skip=adapters,
+        show_stored=True,
     )
-    stored = {
-        n: _dtypes.from_numpy(np.dtype(arrays[n].dtype) if c is None else c, key=n)
-        for n, c in zip(names, casts)
-    }
     tied = dict(mapping.tied)
-    taken: dict[str, str] = {}
-    specs: list[_plan.TensorSpec] = []
-    groups = []
-    for link in links:
-        first = link.flax[0]
-        described = f"{first} {stored[first]}{list(shapes[first])}"
-        clash = [k for k in link.torch if k in taken]
-        if clash:
-            report.mismatched += [f"{first} and {taken[k]} both map to {k}" for k in clash]
-            continue
-        taken.update(dict.fromkeys(link.torch, first))
-        try:
-            torch_shapes = link.torch_shapes(
-                [shapes[n] for n in link.flax], np.dtype(arrays[first].dtype)
-            )
-        except ValueError as e:
-            report.mismatched.append(f"{described} -> {link.torch[0]}: {e}")
-            continue
-        kept = [(k, s) for k, s in zip(link.torch, torch_shapes) if k not in tied]
-        if not kept:
-            continue
-        specs += [_plan.TensorSpec(k, stored[first], s) for k, s in kept]
-        groups.append(_group(link, tied, merges, mapping.lora_scale))
+    groups = [_group(link, tied, merges, mapping.lora_scale) for link in links]
     if not report.ok:
         raise TargetMismatchError(
             "SafetensorsSave(mapping=...): the item does not fit this mapping\n" + report.problems()
@@ -142,7 +111,7 @@ def export_plan(
         files[_pytorch.CONFIG_FILE_NAME] = _pytorch.config_json(
             hf_config, dtypes, policy is not None
         )
-    summary = f"KeyMapping: {len(names)} tensors -> {len(specs)} Hugging Face tensors"
+    summary = f"KeyMapping: {len(arrays)} tensors -> {len(specs)} Hugging Face tensors"
     return _export_plan.ExportPlan(tuple(specs), tuple(groups), HEADER_METADATA, files, summary)
 
 
@@ -158,16 +127,10 @@ def restore_item(
 ) -> Any:
     """``target`` (a pytree, an abstract pytree, ``nnx.State``) filled from the item in
     ``directory`` through ``mapping`` (see ``hf_load.load_tree``)."""
-    tree, _ = _hf_load.load_tree(
-        target,
-        _sources.open_source(directory),
-        mapping,
-        strict=strict,
-        verify=verify,
-        io=io,
-        stats=stats,
-        where=str(directory),
+    options = _hf_load.LoadOptions(
+        strict=strict, where=str(directory), verify=verify, io=io, stats=stats
     )
+    tree, _ = _hf_load.load_tree(target, _sources.open_source(directory), mapping, options)
     return tree
 
 

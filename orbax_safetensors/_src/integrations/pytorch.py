@@ -32,7 +32,7 @@ Example::
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -121,28 +121,15 @@ def load_pytorch(
     from flax import nnx
 
     source = _sources.open_source(_source_path(path))
-    if isinstance(target, nnx.Module):
+    module = target if isinstance(target, nnx.Module) else None
+    if module is not None:
         filt = (nnx.Param, nnx.BatchStat) if variables is None else variables
-        state, report = _hf_load.load_tree(
-            nnx.state(target, filt),
-            source,
-            mapping,
-            prefix=prefix,
-            strict=strict,
-            batch_bytes=batch_bytes,
-            where=str(path),
-        )
-        nnx.update(target, state)
+        target = nnx.state(module, filt)
+    options = _hf_load.LoadOptions(strict=strict, batch_bytes=batch_bytes, where=str(path))
+    tree, report = _hf_load.load_tree(target, source, mapping, options, prefix=prefix)
+    if module is not None:
+        nnx.update(module, tree)
         return report
-    tree, report = _hf_load.load_tree(
-        target,
-        source,
-        mapping,
-        prefix=prefix,
-        strict=strict,
-        batch_bytes=batch_bytes,
-        where=str(path),
-    )
     return (tree, report) if with_report else tree
 
 
@@ -280,46 +267,14 @@ def export_pytorch(
     lora = _sharded_export.Lora(_links.lora_merges(table.infos), mapping.lora_scale)
     table = _merged_lora(table, mapping, report)
     infos = table.infos
-    links, found = _links.export_links(mapping, {n: t.shape for n, t in infos.items()})
-    report.ignored += found.ignored
-    report.unmapped += found.unmapped
-    report.mismatched += found.mismatched
-    names = list(infos)
-    casts = _casting.resolve(
+    specs, moves = plan_tensors(
+        mapping,
+        {n: t.shape for n, t in infos.items()},
+        {n: t.dtype for n, t in infos.items()},
+        {n: table.values.get(n, t) for n, t in infos.items()},
         policy,
-        names,
-        [_dtypes.to_numpy(infos[n].dtype) for n in names],
-        [infos[n].shape for n in names],
-        [table.values.get(n, infos[n]) for n in names],
+        report,
     )
-    stored = {
-        n: infos[n].dtype if c is None else _dtypes.from_numpy(c, key=n)
-        for n, c in zip(names, casts)
-    }
-    tied = dict(mapping.tied)
-    taken: dict[str, str] = {}
-    specs, moves = [], []
-    for link in links:
-        first = infos[link.flax[0]]
-        described = f"{link.flax[0]} {first.dtype}{list(first.shape)}"
-        clash = [k for k in link.torch if k in taken]
-        if clash:
-            report.mismatched += [f"{link.flax[0]} and {taken[k]} both map to {k}" for k in clash]
-            continue
-        taken.update(dict.fromkeys(link.torch, link.flax[0]))
-        try:
-            shapes = link.torch_shapes(
-                [infos[n].shape for n in link.flax], _dtypes.to_numpy(first.dtype)
-            )
-        except ValueError as e:
-            report.mismatched.append(f"{described} -> {link.torch[0]}: {e}")
-            continue
-        kept = [(k, s) for k, s in zip(link.torch, shapes) if k not in tied]
-        if not kept:
-            report.ignored += list(link.flax)
-            continue
-        specs += [_plan.TensorSpec(k, stored[link.flax[0]], s) for k, s in kept]
-        moves.append(link)
     if strict and not report.ok:
         raise TargetMismatchError(
             f"cannot export to {directory} through this mapping\n" + report.problems()
@@ -332,34 +287,96 @@ def export_pytorch(
         extra[CONFIG_FILE_NAME] = config_json(
             hf_config, [s.dtype for s in specs], cast=policy is not None
         )
+    job = _sharded_export.ExportJob(plan, moves, table, dict(mapping.tied))
     if jax.process_count() > 1:  # every process writes its own bytes (sharded_export)
         stats = _sharded_export.write_processes(
-            directory, plan, moves, table, tied, report, extra, lora=lora, batch_bytes=batch_bytes
+            directory, job, report, extra, lora=lora, batch_bytes=batch_bytes
         )
         report.bytes_written = stats.bytes_written
         return report
     # Earlier model files and index are replaced whole, other files kept (storage/replace.py).
     with _replace.replacing_directory(directory) as out:
-        _write(out, plan, moves, table, tied, report, batch_bytes)
+        _write(out, job, report, batch_bytes)
         for name, text in extra.items():
             (out / name).write_text(text)
     return report
 
 
-def _write(
-    directory: epath.Path,
-    plan: _plan.CheckpointPlan,
-    moves: Sequence[_links.Link],
-    table: _flax_tables.FlaxTable,
-    tied: dict[str, str],
+def plan_tensors(
+    mapping: KeyMapping,
+    shapes: Mapping[str, tuple[int, ...]],
+    held: Mapping[str, str],
+    values: Mapping[str, Any],
+    policy: _casting.Policy | None,
     report: MappingReport,
-    batch_bytes: int,
+    *,
+    skip: Collection[str] = (),
+    show_stored: bool = False,
+) -> tuple[list[_plan.TensorSpec], list[_links.Link]]:
+    """The PyTorch tensors an export writes, and the links that compute them, planned from
+    the Flax names' ``shapes``, ``held`` safetensors dtypes and ``values`` (for ``policy``);
+    names in ``skip`` (merged LoRA adapters) are cast but not mapped. Problems go to
+    ``report`` (a mismatch names the held dtype, or the stored one with ``show_stored``).
+
+    Example::
+
+        specs, links = plan_tensors(mapping, {"w": (2, 3)}, {"w": "F32"}, {}, None, report)
+    """
+    links, found = _links.export_links(mapping, {n: s for n, s in shapes.items() if n not in skip})
+    report.ignored += found.ignored
+    report.unmapped += found.unmapped
+    report.mismatched += found.mismatched
+    names = list(shapes)
+    numpy_dtypes = {n: _dtypes.to_numpy(held[n]) for n in names}
+    casts = _casting.resolve(
+        policy,
+        names,
+        [numpy_dtypes[n] for n in names],
+        [shapes[n] for n in names],
+        [values.get(n) for n in names],
+    )
+    stored = {
+        n: held[n] if c is None else _dtypes.from_numpy(c, key=n) for n, c in zip(names, casts)
+    }
+    shown = stored if show_stored else held
+    tied = dict(mapping.tied)
+    taken: dict[str, str] = {}
+    specs: list[_plan.TensorSpec] = []
+    kept_links: list[_links.Link] = []
+    for link in links:
+        first = link.flax[0]
+        described = f"{first} {shown[first]}{list(shapes[first])}"
+        clash = [k for k in link.torch if k in taken]
+        if clash:
+            report.mismatched += [f"{first} and {taken[k]} both map to {k}" for k in clash]
+            continue
+        taken.update(dict.fromkeys(link.torch, first))
+        try:
+            torch_shapes = link.torch_shapes([shapes[n] for n in link.flax], numpy_dtypes[first])
+        except ValueError as e:
+            report.mismatched.append(f"{described} -> {link.torch[0]}: {e}")
+            continue
+        kept = [(k, s) for k, s in zip(link.torch, torch_shapes) if k not in tied]
+        if not kept:
+            report.ignored += list(link.flax)
+            continue
+        specs += [_plan.TensorSpec(k, stored[first], s) for k, s in kept]
+        kept_links.append(link)
+    return specs, kept_links
+
+
+def _write(
+    directory: epath.Path, job: _sharded_export.ExportJob, report: MappingReport, batch_bytes: int
 ) -> None:
-    """Writes the files of ``plan`` a batch of links at a time: each tensor becomes pieces at
-    its file offsets (``pipeline/pieces``), cast to its planned dtype there."""
+    """Writes the files of ``job.plan`` a batch of links at a time: each tensor becomes pieces
+    at its file offsets (``pipeline/pieces``), cast to its planned dtype there."""
+    plan, table, tied = job.plan, job.table, job.tied
     local = _router.is_local(directory)
     groups = _links.link_batches(
-        moves, lambda n: table.infos[n].nbytes, batch_bytes if local else 1 << 62, torch_side=False
+        job.links,
+        lambda n: table.infos[n].nbytes,
+        batch_bytes if local else 1 << 62,
+        torch_side=False,
     ) or [[]]
     for i, group in enumerate(groups):
         arrays = table.read(sorted({n for link in group for n in link.flax}))
@@ -376,7 +393,7 @@ def _write(
                 f, tensor_pieces = _pieces.tensor_pieces(plan, key, [(None, host)])
                 pieces.setdefault(f, []).extend(tensor_pieces)
                 report.bytes_written += sum(int(p.data.nbytes) for p in tensor_pieces)
-            report.moved += [(n, k) for k, n in link.pairs() if k not in tied]
+            report.moved += job.moved([link])
             for n in link.flax:
                 arrays.pop(n, None)
         last = i == len(groups) - 1

@@ -73,6 +73,28 @@ class Lora:
     scale: float
 
 
+@dataclasses.dataclass(frozen=True)
+class ExportJob:
+    """What an export writes: ``plan``'s files, the ``links`` that compute their tensors
+    from ``table``, the ``tied`` PyTorch keys left out.
+
+    Example::
+
+        job = ExportJob(plan, links, table, dict(mapping.tied))
+        report.moved += job.moved()
+    """
+
+    plan: _plan.CheckpointPlan
+    links: Sequence[_links.Link]
+    table: _flax_tables.FlaxTable
+    tied: Mapping[str, str]
+
+    def moved(self, links: Sequence[_links.Link] | None = None) -> list[tuple[str, str]]:
+        """The ``(flax name, torch key)`` pairs ``links`` (default: all) write."""
+        links = self.links if links is None else links
+        return [(n, k) for link in links for k, n in link.pairs() if k not in self.tied]
+
+
 def is_global(x: Any) -> bool:
     """Whether ``x`` is a ``jax.Array`` sharded over several processes (not host-local)."""
     return isinstance(x, jax.Array) and not _snapshots.is_host_local(x, True)
@@ -91,17 +113,14 @@ def _staging_token(is_primary: bool) -> str:
 
 def write_processes(
     directory: epath.Path,
-    plan: _plan.CheckpointPlan,
-    moves: Sequence[_links.Link],
-    table: _flax_tables.FlaxTable,
-    tied: Mapping[str, str],
+    job: ExportJob,
     report: MappingReport,
     extra_files: Mapping[str, str],
     *,
     lora: Lora,
     batch_bytes: int,
 ) -> _pieces.WriteStats:
-    """Writes ``plan``'s files into ``directory`` from every process of the job (see the
+    """Writes ``job``'s files into ``directory`` from every process of the job (see the
     module docstring); ``extra_files`` (``{name: text}``, e.g. the index and ``config.json``)
     are written by the primary. Returns what this process wrote.
 
@@ -120,7 +139,8 @@ def write_processes(
         tmp.mkdir()
     _barrier("staged")
     stats = _pieces.WriteStats()
-    pieces = _process_pieces(plan, moves, table, tied, lora, batch_bytes, primary)
+    pieces = _process_pieces(job, lora, batch_bytes, primary)
+    plan = job.plan
     prepared = _checkpoint_save.PreparedSave(
         plan=plan,
         pieces=pieces,
@@ -131,7 +151,7 @@ def write_processes(
         checksums=False,
     )
     _checkpoint_save.write_process_share(prepared, tmp, stats, persist_share=False)
-    report.moved += [(n, k) for link in moves for k, n in link.pairs() if k not in tied]
+    report.moved += job.moved()
     _barrier("written")
     if primary:
         index = tmp / _plan.INDEX_FILE_NAME
@@ -145,19 +165,14 @@ def write_processes(
 
 
 def _process_pieces(
-    plan: _plan.CheckpointPlan,
-    moves: Sequence[_links.Link],
-    table: _flax_tables.FlaxTable,
-    tied: Mapping[str, str],
-    lora: Lora,
-    batch_bytes: int,
-    primary: bool,
+    job: ExportJob, lora: Lora, batch_bytes: int, primary: bool
 ) -> Iterator[Pieces]:
     """This process's pieces, link by link in the same order on every process."""
+    plan, table, tied = job.plan, job.table, job.tied
     infos = table.infos
     stored = getattr(table.source, "stored", None)
     sizes = {n: t.nbytes for n, t in infos.items()}
-    for group in _links.link_batches(moves, sizes.__getitem__, batch_bytes, torch_side=False):
+    for group in _links.link_batches(job.links, sizes.__getitem__, batch_bytes, torch_side=False):
         names = sorted({n for link in group for n in link.flax})
         if table.source is None:
             values = {n: _merged(table.values, n, lora) for n in names}

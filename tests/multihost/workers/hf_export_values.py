@@ -8,12 +8,20 @@ Shapes: L=2 layers, E=32, 4 heads and 2 key/value heads of 8, F=64, V=96.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import orbax_safetensors as osf
+
+try:  # imported from tests/ (on sys.path under pytest)
+    import hf_models
+except ImportError:  # a worker process: tests/ is two folders up
+    sys.path.append(str(Path(__file__).resolve().parents[2]))
+    import hf_models
 
 L, E, H, KV_HEADS, D, F, V = 2, 32, 4, 2, 8, 64, 96
 Q, KV = H * D, KV_HEADS * D
@@ -43,40 +51,8 @@ SPECS: dict[str, Any] = {
     "head": P("p", "l"),
 }
 
-_layer = "model.layers.{i}"
-MAPPING = osf.KeyMapping(
-    [
-        osf.Rule("model.embed_tokens.weight", "embed"),
-        osf.Rule(
-            f"{_layer}.self_attn.{{p:q_proj|k_proj|v_proj}}.weight",
-            "qkv",
-            osf.Transpose(),
-            stacked="i",
-            fused="p",
-            axis=-1,
-            sizes=(Q, KV, KV),
-        ),
-        osf.Rule(
-            f"{_layer}.self_attn.o_proj.weight",
-            "out",
-            osf.Chain(osf.Transpose(), osf.SplitHeads(H, 0)),
-            stacked="i",
-        ),
-        osf.Rule(
-            f"{_layer}.mlp.{{p:gate_proj|up_proj}}.weight",
-            "gate_up",
-            osf.Transpose(),
-            stacked="i",
-            fused="p",
-            axis=-1,
-        ),
-        osf.Rule(f"{_layer}.mlp.down_proj.weight", "down", osf.Transpose(), stacked="i"),
-        osf.Rule(f"{_layer}.input_layernorm.weight", "attn_norm", stacked="i"),
-        osf.Rule(f"{_layer}.post_attention_layernorm.weight", "mlp_norm", stacked="i"),
-        osf.Rule("model.norm.weight", "norm"),
-        osf.Rule("lm_head.weight", "head", osf.Transpose()),
-    ]
-)
+# The output projection split by heads: SplitHeads does not commute with a box.
+MAPPING = hf_models.scanned_llama_mapping(out=osf.Chain(osf.Transpose(), osf.SplitHeads(H, 0)))
 
 # name -> export_pytorch keyword arguments (the same in the test process and the workers)
 EXPORTS: dict[str, dict[str, Any]] = {
