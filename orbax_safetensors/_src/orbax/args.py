@@ -56,6 +56,12 @@ def tree_summary(tree: Any) -> str:
 # --------------------------------------------------------------------------- save_args
 
 
+def args_repr(name: str, fields: list[tuple[str, str | None]]) -> str:
+    """``name(field=text, ...)`` of the fields whose text is not ``None`` (an args class's
+    ``__repr__``: the optional fields it was given, each summarised by its caller)."""
+    return f"{name}({', '.join(f'{k}={v}' for k, v in fields if v is not None)})"
+
+
 def apply_save_args(item: Any, save_args: Any) -> Any:
     """``item`` with each ``SaveArgs(dtype=...)`` leaf cast, as Orbax saves it.
 

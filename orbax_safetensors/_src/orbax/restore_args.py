@@ -105,22 +105,23 @@ class SafetensorsRestore(ocp.args.CheckpointArgs):
             self.restore_args = self.restore_args.tree
 
     def __repr__(self) -> str:
-        parts = [f"item={_args.tree_summary(self.item)}", f"strict={self.strict}"]
-        if self.restore_args is not None:
-            parts.append(f"restore_args={_args.tree_summary(self.restore_args)}")
-        if self.partial_restore:
-            parts.append("partial_restore=True")
-        if self.fallback_sharding is not None:
-            parts.append(f"fallback_sharding={self.fallback_sharding}")
-        if self.include is not None:
-            parts.append(f"include={self.include!r}")
-        if self.exclude is not None:
-            parts.append(f"exclude={self.exclude!r}")
-        if self.io_options is not None:
-            parts.append(f"io_options={self.io_options!r}")
-        if self.mapping is not None:
-            parts.append(f"mapping=<{type(self.mapping).__name__}>")
-        return f"SafetensorsRestore({', '.join(parts)})"
+        def shown(value: Any, text: Any = repr) -> str | None:
+            return None if value is None else text(value)
+
+        return _args.args_repr(
+            "SafetensorsRestore",
+            [
+                ("item", _args.tree_summary(self.item)),
+                ("strict", str(self.strict)),
+                ("restore_args", shown(self.restore_args, _args.tree_summary)),
+                ("partial_restore", "True" if self.partial_restore else None),
+                ("fallback_sharding", shown(self.fallback_sharding, str)),
+                ("include", shown(self.include)),
+                ("exclude", shown(self.exclude)),
+                ("io_options", shown(self.io_options)),
+                ("mapping", shown(self.mapping, lambda m: f"<{type(m).__name__}>")),
+            ],
+        )
 
     def __str__(self) -> str:
         return _save_args.with_registry_hint(repr(self))

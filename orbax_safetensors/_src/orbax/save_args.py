@@ -122,19 +122,22 @@ class SafetensorsSave(ocp.args.CheckpointArgs):
         return self._export  # type: ignore[no-any-return]
 
     def __repr__(self) -> str:
-        parts = [f"item={_args.tree_summary(self.item)}"]
-        if self.save_args is not None:
-            parts.append(f"save_args={_args.tree_summary(self.save_args)}")
-        if self.custom_metadata is not None:
-            parts.append(f"custom_metadata={_args.tree_summary(dict(self.custom_metadata))}")
         policy = _casting.parse_policy(self.dtype)
-        if policy is not None:
-            parts.append(policy.describe())
-        if self.io_options is not None:
-            parts.append(f"io_options={self.io_options!r}")
-        if self._export is not None:
-            parts.append(f"mapping=<{self._export.summary}>")
-        return f"SafetensorsSave({', '.join(parts)})"
+        custom = self.custom_metadata
+        return _args.args_repr(
+            "SafetensorsSave",
+            [
+                ("item", _args.tree_summary(self.item)),
+                (
+                    "save_args",
+                    None if self.save_args is None else _args.tree_summary(self.save_args),
+                ),
+                ("custom_metadata", None if custom is None else _args.tree_summary(dict(custom))),
+                ("dtype", None if policy is None else policy.describe().removeprefix("dtype=")),
+                ("io_options", None if self.io_options is None else repr(self.io_options)),
+                ("mapping", None if self._export is None else f"<{self._export.summary}>"),
+            ],
+        )
 
     def __str__(self) -> str:
         return with_registry_hint(repr(self))
