@@ -33,7 +33,9 @@ def _no_global_mesh_left_behind():
     orbax-checkpoint 0.11.40 uses it as a context manager when it saves a replicated array
     (``replica_slices.py``): its save fails after setting that mesh for the whole process, and
     every later jit on other devices would fail with "incompatible devices". The mid-2025 CI
-    stack has exactly that pair; no test of this library relies on a global mesh.
+    stack has exactly that pair; no test of this library relies on a global mesh. The library
+    runs Orbax's handlers inside ``jaxcompat.global_mesh_kept`` (``tests/orbax/test_routing_mesh.py``);
+    this fixture is the net for tests that call Orbax directly.
     """
     yield
     import jax

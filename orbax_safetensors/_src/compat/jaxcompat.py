@@ -15,6 +15,7 @@ attribute.
 | :func:`single_device_key` | ``SingleDeviceSharding._device`` | private | the sharding itself as a dict key (``None`` here) |
 | :func:`nnx_list` | ``flax.nnx.List`` | public since flax 0.12 (needed there for lists of modules) | a plain ``list`` (what flax 0.11 takes) |
 | :func:`distributed_kv` | ``jax._src.distributed.global_state.client`` (its ``key_value_set``, ``blocking_key_value_get``) | private | None: object-store saves by several processes join the ranges on the primary as before |
+| :func:`global_mesh_kept` | ``jax.sharding.set_mesh`` | a plain setter returning the previous mesh on jax 0.7, a context manager from 0.8 on, absent before | nothing to guard (no call on other versions) |
 | :func:`is_nnx_internal_attr` | ``Module._pytree__state`` (flax 0.12), ``Module._object__state`` (flax 0.11): an empty pytree child of every Module | private | none needed: a flax without them has no such child |
 
 Example::
@@ -24,7 +25,8 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -174,3 +176,33 @@ def distributed_kv() -> Any:
     if client is None or not all(hasattr(client, name) for name in needed):
         return None
     return client
+
+
+# -- jax.sharding.set_mesh (a plain setter on jax 0.7) ----------------------------------------
+
+
+@contextlib.contextmanager
+def global_mesh_kept() -> Iterator[None]:
+    """Restores this thread's global concrete mesh on exit, if the body changed it.
+
+    On jax 0.7 ``jax.sharding.set_mesh`` is a plain setter (it returns the previous mesh; a
+    context manager from jax 0.8 on), and orbax-checkpoint 0.11.40 uses it as a context manager
+    when it saves a replicated array: the call fails after setting a mesh for the whole thread,
+    and every later jit on other devices fails with "incompatible devices". Calls into Orbax's
+    own handlers run inside this guard; on other versions it does nothing.
+
+    Example::
+
+        with global_mesh_kept():
+            orbax_handler.save(directory, args=args)
+    """
+    set_mesh = getattr(jax.sharding, "set_mesh", None)
+    if set_mesh is None or isinstance(set_mesh, type):  # absent, or a context manager class
+        yield
+        return
+    before = set_mesh(None)
+    set_mesh(before)
+    try:
+        yield
+    finally:
+        set_mesh(before)

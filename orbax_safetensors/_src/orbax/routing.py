@@ -23,6 +23,8 @@ from typing import Any
 import orbax.checkpoint as ocp
 from etils import epath
 
+from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
+
 
 class OrbaxKind(enum.StrEnum):
     """Which of Orbax's handlers takes an args object."""
@@ -84,11 +86,12 @@ class OrbaxRouter:
 
     def async_save(self, directory: epath.Path, args: Any) -> Coroutine[Any, Any, Any]:
         """Orbax's handler's ``async_save`` for Orbax's args; its finalize is remembered."""
-        return self._saving(directory, args).async_save(directory, args=args)  # type: ignore[no-any-return]
+        return _mesh_kept(self._saving(directory, args).async_save(directory, args=args))
 
     def save(self, directory: epath.Path, args: Any) -> None:
         """Orbax's handler's ``save`` for Orbax's args; its finalize is remembered."""
-        self._saving(directory, args).save(directory, args=args)
+        with _jaxcompat.global_mesh_kept():
+            self._saving(directory, args).save(directory, args=args)
 
     def forget(self, directory: epath.Path) -> None:
         """``directory`` is saved by another handler now (e.g. a retry with other args)."""
@@ -110,6 +113,13 @@ class OrbaxRouter:
             handlers, self._handlers = list(self._handlers.values()), {}
         for handler in handlers:
             handler.close()
+
+
+async def _mesh_kept(save: Coroutine[Any, Any, Any]) -> Any:
+    # Orbax's save runs while this coroutine is awaited: a global mesh it leaves set (Orbax
+    # 0.11.40 on jax 0.7, see jaxcompat.global_mesh_kept) is undone on the same thread.
+    with _jaxcompat.global_mesh_kept():
+        return await save
 
 
 def registry_for(handler: Any, item: str, own_args: Iterable[type]) -> Any:
