@@ -171,7 +171,8 @@ def test_scanned_fused_lora_model_publishes_a_plain_hf_model(tmp_dir):
     loads_cleanly(served)
     merged = np.asarray(params["head"]["kernel"]) + 0.5 * (np.asarray(a) @ np.asarray(b))
     with safetensors.safe_open(str(served / "model.safetensors"), "np") as f:
-        np.testing.assert_allclose(f.get_tensor("lm_head.weight"), merged.T, rtol=1e-6)
+        # (the merge sums the rank terms in order, not through BLAS: last-bit differences)
+        np.testing.assert_allclose(f.get_tensor("lm_head.weight"), merged.T, rtol=1e-6, atol=1e-8)
     with torch.no_grad():
         reference.lm_head.weight.copy_(torch.from_numpy(merged.T.copy()))
         want = reference(torch.from_numpy(IDS)).logits.numpy()

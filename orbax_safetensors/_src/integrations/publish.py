@@ -22,9 +22,11 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 from etils import epath
 
@@ -32,9 +34,11 @@ from orbax_safetensors._src.catalog import sources as _sources
 from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core.errors import TargetMismatchError
+from orbax_safetensors._src.integrations import export_plan as _shards
 from orbax_safetensors._src.integrations import hf_load as _hf_load
 from orbax_safetensors._src.integrations import links as _links
 from orbax_safetensors._src.integrations import pytorch as _pytorch
+from orbax_safetensors._src.integrations import sharded_export as _sharded_export
 from orbax_safetensors._src.integrations.key_mapping import KeyMapping, MappingReport
 from orbax_safetensors._src.orbax import mappings as _mappings
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
@@ -44,14 +48,22 @@ from orbax_safetensors._src.storage import config as _config
 
 HEADER_METADATA = {"format": "pt"}  # what transformers and safetensors.torch write
 
+Box = tuple[slice, ...]
+
 
 def _group(
-    link: _links.Link, tied: dict[str, str], merges: dict[str, tuple[str, str]], scale: float
+    link: _links.Link,
+    tied: dict[str, str],
+    merges: dict[str, tuple[str, str]],
+    scale: float,
+    shapes: dict[str, tuple[int, ...]],
+    out_shapes: dict[str, tuple[int, ...]],
 ) -> _export_plan.ExportGroup:
     adapters = [n for name in link.flax if name in merges for n in merges[name]]
     sources = (*link.flax, *adapters)
     outputs = tuple(k for k in link.torch if k not in tied)
     n = len(link.flax)
+    flax_shapes = [shapes[name] for name in link.flax]
 
     def apply(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         got = dict(zip(sources, arrays))
@@ -66,7 +78,47 @@ def _group(
         torch = link.to_torch(flax[:n])
         return [v for k, v in zip(link.torch, torch) if k not in tied]
 
-    return _export_plan.ExportGroup(sources, outputs, apply)
+    def per_shard(
+        k: int, box: Box, data: np.ndarray, wholes: Mapping[str, np.ndarray]
+    ) -> list[tuple[str, Box, np.ndarray]]:
+        # One shard of link.flax[k] (merged with the rows and columns of the whole adapters
+        # its box needs: bit-identical to that block of the whole merge), mapped on its own.
+        name = link.flax[k]
+        if name in merges:
+            a, b = merges[name]
+            data = _links.merge_lora_block(data, box, wholes[a], wholes[b], scale)
+        return [
+            (link.torch[j], obox, values)
+            for j, obox, values in _shards.shard_boxes(link, k, box, data, flax_shapes)
+            if link.torch[j] not in tied
+        ]
+
+    def on_devices(arrays: Sequence[Any], j: int) -> Any:
+        # Output j re-laid-out on the devices (LoRA merged there first: XLA's matmul may
+        # round the last bit otherwise than the host merge).
+        got = dict(zip(sources, arrays))
+        flax = []
+        for name in link.flax:
+            if name in merges:
+                a, b = merges[name]
+                merge = functools.partial(_sharded_export.merge_on_device, scale=scale)
+                kernel = got[name]
+                shard = kernel.sharding if _export_plan.is_global(kernel) else None
+                flax.append(jax.jit(merge, out_shardings=shard)(kernel, got[a], got[b]))
+            else:
+                flax.append(got[name])
+        key = outputs[j]
+        return _sharded_export.relaid(link, flax, link.torch.index(key), out_shapes[key])
+
+    commutes = _shards.commutes(link, flax_shapes)
+    return _export_plan.ExportGroup(
+        sources,
+        outputs,
+        apply,
+        whole=tuple(adapters),
+        per_shard=per_shard if commutes else None,
+        on_devices=on_devices,
+    )
 
 
 def export_plan(
@@ -100,7 +152,8 @@ def export_plan(
         show_stored=True,
     )
     tied = dict(mapping.tied)
-    groups = [_group(link, tied, merges, mapping.lora_scale) for link in links]
+    out_shapes = {s.name: tuple(s.shape) for s in specs}
+    groups = [_group(link, tied, merges, mapping.lora_scale, shapes, out_shapes) for link in links]
     if not report.ok:
         raise TargetMismatchError(
             "SafetensorsSave(mapping=...): the item does not fit this mapping\n" + report.problems()

@@ -218,12 +218,13 @@ def _merged(values: Mapping[str, Any], name: str, lora: Lora) -> Any:
     a, b = (values[n] for n in lora.merges[name])
     if not any(is_global(v) for v in (x, a, b)):
         return _links.merge_lora(np.asarray(x), np.asarray(a), np.asarray(b), lora.scale)
-    merge = functools.partial(_merge_on_device, scale=lora.scale)
+    merge = functools.partial(merge_on_device, scale=lora.scale)
     return jax.jit(merge, out_shardings=x.sharding if is_global(x) else None)(x, a, b)
 
 
-def _merge_on_device(kernel: Any, a: Any, b: Any, *, scale: float) -> Any:
-    # links.merge_lora in jax.numpy: kernel + a @ b * scale, computed in at least float32
+def merge_on_device(kernel: Any, a: Any, b: Any, *, scale: float) -> Any:
+    """``links.merge_lora`` in ``jax.numpy`` (``kernel + a @ b * scale``, computed in at least
+    float32; XLA's matmul may round the last bit otherwise than the host merge)."""
     jnp = jax.numpy
     floating = jnp.issubdtype(kernel.dtype, jnp.floating)
     work = jnp.promote_types(kernel.dtype, jnp.float32) if floating else jnp.float32
@@ -266,21 +267,32 @@ def _link_pieces(
         if key in tied:
             continue
         shape = plan.files[plan.file_of[key]].entries[key].shape
-        relayout = jax.jit(
-            functools.partial(_export_plan.device_value, link, j=j),
-            out_shardings=_export_plan.spread_sharding(tuple(shape)),
-        )
-        try:
-            value = relayout(arrays)
-        except (TypeError, ValueError) as e:
-            raise ValueError(
-                f"{', '.join(link.flax)} -> {key}: the rule's transform "
-                f"{link.rule.transform!r} does not run on sharded jax.Arrays ({e}); "
-                "use Transpose, Reshape, SplitHeads or Chain of them"
-            ) from e
+        value = relaid(link, arrays, j, tuple(shape))
         owned: _snapshots.HostCopies = [
             (index, np.asarray(data)) for index, data in _snapshots.owned_shards(value)
         ]
         if owned:
             yield _pieces.tensor_pieces(plan, key, owned)
         del value, owned
+
+
+def relaid(link: _links.Link, arrays: Sequence[Any], j: int, shape: tuple[int, ...]) -> Any:
+    """``link.torch[j]`` (of ``shape``) computed from the Flax ``arrays`` on the devices and
+    laid out over every device of the job (``export_plan.spread_sharding``): a collective,
+    which every process calls in the same order.
+
+    Raises:
+      ValueError: naming the link when its transform does not run on ``jax.Array``s.
+    """
+    relayout = jax.jit(
+        functools.partial(_export_plan.device_value, link, j=j),
+        out_shardings=_export_plan.spread_sharding(shape),
+    )
+    try:
+        return relayout(list(arrays))
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"{', '.join(link.flax)} -> {link.torch[j]}: the rule's transform "
+            f"{link.rule.transform!r} does not run on sharded jax.Arrays ({e}); "
+            "use Transpose, Reshape, SplitHeads or Chain of them"
+        ) from e
