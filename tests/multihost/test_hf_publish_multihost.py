@@ -109,6 +109,18 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             args = osf.SafetensorsSave(item, mapping=V.PUBLISH_MAPPING, hf_config=config_doc)
             mngr.save(step, args=ocp.args.Composite(policy=args))
         mngr.wait_until_finished()
+    last = dict(np.load(paths[-1]))
+    report = osf.export_pytorch(
+        _item(last),
+        base / "export_lora",
+        V.PUBLISH_MAPPING,
+        hf_config=config_doc,
+        max_file_size=40_000,
+    )
+    assert report.ok, report.problems()
+    with ocp.CheckpointManager(base / "reshaped") as mngr:
+        mngr.save(0, args=osf.SafetensorsSave(V.reshape_item(last), mapping=V.RESHAPE_MAPPING))
+        mngr.wait_until_finished()
     merged_heads = {}
     for step in range(STEPS):
         served = ref / str(step) / "policy"
@@ -140,7 +152,7 @@ def test_processes_publish_only_their_bytes_every_step(setup, n):
     )
     by_pid = {r.process_id: r.result for r in results}
     kept = list(range(STEPS - MAX_TO_KEEP, STEPS))
-    assert sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) == kept
+    assert sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) == kept  # retention
     for i in range(n):
         assert by_pid[i]["all_steps"] == kept
     for step in kept:
@@ -150,6 +162,16 @@ def test_processes_publish_only_their_bytes_every_step(setup, n):
         assert sorted(p.name for p in mine.iterdir() if p.name != ORBAX_COMMIT_FILE) == files
         for f in files:
             assert (mine / f).read_bytes() == (ref / f).read_bytes(), f"step {step}: {f} differs"
+    # The LoRA merge of sharded inputs, bit-identical to one process's: osf.export_pytorch,
+    # and a rule re-laid-out on the devices (merged shard by shard first).
+    for mine, ref in [
+        (root / "export_lora", setup["base"] / "export_lora"),
+        (root / "reshaped" / "0" / "default", setup["base"] / "reshaped" / "0" / "default"),
+    ]:
+        files = sorted(p.name for p in ref.iterdir() if p.name != ORBAX_COMMIT_FILE)
+        assert sorted(p.name for p in mine.iterdir() if p.name != ORBAX_COMMIT_FILE) == files
+        for f in files:
+            assert (mine / f).read_bytes() == (ref / f).read_bytes(), f"{mine}/{f} differs"
     for step in range(STEPS):
         total = _tensor_bytes(setup["ref"] / str(step) / "policy")
         got = [by_pid[i]["steps"][str(step)] for i in range(n)]

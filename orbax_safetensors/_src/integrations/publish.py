@@ -22,11 +22,9 @@ Example::
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 from etils import epath
 
@@ -93,22 +91,21 @@ def _group(
             if link.torch[j] not in tied
         ]
 
-    def on_devices(arrays: Sequence[Any], j: int) -> Any:
-        # Output j re-laid-out on the devices (LoRA merged there first: XLA's matmul may
-        # round the last bit otherwise than the host merge).
+    def on_devices(arrays: Sequence[Any], wholes: Mapping[str, np.ndarray]) -> Iterator[Any]:
+        # The outputs re-laid-out on the devices, one at a time; a kernel with adapters is
+        # merged first, shard by shard on the host from the whole adapters (bit-identical to
+        # the one-process merge), and put back on its devices.
         got = dict(zip(sources, arrays))
         flax = []
         for name in link.flax:
             if name in merges:
                 a, b = merges[name]
-                merge = functools.partial(_sharded_export.merge_on_device, scale=scale)
-                kernel = got[name]
-                shard = kernel.sharding if _export_plan.is_global(kernel) else None
-                flax.append(jax.jit(merge, out_shardings=shard)(kernel, got[a], got[b]))
+                flax.append(_sharded_export.merged(got[name], wholes[a], wholes[b], scale))
             else:
                 flax.append(got[name])
-        key = outputs[j]
-        return _sharded_export.relaid(link, flax, link.torch.index(key), out_shapes[key])
+        del got
+        for key in outputs:
+            yield _sharded_export.relaid(link, flax, link.torch.index(key), out_shapes[key])
 
     commutes = _shards.commutes(link, flax_shapes)
     return _export_plan.ExportGroup(

@@ -57,8 +57,9 @@ class ExportGroup:
     - ``per_shard``: maps one shard of a source on its own to boxes of the outputs (renames,
       transposes, stacked layers, fused parts; see :data:`PerShard`); ``whole`` names the
       sources every process then needs whole (LoRA adapters: a rank's columns or rows);
-    - ``on_devices``: ``(source arrays in sources order, j) -> jax.Array``, output ``j`` laid
-      out over every device of the job (a collective: every process calls it alike).
+    - ``on_devices``: ``(source arrays in sources order, the whole sources by name) ->``
+      the outputs in order, each a ``jax.Array`` laid out over every device of the job, made
+      when asked for (collectives: every process iterates them alike).
     """
 
     sources: tuple[str, ...]
@@ -66,7 +67,7 @@ class ExportGroup:
     apply: Callable[[Sequence[np.ndarray]], Sequence[np.ndarray]]
     whole: tuple[str, ...] = ()
     per_shard: PerShard | None = None
-    on_devices: Callable[[Sequence[Any], int], Any] | None = None
+    on_devices: Callable[[Sequence[Any], Mapping[str, np.ndarray]], Iterator[Any]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,20 +275,21 @@ def device_items(
     ``DEVICES`` output re-laid-out on the devices, one at a time, and its owned shards copied
     to host (``buffers``) before the next."""
     kinds = routes(export, arrays)
+    wholes: dict[str, np.ndarray] = {}
     for name in dict.fromkeys(n for g in export.groups for n in g.whole):
         x = arrays[name]
         if is_global(x):
             host = np.asarray(multihost_utils.process_allgather(x, tiled=True))
         else:
             host = np.array(x)  # (a copy: the caller may donate its arrays after save())
+        wholes[name] = host
         yield (WHOLE, name), [(None, host)]
     for group, route in zip(export.groups, kinds):
         if route is not Route.DEVICES:
             continue
         assert group.on_devices is not None
         values = [arrays[n] for n in group.sources]
-        for j, out in enumerate(group.outputs):
-            value = group.on_devices(values, j)
+        for out, value in zip(group.outputs, group.on_devices(values, wholes)):
             on_cpu = any(d.platform == "cpu" for d in value.sharding.device_set)
             try:  # (on CPU a host view shares the buffer deleted below: copied into buffers)
                 owned = (out, value, _snapshots.owned_shards(value), on_cpu)

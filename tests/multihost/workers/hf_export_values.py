@@ -130,3 +130,25 @@ def sharded_tree(weights: dict[str, np.ndarray], mesh: Any) -> dict[str, Any]:
     lora = {n: put(weights[n], s) for n, s in LORA_SPECS.items()}
     tree["head"] = {"kernel": put(weights["head"], SPECS["head"]), "lora": lora}
     return tree
+
+
+# A LoRA kernel whose rule does not commute with a box (a reshape): re-laid-out on the
+# devices after a shard-by-shard merge. Item: {"x": {"kernel": (E, V), "lora": {...}}}.
+RESHAPE_MAPPING = osf.KeyMapping(
+    [osf.Rule("x.weight", "x.kernel", osf.Reshape((E, V), (E * V,)))], lora_scale=LORA_SCALE
+)
+
+
+def reshape_item(weights: dict[str, np.ndarray], mesh: Any = None) -> dict[str, Any]:
+    """The item of :data:`RESHAPE_MAPPING` from ``weights`` (sharded over ``mesh`` as the
+    publish item's head, or numpy without one)."""
+    tree = sharded_tree(weights, mesh) if mesh is not None else None
+    head = (
+        tree["head"]
+        if tree is not None
+        else {
+            "kernel": weights["head"],
+            "lora": {"lora_a": weights["lora_a"], "lora_b": weights["lora_b"]},
+        }
+    )
+    return {"x": head}

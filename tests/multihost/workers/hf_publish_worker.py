@@ -118,5 +118,22 @@ with ocp.CheckpointManager(ctx.args["root"], options=options, item_handlers=hand
             "bytes_needed": read.bytes_needed,
         }
 
+# The same LoRA merges through osf.export_pytorch of the sharded tree, and through a rule
+# that does not commute with a box (re-laid-out on the devices after the merge).
+last = dict(np.load(weights[-1]))
+report = osf.export_pytorch(
+    V.sharded_tree(last, mesh),
+    Path(ctx.args["root"]) / "export_lora",
+    V.PUBLISH_MAPPING,
+    hf_config=ctx.args["config"],
+    max_file_size=40_000,
+)
+assert report.ok, report.problems()
+result["export_bytes"] = report.bytes_written
+with ocp.CheckpointManager(Path(ctx.args["root"]) / "reshaped") as mngr:
+    item = V.reshape_item(last, mesh)
+    mngr.save(0, args=osf.SafetensorsSave(item, mapping=V.RESHAPE_MAPPING))
+    mngr.wait_until_finished()
+
 worker_lib.emit_result(result)
 worker_lib.finish()
