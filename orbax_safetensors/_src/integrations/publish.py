@@ -8,7 +8,11 @@ registers ``KeyMapping`` with it (``orbax/mappings.py``) when the package is imp
   dtypes only, into the neutral ``pipeline/export_plan.ExportPlan``: which PyTorch tensors are
   written, in which dtype, and a function per link that computes them from the item's host
   arrays (LoRA adapters merged, the rule's ``to_torch``, tied keys dropped); the save job runs
-  those functions on its writer thread, from the snapshot;
+  those functions on its writer thread, from the snapshot. For a multi-process save each
+  group also carries how one shard maps on its own (``integrations/export_plan.shard_boxes``,
+  a LoRA kernel shard merged first from the whole adapters: ``links.merge_lora_block``) and
+  how its outputs are re-laid-out on the devices (``sharded_export.relaid``), so that each
+  process writes only its own bytes;
 - :func:`restore_item` reads such an item (or any safetensors item) back into a target's
   layout with the load machinery of ``integrations/hf_load.py``.
 
