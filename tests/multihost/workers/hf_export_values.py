@@ -133,22 +133,22 @@ def sharded_tree(weights: dict[str, np.ndarray], mesh: Any) -> dict[str, Any]:
 
 
 # A LoRA kernel whose rule does not commute with a box (a reshape): re-laid-out on the
-# devices after a shard-by-shard merge. Item: {"x": {"kernel": (E, V), "lora": {...}}}.
+# devices after a shard-by-shard merge; beside it a stacked, transposed tensor mapped shard by
+# shard. Item: {"x": {"kernel": (E, V), "lora": {...}}, "down": (L, F, E)}.
 RESHAPE_MAPPING = osf.KeyMapping(
-    [osf.Rule("x.weight", "x.kernel", osf.Reshape((E, V), (E * V,)))], lora_scale=LORA_SCALE
+    [
+        osf.Rule("x.weight", "x.kernel", osf.Reshape((E, V), (E * V,))),
+        osf.Rule("d.{i}.weight", "down", osf.Transpose(), stacked="i"),
+    ],
+    lora_scale=LORA_SCALE,
 )
 
 
 def reshape_item(weights: dict[str, np.ndarray], mesh: Any = None) -> dict[str, Any]:
     """The item of :data:`RESHAPE_MAPPING` from ``weights`` (sharded over ``mesh`` as the
-    publish item's head, or numpy without one)."""
-    tree = sharded_tree(weights, mesh) if mesh is not None else None
-    head = (
-        tree["head"]
-        if tree is not None
-        else {
-            "kernel": weights["head"],
-            "lora": {"lora_a": weights["lora_a"], "lora_b": weights["lora_b"]},
-        }
-    )
-    return {"x": head}
+    publish item's head and ``down``, or numpy without one)."""
+    if mesh is not None:
+        tree = sharded_tree(weights, mesh)
+        return {"x": tree["head"], "down": tree["down"]}
+    lora = {"lora_a": weights["lora_a"], "lora_b": weights["lora_b"]}
+    return {"x": {"kernel": weights["head"], "lora": lora}, "down": weights["down"]}

@@ -118,8 +118,9 @@ with ocp.CheckpointManager(ctx.args["root"], options=options, item_handlers=hand
             "bytes_needed": read.bytes_needed,
         }
 
-# The same LoRA merges through osf.export_pytorch of the sharded tree, and through a rule
-# that does not commute with a box (re-laid-out on the devices after the merge).
+# The same LoRA merges through osf.export_pytorch of the sharded tree, and, in a synchronous
+# save, through a rule that does not commute with a box (re-laid-out on the devices after the
+# merge) beside one mapped shard by shard.
 last = dict(np.load(weights[-1]))
 report = osf.export_pytorch(
     V.sharded_tree(last, mesh),
@@ -130,7 +131,8 @@ report = osf.export_pytorch(
 )
 assert report.ok, report.problems()
 result["export_bytes"] = report.bytes_written
-with ocp.CheckpointManager(Path(ctx.args["root"]) / "reshaped") as mngr:
+sync = ocp.CheckpointManagerOptions(enable_async_checkpointing=False)  # a direct save
+with ocp.CheckpointManager(Path(ctx.args["root"]) / "reshaped", options=sync) as mngr:
     item = V.reshape_item(last, mesh)
     mngr.save(0, args=osf.SafetensorsSave(item, mapping=V.RESHAPE_MAPPING))
     mngr.wait_until_finished()
