@@ -10,6 +10,13 @@ written. The plan is neutral: it names no mapping type. ``integrations/`` compil
 ``KeyMapping`` into one (``integrations/publish.py``), and the save machinery below knows
 only this module.
 
+With several processes each writes only its own bytes, without gathering the tree: each
+group takes the :class:`Route` that global facts give it (:func:`routes`): its ``per_shard``
+maps each owned shard to boxes of the outputs on the writer's thread, or its ``on_devices``
+re-lays the outputs out over the devices during the snapshot (a collective), or, for
+host-local sources, the primary runs ``apply``. The snapshot (:func:`snapshot_items`) makes
+the collective steps first, in the same order on every process.
+
 Example::
 
     plan = ExportPlan(
