@@ -220,16 +220,18 @@ class SaveJob:
             return
         validated = self._require_validated()
         try:
-            snaps: Any = _snapshots.iter_snapshots(
-                enumerate(validated.captured.arrays),
-                is_primary=self.processes.is_primary,
-                casts=validated.snapshot_casts(),  # a dtype policy: copy the cast bytes
-                buffers=self._arena,
-                row_blocks=_router.is_object_url(self.directory),  # contiguous uploads
-            )
+            snaps: Any
             if self.export is not None and self.processes.count > 1:  # (device steps first)
                 snaps = _export_plan.snapshot_items(
                     validated, self.export, self.processes.is_primary, self._arena
+                )
+            else:
+                snaps = _snapshots.iter_snapshots(
+                    enumerate(validated.captured.arrays),
+                    is_primary=self.processes.is_primary,
+                    casts=validated.snapshot_casts(),  # a dtype policy: copy the cast bytes
+                    buffers=self._arena,
+                    row_blocks=_router.is_object_url(self.directory),  # contiguous uploads
                 )
             for item in snaps:
                 self._queue.put(item)  # device-to-host copies, on the caller's thread
