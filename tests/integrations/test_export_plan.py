@@ -100,3 +100,32 @@ def test_spread_sharding_splits_the_first_divisible_axis():
     n = len(jax.devices())
     spec = export_plan.spread_sharding((3, 4 * n)).spec
     assert tuple(spec) == ((None, "devices") if n > 1 else ("devices",))
+
+
+@pytest.mark.parametrize(
+    ("kernel", "a", "b", "dtype"),
+    [
+        ((37, 53), (37, 4), (4, 53), np.float32),
+        ((3, 24, 40), (3, 24, 8), (3, 8, 40), np.float32),  # stacked layers, stacked adapters
+        ((3, 24, 40), (24, 8), (8, 40), jax.numpy.bfloat16),  # adapters shared by the layers
+        ((64, 48), (64, 16), (16, 48), np.float64),
+    ],
+)
+def test_lora_merge_of_any_block_is_bit_identical_to_the_whole_merge(kernel, a, b, dtype):
+    """A multi-process save merges each kernel shard on its own (from the rows of a and the
+    columns of b its box needs): the merge sums the rank terms in order, elementwise, so a
+    block's merge is the same arithmetic as that block of the whole merge, bit for bit
+    (a BLAS matmul's reduction order depends on the matrix sizes)."""
+    w = RNG.standard_normal(kernel).astype(dtype)
+    fa, fb = RNG.standard_normal(a).astype(dtype), RNG.standard_normal(b).astype(dtype)
+    whole = links.merge_lora(w, fa, fb, 0.37)
+    assert whole.dtype == w.dtype
+    np.testing.assert_allclose(
+        whole.astype(np.float64),
+        (w.astype(np.float64) + np.matmul(fa.astype(np.float64), fb.astype(np.float64)) * 0.37),
+        rtol=1e-2 if dtype is jax.numpy.bfloat16 else 1e-5,
+        atol=1e-2 if dtype is jax.numpy.bfloat16 else 1e-5,
+    )
+    for box in _boxes(kernel, [2] * (len(kernel) - 2) + [3, 4]):
+        block = links.merge_lora_block(w[box], box, fa, fb, 0.37)
+        assert block.tobytes() == whole[box].tobytes(), box

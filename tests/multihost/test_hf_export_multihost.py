@@ -50,41 +50,6 @@ IDS = np.random.default_rng(0).integers(0, V.V, size=(2, 9))
 WRITE_OVERHEAD = 64 << 10
 
 
-def _scanned(model) -> dict[str, np.ndarray]:
-    """The JAX model's weights in the scanned layout of ``hf_export_values``."""
-    m = model.model
-    layers = list(m.layers)
-
-    def stack(f):
-        return np.stack([np.asarray(f(x)) for x in layers])
-
-    def kernel(lin):
-        return np.asarray(lin.kernel[...])
-
-    return {
-        "embed": np.asarray(m.embed_tokens.embedding[...]),
-        "qkv": stack(
-            lambda x: np.concatenate(
-                [
-                    kernel(x.self_attn.q_proj),
-                    kernel(x.self_attn.k_proj),
-                    kernel(x.self_attn.v_proj),
-                ],
-                axis=-1,
-            )
-        ),
-        "out": stack(lambda x: kernel(x.self_attn.o_proj).reshape(V.H, V.D, V.E)),
-        "gate_up": stack(
-            lambda x: np.concatenate([kernel(x.mlp.gate_proj), kernel(x.mlp.up_proj)], axis=-1)
-        ),
-        "down": stack(lambda x: kernel(x.mlp.down_proj)),
-        "attn_norm": stack(lambda x: x.input_layernorm.scale[...]),
-        "mlp_norm": stack(lambda x: x.post_attention_layernorm.scale[...]),
-        "norm": np.asarray(m.norm.scale[...]),
-        "head": kernel(model.lm_head),
-    }
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     import jax
@@ -97,7 +62,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     for layer in model.model.layers:
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             norm.scale[...] = jax.random.uniform(jax.random.key(len(str(norm))), (V.E,)) + 0.5
-    weights = _scanned(model)
+    weights = V.scanned_weights(model)
     assert {k: v.shape for k, v in weights.items()} == V.SHAPES
     np.savez(base / "weights.npz", **weights)
     config_doc = json.loads(config.to_json_string(use_diff=False))

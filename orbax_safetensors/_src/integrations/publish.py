@@ -8,7 +8,11 @@ registers ``KeyMapping`` with it (``orbax/mappings.py``) when the package is imp
   dtypes only, into the neutral ``pipeline/export_plan.ExportPlan``: which PyTorch tensors are
   written, in which dtype, and a function per link that computes them from the item's host
   arrays (LoRA adapters merged, the rule's ``to_torch``, tied keys dropped); the save job runs
-  those functions on its writer thread, from the snapshot;
+  those functions on its writer thread, from the snapshot. For a multi-process save each
+  group also carries how one shard maps on its own (``integrations/export_plan.shard_boxes``,
+  a LoRA kernel shard merged first from the whole adapters: ``links.merge_lora_block``) and
+  how its outputs are re-laid-out on the devices (``sharded_export.relaid``), so that each
+  process writes only its own bytes;
 - :func:`restore_item` reads such an item (or any safetensors item) back into a target's
   layout with the load machinery of ``integrations/hf_load.py``.
 
@@ -22,7 +26,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -32,9 +36,11 @@ from orbax_safetensors._src.catalog import sources as _sources
 from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core.errors import TargetMismatchError
+from orbax_safetensors._src.integrations import export_plan as _shards
 from orbax_safetensors._src.integrations import hf_load as _hf_load
 from orbax_safetensors._src.integrations import links as _links
 from orbax_safetensors._src.integrations import pytorch as _pytorch
+from orbax_safetensors._src.integrations import sharded_export as _sharded_export
 from orbax_safetensors._src.integrations.key_mapping import KeyMapping, MappingReport
 from orbax_safetensors._src.orbax import mappings as _mappings
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
@@ -44,14 +50,22 @@ from orbax_safetensors._src.storage import config as _config
 
 HEADER_METADATA = {"format": "pt"}  # what transformers and safetensors.torch write
 
+Box = tuple[slice, ...]
+
 
 def _group(
-    link: _links.Link, tied: dict[str, str], merges: dict[str, tuple[str, str]], scale: float
+    link: _links.Link,
+    tied: dict[str, str],
+    merges: dict[str, tuple[str, str]],
+    scale: float,
+    shapes: dict[str, tuple[int, ...]],
+    out_shapes: dict[str, tuple[int, ...]],
 ) -> _export_plan.ExportGroup:
     adapters = [n for name in link.flax if name in merges for n in merges[name]]
     sources = (*link.flax, *adapters)
     outputs = tuple(k for k in link.torch if k not in tied)
     n = len(link.flax)
+    flax_shapes = [shapes[name] for name in link.flax]
 
     def apply(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         got = dict(zip(sources, arrays))
@@ -66,7 +80,46 @@ def _group(
         torch = link.to_torch(flax[:n])
         return [v for k, v in zip(link.torch, torch) if k not in tied]
 
-    return _export_plan.ExportGroup(sources, outputs, apply)
+    def per_shard(
+        k: int, box: Box, data: np.ndarray, wholes: Mapping[str, np.ndarray]
+    ) -> list[tuple[str, Box, np.ndarray]]:
+        # One shard of link.flax[k] (merged with the rows and columns of the whole adapters
+        # its box needs: bit-identical to that block of the whole merge), mapped on its own.
+        name = link.flax[k]
+        if name in merges:
+            a, b = merges[name]
+            data = _links.merge_lora_block(data, box, wholes[a], wholes[b], scale)
+        return [
+            (link.torch[j], obox, values)
+            for j, obox, values in _shards.shard_boxes(link, k, box, data, flax_shapes)
+            if link.torch[j] not in tied
+        ]
+
+    def on_devices(arrays: Sequence[Any], wholes: Mapping[str, np.ndarray]) -> Iterator[Any]:
+        # The outputs re-laid-out on the devices, one at a time; a kernel with adapters is
+        # merged first, shard by shard on the host from the whole adapters (bit-identical to
+        # the one-process merge), and put back on its devices.
+        got = dict(zip(sources, arrays))
+        flax = []
+        for name in link.flax:
+            if name in merges:
+                a, b = merges[name]
+                flax.append(_sharded_export.merged(got[name], wholes[a], wholes[b], scale))
+            else:
+                flax.append(got[name])
+        del got
+        for key in outputs:
+            yield _sharded_export.relaid(link, flax, link.torch.index(key), out_shapes[key])
+
+    commutes = _shards.commutes(link, flax_shapes)
+    return _export_plan.ExportGroup(
+        sources,
+        outputs,
+        apply,
+        whole=tuple(adapters),
+        per_shard=per_shard if commutes else None,
+        on_devices=on_devices,
+    )
 
 
 def export_plan(
@@ -100,7 +153,8 @@ def export_plan(
         show_stored=True,
     )
     tied = dict(mapping.tied)
-    groups = [_group(link, tied, merges, mapping.lora_scale) for link in links]
+    out_shapes = {s.name: tuple(s.shape) for s in specs}
+    groups = [_group(link, tied, merges, mapping.lora_scale, shapes, out_shapes) for link in links]
     if not report.ok:
         raise TargetMismatchError(
             "SafetensorsSave(mapping=...): the item does not fit this mapping\n" + report.problems()

@@ -23,8 +23,9 @@ bytes of the shards it owns (``replica_id == 0``), through the writer a checkpoi
    directory in (``storage/replace.swap_in``); a last barrier, so that every process returns
    once the directory is complete.
 
-The files are byte-identical to a one-process export of the same values (LoRA merges, made on
-the devices here, may differ in the last bit of float rounding).
+The files are byte-identical to a one-process export of the same values, LoRA merges included
+(the small adapters are gathered to every process and each kernel shard merged on the host:
+``links.merge_lora_block``).
 
 Example::
 
@@ -48,6 +49,7 @@ from jax.experimental import multihost_utils
 from orbax_safetensors._src.core import astype as _astype
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import plan as _plan
+from orbax_safetensors._src.core import runs as _runs
 from orbax_safetensors._src.integrations import export_plan as _export_plan
 from orbax_safetensors._src.integrations import flax_tables as _flax_tables
 from orbax_safetensors._src.integrations import links as _links
@@ -215,20 +217,31 @@ def _merged(values: Mapping[str, Any], name: str, lora: Lora) -> Any:
     x = values[name]
     if name not in lora.merges:
         return x
-    a, b = (values[n] for n in lora.merges[name])
-    if not any(is_global(v) for v in (x, a, b)):
-        return _links.merge_lora(np.asarray(x), np.asarray(a), np.asarray(b), lora.scale)
-    merge = functools.partial(_merge_on_device, scale=lora.scale)
-    return jax.jit(merge, out_shardings=x.sharding if is_global(x) else None)(x, a, b)
+    a, b = (gathered(values[n]) for n in lora.merges[name])  # (in every process, in order)
+    return merged(x, a, b, lora.scale)
 
 
-def _merge_on_device(kernel: Any, a: Any, b: Any, *, scale: float) -> Any:
-    # links.merge_lora in jax.numpy: kernel + a @ b * scale, computed in at least float32
-    jnp = jax.numpy
-    floating = jnp.issubdtype(kernel.dtype, jnp.floating)
-    work = jnp.promote_types(kernel.dtype, jnp.float32) if floating else jnp.float32
-    delta = jnp.matmul(a.astype(work), b.astype(work)) * jnp.asarray(scale, work)
-    return (kernel.astype(work) + delta).astype(kernel.dtype)
+def gathered(x: Any) -> np.ndarray:
+    """``x`` whole on the host of every process (a collective when ``x`` is sharded over
+    processes: for small arrays, such as LoRA adapters)."""
+    if is_global(x):
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+def merged(kernel: Any, a: np.ndarray, b: np.ndarray, scale: float) -> Any:
+    """``links.merge_lora(kernel, a, b, scale)`` with ``kernel``'s sharding: a sharded
+    ``jax.Array`` is merged shard by shard on the host (``links.merge_lora_block``, from the
+    whole adapters ``a`` and ``b``) and put back on its devices, bit-identical to the merge of
+    the whole kernel in one process; other kernels are merged whole."""
+    if not is_global(kernel):
+        return _links.merge_lora(np.asarray(kernel), a, b, scale)
+    blocks = []
+    for shard in kernel.addressable_shards:
+        box = _runs.normalize_index(shard.index, kernel.shape)
+        block = _links.merge_lora_block(np.asarray(shard.data), box, a, b, scale)
+        blocks.append(jax.device_put(block, shard.device))
+    return jax.make_array_from_single_device_arrays(kernel.shape, kernel.sharding, blocks)
 
 
 def _link_pieces(
@@ -266,21 +279,38 @@ def _link_pieces(
         if key in tied:
             continue
         shape = plan.files[plan.file_of[key]].entries[key].shape
-        relayout = jax.jit(
-            functools.partial(_export_plan.device_value, link, j=j),
-            out_shardings=_export_plan.spread_sharding(tuple(shape)),
-        )
-        try:
-            value = relayout(arrays)
-        except (TypeError, ValueError) as e:
-            raise ValueError(
-                f"{', '.join(link.flax)} -> {key}: the rule's transform "
-                f"{link.rule.transform!r} does not run on sharded jax.Arrays ({e}); "
-                "use Transpose, Reshape, SplitHeads or Chain of them"
-            ) from e
+        value = relaid(link, arrays, j, tuple(shape))
         owned: _snapshots.HostCopies = [
             (index, np.asarray(data)) for index, data in _snapshots.owned_shards(value)
         ]
         if owned:
             yield _pieces.tensor_pieces(plan, key, owned)
         del value, owned
+
+
+def relaid(link: _links.Link, arrays: Sequence[Any], j: int, shape: tuple[int, ...]) -> Any:
+    """``link.torch[j]`` (of ``shape``) computed from the Flax ``arrays`` on the devices and
+    laid out over every device of the job (``export_plan.spread_sharding``): a collective,
+    which every process calls in the same order.
+
+    Raises:
+      ValueError: naming the link when its transform does not run on ``jax.Array``s.
+    """
+    try:
+        return _relayout(link, j, shape)(list(arrays))
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"{', '.join(link.flax)} -> {link.torch[j]}: the rule's transform "
+            f"{link.rule.transform!r} does not run on sharded jax.Arrays ({e}); "
+            "use Transpose, Reshape, SplitHeads or Chain of them"
+        ) from e
+
+
+@functools.lru_cache(maxsize=1024)
+def _relayout(link: _links.Link, j: int, shape: tuple[int, ...]) -> Any:
+    # One jitted function per link output and shape, kept across calls: a save that publishes
+    # every step compiles each re-layout once, not at every step.
+    return jax.jit(
+        functools.partial(_export_plan.device_value, link, j=j),
+        out_shardings=_export_plan.spread_sharding(shape),
+    )

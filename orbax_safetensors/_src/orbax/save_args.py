@@ -12,7 +12,6 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-import jax
 import orbax.checkpoint as ocp
 
 from orbax_safetensors._src.core import casting as _casting
@@ -58,7 +57,12 @@ class SafetensorsSave(ocp.args.CheckpointArgs):
         ``transformers``' ``from_pretrained`` loads, plus ``orbax_safetensors.json``. Renames,
         transposes, stacked-layer and fused splits, LoRA merges and casts happen on the writer
         thread, from the host copies: ``save()`` waits for the copies only. Tied keys are not
-        written. Every name that does not fit raises here, all at once. One process.
+        written. Every name that does not fit raises here, all at once. In a multi-process
+        job every process calls ``save()`` and writes only its own bytes: each shard is
+        mapped on its own (renames, transposes, stacked layers, fused parts, LoRA merges from
+        the gathered rank-sized adapters, bit-identical to a one-process save), other
+        transforms re-lay each tensor out on the devices during ``save()``; no gather of the
+        model (a local or network file system; object storage is refused).
         ``SafetensorsRestore(target, mapping=...)`` reads it back into the JAX layout.
       hf_config: with ``mapping``: a transformers config object or a dict, written as
         ``config.json`` (its ``dtype`` set to the stored dtype, as ``osf.export_pytorch``
@@ -102,12 +106,6 @@ class SafetensorsSave(ocp.args.CheckpointArgs):
             return
         # The policy names the item's tensors; the export plan applies it to their outputs.
         hooks = _mappings.hooks_for(self.mapping)
-        if jax.process_count() > 1:
-            raise ValueError(
-                "SafetensorsSave(mapping=...) writes a Hugging Face directory from one process; "
-                f"this job has {jax.process_count()}. Save the training state sharded and call "
-                "osf.export_pytorch on the step instead"
-            )
         self._validated = _checkpoint_save.validate_save(item, self.custom_metadata)
         self._export = hooks.export_plan(self.mapping, self._validated, self.dtype, self.hf_config)
 

@@ -140,7 +140,9 @@ class SaveJob:
       io: how files are written (direct I/O mode, object-store options; None: the defaults,
         see ``storage/config.IOOptions``).
       export: write these tensors instead of the tree's (``export_plan.ExportPlan``: a Hugging
-        Face model directory), computed from the snapshot on the writer's thread; one process.
+        Face model directory), computed from the snapshot on the writer's thread; with several
+        processes each writes only its own bytes (``export_plan.sharded_pieces``; a local or
+        network file system).
 
     After :meth:`write`, ``stats`` holds the byte ranges this process wrote.
     """
@@ -163,11 +165,12 @@ class SaveJob:
         self.mode = mode
         self.layout = layout if layout is not None else _checkpoint_save.SaveLayout()
         self.processes = processes = processes if processes is not None else Processes()
-        if export is not None and processes.count > 1:
+        if export is not None and processes.count > 1 and _router.is_object_url(self.directory):
             raise ValueError(
                 f"{self.directory}: a save with an export plan (SafetensorsSave(mapping=...)) "
-                f"runs in one process; this job has {processes.count}. Save the training "
-                "state sharded and call osf.export_pytorch on the step instead"
+                f"by {processes.count} processes writes to a file system every process sees "
+                "(local or network POSIX), not object storage; save the servable item there "
+                "and copy it, or save it from one process"
             )
         self.stats = _pieces.WriteStats()
         # Several processes: the draft and the checksum shares go to disk for the primary's
@@ -217,13 +220,19 @@ class SaveJob:
             return
         validated = self._require_validated()
         try:
-            snaps = _snapshots.iter_snapshots(
-                enumerate(validated.captured.arrays),
-                is_primary=self.processes.is_primary,
-                casts=validated.snapshot_casts(),  # a dtype policy: copy the cast bytes
-                buffers=self._arena,
-                row_blocks=_router.is_object_url(self.directory),  # contiguous uploads
-            )
+            snaps: Any
+            if self.export is not None and self.processes.count > 1:  # (device steps first)
+                snaps = _export_plan.snapshot_items(
+                    validated, self.export, self.processes.is_primary, self._arena
+                )
+            else:
+                snaps = _snapshots.iter_snapshots(
+                    enumerate(validated.captured.arrays),
+                    is_primary=self.processes.is_primary,
+                    casts=validated.snapshot_casts(),  # a dtype policy: copy the cast bytes
+                    buffers=self._arena,
+                    row_blocks=_router.is_object_url(self.directory),  # contiguous uploads
+                )
             for item in snaps:
                 self._queue.put(item)  # device-to-host copies, on the caller's thread
         except BaseException as e:
@@ -352,7 +361,15 @@ class SaveJob:
     def _plan(self, validated: _checkpoint_save.ValidatedTree) -> _checkpoint_save.PreparedSave:
         is_primary, index = self.processes.is_primary, self.processes.index
         if self.export is not None:
-            return _export_plan.prepare(validated, self.export, self._queue, self.layout)
+            return _export_plan.prepare(
+                validated,
+                self.export,
+                self._queue,
+                self.layout,
+                is_primary=is_primary,
+                process_index=index,
+                multi_process=self.processes.count > 1,
+            )
         if self._queue is not None:
             return _checkpoint_save.PreparedSave.from_snapshots(
                 validated, self._queue, self.layout, is_primary=is_primary, process_index=index

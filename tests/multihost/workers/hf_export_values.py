@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import orbax_safetensors as osf
@@ -59,3 +60,95 @@ EXPORTS: dict[str, dict[str, Any]] = {
     "f32_shards": {"max_file_size": 40_000},
     "bf16": {"dtype": {"*norm*": "keep", "*": jnp.bfloat16}},
 }
+
+
+def scanned_weights(model: Any) -> dict[str, np.ndarray]:
+    """The weights of ``hf_models.CausalLM`` ``model`` in this module's scanned layout."""
+    m = model.model
+    layers = list(m.layers)
+
+    def stack(f):
+        return np.stack([np.asarray(f(x)) for x in layers])
+
+    def kernel(lin):
+        return np.asarray(lin.kernel[...])
+
+    return {
+        "embed": np.asarray(m.embed_tokens.embedding[...]),
+        "qkv": stack(
+            lambda x: np.concatenate(
+                [
+                    kernel(x.self_attn.q_proj),
+                    kernel(x.self_attn.k_proj),
+                    kernel(x.self_attn.v_proj),
+                ],
+                axis=-1,
+            )
+        ),
+        "out": stack(lambda x: kernel(x.self_attn.o_proj).reshape(H, D, E)),
+        "gate_up": stack(
+            lambda x: np.concatenate([kernel(x.mlp.gate_proj), kernel(x.mlp.up_proj)], axis=-1)
+        ),
+        "down": stack(lambda x: kernel(x.mlp.down_proj)),
+        "attn_norm": stack(lambda x: x.input_layernorm.scale[...]),
+        "mlp_norm": stack(lambda x: x.post_attention_layernorm.scale[...]),
+        "norm": np.asarray(m.norm.scale[...]),
+        "head": kernel(model.lm_head),
+    }
+
+
+# The servable item of the publish test (test_hf_publish_multihost): the same model with a
+# LoRA adapter of rank 2 on the LM head ({"head": {"kernel", "lora": {"lora_a", "lora_b"}}}),
+# merged into lm_head.weight as the item is written.
+RANK, LORA_SCALE = 2, 0.5
+PUBLISH_MAPPING = osf.KeyMapping(
+    hf_models.scanned_llama_mapping(
+        head="head.kernel", out=osf.Chain(osf.Transpose(), osf.SplitHeads(H, 0))
+    ).rules,
+    lora_scale=LORA_SCALE,
+)
+LORA_SPECS: dict[str, Any] = {
+    "lora_a": P("p"),  # (E, RANK): rows across processes
+    "lora_b": P(None, "l"),  # (RANK, V): columns across each process's devices
+}
+
+
+def sharded_tree(weights: dict[str, np.ndarray], mesh: Any) -> dict[str, Any]:
+    """The publish test's item: ``weights`` (with ``lora_a`` / ``lora_b``) as global arrays
+    over ``mesh`` (``("p", "l")``) by :data:`SPECS` and :data:`LORA_SPECS` (``norm``: a
+    host-local numpy leaf)."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    def put(value: np.ndarray, spec: Any) -> Any:
+        if spec is None:
+            return value
+        sharding = NamedSharding(mesh, spec)
+        return jax.make_array_from_callback(value.shape, sharding, lambda i: value[i])
+
+    tree: dict[str, Any] = {n: put(weights[n], s) for n, s in SPECS.items() if n != "head"}
+    lora = {n: put(weights[n], s) for n, s in LORA_SPECS.items()}
+    tree["head"] = {"kernel": put(weights["head"], SPECS["head"]), "lora": lora}
+    return tree
+
+
+# A LoRA kernel whose rule does not commute with a box (a reshape): re-laid-out on the
+# devices after a shard-by-shard merge; beside it a stacked, transposed tensor mapped shard by
+# shard. Item: {"x": {"kernel": (E, V), "lora": {...}}, "down": (L, F, E)}.
+RESHAPE_MAPPING = osf.KeyMapping(
+    [
+        osf.Rule("x.weight", "x.kernel", osf.Reshape((E, V), (E * V,))),
+        osf.Rule("d.{i}.weight", "down", osf.Transpose(), stacked="i"),
+    ],
+    lora_scale=LORA_SCALE,
+)
+
+
+def reshape_item(weights: dict[str, np.ndarray], mesh: Any = None) -> dict[str, Any]:
+    """The item of :data:`RESHAPE_MAPPING` from ``weights`` (sharded over ``mesh`` as the
+    publish item's head and ``down``, or numpy without one)."""
+    if mesh is not None:
+        tree = sharded_tree(weights, mesh)
+        return {"x": tree["head"], "down": tree["down"]}
+    lora = {"lora_a": weights["lora_a"], "lora_b": weights["lora_b"]}
+    return {"x": {"kernel": weights["head"], "lora": lora}, "down": weights["down"]}
