@@ -175,6 +175,12 @@ def finish_directory(store: _Store, directory: str) -> None:
     _spread.finish(store, os.fspath(directory).rstrip("/"), _write_whole)
 
 
+def abandon_directory(store: _Store, directory: str, error: BaseException) -> None:
+    """This process's save of ``directory`` failed outside :func:`finish_directory`: see
+    :func:`.spread.abandon` (nothing for a save that is not spread)."""
+    _spread.abandon(store, os.fspath(directory).rstrip("/"), error)
+
+
 def finalize_directory(store: _Store, directory: str) -> None:
     """Joins the ranges every process uploaded into each file of ``directory``, then deletes
     the staged objects. Run once, on the primary, after all processes finished writing; for a
@@ -267,6 +273,12 @@ class ObjectStoreProvider:
     def finish_directory(self, directory: str, io: _config.IOOptions) -> None:
         """See :func:`finish_directory`."""
         finish_directory(self.store(io), directory)
+
+    def abandon_directory(
+        self, directory: str, error: BaseException, io: _config.IOOptions
+    ) -> None:
+        """See :func:`abandon_directory`."""
+        abandon_directory(self.store(io), directory, error)
 
     def finalize_directory(self, directory: str, io: _config.IOOptions) -> None:
         """See :func:`finalize_directory`."""

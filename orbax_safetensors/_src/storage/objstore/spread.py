@@ -207,6 +207,32 @@ def finish(store: _Store, directory: str, write_whole: WriteWhole) -> None:
     raise error
 
 
+def abandon(store: _Store, directory: str, error: BaseException) -> None:
+    """This process's save of ``directory`` failed outside :func:`finish` (a host copy, a
+    write before it, or the primary's files after it): tells the other processes (they raise
+    instead of waiting for this one) and, on the primary, removes what the save wrote once
+    every process is done (or, after :func:`finish`, aborts the uploads the commit record
+    holds). Nothing if this process registered no spread save of ``directory``."""
+    directory = directory.rstrip("/")
+    with _lock:
+        save = _saves.pop(directory, None)
+    if save is None:
+        _commit.forget(store, directory)
+        return
+    kv = _kv.SaveKeys(save.key, directory)
+    kv.fail(save.process, error)
+    try:
+        kv.set(f"done/{save.process}", "failed")
+    except Exception:  # the coordination service is gone: the job is failing anyway
+        return
+    if save.is_primary:
+        try:
+            kv.wait_done(save.count, save.process)
+            _commit.discard(store, directory, [name for name, _ in save.files], {})
+        finally:
+            kv.delete()
+
+
 def _execute(
     store: _Store,
     directory: str,

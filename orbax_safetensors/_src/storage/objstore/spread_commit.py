@@ -131,6 +131,16 @@ def write_record(store: _Store, directory: str, record: CommitRecord) -> None:
             _kept.pop(next(iter(_kept)))
 
 
+def forget(store: _Store, directory: str) -> None:
+    """The primary's save of ``directory`` failed after its spread part (before its commit):
+    aborts the uploads of the record kept for it and removes what the save wrote."""
+    with _lock:
+        record = _kept.pop(directory, None)
+    if record is not None:
+        ids = {str(f["name"]): str(f["upload_id"]) for f in record.files if "upload_id" in f}
+        discard(store, directory, [str(f["name"]) for f in record.files], ids)
+
+
 def commit(store: _Store, directory: str, listing: Mapping[str, int]) -> bool:
     """The primary's last step of a spread save of ``directory``: completes each S3 upload or
     composes each GCS file's top level, then deletes the record. The record comes from memory or,
@@ -202,8 +212,8 @@ def discard(
 ) -> None:
     """Removes what a failed spread save of the files ``names`` wrote in ``directory`` (the
     primary, once no process writes for it any more): aborts the multipart uploads
-    ``upload_ids``, deletes the files already written whole or composed and every staged
-    object. Best effort: a failure leaves objects behind rather than hiding the save's error."""
+    ``upload_ids``, deletes the files already written whole or composed (``names`` and any
+    ``.safetensors`` object of the item directory) and every staged object. Best effort: a failure leaves objects behind rather than hiding the save's error."""
     bucket, base = _base(directory)
     if isinstance(store, _s3.S3Store):
         for name, upload_id in upload_ids.items():
@@ -216,5 +226,10 @@ def discard(
         return
     staged = f"{base}{_common.STAGING_DIR}/"
     wanted = {base + n for n in names}
-    doomed = [k for k in sorted(listing) if k in wanted or k.startswith(staged)]
+
+    def written(k: str) -> bool:  # a file of this save (in the item directory itself)
+        rest = k[len(base) :]
+        return k in wanted or ("/" not in rest and rest.endswith(".safetensors"))
+
+    doomed = [k for k in sorted(listing) if written(k) or k.startswith(staged)]
     _common.delete_quietly(store, bucket, doomed)
