@@ -7,7 +7,8 @@
   clearly, naming the file, and leaves no file.
 * The key-value keys of each save are deleted once every process is done.
 * A save that fails on one process mid-upload leaves no safetensors file, staged object or
-  multipart upload behind, fails on every process, and the earlier step stays intact.
+  multipart upload behind, fails on every process, and the earlier step stays intact; one
+  whose process fails before its spread part (an aborted job) fails at once on the others.
 * Only the multipart uploads the plan needs are created (none spare to abort).
 """
 
@@ -188,4 +189,12 @@ def test_spread_save_end(s3_server, gcs_server, s3_bucket, gcs_bucket, tmp_path)
         assert not any(k.startswith("1/") and k.endswith(".safetensors") for k in keys), keys
         assert not any(".osf-parts" in k for k in keys), keys
         assert any(k.startswith("0/") and k.endswith(".safetensors") for k in keys), keys
+        assert pending_uploads(server, root) == []
+        # A process that never reached its spread part: the primary fails at once (not after
+        # the 600 s wait), naming it; nothing stays, no key either.
+        error = primary["abandoned_error"]
+        assert error and "process 1" in error and "host copy failed" in error, primary
+        assert primary["abandoned_seconds"] < 120, primary
+        assert primary["abandoned_keys_left"] == other["abandoned_keys_left"] == []
+        assert list_keys(server, f"{root}/abandoned") == []
         assert pending_uploads(server, root) == []

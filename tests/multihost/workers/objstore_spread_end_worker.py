@@ -12,10 +12,14 @@ Per root, in one launch:
     through a proxy that fails its writes after the first (process 1 arms it by creating
     the marker file). Each process reports the error, the steps Orbax lists, whether step 0
     still restores right, and the keys left.
+  * ``abandoned``: process 1 aborts its save job before its writer runs (as a failed host
+    copy does); process 0's write reports how soon it failed.
 """
 
 import os
 import pathlib
+import threading
+import time
 
 import worker_lib
 
@@ -32,6 +36,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import orbax_safetensors as osf  # noqa: E402
 from orbax_safetensors._src.compat import jaxcompat  # noqa: E402
+from orbax_safetensors._src.pipeline.save_job import SaveMode  # noqa: E402
 from orbax_safetensors._src.storage.objstore import spread  # noqa: E402
 
 # name -> (shape, dtype, spec): rows across processes (S3 multipart files shared by both),
@@ -119,5 +124,31 @@ for root in ctx.args["roots"]:
             for name, (shape, dtype, spec) in STATE.items()
         }
         out["step0_ok"] = restored_ok(mngr.restore(0, args=osf.SafetensorsRestore(target)), 0)
+    # 3. Process 1's save ends before its spread part (SaveJob.abort before its writer ran, as
+    # a failed host copy does): the others stop waiting for it at once, nothing stays.
+    directory = epath.Path(f"{root}/abandoned/default")
+    job = handler.new_job(directory, osf.SafetensorsSave(build(2)), SaveMode.SNAPSHOT)
+    start = time.monotonic()
+    job.start()
+    if me == 1:
+        job.snapshot()  # (collectives: the column-sharded tensor's re-layout on the devices)
+        job.abort(RuntimeError("host copy failed"))
+        out["abandoned_error"] = None
+    else:
+        failure: list = []
+
+        def write(job=job, failure=failure) -> None:
+            try:
+                job.write()
+            except Exception as error:
+                failure.append(f"{type(error).__name__}: {error}")
+
+        writer = threading.Thread(target=write)
+        writer.start()
+        job.snapshot()
+        writer.join()
+        out["abandoned_error"] = failure[0] if failure else None
+    out["abandoned_seconds"] = time.monotonic() - start
+    out["abandoned_keys_left"] = keys_left()
 worker_lib.emit_result(report)
 worker_lib.finish()
