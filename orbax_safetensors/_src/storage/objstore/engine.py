@@ -195,7 +195,11 @@ def finalize_directory(store: _Store, directory: str) -> None:
         lambda: store.list(bucket, f"{base}{_common.STAGING_DIR}/"),
     )
     if _spread_commit.commit(store, directory, listing):
-        return  # a spread save: its uploads completed / its tops composed
+        # A spread save: its uploads completed, its tops composed, its record deleted; the
+        # files nobody registered for it (none from this library's pipeline) are joined below.
+        listing = {k: n for k, n in listing.items() if k != _spread_commit.record_key(directory)}
+        if not any(k.rpartition("/")[2].startswith("m-") for k in listing):
+            return
     entry = _s3_uploads.take_uploads(directory) if isinstance(store, _s3.S3Store) else None
     if not listing and (entry is None or not entry.ids):
         return  # every file was written whole (by one process): nothing to join
