@@ -284,3 +284,27 @@ def test_distributed_key_value_store_is_found_where_expected() -> None:
         "_src/compat/jaxcompat.distributed_kv"
     )
     assert _jaxcompat.distributed_kv() is None  # not initialized in this test process
+
+
+def test_key_value_delete_and_try_get_have_fallbacks() -> None:
+    """A jaxlib client without ``key_value_try_get`` / ``key_value_delete``: a spread save's
+    waits notice a failed process only at their timeout, and its keys stay (documented); with
+    them (this jaxlib), the real calls are used (tests/objstore/test_objstore_spread_end.py
+    checks that no key is left, from real processes)."""
+
+    class OldClient:
+        def key_value_set(self, key: str, value: str) -> None: ...
+
+        def blocking_key_value_get(self, key: str, timeout_in_ms: int) -> str:
+            return ""
+
+    old = OldClient()
+    assert _jaxcompat.distributed_kv_try_get(old, "osf/x/failed") is None
+    assert not _jaxcompat.can_try_get(old)
+    assert _jaxcompat.distributed_kv_delete(old, "osf/x") is False
+    from jax._src.lib import _jax
+
+    client = getattr(_jax, "DistributedRuntimeClient", None)
+    if client is None or not hasattr(client, "key_value_delete"):
+        pytest.skip(f"jaxlib {jax.__version__} has no DistributedRuntimeClient.key_value_delete")
+    assert hasattr(client, "key_value_try_get")

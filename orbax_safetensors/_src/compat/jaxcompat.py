@@ -15,6 +15,7 @@ attribute.
 | :func:`single_device_key` | ``SingleDeviceSharding._device`` | private | the sharding itself as a dict key (``None`` here) |
 | :func:`nnx_list` | ``flax.nnx.List`` | public since flax 0.12 (needed there for lists of modules) | a plain ``list`` (what flax 0.11 takes) |
 | :func:`distributed_kv` | ``jax._src.distributed.global_state.client`` (its ``key_value_set``, ``blocking_key_value_get``) | private | None: object-store saves by several processes join the ranges on the primary as before |
+| :func:`distributed_kv_try_get`, :func:`distributed_kv_delete` | the client's ``key_value_try_get``, ``key_value_delete`` | private (the client); missing from some jaxlib releases | None / False: a wait notices another process's failure only at its timeout; a save's keys stay in the coordination service |
 | :func:`global_mesh_kept` | ``jax.sharding.set_mesh`` | a plain setter returning the previous mesh on jax 0.7, a context manager from 0.8 on, absent before | nothing to guard (no call on other versions) |
 | :func:`is_nnx_internal_attr` | ``Module._pytree__state`` (flax 0.12), ``Module._object__state`` (flax 0.11): an empty pytree child of every Module | private | none needed: a flax without them has no such child |
 
@@ -176,6 +177,47 @@ def distributed_kv() -> Any:
     if client is None or not all(hasattr(client, name) for name in needed):
         return None
     return client
+
+
+def distributed_kv_try_get(client: Any, key: str) -> str | None:
+    """The value of ``key`` in the key-value store ``client`` (:func:`distributed_kv`), or None
+    if it is not set or this jaxlib's client has no ``key_value_try_get`` (callers then wait
+    with ``blocking_key_value_get`` alone). Errors other than a missing key propagate.
+
+    Example::
+
+        failed = distributed_kv_try_get(distributed_kv(), "osf/ckpt/1/failed")
+    """
+    try_get = getattr(client, "key_value_try_get", None)
+    if try_get is None:
+        return None
+    try:
+        return str(try_get(key))
+    except Exception as error:
+        if "NOT_FOUND" in str(error) or "not found" in str(error).lower():
+            return None
+        raise
+
+
+def can_try_get(client: Any) -> bool:
+    """Whether :func:`distributed_kv_try_get` can see a key without waiting for it."""
+    return hasattr(client, "key_value_try_get")
+
+
+def distributed_kv_delete(client: Any, directory: str) -> bool:
+    """Deletes every key under ``directory`` + ``/`` (and ``directory`` itself) from the
+    key-value store ``client``; False when this jaxlib's client cannot delete keys (they then
+    stay until the job ends: a few hundred bytes per save and process).
+
+    Example::
+
+        distributed_kv_delete(distributed_kv(), "osf/gs://b/ckpt/1/default/1")
+    """
+    delete = getattr(client, "key_value_delete", None)
+    if delete is None:
+        return False
+    delete(directory)
+    return True
 
 
 # -- jax.sharding.set_mesh (a plain setter on jax 0.7) ----------------------------------------

@@ -257,6 +257,7 @@ class SaveJob:
             self._idle.wait()
         elif state is _State.NEW:
             self._release()
+            _router.abandon_files(self.directory, error, io=self.io)  # (its writer never runs)
 
     # -- the writer's thread ------------------------------------------------------------------
 
@@ -279,7 +280,10 @@ class SaveJob:
                     share = self._write()
             else:
                 share = self._write()
-        except BaseException:
+        except BaseException as error:
+            # Object storage, several processes: the others stop waiting for this one, and
+            # nothing the save uploaded stays (router.abandon_files never raises).
+            _router.abandon_files(self.directory, error, io=self.io)
             if self._end(_State.FAILED) is _State.ABORTED:
                 return  # whoever aborted the job reports its error
             raise

@@ -11,6 +11,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import stat
@@ -235,6 +236,23 @@ def finish_files(directory: epath.PathLike, io: _config.IOOptions | None = None)
     provider = provider_for(directory)
     if provider is not None:
         provider.finish_directory(os.fspath(directory), _config.resolve(io))
+
+
+def abandon_files(
+    directory: epath.PathLike, error: BaseException, io: _config.IOOptions | None = None
+) -> None:
+    """This process's save into ``directory`` failed before or after its
+    :func:`finish_files`: on object storage in a multi-process save, tells the other processes
+    (they fail at once instead of waiting for this one) and removes what the save uploaded
+    (the primary, once every process is done). Never raises: the save's error matters more.
+    A provider without ``abandon_directory`` (one registered by :func:`register_scheme`) and
+    local files need nothing.
+    """
+    provider = provider_for(directory)
+    hook = getattr(provider, "abandon_directory", None)
+    if hook is not None:
+        with contextlib.suppress(Exception):
+            hook(os.fspath(directory), error, _config.resolve(io))
 
 
 def finalize_files(directory: epath.PathLike, io: _config.IOOptions | None = None) -> None:

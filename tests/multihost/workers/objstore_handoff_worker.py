@@ -1,4 +1,6 @@
-"""S3 multipart upload ids handed from the primary to every process (a JAX collective).
+"""S3 multipart upload ids handed from the primary to every process (a JAX collective): the
+path of jobs without a ``jax.distributed`` key-value store (a spread save creates its uploads
+once the plan is known, see ``storage/objstore/spread.py``), called here directly.
 
 Args (``ctx.args``): ``bucket`` (``s3://...``, exists), ``missing_bucket`` (``s3://...``, does not
 exist), ``root`` (a CheckpointManager root under ``bucket``).
@@ -25,18 +27,21 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import orbax_safetensors as osf  # noqa: E402
+from orbax_safetensors._src.storage import config as _config  # noqa: E402
 from orbax_safetensors._src.storage import router as _router  # noqa: E402
+from orbax_safetensors._src.storage.objstore import engine as _engine  # noqa: E402
 from orbax_safetensors._src.storage.objstore import s3_uploads as _s3_uploads  # noqa: E402
 
 MiB = 1 << 20
 primary = jax.process_index() == 0
 report: dict = {"process": jax.process_index()}
 big = [("model.safetensors", 64 * MiB), ("small.safetensors", MiB)]
+store = _engine.S3.store(_config.resolve(None))
 
 # 1. The primary fails to create the uploads: every process raises.
 try:
-    _router.prepare_directory(
-        f"{ctx.args['missing_bucket']}/run/0/default", big, is_primary=primary
+    _s3_uploads.prepare_directory(
+        store, f"{ctx.args['missing_bucket']}/run/0/default", big, is_primary=primary
     )
     report["failed"] = None
 except Exception as error:
@@ -44,7 +49,7 @@ except Exception as error:
 
 # 2. The next hand-off works, and every process gets the same ids.
 directory = f"{ctx.args['bucket']}/handoff/0/default"
-_router.prepare_directory(directory, big, is_primary=primary)
+_s3_uploads.prepare_directory(store, directory, big, is_primary=primary)
 report["ids"] = _s3_uploads.upload_ids(directory)
 if primary:
     _router.finalize_files(directory)  # nothing was uploaded: aborts the uploads

@@ -23,6 +23,7 @@ from orbax_safetensors._src.storage.objstore import gcs as _gcs
 from orbax_safetensors._src.storage.objstore import s3 as _s3
 from orbax_safetensors._src.storage.objstore import s3_uploads as _s3_uploads
 from orbax_safetensors._src.storage.objstore import spread as _spread
+from orbax_safetensors._src.storage.objstore import spread_commit as _spread_commit
 from orbax_safetensors._src.storage.objstore import views as _views
 
 _Store: TypeAlias = _s3.S3Store | _gcs.GcsStore
@@ -156,12 +157,16 @@ def _write_ranges(
 def prepare_directory(
     store: _Store, directory: str, files: Sequence[tuple[str, int]], *, is_primary: bool
 ) -> None:
-    """Main-thread step of every process before a save into ``directory``: on S3, see
-    :func:`.s3_uploads.prepare_directory`; in a multi-process job, registers the directory
-    for the spread plan (:func:`.spread.register`)."""
+    """Main-thread step of every process before a save into ``directory``: in a multi-process
+    job with a ``jax.distributed`` key-value store, registers the directory for the spread plan
+    (:func:`.spread.register`: the S3 uploads are created once the plan shows which files need
+    one); otherwise on S3 the primary starts the shared uploads
+    (:func:`.s3_uploads.prepare_directory`)."""
+    directory = os.fspath(directory).rstrip("/")
+    if _spread.register(directory, files, is_primary=is_primary):
+        return
     if isinstance(store, _s3.S3Store):
         _s3_uploads.prepare_directory(store, directory, files, is_primary=is_primary)
-    _spread.register(os.fspath(directory).rstrip("/"), files, is_primary=is_primary)
 
 
 def finish_directory(store: _Store, directory: str) -> None:
@@ -170,11 +175,18 @@ def finish_directory(store: _Store, directory: str) -> None:
     _spread.finish(store, os.fspath(directory).rstrip("/"), _write_whole)
 
 
+def abandon_directory(store: _Store, directory: str, error: BaseException) -> None:
+    """This process's save of ``directory`` failed outside :func:`finish_directory`: see
+    :func:`.spread.abandon` (nothing for a save that is not spread)."""
+    _spread.abandon(store, os.fspath(directory).rstrip("/"), error)
+
+
 def finalize_directory(store: _Store, directory: str) -> None:
     """Joins the ranges every process uploaded into each file of ``directory``, then deletes
-    the staged objects. Run once, on the primary, after all processes finished writing."""
+    the staged objects. Run once, on the primary, after all processes finished writing; for a
+    spread save, completes it from the commit record (:func:`.spread_commit.commit`), which
+    works on a process that did not run the save too."""
     directory = os.fspath(directory).rstrip("/")
-    _spread.commit(store, directory)  # a spread save: complete the uploads / compose the tops
     _, bucket, key = _common.split_url(directory)
     base = f"{key}/" if key else ""
     listing = store.call(
@@ -182,6 +194,12 @@ def finalize_directory(store: _Store, directory: str) -> None:
         "LIST parts",
         lambda: store.list(bucket, f"{base}{_common.STAGING_DIR}/"),
     )
+    if _spread_commit.commit(store, directory, listing):
+        # A spread save: its uploads completed, its tops composed, its record deleted; the
+        # files nobody registered for it (none from this library's pipeline) are joined below.
+        listing = {k: n for k, n in listing.items() if k != _spread_commit.record_key(directory)}
+        if not any(k.rpartition("/")[2].startswith("m-") for k in listing):
+            return
     entry = _s3_uploads.take_uploads(directory) if isinstance(store, _s3.S3Store) else None
     if not listing and (entry is None or not entry.ids):
         return  # every file was written whole (by one process): nothing to join
@@ -259,6 +277,12 @@ class ObjectStoreProvider:
     def finish_directory(self, directory: str, io: _config.IOOptions) -> None:
         """See :func:`finish_directory`."""
         finish_directory(self.store(io), directory)
+
+    def abandon_directory(
+        self, directory: str, error: BaseException, io: _config.IOOptions
+    ) -> None:
+        """See :func:`abandon_directory`."""
+        abandon_directory(self.store(io), directory, error)
 
     def finalize_directory(self, directory: str, io: _config.IOOptions) -> None:
         """See :func:`finalize_directory`."""

@@ -1,7 +1,9 @@
-"""The multipart uploads every process of a multi-process S3 save shares: the primary creates
-one per large file, every process receives the UploadIds through a JAX collective
-(:func:`prepare_directory`), writers look theirs up (:func:`upload_id_for`) and the primary's
-finalize takes them (:func:`take_uploads`) to complete or abort.
+"""The multipart uploads every process of a multi-process S3 save shares when the job has no
+``jax.distributed`` key-value store (with one, the spread save creates exactly the uploads its
+plan needs: :mod:`.spread`): the primary creates one per large file, every process receives the
+UploadIds through a JAX collective (:func:`prepare_directory`), writers look theirs up
+(:func:`upload_id_for`) and the primary's finalize takes them (:func:`take_uploads`) to
+complete or abort.
 
 Example::
 

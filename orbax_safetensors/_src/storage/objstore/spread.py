@@ -14,20 +14,26 @@ sends its own requests, phase by phase:
    per owner and window), adds its own and uploads the part or filler, announces ``built``;
    on GCS it then composes the subtrees assigned to it (after their writers announced them)
    and deletes their sources;
-3. it waits for the builders that read its loose bundles and deletes them.
+3. it waits for the builders that read its loose bundles and deletes them;
+4. it announces ``done`` (failed or not). A process that fails first announces it, and every
+   process waiting for one of its steps raises (:mod:`.spread_kv`). The primary waits for
+   every ``done``: if all went well it persists what its commit needs (the S3 UploadIds, the
+   GCS composites of the top level: :mod:`.spread_commit`); otherwise it removes everything
+   the save wrote and aborts its uploads, and raises. Then it deletes the save's keys.
 
-The primary's ``finalize_directory`` (after every process finished) then only completes each
-S3 upload (``ListParts`` gives the ETags) or composes each GCS file's top level
-(:func:`commit`). Waits time out after :data:`WAIT_SECONDS` with an error naming the process
-and step waited for. Without the key-value store (or in a single-process job) nothing is
-registered and the engine works as before.
+The primary's ``finalize_directory`` (after every process finished; Orbax may run it on a
+fresh driver) then only completes each S3 upload (``ListParts`` gives the ETags) or composes
+each GCS file's top level (:func:`.spread_commit.commit`). Waits time out after
+``spread_kv.WAIT_SECONDS`` with an error naming the process and step waited for. Without the
+key-value store (or in a single-process job) nothing is registered and the engine works as
+before.
 
 Example::
 
     register("gs://b/ckpt/1/default", [("model.safetensors", size)], is_primary=True)
     # ... write_file(...) per file: take() keeps the pieces ...
     finish(store, "gs://b/ckpt/1/default")      # every process
-    commit(store, "gs://b/ckpt/1/default")      # the primary, from finalize_directory
+    spread_commit.commit(store, "gs://b/ckpt/1/default", listing)   # the primary, finalize
 """
 
 from __future__ import annotations
@@ -47,14 +53,14 @@ from orbax_safetensors._src.storage.objstore import calls as _calls
 from orbax_safetensors._src.storage.objstore import common as _common
 from orbax_safetensors._src.storage.objstore import gcs as _gcs
 from orbax_safetensors._src.storage.objstore import s3 as _s3
-from orbax_safetensors._src.storage.objstore import s3_uploads as _s3_uploads
+from orbax_safetensors._src.storage.objstore import spread_commit as _commit
+from orbax_safetensors._src.storage.objstore import spread_kv as _kv
 from orbax_safetensors._src.storage.objstore import stats as _stats
 from orbax_safetensors._src.storage.objstore import upload_plan as _up
 from orbax_safetensors._src.storage.objstore import views as _views
 
-WAIT_SECONDS = 600.0  # longest wait for another process's step
 LOOSE_DIR = "_loose"  # under the staging directory: every process's loose bundles
-_lock = threading.Lock()  # guards _saves, _plans, _counts
+_lock = threading.Lock()  # guards _saves, _counts, _last
 _Store = _s3.S3Store | _gcs.GcsStore
 WriteWhole = Callable[[Any, str, str, str, _views.Segment], None]
 
@@ -72,13 +78,14 @@ class _Save:
 
 
 @dataclasses.dataclass
-class _Committable:
-    plan: _up.UploadPlan
-    upload_ids: dict[str, str]
+class _Outcome:
+    """What :func:`_execute` got to before it returned or raised (for the clean-up)."""
+
+    plan: _up.UploadPlan | None = None
+    upload_ids: dict[str, str] = dataclasses.field(default_factory=dict)  # created (primary)
 
 
 _saves: dict[str, _Save] = {}
-_plans: dict[str, _Committable] = {}  # the primary's plans, until finalize
 _counts: dict[str, int] = {}  # saves registered per directory (the same on every process)
 _last: list[tuple[_up.UploadPlan, int]] = []  # the last plan this process executed, and its index
 
@@ -90,13 +97,14 @@ def last_plan() -> tuple[_up.UploadPlan, int] | None:
         return _last[-1] if _last else None
 
 
-def register(directory: str, files: Sequence[tuple[str, int]], *, is_primary: bool) -> None:
+def register(directory: str, files: Sequence[tuple[str, int]], *, is_primary: bool) -> bool:
     """Marks ``directory`` for a spread save (every process, main thread, same order), when
-    the job has several processes and a ``jax.distributed`` key-value store."""
+    the job has several processes and a ``jax.distributed`` key-value store; returns whether it
+    did (the same answer on every process)."""
     import jax
 
     if jax.process_count() <= 1 or _jaxcompat.distributed_kv() is None:
-        return
+        return False
     with _lock:
         n = _counts[directory] = _counts.get(directory, 0) + 1
         _saves[directory] = _Save(
@@ -106,6 +114,7 @@ def register(directory: str, files: Sequence[tuple[str, int]], *, is_primary: bo
             jax.process_count(),
             f"osf/{directory}/{n}",
         )
+    return True
 
 
 def take(url: str, pieces: Sequence[_interface.Piece], size: int) -> bool:
@@ -121,35 +130,6 @@ def take(url: str, pieces: Sequence[_interface.Piece], size: int) -> bool:
         raise ValueError(f"{url}: pieces end at {segments[-1].end}, past the file size {size}")
     save.written[name] = segments
     return True
-
-
-class _Kv:
-    """The steps of one save in the key-value store."""
-
-    def __init__(self, save: _Save, directory: str) -> None:
-        self.client = _jaxcompat.distributed_kv()
-        self.prefix = save.key
-        self.directory = directory
-        self.seen: set[str] = set()
-
-    def set(self, key: str, value: str = "1") -> None:
-        self.client.key_value_set(f"{self.prefix}/{key}", value)
-
-    def get(self, key: str, what: str) -> str:
-        try:
-            value = self.client.blocking_key_value_get(
-                f"{self.prefix}/{key}", int(WAIT_SECONDS * 1000)
-            )
-        except Exception as error:
-            raise _calls.ObjectStoreError(
-                self.directory, f"waiting {WAIT_SECONDS:.0f} s for {what}", 1, error
-            ) from error
-        self.seen.add(key)
-        return str(value)
-
-    def wait(self, key: str, what: str) -> None:
-        if key not in self.seen:
-            self.get(key, what)
 
 
 def _slices(segments: Sequence[_views.Segment], a: int, b: int) -> list[memoryview]:
@@ -177,13 +157,91 @@ def _peer_ranges(f: _up.FileOwners, a: int, b: int) -> dict[int, list[tuple[int,
 def finish(store: _Store, directory: str, write_whole: WriteWhole) -> None:
     """This process's part of the save of ``directory`` (see the module docstring); does
     nothing unless :func:`register` marked it. Every process calls it once it wrote its files.
-    ``write_whole(store, url, bucket, key, segment)`` writes a file this process owns all of."""
+    ``write_whole(store, url, bucket, key, segment)`` writes a file this process owns all of.
+
+    A process that fails tells the others (they raise instead of waiting for it); the primary
+    waits until every process is done, then persists the commit record
+    (:mod:`.spread_commit`), or, if any process failed, removes everything the save wrote and
+    aborts its uploads, and raises; then it deletes the save's keys.
+    """
     directory = directory.rstrip("/")
     with _lock:
         save = _saves.pop(directory, None)
     if save is None:
         return
-    kv = _Kv(save, directory)
+    kv = _kv.SaveKeys(save.key, directory)
+    me, outcome = save.process, _Outcome()
+    error: BaseException | None = None
+    try:
+        _execute(store, directory, write_whole, save, kv, outcome)
+    except BaseException as e:
+        error = e
+        kv.fail(me, e)
+    try:
+        kv.set(f"done/{me}", "ok" if error is None else "failed")
+    except Exception as e:  # the coordination service is gone: the job is failing anyway
+        error = error or e
+    if not save.is_primary:
+        if error is not None:
+            raise error
+        return
+    try:
+        failed = kv.wait_done(save.count, me)
+        if error is None and not failed:
+            assert outcome.plan is not None
+            record = _commit.CommitRecord.of_plan(outcome.plan, outcome.upload_ids)
+            _commit.write_record(store, directory, record)
+            return
+        if error is None:
+            reason = kv.failure() or f"processes {failed} did not finish"
+            error = _calls.ObjectStoreError(
+                directory, "the save", 1, RuntimeError(f"the save failed on {reason}")
+            )
+    except BaseException as e:
+        error = error or e
+    finally:
+        if error is not None:
+            names = [name for name, _ in save.files]
+            _commit.discard(store, directory, names, outcome.upload_ids)
+        kv.delete()  # every process is done with them
+    raise error
+
+
+def abandon(store: _Store, directory: str, error: BaseException) -> None:
+    """This process's save of ``directory`` failed outside :func:`finish` (a host copy, a
+    write before it, or the primary's files after it): tells the other processes (they raise
+    instead of waiting for this one) and, on the primary, removes what the save wrote once
+    every process is done (or, after :func:`finish`, aborts the uploads the commit record
+    holds). Nothing if this process registered no spread save of ``directory``."""
+    directory = directory.rstrip("/")
+    with _lock:
+        save = _saves.pop(directory, None)
+    if save is None:
+        _commit.forget(store, directory)
+        return
+    kv = _kv.SaveKeys(save.key, directory)
+    kv.fail(save.process, error)
+    try:
+        kv.set(f"done/{save.process}", "failed")
+    except Exception:  # the coordination service is gone: the job is failing anyway
+        return
+    if save.is_primary:
+        try:
+            kv.wait_done(save.count, save.process)
+            _commit.discard(store, directory, [name for name, _ in save.files], {})
+        finally:
+            kv.delete()
+
+
+def _execute(
+    store: _Store,
+    directory: str,
+    write_whole: WriteWhole,
+    save: _Save,
+    kv: _kv.SaveKeys,
+    outcome: _Outcome,
+) -> None:
+    """The steps of :func:`finish` on this process, up to its clean-up."""
     me, s3 = save.process, isinstance(store, _s3.S3Store)
     mine = {name: [[s.start, s.end] for s in segs] for name, segs in save.written.items()}
     kv.set(f"seg/{me}", json.dumps(mine))
@@ -205,18 +263,17 @@ def finish(store: _Store, directory: str, write_whole: WriteWhole) -> None:
             ) from error
     kind = _up.StoreKind.S3 if s3 else _up.StoreKind.GCS
     limits = _up.UploadLimits.of(store.options)
-    plan = _up.plan_uploads(kind, limits, owners, save.count, primary)
+    plan = outcome.plan = _up.plan_uploads(kind, limits, owners, save.count, primary)
     _, bucket, base = _common.split_url(directory)
     base = f"{base}/" if base else ""
-    ids: dict[str, str] = {}
+    ids = outcome.upload_ids
     if s3:
         assert isinstance(store, _s3.S3Store)
-        if me == primary:
-            prepared = _s3_uploads.upload_id_for
+        if me == primary:  # the uploads the plan needs, no other (all aborted on failure)
             for f in plan.files:
                 if f.whole_owner < 0 and f.windows > 1:
                     url = f"{directory}/{f.name}"
-                    ids[f.name] = prepared(url) or store.call(
+                    ids[f.name] = store.call(
                         url,
                         "CreateMultipartUpload",
                         functools.partial(store.create_upload, bucket, base + f.name),
@@ -234,8 +291,6 @@ def finish(store: _Store, directory: str, write_whole: WriteWhole) -> None:
     run.cleanup()
     with _lock:
         _last[:] = [(plan, me)]
-        if me == primary:
-            _plans[directory] = _Committable(plan, ids)
 
 
 class _Run:
@@ -250,7 +305,7 @@ class _Run:
         plan: _up.UploadPlan,
         owners: list[_up.FileOwners],
         save: _Save,
-        kv: _Kv,
+        kv: _kv.SaveKeys,
         ids: dict[str, str],
         write_whole: WriteWhole,
     ) -> None:
@@ -276,7 +331,7 @@ class _Run:
                 lambda: store.upload_part(bucket, key, upload_id, w + 1, views),
             )
         else:
-            obj = window_key(key, w)
+            obj = _commit.window_key(key, w)
             store.call(url, f"PUT window {obj}", lambda: store.put(bucket, obj, views))
 
     def own(self) -> None:
@@ -373,7 +428,7 @@ class _Run:
             if f.whole_owner >= 0 or f.windows <= 1:
                 continue
             key = self.base + f.name
-            names = [window_key(key, w) for w in range(f.windows)]
+            names = [_commit.window_key(key, w) for w in range(f.windows)]
             ready = [
                 f"own/{p}" if pure else f"built/{p}"
                 for p, pure in zip(f.writer.tolist(), f.pure.tolist())
@@ -381,7 +436,7 @@ class _Run:
             for level, groups in enumerate(f.compose):
                 targets, done = [], []
                 for g, (composer, _) in enumerate(groups):
-                    target = compose_key(key, level, g)
+                    target = _commit.compose_key(key, level, g)
                     sources = names[g * fan_in : (g + 1) * fan_in]
                     if composer == self.me:
                         for k in ready[g * fan_in : (g + 1) * fan_in]:
@@ -416,9 +471,12 @@ class _Run:
                 if level == len(levels) and levels:
                     break  # the top's sources: the primary deletes them
                 names = (
-                    [window_key(key, w) for w in range(f.windows)]
+                    [_commit.window_key(key, w) for w in range(f.windows)]
                     if level == 0
-                    else [compose_key(key, level - 1, g) for g in range(len(levels[level - 1]))]
+                    else [
+                        _commit.compose_key(key, level - 1, g)
+                        for g in range(len(levels[level - 1]))
+                    ]
                 )
                 for i, (name, writer) in enumerate(zip(names, writers)):
                     if writer != self.me:
@@ -467,85 +525,3 @@ def _compose(store: _gcs.GcsStore, url: str, bucket: str, target: str, sources: 
         f"compose {len(sources)} objects into {target}",
         functools.partial(store.compose, bucket, target, sources),
     )
-
-
-def _compose_and_delete(
-    store: _gcs.GcsStore, url: str, bucket: str, target: str, sources: list[str]
-) -> None:
-    """Composes ``sources`` into ``target``, then deletes them (one request per object)."""
-    store.call(
-        url,
-        f"compose {len(sources)} objects into {target}",
-        functools.partial(store.compose, bucket, target, sources),
-    )
-    store.call(
-        url,
-        f"DELETE {len(sources)} composed objects",
-        functools.partial(store.delete, bucket, sources),
-    )
-
-
-def window_key(key: str, w: int) -> str:
-    """The staged object of window ``w`` of the object ``key`` (GCS)."""
-    prefix, _ = _common.staging_prefix(key)
-    return f"{prefix}w-{w:06d}"
-
-
-def compose_key(key: str, level: int, group: int) -> str:
-    """The composite of group ``group`` of compose level ``level`` of the object ``key``."""
-    prefix, _ = _common.staging_prefix(key)
-    return f"{prefix}c{level}-{group:06d}"
-
-
-def commit(store: _Store, directory: str) -> bool:
-    """The primary's last step of a spread save of ``directory``: completes each S3 upload
-    or composes each GCS file's top level. False if this process planned no such save."""
-    directory = directory.rstrip("/")
-    with _lock:
-        # Registered but never finished: nothing went through the plan here (a caller that
-        # prepared the directory and wrote nothing); the engine's own finalize takes over.
-        _saves.pop(directory, None)
-        entry = _plans.pop(directory, None)
-    if entry is None:
-        return False
-    plan = entry.plan
-    _, bucket, base = _common.split_url(directory)
-    base = f"{base}/" if base else ""
-    prepared = _s3_uploads.take_uploads(directory) if isinstance(store, _s3.S3Store) else None
-    try:
-        for f in plan.files:
-            if f.whole_owner >= 0 or f.windows <= 1:
-                continue
-            url, key = f"{directory}/{f.name}", base + f.name
-            if isinstance(store, _s3.S3Store):
-                upload_id = entry.upload_ids[f.name]
-                parts = store.call(
-                    url, "ListParts", functools.partial(store.list_parts, bucket, key, upload_id)
-                )
-                numbers = sorted(n for n, _ in parts)
-                if numbers != list(range(1, f.windows + 1)):
-                    missing = sorted(set(range(1, f.windows + 1)) - set(numbers))
-                    raise _calls.ObjectStoreError(
-                        url,
-                        "finalize",
-                        1,
-                        RuntimeError(f"parts {missing[:10]} were never uploaded"),
-                    )
-                _s3.complete(store, url, bucket, key, upload_id, parts, f.size)
-            else:
-                assert isinstance(store, _gcs.GcsStore)
-                if f.compose:  # (else one of its writers composed it: see _Run.compose)
-                    last = len(f.compose) - 1
-                    sources = [compose_key(key, last, g) for g in range(len(f.compose[-1]))]
-                    _compose_and_delete(store, url, bucket, key, sources)
-    except BaseException:
-        if isinstance(store, _s3.S3Store):
-            for name, upload_id in entry.upload_ids.items():
-                store.abort_upload(bucket, base + name, upload_id)
-        raise
-    finally:
-        if prepared is not None and isinstance(store, _s3.S3Store):
-            for name, upload_id in prepared.ids.items():
-                if entry.upload_ids.get(name) != upload_id:
-                    store.abort_upload(bucket, base + name, upload_id)  # not needed after all
-    return True
