@@ -105,15 +105,18 @@ def grouped_owners(
     """Each group member's ``(tensor-relative starts, owners)``: the joined rows spread over
     the mesh's devices in order (process ``p`` holds devices ``p * devices`` onwards)."""
     out = {}
-    procs = np.arange(mesh.processes)
+    process_of_device = np.arange(mesh.processes * mesh.devices) // mesh.devices
     for g in groups:
         if g.writer >= 0:  # small: written whole by one process
             for member in g.members:
                 out[specs[member].name] = (np.zeros(1, np.int64), np.array([g.writer]))
             continue
-        span = g.rows_per_device * mesh.devices
-        a_p = np.minimum(procs * span, g.total_rows)
-        b_p = np.minimum((procs + 1) * span, g.total_rows)
+        runs = sorted(
+            (a, b, p) for p, ranges in g.process_rows(process_of_device).items() for a, b in ranges
+        )
+        a_p = np.array([r[0] for r in runs], np.int64)
+        b_p = np.array([r[1] for r in runs], np.int64)
+        procs = np.array([r[2] for r in runs], np.int64)
         for j, member in enumerate(g.members):
             a = np.clip(a_p - j * g.rows, 0, g.rows)
             b = np.clip(b_p - j * g.rows, 0, g.rows)

@@ -2,8 +2,9 @@
 pieces are far smaller than an upload window (row- and column-sharded), saved to S3 and GCS by
 real ``jax.distributed`` processes. The save joins same-shape tensors on the devices
 (``core.groups``, ``pipeline.groups``), so each process uploads one contiguous range of each
-group: every window is its own (none mixed, where the same save without joining would mix
-most), each process moves at most 1.25 x its share + 2 windows + metadata, the simulation
+group: its windows are its own (the bytes in mixed windows, most of the state for the same
+save without joining, at most half of that here), each process moves at most 1.25 x its
+share + 2 windows + metadata, the simulation
 (``benchmarks/scale_sim.plan_save``) plans exactly the bytes and requests each process sent,
 the join compiles to all-to-all exchanges (no all-gather) with device buffers of a few times
 a group's block, and restores (onto the saved and onto the other sharding) are exact.
@@ -40,7 +41,7 @@ def test_joined_groups_move_each_process_share(
         args={
             "roots": roots,
             "part_size": PART_SIZE,
-            "max_file_size": 64 * MiB,
+            "max_file_size": 128 * MiB,
             "repo": str(REPO),
         },
         env=gcs_server.child_env(s3_server.child_env()),
@@ -59,15 +60,16 @@ def test_joined_groups_move_each_process_share(
             assert p["bad"] == [], (process, p["bad"])
             m = p["measured"]
             assert p["simulated"] == p["executed"], (process, p)
-            assert p["executed"]["mixed_windows"] == 0, (process, p)
-            assert p["unjoined"]["mixed_windows"] > 0, (process, p)
+            # (mixed windows left: around the headers and the small groups written whole)
+            mixed, unjoined = p["executed"]["mixed_bytes"], p["unjoined"]["mixed_bytes"]
+            assert mixed * 2 <= unjoined, (process, p)
             if not m["retries"]:
                 assert m["bytes_uploaded"] >= p["executed"]["bytes_uploaded"], (process, p)
                 assert m["bytes_fetched"] == p["executed"]["bytes_fetched"], (process, p)
             moved = m["bytes_uploaded"] + m["bytes_fetched"]
             bound = 1.25 * share + 2 * PART_SIZE + METADATA_ALLOWANCE
             assert moved <= bound, (process, moved, bound, p)
-            rows.append((first["root"], first["state"], process, moved, share))
+            rows.append((first["root"], first["state"], process, moved, share, mixed, unjoined))
     for root, server in zip(roots, (s3_server, gcs_server)):
         assert not any(".osf-parts" in key for key in list_keys(server, root)), root
         assert pending_uploads(server, root) == []

@@ -61,6 +61,10 @@ class ConcatGroup:
       devices: devices the joined rows are spread over (the mesh's, in its order).
       writer: -1 when spread; else the group is small, every device gets all of it and
         process ``writer`` writes it whole.
+      offset: the rows are spread over the mesh's devices from this one on (wrapping): a
+        group of fewer rows than devices leaves the last ones empty, and successive groups
+        start where the previous one's rows ended, so such groups land on every process in
+        turn instead of all on the first.
     """
 
     members: tuple[int, ...]
@@ -68,6 +72,7 @@ class ConcatGroup:
     row_bytes: int
     devices: int
     writer: int = -1
+    offset: int = 0
 
     @property
     def total_rows(self) -> int:
@@ -81,6 +86,11 @@ class ConcatGroup:
     def nbytes(self) -> int:
         return self.total_rows * self.row_bytes
 
+    def device_order(self, count: int) -> np.ndarray:
+        """Positions (in the mesh's order) of the ``count`` devices in the order the joined
+        rows are spread over them: the mesh's order rotated by ``offset``."""
+        return np.roll(np.arange(count), -self.offset)
+
     def process_rows(self, process_of_device: Any) -> dict[int, list[tuple[int, int]]]:
         """Each process's rows ``[start, stop)`` of the joined array, adjacent blocks joined,
         from the process of each device in the mesh's order (any shape, flattened)."""
@@ -90,16 +100,17 @@ class ConcatGroup:
         c, total = self.rows_per_device, self.total_rows
         if self.writer >= 0:
             return {self.writer: [(0, total)]}
+        k = np.arange(self.devices)
+        a, b = np.minimum(k * c, total), np.minimum((k + 1) * c, total)
+        p = procs[self.device_order(self.devices)]
+        keep = b > a
+        a, b, p = a[keep], b[keep], p[keep]
+        head = np.append(True, p[1:] != p[:-1])  # a new run where the process changes
+        starts, owners = a[head], p[head]
+        stops = np.append(a[head][1:], b[-1]) if len(a) else a
         out: dict[int, list[tuple[int, int]]] = {}
-        for k, p in enumerate(procs.tolist()):
-            a, b = min(k * c, total), min((k + 1) * c, total)
-            if b <= a:
-                continue
-            mine = out.setdefault(p, [])
-            if mine and mine[-1][1] == a:
-                mine[-1] = (mine[-1][0], b)
-            else:
-                mine.append((a, b))
+        for x, y, q in zip(starts.tolist(), stops.tolist(), owners.tolist()):
+            out.setdefault(q, []).append((x, y))
         return out
 
     def member_rows(self, start: int, stop: int) -> list[tuple[int, int, int]]:
@@ -183,6 +194,12 @@ def concat_groups(
             chunk = tuple(members[bounds[g] : bounds[g + 1]])
             if len(chunk) > 1:
                 out.append(ConcatGroup(chunk, shape[0], row_bytes, devices))
+    out.sort(key=lambda g: g.members[0])
+    placed: list[ConcatGroup] = []
+    at = 0
+    for spread in out:  # each spread group starts on the device after the previous one's rows
+        placed.append(dataclasses.replace(spread, offset=at))
+        at = (at + -(-spread.total_rows // spread.rows_per_device)) % devices
     for i, lone in enumerate(small):
-        out.append(dataclasses.replace(lone, writer=processes - 1 - i % processes))
-    return sorted(out, key=lambda g: g.members[0])
+        placed.append(dataclasses.replace(lone, writer=processes - 1 - i % processes))
+    return sorted(placed, key=lambda g: g.members[0])

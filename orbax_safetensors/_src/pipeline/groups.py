@@ -88,7 +88,8 @@ def join(group: _groups.ConcatGroup, xs: Sequence[jax.Array]) -> jax.Array:
     the mesh's order), or on every device for a group written whole (a collective: every
     process calls it, in the same order)."""
     mesh = xs[0].sharding.mesh  # type: ignore[attr-defined]  # (group_key: a NamedSharding)
-    rows = jax.sharding.Mesh(np.array(list(mesh.devices.flat)), ("rows",))
+    devices = np.array(list(mesh.devices.flat))
+    rows = jax.sharding.Mesh(devices[group.device_order(len(devices))], ("rows",))
     spec = jax.sharding.PartitionSpec() if group.writer >= 0 else jax.sharding.PartitionSpec("rows")
     target = jax.sharding.NamedSharding(rows, spec)
     return jax.jit(_concat, out_shardings=target)(*xs)
@@ -125,4 +126,7 @@ def group_copies(
                 copies[j].append(((slice(a, b), *rest), host[lo : lo + b - a]))
         return copies
     finally:
+        # every local device's part of the exchange done (blocks not copied included) before
+        # the next collective starts
+        joined.block_until_ready()
         joined.delete()
