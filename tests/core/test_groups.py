@@ -29,8 +29,8 @@ def test_plan_keeps_members_adjacent() -> None:
     entries = sorted(plan.files[0].entries.values(), key=lambda e: e.begin)
     names = [e.name for e in entries]
     assert names[:3] == ["q0", "q1", "q2"]
-    for a, b in zip(entries[:2], entries[1:3]):
-        assert a.begin + a.nbytes == b.begin
+    for k in range(2):
+        assert entries[k].begin + entries[k].nbytes == entries[k + 1].begin
 
 
 def test_groups_reach_the_run_and_spread_over_every_process() -> None:
