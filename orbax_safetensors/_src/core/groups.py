@@ -44,8 +44,11 @@ GROUP_RUN_BYTES = 24 << 20
 # groups of at most WHOLE_GROUP_BYTES (or one tensor), the devices each get all of such a group
 # and one process writes it whole. (Spread, their bytes would be a few bytes per process, and
 # an upload window holding them one ranged read per process for its builder.)
+# (Only where a process's part would be under WHOLE_BELOW_RUN: a tensor whose processes hold
+# ranges long enough is left as it is.)
 WHOLE_KEY_BYTES = 64 << 20
 WHOLE_GROUP_BYTES = 8 << 20
+WHOLE_BELOW_RUN = 4 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +155,8 @@ def concat_groups(
     """The groups of a save: the tensors sharing a key (a stand-in for one sharding; None:
     not joined), in their order, cut into groups of near-equal member counts, just enough
     members that each of ``processes`` processes holds about ``run_bytes`` of a group. The
-    tensors of a key totalling at most :data:`WHOLE_KEY_BYTES` make groups of at most
+    tensors of a key totalling at most :data:`WHOLE_KEY_BYTES`, under
+    :data:`WHOLE_BELOW_RUN` per process, make groups of at most
     :data:`WHOLE_GROUP_BYTES` (or one tensor) each written whole by one process (the last
     process for the first such group, then the one before, ...: the primary, process 0, has
     the commit to do). Otherwise a key with a single tensor makes
@@ -179,7 +183,8 @@ def concat_groups(
         if nbytes == 0:
             continue
         row_bytes = nbytes // shape[0]
-        if nbytes * len(members) <= WHOLE_KEY_BYTES:
+        total = nbytes * len(members)
+        if total <= WHOLE_KEY_BYTES and total < WHOLE_BELOW_RUN * processes:
             per = max(1, WHOLE_GROUP_BYTES // nbytes)
             for at in range(0, len(members), per):
                 chunk = tuple(members[at : at + per])
