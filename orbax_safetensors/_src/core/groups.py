@@ -156,7 +156,7 @@ def concat_groups(
     not joined), in their order, cut into groups of near-equal member counts, just enough
     members that each of ``processes`` processes holds about ``run_bytes`` of a group. The
     tensors of a key totalling at most :data:`WHOLE_KEY_BYTES`, under
-    :data:`WHOLE_BELOW_RUN` per process, make groups of at most
+    :data:`WHOLE_BELOW_RUN` per process, make groups (a lone tensor none) of at most
     :data:`WHOLE_GROUP_BYTES` (or one tensor) each written whole by one process (the last
     process for the first such group, then the one before, ...: the primary, process 0, has
     the commit to do). Otherwise a key with a single tensor makes
@@ -184,7 +184,7 @@ def concat_groups(
             continue
         row_bytes = nbytes // shape[0]
         total = nbytes * len(members)
-        if total <= WHOLE_KEY_BYTES and total < WHOLE_BELOW_RUN * processes:
+        if len(members) > 1 and total <= WHOLE_KEY_BYTES and total < WHOLE_BELOW_RUN * processes:
             per = max(1, WHOLE_GROUP_BYTES // nbytes)
             for at in range(0, len(members), per):
                 chunk = tuple(members[at : at + per])
