@@ -12,7 +12,6 @@ a group's block, and restores (onto the saved and onto the other sharding) are e
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -45,7 +44,7 @@ def test_joined_groups_move_each_process_share(
             "repo": str(REPO),
         },
         env=gcs_server.child_env(s3_server.child_env()),
-        timeout=float(os.environ.get("H21_T", 540)),
+        timeout=540,
     )
     reports = [r.result for r in results]
     join = reports[0]["join"]
