@@ -40,6 +40,7 @@ if str(HERE.parent) not in sys.path:
     sys.path.insert(0, str(HERE.parent))
 
 from benchmarks.scale_model import MODELS, Mesh, model_specs  # noqa: E402
+from orbax_safetensors._src.core import groups as _groups  # noqa: E402
 from orbax_safetensors._src.core import metadata as _metadata  # noqa: E402
 from orbax_safetensors._src.core import plan as _plan  # noqa: E402
 from orbax_safetensors._src.storage.objstore import upload_plan as _up  # noqa: E402
@@ -63,9 +64,12 @@ def ownership(
     *,
     relayout: bool,
     primary: int = 0,
+    groups: list[_groups.ConcatGroup] | None = None,
 ) -> tuple[list[_up.FileOwners], np.ndarray]:
-    """Every file's owners (headers by the primary) and each process's in-place write runs."""
+    """Every file's owners (headers by the primary) and each process's in-place write runs;
+    the members of ``groups`` (positions in ``specs``) as the save's joined row blocks."""
     by_name = {s.name: s for s in specs}
+    joined = grouped_owners(specs, mesh, groups or [])
     cache: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
     runs = np.zeros(mesh.processes, np.int64)
     out = []
@@ -74,6 +78,12 @@ def ownership(
         owners = [np.full(1, primary, np.int64)]
         runs[primary] += 1
         for entry in sorted(f.entries.values(), key=lambda e: e.begin):
+            if entry.name in joined:
+                rel, own = joined[entry.name]
+                starts.append(f.data_start + entry.begin + rel)
+                owners.append(own)
+                runs[own] += 1
+                continue
             spec = by_name[entry.name]
             spec_partition = partition[: len(spec.shape)]
             key = (spec.shape, spec.dtype, spec_partition)
@@ -89,6 +99,32 @@ def ownership(
     return out, runs
 
 
+def grouped_owners(
+    specs: list[_plan.TensorSpec], mesh: Mesh, groups: list[_groups.ConcatGroup]
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Each group member's ``(tensor-relative starts, owners)``: the joined rows spread over
+    the mesh's devices in order (process ``p`` holds devices ``p * devices`` onwards)."""
+    out = {}
+    process_of_device = np.arange(mesh.processes * mesh.devices) // mesh.devices
+    for g in groups:
+        if g.writer >= 0:  # small: written whole by one process
+            for member in g.members:
+                out[specs[member].name] = (np.zeros(1, np.int64), np.array([g.writer]))
+            continue
+        runs = sorted(
+            (a, b, p) for p, ranges in g.process_rows(process_of_device).items() for a, b in ranges
+        )
+        a_p = np.array([r[0] for r in runs], np.int64)
+        b_p = np.array([r[1] for r in runs], np.int64)
+        procs = np.array([r[2] for r in runs], np.int64)
+        for j, member in enumerate(g.members):
+            a = np.clip(a_p - j * g.rows, 0, g.rows)
+            b = np.clip(b_p - j * g.rows, 0, g.rows)
+            keep = b > a
+            out[specs[member].name] = (a[keep] * g.row_bytes, procs[keep])
+    return out
+
+
 def _stat(values: np.ndarray) -> dict[str, float]:
     return {
         "max": int(values.max()),
@@ -96,6 +132,38 @@ def _stat(values: np.ndarray) -> dict[str, float]:
         "min": int(values.min()),
         "argmax": int(values.argmax()),
     }
+
+
+def plan_save(
+    specs: list[_plan.TensorSpec],
+    mesh: Mesh,
+    partition: tuple[str | None, str | None],
+    *,
+    joined: bool,
+    max_file_size: int | None = _plan.DEFAULT_MAX_FILE_SIZE,
+    metadata: dict[str, str] | None = None,
+) -> tuple[_plan.CheckpointPlan, list[_up.FileOwners], np.ndarray]:
+    """What every process of a save of ``specs`` plans: the file plan, each file's owners,
+    each process's in-place write runs. ``joined`` (object storage): the save joins
+    ``core.groups``' groups on the devices (every tensor is a ``jax.Array`` sharded by
+    ``partition`` on ``mesh``, so its key is its shape, dtype and partition) and places their
+    members next to each other in the files, as the real save does. ``metadata``: each
+    header's ``__metadata__``."""
+    groups: list[_groups.ConcatGroup] = []
+    ordered = specs
+    if joined and mesh.processes > 1:
+        keys = [(s.shape, s.dtype, partition[: len(s.shape)]) for s in specs]
+        ordered = [specs[i] for i in _groups.file_order(keys)]
+        groups = _groups.concat_groups(
+            [s.shape for s in specs],
+            [s.dtype for s in specs],
+            keys,
+            mesh.processes,
+            mesh.processes * mesh.devices,
+        )
+    plan = _plan.plan_files(ordered, max_file_size=max_file_size, metadata=metadata)
+    owners, runs = ownership(plan, specs, mesh, partition, relayout=joined, groups=groups)
+    return plan, owners, runs
 
 
 def metadata_bytes(
@@ -129,8 +197,9 @@ def simulate(
     kind = STORES[store]
     specs = model_specs(model)
     started = time.perf_counter()
-    plan = _plan.plan_files(specs, max_file_size=max_file_size)
-    owners, runs = ownership(plan, specs, mesh, partition, relayout=kind is not None)
+    plan, owners, runs = plan_save(
+        specs, mesh, partition, joined=kind is not None, max_file_size=max_file_size
+    )
     out: dict[str, Any] = {
         "processes": processes,
         "devices_per_process": devices,
@@ -172,8 +241,14 @@ def simulate(
         out.update(
             per_process_upload_bytes=_stat(t.upload),
             per_process_download_bytes=_stat(t.download),
+            per_process_moved_bytes=_stat(moved),
             per_process_moved_over_share=round(float(moved.max()) / share, 3),
             per_process_requests=_stat(total),
+            # every process but the primary, whose commit is a few requests per file
+            per_process_requests_but_primary={
+                **_stat(np.delete(total, 0)),
+                "argmax": int(np.delete(total, 0).argmax()) + 1,
+            },
             primary={
                 "upload_bytes": int(t.upload[0]),
                 "download_bytes": int(t.download[0]),
@@ -189,6 +264,9 @@ def simulate(
             compose_sources_max=_ur.largest_compose(uplan) if kind is _up.StoreKind.GCS else 0,
         )
     meta = metadata_bytes(plan, specs, mesh, partition)
+    if kind is not None:
+        # issue 27 point 1: 1.25 x (checkpoint bytes / N) + 2 part windows + metadata
+        out["share_bound_bytes"] = int(1.25 * plan.total_size / processes + 2 * part_size + meta)
     out.update(
         restore_header_bytes_per_process=0,  # offsets come from orbax_safetensors.json
         metadata_bytes=meta,

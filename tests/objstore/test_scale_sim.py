@@ -1,7 +1,7 @@
 """``benchmarks/scale_sim.py`` (issue 27 points 4 and 5): the real file planner and upload
 planner for N virtual processes, without data. Small N for every store and sharding; the
-targets at 1,024 processes for Llama-3-70B on both stores (one sharding each here; the four
-figures are in docs/multihost.md)."""
+targets at 1,024 processes for Llama-3-70B on both stores and both shardings, with the bound
+of point 1 (bytes moved per process)."""
 
 from __future__ import annotations
 
@@ -49,8 +49,9 @@ def test_the_command_prints_one_json_object() -> None:
     )
     result = json.loads(out.stdout)
     assert all(k in result for k in KEYS), result
-    # The worked example of docs/multihost.md: 2,169 tensors, 706 GB, 154 files.
-    assert result["tensors"] == 2169 and result["files"] == 154
+    # The worked example of docs/multihost.md: 2,169 tensors, 706 GB, 154 files (150 on object
+    # storage, where same-shape tensors are placed next to each other to be joined).
+    assert result["tensors"] == 2169 and result["files"] == 150
     assert 705e9 < result["checkpoint_bytes"] < 706e9
 
 
@@ -70,12 +71,23 @@ def test_small_jobs_are_balanced(store: str, sharding: str) -> None:
     assert r["per_process_moved_over_share"] <= 1.25 + 2 * 64 * MiB / share
 
 
-@pytest.mark.parametrize(("store", "sharding"), [("gs", "fsdp,tp"), ("s3", "tp,fsdp")])
+@pytest.mark.parametrize("store", ["gs", "s3"])
+@pytest.mark.parametrize("sharding", ["fsdp,tp", "tp,fsdp"])
 def test_targets_at_1024_processes(store: str, sharding: str) -> None:
+    """Points 1 and 5 at 1,024 processes: the save joins same-shape tensors on the devices
+    (``core.groups``), so each process moves about its share."""
     r = scale_sim.simulate(1024, "llama3-70b", store, sharding)
     up, req = r["per_process_upload_bytes"], r["per_process_requests"]
+    share = r["checkpoint_bytes"] / 1024
+    bound = 1.25 * share + 2 * 64 * MiB + r["metadata_bytes"]
+    assert r["share_bound_bytes"] == int(bound), r
+    assert r["per_process_moved_bytes"]["max"] <= bound, r
     assert up["max"] <= 1.3 * up["mean"], r
-    assert req["max"] <= 2 * req["mean"], r
+    # Every process but the primary: at most 2x the mean requests. The primary's commit is a
+    # few requests per file (S3: create, list and complete each upload; GCS: compose each
+    # file's top level and delete its sources), above 2x a mean this small (issue 27).
+    assert r["per_process_requests_but_primary"]["max"] <= 2 * req["mean"], r
+    assert req["max"] == r["primary"]["requests"] <= 12 * r["files"], r
     assert r["total_object_writes"] <= 200_000, r
     if store == "s3":
         assert r["min_part_bytes"] >= 5 * MiB and r["parts_per_upload_max"] <= 10_000, r

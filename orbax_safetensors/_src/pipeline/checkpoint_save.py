@@ -41,6 +41,7 @@ from etils import epath
 
 from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import checksum as _checksum
+from orbax_safetensors._src.core import groups as _core_groups
 from orbax_safetensors._src.core import memo as _memo
 from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import plan as _plan
@@ -50,6 +51,7 @@ from orbax_safetensors._src.core.errors import (
     DeletedArrayError,
 )
 from orbax_safetensors._src.pipeline import gcpause as _gcpause
+from orbax_safetensors._src.pipeline import groups as _groups
 from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.pipeline import snapshots as _snapshots
 from orbax_safetensors._src.storage import config as _config
@@ -188,7 +190,7 @@ class PreparedSave:
             prepared = PreparedSave.direct(validate_save(tree), SaveLayout())
             write_process_share(prepared, directory, persist_share=False)
         """
-        plan, metadata, sizes = plan_tree(validated, layout)
+        plan, metadata, sizes = plan_tree(validated, layout, grouped=row_blocks)
         flat = validated.flat
         check_not_deleted(flat.arrays.items())
         ready = None
@@ -214,11 +216,13 @@ class PreparedSave:
         *,
         is_primary: bool = True,
         process_index: int = 0,
+        row_blocks: bool = False,
     ) -> PreparedSave:
         """Plans ``validated``'s files; ``pieces`` writes ``snapshots``, this process's host
         copies from :func:`_snapshots.iter_snapshots` over ``enumerate(validated.captured.
-        arrays)`` (or a :class:`SnapshotQueue` it fills), and never reads the arrays' data."""
-        plan, metadata, sizes = plan_tree(validated, layout)
+        arrays)`` (or a :class:`SnapshotQueue` it fills), and never reads the arrays' data.
+        ``row_blocks``: as given to ``iter_snapshots`` (the file order of joined groups)."""
+        plan, metadata, sizes = plan_tree(validated, layout, grouped=row_blocks)
         names = list(validated.flat.arrays)  # snapshots are keyed by position in captured.arrays
         pieces = (_pieces.tensor_pieces(plan, names[i], copies) for i, copies in snapshots)
         return cls(plan, pieces, metadata, sizes, is_primary, process_index, layout.checksums)
@@ -249,14 +253,21 @@ def plan_tree(
     validated: ValidatedTree,
     layout: SaveLayout,
     header_metadata: Mapping[str, str] = _metadata.HEADER_METADATA,
+    *,
+    grouped: bool = False,
 ) -> tuple[_plan.CheckpointPlan, dict[str, Any], dict[str, int]]:
     """The file plan of ``validated`` (each header's ``__metadata__`` is
     ``header_metadata``), the metadata document (less checksums) and each tensor's stored
-    size."""
+    size. ``grouped`` (a save to object storage): in a multi-process job the tensors a save
+    joins on the devices (``pipeline.groups``) are placed next to each other in the files."""
     flat, specs = validated.flat, validated.specs
-    # Headers depend only on names, dtypes and shapes: identical on every process.
-    plan = _plan.plan_files(specs, max_file_size=layout.max_file_size, metadata=header_metadata)
     multi_process = jax.process_count() > 1
+    ordered = specs
+    if grouped and multi_process:
+        keys = [_groups.group_key(flat.arrays[s.name], s.dtype) for s in specs]
+        ordered = [specs[i] for i in _core_groups.file_order(keys)]
+    # Headers depend only on names, dtypes and shapes: identical on every process.
+    plan = _plan.plan_files(ordered, max_file_size=layout.max_file_size, metadata=header_metadata)
     # trees of many arrays share a few shardings
     described = _memo.ShardingMemo(_sharding.sharding_to_json)
     shardings = {}

@@ -376,7 +376,12 @@ class SaveJob:
             )
         if self._queue is not None:
             return _checkpoint_save.PreparedSave.from_snapshots(
-                validated, self._queue, self.layout, is_primary=is_primary, process_index=index
+                validated,
+                self._queue,
+                self.layout,
+                is_primary=is_primary,
+                process_index=index,
+                row_blocks=_router.is_object_url(self.directory),  # joined groups' file order
             )
         # (DIRECT: planned in start, on the caller's thread, where row blocks are moved)
         return _checkpoint_save.PreparedSave.direct(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Generator, Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -26,6 +26,7 @@ from orbax_safetensors._src.core import astype as _astype
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import memo as _memo
 from orbax_safetensors._src.core import runs as _runs
+from orbax_safetensors._src.pipeline import groups as _groups
 from orbax_safetensors._src.pipeline import relayout as _relayout
 from orbax_safetensors._src.pipeline import snapshots as _snapshots
 from orbax_safetensors._src.storage import buffers as _buffers
@@ -167,12 +168,18 @@ def iter_snapshots(
 
     ``row_blocks`` (a save to object storage): the tensors ``relayout.row_block_sharding``
     names are first moved to row blocks on the devices, one at a time, and their copies are
-    this process's row blocks (contiguous bytes of the file); see :func:`iter_relaid`.
+    this process's row blocks (contiguous bytes of the file); see :func:`iter_relaid`. In a
+    multi-process job the tensors ``groups.array_groups`` joins are joined first, group by
+    group (``pipeline.groups``), and their copies are this process's rows of each group.
     """
+    buffers = buffers if buffers is not None else _buffers.BufferArena()
+    if row_blocks:
+        items = list(arrays)
+        joined = yield from _iter_joined(items, casts, buffers)
+        arrays = [item for item in items if item[0] not in joined]
     owned = owned_tensors(arrays, is_primary)
     moved = _row_block_targets(owned, casts) if row_blocks else {}
     start_copies([o for o in owned if o[0] not in moved])  # all at once: copied before return
-    buffers = buffers if buffers is not None else _buffers.BufferArena()
     for item in owned:
         name, x, shards, on_cpu = item
         dtype = casts.get(name) if casts else None
@@ -206,14 +213,62 @@ def iter_relaid(
     and the moved array deleted before the next: the extra device memory is one tensor's
     share of this process at a time. Its copies are contiguous bytes of the file (one range
     when this process's devices are adjacent in the mesh's order) instead of a run per row.
+    The tensors ``groups.array_groups`` joins come first, with this process's rows of each
+    group (possibly none: every member is yielded).
     """
-    owned = owned_tensors(arrays, is_primary)
     buffers = buffers if buffers is not None else _buffers.BufferArena()
+    items = list(arrays)
+    joined = yield from _iter_joined(items, casts, buffers)
+    owned = owned_tensors([item for item in items if item[0] not in joined], is_primary)
     for item in owned:
         target = _row_block_targets([item], casts).get(item[0])
         if target is not None:
             dtype = casts.get(item[0]) if casts else None
             yield item[0], _relaid_copies(item, target, buffers, dtype)
+
+
+def group_keys(
+    items: list[tuple[Any, Any]], casts: Mapping[Any, np.dtype] | None
+) -> tuple[list[tuple[int, ...]], list[str], list[Any]]:
+    """Shapes, stored dtypes and ``groups.group_key`` of ``(key, array)`` items."""
+    shapes: list[tuple[int, ...]] = []
+    dtypes: list[str] = []
+    keys: list[Any] = []
+    for name, x in items:
+        stored = casts.get(name) if casts else None
+        if not isinstance(x, jax.Array):
+            shapes.append(())
+            dtypes.append("U8")
+            keys.append(None)
+            continue
+        dtype = _dtypes.from_numpy(stored if stored is not None else x.dtype, key=str(name))
+        shapes.append(tuple(x.shape))
+        dtypes.append(dtype)
+        keys.append(_groups.group_key(x, dtype))
+    return shapes, dtypes, keys
+
+
+def _iter_joined(
+    items: list[tuple[Any, Any]],
+    casts: Mapping[Any, np.dtype] | None,
+    buffers: _buffers.BufferArena,
+) -> Generator[tuple[Any, HostCopies], None, set[Any]]:
+    # Joins each group on the devices (collectives, every process in the same order) and
+    # yields its members' copies; returns the keys of the tensors joined.
+    if jax.process_count() <= 1:
+        return set()
+    shapes, dtypes, keys = group_keys(items, casts)
+    done: set[Any] = set()
+    for group in _groups.array_groups(shapes, dtypes, keys):
+        xs = [items[i][1] for i in group.members]
+        on_cpu = any(d.platform == "cpu" for d in xs[0].sharding.device_set)
+        copies = _groups.group_copies(
+            group, xs, lambda data, cpu=on_cpu: _host_array(data, cpu, buffers)
+        )
+        for i, member in zip(group.members, copies):
+            done.add(items[i][0])
+            yield items[i][0], list(member)
+    return done
 
 
 def _row_block_targets(

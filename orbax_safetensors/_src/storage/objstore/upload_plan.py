@@ -54,6 +54,9 @@ MiB = 1 << 20
 # What one request weighs against bytes moved when builders are balanced: a window of many
 # owners' short ranges costs its builder one GET per owner, however few its bytes.
 _REQUEST_WEIGHT = 2 * MiB
+# Mixed windows are made smaller (down to the store's minimum) where more than this many
+# processes' ranges would share one: its builder sends one GET per other owner.
+MAX_WINDOW_OWNERS = 32
 
 
 class StoreKind(enum.Enum):
@@ -242,6 +245,14 @@ def _windows(
     starts: list[int] = []
     pure: list[int] = []
 
+    floor = 2 * m if s3 else m
+
+    def dense(a: int, b: int) -> int:
+        # Mixed windows over [a, b): about ``mixed`` bytes, smaller (down to the minimum) where
+        # so many owners share the stretch that a window would hold over MAX_WINDOW_OWNERS.
+        owners = int(np.searchsorted(f.starts, b, "left") - np.searchsorted(f.starts, a, "left"))
+        return max(floor, min(mixed, (b - a) * MAX_WINDOW_OWNERS // max(1, owners)))
+
     def add(a: int, b: int, target: int, owner: int) -> None:
         bounds = _even_bounds(a, b, target)
         starts.extend(bounds)
@@ -255,11 +266,11 @@ def _windows(
                 add(pos, pos + m, mixed, -1)
                 a = pos + m
             else:
-                add(pos, a, mixed, -1)
+                add(pos, a, dense(pos, a), -1)
         add(a, b, limits.part_size, owner)
         pos = b
     if pos < f.size:
-        add(pos, f.size, mixed, -1)
+        add(pos, f.size, dense(pos, f.size), -1)
     return np.array(starts, np.int64), np.array(pure, np.int64)
 
 
