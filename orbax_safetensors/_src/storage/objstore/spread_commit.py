@@ -162,7 +162,8 @@ def commit(store: _Store, directory: str, listing: Mapping[str, int]) -> bool:
     except BaseException:
         if isinstance(store, _s3.S3Store):
             for f in record.files:
-                store.abort_upload(bucket, base + f["name"], f["upload_id"])
+                if "upload_id" in f:  # (not one its finisher completed)
+                    store.abort_upload(bucket, base + f["name"], f["upload_id"])
         raise
     store.call(url, "DELETE commit record", functools.partial(store.delete, bucket, [key]))
     return True
