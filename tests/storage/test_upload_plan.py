@@ -55,8 +55,11 @@ def test_request_lists_match_the_tally_and_the_limits(kind: StoreKind, seed: int
         assert sum(r.download for r in mine) == tally.download[p]
         for k in RequestKind:
             assert sum(r.kind is k for r in mine) == tally.requests[k][p], (p, k)
-        if p != plan.primary:
-            assert not any(r.phase in (Phase.PREPARE, Phase.COMMIT) for r in mine)
+        # Only a file's finisher, one of its writers, creates / completes / composes its top.
+        finished = {r.file for r in mine if r.phase in (Phase.PREPARE, Phase.COMMIT)}
+        for index in finished:
+            fu = plan.files[index]
+            assert fu.top == p and fu.windows > 1 and p in fu.writer, (p, index)
     for index, (f, fu) in enumerate(zip(files, plan.files)):
         owned = np.bincount(f.owners, weights=f.stops() - f.starts, minlength=n)
         if fu.whole_owner >= 0:
@@ -129,3 +132,28 @@ def test_many_owners_spread_the_building() -> None:
         assert len(set(plan.files[0].writer.tolist())) == min(n, plan.files[0].windows)
         requests = tally.total_requests()
         assert requests.max() <= 2 * requests.mean(), requests
+
+
+@pytest.mark.parametrize("kind", list(StoreKind))
+def test_the_primary_sends_no_request_per_file(kind: StoreKind) -> None:
+    """Many files, each split in contiguous ranges among its processes (each process's bytes
+    of a file in one range): the per-file work (S3 create / list / complete, GCS top-level
+    compose) is spread over each file's writers, so the primary is no outlier and no process
+    sends more than 2x the mean requests."""
+    n, count, size = 32, 60, 48 * MiB
+    files = []
+    for k in range(count):
+        writers = [(k * 3 + j) % n for j in range(8)]  # 8 processes per file, rotating
+        bounds = [size * j // 8 for j in range(9)]
+        segments = {p: [(bounds[j], bounds[j + 1])] for j, p in enumerate(writers)}
+        files.append(FileOwners.from_segments(f"f{k:03d}.safetensors", size, segments))
+    plan = plan_uploads(kind, UploadLimits(part_size=8 * MiB), files, n)
+    tally = _ur.tally(plan)
+    requests = tally.total_requests()
+    assert requests.max() <= 2 * requests.mean(), requests
+    tops = [f.top for f in plan.files]
+    assert all(f.top in f.writer for f in plan.files)
+    assert tops.count(plan.primary) <= 2 * count / n + 1, tops
+    per_file = RequestKind.CREATE_UPLOAD if kind is StoreKind.S3 else RequestKind.COMPOSE
+    assert tally.requests[per_file].sum() >= count
+    assert tally.requests[per_file][plan.primary] <= 2 * tally.requests[per_file].mean() + 1

@@ -8,22 +8,25 @@ the work: every process publishes which bytes of which file it holds and reads e
 else's through the ``jax.distributed`` key-value store, all compute the same plan, and each
 sends its own requests, phase by phase:
 
+0. S3: it creates the multipart upload of each file it finishes (:mod:`.upload_plan`: one of
+   the file's writers) and publishes its UploadId (``up/<file>``);
 1. its own bytes: files it owns whole, pure windows (S3 parts, GCS staged objects) and its
    loose bundles (the bytes of windows others build), then it announces ``own``;
 2. the windows it builds: it waits for the owners' ``own``, fetches their bytes (one ranged GET
    per owner and window), adds its own and uploads the part or filler, announces ``built``;
-   on GCS it then composes the subtrees assigned to it (after their writers announced them)
-   and deletes their sources;
+   on S3 it then completes the uploads of the files it finishes (once their parts' writers
+   announced them); on GCS it composes the subtrees and top levels assigned to it (after their
+   sources' writers announced them), and deletes the objects it wrote once they were composed;
 3. it waits for the builders that read its loose bundles and deletes them;
 4. it announces ``done`` (failed or not). A process that fails first announces it, and every
    process waiting for one of its steps raises (:mod:`.spread_kv`). The primary waits for
-   every ``done``: if all went well it persists what its commit needs (the S3 UploadIds, the
-   GCS composites of the top level: :mod:`.spread_commit`); otherwise it removes everything
-   the save wrote and aborts its uploads, and raises. Then it deletes the save's keys.
+   every ``done``: if all went well it persists the commit record (:mod:`.spread_commit`);
+   otherwise it removes everything the save wrote and aborts every upload a finisher created
+   (each failing process aborts its own too), and raises. Then it deletes the save's keys.
 
-The primary's ``finalize_directory`` (after every process finished; Orbax may run it on a
-fresh driver) then only completes each S3 upload (``ListParts`` gives the ETags) or composes
-each GCS file's top level (:func:`.spread_commit.commit`). Waits time out after
+So the primary sends no request per file. Its ``finalize_directory`` (after every process
+finished; Orbax may run it on a fresh driver) finds the record and deletes it
+(:func:`.spread_commit.commit`). Waits time out after
 ``spread_kv.WAIT_SECONDS`` with an error naming the process and step waited for. Without the
 key-value store (or in a single-process job) nothing is registered and the engine works as
 before.
@@ -82,7 +85,8 @@ class _Outcome:
     """What :func:`_execute` got to before it returned or raised (for the clean-up)."""
 
     plan: _up.UploadPlan | None = None
-    upload_ids: dict[str, str] = dataclasses.field(default_factory=dict)  # created (primary)
+    upload_ids: dict[str, str] = dataclasses.field(default_factory=dict)  # created here
+    completed: set[str] = dataclasses.field(default_factory=set)  # of those, completed
 
 
 _saves: dict[str, _Save] = {}
@@ -177,6 +181,7 @@ def finish(store: _Store, directory: str, write_whole: WriteWhole) -> None:
     except BaseException as e:
         error = e
         kv.fail(me, e)
+        _abort_mine(store, directory, outcome)
     try:
         kv.set(f"done/{me}", "ok" if error is None else "failed")
     except Exception as e:  # the coordination service is gone: the job is failing anyway
@@ -189,7 +194,7 @@ def finish(store: _Store, directory: str, write_whole: WriteWhole) -> None:
         failed = kv.wait_done(save.count, me)
         if error is None and not failed:
             assert outcome.plan is not None
-            record = _commit.CommitRecord.of_plan(outcome.plan, outcome.upload_ids)
+            record = _commit.CommitRecord.of_plan(outcome.plan)
             _commit.write_record(store, directory, record)
             return
         if error is None:
@@ -202,9 +207,35 @@ def finish(store: _Store, directory: str, write_whole: WriteWhole) -> None:
     finally:
         if error is not None:
             names = [name for name, _ in save.files]
-            _commit.discard(store, directory, names, outcome.upload_ids)
+            _commit.discard(store, directory, names, _created_uploads(kv, outcome))
         kv.delete()  # every process is done with them
     raise error
+
+
+def _abort_mine(store: _Store, directory: str, outcome: _Outcome) -> None:
+    """Aborts the uploads this process created and did not complete (its save failed)."""
+    if isinstance(store, _s3.S3Store):
+        _, bucket, base = _common.split_url(directory)
+        for name, upload_id in outcome.upload_ids.items():
+            if name not in outcome.completed:
+                store.abort_upload(bucket, f"{base}/{name}" if base else name, upload_id)
+
+
+def _created_uploads(kv: _kv.SaveKeys, outcome: _Outcome) -> dict[str, str]:
+    """The primary, once every process is done with a failed save: every multipart upload
+    a finisher created (its own, and those the others published), to abort."""
+    ids = dict(outcome.upload_ids)
+    plan = outcome.plan
+    if plan is not None and plan.kind is _up.StoreKind.S3:
+        for index, f in enumerate(plan.files):
+            if f.whole_owner < 0 and f.windows > 1 and f.name not in ids:
+                try:
+                    upload_id = kv.try_get(f"up/{index}")
+                except Exception:  # the coordination service is gone: the job fails anyway
+                    continue
+                if upload_id is not None:
+                    ids[f.name] = upload_id
+    return ids
 
 
 def abandon(store: _Store, directory: str, error: BaseException) -> None:
@@ -269,24 +300,25 @@ def _execute(
     ids = outcome.upload_ids
     if s3:
         assert isinstance(store, _s3.S3Store)
-        if me == primary:  # the uploads the plan needs, no other (all aborted on failure)
-            for f in plan.files:
-                if f.whole_owner < 0 and f.windows > 1:
-                    url = f"{directory}/{f.name}"
-                    ids[f.name] = store.call(
-                        url,
-                        "CreateMultipartUpload",
-                        functools.partial(store.create_upload, bucket, base + f.name),
-                    )
-            kv.set("uploads", json.dumps(ids))
-        else:
-            ids = json.loads(kv.get("uploads", "the primary's multipart uploads"))
-    run = _Run(store, directory, bucket, base, plan, owners, save, kv, ids, write_whole)
+        # The uploads of the files this process finishes (the plan needs them all, and no
+        # other): created before anyone writes, their ids published for the parts' writers.
+        for index, f in enumerate(plan.files):
+            if f.whole_owner < 0 and f.windows > 1 and f.top == me:
+                url = f"{directory}/{f.name}"
+                ids[f.name] = store.call(
+                    url,
+                    "CreateMultipartUpload",
+                    functools.partial(store.create_upload, bucket, base + f.name),
+                )
+                kv.set(f"up/{index}", ids[f.name])
+    run = _Run(store, directory, bucket, base, plan, owners, save, kv, dict(ids), write_whole)
     run.own()
     kv.set(f"own/{me}")
     run.build()
     kv.set(f"built/{me}")
-    if not s3:
+    if s3:
+        run.complete(outcome.completed)
+    else:
         run.compose()
     run.cleanup()
     with _lock:
@@ -324,7 +356,7 @@ class _Run:
         if f.windows == 1:
             store.call(url, "PUT", lambda: store.put(bucket, key, views))
         elif isinstance(store, _s3.S3Store):
-            upload_id = self.ids[f.name]
+            upload_id = self.upload_id(index)
             store.call(
                 url,
                 f"UploadPart {w + 1}",
@@ -333,6 +365,44 @@ class _Run:
         else:
             obj = _commit.window_key(key, w)
             store.call(url, f"PUT window {obj}", lambda: store.put(bucket, obj, views))
+
+    def upload_id(self, index: int) -> str:
+        """S3: the UploadId of file ``index``, from its finisher (through the key-value store)."""
+        name = self.plan.files[index].name
+        if name not in self.ids:
+            finisher = int(self.plan.files[index].top)
+            self.ids[name] = self.kv.get(
+                f"up/{index}", f"process {finisher} to create the upload of {name}"
+            )
+        return self.ids[name]
+
+    def _ready_keys(self, f: _up.FileUpload) -> list[str]:
+        """The key announcing each window of ``f`` uploaded (its writer's ``own`` or ``built``)."""
+        return [
+            f"own/{p}" if pure else f"built/{p}"
+            for p, pure in zip(f.writer.tolist(), f.pure.tolist())
+        ]
+
+    def complete(self, completed: set[str]) -> None:
+        """S3: completes the uploads of the files this process finishes, once every part's
+        writer announced it (``ListParts`` gives the ETags; a missing part fails naming it);
+        adds each file's name to ``completed``."""
+        store = self.store
+        assert isinstance(store, _s3.S3Store)
+        for f in self.plan.files:
+            if f.whole_owner >= 0 or f.windows <= 1 or f.top != self.me:
+                continue
+            for k in sorted(set(self._ready_keys(f))):
+                self.kv.wait(k, f"{k} (parts of {f.name})")
+            entry = {"name": f.name, "size": f.size, "parts": f.windows}
+            _commit.commit_file(
+                store,
+                self.directory,
+                self.bucket,
+                self.base,
+                {**entry, "upload_id": self.ids[f.name]},
+            )
+            completed.add(f.name)
 
     def own(self) -> None:
         """Files this process owns whole, its pure windows, its loose bundles."""
@@ -429,10 +499,7 @@ class _Run:
                 continue
             key = self.base + f.name
             names = [_commit.window_key(key, w) for w in range(f.windows)]
-            ready = [
-                f"own/{p}" if pure else f"built/{p}"
-                for p, pure in zip(f.writer.tolist(), f.pure.tolist())
-            ]
+            ready = self._ready_keys(f)
             for level, groups in enumerate(f.compose):
                 targets, done = [], []
                 for g, (composer, _) in enumerate(groups):
@@ -448,8 +515,8 @@ class _Run:
                 if any(c == self.me for c, _ in groups):
                     self.kv.set(f"c/{index}/{level}/{self.me}")
                 names, ready = targets, done
-            if not f.compose and f.top == self.me:  # one compose makes the file: ours
-                for k in ready:
+            if f.top == self.me:  # the top level: this process finishes the file
+                for k in sorted(set(ready)):
                     self.kv.wait(k, f"{k} (sources of {key})")
                 url = f"{self.directory}/{f.name}"
                 _compose(store, url, self.bucket, key, names)
@@ -457,7 +524,7 @@ class _Run:
 
     def _delete_composed(self, store: _gcs.GcsStore) -> None:
         """GCS: the window objects and composites this process wrote, once the compose that
-        used them is done (the top level's sources are the primary's, in :func:`commit`)."""
+        used them is done (the top level's: once its finisher announced ``top``)."""
         fan_in = self.plan.limits.compose_fan_in
         for index, f in enumerate(self.plan.files):
             if f.whole_owner >= 0 or f.windows <= 1:
@@ -468,8 +535,6 @@ class _Run:
             writers = f.writer.tolist()
             doomed: list[str] = []
             for level in range(len(levels) + 1):
-                if level == len(levels) and levels:
-                    break  # the top's sources: the primary deletes them
                 names = (
                     [_commit.window_key(key, w) for w in range(f.windows)]
                     if level == 0

@@ -2,18 +2,20 @@
 and persisted as a small record beside the staged objects, the commit itself, and the clean-up
 of a save that failed.
 
-Once every process finished its part, the primary writes :class:`CommitRecord` to
-``<directory>/.osf-parts/spread.json``: per S3 file its multipart UploadId and part count, per GCS
-file the composites of the top level. :func:`commit` (the primary's ``finalize_directory``)
-completes the uploads or composes the tops from the record kept in memory, or, when this process
-did not run the save (Orbax's finalize on a fresh driver: ``pipeline.save_job.
-finalize_from_disk``), from the persisted record; then it deletes the record. :func:`discard`
+Each file several processes wrote is completed during the save by its finisher (one of its
+writers, :mod:`.upload_plan`), so once every process finished its part the primary writes a
+:class:`CommitRecord` to ``<directory>/.osf-parts/spread.json`` that names those files with nothing
+left to complete (a record may also list S3 uploads or GCS top levels still to complete:
+:func:`commit_file`). :func:`commit` (the primary's ``finalize_directory``) completes what the
+record kept in memory lists, or, when this process did not run the save (Orbax's finalize on a
+fresh driver: ``pipeline.save_job.finalize_from_disk``), the persisted record; then it deletes
+the record. :func:`discard`
 removes everything a failed save wrote (files, staged objects, the record) and aborts its
 uploads: nothing is left that a reader could take for a checkpoint file.
 
 Example::
 
-    keep("gs://b/ckpt/1/default", CommitRecord.of_plan(plan, {}))
+    write_record(store, "gs://b/ckpt/1/default", CommitRecord.of_plan(plan))
     commit(store, "gs://b/ckpt/1/default", listing)     # primary, in finalize_directory
 """
 
@@ -64,34 +66,24 @@ def record_key(directory: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class CommitRecord:
-    """What completing a spread save needs, per file the primary completes or composes:
-    S3 ``{"name", "size", "parts", "upload_id"}``; GCS ``{"name", "size", "level", "sources"}``
-    (the composites ``compose_key(file, level, g)`` for ``g < sources``)."""
+    """What completing a spread save needs, per file several processes wrote: S3
+    ``{"name", "size", "parts", "upload_id"}``; GCS ``{"name", "size", "level", "sources"}``
+    (the composites ``compose_key(file, level, g)`` for ``g < sources``); ``{"name", "size"}``
+    for a file its finisher completed during the save (what :mod:`.spread` writes)."""
 
     kind: str  # "s3" or "gs"
     files: tuple[Mapping[str, Any], ...]
 
     @classmethod
-    def of_plan(cls, plan: _up.UploadPlan, upload_ids: Mapping[str, str]) -> CommitRecord:
-        """The record of ``plan`` (S3: with the UploadIds the primary created)."""
-        files: list[dict[str, Any]] = []
-        for f in plan.files:
-            if f.whole_owner >= 0 or f.windows <= 1:
-                continue
-            if plan.kind is _up.StoreKind.S3:
-                files.append(
-                    {
-                        "name": f.name,
-                        "size": f.size,
-                        "parts": f.windows,
-                        "upload_id": upload_ids[f.name],
-                    }
-                )
-            elif f.compose:  # (else one of its writers composed it: see spread._Run.compose)
-                level = len(f.compose) - 1
-                files.append(
-                    {"name": f.name, "size": f.size, "level": level, "sources": len(f.compose[-1])}
-                )
+    def of_plan(cls, plan: _up.UploadPlan) -> CommitRecord:
+        """The record of a save that ran ``plan``: every file's finisher completed its upload
+        or composed its top level during the save (:mod:`.spread`), so each file several
+        processes wrote is listed as ``{"name", "size"}``, with nothing left to complete."""
+        files = [
+            {"name": f.name, "size": f.size}
+            for f in plan.files
+            if f.whole_owner < 0 and f.windows > 1
+        ]
         return cls(plan.kind.value, tuple(files))
 
     def to_json(self) -> str:
@@ -166,19 +158,33 @@ def commit(store: _Store, directory: str, listing: Mapping[str, int]) -> bool:
         )
     try:
         for f in record.files:
-            _commit_file(store, directory, bucket, base, f)
+            commit_file(store, directory, bucket, base, f)
     except BaseException:
         if isinstance(store, _s3.S3Store):
             for f in record.files:
-                store.abort_upload(bucket, base + f["name"], f["upload_id"])
+                if "upload_id" in f:  # (not one its finisher completed)
+                    store.abort_upload(bucket, base + f["name"], f["upload_id"])
         raise
     store.call(url, "DELETE commit record", functools.partial(store.delete, bucket, [key]))
     return True
 
 
-def _commit_file(
+def commit_file(
     store: _Store, directory: str, bucket: str, base: str, f: Mapping[str, Any]
 ) -> None:
+    """Completes one file of a record: S3, lists the parts of upload ``f["upload_id"]`` and
+    completes it (an error naming the file and the parts never uploaded unless all
+    ``f["parts"]`` are there); GCS, composes ``f["sources"]`` composites of level
+    ``f["level"]`` into the file and deletes them. Nothing for an entry without either (a file
+    its finisher completed during the save).
+
+    Example::
+
+        commit_file(store, "s3://b/ckpt/1/default", "b", "ckpt/1/default/",
+                    {"name": "model.safetensors", "size": n, "parts": 3, "upload_id": uid})
+    """
+    if "upload_id" not in f and "level" not in f:
+        return
     url, key = f"{directory}/{f['name']}", base + f["name"]
     if isinstance(store, _s3.S3Store):
         upload_id, count = str(f["upload_id"]), int(f["parts"])

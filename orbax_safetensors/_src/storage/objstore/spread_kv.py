@@ -78,6 +78,11 @@ class SaveKeys:
         if key not in self.seen:
             self.get(key, what)
 
+    def try_get(self, key: str) -> str | None:
+        """The value of ``key`` if a process set it, else None (without waiting; None too
+        where the jaxlib client has no ``key_value_try_get``)."""
+        return _jaxcompat.distributed_kv_try_get(self.client, f"{self.prefix}/{key}")
+
     def failure(self) -> str | None:
         """What the first failing process reported, or None."""
         return _jaxcompat.distributed_kv_try_get(self.client, f"{self.prefix}/{FAILED}")

@@ -20,10 +20,11 @@ compose of its own chunks). A file several processes own bytes of is cut into **
 * GCS: the window objects of a file are composed in a tree of at most ``compose_fan_in``
   sources per call; the levels below the top are composed by the processes that wrote their
   sources (the least loaded of a group's writers); every object is deleted by the process that
-  wrote it once it was composed (the primary deletes the top level's sources);
-* the primary only creates (S3, before anyone writes) and completes the uploads, or composes
-  each file's top level above a tree (a GCS file of <= 32 window objects is composed by the
-  least loaded of its writers), and deletes the top level's sources; each process deletes its own
+  wrote it once it was composed;
+* each file of several windows has a **finisher**, the least loaded of the writers of its top
+  level's sources (S3: of its parts): on S3 it creates the file's multipart upload before anyone
+  writes and completes it once every part is uploaded; on GCS it composes the top level. So the
+  primary sends no request per file: it only commits the save. Each process deletes its own
   loose objects once every builder that reads them is done.
 
 On S3 every window but a file's last is >= the minimum part (5 MiB, or more for files over
@@ -69,11 +70,11 @@ class StoreKind(enum.Enum):
 class Phase(enum.IntEnum):
     """When a request is sent, in the order of a save."""
 
-    PREPARE = 0  # primary, before anyone writes (S3 CreateMultipartUpload)
+    PREPARE = 0  # a file's finisher, before anyone writes (S3 CreateMultipartUpload)
     OWN = 1  # every process: its own bytes (whole files, pure windows, loose objects)
     BUILD = 2  # builders: mixed windows and compose subtrees (after the owners' OWN phase)
     CLEANUP = 3  # owners delete their loose objects (after their builders' BUILD phase)
-    COMMIT = 4  # primary: complete the uploads / compose the top level
+    COMMIT = 4  # a file's finisher: complete its upload / compose its top level
 
 
 class RequestKind(enum.Enum):
@@ -191,7 +192,9 @@ class FileUpload:
     pair_owner: np.ndarray
     pair_bytes: np.ndarray
     compose: list[list[tuple[int, int]]]  # GCS: per level below the top, (composer, sources)
-    top: int = -1  # GCS: who composes the final object (the primary above a tree)
+    # The file's finisher (several windows): S3, creates, lists and completes its upload; GCS,
+    # composes its top level. One of the writers of the top level's sources, least loaded.
+    top: int = -1
 
     @property
     def windows(self) -> int:
@@ -234,8 +237,11 @@ def _windows(
 
     Ranges long enough (S3: 2 x the minimum part; GCS: ``gcs_min_object``) are cut into pure
     windows of <= ``part_size``; the bytes between them into mixed windows of about
-    ``mixed_target``. On S3 a run of short ranges under the minimum part borrows the missing
-    bytes from the long range after it, so every window but the file's last is >= the minimum.
+    ``mixed_target``. A run of short ranges under the minimum (S3 part, GCS object) borrows the
+    missing bytes from the long range after it (on GCS, takes it whole if it is under twice the
+    minimum): on S3 every window but the file's last is >= the minimum; on GCS a file's header
+    (written by the primary) is no object of its own, which would cost the primary two requests
+    (PUT, DELETE) per file.
     """
     s3 = kind is StoreKind.S3
     m = limits.min_part(f.size) if s3 else limits.gcs_min_object
@@ -262,9 +268,13 @@ def _windows(
     for i in long.tolist():
         a, b, owner = int(f.starts[i]), int(f.starts[i] + lengths[i]), int(f.owners[i])
         if a > pos:
-            if s3 and a - pos < m:  # borrow from this long range
+            if a - pos < m and (s3 or b - a >= 2 * m):  # borrow from this long range
                 add(pos, pos + m, mixed, -1)
                 a = pos + m
+            elif a - pos < m:  # GCS: a short run and a long range that is not much longer
+                add(pos, b, mixed, -1)
+                pos = b
+                continue
             else:
                 add(pos, a, dense(pos, a), -1)
         add(a, b, limits.part_size, owner)
@@ -295,19 +305,21 @@ def _pairs(
 
 
 def _compose_levels(
-    writer: np.ndarray, fan_in: int, load: np.ndarray
+    writer: np.ndarray, fan_in: int, load: np.ndarray, tasks: np.ndarray
 ) -> list[list[tuple[int, int]]]:
     """The compose tree below the top of a file whose window objects ``writer`` wrote: per
     level, ``(composer, sources)`` of each group of <= ``fan_in`` consecutive objects; the
-    composer is the least loaded of the group's writers (``load``, updated)."""
+    composer is the group's writer given fewest such tasks so far, then the least loaded
+    (``tasks``, ``load``, updated)."""
     levels: list[list[tuple[int, int]]] = []
     writers = writer.tolist()
     while len(writers) > fan_in:
         level = []
         for k in range(0, len(writers), fan_in):
             group = writers[k : k + fan_in]
-            composer = min(set(group), key=lambda p: (load[p], p))
+            composer = min(set(group), key=lambda p: (tasks[p], load[p], p))
             load[composer] += _REQUEST_WEIGHT * 2  # the compose, and deleting the composite
+            tasks[composer] += 2
             level.append((composer, len(group)))
         levels.append(level)
         writers = [c for c, _ in level]
@@ -335,10 +347,12 @@ def plan_uploads(
     mixed_target = int(min(limits.part_size, max(low, total // (4 * n))))
     # Balance by bytes moved: start from each process's own bytes.
     load = np.zeros(n, np.int64)
+    # Requests each process was given per file or compose group (finishing a file, composing):
+    # these go to the process with fewest so far (then the least loaded), whatever its bytes,
+    # so that no process collects many.
+    tasks = np.zeros(n, np.int64)
     for f in files:
         load += np.bincount(f.owners, weights=f.stops() - f.starts, minlength=n).astype(np.int64)
-        if not (f.owners == f.owners[0]).all():  # the primary completes or composes it
-            load[primary] += 3 * _REQUEST_WEIGHT
     out: list[FileUpload] = []
     items: list[tuple[np.ndarray, ...]] = []
     for index, f in enumerate(files):
@@ -380,15 +394,18 @@ def plan_uploads(
                 writer[pw][others],
             )
         )
-        compose, top = [], primary
+        compose, top = [], -1
         if kind is StoreKind.GCS:
-            compose = _compose_levels(writer, limits.compose_fan_in, load)
-            if not compose and len(wstart) > 1:
-                # One compose makes the file: the least loaded writer sends it, not the primary
-                # (whose top-level load was counted up front).
-                top = min(set(writer.tolist()), key=lambda p: (load[p], p))
-                load[top] += _REQUEST_WEIGHT
-                load[primary] -= 3 * _REQUEST_WEIGHT
+            compose = _compose_levels(writer, limits.compose_fan_in, load, tasks)
+        if len(wstart) > 1:
+            # The file's finisher, one of the writers of its top level's sources: S3, it
+            # creates the upload, lists the parts and completes it (3 requests); GCS, it
+            # composes the top level (the sources are deleted by their writers).
+            candidates = [c for c, _ in compose[-1]] if compose else writer.tolist()
+            top = min(set(candidates), key=lambda p: (tasks[p], load[p], p))
+            cost = 3 if kind is StoreKind.S3 else 1
+            load[top] += _REQUEST_WEIGHT * cost
+            tasks[top] += cost
         upload = FileUpload(f.name, f.size, -1, wstart, writer, ~mixed, pw, po, pb, compose, top)
         out.append(upload)
     columns: list[np.ndarray] = (

@@ -86,14 +86,14 @@ def requests_of(plan: UploadPlan, process: int) -> list[Request]:
     """The requests ``process`` sends for the save, by phase, then file, then window."""
     out: list[Request] = []
     s3 = plan.kind is StoreKind.S3
-    primary = process == plan.primary
     for index, f in enumerate(plan.files):
         if f.whole_owner >= 0:
             if f.whole_owner == process:
                 out += _whole(plan, index, f)
             continue
         k = f.windows
-        if primary and s3 and k > 1:
+        finisher = k > 1 and f.top == process
+        if finisher and s3:
             out.append(Request(RequestKind.CREATE_UPLOAD, Phase.PREPARE, index))
         wstop = f.wstop()
         for w in np.flatnonzero(f.writer == process).tolist():
@@ -129,7 +129,6 @@ def requests_of(plan: UploadPlan, process: int) -> list[Request]:
         if not s3 and k > 1:  # window objects: deleted by their writers once composed
             mine = int((f.writer == process).sum())
             out += [Request(RequestKind.DELETE, Phase.CLEANUP, index, sources=1)] * mine
-        last = len(f.compose) - 1
         for level, groups in enumerate(f.compose):
             for composer, sources in groups:
                 if composer == process:
@@ -138,19 +137,16 @@ def requests_of(plan: UploadPlan, process: int) -> list[Request]:
                             RequestKind.COMPOSE, Phase.BUILD, index, number=level, sources=sources
                         )
                     )
-                    if level < last:  # deleted once composed at the next level
-                        out.append(Request(RequestKind.DELETE, Phase.CLEANUP, index, sources=1))
-        if primary and k > 1 and s3:
+                    # deleted once composed at the next level (or the top)
+                    out.append(Request(RequestKind.DELETE, Phase.CLEANUP, index, sources=1))
+        if finisher and s3:
             out.append(Request(RequestKind.LIST_PARTS, Phase.COMMIT, index, sources=k))
             out += [Request(RequestKind.LIST_PARTS, Phase.COMMIT, index)] * ((k - 1) // _PAGE)
             out.append(Request(RequestKind.COMPLETE_UPLOAD, Phase.COMMIT, index, sources=k))
-        elif k > 1 and not s3 and f.top == process:
+        elif finisher:
             top = len(f.compose[-1]) if f.compose else k
-            phase = Phase.COMMIT if f.compose else Phase.BUILD
             level = len(f.compose)
-            out.append(Request(RequestKind.COMPOSE, phase, index, number=level, sources=top))
-            if f.compose:  # the last level's composites
-                out += [Request(RequestKind.DELETE, phase, index, sources=1)] * top
+            out.append(Request(RequestKind.COMPOSE, Phase.COMMIT, index, number=level, sources=top))
     bundles = _bundles_of(plan, process)
     for bundle, nbytes in bundles:
         out.append(Request(RequestKind.PUT_LOOSE, Phase.OWN, -1, upload=nbytes, number=bundle))
@@ -181,7 +177,6 @@ def tally(plan: UploadPlan) -> Tally:
         {k: np.zeros(n, np.int64) for k in RequestKind},
     )
     s3 = plan.kind is StoreKind.S3
-    primary = plan.primary
     for index, f in enumerate(plan.files):
         if f.whole_owner >= 0:
             for r in _whole(plan, index, f):
@@ -200,19 +195,17 @@ def tally(plan: UploadPlan) -> Tally:
         t.upload += np.bincount(f.writer, weights=size, minlength=n).astype(np.int64)
         if not s3 and k > 1:
             t.requests[RequestKind.DELETE] += np.bincount(f.writer, minlength=n)
-        for level, groups in enumerate(f.compose):
+        for groups in f.compose:  # each composite is deleted by its composer once composed
             composers = np.array([c for c, _ in groups], np.int64)
             t.requests[RequestKind.COMPOSE] += np.bincount(composers, minlength=n)
-            if level < len(f.compose) - 1:
-                t.requests[RequestKind.DELETE] += np.bincount(composers, minlength=n)
-        if k > 1:
+            t.requests[RequestKind.DELETE] += np.bincount(composers, minlength=n)
+        if k > 1:  # the file's finisher
             if s3:
-                t.requests[RequestKind.CREATE_UPLOAD][primary] += 1
-                t.requests[RequestKind.LIST_PARTS][primary] += 1 + (k - 1) // _PAGE
-                t.requests[RequestKind.COMPLETE_UPLOAD][primary] += 1
+                t.requests[RequestKind.CREATE_UPLOAD][f.top] += 1
+                t.requests[RequestKind.LIST_PARTS][f.top] += 1 + (k - 1) // _PAGE
+                t.requests[RequestKind.COMPLETE_UPLOAD][f.top] += 1
             else:
                 t.requests[RequestKind.COMPOSE][f.top] += 1
-                t.requests[RequestKind.DELETE][f.top] += len(f.compose[-1]) if f.compose else 0
     # loose items: uploaded by their owners, downloaded by their builders
     t.requests[RequestKind.GET_RANGE] += np.bincount(plan.item_builder, minlength=n)
     t.download += np.bincount(plan.item_builder, weights=plan.item_bytes, minlength=n).astype(
