@@ -69,5 +69,12 @@ def _identity(x: Any) -> Any:
 
 def move(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
     """``x`` resharded onto ``sharding`` on the devices (a collective across the processes of
-    its mesh: every one of them calls it, in the same order)."""
-    return jax.jit(_identity, out_shardings=sharding)(x)
+    its mesh: every one of them calls it, in the same order), complete when it returns.
+
+    Each move is waited for before the next is dispatched: many cross-process collectives in
+    flight at once can hang on CPU (gloo), seen with a restore of many column-sharded tensors
+    (``tests/multihost/test_relayout_moves.py``); one at a time also bounds the device memory
+    the moves hold."""
+    moved = jax.jit(_identity, out_shardings=sharding)(x)
+    moved.block_until_ready()
+    return moved
