@@ -75,14 +75,7 @@ def simulated(partition, kind, part_size, max_file_size, joined=True) -> dict:
         max_file_size=max_file_size,
         metadata=dict(core_metadata.HEADER_METADATA),
     )
-    uplan = up.plan_uploads(kind, up.UploadLimits(part_size=part_size), owners, n)
-    mine = upload_requests.requests_of(uplan, jax.process_index())
-    return {
-        "bytes_uploaded": sum(r.upload for r in mine),
-        "bytes_fetched": sum(r.download for r in mine),
-        "requests": {k.value: sum(r.kind is k for r in mine) for k in up.RequestKind},
-        "mixed_bytes": mixed_bytes(uplan),
-    }
+    return executed(up.plan_uploads(kind, up.UploadLimits(part_size=part_size), owners, n))
 
 
 def executed(plan) -> dict:
