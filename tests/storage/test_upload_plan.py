@@ -12,6 +12,7 @@ import pytest
 
 from orbax_safetensors._src.storage.objstore import upload_requests as _ur
 from orbax_safetensors._src.storage.objstore.upload_plan import (
+    MAX_WINDOW_OWNERS,
     FileOwners,
     Phase,
     RequestKind,
@@ -157,3 +158,32 @@ def test_the_primary_sends_no_request_per_file(kind: StoreKind) -> None:
     per_file = RequestKind.CREATE_UPLOAD if kind is StoreKind.S3 else RequestKind.COMPOSE
     assert tally.requests[per_file].sum() >= count
     assert tally.requests[per_file][plan.primary] <= 2 * tally.requests[per_file].mean() + 1
+
+
+@pytest.mark.parametrize("kind", list(StoreKind))
+def test_a_dense_stretch_beside_a_sparse_one_keeps_windows_few_owners(kind: StoreKind) -> None:
+    """One stretch of mixed bytes: 512 processes' 200 KiB ranges (a joined group of small
+    tensors), then 512 ranges of 1.5 MiB. Cut evenly by the stretch's mean density, the dense
+    part's windows held hundreds of owners and their builders one GET per owner; now no window
+    holds more than MAX_WINDOW_OWNERS owners' ranges (S3: unless its minimum part needs more),
+    every S3 part but the last is still >= 5 MiB, and the primary builds none."""
+    n = 512
+    small, large = 200 << 10, 1536 << 10
+    lengths = np.array([small] * n + [large] * n, np.int64)
+    starts = np.append(0, np.cumsum(lengths)[:-1])
+    owners = np.tile(np.arange(n), 2)
+    f = FileOwners("w", int(lengths.sum()), starts, owners)
+    plan = plan_uploads(kind, UploadLimits(), [f], n)
+    up = plan.files[0]
+    per_window = np.bincount(up.pair_window, minlength=up.windows)
+    limit = MAX_WINDOW_OWNERS + 1
+    if kind is StoreKind.S3:
+        limit = max(limit, -(-UploadLimits().s3_min_part // small) + 1)
+    assert per_window.max() <= limit, per_window.max()
+    sizes = up.wstop() - up.wstart
+    if kind is StoreKind.S3:
+        assert sizes[:-1].min() >= UploadLimits().s3_min_part
+    assert plan.primary not in up.writer[~up.pure].tolist()
+    # Each builder: one GET per other owner, its part, its own loose object and a few more.
+    requests = _ur.tally(plan).total_requests()
+    assert requests.max() <= limit + 6, requests

@@ -12,7 +12,8 @@ compose of its own chunks). A file several processes own bytes of is cut into **
 * any other window is **mixed**: it is assigned to one of its owners, its **builder**: the one
   it adds least to, counting what that owner moves already (its bytes, and the windows it
   builds, a request weighing as 2 MiB moved). That is the owner of most of the window's bytes, but
-  for ties and owners loaded already: building is spread over the processes. The
+  for ties and owners loaded already: building is spread over the processes (the primary,
+  an owner of every file's header, starts with a handicap of one request per file). The
   other owners upload their bytes of it in their **loose** objects (one stream per process,
   cut into bundles of about ``part_size``, across files); the builder downloads exactly those
   bytes (one ranged GET per other owner), adds its own bytes (never uploaded separately) and
@@ -55,9 +56,9 @@ MiB = 1 << 20
 # What one request weighs against bytes moved when builders are balanced: a window of many
 # owners' short ranges costs its builder one GET per owner, however few its bytes.
 _REQUEST_WEIGHT = 2 * MiB
-# Mixed windows are made smaller (down to the store's minimum) where more than this many
-# processes' ranges would share one: its builder sends one GET per other owner.
-MAX_WINDOW_OWNERS = 32
+# Mixed windows are cut where one would hold more than this many processes' ranges (but not
+# under the store's minimum): its builder sends one GET per other owner.
+MAX_WINDOW_OWNERS = 24
 
 
 class StoreKind(enum.Enum):
@@ -230,6 +231,34 @@ def _even_bounds(a: int, b: int, target: int) -> list[int]:
     return [a + (b - a) * k // n for k in range(n)]
 
 
+def _capped(seg_starts: np.ndarray, bounds: list[int], b: int, floor: int) -> list[int]:
+    """``bounds`` (mixed window starts over ``[bounds[0], b)``), or, where one of them would
+    hold more than ``MAX_WINDOW_OWNERS`` owners' ranges, windows cut where the next range would
+    exceed it (each window still >= ``floor`` bytes, no longer than the even ones): the owners
+    of a stretch are often unevenly dense (a joined group of many tiny ranges beside larger
+    ones), so an even cut gives a few windows of hundreds of owners, and their builders one GET
+    per owner."""
+    edges = np.array([*bounds, b], np.int64)
+    first = np.searchsorted(seg_starts, edges[:-1], "right")
+    last = np.searchsorted(seg_starts, edges[1:], "left")
+    if int((last - first).max()) < MAX_WINDOW_OWNERS:
+        return bounds
+    target = int((edges[1:] - edges[:-1]).max())
+    out: list[int] = []
+    x = bounds[0]
+    while x < b:
+        out.append(x)
+        k = int(np.searchsorted(seg_starts, x, "right")) + MAX_WINDOW_OWNERS - 1
+        cap = int(seg_starts[k]) if k < len(seg_starts) else b
+        x = min(b, x + target, max(x + floor, cap))
+    if len(out) > 1 and b - out[-1] < floor:  # the last is short: the one before gives bytes
+        if b - out[-2] >= 2 * floor:
+            out[-1] = b - floor
+        else:
+            out.pop()
+    return out
+
+
 def _windows(
     kind: StoreKind, limits: UploadLimits, f: FileOwners, mixed_target: int
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -251,16 +280,10 @@ def _windows(
     starts: list[int] = []
     pure: list[int] = []
 
-    floor = 2 * m if s3 else m
-
-    def dense(a: int, b: int) -> int:
-        # Mixed windows over [a, b): about ``mixed`` bytes, smaller (down to the minimum) where
-        # so many owners share the stretch that a window would hold over MAX_WINDOW_OWNERS.
-        owners = int(np.searchsorted(f.starts, b, "left") - np.searchsorted(f.starts, a, "left"))
-        return max(floor, min(mixed, (b - a) * MAX_WINDOW_OWNERS // max(1, owners)))
-
     def add(a: int, b: int, target: int, owner: int) -> None:
         bounds = _even_bounds(a, b, target)
+        if owner < 0:
+            bounds = _capped(f.starts, bounds, b, m)
         starts.extend(bounds)
         pure.extend([owner] * len(bounds))
 
@@ -276,11 +299,11 @@ def _windows(
                 pos = b
                 continue
             else:
-                add(pos, a, dense(pos, a), -1)
+                add(pos, a, mixed, -1)
         add(a, b, limits.part_size, owner)
         pos = b
     if pos < f.size:
-        add(pos, f.size, dense(pos, f.size), -1)
+        add(pos, f.size, mixed, -1)
     return np.array(starts, np.int64), np.array(pure, np.int64)
 
 
@@ -351,6 +374,9 @@ def plan_uploads(
     # these go to the process with fewest so far (then the least loaded), whatever its bytes,
     # so that no process collects many.
     tasks = np.zeros(n, np.int64)
+    # The primary owns every file's header, so it is an owner of more mixed windows than
+    # anyone: a handicap of one request per file keeps it from building many of them.
+    load[primary] += _REQUEST_WEIGHT * len(files)
     for f in files:
         load += np.bincount(f.owners, weights=f.stops() - f.starts, minlength=n).astype(np.int64)
     out: list[FileUpload] = []
