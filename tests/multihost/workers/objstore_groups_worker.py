@@ -5,7 +5,7 @@ under an upload window, to S3 and GCS; the save joins them on the devices (``cor
 joins compiled to, and checks restores onto the saved and onto another sharding.
 
 Args (``ctx.args``): ``roots`` (checkpoint root URLs), ``part_size``, ``max_file_size``,
-``repo`` (the repository, for ``benchmarks``).
+``repo`` (the repository, for ``benchmarks``), ``matrices`` (how many 1 MiB matrices).
 """
 
 import worker_lib
@@ -35,12 +35,12 @@ from benchmarks import scale_model, scale_sim  # noqa: E402
 n = ctx.num_processes
 mesh = Mesh(np.array(jax.devices()).reshape(n, -1), ("data", "model"))
 # Every tensor of a state has the state's partition (1-D ones its first entry), as in the
-# simulation; 80 x 1 MiB f32 matrices (20 MiB per process at N = 4: one range of two S3 parts
-# once joined, 64-256 KiB pieces before), 24 bf16 ones and 16 norms (small groups: each
-# written whole by one process).
+# simulation; ``matrices`` (80 by default) x 1 MiB f32 matrices (20 MiB per process at N = 4:
+# one range of two S3 parts once joined, 64-256 KiB pieces before), 24 bf16 ones and 16 norms
+# (small groups: each written whole by one process).
 PARTITIONS = {"rows": ("data", "model"), "cols": ("model", "data")}
 SHAPES = (
-    [(f"w{i:02d}", (512, 512), np.float32) for i in range(80)]
+    [(f"w{i:03d}", (512, 512), np.float32) for i in range(ctx.args.get("matrices", 80))]
     + [(f"h{i:02d}", (256, 512), vals.BF16) for i in range(24)]
     + [(f"n{i:02d}", (512,), np.float32) for i in range(16)]
 )
