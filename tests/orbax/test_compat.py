@@ -302,9 +302,12 @@ def test_key_value_delete_and_try_get_have_fallbacks() -> None:
     assert _jaxcompat.distributed_kv_try_get(old, "osf/x/failed") is None
     assert not _jaxcompat.can_try_get(old)
     assert _jaxcompat.distributed_kv_delete(old, "osf/x") is False
-    from jax._src.lib import _jax
+    try:  # jaxlib's extension module: _jax from jax 0.7 on, xla_extension before
+        from jax._src.lib import _jax as extension
+    except ImportError:
+        from jax._src.lib import xla_extension as extension
 
-    client = getattr(_jax, "DistributedRuntimeClient", None)
+    client = getattr(extension, "DistributedRuntimeClient", None)
     if client is None or not hasattr(client, "key_value_delete"):
         pytest.skip(f"jaxlib {jax.__version__} has no DistributedRuntimeClient.key_value_delete")
     assert hasattr(client, "key_value_try_get")
