@@ -297,6 +297,18 @@ def _assert_cast(got: Any, want: Any, source: Any, *, nan_payloads: bool = False
 # --------------------------------------------------------------------------- against Orbax
 
 
+# jax 0.7's set_mesh is a plain setter; orbax-checkpoint 0.11.40 uses it as a context manager
+# when it saves a replicated slice: its save fails and leaves a global mesh set for the rest of
+# the test's examples, under which later Orbax saves no longer give a reference to compare with.
+_SET_MESH = getattr(jax.sharding, "set_mesh", None)
+_ORBAX_SAVE_BROKEN = _SET_MESH is not None and not isinstance(_SET_MESH, type)
+
+
+@pytest.mark.skipif(
+    _ORBAX_SAVE_BROKEN,
+    reason=f"jax {jax.__version__}: orbax-checkpoint's own save of replicated slices is broken "
+    "(set_mesh used as a context manager), no reference to compare with",
+)
 @campaign(0.6)
 @given(
     tree=manager_trees(
