@@ -38,10 +38,10 @@ def _no_global_mesh_left_behind():
     this fixture is the net for tests that call Orbax directly.
     """
     yield
-    import jax
+    from orbax_safetensors._src.compat import jaxcompat
 
-    set_mesh = getattr(jax.sharding, "set_mesh", None)
-    if set_mesh is not None and not isinstance(set_mesh, type):
+    set_mesh = jaxcompat.plain_set_mesh()
+    if set_mesh is not None:
         set_mesh(None)
 
 
@@ -61,8 +61,9 @@ def pytest_runtest_makereport(item, call):
         return
     import jax
 
-    set_mesh = getattr(jax.sharding, "set_mesh", None)
-    if set_mesh is None or isinstance(set_mesh, type):
+    from orbax_safetensors._src.compat import jaxcompat
+
+    if jaxcompat.plain_set_mesh() is None:
         return
     text = str(report.longrepr)
     if _ORBAX_SET_MESH_BUG in text and _ORBAX_SET_MESH_SITE in text:

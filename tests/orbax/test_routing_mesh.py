@@ -35,11 +35,6 @@ def _jit_elsewhere_works() -> None:
     np.testing.assert_array_equal(np.asarray(jax.jit(lambda a: a + 1)(y)), np.full(4, 2.0))
 
 
-def _set_mesh_is_a_setter() -> bool:
-    set_mesh = getattr(jax.sharding, "set_mesh", None)
-    return set_mesh is not None and not isinstance(set_mesh, type)
-
-
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_orbax_save_through_the_router_keeps_the_global_mesh(tmp_path, mode):
     router = routing.OrbaxRouter()
@@ -61,14 +56,14 @@ def test_orbax_save_through_the_router_keeps_the_global_mesh(tmp_path, mode):
         assert "context manager" in str(err)
     finally:
         router.close()
-    if _set_mesh_is_a_setter():
+    if jaxcompat.plain_set_mesh() is not None:
         before = jax.sharding.set_mesh(None)
         assert before is None, f"a global mesh was left set: {before}"
     _jit_elsewhere_works()
 
 
 def test_global_mesh_kept_restores_a_mesh_set_inside():
-    if not _set_mesh_is_a_setter():
+    if jaxcompat.plain_set_mesh() is None:
         pytest.skip(f"jax {jax.__version__}: set_mesh is not a plain setter (nothing to guard)")
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
     with jaxcompat.global_mesh_kept():

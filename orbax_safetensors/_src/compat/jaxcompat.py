@@ -16,7 +16,7 @@ attribute.
 | :func:`nnx_list` | ``flax.nnx.List`` | public since flax 0.12 (needed there for lists of modules) | a plain ``list`` (what flax 0.11 takes) |
 | :func:`distributed_kv` | ``jax._src.distributed.global_state.client`` (its ``key_value_set``, ``blocking_key_value_get``) | private | None: object-store saves by several processes join the ranges on the primary as before |
 | :func:`distributed_kv_try_get`, :func:`distributed_kv_delete` | the client's ``key_value_try_get``, ``key_value_delete`` | private (the client); missing from some jaxlib releases | None / False: a wait notices another process's failure only at its timeout; a save's keys stay in the coordination service |
-| :func:`global_mesh_kept` | ``jax.sharding.set_mesh`` | a plain setter returning the previous mesh on jax 0.7, a context manager from 0.8 on, absent before | nothing to guard (no call on other versions) |
+| :func:`global_mesh_kept`, :func:`plain_set_mesh` | ``jax.sharding.set_mesh`` | a plain setter returning the previous mesh on jax 0.7, a context manager from 0.8 on, absent before | nothing to guard (no call on other versions) |
 | :func:`is_nnx_internal_attr` | ``Module._pytree__state`` (flax 0.12), ``Module._object__state`` (flax 0.11): an empty pytree child of every Module | private | none needed: a flax without them has no such child |
 
 Example::
@@ -223,6 +223,13 @@ def distributed_kv_delete(client: Any, directory: str) -> bool:
 # -- jax.sharding.set_mesh (a plain setter on jax 0.7) ----------------------------------------
 
 
+def plain_set_mesh() -> Callable[[Any], Any] | None:
+    """``jax.sharding.set_mesh`` where it is a plain setter returning the previous mesh (jax
+    0.7), else None (absent before, a context manager class from jax 0.8 on)."""
+    set_mesh = getattr(jax.sharding, "set_mesh", None)
+    return None if set_mesh is None or isinstance(set_mesh, type) else set_mesh
+
+
 @contextlib.contextmanager
 def global_mesh_kept() -> Iterator[None]:
     """Restores this thread's global concrete mesh on exit, if the body changed it.
@@ -238,8 +245,8 @@ def global_mesh_kept() -> Iterator[None]:
         with global_mesh_kept():
             orbax_handler.save(directory, args=args)
     """
-    set_mesh = getattr(jax.sharding, "set_mesh", None)
-    if set_mesh is None or isinstance(set_mesh, type):  # absent, or a context manager class
+    set_mesh = plain_set_mesh()
+    if set_mesh is None:
         yield
         return
     before = set_mesh(None)
