@@ -26,7 +26,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -53,6 +53,24 @@ HEADER_METADATA = {"format": "pt"}  # what transformers and safetensors.torch wr
 Box = tuple[slice, ...]
 
 
+def _with_adapters(
+    names: Sequence[str],
+    kernels: Mapping[str, Any],
+    adapters: Mapping[str, Any],
+    merges: Mapping[str, tuple[str, str]],
+    merge: Callable[[Any, Any, Any, float], Any],
+    scale: float,
+) -> list[Any]:
+    """``kernels[name]`` for each name, merged with its LoRA adapters (``merge(kernel, a, b,
+    scale)``, ``a`` and ``b`` from ``adapters``) where ``merges`` names a pair for it."""
+    return [
+        merge(kernels[n], adapters[merges[n][0]], adapters[merges[n][1]], scale)
+        if n in merges
+        else kernels[n]
+        for n in names
+    ]
+
+
 def _group(
     link: _links.Link,
     tied: dict[str, str],
@@ -69,13 +87,7 @@ def _group(
 
     def apply(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         got = dict(zip(sources, arrays))
-        flax = []
-        for name in link.flax:
-            if name in merges:
-                a, b = merges[name]
-                flax.append(_links.merge_lora(got[name], got[a], got[b], scale))
-            else:
-                flax.append(got[name])
+        flax = _with_adapters(link.flax, got, got, merges, _links.merge_lora, scale)
         del arrays, got
         torch = link.to_torch(flax[:n])
         return [v for k, v in zip(link.torch, torch) if k not in tied]
@@ -100,13 +112,7 @@ def _group(
         # merged first, shard by shard on the host from the whole adapters (bit-identical to
         # the one-process merge), and put back on its devices.
         got = dict(zip(sources, arrays))
-        flax = []
-        for name in link.flax:
-            if name in merges:
-                a, b = merges[name]
-                flax.append(_sharded_export.merged(got[name], wholes[a], wholes[b], scale))
-            else:
-                flax.append(got[name])
+        flax = _with_adapters(link.flax, got, wholes, merges, _sharded_export.merged, scale)
         del got
         for key in outputs:
             yield _sharded_export.relaid(link, flax, link.torch.index(key), out_shapes[key])
