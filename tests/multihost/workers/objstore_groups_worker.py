@@ -134,9 +134,9 @@ for root in ctx.args["roots"]:
             measured = dataclasses.asdict(osf.object_store_stats(reset=True))
             plan, me = spread.last_plan()
             bad = []
-            # onto the saved sharding and another one (whose across-process axis cuts the first
-            # dimension: restoring these many tensors onto column stripes is left out, see
-            # the report of this test's module)
+            # onto the saved sharding and another one whose across-process axis cuts the first
+            # dimension (restores onto column stripes: many device moves in a row, covered by
+            # tests/multihost/test_relayout_moves.py)
             other = ("data", None) if label == "rows" else PARTITIONS["rows"]
             restores = (partition, other) if label == "rows" else (other,)
             for restore_partition in restores:
