@@ -329,6 +329,12 @@ def test_an_aborted_job_writes_nothing_and_removes_what_it_wrote(tmp_path: Path)
 
     writer = threading.Thread(target=write)
     writer.start()
+    # The writer must be writing before the abort (else write() returns at once, unwritten,
+    # which the first half checks): it waits for the first host copy once it has begun.
+    deadline = time.monotonic() + 60
+    while job._state is not _save_job._State.WRITING and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert job._state is _save_job._State.WRITING
     state["b"].delete()  # its copy fails after the large one went to the writer
     with pytest.raises(ValueError, match=r"'b'.*deleted"):
         job.snapshot()
