@@ -34,6 +34,7 @@ Run::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -313,16 +314,38 @@ def _multi(n: int, job: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
     return runs
 
 
-def _fio_seconds(directory: Path, nbytes: int) -> float | None:
+def _fio_seconds(directory: Path, nbytes: int, *, write: bool) -> float | None:
+    """fio's buffered sequential write (with end_fsync) or cold read (page cache dropped for
+    the file) of ``nbytes``: median of 3."""
     if shutil.which("fio") is None:
         return None
     from benchmarks import device
 
     settings = {"ioengine": "psync", "direct": "0", "bs": "8M"}
     times = [
-        device.run_fio(directory / device.FIO_FILE, nbytes, settings, write=True) for _ in range(3)
+        device.run_fio(directory / device.FIO_FILE, nbytes, settings, write=write) for _ in range(3)
     ]
     (directory / device.FIO_FILE).unlink(missing_ok=True)
+    return statistics.median(times)
+
+
+def transform_seconds(size: int) -> float:
+    """The CPU's part: one thread transposing and casting the whole float32 state to the
+    bfloat16 PyTorch layout in memory, as the export does (``core/astype``'s tiled copy),
+    median of 3 (no disk)."""
+    import ml_dtypes
+    import numpy as np
+
+    from orbax_safetensors._src.core import astype as _astype
+
+    rng = np.random.default_rng(0)
+    flat = {n: rng.random(s, dtype=np.float32) for n, s in shapes(size).items()}
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for n, v in flat.items():
+            _astype.astype(v.T if n.endswith(".kernel") else v, ml_dtypes.bfloat16)
+        times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
@@ -330,14 +353,31 @@ def _mib(n: float) -> str:
     return f"{n / (1 << 20):,.0f} MiB"
 
 
-def report(rows: list[dict[str, Any]], state_bytes: int, out_bytes: int, fio: float | None) -> str:
+@dataclasses.dataclass
+class Limits:
+    """What the machine allows, in seconds: the device's write of the output and read of the
+    checkpoint (fio; None without it) and one thread's transform in memory."""
+
+    write: float | None
+    read: float | None
+    transform: float
+
+    def bound(self) -> float | None:
+        """The slowest of the three: an export overlapping them cannot be faster."""
+        if self.write is None or self.read is None:
+            return None
+        return max(self.write, self.read, self.transform)
+
+
+def report(rows: list[dict[str, Any]], state_bytes: int, out_bytes: int, limits: Limits) -> str:
+    fio, bound = limits.write, limits.bound()
     lines = [
         f"bf16 Hugging Face export of a {_mib(state_bytes)} float32 LLaMA-shaped checkpoint "
         f"({_mib(out_bytes)} written); medians; time until fsynced",
         "",
         "| N | method | s | peak extra host memory (max per process) | vs ours: time | "
-        "vs ours: memory | x device write bandwidth |",
-        "|---|---|---|---|---|---|---|",
+        "vs ours: memory | x device write bandwidth | x bound |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for n in sorted({r["n"] for r in rows}):
         by = {m: [r for r in rows if r["n"] == n and r["method"] == m] for m in METHODS}
@@ -351,21 +391,31 @@ def report(rows: list[dict[str, Any]], state_bytes: int, out_bytes: int, fio: fl
             t = statistics.median(r["seconds"] for r in rs)
             mem = statistics.median(r["peak_extra"] for r in rs)
             dev = f"{fio / t:.2f}" if fio else "n/a"
+            of_bound = f"{bound / t:.2f}" if bound else "n/a"
             lines.append(
                 f"| {n} | {m} | {t:.2f} | {_mib(mem)} | {t / ours_t:.2f} | "
-                f"{mem / max(ours_m, 1):.2f} | {dev} |"
+                f"{mem / max(ours_m, 1):.2f} | {dev} | {of_bound} |"
             )
         sp = [r["save_pretrained_s"] for r in by["transformers"] if "save_pretrained_s" in r]
         if sp:
-            lines.append(f"| {n} | (save_pretrained alone) | {statistics.median(sp):.2f} | | | | |")
+            lines.append(
+                f"| {n} | (save_pretrained alone) | {statistics.median(sp):.2f} | | | | | |"
+            )
     lines.append("")
-    if fio:
+    if fio and limits.read:
         lines.append(
             f"device: fio buffered sequential write of {_mib(out_bytes)} with end_fsync=1: "
-            f"{fio:.2f} s ({out_bytes / fio / 1e6:,.0f} MB/s)"
+            f"{fio:.2f} s ({out_bytes / fio / 1e6:,.0f} MB/s); cold read of "
+            f"{_mib(state_bytes)}: {limits.read:.2f} s ({state_bytes / limits.read / 1e6:,.0f} "
+            "MB/s)"
         )
     else:
         lines.append("device: fio not installed (n/a)")
+    lines.append(
+        f"CPU: one thread transposing and casting the state in memory: {limits.transform:.2f} s "
+        f"({state_bytes / limits.transform / 1e6:,.0f} MB/s of float32); bound = the slowest "
+        "of write, read and transform"
+    )
     lines.append(f"load average (1 min) at the end: {os.getloadavg()[0]:.1f}")
     return "\n".join(lines)
 
@@ -426,10 +476,14 @@ def main() -> None:
                 for row in _multi(n, job, args.timeout):
                     rows.append({**row, "n": n, "round": rnd})
                     print(json.dumps(rows[-1]), file=sys.stderr)
-        fio = _fio_seconds(work, out_bytes)
+        limits = Limits(
+            write=_fio_seconds(work, out_bytes, write=True),
+            read=_fio_seconds(work, state_bytes, write=False),
+            transform=transform_seconds(size),
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    text = report([r for r in rows if "error" not in r], state_bytes, out_bytes, fio)
+    text = report([r for r in rows if "error" not in r], state_bytes, out_bytes, limits)
     errors = [r for r in rows if "error" in r]
     if errors:
         text += f"\nerrors: {json.dumps(errors[:3])}"

@@ -119,6 +119,16 @@ def test_cast_equals_jax_bit_for_bit(src, dst):
     bad = np.flatnonzero(bits(got).reshape(x.size, -1) != bits(want).reshape(x.size, -1))
     assert got.dtype == dst
     assert bad.size == 0, [(x[i], want[i], got[i]) for i in bad[:8]]
+    # Transposed views (an export's kernels) take the tiled path: the same bits as the
+    # contiguous copy, at shapes that are not multiples of its tiles and bands.
+    for view in (
+        np.resize(x, (131, 2500)).T,
+        np.resize(x, (3, 131, 257)).transpose(0, 2, 1),
+        np.resize(x, (5, 7, 300)).transpose(2, 0, 1),
+    ):
+        np.testing.assert_array_equal(
+            bits(_astype.astype(view, dst)), bits(_astype.astype(np.ascontiguousarray(view), dst))
+        )
 
 
 def test_issue_example():
@@ -137,6 +147,14 @@ def test_strided_and_chunked_input():
     out = np.empty(view.shape, ml_dtypes.bfloat16)
     _astype.cast_into(out, view)
     np.testing.assert_array_equal(bits(out), bits(np.asarray(jnp.asarray(view).astype("bfloat16"))))
+
+
+def test_a_strided_copy_in_the_same_dtype_is_exact():
+    x = np.arange(3 * 300 * 200, dtype=np.float32).reshape(3, 300, 200)
+    for view in (x.transpose(0, 2, 1), x.transpose(2, 1, 0), x[:, ::-1, ::2], x[:, :0]):
+        got = _astype.astype(view, np.float32)
+        assert got.flags.c_contiguous
+        np.testing.assert_array_equal(got, view)
 
 
 @pytest.mark.parametrize("dst", ["float6_e2m3fn", "float6_e3m2fn"])

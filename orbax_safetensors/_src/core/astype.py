@@ -48,6 +48,10 @@ _QUIET = {2: 0x0200, 4: 0x0040_0000, 8: 0x0008_0000_0000_0000}  # the quiet bit 
 _FNUZ = frozenset({np.dtype(ml_dtypes.float8_e4m3fnuz), np.dtype(ml_dtypes.float8_e5m2fnuz)})
 _F32_TINY = float(np.finfo(np.float32).tiny)
 _CHUNK = 1 << 18  # elements cast per step, so temporaries (float64 and masks) stay small
+_TILE = 128  # a strided array is copied in tiles of _TILE x _TILE elements
+# Casts numpy's own conversion gets right (no rule of the module docstring applies), done
+# while a strided copy moves each tile (``tests/core/test_astype.py`` checks every pair).
+_ASSIGNED = frozenset({(_F32, _BF16), (_BF16, _F32)})
 
 
 def is_float(dt: np.dtype) -> bool:
@@ -76,9 +80,19 @@ def cast_into(out: np.ndarray, x: np.ndarray) -> None:
     x = np.asarray(x)
     if out.shape != x.shape:
         raise ValueError(f"cast of shape {x.shape} into shape {out.shape}")
+    if not x.size:
+        return
+    assigned = x.dtype == out.dtype or (x.dtype, out.dtype) in _ASSIGNED
+    if assigned and x.flags.c_contiguous:  # numpy's own cast, in one pass
+        with np.errstate(all="ignore"):
+            np.copyto(out, x, casting="unsafe")
+        return
+    step = _cast_fn(x.dtype, out.dtype)
+    if x.ndim >= 2 and not x.flags.c_contiguous:
+        _cast_strided(out, x, None if assigned else step)
+        return
     flat_out = out.reshape(-1)  # a view: out is C-contiguous
     flat_in = x.reshape(-1) if x.flags.c_contiguous else None
-    step = _cast_fn(x.dtype, out.dtype)
     for start in range(0, x.size, _CHUNK):
         stop = min(x.size, start + _CHUNK)
         if flat_in is not None:
@@ -86,6 +100,33 @@ def cast_into(out: np.ndarray, x: np.ndarray) -> None:
         else:  # a strided view: copy one chunk's worth of elements in C order
             chunk = np.ravel(x)[start:stop] if x.ndim <= 1 else _c_order_slice(x, start, stop)
         flat_out[start:stop] = step(chunk)
+
+
+def _cast_strided(
+    out: np.ndarray, x: np.ndarray, step: Callable[[np.ndarray], np.ndarray] | None
+) -> None:
+    # A strided view (most often a transpose: a JAX kernel written as a PyTorch weight) is
+    # copied in square tiles of its last two axes, each read and written as a cache-sized
+    # block: numpy's elementwise copy in C order would read a transposed source one element
+    # per cache line, several times slower. Written by hand because this copy is the bulk
+    # of an export's CPU time. With a ``step``, bands of rows are copied into a contiguous
+    # buffer in the source dtype, then cast whole by it (any cast's rules apply unchanged);
+    # without (the same dtype, or a cast in _ASSIGNED), tiles go straight into ``out``.
+    rows, cols = x.shape[-2:]
+    band = max(1, min(rows, _CHUNK // cols))
+    buffer = None if step is None else np.empty((band, cols), x.dtype)
+    with np.errstate(all="ignore"):  # (overflow to inf is the cast's answer, not an error)
+        for lead in np.ndindex(*x.shape[:-2]):
+            src, dst = x[lead], out[lead]
+            for r in range(0, rows, band):
+                n = min(band, rows - r)
+                rows_in = src[r : r + n]
+                tiles = dst[r : r + n] if buffer is None else buffer[:n]
+                for i in range(0, n, _TILE):
+                    for j in range(0, cols, _TILE):
+                        tiles[i : i + _TILE, j : j + _TILE] = rows_in[i : i + _TILE, j : j + _TILE]
+                if step is not None:  # (the casts take flat chunks)
+                    dst[r : r + n] = step(tiles.reshape(-1)).reshape(n, cols)
 
 
 def _c_order_slice(x: np.ndarray, start: int, stop: int) -> np.ndarray:

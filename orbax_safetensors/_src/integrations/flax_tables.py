@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -160,9 +161,7 @@ def flax_table(
       SafetensorsCheckpointError: a path that holds no tensors (see :func:`resolve_path`).
       TypeError: a source that is none of these.
     """
-    from flax import nnx
-
-    if isinstance(source, nnx.Module):
+    if _is_nnx_module(source):
         values = model_values(source, variables)
     elif _is_path(source):
         src = _sources.open_source(resolve_path(source, step=step, item=item))
@@ -186,4 +185,10 @@ def flax_table(
             )
     if prefix:
         values = {n[len(prefix) :]: v for n, v in values.items() if n.startswith(prefix)}
-    return _in_memory(values, "(model)" if isinstance(source, nnx.Module) else "(pytree)")
+    return _in_memory(values, "(model)" if _is_nnx_module(source) else "(pytree)")
+
+
+def _is_nnx_module(source: Any) -> bool:
+    # Only an imported flax.nnx makes modules: a path or a pytree need not import it.
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(source, nnx.Module)

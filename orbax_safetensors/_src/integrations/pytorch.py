@@ -32,7 +32,7 @@ Example::
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -48,10 +48,10 @@ from orbax_safetensors._src.integrations import hf_load as _hf_load
 from orbax_safetensors._src.integrations import links as _links
 from orbax_safetensors._src.integrations import sharded_export as _sharded_export
 from orbax_safetensors._src.integrations.key_mapping import KeyMapping, MappingReport
+from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
 from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.storage import interface as _interface
 from orbax_safetensors._src.storage import replace as _replace
-from orbax_safetensors._src.storage import router as _router
 
 __all__ = ["export_pytorch", "load_pytorch"]
 
@@ -368,41 +368,45 @@ def plan_tensors(
 def _write(
     directory: epath.Path, job: _sharded_export.ExportJob, report: MappingReport, batch_bytes: int
 ) -> None:
-    """Writes the files of ``job.plan`` a batch of links at a time: each tensor becomes pieces
-    at its file offsets (``pipeline/pieces``), cast to its planned dtype there."""
-    plan, table, tied = job.plan, job.table, job.tied
-    local = _router.is_local(directory)
+    """Writes the files of ``job.plan``: each tensor becomes pieces at its file offsets
+    (``pipeline/pieces``), cast to its planned dtype and laid out C-contiguous there, and is
+    written by the checkpoint writer's threads (``checkpoint_save.write_process_share``) while
+    the next is computed, as the next batch of the source is read."""
+    plan = job.plan
+    stats = _pieces.WriteStats()
+    prepared = _checkpoint_save.PreparedSave(
+        plan=plan,
+        pieces=_host_pieces(job, batch_bytes),
+        metadata={},
+        sizes={n: e.nbytes for f in plan.files for n, e in f.entries.items()},
+        is_primary=True,
+        process_index=0,
+        checksums=False,
+    )
+    _checkpoint_save.write_process_share(
+        prepared, directory, stats, persist_share=False, max_in_flight=batch_bytes // 2
+    )
+    report.bytes_written += stats.bytes_written
+    report.moved += job.moved()
+
+
+def _host_pieces(
+    job: _sharded_export.ExportJob, batch_bytes: int
+) -> Iterator[tuple[int, list[_interface.Piece]]]:
+    # Batches of links, each batch's source tensors read (one batch ahead, on a reading
+    # thread) while the one before is transformed and written: host memory holds two
+    # half-size batches of the source and up to half a batch of writes under way (plus one
+    # tensor and the writer's part-filled 8 MiB batch).
+    table, tied = job.table, job.tied
     groups = _links.link_batches(
-        job.links,
-        lambda n: table.infos[n].nbytes,
-        batch_bytes if local else 1 << 62,
-        torch_side=False,
-    ) or [[]]
-    for i, group in enumerate(groups):
-        arrays = table.read(sorted({n for link in group for n in link.flax}))
-        pieces: dict[int, list[_interface.Piece]] = {}
-        if i == 0:
-            for f, file_plan in enumerate(plan.files):
-                pieces[f] = [_interface.header_piece(file_plan.header)]
+        job.links, lambda n: table.infos[n].nbytes, max(1, batch_bytes // 2), torch_side=False
+    )
+    batches = [sorted({n for link in group for n in link.flax}) for group in groups]
+    for group, arrays in zip(groups, _sharded_export.read_ahead(table.read, batches)):
         for link in group:
             values = link.to_torch([arrays[n] for n in link.flax])
             for key, value in zip(link.torch, values):
-                if key in tied:
-                    continue
-                host = np.ascontiguousarray(value)
-                f, tensor_pieces = _pieces.tensor_pieces(plan, key, [(None, host)])
-                pieces.setdefault(f, []).extend(tensor_pieces)
-                report.bytes_written += sum(int(p.data.nbytes) for p in tensor_pieces)
-            report.moved += job.moved([link])
+                if key not in tied:
+                    yield _pieces.tensor_pieces(job.plan, key, [(None, np.asarray(value))])
             for n in link.flax:
                 arrays.pop(n, None)
-        last = i == len(groups) - 1
-        for f, file_plan in enumerate(plan.files):
-            if f in pieces or last:
-                _router.write_file(
-                    directory / file_plan.filename,
-                    pieces.get(f, []),
-                    size=file_plan.size,
-                    checksums=False,
-                    sync=last,
-                )

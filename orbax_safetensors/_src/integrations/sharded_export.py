@@ -35,10 +35,11 @@ Example::
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -152,7 +153,9 @@ def write_processes(
         process_index=jax.process_index(),
         checksums=False,
     )
-    _checkpoint_save.write_process_share(prepared, tmp, stats, persist_share=False)
+    _checkpoint_save.write_process_share(
+        prepared, tmp, stats, persist_share=False, max_in_flight=batch_bytes // 2
+    )
     report.moved += job.moved()
     _barrier("written")
     if primary:
@@ -174,23 +177,59 @@ def _process_pieces(
     infos = table.infos
     stored = getattr(table.source, "stored", None)
     sizes = {n: t.nbytes for n, t in infos.items()}
-    for group in _links.link_batches(job.links, sizes.__getitem__, batch_bytes, torch_side=False):
-        names = sorted({n for link in group for n in link.flax})
-        if table.source is None:
-            values = {n: _merged(table.values, n, lora) for n in names}
-        elif isinstance(stored, dict) and not any(n in lora.merges for n in names):
+    groups = _links.link_batches(
+        job.links, sizes.__getitem__, max(1, batch_bytes // 2), torch_side=False
+    )
+    batches = [sorted({n for link in group for n in link.flax}) for group in groups]
+    link_of = {n: link for link in job.links for n in link.flax}
+
+    def read(names: Sequence[str]) -> dict[str, Any]:
+        if isinstance(stored, dict) and not any(n in lora.merges for n in names):
             first = {
-                n: _export_plan.row_axis(link, [infos[m].shape for m in link.flax])
-                for link in group
-                for n in link.flax
+                n: _export_plan.row_axis(link_of[n], [infos[m].shape for m in link_of[n].flax])
+                for n in names
             }
-            values = _read_sharded(stored, table.prefix, names, infos, first)
-        else:  # a source read whole (not safetensors, or LoRA merges): the primary's
-            values = table.read(names) if primary else dict.fromkeys(names)
+            return _read_sharded(stored, table.prefix, names, infos, first)
+        # a source read whole (not safetensors, or LoRA merges): the primary's
+        return table.read(names) if primary else dict.fromkeys(names)
+
+    values_of: Iterator[dict[str, Any]]
+    if table.source is None:  # in memory; a LoRA merge is a collective: on this thread
+        values_of = ({n: _merged(table.values, n, lora) for n in names} for names in batches)
+    else:
+        values_of = read_ahead(read, batches)
+    for group, values in zip(groups, values_of):
         for link in group:
             yield from _link_pieces(plan, link, [values[n] for n in link.flax], tied, primary)
             for n in link.flax:
                 values.pop(n, None)
+
+
+def read_ahead(
+    read: Callable[[Sequence[str]], dict[str, Any]], batches: Sequence[Sequence[str]]
+) -> Iterator[dict[str, Any]]:
+    """``read(batch)`` for each of ``batches`` in turn, the next batch read on a thread while
+    the caller works on the one yielded (reads release the GIL: the transforms and writes of
+    one batch overlap the reading of the next). ``read`` must not run collectives.
+
+    Example::
+
+        for values in read_ahead(table.read, [["a", "b"], ["c"]]):
+            ...
+    """
+    if len(batches) <= 1:
+        yield from (read(b) for b in batches)
+        return
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="osf-export-read") as pool:
+        future = pool.submit(read, batches[0])
+        try:
+            for i in range(len(batches)):
+                values = future.result()
+                if i + 1 < len(batches):
+                    future = pool.submit(read, batches[i + 1])
+                yield values
+        finally:
+            future.cancel()  # the caller stopped early: a read under way is waited for
 
 
 def _read_sharded(
@@ -257,7 +296,7 @@ def _link_pieces(
             return
         for key, value in zip(link.torch, link.to_torch([np.asarray(a) for a in arrays])):
             if key not in tied:
-                yield _pieces.tensor_pieces(plan, key, [(None, np.ascontiguousarray(value))])
+                yield _pieces.tensor_pieces(plan, key, [(None, np.asarray(value))])
         return
     shapes = [tuple(int(d) for d in a.shape) for a in arrays]
     if all(glob) and _export_plan.commutes(link, shapes):

@@ -293,7 +293,7 @@ _IN_FLIGHT_BYTES = 64 << 20
 
 
 def _batched(
-    items: Iterable[tuple[int, list[_interface.Piece]]],
+    items: Iterable[tuple[int, list[_interface.Piece]]], max_bytes: int = _BATCH_BYTES
 ) -> Iterator[tuple[int, list[_interface.Piece]]]:
     # Consecutive small tensors of one file go to the writer together (up to 8 MiB or 1024
     # pieces): one vectored write and one round of bookkeeping instead of one per tensor. A
@@ -305,7 +305,7 @@ def _batched(
         nbytes = pieces[0].data.nbytes if len(pieces) == 1 else sum(p.data.nbytes for p in pieces)
         if batch and (
             file_index != batch_file
-            or size + nbytes > _BATCH_BYTES
+            or size + nbytes > max_bytes
             or len(batch) + len(pieces) > _BATCH_PIECES
         ):
             yield batch_file, batch
@@ -313,7 +313,7 @@ def _batched(
         batch_file = file_index
         batch.extend(pieces)
         size += nbytes
-        if size >= _BATCH_BYTES:
+        if size >= max_bytes:
             yield batch_file, batch
             batch, size = [], 0
     if batch:
@@ -339,7 +339,7 @@ def write_process_share(
     caller hands both to :func:`finalize` itself (a single-process save; saves the JSON round
     trip of two documents with an entry per tensor). ``max_in_flight`` bounds the bytes of
     earlier pieces still being written while the next are produced (their host copies stay
-    alive until then).
+    alive until then), the part-filled batch of small tensors included (at most 8 MiB).
     """
     directory = epath.Path(directory)
     plan = prepared.plan
@@ -362,6 +362,7 @@ def write_process_share(
             stats.add(filename, pieces)
         in_flight -= nbytes
 
+    batch_bytes = max(1, min(_BATCH_BYTES, max_in_flight))  # (a part-filled batch is held too)
     with contextlib.ExitStack() as stack:
         writers: dict[int, _interface.Writer] = {}
 
@@ -383,13 +384,13 @@ def write_process_share(
             # (less one batch: the part-filled batch and the next tensor are held beside the
             # writes under way, so a lazy save's extra memory stays within the largest tensor
             # plus max_in_flight)
-            while pending and in_flight > max(0, max_in_flight - _BATCH_BYTES):
+            while pending and in_flight > max(0, max_in_flight - batch_bytes):
                 settle_oldest()
 
         if prepared.is_primary:
             for i, fplan in enumerate(plan.files):
                 write(i, [_interface.header_piece(fplan.header)])
-        for file_index, pieces in _batched(prepared.pieces):
+        for file_index, pieces in _batched(prepared.pieces, batch_bytes):
             write(file_index, pieces, checksums=prepared.checksums)
         while pending:  # before the files are made durable and closed
             settle_oldest()

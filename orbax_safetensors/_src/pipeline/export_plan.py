@@ -154,7 +154,7 @@ def export_pieces(
             if not users[name]:
                 del held[name]
         for name, value in zip(group.outputs, values):
-            yield _pieces.tensor_pieces(plan, name, [(None, np.ascontiguousarray(value))])
+            yield _pieces.tensor_pieces(plan, name, [(None, np.asarray(value))])
 
     for g, group in enumerate(export.groups):
         if not group.sources:  # (no sources: nothing to wait for)
@@ -374,7 +374,7 @@ def sharded_pieces(
         group = export.groups[g]
         values = group.apply([held[n] if n in held else wholes[n] for n in group.sources])
         for name, value in zip(group.outputs, values):
-            yield _pieces.tensor_pieces(plan, name, [(None, np.ascontiguousarray(value))])
+            yield _pieces.tensor_pieces(plan, name, [(None, np.asarray(value))])
 
     if is_primary:
         for g in [g for g, k in missing.items() if not k]:
@@ -395,7 +395,7 @@ def sharded_pieces(
                 for index, host in copies:
                     box = tuple(slice(0, d) for d in shape) if index is None else tuple(index)
                     for out, obox, values in group.per_shard(k, box, host, wholes):
-                        piece: _snapshots.HostCopies = [(obox, np.ascontiguousarray(values))]
+                        piece: _snapshots.HostCopies = [(obox, np.asarray(values))]
                         yield _pieces.tensor_pieces(plan, out, piece)
                 continue
             held[name] = whole(copies, shape, np.dtype(arrays[name].dtype))

@@ -71,7 +71,7 @@ def tensor_pieces(
     pieces: list[_interface.Piece] = []
     stored = _dtypes.to_numpy(entry.dtype)
     for index, host in copies:
-        if host.dtype != stored:
+        if host.dtype != stored or not host.flags.c_contiguous:  # (a transposed view, say)
             host = _astype.astype(host, stored)
         raw = _dtypes.pack(host, entry.dtype)
         if index is None or _runs.is_whole(index, entry.shape):  # e.g. a replica's first copy
