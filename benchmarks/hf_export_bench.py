@@ -143,40 +143,53 @@ def write_checkpoint(size: int, directory: Path) -> int:
 # ------------------------------------------------------------------- the methods
 
 
-def run_ours(ckpt: Path, out: Path, size: int) -> None:
-    import jax.numpy as jnp
-
-    import orbax_safetensors as osf
-
-    report = osf.export_pytorch(
-        ckpt, out, osf.preset_mapping("llama"), hf_config=config(size), dtype=jnp.bfloat16
-    )
-    assert report.ok, report.problems()
-
-
-def _gathered(ckpt: Path, size: int) -> dict[str, Any]:
-    """The restored state gathered to host (process 0 keeps it), in the torch layout."""
+def load_state(ckpt: Path, size: int) -> Any:
+    """The training state restored from ``ckpt``: whole in one process, sharded over every
+    device (rows) at N > 1."""
     import jax
     import numpy as np
 
     import orbax_safetensors as osf
 
-    names = shapes(size)
     if jax.process_count() == 1:
-        state = osf.restore_directory(ckpt)
-        flat = {n: np.asarray(_leaf(state, n)) for n in names}
-        del state
-        return {torch_key(n): to_torch_layout(n, v) for n, v in flat.items()}
-    from jax.experimental import multihost_utils
+        return osf.restore_directory(ckpt)
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     mesh = Mesh(np.array(jax.devices()), ("d",))
     abstract = {
         n: jax.ShapeDtypeStruct(s, np.float32, sharding=NamedSharding(mesh, P("d")))
-        for n, s in names.items()
+        for n, s in shapes(size).items()
     }
-    state = osf.restore_directory(ckpt, unflatten(abstract))
+    return osf.restore_directory(ckpt, unflatten(abstract))
+
+
+def run_ours(source: Any, out: Path, size: int) -> None:
+    """``source``: the checkpoint's path, or the state in memory."""
+    import jax.numpy as jnp
+
+    import orbax_safetensors as osf
+
+    report = osf.export_pytorch(
+        source, out, osf.preset_mapping("llama"), hf_config=config(size), dtype=jnp.bfloat16
+    )
+    assert report.ok, report.problems()
+
+
+def _gathered(source: Any, size: int) -> dict[str, Any]:
+    """The state (restored first when ``source`` is a path) gathered to host (process 0 keeps
+    it), in the torch layout."""
+    import jax
+    import numpy as np
+
+    state = load_state(source, size) if isinstance(source, Path) else source
+    names = shapes(size)
+    if jax.process_count() == 1:
+        flat = {n: np.asarray(_leaf(state, n)) for n in names}
+        del state
+        return {torch_key(n): to_torch_layout(n, v) for n, v in flat.items()}
+    from jax.experimental import multihost_utils
+
     out = {}
     for n in names:
         whole = np.asarray(multihost_utils.process_allgather(_leaf(state, n), tiled=True))
@@ -192,22 +205,22 @@ def _leaf(tree: Any, name: str) -> Any:
     return tree
 
 
-def run_gather(ckpt: Path, out: Path, size: int) -> None:
+def run_gather(source: Any, out: Path, size: int) -> None:
     import jax
     from safetensors.numpy import save_file
 
-    tensors = _gathered(ckpt, size)
+    tensors = _gathered(source, size)
     if jax.process_index() == 0:
         out.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
         (out / "config.json").write_text(json.dumps(config(size)))
 
 
-def run_transformers(ckpt: Path, out: Path, size: int) -> float:
+def run_transformers(source: Any, out: Path, size: int) -> float:
     import torch
     import transformers
 
-    tensors = _gathered(ckpt, size)
+    tensors = _gathered(source, size)
     state = {k: torch.from_numpy(v.view("int16")).view(torch.bfloat16) for k, v in tensors.items()}
     del tensors
     cfg = transformers.LlamaConfig(**{k: v for k, v in config(size).items() if k != "model_type"})
@@ -220,9 +233,13 @@ def run_transformers(ckpt: Path, out: Path, size: int) -> float:
     return time.perf_counter() - t0
 
 
-def measure(method: str, ckpt: Path, out: Path, size: int) -> dict[str, Any]:
+def measure(
+    method: str, ckpt: Path, out: Path, size: int, source: str = "checkpoint"
+) -> dict[str, Any]:
     """Runs one method in this process: seconds until durable, peak extra memory (imports
-    made first, untimed: they are no part of an export)."""
+    made first, untimed: they are no part of an export). ``source``: ``checkpoint`` (the
+    method reads it) or ``memory`` (the state restored first, untimed: a training job's
+    state, published from memory)."""
     import flax.nnx  # noqa: F401
     import ml_dtypes  # noqa: F401
     import safetensors.numpy  # noqa: F401
@@ -231,22 +248,24 @@ def measure(method: str, ckpt: Path, out: Path, size: int) -> dict[str, Any]:
 
     if method == "transformers":
         import transformers  # noqa: F401
+    state: Any = ckpt if source == "checkpoint" else load_state(ckpt, size)
     gc.collect()
     rss0 = procfs.rss_bytes()
     reset = procfs.reset_peak()
     t0 = time.perf_counter()
     extra: dict[str, Any] = {}
     if method == "ours":
-        run_ours(ckpt, out, size)
+        run_ours(state, out, size)
     elif method == "gather":
-        run_gather(ckpt, out, size)
+        run_gather(state, out, size)
     else:
-        extra["save_pretrained_s"] = run_transformers(ckpt, out, size)
+        extra["save_pretrained_s"] = run_transformers(state, out, size)
     if out.exists():
         procfs.fsync_tree(out)
     seconds = time.perf_counter() - t0
     return {
         "method": method,
+        "source": source,
         "seconds": seconds,
         "peak_extra": max(0, procfs.hwm_bytes() - rss0),
         "peak_reset": reset,
@@ -362,25 +381,37 @@ class Limits:
     read: float | None
     transform: float
 
-    def bound(self) -> float | None:
-        """The slowest of the three: an export overlapping them cannot be faster."""
-        if self.write is None or self.read is None:
+    def bound(self, source: str) -> float | None:
+        """The slowest of what an export from ``source`` must do (from a checkpoint: read,
+        transform, write; from memory: transform, write): overlapping them, it cannot be
+        faster."""
+        if self.write is None or (source == "checkpoint" and self.read is None):
             return None
-        return max(self.write, self.read, self.transform)
+        reads = [self.read or 0.0] if source == "checkpoint" else []
+        return max(self.write, self.transform, *reads)
 
 
 def report(rows: list[dict[str, Any]], state_bytes: int, out_bytes: int, limits: Limits) -> str:
-    fio, bound = limits.write, limits.bound()
+    fio = limits.write
     lines = [
-        f"bf16 Hugging Face export of a {_mib(state_bytes)} float32 LLaMA-shaped checkpoint "
-        f"({_mib(out_bytes)} written); medians; time until fsynced",
+        f"bf16 Hugging Face export of a {_mib(state_bytes)} float32 LLaMA-shaped state "
+        f"({_mib(out_bytes)} written) from its checkpoint or from memory; medians; time until "
+        "fsynced",
         "",
-        "| N | method | s | peak extra host memory (max per process) | vs ours: time | "
+        "| source | N | method | s | peak extra host memory (max per process) | vs ours: time | "
         "vs ours: memory | x device write bandwidth | x bound |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for n in sorted({r["n"] for r in rows}):
-        by = {m: [r for r in rows if r["n"] == n and r["method"] == m] for m in METHODS}
+    for source, n in sorted({(r.get("source", "checkpoint"), r["n"]) for r in rows}):
+        bound = limits.bound(source)
+        by = {
+            m: [
+                r
+                for r in rows
+                if r["n"] == n and r["method"] == m and r.get("source", "checkpoint") == source
+            ]
+            for m in METHODS
+        }
         if not by["ours"]:
             continue
         ours_t = statistics.median(r["seconds"] for r in by["ours"])
@@ -393,13 +424,14 @@ def report(rows: list[dict[str, Any]], state_bytes: int, out_bytes: int, limits:
             dev = f"{fio / t:.2f}" if fio else "n/a"
             of_bound = f"{bound / t:.2f}" if bound else "n/a"
             lines.append(
-                f"| {n} | {m} | {t:.2f} | {_mib(mem)} | {t / ours_t:.2f} | "
+                f"| {source} | {n} | {m} | {t:.2f} | {_mib(mem)} | {t / ours_t:.2f} | "
                 f"{mem / max(ours_m, 1):.2f} | {dev} | {of_bound} |"
             )
         sp = [r["save_pretrained_s"] for r in by["transformers"] if "save_pretrained_s" in r]
         if sp:
             lines.append(
-                f"| {n} | (save_pretrained alone) | {statistics.median(sp):.2f} | | | | | |"
+                f"| {source} | {n} | (save_pretrained alone) | {statistics.median(sp):.2f} "
+                "| | | | | |"
             )
     lines.append("")
     if fio and limits.read:
@@ -414,10 +446,47 @@ def report(rows: list[dict[str, Any]], state_bytes: int, out_bytes: int, limits:
     lines.append(
         f"CPU: one thread transposing and casting the state in memory: {limits.transform:.2f} s "
         f"({state_bytes / limits.transform / 1e6:,.0f} MB/s of float32); bound = the slowest "
-        "of write, read and transform"
+        "of write, transform and (from a checkpoint) read"
     )
     lines.append(f"load average (1 min) at the end: {os.getloadavg()[0]:.1f}")
     return "\n".join(lines)
+
+
+def _round(
+    work: Path,
+    ckpt: Path,
+    size: int,
+    source: str,
+    n: int,
+    order: list[str],
+    rnd: int,
+    timeout: float,
+) -> list[dict[str, Any]]:
+    """One round of the methods in ``order`` at N = ``n`` (one fresh process per method at
+    N = 1, one launch at N > 1); at round 0 the outputs of ours and gather are compared."""
+    rows: list[dict[str, Any]] = []
+    base = {"ckpt": str(ckpt), "size": size, "source": source}
+    if n == 1:
+        for m in order:
+            job = {**base, "method": m, "out": str(work / f"out_{m}")}
+            rows.append({**_single(job, timeout), "n": 1, "round": rnd, "source": source})
+            print(json.dumps(rows[-1]), file=sys.stderr)
+        if rnd == 0 and {"ours", "gather"} <= set(order):
+            same = tensors_equal(work / "out_ours", work / "out_gather")
+            print(f"N=1 ({source}): ours and gather hold the same tensors: {same}", file=sys.stderr)
+        for m in order:
+            shutil.rmtree(work / f"out_{m}", ignore_errors=True)
+        return rows
+    job = {
+        **base,
+        "methods": [m for m in order if m != "transformers"],
+        "out": str(work / "mh"),
+        "check": rnd == 0,
+    }
+    for row in _multi(n, job, timeout):
+        rows.append({**row, "n": n, "round": rnd, "source": source})
+        print(json.dumps(rows[-1]), file=sys.stderr)
+    return rows
 
 
 def main() -> None:
@@ -426,6 +495,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--procs", default="1,2,4")
     parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument(
+        "--sources", default="checkpoint,memory", help="export from the checkpoint, from memory"
+    )
     parser.add_argument("--dir", default=None, help="where files go (default: a temp dir)")
     parser.add_argument("--out", default="", help="write results.json and results.md here")
     parser.add_argument("--timeout", type=float, default=1800)
@@ -433,10 +505,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         job = json.loads(args.worker)
-        print(
-            _MARKER
-            + json.dumps(measure(job["method"], Path(job["ckpt"]), Path(job["out"]), job["size"]))
+        row = measure(
+            job["method"], Path(job["ckpt"]), Path(job["out"]), job["size"], job["source"]
         )
+        print(_MARKER + json.dumps(row))
         return
     size = parse_size(args.size)
     methods = [m for m in args.methods.split(",") if m]
@@ -448,34 +520,10 @@ def main() -> None:
         out_bytes = state_bytes // 2
         print(f"checkpoint: {_mib(state_bytes)} in {ckpt}", file=sys.stderr)
         for rnd in range(args.rounds):
-            for n in [int(p) for p in args.procs.split(",") if p]:
-                order = methods if rnd % 2 == 0 else methods[::-1]
-                if n == 1:
-                    for m in order:
-                        out = work / f"out_{m}"
-                        job = {"method": m, "ckpt": str(ckpt), "out": str(out), "size": size}
-                        row = _single(job, args.timeout)
-                        rows.append({**row, "n": 1, "round": rnd})
-                        print(json.dumps(rows[-1]), file=sys.stderr)
-                    if rnd == 0 and {"ours", "gather"} <= set(methods):
-                        same = tensors_equal(work / "out_ours", work / "out_gather")
-                        print(
-                            f"N=1: ours and gather hold the same tensors: {same}", file=sys.stderr
-                        )
-                    for m in methods:
-                        shutil.rmtree(work / f"out_{m}", ignore_errors=True)
-                    continue
-                mh = [m for m in order if m != "transformers"]
-                job = {
-                    "methods": mh,
-                    "ckpt": str(ckpt),
-                    "out": str(work / "mh"),
-                    "size": size,
-                    "check": rnd == 0,
-                }
-                for row in _multi(n, job, args.timeout):
-                    rows.append({**row, "n": n, "round": rnd})
-                    print(json.dumps(rows[-1]), file=sys.stderr)
+            for source in [x for x in args.sources.split(",") if x]:
+                for n in [int(p) for p in args.procs.split(",") if p]:
+                    order = methods if rnd % 2 == 0 else methods[::-1]
+                    rows += _round(work, ckpt, size, source, n, order, rnd, args.timeout)
         limits = Limits(
             write=_fio_seconds(work, out_bytes, write=True),
             read=_fio_seconds(work, state_bytes, write=False),

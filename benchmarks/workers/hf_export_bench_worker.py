@@ -3,7 +3,8 @@ on the same checkpoint (barriers around each) and reports its time and peak extr
 
 Started through ``tests/multihost/launcher.run_workers``. Args (``ctx.args``): ``methods``
 (``ours`` / ``gather``, in order), ``ckpt``, ``out`` (a directory every process sees; each
-method writes ``out/<method>``), ``size``, ``check`` (compare the two outputs' tensors).
+method writes ``out/<method>``), ``size``, ``source`` (``checkpoint`` or ``memory``, see
+``hf_export_bench.measure``), ``check`` (compare the two outputs' tensors).
 """
 
 import worker_lib
@@ -24,7 +25,9 @@ result = {}
 for method in args["methods"]:
     out = base / method
     multihost_utils.sync_global_devices(f"bench.{method}.start")
-    result[method] = B.measure(method, Path(args["ckpt"]), out, args["size"])
+    result[method] = B.measure(
+        method, Path(args["ckpt"]), out, args["size"], args.get("source", "checkpoint")
+    )
     multihost_utils.sync_global_devices(f"bench.{method}.end")
 if args.get("check") and jax.process_index() == 0 and len(args["methods"]) == 2:
     result["same_tensors"] = B.tensors_equal(base / "ours", base / "gather")

@@ -402,11 +402,18 @@ def _host_pieces(
         job.links, lambda n: table.infos[n].nbytes, max(1, batch_bytes // 2), torch_side=False
     )
     batches = [sorted({n for link in group for n in link.flax}) for group in groups]
-    for group, arrays in zip(groups, _sharded_export.read_ahead(table.read, batches)):
-        for link in group:
-            values = link.to_torch([arrays[n] for n in link.flax])
-            for key, value in zip(link.torch, values):
-                if key not in tied:
-                    yield _pieces.tensor_pieces(job.plan, key, [(None, np.asarray(value))])
-            for n in link.flax:
-                arrays.pop(n, None)
+
+    def outputs() -> Iterator[tuple[str, np.ndarray]]:
+        for group, arrays in zip(groups, _sharded_export.read_ahead(table.read, batches)):
+            for link in group:
+                values = link.to_torch([arrays[n] for n in link.flax])
+                for key, value in zip(link.torch, values):
+                    if key not in tied:
+                        yield key, np.asarray(value)
+                for n in link.flax:
+                    arrays.pop(n, None)
+
+    def pieces(output: tuple[str, np.ndarray]) -> tuple[int, list[_interface.Piece]]:
+        return _pieces.tensor_pieces(job.plan, output[0], [(None, output[1])])
+
+    yield from _pieces.ordered_map(pieces, outputs())  # (cast on several cores at once)

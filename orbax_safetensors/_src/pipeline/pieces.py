@@ -12,9 +12,12 @@ Example::
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
-from collections.abc import Iterator, Mapping
-from typing import Any
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, TypeVar
 
 from orbax_safetensors._src.core import astype as _astype
 from orbax_safetensors._src.core import checksum as _checksum
@@ -82,6 +85,43 @@ def tensor_pieces(
             chunk = raw[j * length : (j + 1) * length]
             pieces.append(_interface.Piece(base + off, chunk, (name, off)))
     return file_index, pieces
+
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+# Threads that cast and lay out tensors at once (ordered_map): numpy's copies release the
+# GIL, so a host's cores share an export's CPU work.
+TRANSFORM_THREADS = max(1, min(4, os.cpu_count() or 1))
+
+
+def ordered_map(
+    fn: Callable[[_T], _R], items: Iterable[_T], workers: int = TRANSFORM_THREADS
+) -> Iterator[_R]:
+    """``fn`` of each item, in order, computed by up to ``workers`` threads at once (at most
+    ``workers`` results held ahead of the caller). ``items`` is consumed on the caller's
+    thread.
+
+    Example::
+
+        for file_index, pieces in ordered_map(cast, tensors):
+            ...
+    """
+    if workers <= 1:
+        yield from map(fn, items)
+        return
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="osf-cast") as pool:
+        pending: collections.deque[concurrent.futures.Future[_R]] = collections.deque()
+        try:
+            for item in items:
+                pending.append(pool.submit(fn, item))
+                if len(pending) >= workers:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for future in pending:  # the caller stopped early: nothing more starts
+                future.cancel()
 
 
 def iter_host_pieces(
