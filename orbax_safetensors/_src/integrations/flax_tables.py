@@ -70,9 +70,11 @@ def _in_memory(values: dict[str, Any], where: str) -> FlaxTable:
 
 def _tree_values(tree: Any) -> dict[str, Any]:
     import jax
-    from flax import nnx
 
-    variables = _jaxcompat.nnx_variable_types()
+    # A tree holds nnx variables only once flax.nnx is loaded: a plain tree need not load it.
+    nnx = sys.modules.get("flax.nnx")
+    variables = _jaxcompat.nnx_variable_types() if nnx is not None else ()
+    rng_state = (nnx.RngState,) if nnx is not None else ()
 
     def is_leaf(x: Any) -> bool:
         return isinstance(x, variables)
@@ -80,7 +82,7 @@ def _tree_values(tree: Any) -> dict[str, Any]:
     flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
     out = {}
     for path, leaf in flat:
-        if isinstance(leaf, nnx.RngState):
+        if isinstance(leaf, rng_state):
             continue  # RNG keys and counts are training state, never model weights
         value = _jaxcompat.nnx_value(leaf) if isinstance(leaf, variables) else leaf
         if not hasattr(value, "shape") or not hasattr(value, "dtype"):

@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
+import ml_dtypes
 import numpy as np
 from etils import epath
 from jax.experimental import multihost_utils
@@ -299,7 +300,11 @@ def _link_pieces(
                 yield _pieces.tensor_pieces(plan, key, [(None, np.asarray(value))])
         return
     shapes = [tuple(int(d) for d in a.shape) for a in arrays]
-    if all(glob) and _export_plan.commutes(link, shapes):
+    if (
+        all(glob)
+        and _export_plan.commutes(link, shapes)
+        and not _small_runs(plan, link, arrays, shapes, tied)
+    ):
         # Cast first (contiguous, as pieces.tensor_pieces would): a transposed shard is then
         # moved in the stored dtype, and the cast reads memory in order.
         kept = next(k for k in link.torch if k not in tied)
@@ -317,8 +322,8 @@ def _link_pieces(
     for j, key in enumerate(link.torch):  # re-laid-out on the devices, one tensor at a time
         if key in tied:
             continue
-        shape = plan.files[plan.file_of[key]].entries[key].shape
-        value = relaid(link, arrays, j, tuple(shape))
+        entry = plan.files[plan.file_of[key]].entries[key]
+        value = relaid(link, arrays, j, tuple(entry.shape), _dtypes.to_numpy(entry.dtype))
         owned: _snapshots.HostCopies = [
             (index, np.asarray(data)) for index, data in _snapshots.owned_shards(value)
         ]
@@ -327,16 +332,62 @@ def _link_pieces(
         del value, owned
 
 
-def relaid(link: _links.Link, arrays: Sequence[Any], j: int, shape: tuple[int, ...]) -> Any:
+# A shard whose bytes in the PyTorch tensor are many runs (MANY_RUNS or more) shorter than
+# MIN_RUN_BYTES (a kernel sharded along its input axis is a column stripe of the transposed
+# weight: one short run per row) is re-laid out on the devices into row blocks instead: one
+# collective, then one range per process, where each run would cost a piece, a write call and
+# its bookkeeping. A few runs cost less than a collective's round trip.
+MIN_RUN_BYTES = 64 << 10
+MANY_RUNS = 256
+
+
+def _small_runs(
+    plan: _plan.CheckpointPlan,
+    link: _links.Link,
+    arrays: Sequence[Any],
+    shapes: Sequence[tuple[int, ...]],
+    tied: Mapping[str, str],
+) -> bool:
+    # Decided from the arrays' shardings (a shard of each, by its box: the same answer on
+    # every process, as the collective of a re-layout needs), not from the owned shards.
+    for k, x in enumerate(arrays):
+        index = next(iter(x.sharding.devices_indices_map(shapes[k]).values()))
+        box = _runs.normalize_index(index, shapes[k])
+        no_data = np.broadcast_to(np.zeros((), np.uint8), tuple(s.stop - s.start for s in box))
+        for j, torch_box, _ in _export_plan.shard_boxes(link, k, box, no_data, shapes):
+            key = link.torch[j]
+            if key in tied:
+                continue
+            entry = plan.files[plan.file_of[key]].entries[key]
+            try:
+                offsets, length = _runs.byte_runs(entry.dtype, entry.shape, torch_box)
+            except ValueError:  # (a sub-byte run off whole bytes: the devices re-lay it out)
+                return True
+            if length < MIN_RUN_BYTES and len(offsets) >= MANY_RUNS:
+                return True
+    return False
+
+
+def relaid(
+    link: _links.Link,
+    arrays: Sequence[Any],
+    j: int,
+    shape: tuple[int, ...],
+    dtype: np.dtype | None = None,
+) -> Any:
     """``link.torch[j]`` (of ``shape``) computed from the Flax ``arrays`` on the devices and
     laid out over every device of the job (``export_plan.spread_sharding``): a collective,
-    which every process calls in the same order.
+    which every process calls in the same order. With ``dtype``, a float cast between
+    float32, bfloat16 and float16 is made first, on the devices (XLA's conversion, the one
+    ``core/astype`` reproduces on the host): narrower tensors move between processes.
 
     Raises:
       ValueError: naming the link when its transform does not run on ``jax.Array``s.
     """
+    sources = {np.dtype(a.dtype) for a in arrays}
+    cast = dtype if dtype is not None and sources | {dtype} <= _DEVICE_CASTS else None
     try:
-        return _relayout(link, j, shape)(list(arrays))
+        return _relayout(_anonymous(link), j, shape, cast)(list(arrays))
     except (TypeError, ValueError) as e:
         raise ValueError(
             f"{', '.join(link.flax)} -> {link.torch[j]}: the rule's transform "
@@ -345,11 +396,29 @@ def relaid(link: _links.Link, arrays: Sequence[Any], j: int, shape: tuple[int, .
         ) from e
 
 
-@functools.lru_cache(maxsize=1024)
-def _relayout(link: _links.Link, j: int, shape: tuple[int, ...]) -> Any:
-    # One jitted function per link output and shape, kept across calls: a save that publishes
-    # every step compiles each re-layout once, not at every step.
-    return jax.jit(
-        functools.partial(_export_plan.device_value, link, j=j),
-        out_shardings=_export_plan.spread_sharding(shape),
+def _anonymous(link: _links.Link) -> _links.Link:
+    # ``link`` without what its device value does not depend on (names; a one-to-one rule's
+    # patterns): every layer's projections, whatever their rules, share a compiled re-layout.
+    rule = link.rule
+    if rule.one_to_one:
+        rule = type(rule)("x", "x", rule.transform)
+    return dataclasses.replace(
+        link, rule=rule, flax=("",) * len(link.flax), torch=("",) * len(link.torch)
     )
+
+
+_DEVICE_CASTS = frozenset(np.dtype(d) for d in ("float32", "float16", ml_dtypes.bfloat16))
+
+
+@functools.lru_cache(maxsize=1024)
+def _relayout(
+    link: _links.Link, j: int, shape: tuple[int, ...], cast: np.dtype | None = None
+) -> Any:
+    # One jitted function per link output, shape and cast, kept across calls: a save that
+    # publishes every step compiles each re-layout once, not at every step.
+    def value(arrays: list[Any]) -> Any:
+        if cast is not None:
+            arrays = [a.astype(cast) for a in arrays]
+        return _export_plan.device_value(link, arrays, j=j)
+
+    return jax.jit(value, out_shardings=_export_plan.spread_sharding(shape))

@@ -404,9 +404,13 @@ def write_process_share(
         if persist_share:
             (directory / _metadata.DRAFT_FILE).write_text(json.dumps(prepared.metadata))
     # One record per tensor this process wrote any of: bytes written and this process's share
-    # of the tensor's CRC32C (see _checksum.share), however many strided runs it wrote.
+    # of the tensor's CRC32C (see _checksum.share; 0 unchecksummed), however many strided
+    # runs it wrote.
     tensors = {
-        name: [sum(n for _, n, _ in rs), _checksum.share(rs, prepared.sizes[name])]
+        name: [
+            sum(n for _, n, _ in rs),
+            _checksum.share(rs, prepared.sizes[name]) if prepared.checksums else 0,
+        ]
         for name, rs in runs.items()
     }
     doc = {"checksums": prepared.checksums, "tensors": tensors}

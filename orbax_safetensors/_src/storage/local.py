@@ -110,13 +110,15 @@ DIRECT_WRITE_THREADS = 4  # at least this many threads when writing through O_DI
 
 
 def _write_units(pieces: Sequence[_interface.Piece]) -> list[list[tuple[int, int, memoryview]]]:
-    # (piece number, start inside the piece, bytes): contiguous runs of at most
-    # _WRITE_UNIT_BYTES / _runs.IOV_MAX entries. Large pieces are cut where the file offset is
-    # a multiple of _WRITE_UNIT_BYTES, so the units of a large tensor are whole 4 KiB blocks
-    # (written direct, see LocalWriter) except at the tensor's two ends.
+    # (piece number, start inside the piece, bytes), in file order: at most _WRITE_UNIT_BYTES
+    # / _runs.IOV_MAX entries per unit, which may hold several runs apart (many small strided
+    # pieces, as a column shard's rows, are one task of the pool, not one each). Large pieces
+    # are cut where the file offset is a multiple of _WRITE_UNIT_BYTES, so the units of a
+    # large tensor are whole 4 KiB blocks (written direct, see LocalWriter) except at the
+    # tensor's two ends.
     units: list[list[tuple[int, int, memoryview]]] = []
     unit: list[tuple[int, int, memoryview]] = []
-    size = end = 0
+    size = 0
     for k, p in enumerate(pieces):
         view = p.data.data
         start = 0
@@ -124,18 +126,30 @@ def _write_units(pieces: Sequence[_interface.Piece]) -> list[list[tuple[int, int
             offset = p.offset + start
             stop = min(len(view), (offset // _WRITE_UNIT_BYTES + 1) * _WRITE_UNIT_BYTES - p.offset)
             chunk = view if (start, stop) == (0, len(view)) else view[start:stop]
-            if unit and (
-                offset != end or len(unit) >= _runs.IOV_MAX or size + len(chunk) > _WRITE_UNIT_BYTES
-            ):
+            if unit and (len(unit) >= _runs.IOV_MAX or size + len(chunk) > _WRITE_UNIT_BYTES):
                 units.append(unit)
                 unit, size = [], 0
             unit.append((k, start, chunk))
             size += len(chunk)
-            end = offset + len(chunk)
             start = stop
     if unit:
         units.append(unit)
     return units
+
+
+def _contiguous_runs(
+    ordered: Sequence[_interface.Piece], unit: list[tuple[int, int, memoryview]]
+) -> list[tuple[int, list[memoryview]]]:
+    # A unit's entries (in file order) as (file offset, views) of back-to-back bytes.
+    runs: list[tuple[int, list[memoryview]]] = []
+    end = -1
+    for k, start, view in unit:
+        offset = ordered[k].offset + start
+        if offset != end:
+            runs.append((offset, []))
+        runs[-1][1].append(view)
+        end = offset + len(view)
+    return runs
 
 
 def _cut_views(views: Sequence[memoryview], lo: int, hi: int) -> list[memoryview]:
@@ -237,8 +251,11 @@ class LocalWriter:
         # crc32c releases the GIL on large buffers, as pwritev does: two units proceed on two
         # cores, and each unit's bytes are still in cache when written.
         crcs = [(k, s, len(v), _checksum.crc32c(v) if checksums else 0) for k, s, v in unit]
-        offset = ordered[unit[0][0]].offset + unit[0][1]
-        views = [v for _, _, v in unit]
+        for offset, views in _contiguous_runs(ordered, unit):
+            self._write_run(views, offset)
+        return crcs
+
+    def _write_run(self, views: list[memoryview], offset: int) -> None:
         nbytes = sum(len(v) for v in views)
         first, last = _direct.block_span(offset, nbytes)
         if last - first >= _direct.MIN_BYTES and self._direct_descriptor() is not None:
@@ -248,7 +265,6 @@ class LocalWriter:
             self._write_direct(_cut_views(views, first - offset, last - offset), first)
         else:
             self._write_buffered(views, offset)
-        return crcs
 
     def _write_buffered(self, views: list[memoryview], offset: int) -> None:
         if not views:
