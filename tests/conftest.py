@@ -18,6 +18,30 @@ from objstore.fixtures import (  # noqa: F401
     store,
 )
 
+# The other CI stacks (.ci/matrix) run with OSF_PROPERTY_PROFILE=stack: they are there to check
+# versions (jax, flax, orbax-checkpoint, numpy, Python), and the main environment runs every test.
+ON_STACK = os.environ.get("OSF_PROPERTY_PROFILE") == "stack"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skips the tests marked ``main_env_only`` on the other CI stacks.
+
+    A test earns the marker when what it proves cannot depend on the versions a stack pins: a
+    static scan of the sources or docs, a pure-Python simulation, or a layer (the command line)
+    over library paths that other tests run on every stack. The marker's argument says why; the
+    skip names the main environment, which runs it::
+
+        pytestmark = pytest.mark.main_env_only("a static scan of the sources")
+    """
+    if not ON_STACK:
+        return
+    for item in items:
+        marker = item.get_closest_marker("main_env_only")
+        if marker is None:
+            continue
+        why = marker.args[0] if marker.args else "version independent"
+        item.add_marker(pytest.mark.skip(reason=f"main environment only ({why}): CI runs it there"))
+
 
 @pytest.fixture
 def tmp_dir(tmp_path):

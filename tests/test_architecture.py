@@ -14,9 +14,13 @@ import re
 import tokenize
 from pathlib import Path
 
+import pytest
+
 import orbax_safetensors as osf
 
 PACKAGE = Path(osf.__file__).parent
+
+pytestmark = pytest.mark.main_env_only("a static scan of the sources and docs")
 
 # (module path relative to the package, name, attribute): private attributes read on purpose.
 ALLOWED_PRIVATE_ATTRIBUTES = {

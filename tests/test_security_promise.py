@@ -42,6 +42,7 @@ def _functions(path: Path) -> set[str]:
     return {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
 
 
+@pytest.mark.main_env_only("a static scan of the docs and sources")
 def test_every_promise_names_existing_tests() -> None:
     items = promise_items()
     assert len(items) >= 10, items
@@ -61,6 +62,7 @@ _FORBIDDEN_MODULES = {"pickle", "cPickle", "dill", "cloudpickle", "importlib", "
 _USER_NAMED_IMPORT = "orbax_safetensors/_src/tools/hf_export.py"
 
 
+@pytest.mark.main_env_only("a static scan of the docs and sources")
 def test_the_package_never_unpickles_evaluates_or_imports_by_name() -> None:
     problems = []
     for path in sorted((ROOT / "orbax_safetensors").rglob("*.py")):

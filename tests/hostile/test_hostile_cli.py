@@ -37,6 +37,10 @@ pytestmark = pytest.mark.timeout(300)
 _SLACK = 16 << 20  # fixed allowance: imports, messages, fixed-size read buffers
 CASES = corpus.all_cases()
 MSGPACK = msgpack_corpus.cases()
+# The command line's own layer (exit status, one error line, nothing written) over readers that
+# tests/hostile/test_hostile.py (every entry point) and test_msgpack_reader_refuses_forged_files
+# run every case through on every stack.
+_CLI_LAYER = pytest.mark.main_env_only("the command line's layer over the readers")
 
 
 def _msgpack_param(case: msgpack_corpus.Case) -> object:
@@ -101,6 +105,7 @@ def _commands(path: Path, tmp_path: Path, base: Path) -> list[list[str]]:
     ]
 
 
+@_CLI_LAYER
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_safetensors_corpus_through_the_cli(case: corpus.Case, tmp_path: Path) -> None:
     path = case.build(tmp_path / re.sub(r"\W", "_", case.name))
@@ -131,6 +136,7 @@ def test_msgpack_reader_refuses_forged_files(case: msgpack_corpus.Case, tmp_path
     assert traced_memory.traced_peak(read) <= _SLACK + 16 * len(case.data)
 
 
+@_CLI_LAYER
 @pytest.mark.parametrize("case", [_msgpack_param(c) for c in MSGPACK])
 def test_msgpack_corpus_through_the_cli(case: msgpack_corpus.Case, tmp_path: Path) -> None:
     path = tmp_path / "checkpoint_5"
@@ -157,6 +163,7 @@ def _spawn(argv: list[str], **kw: object) -> subprocess.Popen[str]:
     )
 
 
+@_CLI_LAYER
 def test_the_real_command_line_on_hostile_files(tmp_path: Path) -> None:
     """A sample, as subprocesses at once: one error line, status 2 (verify: 1), no traceback."""
     by_name = {c.name: c for c in CASES}

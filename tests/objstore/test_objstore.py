@@ -295,6 +295,7 @@ _BLOCKED_IMPORT_CHILD = textwrap.dedent(
         ("google.cloud.storage", "gs://no-bucket/w.safetensors", "gcs"),
     ],
 )
+@pytest.mark.main_env_only("the library's own ImportError message for a module it blocks")
 def test_missing_client_library_names_the_extra(module: str, url: str, extra: str) -> None:
     """A real ImportError in a child process (the module blocked in ``sys.modules``): loads and
     saves fail with an ImportError that says which extra to install, chaining the original."""

@@ -36,6 +36,11 @@ KEYS = (
 MiB = 1 << 20
 
 
+pytestmark = pytest.mark.main_env_only(
+    "the planners of core and storage in pure Python and numpy arithmetic, no JAX or Orbax"
+)
+
+
 def test_the_command_prints_one_json_object() -> None:
     out = subprocess.run(
         [

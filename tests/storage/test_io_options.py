@@ -174,6 +174,7 @@ def test_only_the_config_module_reads_the_environment() -> None:
     assert offenders == {}, "read the environment through storage/config.py only"
 
 
+@pytest.mark.main_env_only("an AST scan of config.py and one import with bad settings")
 def test_importing_reads_no_environment_variable() -> None:
     # config.py reads only inside functions: no module-level statement touches os.environ.
     tree = ast.parse((PACKAGE / "_src/storage/config.py").read_text())
