@@ -35,7 +35,6 @@ import json
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 from etils import epath
 
@@ -44,7 +43,6 @@ from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core.errors import TargetMismatchError
-from orbax_safetensors._src.integrations import export_plan as _export_plan
 from orbax_safetensors._src.integrations import flax_tables as _flax_tables
 from orbax_safetensors._src.integrations import hf_load as _hf_load
 from orbax_safetensors._src.integrations import links as _links
@@ -258,6 +256,8 @@ def export_pytorch(
         osf.export_pytorch(model, "/tmp/hf", mapping, hf_config=config, dtype=jnp.bfloat16)
         transformers.AutoModelForCausalLM.from_pretrained("/tmp/hf")
     """
+    import jax
+
     directory = epath.Path(directory)
     policy = _casting.parse_policy(dtype)
     report = MappingReport()
@@ -296,7 +296,7 @@ def export_pytorch(
         return report
     # Earlier model files and index are replaced whole, other files kept (storage/replace.py).
     with _replace.replacing_directory(directory) as out:
-        _write(out, job, report, batch_bytes, lora.merges)
+        _write(out, job, report, batch_bytes)
         for name, text in extra.items():
             (out / name).write_text(text)
     return report
@@ -366,11 +366,7 @@ def plan_tensors(
 
 
 def _write(
-    directory: epath.Path,
-    job: _sharded_export.ExportJob,
-    report: MappingReport,
-    batch_bytes: int,
-    merged: Collection[str] = (),
+    directory: epath.Path, job: _sharded_export.ExportJob, report: MappingReport, batch_bytes: int
 ) -> None:
     """Writes the files of ``job.plan``: each tensor becomes pieces at its file offsets
     (``pipeline/pieces``), cast to its planned dtype and laid out C-contiguous there, and is
@@ -380,7 +376,7 @@ def _write(
     stats = _pieces.WriteStats()
     prepared = _checkpoint_save.PreparedSave(
         plan=plan,
-        pieces=_host_pieces(job, batch_bytes, merged),
+        pieces=_host_pieces(job, batch_bytes),
         metadata={},
         sizes={n: e.nbytes for f in plan.files for n, e in f.entries.items()},
         is_primary=True,
@@ -395,7 +391,7 @@ def _write(
 
 
 def _host_pieces(
-    job: _sharded_export.ExportJob, batch_bytes: int, merged: Collection[str]
+    job: _sharded_export.ExportJob, batch_bytes: int
 ) -> Iterator[tuple[int, list[_interface.Piece]]]:
     # Batches of links, each batch's source tensors read (one batch ahead, on a reading
     # thread) while the one before is transformed and written: host memory holds two
@@ -407,38 +403,17 @@ def _host_pieces(
     )
     batches = [sorted({n for link in group for n in link.flax}) for group in groups]
 
-    def outputs() -> Iterator[tuple[str, Any]]:
-        for group, arrays in zip(groups, _sharded_export.read_ahead(read, batches)):
+    def outputs() -> Iterator[tuple[str, np.ndarray]]:
+        for group, arrays in zip(groups, _sharded_export.read_ahead(table.read, batches)):
             for link in group:
-                held = [arrays[n] for n in link.flax]
-                if all(isinstance(x, jax.Array) for x in held) and _export_plan.commutes(
-                    link, [tuple(x.shape) for x in held]
-                ):  # (axis permutations, as Transpose: computed by XLA, see pieces)
-                    for j, key in enumerate(link.torch):
-                        if key not in tied:
-                            yield key, (link, j, held)
-                else:
-                    for key, value in zip(link.torch, link.to_torch(held)):
-                        if key not in tied:
-                            yield key, np.asarray(value)
+                values = link.to_torch([arrays[n] for n in link.flax])
+                for key, value in zip(link.torch, values):
+                    if key not in tied:
+                        yield key, np.asarray(value)
                 for n in link.flax:
                     arrays.pop(n, None)
 
-    def read(names: Sequence[str]) -> dict[str, Any]:
-        # Arrays in memory (a model, a tree of jax.Arrays), unless a LoRA merge changes them,
-        # stay jax.Arrays: XLA transposes and casts them on every core.
-        got = {n: table.values.get(n) for n in names if n not in merged}
-        got = {n: x for n, x in got.items() if isinstance(x, jax.Array)}
-        rest = [n for n in names if n not in got]
-        return {**got, **(table.read(rest) if rest else {})}
-
-    def pieces(output: tuple[str, Any]) -> tuple[int, list[_interface.Piece]]:
-        key, value = output
-        if isinstance(value, tuple):
-            link, j, held = value
-            entry = job.plan.locate(key)[1]
-            cast = _sharded_export.device_cast(held, _dtypes.to_numpy(entry.dtype))
-            value = np.asarray(_sharded_export.computed(link, held, j, cast))
-        return _pieces.tensor_pieces(job.plan, key, [(None, value)])
+    def pieces(output: tuple[str, np.ndarray]) -> tuple[int, list[_interface.Piece]]:
+        return _pieces.tensor_pieces(job.plan, output[0], [(None, output[1])])
 
     yield from _pieces.ordered_map(pieces, outputs())  # (cast on several cores at once)

@@ -384,7 +384,8 @@ def relaid(
     Raises:
       ValueError: naming the link when its transform does not run on ``jax.Array``s.
     """
-    cast = device_cast(arrays, dtype) if dtype is not None else None
+    sources = {np.dtype(a.dtype) for a in arrays}
+    cast = dtype if dtype is not None and sources | {dtype} <= _DEVICE_CASTS else None
     try:
         return _relayout(_anonymous(link), j, shape, cast)(list(arrays))
     except (TypeError, ValueError) as e:
@@ -409,39 +410,15 @@ def _anonymous(link: _links.Link) -> _links.Link:
 _DEVICE_CASTS = frozenset(np.dtype(d) for d in ("float32", "float16", ml_dtypes.bfloat16))
 
 
-def device_cast(sources: Sequence[Any], dtype: np.dtype) -> np.dtype | None:
-    """``dtype`` when the devices make the cast of ``sources`` to it (float32, bfloat16 and
-    float16 among themselves: XLA's conversion, which ``core/astype`` reproduces on the
-    host), else None (the host casts)."""
-    kinds = {np.dtype(a.dtype) for a in sources} | {np.dtype(dtype)}
-    return np.dtype(dtype) if kinds <= _DEVICE_CASTS else None
-
-
-def computed(link: _links.Link, arrays: Sequence[Any], j: int, cast: np.dtype | None) -> Any:
-    """``link.torch[j]`` computed from the Flax ``arrays`` (``jax.Array`` s of one process) by
-    XLA, cast first to ``cast`` (see :func:`device_cast`): the transpose and the cast run on
-    every core of the host at once, outside the GIL, where the host's copy runs on one."""
-    return _on_device(_anonymous(link), j, cast)(list(arrays))
-
-
-def _device_value(link: _links.Link, j: int, cast: np.dtype | None) -> Callable[..., Any]:
-    def value(arrays: list[Any]) -> Any:
-        if cast is not None:
-            arrays = [a.astype(cast) for a in arrays]
-        return _export_plan.device_value(link, arrays, j=j)
-
-    return value
-
-
-@functools.lru_cache(maxsize=1024)
-def _on_device(link: _links.Link, j: int, cast: np.dtype | None) -> Any:
-    return jax.jit(_device_value(link, j, cast))
-
-
 @functools.lru_cache(maxsize=1024)
 def _relayout(
     link: _links.Link, j: int, shape: tuple[int, ...], cast: np.dtype | None = None
 ) -> Any:
     # One jitted function per link output, shape and cast, kept across calls: a save that
     # publishes every step compiles each re-layout once, not at every step.
-    return jax.jit(_device_value(link, j, cast), out_shardings=_export_plan.spread_sharding(shape))
+    def value(arrays: list[Any]) -> Any:
+        if cast is not None:
+            arrays = [a.astype(cast) for a in arrays]
+        return _export_plan.device_value(link, arrays, j=j)
+
+    return jax.jit(value, out_shardings=_export_plan.spread_sharding(shape))
