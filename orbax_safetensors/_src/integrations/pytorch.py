@@ -214,7 +214,8 @@ def export_pytorch(
     ``transformers.AutoModelForCausalLM.from_pretrained(directory)`` loads (and
     ``safetensors.torch.load_file``, ``huggingface_hub.load_torch_model``). Other files in the
     directory are kept; earlier ``model*.safetensors`` files and index are replaced. Tensors
-    are read, transformed and written a batch at a time: host memory holds one batch, not the
+    are read half a batch at a time, the next half read while one is transformed (on up to 4
+    threads) and written: host memory holds about a batch and the writes under way, not the
     model. LoRA adapters are merged into their kernels (``KeyMapping.lora_scale``); tied keys
     (``KeyMapping.tied``) are not written.
 
@@ -243,7 +244,7 @@ def export_pytorch(
       strict: raise if a Flax name has no rule; with ``strict=False`` skip it and report.
       variables: with a model, the ``nnx`` filter of variables to export (default
         ``(nnx.Param, nnx.BatchStat)``).
-      batch_bytes: tensor bytes held in host memory at a time.
+      batch_bytes: tensor bytes of the source held in host memory at a time (two halves).
 
     Returns:
       A :class:`MappingReport` (``moved`` pairs are ``(flax name, torch key)``).
