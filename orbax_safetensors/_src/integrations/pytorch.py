@@ -48,7 +48,6 @@ from orbax_safetensors._src.integrations import hf_load as _hf_load
 from orbax_safetensors._src.integrations import links as _links
 from orbax_safetensors._src.integrations import sharded_export as _sharded_export
 from orbax_safetensors._src.integrations.key_mapping import KeyMapping, MappingReport
-from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
 from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.storage import interface as _interface
 from orbax_safetensors._src.storage import replace as _replace
@@ -373,19 +372,8 @@ def _write(
     (``pipeline/pieces``), cast to its planned dtype and laid out C-contiguous there, and is
     written by the checkpoint writer's threads (``checkpoint_save.write_process_share``) while
     the next is computed, as the next batch of the source is read."""
-    plan = job.plan
-    stats = _pieces.WriteStats()
-    prepared = _checkpoint_save.PreparedSave(
-        plan=plan,
-        pieces=_host_pieces(job, batch_bytes),
-        metadata={},
-        sizes={n: e.nbytes for f in plan.files for n, e in f.entries.items()},
-        is_primary=True,
-        process_index=0,
-        checksums=False,
-    )
-    _checkpoint_save.write_process_share(
-        prepared, directory, stats, persist_share=False, max_in_flight=batch_bytes // 2
+    stats = _sharded_export.write_pieces(
+        job.plan, _host_pieces(job, batch_bytes), directory, batch_bytes, primary=True
     )
     report.bytes_written += stats.bytes_written
     report.moved += job.moved()
@@ -399,13 +387,11 @@ def _host_pieces(
     # half-size batches of the source and up to half a batch of writes under way (plus one
     # tensor and the writer's part-filled 8 MiB batch).
     table, tied = job.table, job.tied
-    groups = _links.link_batches(
-        job.links, lambda n: table.infos[n].nbytes, max(1, batch_bytes // 2), torch_side=False
-    )
-    batches = [sorted({n for link in group for n in link.flax}) for group in groups]
+    batched = _sharded_export.half_batches(job, batch_bytes)
+    names = [batch for _, batch in batched]
 
     def outputs() -> Iterator[tuple[str, np.ndarray]]:
-        for group, arrays in zip(groups, _sharded_export.read_ahead(table.read, batches)):
+        for (group, _), arrays in zip(batched, _sharded_export.read_ahead(table.read, names)):
             for link in group:
                 values = link.to_torch([arrays[n] for n in link.flax])
                 for key, value in zip(link.torch, values):

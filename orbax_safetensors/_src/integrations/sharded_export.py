@@ -142,21 +142,8 @@ def write_processes(
         directory.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
     _barrier("staged")
-    stats = _pieces.WriteStats()
     pieces = _process_pieces(job, lora, batch_bytes, primary)
-    plan = job.plan
-    prepared = _checkpoint_save.PreparedSave(
-        plan=plan,
-        pieces=pieces,
-        metadata={},
-        sizes={n: e.nbytes for f in plan.files for n, e in f.entries.items()},
-        is_primary=primary,
-        process_index=jax.process_index(),
-        checksums=False,
-    )
-    _checkpoint_save.write_process_share(
-        prepared, tmp, stats, persist_share=False, max_in_flight=batch_bytes // 2
-    )
+    stats = write_pieces(job.plan, pieces, tmp, batch_bytes, primary=primary)
     report.moved += job.moved()
     _barrier("written")
     if primary:
@@ -170,6 +157,43 @@ def write_processes(
     return stats
 
 
+def write_pieces(
+    plan: _plan.CheckpointPlan,
+    pieces: Iterator[Pieces],
+    directory: epath.Path,
+    batch_bytes: int,
+    *,
+    primary: bool,
+) -> _pieces.WriteStats:
+    """Writes this process's ``pieces`` of an export's files (headers and index too on the
+    primary) with ``checkpoint_save.write_process_share``'s threads, half a batch of writes
+    under way at most; returns what it wrote. Unchecksummed: no metadata file."""
+    stats = _pieces.WriteStats()
+    prepared = _checkpoint_save.PreparedSave(
+        plan=plan,
+        pieces=pieces,
+        metadata={},
+        sizes={n: e.nbytes for f in plan.files for n, e in f.entries.items()},
+        is_primary=primary,
+        process_index=jax.process_index(),
+        checksums=False,
+    )
+    _checkpoint_save.write_process_share(
+        prepared, directory, stats, persist_share=False, max_in_flight=batch_bytes // 2
+    )
+    return stats
+
+
+def half_batches(job: ExportJob, batch_bytes: int) -> list[tuple[list[_links.Link], list[str]]]:
+    """``job``'s links in batches of half ``batch_bytes`` of Flax tensors (one batch is read
+    while the one before is written: :func:`read_ahead`), each with its Flax names, sorted."""
+    infos = job.table.infos
+    groups = _links.link_batches(
+        job.links, lambda n: infos[n].nbytes, max(1, batch_bytes // 2), torch_side=False
+    )
+    return [(group, sorted({n for link in group for n in link.flax})) for group in groups]
+
+
 def _process_pieces(
     job: ExportJob, lora: Lora, batch_bytes: int, primary: bool
 ) -> Iterator[Pieces]:
@@ -177,11 +201,8 @@ def _process_pieces(
     plan, table, tied = job.plan, job.table, job.tied
     infos = table.infos
     stored = getattr(table.source, "stored", None)
-    sizes = {n: t.nbytes for n, t in infos.items()}
-    groups = _links.link_batches(
-        job.links, sizes.__getitem__, max(1, batch_bytes // 2), torch_side=False
-    )
-    batches = [sorted({n for link in group for n in link.flax}) for group in groups]
+    batched = half_batches(job, batch_bytes)
+    names_of = [names for _, names in batched]
     link_of = {n: link for link in job.links for n in link.flax}
 
     def read(names: Sequence[str]) -> dict[str, Any]:
@@ -196,10 +217,10 @@ def _process_pieces(
 
     values_of: Iterator[dict[str, Any]]
     if table.source is None:  # in memory; a LoRA merge is a collective: on this thread
-        values_of = ({n: _merged(table.values, n, lora) for n in names} for names in batches)
+        values_of = ({n: _merged(table.values, n, lora) for n in names} for names in names_of)
     else:
-        values_of = read_ahead(read, batches)
-    for group, values in zip(groups, values_of):
+        values_of = read_ahead(read, names_of)
+    for (group, _), values in zip(batched, values_of):
         for link in group:
             yield from _link_pieces(plan, link, [values[n] for n in link.flax], tied, primary)
             for n in link.flax:
@@ -322,7 +343,7 @@ def _link_pieces(
     for j, key in enumerate(link.torch):  # re-laid-out on the devices, one tensor at a time
         if key in tied:
             continue
-        entry = plan.files[plan.file_of[key]].entries[key]
+        entry = plan.locate(key)[1]
         value = relaid(link, arrays, j, tuple(entry.shape), _dtypes.to_numpy(entry.dtype))
         owned: _snapshots.HostCopies = [
             (index, np.asarray(data)) for index, data in _snapshots.owned_shards(value)
@@ -358,7 +379,7 @@ def _small_runs(
             key = link.torch[j]
             if key in tied:
                 continue
-            entry = plan.files[plan.file_of[key]].entries[key]
+            entry = plan.locate(key)[1]
             try:
                 offsets, length = _runs.byte_runs(entry.dtype, entry.shape, torch_box)
             except ValueError:  # (a sub-byte run off whole bytes: the devices re-lay it out)

@@ -90,8 +90,8 @@ def tensor_pieces(
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 
-# Threads that cast and lay out tensors at once (ordered_map): numpy's copies release the
-# GIL, so a host's cores share an export's CPU work.
+# Threads that cast and lay out tensors at once (ordered_map): numpy releases the GIL while it
+# copies (the bfloat16 cast only part of the time), so the cores share an export's CPU work.
 TRANSFORM_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
