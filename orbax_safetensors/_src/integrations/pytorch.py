@@ -49,6 +49,7 @@ from orbax_safetensors._src.integrations import links as _links
 from orbax_safetensors._src.integrations import sharded_export as _sharded_export
 from orbax_safetensors._src.integrations.key_mapping import KeyMapping, MappingReport
 from orbax_safetensors._src.pipeline import pieces as _pieces
+from orbax_safetensors._src.storage import buffers as _buffers
 from orbax_safetensors._src.storage import interface as _interface
 from orbax_safetensors._src.storage import replace as _replace
 
@@ -400,7 +401,9 @@ def _host_pieces(
                 for n in link.flax:
                     arrays.pop(n, None)
 
+    buffers = _buffers.RecycledBuffers(batch_bytes // 2)  # (the writes under way at most)
+
     def pieces(output: tuple[str, np.ndarray]) -> tuple[int, list[_interface.Piece]]:
-        return _pieces.tensor_pieces(job.plan, output[0], [(None, output[1])])
+        return _pieces.tensor_pieces(job.plan, output[0], [(None, output[1])], buffers)
 
     yield from _pieces.ordered_map(pieces, outputs())  # (cast on several cores at once)
