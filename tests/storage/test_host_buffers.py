@@ -98,34 +98,3 @@ def test_a_donated_state_after_save_returns_is_still_written_right(tmp_path: Pat
     for step in range(3):
         tensors = st_load_file(str(tmp_path / str(step) / "default" / "model.safetensors"))
         np.testing.assert_array_equal(tensors["a"], np.full(LARGE, step, np.float32))
-
-
-def test_recycled_buffers_come_back_only_when_nothing_refers_to_them() -> None:
-    buffers = _buffers.RecycledBuffers(max_idle_bytes=8 << 20)
-    a = buffers.empty((512, 512), np.float32)
-    address = a.ctypes.data
-    assert address % _buffers.ALIGNMENT == 0 and a.flags.c_contiguous
-    a[...] = 7.0
-    view = a.T[::2]  # a view of a view: its base is the same owner
-    as_bytes = memoryview(a.reshape(-1).view(np.uint8))  # as a writer holds it
-    del a
-    b = buffers.empty((512, 512), np.float32)
-    assert b.ctypes.data != address  # still referred to by the view and the memoryview
-    del view
-    c = buffers.empty((512, 512), np.float32)
-    assert c.ctypes.data != address  # the memoryview still holds it
-    assert bytes(as_bytes[:4]) == np.float32(7.0).tobytes()
-    del as_bytes
-    d = buffers.empty((256, 1024), np.float32)  # the same bytes, another shape
-    assert d.ctypes.data == address
-    e = buffers.empty((512, 512), np.float16)  # another capacity: a new buffer
-    assert e.ctypes.data not in (address, b.ctypes.data, c.ctypes.data)
-
-
-def test_recycled_buffers_keep_at_most_max_idle_bytes_idle() -> None:
-    buffers = _buffers.RecycledBuffers(max_idle_bytes=3 << 20)
-    taken = [buffers.empty((1 << 20,), np.uint8) for _ in range(8)]
-    assert buffers.held_bytes >= 8 << 20  # all in use: all kept
-    del taken
-    kept = buffers.empty((2 << 20,), np.uint8)  # another size: the idle ones are trimmed
-    assert buffers.held_bytes <= (3 << 20) + kept.nbytes + 8 * 8192

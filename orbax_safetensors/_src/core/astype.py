@@ -49,7 +49,9 @@ _FNUZ = frozenset({np.dtype(ml_dtypes.float8_e4m3fnuz), np.dtype(ml_dtypes.float
 _F32_TINY = float(np.finfo(np.float32).tiny)
 _CHUNK = 1 << 18  # elements cast per step, so temporaries (float64 and masks) stay small
 _TILE = 128  # a strided array is copied in tiles of _TILE x _TILE elements
-_BITS_CHUNK = 1 << 16  # elements per step of the bit-level casts: their temporaries stay in cache
+# Casts numpy's own conversion gets right (no rule of the module docstring applies), done
+# while a strided copy moves each tile (``tests/core/test_astype.py`` checks every pair).
+_ASSIGNED = frozenset({(_F32, _BF16), (_BF16, _F32)})
 
 
 def is_float(dt: np.dtype) -> bool:
@@ -80,17 +82,14 @@ def cast_into(out: np.ndarray, x: np.ndarray) -> None:
         raise ValueError(f"cast of shape {x.shape} into shape {out.shape}")
     if not x.size:
         return
-    same = x.dtype == out.dtype
-    into = _INTO.get((x.dtype, out.dtype))
-    if x.flags.c_contiguous and same:
-        np.copyto(out, x)
-        return
-    if x.flags.c_contiguous and into is not None:
-        into(out.reshape(-1), x.reshape(-1))  # (views: both are C-contiguous)
+    assigned = x.dtype == out.dtype or (x.dtype, out.dtype) in _ASSIGNED
+    if assigned and x.flags.c_contiguous:  # numpy's own cast, in one pass
+        with np.errstate(all="ignore"):
+            np.copyto(out, x, casting="unsafe")
         return
     step = _cast_fn(x.dtype, out.dtype)
     if x.ndim >= 2 and not x.flags.c_contiguous:
-        _cast_strided(out, x, None if same else step, into)
+        _cast_strided(out, x, None if assigned else step)
         return
     flat_out = out.reshape(-1)  # a view: out is C-contiguous
     flat_in = x.reshape(-1) if x.flags.c_contiguous else None
@@ -104,19 +103,15 @@ def cast_into(out: np.ndarray, x: np.ndarray) -> None:
 
 
 def _cast_strided(
-    out: np.ndarray,
-    x: np.ndarray,
-    step: Callable[[np.ndarray], np.ndarray] | None,
-    into: Callable[[np.ndarray, np.ndarray], None] | None = None,
+    out: np.ndarray, x: np.ndarray, step: Callable[[np.ndarray], np.ndarray] | None
 ) -> None:
     # A strided view (most often a transpose: a JAX kernel written as a PyTorch weight) is
     # copied in square tiles of its last two axes, each read and written as a cache-sized
     # block: numpy's elementwise copy in C order would read a transposed source one element
     # per cache line, several times slower. Written by hand because this copy is the bulk
     # of an export's CPU time. With a ``step``, bands of rows are copied into a contiguous
-    # buffer in the source dtype, then cast whole (by ``into`` straight into ``out`` when
-    # given, else by ``step``: any cast's rules apply unchanged); without (the same dtype),
-    # tiles go straight into ``out``.
+    # buffer in the source dtype, then cast whole by it (any cast's rules apply unchanged);
+    # without (the same dtype, or a cast in _ASSIGNED), tiles go straight into ``out``.
     rows, cols = x.shape[-2:]
     band = max(1, min(rows, _CHUNK // cols))
     buffer = None if step is None else np.empty((band, cols), x.dtype)
@@ -130,51 +125,8 @@ def _cast_strided(
                 for i in range(0, n, _TILE):
                     for j in range(0, cols, _TILE):
                         tiles[i : i + _TILE, j : j + _TILE] = rows_in[i : i + _TILE, j : j + _TILE]
-                if into is not None:  # (whole rows of a C-contiguous out: a flat view)
-                    into(dst[r : r + n].reshape(-1), tiles.reshape(-1))
-                elif step is not None:  # (the casts take flat chunks)
+                if step is not None:  # (the casts take flat chunks)
                     dst[r : r + n] = step(tiles.reshape(-1)).reshape(n, cols)
-
-
-def _f32_to_bf16(out: np.ndarray, x: np.ndarray) -> None:
-    # Round to nearest even on the bits (what ml_dtypes and XLA give): add 0x7FFF plus the
-    # kept part's lowest bit, keep the top 16 bits; a NaN becomes the quiet NaN of its sign.
-    # Written with integer ufuncs, which release the GIL, because ml_dtypes' cast holds it:
-    # an export's threads then cast on every core. ``out`` and ``x`` are flat, contiguous.
-    bits, halves = x.view(np.uint32), out.view(np.uint16)
-    n = min(bits.size, _BITS_CHUNK)
-    t, m = np.empty(n, np.uint32), np.empty(n, np.bool_)
-    for start in range(0, bits.size, n):
-        u = bits[start : start + n]
-        k = u.size
-        tk, mk = t[:k], m[:k]
-        np.right_shift(u, 16, out=tk)
-        np.bitwise_and(tk, 1, out=tk)
-        np.add(tk, 0x7FFF, out=tk)
-        np.add(tk, u, out=tk)
-        np.right_shift(tk, 16, out=tk)
-        h = halves[start : start + k]
-        np.copyto(h, tk, casting="unsafe")
-        np.bitwise_and(u, 0x7FFF_FFFF, out=tk)
-        np.greater(tk, 0x7F80_0000, out=mk)
-        if mk.any():
-            h[mk] = ((u[mk] >> 16) & 0x8000) | 0x7FC0
-
-
-def _bf16_to_f32(out: np.ndarray, x: np.ndarray) -> None:
-    # Exact: the bfloat16 bits are the top half of the float32 (a NaN keeps its payload, as
-    # XLA's conversion does). Integer ufuncs, which release the GIL (see _f32_to_bf16).
-    wide = out.view(np.uint32)
-    np.copyto(wide, x.view(np.uint16), casting="unsafe")
-    np.left_shift(wide, 16, out=wide)
-
-
-# Casts done straight into a contiguous ``out`` by bit-level code (``tests/core/test_astype.py``
-# checks them against JAX like every other pair).
-_INTO: dict[tuple[np.dtype, np.dtype], Callable[[np.ndarray, np.ndarray], None]] = {
-    (_F32, _BF16): _f32_to_bf16,
-    (_BF16, _F32): _bf16_to_f32,
-}
 
 
 def _c_order_slice(x: np.ndarray, start: int, stop: int) -> np.ndarray:

@@ -48,8 +48,8 @@ from orbax_safetensors._src.integrations import hf_load as _hf_load
 from orbax_safetensors._src.integrations import links as _links
 from orbax_safetensors._src.integrations import sharded_export as _sharded_export
 from orbax_safetensors._src.integrations.key_mapping import KeyMapping, MappingReport
+from orbax_safetensors._src.pipeline import gcpause as _gcpause
 from orbax_safetensors._src.pipeline import pieces as _pieces
-from orbax_safetensors._src.storage import buffers as _buffers
 from orbax_safetensors._src.storage import interface as _interface
 from orbax_safetensors._src.storage import replace as _replace
 
@@ -191,6 +191,7 @@ def _merged_lora(
     return _flax_tables.FlaxTable(infos, read_merged, table.values, table.where)
 
 
+@_gcpause.paused  # (the caller waits: see pipeline/gcpause.py)
 def export_pytorch(
     source: Any,
     directory: epath.PathLike,
@@ -401,9 +402,7 @@ def _host_pieces(
                 for n in link.flax:
                     arrays.pop(n, None)
 
-    buffers = _buffers.RecycledBuffers(batch_bytes // 2)  # (the writes under way at most)
-
     def pieces(output: tuple[str, np.ndarray]) -> tuple[int, list[_interface.Piece]]:
-        return _pieces.tensor_pieces(job.plan, output[0], [(None, output[1])], buffers)
+        return _pieces.tensor_pieces(job.plan, output[0], [(None, output[1])])
 
     yield from _pieces.ordered_map(pieces, outputs())  # (cast on several cores at once)

@@ -179,9 +179,17 @@ def write_pieces(
         checksums=False,
     )
     _checkpoint_save.write_process_share(
-        prepared, directory, stats, persist_share=False, max_in_flight=batch_bytes // 2
+        prepared, directory, stats, persist_share=False, max_in_flight=in_flight(batch_bytes)
     )
     return stats
+
+
+def in_flight(batch_bytes: int) -> int:
+    """Bytes of an export's writes under way at most: a checkpoint save's bound, or half a
+    batch if smaller: their host buffers are memory the export touches afresh (on a virtual
+    machine, faulting in fresh pages can cost as much as the cast that fills them), and more
+    would not write faster."""
+    return max(1, min(batch_bytes // 2, _checkpoint_save.IN_FLIGHT_BYTES))
 
 
 def half_batches(job: ExportJob, batch_bytes: int) -> list[tuple[list[_links.Link], list[str]]]:

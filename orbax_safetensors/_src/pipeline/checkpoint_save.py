@@ -289,7 +289,7 @@ def plan_tree(
 
 _BATCH_BYTES = 8 << 20
 _BATCH_PIECES = 1024
-_IN_FLIGHT_BYTES = 64 << 20
+IN_FLIGHT_BYTES = 64 << 20  # writes under way at most, by default (write_process_share)
 
 
 def _batched(
@@ -326,7 +326,7 @@ def write_process_share(
     stats: _pieces.WriteStats | None = None,
     *,
     persist_share: bool = True,
-    max_in_flight: int = _IN_FLIGHT_BYTES,
+    max_in_flight: int = IN_FLIGHT_BYTES,
     io: _config.IOOptions | None = None,
 ) -> dict[str, Any]:
     """Writes this process's bytes (and, on the primary, headers, index and metadata draft).

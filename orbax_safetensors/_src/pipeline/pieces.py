@@ -19,8 +19,6 @@ import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
-import numpy as np
-
 from orbax_safetensors._src.core import astype as _astype
 from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import dtypes as _dtypes
@@ -62,16 +60,12 @@ class WriteStats:
 
 
 def tensor_pieces(
-    plan: _plan.CheckpointPlan,
-    name: str,
-    copies: _snapshots.HostCopies,
-    buffers: _buffers.RecycledBuffers | None = None,
+    plan: _plan.CheckpointPlan, name: str, copies: _snapshots.HostCopies
 ) -> tuple[int, list[_interface.Piece]]:
     """``(file index, pieces)`` writing a tensor's host ``copies`` where ``plan`` puts them.
 
     Each piece's tag is ``(tensor name, offset inside the tensor)``. A copy whose dtype is not
-    the planned one (a save under a dtype policy) or that is not C-contiguous is cast here,
-    one shard at a time, into a buffer of ``buffers`` when given.
+    the planned one (a save under a dtype policy) is cast here, one shard at a time.
     """
     file_index = plan.file_of[name]
     fplan = plan.files[file_index]
@@ -81,7 +75,7 @@ def tensor_pieces(
     stored = _dtypes.to_numpy(entry.dtype)
     for index, host in copies:
         if host.dtype != stored or not host.flags.c_contiguous:  # (a transposed view, say)
-            host = cast(host, stored, buffers)
+            host = _astype.astype(host, stored)
         raw = _dtypes.pack(host, entry.dtype)
         if index is None or _runs.is_whole(index, entry.shape):  # e.g. a replica's first copy
             pieces.append(_interface.Piece(base, raw, (name, 0)))
@@ -91,18 +85,6 @@ def tensor_pieces(
             chunk = raw[j * length : (j + 1) * length]
             pieces.append(_interface.Piece(base + off, chunk, (name, off)))
     return file_index, pieces
-
-
-def cast(
-    x: np.ndarray, dtype: np.dtype, buffers: _buffers.RecycledBuffers | None = None
-) -> np.ndarray:
-    """``x`` cast to ``dtype`` (``core.astype``: C-contiguous), into a buffer of ``buffers``
-    when given (an export reuses the memory of tensors already written)."""
-    if buffers is None:
-        return _astype.astype(x, dtype)
-    out = buffers.empty(x.shape, dtype)
-    _astype.cast_into(out, x)
-    return out
 
 
 _T = TypeVar("_T")

@@ -12,7 +12,6 @@ Example::
 
 from __future__ import annotations
 
-import sys
 import threading
 from typing import Any
 
@@ -149,72 +148,3 @@ class PooledArena(BufferArena):
         buffer = self._pool.take(nbytes)
         self.taken.append(buffer)
         return buffer[:nbytes]
-
-
-class RecycledBuffers:
-    """Host buffers handed out again once nothing refers to them any more.
-
-    An export casts each tensor into a fresh buffer, writes it, and drops it: into fresh
-    memory every page is first faulted in by the cast itself (on a virtual machine, at times
-    as slow as the cast), and freed memory goes back to the system. Buffers taken from here
-    are kept: :meth:`empty` returns one of the same page-rounded capacity that no array,
-    view or write refers to any more (its owner's reference count says so), else a new one.
-    Idle buffers beyond ``max_idle_bytes`` are dropped. Thread-safe.
-
-    Example::
-
-        buffers = RecycledBuffers(64 << 20)
-        a = buffers.empty((1024, 1024), np.float32)
-        del a
-        b = buffers.empty((1024, 1024), np.float32)   # a's memory again
-    """
-
-    _GRANULE = 4096
-
-    def __init__(self, max_idle_bytes: int) -> None:
-        self._lock = threading.Lock()
-        self._held: list[np.ndarray] = []  # owners (fresh np.empty arrays): see _take
-        self._probe = np.empty(0, np.uint8)
-        self._max_idle = max_idle_bytes
-
-    def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        """An uninitialised C-contiguous array of ``shape`` and ``dtype``, ``ALIGNMENT``-aligned."""
-        dtype = np.dtype(dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        capacity = -(-max(1, nbytes) // self._GRANULE) * self._GRANULE + ALIGNMENT
-        with self._lock:
-            owner = self._take(capacity)
-            if owner is None:
-                owner = np.empty(capacity, np.uint8)
-                self._held.append(owner)
-        start = -owner.ctypes.data % ALIGNMENT
-        return owner[start : start + nbytes].view(dtype).reshape(shape)
-
-    def _take(self, capacity: int) -> np.ndarray | None:
-        # (under the lock) an idle owner of this capacity; idle ones beyond the bound dropped.
-        # Every array made from an owner (views, reshapes, views of views) has the owner as
-        # its ``base``, so an owner is idle when it has no more references than the probe,
-        # an owner never handed out, counted the same way (whatever the Python version).
-        found, idle, probe_refs = None, 0, -1
-        kept: list[np.ndarray] = []
-        for owner in [self._probe, *self._held]:
-            refs = sys.getrefcount(owner)
-            if probe_refs < 0:
-                probe_refs = refs
-                continue
-            if refs <= probe_refs and not (found is None and owner.nbytes == capacity):
-                idle += owner.nbytes
-                if idle > self._max_idle:  # dropped
-                    idle -= owner.nbytes
-                    continue
-            elif refs <= probe_refs:
-                found = owner
-            kept.append(owner)
-        self._held = kept
-        return found
-
-    @property
-    def held_bytes(self) -> int:
-        """Bytes of every buffer kept (in use or idle)."""
-        with self._lock:
-            return sum(owner.nbytes for owner in self._held)
