@@ -386,8 +386,8 @@ def _host_pieces(
 ) -> Iterator[tuple[int, list[_interface.Piece]]]:
     # Batches of links, each batch's source tensors read (one batch ahead, on a reading
     # thread) while the one before is transformed and written: host memory holds two
-    # half-size batches of the source and up to half a batch of writes under way (plus one
-    # tensor and the writer's part-filled 8 MiB batch).
+    # half-size batches of the source and the writes under way (sharded_export.in_flight;
+    # plus one tensor per transform thread and the writer's part-filled 8 MiB batch).
     table, tied = job.table, job.tied
     batched = _sharded_export.half_batches(job, batch_bytes)
     names = [batch for _, batch in batched]

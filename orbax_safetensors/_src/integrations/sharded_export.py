@@ -166,8 +166,8 @@ def write_pieces(
     primary: bool,
 ) -> _pieces.WriteStats:
     """Writes this process's ``pieces`` of an export's files (headers and index too on the
-    primary) with ``checkpoint_save.write_process_share``'s threads, half a batch of writes
-    under way at most; returns what it wrote. Unchecksummed: no metadata file."""
+    primary) with ``checkpoint_save.write_process_share``'s threads, :func:`in_flight` bytes
+    of writes under way at most; returns what it wrote. Unchecksummed: no metadata file."""
     stats = _pieces.WriteStats()
     prepared = _checkpoint_save.PreparedSave(
         plan=plan,
