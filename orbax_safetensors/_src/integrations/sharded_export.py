@@ -23,6 +23,11 @@ bytes of the shards it owns (``replica_id == 0``), through the writer a checkpoi
    directory in (``storage/replace.swap_in``); a last barrier, so that every process returns
    once the directory is complete.
 
+On ``s3://`` and ``gs://`` (no rename) the primary first deletes the old export's model files
+and index, and the pieces go straight into ``directory`` through the uploads of a
+multi-process checkpoint save (``storage/objstore/spread``: each process uploads its own bytes,
+each file appears whole once complete); the index and ``config.json`` come last.
+
 The files are byte-identical to a one-process export of the same values, LoRA merges included
 (the small adapters are gathered to every process and each kernel shard merged on the host:
 ``links.merge_lora_block``).
@@ -31,6 +36,7 @@ Example::
 
     # on every process of the job, with params sharded over the job's devices
     osf.export_pytorch(params, "/shared/hf", mapping, hf_config=config)
+    osf.export_pytorch(params, "gs://bucket/hf", mapping, hf_config=config)
 """
 
 from __future__ import annotations
@@ -126,15 +132,21 @@ def write_processes(
 ) -> _pieces.WriteStats:
     """Writes ``job``'s files into ``directory`` from every process of the job (see the
     module docstring); ``extra_files`` (``{name: text}``, e.g. the index and ``config.json``)
-    are written by the primary. Returns what this process wrote.
+    are written by the primary, last. On ``s3://`` and ``gs://`` see :func:`_write_objects`.
+    Returns what this process wrote.
 
     Raises:
-      ValueError: ``directory`` is not on a local (POSIX, shared) file system.
+      ValueError: ``directory`` is neither on a local (POSIX, shared) file system nor on
+        ``s3://`` or ``gs://``.
     """
+    if _router.is_object_url(directory):
+        return _write_objects(
+            directory, job, report, extra_files, lora=lora, batch_bytes=batch_bytes
+        )
     if not _router.is_local(directory):
         raise ValueError(
             f"{directory}: a multi-process export writes to a file system every process "
-            "sees (local or network POSIX); export to it and copy to object storage"
+            "sees (local or network POSIX), s3:// or gs://; export to one of them and copy"
         )
     primary = jax.process_index() == _PRIMARY
     tmp = _replace.staging_path(directory, _staging_token(primary))
@@ -153,6 +165,47 @@ def write_processes(
         for name, text in extra_files.items():
             (tmp / name).write_text(text)
         _replace.swap_in(tmp, directory)
+    _barrier("done")
+    return stats
+
+
+def _write_objects(
+    directory: epath.Path,
+    job: ExportJob,
+    report: MappingReport,
+    extra_files: Mapping[str, str],
+    *,
+    lora: Lora,
+    batch_bytes: int,
+) -> _pieces.WriteStats:
+    # Object storage has no rename: the export goes straight into ``directory`` through the
+    # uploads a multi-process checkpoint save makes (storage/objstore/spread: each process
+    # uploads its own bytes, the part building spread over the processes; each file appears
+    # whole, once its upload is completed or its top level composed). The primary first
+    # deletes the old export's model files and index (storage/replace.remove_owned: the index
+    # first), and writes the index and config.json last, once every file is complete: a
+    # reader never follows an index or config.json to a missing, old or partial file. Each
+    # process holds its share of the files in host memory until its uploads (the parts of a
+    # file are planned from every process's byte ranges of it).
+    primary = jax.process_index() == _PRIMARY
+    if primary:
+        _replace.remove_owned(directory)
+    _barrier("cleared")
+    files = [(f.filename, f.size) for f in job.plan.files]
+    _router.prepare_directory(directory, files, is_primary=primary)  # (every process, in order)
+    try:
+        pieces = _process_pieces(job, lora, batch_bytes, primary)
+        stats = write_pieces(job.plan, pieces, directory, batch_bytes, primary=primary)
+    except BaseException as error:
+        # The others stop waiting for this process; the primary removes what was uploaded.
+        _router.abandon_files(directory, error)
+        raise
+    report.moved += job.moved()
+    _barrier("written")
+    if primary:
+        _router.finalize_files(directory)  # (the commit record of the uploads deleted)
+        for name, text in extra_files.items():
+            (directory / name).write_text(text)
     _barrier("done")
     return stats
 
