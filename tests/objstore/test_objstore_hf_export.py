@@ -5,7 +5,8 @@ job (issue 28, points 2 and 3, on object storage): N = 2 real ``jax.distributed`
 re-laid-out on the devices, a replicated and a host-local tensor, a rank-2 LoRA head merged as
 written) with ``osf.export_pytorch`` over an earlier export of another layout, and publish it
 as a servable item (``SafetensorsSave(item, mapping=, hf_config=)``) through a
-CheckpointManager whose root is on the store (``workers/objstore_hf_worker.py``).
+CheckpointManager whose root is on the store (``workers/objstore_hf_worker.py``); with Orbax
+v1, on GCS, also through a ``SafetensorsHandler`` given the mapping, loaded back sharded.
 
 One launch against both servers, checking for each store and each write:
 
@@ -50,6 +51,7 @@ N = 2
 MAX_FILE_SIZE = 40_000  # several files and an index
 IDS = np.random.default_rng(0).integers(0, V.V, size=(2, 9))
 ORBAX_COMMIT_FILE = "commit_success.txt"
+V1_MARKER = "_METADATA"
 METADATA_BYTES = 16 << 10  # headers, index, config.json, commit record (moved by the primary)
 
 
@@ -148,14 +150,19 @@ def test_two_processes_export_and_publish_to_s3_and_gcs(
         timeout=360.0,
     )
     by_pid = {r.process_id: r.result["roots"] for r in results}
-    where = {"export": "export", "publish": "run/0/policy"}
+    v1_skipped = results[0].result["v1_skipped"]
     for root, server in zip(roots, (s3_server, gcs_server)):
         assert pending_uploads(server, root) == []
+        where = {"export": "export", "publish": "run/0/policy"}
+        if v1_skipped is None and server.kind == "gcs":
+            where["v1"] = "v1/state"
+            assert all(by_pid[i][root]["v1"]["loaded"] for i in range(N)), by_pid
         for what, sub in where.items():
-            url, reference = f"{root}/{sub}", ref[what]
+            url, reference = f"{root}/{sub}", ref["export" if what == "export" else "publish"]
             want = sorted(p.name for p in reference.iterdir() if p.name != ORBAX_COMMIT_FILE)
             assert "config.json" in want and "model.safetensors.index.json" in want
-            keys = [k for k in list_keys(server, url) if k != ORBAX_COMMIT_FILE]
+            # (v1 adds its "_METADATA" marker file)
+            keys = [k for k in list_keys(server, url) if k not in (ORBAX_COMMIT_FILE, V1_MARKER)]
             assert keys == want, (url, keys)  # no old shard or index, no staged object
             local = tmp_path / server.kind / what
             _downloaded(server, url, local, want)
@@ -189,3 +196,5 @@ def test_two_processes_export_and_publish_to_s3_and_gcs(
             )
         _check_loads(tmp_path / server.kind / "export", ref["logits"])
     _check_loads(tmp_path / "s3" / "publish", ref["logits"])
+    if v1_skipped is not None:
+        print(f"Orbax v1 not checked: {v1_skipped}")
