@@ -24,9 +24,10 @@ bytes of the shards it owns (``replica_id == 0``), through the writer a checkpoi
    once the directory is complete.
 
 On ``s3://`` and ``gs://`` (no rename) the primary first deletes the old export's model files
-and index, and the pieces go straight into ``directory`` through the uploads of a
-multi-process checkpoint save (``storage/objstore/spread``: each process uploads its own bytes,
-each file appears whole once complete); the index and ``config.json`` come last.
+and index, and the pieces go straight into ``directory``, a group of files at a time (each
+process holds its share of one group: about ``batch_bytes``), through the uploads of a
+multi-process checkpoint save (``storage/objstore/spread``: each process uploads its own
+bytes, each file appears whole once complete); the index and ``config.json`` come last.
 
 The files are byte-identical to a one-process export of the same values, LoRA merges included
 (the small adapters are gathered to every process and each kernel shard merged on the host:
@@ -181,33 +182,109 @@ def _write_objects(
     # Object storage has no rename: the export goes straight into ``directory`` through the
     # uploads a multi-process checkpoint save makes (storage/objstore/spread: each process
     # uploads its own bytes, the part building spread over the processes; each file appears
-    # whole, once its upload is completed or its top level composed). The primary first
-    # deletes the old export's model files and index (storage/replace.remove_owned: the index
-    # first), and writes the index and config.json last, once every file is complete: a
-    # reader never follows an index or config.json to a missing, old or partial file. Each
-    # process holds its share of the files in host memory until its uploads (the parts of a
-    # file are planned from every process's byte ranges of it).
+    # whole, once its upload is completed or its top level composed), a group of files at a
+    # time (a file's parts are planned from every process's byte ranges of it: each process
+    # holds its share of one group in host memory, about batch_bytes, or of one larger file;
+    # the model's small files make one group, planned together). The primary first deletes the
+    # old export's model files and index (storage/replace.remove_owned: the index first), and
+    # writes the index and config.json last, once every file is complete: a reader never
+    # follows an index or config.json to a missing, old or partial file.
     primary = jax.process_index() == _PRIMARY
     if primary:
         _replace.remove_owned(directory)
     _barrier("cleared")
-    files = [(f.filename, f.size) for f in job.plan.files]
-    _router.prepare_directory(directory, files, is_primary=primary)  # (every process, in order)
+    plan = job.plan
+    # The links each file's tensors come from: a file is complete once they all are.
+    waiting: list[set[int]] = [set() for _ in plan.files]
+    for k, link in enumerate(job.links):
+        for key in link.torch:
+            if key not in job.tied:
+                waiting[plan.file_of[key]].add(k)
+    number = {id(link): k for k, link in enumerate(job.links)}
+    items = _process_pieces(job, lora, batch_bytes, primary, marks=True)
+    ahead: dict[int, list[Pieces]] = {}  # (a link's pieces in a later file than the one written)
+
+    def file_pieces(i: int) -> Iterator[Pieces]:
+        yield from ((0, p) for _, p in ahead.pop(i, []))
+        while waiting[i]:
+            item = next(items)
+            if isinstance(item, _links.Link):  # all of this link's pieces are out
+                for w in waiting:
+                    w.discard(number[id(item)])
+            elif item[0] == i:
+                yield 0, item[1]
+            else:
+                ahead.setdefault(item[0], []).append(item)
+
+    stats = _pieces.WriteStats()
     try:
-        pieces = _process_pieces(job, lora, batch_bytes, primary)
-        stats = write_pieces(job.plan, pieces, directory, batch_bytes, primary=primary)
+        for group in _file_groups(plan, batch_bytes * jax.process_count()):
+            files = [plan.files[i] for i in group]
+            # every process, in the same order (a spread save); the primary commits it
+            sizes = [(f.filename, f.size) for f in files]
+            _router.prepare_directory(directory, sizes, is_primary=primary)
+            part = _plan.CheckpointPlan(
+                files, {n: j for j, f in enumerate(files) for n in f.entries}
+            )
+            pieces = (
+                (j, p) for j, i in enumerate(group) for _, p in file_pieces(i)
+            )  # (in file order: a file's pieces are out once its links are)
+            _write_share(part, pieces, directory, stats, primary=primary)
+            if primary:
+                _router.finalize_files(directory)  # (the commit record of its uploads deleted)
+        for item in items:  # (nothing but the last marks: the reading thread ends)
+            if not isinstance(item, _links.Link):
+                raise RuntimeError(f"internal: pieces of file {item[0]} after its upload")
     except BaseException as error:
-        # The others stop waiting for this process; the primary removes what was uploaded.
+        # The others stop waiting for this process; the primary removes what this group's
+        # save uploaded (the files before it are complete; no index names them).
         _router.abandon_files(directory, error)
         raise
     report.moved += job.moved()
     _barrier("written")
     if primary:
-        _router.finalize_files(directory)  # (the commit record of the uploads deleted)
         for name, text in extra_files.items():
             (directory / name).write_text(text)
     _barrier("done")
     return stats
+
+
+def _file_groups(plan: _plan.CheckpointPlan, max_bytes: int) -> list[list[int]]:
+    # Consecutive files of at most ``max_bytes`` together (a larger file alone): a process
+    # holds its share of one group at a time (about ``max_bytes`` / N).
+    groups: list[list[int]] = []
+    size = 0
+    for i, f in enumerate(plan.files):
+        if not groups or size + f.size > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += f.size
+    return groups
+
+
+def _write_share(
+    plan: _plan.CheckpointPlan,
+    pieces: Iterator[Pieces],
+    directory: epath.Path,
+    stats: _pieces.WriteStats,
+    *,
+    primary: bool,
+) -> None:
+    # Some files of an export on object storage: no index (the primary writes the export's
+    # own once every file is complete), unchecksummed.
+    prepared = _checkpoint_save.PreparedSave(
+        plan=plan,
+        pieces=pieces,
+        metadata={},
+        sizes={n: e.nbytes for f in plan.files for n, e in f.entries.items()},
+        is_primary=primary,
+        process_index=jax.process_index(),
+        checksums=False,
+    )
+    _checkpoint_save.write_process_share(
+        prepared, directory, stats, persist_share=False, index=False
+    )
 
 
 def write_pieces(
@@ -248,9 +325,10 @@ def half_batches(job: ExportJob, batch_bytes: int) -> list[tuple[list[_links.Lin
 
 
 def _process_pieces(
-    job: ExportJob, lora: Lora, batch_bytes: int, primary: bool
-) -> Iterator[Pieces]:
-    """This process's pieces, link by link in the same order on every process."""
+    job: ExportJob, lora: Lora, batch_bytes: int, primary: bool, *, marks: bool = False
+) -> Iterator[Any]:
+    """This process's pieces, link by link in the same order on every process; with
+    ``marks``, each link too, once its pieces are out."""
     plan, table, tied = job.plan, job.table, job.tied
     infos = table.infos
     stored = getattr(table.source, "stored", None)
@@ -278,6 +356,8 @@ def _process_pieces(
             yield from _link_pieces(plan, link, [values[n] for n in link.flax], tied, primary)
             for n in link.flax:
                 values.pop(n, None)
+            if marks:
+                yield link
 
 
 def read_ahead(

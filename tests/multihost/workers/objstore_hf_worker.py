@@ -1,7 +1,8 @@
 """Multi-process Hugging Face export and publish to object storage: every process exports
 the same sharded scanned LLaMA with a LoRA head (``hf_export_values.sharded_tree``) with
 ``osf.export_pytorch`` into ``<root>/export``, over an earlier export of another layout
-(bfloat16, more files), and saves it as a servable item (``SafetensorsSave(item, mapping=,
+(bfloat16, more files), and again with a ``batch_bytes`` under a file (``grouped``: one
+upload per file), and saves it as a servable item (``SafetensorsSave(item, mapping=,
 hf_config=)``) through a CheckpointManager whose root is on the store; with Orbax v1 (on
 ``gs://``) also through a ``SafetensorsHandler`` with a mapping, loaded back sharded.
 
@@ -9,7 +10,7 @@ Args (``ctx.args``): ``roots`` (``["s3://b/x", "gs://b/x"]``), ``weights`` (an `
 global tensors plus ``lora_a`` / ``lora_b``), ``config`` (the ``config.json`` dict),
 ``max_file_size``, ``v1`` (whether to save through the v1 handler too).
 
-Reported per root and write (``export``, ``publish``, ``v1``): ``bytes_written`` (this
+Reported per root and write (``export``, ``grouped``, ``publish``, ``v1``): ``bytes_written`` (this
 process's tensor bytes, from the report or the handler's stats), ``uploaded`` and
 ``fetched`` (the object-store engine's counters over the write: bytes this process sent and
 received; for ``v1`` during its save only) and ``seconds``; for ``v1`` also ``loaded`` (the sharded load was exact), and
@@ -63,6 +64,20 @@ def old_export(root):
 def export(root):
     report = osf.export_pytorch(
         tree, f"{root}/export", V.PUBLISH_MAPPING, hf_config=config, max_file_size=size
+    )
+    assert report.ok, report.problems()
+    return report.bytes_written
+
+
+def grouped(root):
+    # batch_bytes under a file: each file its own upload, one after the other
+    report = osf.export_pytorch(
+        tree,
+        f"{root}/grouped",
+        V.PUBLISH_MAPPING,
+        hf_config=config,
+        max_file_size=size,
+        batch_bytes=size // 4,
     )
     assert report.ok, report.problems()
     return report.bytes_written
@@ -140,6 +155,7 @@ v1_saved: dict = {}
 for root in ctx.args["roots"]:
     old_export(root)
     result["roots"][root] = {"export": measured(export, root)}
+    result["roots"][root]["grouped"] = measured(grouped, root)
     result["roots"][root]["publish"] = measured(publish, root)
     # (v1 on gs:// only: Orbax v1 commits by renaming, which s3:// cannot do)
     if v1_skipped is None and root.startswith("gs://"):
