@@ -218,7 +218,7 @@ def _write_objects(
 
     stats = _pieces.WriteStats()
     try:
-        for group in _file_groups(plan, batch_bytes * jax.process_count()):
+        for g, group in enumerate(_file_groups(plan, batch_bytes * jax.process_count())):
             files = [plan.files[i] for i in group]
             # every process, in the same order (a spread save); the primary commits it
             sizes = [(f.filename, f.size) for f in files]
@@ -230,6 +230,7 @@ def _write_objects(
                 (j, p) for j, i in enumerate(group) for _, p in file_pieces(i)
             )  # (in file order: a file's pieces are out once its links are)
             _write_share(part, pieces, directory, stats, primary=primary)
+            _barrier(f"group.{g}")  # (without JAX's key-value store, nothing else waits)
             if primary:
                 _router.finalize_files(directory)  # (the commit record of its uploads deleted)
         for item in items:  # (nothing but the last marks: the reading thread ends)
