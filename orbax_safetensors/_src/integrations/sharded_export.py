@@ -62,6 +62,7 @@ from orbax_safetensors._src.core import runs as _runs
 from orbax_safetensors._src.integrations import export_plan as _export_plan
 from orbax_safetensors._src.integrations import flax_tables as _flax_tables
 from orbax_safetensors._src.integrations import links as _links
+from orbax_safetensors._src.integrations import object_export as _object_export
 from orbax_safetensors._src.integrations.key_mapping import MappingReport
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
 from orbax_safetensors._src.pipeline import pieces as _pieces
@@ -133,17 +134,20 @@ def write_processes(
 ) -> _pieces.WriteStats:
     """Writes ``job``'s files into ``directory`` from every process of the job (see the
     module docstring); ``extra_files`` (``{name: text}``, e.g. the index and ``config.json``)
-    are written by the primary, last. On ``s3://`` and ``gs://`` see :func:`_write_objects`.
+    are written by the primary, last (on ``s3://`` and ``gs://``: ``object_export``).
     Returns what this process wrote.
 
     Raises:
       ValueError: ``directory`` is neither on a local (POSIX, shared) file system nor on
         ``s3://`` or ``gs://``.
     """
-    if _router.is_object_url(directory):
-        return _write_objects(
-            directory, job, report, extra_files, lora=lora, batch_bytes=batch_bytes
+    if _router.is_object_url(directory):  # a group of files at a time (object_export)
+        items = _process_pieces(job, lora, batch_bytes, jax.process_index() == _PRIMARY, True)
+        stats = _object_export.write_objects(
+            directory, job.plan, job.links, job.tied, items, extra_files, batch_bytes=batch_bytes
         )
+        report.moved += job.moved()
+        return stats
     if not _router.is_local(directory):
         raise ValueError(
             f"{directory}: a multi-process export writes to a file system every process "
@@ -168,124 +172,6 @@ def write_processes(
         _replace.swap_in(tmp, directory)
     _barrier("done")
     return stats
-
-
-def _write_objects(
-    directory: epath.Path,
-    job: ExportJob,
-    report: MappingReport,
-    extra_files: Mapping[str, str],
-    *,
-    lora: Lora,
-    batch_bytes: int,
-) -> _pieces.WriteStats:
-    # Object storage has no rename: the export goes straight into ``directory`` through the
-    # uploads a multi-process checkpoint save makes (storage/objstore/spread: each process
-    # uploads its own bytes, the part building spread over the processes; each file appears
-    # whole, once its upload is completed or its top level composed), a group of files at a
-    # time (a file's parts are planned from every process's byte ranges of it: each process
-    # holds its share of one group in host memory, about batch_bytes, or of one larger file;
-    # the model's small files make one group, planned together). The primary first deletes the
-    # old export's model files and index (storage/replace.remove_owned: the index first), and
-    # writes the index and config.json last, once every file is complete: a reader never
-    # follows an index or config.json to a missing, old or partial file.
-    primary = jax.process_index() == _PRIMARY
-    if primary:
-        _replace.remove_owned(directory)
-    _barrier("cleared")
-    plan = job.plan
-    # The links each file's tensors come from: a file is complete once they all are.
-    waiting: list[set[int]] = [set() for _ in plan.files]
-    for k, link in enumerate(job.links):
-        for key in link.torch:
-            if key not in job.tied:
-                waiting[plan.file_of[key]].add(k)
-    number = {id(link): k for k, link in enumerate(job.links)}
-    items = _process_pieces(job, lora, batch_bytes, primary, marks=True)
-    ahead: dict[int, list[Pieces]] = {}  # (a link's pieces in a later file than the one written)
-
-    def file_pieces(i: int) -> Iterator[Pieces]:
-        yield from ((0, p) for _, p in ahead.pop(i, []))
-        while waiting[i]:
-            item = next(items)
-            if isinstance(item, _links.Link):  # all of this link's pieces are out
-                for w in waiting:
-                    w.discard(number[id(item)])
-            elif item[0] == i:
-                yield 0, item[1]
-            else:
-                ahead.setdefault(item[0], []).append(item)
-
-    stats = _pieces.WriteStats()
-    try:
-        for g, group in enumerate(_file_groups(plan, batch_bytes * jax.process_count())):
-            files = [plan.files[i] for i in group]
-            # every process, in the same order (a spread save); the primary commits it
-            sizes = [(f.filename, f.size) for f in files]
-            _router.prepare_directory(directory, sizes, is_primary=primary)
-            part = _plan.CheckpointPlan(
-                files, {n: j for j, f in enumerate(files) for n in f.entries}
-            )
-            pieces = (
-                (j, p) for j, i in enumerate(group) for _, p in file_pieces(i)
-            )  # (in file order: a file's pieces are out once its links are)
-            _write_share(part, pieces, directory, stats, primary=primary)
-            _barrier(f"group.{g}")  # (without JAX's key-value store, nothing else waits)
-            if primary:
-                _router.finalize_files(directory)  # (the commit record of its uploads deleted)
-        for item in items:  # (nothing but the last marks: the reading thread ends)
-            if not isinstance(item, _links.Link):
-                raise RuntimeError(f"internal: pieces of file {item[0]} after its upload")
-    except BaseException as error:
-        # The others stop waiting for this process; the primary removes what this group's
-        # save uploaded (the files before it are complete; no index names them).
-        _router.abandon_files(directory, error)
-        raise
-    report.moved += job.moved()
-    _barrier("written")
-    if primary:
-        for name, text in extra_files.items():
-            (directory / name).write_text(text)
-    _barrier("done")
-    return stats
-
-
-def _file_groups(plan: _plan.CheckpointPlan, max_bytes: int) -> list[list[int]]:
-    # Consecutive files of at most ``max_bytes`` together (a larger file alone): a process
-    # holds its share of one group at a time (about ``max_bytes`` / N).
-    groups: list[list[int]] = []
-    size = 0
-    for i, f in enumerate(plan.files):
-        if not groups or size + f.size > max_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(i)
-        size += f.size
-    return groups
-
-
-def _write_share(
-    plan: _plan.CheckpointPlan,
-    pieces: Iterator[Pieces],
-    directory: epath.Path,
-    stats: _pieces.WriteStats,
-    *,
-    primary: bool,
-) -> None:
-    # Some files of an export on object storage: no index (the primary writes the export's
-    # own once every file is complete), unchecksummed.
-    prepared = _checkpoint_save.PreparedSave(
-        plan=plan,
-        pieces=pieces,
-        metadata={},
-        sizes={n: e.nbytes for f in plan.files for n, e in f.entries.items()},
-        is_primary=primary,
-        process_index=jax.process_index(),
-        checksums=False,
-    )
-    _checkpoint_save.write_process_share(
-        prepared, directory, stats, persist_share=False, index=False
-    )
 
 
 def write_pieces(
@@ -326,7 +212,7 @@ def half_batches(job: ExportJob, batch_bytes: int) -> list[tuple[list[_links.Lin
 
 
 def _process_pieces(
-    job: ExportJob, lora: Lora, batch_bytes: int, primary: bool, *, marks: bool = False
+    job: ExportJob, lora: Lora, batch_bytes: int, primary: bool, marks: bool = False
 ) -> Iterator[Any]:
     """This process's pieces, link by link in the same order on every process; with
     ``marks``, each link too, once its pieces are out."""
