@@ -374,3 +374,31 @@ def test_old_orbax_refuses_with_version() -> None:
 def test_package_imports_on_every_orbax() -> None:
     assert osf.SafetensorsHandler.__module__ == "orbax_safetensors"
     assert "SafetensorsHandler" in osf.__all__
+
+
+class _Servable(osf.SafetensorsHandler):
+    """A handler given a mapping: every save is a Hugging Face model directory."""
+
+    def __init__(self) -> None:
+        mapping = osf.KeyMapping([osf.Rule("w.weight", "w.kernel", osf.Transpose())])
+        super().__init__(mapping=mapping, hf_config={"model_type": "llama"})
+
+
+@needs_v1
+def test_a_handler_with_a_mapping_saves_and_loads_a_servable_item(tmp_path: Path) -> None:
+    from orbax.checkpoint import v1 as ocp
+
+    kernel = np.arange(12, dtype=np.float32).reshape(3, 4)
+    ctx = ocp.Context()
+    ctx.checkpointables.registry = osf.local_registry(_Servable)
+    with ctx:
+        ocp.save(tmp_path / "ckpt", {"w": {"kernel": kernel}})
+        got = ocp.load(tmp_path / "ckpt", {"w": {"kernel": jax.ShapeDtypeStruct((3, 4), "f4")}})
+    item = tmp_path / "ckpt" / "state"
+    tensors = st_load_file(str(item / "model.safetensors"))
+    assert list(tensors) == ["w.weight"]
+    np.testing.assert_array_equal(tensors["w.weight"], kernel.T)  # the PyTorch layout
+    assert json.loads((item / "config.json").read_text())["model_type"] == "llama"
+    np.testing.assert_array_equal(np.asarray(got["w"]["kernel"]), kernel)
+    with pytest.raises(ValueError, match="needs mapping="):
+        osf.SafetensorsHandler(hf_config={"model_type": "llama"})

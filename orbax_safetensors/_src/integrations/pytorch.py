@@ -222,7 +222,9 @@ def export_pytorch(
 
     In a multi-process JAX job every process calls it with the same arguments and writes only
     the bytes of the shards it owns (``integrations/sharded_export.py``): no gather, the same
-    bytes as a one-process export; ``directory`` must be on a file system every process sees.
+    bytes as a one-process export; ``directory`` must be on a file system every process sees,
+    or on ``s3://`` or ``gs://`` (each process uploads its own bytes; the index and
+    ``config.json`` are written once every file is complete).
 
     Args:
       source: an ``nnx.Module``; any pytree of arrays (dicts, Linen params, ``nnx.State``,

@@ -23,6 +23,12 @@ bytes of the shards it owns (``replica_id == 0``), through the writer a checkpoi
    directory in (``storage/replace.swap_in``); a last barrier, so that every process returns
    once the directory is complete.
 
+On ``s3://`` and ``gs://`` (no rename) the primary first deletes the old export's model files
+and index, and the pieces go straight into ``directory``, a group of files at a time (each
+process holds its share of one group: about ``batch_bytes``), through the uploads of a
+multi-process checkpoint save (``storage/objstore/spread``: each process uploads its own
+bytes, each file appears whole once complete); the index and ``config.json`` come last.
+
 The files are byte-identical to a one-process export of the same values, LoRA merges included
 (the small adapters are gathered to every process and each kernel shard merged on the host:
 ``links.merge_lora_block``).
@@ -31,6 +37,7 @@ Example::
 
     # on every process of the job, with params sharded over the job's devices
     osf.export_pytorch(params, "/shared/hf", mapping, hf_config=config)
+    osf.export_pytorch(params, "gs://bucket/hf", mapping, hf_config=config)
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ from orbax_safetensors._src.core import runs as _runs
 from orbax_safetensors._src.integrations import export_plan as _export_plan
 from orbax_safetensors._src.integrations import flax_tables as _flax_tables
 from orbax_safetensors._src.integrations import links as _links
+from orbax_safetensors._src.integrations import object_export as _object_export
 from orbax_safetensors._src.integrations.key_mapping import MappingReport
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
 from orbax_safetensors._src.pipeline import pieces as _pieces
@@ -126,15 +134,24 @@ def write_processes(
 ) -> _pieces.WriteStats:
     """Writes ``job``'s files into ``directory`` from every process of the job (see the
     module docstring); ``extra_files`` (``{name: text}``, e.g. the index and ``config.json``)
-    are written by the primary. Returns what this process wrote.
+    are written by the primary, last (on ``s3://`` and ``gs://``: ``object_export``).
+    Returns what this process wrote.
 
     Raises:
-      ValueError: ``directory`` is not on a local (POSIX, shared) file system.
+      ValueError: ``directory`` is neither on a local (POSIX, shared) file system nor on
+        ``s3://`` or ``gs://``.
     """
+    if _router.is_object_url(directory):  # a group of files at a time (object_export)
+        items = _process_pieces(job, lora, batch_bytes, jax.process_index() == _PRIMARY, True)
+        stats = _object_export.write_objects(
+            directory, job.plan, job.links, job.tied, items, extra_files, batch_bytes=batch_bytes
+        )
+        report.moved += job.moved()
+        return stats
     if not _router.is_local(directory):
         raise ValueError(
             f"{directory}: a multi-process export writes to a file system every process "
-            "sees (local or network POSIX); export to it and copy to object storage"
+            "sees (local or network POSIX), s3:// or gs://; export to one of them and copy"
         )
     primary = jax.process_index() == _PRIMARY
     tmp = _replace.staging_path(directory, _staging_token(primary))
@@ -203,9 +220,10 @@ def half_batches(job: ExportJob, batch_bytes: int) -> list[tuple[list[_links.Lin
 
 
 def _process_pieces(
-    job: ExportJob, lora: Lora, batch_bytes: int, primary: bool
-) -> Iterator[Pieces]:
-    """This process's pieces, link by link in the same order on every process."""
+    job: ExportJob, lora: Lora, batch_bytes: int, primary: bool, marks: bool = False
+) -> Iterator[Any]:
+    """This process's pieces, link by link in the same order on every process; with
+    ``marks``, each link too, once its pieces are out."""
     plan, table, tied = job.plan, job.table, job.tied
     infos = table.infos
     stored = getattr(table.source, "stored", None)
@@ -233,6 +251,8 @@ def _process_pieces(
             yield from _link_pieces(plan, link, [values[n] for n in link.flax], tied, primary)
             for n in link.flax:
                 values.pop(n, None)
+            if marks:
+                yield link
 
 
 def read_ahead(

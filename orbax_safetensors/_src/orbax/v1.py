@@ -37,6 +37,7 @@ from etils import epath
 from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
 from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import errors as _errors
+from orbax_safetensors._src.orbax import mappings as _mappings
 from orbax_safetensors._src.orbax import saving as _saving
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.orbax import v0 as _v0
@@ -95,6 +96,12 @@ class SafetensorsHandler:
         ``SafetensorsSave(dtype=...)`` takes it (one dtype for floating-point arrays, glob
         patterns over dotted names, or a callable); checked here. Orbax v1's own
         ``StorageOptions.dtype`` context option is not read: pass the policy here.
+      mapping: an ``osf.KeyMapping``: every save writes a Hugging Face model directory (a
+        servable item, as ``SafetensorsSave(item, mapping=...)``; by every process of a
+        multi-process job, each writing its own bytes) and every load reads one into the
+        abstract tree's JAX layout (``SafetensorsRestore(target, mapping=...)``).
+      hf_config: with ``mapping``: a transformers config object or a dict, written as
+        ``config.json``.
 
     Example::
 
@@ -105,6 +112,10 @@ class SafetensorsHandler:
         class Bf16Export(osf.SafetensorsHandler):  # every save stores floats as bf16
             def __init__(self):
                 super().__init__(dtype=jnp.bfloat16)
+
+        class Servable(osf.SafetensorsHandler):  # a Hugging Face model directory
+            def __init__(self):
+                super().__init__(mapping=osf.preset_mapping("llama"), hf_config=config)
     """
 
     SECONDARY_TYPESTRS = SECONDARY_TYPESTRS
@@ -114,15 +125,27 @@ class SafetensorsHandler:
         handler: _v0.SafetensorsCheckpointHandler | None = None,
         *,
         dtype: _casting.DtypePolicy | None = None,
+        mapping: Any = None,
+        hf_config: Any = None,
     ) -> None:
         _orbaxcompat.orbax_v1("orbax_safetensors.SafetensorsHandler")
         self._v0 = handler if handler is not None else _v0.SafetensorsCheckpointHandler()
         self._dtype = _casting.parse_policy(dtype)
+        if mapping is not None:
+            _mappings.hooks_for(mapping)  # an unknown mapping type fails here
+        elif hf_config is not None:
+            raise ValueError(
+                "SafetensorsHandler: hf_config= writes the config.json of a Hugging Face "
+                "model directory, which needs mapping= (an osf.KeyMapping)"
+            )
+        self._mapping, self._hf_config = mapping, hf_config
 
     async def save(self, directory: Any, checkpointable: Any) -> Awaitable[None]:
         """Validates ``checkpointable`` and copies this process's shards to host (on the
         caller's thread); the returned awaitable writes, then finalizes on the primary."""
-        args = _v0.SafetensorsSave(checkpointable, dtype=self._dtype)
+        args = _v0.SafetensorsSave(
+            checkpointable, dtype=self._dtype, mapping=self._mapping, hf_config=self._hf_config
+        )
         job = self._v0.new_job(epath.Path(directory.path), args, _saving.save_mode(skip=1))
         commit_futures = _saving.start(job)
         barrier = f"orbax_safetensors_v1_save_{next(_save_counter)}"
@@ -149,6 +172,7 @@ class SafetensorsHandler:
             abstract_checkpointable,
             strict=not options.pad_or_truncate,
             partial_restore=options.partial_load,
+            mapping=self._mapping,
         )
         return self._background_load(epath.Path(directory), args, _words(options))
 

@@ -328,6 +328,7 @@ def write_process_share(
     persist_share: bool = True,
     max_in_flight: int = IN_FLIGHT_BYTES,
     io: _config.IOOptions | None = None,
+    index: bool = True,
 ) -> dict[str, Any]:
     """Writes this process's bytes (and, on the primary, headers, index and metadata draft).
 
@@ -340,6 +341,8 @@ def write_process_share(
     trip of two documents with an entry per tensor). ``max_in_flight`` bounds the bytes of
     earlier pieces still being written while the next are produced (their host copies stay
     alive until then), the part-filled batch of small tensors included (at most 8 MiB).
+    ``index=False``: no index, whatever the number of files (a plan of some of the files of a
+    directory whose index the caller writes).
     """
     directory = epath.Path(directory)
     plan = prepared.plan
@@ -397,7 +400,7 @@ def write_process_share(
     # Object storage, several processes: this process's uploads (and the parts it builds).
     _router.finish_files(directory, io)
     if prepared.is_primary:
-        if len(plan.files) > 1:
+        if index and len(plan.files) > 1:
             (directory / _plan.INDEX_FILE_NAME).write_text(json.dumps(plan.index_json(), indent=1))
         for name, text in prepared.files.items():
             (directory / name).write_text(text)

@@ -141,8 +141,8 @@ class SaveJob:
         see ``storage/config.IOOptions``).
       export: write these tensors instead of the tree's (``export_plan.ExportPlan``: a Hugging
         Face model directory), computed from the snapshot on the writer's thread; with several
-        processes each writes only its own bytes (``export_plan.sharded_pieces``; a local or
-        network file system).
+        processes each writes only its own bytes (``export_plan.sharded_pieces``), on a
+        shared file system or, through the spread uploads of any save, on object storage.
 
     After :meth:`write`, ``stats`` holds the byte ranges this process wrote.
     """
@@ -165,13 +165,6 @@ class SaveJob:
         self.mode = mode
         self.layout = layout if layout is not None else _checkpoint_save.SaveLayout()
         self.processes = processes = processes if processes is not None else Processes()
-        if export is not None and processes.count > 1 and _router.is_object_url(self.directory):
-            raise ValueError(
-                f"{self.directory}: a save with an export plan (SafetensorsSave(mapping=...)) "
-                f"by {processes.count} processes writes to a file system every process sees "
-                "(local or network POSIX), not object storage; save the servable item there "
-                "and copy it, or save it from one process"
-            )
         self.stats = _pieces.WriteStats()
         # Several processes: the draft and the checksum shares go to disk for the primary's
         # finalize; one process: the finalize is this one's and takes them from memory.

@@ -62,7 +62,7 @@ def replacing_directory(directory: epath.PathLike) -> Iterator[epath.Path]:
     replaces the directory's checkpoint files (see the module docstring)."""
     directory = epath.Path(directory)
     if not _router.is_local(directory):
-        _remove_owned(directory)
+        remove_owned(directory)
         directory.mkdir(parents=True, exist_ok=True)
         yield directory
         return
@@ -137,9 +137,15 @@ def _exchange(a: epath.Path, b: epath.Path) -> bool:
     return rc == 0
 
 
-def _remove_owned(directory: epath.Path) -> None:
-    # Object storage: the old checkpoint's own objects, what names others (index, metadata)
-    # first, so no interrupted state has an index or metadata naming a missing or old shard.
+def remove_owned(directory: epath.Path) -> None:
+    """Object storage: deletes the old checkpoint's own objects of ``directory`` (see
+    :func:`owned`), those that name others (index, metadata) first, so that no interrupted
+    state has an index or metadata naming a missing or old shard. Other objects are kept.
+
+    Example::
+
+        remove_owned(epath.Path("gs://bucket/hf"))   # before several processes write it
+    """
     if not directory.exists():
         return
     children = [c for c in directory.iterdir() if owned(c.name)]
