@@ -197,11 +197,18 @@ def finish(store: _Store, directory: str, write_whole: WriteWhole) -> None:
             record = _commit.CommitRecord.of_plan(outcome.plan)
             _commit.write_record(store, directory, record)
             return
-        if error is None:
-            reason = kv.failure() or f"processes {failed} did not finish"
-            error = _calls.ObjectStoreError(
-                directory, "the save", 1, RuntimeError(f"the save failed on {reason}")
+        first = kv.failure()
+        if error is None or (first is not None and not first.startswith(f"process {me}:")):
+            # Another process failed first (this one's own failure, if any, followed from
+            # it: an upload that process aborted, say): the error names the first.
+            reason = first or f"processes {failed} did not finish"
+            own, error = (
+                error,
+                _calls.ObjectStoreError(
+                    directory, "the save", 1, RuntimeError(f"the save failed on {reason}")
+                ),
             )
+            error.__cause__ = own
     except BaseException as e:
         error = error or e
     finally:
