@@ -46,3 +46,14 @@ def reads(name: str) -> bool:
 def reads_numpy(dtype: np.dtype | type) -> bool:
     """:func:`reads` for the safetensors name of a numpy dtype."""
     return reads(_dtypes.from_numpy(np.dtype(dtype)))
+
+
+def tensor_bytes(directory: Path) -> int:
+    """The tensor data bytes of a directory's safetensors files (each file's size less its
+    8-byte length and header), read from the headers' lengths alone."""
+    total = 0
+    for f in directory.glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            header_len = int.from_bytes(fh.read(8), "little")
+        total += f.stat().st_size - 8 - header_len
+    return total

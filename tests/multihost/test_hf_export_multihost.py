@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -41,6 +40,7 @@ import orbax_safetensors as osf
 transformers = pytest.importorskip("transformers", minversion="5", reason="needs transformers>=5")
 torch = pytest.importorskip("torch")
 import hf_models  # noqa: E402
+from official_reader import tensor_bytes  # noqa: E402
 
 pytestmark = [pytest.mark.multihost, pytest.mark.timeout(420)]
 
@@ -82,15 +82,6 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     }
 
 
-def _tensor_bytes(directory: Path) -> int:
-    """The tensor data bytes of a directory's safetensors files (size less header)."""
-    total = 0
-    for f in directory.glob("*.safetensors"):
-        header_len = int.from_bytes(f.read_bytes()[:8], "little")
-        total += f.stat().st_size - 8 - header_len
-    return total
-
-
 @pytest.mark.parametrize("n", [2, 4])
 def test_processes_export_only_their_bytes_byte_identical_and_loadable(setup, n):
     out = setup["base"] / f"by_{n}"
@@ -123,7 +114,7 @@ def test_processes_export_only_their_bytes_byte_identical_and_loadable(setup, n)
         assert sorted(p.name for p in mine.iterdir()) == files, name
         for f in files:
             assert (mine / f).read_bytes() == (ref / f).read_bytes(), f"{name}/{f} differs"
-        total = _tensor_bytes(ref)
+        total = tensor_bytes(ref)
         written = [by_pid[i][name]["bytes_written"] for i in range(n)]
         assert sum(written) == total, (name, written, total)
         for i in range(n):

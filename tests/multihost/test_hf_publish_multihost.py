@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -47,6 +46,7 @@ import orbax_safetensors as osf
 transformers = pytest.importorskip("transformers", minversion="5", reason="needs transformers>=5")
 torch = pytest.importorskip("torch")
 import hf_models  # noqa: E402
+from official_reader import tensor_bytes  # noqa: E402
 
 pytestmark = [pytest.mark.multihost, pytest.mark.timeout(480)]
 
@@ -57,15 +57,6 @@ IDS = np.random.default_rng(0).integers(0, V.V, size=(2, 9))
 # and the socket traffic of the collectives and barriers.
 WRITE_OVERHEAD = 256 << 10
 ORBAX_COMMIT_FILE = "commit_success.txt"  # Orbax's, naming the item's temporary path
-
-
-def _tensor_bytes(directory: Path) -> int:
-    """The tensor data bytes of a directory's safetensors files (size less header)."""
-    total = 0
-    for f in directory.glob("*.safetensors"):
-        header_len = int.from_bytes(f.read_bytes()[:8], "little")
-        total += f.stat().st_size - 8 - header_len
-    return total
 
 
 def _item(weights: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -173,7 +164,7 @@ def test_processes_publish_only_their_bytes_every_step(setup, n):
         for f in files:
             assert (mine / f).read_bytes() == (ref / f).read_bytes(), f"{mine}/{f} differs"
     for step in range(STEPS):
-        total = _tensor_bytes(setup["ref"] / str(step) / "policy")
+        total = tensor_bytes(setup["ref"] / str(step) / "policy")
         got = [by_pid[i]["steps"][str(step)] for i in range(n)]
         assert sum(g["policy_bytes"] for g in got) == total, (step, got, total)
         for i, g in enumerate(got):
@@ -182,7 +173,7 @@ def test_processes_publish_only_their_bytes_every_step(setup, n):
             assert mine <= g["wchar"] <= mine + WRITE_OVERHEAD, (step, i, g)
             if i:  # not the primary: at most its share
                 assert g["policy_bytes"] <= total / n, (step, got, total)
-    whole = _tensor_bytes(setup["ref"] / str(kept[-1]) / "policy")
+    whole = tensor_bytes(setup["ref"] / str(kept[-1]) / "policy")
     for i in range(n):
         for step in kept:
             r = by_pid[i]["restored"][str(step)]

@@ -45,6 +45,7 @@ transformers = pytest.importorskip("transformers", minversion="5", reason="needs
 torch = pytest.importorskip("torch")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 import hf_models  # noqa: E402
+from official_reader import tensor_bytes  # noqa: E402
 
 pytestmark = [pytest.mark.multihost, pytest.mark.timeout(480)]
 
@@ -61,14 +62,6 @@ def _item(weights: dict[str, np.ndarray]) -> dict[str, Any]:
     lora = {"lora_a": weights["lora_a"], "lora_b": weights["lora_b"]}
     tree["head"] = {"kernel": weights["head"], "lora": lora}
     return tree
-
-
-def _tensor_bytes(directory: Path) -> int:
-    total = 0
-    for f in directory.glob("*.safetensors"):
-        header_len = int.from_bytes(f.read_bytes()[:8], "little")
-        total += f.stat().st_size - 8 - header_len
-    return total
 
 
 def _references(base: Path) -> dict[str, Any]:
@@ -174,7 +167,7 @@ def test_two_processes_export_and_publish_to_s3_and_gcs(
                 assert (local / name).read_bytes() == (reference / name).read_bytes(), (
                     f"{url}/{name} differs from one process's local {what}"
                 )
-            total = _tensor_bytes(reference)
+            total = tensor_bytes(reference)
             files = sum((reference / n).stat().st_size for n in want if n.endswith("tensors"))
             got = [by_pid[i][root][what] for i in range(N)]
             assert sum(g["bytes_written"] for g in got) == total, (url, got, total)

@@ -101,7 +101,16 @@ def write_objects(
             pieces = (
                 (j, p) for j, i in enumerate(group) for _, p in file_pieces(i)
             )  # (in file order: a file's pieces are out once its links are)
-            _write_share(part, pieces, directory, stats, primary=primary)
+            # (no index: the primary writes the export's own once every file is complete)
+            _checkpoint_save.write_unchecksummed(
+                part,
+                pieces,
+                directory,
+                jax.process_index(),
+                primary=primary,
+                index=False,
+                stats=stats,
+            )
             _barrier(f"group.{g}")  # (without JAX's key-value store, nothing else waits)
             if primary:
                 _router.finalize_files(directory)  # (the commit record of its uploads deleted)
@@ -138,27 +147,3 @@ def file_groups(plan: _plan.CheckpointPlan, max_bytes: int) -> list[list[int]]:
         groups[-1].append(i)
         size += f.size
     return groups
-
-
-def _write_share(
-    plan: _plan.CheckpointPlan,
-    pieces: Iterator[Pieces],
-    directory: epath.Path,
-    stats: _pieces.WriteStats,
-    *,
-    primary: bool,
-) -> None:
-    # Some files of the export: no index (the primary writes the export's own once every
-    # file is complete), unchecksummed.
-    prepared = _checkpoint_save.PreparedSave(
-        plan=plan,
-        pieces=pieces,
-        metadata={},
-        sizes={n: e.nbytes for f in plan.files for n, e in f.entries.items()},
-        is_primary=primary,
-        process_index=jax.process_index(),
-        checksums=False,
-    )
-    _checkpoint_save.write_process_share(
-        prepared, directory, stats, persist_share=False, index=False
-    )

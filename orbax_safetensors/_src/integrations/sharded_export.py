@@ -185,20 +185,14 @@ def write_pieces(
     """Writes this process's ``pieces`` of an export's files (headers and index too on the
     primary) with ``checkpoint_save.write_process_share``'s threads, :func:`in_flight` bytes
     of writes under way at most; returns what it wrote. Unchecksummed: no metadata file."""
-    stats = _pieces.WriteStats()
-    prepared = _checkpoint_save.PreparedSave(
-        plan=plan,
-        pieces=pieces,
-        metadata={},
-        sizes={n: e.nbytes for f in plan.files for n, e in f.entries.items()},
-        is_primary=primary,
-        process_index=jax.process_index(),
-        checksums=False,
+    return _checkpoint_save.write_unchecksummed(
+        plan,
+        pieces,
+        directory,
+        jax.process_index(),
+        primary=primary,
+        max_in_flight=in_flight(batch_bytes),
     )
-    _checkpoint_save.write_process_share(
-        prepared, directory, stats, persist_share=False, max_in_flight=in_flight(batch_bytes)
-    )
-    return stats
 
 
 def in_flight(batch_bytes: int) -> int:

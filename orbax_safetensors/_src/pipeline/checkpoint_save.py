@@ -423,6 +423,42 @@ def write_process_share(
     return doc
 
 
+def write_unchecksummed(
+    plan: _plan.CheckpointPlan,
+    pieces: Iterable[tuple[int, list[_interface.Piece]]],
+    directory: epath.PathLike,
+    process_index: int,
+    *,
+    primary: bool,
+    index: bool = True,
+    max_in_flight: int = IN_FLIGHT_BYTES,
+    stats: _pieces.WriteStats | None = None,
+) -> _pieces.WriteStats:
+    """This process's ``pieces`` of ``plan``'s files, with headers (and, with ``index``, the
+    index) on the primary, written by :func:`write_process_share` with no checksums and no
+    metadata file (an export's files); returns what this process wrote, added to ``stats``
+    when given."""
+    stats = _pieces.WriteStats() if stats is None else stats
+    prepared = PreparedSave(
+        plan=plan,
+        pieces=pieces,
+        metadata={},
+        sizes={n: e.nbytes for f in plan.files for n, e in f.entries.items()},
+        is_primary=primary,
+        process_index=process_index,
+        checksums=False,
+    )
+    write_process_share(
+        prepared,
+        directory,
+        stats,
+        persist_share=False,
+        max_in_flight=max_in_flight,
+        index=index,
+    )
+    return stats
+
+
 def finalize(
     directory: epath.PathLike,
     draft_metadata: dict[str, Any] | None = None,

@@ -101,6 +101,26 @@ def scanned_weights(model: Any) -> dict[str, np.ndarray]:
 # LoRA adapter of rank 2 on the LM head ({"head": {"kernel", "lora": {"lora_a", "lora_b"}}}),
 # merged into lm_head.weight as the item is written.
 RANK, LORA_SCALE = 2, 0.5
+
+
+# Shardings of a servable item restored in the workers (others than the save's): each process
+# reads the byte ranges of its shards. ``P`` is jax.sharding.PartitionSpec.
+def restore_specs() -> dict[str, Any]:
+    from jax.sharding import PartitionSpec as P
+
+    return {
+        "embed": P(None, ("p", "l")),
+        "qkv": P(None, "p", "l"),
+        "out": P(None, None, None, "p"),
+        "gate_up": P(None, "p"),
+        "down": P(None, None, ("p", "l")),
+        "attn_norm": P(None, "p"),
+        "mlp_norm": P(),
+        "norm": P(),
+        "head": P(None, ("p", "l")),
+    }
+
+
 PUBLISH_MAPPING = osf.KeyMapping(
     hf_models.scanned_llama_mapping(
         head="head.kernel", out=osf.Chain(osf.Transpose(), osf.SplitHeads(H, 0))

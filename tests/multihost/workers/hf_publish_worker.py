@@ -28,7 +28,6 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import orbax_safetensors as osf  # noqa: E402
 
@@ -76,17 +75,7 @@ with ocp.CheckpointManager(ctx.args["root"], options=options, item_handlers=hand
 
     # The servable item restored into a sharded target, in every process (other shardings
     # than the save's): each reads the byte ranges of its shards.
-    restore_specs = {
-        "embed": P(None, ("p", "l")),
-        "qkv": P(None, "p", "l"),
-        "out": P(None, None, None, "p"),
-        "gate_up": P(None, "p"),
-        "down": P(None, None, ("p", "l")),
-        "attn_norm": P(None, "p"),
-        "mlp_norm": P(),
-        "norm": P(),
-        "head": P(None, ("p", "l")),
-    }
+    restore_specs = V.restore_specs()
     merged = dict(np.load(ctx.args["merged_head"]))
     result["restored"] = {}
     for step in result["all_steps"]:

@@ -29,7 +29,6 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import orbax_safetensors as osf  # noqa: E402
 
@@ -108,16 +107,7 @@ def v1_publish(root):
 
     context = ocp_v1.Context()
     context.checkpointables.registry = osf.local_registry(Servable)
-    specs = {  # (as hf_publish_worker restores)
-        "embed": P(None, ("p", "l")),
-        "qkv": P(None, "p", "l"),
-        "out": P(None, None, None, "p"),
-        "gate_up": P(None, "p"),
-        "down": P(None, None, ("p", "l")),
-        "attn_norm": P(None, "p"),
-        "mlp_norm": P(),
-        "norm": P(),
-    }
+    specs = V.restore_specs()  # (as hf_publish_worker restores)
     abstract = {
         n: jax.ShapeDtypeStruct(
             weights[n].shape, weights[n].dtype, sharding=NamedSharding(mesh, specs[n])
