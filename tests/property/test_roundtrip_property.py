@@ -19,7 +19,7 @@ import numpy as np
 import official_reader
 from campaign import campaign
 from exact import assert_same  # (tests/ is on sys.path)
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from safetensors import safe_open
 
@@ -151,6 +151,8 @@ def test_random_pytrees_round_trip_exactly(tree: Any) -> None:
         max_size=5,
     )
 )
+# (found on CI: an empty dict whose name is a stored leaf's; empty nodes are not renamed)
+@example(tree={"": {"1": np.array(True)}, ".1": {}})
 def test_random_str_keyed_trees_round_trip_with_a_target(tree: dict) -> None:
     # Dicts with one key type are valid jax targets; colliding names must still pair up.
     with tempfile.TemporaryDirectory() as d:

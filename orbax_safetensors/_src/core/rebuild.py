@@ -222,8 +222,17 @@ class TargetLeaves:
     rebuild: Callable[[list[Any]], Any]
 
 
-def flatten_target(target: Any, *, is_leaf: Callable[[Any], bool] | None = None) -> TargetLeaves:
+def flatten_target(
+    target: Any,
+    *,
+    is_leaf: Callable[[Any], bool] | None = None,
+    structural: Callable[[Any], bool] | None = None,
+) -> TargetLeaves:
     """Flattens a restore target with jax's own pytree rules (keeping its node types).
+
+    Leaves for which ``structural`` holds (``None`` and empty nodes taken as leaves by
+    ``is_leaf``) are named by their plain dotted path and take no part in breaking name
+    collisions, as a saved schema names them: only stored leaves get ``~N`` suffixes.
 
     Example::
 
@@ -254,8 +263,16 @@ def flatten_target(target: Any, *, is_leaf: Callable[[Any], bool] | None = None)
         leaves
     ):  # pragma: no cover - guards a jax behaviour change
         raise SchemaError("internal: target leaf count differs between flattening passes")
+    if structural is None:
+        names = _naming.assign_names(paths)
+    else:
+        names = [_naming.join_path(p) for p in paths]
+        stored = [i for i, x in enumerate(leaves) if not structural(x)]
+        deduped = _naming.dedupe_names([names[i] for i in stored], [paths[i] for i in stored])
+        for i, name in zip(stored, deduped):
+            names[i] = name
     return TargetLeaves(
-        _naming.assign_names(paths),
+        names,
         leaves,
         lambda values: jax.tree_util.tree_unflatten(treedef, values),
     )

@@ -260,7 +260,7 @@ class _Targeted:
 
     def restore(self) -> Any:
         options = self.options
-        flat = _tree.flatten_target(options.target, is_leaf=_target_leaf)
+        flat = _tree.flatten_target(options.target, is_leaf=_target_leaf, structural=is_empty)
         select = options.select
         if select is not None:
             select.check(flat.names, "the restore target")
