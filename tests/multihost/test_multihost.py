@@ -8,7 +8,7 @@ Three launches, each checking many things (process start-up dominates):
    one save under a dtype policy (``dtype=bfloat16``), restored into the float32 target.
 2. N=4 (2 devices each): the same saves split into several files (small ``max_file_size``),
    the same restores, and restores of the N=2 checkpoint (another process count).
-3. N=2: restores of the N=4 checkpoint.
+3. N=2: restores of the N=4 checkpoint (the main environment only: see ``ON_STACK``).
 
 Every worker reports the byte ranges it wrote (``handler.last_write_stats``) and, per restore,
 ``handler.last_read_stats`` against an independent byte-mask oracle. The files are then read
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
 import struct
 import sys
@@ -116,8 +117,16 @@ def n4_run(roots: dict[int, Path], v1_paths: dict[int, Path], n2_run: list[Any])
     return _save_run(4, roots, v1_paths, SPLIT_MAX_FILE_SIZE, restores)
 
 
+# The other CI stacks (OSF_PROPERTY_PROFILE=stack) check one direction across process counts:
+# the N=4 launch restores the N=2 checkpoint (the same restore calls as the other direction);
+# the main environment also restores the N=4 checkpoint at N=2 (a third launch).
+ON_STACK = os.environ.get("OSF_PROPERTY_PROFILE") == "stack"
+
+
 @pytest.fixture(scope="module")
 def n2_restore_run(roots: dict[int, Path], n4_run: list[Any]) -> list[Any]:
+    if ON_STACK:
+        return []
     args = {"save_root": None, "restores": [_restore(roots[4], 4)]}
     return run_workers(WORKER, 2, devices_per_process=2, args=args, timeout=LAUNCH_TIMEOUT_S)
 

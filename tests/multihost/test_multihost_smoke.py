@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,8 +17,28 @@ except ImportError:  # tests/ became a package
 pytestmark = [pytest.mark.multihost, pytest.mark.timeout(180)]
 
 
-def test_two_processes_share_a_global_array() -> None:
-    results = run_workers("smoke_worker.py", 2, devices_per_process=2, args={"shape": [8, 4]})
+@pytest.fixture(scope="module")
+def stolen_port_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], Path]:
+    """One 2-process smoke launch whose first coordinator port is taken: the retry on a fresh
+    port runs the whole smoke worker, so it serves both tests below (one launch, not two)."""
+    log_dir = tmp_path_factory.mktemp("stolen_port")
+    with socket.socket() as thief:
+        thief.bind(("127.0.0.1", 0))
+        thief.listen()
+        stolen = thief.getsockname()[1]
+        results = run_workers(
+            "smoke_worker.py",
+            2,
+            devices_per_process=2,
+            args={"shape": [8, 4]},
+            port=stolen,
+            log_dir=log_dir,
+        )
+    return results, log_dir
+
+
+def test_two_processes_share_a_global_array(stolen_port_run: tuple[list[Any], Path]) -> None:
+    results, _ = stolen_port_run
 
     assert [r.returncode for r in results] == [0, 0]
     for pid, r in enumerate(results):
@@ -73,12 +94,8 @@ def test_hung_worker_is_killed_at_timeout_with_its_stack(tmp_path: Path) -> None
     assert not (tmp_path / "attempt2").exists()
 
 
-def test_stolen_coordinator_port_is_retried(tmp_path: Path) -> None:
-    with socket.socket() as thief:
-        thief.bind(("127.0.0.1", 0))
-        thief.listen()
-        stolen = thief.getsockname()[1]
-        results = run_workers("smoke_worker.py", 2, port=stolen, log_dir=tmp_path)
+def test_stolen_coordinator_port_is_retried(stolen_port_run: tuple[list[Any], Path]) -> None:
+    results, tmp_path = stolen_port_run
 
     assert all(r.result["is_fully_addressable"] is False for r in results)
     first_try = (tmp_path / "attempt1" / "worker0.stderr").read_text()
