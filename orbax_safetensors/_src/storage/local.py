@@ -152,6 +152,20 @@ def _contiguous_runs(
     return runs
 
 
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, np.uint8).ctypes.data) if len(view) else 0
+
+
+def _placed(views: Sequence[memoryview], offset: int) -> bool:
+    # Whether every view (written from ``offset`` on, one after the other) sits at an address
+    # congruent to its file offset modulo a block, and is large enough to send direct.
+    for view in views:
+        if len(view) < _direct.MIN_BYTES or (_address(view) - offset) % _direct.BLOCK:
+            return False
+        offset += len(view)
+    return True
+
+
 def _cut_views(views: Sequence[memoryview], lo: int, hi: int) -> list[memoryview]:
     # The bytes [lo, hi) of the concatenation of ``views``, as views of them (no copy).
     out, at = [], 0
@@ -256,6 +270,11 @@ class LocalWriter:
         return crcs
 
     def _write_run(self, views: list[memoryview], offset: int) -> None:
+        if len(views) > 1 and _placed(views, offset):  # each its own run: no staging copy
+            for view in views:
+                self._write_run([view], offset)
+                offset += len(view)
+            return
         nbytes = sum(len(v) for v in views)
         first, last = _direct.block_span(offset, nbytes)
         if last - first >= _direct.MIN_BYTES and self._direct_descriptor() is not None:
@@ -287,9 +306,19 @@ class LocalWriter:
         fd = self._direct_fd
         assert fd is not None
         nbytes = sum(len(v) for v in views)
-        # O_DIRECT needs a block-aligned source address: the pieces' host buffers are not
-        # (XLA's or numpy's allocations), so the bytes are staged through an aligned buffer of
-        # this thread's (a memory-speed copy, overlapped with the other threads' writes).
+        if len(views) == 1 and _address(views[0]) % _direct.BLOCK == 0:
+            # A buffer placed for its file offset (buffers.LentBuffers): sent as it is.
+            moved = self._call(_direct.write_direct, fd, offset, views[0])
+            if moved < nbytes:
+                self._direct_wanted = False
+                self._write_buffered([views[0][moved:]], offset + moved)
+            with self._direct_lock:
+                self.direct_bytes += moved
+            return
+        # O_DIRECT needs a block-aligned source address: the pieces' host buffers are most
+        # often not (XLA's or numpy's allocations), so the bytes are staged through an aligned
+        # buffer of this thread's (a memory-speed copy, overlapped with the other threads'
+        # writes).
         try:
             stage = self._staging.get_nowait()
         except queue.Empty:
