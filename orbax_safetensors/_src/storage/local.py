@@ -156,14 +156,21 @@ def _address(view: memoryview) -> int:
     return int(np.frombuffer(view, np.uint8).ctypes.data) if len(view) else 0
 
 
-def _placed(views: Sequence[memoryview], offset: int) -> bool:
-    # Whether every view (written from ``offset`` on, one after the other) sits at an address
-    # congruent to its file offset modulo a block, and is large enough to send direct.
+def _placed_apart(views: Sequence[memoryview], offset: int) -> list[tuple[int, list[memoryview]]]:
+    # A run of ``views`` (written from ``offset`` on, one after the other) cut so that every
+    # view of a block or more at an address congruent to its file offset modulo a block is a
+    # run of its own (buffers.LentBuffers places them so: their whole blocks go direct as they
+    # are); the views between stay together (staged for direct I/O, or buffered).
+    runs: list[tuple[int, list[memoryview]]] = []
+    loose = False  # whether the last run holds views that are not placed
     for view in views:
-        if len(view) < _direct.MIN_BYTES or (_address(view) - offset) % _direct.BLOCK:
-            return False
+        placed = len(view) >= _direct.BLOCK and (_address(view) - offset) % _direct.BLOCK == 0
+        if placed or not loose:
+            runs.append((offset, []))
+        runs[-1][1].append(view)
+        loose = not placed
         offset += len(view)
-    return True
+    return runs
 
 
 def _cut_views(views: Sequence[memoryview], lo: int, hi: int) -> list[memoryview]:
@@ -270,11 +277,12 @@ class LocalWriter:
         return crcs
 
     def _write_run(self, views: list[memoryview], offset: int) -> None:
-        if len(views) > 1 and _placed(views, offset):  # each its own run: no staging copy
-            for view in views:
-                self._write_run([view], offset)
-                offset += len(view)
-            return
+        if len(views) > 1:  # placed views sent on their own: no staging copy
+            runs = _placed_apart(views, offset)
+            if len(runs) > 1:
+                for at, part in runs:
+                    self._write_run(part, at)
+                return
         nbytes = sum(len(v) for v in views)
         first, last = _direct.block_span(offset, nbytes)
         if last - first >= _direct.MIN_BYTES and self._direct_descriptor() is not None:
