@@ -22,7 +22,9 @@ Time: until every file is written and fsynced (wall clock; at N > 1 the slowest 
 after a barrier). Peak host memory: ``VmHWM`` reset right before the method, minus ``VmRSS``
 before it (per process; the largest). The device's write bandwidth is ``fio``'s (a
 sequential write of the output's byte count with ``end_fsync=1``, the faster of direct and
-buffered I/O, medians of 5) when fio is installed. Each single-process measurement is a
+buffered I/O, medians of 5) when fio is installed; an export from a checkpoint is bound by
+the read of the checkpoint and the write of the output at once on the same disk (two fio
+jobs at the same time). Each single-process measurement is a
 fresh Python process; each multi-process round one launch running both methods (order
 alternating). Medians of ``--rounds``.
 
@@ -378,6 +380,42 @@ def _fio_seconds(directory: Path, nbytes: int, *, write: bool, rounds: int = 5) 
     return min(statistics.median(runs) for runs in times.values() if runs)
 
 
+def _fio_read_write_seconds(
+    directory: Path, read: int, write: int, rounds: int = 5
+) -> float | None:
+    """The device's time to cold-read ``read`` bytes of one file while writing ``write`` bytes
+    of another (with end_fsync), two fio jobs at once: what an export from a checkpoint on the
+    same disk must move. The faster of direct and buffered I/O, each the median of ``rounds``
+    wall-clock times."""
+    if shutil.which("fio") is None:
+        return None
+    import concurrent.futures
+
+    from benchmarks import device
+
+    source, output = directory / "fio_source.bin", directory / device.FIO_FILE
+    times: dict[str, list[float]] = {"1": [], "0": []}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        for _ in range(rounds):
+            for direct, runs in times.items():
+                settings = {"ioengine": "psync", "direct": direct, "bs": "8M"}
+                try:
+                    device.run_fio(source, read, settings, write=True)  # the file to read
+                    t0 = time.perf_counter()
+                    jobs = [
+                        pool.submit(device.run_fio, source, read, settings, write=False),
+                        pool.submit(device.run_fio, output, write, settings, write=True),
+                    ]
+                    for job in jobs:
+                        job.result()
+                    runs.append(time.perf_counter() - t0)
+                except RuntimeError:  # direct I/O refused by the filesystem: buffered only
+                    continue
+    source.unlink(missing_ok=True)
+    output.unlink(missing_ok=True)
+    return min(statistics.median(runs) for runs in times.values() if runs)
+
+
 def transform_seconds(size: int, threads: int = 1) -> float:
     """The CPU's part: transposing and casting the whole float32 state to the bfloat16 PyTorch
     layout in memory, as the export does (``core/astype``), on ``threads`` threads (one tensor
@@ -419,14 +457,15 @@ class Limits:
     read: float | None
     transform: float
     transform_all: float
+    read_write: float | None = None  # the read and the write at once, on the same disk
 
     def bound(self, source: str) -> float | None:
-        """The slowest of what an export from ``source`` must do (from a checkpoint: read,
-        transform, write; from memory: transform, write; servable: write): overlapping them,
-        it cannot be faster."""
+        """The slowest of what an export from ``source`` must do (from a checkpoint: the read
+        and the write at once on the same disk, the transform; from memory: transform, write;
+        servable: write): overlapping them, it cannot be faster."""
         if self.write is None or (source == "checkpoint" and self.read is None):
             return None
-        reads = [self.read or 0.0] if source == "checkpoint" else []
+        reads = [self.read_write or self.read or 0.0] if source == "checkpoint" else []
         transforms = [] if source == "servable" else [self.transform_all]
         return max([self.write, *transforms, *reads])
 
@@ -481,6 +520,12 @@ def report(rows: list[dict[str, Any]], state_bytes: int, out_bytes: int, limits:
             f"{fio:.2f} s ({out_bytes / fio / 1e6:,.0f} MB/s); cold read of "
             f"{_mib(state_bytes)}: {limits.read:.2f} s ({state_bytes / limits.read / 1e6:,.0f} "
             "MB/s)"
+            + (
+                f"; both at once (two fio jobs, the read of a checkpoint and the write of its "
+                f"export): {limits.read_write:.2f} s"
+                if limits.read_write
+                else ""
+            )
         )
     else:
         lines.append("device: fio not installed (n/a)")
@@ -488,8 +533,8 @@ def report(rows: list[dict[str, Any]], state_bytes: int, out_bytes: int, limits:
         f"CPU: transposing and casting the state in memory: one thread {limits.transform:.2f} s "
         f"({state_bytes / limits.transform / 1e6:,.0f} MB/s of float32), the export's "
         f"{_pieces.TRANSFORM_THREADS} threads on {os.cpu_count()} cores "
-        f"{limits.transform_all:.2f} s; bound = the slowest of write, transform (all threads) "
-        "and (from a checkpoint) read"
+        f"{limits.transform_all:.2f} s; bound = the slowest of write (from a checkpoint: read "
+        "and write at once), transform (all threads)"
     )
     lines.append(f"load average (1 min) at the end: {os.getloadavg()[0]:.1f}")
     return "\n".join(lines)
@@ -578,6 +623,7 @@ def main() -> None:
             read=_fio_seconds(work, state_bytes, write=False),
             transform=transform_seconds(size),
             transform_all=transform_seconds(size, _pieces.TRANSFORM_THREADS),
+            read_write=_fio_read_write_seconds(work, state_bytes, out_bytes),
         )
     finally:
         shutil.rmtree(work, ignore_errors=True)
