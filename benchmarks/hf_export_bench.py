@@ -20,10 +20,17 @@ bfloat16 Hugging Face directory (``nn.Linear`` weights transposed to ``(out, in)
 
 Time: until every file is written and fsynced (wall clock; at N > 1 the slowest process,
 after a barrier). Peak host memory: ``VmHWM`` reset right before the method, minus ``VmRSS``
-before it (per process; the largest). The device's write bandwidth is ``fio``'s (a buffered
-sequential write of the output's byte count with ``end_fsync=1``, median of 3) when fio is
-installed. Each single-process measurement is a fresh Python process; each multi-process
-round one launch running both methods (order alternating). Medians of ``--rounds``.
+before it (per process; the largest). The device's write bandwidth is ``fio``'s (a
+sequential write of the output's byte count with ``end_fsync=1``, the faster of direct and
+buffered I/O, medians of 5) when fio is installed; an export from a checkpoint is bound by
+the read of the checkpoint and the write of the output at once on the same disk (two fio
+jobs at the same time). Each single-process measurement is a
+fresh Python process; each multi-process round one launch running both methods (order
+alternating). Medians of ``--rounds``.
+
+A third source, ``servable`` (``ours`` alone, N = 1), exports the state already bfloat16
+in the Hugging Face layout from host memory: nothing to transform, so it measures the
+export's write path against the device's bandwidth.
 
 Run::
 
@@ -165,15 +172,27 @@ def load_state(ckpt: Path, size: int) -> Any:
     return osf.restore_directory(ckpt, unflatten(abstract))
 
 
-def run_ours(source: Any, out: Path, size: int) -> None:
-    """``source``: the checkpoint's path, or the state in memory."""
+def servable_state(state: Any, size: int) -> Any:
+    """The state as the Hugging Face model it exports to (bfloat16, ``(out, in)`` kernels,
+    torch names), in host memory: exporting it writes bytes and transforms nothing."""
+    import numpy as np
+
+    flat = {n: np.asarray(_leaf(state, n)) for n in shapes(size)}
+    return unflatten({torch_key(n): to_torch_layout(n, v) for n, v in flat.items()})
+
+
+def run_ours(source: Any, out: Path, size: int, *, servable: bool = False) -> None:
+    """``source``: the checkpoint's path, or the state in memory (``servable``: already in
+    the Hugging Face layout and dtype, exported under names and dtypes kept)."""
     import jax.numpy as jnp
 
     import orbax_safetensors as osf
 
-    report = osf.export_pytorch(
-        source, out, osf.preset_mapping("llama"), hf_config=config(size), dtype=jnp.bfloat16
-    )
+    if servable:
+        mapping, dtype = osf.KeyMapping([osf.Rule("{k:.+}", "{k}")]), None
+    else:
+        mapping, dtype = osf.preset_mapping("llama"), jnp.bfloat16
+    report = osf.export_pytorch(source, out, mapping, hf_config=config(size), dtype=dtype)
     assert report.ok, report.problems()
 
 
@@ -239,8 +258,10 @@ def measure(
 ) -> dict[str, Any]:
     """Runs one method in this process: seconds until durable, peak extra memory (imports
     made first, untimed: they are no part of an export). ``source``: ``checkpoint`` (the
-    method reads it) or ``memory`` (the state restored first, untimed: a training job's
-    state, published from memory)."""
+    method reads it), ``memory`` (the state restored first, untimed: a training job's
+    state, published from memory) or ``servable`` (ours only: the state already bfloat16 in
+    the Hugging Face layout, in host memory, so that the export only writes: its write path
+    against the device)."""
     import flax.nnx  # noqa: F401
     import ml_dtypes  # noqa: F401
     import safetensors.numpy  # noqa: F401
@@ -250,13 +271,15 @@ def measure(
     if method == "transformers":
         import transformers  # noqa: F401
     state: Any = ckpt if source == "checkpoint" else load_state(ckpt, size)
+    if source == "servable":
+        state = servable_state(state, size)
     gc.collect()
     rss0 = procfs.rss_bytes()
     reset = procfs.reset_peak()
     t0 = time.perf_counter()
     extra: dict[str, Any] = {}
     if method == "ours":
-        run_ours(state, out, size)
+        run_ours(state, out, size, servable=source == "servable")
     elif method == "gather":
         run_gather(state, out, size)
     else:
@@ -334,19 +357,63 @@ def _multi(n: int, job: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
     return runs
 
 
-def _fio_seconds(directory: Path, nbytes: int, *, write: bool) -> float | None:
-    """fio's buffered sequential write (with end_fsync) or cold read (page cache dropped for
-    the file) of ``nbytes``: median of 3."""
+def _fio_seconds(directory: Path, nbytes: int, *, write: bool, rounds: int = 5) -> float | None:
+    """The device's time to write (with end_fsync, a new file each time) or cold-read
+    ``nbytes`` sequentially with fio: the faster of direct and buffered I/O, each the median
+    of ``rounds`` runs taken in turn (a buffered write's end fsync varies ten-fold on a shared
+    VM; the export writes direct where the filesystem allows)."""
     if shutil.which("fio") is None:
         return None
     from benchmarks import device
 
-    settings = {"ioengine": "psync", "direct": "0", "bs": "8M"}
-    times = [
-        device.run_fio(directory / device.FIO_FILE, nbytes, settings, write=write) for _ in range(3)
-    ]
+    times: dict[str, list[float]] = {"1": [], "0": []}
+    for _ in range(rounds):
+        for direct, runs in times.items():
+            settings = {"ioengine": "psync", "direct": direct, "bs": "8M"}
+            try:
+                runs.append(
+                    device.run_fio(directory / device.FIO_FILE, nbytes, settings, write=write)
+                )
+            except RuntimeError:  # direct I/O refused by the filesystem (tmpfs): buffered only
+                continue
     (directory / device.FIO_FILE).unlink(missing_ok=True)
-    return statistics.median(times)
+    return min(statistics.median(runs) for runs in times.values() if runs)
+
+
+def _fio_read_write_seconds(
+    directory: Path, read: int, write: int, rounds: int = 5
+) -> float | None:
+    """The device's time to cold-read ``read`` bytes of one file while writing ``write`` bytes
+    of another (with end_fsync), two fio jobs at once: what an export from a checkpoint on the
+    same disk must move. The faster of direct and buffered I/O, each the median of ``rounds``
+    wall-clock times."""
+    if shutil.which("fio") is None:
+        return None
+    import concurrent.futures
+
+    from benchmarks import device
+
+    source, output = directory / "fio_source.bin", directory / device.FIO_FILE
+    times: dict[str, list[float]] = {"1": [], "0": []}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        for _ in range(rounds):
+            for direct, runs in times.items():
+                settings = {"ioengine": "psync", "direct": direct, "bs": "8M"}
+                try:
+                    device.run_fio(source, read, settings, write=True)  # the file to read
+                    t0 = time.perf_counter()
+                    jobs = [
+                        pool.submit(device.run_fio, source, read, settings, write=False),
+                        pool.submit(device.run_fio, output, write, settings, write=True),
+                    ]
+                    for job in jobs:
+                        job.result()
+                    runs.append(time.perf_counter() - t0)
+                except RuntimeError:  # direct I/O refused by the filesystem: buffered only
+                    continue
+    source.unlink(missing_ok=True)
+    output.unlink(missing_ok=True)
+    return min(statistics.median(runs) for runs in times.values() if runs)
 
 
 def transform_seconds(size: int, threads: int = 1) -> float:
@@ -390,15 +457,17 @@ class Limits:
     read: float | None
     transform: float
     transform_all: float
+    read_write: float | None = None  # the read and the write at once, on the same disk
 
     def bound(self, source: str) -> float | None:
-        """The slowest of what an export from ``source`` must do (from a checkpoint: read,
-        transform, write; from memory: transform, write): overlapping them, it cannot be
-        faster."""
+        """The slowest of what an export from ``source`` must do (from a checkpoint: the read
+        and the write at once on the same disk, the transform; from memory: transform, write;
+        servable: write): overlapping them, it cannot be faster."""
         if self.write is None or (source == "checkpoint" and self.read is None):
             return None
-        reads = [self.read or 0.0] if source == "checkpoint" else []
-        return max(self.write, self.transform_all, *reads)
+        reads = [self.read_write or self.read or 0.0] if source == "checkpoint" else []
+        transforms = [] if source == "servable" else [self.transform_all]
+        return max([self.write, *transforms, *reads])
 
 
 def report(rows: list[dict[str, Any]], state_bytes: int, out_bytes: int, limits: Limits) -> str:
@@ -446,10 +515,17 @@ def report(rows: list[dict[str, Any]], state_bytes: int, out_bytes: int, limits:
     lines.append("")
     if fio and limits.read:
         lines.append(
-            f"device: fio buffered sequential write of {_mib(out_bytes)} with end_fsync=1: "
+            f"device (fio, the faster of direct and buffered, medians of 5): sequential write "
+            f"of {_mib(out_bytes)} with end_fsync=1: "
             f"{fio:.2f} s ({out_bytes / fio / 1e6:,.0f} MB/s); cold read of "
             f"{_mib(state_bytes)}: {limits.read:.2f} s ({state_bytes / limits.read / 1e6:,.0f} "
             "MB/s)"
+            + (
+                f"; both at once (two fio jobs, the read of a checkpoint and the write of its "
+                f"export): {limits.read_write:.2f} s"
+                if limits.read_write
+                else ""
+            )
         )
     else:
         lines.append("device: fio not installed (n/a)")
@@ -457,8 +533,8 @@ def report(rows: list[dict[str, Any]], state_bytes: int, out_bytes: int, limits:
         f"CPU: transposing and casting the state in memory: one thread {limits.transform:.2f} s "
         f"({state_bytes / limits.transform / 1e6:,.0f} MB/s of float32), the export's "
         f"{_pieces.TRANSFORM_THREADS} threads on {os.cpu_count()} cores "
-        f"{limits.transform_all:.2f} s; bound = the slowest of write, transform (all threads) "
-        "and (from a checkpoint) read"
+        f"{limits.transform_all:.2f} s; bound = the slowest of write (from a checkpoint: read "
+        "and write at once), transform (all threads)"
     )
     lines.append(f"load average (1 min) at the end: {os.getloadavg()[0]:.1f}")
     return "\n".join(lines)
@@ -478,6 +554,10 @@ def _round(
     N = 1, one launch at N > 1); at round 0 the outputs of ours and gather are compared."""
     rows: list[dict[str, Any]] = []
     base = {"ckpt": str(ckpt), "size": size, "source": source}
+    if source == "servable":  # nothing to compare it with: the write path alone, one process
+        if n > 1 or "ours" not in order:
+            return rows
+        order = ["ours"]
     if n == 1:
         for m in order:
             job = {**base, "method": m, "out": str(work / f"out_{m}")}
@@ -508,7 +588,9 @@ def main() -> None:
     parser.add_argument("--procs", default="1,2,4")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument(
-        "--sources", default="checkpoint,memory", help="export from the checkpoint, from memory"
+        "--sources",
+        default="checkpoint,memory,servable",
+        help="export from the checkpoint, from memory, from memory already servable",
     )
     parser.add_argument("--dir", default=None, help="where files go (default: a temp dir)")
     parser.add_argument("--out", default="", help="write results.json and results.md here")
@@ -541,6 +623,7 @@ def main() -> None:
             read=_fio_seconds(work, state_bytes, write=False),
             transform=transform_seconds(size),
             transform_all=transform_seconds(size, _pieces.TRANSFORM_THREADS),
+            read_write=_fio_read_write_seconds(work, state_bytes, out_bytes),
         )
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -211,3 +211,61 @@ def test_export_holds_one_batch_in_host_memory(tmp_dir):
         tracemalloc.stop()
     assert report.ok and len(report.moved) == 32
     assert peak < 12 << 20, peak  # a batch read, its transposed copies: not the 32 MiB model
+
+
+def test_band_cast_export_is_byte_identical_to_whole_tensor_casts(tmp_dir, monkeypatch):
+    """Large tensors of an export into a local directory are cast band by band into reused
+    buffers (``pipeline/pieces.band_piece``): transposed, stacked and fused tensors cast to
+    bf16 (and kept in f32 by the policy) give the same files, byte for byte, as casting each
+    tensor whole, and the official reader reads ``astype`` of the JAX-side values."""
+    import ml_dtypes
+    import safetensors.flax
+
+    from orbax_safetensors._src.core import astype as _astype
+    from orbax_safetensors._src.pipeline import pieces as _pieces
+
+    rng = np.random.default_rng(3)
+    tree = {
+        "embed": {"embedding": rng.standard_normal((4099, 257), np.float32)},  # 4 MiB
+        "layers": {
+            "qkv": {"kernel": rng.standard_normal((3, 384, 3 * 640), np.float32)},
+            "fc": {"kernel": rng.standard_normal((3, 640, 384), np.float32)},
+            "norm": {"scale": rng.standard_normal((3, 640 * 512), np.float32)},
+        },
+    }
+    mapping = osf.KeyMapping(
+        [
+            osf.Rule("embed.weight", "embed.embedding"),
+            hf_models.stacked_fused_rule(
+                "layers.{i}.{p:q_proj|k_proj|v_proj}.weight", "layers.qkv.kernel"
+            ),
+            osf.Rule("layers.{i}.fc.weight", "layers.fc.kernel", osf.Transpose(), stacked="i"),
+            osf.Rule("layers.{i}.norm.weight", "layers.norm.scale", stacked="i"),
+        ]
+    )
+    policy = {"*norm*": "keep", "*": jnp.bfloat16}
+    files = {}
+    for way, min_bytes in (("bands", _pieces.BAND_MIN_BYTES), ("whole", 1 << 62)):
+        monkeypatch.setattr(_pieces, "BAND_MIN_BYTES", min_bytes)
+        monkeypatch.setattr(_pieces, "BAND_BYTES", 1 << 20)  # several bands per tensor
+        out = tmp_dir / way
+        assert osf.export_pytorch(tree, out, mapping, dtype=policy, max_file_size=9 << 20).ok
+        files[way] = {p.name: p.read_bytes() for p in sorted(out.glob("*.safetensors*"))}
+    assert len(files["bands"]) > 2 and files["bands"] == files["whole"]
+    got = {}
+    for name in files["bands"]:
+        if name.endswith(".safetensors"):
+            got.update(safetensors.flax.load_file(str(tmp_dir / "bands" / name)))
+    bf16 = ml_dtypes.bfloat16
+    layers = tree["layers"]
+    want = {"embed.weight": _astype.astype(tree["embed"]["embedding"], bf16)}
+    for i in range(3):
+        for j, p in enumerate(("q_proj", "k_proj", "v_proj")):
+            part = layers["qkv"]["kernel"][i, :, j * 640 : (j + 1) * 640].T
+            want[f"layers.{i}.{p}.weight"] = _astype.astype(part, bf16)
+        want[f"layers.{i}.fc.weight"] = _astype.astype(layers["fc"]["kernel"][i].T, bf16)
+        want[f"layers.{i}.norm.weight"] = layers["norm"]["scale"][i]
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        assert got[key].dtype == value.dtype, key
+        np.testing.assert_array_equal(np.asarray(got[key]), value, err_msg=key)

@@ -416,3 +416,44 @@ def test_refused_direct_write_is_written_buffered(disk_dir: Path) -> None:
     finally:
         writer.close(sync=True)
     np.testing.assert_array_equal(np.frombuffer(path.read_bytes(), np.uint8), data)
+
+
+def _misplaced(piece: _interface.Piece) -> _interface.Piece:
+    # The same bytes 64 bytes off their file offset's phase: staged to be written direct.
+    data = _congruent(piece.data.nbytes, piece.offset + 64)
+    data[:] = piece.data
+    return _interface.Piece(piece.offset, data, piece.tag)
+
+
+@pytest.mark.parametrize("base", [0, 4096 + 64])
+def test_placed_buffers_are_written_direct_with_no_staging_copy(disk_dir: Path, base: int) -> None:
+    """Pieces in buffers lent at their file offsets' phase (an export's cast bands,
+    ``buffers.LentBuffers``), contiguous in the file: each is sent to the device as it is
+    (the writer's staging buffers are never used; a small piece in between is written
+    buffered), and the file holds every byte, as the staged path writes it."""
+    from orbax_safetensors._src.storage import buffers as _buffers
+
+    data = np.random.default_rng(11).integers(0, 256, 19 * MiB + 4096 + 5, dtype=np.uint8)
+    bounds = [0, 3 * MiB + 64, 11 * MiB + 64, 11 * MiB + 6000, 17 * MiB, data.nbytes]
+    lent = _buffers.LentBuffers(8 * MiB)
+    pieces = []
+    for i, (a, b) in enumerate(itertools.pairwise(bounds)):
+        view = lent.take(b - a, file_offset=base + a)
+        view[:] = data[a:b]
+        piece = _interface.Piece(base + a, view, tag=i)
+        pieces.append(_misplaced(piece) if i == 2 else piece)  # a small tensor's, in between
+    for staged in (False, True):
+        path = disk_dir / f"blob{staged}"
+        path.write_bytes(b"\xff" * base)
+        writer = _local.LocalWriter(str(path), base + data.nbytes, False, 2, True)
+        try:
+            ready = [_misplaced(p) for p in pieces] if staged else pieces
+            writer.write(ready)
+            used_staging = writer._staging.qsize()
+        finally:
+            writer.close(sync=True)
+        raw = np.frombuffer(path.read_bytes(), np.uint8)
+        assert (raw[:base] == 0xFF).all()
+        np.testing.assert_array_equal(raw[base:], data)
+        assert data.nbytes - 6 * 2 * 4096 <= writer.direct_bytes <= data.nbytes
+        assert (used_staging > 0) == staged

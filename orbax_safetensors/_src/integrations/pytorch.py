@@ -50,8 +50,10 @@ from orbax_safetensors._src.integrations import sharded_export as _sharded_expor
 from orbax_safetensors._src.integrations.key_mapping import KeyMapping, MappingReport
 from orbax_safetensors._src.pipeline import gcpause as _gcpause
 from orbax_safetensors._src.pipeline import pieces as _pieces
+from orbax_safetensors._src.storage import buffers as _buffers
 from orbax_safetensors._src.storage import interface as _interface
 from orbax_safetensors._src.storage import replace as _replace
+from orbax_safetensors._src.storage import router as _router
 
 __all__ = ["export_pytorch", "load_pytorch"]
 
@@ -375,36 +377,61 @@ def _write(
     """Writes the files of ``job.plan``: each tensor becomes pieces at its file offsets
     (``pipeline/pieces``), cast to its planned dtype and laid out C-contiguous there, and is
     written by the checkpoint writer's threads (``checkpoint_save.write_process_share``) while
-    the next is computed, as the next batch of the source is read."""
+    the next is computed, as the next batch of the source is read. Into a local directory,
+    large tensors are cast band by band into buffers reused once written (``band_piece``)."""
+    lent, in_flight = None, None
+    if _router.is_local(directory):  # (other writers keep the pieces until the file is closed)
+        # Bands of at most half a batch, a few of them written at once: enough to keep a local
+        # device busy, and every buffer reused band after band (BANDS_IN_FLIGHT).
+        band = max(1, min(_pieces.BAND_BYTES, _sharded_export.in_flight(batch_bytes)))
+        in_flight = band * _pieces.BANDS_IN_FLIGHT
+        idle = _pieces.BANDS_IN_FLIGHT + _pieces.TRANSFORM_THREADS + 2
+        lent = _buffers.LentBuffers(band, max_idle=idle)
     stats = _sharded_export.write_pieces(
-        job.plan, _host_pieces(job, batch_bytes), directory, batch_bytes, primary=True
+        job.plan,
+        _host_pieces(job, batch_bytes, lent),
+        directory,
+        batch_bytes,
+        primary=True,
+        lent=lent,
+        max_in_flight=in_flight,
     )
     report.bytes_written += stats.bytes_written
     report.moved += job.moved()
 
 
 def _host_pieces(
-    job: _sharded_export.ExportJob, batch_bytes: int
+    job: _sharded_export.ExportJob, batch_bytes: int, lent: _buffers.LentBuffers | None
 ) -> Iterator[tuple[int, list[_interface.Piece]]]:
     # Batches of links, each batch's source tensors read (one batch ahead, on a reading
     # thread) while the one before is transformed and written: host memory holds two
     # half-size batches of the source and the writes under way (sharded_export.in_flight;
-    # plus one tensor per transform thread and the writer's part-filled 8 MiB batch).
-    table, tied = job.table, job.tied
+    # plus one band or tensor per transform thread and the writer's part-filled 8 MiB batch).
+    table, tied, plan = job.table, job.tied, job.plan
     batched = _sharded_export.half_batches(job, batch_bytes)
     names = [batch for _, batch in batched]
 
-    def outputs() -> Iterator[tuple[str, np.ndarray]]:
+    def tasks() -> Iterator[tuple[str, np.ndarray, tuple[int, int] | None]]:
         for (group, _), arrays in zip(batched, _sharded_export.read_ahead(table.read, names)):
             for link in group:
                 values = link.to_torch([arrays[n] for n in link.flax])
                 for key, value in zip(link.torch, values):
-                    if key not in tied:
-                        yield key, np.asarray(value)
+                    if key in tied:
+                        continue
+                    value = np.asarray(value)
+                    if lent is None or not _pieces.cast_in_bands(plan, key, value):
+                        yield key, value, None
+                        continue
+                    itemsize = _dtypes.to_numpy(plan.locate(key)[1].dtype).itemsize
+                    for rows in _pieces.band_rows(value.shape, itemsize, lent.capacity):
+                        yield key, value, rows
                 for n in link.flax:
                     arrays.pop(n, None)
 
-    def pieces(output: tuple[str, np.ndarray]) -> tuple[int, list[_interface.Piece]]:
-        return _pieces.tensor_pieces(job.plan, output[0], [(None, output[1])])
+    def pieces(task: tuple[str, np.ndarray, tuple[int, int] | None]) -> _pieces.FilePieces:
+        key, value, rows = task
+        if rows is None or lent is None:
+            return _pieces.tensor_pieces(plan, key, [(None, value)])
+        return _pieces.band_piece(plan, key, value, rows, lent)
 
-    yield from _pieces.ordered_map(pieces, outputs())  # (cast on several cores at once)
+    yield from _pieces.ordered_map(pieces, tasks())  # (cast on several cores at once)

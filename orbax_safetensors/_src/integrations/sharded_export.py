@@ -68,6 +68,7 @@ from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
 from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.pipeline import reader as _reader
 from orbax_safetensors._src.pipeline import snapshots as _snapshots
+from orbax_safetensors._src.storage import buffers as _buffers
 from orbax_safetensors._src.storage import interface as _interface
 from orbax_safetensors._src.storage import replace as _replace
 from orbax_safetensors._src.storage import router as _router
@@ -181,18 +182,27 @@ def write_pieces(
     batch_bytes: int,
     *,
     primary: bool,
+    lent: _buffers.LentBuffers | None = None,
+    max_in_flight: int | None = None,
 ) -> _pieces.WriteStats:
     """Writes this process's ``pieces`` of an export's files (headers and index too on the
     primary) with ``checkpoint_save.write_process_share``'s threads, :func:`in_flight` bytes
-    of writes under way at most; returns what it wrote. Unchecksummed: no metadata file."""
+    (or ``max_in_flight``) of writes under way at most; returns what it wrote. Unchecksummed: no metadata file.
+    Pieces whose buffers ``lent`` lent (``pieces.band_piece``) are given back once written."""
     return _checkpoint_save.write_unchecksummed(
         plan,
         pieces,
         directory,
         jax.process_index(),
         primary=primary,
-        max_in_flight=in_flight(batch_bytes),
+        max_in_flight=in_flight(batch_bytes) if max_in_flight is None else max_in_flight,
+        written=None if lent is None else functools.partial(_give_back, lent),
     )
+
+
+def _give_back(lent: _buffers.LentBuffers, written: list[_interface.Piece]) -> None:
+    for piece in written:
+        lent.give_back(piece.data)
 
 
 def in_flight(batch_bytes: int) -> int:

@@ -32,7 +32,7 @@ import contextlib
 import dataclasses
 import functools
 import json
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -329,6 +329,7 @@ def write_process_share(
     max_in_flight: int = IN_FLIGHT_BYTES,
     io: _config.IOOptions | None = None,
     index: bool = True,
+    written: Callable[[list[_interface.Piece]], None] | None = None,
 ) -> dict[str, Any]:
     """Writes this process's bytes (and, on the primary, headers, index and metadata draft).
 
@@ -342,7 +343,8 @@ def write_process_share(
     earlier pieces still being written while the next are produced (their host copies stay
     alive until then), the part-filled batch of small tensors included (at most 8 MiB).
     ``index=False``: no index, whatever the number of files (a plan of some of the files of a
-    directory whose index the caller writes).
+    directory whose index the caller writes). ``written(pieces)`` is called with each batch
+    of pieces once its write has ended (their buffers may then be reused).
     """
     directory = epath.Path(directory)
     plan = prepared.plan
@@ -363,6 +365,8 @@ def write_process_share(
             runs.setdefault(name, []).append((offset, n, crc))  # type: ignore[has-type]
         if stats is not None:
             stats.add(filename, pieces)
+        if written is not None:
+            written(pieces)
         in_flight -= nbytes
 
     batch_bytes = max(1, min(_BATCH_BYTES, max_in_flight))  # (a part-filled batch is held too)
@@ -433,11 +437,12 @@ def write_unchecksummed(
     index: bool = True,
     max_in_flight: int = IN_FLIGHT_BYTES,
     stats: _pieces.WriteStats | None = None,
+    written: Callable[[list[_interface.Piece]], None] | None = None,
 ) -> _pieces.WriteStats:
     """This process's ``pieces`` of ``plan``'s files, with headers (and, with ``index``, the
     index) on the primary, written by :func:`write_process_share` with no checksums and no
     metadata file (an export's files); returns what this process wrote, added to ``stats``
-    when given."""
+    when given. ``written``: see :func:`write_process_share`."""
     stats = _pieces.WriteStats() if stats is None else stats
     prepared = PreparedSave(
         plan=plan,
@@ -455,6 +460,7 @@ def write_unchecksummed(
         persist_share=False,
         max_in_flight=max_in_flight,
         index=index,
+        written=written,
     )
     return stats
 

@@ -148,3 +148,65 @@ class PooledArena(BufferArena):
         buffer = self._pool.take(nbytes)
         self.taken.append(buffer)
         return buffer[:nbytes]
+
+
+class LentBuffers:
+    """Host buffers of one fixed capacity, lent out and given back, for a job that fills and
+    writes many same-sized blocks (an export's cast bands): a block filled into a buffer given
+    back by an earlier write is already mapped, where a fresh one would first be faulted in
+    page by page (on a virtual machine that costs more than the cast that fills the block;
+    docs/performance.md). Requests above the capacity get fresh memory. Thread-safe.
+
+    With ``file_offset``, the block sits at an address congruent to it modulo 4 KiB, so a
+    direct-I/O writer sends its whole blocks from it with no staging copy (``storage/local``).
+    The lender gives a buffer back only once nothing reads it any more (its write's
+    ``result()`` returned, on a writer that keeps no reference beyond it: a local file's).
+
+    Example::
+
+        lent = LentBuffers(8 << 20)
+        a = lent.take(1 << 20)      # a fresh buffer's first MiB
+        lent.give_back(a)           # after a's bytes are written
+        b = lent.take(8 << 20)      # the same memory again
+    """
+
+    def __init__(self, capacity: int, max_idle: int = 64) -> None:
+        self.capacity = capacity
+        self._max_idle = max_idle
+        self._lock = threading.Lock()
+        self._free: list[np.ndarray] = []
+        self._lent: dict[int, np.ndarray] = {}  # data address of a view lent -> its buffer
+        self.fresh = 0  # buffers of this capacity allocated (not reused)
+
+    def take(self, nbytes: int, *, file_offset: int | None = None) -> np.ndarray:
+        """``nbytes`` of a free buffer (else a new one), page-aligned, or congruent to
+        ``file_offset`` modulo 4 KiB when given."""
+        if nbytes > self.capacity:
+            return self._placed(np.empty(nbytes + _PAGE, np.uint8), nbytes, file_offset)
+        with self._lock:
+            buffer = self._free.pop() if self._free else None
+            if buffer is None:
+                self.fresh += 1
+        if buffer is None:  # a page to spare for the phase
+            buffer = np.empty(self.capacity + _PAGE, np.uint8)
+        view = self._placed(buffer, nbytes, file_offset)
+        with self._lock:
+            self._lent[view.ctypes.data] = buffer
+        return view
+
+    @staticmethod
+    def _placed(buffer: np.ndarray, nbytes: int, file_offset: int | None) -> np.ndarray:
+        # ``nbytes`` of ``buffer`` (``nbytes`` plus a page at least) from the address congruent
+        # to ``file_offset`` modulo a page (page-aligned without it).
+        phase = 0 if file_offset is None else file_offset % _PAGE
+        start = (phase - buffer.ctypes.data) % _PAGE
+        return buffer[start : start + nbytes]
+
+    def give_back(self, data: Any) -> None:
+        """Makes the buffer of ``data`` (a :meth:`take` result, or a view or memoryview from
+        its start) free again; anything else is ignored."""
+        address = np.frombuffer(data, np.uint8).ctypes.data if len(data) else -1
+        with self._lock:
+            buffer = self._lent.pop(address, None)
+            if buffer is not None and len(self._free) < self._max_idle:
+                self._free.append(buffer)

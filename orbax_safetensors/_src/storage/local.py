@@ -152,6 +152,27 @@ def _contiguous_runs(
     return runs
 
 
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, np.uint8).ctypes.data) if len(view) else 0
+
+
+def _placed_apart(views: Sequence[memoryview], offset: int) -> list[tuple[int, list[memoryview]]]:
+    # A run of ``views`` (written from ``offset`` on, one after the other) cut so that every
+    # view of a block or more at an address congruent to its file offset modulo a block is a
+    # run of its own (buffers.LentBuffers places them so: their whole blocks go direct as they
+    # are); the views between stay together (staged for direct I/O, or buffered).
+    runs: list[tuple[int, list[memoryview]]] = []
+    loose = False  # whether the last run holds views that are not placed
+    for view in views:
+        placed = len(view) >= _direct.BLOCK and (_address(view) - offset) % _direct.BLOCK == 0
+        if placed or not loose:
+            runs.append((offset, []))
+        runs[-1][1].append(view)
+        loose = not placed
+        offset += len(view)
+    return runs
+
+
 def _cut_views(views: Sequence[memoryview], lo: int, hi: int) -> list[memoryview]:
     # The bytes [lo, hi) of the concatenation of ``views``, as views of them (no copy).
     out, at = [], 0
@@ -256,6 +277,12 @@ class LocalWriter:
         return crcs
 
     def _write_run(self, views: list[memoryview], offset: int) -> None:
+        if len(views) > 1:  # placed views sent on their own: no staging copy
+            runs = _placed_apart(views, offset)
+            if len(runs) > 1:
+                for at, part in runs:
+                    self._write_run(part, at)
+                return
         nbytes = sum(len(v) for v in views)
         first, last = _direct.block_span(offset, nbytes)
         if last - first >= _direct.MIN_BYTES and self._direct_descriptor() is not None:
@@ -287,9 +314,19 @@ class LocalWriter:
         fd = self._direct_fd
         assert fd is not None
         nbytes = sum(len(v) for v in views)
-        # O_DIRECT needs a block-aligned source address: the pieces' host buffers are not
-        # (XLA's or numpy's allocations), so the bytes are staged through an aligned buffer of
-        # this thread's (a memory-speed copy, overlapped with the other threads' writes).
+        if len(views) == 1 and _address(views[0]) % _direct.BLOCK == 0:
+            # A buffer placed for its file offset (buffers.LentBuffers): sent as it is.
+            moved = self._call(_direct.write_direct, fd, offset, views[0])
+            if moved < nbytes:
+                self._direct_wanted = False
+                self._write_buffered([views[0][moved:]], offset + moved)
+            with self._direct_lock:
+                self.direct_bytes += moved
+            return
+        # O_DIRECT needs a block-aligned source address: the pieces' host buffers are most
+        # often not (XLA's or numpy's allocations), so the bytes are staged through an aligned
+        # buffer of this thread's (a memory-speed copy, overlapped with the other threads'
+        # writes).
         try:
             stage = self._staging.get_nowait()
         except queue.Empty:
