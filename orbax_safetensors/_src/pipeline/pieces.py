@@ -92,10 +92,9 @@ def tensor_pieces(
 FilePieces = tuple[int, list[_interface.Piece]]  # (file index, pieces)
 BAND_BYTES = 8 << 20  # one band of a tensor cast into a reused buffer (band_piece)
 BAND_MIN_BYTES = 1 << 20  # tensors below this are cast whole (tensor_pieces)
-# Bands written at once. The 1 GiB export of docs/performance.md on a 2-core VM, 3 exports
-# in one process each: 2 bands 0.86-0.94 s, 4 bands 0.96-1.03 s, 8 1.27-1.92 s, 16
-# 0.81-2.54 s (more bands in flight are more fresh buffers faulted in); 4 leave a faster
-# device room for a deeper queue.
+# Bands written at once: 2 to 4 exported faster than 8 or 16, whose extra buffers are fresh
+# memory faulted in (docs/performance.md, "Hugging Face export"); 4 leave a faster device
+# room for a deeper queue.
 BANDS_IN_FLIGHT = 4
 
 
