@@ -280,3 +280,26 @@ def _runs_checkpoint_code(thread: threading.Thread) -> bool:
         return False
     files = [f.filename for f in traceback.extract_stack(frame)]
     return any(("/orbax/" in name or "/orbax_safetensors/" in name) for name in files)
+
+
+def test_a_plain_file_of_a_dtype_jax_lacks_loads_as_numpy(tmp_path: Path) -> None:
+    """Found by test_verify_passes_exactly_when_restore_succeeds on CI: a bit flipped in the
+    metadata key made a float6 tensor's file a plain safetensors file (no schema), whose
+    tensors ``load_file`` places on the device; jax 0.10's CPU has no float6, and the load
+    crashed with JaxRuntimeError ("Unknown NumPy dtype"). A dtype the device lacks now loads
+    as numpy (ml_dtypes' type, the same bytes); the others stay jax.Arrays."""
+    from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
+
+    six = np.array([7.5, 0.25, 4.5, -0.375], ml_dtypes.float6_e2m3fn)
+    path = tmp_path / "t.safetensors"
+    osf.save_file({"_": {}, "__": six, "b": np.ones(3, ml_dtypes.bfloat16)}, path)
+    raw = bytearray(path.read_bytes())
+    at = raw.index(b'"orbax_safetensors.tree"')
+    raw[at + 1] ^= 1  # "nrbax_safetensors.tree": no schema any more
+    path.write_bytes(bytes(raw))
+    out = osf.load_file(path)
+    assert set(out) == {"__", "b"} and isinstance(out["b"], jax.Array)
+    holds = _jaxcompat.device_holds(six.dtype)
+    assert isinstance(out["__"], jax.Array if holds else np.ndarray)
+    assert out["__"].dtype == six.dtype
+    np.testing.assert_array_equal(np.asarray(out["__"]).view(np.uint8), six.view(np.uint8))

@@ -17,6 +17,7 @@ attribute.
 | :func:`distributed_kv` | ``jax._src.distributed.global_state.client`` (its ``key_value_set``, ``blocking_key_value_get``) | private | None: object-store saves by several processes join the ranges on the primary as before |
 | :func:`distributed_kv_try_get`, :func:`distributed_kv_delete` | the client's ``key_value_try_get``, ``key_value_delete`` | private (the client); missing from some jaxlib releases | None / False: a wait notices another process's failure only at its timeout; a save's keys stay in the coordination service |
 | :func:`global_mesh_kept`, :func:`plain_set_mesh` | ``jax.sharding.set_mesh`` | a plain setter returning the previous mesh on jax 0.7, a context manager from 0.8 on, absent before | nothing to guard (no call on other versions) |
+| :func:`device_holds` | whether XLA takes an ml_dtypes dtype (float6 types: not on jax 0.10's CPU) | differs by version | probed once per dtype by a one-element ``jax.device_put`` |
 | :func:`is_nnx_internal_attr` | ``Module._pytree__state`` (flax 0.12), ``Module._object__state`` (flax 0.11): an empty pytree child of every Module | private | none needed: a flax without them has no such child |
 
 Example::
@@ -27,10 +28,12 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import numpy as np
 from jax.tree_util import KeyEntry
 
 # -- jax.tree_util.flatten_one_level_with_keys (public since jax 0.10.2) --------------------
@@ -255,3 +258,25 @@ def global_mesh_kept() -> Iterator[None]:
         yield
     finally:
         set_mesh(before)
+
+
+# -- dtypes XLA may lack -----------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=64)
+def device_holds(dtype: np.dtype) -> bool:
+    """Whether this JAX places arrays of ``dtype`` on its devices. ml_dtypes knows types that
+    not every XLA does (the float6 types on jax 0.10's CPU: ``device_put`` raises
+    "Unknown NumPy dtype"); probed once per dtype with a one-element array.
+
+    Example::
+
+        device_holds(np.dtype(ml_dtypes.float6_e2m3fn))   # False on jax 0.10.2's CPU
+    """
+    if dtype.kind in "biufc":  # numpy's own types: always (64-bit ones canonicalised)
+        return True
+    try:
+        jax.block_until_ready(jax.device_put(np.zeros(1, dtype)))
+    except Exception:  # (XlaRuntimeError / JaxRuntimeError / TypeError, by version)
+        return False
+    return True

@@ -26,6 +26,7 @@ from typing import Any
 import jax
 
 from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
+from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import schema as _schema
 from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.core import tree as _tree
@@ -201,6 +202,10 @@ def _restore_untargeted(
             original = leaves.get(leaf.tensor_name, leaf)
             node = original.node
             kind = ReadKind(node.array) if type(node) is _schema.Tensor else ReadKind.JAX
+            if kind is ReadKind.JAX and not _jaxcompat.device_holds(
+                _dtypes.to_numpy(loader.stored_for(leaf).dtype)
+            ):  # (a dtype JAX lacks, as float6 on some versions: numpy, with ml_dtypes' type)
+                kind = ReadKind.NUMPY
             sharding = None
             if kind is ReadKind.JAX and saved_sharding is not None:
                 sharding = saved_sharding(original.name)
