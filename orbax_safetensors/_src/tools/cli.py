@@ -462,9 +462,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # Orbax logs through absl (e.g. a WARNING before it fails on a damaged item); the command
     # reports problems itself, in one line each.
-    absl_logger = logging.getLogger("absl")
-    level = absl_logger.level
+    # Orbax's tensorstore reads may also leave an asyncio task whose failure the event loop
+    # logs when the task is collected ("Task exception was never retrieved"), while the
+    # command reports that failure itself.
+    absl_logger, asyncio_logger = logging.getLogger("absl"), logging.getLogger("asyncio")
+    level, asyncio_level = absl_logger.level, asyncio_logger.level
     absl_logger.setLevel(logging.CRITICAL)
+    asyncio_logger.setLevel(logging.CRITICAL)
     _quiet_closed_loop_callbacks()
     try:
         status = int(args.func(args))
@@ -481,6 +485,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_ERROR
     finally:
         absl_logger.setLevel(level)
+        asyncio_logger.setLevel(asyncio_level)
 
 
 def _describe(error: Exception) -> str:
