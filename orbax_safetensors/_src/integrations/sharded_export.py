@@ -187,8 +187,9 @@ def write_pieces(
 ) -> _pieces.WriteStats:
     """Writes this process's ``pieces`` of an export's files (headers and index too on the
     primary) with ``checkpoint_save.write_process_share``'s threads, :func:`in_flight` bytes
-    (or ``max_in_flight``) of writes under way at most; returns what it wrote. Unchecksummed: no metadata file.
-    Pieces whose buffers ``lent`` lent (``pieces.band_piece``) are given back once written."""
+    (or ``max_in_flight``) of writes under way at most; returns what it wrote. Unchecksummed:
+    no metadata file. Pieces whose buffers ``lent`` lent (``pieces.band_piece``) are given
+    back once written."""
     return _checkpoint_save.write_unchecksummed(
         plan,
         pieces,

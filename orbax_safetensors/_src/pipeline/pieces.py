@@ -24,6 +24,7 @@ import numpy as np
 from orbax_safetensors._src.core import astype as _astype
 from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import dtypes as _dtypes
+from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import runs as _runs
 from orbax_safetensors._src.pipeline import snapshots as _snapshots
@@ -69,14 +70,10 @@ def tensor_pieces(
     Each piece's tag is ``(tensor name, offset inside the tensor)``. A copy whose dtype is not
     the planned one (a save under a dtype policy) is cast here, one shard at a time.
     """
-    file_index = plan.file_of[name]
-    fplan = plan.files[file_index]
-    entry = fplan.entries[name]
-    base = fplan.data_start + entry.begin
+    file_index, base, entry, stored = _placement(plan, name)
     pieces: list[_interface.Piece] = []
-    stored = _dtypes.to_numpy(entry.dtype)
     for index, host in copies:
-        if host.dtype != stored or not host.flags.c_contiguous:  # (a transposed view, say)
+        if _to_lay_out(host, stored):
             host = _astype.astype(host, stored)
         raw = _dtypes.pack(host, entry.dtype)
         if index is None or _runs.is_whole(index, entry.shape):  # e.g. a replica's first copy
@@ -87,6 +84,22 @@ def tensor_pieces(
             chunk = raw[j * length : (j + 1) * length]
             pieces.append(_interface.Piece(base + off, chunk, (name, off)))
     return file_index, pieces
+
+
+def _placement(
+    plan: _plan.CheckpointPlan, name: str
+) -> tuple[int, int, _header.TensorEntry, np.dtype]:
+    # Tensor ``name``'s file index, file offset, header entry and planned numpy dtype.
+    file_index = plan.file_of[name]
+    fplan = plan.files[file_index]
+    entry = fplan.entries[name]
+    return file_index, fplan.data_start + entry.begin, entry, _dtypes.to_numpy(entry.dtype)
+
+
+def _to_lay_out(host: np.ndarray, stored: np.dtype) -> bool:
+    # Whether ``host`` must be cast or laid out C-contiguous (a transposed view, say) to be
+    # written as a tensor of dtype ``stored``.
+    return host.dtype != stored or not host.flags.c_contiguous
 
 
 FilePieces = tuple[int, list[_interface.Piece]]  # (file index, pieces)
@@ -102,11 +115,10 @@ def cast_in_bands(plan: _plan.CheckpointPlan, name: str, value: np.ndarray) -> b
     """Whether ``value`` is worth casting band by band (:func:`band_piece`) as tensor ``name``
     of ``plan``: a cast or a re-layout to make, a whole-byte planned dtype, at least
     ``BAND_MIN_BYTES`` written."""
-    entry = plan.locate(name)[1]
-    stored = _dtypes.to_numpy(entry.dtype)
+    _, _, entry, stored = _placement(plan, name)
     if _dtypes.bits(entry.dtype) % 8 or entry.nbytes < BAND_MIN_BYTES:
         return False
-    return value.dtype != stored or not value.flags.c_contiguous
+    return _to_lay_out(value, stored)
 
 
 def band_rows(shape: tuple[int, ...], itemsize: int, band_bytes: int) -> list[tuple[int, int]]:
@@ -142,14 +154,11 @@ def band_piece(
     export's host memory to the bands in flight and its pages mapped once: casting each tensor
     whole into fresh memory faulted in (and zeroed) every page of the output.
     """
-    file_index = plan.file_of[name]
-    fplan = plan.files[file_index]
-    entry = fplan.entries[name]
-    stored = _dtypes.to_numpy(entry.dtype)
+    file_index, base, _, stored = _placement(plan, name)
     start, stop = rows
     part = value[start:stop] if value.ndim else value
     offset = start * stored.itemsize * _dtypes.num_elements(value.shape[1:])
-    at = fplan.data_start + entry.begin + offset
+    at = base + offset
     out = buffers.take(part.size * stored.itemsize, file_offset=at)
     _astype.cast_into(out.view(stored).reshape(part.shape), part)
     piece = _interface.Piece(at, out, (name, offset))

@@ -33,9 +33,19 @@ def aligned_empty(
         alignment, phase = max(alignment, _PAGE), file_offset % _PAGE
     else:
         phase = 0
-    raw = np.empty(nbytes + alignment, dtype=np.uint8)
+    return _at_phase(np.empty(nbytes + alignment, dtype=np.uint8), nbytes, alignment, phase)
+
+
+def _at_phase(raw: np.ndarray, nbytes: int, alignment: int, phase: int) -> np.ndarray:
+    # ``nbytes`` of ``raw`` (``nbytes + alignment`` long) from the address congruent to
+    # ``phase`` modulo ``alignment``.
     start = (phase - raw.ctypes.data) % alignment
     return raw[start : start + nbytes]
+
+
+def data_address(data: Any) -> int:
+    """The address of the first byte of ``data`` (an array, a memoryview, bytes), 0 if empty."""
+    return int(np.frombuffer(data, np.uint8).ctypes.data) if len(data) else 0
 
 
 class BufferArena:
@@ -198,14 +208,12 @@ class LentBuffers:
     def _placed(buffer: np.ndarray, nbytes: int, file_offset: int | None) -> np.ndarray:
         # ``nbytes`` of ``buffer`` (``nbytes`` plus a page at least) from the address congruent
         # to ``file_offset`` modulo a page (page-aligned without it).
-        phase = 0 if file_offset is None else file_offset % _PAGE
-        start = (phase - buffer.ctypes.data) % _PAGE
-        return buffer[start : start + nbytes]
+        return _at_phase(buffer, nbytes, _PAGE, 0 if file_offset is None else file_offset % _PAGE)
 
     def give_back(self, data: Any) -> None:
         """Makes the buffer of ``data`` (a :meth:`take` result, or a view or memoryview from
         its start) free again; anything else is ignored."""
-        address = np.frombuffer(data, np.uint8).ctypes.data if len(data) else -1
+        address = data_address(data) if len(data) else -1
         with self._lock:
             buffer = self._lent.pop(address, None)
             if buffer is not None and len(self._free) < self._max_idle:

@@ -34,6 +34,7 @@ from etils import epath
 from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import runs as _runs
 from orbax_safetensors._src.core.errors import HeaderError
+from orbax_safetensors._src.storage import buffers as _buffers
 from orbax_safetensors._src.storage import direct as _direct
 from orbax_safetensors._src.storage import interface as _interface
 
@@ -152,10 +153,6 @@ def _contiguous_runs(
     return runs
 
 
-def _address(view: memoryview) -> int:
-    return int(np.frombuffer(view, np.uint8).ctypes.data) if len(view) else 0
-
-
 def _placed_apart(views: Sequence[memoryview], offset: int) -> list[tuple[int, list[memoryview]]]:
     # A run of ``views`` (written from ``offset`` on, one after the other) cut so that every
     # view of a block or more at an address congruent to its file offset modulo a block is a
@@ -164,7 +161,10 @@ def _placed_apart(views: Sequence[memoryview], offset: int) -> list[tuple[int, l
     runs: list[tuple[int, list[memoryview]]] = []
     loose = False  # whether the last run holds views that are not placed
     for view in views:
-        placed = len(view) >= _direct.BLOCK and (_address(view) - offset) % _direct.BLOCK == 0
+        placed = (
+            len(view) >= _direct.BLOCK
+            and (_buffers.data_address(view) - offset) % _direct.BLOCK == 0
+        )
         if placed or not loose:
             runs.append((offset, []))
         runs[-1][1].append(view)
@@ -277,12 +277,12 @@ class LocalWriter:
         return crcs
 
     def _write_run(self, views: list[memoryview], offset: int) -> None:
-        if len(views) > 1:  # placed views sent on their own: no staging copy
-            runs = _placed_apart(views, offset)
-            if len(runs) > 1:
-                for at, part in runs:
-                    self._write_run(part, at)
-                return
+        # Placed views (buffers.LentBuffers) sent on their own: no staging copy.
+        runs = _placed_apart(views, offset) if len(views) > 1 else [(offset, views)]
+        for at, part in runs:
+            self._write_span(part, at)
+
+    def _write_span(self, views: list[memoryview], offset: int) -> None:
         nbytes = sum(len(v) for v in views)
         first, last = _direct.block_span(offset, nbytes)
         if last - first >= _direct.MIN_BYTES and self._direct_descriptor() is not None:
@@ -314,36 +314,33 @@ class LocalWriter:
         fd = self._direct_fd
         assert fd is not None
         nbytes = sum(len(v) for v in views)
-        if len(views) == 1 and _address(views[0]) % _direct.BLOCK == 0:
-            # A buffer placed for its file offset (buffers.LentBuffers): sent as it is.
-            moved = self._call(_direct.write_direct, fd, offset, views[0])
-            if moved < nbytes:
-                self._direct_wanted = False
-                self._write_buffered([views[0][moved:]], offset + moved)
-            with self._direct_lock:
-                self.direct_bytes += moved
-            return
-        # O_DIRECT needs a block-aligned source address: the pieces' host buffers are most
-        # often not (XLA's or numpy's allocations), so the bytes are staged through an aligned
-        # buffer of this thread's (a memory-speed copy, overlapped with the other threads'
-        # writes).
-        try:
-            stage = self._staging.get_nowait()
-        except queue.Empty:
-            stage = _direct.staging_buffer(_WRITE_UNIT_BYTES)
-        try:
+        stage = None
+        if len(views) == 1 and _buffers.data_address(views[0]) % _direct.BLOCK == 0:
+            source = views[0]  # a buffer placed for its file offset (buffers.LentBuffers)
+        else:
+            # O_DIRECT needs a block-aligned source address: the pieces' host buffers are
+            # most often not (XLA's or numpy's allocations), so the bytes are staged through an
+            # aligned buffer of this thread's (a memory-speed copy, overlapped with the other
+            # threads' writes).
+            try:
+                stage = self._staging.get_nowait()
+            except queue.Empty:
+                stage = _direct.staging_buffer(_WRITE_UNIT_BYTES)
             at = 0
             for v in views:
                 np.copyto(
                     np.frombuffer(stage[at : at + len(v)], np.uint8), np.frombuffer(v, np.uint8)
                 )
                 at += len(v)
-            moved = self._call(_direct.write_direct, fd, offset, stage[:nbytes])
+            source = stage[:nbytes]
+        try:
+            moved = self._call(_direct.write_direct, fd, offset, source)
             if moved < nbytes:  # refused or short: the rest buffered, and buffered from now on
                 self._direct_wanted = False
-                self._write_buffered([stage[moved:nbytes]], offset + moved)
+                self._write_buffered([source[moved:nbytes]], offset + moved)
         finally:
-            self._staging.put(stage)
+            if stage is not None:
+                self._staging.put(stage)
         with self._direct_lock:
             self.direct_bytes += moved
 
