@@ -357,6 +357,20 @@ def _multi(n: int, job: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
     return runs
 
 
+def _best_of_modes(measure: Any, rounds: int) -> float:
+    """The faster of direct and buffered I/O: ``measure(fio settings)`` (seconds) taken
+    ``rounds`` times in turn for each, medians compared. A mode the filesystem refuses
+    (direct I/O on tmpfs: fio fails) is left out."""
+    times: dict[str, list[float]] = {"1": [], "0": []}
+    for _ in range(rounds):
+        for direct, runs in times.items():
+            try:
+                runs.append(measure({"ioengine": "psync", "direct": direct, "bs": "8M"}))
+            except RuntimeError:
+                continue
+    return min(statistics.median(runs) for runs in times.values() if runs)
+
+
 def _fio_seconds(directory: Path, nbytes: int, *, write: bool, rounds: int = 5) -> float | None:
     """The device's time to write (with end_fsync, a new file each time) or cold-read
     ``nbytes`` sequentially with fio: the faster of direct and buffered I/O, each the median
@@ -366,18 +380,12 @@ def _fio_seconds(directory: Path, nbytes: int, *, write: bool, rounds: int = 5) 
         return None
     from benchmarks import device
 
-    times: dict[str, list[float]] = {"1": [], "0": []}
-    for _ in range(rounds):
-        for direct, runs in times.items():
-            settings = {"ioengine": "psync", "direct": direct, "bs": "8M"}
-            try:
-                runs.append(
-                    device.run_fio(directory / device.FIO_FILE, nbytes, settings, write=write)
-                )
-            except RuntimeError:  # direct I/O refused by the filesystem (tmpfs): buffered only
-                continue
-    (directory / device.FIO_FILE).unlink(missing_ok=True)
-    return min(statistics.median(runs) for runs in times.values() if runs)
+    path = directory / device.FIO_FILE
+    seconds = _best_of_modes(
+        lambda settings: device.run_fio(path, nbytes, settings, write=write), rounds
+    )
+    path.unlink(missing_ok=True)
+    return seconds
 
 
 def _fio_read_write_seconds(
@@ -394,26 +402,23 @@ def _fio_read_write_seconds(
     from benchmarks import device
 
     source, output = directory / "fio_source.bin", directory / device.FIO_FILE
-    times: dict[str, list[float]] = {"1": [], "0": []}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        for _ in range(rounds):
-            for direct, runs in times.items():
-                settings = {"ioengine": "psync", "direct": direct, "bs": "8M"}
-                try:
-                    device.run_fio(source, read, settings, write=True)  # the file to read
-                    t0 = time.perf_counter()
-                    jobs = [
-                        pool.submit(device.run_fio, source, read, settings, write=False),
-                        pool.submit(device.run_fio, output, write, settings, write=True),
-                    ]
-                    for job in jobs:
-                        job.result()
-                    runs.append(time.perf_counter() - t0)
-                except RuntimeError:  # direct I/O refused by the filesystem: buffered only
-                    continue
+
+        def both(settings: dict[str, str]) -> float:
+            device.run_fio(source, read, settings, write=True)  # the file to read
+            t0 = time.perf_counter()
+            jobs = [
+                pool.submit(device.run_fio, source, read, settings, write=False),
+                pool.submit(device.run_fio, output, write, settings, write=True),
+            ]
+            for job in jobs:
+                job.result()
+            return time.perf_counter() - t0
+
+        seconds = _best_of_modes(both, rounds)
     source.unlink(missing_ok=True)
     output.unlink(missing_ok=True)
-    return min(statistics.median(runs) for runs in times.values() if runs)
+    return seconds
 
 
 def transform_seconds(size: int, threads: int = 1) -> float:
