@@ -1,15 +1,29 @@
-"""Test-wide setup: CPU-only JAX with 8 devices per process (set before JAX is imported)."""
+"""Test-wide setup: CPU-only JAX with 8 devices per process (set before JAX is imported).
+
+``OSF_TEST_PLATFORM=accelerator`` runs the tests on the machine's accelerator instead (JAX's
+own choice of platform, e.g. one TPU chip): arrays live in its memory, saves take its
+device-to-host path and restores its host-to-device path. Tests that need more devices than
+it has skip there, naming how many (``tests/devices.py``); the CPU runs cover them.
+"""
 
 from __future__ import annotations
 
 import os
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+ON_ACCELERATOR = os.environ.get("OSF_TEST_PLATFORM") == "accelerator"
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+if ON_ACCELERATOR:
+    import jax  # noqa: F401  # (JAX reads JAX_PLATFORMS once, at import: the accelerator here)
+
+    # Processes the tests start (saves killed mid-write, fresh interpreters) run on CPU: one
+    # process at a time may hold a TPU, and this one does.
+    os.environ["JAX_PLATFORMS"] = "cpu"
+else:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import pytest
-from objstore.fixtures import (  # noqa: F401
+import pytest  # noqa: E402
+from objstore.fixtures import (  # noqa: F401, E402
     gcs_bucket,
     gcs_server,
     options,

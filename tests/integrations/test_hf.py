@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 
+import devices  # (tests/ is on sys.path)
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -255,7 +256,7 @@ def test_unexpected_and_ignored_keys(tmp_dir):
 def test_load_into_sharded_model_keeps_sharding(tmp_dir):
     tmodel = torch.nn.Linear(8, 16)
     safetensors.torch.save_file(tmodel.state_dict(), tmp_dir / "lin.safetensors")
-    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+    mesh = devices.mesh((2, 4), ("a", "b"))
     model = nnx.Linear(8, 16, rngs=nnx.Rngs(0))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("a", "b"))
     model.kernel[...] = jax.device_put(model.kernel[...], sharding)

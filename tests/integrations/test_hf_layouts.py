@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import devices  # (tests/ is on sys.path)
 import hf_models
 import jax
 import jax.numpy as jnp
@@ -181,7 +182,7 @@ def test_export_from_linen_params_train_state_nnx_state_and_sharded_arrays(tmp_d
     rules = osf.KeyMapping(osf.Rule.linear("fc", "layers.0"))
     assert osf.export_pytorch(nnx.state(model), tmp_dir / "state", rules).ok
     # sharded jax.Arrays, with hf_config as a dict
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("x",))
+    mesh = devices.mesh((4,), ("x",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "x"))
     kernel = jax.device_put(jnp.arange(32.0).reshape(8, 4), sharding)
     tree = {"params": {"kernel": kernel, "bias": jnp.zeros(4)}}

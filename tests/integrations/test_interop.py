@@ -5,6 +5,7 @@ Every check here reads with the other tool only; nothing goes through this libra
 
 from __future__ import annotations
 
+import devices  # (tests/ is on sys.path)
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -192,7 +193,7 @@ def test_torch_reads_float8_values(tmp_path, dtype):
 
 @needs_torch
 def test_sharded_jax_array_is_one_plain_tensor_for_other_readers(tmp_path):
-    mesh = jax.make_mesh((4, 2), ("x", "y"))
+    mesh = devices.mesh((4, 2), ("x", "y"))
     value = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
     tree = {
         "row": jax.device_put(value, NamedSharding(mesh, PartitionSpec("x"))),

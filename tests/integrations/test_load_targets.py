@@ -5,6 +5,7 @@ Face directory (sharded or not) or its index JSON; errors that name keys and sha
 
 from __future__ import annotations
 
+import devices  # (tests/ is on sys.path)
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -89,7 +90,7 @@ def test_linen_params_with_prefix_and_nnx_state(reference):
 def test_abstract_sharded_target(reference):
     """ShapeDtypeStruct leaves with shardings: jax.Arrays of those shardings and dtypes."""
     root, _, _ = reference
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+    mesh = devices.mesh((4, 2), ("data", "model"))
     abstract = nnx.eval_shape(lambda: hf_models.CausalLM(hf_models.tiny_config(), rngs=nnx.Rngs(0)))
     state = nnx.state(abstract, nnx.Param)
 
@@ -130,7 +131,7 @@ def test_stacked_and_fused_abstract_sharded_target_and_restore(reference, tmp_pa
     sharded, equal to a host load; published and restored with SafetensorsRestore(target,
     mapping=) into the same shardings."""
     root, _, weights = reference
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("x", "y"))
+    mesh = devices.mesh((2, 4), ("x", "y"))
     target = {
         n: jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(mesh, spec))
         for n, (s, spec) in SCANNED_SPECS.items()

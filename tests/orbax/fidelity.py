@@ -14,6 +14,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import devices  # (tests/ is on sys.path)
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -210,7 +211,7 @@ def restore_both(
 
 
 def make_mesh() -> jax.sharding.Mesh:
-    return jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+    return devices.mesh((2, 4), ("a", "b"))
 
 
 def sharded_array() -> jax.Array:

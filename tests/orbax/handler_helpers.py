@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import devices  # (tests/ is on sys.path)
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,7 +35,7 @@ needs_v1 = pytest.mark.skipif(
 
 
 def mesh() -> Mesh:
-    return Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))
+    return devices.mesh((2, 4), ("x", "y"))
 
 
 def state() -> dict[str, Any]:

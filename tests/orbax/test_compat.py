@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import devices  # (tests/ is on sys.path)
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -101,12 +102,12 @@ def test_leaves_are_not_nodes_in_either_form() -> None:
 
 
 def test_sharding_memo_gives_the_same_answers_without_the_private_key() -> None:
-    devices = jax.local_devices()
-    mesh = jax.sharding.Mesh(np.array(devices).reshape(-1), ("x",))
+    local = devices.take(2)
+    mesh = jax.sharding.Mesh(np.array(jax.local_devices()).reshape(-1), ("x",))
     shardings = [
-        jax.sharding.SingleDeviceSharding(devices[0]),
-        jax.sharding.SingleDeviceSharding(devices[0]),
-        jax.sharding.SingleDeviceSharding(devices[1]),
+        jax.sharding.SingleDeviceSharding(local[0]),
+        jax.sharding.SingleDeviceSharding(local[0]),
+        jax.sharding.SingleDeviceSharding(local[1]),
         jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x")),
         jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
     ]

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import crc32c
+import devices  # (tests/ is on sys.path)
 import handler_helpers as helpers  # (tests/orbax/ is on sys.path)
 import jax
 import jax.numpy as jnp
@@ -164,7 +165,7 @@ def test_sub_byte_shards_off_whole_bytes_fail_in_the_call(tmp_path: Path) -> Non
     error names the shard and comes from save() (before the writer thread plans anything)."""
     import ml_dtypes
 
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("x",))
+    mesh = devices.mesh((8,), ("x",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
     values = np.zeros((8, 3), ml_dtypes.float4_e2m1fn)  # 12 bits per shard
     state = {"q": jax.device_put(values, sharding)}

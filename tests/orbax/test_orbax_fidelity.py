@@ -14,6 +14,7 @@ import typing
 import warnings
 from typing import Any
 
+import devices  # (tests/ is on sys.path)
 import fidelity  # (tests/orbax/ is on sys.path)
 import jax
 import jax.numpy as jnp
@@ -219,7 +220,7 @@ def test_point9_host_offload_targets(tmp_path):
     tree = {"x": fidelity.sharded_array()}
     theirs, ours = fidelity.save_both(tmp_path, tree)
     host = NamedSharding(fidelity.make_mesh(), P("a", "b")).with_memory_kind("pinned_host")
-    for sharding in (host, SingleDeviceSharding(jax.devices()[2], memory_kind="pinned_host")):
+    for sharding in (host, SingleDeviceSharding(devices.take(3)[2], memory_kind="pinned_host")):
         target = {"x": jax.ShapeDtypeStruct((4, 8), jnp.float32, sharding=sharding)}
         got, want = fidelity.restore_both(theirs, ours, item=target)
         fidelity.assert_same_restore(got, want)
@@ -261,7 +262,7 @@ def test_point11_scalar_leaves_follow_the_target(tmp_path):
 def test_point11_scalar_into_array_and_python_targets(tmp_path):
     tree = {"i": 5, "f": 2.5, "b": True}
     theirs, ours = fidelity.save_both(tmp_path, tree)
-    device = jax.devices()[1]
+    device = devices.take(2)[1]
     for target in (
         {"i": jnp.zeros((), jnp.float32), "f": jax.device_put(jnp.zeros(()), device), "b": 0},
         {"i": np.zeros((), np.float32), "f": 0, "b": 0.0},

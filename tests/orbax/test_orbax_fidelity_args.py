@@ -26,6 +26,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import devices  # (tests/ is on sys.path)
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,7 +51,7 @@ _ORBAX_TARGET_SHAPES = (0, 11, 40)
 
 
 def _mesh() -> Mesh:
-    return Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))
+    return devices.mesh((2, 4), ("x", "y"))
 
 
 def _state() -> dict[str, Any]:
@@ -433,7 +434,8 @@ def test_args_print_a_summary_never_the_arrays() -> None:
 
 
 def test_environment_has_eight_devices() -> None:
-    assert len(jax.devices()) == 8, os.environ.get("JAX_NUM_CPU_DEVICES")
+    devices.take(8)  # (skips on an accelerator with fewer)
+    assert len(jax.devices()) >= 8, os.environ.get("JAX_NUM_CPU_DEVICES")
 
 
 # --------------------------------------------------------------------------- point 12: mixed roots

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 
+import devices  # (tests/ is on sys.path)
 import fidelity  # (tests/orbax/ is on sys.path)
 import jax
 import jax.numpy as jnp
@@ -83,7 +84,7 @@ def _orbax_cannot_save_replicated_arrays() -> bool:
 
 def test_point1_sub_mesh_of_the_job(tmp_path):
     # A mesh over 4 of the 8 devices: its devices all exist, so it is reused as saved.
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[2:6]).reshape(2, 2), ("a", "b"))
+    mesh = jax.sharding.Mesh(np.array(devices.take(6)[2:6]).reshape(2, 2), ("a", "b"))
     x = jax.device_put(jnp.ones((4, 4)), NamedSharding(mesh, P("b", None)))
     ours = fidelity.save_manager(tmp_path / "ours", osf.SafetensorsSave({"x": x}))
     got = fidelity.restore_ours(ours)

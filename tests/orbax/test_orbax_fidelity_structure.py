@@ -24,6 +24,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import devices  # (tests/ is on sys.path)
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -229,7 +230,7 @@ def test_point9_masked_node_saved_gives_none_under_a_full_target(tmp_path):
 
 
 def test_point9_a_pytree_restore_items_leaves_only_mark_positions(tmp_path):
-    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+    mesh = devices.mesh((2, 4), ("a", "b"))
     x = jax.device_put(jnp.arange(32.0).reshape(4, 8), NamedSharding(mesh, P("a", "b")))
     tree = {"x": x, "n": np.arange(3, dtype=np.int16), "s": 5, "f": 2.5, "v": jnp.ones(2)}
     theirs, _ = save_both(tmp_path, tree, orbax="pytree")
@@ -282,7 +283,7 @@ def test_load_file_still_takes_orbaxs_restore_args_and_placeholder(tmp_path):
     target = {
         "a": ocp.RestoreArgs(restore_type=np.ndarray, dtype=np.float16),
         "b": ocp.PLACEHOLDER,
-        "c": ocp.ArrayRestoreArgs(sharding=jax.sharding.SingleDeviceSharding(jax.devices()[1])),
+        "c": ocp.ArrayRestoreArgs(sharding=jax.sharding.SingleDeviceSharding(devices.take(2)[1])),
     }
     got = osf.load_file(path, target)
     assert type(got["a"]) is np.ndarray and got["a"].dtype == np.float16

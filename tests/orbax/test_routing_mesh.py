@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
+import devices  # (tests/ is on sys.path)
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,13 +26,13 @@ from orbax_safetensors._src.orbax import routing
 
 
 def _replicated() -> dict[str, jax.Array]:
-    mesh = Mesh(np.array(jax.devices()[:2]), ("d",))
+    mesh = devices.mesh((2,), ("d",))
     return {"x": jax.device_put(jnp.arange(16.0), NamedSharding(mesh, P()))}
 
 
 def _jit_elsewhere_works() -> None:
     # A jit on devices other than the saved array's: what a leaked global mesh breaks.
-    y = jax.device_put(jnp.ones(4), jax.devices()[3])
+    y = jax.device_put(jnp.ones(4), devices.take(4)[3])
     np.testing.assert_array_equal(np.asarray(jax.jit(lambda a: a + 1)(y)), np.full(4, 2.0))
 
 

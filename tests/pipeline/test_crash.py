@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import devices  # (tests/ is on sys.path)
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -204,6 +205,7 @@ def _check_bits(restored: dict[str, Any], expected: dict[str, Any]) -> None:
 
 
 def test_sigkill_during_async_saves_never_loses_the_last_step(tmp_path: Path) -> None:
+    devices.take(4)  # the saves are on 4 CPU devices; restores here reproduce that mesh
     root = tmp_path / "ckpts"
     base = _base()
     rng = random.Random(0)

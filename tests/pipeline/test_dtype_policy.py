@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import devices  # (tests/ is on sys.path)
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -279,7 +280,7 @@ def test_manager_saves_bf16_and_restores_either_dtype(tmp_path: Path, async_enab
 
 
 def test_sharded_arrays_are_cast_shard_by_shard(tmp_path: Path) -> None:
-    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+    mesh = devices.mesh((4, 2), ("data", "model"))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", "model"))
     w = jax.device_put(jnp.linspace(-3, 3, 64 * 32, dtype=jnp.float32).reshape(64, 32), sharding)
     replicated = jax.device_put(

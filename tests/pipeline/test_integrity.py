@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import devices  # (tests/ is on sys.path)
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -158,7 +159,7 @@ def test_empty_directory_is_a_problem(tmp_path: Path) -> None:
 
 
 def _sharded_state(seed: int) -> dict[str, Any]:
-    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+    mesh = devices.mesh((4, 2), ("data", "model"))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", "model"))
     rng = np.random.default_rng(seed)
     return {

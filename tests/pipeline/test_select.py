@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+import devices  # (tests/ is on sys.path)
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -204,7 +205,7 @@ def test_only_selected_bytes_and_headers_are_read(tmp_path):
 
 @pytest.mark.parametrize("max_file_size", [None, 300_000])  # one file, or one per tensor
 def test_manager_restore_selects_and_reads_only_that(tmp_path, max_file_size):
-    mesh = jax.make_mesh((4, 2), ("x", "y"))
+    mesh = devices.mesh((4, 2), ("x", "y"))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x", "y"))
     state = {
         "params": {

@@ -66,6 +66,11 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         save (no allocation and page faults per save, so ``save()`` blocks for little more
         than the copy); between saves they hold this process's share of the last save's large
         tensors until ``close()``. False: fresh buffers each save, freed once written.
+      device_snapshot: an async save on an accelerator (TPU, GPU) copies this process's
+        shards on their devices, when every device has room for the copies, and returns:
+        ``save()`` blocks for milliseconds and the device-to-host copies run beside training
+        (the device memory of each copy is freed once it is on the host). False, or without
+        the room: the host copies are made before ``save()`` returns.
       io_options: how files are written and read (``osf.IOOptions``: direct I/O mode,
         object-store options, tracing); None: the defaults (environment variables).
 
@@ -87,12 +92,14 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         verify: bool = True,
         primary_host: int = 0,
         reuse_host_buffers: bool = True,
+        device_snapshot: bool = True,
         io_options: _config.IOOptions | None = None,
     ) -> None:
         self._layout = _checkpoint_save.SaveLayout(max_file_size, checksums)
         self._verify = verify
         self._primary_host = primary_host
         self._io = io_options
+        self._device_snapshot = device_snapshot
         self.last_read_stats: ReadStats | None = None
         self.last_write_stats: _pieces.WriteStats | None = None
         # Not per save: the written jobs awaiting finalize, by item directory; Orbax's handlers
@@ -124,6 +131,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
             host_buffers=self._host_buffers,
             io=args.io_options if args.io_options is not None else self._io,
             export=args.export_plan,
+            device_snapshot=self._device_snapshot,
         )
         self.last_write_stats = job.stats
         return job

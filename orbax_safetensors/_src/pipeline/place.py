@@ -25,6 +25,7 @@ import numpy as np
 
 from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
 from orbax_safetensors._src.core import memo as _memo
+from orbax_safetensors._src.storage import buffers as _buffers
 
 
 def _load_direct_put() -> _jaxcompat.DirectPut | None:
@@ -94,3 +95,27 @@ def put(values: Sequence[np.ndarray], targets: Sequence[Any]) -> list[jax.Array]
         for i, array in zip(slow, placed):
             out[i] = array
     return out
+
+
+_ALIASES: dict[tuple[str, str | None], bool] = {}
+
+
+def aliases_host(device: Any, memory_kind: str | None = None) -> bool:
+    """Whether ``jax.device_put`` of a 64-byte aligned numpy array onto ``device`` (its memory
+    of ``memory_kind``; None: the default) shares the host buffer rather than copying it: True
+    on CPU, False on accelerators. Probed once per platform and memory kind with a small array;
+    a probe that fails answers True (the caller then keeps every buffer it placed)."""
+    key = (device.platform, memory_kind)
+    known = _ALIASES.get(key)
+    if known is None:
+        try:
+            host = _buffers.aligned_empty(4096).view(np.float32)
+            host[:] = 0
+            target = jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind)
+            out = jax.device_put(host, target, may_alias=True)
+            known = out.unsafe_buffer_pointer() == host.ctypes.data
+            out.block_until_ready()
+        except Exception:
+            known = True
+        _ALIASES[key] = known
+    return known

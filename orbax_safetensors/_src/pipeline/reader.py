@@ -13,9 +13,11 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -29,6 +31,7 @@ from orbax_safetensors._src.core import runs as _runs
 from orbax_safetensors._src.core.errors import IntegrityError
 from orbax_safetensors._src.pipeline import place as _place
 from orbax_safetensors._src.pipeline import relayout as _relayout
+from orbax_safetensors._src.pipeline import staging as _staging
 from orbax_safetensors._src.storage import buffers as _buffers
 from orbax_safetensors._src.storage import config as _config
 from orbax_safetensors._src.storage import router as _router
@@ -126,11 +129,14 @@ class _ReadBuffers:
 
 
 def _read_buffers(
-    req: ReadRequest, arena: _buffers.BufferArena, single_device: _memo.ShardingMemo[bool]
+    req: ReadRequest,
+    whole: Callable[[ReadRequest], np.ndarray],
+    single_device: _memo.ShardingMemo[bool],
 ) -> _ReadBuffers:
+    # ``whole(req)``: the buffer a whole-tensor read lands in (an arena's, or a staging ring's).
     shape = req.stored.shape
     if req.kind != ReadKind.JAX or req.sharding is None or single_device(req.sharding):
-        return _ReadBuffers(arena.empty(req.stored.nbytes, file_offset=req.stored.offset), [], None)
+        return _ReadBuffers(whole(req), [], None)
     whole_index = _runs.whole_index(tuple(shape))
     device_keys: dict[Any, tuple] = {}
     boxes: dict[tuple, _Box] = {}
@@ -140,9 +146,7 @@ def _read_buffers(
         boxes.setdefault(device_keys[device], _Box(norm, np.empty(0, np.uint8)))
     if req.sharding.is_fully_addressable or _runs.index_key(whole_index) in boxes:
         # This process needs every byte: one whole read (verifiable) serves every box.
-        return _ReadBuffers(
-            arena.empty(req.stored.nbytes, file_offset=req.stored.offset), [], device_keys
-        )
+        return _ReadBuffers(whole(req), [], device_keys)
     for box in boxes.values():
         box.buffer = _buffers.aligned_empty(
             _dtypes.nbytes(req.stored.dtype, _runs.box_shape(box.index))
@@ -203,39 +207,132 @@ def _read_tensors(
 ) -> list[Any]:
     arena = _buffers.BufferArena()
     single_device = _memo.ShardingMemo(_single_device)  # many tensors share a few shardings
-    buffers = [_read_buffers(r, arena, single_device) for r in requests]
-    by_file: dict[epath.Path, list[tuple[int, np.ndarray]]] = {}
-    # Per file: run number -> request whose CRC32C to check once that run (the whole tensor)
-    # is read, on the reading thread while its bytes are still in cache.
-    checks: dict[epath.Path, dict[int, ReadRequest]] = {}
-    for req, rbuf in zip(requests, buffers):
-        runs = by_file.setdefault(req.stored.path, [])
-        if rbuf.whole is not None:  # one run, the whole tensor: the common case, no numpy
-            if req.verify and req.stored.crc32c is not None:
-                checks.setdefault(req.stored.path, {})[len(runs)] = req
-            runs.append((req.stored.offset, rbuf.whole))
-            continue
-        for box in rbuf.boxes:
-            offsets, length = _runs.byte_runs(req.stored.dtype, req.stored.shape, box.index)
-            for k, off in enumerate(offsets.tolist()):
-                runs.append((req.stored.offset + off, box.buffer[k * length : (k + 1) * length]))
-    for path, runs in by_file.items():
-        file_checks = checks.get(path, {})
+    with _Files(io, stats) as files:
+        staged = _staging.staged(requests)
+        if staged is None:
+            buffers = [_read_buffers(r, _arena_buffer(arena), single_device) for r in requests]
+            files.read(requests, buffers)
+            return _place_all(requests, buffers)
+        with _staging.ring_for(requests, staged) as ring:
+            return _read_staged(requests, staged, ring, arena, single_device, files)
 
-        def on_run(i: int, runs: list[Any] = runs, file_checks: dict = file_checks) -> None:
-            if i in file_checks:
-                _check(file_checks[i], runs[i][1])
 
-        with _router.open_reader(path, io=io) as reader:
+def _arena_buffer(arena: _buffers.BufferArena) -> Callable[[ReadRequest], np.ndarray]:
+    return lambda req: arena.empty(req.stored.nbytes, file_offset=req.stored.offset)
+
+
+def _read_staged(
+    requests: Sequence[ReadRequest],
+    staged: list[bool],
+    ring: _buffers.StagingRing,
+    arena: _buffers.BufferArena,
+    single_device: _memo.ShardingMemo[bool],
+    files: _Files,
+) -> list[Any]:
+    """Reads in waves through ``ring`` (``staged[i]``: request i's whole tensor goes through
+    it): a wave is read, its transfers to the devices start, and the next wave is read while
+    they run; ring space is taken again once the transfers out of it are done."""
+    results: list[Any] = [None] * len(requests)
+
+    def whole(req: ReadRequest, stage: bool) -> np.ndarray:
+        if stage:
+            return ring.take(req.stored.nbytes, file_offset=req.stored.offset)
+        return arena.empty(req.stored.nbytes, file_offset=req.stored.offset)
+
+    def read_wave(wave: list[int]) -> None:
+        wave_requests = [requests[i] for i in wave]
+        buffers = [
+            _read_buffers(requests[i], functools.partial(whole, stage=staged[i]), single_device)
+            for i in wave
+        ]
+        files.read(wave_requests, buffers)
+        placed = _place_all(wave_requests, buffers)  # transfers start, and run on
+        for k, i in enumerate(wave):
+            results[i] = _staging.off_the_ring(placed[k]) if staged[i] else placed[k]
+        ring.hold(functools.partial(jax.block_until_ready, placed))
+
+    # File order (each file read front to back), in waves of at most a share of the ring.
+    order = sorted(
+        range(len(requests)),
+        key=lambda i: (str(requests[i].stored.path), requests[i].stored.offset),
+    )
+    budget = ring.capacity // _staging.WAVES_IN_FLIGHT
+    wave: list[int] = []
+    wave_bytes = 0
+    for i in order:
+        size = requests[i].stored.nbytes if staged[i] else 0
+        if wave and wave_bytes + size > budget:
+            read_wave(wave)
+            wave, wave_bytes = [], 0
+        wave.append(i)
+        wave_bytes += size
+    if wave:
+        read_wave(wave)
+    return results
+
+
+class _Files:
+    """The files of one read, each opened once (a staged read reads each in several waves);
+    ``read`` fills buffers from them and counts into ``stats``."""
+
+    def __init__(self, io: _config.IOOptions | None, stats: ReadStats | None) -> None:
+        self._io = io
+        self._stats = stats
+        self._stack = contextlib.ExitStack()
+        self._readers: dict[epath.Path, Any] = {}
+
+    def __enter__(self) -> _Files:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def _reader(self, path: epath.Path) -> Any:
+        reader = self._readers.get(path)
+        if reader is None:
+            reader = self._readers[path] = self._stack.enter_context(
+                _router.open_reader(path, io=self._io)
+            )
+        return reader
+
+    def read(self, requests: Sequence[ReadRequest], buffers: list[_ReadBuffers]) -> None:
+        """Fills ``buffers`` (one per request), one batched read per file, checking the
+        CRC32C of each tensor read whole."""
+        by_file: dict[epath.Path, list[tuple[int, np.ndarray]]] = {}
+        # Per file: run number -> request whose CRC32C to check once that run (the whole
+        # tensor) is read, on the reading thread while its bytes are still in cache.
+        checks: dict[epath.Path, dict[int, ReadRequest]] = {}
+        for req, rbuf in zip(requests, buffers):
+            runs = by_file.setdefault(req.stored.path, [])
+            if rbuf.whole is not None:  # one run, the whole tensor: the common case, no numpy
+                if req.verify and req.stored.crc32c is not None:
+                    checks.setdefault(req.stored.path, {})[len(runs)] = req
+                runs.append((req.stored.offset, rbuf.whole))
+                continue
+            for box in rbuf.boxes:
+                offsets, length = _runs.byte_runs(req.stored.dtype, req.stored.shape, box.index)
+                for k, off in enumerate(offsets.tolist()):
+                    runs.append(
+                        (req.stored.offset + off, box.buffer[k * length : (k + 1) * length])
+                    )
+        stats = self._stats
+        for path, runs in by_file.items():
+            file_checks = checks.get(path, {})
+
+            def on_run(i: int, runs: list[Any] = runs, file_checks: dict = file_checks) -> None:
+                if i in file_checks:
+                    _check(file_checks[i], runs[i][1])
+
+            reader = self._reader(path)
+            before = (reader.bytes_read, reader.requests, getattr(reader, "direct_bytes", 0))
             reader.read_runs(runs, on_run=on_run if file_checks else None)
+            if stats is not None:
+                stats.bytes_read += reader.bytes_read - before[0]
+                stats.requests += reader.requests - before[1]
+                stats.direct_bytes += getattr(reader, "direct_bytes", 0) - before[2]
         if stats is not None:
-            stats.bytes_read += reader.bytes_read
-            stats.requests += reader.requests
-            stats.direct_bytes += getattr(reader, "direct_bytes", 0)  # local files only
-    if stats is not None:
-        stats.bytes_needed += sum(b.buffer.nbytes for p in buffers for b in p.boxes)
-        stats.bytes_needed += sum(p.whole.nbytes for p in buffers if p.whole is not None)
-    return _place_all(requests, buffers)
+            stats.bytes_needed += sum(b.buffer.nbytes for p in buffers for b in p.boxes)
+            stats.bytes_needed += sum(p.whole.nbytes for p in buffers if p.whole is not None)
 
 
 def _check(req: ReadRequest, raw: np.ndarray) -> None:

@@ -144,6 +144,11 @@ class SaveJob:
         processes each writes only its own bytes (``export_plan.sharded_pieces``), on a
         shared file system or, through the spread uploads of any save, on object storage.
 
+      device_snapshot: ``SNAPSHOT`` on an accelerator: :meth:`snapshot` copies the owned
+        shards on their devices (when every device has room for them) and returns; their
+        device-to-host copies run on another thread (``snapshots.device_copies``). False: the
+        host copies are made before :meth:`snapshot` returns.
+
     After :meth:`write`, ``stats`` holds the byte ranges this process wrote.
     """
 
@@ -158,8 +163,10 @@ class SaveJob:
         host_buffers: _buffers.HostBufferPool | None = None,
         io: _config.IOOptions | None = None,
         export: _export_plan.ExportPlan | None = None,
+        device_snapshot: bool = True,
     ) -> None:
         self.directory = epath.Path(directory)
+        self.device_snapshot = device_snapshot
         self.io = io
         self.export = export
         self.mode = mode
@@ -180,6 +187,7 @@ class SaveJob:
         self._lock = threading.Lock()
         self._state = _State.NEW
         self._idle = threading.Event()  # set once no writer runs for this job any more
+        self._copier: threading.Thread | None = None  # a device snapshot's host copies
 
     def __repr__(self) -> str:
         return f"SaveJob({str(self.directory)!r}, {self.mode.name}, {self._state.value})"
@@ -218,6 +226,15 @@ class SaveJob:
                 snaps = _export_plan.snapshot_items(
                     validated, self.export, self.processes.is_primary, self._arena
                 )
+            elif (later := self._device_snapshot(validated)) is not None:
+                snaps, rest = later
+                for item in snaps:  # host leaves (the caller may change them): copied now
+                    self._queue.put(item)
+                self._copier = threading.Thread(
+                    target=self._copy_later, args=(rest,), name="osf-host-copies", daemon=True
+                )
+                self._copier.start()
+                return  # the copier closes the queue
             else:
                 snaps = _snapshots.iter_snapshots(
                     enumerate(validated.captured.arrays),
@@ -233,6 +250,44 @@ class SaveJob:
             captured = validated.captured  # arrays donated since the tree was validated?
             _checkpoint_save.check_not_deleted(zip(captured.names, captured.arrays))
             raise
+        self._queue.close()
+
+    def _device_snapshot(self, validated: _checkpoint_save.ValidatedTree) -> Any:
+        # (host copies to make now, device copies whose host copies a thread makes), or None:
+        # see snapshots.device_copies. Not where a save moves row blocks between processes
+        # (collectives belong on the caller's thread) or an export runs its own snapshot.
+        own_snapshot = self.export is not None or _router.is_object_url(self.directory)
+        if not self.device_snapshot or (self.processes.count > 1 and own_snapshot):
+            return None
+        owned = _snapshots.owned_tensors(
+            enumerate(validated.captured.arrays), self.processes.is_primary
+        )
+        split = _snapshots.device_copies(owned)
+        if split is None:
+            return None
+        now, later = split
+        assert self._arena is not None or self._pool is None
+        arena = self._arena if self._arena is not None else _buffers.BufferArena()
+        casts = validated.snapshot_casts()
+        return _snapshots.iter_owned(now, casts=casts, buffers=arena), (later, casts, arena)
+
+    def _copy_later(self, rest: Any) -> None:
+        # The copier thread of a device snapshot: host copies of the device copies (each
+        # device copy freed once copied), handed to the writer; the end or a failure closes
+        # the queue. Stops early if the save was aborted or failed meanwhile.
+        later, casts, arena = rest
+        assert self._queue is not None
+        copies = _snapshots.iter_owned(later, casts=casts, buffers=arena, delete=True)
+        try:
+            for item in copies:
+                if self._state in (_State.ABORTING, _State.ABORTED, _State.FAILED):
+                    break
+                self._queue.put(item)
+        except BaseException as e:
+            self._queue.fail(e)
+            return
+        finally:
+            _snapshots.delete_device_copies(later)  # (those not yet copied, on an early end)
         self._queue.close()
 
     def abort(self, error: BaseException) -> None:
@@ -320,6 +375,9 @@ class SaveJob:
     def _release(self) -> None:
         # The caller's arrays and the host copies are no longer needed: the job keeps only
         # what finalize merges (it may wait in a driver's registry until then).
+        copier = self._copier
+        if copier is not None and copier is not threading.current_thread():
+            copier.join()  # (it stops after its current tensor once the job ended)
         self._validated = None
         self._prepared = None
         pool, arena, self._arena = self._pool, self._arena, None

@@ -20,6 +20,7 @@ from collections.abc import Generator, Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from orbax_safetensors._src.core import astype as _astype
@@ -179,10 +180,31 @@ def iter_snapshots(
         arrays = [item for item in items if item[0] not in joined]
     owned = owned_tensors(arrays, is_primary)
     moved = _row_block_targets(owned, casts) if row_blocks else {}
-    start_copies([o for o in owned if o[0] not in moved])  # all at once: copied before return
+    yield from iter_owned(owned, casts=casts, buffers=buffers, moved=moved)
+
+
+def iter_owned(
+    owned: list[_Owned],
+    *,
+    casts: Mapping[Any, np.dtype] | None = None,
+    buffers: _buffers.BufferArena,
+    moved: Mapping[Any, jax.sharding.Sharding] | None = None,
+    delete: bool = False,
+) -> Iterator[tuple[Any, HostCopies]]:
+    """Host copies of ``owned`` tensors (:func:`owned_tensors`), as :func:`iter_snapshots`
+    yields them; ``moved``: the tensors to re-lay out first (row blocks); ``delete``: each
+    array is deleted once its host copies are made (they are this save's own device copies,
+    :func:`device_copies`)."""
+    start_copies([o for o in owned if not moved or o[0] not in moved])  # all at once
     for item in owned:
         name, x, shards, on_cpu = item
         dtype = casts.get(name) if casts else None
+        if delete:
+            copies = host_copies(item, buffers, dtype)
+            for data in [x] if shards is None else [d for _, d in shards]:
+                data.delete()  # its bytes are on the host: free the device memory now
+            yield name, copies
+            continue
         if moved and name in moved:
             yield name, _relaid_copies(item, moved[name], buffers, dtype)
             continue
@@ -305,6 +327,84 @@ def _relaid_copies(
         return host_copies((name, moved, owned_shards(moved), on_cpu), buffers, dtype)
     finally:
         moved.delete()
+
+
+# The device memory an on-device snapshot leaves free on each device, besides its copies.
+_DEVICE_HEADROOM = 256 << 20
+
+#: Which arrays :func:`device_copies` copies on their devices: ``"auto"``, those in an
+#: accelerator's memory; ``"always"``, every ``jax.Array`` (CPU ones too, with no room check
+#: where the device reports no memory statistics: tests of this path on CPU).
+DEVICE_COPIES = "auto"
+
+
+def device_copies(owned: list[_Owned]) -> tuple[list[_Owned], list[_Owned]] | None:
+    """``owned`` split into (tensors to copy to host now, device copies of the others), the
+    copies made on the devices, one program per device: the shards this process owns on an
+    accelerator, where every device has room for its copies (``memory_stats``) beside
+    :data:`_DEVICE_HEADROOM`. None when nothing is on an accelerator or a device lacks room.
+
+    An async save takes such a copy instead of the host copy: the copy is made on the device in
+    milliseconds, the caller may then donate or overwrite its arrays, and the device-to-host
+    copies run on another thread while training goes on (docs/performance.md, "TPU"). Each
+    shard is copied on its own device, so no program spans processes."""
+    later = [o for o in owned if _on_accelerator(o)]
+    if not later:
+        return None
+    by_device: dict[Any, list[Any]] = {}
+    for _, x, shards, _ in later:
+        for data in [x] if shards is None else [d for _, d in shards]:
+            by_device.setdefault(next(iter(data.devices())), []).append(data)
+    for device, arrays in by_device.items():
+        stats = _memory_stats(device)
+        if stats is None:
+            if DEVICE_COPIES == "always":
+                continue
+            return None
+        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+        if sum(a.nbytes for a in arrays) + _DEVICE_HEADROOM > free:
+            return None
+    copied = {}
+    for arrays in by_device.values():
+        for data, copy in zip(arrays, _copy_on_device(arrays)):
+            copied[id(data)] = copy
+    now = [o for o in owned if not _on_accelerator(o)]
+    return now, [
+        (name, copied[id(x)], None, on_cpu)
+        if shards is None
+        else (name, x, [(index, copied[id(d)]) for index, d in shards], on_cpu)
+        for name, x, shards, on_cpu in later
+    ]
+
+
+def delete_device_copies(copies: list[_Owned]) -> None:
+    """Frees the device memory of :func:`device_copies`' copies (those not deleted yet)."""
+    for _, x, shards, _ in copies:
+        for data in [x] if shards is None else [d for _, d in shards]:
+            if not data.is_deleted():
+                data.delete()
+
+
+def _on_accelerator(item: _Owned) -> bool:
+    # A jax.Array in an accelerator's own memory (not CPU, not a host memory kind).
+    _, x, _, on_cpu = item
+    if not isinstance(x, jax.Array) or (on_cpu and DEVICE_COPIES != "always"):
+        return False
+    return getattr(x.sharding, "memory_kind", None) in (None, "device")
+
+
+def _memory_stats(device: Any) -> dict[str, int] | None:
+    try:
+        stats = device.memory_stats()
+    except Exception:  # (a backend without it raises or returns None)
+        return None
+    return stats if stats and "bytes_limit" in stats else None
+
+
+@jax.jit
+def _copy_on_device(arrays: list[jax.Array]) -> list[jax.Array]:
+    # New buffers with the arrays' values (never aliased: the arguments are not donated).
+    return [jnp.copy(a) for a in arrays]
 
 
 def start_copies(owned: list[_Owned]) -> None:

@@ -12,7 +12,9 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -218,3 +220,93 @@ class LentBuffers:
             buffer = self._lent.pop(address, None)
             if buffer is not None and len(self._free) < self._max_idle:
                 self._free.append(buffer)
+
+
+class StagingRing:
+    """One host buffer used as a ring for transfers that copy out of it (a restore onto an
+    accelerator, whose ``device_put`` copies the host bytes to the device and then no longer
+    needs them): reads land in the ring, their transfers run while the next reads fill the
+    space after them, and space is taken again once the transfers out of it are done.
+
+    Why: on a machine where first touching fresh memory is slow (a virtual machine or a gVisor
+    sandbox fault every new page through the hypervisor), reading a whole state into fresh
+    buffers costs far more than reading it into memory already mapped; a ring of a few hundred
+    MiB serves a state of any size with its pages faulted once (docs/performance.md, "TPU").
+
+    Space is taken with :meth:`take` and handed over in groups with :meth:`hold`: ``wait``
+    blocks until every transfer out of the group's space is done. :meth:`take` calls the
+    oldest groups' ``wait`` first when it needs their space. Not thread-safe: one restore
+    uses a ring at a time (:meth:`drain` before giving it to another).
+
+    Example::
+
+        ring = StagingRing(64 << 20)
+        buf = ring.take(1 << 20)          # read into buf, start its transfer...
+        ring.hold(lambda: array.block_until_ready())
+        ring.drain()                      # every transfer done: the ring is free
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = -(-capacity // _PAGE) * _PAGE
+        raw = np.empty(self.capacity + _PAGE, np.uint8)
+        self._ring = _at_phase(raw, self.capacity, _PAGE, 0)  # page-aligned
+        self._head = 0  # ring offset where the next take starts
+        self._segments: list[tuple[int, int]] = []  # space taken since the last hold
+        # Space in flight, oldest first: (start, end, wait of its group).
+        self._held: collections.deque[tuple[int, int, Callable[[], Any]]] = collections.deque()
+        self.waits = 0  # how many times a take waited for a transfer
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether a buffer of ``nbytes`` (placed for any file offset) fits in the ring."""
+        return nbytes + _PAGE <= self.capacity
+
+    def take(self, nbytes: int, *, file_offset: int | None = None) -> np.ndarray:
+        """``nbytes`` of the ring, 64-byte aligned (congruent to ``file_offset`` modulo 4 KiB
+        when that is a multiple of 64, as :func:`aligned_empty` places it), once the transfers
+        that still read that space are done.
+
+        Raises ``ValueError`` if ``nbytes`` does not fit (see :meth:`fits`)."""
+        if not self.fits(nbytes):
+            raise ValueError(f"{nbytes} bytes do not fit a staging ring of {self.capacity}")
+        placed = file_offset is not None and file_offset % ALIGNMENT == 0
+        phase = file_offset % _PAGE if placed and file_offset is not None else 0
+        start = self._placed_at(self._head, phase, placed)
+        if start + nbytes > self.capacity:  # wrap: the rest of this lap stays unused
+            start = self._placed_at(0, phase, placed)
+        end = start + nbytes
+        if any(s < end and start < e for s, e in self._segments):
+            raise ValueError(
+                f"a group of more than {self.capacity} bytes: hold() its transfers first"
+            )
+        while any(s < end and start < e for s, e, _ in self._held):
+            self.waits += 1
+            self._release_oldest()
+        if self._segments and start >= self._head:
+            self._segments[-1] = (self._segments[-1][0], end)
+        else:
+            self._segments.append((start, end))
+        self._head = end
+        return self._ring[start:end]
+
+    @staticmethod
+    def _placed_at(at: int, phase: int, placed: bool) -> int:
+        start = -(-at // ALIGNMENT) * ALIGNMENT
+        return start + (phase - start) % _PAGE if placed else start
+
+    def hold(self, wait: Callable[[], Any]) -> None:
+        """The space taken since the last hold stays in use until ``wait()`` has returned
+        (called at most once per piece of space, by a later :meth:`take` or :meth:`drain`)."""
+        for start, end in self._segments:
+            self._held.append((start, end, wait))
+        self._segments = []
+
+    def drain(self) -> None:
+        """Waits for every transfer held: the whole ring is free again."""
+        while self._held:
+            self._release_oldest()
+        self._segments = []
+        self._head = 0
+
+    def _release_oldest(self) -> None:
+        _, _, wait = self._held.popleft()
+        wait()

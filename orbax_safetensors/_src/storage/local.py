@@ -408,6 +408,7 @@ class LocalReader:
         self._direct_mode = _direct.mode(direct_io) if _direct.available() else "never"
         self._direct_fd: int | None = None  # opened on the first direct read
         self._direct_refused = False  # the filesystem refused O_DIRECT: read buffered
+        self._cache_probe: Any = _UNPROBED  # auto mode: which ranges are in the page cache
         self.bytes_read = 0  # bytes asked of the file, coalesced gaps included
         self.requests = 0  # ranged read requests (one per coalesced batch)
         self.direct_bytes = 0  # of bytes_read, read through O_DIRECT
@@ -480,7 +481,10 @@ class LocalReader:
             return None
         cached = None
         if self._direct_mode == "auto":
-            cached = _direct.page_cache_probe(self._fd, self.path, self._stat)
+            if self._cache_probe is _UNPROBED:  # once per open file (a restore reads it in
+                # several calls; the probe maps the whole file where cachestat is missing)
+                self._cache_probe = _direct.page_cache_probe(self._fd, self.path, self._stat)
+            cached = self._cache_probe
             if cached is None:
                 return None  # the page cache cannot be seen: buffered, as warm reads want
         split = _direct.split_runs(runs, cached)
@@ -562,6 +566,8 @@ class LocalReader:
             lambda at: EOFError(f"{self.path}: unexpected end of file at offset {at}"),
         )
 
+
+_UNPROBED = object()
 
 # Local reads: batches of at most 16 MiB, so several threads share a large contiguous read and
 # each run's bytes are still cached when on_run looks at them.

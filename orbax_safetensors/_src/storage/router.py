@@ -188,9 +188,18 @@ def fsync_dir(path: epath.PathLike) -> None:
         os.close(fd)
 
 
+# Threads of a local read: at least 4 (several reads in flight keep a disk's queue full), up to
+# 8 on machines with the cores (reads from the page cache are memory copies, which scale with
+# threads: docs/performance.md, "TPU").
+READ_THREADS = max(4, min(8, os.cpu_count() or 1))
+
+
 @contextmanager
 def open_reader(
-    path: epath.PathLike, *, threads: int = 4, io: _config.IOOptions | None = None
+    path: epath.PathLike,
+    *,
+    threads: int | None = None,
+    io: _config.IOOptions | None = None,
 ) -> Iterator[Any]:
     """Opens ``path`` for ranged reads: fd-level locally, the scheme's provider (HTTP range
     requests on S3 and GCS: :class:`.objstore.common.ObjectReader`), a seekable stream
@@ -198,6 +207,7 @@ def open_reader(
     reader: Any
     provider = provider_for(path)
     if is_local(path):
+        threads = READ_THREADS if threads is None else threads
         reader = _local.LocalReader(path, threads, direct_io=_config.resolve(io).direct_io)
     elif provider is not None:
         reader = provider.open_reader(os.fspath(path), _config.resolve(io))

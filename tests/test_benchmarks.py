@@ -1,0 +1,58 @@
+"""Smoke tests of benchmarks that have no other test: they run end to end on CPU in seconds.
+
+``benchmarks/tpu_bench.py`` measures saves, restores and a training loop against Orbax and
+the machine's transfer and file limits on an accelerator (docs/performance.md, "TPU"); its
+``--smoke`` run on CPU must finish, restore both methods' checkpoints bit for bit and print
+every row of its report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_tpu_bench_smoke_run(tmp_path: Path):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2"}
+    out = tmp_path / "results.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "tpu_bench.py"),
+            "--smoke",
+            "--json",
+            str(out),
+            "--dir",
+            str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = done.stdout
+    for row in (
+        "save() blocks",
+        "save until durable",
+        "restore onto the devices",
+        "training loop, extra s per save",
+        "device-to-host",
+        "host-to-device",
+        "file write until durable",
+        "file read",
+    ):
+        assert row in report, row
+    assert "Restored bit for bit: {'ours': True, 'orbax': True}" in report
+    (case,) = json.loads(out.read_text())
+    assert case["tensors"] == 21 and case["exact"] == {"ours": True, "orbax": True}
+    for method in ("ours", "orbax"):
+        run = case["runs"][method]
+        assert 0 < run["block"] <= run["durable"] and run["restore"] > 0
+    assert set(case["loop"]["extra_per_save"]) == {"ours", "orbax"}
+    assert list(tmp_path.glob("osf-tpu-bench-*")) == []  # its checkpoints are removed
