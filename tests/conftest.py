@@ -13,11 +13,16 @@ import os
 ON_ACCELERATOR = os.environ.get("OSF_TEST_PLATFORM") == "accelerator"
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 if ON_ACCELERATOR:
-    import jax  # noqa: F401  # (JAX reads JAX_PLATFORMS once, at import: the accelerator here)
+    import jax  # (JAX reads JAX_PLATFORMS once, at import: the accelerator here)
 
     # Processes the tests start (saves killed mid-write, fresh interpreters) run on CPU: one
-    # process at a time may hold a TPU, and this one does.
+    # process at a time may hold a TPU, and this one does. Their stderr stays clean of the TPU
+    # runtime's advice on transparent huge pages, which tests of clean output would see.
     os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ.setdefault("PYTHONWARNINGS", "ignore:Transparent hugepages")
+    # Models compared with PyTorch on the CPU: full float32 matrix products (a TPU's default
+    # precision rounds their inputs to bfloat16).
+    jax.config.update("jax_default_matmul_precision", "highest")
 else:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

@@ -19,17 +19,20 @@ OLD_JAX = tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 10)
 
 @contextlib.contextmanager
 def x64() -> Iterator[None]:
-    """64-bit JAX types for one reference cast (jax.enable_x64 on new releases,
-    jax.experimental.enable_x64 on old ones)."""
-    ctx = getattr(jax, "enable_x64", None)
-    if ctx is not None:
-        with ctx(True):
-            yield
-        return
-    from jax.experimental import enable_x64  # (releases before jax.enable_x64)
+    """64-bit JAX types, on the CPU, for one reference cast (jax.enable_x64 on new releases,
+    jax.experimental.enable_x64 on old ones). On the CPU: the library's casts are XLA's CPU
+    conversions, which a TPU's own differ from (it flushes subnormals to zero; docs/api.md),
+    and the tests may run on a TPU (``OSF_TEST_PLATFORM=accelerator``)."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        ctx = getattr(jax, "enable_x64", None)
+        if ctx is not None:
+            with ctx(True):
+                yield
+            return
+        from jax.experimental import enable_x64  # (releases before jax.enable_x64)
 
-    with enable_x64():
-        yield
+        with enable_x64():
+            yield
 
 
 def small_float(dt: np.dtype) -> bool:

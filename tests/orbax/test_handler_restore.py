@@ -11,6 +11,7 @@ from pathlib import Path
 import handler_helpers as helpers  # (tests/orbax/ is on sys.path)
 import jax
 import jax.numpy as jnp
+import kernel_io  # (tests/ is on sys.path)
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
@@ -221,6 +222,7 @@ def _rchar() -> int:
         return int(next(line for line in f if line.startswith("rchar:")).split()[1])
 
 
+@pytest.mark.skipif(not kernel_io.counts_reads(), reason=kernel_io.NO_COUNTER)
 def test_item_metadata_reads_no_tensor_bytes(tmp_path: Path) -> None:
     state = {
         "big": jnp.ones((1024, 1024), jnp.float32),  # 4 MiB

@@ -55,8 +55,14 @@ def test_sync_saves_write_in_place_async_saves_snapshot(
     restored = mngr.restore(1, args=osf.SafetensorsRestore())
     mngr.close()
     helpers.assert_same_values(restored, state)
-    if async_enabled and not reuse:
+    if async_enabled and jax.devices()[0].platform != "cpu":
+        # On an accelerator the host copies are JAX's own (of a device snapshot): fresh memory
+        # whatever the pool, freed once written.
+        assert 8 << 20 <= peak < (32 << 20) + (4 << 20), peak
+    elif async_enabled and not reuse:
         assert peak >= 8 << 20, peak  # at least the largest tensor was snapshotted
+    elif jax.devices()[0].platform != "cpu":  # sync: a tensor and the next one's host copies
+        assert peak < (16 << 20) + (4 << 20), peak
     else:
         assert peak < 2 << 20, peak  # 32 MiB saved (or snapshotted) with < 2 MiB allocated
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 import devices  # (tests/ is on sys.path)
 import jax
 import jax.numpy as jnp
+import kernel_io  # (tests/ is on sys.path)
 import ml_dtypes
 import numpy as np
 import pytest
@@ -154,7 +154,7 @@ def _rchar() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs Linux /proc/self/io")
+@pytest.mark.skipif(not kernel_io.counts_reads(), reason=kernel_io.NO_COUNTER)
 def test_only_requested_tensors_are_read_kernel_counters(tmp_path):
     # The kernel's count of bytes this process read, independent of the library's own stats.
     mb = 1 << 20

@@ -358,7 +358,10 @@ def test_async_snapshot_holds_the_cast_bytes(tmp_path: Path) -> None:
     restored = mngr.restore(1, args=osf.SafetensorsRestore())
     mngr.close()
     assert [float(restored[f"w{i}"][-1]) for i in range(4)] == [0.0, 1.0, 2.0, 3.0]
-    assert peak < 24 * mib, peak / mib  # the cast snapshot (16 MiB), never the float32 one
+    if jax.devices()[0].platform == "cpu":
+        assert peak < 24 * mib, peak / mib  # the cast snapshot (16 MiB), never the float32 one
+    else:  # JAX's float32 host copies, started a bounded way ahead of the casts
+        assert peak < 16 * mib + _snapshots.COPIES_AHEAD_BYTES + 8 * mib, peak / mib
 
 
 # --------------------------------------------------------------------------- v1 and convert

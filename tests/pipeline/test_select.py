@@ -4,12 +4,12 @@ CLI; only the selected tensors' bytes are read."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import devices  # (tests/ is on sys.path)
 import jax
 import jax.numpy as jnp
+import kernel_io  # (tests/ is on sys.path)
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -172,7 +172,7 @@ def _rchar_self() -> int:
     return _rchar() - a
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs Linux /proc/self/io")
+@pytest.mark.skipif(not kernel_io.counts_reads(), reason=kernel_io.NO_COUNTER)
 def test_only_selected_bytes_and_headers_are_read(tmp_path):
     # Measured at the system calls (/proc/self/io rchar: bytes this process read): loading
     # a selection reads its tensors' bytes plus the header, nothing of the other tensors.

@@ -236,13 +236,25 @@ def iter_host_pieces(
     buffers = _buffers.BufferArena() if copy else None
     started = 0
     ahead = len(owned) if copies_ahead is None else copies_ahead
+    # A few tensors at a time (copies_ahead), accelerator data is copied from device copies
+    # (snapshots.detached), each freed once on the host: JAX would otherwise keep every host
+    # copy cached on the caller's arrays, the whole state in host memory after the save.
+    window: dict[int, Any] = {}
     for k, item in enumerate(owned):
         if started < len(owned):  # keep copies started `ahead` tensors past this one
             until = min(len(owned), k + 1 + ahead)
-            _snapshots.start_copies(owned[started:until])
+            batch = owned[started:until]
+            if copies_ahead is not None:
+                batch = _snapshots.detached(batch)
+                window.update(zip(range(started, until), batch))
+            _snapshots.start_copies(batch)
             started = until
+        current = window.pop(k, item)
         stored = _dtypes.to_numpy(plan.locate(item[0])[1].dtype)
-        yield tensor_pieces(plan, item[0], _snapshots.host_copies(item, buffers, stored))
+        copies = _snapshots.host_copies(current, buffers, stored)
+        if current is not item:
+            _snapshots.delete_device_copies([current])
+        yield tensor_pieces(plan, item[0], copies)
 
 
 def host_pieces(

@@ -194,12 +194,17 @@ def iter_owned(
     """Host copies of ``owned`` tensors (:func:`owned_tensors`), as :func:`iter_snapshots`
     yields them; ``moved``: the tensors to re-lay out first (row blocks); ``delete``: each
     array is deleted once its host copies are made (they are this save's own device copies,
-    :func:`device_copies`)."""
-    start_copies([o for o in owned if not moved or o[0] not in moved])  # all at once
-    for item in owned:
+    :func:`device_copies`), and their transfers are started :data:`COPIES_AHEAD_BYTES` ahead
+    rather than all at once (a dtype policy's uncast host copies stay few)."""
+    if delete:
+        ahead = _CopiesAhead(owned)
+    else:
+        start_copies([o for o in owned if not moved or o[0] not in moved])  # all at once
+    for k, item in enumerate(owned):
         name, x, shards, on_cpu = item
         dtype = casts.get(name) if casts else None
         if delete:
+            ahead.start(k)
             copies = host_copies(item, buffers, dtype)
             for data in [x] if shards is None else [d for _, d in shards]:
                 data.delete()  # its bytes are on the host: free the device memory now
@@ -218,6 +223,31 @@ def iter_owned(
                 yield name, [(None, host.copy())]
                 continue
         yield name, host_copies(item, buffers)
+
+
+# How far ahead of the tensor being copied to host a device snapshot's copier starts transfers.
+COPIES_AHEAD_BYTES = 64 << 20
+
+
+class _CopiesAhead:
+    """Starts the transfers of ``owned`` in order, :data:`COPIES_AHEAD_BYTES` ahead of the
+    tensor being copied (at least that tensor)."""
+
+    def __init__(self, owned: list[_Owned]) -> None:
+        self._owned = owned
+        self._sizes = [
+            x.nbytes if shards is None else sum(d.nbytes for _, d in shards)
+            for _, x, shards, _ in owned
+        ]
+        self._started = 0
+
+    def start(self, k: int) -> None:
+        until, budget = self._started, sum(self._sizes[k : self._started])
+        while until < len(self._owned) and (until <= k or budget < COPIES_AHEAD_BYTES):
+            budget += self._sizes[until]
+            until += 1
+        start_copies(self._owned[self._started : until])
+        self._started = max(self._started, until)
 
 
 def iter_relaid(
@@ -351,10 +381,7 @@ def device_copies(owned: list[_Owned]) -> tuple[list[_Owned], list[_Owned]] | No
     later = [o for o in owned if _on_accelerator(o)]
     if not later:
         return None
-    by_device: dict[Any, list[Any]] = {}
-    for _, x, shards, _ in later:
-        for data in [x] if shards is None else [d for _, d in shards]:
-            by_device.setdefault(next(iter(data.devices())), []).append(data)
+    by_device = _by_device(later)
     for device, arrays in by_device.items():
         stats = _memory_stats(device)
         if stats is None:
@@ -364,16 +391,44 @@ def device_copies(owned: list[_Owned]) -> tuple[list[_Owned], list[_Owned]] | No
         free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
         if sum(a.nbytes for a in arrays) + _DEVICE_HEADROOM > free:
             return None
+    now = [o for o in owned if not _on_accelerator(o)]
+    return now, _copied(later, by_device)
+
+
+def detached(owned: list[_Owned]) -> list[_Owned]:
+    """``owned`` with the data of its accelerator tensors copied on their devices: their host
+    copies are then cached on these copies (freed with :func:`delete_device_copies`), not on
+    the caller's arrays, which JAX would keep a host copy of for as long as they live. Where a
+    copy fails (no device memory for it), the tensor is kept as it is."""
+    later = [o for o in owned if _on_accelerator(o) and not o[3]]  # (never CPU: host views)
+    if not later:
+        return owned
+    try:
+        copies = {id(o): c for o, c in zip(later, _copied(later, _by_device(later)))}
+    except Exception:  # (device out of memory: the caller's arrays give their host copies)
+        return owned
+    return [copies.get(id(o), o) for o in owned]
+
+
+def _by_device(items: list[_Owned]) -> dict[Any, list[Any]]:
+    by_device: dict[Any, list[Any]] = {}
+    for _, x, shards, _ in items:
+        for data in [x] if shards is None else [d for _, d in shards]:
+            by_device.setdefault(next(iter(data.devices())), []).append(data)
+    return by_device
+
+
+def _copied(items: list[_Owned], by_device: dict[Any, list[Any]]) -> list[_Owned]:
+    # The items with their data replaced by device copies, one program per device.
     copied = {}
     for arrays in by_device.values():
         for data, copy in zip(arrays, _copy_on_device(arrays)):
             copied[id(data)] = copy
-    now = [o for o in owned if not _on_accelerator(o)]
-    return now, [
+    return [
         (name, copied[id(x)], None, on_cpu)
         if shards is None
         else (name, x, [(index, copied[id(d)]) for index, d in shards], on_cpu)
-        for name, x, shards, on_cpu in later
+        for name, x, shards, on_cpu in items
     ]
 
 

@@ -409,12 +409,15 @@ class LocalReader:
         self._direct_fd: int | None = None  # opened on the first direct read
         self._direct_refused = False  # the filesystem refused O_DIRECT: read buffered
         self._cache_probe: Any = _UNPROBED  # auto mode: which ranges are in the page cache
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # reading threads
         self.bytes_read = 0  # bytes asked of the file, coalesced gaps included
         self.requests = 0  # ranged read requests (one per coalesced batch)
         self.direct_bytes = 0  # of bytes_read, read through O_DIRECT
         self._count_lock = threading.Lock()
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
         if self._direct_fd is not None:
             os.close(self._direct_fd)
         os.close(self._fd)
@@ -532,9 +535,12 @@ class LocalReader:
                 (s[0][0], functools.partial(self._read_share, s, on_run)) for s in shares
             ]
             jobs.sort(key=lambda job: job[0])
-            with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-                for future in [pool.submit(job) for _, job in jobs]:
-                    future.result()
+            if self._pool is None:  # kept for the reader's life: a restore reads in waves
+                self._pool = concurrent.futures.ThreadPoolExecutor(self._threads)
+            futures = [self._pool.submit(job) for _, job in jobs]
+            concurrent.futures.wait(futures)  # all done (a failed one included) before raising
+            for future in futures:
+                future.result()
         else:
             for _, job in extra:
                 job()
