@@ -131,7 +131,8 @@ def test_global_registration_in_fresh_process(tmp_path: Path) -> None:
         np.testing.assert_array_equal(np.asarray(got["w"]), tree["w"])
         """
     )
-    env = dict(os.environ, PYTHONPATH=str(Path(osf.__file__).parent.parent))
+    path = [str(Path(osf.__file__).parent.parent), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path)))
     out = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
     )
