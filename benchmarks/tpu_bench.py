@@ -41,6 +41,10 @@ Run (``docs/performance.md``, "TPU")::
 
     python benchmarks/tpu_bench.py --cases 2G:bfloat16,4G:float32 --rounds 3 --every-10
     python benchmarks/tpu_bench.py --smoke      # CPU, seconds: CI's smoke test
+
+``--direct-io never`` and ``--copies-ahead-mib N`` change our saves' write mode and how far
+ahead an async save's copier starts transfers, to find where a save's time goes; ``--json``
+is written as figures arrive (a run cut short keeps the limits and rounds it measured).
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ import orbax.checkpoint as ocp  # noqa: E402
 
 import orbax_safetensors as osf  # noqa: E402
 from benchmarks.state import format_size, llama_specs, make_state, np_dtype, parse_size  # noqa: E402
+from orbax_safetensors._src.pipeline import snapshots as _snapshots  # noqa: E402
 
 CHUNK = 16 << 20
 PAGE = 4096
@@ -177,8 +182,12 @@ def d2h_limits(state: Any, rounds: int) -> dict[str, float | str]:
         _ = [np.asarray(x) for x in leaves]
 
     def put_to(kind: str) -> Callable[[list[Any]], None]:
-        sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
-        return lambda leaves: jax.block_until_ready(jax.device_put(leaves, sharding))
+        def put(leaves: list[Any]) -> None:
+            # (made here: a backend without this memory kind refuses it, reported as n/a)
+            sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
+            jax.block_until_ready(jax.device_put(leaves, sharding))
+
+        return put
 
     def dlpack(leaves: list[Any]) -> None:
         _ = [np.from_dlpack(x) for x in leaves]
@@ -215,11 +224,11 @@ def d2h_limits(state: Any, rounds: int) -> dict[str, float | str]:
 
 def h2d_limits(host: list[np.ndarray], rounds: int) -> dict[str, float | str]:
     device = jax.devices()[0]
-    pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
     on_device = jax.sharding.SingleDeviceSharding(device)
     out: dict[str, float | str] = {}
     times: dict[str, list[float]] = {"device_put numpy": [], "device_put from pinned_host": []}
     try:
+        pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
         staged = jax.block_until_ready(jax.device_put(host, pinned))
     except Exception as e:
         staged = None
@@ -430,7 +439,15 @@ def run_loop(
 # -- one case ----------------------------------------------------------------------------------
 
 
-def run_case(size: int, dtype: str, args: argparse.Namespace, base: Path) -> dict[str, Any]:
+def run_case(
+    size: int,
+    dtype: str,
+    args: argparse.Namespace,
+    base: Path,
+    progress: Callable[[dict[str, Any]], None] = lambda result: None,
+) -> dict[str, Any]:
+    """One case's figures; ``progress(result)`` is called with what is measured so far after
+    the limits and after the rounds (a run cut short keeps them)."""
     specs = llama_specs(size, dtype, layers=args.layers)
     state = make_state(specs, seed=0)
     leaves = jax.tree.leaves(state)
@@ -438,7 +455,13 @@ def run_case(size: int, dtype: str, args: argparse.Namespace, base: Path) -> dic
     log(f"== {format_size(nbytes)} {dtype}, {len(leaves)} tensors on {jax.devices()[0].platform}")
     abstract = abstract_of(state)
     rounds = args.rounds
-    result: dict[str, Any] = {"bytes": nbytes, "dtype": dtype, "tensors": len(leaves)}
+    result: dict[str, Any] = {
+        "bytes": nbytes,
+        "dtype": dtype,
+        "tensors": len(leaves),
+        "direct_io": os.environ.get("OSF_DIRECT_IO", "auto"),
+        "copies_ahead_mib": _snapshots.COPIES_AHEAD_BYTES >> 20,
+    }
 
     log("limits: device-to-host")
     result["d2h"] = d2h_limits(state, rounds)
@@ -454,6 +477,7 @@ def run_case(size: int, dtype: str, args: argparse.Namespace, base: Path) -> dic
     del host
     result["write"] = write_limits(flat, base, rounds)
     log(f"limits: {result['d2h']} {result['h2d']} {result['write']}")
+    progress(result)
 
     methods = {name: Method(name, base) for name in METHODS}
     runs: dict[str, dict[str, list[float]]] = {
@@ -511,6 +535,7 @@ def run_case(size: int, dtype: str, args: argparse.Namespace, base: Path) -> dic
         result["runs"] = {m: {k: median(v) for k, v in row.items()} for m, row in runs.items()}
         result["exact"] = exact
         result["read"] = {m: median(v) for m, v in read_times.items() if v}
+        progress(result)
 
         log("training loop")
         result["loop"] = run_loops(state, methods, result, args)
@@ -653,7 +678,22 @@ def main() -> None:
     p.add_argument("--dir", type=Path, help="where checkpoints go (default: a temporary dir)")
     p.add_argument("--json", type=Path, help="write every figure here")
     p.add_argument("--smoke", action="store_true", help="16M float32, 1 round (CI)")
+    p.add_argument(
+        "--direct-io",
+        choices=("auto", "never", "always"),
+        help="our saves' and restores' direct I/O mode (default: OSF_DIRECT_IO, else auto)",
+    )
+    p.add_argument(
+        "--copies-ahead-mib",
+        type=int,
+        help="how far ahead an async save's copier starts device-to-host transfers "
+        "(snapshots.COPIES_AHEAD_BYTES; default 64)",
+    )
     args = p.parse_args()
+    if args.direct_io:
+        os.environ["OSF_DIRECT_IO"] = args.direct_io  # (read at each save and restore)
+    if args.copies_ahead_mib is not None:
+        _snapshots.COPIES_AHEAD_BYTES = args.copies_ahead_mib << 20
     if args.smoke:
         args.cases, args.rounds, args.layers, args.loop_saves = "16M:float32", 1, 2, 1
         args.spacing = args.spacing or 0.05
@@ -661,16 +701,21 @@ def main() -> None:
     args.step_dim = args.step_dim or (4096 if accelerator else 128)
     args.step_matmuls = args.step_matmuls or (48 if accelerator else 2)
     base = Path(tempfile.mkdtemp(prefix="osf-tpu-bench-", dir=args.dir))
-    results = []
+    results: list[dict[str, Any]] = []
+
+    def save_json(partial: list[dict[str, Any]]) -> None:
+        if args.json:  # as figures arrive: a run cut short keeps what it measured
+            args.json.write_text(json.dumps(partial, indent=1, default=str))
+
     try:
         for case in args.cases.split(","):
             size, dtype = case.split(":")
             np_dtype(dtype)
-            results.append(run_case(parse_size(size), dtype, args, base))
+            progress = lambda partial: save_json([*results, partial])  # noqa: E731
+            results.append(run_case(parse_size(size), dtype, args, base, progress))
             print(report(results[-1]), flush=True)
             print(flush=True)
-            if args.json:  # after each case: a later case cut short keeps the earlier ones
-                args.json.write_text(json.dumps(results, indent=1, default=str))
+            save_json(results)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     print(

@@ -117,6 +117,17 @@ def test_cast_equals_jax_bit_for_bit(src, dst):
     want = want_by_dst[dst]
     got = _astype.astype(x, dst)
     bad = np.flatnonzero(bits(got).reshape(x.size, -1) != bits(want).reshape(x.size, -1))
+    if _OLD_JAX and (src, dst) == (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)):
+        # Before 0.10, XLA kept a float16 NaN's payload in bfloat16 (0x7c08 -> 0x7fc1); the
+        # library stores the current quiet NaN (0x7fc0), sign kept (docs/api.md).
+        sign = bits(got) >> 15 == bits(want) >> 15
+        bad = bad[
+            ~(
+                np.isnan(got[bad].astype(np.float32))
+                & np.isnan(want[bad].astype(np.float32))
+                & sign[bad]
+            )
+        ]
     assert got.dtype == dst
     assert bad.size == 0, [(x[i], want[i], got[i]) for i in bad[:8]]
     # Transposed views (an export's kernels) take the tiled path: the same bits as the

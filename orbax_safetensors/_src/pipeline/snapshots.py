@@ -445,7 +445,17 @@ def _on_accelerator(item: _Owned) -> bool:
     _, x, _, on_cpu = item
     if not isinstance(x, jax.Array) or (on_cpu and DEVICE_COPIES != "always"):
         return False
-    return getattr(x.sharding, "memory_kind", None) in (None, "device")
+    kind = getattr(x.sharding, "memory_kind", None)
+    return kind in (None, "device") or kind == _default_memory_kind(x)
+
+
+def _default_memory_kind(x: jax.Array) -> str | None:
+    # The memory kind of the arrays' device by default ("device" on accelerators; on CPU,
+    # "unpinned_host" before jax 0.8, "device" after).
+    try:
+        return next(iter(x.devices())).default_memory().kind
+    except Exception:  # (a backend without memories)
+        return None
 
 
 def _memory_stats(device: Any) -> dict[str, int] | None:
