@@ -315,8 +315,13 @@ def test_sync_save_extra_memory_is_bounded_by_the_largest_tensor(tmp_path: Path)
     mngr.close()
     assert restored["w15"].dtype == BF16 and float(restored["w15"][0]) == 15.5
     largest = 16 * mib
-    assert peak <= largest + 64 * mib, peak / mib
-    assert peak < 128 * mib * 0.7, peak / mib  # well under a cast copy of the state
+    if jax.devices()[0].platform == "cpu":
+        assert peak <= largest + 64 * mib, peak / mib
+        assert peak < 128 * mib * 0.7, peak / mib  # well under a cast copy of the state
+    else:  # also the uncast host copies of the tensor being cast and of the next (its
+        # transfer started ahead): on CPU these are views of the device buffers
+        assert peak <= 3 * largest + 64 * mib, peak / mib
+        assert peak < (128 + 256) * mib * 0.7, peak / mib  # cast copy + host copy of the state
 
 
 def test_save_file_extra_memory_is_bounded_by_the_largest_tensor(tmp_path: Path) -> None:

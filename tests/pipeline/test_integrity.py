@@ -342,3 +342,33 @@ def test_single_process_manager_saves_keep_draft_and_part_in_memory(
         step = tmp_path / f"async_{enable_async}" / "0" / "default"
         doc = json.loads((step / _metadata.METADATA_FILE).read_text())
         assert all(t["crc32c"] for t in doc["tensors"].values())
+
+
+def test_a_large_tensor_is_checked_in_parts_and_every_part_counts(tmp_path: Path) -> None:
+    """A tensor larger than a reading thread's share is checked in parts (each part's CRC32C
+    taken by the thread that read it, then combined): a flipped bit on either side of every
+    cut, and at both ends, is caught and named; the intact file restores exactly."""
+    from orbax_safetensors._src.core import runs as _runs
+    from orbax_safetensors._src.storage import router as _router
+
+    rng = np.random.default_rng(3)
+    tree = {
+        "a": rng.integers(0, 256, 1001, dtype=np.uint8),  # the big tensor off a 4 KiB block
+        "big": rng.integers(0, 2**31, (5 << 20) + 77, dtype=np.int32),  # ~20 MiB
+    }
+    path = tmp_path / "big.safetensors"
+    osf.save_file(tree, path)
+    assert _same(osf.load_file(path), tree)
+    header = osf.read_header(path)
+    entry = header.tensors["big"]
+    offset = header.data_start + entry.begin
+    total = sum(e.nbytes for e in header.tensors.values())
+    part = _runs.share_bytes(total, _router.READ_THREADS)
+    cuts = list(_runs.piece_starts(offset, entry.nbytes, part))[1:]
+    assert cuts, "the tensor must span several parts"
+    damaged = tmp_path / "damaged.safetensors"
+    for pos in sorted({0, entry.nbytes - 1, *cuts, *(c - 1 for c in cuts)}):
+        shutil.copyfile(path, damaged)
+        _flip(damaged, offset + pos, int(rng.integers(0, 8)))
+        with pytest.raises(osf.IntegrityError, match=r"tensor 'big'.*CRC32C"):
+            osf.load_file(damaged)

@@ -209,6 +209,15 @@ def _header_is_64_aligned(path: Path) -> bool:
     return (8 + struct.unpack("<Q", path.read_bytes()[:8])[0]) % 64 == 0
 
 
+def _cold_blob(disk_dir: Path, size: int, seed: int) -> tuple[Path, np.ndarray]:
+    """A file of ``size`` random bytes, out of the page cache, and its bytes."""
+    data = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+    path = disk_dir / "blob"
+    path.write_bytes(data.tobytes())
+    _evict(path)
+    return path, data
+
+
 def _congruent(nbytes: int, offset: int) -> np.ndarray:
     raw = np.empty(nbytes + 4096, np.uint8)
     start = (offset - raw.ctypes.data) % 4096
@@ -223,10 +232,7 @@ def test_read_runs_at_any_offset_fill_every_byte_and_report_each_run_once(
     run, after all its parts (direct blocks, buffered head and tail) are in place."""
     monkeypatch.setenv("OSF_DIRECT_IO", "always")
     size = 40 * MiB + 1234
-    data = np.random.default_rng(5).integers(0, 256, size, dtype=np.uint8)
-    path = disk_dir / "blob"
-    path.write_bytes(data.tobytes())
-    _evict(path)
+    path, data = _cold_blob(disk_dir, size, seed=5)
     spans = [
         (0, 3 * MiB),  # aligned start
         (3 * MiB + 100, 5 * MiB),  # unaligned head and tail
@@ -457,3 +463,30 @@ def test_placed_buffers_are_written_direct_with_no_staging_copy(disk_dir: Path, 
         np.testing.assert_array_equal(raw[base:], data)
         assert data.nbytes - 6 * 2 * 4096 <= writer.direct_bytes <= data.nbytes
         assert (used_staging > 0) == staged
+
+
+def test_a_large_buffered_run_is_read_by_every_thread_and_reported_once(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One 48 MiB run read buffered (a restore's wave of one large tensor from the page
+    cache) on 8 threads: read in pieces of an even share (6 MiB, cut at 4 KiB blocks of the
+    file) rather than by one thread, and ``on_run`` comes once, after every piece is in place.
+    (Direct reads keep their own chunks, ``direct.CHUNK_BYTES``.)"""
+    monkeypatch.setenv("OSF_DIRECT_IO", "never")
+    size = 48 * MiB + 4096
+    path, data = _cold_blob(disk_dir, size, seed=6)
+    offset, n = 100, 48 * MiB - 100
+    dest = _congruent(n, offset)
+    seen: list[int] = []
+
+    def on_run(i: int) -> None:
+        np.testing.assert_array_equal(dest, data[offset : offset + n])
+        seen.append(i)
+
+    reader = _local.LocalReader(path, threads=8)
+    try:
+        reader.read_runs([(offset, dest)], on_run=on_run)
+        assert seen == [0]
+        assert reader.requests >= 8, reader.requests  # 8 pieces (and their unaligned edges)
+    finally:
+        reader.close()

@@ -28,6 +28,39 @@ MAX_READ_RATIO = 1.5
 ReadBatch = tuple[int, list[memoryview], list[int]]  # file offset, buffers, run numbers
 
 
+def share_bytes(total: int, workers: int, *, low: int = 4 << 20, high: int = 16 << 20) -> int:
+    """How many bytes each of ``workers`` threads should take of ``total``: the even share,
+    rounded up to whole MiB (block-aligned pieces) and kept within ``[low, high]`` (below a
+    few MiB, a piece costs more in calls than a thread gains).
+
+    Example::
+
+        share_bytes(64 << 20, 8)   # 8 MiB: a 64 MiB read on 8 threads
+        share_bytes(2 << 30, 8)    # 16 MiB: large reads in pieces of at most 16 MiB
+    """
+    mib = 1 << 20
+    share = -(-max(total, 1) // max(workers, 1))
+    return max(low, min(high, -(-share // mib) * mib))
+
+
+def piece_starts(offset: int, nbytes: int, piece: int, block: int = 4096) -> range | list[int]:
+    """Where to cut ``nbytes`` at file ``offset`` into pieces of about ``piece`` bytes (a
+    multiple of ``block``) for several threads: the starts inside the run, every cut at a
+    ``block``-aligned file offset (direct I/O reads each piece's whole blocks in place, and a
+    cut between blocks costs none). The first piece takes the bytes up to the first aligned
+    offset as well, the last the rest when that is under half a piece (no small tail piece,
+    which direct I/O would read buffered).
+
+    Example::
+
+        piece_starts(100, 10 << 20, 4 << 20)   # [0, 4198300]: cuts at 4 KiB blocks
+    """
+    if nbytes <= piece:
+        return [0]
+    first = (-offset) % block + piece
+    return [0, *(k for k in range(first, nbytes, piece) if nbytes - k >= piece // 2)]
+
+
 def normalize_index(index: Sequence[slice], shape: Sequence[int]) -> Index:
     """``index`` (as jax's ``devices_indices_map`` gives it) with explicit start/stop per dim."""
     out = []

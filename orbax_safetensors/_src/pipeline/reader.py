@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import enum
 import functools
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -298,34 +299,27 @@ class _Files:
     def read(self, requests: Sequence[ReadRequest], buffers: list[_ReadBuffers]) -> None:
         """Fills ``buffers`` (one per request), one batched read per file, checking the
         CRC32C of each tensor read whole."""
-        by_file: dict[epath.Path, list[tuple[int, np.ndarray]]] = {}
-        # Per file: run number -> request whose CRC32C to check once that run (the whole
-        # tensor) is read, on the reading thread while its bytes are still in cache.
-        checks: dict[epath.Path, dict[int, ReadRequest]] = {}
+        # Per file: (file offset, buffer, the check of the tensor it belongs to, or None).
+        by_file: dict[epath.Path, list[tuple[int, np.ndarray, _TensorCheck | None]]] = {}
         for req, rbuf in zip(requests, buffers):
-            runs = by_file.setdefault(req.stored.path, [])
+            entries = by_file.setdefault(req.stored.path, [])
             if rbuf.whole is not None:  # one run, the whole tensor: the common case, no numpy
+                check = None
                 if req.verify and req.stored.crc32c is not None:
-                    checks.setdefault(req.stored.path, {})[len(runs)] = req
-                runs.append((req.stored.offset, rbuf.whole))
+                    check = _TensorCheck(req)
+                entries.append((req.stored.offset, rbuf.whole, check))
                 continue
             for box in rbuf.boxes:
                 offsets, length = _runs.byte_runs(req.stored.dtype, req.stored.shape, box.index)
                 for k, off in enumerate(offsets.tolist()):
-                    runs.append(
-                        (req.stored.offset + off, box.buffer[k * length : (k + 1) * length])
-                    )
+                    view = box.buffer[k * length : (k + 1) * length]
+                    entries.append((req.stored.offset + off, view, None))
         stats = self._stats
-        for path, runs in by_file.items():
-            file_checks = checks.get(path, {})
-
-            def on_run(i: int, runs: list[Any] = runs, file_checks: dict = file_checks) -> None:
-                if i in file_checks:
-                    _check(file_checks[i], runs[i][1])
-
+        for path, file_runs in by_file.items():
             reader = self._reader(path)
+            runs, on_run = _checked_runs(file_runs)
             before = (reader.bytes_read, reader.requests, getattr(reader, "direct_bytes", 0))
-            reader.read_runs(runs, on_run=on_run if file_checks else None)
+            reader.read_runs(runs, on_run=on_run)
             if stats is not None:
                 stats.bytes_read += reader.bytes_read - before[0]
                 stats.requests += reader.requests - before[1]
@@ -335,11 +329,63 @@ class _Files:
             stats.bytes_needed += sum(p.whole.nbytes for p in buffers if p.whole is not None)
 
 
-def _check(req: ReadRequest, raw: np.ndarray) -> None:
+class _TensorCheck:
+    """The CRC32C check of one tensor read whole, in parts: each part's CRC is taken by the
+    thread that read it, while its bytes are still in that CPU's cache (so the checks of a few
+    large tensors run on every reading thread), and the last part in combines them."""
+
+    def __init__(self, req: ReadRequest) -> None:
+        self.req = req
+        self._parts: dict[int, tuple[int, int]] = {}  # part offset -> (length, CRC32C)
+        self._left = 0
+        self._lock = threading.Lock()
+
+    def expect(self, parts: int) -> None:
+        self._left = parts
+
+    def part_read(self, offset: int, data: np.ndarray) -> None:
+        crc = _checksum.crc32c(data)
+        with self._lock:
+            self._parts[offset] = (data.nbytes, crc)
+            self._left -= 1
+            if self._left:
+                return
+        runs = [(o, n, c) for o, (n, c) in self._parts.items()]
+        _verify(self.req, _checksum.combine_runs(runs, self.req.stored.nbytes))
+
+
+def _checked_runs(
+    file_runs: list[tuple[int, np.ndarray, _TensorCheck | None]],
+) -> tuple[list[tuple[int, np.ndarray]], Callable[[int], None] | None]:
+    """A file's runs for ``read_runs``, each checked tensor cut into parts of an even share of
+    the file's bytes per reading thread (1-16 MiB), and the ``on_run`` that checks them."""
+    checked = [r for r in file_runs if r[2] is not None]
+    if not checked:
+        return [(offset, buf) for offset, buf, _ in file_runs], None
+    part = _runs.share_bytes(sum(buf.nbytes for _, buf, _ in file_runs), _router.READ_THREADS)
+    runs: list[tuple[int, np.ndarray]] = []
+    parts: dict[int, tuple[_TensorCheck, int, np.ndarray]] = {}  # run number -> its part
+    for offset, buf, check in file_runs:
+        if check is None:
+            runs.append((offset, buf))
+            continue
+        starts = _runs.piece_starts(offset, buf.nbytes, part)
+        check.expect(len(starts))
+        for k, end in zip(starts, [*starts[1:], buf.nbytes]):
+            parts[len(runs)] = (check, k, buf[k:end])
+            runs.append((offset + k, buf[k:end]))
+
+    def on_run(i: int) -> None:
+        if (found := parts.get(i)) is not None:
+            check, k, data = found
+            check.part_read(k, data)
+
+    return runs, on_run
+
+
+def _verify(req: ReadRequest, actual: int) -> None:
     expected = req.stored.crc32c
-    if not req.verify or expected is None:
-        return
-    actual = _checksum.crc32c(raw)
+    assert expected is not None
     if actual != expected:
         raise IntegrityError(
             f"tensor {req.stored.name!r} in {req.stored.path.name}: CRC32C mismatch "

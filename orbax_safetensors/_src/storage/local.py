@@ -518,7 +518,15 @@ class LocalReader:
         extra: list[tuple[int, Callable[[], None]]],
     ) -> None:
         # ``extra``: (file offset, direct read) to run on the same threads, each one task.
-        batches = _runs.coalesce_runs(runs, max_gap, bounded=True, max_batch=_LOCAL_BATCH_BYTES)
+        # Batches of an even share of the bytes per thread (1-16 MiB), a large run split into
+        # such pieces: a few large tensors (a restore's wave) are read by every thread, not
+        # one thread each.
+        whole_runs = runs
+        max_batch = _LOCAL_BATCH_BYTES
+        if self._threads > 1:
+            max_batch = _runs.share_bytes(sum(d.nbytes for _, d in runs), self._threads)
+            runs, on_run = _split_runs(runs, max_batch, on_run)
+        batches = _runs.coalesce_runs(runs, max_gap, bounded=True, max_batch=max_batch)
         self.requests += len(batches)
         self.bytes_read += sum(len(b) for _, bufs, _ in batches for b in bufs)
         tasks = len(batches) + len(extra)
@@ -546,7 +554,7 @@ class LocalReader:
                 job()
             self._read_share(batches, on_run)
         if on_run is not None:  # empty runs need no bytes: done at once
-            for i, (_, dest) in enumerate(runs):
+            for i, (_, dest) in enumerate(whole_runs):
                 if not dest.nbytes:
                     on_run(i)
 
@@ -571,6 +579,42 @@ class LocalReader:
             offset,
             lambda at: EOFError(f"{self.path}: unexpected end of file at offset {at}"),
         )
+
+
+def _split_runs(
+    runs: Sequence[tuple[int, np.ndarray]], piece: int, on_run: Callable[[int], None] | None
+) -> tuple[Sequence[tuple[int, np.ndarray]], Callable[[int], None] | None]:
+    """``runs`` with those over ``piece`` bytes cut into pieces of ``piece`` bytes, and an
+    ``on_run`` for the pieces that calls the given one with a run's number once all of its
+    pieces are in place (from whichever thread read the last). Empty runs are left out of the
+    pieces (the caller reports them)."""
+    if all(d.nbytes <= piece for _, d in runs):
+        return runs, on_run
+    pieces: list[tuple[int, np.ndarray]] = []
+    owner: list[int] = []
+    left = [0] * len(runs)
+    for i, (offset, dest) in enumerate(runs):
+        if not dest.nbytes:
+            continue
+        starts = _runs.piece_starts(offset, dest.nbytes, piece)
+        for k, end in zip(starts, [*starts[1:], dest.nbytes]):
+            pieces.append((offset + k, dest[k:end]))
+            owner.append(i)
+            left[i] += 1
+    if on_run is None:
+        return pieces, None
+    lock = threading.Lock()
+    report = on_run
+
+    def piece_done(k: int) -> None:
+        i = owner[k]
+        with lock:
+            left[i] -= 1
+            last = left[i] == 0
+        if last:
+            report(i)
+
+    return pieces, piece_done
 
 
 _UNPROBED = object()
