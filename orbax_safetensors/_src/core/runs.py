@@ -43,22 +43,23 @@ def share_bytes(total: int, workers: int, *, low: int = 4 << 20, high: int = 16 
     return max(low, min(high, -(-share // mib) * mib))
 
 
-def piece_starts(offset: int, nbytes: int, piece: int, block: int = 4096) -> range | list[int]:
+def piece_spans(offset: int, nbytes: int, piece: int, block: int = 4096) -> list[tuple[int, int]]:
     """Where to cut ``nbytes`` at file ``offset`` into pieces of about ``piece`` bytes (a
-    multiple of ``block``) for several threads: the starts inside the run, every cut at a
-    ``block``-aligned file offset (direct I/O reads each piece's whole blocks in place, and a
-    cut between blocks costs none). The first piece takes the bytes up to the first aligned
-    offset as well, the last the rest when that is under half a piece (no small tail piece,
-    which direct I/O would read buffered).
+    multiple of ``block``) for several threads: ``(start, end)`` inside the run per piece,
+    every cut at a ``block``-aligned file offset (direct I/O reads each piece's whole blocks in
+    place, and a cut between blocks costs none). The first piece takes the bytes up to the
+    first aligned offset as well, the last the rest when that is under half a piece (no small
+    tail piece, which direct I/O would read buffered).
 
     Example::
 
-        piece_starts(100, 10 << 20, 4 << 20)   # [0, 4198300]: cuts at 4 KiB blocks
+        piece_spans(100, 10 << 20, 4 << 20)   # [(0, 4198300), (4198300, 10485760)]
     """
     if nbytes <= piece:
-        return [0]
+        return [(0, nbytes)]
     first = (-offset) % block + piece
-    return [0, *(k for k in range(first, nbytes, piece) if nbytes - k >= piece // 2)]
+    starts = [0, *(k for k in range(first, nbytes, piece) if nbytes - k >= piece // 2)]
+    return list(zip(starts, [*starts[1:], nbytes]))
 
 
 def normalize_index(index: Sequence[slice], shape: Sequence[int]) -> Index:

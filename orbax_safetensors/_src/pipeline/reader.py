@@ -299,15 +299,13 @@ class _Files:
     def read(self, requests: Sequence[ReadRequest], buffers: list[_ReadBuffers]) -> None:
         """Fills ``buffers`` (one per request), one batched read per file, checking the
         CRC32C of each tensor read whole."""
-        # Per file: (file offset, buffer, the check of the tensor it belongs to, or None).
-        by_file: dict[epath.Path, list[tuple[int, np.ndarray, _TensorCheck | None]]] = {}
+        # Per file: (file offset, buffer, the request whose CRC32C it holds whole, or None).
+        by_file: dict[epath.Path, list[tuple[int, np.ndarray, ReadRequest | None]]] = {}
         for req, rbuf in zip(requests, buffers):
             entries = by_file.setdefault(req.stored.path, [])
             if rbuf.whole is not None:  # one run, the whole tensor: the common case, no numpy
-                check = None
-                if req.verify and req.stored.crc32c is not None:
-                    check = _TensorCheck(req)
-                entries.append((req.stored.offset, rbuf.whole, check))
+                checked = req.verify and req.stored.crc32c is not None
+                entries.append((req.stored.offset, rbuf.whole, req if checked else None))
                 continue
             for box in rbuf.boxes:
                 offsets, length = _runs.byte_runs(req.stored.dtype, req.stored.shape, box.index)
@@ -334,14 +332,11 @@ class _TensorCheck:
     thread that read it, while its bytes are still in that CPU's cache (so the checks of a few
     large tensors run on every reading thread), and the last part in combines them."""
 
-    def __init__(self, req: ReadRequest) -> None:
+    def __init__(self, req: ReadRequest, parts: int) -> None:
         self.req = req
         self._parts: dict[int, tuple[int, int]] = {}  # part offset -> (length, CRC32C)
-        self._left = 0
-        self._lock = threading.Lock()
-
-    def expect(self, parts: int) -> None:
         self._left = parts
+        self._lock = threading.Lock()
 
     def part_read(self, offset: int, data: np.ndarray) -> None:
         crc = _checksum.crc32c(data)
@@ -355,30 +350,29 @@ class _TensorCheck:
 
 
 def _checked_runs(
-    file_runs: list[tuple[int, np.ndarray, _TensorCheck | None]],
+    file_runs: list[tuple[int, np.ndarray, ReadRequest | None]],
 ) -> tuple[list[tuple[int, np.ndarray]], Callable[[int], None] | None]:
     """A file's runs for ``read_runs``, each checked tensor cut into parts of an even share of
-    the file's bytes per reading thread (1-16 MiB), and the ``on_run`` that checks them."""
-    checked = [r for r in file_runs if r[2] is not None]
-    if not checked:
+    the file's bytes per reading thread (4-16 MiB), and the ``on_run`` that checks them."""
+    if all(req is None for _, _, req in file_runs):
         return [(offset, buf) for offset, buf, _ in file_runs], None
     part = _runs.share_bytes(sum(buf.nbytes for _, buf, _ in file_runs), _router.READ_THREADS)
     runs: list[tuple[int, np.ndarray]] = []
     parts: dict[int, tuple[_TensorCheck, int, np.ndarray]] = {}  # run number -> its part
-    for offset, buf, check in file_runs:
-        if check is None:
+    for offset, buf, req in file_runs:
+        if req is None:
             runs.append((offset, buf))
             continue
-        starts = _runs.piece_starts(offset, buf.nbytes, part)
-        check.expect(len(starts))
-        for k, end in zip(starts, [*starts[1:], buf.nbytes]):
-            parts[len(runs)] = (check, k, buf[k:end])
-            runs.append((offset + k, buf[k:end]))
+        spans = _runs.piece_spans(offset, buf.nbytes, part)
+        check = _TensorCheck(req, len(spans))
+        for start, end in spans:
+            parts[len(runs)] = (check, start, buf[start:end])
+            runs.append((offset + start, buf[start:end]))
 
     def on_run(i: int) -> None:
         if (found := parts.get(i)) is not None:
-            check, k, data = found
-            check.part_read(k, data)
+            check, start, data = found
+            check.part_read(start, data)
 
     return runs, on_run
 

@@ -455,14 +455,7 @@ class LocalReader:
         parts = [0] * len(runs)
         for i in owners + [i for _, _, i in split.direct]:
             parts[i] += 1
-        lock = threading.Lock()
-
-        def part_done(i: int) -> None:
-            with lock:
-                parts[i] -= 1
-                last = parts[i] == 0
-            if last and on_run is not None:
-                on_run(i)
+        part_done = _once_all_parts_in(parts, on_run)
 
         self.requests += len(split.direct)
         self.bytes_read += sum(len(v) for _, v, _ in split.direct)
@@ -518,7 +511,7 @@ class LocalReader:
         extra: list[tuple[int, Callable[[], None]]],
     ) -> None:
         # ``extra``: (file offset, direct read) to run on the same threads, each one task.
-        # Batches of an even share of the bytes per thread (1-16 MiB), a large run split into
+        # Batches of an even share of the bytes per thread (4-16 MiB), a large run split into
         # such pieces: a few large tensors (a restore's wave) are read by every thread, not
         # one thread each.
         whole_runs = runs
@@ -584,37 +577,43 @@ class LocalReader:
 def _split_runs(
     runs: Sequence[tuple[int, np.ndarray]], piece: int, on_run: Callable[[int], None] | None
 ) -> tuple[Sequence[tuple[int, np.ndarray]], Callable[[int], None] | None]:
-    """``runs`` with those over ``piece`` bytes cut into pieces of ``piece`` bytes, and an
-    ``on_run`` for the pieces that calls the given one with a run's number once all of its
-    pieces are in place (from whichever thread read the last). Empty runs are left out of the
-    pieces (the caller reports them)."""
+    """``runs`` with those over ``piece`` bytes cut into pieces of about ``piece`` bytes
+    (``runs.piece_spans``), and an ``on_run`` for the pieces that calls the given one with a
+    run's number once all of its pieces are in place (from whichever thread read the last).
+    Empty runs are left out of the pieces (the caller reports them)."""
     if all(d.nbytes <= piece for _, d in runs):
         return runs, on_run
     pieces: list[tuple[int, np.ndarray]] = []
     owner: list[int] = []
-    left = [0] * len(runs)
+    parts = [0] * len(runs)
     for i, (offset, dest) in enumerate(runs):
         if not dest.nbytes:
             continue
-        starts = _runs.piece_starts(offset, dest.nbytes, piece)
-        for k, end in zip(starts, [*starts[1:], dest.nbytes]):
-            pieces.append((offset + k, dest[k:end]))
+        for start, end in _runs.piece_spans(offset, dest.nbytes, piece):
+            pieces.append((offset + start, dest[start:end]))
             owner.append(i)
-            left[i] += 1
+            parts[i] += 1
     if on_run is None:
         return pieces, None
+    run_done = _once_all_parts_in(parts, on_run)
+    return pieces, lambda k: run_done(owner[k])
+
+
+def _once_all_parts_in(
+    parts: list[int], on_run: Callable[[int], None] | None
+) -> Callable[[int], None]:
+    """``done(i)``, to call as each of the ``parts[i]`` parts of run ``i`` is in place (from
+    any thread): calls ``on_run(i)`` once the last one is. Counts down ``parts``."""
     lock = threading.Lock()
-    report = on_run
 
-    def piece_done(k: int) -> None:
-        i = owner[k]
+    def done(i: int) -> None:
         with lock:
-            left[i] -= 1
-            last = left[i] == 0
-        if last:
-            report(i)
+            parts[i] -= 1
+            last = parts[i] == 0
+        if last and on_run is not None:
+            on_run(i)
 
-    return pieces, piece_done
+    return done
 
 
 _UNPROBED = object()
