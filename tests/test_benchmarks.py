@@ -25,6 +25,7 @@ def test_tpu_bench_smoke_run(tmp_path: Path):
             sys.executable,
             str(ROOT / "benchmarks" / "tpu_bench.py"),
             "--smoke",
+            "--every-10",
             "--json",
             str(out),
             "--dir",
@@ -42,6 +43,7 @@ def test_tpu_bench_smoke_run(tmp_path: Path):
         "save until durable",
         "restore onto the devices",
         "training loop, extra s per save",
+        "tight loop: the longest wait for a save",
         "device-to-host",
         "host-to-device",
         "file write until durable",
@@ -55,4 +57,38 @@ def test_tpu_bench_smoke_run(tmp_path: Path):
         run = case["runs"][method]
         assert 0 < run["block"] <= run["durable"] and run["restore"] > 0
     assert set(case["loop"]["extra_per_save"]) == {"ours", "orbax"}
+    for method in ("ours", "orbax"):  # each save's wait: 3 in-loop saves and the final wait
+        assert len(case["loop"]["every_10_waits"][method]) == 4
     assert list(tmp_path.glob("osf-tpu-bench-*")) == []  # its checkpoints are removed
+
+
+def test_tpu_probe_smoke_runs(tmp_path: Path):
+    """``benchmarks/tpu_probe.py`` (the diagnosis behind docs/performance.md, "TPU") runs its
+    restore and save variants end to end, each with a thread profile where it takes one."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1"}
+    for what, variant in (
+        ("restore", "restore unstaged"),
+        ("save", "durable save (direct I/O never)"),
+    ):
+        out = tmp_path / f"{what}.json"
+        done = subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "benchmarks" / "tpu_probe.py"),
+                what,
+                "--smoke",
+                "--json",
+                str(out),
+                "--dir",
+                str(tmp_path),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        doc = json.loads(out.read_text())
+        assert doc["times"][variant]["median"] > 0
+        assert doc["profiles"] and all(p["samples"] >= 0 for p in doc["profiles"].values())
+    assert list(tmp_path.glob("osf-tpu-probe-*")) == []

@@ -148,6 +148,11 @@ def check_not_deleted(arrays: Iterable[tuple[str, Any]]) -> None:
             raise DeletedArrayError(_tree.deleted_message(name, x))
 
 
+_BATCH_BYTES = 8 << 20
+_BATCH_PIECES = 1024
+IN_FLIGHT_BYTES = 64 << 20  # writes under way at most, by default (write_process_share)
+
+
 @dataclasses.dataclass
 class PreparedSave:
     """Everything a process needs to write its bytes of the checkpoint.
@@ -166,6 +171,9 @@ class PreparedSave:
     process_index: int
     checksums: bool
     files: Mapping[str, str] = dataclasses.field(default_factory=dict)  # more, by the primary
+    # Bytes of earlier pieces still being written while the next are produced (see
+    # write_process_share): the host copies a direct save holds beside the tensor at hand.
+    max_in_flight: int = IN_FLIGHT_BYTES
 
     @classmethod
     def direct(
@@ -205,7 +213,21 @@ class PreparedSave:
         pieces = _pieces.iter_host_pieces(
             plan, flat.arrays, copy=False, is_primary=is_primary, copies_ahead=1, ready=ready
         )
-        return cls(plan, pieces, metadata, sizes, is_primary, process_index, layout.checksums)
+        # Where the pieces are host views (CPU, numpy), writes under way hold no memory of
+        # their own; where each is a fresh copy off an accelerator, they would hold up to
+        # IN_FLIGHT_BYTES of copies (a small state whole): one batch is written at a time
+        # instead, while the next tensor's transfer runs.
+        views = _snapshots.host_views(flat.arrays.values())
+        return cls(
+            plan,
+            pieces,
+            metadata,
+            sizes,
+            is_primary,
+            process_index,
+            layout.checksums,
+            max_in_flight=IN_FLIGHT_BYTES if views else _BATCH_BYTES,
+        )
 
     @classmethod
     def from_snapshots(
@@ -287,11 +309,6 @@ def plan_tree(
     return plan, metadata, sizes
 
 
-_BATCH_BYTES = 8 << 20
-_BATCH_PIECES = 1024
-IN_FLIGHT_BYTES = 64 << 20  # writes under way at most, by default (write_process_share)
-
-
 def _batched(
     items: Iterable[tuple[int, list[_interface.Piece]]], max_bytes: int = _BATCH_BYTES
 ) -> Iterator[tuple[int, list[_interface.Piece]]]:
@@ -326,7 +343,7 @@ def write_process_share(
     stats: _pieces.WriteStats | None = None,
     *,
     persist_share: bool = True,
-    max_in_flight: int = IN_FLIGHT_BYTES,
+    max_in_flight: int | None = None,
     io: _config.IOOptions | None = None,
     index: bool = True,
     written: Callable[[list[_interface.Piece]], None] | None = None,
@@ -341,13 +358,16 @@ def write_process_share(
     caller hands both to :func:`finalize` itself (a single-process save; saves the JSON round
     trip of two documents with an entry per tensor). ``max_in_flight`` bounds the bytes of
     earlier pieces still being written while the next are produced (their host copies stay
-    alive until then), the part-filled batch of small tensors included (at most 8 MiB).
+    alive until then), the part-filled batch of small tensors included (at most 8 MiB);
+    default ``prepared.max_in_flight``.
     ``index=False``: no index, whatever the number of files (a plan of some of the files of a
     directory whose index the caller writes). ``written(pieces)`` is called with each batch
     of pieces once its write has ended (their buffers may then be reused).
     """
     directory = epath.Path(directory)
     plan = prepared.plan
+    if max_in_flight is None:
+        max_in_flight = prepared.max_in_flight
     runs: dict[str, list[tuple[int, int, int]]] = {}  # tensor -> (offset, nbytes, crc) written
     # Writes under way, oldest first: (file name, pieces, bytes, pending write).
     pending: collections.deque[tuple[str, list[_interface.Piece], int, _interface.PendingWrite]] = (

@@ -81,6 +81,19 @@ _Owned = tuple[Any, Any, list[tuple[_runs.Index, Any]] | None, bool]
 HostCopies = list[tuple[_runs.Index | None, np.ndarray]]
 
 
+def host_views(arrays: Iterable[Any]) -> bool:
+    """Whether the host data of every array of ``arrays`` is a view of memory it already
+    holds (numpy, or a ``jax.Array`` on CPU devices), so that writing it needs no copy; False
+    when one lives on an accelerator, whose host data is a fresh copy.
+
+    Example::
+
+        host_views([np.zeros(3), jnp.zeros(3)])   # True on CPU
+    """
+    placement = _memo.ShardingMemo(_placement)
+    return all(not isinstance(x, jax.Array) or placement(x.sharding)[1] for x in arrays)
+
+
 def owned_tensors(arrays: Iterable[tuple[Any, Any]], is_primary: bool) -> list[_Owned]:
     # ``arrays``: (key, array) pairs; the key labels the tensor (its name, or an index).
     owned: list[_Owned] = []

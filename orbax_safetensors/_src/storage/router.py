@@ -110,7 +110,7 @@ def open_writer(
     size: int,
     truncate: bool = False,
     sync: bool = True,
-    threads: int = _local.WRITE_THREADS,
+    threads: int | None = None,
     io: _config.IOOptions | None = None,
 ) -> Iterator[_interface.Writer]:
     """Opens a file of final size ``size`` for positional writes; durable (fsync) on exit.
@@ -120,6 +120,7 @@ def open_writer(
     written as one sequential stream when the block exits, so the pieces must tile
     ``[0, size)`` exactly. If the block raises, nothing more is written or synced. ``io``:
     the direct I/O mode and object-store options (None: the defaults, see :mod:`.config`).
+    ``threads``: a local file's write threads (None: ``local.WRITE_THREADS``).
 
     Example::
 
@@ -131,6 +132,7 @@ def open_writer(
     provider = provider_for(path)
     resolved = _config.resolve(io)
     if is_local(path):
+        threads = _local.WRITE_THREADS if threads is None else threads
         writer = _local.LocalWriter(
             os.fspath(path), size, truncate, threads, sync, direct_io=resolved.direct_io
         )
