@@ -478,6 +478,8 @@ def run_case(
     log("limits: device-to-host")
     result["d2h"] = d2h_limits(state, rounds)
     host = [np.asarray(x) for x in leaves]
+    # (a host copy not in C order is re-laid out by the writer before it is written)
+    result["host_copies_not_c_contiguous"] = sum(not h.flags.c_contiguous for h in host)
     log("limits: host-to-device")
     result["h2d"] = h2d_limits(host, rounds)
     log("limits: file write")

@@ -150,6 +150,13 @@ def restore_case(state: Any, base: Path, rec: Recorder, reps: int) -> None:
         rec.time("restore ring 1 GiB, 8 waves", restore(), reps, profile=False)
     with patched(_staging, WAVES_IN_FLIGHT=2):
         rec.time("restore 2 waves", restore(), reps, profile=False)
+    with patched(_staging, WAVES_READ_AHEAD=0):
+        rec.time("restore, each wave read then placed", restore(), reps, profile=False)
+    with patched(_staging, RING_BYTES=512 << 20):
+        restore()()
+        rec.time("restore ring 512 MiB, 4 waves", restore(), reps, profile=False)
+        with patched(_staging, WAVES_IN_FLIGHT=8):
+            rec.time("restore ring 512 MiB, 8 waves", restore(), reps, profile=False)
     with patched(_staging, MODE="never"):
         rec.time("restore unstaged", restore(), reps, profile=False)
     out = restore()()
