@@ -28,13 +28,11 @@ from orbax_safetensors._src.pipeline import staging as _staging
 MiB = 1 << 20
 
 
-@pytest.fixture(params=[1, 0], ids=["read-ahead", "in-step"])
-def forced(monkeypatch, request):
-    """Staging forced on CPU with a 4 MiB ring (waves of 1 MiB): every large tensor wraps it.
-    Waves read one ahead of their placement (the default), or each read then placed."""
+@pytest.fixture
+def forced(monkeypatch):
+    """Staging forced on CPU with a 4 MiB ring (waves of 1 MiB): every large tensor wraps it."""
     monkeypatch.setattr(_staging, "MODE", "always")
     monkeypatch.setattr(_staging, "RING_BYTES", 4 * MiB)
-    monkeypatch.setattr(_staging, "WAVES_READ_AHEAD", request.param)
     _staging.RINGS.clear()
     yield
     _staging.RINGS.clear()

@@ -13,8 +13,6 @@ Example::
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import contextlib
 import dataclasses
 import enum
@@ -233,10 +231,8 @@ def _read_staged(
     files: _Files,
 ) -> list[Any]:
     """Reads in waves through ``ring`` (``staged[i]``: request i's whole tensor goes through
-    it). The waves are read one after another on a thread of their own,
-    ``staging.WAVES_READ_AHEAD`` waves ahead of this thread, which places each wave once read (its transfers to the devices start and run
-    on): the reading threads never wait for a placement, nor the placements for the next
-    wave's reads. Ring space is taken again once the transfers out of it are done."""
+    it): a wave is read, its transfers to the devices start, and the next wave is read while
+    they run; ring space is taken again once the transfers out of it are done."""
     results: list[Any] = [None] * len(requests)
 
     def whole(req: ReadRequest, stage: bool) -> np.ndarray:
@@ -244,75 +240,36 @@ def _read_staged(
             return ring.take(req.stored.nbytes, file_offset=req.stored.offset)
         return arena.empty(req.stored.nbytes, file_offset=req.stored.offset)
 
+    def read_wave(wave: list[int]) -> None:
+        wave_requests = [requests[i] for i in wave]
+        buffers = [
+            _read_buffers(requests[i], functools.partial(whole, stage=staged[i]), single_device)
+            for i in wave
+        ]
+        files.read(wave_requests, buffers)
+        placed = _place_all(wave_requests, buffers)  # transfers start, and run on
+        for k, i in enumerate(wave):
+            results[i] = _staging.off_the_ring(placed[k]) if staged[i] else placed[k]
+        ring.hold(functools.partial(jax.block_until_ready, placed))
+
     # File order (each file read front to back), in waves of at most a share of the ring.
     order = sorted(
         range(len(requests)),
         key=lambda i: (str(requests[i].stored.path), requests[i].stored.offset),
     )
     budget = ring.capacity // _staging.WAVES_IN_FLIGHT
-    waves: list[list[int]] = [[]]
+    wave: list[int] = []
     wave_bytes = 0
     for i in order:
         size = requests[i].stored.nbytes if staged[i] else 0
-        if waves[-1] and wave_bytes + size > budget:
-            waves.append([])
-            wave_bytes = 0
-        waves[-1].append(i)
+        if wave and wave_bytes + size > budget:
+            read_wave(wave)
+            wave, wave_bytes = [], 0
+        wave.append(i)
         wave_bytes += size
-
-    unplaced: collections.deque[_Wave] = collections.deque()
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="osf-wave-reads") as reads:
-        for indices in waves:
-            wave_requests = [requests[i] for i in indices]
-            # (ring.take may place an earlier wave first: see _Wave.release)
-            buffers = [
-                _read_buffers(requests[i], functools.partial(whole, stage=staged[i]), single_device)
-                for i in indices
-            ]
-            wave = _Wave(indices, wave_requests, buffers, staged, results)
-            wave.reading = reads.submit(files.read, wave_requests, buffers)
-            ring.hold(wave.release)
-            unplaced.append(wave)
-            if len(unplaced) > _staging.WAVES_READ_AHEAD:  # an earlier wave: read by now
-                unplaced.popleft().place()
-        while unplaced:
-            unplaced.popleft().place()
+    if wave:
+        read_wave(wave)
     return results
-
-
-class _Wave:
-    """One wave of a staged read: its reads (a future of the wave-read thread), then, on the
-    caller's thread, its placement; its ring space is free once its transfers are done."""
-
-    def __init__(
-        self,
-        indices: list[int],
-        requests: list[ReadRequest],
-        buffers: list[_ReadBuffers],
-        staged: list[bool],
-        results: list[Any],
-    ) -> None:
-        self.indices, self.requests, self.buffers = indices, requests, buffers
-        self.staged, self.results = staged, results
-        self.reading: concurrent.futures.Future[None] | None = None
-        self.placed: list[Any] | None = None
-
-    def place(self) -> None:
-        """Waits for the wave's reads (raising what they raised: a damaged tensor) and
-        starts its transfers; once only."""
-        if self.placed is not None:
-            return
-        assert self.reading is not None
-        self.reading.result()
-        placed = self.placed = _place_all(self.requests, self.buffers)
-        for k, i in enumerate(self.indices):
-            self.results[i] = _staging.off_the_ring(placed[k]) if self.staged[i] else placed[k]
-
-    def release(self) -> None:
-        """The ring's wait for this wave's space (called on the caller's thread by a later
-        ``take`` or by ``drain``): placed first if it is not yet, then its transfers done."""
-        self.place()
-        jax.block_until_ready(self.placed)
 
 
 class _Files:

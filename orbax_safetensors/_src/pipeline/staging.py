@@ -37,9 +37,6 @@ STAGE_MIN_BYTES = 1 << 20
 # it: a wave of at most a quarter of the ring is read while the three before it transfer.
 RING_BYTES = 256 << 20
 WAVES_IN_FLIGHT = 4
-# How many waves the reads run ahead of the placements (0: each wave is read, then placed,
-# before the next is read; 1: the next wave is read while this one is placed).
-WAVES_READ_AHEAD = 1
 _PAGE = 4096
 
 #: ``"auto"``: stage the large tensors bound for devices whose placement copies (accelerators);
