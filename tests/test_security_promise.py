@@ -55,6 +55,49 @@ def test_every_promise_names_existing_tests() -> None:
             assert name.startswith("test_") and name in _functions(path), f"{file}::{name}"
 
 
+def read_path_rows() -> list[str]:
+    """The rows of the ``| Read path | What it checks | Tested by |`` table."""
+    text = DOC.read_text()
+    match = re.search(
+        r"^\| Read path \| What it checks \| Tested by \|\n\|[-|]+\|\n(.*?)\n\n", text, re.M | re.S
+    )
+    assert match, "docs/security.md has no read path table"
+    return match.group(1).splitlines()
+
+
+@pytest.mark.main_env_only("a static scan of the docs and sources")
+def test_every_read_path_names_its_bit_flip_tests() -> None:
+    """Each row of *What is verified, and when* names the tests that flip a bit through it."""
+    rows = read_path_rows()
+    assert len(rows) >= 10, rows
+    for row in rows:
+        cells = row.strip("|").split(" | ")
+        assert len(cells) == 3, row
+        refs = _REF.findall(cells[2])
+        assert refs and not _REF.findall(cells[0] + cells[1]), f"row without a test: {row[:120]}"
+        for file, name in refs:
+            path = ROOT / file
+            assert path.is_file(), f"{file} (named in: {row[:80]})"
+            assert name.startswith("test_") and name in _functions(path), f"{file}::{name}"
+    paths = " ".join(row.split(" | ")[0] for row in rows)
+    for read in (
+        "load_file",
+        "load_model",
+        "restore_directory",
+        "CheckpointManager.restore",
+        "ocp.load",
+        "load_pytorch",
+        "diff",
+        "convert",
+        "export",
+        "inspect",
+        "verify",
+        "multi-host",
+        "s3://",
+    ):
+        assert read in paths, f"no row for {read}"
+
+
 _FORBIDDEN_CALLS = {"eval", "exec", "__import__", "compile"}
 _FORBIDDEN_MODULES = {"pickle", "cPickle", "dill", "cloudpickle", "importlib", "marshal", "shelve"}
 # The one import by name: `orbax-safetensors export --mapping module:attr` imports the module

@@ -110,6 +110,33 @@ def test_a_forged_layout_past_the_object_end_fails_clearly(store) -> None:
     assert "model.safetensors" in str(info.value)
 
 
+def test_a_flipped_bit_in_a_directory_file_is_named_by_every_read(store) -> None:
+    """On object storage as on disk: ``load_file`` of one file of a checkpoint directory checks
+    it against the directory's checksums, as ``restore_directory`` and the catalog do."""
+    _, bucket = store
+    directory = f"{bucket}/ckpt"
+    osf.save_directory(state(), directory, max_file_size=16 << 10)  # w; b and emb
+    path = epath.Path(directory) / "model-00002-of-00002.safetensors"
+    header = osf.read_header(path)
+    raw = bytearray(path.read_bytes())
+    raw[header.data_start + header.tensors["emb"].begin + 7] ^= 0x10
+    path.write_bytes(bytes(raw))
+    damage = r"tensor 'emb' in model-00002-of-00002\.safetensors: CRC32C mismatch"
+    for read in (
+        lambda: osf.load_file(path),
+        lambda: osf.restore_directory(directory),
+        lambda: osf.load_pytorch(
+            {"e": np.zeros((50, 8), np.int32)},
+            path,
+            osf.KeyMapping([osf.Rule("emb", "e")]),
+            strict=False,  # (b is not mapped)
+        ),
+    ):
+        with pytest.raises(osf.IntegrityError, match=damage):
+            read()
+    np.testing.assert_array_equal(osf.load_file(path, include="b")["b"], state()["b"])
+
+
 def test_a_column_quarter_reads_at_most_1_5x_in_the_fewest_requests(store) -> None:
     """8 CPU devices, ``P(None, "x")``: a process holding 2 of them needs a quarter of the
     columns (one 4 KiB run per row, 12 KiB gaps). Before, the 1 MiB gap rule fetched the

@@ -151,7 +151,8 @@ def _relative(path: epath.Path, base: epath.Path) -> str:
 
 def _open_file(path: epath.Path) -> SafetensorsSource:
     header = _router.read_header(path)
-    _, stored = _standalone.file_index(path, header, strict=False)
+    # (a file of a checkpoint directory is read against the checksums the directory records)
+    _, stored = _standalone.file_index(path, header, strict=False, directory_checksums=True)
     user = {k: v for k, v in header.metadata.items() if k not in _metadata.RESERVED_KEYS}
     try:
         schema = _metadata.header_json(header, _metadata.SCHEMA_KEY, str(path))
@@ -198,7 +199,8 @@ def _open_safetensors_dir(path: epath.Path) -> SafetensorsSource:
     for filename in safetensors_dir_files(path):
         header = _router.read_header(path / filename)
         metadata.setdefault("format", header.metadata.get("format"))
-        for name, st in _standalone.locate_in_file(path / filename, header, None).items():
+        _, in_file = _standalone.file_index(path / filename, header, strict=False)
+        for name, st in in_file.items():  # (with the file's own checksums, if it has any)
             if name in stored:
                 raise HeaderError(
                     f"{path}: tensor {name!r} appears in both {stored[name].path.name} and {filename}"

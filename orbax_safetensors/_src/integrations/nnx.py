@@ -58,12 +58,15 @@ def load_model(
     """Loads a file written by :func:`save_model` into ``model`` in place (and returns it).
 
     Each variable keeps its dtype, sharding and place in the module graph; shared variables
-    stay shared.
+    stay shared. With ``verify`` (the default) every tensor is checked against its CRC32C as
+    :func:`load_file` checks it (one file of a checkpoint directory against the checksums its
+    directory records).
 
     Raises:
       TargetMismatchError: naming every missing, unexpected or mis-shaped key when the file
         does not fit the model (with ``strict=False`` unexpected keys are skipped and missing
         ones keep the model's values).
+      IntegrityError: a tensor's bytes do not match their checksum (naming it and the file).
     """
     from flax import nnx
 

@@ -398,12 +398,17 @@ def load_file(
         name raises ``TargetMismatchError`` listing names. None: every name.
       exclude: glob patterns of names not to read, by the same rule (applied after
         ``include``).
-      verify: check each tensor read whole against its stored CRC32C.
+      verify: check each tensor read whole against its CRC32C: the one the file's header
+        records, or, for one file of a checkpoint directory (a CheckpointManager item's
+        ``model.safetensors``, whose header records none), the one the directory's
+        ``orbax_safetensors.json`` records, which must then describe the file exactly as its
+        header does. False: nothing is checked, and the directory's metadata is not read.
       io_options: how the file is read (:class:`~orbax_safetensors.IOOptions`: direct I/O
         mode, object-store options, tracing); None: the defaults (environment).
 
     Raises:
-      HeaderError, SchemaError: the file is damaged or hostile.
+      HeaderError, SchemaError: the file is damaged or hostile, or (with ``verify``) the
+        metadata of the checkpoint directory it belongs to is, or disagrees with it.
       TargetMismatchError: the target disagrees with the file (names every key at once;
         ``.mismatches`` lists them as records).
       IntegrityError: a tensor's bytes do not match their checksum.

@@ -115,13 +115,84 @@ def locate_in_directory(
             assert layout is not None
             start = layout[filename]["data_start"] + info["data_offsets"][0]
             dtype, shape = info["dtype"], tuple(info["shape"])
-        crc_text = info.get("crc32c")
-        crc = None
-        if crc_text is not None:
-            crc = _checksum.from_hex(crc_text)
-            if crc is None:
-                raise SchemaError(f"{directory}: checksum of {name!r} is malformed: {crc_text!r}")
+        crc = _recorded_crc(directory, name, info)
         out[name] = StoredTensor(name, paths[filename], start, dtype, shape, crc)
+    return out
+
+
+def _recorded_crc(directory: epath.Path, name: str, info: Mapping[str, Any]) -> int | None:
+    # A tensor's CRC32C as the metadata records it (None: saved without checksums).
+    crc_text = info.get("crc32c")
+    if crc_text is None:
+        return None
+    crc = _checksum.from_hex(crc_text)
+    if crc is None:
+        raise SchemaError(f"{directory}: checksum of {name!r} is malformed: {crc_text!r}")
+    return crc
+
+
+def locate_in_directory_file(
+    path: epath.PathLike, header: _header.Header
+) -> dict[str, StoredTensor] | None:
+    """The tensors of ``path``, one file of a checkpoint directory, with the checksums that
+    directory's metadata file records for them; None when no metadata file beside ``path``
+    lists it (a file on its own, or one a checkpoint does not own).
+
+    Where each tensor lies comes from ``header`` (the file's own, already read and checked).
+    The metadata must describe the file exactly as the header does: the same tensors, each
+    with the same dtype, shape and place. A metadata file that cannot be read, or that
+    disagrees with the header, is an error, never a reason to read the file unchecked.
+
+    Raises:
+      SchemaError: the metadata file beside ``path`` is malformed.
+      HeaderError: it disagrees with ``header`` (naming the tensor).
+
+    Example::
+
+        stored = locate_in_directory_file(path, _router.read_header(path))
+        stored["params.w"].crc32c  # the CRC32C orbax_safetensors.json records
+    """
+    path = epath.Path(path)
+    directory = path.parent
+    if not (directory / _metadata.METADATA_FILE).exists():
+        return None
+    try:
+        metadata = read_metadata(directory)
+        if path.name not in metadata["files"]:
+            return None
+        return _located_by_metadata(path, header, metadata)
+    except (HeaderError, SchemaError) as e:
+        if type(e) not in (HeaderError, SchemaError):
+            raise
+        raise type(e)(
+            f"{e}\n{path.name} lies in a checkpoint directory whose {_metadata.METADATA_FILE} "
+            "would record its checksums, and that metadata cannot vouch for it: the file or "
+            f"the metadata is damaged (orbax_safetensors.verify('{directory}') says which); "
+            "load_file(..., verify=False) reads the file without checking it"
+        ) from None
+
+
+def _located_by_metadata(
+    path: epath.Path, header: _header.Header, metadata: Mapping[str, Any]
+) -> dict[str, StoredTensor]:
+    # The tensors of one listed file, placed by its header, with the metadata's checksums;
+    # the metadata must describe the file exactly as the header does.
+    directory = path.parent
+    layout = metadata.get("file_layout") if _metadata.has_layout(metadata) else None
+    out: dict[str, StoredTensor] = {}
+    for name, info in metadata["tensors"].items():
+        if not isinstance(info, dict) or info.get("file") != path.name:
+            continue
+        entry = _checked_entry(directory, name, info, header, layout)
+        start = header.data_start + entry.begin
+        crc = _recorded_crc(directory, name, info)
+        out[name] = StoredTensor(name, path, start, entry.dtype, entry.shape, crc)
+    unplaced = [name for name in header.tensors if name not in out]
+    if unplaced:
+        raise HeaderError(
+            f"{path}: holds tensor {unplaced[0]!r}, which {_metadata.METADATA_FILE} does not "
+            "place in this file"
+        )
     return out
 
 

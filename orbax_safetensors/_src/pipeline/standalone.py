@@ -27,6 +27,7 @@ from orbax_safetensors._src.core.errors import (
     SafetensorsCheckpointError,
     SchemaError,
 )
+from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
 from orbax_safetensors._src.pipeline import gcpause as _gcpause
 from orbax_safetensors._src.pipeline import save_job as _save_job
@@ -101,7 +102,11 @@ def locate_in_file(
 
 @_gcpause.paused
 def file_index(
-    path: epath.Path, header: _header.Header, *, strict: bool = True
+    path: epath.Path,
+    header: _header.Header,
+    *,
+    strict: bool = True,
+    directory_checksums: bool = False,
 ) -> tuple[Any, dict[str, StoredTensor]]:
     """The schema (``None`` if the file has none, or when not ``strict``) and where each tensor
     of a standalone file lies, with its checksum when the file records one.
@@ -109,6 +114,12 @@ def file_index(
     ``strict=False`` skips the schema and ignores a checksum entry that is not an object (for
     tools that list any safetensors file); the schema is parsed first, so the first error a
     strict caller sees is the schema's.
+
+    ``directory_checksums``: a file that records no checksums of its own but is a file of a
+    checkpoint directory (the directory's ``orbax_safetensors.json`` lists it) takes the
+    checksums that metadata records for it
+    (:func:`.checkpoint_restore.locate_in_directory_file`: a metadata file that is malformed
+    or disagrees with the header raises). A file's own checksums always win.
 
     Example::
 
@@ -120,14 +131,21 @@ def file_index(
         if strict:
             raise SchemaError(f"{path}: {_metadata.CHECKSUM_KEY} is not an object")
         crcs = None
+    if crcs is None and directory_checksums:
+        stored = _checkpoint_restore.locate_in_directory_file(path, header)
+        if stored is not None:
+            return schema, stored
     return schema, locate_in_file(path, header, crcs)
 
 
 def load_with_options(path: epath.PathLike, options: RestoreOptions) -> Any:
-    """Loads a ``.safetensors`` file as ``options`` asks (see :class:`.RestoreOptions`).
+    """Loads a ``.safetensors`` file as ``options`` asks (see :class:`.RestoreOptions`); with
+    ``options.verify``, a file of a checkpoint directory is checked against the checksums its
+    directory records (:func:`file_index`'s ``directory_checksums``).
 
     Raises:
-      HeaderError, SchemaError: the file is damaged or hostile.
+      HeaderError, SchemaError: the file is damaged or hostile, or (with ``options.verify``)
+        the metadata of the checkpoint directory it belongs to cannot vouch for it.
       TargetMismatchError: the target disagrees with the file (names every key at once).
       IntegrityError: a tensor's bytes do not match their checksum.
 
@@ -136,13 +154,14 @@ def load_with_options(path: epath.PathLike, options: RestoreOptions) -> Any:
         tree = load_with_options("w.safetensors", RestoreOptions(target=abstract))
     """
     path = epath.Path(path)
-    # The header and the tensors are read through separate opens: if save_file replaces the
-    # file in between, the reads mix two versions. Read again until the file stayed the same.
+    # The header and the tensors (and a checkpoint directory's metadata) are read through
+    # separate opens: if save_file (or save_directory) replaces the file in between, the reads
+    # mix two versions. Read again until the file stayed the same.
     for _ in range(_READ_ATTEMPTS):
         before = _identity(path)
         header = _router.read_header(path, options.io)
-        schema, stored = file_index(path, header)
         try:
+            schema, stored = file_index(path, header, directory_checksums=options.verify)
             tree = restore_tree(schema, stored, options)
         except (SafetensorsCheckpointError, OSError, EOFError):
             if _identity(path) == before:
