@@ -30,7 +30,7 @@ TUNIX_INSTALL = "pip install --no-deps google-tunix==0.1.7 jaxtyping"
 def _bare_package() -> None:
     spec = importlib.util.find_spec("tunix")
     if spec is None or spec.loader is None:
-        pytest.skip(f"google-tunix is not installed ({TUNIX_INSTALL})")
+        pytest.skip(f"google-tunix is not installed ({TUNIX_INSTALL})", allow_module_level=True)
     try:
         import tunix  # noqa: F401 (a full install imports as usual)
     except ImportError:
@@ -41,7 +41,11 @@ def _bare_package() -> None:
 
 
 def model_modules() -> tuple[ModuleType, ModuleType]:
-    """``(tunix.models.llama3.model, tunix.models.qwen3.model)``, or a skip naming why."""
+    """``(tunix.models.llama3.model, tunix.models.qwen3.model)``, or a skip naming why.
+
+    Test modules call it at import (``LLAMA3, QWEN3 = tunix_models.model_modules()``): the
+    skip is then the whole module's, reported with its reason (``allow_module_level``).
+    """
     import flax
     import jax
 
@@ -53,7 +57,8 @@ def model_modules() -> tuple[ModuleType, ModuleType]:
     except ImportError as e:
         pytest.skip(
             f"Tunix's model modules do not import with jax {jax.__version__}, flax "
-            f"{flax.__version__}: {e}"
+            f"{flax.__version__}: {e}",
+            allow_module_level=True,
         )
     finally:
         _set_shard_flag(flax, before)
