@@ -419,6 +419,9 @@ def write_process_share(
                 write(i, [_interface.header_piece(fplan.header)])
         for file_index, pieces in _batched(prepared.pieces, batch_bytes):
             write(file_index, pieces, checksums=prepared.checksums)
+            # (the next batch is produced without a hold on this one: a direct save of fresh
+            # host copies holds the batch copied and the next transfer, once this is written)
+            del pieces
         while pending:  # before the files are made durable and closed
             settle_oldest()
     # Object storage, several processes: this process's uploads (and the parts it builds).
