@@ -255,6 +255,7 @@ def iter_host_pieces(
         if current is not item:
             _snapshots.delete_device_copies([current])
         yield tensor_pieces(plan, item[0], copies)
+        del copies, current  # (written by now: not held while the next tensor is copied)
 
 
 def host_pieces(
