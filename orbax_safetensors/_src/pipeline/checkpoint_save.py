@@ -330,6 +330,7 @@ def _batched(
         batch_file = file_index
         batch.extend(pieces)
         size += nbytes
+        del pieces  # (the batch holds what is unsent: nothing held while the next is produced)
         if size >= max_bytes:
             yield batch_file, batch
             batch, size = [], 0
