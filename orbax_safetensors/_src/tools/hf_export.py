@@ -7,21 +7,26 @@ model directory, through a preset or user key mapping.
 ``module:attr`` naming a :class:`KeyMapping` (or a function of no arguments returning one),
 imported like ``python -c 'import module'`` from the current directory.
 
+``--hf-config`` is a ``config.json``, or a model directory: its ``config.json``,
+``generation_config.json`` and tokenizer files are written to the export
+(``integrations/model_files.py``).
+
 Example::
 
     orbax-safetensors export /ckpt out/ --mapping llama --hf-config config.json --item state
+    orbax-safetensors export /ckpt out/ --mapping qwen3 --hf-config Qwen3-0.6B/
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
-import json
 import sys
 from typing import Any
 
 from etils import epath
 
+from orbax_safetensors._src.integrations import model_files as _model_files
 from orbax_safetensors._src.integrations import presets as _presets
 from orbax_safetensors._src.integrations.key_mapping import KeyMapping, MappingReport
 from orbax_safetensors._src.tools import inspection as _inspection
@@ -36,17 +41,9 @@ def read_hf_config(path: str | None) -> dict[str, Any] | None:
     if path is None:
         return None
     p = epath.Path(path)
-    if p.is_dir():
-        p = p / "config.json"
     if not p.exists():
         raise ValueError(f"--hf-config {path}: no such file")
-    try:
-        doc = json.loads(p.read_text())
-    except ValueError as e:
-        raise ValueError(f"--hf-config {p}: not JSON ({e})") from None
-    if not isinstance(doc, dict):
-        raise ValueError(f"--hf-config {p}: not a JSON object")
-    return doc
+    return _model_files.read_json(p / "config.json" if p.is_dir() else p, "--hf-config")
 
 
 def resolve_mapping(spec: str, hf_config: dict[str, Any] | None = None) -> KeyMapping:
