@@ -360,8 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_options(
         export,
-        mapping="a preset (llama, qwen2, qwen3, gpt2: NNX ports named as Hugging Face names "
-        "its modules) or module:attr naming an osf.KeyMapping (or a function returning one)",
+        mapping="a preset (llama, mistral, qwen2, qwen3, phi3, gemma3, mixtral, qwen2-moe, "
+        "qwen3-moe, gpt2: NNX ports named as Hugging Face names its modules; tunix-llama3, "
+        "tunix-qwen3) or module:attr naming an osf.KeyMapping (or a function returning one)",
         hf_config="the model's config.json, or its directory (config.json, "
         "generation_config.json and tokenizer files written to OUT)",
         dtype="stored dtype: one DTYPE (e.g. bfloat16) for every floating-point tensor, or "

@@ -1,7 +1,8 @@
 """``orbax-safetensors export``: a checkpoint (or a file, an item, a step) as a Hugging Face
 model directory, through a preset or user key mapping.
 
-``--mapping`` is a preset name (``llama``, ``qwen2``, ``qwen3``, ``gpt2``, ``tunix-llama3``,
+``--mapping`` is a preset name (``presets.PRESETS``: ``llama``, ``mistral``, ``qwen2``, ``qwen3``,
+``phi3``, ``gemma3``, ``mixtral``, ``qwen2-moe``, ``qwen3-moe``, ``gpt2``, ``tunix-llama3``,
 ``tunix-qwen3``; with a config whose ``tie_word_embeddings`` is true, the preset ties
 ``lm_head`` to the embedding; the Tunix presets take their ``head_dim`` from it) or
 ``module:attr`` naming a :class:`KeyMapping` (or a function of no arguments returning one),
@@ -14,7 +15,7 @@ imported like ``python -c 'import module'`` from the current directory.
 Example::
 
     orbax-safetensors export /ckpt out/ --mapping llama --hf-config config.json --item state
-    orbax-safetensors export /ckpt out/ --mapping qwen3 --hf-config Qwen3-0.6B/
+    orbax-safetensors export /ckpt out/ --mapping qwen3-moe --hf-config Qwen3-30B-A3B/
 """
 
 from __future__ import annotations
