@@ -198,7 +198,7 @@ def _causal_lm_class(model_type: Any) -> str | None:
         return None
     try:
         from transformers.models.auto import modeling_auto
-    except ImportError:
+    except (ImportError, OSError, RuntimeError):  # (absent, or its torch does not load)
         return None
     names = getattr(modeling_auto, "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", {})
     name = names.get(model_type)
