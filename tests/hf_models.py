@@ -172,9 +172,34 @@ _TINY_NAMES = {  # what each config class calls them
 }
 
 
+# Hugging Face architectures that the presets map without a JAX port in this file: preset
+# name -> (transformers config class, its extra arguments). Token ids inside the vocabulary.
+_OTHERS = {
+    "mistral": ("MistralConfig", {}),
+    "phi3": ("Phi3Config", {}),  # (fused qkv_proj and gate_up_proj)
+    "gemma3": ("Gemma3TextConfig", {"head_dim": 8, "sliding_window": 4}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2-moe": (
+        "Qwen2MoeConfig",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 24,
+        },
+    ),
+    "qwen3-moe": (
+        "Qwen3MoeConfig",
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "head_dim": 8},
+    ),
+}
+OTHER_KINDS = tuple(_OTHERS)
+
+
 def tiny_config(kind="llama", tied=False):
-    """A tiny transformers config of ``kind`` (``llama``, ``qwen2``, ``qwen3`` or ``gpt2``)
-    built in code, no hub download; ``tied``: input and output embeddings shared (not GPT-2)."""
+    """A tiny transformers config of ``kind`` (``llama``, ``qwen2``, ``qwen3``, ``gpt2`` or one
+    of :data:`OTHER_KINDS`) built in code, no hub download; ``tied``: input and output
+    embeddings shared (not GPT-2)."""
     import transformers
 
     if kind == "gpt2":
@@ -182,6 +207,10 @@ def tiny_config(kind="llama", tied=False):
         return transformers.GPT2Config(**sizes, bos_token_id=0, eos_token_id=0)
     sizes = dict(zip(_TINY_NAMES["llama"], TINY))
     common = dict(sizes, intermediate_size=64, num_key_value_heads=2, tie_word_embeddings=tied)
+    if kind in _OTHERS:
+        name, extra = _OTHERS[kind]
+        ids = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        return getattr(transformers, name)(**common, **ids, **extra)
     if kind == "qwen3":
         return transformers.Qwen3Config(head_dim=8, **common)
     if kind == "qwen2":
@@ -220,3 +249,32 @@ def scanned_llama_mapping(head="head", out=None):
             osf.Rule("lm_head.weight", head, transpose),
         ]
     )
+
+
+def tiny_tokenizer():
+    """A tiny fast tokenizer of :data:`TINY`'s vocabulary (``<pad>``, ``<s>``, ``</s>``,
+    ``w3`` ... ``w95``, split on whitespace) with a chat template, built in code."""
+    import tokenizers
+    import transformers
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, TINY[3])}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    fast.chat_template = "{% for m in messages %}<s>{{ m.content }}</s>{% endfor %}"
+    return fast
+
+
+def randomize_torch(model, seed):
+    """Every parameter of a transformers ``model`` moved off its initial value (norms of ones
+    or zeros, zero biases), so that a mapping that drops, swaps or mis-lays a tensor cannot
+    round-trip the same logits."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=generator, dtype=p.dtype))
+    return model

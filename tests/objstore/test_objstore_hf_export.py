@@ -25,7 +25,6 @@ One launch against both servers, checking for each store and each write:
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -54,7 +53,8 @@ MAX_FILE_SIZE = 40_000  # several files and an index
 IDS = np.random.default_rng(0).integers(0, V.V, size=(2, 9))
 ORBAX_COMMIT_FILE = "commit_success.txt"
 V1_MARKER = "_METADATA"
-METADATA_BYTES = 16 << 10  # headers, index, config.json, commit record (moved by the primary)
+# headers, index, config and tokenizer files, commit record (moved by the primary)
+METADATA_BYTES = 16 << 10
 
 
 def _item(weights: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -71,7 +71,13 @@ def _references(base: Path) -> dict[str, Any]:
     from flax import nnx
 
     config = hf_models.tiny_config()
-    config_doc = json.loads(config.to_json_string(use_diff=False))
+    # hf_config: a model directory, whose config, generation config and tokenizer files every
+    # write copies (the primary, once the weights are complete)
+    hf_dir = base / "hf_config"
+    config.save_pretrained(hf_dir)
+    hf_models.tiny_tokenizer().save_pretrained(hf_dir)
+    (hf_dir / "tokenizer.model").write_bytes(bytes(range(256)))  # (a binary one)
+    config_doc = str(hf_dir)
     model = hf_models.CausalLM(config, "llama", rngs=nnx.Rngs(0))
     for layer in model.model.layers:  # norms away from 1: a misplaced norm shows
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
@@ -158,6 +164,7 @@ def test_two_processes_export_and_publish_to_s3_and_gcs(
             )
             want = sorted(p.name for p in reference.iterdir() if p.name != ORBAX_COMMIT_FILE)
             assert "config.json" in want and "model.safetensors.index.json" in want
+            assert {"generation_config.json", "tokenizer.json", "tokenizer.model"} <= set(want)
             # (v1 adds its "_METADATA" marker file)
             keys = [k for k in list_keys(server, url) if k not in (ORBAX_COMMIT_FILE, V1_MARKER)]
             assert keys == want, (url, keys)  # no old shard or index, no staged object

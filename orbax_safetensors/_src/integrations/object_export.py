@@ -13,7 +13,8 @@ Object storage has no rename, so the export goes straight into its directory:
    parts are planned from every process's byte ranges of it, so each process holds its share
    of one group in host memory (about ``batch_bytes``), not of the model. A barrier, and the
    primary commits the group (``finalize_files``);
-3. once every file is complete, the primary writes the index and ``config.json``: a reader
+3. once every file is complete, the primary writes the index and the small files
+   (``config.json``, ``generation_config.json``, the tokenizer's): a reader
    never follows them to a missing, old or partial file. A last barrier.
 
 Example::
@@ -53,7 +54,7 @@ def write_objects(
     links: Sequence[_links.Link],
     tied: Mapping[str, str],
     items: Iterator[Any],
-    extra_files: Mapping[str, str],
+    extra_files: Mapping[str, str | bytes],
     *,
     batch_bytes: int,
 ) -> _pieces.WriteStats:
@@ -61,7 +62,8 @@ def write_objects(
     the module docstring): ``items`` yields this process's pieces ``(file index, pieces)``
     link by link, in the order of ``links`` on every process, and each link (a
     ``links.Link``) once its pieces are out; ``tied`` keys are not written. ``extra_files``
-    (``{name: text}``) are written by the primary, last. Returns what this process wrote.
+    (``{name: text or bytes}``) are written by the primary, last. Returns what this process
+    wrote.
     """
     primary = jax.process_index() == 0
     if primary:
@@ -124,8 +126,7 @@ def write_objects(
         raise
     _barrier("written")
     if primary:
-        for name, text in extra_files.items():
-            (directory / name).write_text(text)
+        _checkpoint_save.write_small_files(directory, extra_files)
     _barrier("done")
     return stats
 

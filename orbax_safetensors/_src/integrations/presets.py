@@ -3,10 +3,19 @@ Face's module names (``nnx.Linear`` for ``nn.Linear``, ``nnx.Embed``, ``nnx.RMSN
 ``nnx.LayerNorm``), the layout of the reference models in the test suite
 (``tests/hf_models.py``):
 
-- ``"llama"``, ``"qwen2"``, ``"qwen3"``: ``model.embed_tokens.embedding``,
+- ``"llama"``, ``"mistral"``, ``"qwen2"``, ``"qwen3"``, ``"phi3"``, ``"gemma3"`` (one set of
+  rules: :data:`DENSE_PRESETS`): ``model.embed_tokens.embedding``,
   ``model.layers.{i}.self_attn.{q,k,v,o}_proj.kernel`` (and ``.bias`` for Qwen 2),
-  ``model.layers.{i}.mlp.{gate,up,down}_proj.kernel``, every ``*norm`` (Qwen 3's
-  ``q_norm``/``k_norm`` too) as ``.scale``, ``model.norm.scale``, ``lm_head.kernel``;
+  ``model.layers.{i}.mlp.{gate,up,down}_proj.kernel`` (Phi-3's fused ``qkv_proj`` and
+  ``gate_up_proj`` as Phi-3 has them), every ``*norm`` (Qwen 3's and Gemma 3's
+  ``q_norm``/``k_norm``, Gemma 3's ``pre``/``post_feedforward_layernorm`` too) as ``.scale``,
+  ``model.norm.scale``, ``lm_head.kernel``; Gemma 3 is its text model, ``Gemma3ForCausalLM``;
+- ``"mixtral"``, ``"qwen2-moe"``, ``"qwen3-moe"``: the dense rules, and the experts stacked
+  on axis 0, ``model.layers.{i}.mlp.experts.{gate,up,down}_proj`` ``(experts, in, out)``,
+  the router ``model.layers.{i}.mlp.gate.kernel`` (Qwen 2 MoE's shared expert is dense, its
+  gate ``mlp.shared_expert_gate.kernel``), from the names the files hold (Mixtral's
+  ``block_sparse_moe.experts.{e}.w1``/``w3``/``w2``; transformers 5 renames and fuses them
+  in memory only);
 - ``"gpt2"``: ``transformer.wte.embedding``, ``transformer.wpe.embedding``,
   ``transformer.h.{i}.attn.c_attn.kernel`` (``Conv1D``: kept ``(in, out)``), ``ln_*`` as
   ``scale``/``bias``; ``lm_head`` tied to ``wte``.
@@ -22,13 +31,15 @@ Face's module names (``nnx.Linear`` for ``nn.Linear``, ``nnx.Embed``, ``nnx.RMSN
   maps Qwen 3 MoE: ``mlp.experts.{e}.*_proj.weight`` stacked as ``layers.{i}.mlp.*_proj``
   ``(experts, in, out)``, the router ``mlp.gate.weight`` as ``layers.{i}.mlp.router.kernel``.
 
-With ``tie_word_embeddings=True`` (LLaMA/Qwen), a directory without ``lm_head.weight`` loads a
-model's ``lm_head.kernel`` from the embedding, and an export writes no ``lm_head.weight``.
+With ``tie_word_embeddings=True`` (Gemma 3's default, small LLaMA and Qwen models), a
+directory without ``lm_head.weight`` loads a model's ``lm_head.kernel`` from the embedding,
+and an export writes no ``lm_head.weight``.
 
 Example::
 
     mapping = preset_mapping("llama")
     osf.export_pytorch(model, "/tmp/hf", mapping, hf_config=config)
+    moe = preset_mapping("qwen3-moe", tie_word_embeddings=config.tie_word_embeddings)
     tunix = preset_mapping("tunix-qwen3", head_dim=model.config.head_dim)
 """
 
@@ -42,8 +53,14 @@ from orbax_safetensors._src.integrations.key_mapping import (
     Transpose,
 )
 
-PRESETS = ("gpt2", "llama", "qwen2", "qwen3", "tunix-llama3", "tunix-qwen3")
+# Hugging Face model types whose causal LMs (``*ForCausalLM``) a port keeping Hugging Face's
+# module names maps with the same rules as LLaMA: every weight is an ``nn.Linear`` ending in
+# ``_proj`` (Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` too), an embedding, or a norm
+# ending in ``norm`` (Gemma 3's pre/post feed-forward norms and q/k norms too).
+DENSE_PRESETS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
+MOE_PRESETS = ("mixtral", "qwen2-moe", "qwen3-moe")
 TUNIX_PRESETS = ("tunix-llama3", "tunix-qwen3")
+PRESETS = (*DENSE_PRESETS, *MOE_PRESETS, "gpt2", *TUNIX_PRESETS)
 _TIED = {"lm_head.weight": "model.embed_tokens.weight"}
 
 
@@ -56,7 +73,7 @@ def preset_mapping(
       name: the preset.
       tie_word_embeddings: the Hugging Face config's: ``lm_head.weight`` is tied to the
         embedding (not written; a directory without it loads a model's own head from the
-        embedding).
+        embedding). Gemma 3's configs tie by default.
       head_dim: the attention head size, required by the Tunix presets (Tunix's
         ``ModelConfig.head_dim``; Hugging Face's ``head_dim``, or ``hidden_size //
         num_attention_heads``).
@@ -67,21 +84,18 @@ def preset_mapping(
     Example::
 
         osf.preset_mapping("qwen3", tie_word_embeddings=True)
+        osf.preset_mapping("mixtral")
         osf.preset_mapping("tunix-llama3", head_dim=64)
     """
     if name in TUNIX_PRESETS:
         return _tunix(name, head_dim, tie_word_embeddings)
-    if name in ("llama", "qwen2", "qwen3"):
-        tied = _TIED if tie_word_embeddings else None
-        return KeyMapping(
-            [
-                Rule("model.embed_tokens.weight", "model.embed_tokens.embedding"),
-                Rule("{p:.*_proj|lm_head}.weight", "{p}.kernel", Transpose()),
-                Rule("{p:.*_proj}.bias", "{p}.bias"),
-                Rule("{p:.*norm}.weight", "{p}.scale"),
-            ],
-            tied=tied,
-        )
+    tied = _TIED if tie_word_embeddings else None
+    if name in DENSE_PRESETS:
+        return KeyMapping(_DENSE, tied=tied)
+    if name == "mixtral":
+        return KeyMapping([*_MIXTRAL_MOE, *_DENSE], tied=tied)
+    if name in ("qwen2-moe", "qwen3-moe"):
+        return KeyMapping([*_QWEN_MOE, *_DENSE], tied=tied)
     if name == "gpt2":
         return KeyMapping(
             [
@@ -94,6 +108,54 @@ def preset_mapping(
             tied={"lm_head.weight": "transformer.wte.weight"},
         )
     raise ValueError(f"no preset mapping {name!r} (presets: {', '.join(PRESETS)})")
+
+
+# Ports that keep Hugging Face's module names: nnx.Embed, nnx.Linear (kernel (in, out)),
+# nnx.RMSNorm / nnx.LayerNorm (scale).
+_DENSE = [
+    Rule("model.embed_tokens.weight", "model.embed_tokens.embedding"),
+    Rule("{p:.*_proj|lm_head}.weight", "{p}.kernel", Transpose()),
+    Rule("{p:.*_proj}.bias", "{p}.bias"),
+    Rule("{p:.*norm}.weight", "{p}.scale"),
+]
+
+# Mixture-of-experts layers, in one JAX layout for every family: the experts' projections
+# stacked on axis 0, ``model.layers.{i}.mlp.experts.{gate,up,down}_proj`` ``(experts, in,
+# out)``, the router an ``nnx.Linear`` ``model.layers.{i}.mlp.gate`` (``kernel`` ``(embed,
+# experts)``). transformers 5 holds the experts fused in memory (``mlp.experts.gate_up_proj``
+# ``(experts, 2 * hidden, embed)``) but reads and writes them one tensor per expert, under
+# the names below: the rules follow the files. They come before the dense rules, which would
+# take the experts' ``*_proj`` keys one by one.
+_LAYER = "model.layers.{i}"
+_EXPERTS = _LAYER + ".mlp.experts"
+_QWEN_MOE = [
+    Rule(
+        _EXPERTS + ".{e}.{p:gate_proj|up_proj|down_proj}.weight",
+        _EXPERTS + ".{p}",
+        Transpose(),
+        stacked="e",
+    ),
+    Rule(_LAYER + ".mlp.gate.weight", _LAYER + ".mlp.gate.kernel", Transpose()),
+    # Qwen 2 MoE's shared expert: mlp.shared_expert.*_proj (dense rules) and its gate
+    Rule(
+        _LAYER + ".mlp.shared_expert_gate.weight",
+        _LAYER + ".mlp.shared_expert_gate.kernel",
+        Transpose(),
+    ),
+]
+# Mixtral's files keep its first names: block_sparse_moe, experts' w1 (gate), w3 (up), w2 (down)
+_MIXTRAL_MOE = [
+    *(
+        Rule(
+            _LAYER + f".block_sparse_moe.experts.{{e}}.{w}.weight",
+            _EXPERTS + f".{proj}",
+            Transpose(),
+            stacked="e",
+        )
+        for w, proj in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
+    ),
+    Rule(_LAYER + ".block_sparse_moe.gate.weight", _LAYER + ".mlp.gate.kernel", Transpose()),
+]
 
 
 def _tunix(name: str, head_dim: int | None, tie_word_embeddings: bool) -> KeyMapping:

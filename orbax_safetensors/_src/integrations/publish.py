@@ -39,6 +39,7 @@ from orbax_safetensors._src.core.errors import TargetMismatchError
 from orbax_safetensors._src.integrations import export_plan as _shards
 from orbax_safetensors._src.integrations import hf_load as _hf_load
 from orbax_safetensors._src.integrations import links as _links
+from orbax_safetensors._src.integrations import model_files as _model_files
 from orbax_safetensors._src.integrations import pytorch as _pytorch
 from orbax_safetensors._src.integrations import sharded_export as _sharded_export
 from orbax_safetensors._src.integrations.key_mapping import KeyMapping, MappingReport
@@ -133,9 +134,13 @@ def export_plan(
     validated: _checkpoint_save.ValidatedTree,
     dtype: _casting.DtypePolicy | None,
     hf_config: Any,
+    *,
+    generation_config: Any = None,
 ) -> _export_plan.ExportPlan:
     """The Hugging Face tensors of ``validated``'s arrays through ``mapping`` (see the module
-    docstring); ``dtype`` is a policy over the item's dotted names.
+    docstring); ``dtype`` is a policy over the item's dotted names; the small files
+    (``config.json``, ``generation_config.json``, the tokenizer's) from ``hf_config`` and
+    ``generation_config`` as ``osf.export_pytorch`` writes them (``model_files``).
 
     Raises:
       TargetMismatchError: every name no rule maps, fused part without its siblings and
@@ -165,12 +170,12 @@ def export_plan(
         raise TargetMismatchError(
             "SafetensorsSave(mapping=...): the item does not fit this mapping\n" + report.problems()
         )
-    files = {}
-    if hf_config is not None:
-        dtypes = [s.dtype for s in specs]
-        files[_pytorch.CONFIG_FILE_NAME] = _pytorch.config_json(
-            hf_config, dtypes, policy is not None
-        )
+    files = _model_files.model_files(
+        hf_config,
+        [s.dtype for s in specs],
+        cast=policy is not None,
+        generation_config=generation_config,
+    )
     summary = f"KeyMapping: {len(arrays)} tensors -> {len(specs)} Hugging Face tensors"
     return _export_plan.ExportPlan(tuple(specs), tuple(groups), HEADER_METADATA, files, summary)
 

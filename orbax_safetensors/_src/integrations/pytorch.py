@@ -46,8 +46,10 @@ from orbax_safetensors._src.core.errors import TargetMismatchError
 from orbax_safetensors._src.integrations import flax_tables as _flax_tables
 from orbax_safetensors._src.integrations import hf_load as _hf_load
 from orbax_safetensors._src.integrations import links as _links
+from orbax_safetensors._src.integrations import model_files as _model_files
 from orbax_safetensors._src.integrations import sharded_export as _sharded_export
 from orbax_safetensors._src.integrations.key_mapping import KeyMapping, MappingReport
+from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
 from orbax_safetensors._src.pipeline import gcpause as _gcpause
 from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.storage import buffers as _buffers
@@ -138,34 +140,6 @@ def load_pytorch(
 # --------------------------------------------------------------------------- export
 
 
-CONFIG_FILE_NAME = "config.json"
-
-
-def config_json(hf_config: Any, dtypes: Sequence[str], cast: bool) -> str:
-    """``config.json`` text of a transformers config object or a dict. Its ``dtype`` (and
-    ``torch_dtype`` if present) is the stored floating-point dtype (the one most tensors
-    have) when unset, or when a dtype policy (``cast``) changed what is stored."""
-    if isinstance(hf_config, dict):
-        doc = dict(hf_config)
-    elif hasattr(hf_config, "to_json_string"):
-        doc = json.loads(hf_config.to_json_string(use_diff=False))
-    elif hasattr(hf_config, "to_dict"):
-        doc = dict(hf_config.to_dict())
-    else:
-        raise TypeError(
-            f"hf_config must be a transformers config object or a dict, not "
-            f"{type(hf_config).__name__}"
-        )
-    names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
-    floats = [names[d] for d in dtypes if d in names]
-    if floats:
-        stored = max(sorted(set(floats)), key=floats.count)
-        for key in ("dtype", "torch_dtype"):
-            if (key == "dtype" and doc.get(key) is None) or (cast and key in doc):
-                doc[key] = stored
-    return json.dumps(doc, indent=2, sort_keys=True) + "\n"
-
-
 def _merged_lora(
     table: _flax_tables.FlaxTable, mapping: KeyMapping, report: MappingReport
 ) -> _flax_tables.FlaxTable:
@@ -200,6 +174,7 @@ def export_pytorch(
     mapping: KeyMapping,
     *,
     hf_config: Any = None,
+    generation_config: Any = None,
     dtype: _casting.DtypePolicy | None = None,
     max_file_size: int | None = _plan.DEFAULT_MAX_FILE_SIZE,
     prefix: str = "",
@@ -213,10 +188,13 @@ def export_pytorch(
 
     The directory gets ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` plus
     ``model.safetensors.index.json`` above ``max_file_size``), with header metadata
-    ``{"format": "pt"}``, and with ``hf_config`` a ``config.json``: what
+    ``{"format": "pt"}``, and with ``hf_config`` the small files of a model directory
+    (``config.json`` as ``save_pretrained`` writes it, ``generation_config.json``, and the
+    tokenizer's files of an ``hf_config`` directory: ``integrations/model_files.py``): what
     ``transformers.AutoModelForCausalLM.from_pretrained(directory)`` loads (and
     ``safetensors.torch.load_file``, ``huggingface_hub.load_torch_model``). Other files in the
-    directory are kept; earlier ``model*.safetensors`` files and index are replaced. Tensors
+    directory are kept; earlier ``model*.safetensors`` files and index are replaced, and every
+    file appears at once (written beside the directory and swapped in). Tensors
     are read half a batch at a time, the next half read while one is transformed (on up to 4
     threads) and written: host memory holds about a batch and the writes under way, not the
     model. LoRA adapters are merged into their kernels (``KeyMapping.lora_scale``); tied keys
@@ -225,8 +203,8 @@ def export_pytorch(
     In a multi-process JAX job every process calls it with the same arguments and writes only
     the bytes of the shards it owns (``integrations/sharded_export.py``): no gather, the same
     bytes as a one-process export; ``directory`` must be on a file system every process sees,
-    or on ``s3://`` or ``gs://`` (each process uploads its own bytes; the index and
-    ``config.json`` are written once every file is complete).
+    or on ``s3://`` or ``gs://`` (each process uploads its own bytes; the index and the
+    small files are written once every file is complete).
 
     Args:
       source: an ``nnx.Module``; any pytree of arrays (dicts, Linen params, ``nnx.State``,
@@ -235,9 +213,16 @@ def export_pytorch(
         directory or a CheckpointManager root (its latest committed step).
       directory: where to write.
       mapping: the same mapping :func:`load_pytorch` uses, applied in reverse.
-      hf_config: a transformers config object (``LlamaConfig(...)``) or a dict, written as
-        ``config.json``; its ``dtype`` is set to the stored floating-point dtype when unset
-        or when ``dtype`` changes what is stored.
+      hf_config: a transformers config object (``LlamaConfig(...)``: its non-default keys,
+        as ``save_pretrained`` writes them), a dict (as given), or a path: a ``config.json``,
+        or a model directory whose ``config.json``, ``generation_config.json`` and tokenizer
+        files are copied. ``config.json``'s ``dtype`` is set to the stored floating-point
+        dtype when unset or when ``dtype`` changes what is stored, its ``architectures`` to
+        the causal-LM class of its ``model_type`` when unset.
+      generation_config: written as ``generation_config.json``: a transformers
+        ``GenerationConfig``, a dict, or a path (the file or its directory). Default: the
+        ``hf_config`` directory's, else, with transformers installed, the one
+        ``save_pretrained`` writes for the model config (``from_model_config``).
       dtype: a dtype policy over the Flax-side dotted names, as ``SafetensorsSave`` takes: one
         dtype (every floating-point tensor), ``{glob: dtype, None or "keep"}`` (first match
         wins) or a callable ``(name, value) -> dtype | None``. Default: keep.
@@ -286,13 +271,17 @@ def export_pytorch(
             f"cannot export to {directory} through this mapping\n" + report.problems()
         )
     plan = _plan.plan_files(specs, max_file_size=max_file_size, metadata={"format": "pt"})
-    extra = {}
+    extra: dict[str, str | bytes] = {}
     if len(plan.files) > 1:
         extra[_plan.INDEX_FILE_NAME] = json.dumps(plan.index_json(), indent=2)
-    if hf_config is not None:
-        extra[CONFIG_FILE_NAME] = config_json(
-            hf_config, [s.dtype for s in specs], cast=policy is not None
+    extra.update(
+        _model_files.model_files(
+            hf_config,
+            [s.dtype for s in specs],
+            cast=policy is not None,
+            generation_config=generation_config,
         )
+    )
     job = _sharded_export.ExportJob(plan, moves, table, dict(mapping.tied))
     if jax.process_count() > 1:  # every process writes its own bytes (sharded_export)
         stats = _sharded_export.write_processes(
@@ -303,8 +292,7 @@ def export_pytorch(
     # Earlier model files and index are replaced whole, other files kept (storage/replace.py).
     with _replace.replacing_directory(directory) as out:
         _write(out, job, report, batch_bytes)
-        for name, text in extra.items():
-            (out / name).write_text(text)
+        _checkpoint_save.write_small_files(out, extra)
     return report
 
 

@@ -19,7 +19,8 @@ bytes of the shards it owns (``replica_id == 0``), through the writer a checkpoi
    - a checkpoint path: each batch of tensors is read sharded over every device
      (``pipeline/reader.read_tensors``: each process reads only its boxes' bytes) and written
      as above; host memory holds one batch of this process's share;
-3. a barrier; the primary writes the index and ``config.json`` and swaps the staging
+3. a barrier; the primary writes the index and the small files (``config.json``,
+   ``generation_config.json``, the tokenizer's: ``model_files``) and swaps the staging
    directory in (``storage/replace.swap_in``); a last barrier, so that every process returns
    once the directory is complete.
 
@@ -27,7 +28,7 @@ On ``s3://`` and ``gs://`` (no rename) the primary first deletes the old export'
 and index, and the pieces go straight into ``directory``, a group of files at a time (each
 process holds its share of one group: about ``batch_bytes``), through the uploads of a
 multi-process checkpoint save (``storage/objstore/spread``: each process uploads its own
-bytes, each file appears whole once complete); the index and ``config.json`` come last.
+bytes, each file appears whole once complete); the index and the small files come last.
 
 The files are byte-identical to a one-process export of the same values, LoRA merges included
 (the small adapters are gathered to every process and each kernel shard merged on the host:
@@ -128,15 +129,15 @@ def write_processes(
     directory: epath.Path,
     job: ExportJob,
     report: MappingReport,
-    extra_files: Mapping[str, str],
+    extra_files: Mapping[str, str | bytes],
     *,
     lora: Lora,
     batch_bytes: int,
 ) -> _pieces.WriteStats:
     """Writes ``job``'s files into ``directory`` from every process of the job (see the
-    module docstring); ``extra_files`` (``{name: text}``, e.g. the index and ``config.json``)
-    are written by the primary, last (on ``s3://`` and ``gs://``: ``object_export``).
-    Returns what this process wrote.
+    module docstring); ``extra_files`` (``{name: text or bytes}``: the index, ``config.json``
+    and the other small files) are written by the primary, last (on ``s3://`` and ``gs://``:
+    ``object_export``). Returns what this process wrote.
 
     Raises:
       ValueError: ``directory`` is neither on a local (POSIX, shared) file system nor on
@@ -168,8 +169,7 @@ def write_processes(
         index = tmp / _plan.INDEX_FILE_NAME
         if index.exists():
             index.unlink()  # (written by write_process_share; extra_files has the export's own)
-        for name, text in extra_files.items():
-            (tmp / name).write_text(text)
+        _checkpoint_save.write_small_files(tmp, extra_files)
         _replace.swap_in(tmp, directory)
     _barrier("done")
     return stats

@@ -11,7 +11,7 @@ reads a saved item back into a target's layout. ``integrations/publish.py`` regi
 Example::
 
     register_mapping(KeyMapping, MappingHooks(export_plan=compile_plan, restore=restore_item))
-    hooks_for(mapping).export_plan(mapping, validated, dtype, hf_config)
+    hooks_for(mapping).export_plan(mapping, validated, dtype, hf_config, generation_config=None)
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
 from orbax_safetensors._src.pipeline import export_plan as _export_plan
 
 
@@ -30,14 +29,15 @@ class MappingHooks:
     """What a mapping type does for the Orbax args.
 
     Attributes:
-      export_plan: ``(mapping, validated tree, dtype policy, hf_config) -> ExportPlan``; raises
-        naming every tensor that does not fit (before Orbax creates the step).
+      export_plan: ``(mapping, validated tree, dtype policy, hf_config, *,
+        generation_config) -> ExportPlan``; raises naming every tensor that does not fit
+        (before Orbax creates the step).
       restore: ``(item directory, target, mapping, *, strict, verify, io) -> tree`` with the
         target's structure (``strict=False``: target leaves nothing maps to come back as
         given).
     """
 
-    export_plan: Callable[[Any, _checkpoint_save.ValidatedTree, Any, Any], _export_plan.ExportPlan]
+    export_plan: Callable[..., _export_plan.ExportPlan]
     restore: Callable[..., Any]
 
 

@@ -64,9 +64,13 @@ class SafetensorsSave(ocp.args.CheckpointArgs):
         transforms re-lay each tensor out on the devices during ``save()``; no gather of the
         model (a local or network file system; object storage is refused).
         ``SafetensorsRestore(target, mapping=...)`` reads it back into the JAX layout.
-      hf_config: with ``mapping``: a transformers config object or a dict, written as
-        ``config.json`` (its ``dtype`` set to the stored dtype, as ``osf.export_pytorch``
-        does).
+      hf_config: with ``mapping``: a transformers config object, a dict, or a path (a
+        ``config.json``, or a model directory whose ``generation_config.json`` and tokenizer
+        files are copied too), written as ``osf.export_pytorch`` writes it: ``config.json``
+        as ``save_pretrained`` writes it (its ``dtype`` the stored dtype),
+        ``generation_config.json``, the tokenizer's files. Read here, on the caller's line.
+      generation_config: with ``mapping``: a transformers ``GenerationConfig``, a dict or a
+        path, written as ``generation_config.json`` (default: as ``osf.export_pytorch``).
 
     Prints as a summary (``SafetensorsSave(item=<dict: 12 leaves, 3.4 MiB>)``), never the
     arrays.
@@ -80,6 +84,7 @@ class SafetensorsSave(ocp.args.CheckpointArgs):
     io_options: _config.IOOptions | None = None
     mapping: Any = None
     hf_config: Any = None
+    generation_config: Any = None
     _validated: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
     _export: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
@@ -95,11 +100,12 @@ class SafetensorsSave(ocp.args.CheckpointArgs):
         # waiting in Orbax's barriers at exit.
         item = _args.apply_save_args(self.item, self.save_args)
         if self.mapping is None:
-            if self.hf_config is not None:
-                raise ValueError(
-                    "SafetensorsSave: hf_config= writes the config.json of a Hugging Face "
-                    "model directory, which needs mapping= (an osf.KeyMapping)"
-                )
+            for name in ("hf_config", "generation_config"):
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"SafetensorsSave: {name}= writes a file of a Hugging Face model "
+                        "directory, which needs mapping= (an osf.KeyMapping)"
+                    )
             self._validated = _checkpoint_save.validate_save(
                 item, self.custom_metadata, dtype=self.dtype
             )
@@ -107,7 +113,13 @@ class SafetensorsSave(ocp.args.CheckpointArgs):
         # The policy names the item's tensors; the export plan applies it to their outputs.
         hooks = _mappings.hooks_for(self.mapping)
         self._validated = _checkpoint_save.validate_save(item, self.custom_metadata)
-        self._export = hooks.export_plan(self.mapping, self._validated, self.dtype, self.hf_config)
+        self._export = hooks.export_plan(
+            self.mapping,
+            self._validated,
+            self.dtype,
+            self.hf_config,
+            generation_config=self.generation_config,
+        )
 
     @property
     def validated_tree(self) -> _checkpoint_save.ValidatedTree:

@@ -100,8 +100,10 @@ class SafetensorsHandler:
         servable item, as ``SafetensorsSave(item, mapping=...)``; by every process of a
         multi-process job, each writing its own bytes) and every load reads one into the
         abstract tree's JAX layout (``SafetensorsRestore(target, mapping=...)``).
-      hf_config: with ``mapping``: a transformers config object or a dict, written as
-        ``config.json``.
+      hf_config: with ``mapping``: a transformers config object, a dict or a path (a
+        ``config.json``, or a model directory whose generation config and tokenizer files
+        are copied too), as ``SafetensorsSave(hf_config=...)`` takes it.
+      generation_config: with ``mapping``: as ``SafetensorsSave(generation_config=...)``.
 
     Example::
 
@@ -127,24 +129,32 @@ class SafetensorsHandler:
         dtype: _casting.DtypePolicy | None = None,
         mapping: Any = None,
         hf_config: Any = None,
+        generation_config: Any = None,
     ) -> None:
         _orbaxcompat.orbax_v1("orbax_safetensors.SafetensorsHandler")
         self._v0 = handler if handler is not None else _v0.SafetensorsCheckpointHandler()
         self._dtype = _casting.parse_policy(dtype)
         if mapping is not None:
             _mappings.hooks_for(mapping)  # an unknown mapping type fails here
-        elif hf_config is not None:
-            raise ValueError(
-                "SafetensorsHandler: hf_config= writes the config.json of a Hugging Face "
-                "model directory, which needs mapping= (an osf.KeyMapping)"
-            )
+        else:
+            for name, value in (("hf_config", hf_config), ("generation_config", generation_config)):
+                if value is not None:
+                    raise ValueError(
+                        f"SafetensorsHandler: {name}= writes a file of a Hugging Face model "
+                        "directory, which needs mapping= (an osf.KeyMapping)"
+                    )
         self._mapping, self._hf_config = mapping, hf_config
+        self._generation_config = generation_config
 
     async def save(self, directory: Any, checkpointable: Any) -> Awaitable[None]:
         """Validates ``checkpointable`` and copies this process's shards to host (on the
         caller's thread); the returned awaitable writes, then finalizes on the primary."""
         args = _v0.SafetensorsSave(
-            checkpointable, dtype=self._dtype, mapping=self._mapping, hf_config=self._hf_config
+            checkpointable,
+            dtype=self._dtype,
+            mapping=self._mapping,
+            hf_config=self._hf_config,
+            generation_config=self._generation_config,
         )
         job = self._v0.new_job(epath.Path(directory.path), args, _saving.save_mode(skip=1))
         commit_futures = _saving.start(job)

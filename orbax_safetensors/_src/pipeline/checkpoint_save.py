@@ -170,7 +170,8 @@ class PreparedSave:
     is_primary: bool
     process_index: int
     checksums: bool
-    files: Mapping[str, str] = dataclasses.field(default_factory=dict)  # more, by the primary
+    # More files, written by the primary (write_small_files)
+    files: Mapping[str, str | bytes] = dataclasses.field(default_factory=dict)
     # Bytes of earlier pieces still being written while the next are produced (see
     # write_process_share): the host copies a direct save holds beside the tensor at hand.
     max_in_flight: int = IN_FLIGHT_BYTES
@@ -430,8 +431,7 @@ def write_process_share(
     if prepared.is_primary:
         if index and len(plan.files) > 1:
             (directory / _plan.INDEX_FILE_NAME).write_text(json.dumps(plan.index_json(), indent=1))
-        for name, text in prepared.files.items():
-            (directory / name).write_text(text)
+        write_small_files(directory, prepared.files)
         if persist_share:
             (directory / _metadata.DRAFT_FILE).write_text(json.dumps(prepared.metadata))
     # One record per tensor this process wrote any of: bytes written and this process's share
@@ -449,6 +449,22 @@ def write_process_share(
         share_file = directory / f"{_metadata.SHARE_FILE_PREFIX}{prepared.process_index}.json"
         share_file.write_text(json.dumps(doc))
     return doc
+
+
+def write_small_files(directory: epath.PathLike, files: Mapping[str, str | bytes]) -> None:
+    """Writes ``files`` (``{name relative to directory: text (UTF-8) or bytes}``) into
+    ``directory``, making the folders a name has (``additional_chat_templates/x.jinja``).
+
+    Example::
+
+        write_small_files(out, {"config.json": text, "tokenizer.model": data})
+    """
+    directory = epath.Path(directory)
+    for name, content in files.items():
+        path = directory / name
+        if "/" in name:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content.encode("utf-8") if isinstance(content, str) else content)
 
 
 def write_unchecksummed(

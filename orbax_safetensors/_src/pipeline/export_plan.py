@@ -85,14 +85,15 @@ class ExportPlan:
       outputs: the tensors written (name, stored safetensors dtype, shape), in file order.
       groups: how each output is computed; every output is in exactly one group.
       header_metadata: every file header's ``__metadata__`` (e.g. ``{"format": "pt"}``).
-      files: small text files the primary writes beside the tensors (``config.json``).
+      files: small files the primary writes beside the tensors (``{name: text or bytes}``:
+        ``config.json``, ``generation_config.json``, the tokenizer's).
       summary: a short description for ``repr``.
     """
 
     outputs: tuple[_plan.TensorSpec, ...]
     groups: tuple[ExportGroup, ...]
     header_metadata: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    files: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    files: Mapping[str, str | bytes] = dataclasses.field(default_factory=dict)
     summary: str = ""
 
     def __post_init__(self) -> None:

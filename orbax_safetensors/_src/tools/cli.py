@@ -186,7 +186,8 @@ def _export_cmd(args: argparse.Namespace) -> int:
     """Writes the tensors of SRC (a .safetensors file, a checkpoint item, an Orbax-native
     item, a step or a CheckpointManager root: its latest committed step) as a Hugging Face
     model directory OUT: model.safetensors (or shards plus model.safetensors.index.json),
-    header format 'pt', and config.json from --hf-config, renamed and transformed by the key
+    header format 'pt', and config.json from --hf-config (a directory: its
+    generation_config.json and tokenizer files too), renamed and transformed by the key
     mapping, a batch of tensors at a time. Earlier model*.safetensors files in OUT are
     replaced, other files kept."""
     from orbax_safetensors._src.integrations import pytorch as _pytorch
@@ -203,7 +204,7 @@ def _export_cmd(args: argparse.Namespace) -> int:
         args.src,
         args.out,
         mapping,
-        hf_config=config,
+        hf_config=args.hf_config,  # (a directory: its generation config and tokenizer too)
         dtype=policy,
         batch_bytes=args.batch_size,
         **_keywords(args, ("max_file_size", "step", "item")),
@@ -359,9 +360,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_options(
         export,
-        mapping="a preset (llama, qwen2, qwen3, gpt2: NNX ports named as Hugging Face names "
-        "its modules) or module:attr naming an osf.KeyMapping (or a function returning one)",
-        hf_config="the model's config.json (or a directory holding one), written to OUT",
+        mapping="a preset (llama, mistral, qwen2, qwen3, phi3, gemma3, mixtral, qwen2-moe, "
+        "qwen3-moe, gpt2: NNX ports named as Hugging Face names its modules; tunix-llama3, "
+        "tunix-qwen3) or module:attr naming an osf.KeyMapping (or a function returning one)",
+        hf_config="the model's config.json, or its directory (config.json, "
+        "generation_config.json and tokenizer files written to OUT)",
         dtype="stored dtype: one DTYPE (e.g. bfloat16) for every floating-point tensor, or "
         "PATTERN=DTYPE entries over the checkpoint's dotted names, repeated, first match wins "
         "('*norm*=keep' keeps a dtype)",

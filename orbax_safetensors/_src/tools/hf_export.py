@@ -1,27 +1,33 @@
 """``orbax-safetensors export``: a checkpoint (or a file, an item, a step) as a Hugging Face
 model directory, through a preset or user key mapping.
 
-``--mapping`` is a preset name (``llama``, ``qwen2``, ``qwen3``, ``gpt2``, ``tunix-llama3``,
+``--mapping`` is a preset name (``presets.PRESETS``: ``llama``, ``mistral``, ``qwen2``, ``qwen3``,
+``phi3``, ``gemma3``, ``mixtral``, ``qwen2-moe``, ``qwen3-moe``, ``gpt2``, ``tunix-llama3``,
 ``tunix-qwen3``; with a config whose ``tie_word_embeddings`` is true, the preset ties
 ``lm_head`` to the embedding; the Tunix presets take their ``head_dim`` from it) or
 ``module:attr`` naming a :class:`KeyMapping` (or a function of no arguments returning one),
 imported like ``python -c 'import module'`` from the current directory.
 
+``--hf-config`` is a ``config.json``, or a model directory: its ``config.json``,
+``generation_config.json`` and tokenizer files are written to the export
+(``integrations/model_files.py``).
+
 Example::
 
     orbax-safetensors export /ckpt out/ --mapping llama --hf-config config.json --item state
+    orbax-safetensors export /ckpt out/ --mapping qwen3-moe --hf-config Qwen3-30B-A3B/
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
-import json
 import sys
 from typing import Any
 
 from etils import epath
 
+from orbax_safetensors._src.integrations import model_files as _model_files
 from orbax_safetensors._src.integrations import presets as _presets
 from orbax_safetensors._src.integrations.key_mapping import KeyMapping, MappingReport
 from orbax_safetensors._src.tools import inspection as _inspection
@@ -36,17 +42,9 @@ def read_hf_config(path: str | None) -> dict[str, Any] | None:
     if path is None:
         return None
     p = epath.Path(path)
-    if p.is_dir():
-        p = p / "config.json"
     if not p.exists():
         raise ValueError(f"--hf-config {path}: no such file")
-    try:
-        doc = json.loads(p.read_text())
-    except ValueError as e:
-        raise ValueError(f"--hf-config {p}: not JSON ({e})") from None
-    if not isinstance(doc, dict):
-        raise ValueError(f"--hf-config {p}: not a JSON object")
-    return doc
+    return _model_files.read_json(p / "config.json" if p.is_dir() else p, "--hf-config")
 
 
 def resolve_mapping(spec: str, hf_config: dict[str, Any] | None = None) -> KeyMapping:

@@ -15,6 +15,7 @@ per kept step whether every restored shard equals the expected values, and the r
 bytes read and needed.
 """
 
+import contextlib
 import time
 
 import worker_lib
@@ -30,6 +31,12 @@ import orbax.checkpoint as ocp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 
 import orbax_safetensors as osf  # noqa: E402
+
+# The export writes config.json and generation_config.json as transformers does, importing it
+# (when installed) at the first export: imported here, before any write counter, because the
+# import runs `ldconfig -p`, whose writes /proc/self/io adds to this process's wchar.
+with contextlib.suppress(ImportError):
+    import transformers.models.auto.modeling_auto  # noqa: F401
 
 
 def wchar() -> int:

@@ -7,7 +7,7 @@ hf_config=)``) through a CheckpointManager whose root is on the store; with Orba
 ``gs://``) also through a ``SafetensorsHandler`` with a mapping, loaded back sharded.
 
 Args (``ctx.args``): ``roots`` (``["s3://b/x", "gs://b/x"]``), ``weights`` (an ``.npz`` of the
-global tensors plus ``lora_a`` / ``lora_b``), ``config`` (the ``config.json`` dict),
+global tensors plus ``lora_a`` / ``lora_b``), ``config`` (the ``hf_config``: a model directory),
 ``max_file_size``, ``v1`` (whether to save through the v1 handler too).
 
 Reported per root and write (``export``, ``grouped``, ``publish``, ``v1``): ``bytes_written`` (this

@@ -1,0 +1,260 @@
+"""The small files of a Hugging Face model directory, beside the weights an export writes:
+``config.json``, ``generation_config.json`` and the tokenizer's files, as
+``model.save_pretrained`` and ``tokenizer.save_pretrained`` would write them.
+
+``hf_config`` (of ``osf.export_pytorch``, ``SafetensorsSave``, the CLI's ``--hf-config``) is
+one of:
+
+- a transformers config object: ``config.json`` is its ``to_json_string(use_diff=True)``, the
+  keys that differ from transformers' defaults, as ``save_pretrained`` writes it;
+- a dict: written as given;
+- a path: a ``config.json`` file (read as a dict), or a model directory holding one, whose
+  ``generation_config.json`` and tokenizer files (:data:`TOKENIZER_FILES`, and the chat
+  templates of ``additional_chat_templates/``) are copied too, byte for byte; nothing else of
+  it (weights, unknown files) is.
+
+As ``save_pretrained`` does, ``config.json`` names the causal-LM class (``architectures``)
+when the config names none and transformers knows one for its ``model_type``, and its
+``dtype`` is the stored floating-point dtype when unset or when a dtype policy changed what is
+stored. ``generation_config.json`` comes from ``generation_config=`` (a ``GenerationConfig``, a
+dict or a path) if given, else from the ``hf_config`` directory if it holds one, else, for a
+model type transformers generates with, from the model config
+(``GenerationConfig.from_model_config``, what ``save_pretrained`` writes for it).
+
+Every file is returned as bytes and written with the weights (into the export's staging
+directory, or the step's item directory), so a reader never sees a directory half written.
+
+Example::
+
+    files = model_files("Qwen3-0.6B", ["BF16"], cast=True)   # a model directory
+    sorted(files)   # ['config.json', 'generation_config.json', 'tokenizer.json', ...]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from etils import epath
+
+CONFIG_FILE_NAME = "config.json"
+GENERATION_CONFIG_FILE_NAME = "generation_config.json"
+# What transformers' tokenizers and processors save (their ``vocab_files_names`` and the
+# files ``PreTrainedTokenizerBase.save_pretrained`` adds), for the tokenizers of causal LMs.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "tekken.json",
+    "tiktoken.model",
+    "preprocessor_config.json",
+    "processor_config.json",
+)
+CHAT_TEMPLATES_DIR = "additional_chat_templates"  # (its *.jinja files)
+
+_FLOAT_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+
+
+def model_files(
+    hf_config: Any,
+    dtypes: Sequence[str],
+    cast: bool,
+    *,
+    generation_config: Any = None,
+) -> dict[str, bytes]:
+    """``{file name: content}`` of the small files an export writes (see the module
+    docstring); ``dtypes`` are the stored safetensors dtypes of the tensors, ``cast`` whether a
+    dtype policy changed them. Empty when both configs are None.
+
+    Raises:
+      TypeError: ``hf_config`` or ``generation_config`` of another type.
+      ValueError: a path that does not exist, a directory without ``config.json``, a file that
+        is not a JSON object; naming the path.
+
+    Example::
+
+        model_files(transformers.LlamaConfig(...), ["F32"], cast=False)
+        # {"config.json": b"...", "generation_config.json": b"..."}
+    """
+    files: dict[str, bytes] = {}
+    directory = _directory(hf_config)
+    doc, config = _config_doc(hf_config, directory)
+    if doc is not None:
+        _fill_architectures(doc)
+        _set_dtype(doc, dtypes, cast)
+        files[CONFIG_FILE_NAME] = _json_bytes(doc)
+    generation = _generation_config(
+        generation_config, directory, config if config is not None else doc
+    )
+    if generation is not None:
+        files[GENERATION_CONFIG_FILE_NAME] = generation
+    if directory is not None:
+        files.update(tokenizer_files(directory))
+    return files
+
+
+def tokenizer_files(directory: epath.PathLike) -> dict[str, bytes]:
+    """The tokenizer's files in ``directory`` (:data:`TOKENIZER_FILES` and
+    ``additional_chat_templates/*.jinja``), by their names relative to it.
+
+    Example::
+
+        tokenizer_files("Qwen3-0.6B")   # {"tokenizer.json": b"...", "vocab.json": ..., ...}
+    """
+    directory = epath.Path(directory)
+    found = {name: directory / name for name in TOKENIZER_FILES}
+    templates = directory / CHAT_TEMPLATES_DIR
+    if templates.is_dir():
+        for path in sorted(templates.glob("*.jinja")):
+            found[f"{CHAT_TEMPLATES_DIR}/{path.name}"] = path
+    return {name: path.read_bytes() for name, path in found.items() if path.is_file()}
+
+
+def read_json(path: epath.PathLike, what: str = "hf_config") -> dict[str, Any]:
+    """The JSON object in the file ``path`` (``what`` names the argument in errors).
+
+    Raises:
+      ValueError: a missing file, or one that is not a JSON object.
+
+    Example::
+
+        read_json("hf/config.json")   # {"model_type": "llama", ...}
+    """
+    p = epath.Path(path)
+    if not p.is_file():
+        raise ValueError(f"{what} {p}: no such file")
+    try:
+        doc = json.loads(p.read_text())
+    except ValueError as e:
+        raise ValueError(f"{what} {p}: not JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{what} {p}: not a JSON object")
+    return doc
+
+
+def _is_path(value: Any) -> bool:
+    return isinstance(value, (str, os.PathLike))
+
+
+def _directory(hf_config: Any) -> epath.Path | None:
+    if not _is_path(hf_config):
+        return None
+    p = epath.Path(hf_config)
+    if not p.exists():
+        raise ValueError(f"hf_config {p}: no such file or directory")
+    return p if p.is_dir() else None
+
+
+def _config_doc(hf_config: Any, directory: epath.Path | None) -> tuple[dict[str, Any] | None, Any]:
+    """``config.json``'s document, and the config object it came from (or None)."""
+    if hf_config is None:
+        return None, None
+    if directory is not None:
+        if not (directory / CONFIG_FILE_NAME).is_file():
+            raise ValueError(f"hf_config {directory}: a directory without {CONFIG_FILE_NAME}")
+        return read_json(directory / CONFIG_FILE_NAME), None
+    if _is_path(hf_config):
+        return read_json(hf_config), None
+    if isinstance(hf_config, dict):
+        return dict(hf_config), None
+    if hasattr(hf_config, "to_json_string"):  # transformers: only the non-default keys
+        return json.loads(hf_config.to_json_string(use_diff=True)), hf_config
+    if hasattr(hf_config, "to_dict"):
+        return dict(hf_config.to_dict()), hf_config
+    raise TypeError(
+        "hf_config must be a transformers config object, a dict or a path (a config.json or "
+        f"a model directory), not {type(hf_config).__name__}"
+    )
+
+
+def _set_dtype(doc: dict[str, Any], dtypes: Sequence[str], cast: bool) -> None:
+    # The stored floating-point dtype (the one most tensors have) when unset, or when a dtype
+    # policy changed what is stored.
+    floats = [_FLOAT_NAMES[d] for d in dtypes if d in _FLOAT_NAMES]
+    if not floats:
+        return
+    stored = max(sorted(set(floats)), key=floats.count)
+    for key in ("dtype", "torch_dtype"):
+        if (key == "dtype" and doc.get(key) is None) or (cast and key in doc):
+            doc[key] = stored
+
+
+def _causal_lm_class(model_type: Any) -> str | None:
+    """transformers' ``AutoModelForCausalLM`` class name for ``model_type``, where
+    transformers is installed and has one."""
+    if not isinstance(model_type, str):
+        return None
+    try:
+        from transformers.models.auto import modeling_auto
+    except (ImportError, OSError, RuntimeError):  # (absent, or its torch does not load)
+        return None
+    names = getattr(modeling_auto, "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", {})
+    name = names.get(model_type)
+    return name if isinstance(name, str) else None
+
+
+def _fill_architectures(doc: dict[str, Any]) -> None:
+    # save_pretrained names the model's class; serving engines (vLLM, SGLang) pick theirs by it
+    if doc.get("architectures") is None:
+        name = _causal_lm_class(doc.get("model_type"))
+        if name is not None:
+            doc["architectures"] = [name]
+
+
+def _generation_config(given: Any, directory: epath.Path | None, model_config: Any) -> bytes | None:
+    if given is not None:
+        if _is_path(given):
+            p = epath.Path(given)
+            return _json_bytes(
+                read_json(p / GENERATION_CONFIG_FILE_NAME if p.is_dir() else p, "generation_config")
+            )
+        if isinstance(given, dict):
+            return _json_bytes(given)
+        if hasattr(given, "to_json_string"):
+            return _generation_json(given)
+        raise TypeError(
+            "generation_config must be a transformers GenerationConfig, a dict or a path, not "
+            f"{type(given).__name__}"
+        )
+    if directory is not None and (directory / GENERATION_CONFIG_FILE_NAME).is_file():
+        return (directory / GENERATION_CONFIG_FILE_NAME).read_bytes()
+    if model_config is None:
+        return None
+    is_dict = isinstance(model_config, dict)
+    model_type = (
+        model_config.get("model_type") if is_dict else getattr(model_config, "model_type", None)
+    )
+    if not isinstance(model_type, str) or _causal_lm_class(model_type) is None:
+        return None  # (not a model transformers generates with)
+    import transformers
+
+    if is_dict:  # the config object, as the model would hold it
+        rest = {k: v for k, v in model_config.items() if k != "model_type"}
+        with contextlib.suppress(TypeError, ValueError, KeyError):  # (one it does not take)
+            model_config = transformers.AutoConfig.for_model(model_type, **rest)
+    return _generation_json(transformers.GenerationConfig.from_model_config(model_config))
+
+
+def _generation_json(config: Any) -> bytes:
+    # GenerationConfig.save_pretrained: the keys that differ from the defaults, without the
+    # compile options (not serialised)
+    doc = json.loads(config.to_json_string(use_diff=True))
+    doc.pop("compile_config", None)
+    return _json_bytes(doc)
+
+
+def _json_bytes(doc: dict[str, Any]) -> bytes:
+    # (transformers' own format: sorted keys, two-space indent, a final newline)
+    return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode("utf-8")
