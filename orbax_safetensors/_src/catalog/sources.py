@@ -416,9 +416,11 @@ def open_source(path: epath.PathLike) -> TensorSource:
     kind = _steps.classify(path)
     if kind is PathKind.STEP:
         items = [n for n, k in _steps.list_items(path).items() if k in _steps.TENSOR_KINDS]
-        if len(items) != 1:
+        if not items:
+            raise _steps.not_a_checkpoint(path)
+        if len(items) > 1:
             raise SafetensorsCheckpointError(
-                f"{path} is a step with {len(items)} tensor items ({', '.join(items)}); "
+                f"{path}: a step with {len(items)} items of tensors ({', '.join(items)}); "
                 "name one item directory"
             )
         path, kind = path / items[0], _steps.item_kind(path / items[0])
@@ -432,9 +434,12 @@ def open_source(path: epath.PathLike) -> TensorSource:
         return _open_safetensors_dir(path)
     if kind is PathKind.ORBAX:
         return OrbaxSource(path)
-    raise SafetensorsCheckpointError(
-        f"{path} is a {kind}, not a safetensors file, checkpoint item or Orbax item"
-    )
+    if kind is PathKind.ROOT:
+        steps = ", ".join(str(s) for s, _ in _steps.list_steps(path)[-5:]) or "none committed"
+        raise SafetensorsCheckpointError(
+            f"{path}: a CheckpointManager root (steps: {steps}); name one step or item directory"
+        )
+    raise _steps.not_a_checkpoint(path)
 
 
 def batches(

@@ -25,6 +25,7 @@ from etils import epath
 from orbax_safetensors._src.integrations import presets as _presets
 from orbax_safetensors._src.integrations.key_mapping import KeyMapping, MappingReport
 from orbax_safetensors._src.tools import inspection as _inspection
+from orbax_safetensors._src.tools.terminal import counted
 
 
 def read_hf_config(path: str | None) -> dict[str, Any] | None:
@@ -39,7 +40,7 @@ def read_hf_config(path: str | None) -> dict[str, Any] | None:
     if p.is_dir():
         p = p / "config.json"
     if not p.exists():
-        raise ValueError(f"--hf-config {path}: no such file")
+        raise ValueError(f"--hf-config {path}: no such file or directory")
     try:
         doc = json.loads(p.read_text())
     except ValueError as e:
@@ -92,7 +93,10 @@ def resolve_mapping(spec: str, hf_config: dict[str, Any] | None = None) -> KeyMa
     if callable(value) and not isinstance(value, KeyMapping) and _takes_no_arguments(value):
         value = value()
     if not isinstance(value, KeyMapping):
-        raise ValueError(f"--mapping {spec!r}: is a {type(value).__name__}, not an osf.KeyMapping")
+        raise ValueError(
+            f"--mapping {spec!r} names an object of type {type(value).__name__}, not an "
+            "osf.KeyMapping"
+        )
     return value
 
 
@@ -111,6 +115,6 @@ def summary(out: str, report: MappingReport) -> str:
     files = sorted(p for p in epath.Path(out).iterdir() if p.is_file())
     size = sum(p.stat().length for p in files if p.suffix == ".safetensors")
     return (
-        f"exported {len(report.moved)} tensors ({_inspection.human_bytes(size)}) to {out}: "
-        + ", ".join(p.name for p in files)
+        f"exported {counted(len(report.moved), 'tensor')} ({_inspection.human_bytes(size)}) to "
+        f"{out}: " + ", ".join(p.name for p in files)
     )

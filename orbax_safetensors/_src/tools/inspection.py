@@ -21,6 +21,7 @@ from orbax_safetensors._src.core import sniff as _sniff
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.orbax.steps import PathKind
+from orbax_safetensors._src.tools.terminal import counted
 
 # What a damaged or half-deleted checkpoint may raise while being read (Orbax's readers raise
 # ValueError subclasses too).
@@ -190,9 +191,7 @@ def _report(path: epath.Path, keep: _Filter) -> dict[str, Any]:
             report["uncommitted"] = reason
         return report
     if kind is PathKind.OTHER:
-        raise SafetensorsCheckpointError(
-            f"{path}: not a safetensors file, checkpoint item, Orbax item, step or root"
-        )
+        raise _steps.not_a_checkpoint(path)
     return _source_report(_sources.open_source(path), keep)
 
 
@@ -241,7 +240,9 @@ def format_report(report: Mapping[str, Any]) -> str:
     lines: list[str] = []
     kind = report["kind"]
     if kind == "root":
-        lines.append(f"{report['path']}: CheckpointManager root, {len(report['steps'])} step(s)")
+        lines.append(
+            f"{report['path']}: CheckpointManager root, {counted(len(report['steps']), 'step')}"
+        )
         headers = ["step", "items", "tensors", "tensor bytes", "on disk"]
         flagged = any(s["status"] != "ok" for s in report["steps"])
         rows = []
@@ -266,13 +267,10 @@ def format_report(report: Mapping[str, Any]) -> str:
             lines.append(
                 f"warning: uncommitted step, Orbax does not list it: {report['uncommitted']}"
             )
+        items, other = list(report["items"]), report["other_items"]
         lines.append(
-            f"{report['path']}: step with item(s) {', '.join(report['items']) or '-'}"
-            + (
-                f"; other items: {', '.join(report['other_items'])}"
-                if report["other_items"]
-                else ""
-            )
+            f"{report['path']}: step; items: {', '.join(items) or '-'}"
+            + (f"; other items: {', '.join(other)}" if other else "")
         )
         for name, item in report["items"].items():
             lines.append("")
@@ -299,6 +297,7 @@ def format_report(report: Mapping[str, Any]) -> str:
 
 def _total_line(report: Mapping[str, Any]) -> str:
     return (
-        f"total: {report['num_tensors']} tensors, {report['total_bytes']} bytes "
+        f"total: {counted(report['num_tensors'], 'tensor')}, "
+        f"{counted(report['total_bytes'], 'byte')} "
         f"({human_bytes(report['total_bytes'])})"
     )
