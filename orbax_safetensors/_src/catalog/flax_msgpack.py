@@ -22,12 +22,12 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import ml_dtypes
 import msgpack
 import numpy as np
 from etils import epath
@@ -41,26 +41,30 @@ _MAX_RANK = 64
 _MAX_DEPTH = 128  # nested maps; Flax state dicts are a few levels deep
 _STEP_NAME = re.compile(r"^(?:.*?_)?(\d+)$")  # checkpoint_<step>, flax's default prefix
 
+
 # The dtypes an ndarray ext may name: numeric numpy dtypes and ml_dtypes' (never object,
-# string, void or structured ones).
-_DTYPES: dict[str, np.dtype] = {
-    np.dtype(t).name: np.dtype(t)
-    for t in (
-        np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
-        np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128,
-    )
-}  # fmt: skip
-_DTYPES.update(
-    {
-        name: np.dtype(getattr(ml_dtypes, name))
-        for name in (
-            "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-            "float8_e4m3b11fnuz", "float8_e4m3", "float8_e3m4", "float8_e8m0fnu",
-            "float4_e2m1fn", "float6_e2m3fn", "float6_e3m2fn", "int2", "int4", "uint2", "uint4",
-        )
-        if hasattr(ml_dtypes, name)
-    }
+# string, void or structured ones), by name. The table is built on the first decode, so that
+# telling a msgpack file apart (is_flax_msgpack) does not import ml_dtypes, which is slow.
+_NUMPY_TYPES = (
+    np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
+    np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128,
 )  # fmt: skip
+_ML_DTYPES_NAMES = (
+    "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+    "float8_e4m3b11fnuz", "float8_e4m3", "float8_e3m4", "float8_e8m0fnu",
+    "float4_e2m1fn", "float6_e2m3fn", "float6_e3m2fn", "int2", "int4", "uint2", "uint4",
+)  # fmt: skip
+
+
+@functools.cache
+def _dtypes() -> dict[str, np.dtype]:
+    import ml_dtypes
+
+    table = {np.dtype(t).name: np.dtype(t) for t in _NUMPY_TYPES}
+    for name in _ML_DTYPES_NAMES:
+        if hasattr(ml_dtypes, name):
+            table[name] = np.dtype(getattr(ml_dtypes, name))
+    return table
 
 
 class FlaxMsgpackError(SafetensorsCheckpointError):
@@ -214,11 +218,11 @@ def _ndarray(data: bytes, name: str, where: str) -> np.ndarray:
     ):
         raise FlaxMsgpackError(f"{problem}: shape {shape!r} is not a list of sizes")
     dtype_text = dtype_name.decode("ascii", "replace") if isinstance(dtype_name, bytes) else ""
-    dtype = _DTYPES.get(dtype_text)
+    dtype = _dtypes().get(dtype_text)
     if dtype is None:
         raise FlaxMsgpackError(
             f"{where}: key {name!r}: dtype {dtype_name!r} is not a numeric dtype this reader "
-            f"accepts ({', '.join(_DTYPES)})"
+            f"accepts ({', '.join(_dtypes())})"
         )
     _check_extent(shape, dtype, problem)
     start, length = _bytes_header(data, offset, problem)

@@ -16,12 +16,17 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
 import numpy as np
 
 from orbax_safetensors._src.core.errors import SchemaError
+
+if TYPE_CHECKING:
+    import jax
+
+# JAX is imported by the functions that build or take shardings, not with the module: the
+# metadata codec (core/metadata) validates sharding JSON for tools that never start JAX.
 
 
 def named_sharding_json(
@@ -47,6 +52,8 @@ def sharding_to_json(sharding: Any) -> dict[str, Any] | None:
     """A JSON description of a ``NamedSharding`` (mesh axes and shape, partition spec, device
     ids) or of a ``SingleDeviceSharding`` (``{"device_id": id}``: stored as the tensor's
     ``device``, see :func:`split_devices`), else None."""
+    import jax
+
     if isinstance(sharding, jax.sharding.SingleDeviceSharding):
         device: Any = next(iter(sharding.device_set))
         return {"device_id": int(device.id)}
@@ -169,6 +176,8 @@ def device_from_json(device_id: object) -> jax.sharding.Sharding | None:
     """The ``SingleDeviceSharding`` of a saved device id, when that device is this process's
     (as Orbax's ``SingleDeviceShardingMetadata`` looks it up among ``jax.local_devices()``),
     else None."""
+    import jax
+
     if type(device_id) is not int:
         raise SchemaError(f"device id {device_id!r} is not an integer")
     for device in jax.local_devices():
@@ -214,6 +223,8 @@ def sharding_from_json(
     Raises:
       SchemaError: a malformed description.
     """
+    import jax
+
     if not desc:
         return None
     check_sharding_json(desc, device_meshes)

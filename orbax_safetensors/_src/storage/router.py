@@ -28,7 +28,6 @@ from orbax_safetensors._src.storage import config as _config
 from orbax_safetensors._src.storage import interface as _interface
 from orbax_safetensors._src.storage import local as _local
 from orbax_safetensors._src.storage import stream as _stream
-from orbax_safetensors._src.storage.objstore import engine as _engine
 
 
 class Provider(Protocol):
@@ -66,7 +65,11 @@ class Provider(Protocol):
         ...
 
 
-_PROVIDERS: dict[str, Provider] = {"s3": _engine.S3, "gs": _engine.GCS}
+_PROVIDERS: dict[str, Provider] = {}
+# The object stores served by objstore/engine, which is imported by the first path of one of
+# these schemes: local reads (a tool listing a file) never load the object-store engine and
+# the multi-process machinery (JAX) it uses.
+_BUILT_IN = {"s3": "S3", "gs": "GCS"}
 
 
 def register_scheme(scheme: str, provider: Provider) -> None:
@@ -77,7 +80,13 @@ def register_scheme(scheme: str, provider: Provider) -> None:
 def provider_for(path: epath.PathLike) -> Provider | None:
     """The provider registered for ``path``'s URL scheme (case-sensitive), or None."""
     scheme, sep, _ = os.fspath(path).partition("://")
-    return _PROVIDERS.get(scheme) if sep else None
+    if not sep:
+        return None
+    if scheme not in _PROVIDERS and scheme in _BUILT_IN:
+        from orbax_safetensors._src.storage.objstore import engine
+
+        _PROVIDERS.setdefault(scheme, getattr(engine, _BUILT_IN[scheme]))
+    return _PROVIDERS.get(scheme)
 
 
 def is_regular_file(path: epath.PathLike) -> bool:
