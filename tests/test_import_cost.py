@@ -72,7 +72,9 @@ def _cast_file(path: Path) -> Path:
     return path
 
 
-def test_inspect_of_a_file_imports_no_jax_and_lists_what_sources_list(tmp_path: Path) -> None:
+def test_inspect_of_a_file_imports_no_jax_nor_numpy_and_lists_what_sources_list(
+    tmp_path: Path,
+) -> None:
     path = _cast_file(tmp_path / "model.safetensors")
     code = """
 import contextlib, io
@@ -82,6 +84,7 @@ with contextlib.redirect_stdout(out):
     assert main(sys.argv[1:]) == 0
 print(out.getvalue().replace(chr(10), ' '))
 """
+    code += "assert 'numpy' not in sys.modules  # the header is read with os.pread and core/\n"
     done = _fresh(code + _REPORT, "inspect", path, "--json")
     assert done.returncode == 0, done.stderr
     *listing, heavy = done.stdout.splitlines()

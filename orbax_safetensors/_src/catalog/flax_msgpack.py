@@ -26,14 +26,16 @@ import functools
 import math
 import re
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
-import numpy as np
 from etils import epath
 
 from orbax_safetensors._src.core import sniff as _sniff
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 _EXT_NDARRAY, _EXT_COMPLEX, _EXT_NPSCALAR = 1, 2, 3  # flax's _MsgpackExtType
 _CHUNKED = "__msgpack_chunked_array__"
@@ -43,11 +45,12 @@ _STEP_NAME = re.compile(r"^(?:.*?_)?(\d+)$")  # checkpoint_<step>, flax's defaul
 
 
 # The dtypes an ndarray ext may name: numeric numpy dtypes and ml_dtypes' (never object,
-# string, void or structured ones), by name. The table is built on the first decode, so that
-# telling a msgpack file apart (is_flax_msgpack) does not import ml_dtypes, which is slow.
-_NUMPY_TYPES = (
-    np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
-    np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128,
+# string, void or structured ones), by name. NumPy, ml_dtypes and the table are imported and
+# built on the first decode: telling a msgpack file apart (is_flax_msgpack, which `inspect`
+# asks of every file) needs none of them, and importing ml_dtypes is slow.
+_NUMPY_NAMES = (
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+    "float16", "float32", "float64", "complex64", "complex128",
 )  # fmt: skip
 _ML_DTYPES_NAMES = (
     "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
@@ -59,8 +62,9 @@ _ML_DTYPES_NAMES = (
 @functools.cache
 def _dtypes() -> dict[str, np.dtype]:
     import ml_dtypes
+    import numpy as np
 
-    table = {np.dtype(t).name: np.dtype(t) for t in _NUMPY_TYPES}
+    table = {name: np.dtype(name) for name in _NUMPY_NAMES}
     for name in _ML_DTYPES_NAMES:
         if hasattr(ml_dtypes, name):
             table[name] = np.dtype(getattr(ml_dtypes, name))
@@ -200,6 +204,8 @@ def _decode_ext(ext: _Ext, name: str, where: str) -> Any:
 
 def _ndarray(data: bytes, name: str, where: str) -> np.ndarray:
     """Flax's ndarray ext: msgpack ``[shape, dtype name, bytes]``; the array is a view."""
+    import numpy as np
+
     problem = f"{where}: key {name!r}: a damaged array"
     unpacker = msgpack.Unpacker(raw=True, max_buffer_size=max(len(data), 1))
     unpacker.feed(data)
@@ -266,6 +272,8 @@ def _bytes_header(data: bytes, offset: int, problem: str) -> tuple[int, int]:
 
 def _unchunk(node: dict[Any, Any], name: str, where: str) -> np.ndarray:
     """Joins flax's chunked form of an array larger than ``MAX_CHUNK_SIZE``."""
+    import numpy as np
+
     problem = f"{where}: key {name!r}: a damaged chunked array"
     shape_d, chunks_d = node.get("shape"), node.get("chunks")
     if not isinstance(shape_d, dict) or not isinstance(chunks_d, dict):

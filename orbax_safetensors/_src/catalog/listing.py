@@ -3,8 +3,10 @@ header alone.
 
 :class:`TensorInfo` is one row of every tool's table (``catalog/sources.py`` builds them for
 every kind of checkpoint). :func:`list_file` lists one safetensors file without reading a
-tensor byte and without importing JAX, Orbax or ml_dtypes (only ``core/`` and the header read
-of ``storage/``), so that ``orbax-safetensors inspect FILE.safetensors`` answers at once.
+tensor byte; a local file is read with ``os.pread`` and ``core/`` alone (no JAX, Orbax,
+NumPy or ml_dtypes, not even the storage layer), so that ``orbax-safetensors inspect
+FILE.safetensors`` answers at once. Other paths (object stores, FIFOs...) are read through
+``storage/router``, imported when one comes.
 
 Example::
 
@@ -16,17 +18,20 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
+import pathlib
+import stat
 from collections.abc import Mapping
-from typing import Any
-
-from etils import epath
+from typing import TYPE_CHECKING, Any
 
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import schema as _schema
 from orbax_safetensors._src.core.errors import SchemaError
-from orbax_safetensors._src.storage import router as _router
+
+if TYPE_CHECKING:
+    from etils import epath
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +74,7 @@ class FileTable:
     """The tensors of one safetensors file and its user metadata (``__metadata__`` without the
     entries this library reserves)."""
 
-    path: epath.Path
+    path: epath.Path | pathlib.PurePath
     tensors: dict[str, TensorInfo]
     metadata: dict[str, Any]
     kind: SourceKind = SourceKind.FILE
@@ -126,11 +131,46 @@ def list_file(path: epath.PathLike) -> FileTable:
       HeaderError: the header is malformed, inconsistent or hostile.
       OSError: ``path`` cannot be read.
     """
-    path = epath.Path(path)
-    header = _router.read_header(path)
+    path, header = _read_header(path)
     origins = listed_origins(header_schema(header, str(path)))
     tensors = {
         name: TensorInfo(name, e.dtype, e.shape, e.nbytes, path.name, origins.get(name))
         for name, e in header.tensors.items()
     }
     return FileTable(path, tensors, user_metadata(header))
+
+
+def _read_header(path: epath.PathLike) -> tuple[epath.Path | pathlib.PurePath, _header.Header]:
+    """``path`` (named as ``epath.Path`` names it) and its header: a local regular file read
+    here, anything else through ``storage/router``."""
+    name = os.fspath(path)
+    if "://" not in name:
+        try:
+            info = os.stat(name)
+        except OSError:
+            info = None  # the router raises the error every tool words the same way
+        if info is not None and stat.S_ISREG(info.st_mode):
+            local = pathlib.PurePath(name)
+            with open(name, "rb", buffering=0) as f:
+                header = _header.parse_file(_preader(f.fileno()), info.st_size, where=str(local))
+            return local, header
+    from etils import epath
+
+    from orbax_safetensors._src.storage import router
+
+    return epath.Path(path), router.read_header(path)
+
+
+def _preader(fd: int) -> Any:
+    """``pread(offset, n)`` of the open file ``fd``: ``n`` bytes, fewer at its end."""
+
+    def pread(offset: int, nbytes: int) -> bytes:
+        out = bytearray()
+        while len(out) < nbytes:
+            chunk = os.pread(fd, nbytes - len(out), offset + len(out))
+            if not chunk:
+                break
+            out += chunk
+        return bytes(out)
+
+    return pread

@@ -16,16 +16,18 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from orbax_safetensors._src.core.errors import UnsupportedLeafError
 
+if TYPE_CHECKING:
+    import numpy as np
+
 # The safetensors dtype vocabulary (see the reference Rust `Dtype` enum): each name with the
 # numpy (or ml_dtypes) type that holds one element, by name, and the element's width on disk
-# in bits. The types are looked up on first use (:func:`_numpy_table`), not at import:
-# reading a header, listing a file's tensors and the command line's start need only the names
-# and widths, and importing ml_dtypes is slow.
+# in bits. NumPy, ml_dtypes and the types are imported on first use (:func:`_numpy_table`),
+# not with the module: reading a header, listing a file's tensors and the command line's start
+# need only the names and widths, and importing ml_dtypes is slow.
 _TYPES: dict[str, tuple[str, int]] = {
     "BOOL": ("bool", 8),
     "U8": ("uint8", 8),
@@ -61,6 +63,7 @@ _CHUNK = 1 << 16  # elements per sub-byte packing step; a multiple of 8, so step
 def _numpy_table() -> tuple[dict[str, np.dtype], dict[np.dtype, str]]:
     """``({name: numpy dtype}, {numpy dtype: name})``, built once, on first use."""
     import ml_dtypes
+    import numpy as np
 
     def holder(type_name: str) -> np.dtype:
         if type_name.startswith("ml_dtypes."):
@@ -92,6 +95,8 @@ def from_numpy(dtype: np.dtype | type, *, key: str = "?") -> str:
     Raises:
       UnsupportedLeafError: naming ``key`` when the format has no such dtype.
     """
+    import numpy as np
+
     dt = np.dtype(dtype)
     by_numpy = _numpy_table()[1]
     try:
@@ -144,6 +149,8 @@ def pack(values: np.ndarray, name: str) -> np.ndarray:
     little-endian bit stream: element 0 in the lowest bits of byte 0, as PyTorch's
     ``float4_e2m1fn_x2`` and the safetensors reference do.
     """
+    import numpy as np
+
     width = bits(name)
     flat = np.ascontiguousarray(values).reshape(-1)
     if width % 8 == 0:
@@ -161,6 +168,8 @@ def pack(values: np.ndarray, name: str) -> np.ndarray:
 
 def unpack(raw: np.ndarray, name: str, shape: Sequence[int]) -> np.ndarray:
     """Inverse of :func:`pack`: ``raw`` uint8 bytes -> array of ``shape`` (a view if possible)."""
+    import numpy as np
+
     dtype, width = to_numpy(name), _BITS[name]
     if width % 8 == 0:
         return raw.view(dtype).reshape(tuple(shape))

@@ -294,21 +294,15 @@ def read_header(path: epath.PathLike, io: _config.IOOptions | None = None) -> _h
       HeaderError: the header is malformed, inconsistent or hostile.
     """
     path = epath.Path(path)
-    found: _sniff.Sniffed | None = None
     try:
         with open_reader(path, io=io) as r:
-            try:
-                return _header.parse_header(
-                    r.pread(0, 8), lambda n: r.pread(8, n), r.size, where=str(path)
-                )
-            except HeaderError:
-                # Only now: a valid header's length may begin with any byte.
-                found = _sniff.sniff_bytes(r.pread(0, _sniff.HEAD_BYTES), str(path))
-                if found is None:
-                    raise
+            return _header.parse_file(r.pread, r.size, where=str(path))
+    except NotSafetensorsError:
+        raise
     except (HeaderError, OSError):
-        if found is None and _is_directory(path):
-            found = _sniff.sniff_directory(_entry_names(path), str(path))
+        found = (
+            _sniff.sniff_directory(_entry_names(path), str(path)) if _is_directory(path) else None
+        )
         if found is None:
             raise
     raise NotSafetensorsError(_sniff.message(str(path), found), found) from None
