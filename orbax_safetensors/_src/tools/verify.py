@@ -149,7 +149,10 @@ def verify(path: epath.PathLike, *, chunk_bytes: int = CHUNK_BYTES) -> VerifyRep
         if (path / _steps.CHECKPOINT_METADATA_FILE).exists()
         else checker.tree(path, depth=0)
     ):
-        raise _unverifiable(path)
+        if not report.skipped:
+            raise _unverifiable(path)
+        # A root whose every step is uncommitted: ours, with no save that finished.
+        report._problem(f"{path}: no committed step to check (all skipped as uncommitted)")
     report.ok = not report.problems
     return report
 
