@@ -60,7 +60,7 @@ def resolve_mapping(spec: str, hf_config: dict[str, Any] | None = None) -> KeyMa
     if ":" not in spec:
         if spec not in _presets.PRESETS:
             raise ValueError(
-                f"--mapping {spec!r}: not a preset ({', '.join(_presets.PRESETS)}) nor module:attr"
+                f"--mapping {spec!r}: neither a preset ({', '.join(_presets.PRESETS)}) nor module:attr"
             )
         doc = hf_config or {}
         tie = bool(doc.get("tie_word_embeddings", False))
