@@ -57,7 +57,9 @@ def _verify_cmd(args: argparse.Namespace) -> int:
     checkpoint item, a step or a CheckpointManager root (the steps Orbax lists: uncommitted
     steps are skipped, a step with missing parts is reported as incomplete). Prints every
     problem found and exits with status 1 when there is any damage or missing part, 0 when
-    all is well."""
+    all is well; status 2 (one error line) when PATH is no checkpoint of this library (an
+    empty or other directory, another handler's Orbax item, an Orbax-native checkpoint, a
+    file whose header cannot be read)."""
     from orbax_safetensors._src.tools.terminal import counted
     from orbax_safetensors._src.tools.verify import verify  # imported only when used
 
