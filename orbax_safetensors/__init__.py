@@ -5,7 +5,27 @@ Example::
     import orbax_safetensors as osf
     osf.save_file(state, "ckpt.safetensors")
     state = osf.load_file("ckpt.safetensors", target=abstract_state)
+
+The errors and the version are imported with the package; every other public name is imported
+from its module when first used (``osf.save_file``, ``from orbax_safetensors import
+save_file``), so that ``import orbax_safetensors`` and the command line do not pay for JAX and
+Orbax until a name needs them. A name whose module fails to import (a broken install) raises
+that module's ``ImportError`` where it is used. The handler still joins Orbax's registry of
+handler types once both packages are imported, in either order, so that
+``mngr.restore(step)`` without args reads our steps after only ``import orbax_safetensors``.
 """
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import threading
+from collections.abc import Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from orbax_safetensors._src.core.errors import (
     DeletedArrayError,
@@ -18,45 +38,201 @@ from orbax_safetensors._src.core.errors import (
     TargetMismatchError,
     UnsupportedLeafError,
 )
-from orbax_safetensors._src.core.header import Header, TensorEntry
-from orbax_safetensors._src.integrations import publish as _publish  # noqa: F401 (mapping=)
-from orbax_safetensors._src.integrations.key_mapping import (
-    Chain,
-    KeyMapping,
-    MappingReport,
-    Reshape,
-    Rule,
-    SplitHeads,
-    Transform,
-    Transpose,
-)
-from orbax_safetensors._src.integrations.nnx import load_model, save_model
-from orbax_safetensors._src.integrations.presets import preset_mapping
-from orbax_safetensors._src.integrations.pytorch import export_pytorch, load_pytorch
-from orbax_safetensors._src.orbax.object_storage import manager_options_for
-from orbax_safetensors._src.orbax.restoring import load_file, restore_directory
-from orbax_safetensors._src.orbax.v0 import (
-    SafetensorsCheckpointHandler,
-    SafetensorsRestore,
-    SafetensorsSave,
-    handler_registry,
-)
-from orbax_safetensors._src.orbax.v1 import SafetensorsHandler, local_registry, register_handler
-from orbax_safetensors._src.pipeline.pieces import WriteStats
-from orbax_safetensors._src.pipeline.reader import ReadStats
-from orbax_safetensors._src.pipeline.save_job import save_directory
-from orbax_safetensors._src.pipeline.standalone import load_metadata, save_file
-from orbax_safetensors._src.storage.config import IOOptions
-from orbax_safetensors._src.storage.objstore.calls import ObjectStoreError
-from orbax_safetensors._src.storage.objstore.options import (
-    ObjectStoreOptions,
-    set_object_store_options,
-)
-from orbax_safetensors._src.storage.objstore.stats import ObjectStoreStats, object_store_stats
-from orbax_safetensors._src.storage.router import read_header
-from orbax_safetensors._src.tools.convert import ConvertSummary, convert
-from orbax_safetensors._src.tools.verify import VerifyReport, verify
 from orbax_safetensors._version import __version__
+
+if TYPE_CHECKING:
+    from orbax_safetensors._src.core.header import (
+        Header,
+        TensorEntry,
+    )
+    from orbax_safetensors._src.integrations.key_mapping import (
+        Chain,
+        KeyMapping,
+        MappingReport,
+        Reshape,
+        Rule,
+        SplitHeads,
+        Transform,
+        Transpose,
+    )
+    from orbax_safetensors._src.integrations.nnx import (
+        load_model,
+        save_model,
+    )
+    from orbax_safetensors._src.integrations.presets import preset_mapping
+    from orbax_safetensors._src.integrations.pytorch import (
+        export_pytorch,
+        load_pytorch,
+    )
+    from orbax_safetensors._src.orbax.object_storage import manager_options_for
+    from orbax_safetensors._src.orbax.restoring import (
+        load_file,
+        restore_directory,
+    )
+    from orbax_safetensors._src.orbax.v0 import (
+        SafetensorsCheckpointHandler,
+        SafetensorsRestore,
+        SafetensorsSave,
+        handler_registry,
+    )
+    from orbax_safetensors._src.orbax.v1 import (
+        SafetensorsHandler,
+        local_registry,
+        register_handler,
+    )
+    from orbax_safetensors._src.pipeline.pieces import WriteStats
+    from orbax_safetensors._src.pipeline.reader import ReadStats
+    from orbax_safetensors._src.pipeline.save_job import save_directory
+    from orbax_safetensors._src.pipeline.standalone import (
+        load_metadata,
+        save_file,
+    )
+    from orbax_safetensors._src.storage.config import IOOptions
+    from orbax_safetensors._src.storage.objstore.calls import ObjectStoreError
+    from orbax_safetensors._src.storage.objstore.options import (
+        ObjectStoreOptions,
+        set_object_store_options,
+    )
+    from orbax_safetensors._src.storage.objstore.stats import (
+        ObjectStoreStats,
+        object_store_stats,
+    )
+    from orbax_safetensors._src.storage.router import read_header
+    from orbax_safetensors._src.tools.convert import (
+        ConvertSummary,
+        convert,
+    )
+    from orbax_safetensors._src.tools.verify import (
+        VerifyReport,
+        verify,
+    )
+
+# Each public name (errors and version apart) -> the module under ``orbax_safetensors._src``
+# that defines it.
+_LAZY: dict[str, str] = {
+    "Header": "core.header",
+    "TensorEntry": "core.header",
+    "Chain": "integrations.key_mapping",
+    "KeyMapping": "integrations.key_mapping",
+    "MappingReport": "integrations.key_mapping",
+    "Reshape": "integrations.key_mapping",
+    "Rule": "integrations.key_mapping",
+    "SplitHeads": "integrations.key_mapping",
+    "Transform": "integrations.key_mapping",
+    "Transpose": "integrations.key_mapping",
+    "load_model": "integrations.nnx",
+    "save_model": "integrations.nnx",
+    "preset_mapping": "integrations.presets",
+    "export_pytorch": "integrations.pytorch",
+    "load_pytorch": "integrations.pytorch",
+    "manager_options_for": "orbax.object_storage",
+    "load_file": "orbax.restoring",
+    "restore_directory": "orbax.restoring",
+    "SafetensorsCheckpointHandler": "orbax.v0",
+    "SafetensorsRestore": "orbax.v0",
+    "SafetensorsSave": "orbax.v0",
+    "handler_registry": "orbax.v0",
+    "SafetensorsHandler": "orbax.v1",
+    "local_registry": "orbax.v1",
+    "register_handler": "orbax.v1",
+    "WriteStats": "pipeline.pieces",
+    "ReadStats": "pipeline.reader",
+    "save_directory": "pipeline.save_job",
+    "load_metadata": "pipeline.standalone",
+    "save_file": "pipeline.standalone",
+    "IOOptions": "storage.config",
+    "ObjectStoreError": "storage.objstore.calls",
+    "ObjectStoreOptions": "storage.objstore.options",
+    "set_object_store_options": "storage.objstore.options",
+    "ObjectStoreStats": "storage.objstore.stats",
+    "object_store_stats": "storage.objstore.stats",
+    "read_header": "storage.router",
+    "ConvertSummary": "tools.convert",
+    "convert": "tools.convert",
+    "VerifyReport": "tools.verify",
+    "verify": "tools.verify",
+}
+# Modules whose names make key mappings: using them also imports ``integrations/publish``,
+# which registers ``KeyMapping`` with the Orbax args (``SafetensorsSave(..., mapping=)``).
+_REGISTERS_MAPPINGS = ("integrations.key_mapping", "integrations.presets")
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(f"{__name__}._src.{module_name}")
+    if module_name in _REGISTERS_MAPPINGS:
+        importlib.import_module(f"{__name__}._src.integrations.publish")
+    value = getattr(module, name)
+    globals()[name] = value  # later uses are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+_HANDLER_MODULE = f"{__name__}._src.orbax.v0"  # importing it registers the handler with Orbax
+
+
+class _RegisterWithOrbax(importlib.abc.MetaPathFinder):
+    """A post-import hook: imports the handler's module (which registers it with Orbax, so
+    that Orbax finds the handler a step's metadata names) once ``orbax.checkpoint`` is
+    imported and no module of this package is being executed in this thread (the handler's
+    module imports them: a module of ours that imports Orbax must first be whole). It finds
+    nothing itself: it wraps the loaders the other finders give these modules."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()  # .finding (re-entry), .depth (our modules running)
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> Any:
+        ours = fullname.startswith(f"{__name__}._src.")
+        if not (ours or fullname == "orbax.checkpoint") or _HANDLER_MODULE in sys.modules:
+            return None
+        if getattr(self._local, "finding", False):
+            return None
+        self._local.finding = True
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._local.finding = False
+        if spec is not None and isinstance(spec.loader, importlib.abc.Loader):
+            spec.loader = _ThenRegister(spec.loader, self._local, ours)
+        return spec
+
+
+class _ThenRegister(importlib.abc.Loader):
+    """A module's loader, which then imports the handler's module if the time has come (see
+    :class:`_RegisterWithOrbax`); everything else is the wrapped loader's."""
+
+    def __init__(self, loader: importlib.abc.Loader, local: threading.local, ours: bool) -> None:
+        self._loader, self._local, self._ours = loader, local, ours
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        depth = getattr(self._local, "depth", 0)
+        self._local.depth = depth + self._ours
+        try:
+            self._loader.exec_module(module)
+        finally:
+            self._local.depth = depth
+        if depth == 0 and "orbax.checkpoint" in sys.modules:
+            importlib.import_module(_HANDLER_MODULE)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_resource_reader, ...
+        return getattr(self._loader, name)
+
+
+if "orbax.checkpoint" in sys.modules:
+    importlib.import_module(_HANDLER_MODULE)
+elif not any(isinstance(f, _RegisterWithOrbax) for f in sys.meta_path):
+    sys.meta_path.insert(0, _RegisterWithOrbax())
+
 
 __all__ = [
     "Chain",

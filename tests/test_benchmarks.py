@@ -3,7 +3,9 @@
 ``benchmarks/tpu_bench.py`` measures saves, restores and a training loop against Orbax and
 the machine's transfer and file limits on an accelerator (docs/performance.md, "TPU"); its
 ``--smoke`` run on CPU must finish, restore both methods' checkpoints bit for bit and print
-every row of its report.
+every row of its report. ``benchmarks/cli_startup_bench.py`` times the command line's start
+(docs/performance.md, "Command-line start"); its ``--smoke`` run must time every case and find
+that neither ``--help`` nor ``inspect`` of a file imports JAX, Orbax, Flax, ml_dtypes or NumPy.
 """
 
 from __future__ import annotations
@@ -92,3 +94,35 @@ def test_tpu_probe_smoke_runs(tmp_path: Path):
         assert doc["times"][variant]["median"] > 0
         assert doc["profiles"] and all(p["samples"] >= 0 for p in doc["profiles"].values())
     assert list(tmp_path.glob("osf-tpu-probe-*")) == []
+
+
+def test_cli_startup_bench_smoke_run(tmp_path: Path):
+    out = tmp_path / "startup.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "cli_startup_bench.py"),
+            "--smoke",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for row in (
+        "python -c pass",
+        "import orbax_safetensors",
+        "--help",
+        "inspect FILE",
+        "load average",
+    ):
+        assert row in done.stdout, row
+    result = json.loads(out.read_text())
+    assert result["runs"] == 3
+    for case in ("python -c pass", "import orbax_safetensors", "--help", "inspect FILE"):
+        row = result["cases"][case]
+        assert row["runs"] == 3 and 0 < row["min_s"] <= row["median_s"] <= row["max_s"]
+    for command in ("import orbax_safetensors", "--help", "inspect FILE"):
+        assert result["imports"][command]["heavy_imported"] == [], command

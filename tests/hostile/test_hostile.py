@@ -113,6 +113,9 @@ def test_hostile_directory(case: corpus.Case, tmp_path: Path) -> None:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_verify_reports_each_case(case: corpus.Case, tmp_path: Path) -> None:
     path = _build(case, tmp_path)
+    if case.kind == "header":  # a file on its own whose header cannot be read: not a checkpoint
+        _raises(case, lambda: osf.verify(path), path)
+        return
     report = _bounded(lambda: osf.verify(path), path)
     assert not report.ok
     assert any(re.search(case.match, p) for p in report.problems), report.problems

@@ -184,7 +184,7 @@ def test_a_step_killed_mid_save_is_uncommitted_everywhere(
     assert all(s["status"] == "ok" and s["num_tensors"] == 3 for s in doc["steps"])
 
     code, out, _ = _run(capsys, "inspect", root)
-    assert code == 0 and "2 step(s)" in out and "latest step: 1" in out
+    assert code == 0 and "2 steps" in out and "latest step: 1" in out
     assert f"uncommitted (not listed by Orbax): {partial.name}: " in out
 
     report = osf.verify(root)
@@ -330,7 +330,7 @@ def test_a_half_deleted_old_step_is_incomplete_and_the_others_are_checked(
     assert warning.startswith(f"step 0 is incomplete (missing {', '.join(missing)})")
     assert "older than the latest step 3" in warning and str(old) in warning
     code, out, _ = _run(capsys, "inspect", root)
-    assert code == 0 and "4 step(s)" in out and "latest step: 3" in out
+    assert code == 0 and "4 steps" in out and "latest step: 3" in out
     rows = {line.split()[0]: line for line in out.splitlines() if line.strip()[:1].isdigit()}
     assert rows["0"].endswith("INCOMPLETE") and all(rows[s].endswith("OK") for s in "123")
     assert f"warning: {warning}" in out
@@ -345,7 +345,7 @@ def test_a_half_deleted_old_step_is_incomplete_and_the_others_are_checked(
     assert code == 1 and verified["incomplete"] == [str(old)]
     assert verified["warnings"] == [warning] and verified["problems"] == [problem]
     code, out, _ = _run(capsys, "verify", root)
-    assert code == 1 and "DAMAGED (1 problem(s))" in out and f"warning: {warning}" in out
+    assert code == 1 and "DAMAGED (1 problem)" in out and f"warning: {warning}" in out
     assert osf.verify(root / "1").ok
 
     # Orbax's next cleanup deletes the old step; then all is well.
@@ -369,7 +369,7 @@ def test_the_issue_command_lists_the_other_steps(trained_root: Path, tmp_path: P
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
-    assert "4 step(s)" in done.stdout and "latest step: 3" in done.stdout
+    assert "4 steps" in done.stdout and "latest step: 3" in done.stdout
     assert "warning: step 1 is incomplete (missing default/model.safetensors)" in done.stdout
 
 

@@ -142,17 +142,17 @@ def test_files_without_checksums_are_unverifiable_but_valid(tmp_path: Path) -> N
     report = osf.verify(path)
     assert report.ok and report.files == 1 and report.tensors == 2 and report.bytes == 0
     assert sorted(report.unverified) == [f"{path}: a", f"{path}: b"]
-    # The header is still checked.
+    # The header is still checked: a file whose header cannot be read is no checkpoint to check.
     raw = bytearray(path.read_bytes())
     raw[0:8] = (2**63).to_bytes(8, "little")
     path.write_bytes(bytes(raw))
-    report = osf.verify(path)
-    assert not report.ok and "exceeds" in report.problems[0]
+    with pytest.raises(osf.HeaderError, match="exceeds"):
+        osf.verify(path)
 
 
-def test_empty_directory_is_a_problem(tmp_path: Path) -> None:
-    report = osf.verify(tmp_path)
-    assert not report.ok and "no orbax-safetensors checkpoint" in report.problems[0]
+def test_empty_directory_is_not_a_checkpoint(tmp_path: Path) -> None:
+    with pytest.raises(osf.NotSafetensorsError, match="not a checkpoint: an empty directory"):
+        osf.verify(tmp_path)
 
 
 # --------------------------------------------------------------------------- CheckpointManager

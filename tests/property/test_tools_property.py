@@ -141,7 +141,11 @@ def test_verify_passes_exactly_when_restore_succeeds(
             restored = None
         except osf.SafetensorsCheckpointError as e:
             restored = e
-        report = osf.verify(path)
+        try:
+            report = osf.verify(path)
+        except osf.HeaderError:  # a file named on its own whose header cannot be read
+            assert not as_dir and restored is not None
+            return
         if restored is not None:
             assert not report.ok, restored
         elif not report.ok:

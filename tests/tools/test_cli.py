@@ -468,7 +468,8 @@ def test_diff_reports_every_kind_of_difference(tmp_dir, capsys):
     assert "shape: F64[3] vs F64[4]" in out
     assert "dtype: F32[2] vs F16[2] (max abs difference 0)" in out
     assert "val: max abs difference 0.5" in out
-    assert "1 tensor(s) equal" in out
+    assert "val: max abs difference 0.5; 2 elements differ" in out
+    assert "1 tensor equal; checkpoints differ" in out
     code, out, _ = run(capsys, "diff", tmp_dir / "a.safetensors", tmp_dir / "b", "--json")
     doc = json.loads(out)
     assert doc["identical"] is False
@@ -519,7 +520,7 @@ def test_verify_good_and_damaged(tmp_dir, capsys):
     code, out, _ = run(capsys, "verify", root)
     assert code == 0 and "OK (2 files, 4 tensors" in out
     code, out, _ = run(capsys, "verify", root / "2" / "default" / "model.safetensors")
-    assert code == 0 and "OK (1 files, 2 tensors" in out
+    assert code == 0 and "OK (1 file, 2 tensors, 160 bytes checked)" in out
     data = root / "2" / "default" / "model.safetensors"
     raw = bytearray(data.read_bytes())
     raw[-1] ^= 0xFF  # flip a byte of the last tensor
@@ -534,7 +535,7 @@ def test_verify_good_and_damaged(tmp_dir, capsys):
     code, out, _ = run(capsys, "verify", root / "1")
     assert code == 1 and "model.safetensors" in out
     code, _, err = run(capsys, "verify", tmp_dir / "missing")
-    assert code == 2 and "does not exist" in err
+    assert code == 2 and f"{tmp_dir / 'missing'}: no such file or directory" in err
 
 
 def test_verify_plain_torch_file_has_no_checksums(tmp_dir, capsys):

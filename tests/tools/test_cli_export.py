@@ -113,7 +113,7 @@ def test_export_module_attr_mapping_and_step(trained, capsys, monkeypatch):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--mapping", "nope"], "not a preset"),
+        (["--mapping", "nope"], "neither a preset"),
         (["--mapping", "no_such_module_xyz:m"], "cannot import"),
         (["--mapping", "json:dumps"], "not an osf.KeyMapping"),
         (["--mapping", "llama", "--hf-config", "missing.json"], "no such file"),

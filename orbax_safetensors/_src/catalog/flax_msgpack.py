@@ -22,18 +22,20 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import ml_dtypes
 import msgpack
-import numpy as np
 from etils import epath
 
 from orbax_safetensors._src.core import sniff as _sniff
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 _EXT_NDARRAY, _EXT_COMPLEX, _EXT_NPSCALAR = 1, 2, 3  # flax's _MsgpackExtType
 _CHUNKED = "__msgpack_chunked_array__"
@@ -41,26 +43,32 @@ _MAX_RANK = 64
 _MAX_DEPTH = 128  # nested maps; Flax state dicts are a few levels deep
 _STEP_NAME = re.compile(r"^(?:.*?_)?(\d+)$")  # checkpoint_<step>, flax's default prefix
 
+
 # The dtypes an ndarray ext may name: numeric numpy dtypes and ml_dtypes' (never object,
-# string, void or structured ones).
-_DTYPES: dict[str, np.dtype] = {
-    np.dtype(t).name: np.dtype(t)
-    for t in (
-        np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
-        np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128,
-    )
-}  # fmt: skip
-_DTYPES.update(
-    {
-        name: np.dtype(getattr(ml_dtypes, name))
-        for name in (
-            "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-            "float8_e4m3b11fnuz", "float8_e4m3", "float8_e3m4", "float8_e8m0fnu",
-            "float4_e2m1fn", "float6_e2m3fn", "float6_e3m2fn", "int2", "int4", "uint2", "uint4",
-        )
-        if hasattr(ml_dtypes, name)
-    }
+# string, void or structured ones), by name. NumPy, ml_dtypes and the table are imported and
+# built on the first decode: telling a msgpack file apart (is_flax_msgpack, which `inspect`
+# asks of every file) needs none of them, and importing ml_dtypes is slow.
+_NUMPY_NAMES = (
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+    "float16", "float32", "float64", "complex64", "complex128",
 )  # fmt: skip
+_ML_DTYPES_NAMES = (
+    "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+    "float8_e4m3b11fnuz", "float8_e4m3", "float8_e3m4", "float8_e8m0fnu",
+    "float4_e2m1fn", "float6_e2m3fn", "float6_e3m2fn", "int2", "int4", "uint2", "uint4",
+)  # fmt: skip
+
+
+@functools.cache
+def _dtypes() -> dict[str, np.dtype]:
+    import ml_dtypes
+    import numpy as np
+
+    table = {name: np.dtype(name) for name in _NUMPY_NAMES}
+    for name in _ML_DTYPES_NAMES:
+        if hasattr(ml_dtypes, name):
+            table[name] = np.dtype(getattr(ml_dtypes, name))
+    return table
 
 
 class FlaxMsgpackError(SafetensorsCheckpointError):
@@ -196,6 +204,8 @@ def _decode_ext(ext: _Ext, name: str, where: str) -> Any:
 
 def _ndarray(data: bytes, name: str, where: str) -> np.ndarray:
     """Flax's ndarray ext: msgpack ``[shape, dtype name, bytes]``; the array is a view."""
+    import numpy as np
+
     problem = f"{where}: key {name!r}: a damaged array"
     unpacker = msgpack.Unpacker(raw=True, max_buffer_size=max(len(data), 1))
     unpacker.feed(data)
@@ -214,11 +224,11 @@ def _ndarray(data: bytes, name: str, where: str) -> np.ndarray:
     ):
         raise FlaxMsgpackError(f"{problem}: shape {shape!r} is not a list of sizes")
     dtype_text = dtype_name.decode("ascii", "replace") if isinstance(dtype_name, bytes) else ""
-    dtype = _DTYPES.get(dtype_text)
+    dtype = _dtypes().get(dtype_text)
     if dtype is None:
         raise FlaxMsgpackError(
             f"{where}: key {name!r}: dtype {dtype_name!r} is not a numeric dtype this reader "
-            f"accepts ({', '.join(_DTYPES)})"
+            f"accepts ({', '.join(_dtypes())})"
         )
     _check_extent(shape, dtype, problem)
     start, length = _bytes_header(data, offset, problem)
@@ -262,6 +272,8 @@ def _bytes_header(data: bytes, offset: int, problem: str) -> tuple[int, int]:
 
 def _unchunk(node: dict[Any, Any], name: str, where: str) -> np.ndarray:
     """Joins flax's chunked form of an array larger than ``MAX_CHUNK_SIZE``."""
+    import numpy as np
+
     problem = f"{where}: key {name!r}: a damaged chunked array"
     shape_d, chunks_d = node.get("shape"), node.get("chunks")
     if not isinstance(shape_d, dict) or not isinstance(chunks_d, dict):

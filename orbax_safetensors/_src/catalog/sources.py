@@ -17,8 +17,6 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
@@ -27,16 +25,15 @@ import numpy as np
 from etils import epath
 
 from orbax_safetensors._src.catalog import flax_msgpack as _flax_msgpack
+from orbax_safetensors._src.catalog import listing as _listing
+from orbax_safetensors._src.catalog.listing import SourceKind, TensorInfo
 from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
-from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import dtypes as _dtypes
-from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import (
     HeaderError,
     SafetensorsCheckpointError,
-    SchemaError,
     UnsupportedLeafError,
 )
 from orbax_safetensors._src.orbax import steps as _steps
@@ -47,41 +44,6 @@ from orbax_safetensors._src.pipeline import standalone as _standalone
 from orbax_safetensors._src.storage import router as _router
 
 DEFAULT_BATCH_BYTES = 256 * 1024 * 1024  # host memory a tool reads at a time
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorInfo:
-    """One stored tensor: dotted name, safetensors dtype, shape, size and file (relative);
-    ``cast_from``: its dtype before a save-time dtype policy cast it (None: saved as is)."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-    file: str
-    cast_from: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        out = {
-            "name": self.name,
-            "dtype": self.dtype,
-            "shape": list(self.shape),
-            "bytes": self.nbytes,
-            "file": self.file,
-        }
-        if self.cast_from is not None:
-            out["cast_from"] = self.cast_from
-        return out
-
-
-class SourceKind(enum.StrEnum):
-    """What a :class:`TensorSource` reads (shown in reports as the string itself)."""
-
-    FILE = "file"
-    ITEM = "item"
-    SAFETENSORS_DIR = "safetensors-dir"
-    ORBAX = "orbax"
-    FLAX_MSGPACK = "flax-msgpack"
 
 
 class TensorSource(Protocol):
@@ -113,7 +75,7 @@ class SafetensorsSource:
         self.stored = dict(stored)  # name -> _reader.StoredTensor
         self.metadata = metadata
         base = path if path.is_dir() else path.parent
-        origins = _cast_origins(schema)
+        origins = _listing.listed_origins(schema)
         self.tensors = {
             name: TensorInfo(
                 name,
@@ -131,17 +93,6 @@ class SafetensorsSource:
         return dict(zip(names, _reader.read_tensors(requests)))
 
 
-def _cast_origins(schema: Any) -> dict[str, str]:
-    # The dtypes a save-time dtype policy cast from, by tensor name; none when the schema is
-    # absent or unreadable (the tools still list the tensors).
-    if schema is None:
-        return {}
-    try:
-        return _casting.cast_origins(_tree.validate_schema(schema))
-    except SchemaError:
-        return {}
-
-
 def _relative(path: epath.Path, base: epath.Path) -> str:
     try:
         return str(path.relative_to(base))
@@ -153,11 +104,8 @@ def _open_file(path: epath.Path) -> SafetensorsSource:
     header = _router.read_header(path)
     # (a file of a checkpoint directory is read against the checksums the directory records)
     _, stored = _standalone.file_index(path, header, strict=False, directory_checksums=True)
-    user = {k: v for k, v in header.metadata.items() if k not in _metadata.RESERVED_KEYS}
-    try:
-        schema = _metadata.header_json(header, _metadata.SCHEMA_KEY, str(path))
-    except SchemaError:
-        schema = None
+    user = _listing.user_metadata(header)
+    schema = _listing.header_schema(header, str(path))
     return SafetensorsSource(path, SourceKind.FILE, stored, user, schema)
 
 
@@ -418,9 +366,11 @@ def open_source(path: epath.PathLike) -> TensorSource:
     kind = _steps.classify(path)
     if kind is PathKind.STEP:
         items = [n for n, k in _steps.list_items(path).items() if k in _steps.TENSOR_KINDS]
-        if len(items) != 1:
+        if not items:
+            raise _steps.not_a_checkpoint(path)
+        if len(items) > 1:
             raise SafetensorsCheckpointError(
-                f"{path} is a step with {len(items)} tensor items ({', '.join(items)}); "
+                f"{path}: a step with {len(items)} items of tensors ({', '.join(items)}); "
                 "name one item directory"
             )
         path, kind = path / items[0], _steps.item_kind(path / items[0])
@@ -434,9 +384,12 @@ def open_source(path: epath.PathLike) -> TensorSource:
         return _open_safetensors_dir(path)
     if kind is PathKind.ORBAX:
         return OrbaxSource(path)
-    raise SafetensorsCheckpointError(
-        f"{path} is a {kind}, not a safetensors file, checkpoint item or Orbax item"
-    )
+    if kind is PathKind.ROOT:
+        steps = ", ".join(str(s) for s, _ in _steps.list_steps(path)[-5:]) or "none committed"
+        raise SafetensorsCheckpointError(
+            f"{path}: a CheckpointManager root (steps: {steps}); name one step or item directory"
+        )
+    raise _steps.not_a_checkpoint(path)
 
 
 def batches(

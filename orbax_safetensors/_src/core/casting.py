@@ -34,7 +34,7 @@ import numpy as np
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import tree as _tree
-from orbax_safetensors._src.core.errors import SchemaError, UnsupportedLeafError
+from orbax_safetensors._src.core.errors import UnsupportedLeafError
 
 # The schema key of a cast tensor's node holding its dtype before the cast (a safetensors
 # dtype string). Absent on tensors stored in their own dtype and in files written before it.
@@ -229,25 +229,6 @@ def stored_specs(
         (name, a.dtype if want is None else want, a.shape)
         for (name, a), want in zip(arrays.items(), casts)
     )
-
-
-def cast_origins(leaves: Mapping[str, _tree.SchemaLeaf]) -> dict[str, str]:
-    """``{tensor name: dtype before the cast}`` of a validated schema's leaves (``SchemaLeaf``
-    by name, see ``tree.validate_schema``), for the tensors saved under a dtype policy.
-
-    Raises:
-      SchemaError: a recorded original dtype is not a safetensors dtype.
-    """
-    out = {}
-    for name, leaf in leaves.items():
-        node = leaf.node
-        if not isinstance(node, _tree.Tensor) or node.cast_from is None:
-            continue
-        origin = node.cast_from
-        if not _dtypes.is_known(origin):
-            raise SchemaError(f"leaf {name!r}: {CAST_FROM} {origin!r} is not a safetensors dtype")
-        out[name] = str(origin)
-    return out
 
 
 def apply_policy(

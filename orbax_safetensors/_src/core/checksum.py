@@ -18,13 +18,13 @@ import functools
 from collections.abc import Iterable
 from typing import Any
 
-import crc32c as _crc32c
-
 _POLY = 0x82F63B78  # CRC-32C (Castagnoli), bit-reflected
 
 
 def crc32c(data: Any, value: int = 0) -> int:
     """CRC32C of a C-contiguous bytes-like object, continuing from ``value``."""
+    import crc32c as _crc32c  # on first use: reading a header's checksum table needs none
+
     return int(_crc32c.crc32c(data, value))
 
 

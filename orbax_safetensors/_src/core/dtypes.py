@@ -14,59 +14,78 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
-
-import ml_dtypes
-import numpy as np
+from typing import TYPE_CHECKING
 
 from orbax_safetensors._src.core.errors import UnsupportedLeafError
 
-# The safetensors dtype vocabulary (see the reference Rust `Dtype` enum) mapped to the numpy
-# dtype that holds one element, and the element's width in bits on disk.
-_TABLE: dict[str, tuple[np.dtype, int]] = {
-    "BOOL": (np.dtype(np.bool_), 8),
-    "U8": (np.dtype(np.uint8), 8),
-    "I8": (np.dtype(np.int8), 8),
-    "U16": (np.dtype(np.uint16), 16),
-    "I16": (np.dtype(np.int16), 16),
-    "U32": (np.dtype(np.uint32), 32),
-    "I32": (np.dtype(np.int32), 32),
-    "U64": (np.dtype(np.uint64), 64),
-    "I64": (np.dtype(np.int64), 64),
-    "F16": (np.dtype(np.float16), 16),
-    "BF16": (np.dtype(ml_dtypes.bfloat16), 16),
-    "F32": (np.dtype(np.float32), 32),
-    "F64": (np.dtype(np.float64), 64),
-    "C64": (np.dtype(np.complex64), 64),
-    "F8_E4M3": (np.dtype(ml_dtypes.float8_e4m3fn), 8),
-    "F8_E5M2": (np.dtype(ml_dtypes.float8_e5m2), 8),
-    "F8_E4M3FNUZ": (np.dtype(ml_dtypes.float8_e4m3fnuz), 8),
-    "F8_E5M2FNUZ": (np.dtype(ml_dtypes.float8_e5m2fnuz), 8),
-    "F8_E8M0": (np.dtype(ml_dtypes.float8_e8m0fnu), 8),
-    "F4": (np.dtype(ml_dtypes.float4_e2m1fn), 4),
-    "F6_E2M3": (np.dtype(ml_dtypes.float6_e2m3fn), 6),
-    "F6_E3M2": (np.dtype(ml_dtypes.float6_e3m2fn), 6),
+if TYPE_CHECKING:
+    import numpy as np
+
+# The safetensors dtype vocabulary (see the reference Rust `Dtype` enum): each name with the
+# numpy (or ml_dtypes) type that holds one element, by name, and the element's width on disk
+# in bits. NumPy, ml_dtypes and the types are imported on first use (:func:`_numpy_table`),
+# not with the module: reading a header, listing a file's tensors and the command line's start
+# need only the names and widths, and importing ml_dtypes is slow.
+_TYPES: dict[str, tuple[str, int]] = {
+    "BOOL": ("bool", 8),
+    "U8": ("uint8", 8),
+    "I8": ("int8", 8),
+    "U16": ("uint16", 16),
+    "I16": ("int16", 16),
+    "U32": ("uint32", 32),
+    "I32": ("int32", 32),
+    "U64": ("uint64", 64),
+    "I64": ("int64", 64),
+    "F16": ("float16", 16),
+    "BF16": ("ml_dtypes.bfloat16", 16),
+    "F32": ("float32", 32),
+    "F64": ("float64", 64),
+    "C64": ("complex64", 64),
+    "F8_E4M3": ("ml_dtypes.float8_e4m3fn", 8),
+    "F8_E5M2": ("ml_dtypes.float8_e5m2", 8),
+    "F8_E4M3FNUZ": ("ml_dtypes.float8_e4m3fnuz", 8),
+    "F8_E5M2FNUZ": ("ml_dtypes.float8_e5m2fnuz", 8),
+    "F8_E8M0": ("ml_dtypes.float8_e8m0fnu", 8),
+    "F4": ("ml_dtypes.float4_e2m1fn", 4),
+    "F6_E2M3": ("ml_dtypes.float6_e2m3fn", 6),
+    "F6_E3M2": ("ml_dtypes.float6_e3m2fn", 6),
 }
-_BY_NUMPY: dict[np.dtype, str] = {dt: name for name, (dt, _) in _TABLE.items()}
+_BITS: dict[str, int] = {name: width for name, (_, width) in _TYPES.items()}
+_WHOLE_BYTES: dict[str, int] = {name: w // 8 for name, w in _BITS.items() if w % 8 == 0}
 
-_WHOLE_BYTES: dict[str, int] = {name: w // 8 for name, (_, w) in _TABLE.items() if w % 8 == 0}
-
-SAFETENSORS_DTYPES: tuple[str, ...] = tuple(_TABLE)
+SAFETENSORS_DTYPES: tuple[str, ...] = tuple(_TYPES)
 _CHUNK = 1 << 16  # elements per sub-byte packing step; a multiple of 8, so steps end on bytes
+
+
+@functools.cache
+def _numpy_table() -> tuple[dict[str, np.dtype], dict[np.dtype, str]]:
+    """``({name: numpy dtype}, {numpy dtype: name})``, built once, on first use."""
+    import ml_dtypes
+    import numpy as np
+
+    def holder(type_name: str) -> np.dtype:
+        if type_name.startswith("ml_dtypes."):
+            return np.dtype(getattr(ml_dtypes, type_name.removeprefix("ml_dtypes.")))
+        return np.dtype(type_name)
+
+    by_name = {name: holder(type_name) for name, (type_name, _) in _TYPES.items()}
+    return by_name, {dt: name for name, dt in by_name.items()}
 
 
 def is_known(name: object) -> bool:
     """Whether ``name`` is a safetensors dtype string this library reads and writes."""
-    return isinstance(name, str) and name in _TABLE
+    return isinstance(name, str) and name in _BITS
 
 
 def to_numpy(name: str) -> np.dtype:
     """The numpy dtype holding one element of safetensors dtype ``name``."""
     try:
-        return _TABLE[name][0]
+        return _numpy_table()[0][name]
     except KeyError:
         raise UnsupportedLeafError(
-            f"unknown safetensors dtype {name!r}; known: {', '.join(_TABLE)}"
+            f"unknown safetensors dtype {name!r}; known: {', '.join(_TYPES)}"
         ) from None
 
 
@@ -76,19 +95,22 @@ def from_numpy(dtype: np.dtype | type, *, key: str = "?") -> str:
     Raises:
       UnsupportedLeafError: naming ``key`` when the format has no such dtype.
     """
+    import numpy as np
+
     dt = np.dtype(dtype)
+    by_numpy = _numpy_table()[1]
     try:
-        return _BY_NUMPY[dt]
+        return by_numpy[dt]
     except KeyError:
         raise UnsupportedLeafError(
             f"leaf {key!r}: dtype {dt} has no safetensors equivalent "
-            f"(supported: {', '.join(str(d) for d in _BY_NUMPY)})"
+            f"(supported: {', '.join(str(d) for d in by_numpy)})"
         ) from None
 
 
 def bits(name: str) -> int:
     """Width of one element of ``name`` on disk, in bits."""
-    return _TABLE[name][1]
+    return _BITS[name]
 
 
 def num_elements(shape: Sequence[int]) -> int:
@@ -127,6 +149,8 @@ def pack(values: np.ndarray, name: str) -> np.ndarray:
     little-endian bit stream: element 0 in the lowest bits of byte 0, as PyTorch's
     ``float4_e2m1fn_x2`` and the safetensors reference do.
     """
+    import numpy as np
+
     width = bits(name)
     flat = np.ascontiguousarray(values).reshape(-1)
     if width % 8 == 0:
@@ -144,7 +168,9 @@ def pack(values: np.ndarray, name: str) -> np.ndarray:
 
 def unpack(raw: np.ndarray, name: str, shape: Sequence[int]) -> np.ndarray:
     """Inverse of :func:`pack`: ``raw`` uint8 bytes -> array of ``shape`` (a view if possible)."""
-    dtype, width = _TABLE[name]
+    import numpy as np
+
+    dtype, width = to_numpy(name), _BITS[name]
     if width % 8 == 0:
         return raw.view(dtype).reshape(tuple(shape))
     count = num_elements(shape)

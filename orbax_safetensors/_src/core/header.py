@@ -25,7 +25,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from orbax_safetensors._src.core import dtypes as _dtypes
-from orbax_safetensors._src.core.errors import HeaderError
+from orbax_safetensors._src.core import sniff as _sniff
+from orbax_safetensors._src.core.errors import HeaderError, NotSafetensorsError
 
 METADATA_KEY = "__metadata__"
 # Same cap as the reference implementation: a header larger than this is refused unread.
@@ -193,6 +194,26 @@ def parse_header(
             "(truncated file or trailing bytes)"
         )
     return Header({t.name: t for t in entries}, metadata, 8 + n)
+
+
+def parse_file(pread: Callable[[int, int], bytes], file_size: int, *, where: str) -> Header:
+    """:func:`parse_header` of a file read through ``pread(offset, n)`` (fewer bytes at its
+    end); a file whose header fails to parse and that looks like another format (a Flax msgpack
+    checkpoint, a pickle, a zip...: ``core/sniff``) raises ``NotSafetensorsError`` saying what
+    it is and what to run instead.
+
+    Raises:
+      NotSafetensorsError: the file is recognisably something else.
+      HeaderError: the header is malformed, inconsistent or hostile.
+    """
+    try:
+        return parse_header(pread(0, 8), lambda n: pread(8, n), file_size, where=where)
+    except HeaderError:
+        # Only now: a valid header's length may begin with any byte.
+        found = _sniff.sniff_bytes(pread(0, _sniff.HEAD_BYTES), where)
+        if found is None:
+            raise
+    raise NotSafetensorsError(_sniff.message(where, found), found)
 
 
 def _parse_metadata(meta: object, where: str) -> dict[str, str]:

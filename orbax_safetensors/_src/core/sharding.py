@@ -15,13 +15,18 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
-
-import jax
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from orbax_safetensors._src.core.errors import SchemaError
+
+if TYPE_CHECKING:
+    import jax
+
+# JAX and NumPy are imported by the functions that build or take shardings, not with the
+# module: the metadata codec (core/metadata) validates sharding JSON for tools that never
+# start JAX.
 
 
 def named_sharding_json(
@@ -47,6 +52,9 @@ def sharding_to_json(sharding: Any) -> dict[str, Any] | None:
     """A JSON description of a ``NamedSharding`` (mesh axes and shape, partition spec, device
     ids) or of a ``SingleDeviceSharding`` (``{"device_id": id}``: stored as the tensor's
     ``device``, see :func:`split_devices`), else None."""
+    import jax
+    import numpy as np
+
     if isinstance(sharding, jax.sharding.SingleDeviceSharding):
         device: Any = next(iter(sharding.device_set))
         return {"device_id": int(device.id)}
@@ -158,10 +166,10 @@ def check_sharding_json(
     if len(set(used)) != len(used):
         raise SchemaError(f"sharding {desc!r} is malformed (a mesh axis is used twice in spec)")
     ids = _device_ids(desc, device_meshes if isinstance(device_meshes, list) else None)
-    if ids is not None and len(ids) != int(np.prod(shape)):
+    if ids is not None and len(ids) != math.prod(shape):
         raise SchemaError(
             f"sharding {desc!r} is malformed ({len(ids)} device ids for a mesh of "
-            f"{int(np.prod(shape))} devices)"
+            f"{math.prod(shape)} devices)"
         )
 
 
@@ -169,6 +177,8 @@ def device_from_json(device_id: object) -> jax.sharding.Sharding | None:
     """The ``SingleDeviceSharding`` of a saved device id, when that device is this process's
     (as Orbax's ``SingleDeviceShardingMetadata`` looks it up among ``jax.local_devices()``),
     else None."""
+    import jax
+
     if type(device_id) is not int:
         raise SchemaError(f"device id {device_id!r} is not an integer")
     for device in jax.local_devices():
@@ -179,7 +189,7 @@ def device_from_json(device_id: object) -> jax.sharding.Sharding | None:
 
 def mesh_size(desc: Mapping[str, Any]) -> int:
     """The number of devices of a described sharding's mesh."""
-    return int(np.prod([int(d) for d in desc.get("mesh_shape") or [0]]))
+    return math.prod(int(d) for d in desc.get("mesh_shape") or [0])
 
 
 def _device_ids(
@@ -214,6 +224,9 @@ def sharding_from_json(
     Raises:
       SchemaError: a malformed description.
     """
+    import jax
+    import numpy as np
+
     if not desc:
         return None
     check_sharding_json(desc, device_meshes)
@@ -224,7 +237,7 @@ def sharding_from_json(
     except (KeyError, TypeError, ValueError):
         raise SchemaError(f"sharding {desc!r} is malformed") from None
     ids = _device_ids(desc, device_meshes)
-    size = int(np.prod(shape))
+    size = math.prod(shape)
     if ids is not None:
         by_id = {d.id: d for d in jax.devices()}
         if len(ids) != size or any(i not in by_id for i in ids):

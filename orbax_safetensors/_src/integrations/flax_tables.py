@@ -132,12 +132,12 @@ def resolve_path(
         kind = _steps.classify(path)
     elif step is not None:
         raise SafetensorsCheckpointError(
-            f"{path} is a {kind}, not a CheckpointManager root: step= does not apply"
+            f"{path} is {kind.noun}, not a CheckpointManager root: step= does not apply"
         )
     if item is not None:
         if kind is not PathKind.STEP:
             raise SafetensorsCheckpointError(
-                f"{path} is a {kind}, not a step: item= does not apply"
+                f"{path} is {kind.noun}, not a step: item= does not apply"
             )
         items = _steps.list_items(path)
         if items.get(item) not in _steps.TENSOR_KINDS:

@@ -328,7 +328,7 @@ def load_flat(
     if options.strict and not report.ok:
         raise TargetMismatchError(
             f"{options.where or source.path}: the checkpoint does not fit the target through this "
-            "mapping\n" + report.problems()
+            "mapping:\n" + report.problems()
         )
     reads = _Reads(source, alias, options)
     values: dict[str, Any] = {}

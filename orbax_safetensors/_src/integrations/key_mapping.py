@@ -496,7 +496,16 @@ class MappingReport:
         return not (self.unmapped or self.unexpected or self.missing or self.mismatched)
 
     def problems(self) -> str:
-        """One readable block listing every problem (empty when :attr:`ok`)."""
+        """One readable block listing every problem (empty when :attr:`ok`): a heading per kind
+        of problem, with its count, then its keys, one per indented line.
+
+        Example::
+
+            print(report.problems())
+            # no rule maps these keys (2):
+            #   params.w
+            #   params.b
+        """
         lines = []
         for title, keys in (
             ("no rule maps these keys", self.unmapped),

@@ -134,7 +134,7 @@ def read_json(path: epath.PathLike, what: str = "hf_config") -> dict[str, Any]:
     """
     p = epath.Path(path)
     if not p.is_file():
-        raise ValueError(f"{what} {p}: no such file")
+        raise ValueError(f"{what} {p}: no such file or directory")
     try:
         doc = json.loads(p.read_text())
     except ValueError as e:

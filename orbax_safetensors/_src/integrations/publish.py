@@ -168,7 +168,8 @@ def export_plan(
     groups = [_group(link, tied, merges, mapping.lora_scale, shapes, out_shapes) for link in links]
     if not report.ok:
         raise TargetMismatchError(
-            "SafetensorsSave(mapping=...): the item does not fit this mapping\n" + report.problems()
+            "SafetensorsSave(mapping=...): the item does not fit this mapping:\n"
+            + report.problems()
         )
     files = _model_files.model_files(
         hf_config,

@@ -268,7 +268,7 @@ def export_pytorch(
     )
     if strict and not report.ok:
         raise TargetMismatchError(
-            f"cannot export to {directory} through this mapping\n" + report.problems()
+            f"cannot export to {directory} through this mapping:\n" + report.problems()
         )
     plan = _plan.plan_files(specs, max_file_size=max_file_size, metadata={"format": "pt"})
     extra: dict[str, str | bytes] = {}

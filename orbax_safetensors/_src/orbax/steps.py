@@ -33,11 +33,13 @@ from etils import epath
 from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
 from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import plan as _plan
+from orbax_safetensors._src.core.errors import NotSafetensorsError
 
 ORBAX_METADATA_FILE = "_METADATA"
 CHECKPOINT_METADATA_FILE = "_CHECKPOINT_METADATA"
 COMMIT_SUCCESS_FILE = "commit_success.txt"  # Orbax's commit marker (atomicity_types.py L31)
 HANDLER_TYPESTR = "orbax_safetensors.SafetensorsCheckpointHandler"  # the v0 handler's typestr()
+_OUR_HANDLER = HANDLER_TYPESTR.rsplit(".", 1)[-1]
 
 
 class PathKind(enum.StrEnum):
@@ -51,6 +53,22 @@ class PathKind(enum.StrEnum):
     STEP = "step"  # a step directory of items
     ROOT = "root"  # a CheckpointManager root of steps
     OTHER = "other"  # none of these (e.g. an Orbax JSON item)
+
+    @property
+    def noun(self) -> str:
+        """The kind as a noun phrase for messages (``"a CheckpointManager root"``)."""
+        return _NOUNS[self]
+
+
+_NOUNS = {
+    PathKind.FILE: "a file",
+    PathKind.ITEM: "an orbax-safetensors checkpoint item",
+    PathKind.SAFETENSORS_DIR: "a directory of safetensors files",
+    PathKind.ORBAX: "an Orbax-native item",
+    PathKind.STEP: "a step directory",
+    PathKind.ROOT: "a CheckpointManager root",
+    PathKind.OTHER: "a directory that holds no checkpoint",
+}
 
 
 TENSOR_KINDS = frozenset((PathKind.FILE, PathKind.ITEM, PathKind.SAFETENSORS_DIR, PathKind.ORBAX))
@@ -98,6 +116,8 @@ def classify(path: epath.PathLike) -> PathKind:
     if any(k in TENSOR_KINDS for k in kinds.values()):
         return PathKind.STEP
     if (path / CHECKPOINT_METADATA_FILE).exists():
+        if _other_handler(_recorded_handlers(path)):
+            return PathKind.OTHER  # one item of another handler, saved by ocp.Checkpointer
         return PathKind.STEP  # a step whose items hold no tensors (e.g. JSON only)
     if any(True for _ in _step_candidates(path)):
         return PathKind.ROOT
@@ -114,6 +134,62 @@ def item_kind(path: epath.Path) -> PathKind:
     if (path / _plan.INDEX_FILE_NAME).exists() or safetensors_files(path):
         return PathKind.SAFETENSORS_DIR
     return PathKind.OTHER
+
+
+def item_handler(path: epath.PathLike) -> str | None:
+    """The class name of the Orbax handler that wrote the item ``path``, as Orbax records it:
+    in the item's own ``_CHECKPOINT_METADATA`` (a checkpoint of one item, ``ocp.Checkpointer``)
+    or in its step's (``item_handlers`` by item name); None where neither names one.
+
+    Example::
+
+        item_handler("/ckpt/200/meta")     # 'JsonCheckpointHandler'
+    """
+    path = epath.Path(path)
+    handler = _recorded_handlers(path)
+    if not isinstance(handler, str):
+        step = _recorded_handlers(path.parent)
+        handler = step.get(path.name) if isinstance(step, dict) else None
+    return handler.rsplit(".", 1)[-1] if isinstance(handler, str) else None
+
+
+def _recorded_handlers(path: epath.Path) -> Any:
+    """The ``item_handlers`` entry of ``path``'s ``_CHECKPOINT_METADATA`` (a typestr for a
+    checkpoint of one item, a dict by item name for a step), or None."""
+    doc = _read_json(path / CHECKPOINT_METADATA_FILE)
+    return doc.get("item_handlers") if isinstance(doc, dict) else None
+
+
+def _other_handler(handler: object) -> bool:
+    """Whether ``handler`` is a recorded typestr of a handler other than this library's."""
+    return isinstance(handler, str) and handler != HANDLER_TYPESTR
+
+
+def not_a_checkpoint(path: epath.PathLike) -> NotSafetensorsError:
+    """The error for an existing directory that holds no checkpoint of tensors, saying what it
+    holds instead: the one wording every tool uses for it.
+
+    Example::
+
+        raise not_a_checkpoint("/ckpt/200/meta")
+        # /ckpt/200/meta: an Orbax item written by JsonCheckpointHandler, not a checkpoint of
+        # tensors
+    """
+    path = epath.Path(path)
+    handler = item_handler(path)
+    if handler is not None and handler != _OUR_HANDLER:
+        return NotSafetensorsError(
+            f"{path}: an Orbax item written by {handler}, not a checkpoint of tensors"
+        )
+    names = [c.name for c in path.iterdir()] if path.is_dir() else []
+    if not names:
+        what = "an empty directory" if path.is_dir() else "not a directory"
+    elif CHECKPOINT_METADATA_FILE in names:
+        items = list(list_items(path))
+        what = "a step with no item of tensors" + (f" (items: {', '.join(items)})" if items else "")
+    else:
+        what = "no safetensors file, checkpoint item, Orbax item or step in this directory"
+    return NotSafetensorsError(f"{path}: not a checkpoint: {what}")
 
 
 def list_items(step: epath.PathLike) -> dict[str, PathKind]:

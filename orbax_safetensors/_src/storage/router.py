@@ -28,7 +28,6 @@ from orbax_safetensors._src.storage import config as _config
 from orbax_safetensors._src.storage import interface as _interface
 from orbax_safetensors._src.storage import local as _local
 from orbax_safetensors._src.storage import stream as _stream
-from orbax_safetensors._src.storage.objstore import engine as _engine
 
 
 class Provider(Protocol):
@@ -66,7 +65,11 @@ class Provider(Protocol):
         ...
 
 
-_PROVIDERS: dict[str, Provider] = {"s3": _engine.S3, "gs": _engine.GCS}
+_PROVIDERS: dict[str, Provider] = {}
+# The object stores served by objstore/engine, which is imported by the first path of one of
+# these schemes: local reads (a tool listing a file) never load the object-store engine and
+# the multi-process machinery (JAX) it uses.
+_BUILT_IN = {"s3": "S3", "gs": "GCS"}
 
 
 def register_scheme(scheme: str, provider: Provider) -> None:
@@ -77,7 +80,13 @@ def register_scheme(scheme: str, provider: Provider) -> None:
 def provider_for(path: epath.PathLike) -> Provider | None:
     """The provider registered for ``path``'s URL scheme (case-sensitive), or None."""
     scheme, sep, _ = os.fspath(path).partition("://")
-    return _PROVIDERS.get(scheme) if sep else None
+    if not sep:
+        return None
+    if scheme not in _PROVIDERS and scheme in _BUILT_IN:
+        from orbax_safetensors._src.storage.objstore import engine
+
+        _PROVIDERS.setdefault(scheme, getattr(engine, _BUILT_IN[scheme]))
+    return _PROVIDERS.get(scheme)
 
 
 def is_regular_file(path: epath.PathLike) -> bool:
@@ -287,21 +296,15 @@ def read_header(path: epath.PathLike, io: _config.IOOptions | None = None) -> _h
       HeaderError: the header is malformed, inconsistent or hostile.
     """
     path = epath.Path(path)
-    found: _sniff.Sniffed | None = None
     try:
         with open_reader(path, io=io) as r:
-            try:
-                return _header.parse_header(
-                    r.pread(0, 8), lambda n: r.pread(8, n), r.size, where=str(path)
-                )
-            except HeaderError:
-                # Only now: a valid header's length may begin with any byte.
-                found = _sniff.sniff_bytes(r.pread(0, _sniff.HEAD_BYTES), str(path))
-                if found is None:
-                    raise
+            return _header.parse_file(r.pread, r.size, where=str(path))
+    except NotSafetensorsError:
+        raise
     except (HeaderError, OSError):
-        if found is None and _is_directory(path):
-            found = _sniff.sniff_directory(_entry_names(path), str(path))
+        found = (
+            _sniff.sniff_directory(_entry_names(path), str(path)) if _is_directory(path) else None
+        )
         if found is None:
             raise
     raise NotSafetensorsError(_sniff.message(str(path), found), found) from None

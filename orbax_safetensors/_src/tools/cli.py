@@ -57,7 +57,10 @@ def _verify_cmd(args: argparse.Namespace) -> int:
     checkpoint item, a step or a CheckpointManager root (the steps Orbax lists: uncommitted
     steps are skipped, a step with missing parts is reported as incomplete). Prints every
     problem found and exits with status 1 when there is any damage or missing part, 0 when
-    all is well."""
+    all is well; status 2 (one error line) when PATH is no checkpoint of this library (an
+    empty or other directory, another handler's Orbax item, an Orbax-native checkpoint, a
+    file whose header cannot be read)."""
+    from orbax_safetensors._src.tools.terminal import counted
     from orbax_safetensors._src.tools.verify import verify  # imported only when used
 
     report = verify(args.path)
@@ -76,18 +79,20 @@ def _verify_cmd(args: argparse.Namespace) -> int:
         }
         print(json.dumps(doc, indent=1))
     elif report.ok:
-        print(
-            f"{args.path}: OK ({report.files} files, {report.tensors} tensors, "
-            f"{report.bytes} bytes checked)"
-        )
+        checked = (counted(report.files, "file"), counted(report.tensors, "tensor"))
+        print(f"{args.path}: OK ({', '.join(checked)}, {counted(report.bytes, 'byte')} checked)")
     else:
-        print(f"{args.path}: DAMAGED ({len(report.problems)} problem(s))")
+        print(f"{args.path}: DAMAGED ({counted(len(report.problems), 'problem')})")
         for problem in report.problems:
             print(f"  {problem}")
     if not args.json:
         unverified = getattr(report, "unverified", [])
         if unverified:
-            print(f"  {len(unverified)} tensor(s) have no recorded checksum (headers checked only)")
+            has = "has" if len(unverified) == 1 else "have"
+            print(
+                f"  {counted(len(unverified), 'tensor')} {has} no recorded checksum "
+                "(headers checked only)"
+            )
         for skipped in getattr(report, "skipped", []):
             print(f"  skipped uncommitted {skipped}")
         for warning in getattr(report, "warnings", []):
@@ -157,6 +162,7 @@ def _convert_cmd(args: argparse.Namespace) -> int:
     from orbax_safetensors._src.tools import convert as _convert
     from orbax_safetensors._src.tools import inspection as _inspection
     from orbax_safetensors._src.tools.convert_output import Direction
+    from orbax_safetensors._src.tools.terminal import counted
 
     try:
         policy = dtype_policy(args.dtype)
@@ -175,7 +181,8 @@ def _convert_cmd(args: argparse.Namespace) -> int:
     target = "safetensors" if summary.direction is Direction.SAFETENSORS else "Orbax-native"
     items = ", ".join(i or "(item)" for i in summary.items) or "-"
     print(
-        f"converted {summary.tensors} tensors ({_inspection.human_bytes(summary.bytes)}) to "
+        f"converted {counted(summary.tensors, 'tensor')} "
+        f"({_inspection.human_bytes(summary.bytes)}) to "
         f"{target} in {args.dst}; items: {items}"
         + (f"; copied unchanged: {', '.join(summary.copied)}" if summary.copied else "")
     )
@@ -296,7 +303,7 @@ def _command(
     help, ``func``'s docstring its description (argparse refills the text); ``positionals``:
     its positional arguments in order, each with its help."""
     parser: argparse.ArgumentParser = sub.add_parser(name, help=summary, description=func.__doc__)
-    parser.set_defaults(func=func)
+    parser.set_defaults(func=func, command_parser=parser)
     for dest, help_text in positionals.items():
         parser.add_argument(dest, help=help_text)
     return parser
@@ -396,8 +403,50 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_LISTED = 10  # entries of a list shown in an error line; the rest are counted
+
+
+def one_line(message: object) -> str:
+    """A possibly multi-line error message as one line: each list (indented lines under a line
+    that introduces them) joined with commas (semicolons when its entries hold commas or
+    colons) and at most ``_LISTED`` entries shown, the lists of several headings separated by
+    semicolons.
+
+    Example::
+
+        one_line("cannot export:\nno rule maps these keys (2):\n  params.w\n  params.b")
+        # 'cannot export: no rule maps these keys (2): params.w, params.b'
+    """
+    pieces: list[str] = []
+    entries: list[str] = []
+
+    def close_list() -> bool:
+        if not entries:
+            return False
+        sep = "; " if any(", " in e or ": " in e for e in entries) else ", "
+        shown = entries[:_LISTED]
+        if len(entries) > len(shown):
+            shown.append(f"and {len(entries) - len(shown)} more")
+        pieces.append(sep.join(shown))
+        entries.clear()
+        return True
+
+    for raw in str(message).splitlines():
+        line = raw.strip()
+        if not line:
+            continue
+        if raw[0].isspace() and pieces:  # an entry of the list the line above introduces
+            entries.append(line)
+            continue
+        if close_list():
+            pieces[-1] += ";"
+        pieces.append(line)
+    close_list()
+    return " ".join(pieces)
+
+
 def _error_line(where: str, message: object) -> None:
-    text = " ".join(str(message).split("\n")).strip()
+    text = one_line(message)
     try:
         print(f"{where}: error: {text}", file=sys.stderr)
         sys.stderr.flush()
@@ -462,7 +511,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         main(["verify", "/ckpt"])   # 0 (OK), 1 (damage found) or 2 (error)
     """
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # reported by the subcommand's parser, so the line names the subcommand
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     # Orbax logs through absl (e.g. a WARNING before it fails on a damaged item); the command
     # reports problems itself, in one line each.
     # Orbax's tensorstore reads may also leave an asyncio task whose failure the event loop
@@ -496,6 +547,10 @@ def _describe(error: Exception) -> str:
     its type, as it is likely a bug to report."""
     from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
 
+    if isinstance(error, OSError) and error.filename is not None and error.strerror:
+        # The operating system's error on a path, worded as the library words its own:
+        # "PATH: no such file or directory", not "[Errno 2] No such file or directory: 'PATH'".
+        return f"{error.filename}: {error.strerror[:1].lower()}{error.strerror[1:]}"
     if isinstance(error, (SafetensorsCheckpointError, OSError)):
         return str(error) or type(error).__name__
     return f"{type(error).__name__}: {error}"

@@ -64,16 +64,16 @@ def _direction_of(path: epath.Path, kind: PathKind) -> Direction:
             return _TO_SAFETENSORS
         if kinds & {PathKind.ITEM, PathKind.SAFETENSORS_DIR}:
             return _TO_ORBAX
-        raise SafetensorsCheckpointError(f"{path}: a step with no tensor items to convert")
+        raise _steps.not_a_checkpoint(path)
     if kind is PathKind.ROOT:
         steps = _steps.list_steps(path)
         if not steps:
-            raise SafetensorsCheckpointError(f"{path}: a root with no steps")
+            raise SafetensorsCheckpointError(
+                f"{path}: a CheckpointManager root with no committed step"
+            )
         step = steps[-1][1]
         return _direction_of(step, _steps.classify(step))
-    raise SafetensorsCheckpointError(
-        f"{path} is not an Orbax or safetensors checkpoint (file, item, step or root)"
-    )
+    raise _steps.not_a_checkpoint(path)
 
 
 def _convert_step(
@@ -231,7 +231,7 @@ def convert(
         )
         if kind not in expected:
             raise SafetensorsCheckpointError(
-                f"{src} is a {kind}; it cannot be converted to {direction}"
+                f"{src} is {kind.noun}; it cannot be converted to {direction}"
             )
         if direction == _TO_SAFETENSORS:
             return orbax_item_to_safetensors(src, dst, **options)
@@ -259,4 +259,4 @@ def convert(
             return total
 
         return atomic(dst, write_root)
-    raise SafetensorsCheckpointError(f"{src}: nothing to convert (a {kind})")
+    raise _steps.not_a_checkpoint(src)

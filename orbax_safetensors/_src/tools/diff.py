@@ -25,6 +25,7 @@ from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.orbax.steps import PathKind
 from orbax_safetensors._src.tools import from_orbax as _from_orbax
 from orbax_safetensors._src.tools import nnx_values as _nnx_values
+from orbax_safetensors._src.tools.terminal import counted
 
 
 @dataclasses.dataclass
@@ -70,7 +71,9 @@ class DiffReport:
         if d == 0:
             line += " (equal values, different bits: -0.0 vs 0.0 or NaN payloads)"
         count = self.differing.get(name)
-        return line if count is None else f"{line}; {count} element(s) differ"
+        if count is None:
+            return line
+        return f"{line}; {counted(count, 'element')} {'differs' if count == 1 else 'differ'}"
 
     def format(self) -> str:
         lines = []
@@ -87,7 +90,7 @@ class DiffReport:
             lines.append(f"values differ ({len(self.values)}):")
             lines += [f"  {n}: {self._value_line(n, d)}" for n, d in self.values]
         lines.append(
-            f"{self.same} tensor(s) equal; "
+            f"{counted(self.same, 'tensor')} equal; "
             + ("checkpoints are identical" if self.identical else "checkpoints differ")
         )
         return "\n".join(lines)
@@ -124,6 +127,8 @@ def _sources_of(path: epath.Path) -> dict[str, _sources.TensorSource]:
     kind = _steps.classify(path)
     if kind is PathKind.STEP:
         items = [n for n, k in _steps.list_items(path).items() if k in _steps.TENSOR_KINDS]
+        if not items:
+            raise _steps.not_a_checkpoint(path)
         return {n: _open(path / n) for n in items}
     return {"": _open(path)}
 

@@ -31,6 +31,7 @@ from orbax_safetensors._src.integrations import model_files as _model_files
 from orbax_safetensors._src.integrations import presets as _presets
 from orbax_safetensors._src.integrations.key_mapping import KeyMapping, MappingReport
 from orbax_safetensors._src.tools import inspection as _inspection
+from orbax_safetensors._src.tools.terminal import counted
 
 
 def read_hf_config(path: str | None) -> dict[str, Any] | None:
@@ -43,7 +44,7 @@ def read_hf_config(path: str | None) -> dict[str, Any] | None:
         return None
     p = epath.Path(path)
     if not p.exists():
-        raise ValueError(f"--hf-config {path}: no such file")
+        raise ValueError(f"--hf-config {path}: no such file or directory")
     return _model_files.read_json(p / "config.json" if p.is_dir() else p, "--hf-config")
 
 
@@ -57,7 +58,7 @@ def resolve_mapping(spec: str, hf_config: dict[str, Any] | None = None) -> KeyMa
     if ":" not in spec:
         if spec not in _presets.PRESETS:
             raise ValueError(
-                f"--mapping {spec!r}: not a preset ({', '.join(_presets.PRESETS)}) nor module:attr"
+                f"--mapping {spec!r}: neither a preset ({', '.join(_presets.PRESETS)}) nor module:attr"
             )
         doc = hf_config or {}
         tie = bool(doc.get("tie_word_embeddings", False))
@@ -90,7 +91,10 @@ def resolve_mapping(spec: str, hf_config: dict[str, Any] | None = None) -> KeyMa
     if callable(value) and not isinstance(value, KeyMapping) and _takes_no_arguments(value):
         value = value()
     if not isinstance(value, KeyMapping):
-        raise ValueError(f"--mapping {spec!r}: is a {type(value).__name__}, not an osf.KeyMapping")
+        raise ValueError(
+            f"--mapping {spec!r} names an object of type {type(value).__name__}, not an "
+            "osf.KeyMapping"
+        )
     return value
 
 
@@ -109,6 +113,6 @@ def summary(out: str, report: MappingReport) -> str:
     files = sorted(p for p in epath.Path(out).iterdir() if p.is_file())
     size = sum(p.stat().length for p in files if p.suffix == ".safetensors")
     return (
-        f"exported {len(report.moved)} tensors ({_inspection.human_bytes(size)}) to {out}: "
-        + ", ".join(p.name for p in files)
+        f"exported {counted(len(report.moved), 'tensor')} ({_inspection.human_bytes(size)}) to "
+        f"{out}: " + ", ".join(p.name for p in files)
     )

@@ -11,16 +11,21 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from etils import epath
 
-from orbax_safetensors._src.catalog import sources as _sources
+from orbax_safetensors._src.catalog import flax_msgpack as _flax_msgpack
+from orbax_safetensors._src.catalog import listing as _listing
 from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.core import sniff as _sniff
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.orbax.steps import PathKind
+from orbax_safetensors._src.tools.terminal import counted
+
+if TYPE_CHECKING:
+    from orbax_safetensors._src.catalog.sources import TensorSource
 
 # What a damaged or half-deleted checkpoint may raise while being read (Orbax's readers raise
 # ValueError subclasses too).
@@ -46,7 +51,7 @@ class _Filter:
         self.select = select
         self.seen: list[str] = []
 
-    def __call__(self, tensors: Mapping[str, _sources.TensorInfo]) -> list[_sources.TensorInfo]:
+    def __call__(self, tensors: Mapping[str, _listing.TensorInfo]) -> list[_listing.TensorInfo]:
         if self.select is None:
             return list(tensors.values())
         self.seen += tensors
@@ -56,7 +61,20 @@ class _Filter:
 _ALL = _Filter(None)
 
 
-def _source_report(source: _sources.TensorSource, keep: _Filter = _ALL) -> dict[str, Any]:
+def _open(path: epath.Path) -> TensorSource | _listing.FileTable:
+    """The table of what ``path`` holds. A safetensors file is listed from its header (no JAX,
+    no Orbax: ``inspect FILE`` answers at once); anything else is opened by
+    ``catalog/sources``, imported here, when first needed."""
+    if _steps.classify(path) is PathKind.FILE and not _flax_msgpack.is_flax_msgpack(path):
+        return _listing.list_file(path)
+    from orbax_safetensors._src.catalog import sources
+
+    return sources.open_source(path)
+
+
+def _source_report(
+    source: TensorSource | _listing.FileTable, keep: _Filter = _ALL
+) -> dict[str, Any]:
     tensors = keep(source.tensors)
     return {
         "path": str(source.path),
@@ -73,7 +91,7 @@ def _step_report(path: epath.Path, keep: _Filter = _ALL) -> dict[str, Any]:
     other: list[str] = []
     for name, kind in _steps.list_items(path).items():
         if kind in _steps.TENSOR_KINDS:
-            items[name] = _source_report(_sources.open_source(path / name), keep)
+            items[name] = _source_report(_open(path / name), keep)
         else:
             other.append(name)
     return {
@@ -108,7 +126,7 @@ def _root_step(step: _steps.StepDir, keep: _Filter = _ALL) -> dict[str, Any]:
         return entry
     try:
         if _steps.item_kind(step.path) in _steps.TENSOR_KINDS:  # a step that is itself an item
-            rep = _source_report(_sources.open_source(step.path), keep)
+            rep = _source_report(_open(step.path), keep)
             entry["items"] = [""]
         else:
             rep = _step_report(step.path, keep)
@@ -190,10 +208,8 @@ def _report(path: epath.Path, keep: _Filter) -> dict[str, Any]:
             report["uncommitted"] = reason
         return report
     if kind is PathKind.OTHER:
-        raise SafetensorsCheckpointError(
-            f"{path}: not a safetensors file, checkpoint item, Orbax item, step or root"
-        )
-    return _source_report(_sources.open_source(path), keep)
+        raise _steps.not_a_checkpoint(path)
+    return _source_report(_open(path), keep)
 
 
 def human_bytes(n: float) -> str:
@@ -241,7 +257,9 @@ def format_report(report: Mapping[str, Any]) -> str:
     lines: list[str] = []
     kind = report["kind"]
     if kind == "root":
-        lines.append(f"{report['path']}: CheckpointManager root, {len(report['steps'])} step(s)")
+        lines.append(
+            f"{report['path']}: CheckpointManager root, {counted(len(report['steps']), 'step')}"
+        )
         headers = ["step", "items", "tensors", "tensor bytes", "on disk"]
         flagged = any(s["status"] != "ok" for s in report["steps"])
         rows = []
@@ -266,13 +284,10 @@ def format_report(report: Mapping[str, Any]) -> str:
             lines.append(
                 f"warning: uncommitted step, Orbax does not list it: {report['uncommitted']}"
             )
+        items, other = list(report["items"]), report["other_items"]
         lines.append(
-            f"{report['path']}: step with item(s) {', '.join(report['items']) or '-'}"
-            + (
-                f"; other items: {', '.join(report['other_items'])}"
-                if report["other_items"]
-                else ""
-            )
+            f"{report['path']}: step; items: {', '.join(items) or '-'}"
+            + (f"; other items: {', '.join(other)}" if other else "")
         )
         for name, item in report["items"].items():
             lines.append("")
@@ -299,6 +314,7 @@ def format_report(report: Mapping[str, Any]) -> str:
 
 def _total_line(report: Mapping[str, Any]) -> str:
     return (
-        f"total: {report['num_tensors']} tensors, {report['total_bytes']} bytes "
+        f"total: {counted(report['num_tensors'], 'tensor')}, "
+        f"{counted(report['total_bytes'], 'byte')} "
         f"({human_bytes(report['total_bytes'])})"
     )

@@ -1,10 +1,11 @@
-"""Terminal output shared by the tools: whether stderr is a terminal, and progress bars that
-appear only there (never mixed into piped or redirected output).
+"""Terminal output shared by the tools: whether stderr is a terminal, progress bars that
+appear only there (never mixed into piped or redirected output), and counts in words.
 
 Example::
 
     with progress_bar(total_bytes, "convert model", progress=None) as bar:
         bar.update(n)
+    counted(1, "tensor")     # '1 tensor'
 """
 
 from __future__ import annotations
@@ -37,3 +38,9 @@ def progress_bar(total: int, desc: str, progress: bool | None) -> Any:
         mininterval=0.5,
         leave=False,
     )
+
+
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and ``noun`` in agreement: ``counted(1, "file")`` is ``'1 file'``,
+    ``counted(2, "file")`` ``'2 files'`` (``plural`` where adding an s is wrong)."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"

@@ -104,7 +104,7 @@ def _restore_safetensors(
         if select is not None:
             select.check(source.tensors, str(src))
         return source.read([t.name for t in infos]), None, n, size
-    raise SafetensorsCheckpointError(f"{src} is a {kind}, not a safetensors checkpoint")
+    raise SafetensorsCheckpointError(f"{src} is {kind.noun}, not a safetensors checkpoint")
 
 
 def _pruned(schema: Any, select: _select.Selection | None) -> Any:

@@ -53,6 +53,7 @@ from orbax_safetensors._src.core.errors import (
     SchemaError,
 )
 from orbax_safetensors._src.orbax import steps as _steps
+from orbax_safetensors._src.orbax.steps import PathKind
 from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
 from orbax_safetensors._src.pipeline import standalone as _standalone
 from orbax_safetensors._src.pipeline.reader import StoredTensor
@@ -112,9 +113,14 @@ def verify(path: epath.PathLike, *, chunk_bytes: int = CHUNK_BYTES) -> VerifyRep
 
     Raises:
       FileNotFoundError: when ``path`` does not exist.
-      NotSafetensorsError: when ``path`` is recognisably something else (a Flax msgpack
-        checkpoint, a pickle, a zip, an Orbax-native checkpoint...); the message says what
-        it looks like and what to run.
+      NotSafetensorsError: when ``path`` is not a checkpoint this function checks: a file
+        that is recognisably something else (a Flax msgpack checkpoint, a pickle, a zip...), an
+        empty directory or one that holds no checkpoint, an Orbax item written by another
+        handler, an Orbax-native checkpoint (no checksums to check); the message says what it
+        is and what to run.
+      HeaderError: when ``path`` is a single ``.safetensors`` file whose header cannot be read
+        (truncated or forged): nothing identifies it as a checkpoint to check. A damaged file
+        of a checkpoint directory is a problem of the report instead.
 
     Example::
 
@@ -125,14 +131,14 @@ def verify(path: epath.PathLike, *, chunk_bytes: int = CHUNK_BYTES) -> VerifyRep
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     path = epath.Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist")
+        raise FileNotFoundError(f"{path}: no such file or directory")
     report = VerifyReport()
     checker = _Checker(report, chunk_bytes)
     if not path.is_dir():
         if (path.parent / _metadata.METADATA_FILE).exists():
             checker.item(path.parent, only=path.name)  # one file of a checkpoint directory
         else:
-            checker.file(path, foreign_raises=True)
+            checker.file(path, unreadable_raises=True)
     elif (reason := _steps.uncommitted_reason(path)) is not None:
         report.skipped.append(str(path))
         report._problem(f"{path}: uncommitted step, not checked ({reason}); Orbax does not list it")
@@ -143,19 +149,32 @@ def verify(path: epath.PathLike, *, chunk_bytes: int = CHUNK_BYTES) -> VerifyRep
         if (path / _steps.CHECKPOINT_METADATA_FILE).exists()
         else checker.tree(path, depth=0)
     ):
-        found = _sniff.sniff_directory([c.name for c in path.iterdir()], str(path))
-        if found is not None and found.kind.is_orbax:
-            raise NotSafetensorsError(
-                f"{path}: holds no orbax-safetensors checkpoint or .safetensors file; it looks "
-                f"like {found.description}. {found.suggestion}",
-                found,
-            )
-        report._problem(
-            f"{path}: no orbax-safetensors checkpoint or .safetensors file found "
-            "(expected a file, a checkpoint directory, a step directory or a manager root)"
-        )
+        if not report.skipped:
+            raise _unverifiable(path)
+        # A root whose every step is uncommitted: ours, with no save that finished.
+        report._problem(f"{path}: no committed step to check (all skipped as uncommitted)")
     report.ok = not report.problems
     return report
+
+
+def _unverifiable(path: epath.Path) -> NotSafetensorsError:
+    """The error for a directory that holds nothing :func:`verify` checks: Orbax-native items
+    (which record no checksums), or no checkpoint at all."""
+    kind = _steps.classify(path)
+    orbax = kind is PathKind.ORBAX or (
+        kind is PathKind.STEP and PathKind.ORBAX in _steps.list_items(path).values()
+    )
+    found = _sniff.sniff_directory([c.name for c in path.iterdir()], str(path))
+    if found is None or not found.kind.is_orbax or not (orbax or kind is PathKind.ROOT):
+        return _steps.not_a_checkpoint(path)
+    what = found.description
+    if kind is PathKind.ORBAX:
+        what = f"an Orbax item written by {_steps.item_handler(path) or 'another handler'}"
+    return NotSafetensorsError(
+        f"{path}: {what}, which verify cannot check: an Orbax-native checkpoint records no "
+        f"checksums. {found.suggestion}",
+        found,
+    )
 
 
 def _natural(p: epath.Path) -> list[Any]:
@@ -223,12 +242,13 @@ class _Checker:
 
     # ----------------------------------------------------------------- one file
 
-    def file(self, path: epath.Path, foreign_raises: bool = False) -> None:
+    def file(self, path: epath.Path, unreadable_raises: bool = False) -> None:
         """A standalone ``.safetensors`` file (schema and checksums in its ``__metadata__``).
 
-        With ``foreign_raises``, a file that is recognisably something else (a msgpack
-        checkpoint, a pickle...) raises ``NotSafetensorsError`` instead of being a problem."""
-        header = self._header(path, foreign_raises)
+        With ``unreadable_raises``, a file whose header cannot be read (something else, such as
+        a msgpack checkpoint or a pickle, or a truncated or forged file) raises instead of
+        being a problem: the file named on its own is then no checkpoint to check."""
+        header = self._header(path, unreadable_raises)
         if header is None:
             return
         try:
@@ -240,11 +260,11 @@ class _Checker:
             self._schema(schema, stored, str(path))
         self._stream(stored)
 
-    def _header(self, path: epath.Path, foreign_raises: bool = False) -> _header.Header | None:
+    def _header(self, path: epath.Path, unreadable_raises: bool = False) -> _header.Header | None:
         try:
             header = _router.read_header(path)
         except _READ_ERRORS as e:
-            if foreign_raises and isinstance(e, NotSafetensorsError):
+            if unreadable_raises:
                 raise
             self.report._problem(_message(e, path))
             return None

@@ -1,0 +1,176 @@
+"""What a checkpoint holds, as a table of tensors; one ``.safetensors`` file listed from its
+header alone.
+
+:class:`TensorInfo` is one row of every tool's table (``catalog/sources.py`` builds them for
+every kind of checkpoint). :func:`list_file` lists one safetensors file without reading a
+tensor byte; a local file is read with ``os.pread`` and ``core/`` alone (no JAX, Orbax,
+NumPy or ml_dtypes, not even the storage layer), so that ``orbax-safetensors inspect
+FILE.safetensors`` answers at once. Other paths (object stores, FIFOs...) are read through
+``storage/router``, imported when one comes.
+
+Example::
+
+    table = list_file("model.safetensors")
+    table.tensors["params.w"].shape        # (512, 512)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import pathlib
+import stat
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from orbax_safetensors._src.core import dtypes as _dtypes
+from orbax_safetensors._src.core import header as _header
+from orbax_safetensors._src.core import metadata as _metadata
+from orbax_safetensors._src.core import schema as _schema
+from orbax_safetensors._src.core.errors import SchemaError
+
+if TYPE_CHECKING:
+    from etils import epath
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """One stored tensor: dotted name, safetensors dtype, shape, size and file (relative);
+    ``cast_from``: its dtype before a save-time dtype policy cast it (None: saved as is)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    file: str
+    cast_from: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out = {
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "bytes": self.nbytes,
+            "file": self.file,
+        }
+        if self.cast_from is not None:
+            out["cast_from"] = self.cast_from
+        return out
+
+
+class SourceKind(enum.StrEnum):
+    """What a table of tensors lists (shown in reports as the string itself)."""
+
+    FILE = "file"
+    ITEM = "item"
+    SAFETENSORS_DIR = "safetensors-dir"
+    ORBAX = "orbax"
+    FLAX_MSGPACK = "flax-msgpack"
+
+
+@dataclasses.dataclass(frozen=True)
+class FileTable:
+    """The tensors of one safetensors file and its user metadata (``__metadata__`` without the
+    entries this library reserves)."""
+
+    path: epath.Path | pathlib.PurePath
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, Any]
+    kind: SourceKind = SourceKind.FILE
+
+
+def cast_origins(leaves: Mapping[str, _schema.SchemaLeaf]) -> dict[str, str]:
+    """``{tensor name: dtype before the cast}`` of a validated schema's leaves (``SchemaLeaf``
+    by name, see ``schema.from_json``), for the tensors saved under a dtype policy.
+
+    Raises:
+      SchemaError: a recorded original dtype is not a safetensors dtype.
+    """
+    out = {}
+    for name, leaf in leaves.items():
+        node = leaf.node
+        if not isinstance(node, _schema.Tensor) or node.cast_from is None:
+            continue
+        origin = node.cast_from
+        if not _dtypes.is_known(origin):
+            raise SchemaError(f"leaf {name!r}: cast_from {origin!r} is not a safetensors dtype")
+        out[name] = str(origin)
+    return out
+
+
+def listed_origins(schema: Any) -> dict[str, str]:
+    """:func:`cast_origins` of a schema document as read from a file; none when the schema is
+    absent or unreadable (the tools still list the tensors)."""
+    if schema is None:
+        return {}
+    try:
+        return cast_origins(_schema.from_json(schema).leaves)
+    except SchemaError:
+        return {}
+
+
+def user_metadata(header: _header.Header) -> dict[str, str]:
+    """A file's ``__metadata__`` without the entries this library reserves (schema, checksums)."""
+    return {k: v for k, v in header.metadata.items() if k not in _metadata.RESERVED_KEYS}
+
+
+def header_schema(header: _header.Header, where: str) -> Any:
+    """The tree schema a file's header records, or None (absent, or not JSON)."""
+    try:
+        return _metadata.header_json(header, _metadata.SCHEMA_KEY, where)
+    except SchemaError:
+        return None
+
+
+def list_file(path: epath.PathLike) -> FileTable:
+    """The tensors of the safetensors file ``path``, from its header alone.
+
+    Raises:
+      NotSafetensorsError: ``path`` is recognisably something else (see ``read_header``).
+      HeaderError: the header is malformed, inconsistent or hostile.
+      OSError: ``path`` cannot be read.
+    """
+    path, header = _read_header(path)
+    origins = listed_origins(header_schema(header, str(path)))
+    tensors = {
+        name: TensorInfo(name, e.dtype, e.shape, e.nbytes, path.name, origins.get(name))
+        for name, e in header.tensors.items()
+    }
+    return FileTable(path, tensors, user_metadata(header))
+
+
+def _read_header(path: epath.PathLike) -> tuple[epath.Path | pathlib.PurePath, _header.Header]:
+    """``path`` (named as ``epath.Path`` names it) and its header: a local regular file read
+    here, anything else through ``storage/router``."""
+    name = os.fspath(path)
+    if "://" not in name:
+        try:
+            info = os.stat(name)
+        except OSError:
+            info = None  # the router raises the error every tool words the same way
+        if info is not None and stat.S_ISREG(info.st_mode):
+            local = pathlib.PurePath(name)
+            with open(name, "rb", buffering=0) as f:
+                header = _header.parse_file(_preader(f.fileno()), info.st_size, where=str(local))
+            return local, header
+    from etils import epath
+
+    from orbax_safetensors._src.storage import router
+
+    return epath.Path(path), router.read_header(path)
+
+
+def _preader(fd: int) -> Any:
+    """``pread(offset, n)`` of the open file ``fd``: ``n`` bytes, fewer at its end."""
+
+    def pread(offset: int, nbytes: int) -> bytes:
+        out = bytearray()
+        while len(out) < nbytes:
+            chunk = os.pread(fd, nbytes - len(out), offset + len(out))
+            if not chunk:
+                break
+            out += chunk
+        return bytes(out)
+
+    return pread
