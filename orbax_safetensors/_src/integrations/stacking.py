@@ -162,7 +162,7 @@ class Gather:
         """
         n = self.parts if self.fused is not None else 1
         rests = [
-            _join_shape(shapes[g : g + n], self.axis) if self.fused is not None else shapes[g]
+            self._joined(shapes[g : g + n]) if self.fused is not None else shapes[g]
             for g in range(0, len(shapes), n)
         ]
         if any(r != rests[0] for r in rests):
@@ -171,6 +171,23 @@ class Gather:
         ndim = len(rests[0]) + len(self.stacks)
         count_at = {a: c for a, (_, _, c) in zip(self.stack_axes(ndim), self.stacks)}
         return tuple(count_at[a] if a in count_at else next(rest) for a in range(ndim))
+
+    def _joined(self, parts: Sequence[Shape]) -> Shape:
+        # The slice of ``parts`` joined, if it splits back into them (``sizes``, or equal).
+        joined = _join_shape(parts, self.axis)
+        axis = self.axis % len(joined)
+        sizes = [p[axis] for p in parts]
+        if self.sizes is None and len(set(sizes)) > 1:
+            raise ValueError(
+                f"parts of sizes {sizes} along axis {self.axis} split back only with "
+                f"sizes={tuple(sizes)} (else into equal parts)"
+            )
+        self.part_sizes(joined[axis])  # (given sizes that do not match: the error)
+        if self.sizes is not None and list(self.sizes) != sizes:
+            raise ValueError(
+                f"parts of sizes {sizes} along axis {self.axis}, not {list(self.sizes)}"
+            )
+        return joined
 
     # ---- values
 
