@@ -267,8 +267,9 @@ class Rule:
         values (``{p:gate|up}``) stacks them in that order; any other counts ``0..n-1``.
       fused: a placeholder on one side only, declared with its parts in order
         (``{p:q_proj|k_proj|v_proj}``): the tensor of the other side is its parts joined along
-        ``axis`` (an axis of that tensor with its ``stacked`` axes left out) and split back in
-        ``sizes`` (default: equal parts).
+        ``axis`` (an axis of that tensor, in its own layout, with its ``stacked`` axes left
+        out: ``-1`` for a kernel ``(in, q + k + v)``, ``0`` for a weight ``(q + k + v, in)``)
+        and split back in ``sizes`` (required for parts of unequal sizes; default: equal).
       axis: see ``fused``.
       sizes: see ``fused``.
 
