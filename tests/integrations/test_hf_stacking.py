@@ -308,3 +308,16 @@ def test_the_derived_target_keeps_the_stored_dtype(tmp_dir):
     w = osf.load_pytorch(None, tmp_dir / "hf", mapping)["w"]
     assert w.dtype == jnp.bfloat16 and w.shape == (3, 2, 2)
     np.testing.assert_array_equal(np.asarray(w[..., 1]), hf["l.1.w"].T)
+
+
+def test_hostile_stack_lengths_are_refused_without_allocating(tmp_dir):
+    """A layer index of 10^12 is one present tensor of a huge stack, and a zero-size tensor
+    may stack 10^12 experts: both are reported, neither enumerated."""
+    save(tmp_dir / "far", {"l.0.w": normal(2), "l.1000000000000.w": normal(2)})
+    mapping = osf.KeyMapping([osf.Rule("l.{i}.w", "w", stacked="i")])
+    with pytest.raises(osf.TargetMismatchError, match=r"w joins 1000000000001 tensors but"):
+        osf.load_pytorch(None, tmp_dir / "far", mapping)
+    save(tmp_dir / "wide", {"experts": np.zeros((10**12, 0), np.float32)})
+    mapping = osf.KeyMapping([osf.Rule("experts", "e.{e}", stacked="e")])
+    with pytest.raises(osf.TargetMismatchError, match=r"would make 1000000000000 tensors"):
+        osf.abstract_pytorch(tmp_dir / "wide", mapping)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -76,14 +77,30 @@ class Gather:
         """Whether the tensor is one slot as it is (nothing stacked, nothing joined)."""
         return not self.stacks and self.fused is None
 
+    @property
+    def ranges(self) -> list[range]:
+        """The range of each position of a slot."""
+        ranges = [range(count) for _, _, count in self.stacks]
+        return ranges + ([range(self.parts)] if self.fused is not None else [])
+
+    @property
+    def size(self) -> int:
+        """How many slots the tensor holds (without listing them)."""
+        return math.prod(len(r) for r in self.ranges)
+
+    def slot_at(self, k: int) -> Slot:
+        """``slots[k]``, without listing the slots."""
+        out = []
+        for r in reversed(self.ranges):
+            k, i = divmod(k, len(r))
+            out.append(i)
+        return tuple(reversed(out))
+
     @functools.cached_property
     def slots(self) -> list[Slot]:
         """Every slot, in order: the stacked indices (the first stack outermost), then the
         part (innermost)."""
-        ranges = [range(count) for _, _, count in self.stacks]
-        if self.fused is not None:
-            ranges.append(range(self.parts))
-        return list(itertools.product(*ranges))
+        return list(itertools.product(*self.ranges))
 
     def stack_axes(self, ndim: int) -> list[int]:
         """The stacked axes of a whole tensor of ``ndim`` dimensions, in ``stacks`` order.
