@@ -118,11 +118,11 @@ class Link:
           ValueError: naming the link, when they do not split, stack, join or transform.
         """
         source, dest, fn = self._sides(to_torch)
+        probe = functools.cache(lambda shape: _probe_shape(fn, shape, dtype))  # (slots alike)
         try:
             slots = [source.slot_shapes(tuple(s)) for s in shapes]
             return [
-                dest.whole_shape([_probe_shape(fn, of[j], dtype) for of in slots])
-                for j in range(len(source.slots))
+                dest.whole_shape([probe(of[j]) for of in slots]) for j in range(len(source.slots))
             ]
         except ValueError as e:
             raise ValueError(f"{self._where()}: {e}") from None

@@ -96,6 +96,13 @@ class Gather:
             out.append(i)
         return tuple(reversed(out))
 
+    def position(self, slot: Slot) -> int:
+        """The position of ``slot`` in :attr:`slots` (``slot_at``'s inverse)."""
+        k = 0
+        for r, i in zip(self.ranges, slot):
+            k = k * len(r) + i
+        return k
+
     @functools.cached_property
     def slots(self) -> list[Slot]:
         """Every slot, in order: the stacked indices (the first stack outermost), then the
@@ -266,7 +273,6 @@ class Gather:
         ndim = len(shape)
         axes = self.stack_axes(ndim)
         rest_axes = self.slot_axes(ndim)
-        position = {slot: k for k, slot in enumerate(self.slots)}
         out: list[tuple[int, Box, Any]] = []
         for held in itertools.product(*(range(box[a].start, box[a].stop) for a in axes)):
             sub: list[Any] = [slice(None)] * ndim
@@ -275,7 +281,7 @@ class Gather:
             values = data[tuple(sub)] if axes else data
             rest_box = tuple(box[a] for a in rest_axes)
             if self.fused is None:
-                out.append((position[held], rest_box, values))
+                out.append((self.position(held), rest_box, values))
                 continue
             axis, starts = self._part_bounds(tuple(shape[a] for a in rest_axes))
             s = rest_box[axis]
@@ -287,7 +293,7 @@ class Gather:
                 piece_box[axis] = slice(start - lo, stop - lo)
                 inside: list[Any] = [slice(None)] * len(rest_box)
                 inside[axis] = slice(start - int(s.start), stop - int(s.start))
-                out.append((position[(*held, p)], tuple(piece_box), values[tuple(inside)]))
+                out.append((self.position((*held, p)), tuple(piece_box), values[tuple(inside)]))
         return out
 
     def place(self, k: int, box: Box, data: Any, shape: Shape) -> tuple[Box, Any]:
