@@ -321,3 +321,46 @@ def test_hostile_stack_lengths_are_refused_without_allocating(tmp_dir):
     mapping = osf.KeyMapping([osf.Rule("experts", "e.{e}", stacked="e")])
     with pytest.raises(osf.TargetMismatchError, match=r"would make 1000000000000 tensors"):
         osf.abstract_pytorch(tmp_dir / "wide", mapping)
+
+
+class Interleave:
+    """RoPE's rotate-half layout of ``head_dim`` as interleaved pairs (a permutation of the
+    last axis), a transform of one's own."""
+
+    def to_flax(self, x):
+        d = x.shape[-1]
+        order = np.stack([np.arange(d // 2), np.arange(d // 2, d)], -1).reshape(-1)
+        return x[..., order]
+
+    def to_torch(self, x):
+        d = x.shape[-1]
+        order = np.stack([np.arange(d // 2), np.arange(d // 2, d)], -1).reshape(-1)
+        return x[..., np.argsort(order)]
+
+
+class Scale:
+    def to_flax(self, x):
+        return x * 2
+
+    def to_torch(self, x):
+        return x / 2
+
+
+def test_value_transforms_of_ones_own_apply_to_each_slice(tmp_dir):
+    dim = 4
+    hf = {f"l.{i}.q.weight": normal(H * dim, E) for i in range(L)}
+    hf |= {f"l.{i}.norm.weight": normal(E) for i in range(L)}
+    save(tmp_dir / "hf", hf)
+    mapping = osf.KeyMapping(
+        [
+            osf.Rule("l.{i}.q.weight", "query",
+                     osf.Chain(T, osf.SplitHeads(head_dim=dim), Interleave()), stacked={"i": 1}),
+            osf.Rule("l.{i}.norm.weight", "norm", Scale(), stacked={"i": -1}),
+        ]
+    )  # fmt: skip
+    params = osf.load_pytorch(None, tmp_dir / "hf", mapping)
+    q = hf["l.2.q.weight"].T.reshape(E, H, dim)
+    np.testing.assert_array_equal(params["query"][:, 2], q[..., [0, 2, 1, 3]])
+    np.testing.assert_array_equal(params["norm"][:, 1], hf["l.1.norm.weight"] * 2)
+    assert osf.export_pytorch(params, tmp_dir / "out", mapping).ok
+    assert_same_files(tmp_dir / "out", tmp_dir / "hf")
