@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     )
     from orbax_safetensors._src.integrations.presets import preset_mapping
     from orbax_safetensors._src.integrations.pytorch import (
+        abstract_pytorch,
         export_pytorch,
         load_pytorch,
     )
@@ -123,6 +124,7 @@ _LAZY: dict[str, str] = {
     "load_model": "integrations.nnx",
     "save_model": "integrations.nnx",
     "preset_mapping": "integrations.presets",
+    "abstract_pytorch": "integrations.pytorch",
     "export_pytorch": "integrations.pytorch",
     "load_pytorch": "integrations.pytorch",
     "manager_options_for": "orbax.object_storage",
@@ -267,6 +269,7 @@ __all__ = [
     "VerifyReport",
     "WriteStats",
     "__version__",
+    "abstract_pytorch",
     "convert",
     "export_pytorch",
     "handler_registry",
