@@ -32,7 +32,11 @@ from orbax_safetensors._src.integrations.key_mapping import (
 )
 from orbax_safetensors._src.integrations.nnx import load_model, save_model
 from orbax_safetensors._src.integrations.presets import preset_mapping
-from orbax_safetensors._src.integrations.pytorch import export_pytorch, load_pytorch
+from orbax_safetensors._src.integrations.pytorch import (
+    abstract_pytorch,
+    export_pytorch,
+    load_pytorch,
+)
 from orbax_safetensors._src.orbax.object_storage import manager_options_for
 from orbax_safetensors._src.orbax.restoring import load_file, restore_directory
 from orbax_safetensors._src.orbax.v0 import (
@@ -91,6 +95,7 @@ __all__ = [
     "VerifyReport",
     "WriteStats",
     "__version__",
+    "abstract_pytorch",
     "convert",
     "export_pytorch",
     "handler_registry",

@@ -7,8 +7,8 @@ rule maps, targets nothing fills, shapes that do not fit) is found before a byte
 a batch of links at a time:
 
 - a target sharded over several devices is read as PyTorch tensors sharded alike (the target's
-  partition spec pulled back through the rule: a transpose permutes it, a stacked layer drops
-  axis 0, fused parts keep it; a reshape reads the tensor replicated), through the pipeline's
+  partition spec pulled back through the rule: a transpose permutes it, a stacked axis is
+  dropped, fused parts keep it; a reshape reads the tensor replicated), through the pipeline's
   ranged reader, so each process reads the byte ranges of its own shards; the rule then runs
   on device (``jit``, ``jax.numpy``) into the target's sharding;
 - any other target is read whole to host, transformed in numpy and placed (or kept numpy).
@@ -94,7 +94,7 @@ def plan_links(
     """The links filling ``targets`` from ``tensors`` (the tied keys among them), and the
     report of every problem: keys no rule maps, names the target lacks, names two keys fill,
     shapes that do not fit, targets nothing fills."""
-    links, report = _links.load_links(mapping, tensors)
+    links, report = _links.load_links(mapping, {k: t.shape for k, t in tensors.items()})
     moves: list[_links.Link] = []
     claimed: dict[str, str] = {}
     for link in links:
@@ -178,18 +178,23 @@ def _fits(mesh: Any, spec: tuple[Any, ...], shape: tuple[int, ...]) -> tuple[Any
 def _torch_shardings(
     link: _links.Link, targets: Sequence[Target], shapes: Sequence[tuple[int, ...]]
 ) -> list[Any]:
-    """The sharding each PyTorch tensor of ``link`` is read with (see the module docstring)."""
+    """The sharding each PyTorch tensor of ``link`` is read with (see the module docstring):
+    the first target's partition spec without its stacked axes (a slot's spec), pulled back
+    through the rule's transform, with unsharded axes where the PyTorch tensor stacks."""
     first = targets[0].sharding
     mesh = first.mesh
-    spec = _spec(first, len(targets[0].shape))
-    rule = link.rule
-    if link.parts_on_torch and rule.stacked is not None:
-        spec = spec[1:]  # each layer is one PyTorch tensor
-    pulled = _pull_spec(rule.transform_or_identity, spec)
+    ndim = len(targets[0].shape)
+    spec = _spec(first, ndim)
+    spec = tuple(spec[a] for a in link.flax_gather.slot_axes(ndim))
+    pulled = _pull_spec(link.rule.transform_or_identity, spec)
     out = []
     for shape in shapes:
-        entries = pulled if pulled is not None and len(pulled) == len(shape) else ()
-        entries = _fits(mesh, entries, shape) if entries else ()
+        entries: tuple[Any, ...] = ()
+        if pulled is not None and len(pulled) + len(link.torch_gather.stacks) == len(shape):
+            stacked = set(link.torch_gather.stack_axes(len(shape)))
+            slot = iter(pulled)
+            entries = tuple(None if a in stacked else next(slot) for a in range(len(shape)))
+            entries = _fits(mesh, entries, shape)
         out.append(jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*entries)))
     return out
 
@@ -272,34 +277,18 @@ def _run_on_device(link: _links.Link, targets: Sequence[Target], arrays: Sequenc
     dtypes = tuple(t.dtype for t in targets)
     shardings = tuple(t.sharding for t in targets)
     try:
-        fn = _jitted(link.rule, link.layers, len(link.flax), len(link.torch), dtypes, shardings)
+        fn = _jitted(link.anonymous(), dtypes, shardings)
     except TypeError:  # a rule holding an unhashable transform: compiled for this link alone
-        fn = _jitted.__wrapped__(
-            link.rule, link.layers, len(link.flax), len(link.torch), dtypes, shardings
-        )
+        fn = _jitted.__wrapped__(link.anonymous(), dtypes, shardings)
     return fn(*arrays)
 
 
 @functools.lru_cache(maxsize=256)
-def _jitted(
-    rule: Any,
-    layers: int,
-    n_flax: int,
-    n_torch: int,
-    dtypes: tuple[np.dtype, ...],
-    shardings: tuple[Any, ...],
-) -> Any:
-    # One compiled function per rule and target layout, shared by every link of that rule (the
-    # layers of a model that is not scanned): a link's arithmetic depends on its rule, layer
-    # count and tensor counts only, not its names.
+def _jitted(link: _links.Link, dtypes: tuple[np.dtype, ...], shardings: tuple[Any, ...]) -> Any:
+    # One compiled function per anonymous link (rule, counts, tensor counts: not its names)
+    # and target layout, shared by every link of that layout (the layers of a model that is
+    # not scanned).
     import jax.numpy as jnp
-
-    link = _links.Link(
-        rule,
-        tuple(f"flax{i}" for i in range(n_flax)),
-        tuple(f"torch{i}" for i in range(n_torch)),
-        layers,
-    )
 
     def apply(*xs: Any) -> tuple[Any, ...]:
         outs = link.to_flax(list(xs), xp=jnp)
@@ -356,6 +345,60 @@ def load_flat(
 
 
 # --------------------------------------------------------------------------- trees
+
+
+def derived_targets(
+    tensors: Mapping[str, _sources.TensorInfo], mapping: KeyMapping
+) -> dict[str, Target]:
+    """The target ``tensors`` (by PyTorch key) and ``mapping`` imply: every Flax tensor the
+    mapping's links make of them (stacked and fused ones joined), of the shape the link gives
+    and the stored dtype (the promotion of a link's dtypes if they differ), on the default
+    device. Names the mapping ignores are left out; tensors no rule maps and links whose
+    shapes do not fit too (:func:`plan_links` reports them)."""
+    links, _ = _links.load_links(mapping, {k: t.shape for k, t in tensors.items()})
+    targets: dict[str, Target] = {}
+    for link in links:
+        infos = [tensors[k] for k in link.torch]
+        dtype = np.result_type(*(_dtypes.to_numpy(t.dtype) for t in infos))
+        try:
+            shapes = link.flax_shapes([t.shape for t in infos], dtype)
+        except ValueError:
+            continue
+        for name, shape in zip(link.flax, shapes):
+            if not mapping.flax_ignored(name):
+                targets.setdefault(name, Target(tuple(shape), np.dtype(dtype)))
+    return targets
+
+
+def nested(flat: Mapping[str, Any]) -> dict[Any, Any]:
+    """The nested dicts of dotted names ``flat``: ``{"a.0.b": x}`` -> ``{"a": {0: {"b": x}}}``.
+    The keys of a dict whose keys are all decimal numbers are ``int`` s (as ``nnx.state``
+    and ``nnx.to_pure_dict`` key a list's items, so that ``nnx.update`` takes the tree), the
+    others strings; joined with ``.`` again, the key paths are the names.
+
+    Raises:
+      ValueError: a name that is also the prefix of another (``a`` and ``a.b``).
+    """
+    tree: dict[str, Any] = {}
+    for name, value in flat.items():
+        node = tree
+        *parents, last = name.split(".")
+        for i, part in enumerate(parents):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ValueError(f"{'.'.join(parents[: i + 1])} is a tensor and holds {name}")
+            node = child
+        if last in node:
+            raise ValueError(f"{name} is a tensor and holds {sorted(node[last])[0]!r}")
+        node[last] = value
+
+    def keyed(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        numbers = all(k.isdecimal() and str(int(k)) == k for k in node)
+        return {(int(k) if numbers else k): keyed(v) for k, v in node.items()}
+
+    return keyed(tree)
 
 
 def _entry_text(entry: Any) -> str:

@@ -7,8 +7,11 @@ with them.
   (``[^.]+``), ``{i:REGEX}`` matches ``REGEX`` (declared once, on either side, it holds on
   both); both sides use the same placeholders, so every rule works in both directions;
 - ``stacked="i"``: one Flax tensor ``[L, ...]`` is the L PyTorch tensors ``i = 0..L-1``
-  (scanned layers); ``fused="p"`` with ``{p:a|b|c}`` on one side: one tensor of the other
-  side is the parts joined along ``axis`` (fused QKV, gate/up); ``links.py`` applies them;
+  (scanned layers); ``stacked={"e": 0, "i": 1}``: several placeholders, each on any axis,
+  and a placeholder of the Flax side only stacks on the PyTorch side; ``fused="p"`` with
+  ``{p:a|b|c}`` on one side: one tensor of the other side is the parts joined along ``axis``
+  (fused QKV, gate/up); ``stacking.py`` says how a tensor holds its slices, ``links.py``
+  groups tensors and applies them;
 - transforms have a ``to_flax`` and a ``to_torch`` side: :class:`Transpose` (``nn.Linear``
   weight ``(out, in)`` -> Flax kernel ``(in, out)``), :class:`SplitHeads` (``(heads * dim)``
   -> ``(heads, dim)`` for attention projections), :class:`Reshape` and :class:`Chain`;
@@ -30,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -204,6 +207,47 @@ def _alternatives(regex: str | None, where: str) -> tuple[str, ...]:
     return parts
 
 
+StackedSpec = str | Sequence[str | tuple[str, int]] | Mapping[str, int] | None
+
+
+def _stack_axes(stacked: StackedSpec, where: str) -> tuple[tuple[str, int], ...] | None:
+    # ``"i"``, ``("i", "e")`` (axes 0, 1), ``{"i": 1, "e": 0}`` or ``(("i", 1), ("e", 0))``
+    # -> ``(("i", 0),)`` ...: each stacking placeholder with its axis in the stacked tensor.
+    if stacked is None:
+        return None
+    if isinstance(stacked, str):
+        entries: list[Any] = [stacked]
+    elif isinstance(stacked, Mapping):
+        entries = list(stacked.items())
+    else:
+        entries = list(stacked)
+    out: list[tuple[str, int]] = []
+    for position, entry in enumerate(entries):
+        if isinstance(entry, str):
+            name, axis = entry, position
+        elif (
+            isinstance(entry, Sequence)
+            and len(entry) == 2
+            and isinstance(entry[0], str)
+            and isinstance(entry[1], (int, np.integer))
+            and not isinstance(entry[1], bool)
+        ):
+            name, axis = entry[0], int(entry[1])
+        else:
+            raise ValueError(
+                f"{where}: stacked= takes a placeholder name, names (axes 0, 1, ...), "
+                f"{{name: axis}} or (name, axis) pairs; got {stacked!r}"
+            )
+        out.append((name, axis))
+    names = [n for n, _ in out]
+    axes = [a for _, a in out]
+    if not out or len(set(names)) != len(names) or len(set(axes)) != len(axes):
+        raise ValueError(
+            f"{where}: stacked={stacked!r} must name distinct placeholders on distinct axes"
+        )
+    return tuple(out)
+
+
 @dataclasses.dataclass(frozen=True)
 class Rule:
     """One rename rule: a PyTorch key pattern, a Flax name pattern and a transform.
@@ -213,12 +257,18 @@ class Rule:
       flax: e.g. ``"layers.{i}.mlp.fc1.kernel"`` (the same placeholders). A placeholder's
         regex (``{p:q_proj|k_proj}``) is declared once, on either side, and holds on both.
       transform: applied to the tensor (default: none); with ``stacked`` or ``fused``, to each
-        part (one layer, one projection).
-      stacked: a placeholder of the PyTorch side only (``"i"``): the Flax tensor ``[L, ...]``
-        holds the L PyTorch tensors ``i = 0..L-1`` along axis 0 (scanned layers).
+        slice (one layer of one expert, one projection): see "Stacked layouts" in
+        ``docs/huggingface.md``.
+      stacked: placeholders that index axes of a stacked tensor, each on one side only: the
+        tensor of the *other* side holds them all on its ``axis``. ``"i"`` (axis 0),
+        ``("i", "e")`` (axes 0 and 1), ``{"i": 1, "e": 0}`` or ``(("i", 1), ("e", 0))``
+        (any axes of the stacked tensor, negative ones counted from its end). ``{i}`` of the
+        PyTorch side only: the Flax tensor is ``[..., L, ...]`` (scanned layers); of the Flax
+        side only: the PyTorch tensor stacks the Flax tensors. A placeholder listing its
+        values (``{p:gate|up}``) stacks them in that order; any other counts ``0..n-1``.
       fused: a placeholder on one side only, declared with its parts in order
         (``{p:q_proj|k_proj|v_proj}``): the tensor of the other side is its parts joined along
-        ``axis`` (of the joined tensor, per layer when ``stacked``) and split back in
+        ``axis`` (an axis of that tensor with its ``stacked`` axes left out) and split back in
         ``sizes`` (default: equal parts).
       axis: see ``fused``.
       sizes: see ``fused``.
@@ -230,12 +280,15 @@ class Rule:
         Rule("layers.{i}.mlp.fc.weight", "layers.mlp.fc.kernel", Transpose(), stacked="i")
         Rule("l.{i}.{p:q_proj|k_proj|v_proj}.weight", "l.{i}.qkv.kernel", Transpose(),
              fused="p", axis=-1, sizes=(64, 16, 16))
+        # MaxText's MoE experts (experts, L, emb, mlp) from per-layer, per-expert nn.Linear
+        Rule("layers.{i}.experts.{e}.w1.weight", "decoder.layers.moe.wi_0", Transpose(),
+             stacked={"e": 0, "i": 1})
     """
 
     torch: str
     flax: str
     transform: Any = None
-    stacked: str | None = None
+    stacked: Any = None
     fused: str | None = None
     axis: int = 0
     sizes: tuple[int, ...] | None = None
@@ -252,29 +305,35 @@ class Rule:
                     f"{where}: placeholder {{{name}}} declares two regexes; declare it once"
                 )
         object.__setattr__(self, "_regexes", tuple(sorted(declared.items())))
+        object.__setattr__(self, "stacked", _stack_axes(self.stacked, where))
         torch_names, flax_names = set(self._torch_re[1]), set(self._flax_re[1])
-        collective = {n for n in (self.stacked, self.fused) if n is not None}
-        if self.stacked is not None and (
-            self.stacked not in torch_names or self.stacked in flax_names
-        ):
-            raise ValueError(
-                f"{where}: stacked={self.stacked!r} must be a placeholder of the PyTorch side "
-                "only (it indexes axis 0 of the Flax tensor)"
-            )
+        for name in self.stacked_names:
+            if (name in torch_names) == (name in flax_names):
+                raise ValueError(
+                    f"{where}: stacked placeholder {{{name}}} must be on one side only (the "
+                    "other side's tensor stacks its values); "
+                    + (
+                        "on both sides each value is its own tensor on both: a per-layer "
+                        "rule, leave it out of stacked="
+                        if name in torch_names
+                        else "neither pattern has it"
+                    )
+                )
         if self.fused is not None:
             if (self.fused in torch_names) == (self.fused in flax_names):
                 raise ValueError(
                     f"{where}: fused={self.fused!r} must be a placeholder of one side only"
                 )
-            if self.stacked is not None and self.fused in flax_names:
+            if self.fused in self.stacked_names:
                 raise ValueError(
-                    f"{where}: stacked and fused together need both placeholders on the "
-                    "PyTorch side"
+                    f"{where}: {{{self.fused}}} is both stacked and fused; a placeholder "
+                    "either stacks its values on a new axis or joins them along an axis"
                 )
             _alternatives(declared.get(self.fused), where)
+        collective = self.collective
         if torch_names - collective != flax_names - collective:
             raise ValueError(
-                f"{where}: both sides need the same placeholders "
+                f"{where}: both sides need the same placeholders, except stacked and fused ones "
                 f"(torch has {sorted(torch_names)}, flax has {sorted(flax_names)})"
             )
         if self.sizes is not None:
@@ -294,6 +353,44 @@ class Rule:
         if self.fused is None:
             return ()
         return _alternatives(dict(self._regexes)[self.fused], self.torch)
+
+    @property
+    def stacked_names(self) -> tuple[str, ...]:
+        """The stacking placeholders, in the order ``stacked`` gives them."""
+        return tuple(n for n, _ in self.stacked or ())
+
+    @property
+    def collective(self) -> frozenset[str]:
+        """The placeholders that gather several tensors into one (stacked and fused)."""
+        return frozenset((*self.stacked_names, *([self.fused] if self.fused else [])))
+
+    def gathered_by(self, *, flax: bool) -> frozenset[str]:
+        """The collective placeholders a tensor of the Flax side (``flax``) or the PyTorch
+        side gathers: those of the other side's pattern only."""
+        other = self._torch_re[1] if flax else self._flax_re[1]
+        return frozenset(n for n in self.collective if n in other)
+
+    def stack_values(self, name: str) -> tuple[str, ...] | None:
+        """The values stacking placeholder ``name`` stacks, in order, when it lists them
+        (``{p:gate|up}``); None when it counts ``0..n-1``."""
+        regex = dict(self._regexes).get(name)
+        parts = tuple((regex or "").split("|"))
+        if not regex or any(not p or re.escape(p) != p for p in parts):
+            return None
+        return parts
+
+    def value_index(self, name: str, value: str) -> int | None:
+        """The position of ``value`` along collective placeholder ``name`` (a fused part, a
+        listed stacked value, or a count written ``0``, ``1``, ...), or None if it is none."""
+        listed = self.parts if name == self.fused else self.stack_values(name)
+        if listed is not None:
+            return listed.index(value) if value in listed else None
+        return int(value) if value.isdecimal() and str(int(value)) == value else None
+
+    def value_at(self, name: str, index: int) -> str:
+        """The value of collective placeholder ``name`` at position ``index``."""
+        listed = self.parts if name == self.fused else self.stack_values(name)
+        return listed[index] if listed is not None else str(index)
 
     @property
     def one_to_one(self) -> bool:
@@ -320,25 +417,24 @@ class Rule:
 
     def match_torch(self, key: str) -> str | None:
         """The Flax name for PyTorch ``key``, or None if the rule does not apply (with
-        ``stacked``/``fused``: the joined tensor's name, or the part named like ``key``)."""
+        ``stacked``/``fused``: the tensor holding ``key``'s values, or the first of the
+        Flax tensors ``key`` holds)."""
         values = self.torch_groups(key)
         if values is None:
             return None
-        if self.fused is not None and self.fused not in values:
-            values = {**values, self.fused: self.parts[0]}
-        return _fill(self.flax, values)
+        return _fill(self.flax, self._first_values(values))
 
     def match_flax(self, name: str) -> str | None:
         """The PyTorch key for Flax ``name``, or None if the rule does not apply (with
-        ``stacked``/``fused``: the first part's key)."""
+        ``stacked``/``fused``: the first of the keys ``name`` holds, or the key holding it)."""
         values = self.flax_groups(name)
         if values is None:
             return None
-        if self.stacked is not None:
-            values = {**values, self.stacked: "0"}
-        if self.fused is not None and self.fused not in values:
-            values = {**values, self.fused: self.parts[0]}
-        return _fill(self.torch, values)
+        return _fill(self.torch, self._first_values(values))
+
+    def _first_values(self, values: dict[str, str]) -> dict[str, str]:
+        # ``values`` with each collective placeholder they lack at its first value.
+        return {**{n: self.value_at(n, 0) for n in self.collective}, **values}
 
     @property
     def transform_or_identity(self) -> Transform:

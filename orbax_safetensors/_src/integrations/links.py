@@ -1,11 +1,13 @@
 """A key mapping applied to a table of names: the :class:`Link` s of a load or an export.
 
 A link ties one or more Flax tensors to one or more PyTorch tensors through one :class:`Rule`:
-one to one for a plain rule; one Flax tensor to L (``stacked``) or P (``fused`` on the PyTorch
-side) or L * P PyTorch tensors; P Flax tensors to one PyTorch tensor (``fused`` on the Flax side).
-Links carry the shape arithmetic (checked before any byte moves) and the tensor arithmetic
-(host numpy arrays, one link at a time). :func:`lora_merges` finds the LoRA adapters an export
-folds into their base kernels.
+one to one for a plain rule; else the tensors of each side that the rule's ``stacked`` and
+``fused`` placeholders gather (``stacking.Gather``): one scanned Flax tensor to its L layers'
+PyTorch tensors, L * X of them with experts, P parts of a fused projection, or the reverse,
+and several tensors on both sides (separate stacked Flax projections from fused per-layer
+PyTorch ones). Links carry the shape arithmetic (checked before any byte moves) and the tensor
+arithmetic (host numpy arrays or ``jax.numpy``, one link or one tensor at a time).
+:func:`lora_merges` finds the LoRA adapters an export folds into their base kernels.
 
 Example::
 
@@ -16,12 +18,14 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from orbax_safetensors._src.integrations.key_mapping import KeyMapping, MappingReport, Rule
+from orbax_safetensors._src.integrations.stacking import Gather
 
 Shape = tuple[int, ...]
 
@@ -31,57 +35,66 @@ def _probe_shape(fn: Any, shape: Shape, dtype: Any) -> Shape:
     return tuple(int(d) for d in np.shape(fn(probe)))
 
 
-def _sizes(rule: Rule, total: int, n: int, where: str) -> list[int]:
-    if rule.sizes is not None:
-        if len(rule.sizes) != n or sum(rule.sizes) != total:
-            raise ValueError(f"{where}: sizes {list(rule.sizes)} do not split {total} in {n}")
-        return list(rule.sizes)
-    if total % n:
-        raise ValueError(f"{where}: {total} does not split into {n} equal parts (give sizes=)")
-    return [total // n] * n
+def gather_of(rule: Rule, counts: Mapping[str, int], *, flax: bool) -> Gather:
+    """How a tensor of the Flax side (``flax``) or the PyTorch side of ``rule`` holds the
+    other side's tensors, with ``counts`` values of each stacked placeholder."""
+    names = rule.gathered_by(flax=flax)
+    stacks = tuple((n, a, int(counts[n])) for n, a in rule.stacked or () if n in names)
+    if rule.fused is None or rule.fused not in names:
+        return Gather(stacks)
+    return Gather(stacks, rule.fused, len(rule.parts), rule.axis, rule.sizes)
 
 
-def _split_shape(shape: Shape, axis: int, sizes: list[int]) -> list[Shape]:
-    axis %= len(shape)
-    return [(*shape[:axis], s, *shape[axis + 1 :]) for s in sizes]
-
-
-def _join_shape(shapes: Sequence[Shape], axis: int, where: str) -> Shape:
-    first = shapes[0]
-    ax = axis % len(first)
-    for s in shapes[1:]:
-        if len(s) != len(first) or s[:ax] + s[ax + 1 :] != first[:ax] + first[ax + 1 :]:
-            raise ValueError(f"{where}: parts {[list(p) for p in shapes]} do not join on {axis}")
-    return (*first[:ax], sum(s[ax] for s in shapes), *first[ax + 1 :])
+def _gathered_order(rule: Rule, *, flax: bool) -> list[str]:
+    # The placeholders a tensor of that side gathers, in the order of its slots' positions.
+    names = rule.gathered_by(flax=flax)
+    fused = [rule.fused] if rule.fused in names else []
+    return [n for n in rule.stacked_names if n in names] + fused
 
 
 @dataclasses.dataclass(frozen=True)
 class Link:
     """Flax tensors ``flax`` <-> PyTorch tensors ``torch`` through ``rule``.
 
-    With ``stacked``, ``layers`` is L and ``torch`` lists the layers' keys in order (each
-    layer's fused parts in order). Arrays passed in and returned follow ``flax``/``torch``.
+    Each Flax tensor holds one slot of every PyTorch tensor and the reverse
+    (``stacking.Gather``): ``flax[k]`` is the slot ``k`` of each PyTorch tensor's gather, and
+    ``torch[j]`` the slot ``j`` of each Flax tensor's gather. ``counts`` gives the number of
+    values of each stacked placeholder. The rule's transform maps one slot (one layer of one
+    expert, one part) on its own: towards PyTorch, each slot is taken out of its Flax tensor,
+    transformed, and the PyTorch tensor assembled from its slots; towards Flax the reverse.
+    Arrays passed in and returned follow ``flax``/``torch``.
     """
 
     rule: Rule
     flax: tuple[str, ...]
     torch: tuple[str, ...]
-    layers: int = 0
+    counts: tuple[tuple[str, int], ...] = ()
 
-    @property
-    def parts_on_torch(self) -> bool:
-        """Whether one Flax tensor is several PyTorch tensors (stacked or fused there)."""
-        return len(self.flax) == 1 and not self.rule.one_to_one
+    @functools.cached_property
+    def flax_gather(self) -> Gather:
+        """How each Flax tensor holds its slots of the PyTorch tensors."""
+        return gather_of(self.rule, dict(self.counts), flax=True)
 
-    def _n_parts(self) -> int:
-        return max(1, len(self.rule.parts))
+    @functools.cached_property
+    def torch_gather(self) -> Gather:
+        """How each PyTorch tensor holds its slots of the Flax tensors."""
+        return gather_of(self.rule, dict(self.counts), flax=False)
 
     def _where(self) -> str:
-        return f"{', '.join(self.flax)} <-> {', '.join(self.torch[:3])}" + (
-            ", ..." if len(self.torch) > 3 else ""
-        )
+        def few(names: Sequence[str]) -> str:
+            return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
 
-    # ---- shapes and values: one to one (transformed), else joined or split on either side
+        return f"{few(self.flax)} <-> {few(self.torch)}"
+
+    def anonymous(self) -> Link:
+        """This link without its names and a one-to-one rule's patterns: what its arithmetic
+        depends on (links of one layout share a compiled function)."""
+        rule = self.rule
+        if rule.one_to_one:
+            rule = Rule("x", "x", rule.transform)
+        return Link(rule, ("",) * len(self.flax), ("",) * len(self.torch), self.counts)
+
+    # ---- shapes and values: each slot transformed on its own, taken out and put together
 
     def torch_shapes(self, shapes: Sequence[Shape], dtype: Any) -> list[Shape]:
         """The PyTorch shapes of Flax tensors of ``shapes`` (see :meth:`shapes`)."""
@@ -91,59 +104,28 @@ class Link:
         """The Flax shapes of PyTorch tensors of ``shapes`` (see :meth:`shapes`)."""
         return self.shapes(shapes, dtype, to_torch=False)
 
+    def _sides(self, to_torch: bool) -> tuple[Gather, Gather, Any]:
+        t = self.rule.transform_or_identity
+        if to_torch:
+            return self.flax_gather, self.torch_gather, t.to_torch
+        return self.torch_gather, self.flax_gather, t.to_flax
+
     def shapes(self, shapes: Sequence[Shape], dtype: Any, *, to_torch: bool) -> list[Shape]:
         """The shapes on the PyTorch side (``to_torch``) or the Flax side of the other side's
         tensors of ``shapes``, of ``dtype``.
 
         Raises:
-          ValueError: when they do not split, join or transform.
+          ValueError: naming the link, when they do not split, stack, join or transform.
         """
-        t = self.rule.transform_or_identity
-        fn = t.to_torch if to_torch else t.to_flax
-        if self.rule.one_to_one:
-            return [_probe_shape(fn, shapes[0], dtype)]
-        if to_torch:
-            if self.parts_on_torch:
-                return self._torch_parts_shapes(shapes[0], fn, dtype)
-            parts = [_probe_shape(fn, s, dtype) for s in shapes]
-            return [_join_shape(parts, self.rule.axis, self._where())]
-        if self.parts_on_torch:
-            return self._flax_whole_shape(shapes, fn, dtype)
-        shape = shapes[0]
-        total = shape[self.rule.axis % len(shape)] if shape else 0
-        sizes = _sizes(self.rule, total, len(self.flax), self._where())
-        return [_probe_shape(fn, s, dtype) for s in _split_shape(shape, self.rule.axis, sizes)]
-
-    def _torch_parts_shapes(self, shape: Shape, fn: Any, dtype: Any) -> list[Shape]:
-        # One Flax tensor, unstacked into layers and/or split into fused parts.
-        if self.rule.stacked is not None:
-            if not shape or shape[0] != self.layers:
-                raise ValueError(f"{self._where()}: {list(shape)} has no {self.layers} layers")
-            shape = shape[1:]
-        layer = [shape]
-        if self.rule.fused is not None:
-            total = shape[self.rule.axis % len(shape)] if shape else 0
-            sizes = _sizes(self.rule, total, self._n_parts(), self._where())
-            layer = _split_shape(shape, self.rule.axis, sizes)
-        per_layer = [_probe_shape(fn, s, dtype) for s in layer]
-        return per_layer * max(1, self.layers)
-
-    def _flax_whole_shape(self, shapes: Sequence[Shape], fn: Any, dtype: Any) -> list[Shape]:
-        # Layers and/or fused parts on the PyTorch side, joined and stacked into one tensor.
-        n = self._n_parts()
-        layers = []
-        for i in range(max(1, self.layers)):
-            parts = [_probe_shape(fn, s, dtype) for s in shapes[i * n : (i + 1) * n]]
-            layers.append(
-                _join_shape(parts, self.rule.axis, self._where()) if self.rule.fused else parts[0]
-            )
-        if self.rule.stacked is None:
-            return [layers[0]]
-        if any(s != layers[0] for s in layers):
-            raise ValueError(
-                f"{self._where()}: layers of shapes {sorted(set(layers))} do not stack"
-            )
-        return [(len(layers), *layers[0])]
+        source, dest, fn = self._sides(to_torch)
+        try:
+            slots = [source.slot_shapes(tuple(s)) for s in shapes]
+            return [
+                dest.whole_shape([_probe_shape(fn, of[j], dtype) for of in slots])
+                for j in range(len(source.slots))
+            ]
+        except ValueError as e:
+            raise ValueError(f"{self._where()}: {e}") from None
 
     def to_torch(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         """The PyTorch tensors of the Flax ``arrays``."""
@@ -157,43 +139,23 @@ class Link:
     def values(self, arrays: Sequence[Any], *, to_torch: bool, xp: Any = np) -> list[Any]:
         """The tensors on the PyTorch side (``to_torch``) or the Flax side of the other side's
         ``arrays`` (host numpy arrays, as :meth:`shapes` has them; or ``xp`` arrays)."""
-        t = self.rule.transform_or_identity
-        fn = t.to_torch if to_torch else t.to_flax
-        if self.rule.one_to_one:
-            return [fn(arrays[0])]
-        if to_torch and not self.parts_on_torch:
-            return [np.concatenate([fn(a) for a in arrays], axis=self.rule.axis)]
-        if to_torch:
-            x = arrays[0]
-            layers = [x[i] for i in range(self.layers)] if self.rule.stacked is not None else [x]
-            out = []
-            for y in layers:
-                parts = [y]
-                if self.rule.fused is not None:
-                    parts = self._split(y, self._n_parts())
-                out += [fn(p) for p in parts]
-            return out
-        if not self.parts_on_torch:
-            return [fn(p) for p in self._split(arrays[0], len(self.flax), xp)]
-        n = self._n_parts()
-        joined = []
-        for i in range(max(1, self.layers)):
-            parts = [fn(a) for a in arrays[i * n : (i + 1) * n]]
-            joined.append(
-                xp.concatenate(parts, axis=self.rule.axis) if self.rule.fused else parts[0]
-            )
-        return [xp.stack(joined) if self.rule.stacked is not None else joined[0]]
+        n = len(self.torch if to_torch else self.flax)
+        return [self.value(arrays, j, to_torch=to_torch, xp=xp) for j in range(n)]
 
-    def _split(self, y: Any, n: int, xp: Any = np) -> list[Any]:
-        axis = self.rule.axis % y.ndim
-        sizes = _sizes(self.rule, y.shape[axis], n, self._where())
-        return list(xp.split(y, [int(c) for c in np.cumsum(sizes)[:-1]], axis=axis))
+    def value(self, arrays: Sequence[Any], j: int, *, to_torch: bool, xp: Any = np) -> Any:
+        """Tensor ``j`` of the PyTorch side (``to_torch``) or the Flax side, of the other
+        side's ``arrays``: one at a time, an export of a stacked tensor holds one PyTorch
+        tensor at a time (slices of numpy arrays are views)."""
+        source, dest, fn = self._sides(to_torch)
+        slot = source.slots[j]
+        try:
+            return dest.assemble([fn(source.take(a, slot)) for a in arrays], xp)
+        except ValueError as e:
+            raise ValueError(f"{self._where()}: {e}") from None
 
     def pairs(self) -> list[tuple[str, str]]:
         """``(torch key, flax name)`` pairs of this link, for a report."""
-        if len(self.flax) == 1:
-            return [(k, self.flax[0]) for k in self.torch]
-        return [(self.torch[0], n) for n in self.flax]
+        return [(k, n) for k in self.torch for n in self.flax]
 
 
 def link_batches(
@@ -237,84 +199,123 @@ def export_links(
     mapping: KeyMapping, shapes: Mapping[str, Shape]
 ) -> tuple[list[Link], MappingReport]:
     """The links exporting Flax tensors of ``shapes`` (by name); the report lists the names
-    ignored and unmapped, and fused parts left without their siblings (``mismatched``)."""
+    ignored and unmapped, and tensors a link needs that are absent or do not agree on a
+    stack's length (``mismatched``)."""
+    return _links(mapping, shapes, flax_side=True)
+
+
+def load_links(
+    mapping: KeyMapping, shapes: Mapping[str, Shape]
+) -> tuple[list[Link], MappingReport]:
+    """The links loading PyTorch tensors of ``shapes`` (by key); the report lists the keys
+    ignored and unmapped, and tensors a link needs that are absent or do not agree on a
+    stack's length (``mismatched``)."""
+    return _links(mapping, shapes, flax_side=False)
+
+
+def _links(
+    mapping: KeyMapping, shapes: Mapping[str, Shape], *, flax_side: bool
+) -> tuple[list[Link], MappingReport]:
+    # The tensors of this side (Flax names if ``flax_side``, else PyTorch keys) that one rule
+    # gathers into the same tensors of the other side form one group: same rule, same values
+    # of the plain placeholders. Each is one slot of the other side's gather (its values of
+    # the collective placeholders of this side's pattern).
     report = MappingReport()
-    links: list[Link] = []
-    groups: dict[tuple[int, str], dict[str, str]] = {}
-    for name, r, rule, values in _matched(mapping, shapes, report, flax_side=True):
-        shape = shapes[name]
+    order: list[Link | tuple[int, tuple[tuple[str, str], ...]]] = []
+    groups: dict[tuple[int, tuple[tuple[str, str], ...]], dict[tuple[int, ...], str]] = {}
+    for name, r, rule, values in _matched(mapping, shapes, report, flax_side=flax_side):
         if rule.one_to_one:
-            links.append(Link(rule, (name,), (rule.torch_key(values),)))
-        elif rule.fused is not None and rule.fused in values:  # a part of a joined torch key
-            groups.setdefault((r, rule.torch_key(values)), {})[values[rule.fused]] = name
-        else:
-            layers = int(shape[0]) if rule.stacked is not None and shape else 0
-            if rule.stacked is not None and not shape:
-                report.mismatched.append(f"{name} is a scalar: nothing to unstack")
-                continue
-            keys = []
-            for i in range(layers) if rule.stacked is not None else [None]:
-                for p in rule.parts or [None]:
-                    v = dict(values)
-                    if i is not None:
-                        v[str(rule.stacked)] = str(i)
-                    if p is not None:
-                        v[str(rule.fused)] = p
-                    keys.append(rule.torch_key(v))
-            links.append(Link(rule, (name,), tuple(keys), layers))
-    for (r, key), parts in groups.items():
-        rule = mapping.rules[r]
-        lacking = [p for p in rule.parts if p not in parts]
-        if lacking:
-            report.mismatched.append(
-                f"{key} joins {', '.join(rule.parts)} but no tensor is the part(s) "
-                f"{', '.join(lacking)}"
-            )
+            other = rule.torch_key(values) if flax_side else rule.flax_name(values)
+            pair = ((name,), (other,)) if flax_side else ((other,), (name,))
+            order.append(Link(rule, *pair))
             continue
-        links.append(Link(rule, tuple(parts[p] for p in rule.parts), (key,)))
+        slot = []
+        for n in _gathered_order(rule, flax=not flax_side):
+            i = rule.value_index(n, values[n])
+            if i is None:
+                report.mismatched.append(
+                    f"{name}: {{{n}}} is {values[n]!r}, not an index of the stack"
+                )
+                break
+            slot.append(i)
+        else:
+            key = (r, tuple(sorted((k, v) for k, v in values.items() if k not in rule.collective)))
+            if key not in groups:
+                groups[key] = {}
+                order.append(key)
+            groups[key][tuple(slot)] = name
+    links = []
+    for entry in order:
+        if isinstance(entry, Link):
+            links.append(entry)
+            continue
+        link = _group_link(mapping.rules[entry[0]], dict(entry[1]), groups[entry], shapes,
+                           flax_side, report)  # fmt: skip
+        if link is not None:
+            links.append(link)
     return links, report
 
 
-def load_links(mapping: KeyMapping, keys: Iterable[str]) -> tuple[list[Link], MappingReport]:
-    """The links loading PyTorch tensors ``keys``; the report lists the keys ignored and
-    unmapped, and stacked or fused groups with a part absent (``mismatched``)."""
-    report = MappingReport()
-    links: list[Link] = []
-    groups: dict[tuple[int, str], dict[tuple[int, str], str]] = {}
-    for key, r, rule, values in _matched(mapping, keys, report, flax_side=False):
-        if rule.one_to_one:
-            links.append(Link(rule, (rule.flax_name(values),), (key,)))
-        elif rule.fused is not None and rule.fused not in values:  # one torch key, fused parts
-            names = tuple(rule.flax_name({**values, rule.fused: p}) for p in rule.parts)
-            links.append(Link(rule, names, (key,)))
-        else:
-            i = -1
-            if rule.stacked is not None:
-                index = values[rule.stacked]
-                if not index.isdecimal():
-                    report.mismatched.append(f"{key}: layer index {index!r} is not a number")
-                    continue
-                i = int(index)
-            p = values[rule.fused] if rule.fused is not None else ""
-            rest = {k: v for k, v in values.items() if k not in (rule.stacked, rule.fused)}
-            groups.setdefault((r, rule.flax_name(rest)), {})[(i, p)] = key
-    for (r, name), got in groups.items():
-        rule = mapping.rules[r]
-        layers = 1 + max(i for i, _ in got) if rule.stacked is not None else 0
-        want = [
-            (i, p)
-            for i in (range(layers) if rule.stacked is not None else [-1])
-            for p in (rule.parts or ("",))
-        ]
-        lacking = [w for w in want if w not in got]
-        if lacking:
-            report.mismatched.append(
-                f"{name} joins {len(want)} tensors but {len(lacking)} are absent (e.g. layer "
-                f"{lacking[0][0]} {lacking[0][1]})".replace("layer -1 ", "")
-            )
+def _group_link(
+    rule: Rule,
+    plain: dict[str, str],
+    held: dict[tuple[int, ...], str],
+    shapes: Mapping[str, Shape],
+    flax_side: bool,
+    report: MappingReport,
+) -> Link | None:
+    """The link of one group: ``held`` maps each slot to this side's tensor; the counts of
+    this side's stacked placeholders come from the slots present, those of the other side's
+    from the stacked axes of this side's tensors."""
+    mine = _gathered_order(rule, flax=not flax_side)
+    counts: dict[str, int] = {}
+    for position, n in enumerate(mine):
+        if n != rule.fused:
+            listed = rule.stack_values(n)
+            counts[n] = len(listed) if listed else 1 + max(s[position] for s in held)
+    want = gather_of(rule, counts, flax=not flax_side).slots
+    lacking = [s for s in want if s not in held]
+    fill = rule.flax_name if flax_side else rule.torch_key
+    fill_other = rule.torch_key if flax_side else rule.flax_name
+    first = next(iter(held.values()))
+    joined = rule.match_flax(first) if flax_side else rule.match_torch(first)
+    if lacking:
+        missing = fill({**plain, **{n: rule.value_at(n, i) for n, i in zip(mine, lacking[0])}})
+        report.mismatched.append(
+            f"{joined} joins {len(want)} tensors but {len(lacking)} are absent (e.g. {missing})"
+        )
+        return None
+    here = [held[s] for s in want]
+    for n, axis in rule.stacked or ():
+        if n in mine:
             continue
-        links.append(Link(rule, (name,), tuple(got[w] for w in want), layers))
-    return links, report
+        lengths = {}
+        for name in here:
+            shape = shapes[name]
+            if not -len(shape) <= axis < len(shape):
+                what = f"{name} {list(shape)}" if shape else f"{name} is a scalar and"
+                report.mismatched.append(
+                    f"{what} has no axis {axis} that stacks {{{n}}} (rule {rule.torch!r} -> "
+                    f"{rule.flax!r})"
+                )
+                return None
+            lengths[name] = int(shape[axis])
+        if len(set(lengths.values())) > 1:
+            report.mismatched.append(
+                f"{', '.join(here)} stack {{{n}}} on axis {axis} with different lengths "
+                f"{sorted(set(lengths.values()))}"
+            )
+            return None
+        counts[n] = next(iter(lengths.values()))
+    theirs = _gathered_order(rule, flax=flax_side)
+    others = tuple(
+        fill_other({**plain, **{n: rule.value_at(n, i) for n, i in zip(theirs, slot)}})
+        for slot in gather_of(rule, counts, flax=flax_side).slots
+    )
+    ordered = tuple((n, counts[n]) for n in rule.stacked_names)
+    if flax_side:
+        return Link(rule, tuple(here), others, ordered)
+    return Link(rule, others, tuple(here), ordered)
 
 
 # --------------------------------------------------------------------------- LoRA

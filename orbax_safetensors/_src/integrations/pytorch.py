@@ -55,7 +55,7 @@ from orbax_safetensors._src.storage import interface as _interface
 from orbax_safetensors._src.storage import replace as _replace
 from orbax_safetensors._src.storage import router as _router
 
-__all__ = ["export_pytorch", "load_pytorch"]
+__all__ = ["abstract_pytorch", "export_pytorch", "load_pytorch"]
 
 
 # --------------------------------------------------------------------------- load
@@ -91,6 +91,8 @@ def load_pytorch(
         sharding (numpy leaves stay numpy; a struct without sharding goes to the default
         device). A sharded target is read sharded: each process reads the byte ranges of
         its own shards (a reshaping rule reads the tensor whole), and the rule runs on device.
+        None: the tree the checkpoint and the mapping imply (:func:`abstract_pytorch`),
+        filled with ``jax.Array`` s of the stored dtypes on the default device.
       path: a ``.safetensors`` file (e.g. ``safetensors.torch.save_file(model.state_dict())``),
         a directory of them (Hugging Face style, sharded with
         ``model.safetensors.index.json`` or a single ``model.safetensors``), that index file,
@@ -108,8 +110,8 @@ def load_pytorch(
       batch_bytes: tensor bytes read at a time (whole-tensor reads).
 
     Returns:
-      With a module, a :class:`MappingReport`; with a pytree, the filled tree (and the report
-      with ``with_report``).
+      With a module, a :class:`MappingReport`; with a pytree or None, the filled tree (and
+      the report with ``with_report``).
 
     Raises:
       TargetMismatchError: with ``strict``, listing every problem at once (naming keys,
@@ -119,19 +121,77 @@ def load_pytorch(
 
         report = osf.load_pytorch(model, "pytorch_model.safetensors", mapping)
         params = osf.load_pytorch(abstract_params, "hf_dir", mapping, prefix="params.")
+        params = osf.load_pytorch(None, "hf_dir", mapping)   # {"layers": {"mlp": ...}}
     """
     from flax import nnx
 
     source = _sources.open_source(_source_path(path))
+    options = _hf_load.LoadOptions(strict=strict, batch_bytes=batch_bytes, where=str(path))
+    if target is None:  # the tree the directory and the mapping imply
+        targets = _hf_load.derived_targets(source.tensors, mapping)
+        values, report = _hf_load.load_flat(source, targets, mapping, options)
+        tree = _hf_load.nested({prefix + n: v for n, v in values.items()})
+        return (tree, report) if with_report else tree
     module = target if isinstance(target, nnx.Module) else None
     if module is not None:
         filt = (nnx.Param, nnx.BatchStat) if variables is None else variables
         target = nnx.state(module, filt)
-    options = _hf_load.LoadOptions(strict=strict, batch_bytes=batch_bytes, where=str(path))
     tree, report = _hf_load.load_tree(target, source, mapping, options, prefix=prefix)
     if module is not None:
         nnx.update(module, tree)
         return report
+    return (tree, report) if with_report else tree
+
+
+def abstract_pytorch(
+    path: epath.PathLike,
+    mapping: KeyMapping,
+    *,
+    strict: bool = True,
+    prefix: str = "",
+    with_report: bool = False,
+) -> Any:
+    """The abstract tree that a PyTorch/Hugging Face checkpoint and a mapping imply: what
+    ``load_pytorch(None, path, mapping)`` fills, from the files' headers alone (no tensor is
+    read). Give its leaves shardings and pass it to :func:`load_pytorch` to read the
+    checkpoint sharded.
+
+    Every Flax tensor the mapping's rules make of the checkpoint's tensors (stacked and fused
+    ones joined) is a ``jax.ShapeDtypeStruct`` of the shape the rule gives and the stored
+    dtype, in nested dicts of its dotted name (with ``prefix`` in front): ``{"layers": {0:
+    {"mlp": ...}}}``; the keys of a dict whose keys are all decimal numbers are ``int`` s, as
+    ``nnx.state`` keys a list's items, so ``nnx.update(model, tree)`` takes a filled tree.
+
+    Args:
+      path: as :func:`load_pytorch` takes it.
+      mapping: the rules, as :func:`load_pytorch` takes them.
+      strict: raise if a key is unmapped or a stack or fused group is incomplete or does not
+        fit; with ``strict=False`` leave them out and report.
+      prefix: put in front of every name (e.g. ``"params."``).
+      with_report: return ``(tree, report)``.
+
+    Raises:
+      TargetMismatchError: with ``strict``, listing every problem at once.
+
+    Example::
+
+        abstract = osf.abstract_pytorch("hf_dir", mapping)
+        sharded = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                                              sharding=sharding), abstract)
+        params = osf.load_pytorch(sharded, "hf_dir", mapping)
+    """
+    import jax
+
+    source = _sources.open_source(_source_path(path))
+    targets = _hf_load.derived_targets(source.tensors, mapping)
+    _, report = _hf_load.plan_links(dict(source.tensors), targets, mapping)
+    if strict and not report.ok:
+        raise TargetMismatchError(
+            f"{path}: the checkpoint does not fit this mapping\n" + report.problems()
+        )
+    tree = _hf_load.nested(
+        {prefix + n: jax.ShapeDtypeStruct(t.shape, t.dtype) for n, t in targets.items()}
+    )
     return (tree, report) if with_report else tree
 
 
@@ -414,11 +474,11 @@ def _host_pieces(
     def tasks() -> Iterator[tuple[str, np.ndarray, tuple[int, int] | None]]:
         for (group, _), arrays in zip(batched, _sharded_export.read_ahead(table.read, names)):
             for link in group:
-                values = link.to_torch([arrays[n] for n in link.flax])
-                for key, value in zip(link.torch, values):
+                flax = [arrays[n] for n in link.flax]
+                for j, key in enumerate(link.torch):  # one PyTorch tensor at a time
                     if key in tied:
                         continue
-                    value = np.asarray(value)
+                    value = np.asarray(link.value(flax, j, to_torch=True))
                     if lent is None or not _pieces.cast_in_bands(plan, key, value):
                         yield key, value, None
                         continue

@@ -441,24 +441,13 @@ def relaid(
     sources = {np.dtype(a.dtype) for a in arrays}
     cast = dtype if dtype is not None and sources | {dtype} <= _DEVICE_CASTS else None
     try:
-        return _relayout(_anonymous(link), j, shape, cast)(list(arrays))
+        return _relayout(link.anonymous(), j, shape, cast)(list(arrays))
     except (TypeError, ValueError) as e:
         raise ValueError(
             f"{', '.join(link.flax)} -> {link.torch[j]}: the rule's transform "
             f"{link.rule.transform!r} does not run on sharded jax.Arrays ({e}); "
             "use Transpose, Reshape, SplitHeads or Chain of them"
         ) from e
-
-
-def _anonymous(link: _links.Link) -> _links.Link:
-    # ``link`` without what its device value does not depend on (names; a one-to-one rule's
-    # patterns): every layer's projections, whatever their rules, share a compiled re-layout.
-    rule = link.rule
-    if rule.one_to_one:
-        rule = type(rule)("x", "x", rule.transform)
-    return dataclasses.replace(
-        link, rule=rule, flax=("",) * len(link.flax), torch=("",) * len(link.torch)
-    )
 
 
 _DEVICE_CASTS = frozenset(np.dtype(d) for d in ("float32", "float16", ml_dtypes.bfloat16))
