@@ -34,6 +34,9 @@ Example::
 
 from __future__ import annotations
 
+from typing import Any
+
+from orbax_safetensors._src.integrations import maxtext as _maxtext
 from orbax_safetensors._src.integrations.key_mapping import (
     Chain,
     KeyMapping,
@@ -42,13 +45,20 @@ from orbax_safetensors._src.integrations.key_mapping import (
     Transpose,
 )
 
-PRESETS = ("gpt2", "llama", "qwen2", "qwen3", "tunix-llama3", "tunix-qwen3")
+MAXTEXT_PRESETS = tuple(_maxtext.MAXTEXT_PRESETS)
+PRESETS = ("gpt2", "llama", "qwen2", "qwen3", "tunix-llama3", "tunix-qwen3", *MAXTEXT_PRESETS)
 TUNIX_PRESETS = ("tunix-llama3", "tunix-qwen3")
 _TIED = {"lm_head.weight": "model.embed_tokens.weight"}
 
 
 def preset_mapping(
-    name: str, *, tie_word_embeddings: bool = False, head_dim: int | None = None
+    name: str,
+    *,
+    tie_word_embeddings: bool = False,
+    head_dim: int | None = None,
+    hf_config: Any = None,
+    scan_layers: bool | None = None,
+    vocab_size: int | None = None,
 ) -> KeyMapping:
     """The ready-made mapping ``name`` (one of :data:`PRESETS`).
 
@@ -60,15 +70,37 @@ def preset_mapping(
       head_dim: the attention head size, required by the Tunix presets (Tunix's
         ``ModelConfig.head_dim``; Hugging Face's ``head_dim``, or ``hidden_size //
         num_attention_heads``).
+      hf_config: the MaxText presets' (``maxtext-*``, required there): the model's Hugging
+        Face config (a transformers config, a dict, a ``config.json`` or the model's
+        directory), which gives them heads, ``head_dim``, the vocabulary and tied embeddings
+        (see ``integrations/maxtext.py``).
+      scan_layers: the MaxText presets': True (layers stacked on axis 1), False (one
+        ``layers_{i}`` subtree a layer), None (both: an export reads either, a load fills
+        the scanned layout).
+      vocab_size: the MaxText presets': the model's vocabulary when padded past the
+        config's (a load pads the embedding and ``logits_dense`` to it).
 
     Raises:
-      ValueError: for an unknown name, or a Tunix preset without ``head_dim``.
+      ValueError: for an unknown name, a Tunix preset without ``head_dim``, a MaxText preset
+        without ``hf_config`` (or with ``head_dim``/``tie_word_embeddings``, which come from
+        the config).
 
     Example::
 
         osf.preset_mapping("qwen3", tie_word_embeddings=True)
         osf.preset_mapping("tunix-llama3", head_dim=64)
+        osf.preset_mapping("maxtext-llama3", hf_config="/models/Llama-3.1-8B")
     """
+    if name in MAXTEXT_PRESETS:
+        if hf_config is None or head_dim is not None or tie_word_embeddings:
+            raise ValueError(
+                f"preset {name!r} takes hf_config= (the model's Hugging Face config, which "
+                "gives head_dim and tie_word_embeddings), and neither head_dim= nor "
+                "tie_word_embeddings="
+            )
+        return _maxtext.maxtext_mapping(
+            name, hf_config, scan_layers=scan_layers, vocab_size=vocab_size
+        )
     if name in TUNIX_PRESETS:
         return _tunix(name, head_dim, tie_word_embeddings)
     if name in ("llama", "qwen2", "qwen3"):

@@ -3,7 +3,9 @@ model directory, through a preset or user key mapping.
 
 ``--mapping`` is a preset name (``llama``, ``qwen2``, ``qwen3``, ``gpt2``, ``tunix-llama3``,
 ``tunix-qwen3``; with a config whose ``tie_word_embeddings`` is true, the preset ties
-``lm_head`` to the embedding; the Tunix presets take their ``head_dim`` from it) or
+``lm_head`` to the embedding; the Tunix presets take their ``head_dim`` from it; the MaxText
+presets ``maxtext-*`` need it and read heads, ``head_dim`` and the vocabulary from it, and
+take scanned and unscanned checkpoints alike) or
 ``module:attr`` naming a :class:`KeyMapping` (or a function of no arguments returning one),
 imported like ``python -c 'import module'`` from the current directory.
 
@@ -16,12 +18,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import json
 import sys
 from typing import Any
 
 from etils import epath
 
+from orbax_safetensors._src.integrations import maxtext as _maxtext
 from orbax_safetensors._src.integrations import presets as _presets
 from orbax_safetensors._src.integrations.key_mapping import KeyMapping, MappingReport
 from orbax_safetensors._src.tools import inspection as _inspection
@@ -35,18 +37,10 @@ def read_hf_config(path: str | None) -> dict[str, Any] | None:
     """
     if path is None:
         return None
-    p = epath.Path(path)
-    if p.is_dir():
-        p = p / "config.json"
-    if not p.exists():
-        raise ValueError(f"--hf-config {path}: no such file")
     try:
-        doc = json.loads(p.read_text())
+        return _maxtext.hf_config_dict(epath.Path(path))
     except ValueError as e:
-        raise ValueError(f"--hf-config {p}: not JSON ({e})") from None
-    if not isinstance(doc, dict):
-        raise ValueError(f"--hf-config {p}: not a JSON object")
-    return doc
+        raise ValueError(f"--hf-config {e}") from None
 
 
 def resolve_mapping(spec: str, hf_config: dict[str, Any] | None = None) -> KeyMapping:
@@ -61,6 +55,10 @@ def resolve_mapping(spec: str, hf_config: dict[str, Any] | None = None) -> KeyMa
             raise ValueError(
                 f"--mapping {spec!r}: not a preset ({', '.join(_presets.PRESETS)}) nor module:attr"
             )
+        if spec in _presets.MAXTEXT_PRESETS:
+            if hf_config is None:
+                raise ValueError(f"--mapping {spec!r} needs --hf-config (the model's config.json)")
+            return _presets.preset_mapping(spec, hf_config=hf_config)
         doc = hf_config or {}
         tie = bool(doc.get("tie_word_embeddings", False))
         if spec not in _presets.TUNIX_PRESETS:
