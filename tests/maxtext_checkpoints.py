@@ -145,9 +145,13 @@ def train_state(params: dict[str, Any], *, step: int = 7) -> dict[str, Any]:
 
     wrapped = {"params": params}
     tx = optax.adamw(optax.linear_schedule(1e-3, 0.0, 100), weight_decay=0.1)
-    opt_state = tx.init(jax.tree.map(jnp.asarray, wrapped))
-    grads = jax.tree.map(lambda x: jnp.full(x.shape, 0.01, x.dtype), wrapped)
-    _, opt_state = tx.update(grads, opt_state, jax.tree.map(jnp.asarray, wrapped))
+
+    @jax.jit  # one compilation per tree, not one per operation and leaf shape
+    def one_update(p: Any) -> Any:
+        grads = jax.tree.map(lambda x: jnp.full(x.shape, 0.01, x.dtype), p)
+        return tx.update(grads, tx.init(p), p)[1]
+
+    opt_state = one_update(jax.tree.map(jnp.asarray, wrapped))
     plain = jax.tree.map(np.asarray, _containers(opt_state))
     return {"step": np.asarray(step, np.int32), "params": wrapped, "opt_state": plain}
 
