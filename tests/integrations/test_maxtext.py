@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+import devices
 import jax
 import maxtext_checkpoints
 import maxtext_layout
@@ -239,6 +240,24 @@ def test_load_fills_a_train_states_params(tmp_path, kind, scan_layers, dtype):
     got_flat = maxtext_checkpoints.flatten(got)
     for name, value in maxtext_checkpoints.flatten(want).items():
         np.testing.assert_array_equal(bits(np.asarray(got_flat[name])), bits(value), err_msg=name)
+
+
+@pytest.mark.parametrize("kind", ["llama3", "mixtral"])
+def test_load_into_an_abstract_state_sharded_as_maxtext_shards_it(tmp_path, kind):
+    # MaxText's abstract train state (FSDP: each parameter split on its embed axis over the
+    # devices): every parameter comes back a jax.Array of its target's sharding, MaxText's bits
+    devices.take(2)
+    case = Case(tmp_path, kind)
+    want = maxtext_checkpoints.shard_state(case.state())
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), want
+    )
+    mapping = osf.preset_mapping(case.preset, hf_config=case.hf_dir)
+    got = maxtext_checkpoints.flatten(osf.load_pytorch(abstract, case.hf_dir, mapping))
+    for name, value in maxtext_checkpoints.flatten(want).items():
+        if name.startswith("params."):
+            assert got[name].sharding == value.sharding, name
+            np.testing.assert_array_equal(bits(np.asarray(got[name])), bits(np.asarray(value)))
 
 
 def test_load_needs_scan_layers_false_for_unscanned_layers(tmp_path):

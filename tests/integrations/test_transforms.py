@@ -22,7 +22,7 @@ def rand(shape, dtype, seed=0):
 
 
 def bits(x):
-    return np.asarray(x).view(np.uint8)
+    return np.ascontiguousarray(x).view(np.uint8)
 
 
 # --------------------------------------------------------------------------- Scale
@@ -134,6 +134,27 @@ def test_offset_in_the_dtype(dtype):
     np.testing.assert_array_equal(
         bits(Offset(1.0).to_torch(got)), bits((got - np.asarray(1.0, dtype)).astype(dtype))
     )
+
+
+# --------------------------------------------------------------------------- on the devices
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [Scale.attention_query(8), RopeInterleave(), VocabRows(3), VocabRows(6, 9), Offset(1.0)],
+    ids=repr,
+)
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_jax_arrays_under_jit_give_the_numpy_bits(transform, dtype):
+    # a multi-process export applies the transforms to jax arrays on the devices
+    import jax
+    import jax.numpy as jnp
+
+    x = rand((6, 4), dtype, seed=3)
+    for fn in (transform.to_flax, transform.to_torch):
+        got = jax.jit(fn)(jnp.asarray(x))
+        assert got.dtype == fn(x).dtype
+        np.testing.assert_array_equal(bits(np.asarray(got)), bits(fn(x)))
 
 
 # --------------------------------------------------------------------------- MaxText's hooks

@@ -144,3 +144,28 @@ def test_four_processes_export_a_checkpoint_of_finer_chunks(setup):
     by_pid = _run(setup, 4, root, ["v1"], exports, fsdp=4)
     _check(setup, 4, by_pid, root, "v1_root", "f32")
     print({name: [by_pid[i][name] for i in range(4)] for name in exports})
+
+
+def test_two_processes_export_through_a_maxtext_preset(setup):
+    # maxtext-llama3 (RoPE interleave and query scale per layer): each process still writes
+    # its share, the files byte-identical to the one-process export from memory
+    hf_config = {
+        "model_type": "llama",
+        "hidden_size": DIMS.embed,
+        "num_attention_heads": DIMS.heads,
+        "num_key_value_heads": DIMS.kv_heads,
+        "head_dim": DIMS.head_dim,
+        "vocab_size": DIMS.vocab,
+        "tie_word_embeddings": False,
+    }
+    preset = {"name": "maxtext-llama3", "hf_config": hf_config}
+    params = M.unflatten(M.parameters(setup["state"]))
+    reference = setup["base"] / "ref_preset"
+    assert osf.export_pytorch(params, reference, osf.preset_mapping(**preset)).ok
+    setup = {**setup, "refs": {**setup["refs"], "preset": reference}}
+    root = setup["base"] / "n2_preset"
+    exports = {"preset": {"source": "v1/7/items"}}
+    by_pid = _run(setup, 2, root, ["v1"], exports, preset=preset)
+    largest = max(v.nbytes for v in M.parameters(setup["state"]).values())
+    _check(setup, 2, by_pid, root, "preset", "preset", slack=largest)
+    print({name: [by_pid[i][name] for i in range(2)] for name in exports})

@@ -2,7 +2,8 @@
 Face does: a factor folded into a weight (:class:`Scale`), the two RoPE conventions
 (:class:`RopeInterleave`), a vocabulary padded past the tokenizer's (:class:`VocabRows`) and a
 norm stored as an offset from one (:class:`Offset`). Each is a :class:`Transform` (``to_flax``
-towards the JAX side, ``to_torch`` towards Hugging Face), runs on numpy arrays and keeps the
+towards the JAX side, ``to_torch`` towards Hugging Face), runs on numpy arrays (and on
+jax arrays, as an export on the devices applies it) and keeps the
 tensor's dtype; the MaxText presets (``integrations/maxtext.py``) are built of them.
 
 Example::
@@ -73,22 +74,20 @@ class RopeInterleave:
     axis: int = -1
 
     def to_flax(self, x: np.ndarray) -> np.ndarray:
-        axis = self._axis(x)
-        half = x.shape[axis] // 2
-        first = np.take(x, np.arange(half), axis=axis)
-        second = np.take(x, np.arange(half, 2 * half), axis=axis)
-        return np.stack([first, second], axis=axis + 1).reshape(x.shape)
+        axis, n = self._axis(x)
+        order = np.arange(n).reshape(2, n // 2).T.reshape(-1)  # 0, n/2, 1, n/2 + 1, ...
+        return x[(slice(None),) * axis + (order,)]
 
     def to_torch(self, x: np.ndarray) -> np.ndarray:
-        axis = self._axis(x)
-        n = x.shape[axis]
-        return np.take(x, np.concatenate([np.arange(0, n, 2), np.arange(1, n, 2)]), axis=axis)
+        axis, n = self._axis(x)
+        order = np.arange(n).reshape(n // 2, 2).T.reshape(-1)  # 0, 2, 4, ..., 1, 3, 5, ...
+        return x[(slice(None),) * axis + (order,)]
 
-    def _axis(self, x: np.ndarray) -> int:
+    def _axis(self, x: np.ndarray) -> tuple[int, int]:
         axis = self.axis % x.ndim
         if x.shape[axis] % 2:
             raise ValueError(f"rotary pairs: axis {axis} of shape {list(x.shape)} has an odd size")
-        return axis
+        return axis, int(x.shape[axis])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,18 +113,22 @@ class VocabRows:
         return _rows(x, int(self.vocab), self.axis)
 
 
-def _rows(x: np.ndarray, n: int, axis: int) -> np.ndarray:
+def _rows(x: Any, n: int, axis: int) -> Any:
     axis %= x.ndim
     have = x.shape[axis]
     if have >= n:
         return x[(slice(None),) * axis + (slice(0, n),)]
     shape = (*x.shape[:axis], n, *x.shape[axis + 1 :])
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, n - have)
+    if not isinstance(x, np.ndarray):  # a jax.Array (an export's transform on the devices)
+        import jax.numpy as jnp
+
+        return jnp.pad(x, widths)
     if x.size and not any(x.strides) and not x.flat[0]:
         # a broadcast zero (a shape probe) pads to a broadcast zero: nothing allocated
         return np.broadcast_to(np.zeros((), x.dtype), shape)
-    out = np.zeros(shape, x.dtype)
-    out[(slice(None),) * axis + (slice(0, have),)] = x
-    return out
+    return np.pad(x, widths)
 
 
 @dataclasses.dataclass(frozen=True)

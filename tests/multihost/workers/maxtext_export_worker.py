@@ -5,7 +5,8 @@ ways MaxText saves (``ctx.args["saves"]``), then exports each saved item's param
 
 Args: ``root`` (a directory every process sees), ``dims`` (``maxtext_checkpoints.Dims``
 fields), ``saves`` (names among ``v1``, ``v0``, ``standard``), ``exports``
-(``{name: {"source": relative path, **export_pytorch kwargs}}``).
+(``{name: {"source": relative path, **export_pytorch kwargs}}``), ``preset`` (optional:
+``osf.preset_mapping``'s keyword arguments, e.g. a MaxText preset and its ``hf_config``).
 
 Reported per export: ``bytes_written`` (the report's counter), ``rchar`` / ``wchar`` (bytes
 this process's read / write system calls moved meanwhile, from ``/proc/self/io``),
@@ -60,7 +61,9 @@ for how in ctx.args["saves"]:
     else:
         M.save_v0(root / how, 7, sharded, how="pytree" if how == "v0" else how)
 del sharded
-mapping = M.hand_mapping(dims)
+# a preset (``ctx.args["preset"]``: preset_mapping's keyword arguments) or the hand mapping
+preset = ctx.args.get("preset")
+mapping = osf.preset_mapping(**preset) if preset else M.hand_mapping(dims)
 
 result = {"process_index": jax.process_index()}
 for name, spec in ctx.args["exports"].items():
