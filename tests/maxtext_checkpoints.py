@@ -237,9 +237,9 @@ def save_v1(
     ...})``); returns the step directory. Every process of a job calls it."""
     from orbax.checkpoint import v1
 
-    context = v1.Context()
-    context.array.saving.use_ocdbt = True
-    context.array.saving.use_zarr3 = True
+    # (the keyword form: orbax-checkpoint 0.11.40's Context has no ``.array`` to set)
+    saving = v1.options.ArrayOptions.Saving(use_ocdbt=True, use_zarr3=True)
+    context = v1.Context(array_options=v1.options.ArrayOptions(saving=saving))
     checkpointer = v1.training.Checkpointer(Path(root), context=context)
     try:
         checkpointer.save_checkpointables(

@@ -162,8 +162,8 @@ def test_reads_split_only_at_whole_chunks():
 
 
 def test_links_read_whole_are_spread_over_the_processes_largest_first():
-    def info(nbytes):
-        return types.SimpleNamespace(nbytes=nbytes, shape=(nbytes,))
+    def info(nbytes, dtype="U8"):
+        return types.SimpleNamespace(nbytes=nbytes, shape=(nbytes,), dtype=dtype)
 
     sizes = {"a": 10, "b": 7, "c": 6, "d": 4, "e": 1}
     infos = {k: info(v) for k, v in sizes.items()}
@@ -174,3 +174,10 @@ def test_links_read_whole_are_spread_over_the_processes_largest_first():
     plan = export_reads.plan_reads(links, infos, chunks=None, processes=2, sharded=False)
     assert plan.owners == owners and not plan.shardings
     assert plan.writer(links[1], default=0) == 1
+    # a source of byte ranges reads everything sharded, except a link merging LoRA adapters
+    # and a dtype the devices would change (float64 without jax_enable_x64: never a cast)
+    infos["f"] = info(8, "F64")
+    links.append(Link(rule, ("f",), ("f",)))
+    plan = export_reads.plan_reads(links, infos, chunks=None, processes=2, whole={"a"})
+    assert set(plan.shardings) == {"b", "c", "d", "e"}
+    assert set(plan.owners) == {"a", "f"} and plan.owners["a"] != plan.owners["f"]

@@ -19,7 +19,8 @@ whole and writes every piece of them. What a source can read sharded:
 - a source with no sharded reads (Flax msgpack) reads every link whole.
 
 Links read whole (and those that merge LoRA adapters, which read the adapters beside the
-kernel) go to owners largest first, each to the process with the fewest bytes so far: each
+kernel, or hold a dtype the devices would change: float64 without ``jax_enable_x64``) go
+to owners largest first, each to the process with the fewest bytes so far: each
 process reads and writes about its share, plus at most the largest such link.
 
 Example::
@@ -37,6 +38,8 @@ from typing import Any
 
 import numpy as np
 
+from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
+from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.integrations import export_plan as _export_plan
 from orbax_safetensors._src.integrations.links import Link
 
@@ -77,7 +80,8 @@ def plan_reads(
         shapes = [tuple(infos[n].shape) for n in link.flax]
         first = _export_plan.row_axis(link, shapes)
         got = {}
-        if sharded and not any(n in whole for n in link.flax):
+        exact = all(device_exact(infos[n].dtype) for n in link.flax)
+        if sharded and exact and not any(n in whole for n in link.flax):
             for n, shape in zip(link.flax, shapes):
                 if chunks is None:
                     got[n] = _export_plan.spread_sharding(shape, first)
@@ -88,6 +92,18 @@ def plan_reads(
         else:
             read_whole.append(link)
     return ReadPlan(shardings, balanced_owners(read_whole, infos, processes))
+
+
+def device_exact(dtype: str) -> bool:
+    """Whether arrays of the safetensors ``dtype`` go onto this JAX's devices unchanged (not
+    float64 or int64 canonicalised to 32 bits without ``jax_enable_x64``, not an ml_dtypes
+    type the devices lack): else a tensor is read whole, as host values."""
+    import jax
+
+    np_dtype = _dtypes.to_numpy(dtype)
+    return bool(
+        jax.dtypes.canonicalize_dtype(np_dtype) == np_dtype and _jaxcompat.device_holds(np_dtype)
+    )
 
 
 def balanced_owners(

@@ -16,9 +16,12 @@ bytes of the shards it owns (``replica_id == 0``), through the writer a checkpoi
      every process issues in the same order), and its owned shards written;
    - host-local tensors (numpy, a ``jax.Array`` each process holds whole): the primary writes
      them, as a one-process export does;
-   - a checkpoint path: each batch of tensors is read sharded over every device
-     (``pipeline/reader.read_tensors``: each process reads only its boxes' bytes) and written
-     as above; host memory holds one batch of this process's share;
+   - a checkpoint path: each batch of tensors is read as ``export_reads`` plans: sharded over
+     the devices (byte ranges of safetensors files through ``pipeline/reader.read_tensors``,
+     whole chunks of an Orbax-native item through ``OrbaxSource.read_sharded``: each process
+     reads only its boxes) and written as above, or, for a link read whole, by its owner
+     process alone, as host-local tensors; host memory holds one batch of this process's
+     share;
 3. a barrier; the primary writes the index and ``config.json`` and swaps the staging
    directory in (``storage/replace.swap_in``); a last barrier, so that every process returns
    once the directory is complete.
