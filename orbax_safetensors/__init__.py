@@ -37,6 +37,7 @@ from orbax_safetensors._src.integrations.pytorch import (
     export_pytorch,
     load_pytorch,
 )
+from orbax_safetensors._src.integrations.transforms import Offset, RopeInterleave, Scale, VocabRows
 from orbax_safetensors._src.orbax.object_storage import manager_options_for
 from orbax_safetensors._src.orbax.restoring import load_file, restore_directory
 from orbax_safetensors._src.orbax.v0 import (
@@ -77,14 +78,17 @@ __all__ = [
     "ObjectStoreError",
     "ObjectStoreOptions",
     "ObjectStoreStats",
+    "Offset",
     "ReadStats",
     "Reshape",
+    "RopeInterleave",
     "Rule",
     "SafetensorsCheckpointError",
     "SafetensorsCheckpointHandler",
     "SafetensorsHandler",
     "SafetensorsRestore",
     "SafetensorsSave",
+    "Scale",
     "SchemaError",
     "SplitHeads",
     "TargetMismatchError",
@@ -93,6 +97,7 @@ __all__ = [
     "Transpose",
     "UnsupportedLeafError",
     "VerifyReport",
+    "VocabRows",
     "WriteStats",
     "__version__",
     "abstract_pytorch",
