@@ -19,7 +19,8 @@ RNG = np.random.default_rng(0)
 
 
 def _link(rule, shapes):
-    parts = rule.parts if len(shapes) > 1 else ["w"]  # several Flax parts: named by the rule
+    # several Flax tensors: the fused parts' names, or "{e}" counting (a stack of Flax tensors)
+    parts = rule.parts or [str(e) for e in range(len(shapes))] if len(shapes) > 1 else ["w"]
     names = {(f"{p}.kernel" if len(shapes) > 1 else p): s for p, s in zip(parts, shapes)}
     found, report = links.export_links(osf.KeyMapping([rule]), names)
     assert report.ok and len(found) == 1, report.problems()
@@ -46,7 +47,22 @@ CASES = [
     (osf.Rule("l.{p:gate|up}.w", "w", osf.Transpose(), fused="p", axis=-1), [(6, 10)]),
     (osf.Rule("c_attn.weight", "{p:q|k|v}.kernel", fused="p", axis=-1), [(6, 4)] * 3),
     (osf.Rule("qkv.weight", "{p:q|k}.kernel", osf.Transpose(), fused="p", axis=0), [(6, 4)] * 2),
-]
+    # issue 42: MaxText's experts (experts, L, emb, mlp), layers on axis 1 with fused parts,
+    # stacks on the PyTorch side, a fused PyTorch tensor per layer from stacked Flax parts
+    (osf.Rule("l.{i}.x.{e}.w", "w", osf.Transpose(), stacked={"e": 0, "i": 1}), [(3, 2, 6, 10)]),
+    (
+        osf.Rule("l.{i}.{p:q|k|v}.w", "w", osf.Transpose(), stacked={"i": 1}, fused="p",
+                 axis=-1, sizes=(8, 4, 4)),
+        [(6, 3, 16)],
+    ),
+    (osf.Rule("l.{i}.{p:g|u}.w", "w", osf.Transpose(), stacked={"i": 1, "p": -2}), [(6, 3, 2, 10)]),
+    (osf.Rule("experts.w", "{e}.kernel", osf.Transpose(), stacked={"e": 1}), [(6, 10)] * 3),
+    (
+        osf.Rule("l.{i}.qkv.w", "{p:q|k}.kernel", osf.Transpose(), stacked={"i": 1}, fused="p",
+                 axis=0, sizes=(4, 8)),
+        [(6, 3, 4), (6, 3, 8)],
+    ),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("rule, shapes", CASES)
@@ -71,6 +87,15 @@ def test_boxes_mapped_alone_assemble_the_whole_export(rule, shapes):
         (osf.Rule("q.weight", "w", osf.Chain(osf.Transpose(), osf.SplitHeads(2, -1))), [(6, 2, 4)]),
         (osf.Rule("l.{i}.w", "w", osf.Reshape((2, 6), (12,)), stacked="i"), [(3, 2, 6)]),
         (osf.Rule("l.{p:a|b}.w", "w", osf.SplitHeads(2, 0), fused="p", axis=-1), [(2, 3, 8)]),
+        (
+            osf.Rule(
+                "l.{i}.x.{e}.w",
+                "w",
+                osf.Chain(osf.Transpose(), osf.SplitHeads(2, -1)),
+                stacked={"e": -1, "i": 1},
+            ),
+            [(6, 3, 2, 4, 2)],
+        ),
         (osf.Rule("a.weight", "w", osf.Transpose()), [(6, 10)]),
     ],
 )

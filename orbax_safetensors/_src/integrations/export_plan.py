@@ -28,6 +28,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -92,12 +93,18 @@ def shard_boxes(
     box = tuple(box)
     if link.rule.one_to_one:
         return [(0, *_permuted(box, data, perm))]
-    torch_shapes = link.torch_shapes(flax_shapes, np.uint8)  # (probes: no memory)
+    torch_shapes = _torch_shapes(link, tuple(tuple(s) for s in flax_shapes))
     out: list[tuple[int, Box, np.ndarray]] = []
     for j, piece_box, values in link.flax_gather.cut(box, data, tuple(flax_shapes[k])):
         piece_box, values = _permuted(piece_box, values, perm)
         out.append((j, *link.torch_gather.place(k, piece_box, values, torch_shapes[j])))
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _torch_shapes(link: Link, flax_shapes: tuple[Shape, ...]) -> list[Shape]:
+    # (every shard of a link asks: probed once; a commuting transform is hashable)
+    return link.torch_shapes(flax_shapes, np.uint8)
 
 
 def device_value(link: Link, arrays: Sequence[Any], j: int) -> Any:

@@ -219,8 +219,10 @@ def _stack_axes(stacked: StackedSpec, where: str) -> tuple[tuple[str, int], ...]
         entries: list[Any] = [stacked]
     elif isinstance(stacked, Mapping):
         entries = list(stacked.items())
-    else:
+    elif isinstance(stacked, Sequence):
         entries = list(stacked)
+    else:
+        entries = [None]  # (refused below)
     out: list[tuple[str, int]] = []
     for position, entry in enumerate(entries):
         if isinstance(entry, str):
@@ -240,11 +242,8 @@ def _stack_axes(stacked: StackedSpec, where: str) -> tuple[tuple[str, int], ...]
             )
         out.append((name, axis))
     names = [n for n, _ in out]
-    axes = [a for _, a in out]
-    if not out or len(set(names)) != len(names) or len(set(axes)) != len(axes):
-        raise ValueError(
-            f"{where}: stacked={stacked!r} must name distinct placeholders on distinct axes"
-        )
+    if not out or len(set(names)) != len(names):
+        raise ValueError(f"{where}: stacked={stacked!r} must name distinct placeholders")
     return tuple(out)
 
 
@@ -268,8 +267,9 @@ class Rule:
         values (``{p:gate|up}``) stacks them in that order; any other counts ``0..n-1``.
       fused: a placeholder on one side only, declared with its parts in order
         (``{p:q_proj|k_proj|v_proj}``): the tensor of the other side is its parts joined along
-        ``axis`` (an axis of that tensor with its ``stacked`` axes left out) and split back in
-        ``sizes`` (default: equal parts).
+        ``axis`` (an axis of that tensor, in its own layout, with its ``stacked`` axes left
+        out: ``-1`` for a kernel ``(in, q + k + v)``, ``0`` for a weight ``(q + k + v, in)``)
+        and split back in ``sizes`` (required for parts of unequal sizes; default: equal).
       axis: see ``fused``.
       sizes: see ``fused``.
 
@@ -318,6 +318,13 @@ class Rule:
                         if name in torch_names
                         else "neither pattern has it"
                     )
+                )
+        for names in (torch_names, flax_names):  # (each side's stacks: one tensor's axes)
+            axes = [a for n, a in self.stacked or () if n in names]
+            if len(set(axes)) != len(axes):
+                raise ValueError(
+                    f"{where}: stacked={dict(self.stacked or ())} puts two placeholders of one "
+                    "side on one axis"
                 )
         if self.fused is not None:
             if (self.fused in torch_names) == (self.fused in flax_names):

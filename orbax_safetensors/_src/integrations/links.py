@@ -118,11 +118,11 @@ class Link:
           ValueError: naming the link, when they do not split, stack, join or transform.
         """
         source, dest, fn = self._sides(to_torch)
+        probe = functools.cache(lambda shape: _probe_shape(fn, shape, dtype))  # (slots alike)
         try:
             slots = [source.slot_shapes(tuple(s)) for s in shapes]
             return [
-                dest.whole_shape([_probe_shape(fn, of[j], dtype) for of in slots])
-                for j in range(len(source.slots))
+                dest.whole_shape([probe(of[j]) for of in slots]) for j in range(len(source.slots))
             ]
         except ValueError as e:
             raise ValueError(f"{self._where()}: {e}") from None
@@ -256,6 +256,11 @@ def _links(
     return links, report
 
 
+# The most tensors one link makes of the other side's stacked axes: a stacked axis of a
+# (hostile, or zero-size) tensor may be far longer than any model's layers times experts.
+MAX_TENSORS = 1 << 20
+
+
 def _group_link(
     rule: Rule,
     plain: dict[str, str],
@@ -273,19 +278,20 @@ def _group_link(
         if n != rule.fused:
             listed = rule.stack_values(n)
             counts[n] = len(listed) if listed else 1 + max(s[position] for s in held)
-    want = gather_of(rule, counts, flax=not flax_side).slots
-    lacking = [s for s in want if s not in held]
     fill = rule.flax_name if flax_side else rule.torch_key
     fill_other = rule.torch_key if flax_side else rule.flax_name
     first = next(iter(held.values()))
     joined = rule.match_flax(first) if flax_side else rule.match_torch(first)
-    if lacking:
-        missing = fill({**plain, **{n: rule.value_at(n, i) for n, i in zip(mine, lacking[0])}})
+    mine_gather = gather_of(rule, counts, flax=not flax_side)
+    total = mine_gather.size
+    if total > len(held):  # (every slot held is one of the total: indices below the counts)
+        lacking = next(s for s in map(mine_gather.slot_at, range(total)) if s not in held)
+        missing = fill({**plain, **{n: rule.value_at(n, i) for n, i in zip(mine, lacking)}})
         report.mismatched.append(
-            f"{joined} joins {len(want)} tensors but {len(lacking)} are absent (e.g. {missing})"
+            f"{joined} joins {total} tensors but {total - len(held)} are absent (e.g. {missing})"
         )
         return None
-    here = [held[s] for s in want]
+    here = [held[s] for s in mine_gather.slots]
     for n, axis in rule.stacked or ():
         if n in mine:
             continue
@@ -308,9 +314,16 @@ def _group_link(
             return None
         counts[n] = next(iter(lengths.values()))
     theirs = _gathered_order(rule, flax=flax_side)
+    theirs_gather = gather_of(rule, counts, flax=flax_side)
+    if theirs_gather.size > MAX_TENSORS:
+        report.mismatched.append(
+            f"{', '.join(here[:3])}: stacked axes of lengths {[c for *_, c in theirs_gather.stacks]}"
+            f" would make {theirs_gather.size} tensors (at most {MAX_TENSORS})"
+        )
+        return None
     others = tuple(
         fill_other({**plain, **{n: rule.value_at(n, i) for n, i in zip(theirs, slot)}})
-        for slot in gather_of(rule, counts, flax=flax_side).slots
+        for slot in theirs_gather.slots
     )
     ordered = tuple((n, counts[n]) for n in rule.stacked_names)
     if flax_side:

@@ -85,12 +85,15 @@ def _group(
     n = len(link.flax)
     flax_shapes = [shapes[name] for name in link.flax]
 
-    def apply(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+    def apply(arrays: Sequence[np.ndarray]) -> Iterator[np.ndarray]:
+        # One output at a time (a stacked source's slices are views; an output that stacks or
+        # joins several sources is made when the writer asks for it).
         got = dict(zip(sources, arrays))
-        flax = _with_adapters(link.flax, got, got, merges, _links.merge_lora, scale)
+        flax = _with_adapters(link.flax, got, got, merges, _links.merge_lora, scale)[:n]
         del arrays, got
-        torch = link.to_torch(flax[:n])
-        return [v for k, v in zip(link.torch, torch) if k not in tied]
+        for j, key in enumerate(link.torch):
+            if key not in tied:
+                yield link.value(flax, j, to_torch=True)
 
     def per_shard(
         k: int, box: Box, data: np.ndarray, wholes: Mapping[str, np.ndarray]

@@ -383,8 +383,10 @@ def _link_pieces(
     if not any(glob):  # host-local values: the primary writes them whole
         if not primary:
             return
-        for key, value in zip(link.torch, link.to_torch([np.asarray(a) for a in arrays])):
+        flax = [np.asarray(a) for a in arrays]
+        for j, key in enumerate(link.torch):  # one PyTorch tensor at a time
             if key not in tied:
+                value = link.value(flax, j, to_torch=True)
                 yield _pieces.tensor_pieces(plan, key, [(None, np.asarray(value))])
         return
     shapes = [tuple(int(d) for d in a.shape) for a in arrays]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -76,14 +77,37 @@ class Gather:
         """Whether the tensor is one slot as it is (nothing stacked, nothing joined)."""
         return not self.stacks and self.fused is None
 
+    @property
+    def ranges(self) -> list[range]:
+        """The range of each position of a slot."""
+        ranges = [range(count) for _, _, count in self.stacks]
+        return ranges + ([range(self.parts)] if self.fused is not None else [])
+
+    @property
+    def size(self) -> int:
+        """How many slots the tensor holds (without listing them)."""
+        return math.prod(len(r) for r in self.ranges)
+
+    def slot_at(self, k: int) -> Slot:
+        """``slots[k]``, without listing the slots."""
+        out = []
+        for r in reversed(self.ranges):
+            k, i = divmod(k, len(r))
+            out.append(i)
+        return tuple(reversed(out))
+
+    def position(self, slot: Slot) -> int:
+        """The position of ``slot`` in :attr:`slots` (``slot_at``'s inverse)."""
+        k = 0
+        for r, i in zip(self.ranges, slot):
+            k = k * len(r) + i
+        return k
+
     @functools.cached_property
     def slots(self) -> list[Slot]:
         """Every slot, in order: the stacked indices (the first stack outermost), then the
         part (innermost)."""
-        ranges = [range(count) for _, _, count in self.stacks]
-        if self.fused is not None:
-            ranges.append(range(self.parts))
-        return list(itertools.product(*ranges))
+        return list(itertools.product(*self.ranges))
 
     def stack_axes(self, ndim: int) -> list[int]:
         """The stacked axes of a whole tensor of ``ndim`` dimensions, in ``stacks`` order.
@@ -162,7 +186,7 @@ class Gather:
         """
         n = self.parts if self.fused is not None else 1
         rests = [
-            _join_shape(shapes[g : g + n], self.axis) if self.fused is not None else shapes[g]
+            self._joined(shapes[g : g + n]) if self.fused is not None else shapes[g]
             for g in range(0, len(shapes), n)
         ]
         if any(r != rests[0] for r in rests):
@@ -171,6 +195,23 @@ class Gather:
         ndim = len(rests[0]) + len(self.stacks)
         count_at = {a: c for a, (_, _, c) in zip(self.stack_axes(ndim), self.stacks)}
         return tuple(count_at[a] if a in count_at else next(rest) for a in range(ndim))
+
+    def _joined(self, parts: Sequence[Shape]) -> Shape:
+        # The slice of ``parts`` joined, if it splits back into them (``sizes``, or equal).
+        joined = _join_shape(parts, self.axis)
+        axis = self.axis % len(joined)
+        sizes = [p[axis] for p in parts]
+        if self.sizes is None and len(set(sizes)) > 1:
+            raise ValueError(
+                f"parts of sizes {sizes} along axis {self.axis} split back only with "
+                f"sizes={tuple(sizes)} (else into equal parts)"
+            )
+        self.part_sizes(joined[axis])  # (given sizes that do not match: the error)
+        if self.sizes is not None and list(self.sizes) != sizes:
+            raise ValueError(
+                f"parts of sizes {sizes} along axis {self.axis}, not {list(self.sizes)}"
+            )
+        return joined
 
     # ---- values
 
@@ -232,7 +273,6 @@ class Gather:
         ndim = len(shape)
         axes = self.stack_axes(ndim)
         rest_axes = self.slot_axes(ndim)
-        position = {slot: k for k, slot in enumerate(self.slots)}
         out: list[tuple[int, Box, Any]] = []
         for held in itertools.product(*(range(box[a].start, box[a].stop) for a in axes)):
             sub: list[Any] = [slice(None)] * ndim
@@ -241,7 +281,7 @@ class Gather:
             values = data[tuple(sub)] if axes else data
             rest_box = tuple(box[a] for a in rest_axes)
             if self.fused is None:
-                out.append((position[held], rest_box, values))
+                out.append((self.position(held), rest_box, values))
                 continue
             axis, starts = self._part_bounds(tuple(shape[a] for a in rest_axes))
             s = rest_box[axis]
@@ -253,7 +293,7 @@ class Gather:
                 piece_box[axis] = slice(start - lo, stop - lo)
                 inside: list[Any] = [slice(None)] * len(rest_box)
                 inside[axis] = slice(start - int(s.start), stop - int(s.start))
-                out.append((position[(*held, p)], tuple(piece_box), values[tuple(inside)]))
+                out.append((self.position((*held, p)), tuple(piece_box), values[tuple(inside)]))
         return out
 
     def place(self, k: int, box: Box, data: Any, shape: Shape) -> tuple[Box, Any]:

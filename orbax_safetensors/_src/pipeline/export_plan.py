@@ -57,7 +57,8 @@ PerShard = Callable[
 @dataclasses.dataclass(frozen=True)
 class ExportGroup:
     """Output tensors ``outputs`` computed from the tree's tensors ``sources`` (dotted names)
-    by ``apply`` (host arrays in ``sources`` order -> host arrays in ``outputs`` order).
+    by ``apply`` (host arrays in ``sources`` order -> host arrays in ``outputs`` order, an
+    iterator: each is written before the next is asked for).
 
     A save by several processes (each writes only its own bytes) also needs one of:
 
@@ -71,7 +72,7 @@ class ExportGroup:
 
     sources: tuple[str, ...]
     outputs: tuple[str, ...]
-    apply: Callable[[Sequence[np.ndarray]], Sequence[np.ndarray]]
+    apply: Callable[[Sequence[np.ndarray]], Iterable[np.ndarray]]
     whole: tuple[str, ...] = ()
     per_shard: PerShard | None = None
     on_devices: Callable[[Sequence[Any], Mapping[str, np.ndarray]], Iterator[Any]] | None = None
