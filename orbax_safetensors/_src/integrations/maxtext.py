@@ -31,6 +31,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -171,11 +172,13 @@ def maxtext_mapping(
     )
 
 
+@dataclasses.dataclass(frozen=True)
 class _Dims:
     """What the rules need of a config: head_dim, the vocabulary, tied embeddings."""
 
-    def __init__(self, head_dim: int, vocab: int, tied: bool) -> None:
-        self.head_dim, self.vocab, self.tied = head_dim, vocab, tied
+    head_dim: int
+    vocab: int
+    tied: bool
 
     @classmethod
     def of(cls, name: str, config: Mapping[str, Any]) -> _Dims:
