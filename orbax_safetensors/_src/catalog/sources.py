@@ -167,11 +167,16 @@ def _open_safetensors_dir(path: epath.Path) -> SafetensorsSource:
 
 
 class OrbaxSource:
-    """An Orbax-native PyTree item (``StandardSave``/``PyTreeSave``), read through Orbax.
+    """An Orbax-native PyTree item (``StandardSave``/``PyTreeSave``, or a checkpointable of
+    Orbax v1's ``save_checkpointables``), read through Orbax.
 
     Tensors carry the dotted names of Orbax's own tree (dict keys and list indices joined by
     ``.``); Python scalars and strings are not tensors. ``read`` restores only the requested
-    leaves (Orbax's ``partial_restore``), as host arrays.
+    leaves (Orbax's ``partial_restore``), as host arrays; :meth:`read_sharded` restores them
+    as global ``jax.Array`` s of a given sharding, each process reading only the chunks of its
+    own boxes (``chunks``: each tensor's stored chunk shape, from Orbax's metadata). Neither
+    runs a collective (Orbax's handler, not its ``Checkpointer``, whose restore ends in a
+    barrier): in a multi-process job any process may read on its own.
     """
 
     def __init__(self, path: epath.Path) -> None:
@@ -184,6 +189,7 @@ class OrbaxSource:
         names = _tree.assign_names([tuple(p) for p, _ in flat])
         self.leaves: dict[str, tuple[tuple[Any, ...], Any]] = {}
         self.tensors = {}
+        self.chunks: dict[str, tuple[int, ...]] = {}
         for name, (keypath, leaf) in zip(names, flat):
             self.leaves[name] = (tuple(keypath), leaf)
             if is_orbax_array(leaf):
@@ -192,6 +198,7 @@ class OrbaxSource:
                 self.tensors[name] = TensorInfo(
                     name, dtype, shape, _dtypes.nbytes(dtype, shape), "(orbax)"
                 )
+                self.chunks[name] = chunk_shape(leaf, shape)
         self.metadata: dict[str, Any] = {}
 
     def read(self, names: Sequence[str]) -> dict[str, np.ndarray]:
@@ -212,12 +219,9 @@ class OrbaxSource:
         import jax
         import orbax.checkpoint as ocp
 
-        if not names:
-            return {}
-        wanted = set(names)
         device = jax.devices()[0]
 
-        def restore_args(leaf: Any) -> Any:
+        def restore_args(name: str, leaf: Any) -> Any:
             if is_orbax_array(leaf) and (not as_jax or leaf.sharding is None):
                 return ocp.RestoreArgs(restore_type=np.ndarray)
             if is_orbax_array(leaf):
@@ -227,12 +231,48 @@ class OrbaxSource:
                 )
             return ocp.RestoreArgs()
 
-        item = select_leaves(self.tree, wanted, self.name_of_path(), lambda leaf: 0)
-        args = select_leaves(self.tree, wanted, self.name_of_path(), restore_args)
-        restored = ocp.PyTreeCheckpointer().restore(
-            self.path,
-            args=_orbaxcompat.pytree_partial_restore(item, args),
-        )
+        return self._restore(names, restore_args)
+
+    def read_sharded(self, names: Sequence[str], shardings: Mapping[str, Any]) -> dict[str, Any]:
+        """The arrays ``names`` as global ``jax.Array`` s laid out by ``shardings`` (a
+        ``jax.sharding.Sharding`` by name), in their stored dtype: each process reads only
+        the stored chunks that its devices' boxes cover (a box made of whole ``chunks``
+        reads exactly its own bytes). Every process of a job may call it on its own.
+
+        Example::
+
+            spec = NamedSharding(mesh, PartitionSpec("model"))
+            source.read_sharded(["params.w"], {"params.w": spec})["params.w"].sharding
+        """
+        import orbax.checkpoint as ocp
+
+        def restore_args(name: str, leaf: Any) -> Any:
+            return ocp.ArrayRestoreArgs(
+                sharding=shardings[name], global_shape=tuple(int(d) for d in leaf.shape)
+            )
+
+        return self._restore(names, restore_args)
+
+    def _restore(self, names: Sequence[str], restore_args: Any) -> dict[str, Any]:
+        # Orbax's handler, not PyTreeCheckpointer: the Checkpointer's restore ends in a
+        # barrier of every process, which a read by one process (or on a reading thread)
+        # must not reach.
+        import jax
+        import orbax.checkpoint as ocp
+
+        if not names:
+            return {}
+        wanted = set(names)
+        name_of = self.name_of_path()
+        item = select_leaves(self.tree, wanted, name_of, lambda leaf: 0)
+        args = select_leaves(self.tree, wanted, name_of, restore_args, named=True)
+        handler = ocp.PyTreeCheckpointHandler()
+        try:
+            restored = handler.restore(
+                self.path, args=_orbaxcompat.pytree_partial_restore(item, args)
+            )
+        finally:
+            handler.close()
         out = {}
         flat, _ = jax.tree_util.tree_flatten_with_path(restored)
         by_path = {tuple(p): v for p, v in flat}
@@ -317,6 +357,16 @@ def orbax_metadata_tree(path: epath.PathLike) -> Any:
     return tree
 
 
+def chunk_shape(leaf: Any, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of the chunks an Orbax metadata leaf's array is stored in (its read unit:
+    a multi-process save stores each device's shard as one), or ``shape`` (one chunk) when
+    the metadata does not say."""
+    chunk = getattr(getattr(leaf, "storage", None), "chunk_shape", None)
+    if chunk is None or len(chunk) != len(shape) or any(int(c) < 1 for c in chunk):
+        return shape
+    return tuple(int(c) for c in chunk)
+
+
 def is_orbax_array(leaf: Any) -> bool:
     """Whether an Orbax metadata leaf describes an array (jax or numpy), not a scalar/string."""
     from orbax.checkpoint import metadata as ocp_metadata
@@ -327,10 +377,16 @@ def is_orbax_array(leaf: Any) -> bool:
 
 
 def select_leaves(
-    tree: Any, wanted: set[str], names: Mapping[tuple[Any, ...], str], fn: Any
+    tree: Any,
+    wanted: set[str],
+    names: Mapping[tuple[Any, ...], str],
+    fn: Any,
+    *,
+    named: bool = False,
 ) -> Any:
-    """A copy of ``tree`` keeping only the leaves named in ``wanted`` (mapped through ``fn``):
-    dicts drop other keys, lists keep their length with None in unwanted places."""
+    """A copy of ``tree`` keeping only the leaves named in ``wanted`` (mapped through ``fn``;
+    with ``named``, through ``fn(name, leaf)``): dicts drop other keys, lists keep their
+    length with None in unwanted places."""
     from jax.tree_util import DictKey, SequenceKey
 
     def walk(node: Any, path: tuple[Any, ...]) -> tuple[bool, Any]:
@@ -348,7 +404,9 @@ def select_leaves(
         if node is None:
             return False, None
         name = names.get(path)
-        return (name in wanted), (fn(node) if name in wanted else None)
+        if name not in wanted:
+            return False, None
+        return True, (fn(name, node) if named else fn(node))
 
     return walk(tree, ())[1]
 

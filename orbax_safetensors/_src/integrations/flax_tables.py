@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -188,6 +188,34 @@ def flax_table(
     if prefix:
         values = {n[len(prefix) :]: v for n, v in values.items() if n.startswith(prefix)}
     return _in_memory(values, "(model)" if _is_nnx_module(source) else "(pytree)")
+
+
+TRAIN_STATE_PARAMS = "params"
+OPTIMIZER_STATE = "opt_state"
+STEP = "step"
+
+
+def training_state(infos: Mapping[str, _sources.TensorInfo]) -> list[str]:
+    """The names of ``infos`` that are a train state's optimizer state and step counter,
+    not parameters: when the top level holds ``params`` (a Flax ``TrainState``, MaxText's
+    ``{"step", "params", "opt_state"}``), every name under ``opt_state`` (optax's ``mu`` /
+    ``nu`` carry the parameters' names, ``count`` is a counter) and ``step`` when it is a
+    0-d integer. Nothing else is left out: other top-level entries (MaxText's ``nnx_aux``:
+    RNG state, batch statistics) go through the mapping as parameters do.
+
+    Example::
+
+        training_state(flax_table("/ckpt/7/items").infos)  # ["opt_state.0.count", ..., "step"]
+    """
+    tops = {n.split(".", 1)[0] for n in infos}
+    if TRAIN_STATE_PARAMS not in tops:
+        return []
+    out = []
+    for name, info in infos.items():
+        counter = name == STEP and not info.shape and info.dtype[0] in "IU"
+        if counter or name.startswith(OPTIMIZER_STATE + "."):
+            out.append(name)
+    return out
 
 
 def _is_nnx_module(source: Any) -> bool:

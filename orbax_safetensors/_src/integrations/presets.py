@@ -45,6 +45,9 @@ Example::
 
 from __future__ import annotations
 
+from typing import Any
+
+from orbax_safetensors._src.integrations import maxtext as _maxtext
 from orbax_safetensors._src.integrations.key_mapping import (
     Chain,
     KeyMapping,
@@ -59,13 +62,20 @@ from orbax_safetensors._src.integrations.key_mapping import (
 # ending in ``norm`` (Gemma 3's pre/post feed-forward norms and q/k norms too).
 DENSE_PRESETS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
 MOE_PRESETS = ("mixtral", "qwen2-moe", "qwen3-moe")
+MAXTEXT_PRESETS = tuple(_maxtext.MAXTEXT_PRESETS)
 TUNIX_PRESETS = ("tunix-llama3", "tunix-qwen3")
-PRESETS = (*DENSE_PRESETS, *MOE_PRESETS, "gpt2", *TUNIX_PRESETS)
+PRESETS = (*DENSE_PRESETS, *MOE_PRESETS, "gpt2", *TUNIX_PRESETS, *MAXTEXT_PRESETS)
 _TIED = {"lm_head.weight": "model.embed_tokens.weight"}
 
 
 def preset_mapping(
-    name: str, *, tie_word_embeddings: bool = False, head_dim: int | None = None
+    name: str,
+    *,
+    tie_word_embeddings: bool = False,
+    head_dim: int | None = None,
+    hf_config: Any = None,
+    scan_layers: bool | None = None,
+    vocab_size: int | None = None,
 ) -> KeyMapping:
     """The ready-made mapping ``name`` (one of :data:`PRESETS`).
 
@@ -77,16 +87,38 @@ def preset_mapping(
       head_dim: the attention head size, required by the Tunix presets (Tunix's
         ``ModelConfig.head_dim``; Hugging Face's ``head_dim``, or ``hidden_size //
         num_attention_heads``).
+      hf_config: the MaxText presets' (``maxtext-*``, required there): the model's Hugging
+        Face config (a transformers config, a dict, a ``config.json`` or the model's
+        directory), which gives them heads, ``head_dim``, the vocabulary and tied embeddings
+        (see ``integrations/maxtext.py``).
+      scan_layers: the MaxText presets': True (layers stacked on axis 1), False (one
+        ``layers_{i}`` subtree a layer), None (both: an export reads either, a load fills
+        the scanned layout).
+      vocab_size: the MaxText presets': the model's vocabulary when padded past the
+        config's (a load pads the embedding and ``logits_dense`` to it).
 
     Raises:
-      ValueError: for an unknown name, or a Tunix preset without ``head_dim``.
+      ValueError: for an unknown name, a Tunix preset without ``head_dim``, a MaxText preset
+        without ``hf_config`` (or with ``head_dim``/``tie_word_embeddings``, which come from
+        the config).
 
     Example::
 
         osf.preset_mapping("qwen3", tie_word_embeddings=True)
         osf.preset_mapping("mixtral")
         osf.preset_mapping("tunix-llama3", head_dim=64)
+        osf.preset_mapping("maxtext-llama3", hf_config="/models/Llama-3.1-8B")
     """
+    if name in MAXTEXT_PRESETS:
+        if hf_config is None or head_dim is not None or tie_word_embeddings:
+            raise ValueError(
+                f"preset {name!r} takes hf_config= (the model's Hugging Face config, which "
+                "gives head_dim and tie_word_embeddings), and neither head_dim= nor "
+                "tie_word_embeddings="
+            )
+        return _maxtext.maxtext_mapping(
+            name, hf_config, scan_layers=scan_layers, vocab_size=vocab_size
+        )
     if name in TUNIX_PRESETS:
         return _tunix(name, head_dim, tie_word_embeddings)
     tied = _TIED if tie_word_embeddings else None

@@ -31,6 +31,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
@@ -224,7 +225,20 @@ def _merged_lora(
                 out[n] = got[n]
         return out
 
-    return _flax_tables.FlaxTable(infos, read_merged, table.values, table.where)
+    return dataclasses.replace(table, infos=infos, read=read_merged)
+
+
+def _without_training_state(
+    table: _flax_tables.FlaxTable, report: MappingReport
+) -> _flax_tables.FlaxTable:
+    """``table`` without a train state's optimizer state and step counter
+    (``flax_tables.training_state``), which go to ``report.ignored``."""
+    left_out = _flax_tables.training_state(table.infos)
+    if not left_out:
+        return table
+    report.ignored += left_out
+    gone = set(left_out)
+    return dataclasses.replace(table, infos={n: t for n, t in table.infos.items() if n not in gone})
 
 
 @_gcpause.paused  # (the caller waits: see pipeline/gcpause.py)
@@ -266,11 +280,19 @@ def export_pytorch(
     or on ``s3://`` or ``gs://`` (each process uploads its own bytes; the index and the
     small files are written once every file is complete).
 
+    A train state exports its parameters: when the source's top level holds ``params``
+    (MaxText's ``{"step", "params", "opt_state"}``, a Flax ``TrainState``), everything under
+    ``opt_state`` and an integer ``step`` are left out and listed in ``report.ignored``;
+    anything else goes through the mapping (``flax_tables.training_state``).
+
     Args:
       source: an ``nnx.Module``; any pytree of arrays (dicts, Linen params, ``nnx.State``,
         ``TrainState.params``, sharded ``jax.Array`` s) named by its dotted key paths; or a
-        path: a ``.safetensors`` file, a checkpoint item, an Orbax-native item, a step
-        directory or a CheckpointManager root (its latest committed step).
+        path: a ``.safetensors`` file, a checkpoint item, an Orbax-native item (v0
+        ``StandardSave`` / ``PyTreeSave``, or a v1 checkpointable such as MaxText's
+        ``<step>/items``), a step directory or a CheckpointManager root (its latest
+        committed step). In a multi-process job each process reads only its share of a
+        checkpoint (``integrations/export_reads.py``).
       directory: where to write.
       mapping: the same mapping :func:`load_pytorch` uses, applied in reverse.
       hf_config: a transformers config object (``LlamaConfig(...)``: its non-default keys,
@@ -315,6 +337,7 @@ def export_pytorch(
     table = _flax_tables.flax_table(
         source, prefix=prefix, variables=variables, step=step, item=item
     )
+    table = _without_training_state(table, report)
     lora = _sharded_export.Lora(_links.lora_merges(table.infos), mapping.lora_scale)
     table = _merged_lora(table, mapping, report)
     infos = table.infos

@@ -16,9 +16,12 @@ bytes of the shards it owns (``replica_id == 0``), through the writer a checkpoi
      every process issues in the same order), and its owned shards written;
    - host-local tensors (numpy, a ``jax.Array`` each process holds whole): the primary writes
      them, as a one-process export does;
-   - a checkpoint path: each batch of tensors is read sharded over every device
-     (``pipeline/reader.read_tensors``: each process reads only its boxes' bytes) and written
-     as above; host memory holds one batch of this process's share;
+   - a checkpoint path: each batch of tensors is read as ``export_reads`` plans: sharded over
+     the devices (byte ranges of safetensors files through ``pipeline/reader.read_tensors``,
+     whole chunks of an Orbax-native item through ``OrbaxSource.read_sharded``: each process
+     reads only its boxes) and written as above, or, for a link read whole, by its owner
+     process alone, as host-local tensors; host memory holds one batch of this process's
+     share;
 3. a barrier; the primary writes the index and the small files (``config.json``,
    ``generation_config.json``, the tokenizer's: ``model_files``) and swaps the staging
    directory in (``storage/replace.swap_in``); a last barrier, so that every process returns
@@ -56,11 +59,13 @@ import numpy as np
 from etils import epath
 from jax.experimental import multihost_utils
 
+from orbax_safetensors._src.catalog import sources as _sources
 from orbax_safetensors._src.core import astype as _astype
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import runs as _runs
 from orbax_safetensors._src.integrations import export_plan as _export_plan
+from orbax_safetensors._src.integrations import export_reads as _export_reads
 from orbax_safetensors._src.integrations import flax_tables as _flax_tables
 from orbax_safetensors._src.integrations import links as _links
 from orbax_safetensors._src.integrations import object_export as _object_export
@@ -230,34 +235,63 @@ def _process_pieces(
     """This process's pieces, link by link in the same order on every process; with
     ``marks``, each link too, once its pieces are out."""
     plan, table, tied = job.plan, job.table, job.tied
-    infos = table.infos
-    stored = getattr(table.source, "stored", None)
     batched = half_batches(job, batch_bytes)
     names_of = [names for _, names in batched]
-    link_of = {n: link for link in job.links for n in link.flax}
-
-    def read(names: Sequence[str]) -> dict[str, Any]:
-        if isinstance(stored, dict) and not any(n in lora.merges for n in names):
-            first = {
-                n: _export_plan.row_axis(link_of[n], [infos[m].shape for m in link_of[n].flax])
-                for n in names
-            }
-            return _read_sharded(stored, table.prefix, names, infos, first)
-        # a source read whole (not safetensors, or LoRA merges): the primary's
-        return table.read(names) if primary else dict.fromkeys(names)
+    me = jax.process_index()
 
     values_of: Iterator[dict[str, Any]]
     if table.source is None:  # in memory; a LoRA merge is a collective: on this thread
+        reads = _export_reads.ReadPlan({}, {})
         values_of = ({n: _merged(table.values, n, lora) for n in names} for names in names_of)
     else:
-        values_of = read_ahead(read, names_of)
+        reads = plan_reads(job, lora)
+        values_of = read_ahead(functools.partial(_read, table, reads, me), names_of)
     for (group, _), values in zip(batched, values_of):
         for link in group:
-            yield from _link_pieces(plan, link, [values[n] for n in link.flax], tied, primary)
+            writes = reads.writer(link, _PRIMARY) == me if table.source is not None else primary
+            arrays = [values[n] for n in link.flax]
+            yield from _link_pieces(plan, link, arrays, tied, writes)
             for n in link.flax:
                 values.pop(n, None)
             if marks:
                 yield link
+
+
+def plan_reads(job: ExportJob, lora: Lora) -> _export_reads.ReadPlan:
+    """What each process reads of ``job``'s checkpoint source (``export_reads``): byte
+    ranges of safetensors files, whole chunks of an Orbax-native item; links that merge LoRA
+    adapters, and every link of another source, read whole by one process each."""
+    source = job.table.source
+    prefix = job.table.prefix
+    chunks: dict[str, tuple[int, ...]] | None = None
+    if isinstance(source, _sources.OrbaxSource):
+        chunks = {n: source.chunks[prefix + n] for n in job.table.infos}
+    return _export_reads.plan_reads(
+        job.links,
+        job.table.infos,
+        chunks=chunks,
+        processes=jax.process_count(),
+        whole=lora.merges,
+        sharded=isinstance(source, (_sources.SafetensorsSource, _sources.OrbaxSource)),
+    )
+
+
+def _read(
+    table: _flax_tables.FlaxTable,
+    reads: _export_reads.ReadPlan,
+    me: int,
+    names: Sequence[str],
+) -> dict[str, Any]:
+    # This process's values of ``names``: global arrays of those read sharded, host arrays
+    # of those it reads whole, None for the others' (no collective: a reading thread's).
+    sharded = [n for n in names if n in reads.shardings]
+    mine = [n for n in names if reads.owners.get(n) == me]
+    out: dict[str, Any] = dict.fromkeys(names)
+    if sharded:
+        out.update(_read_sharded(table, sharded, reads.shardings))
+    if mine:
+        out.update(table.read(mine))
+    return out
 
 
 def read_ahead(
@@ -288,19 +322,19 @@ def read_ahead(
 
 
 def _read_sharded(
-    stored: Mapping[str, Any],
-    prefix: str,
-    names: Sequence[str],
-    infos: Mapping[str, Any],
-    first: Mapping[str, int],
+    table: _flax_tables.FlaxTable, names: Sequence[str], shardings: Mapping[str, Any]
 ) -> dict[str, Any]:
-    # Each tensor spread over every device of the job, split where each process's share of
-    # the PyTorch tensors is one range (export_plan.row_axis); this process reads its boxes.
+    # Global arrays of ``names`` under their planned shardings: this process reads its boxes
+    # (byte ranges of safetensors files, whole chunks of an Orbax-native item).
+    source, prefix = table.source, table.prefix
+    if isinstance(source, _sources.OrbaxSource):
+        got = source.read_sharded(
+            [prefix + n for n in names], {prefix + n: shardings[n] for n in names}
+        )
+        return {n: got[prefix + n] for n in names}
     requests = [
         _reader.ReadRequest(
-            stored[prefix + n],
-            kind=_reader.ReadKind.JAX,
-            sharding=_export_plan.spread_sharding(infos[n].shape, first[n]),
+            source.stored[prefix + n], kind=_reader.ReadKind.JAX, sharding=shardings[n]
         )
         for n in names
     ]

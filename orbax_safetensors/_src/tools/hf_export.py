@@ -4,7 +4,9 @@ model directory, through a preset or user key mapping.
 ``--mapping`` is a preset name (``presets.PRESETS``: ``llama``, ``mistral``, ``qwen2``, ``qwen3``,
 ``phi3``, ``gemma3``, ``mixtral``, ``qwen2-moe``, ``qwen3-moe``, ``gpt2``, ``tunix-llama3``,
 ``tunix-qwen3``; with a config whose ``tie_word_embeddings`` is true, the preset ties
-``lm_head`` to the embedding; the Tunix presets take their ``head_dim`` from it) or
+``lm_head`` to the embedding; the Tunix presets take their ``head_dim`` from it; the MaxText
+presets ``maxtext-*`` need it and read heads, ``head_dim`` and the vocabulary from it, and
+take scanned and unscanned checkpoints alike) or
 ``module:attr`` naming a :class:`KeyMapping` (or a function of no arguments returning one),
 imported like ``python -c 'import module'`` from the current directory.
 
@@ -60,6 +62,10 @@ def resolve_mapping(spec: str, hf_config: dict[str, Any] | None = None) -> KeyMa
             raise ValueError(
                 f"--mapping {spec!r}: neither a preset ({', '.join(_presets.PRESETS)}) nor module:attr"
             )
+        if spec in _presets.MAXTEXT_PRESETS:
+            if hf_config is None:
+                raise ValueError(f"--mapping {spec!r} needs --hf-config (the model's config.json)")
+            return _presets.preset_mapping(spec, hf_config=hf_config)
         doc = hf_config or {}
         tie = bool(doc.get("tie_word_embeddings", False))
         if spec not in _presets.TUNIX_PRESETS:

@@ -1,0 +1,226 @@
+"""Key mappings between MaxText's checkpoints and Hugging Face causal LMs: the presets
+``maxtext-llama3``, ``maxtext-mistral``, ``maxtext-mixtral``, ``maxtext-qwen3`` and
+``maxtext-qwen3-moe``, built from the model's Hugging Face config (heads, head_dim, vocabulary,
+tied embeddings).
+
+The facts are those of MaxText's own conversion (``maxtext`` 0.2.5,
+``checkpoint_conversion/utils/param_mapping.py``: the ``*_MAXTEXT_TO_HF_PARAM_MAPPING`` names,
+the ``*_PARAM_HOOK_FN`` value hooks), so that an export writes the tensors its
+``to_huggingface.py`` writes:
+
+- a train state's parameters sit under ``params.params`` (``{"step", "params": {"params":
+  {"decoder", "token_embedder"}}, "opt_state"}``); the optimizer state and the step are left out;
+- scanned layers (``decoder.layers.*``) hold the layers on axis 1: query ``(emb, L, heads,
+  head_dim)``, key/value ``(emb, L, kv_heads, head_dim)``, out ``(heads, L, head_dim, emb)``,
+  norms ``(emb, L)``, ``wi_0``/``wi_1`` ``(emb, L, mlp)``, ``wo`` ``(mlp, L, emb)``; MoE gate
+  ``(emb, L, experts)``, experts ``(experts, L, emb, mlp)`` (``wo``: ``(experts, L, mlp, emb)``);
+  unscanned layers are ``decoder.layers_{i}``, the same tensors without ``L``;
+- ``token_embedder.embedding`` ``(vocab, emb)``, ``decoder.logits_dense.kernel`` ``(emb, vocab)``
+  (none with tied embeddings), ``decoder.decoder_norm.scale``;
+- LLaMA 3 (MaxText's LLaMA 3.1 entry): the query and key projections interleaved for RoPE and
+  the query scaled by ``1 / sqrt(head_dim)`` (:class:`~transforms.Scale`, float32); Mistral and
+  Mixtral: the query scaled; Qwen 3: neither (it has q/k norms);
+- a vocabulary padded past the config's is cut to it on export (and padded back on a load into
+  a tree of ``vocab_size`` rows).
+
+Example::
+
+    mapping = maxtext_mapping("maxtext-llama3", "/models/Llama-3.1-8B")
+    osf.export_pytorch("/ckpt/1000/items", "/tmp/hf", mapping, hf_config=config)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from etils import epath
+
+from orbax_safetensors._src.integrations import model_files as _model_files
+from orbax_safetensors._src.integrations.key_mapping import (
+    Chain,
+    KeyMapping,
+    Rule,
+    SplitHeads,
+    Transpose,
+)
+from orbax_safetensors._src.integrations.transforms import RopeInterleave, Scale, VocabRows
+
+# preset -> the Hugging Face model_type its config must have
+MAXTEXT_PRESETS = {
+    "maxtext-llama3": "llama",
+    "maxtext-mistral": "mistral",
+    "maxtext-mixtral": "mixtral",
+    "maxtext-qwen3": "qwen3",
+    "maxtext-qwen3-moe": "qwen3_moe",
+}
+# Where a train state keeps its parameters: state.params = {"params": {decoder, token_embedder}}
+ROOT = "params.params."
+_TRAINING_STATE = (r"opt_state(\..*)?", "step")  # left alone by a load into a train state
+_HF_LAYER = "model.layers.{i}."
+# MoE presets: the Hugging Face module, MaxText's block, the experts' gate, up and down weights
+_MOE = {
+    "maxtext-mixtral": ("block_sparse_moe.", "MoeBlock_0.", ("w1", "w3", "w2")),
+    "maxtext-qwen3-moe": ("mlp.", "moe_block.", ("gate_proj", "up_proj", "down_proj")),
+}
+
+
+def hf_config_dict(hf_config: Any) -> dict[str, Any]:
+    """A Hugging Face config as a dict: a transformers config object, a dict, a
+    ``config.json`` or a directory holding one.
+
+    Raises:
+      ValueError: a path without a JSON object config.
+      TypeError: anything else.
+    """
+    if isinstance(hf_config, Mapping):
+        return dict(hf_config)
+    if isinstance(hf_config, (str, os.PathLike)):
+        path = epath.Path(hf_config)
+        return _model_files.read_json(path / "config.json" if path.is_dir() else path)
+    if hasattr(hf_config, "to_dict"):
+        return dict(hf_config.to_dict())
+    raise TypeError(
+        "hf_config must be a transformers config, a dict, a config.json or a directory "
+        f"holding one, not {type(hf_config).__name__}"
+    )
+
+
+def maxtext_mapping(
+    name: str,
+    hf_config: Any,
+    *,
+    scan_layers: bool | None = None,
+    vocab_size: int | None = None,
+    root: str = ROOT,
+) -> KeyMapping:
+    """The mapping of preset ``name`` (one of :data:`MAXTEXT_PRESETS`) for the model of
+    ``hf_config``.
+
+    Args:
+      name: ``"maxtext-llama3"``, ``"maxtext-mistral"``, ``"maxtext-mixtral"``,
+        ``"maxtext-qwen3"`` or ``"maxtext-qwen3-moe"``.
+      hf_config: the model's Hugging Face config (a transformers config, a dict, a
+        ``config.json`` or the model's directory): heads, ``head_dim``, ``vocab_size`` and
+        ``tie_word_embeddings`` come from it.
+      scan_layers: MaxText's ``scan_layers``: True, the layers stacked on axis 1
+        (``decoder.layers``); False, one subtree a layer (``decoder.layers_{i}``); None (the
+        default), both: an export reads either (the names tell them apart), a load fills the
+        scanned layout (MaxText's default) and needs ``False`` for the other.
+      vocab_size: the MaxText model's vocabulary when padded past the config's: a load pads
+        the embedding and ``logits_dense`` with zero rows to it. An export always writes the
+        config's ``vocab_size`` rows (the padding dropped).
+      root: where the parameters sit in the tree: ``"params.params."`` in a MaxText train
+        state or checkpoint; ``"params."`` for a train state's ``params``; ``""`` for the
+        ``{"decoder", "token_embedder"}`` tree itself.
+
+    Raises:
+      ValueError: an unknown preset, a config of another model type, a config without the
+        sizes the preset needs.
+
+    Example::
+
+        mapping = maxtext_mapping("maxtext-qwen3", transformers.AutoConfig.from_pretrained(d))
+        osf.load_pytorch(state, d, maxtext_mapping("maxtext-qwen3", d, scan_layers=False))
+    """
+    if name not in MAXTEXT_PRESETS:
+        raise ValueError(f"no MaxText preset {name!r} (presets: {', '.join(MAXTEXT_PRESETS)})")
+    config = hf_config_dict(hf_config)
+    model_type = config.get("model_type")
+    if model_type is not None and model_type != MAXTEXT_PRESETS[name]:
+        raise ValueError(
+            f"preset {name!r} maps {MAXTEXT_PRESETS[name]!r} models; the config is a "
+            f"{model_type!r} model's"
+        )
+    dims = _Dims.of(name, config)
+    layers = []
+    if scan_layers in (None, True):
+        layers += _layer_rules(name, dims, root + "decoder.layers.", {"i": 1})
+    if scan_layers in (None, False):
+        layers += _layer_rules(name, dims, root + "decoder.layers_{i}.", None)
+    padded = None if vocab_size is None else int(vocab_size)
+    rules = [
+        Rule(
+            "model.embed_tokens.weight",
+            root + "token_embedder.embedding",
+            VocabRows(dims.vocab, padded),
+        ),
+        Rule("model.norm.weight", root + "decoder.decoder_norm.scale"),
+        *layers,
+    ]
+    if not dims.tied:
+        head = Chain(Transpose(), VocabRows(dims.vocab, padded, axis=-1))
+        rules.append(Rule("lm_head.weight", root + "decoder.logits_dense.kernel", head))
+    return KeyMapping(
+        rules,
+        # tied: MaxText has no logits_dense (logits_via_embedding); a file's lm_head is the
+        # embedding's copy. A checkpoint with a logits_dense has no rule: an export refuses it.
+        ignore_torch=["lm_head.weight"] if dims.tied else [],
+        ignore_flax=_TRAINING_STATE if root == ROOT else (),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dims:
+    """What the rules need of a config: head_dim, the vocabulary, tied embeddings."""
+
+    head_dim: int
+    vocab: int
+    tied: bool
+
+    @classmethod
+    def of(cls, name: str, config: Mapping[str, Any]) -> _Dims:
+        heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
+        head_dim = config.get("head_dim") or (hidden // heads if heads and hidden else None)
+        vocab = config.get("vocab_size")
+        if not head_dim or not vocab:
+            raise ValueError(
+                f"preset {name!r} needs a Hugging Face config with vocab_size and head_dim (or "
+                f"hidden_size and num_attention_heads); got keys {sorted(config)}"
+            )
+        return cls(int(head_dim), int(vocab), bool(config.get("tie_word_embeddings", False)))
+
+
+def _layer_rules(name: str, dims: _Dims, layer: str, stacked: dict[str, int] | None) -> list[Rule]:
+    """The rules of one decoder layer's tensors under ``layer`` (``...decoder.layers.``
+    scanned with ``stacked={"i": 1}``, or ``...decoder.layers_{i}.``)."""
+    heads: list[Any] = [Transpose(), SplitHeads(head_dim=dims.head_dim, axis=-1)]  # (emb, h, d)
+    query, key = list(heads), list(heads)
+    if name == "maxtext-llama3":
+        query.append(RopeInterleave())
+        key.append(RopeInterleave())
+    if name in ("maxtext-llama3", "maxtext-mistral", "maxtext-mixtral"):
+        query.append(Scale.attention_query(dims.head_dim))
+    hf, att = _HF_LAYER, layer + "self_attention."
+
+    def rule(torch: str, flax: str, transform: Any = None) -> Rule:
+        return Rule(hf + torch, flax, transform, stacked=stacked)
+
+    out = Chain(Transpose(), SplitHeads(head_dim=dims.head_dim, axis=0))  # (heads, head_dim, emb)
+    rules = [
+        rule("self_attn.q_proj.weight", att + "query.kernel", Chain(*query)),
+        rule("self_attn.k_proj.weight", att + "key.kernel", Chain(*key)),
+        rule("self_attn.v_proj.weight", att + "value.kernel", Chain(*heads)),
+        rule("self_attn.o_proj.weight", att + "out.kernel", out),
+        rule("input_layernorm.weight", layer + "pre_self_attention_layer_norm.scale"),
+        rule("post_attention_layernorm.weight", layer + "post_self_attention_layer_norm.scale"),
+    ]
+    if name in ("maxtext-qwen3", "maxtext-qwen3-moe"):
+        rules += [
+            rule("self_attn.q_norm.weight", att + "query_norm.scale"),
+            rule("self_attn.k_norm.weight", att + "key_norm.scale"),
+        ]
+    moe = _MOE.get(name)
+    if moe is None:
+        for theirs, ours in (("gate_proj", "wi_0"), ("up_proj", "wi_1"), ("down_proj", "wo")):
+            rules.append(rule(f"mlp.{theirs}.weight", layer + f"mlp.{ours}.kernel", Transpose()))
+        return rules
+    hf_moe, block, (gate, up, down) = moe
+    rules.append(rule(hf_moe + "gate.weight", layer + block + "gate.kernel", Transpose()))
+    experts = {"e": 0, **({"i": 1} if stacked else {})}  # the experts' axis before the layers'
+    for theirs, ours in ((gate, "wi_0"), (up, "wi_1"), (down, "wo")):
+        torch = hf + hf_moe + f"experts.{{e}}.{theirs}.weight"
+        rules.append(Rule(torch, layer + block + ours, Transpose(), stacked=experts))
+    return rules

@@ -1,0 +1,150 @@
+"""Value transforms beyond re-layout, for models that store their weights other than as Hugging
+Face does: a factor folded into a weight (:class:`Scale`), the two RoPE conventions
+(:class:`RopeInterleave`), a vocabulary padded past the tokenizer's (:class:`VocabRows`) and a
+norm stored as an offset from one (:class:`Offset`). Each is a :class:`Transform` (``to_flax``
+towards the JAX side, ``to_torch`` towards Hugging Face), runs on numpy arrays (and on
+jax arrays, as an export on the devices applies it) and keeps the
+tensor's dtype; the MaxText presets (``integrations/maxtext.py``) are built of them.
+
+Example::
+
+    Chain(Transpose(), SplitHeads(head_dim=128), RopeInterleave(), Scale.attention_query(128))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+    """Multiplies by ``to_flax_factor`` towards the JAX side and by ``to_torch_factor`` towards
+    PyTorch. Each factor is rounded to float32 and the product taken in float32 (float64 for a
+    float64 tensor), then rounded to the tensor's dtype: what MaxText's conversion hooks do, so
+    an export gives their bits (``to_torch(to_flax(x))`` is ``x`` only where the factors are
+    powers of two).
+
+    Example::
+
+        Scale.attention_query(64).to_flax(np.ones(2, np.float32))   # [0.125, 0.125]
+    """
+
+    to_flax_factor: float
+    to_torch_factor: float
+
+    @classmethod
+    def attention_query(cls, head_dim: int) -> Scale:
+        """The attention's ``1 / sqrt(head_dim)`` folded into the query kernel (MaxText's
+        Llama, Mistral and Mixtral): times ``1 / sqrt(head_dim)`` into the kernel, times
+        ``sqrt(head_dim)`` out of it, each factor computed in float64 and rounded to float32."""
+        if int(head_dim) <= 0:
+            raise ValueError(f"head_dim must be positive, got {head_dim!r}")
+        root = math.sqrt(int(head_dim))
+        return cls(1.0 / root, root)
+
+    def to_flax(self, x: np.ndarray) -> np.ndarray:
+        return _scaled(x, self.to_flax_factor)
+
+    def to_torch(self, x: np.ndarray) -> np.ndarray:
+        return _scaled(x, self.to_torch_factor)
+
+
+def _scaled(x: Any, factor: float) -> Any:
+    work = np.float64 if x.dtype == np.float64 else np.float32
+    return (x.astype(work) * work(factor)).astype(x.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeInterleave:
+    """The two layouts of rotary embeddings' pairs along axis ``axis`` (the head dimension):
+    Hugging Face rotates halves (``x[:d/2]`` with ``x[d/2:]``), Meta's and MaxText's LLaMA 3.1
+    RoPE rotates neighbours (``x[0::2]`` with ``x[1::2]``). ``to_flax`` interleaves the halves
+    (``[a0, a1, b0, b1]`` -> ``[a0, b0, a1, b1]``), ``to_torch`` gathers them back: a
+    permutation of the query and key projections' output features, values unchanged.
+
+    Example::
+
+        RopeInterleave().to_flax(np.arange(6))    # [0, 3, 1, 4, 2, 5]
+    """
+
+    axis: int = -1
+
+    def to_flax(self, x: np.ndarray) -> np.ndarray:
+        axis, n = self._axis(x)
+        order = np.arange(n).reshape(2, n // 2).T.reshape(-1)  # 0, n/2, 1, n/2 + 1, ...
+        return x[(slice(None),) * axis + (order,)]
+
+    def to_torch(self, x: np.ndarray) -> np.ndarray:
+        axis, n = self._axis(x)
+        order = np.arange(n).reshape(n // 2, 2).T.reshape(-1)  # 0, 2, 4, ..., 1, 3, 5, ...
+        return x[(slice(None),) * axis + (order,)]
+
+    def _axis(self, x: np.ndarray) -> tuple[int, int]:
+        axis = self.axis % x.ndim
+        if x.shape[axis] % 2:
+            raise ValueError(f"rotary pairs: axis {axis} of shape {list(x.shape)} has an odd size")
+        return axis, int(x.shape[axis])
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabRows:
+    """A vocabulary axis padded past the tokenizer's: towards PyTorch the tensor has the
+    config's ``vocab`` rows along ``axis`` (the rows past it dropped; a shorter one padded
+    with zeros), towards the JAX side ``padded`` rows (None: as many as it has).
+
+    Example::
+
+        VocabRows(3).to_torch(np.ones((5, 2)))              # 3 rows
+        VocabRows(3, padded=8).to_flax(np.ones((3, 2)))     # 8 rows, the last 5 zeros
+    """
+
+    vocab: int
+    padded: int | None = None
+    axis: int = 0
+
+    def to_flax(self, x: np.ndarray) -> np.ndarray:
+        return x if self.padded is None else _rows(x, int(self.padded), self.axis)
+
+    def to_torch(self, x: np.ndarray) -> np.ndarray:
+        return _rows(x, int(self.vocab), self.axis)
+
+
+def _rows(x: Any, n: int, axis: int) -> Any:
+    axis %= x.ndim
+    have = x.shape[axis]
+    if have >= n:
+        return x[(slice(None),) * axis + (slice(0, n),)]
+    shape = (*x.shape[:axis], n, *x.shape[axis + 1 :])
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, n - have)
+    if not isinstance(x, np.ndarray):  # a jax.Array (an export's transform on the devices)
+        import jax.numpy as jnp
+
+        return jnp.pad(x, widths)
+    if x.size and not any(x.strides) and not x.flat[0]:
+        # a broadcast zero (a shape probe) pads to a broadcast zero: nothing allocated
+        return np.broadcast_to(np.zeros((), x.dtype), shape)
+    return np.pad(x, widths)
+
+
+@dataclasses.dataclass(frozen=True)
+class Offset:
+    """Adds ``to_flax_offset`` towards the JAX side and subtracts it towards PyTorch, in the
+    tensor's dtype: norms stored as ``1 + w`` (MaxText's Gemma) against Hugging Face's ``w``.
+
+    Example::
+
+        Offset(1.0).to_flax(np.zeros(2, np.float32))    # [1., 1.]
+    """
+
+    to_flax_offset: float
+
+    def to_flax(self, x: np.ndarray) -> np.ndarray:
+        return (x + np.asarray(self.to_flax_offset, x.dtype)).astype(x.dtype)
+
+    def to_torch(self, x: np.ndarray) -> np.ndarray:
+        return (x - np.asarray(self.to_flax_offset, x.dtype)).astype(x.dtype)

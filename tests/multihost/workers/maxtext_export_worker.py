@@ -1,0 +1,92 @@
+"""Multi-process export of a MaxText checkpoint this job saved (``maxtext_checkpoints``):
+every process builds the same train state, shards it as MaxText's FSDP does, saves it the
+ways MaxText saves (``ctx.args["saves"]``), then exports each saved item's parameters with
+``ctx.args["mapping"]`` and reports what it read and wrote.
+
+Args: ``root`` (a directory every process sees), ``dims`` (``maxtext_checkpoints.Dims``
+fields), ``saves`` (names among ``v1``, ``v0``, ``standard``), ``exports``
+(``{name: {"source": relative path, **export_pytorch kwargs}}``), ``preset`` (optional:
+``osf.preset_mapping``'s keyword arguments, e.g. a MaxText preset and its ``hf_config``).
+
+Reported per export: ``bytes_written`` (the report's counter), ``rchar`` / ``wchar`` (bytes
+this process's read / write system calls moved meanwhile, from ``/proc/self/io``),
+``ts_read`` (bytes TensorStore read from files meanwhile), ``peak`` (``VmHWM`` growth),
+``seconds``, ``ignored``.
+"""
+
+import time
+
+import worker_lib
+
+ctx = worker_lib.init()
+
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # tests/
+
+import jax  # noqa: E402
+import maxtext_checkpoints as M  # noqa: E402
+import tensorstore as ts  # noqa: E402
+
+import orbax_safetensors as osf  # noqa: E402
+
+
+def counters() -> dict[str, int]:
+    out = {}
+    for line in Path("/proc/self/io").read_text().splitlines():
+        key, _, value = line.partition(":")
+        out[key] = int(value)
+    for m in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read"):
+        out["ts_read"] = int(m["values"][0]["value"])
+    out.setdefault("ts_read", 0)
+    return out
+
+
+def vm(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+root = Path(ctx.args["root"])
+dims = M.Dims(**ctx.args["dims"])
+state = M.train_state(M.llama_params(dims))
+sharded = M.shard_state(state, ctx.args.get("fsdp"))
+del state
+for how in ctx.args["saves"]:
+    if how == "v1":
+        M.save_v1(root / "v1", 7, sharded)
+    else:
+        M.save_v0(root / how, 7, sharded, how="pytree" if how == "v0" else how)
+del sharded
+# a preset (``ctx.args["preset"]``: preset_mapping's keyword arguments) or the hand mapping
+preset = ctx.args.get("preset")
+mapping = osf.preset_mapping(**preset) if preset else M.hand_mapping(dims)
+
+result = {"process_index": jax.process_index()}
+for name, spec in ctx.args["exports"].items():
+    kwargs = dict(spec)
+    source = root / kwargs.pop("source")
+    before = counters()
+    rss = vm("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")
+    t0 = time.monotonic()
+    report = osf.export_pytorch(source, root / "out" / name, mapping, **kwargs)
+    seconds = time.monotonic() - t0
+    after = counters()
+    assert report.ok, report.problems()
+    result[name] = {
+        "bytes_written": report.bytes_written,
+        "rchar": after["rchar"] - before["rchar"],
+        "wchar": after["wchar"] - before["wchar"],
+        "ts_read": after["ts_read"] - before["ts_read"],
+        "peak": vm("VmHWM") - rss,
+        "seconds": round(seconds, 3),
+        "ignored": sorted(report.ignored),
+        "moved": len(report.moved),
+    }
+
+worker_lib.emit_result(result)
+worker_lib.finish()
