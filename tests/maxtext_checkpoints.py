@@ -363,3 +363,29 @@ def random_sharded_state(d: Dims, *, step: int = 7, seed: int = 0) -> dict[str, 
             {"count": counter(step)},
         ],
     }
+
+
+def lora_tree(seed: int = 0) -> dict[str, Any]:
+    """A small tree with a LoRA-adapted kernel (``x.kernel`` with ``x.lora.lora_a`` /
+    ``lora_b``) beside a plain one (``y``), for :data:`LORA_MAPPING`."""
+    rng = np.random.default_rng(seed)
+    return {
+        "x": {
+            "kernel": rng.standard_normal((32, 48), np.float32),
+            "lora": {
+                "lora_a": rng.standard_normal((32, 2), np.float32),
+                "lora_b": rng.standard_normal((2, 48), np.float32),
+            },
+        },
+        "y": rng.standard_normal((16, 8), np.float32),
+    }
+
+
+def _lora_mapping() -> Any:
+    import orbax_safetensors as osf
+
+    rules = [osf.Rule("x.weight", "x.kernel", osf.Transpose()), osf.Rule("y.weight", "y")]
+    return osf.KeyMapping(rules, lora_scale=0.5)
+
+
+LORA_MAPPING = _lora_mapping()

@@ -19,7 +19,8 @@ Each launch checks, for every export:
 
 A checkpoint saved by one process (each array one chunk: nothing to split) is exported at
 N = 2 too: each link is read whole by one process, the links spread over the processes
-(each reads and writes at most its share plus the largest link).
+(each reads and writes at most its share plus the largest link); so is a checkpoint with
+LoRA adapters (this library's and an Orbax-native one), merged byte-identical to one process.
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         report = osf.export_pytorch(params, refs[name], mapping, **kwargs)
         assert report.ok, report.problems()
     M.save_v0(base / "one_process", 7, state)  # every array one chunk
+    refs["lora"] = base / "ref_lora"
+    assert osf.export_pytorch(M.lora_tree(), refs["lora"], M.LORA_MAPPING).ok
     training = sorted(n for n in M.flatten(state) if not n.startswith("params."))
     return {"base": base, "refs": refs, "state": state, "training": training}
 
@@ -142,12 +145,20 @@ def test_two_processes_export_their_share_of_each_maxtext_save(setup):
         "bf16": {"source": f"{V1}/7/items", **EXPORT_ARGS["bf16"]},
         "one_process": {"source": str(setup["base"] / "one_process" / "7" / "items")},
     }
-    by_pid = _run(setup, 2, root, sorted({V1, "v0", "standard"}), exports)
+    lora = root / "lora"
+    by_pid = _run(setup, 2, root, sorted({V1, "v0", "standard"}), exports, lora=str(lora))
     for name in ("v1_item", "v0_step", "standard_root"):
         _check(setup, 2, by_pid, root, name, "f32")
     _check(setup, 2, by_pid, root, "bf16", "bf16")
     largest = max(v.nbytes for v in M.parameters(setup["state"]).values())
     _check(setup, 2, by_pid, root, "one_process", "f32", slack=largest)
+    # LoRA adapters merged from a checkpoint (both kinds): the link read whole by one process
+    reference = setup["refs"]["lora"] / "model.safetensors"
+    for kind in ("ours", "orbax"):
+        out = lora / f"out_{kind}" / "model.safetensors"
+        assert out.read_bytes() == reference.read_bytes(), kind
+        written = [by_pid[i][f"lora_{kind}"]["bytes_written"] for i in range(2)]
+        assert sum(written) == _tensor_bytes(setup["refs"]["lora"]), (kind, written)
     _print(by_pid, 2, exports)
 
 

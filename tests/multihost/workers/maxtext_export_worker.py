@@ -8,6 +8,10 @@ fields), ``saves`` (names among ``v1``, ``v0``, ``standard``), ``exports``
 (``{name: {"source": relative path, **export_pytorch kwargs}}``), ``preset`` (optional:
 ``osf.preset_mapping``'s keyword arguments, e.g. a MaxText preset and its ``hf_config``).
 
+With ``lora`` (a directory), the job also saves ``maxtext_checkpoints.lora_tree()`` there as
+a checkpoint of this library (``ours``) and an Orbax-native item (``orbax``) and exports each
+with ``LORA_MAPPING`` to ``out_<kind>`` (reported: ``lora_<kind>``'s ``bytes_written``).
+
 Reported per export: ``bytes_written`` (the report's counter), ``rchar`` / ``wchar`` (bytes
 this process's read / write system calls moved meanwhile, from ``/proc/self/io``),
 ``ts_read`` (bytes TensorStore read from files meanwhile), ``peak`` (``VmHWM`` growth),
@@ -87,6 +91,19 @@ for name, spec in ctx.args["exports"].items():
         "ignored": sorted(report.ignored),
         "moved": len(report.moved),
     }
+
+if "lora" in ctx.args:  # a checkpoint with LoRA adapters, merged as the links are written
+    import orbax.checkpoint as ocp
+
+    lora_root = Path(ctx.args["lora"])
+    tree = M.lora_tree()
+    with ocp.CheckpointManager(lora_root / "ours") as manager:
+        manager.save(1, args=ocp.args.Composite(state=osf.SafetensorsSave(tree)))
+        manager.wait_until_finished()
+    ocp.PyTreeCheckpointer().save((lora_root / "orbax").absolute(), tree)
+    for kind in ("ours", "orbax"):
+        report = osf.export_pytorch(lora_root / kind, lora_root / f"out_{kind}", M.LORA_MAPPING)
+        result[f"lora_{kind}"] = {"bytes_written": report.bytes_written}
 
 worker_lib.emit_result(result)
 worker_lib.finish()
