@@ -31,6 +31,7 @@ import numpy as np
 
 from orbax_safetensors._src.catalog import sources as _sources
 from orbax_safetensors._src.core import dtypes as _dtypes
+from orbax_safetensors._src.integrations import fidelity as _fidelity
 from orbax_safetensors._src.integrations import links as _links
 from orbax_safetensors._src.integrations.key_mapping import (
     IDENTITY,
@@ -111,10 +112,15 @@ def plan_links(
         infos = [tensors[k] for k in link.torch]
         want = [targets[n].shape for n in link.flax]
         described = f"{key} {infos[0].dtype}{list(infos[0].shape)}"
+        dtype = _dtypes.to_numpy(infos[0].dtype)
         try:
-            got = link.flax_shapes([t.shape for t in infos], _dtypes.to_numpy(infos[0].dtype))
+            got = link.flax_shapes([t.shape for t in infos], dtype)
         except ValueError as e:
             report.mismatched.append(f"{described} -> {', '.join(link.flax)}: {e}")
+            continue
+        split = _fidelity.fused_load_problem(link, [t.shape for t in infos], dtype)
+        if split is not None:
+            report.mismatched.append(split)
             continue
         if got != want:
             report.mismatched.append(

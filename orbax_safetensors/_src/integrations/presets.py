@@ -23,7 +23,9 @@ Face's module names (``nnx.Linear`` for ``nn.Linear``, ``nnx.Embed``, ``nnx.RMSN
   ``(experts, in, out)``, the router ``mlp.gate.weight`` as ``layers.{i}.mlp.router.kernel``.
 
 With ``tie_word_embeddings=True`` (LLaMA/Qwen), a directory without ``lm_head.weight`` loads a
-model's ``lm_head.kernel`` from the embedding, and an export writes no ``lm_head.weight``.
+model's ``lm_head.kernel`` from the embedding, and an export writes no ``lm_head.weight`` (a
+head that differs from the embedding is written, untied: ``export_pytorch``). LoRA adapters
+are merged on export with every preset (``lora_scale=``: ``integrations/lora.py``).
 
 Example::
 
@@ -33,6 +35,8 @@ Example::
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from orbax_safetensors._src.integrations.key_mapping import (
     Chain,
@@ -48,7 +52,11 @@ _TIED = {"lm_head.weight": "model.embed_tokens.weight"}
 
 
 def preset_mapping(
-    name: str, *, tie_word_embeddings: bool = False, head_dim: int | None = None
+    name: str,
+    *,
+    tie_word_embeddings: bool = False,
+    head_dim: int | None = None,
+    lora_scale: float | None = None,
 ) -> KeyMapping:
     """The ready-made mapping ``name`` (one of :data:`PRESETS`).
 
@@ -60,6 +68,9 @@ def preset_mapping(
       head_dim: the attention head size, required by the Tunix presets (Tunix's
         ``ModelConfig.head_dim``; Hugging Face's ``head_dim``, or ``hidden_size //
         num_attention_heads``).
+      lora_scale: the scale of LoRA adapters merged on export (``KeyMapping.lora_scale``):
+        ``alpha / rank`` of qwix's ``LoraProvider``, as Tunix applies it (rank 4, alpha 8:
+        2.0); None: flax's unscaled LoRA, 1.0.
 
     Raises:
       ValueError: for an unknown name, or a Tunix preset without ``head_dim``.
@@ -68,7 +79,13 @@ def preset_mapping(
 
         osf.preset_mapping("qwen3", tie_word_embeddings=True)
         osf.preset_mapping("tunix-llama3", head_dim=64)
+        osf.preset_mapping("tunix-qwen3", head_dim=128, lora_scale=8 / 4)
     """
+    mapping = _preset(name, tie_word_embeddings, head_dim)
+    return mapping if lora_scale is None else dataclasses.replace(mapping, lora_scale=lora_scale)
+
+
+def _preset(name: str, tie_word_embeddings: bool, head_dim: int | None) -> KeyMapping:
     if name in TUNIX_PRESETS:
         return _tunix(name, head_dim, tie_word_embeddings)
     if name in ("llama", "qwen2", "qwen3"):

@@ -5,7 +5,9 @@ model directory, through a preset or user key mapping.
 ``tunix-qwen3``; with a config whose ``tie_word_embeddings`` is true, the preset ties
 ``lm_head`` to the embedding; the Tunix presets take their ``head_dim`` from it) or
 ``module:attr`` naming a :class:`KeyMapping` (or a function of no arguments returning one),
-imported like ``python -c 'import module'`` from the current directory.
+imported like ``python -c 'import module'`` from the current directory. ``--lora-scale X``
+sets its ``KeyMapping.lora_scale``: the scale of the LoRA adapters merged (qwix's
+``alpha / rank``, as Tunix applies them).
 
 Example::
 
@@ -14,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import json
@@ -49,13 +52,23 @@ def read_hf_config(path: str | None) -> dict[str, Any] | None:
     return doc
 
 
-def resolve_mapping(spec: str, hf_config: dict[str, Any] | None = None) -> KeyMapping:
-    """The mapping ``spec`` names: a preset, or ``module:attr``.
+def resolve_mapping(
+    spec: str, hf_config: dict[str, Any] | None = None, lora_scale: float | None = None
+) -> KeyMapping:
+    """The mapping ``spec`` names: a preset, or ``module:attr``; with ``lora_scale``
+    (``--lora-scale``), that mapping with that ``KeyMapping.lora_scale``.
 
     Raises:
       ValueError: an unknown preset, a module that does not import, an attribute that is not
         a KeyMapping.
     """
+    mapping = _named_mapping(spec, hf_config)
+    if lora_scale is None:
+        return mapping
+    return dataclasses.replace(mapping, lora_scale=lora_scale)
+
+
+def _named_mapping(spec: str, hf_config: dict[str, Any] | None) -> KeyMapping:
     if ":" not in spec:
         if spec not in _presets.PRESETS:
             raise ValueError(

@@ -1,0 +1,272 @@
+"""What keeps an export (and a load) from changing what the model computes, silently.
+
+- Tied keys. ``KeyMapping.tied`` says that a PyTorch key (``lm_head.weight``) is another one
+  (``model.embed_tokens.weight``), so an export leaves it out and the reader ties it back. A
+  model that holds both with different values (a head fine-tuned apart from its embedding)
+  would then be served with its embedding as its head. :func:`tie_differences` finds such
+  keys; the export writes them all the same (``MappingReport.untied``), sets
+  ``tie_word_embeddings: false`` in ``config.json`` (:func:`untied_config`) and warns
+  (:func:`warn_untied`), naming each key and its largest difference.
+- Fused splits. A rule ``fused=`` with its parts on the PyTorch side splits one Flax tensor
+  into its parts, in ``sizes=`` or in equal parts. On load the parts' sizes are checked
+  against that split (:func:`fused_load_problem`: a load that joins parts of other sizes
+  would export split differently); on export, with a config, the query/key/value parts are
+  checked against the heads, key/value heads and head_dim it names
+  (:func:`fused_config_problems`). Either problem names the rule and the ``sizes=`` that fits.
+
+Example::
+
+    differ = tie_differences(mapping, links, table.read)   # {"lm_head.weight": (..., 0.3)}
+    warn_untied(differ, with_config=True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from orbax_safetensors._src.integrations import export_plan as _export_plan
+from orbax_safetensors._src.integrations import links as _links
+from orbax_safetensors._src.integrations.key_mapping import KeyMapping, Rule
+
+Shape = tuple[int, ...]
+
+
+# --------------------------------------------------------------------------- tied keys
+
+
+def tie_differences(
+    mapping: KeyMapping,
+    links: Sequence[_links.Link],
+    values: Callable[[Sequence[str]], Mapping[str, Any]],
+) -> dict[str, tuple[str, float]]:
+    """``{tied key: (the key it is tied to, largest absolute difference)}`` for each tied
+    PyTorch key that ``links`` write whose value is not the other key's (``inf``: the shapes
+    differ, or the export does not write the other key). ``values(names)`` gives the Flax
+    tensors (numpy or ``jax.Array``, sharded too: compared on the devices)."""
+    where = {k: (link, j) for link in links for j, k in enumerate(link.torch)}
+    out = {}
+    for key, source in mapping.tied:
+        if key not in where:
+            continue  # the model has no tensor of its own there: nothing to write
+        if source not in where:
+            out[key] = (source, math.inf)
+            continue
+        (link, j), (other, i) = where[key], where[source]
+        got = values(sorted({*link.flax, *other.flax}))
+        difference = _largest_difference(
+            _torch_value(link, [got[n] for n in link.flax], j),
+            _torch_value(other, [got[n] for n in other.flax], i),
+        )
+        if difference != 0:
+            out[key] = (source, difference)
+    return out
+
+
+def _torch_value(link: _links.Link, arrays: list[Any], j: int) -> Any:
+    if any(not isinstance(a, np.ndarray) for a in arrays):
+        return _export_plan.device_value(link, arrays, j)  # (jax.numpy: sharded arrays too)
+    return link.to_torch(arrays)[j]
+
+
+def _largest_difference(x: Any, y: Any) -> float:
+    # 0.0 for equal values (NaN equal to NaN at the same place), inf for other shapes or a
+    # NaN against a number.
+    if tuple(x.shape) != tuple(y.shape):
+        return math.inf
+    if isinstance(x, np.ndarray) and isinstance(y, np.ndarray):
+        xp: Any = np
+    else:
+        import jax.numpy as xp
+    a, b = xp.asarray(x).astype(xp.float32), xp.asarray(y).astype(xp.float32)
+    same = (a == b) | (xp.isnan(a) & xp.isnan(b))
+    gap = xp.where(same, 0.0, xp.abs(a - b))
+    gap = xp.where(xp.isnan(gap), xp.inf, gap)
+    return float(np.asarray(xp.max(gap))) if gap.size else 0.0
+
+
+def untied(mapping: KeyMapping, keys: Sequence[str]) -> KeyMapping:
+    """``mapping`` without the ties of ``keys`` (written, then)."""
+    if not keys:
+        return mapping
+    return dataclasses.replace(
+        mapping, tied=tuple((k, s) for k, s in mapping.tied if k not in keys)
+    )
+
+
+def untied_config(doc: dict[str, Any]) -> dict[str, Any]:
+    """``config.json``'s ``doc`` with ``tie_word_embeddings`` false (in a nested
+    ``text_config`` too, where it says so: Gemma 3, LLaVA)."""
+    doc = dict(doc)
+    doc["tie_word_embeddings"] = False
+    text = doc.get("text_config")
+    if isinstance(text, dict) and "tie_word_embeddings" in text:
+        doc["text_config"] = {**text, "tie_word_embeddings": False}
+    return doc
+
+
+def warn_untied(differences: Mapping[str, tuple[str, float]], *, with_config: bool) -> None:
+    """Warns that the keys of :func:`tie_differences` are written, untied."""
+    if not differences:
+        return
+    listed = "; ".join(
+        f"{key} differs from {source} (largest difference {d:.3g})"
+        if math.isfinite(d)
+        else f"{key}: {source} is not exported or has another shape"
+        for key, (source, d) in differences.items()
+    )
+    then = (
+        "config.json says tie_word_embeddings: false"
+        if with_config
+        else "the config.json you pair them with must say tie_word_embeddings: false"
+    )
+    warnings.warn(
+        f"the mapping ties keys whose values differ: {listed}. They are written, untied, so "
+        f"that the export computes what the model does; {then}",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+# --------------------------------------------------------------------------- fused splits
+
+
+def _probe(fn: Any, shape: Shape, dtype: Any) -> Shape:
+    return tuple(int(d) for d in np.shape(fn(np.broadcast_to(np.zeros((), dtype), shape))))
+
+
+def _rule_name(rule: Rule) -> str:
+    return f"rule {rule.torch!r} -> {rule.flax!r}"
+
+
+def fused_load_problem(link: _links.Link, torch_shapes: Sequence[Shape], dtype: Any) -> str | None:
+    """What is wrong with a load through ``link`` joining PyTorch parts of ``torch_shapes``
+    into one Flax tensor: parts whose sizes along the rule's axis are not its ``sizes=`` (or,
+    without, not equal), which an export through the same rule would split otherwise; None
+    when they fit (or the link joins nothing)."""
+    rule = link.rule
+    if rule.fused is None or not link.parts_on_torch:
+        return None
+    n = len(rule.parts)
+    fn = rule.transform_or_identity.to_flax
+    try:
+        parts = [_probe(fn, s, dtype) for s in torch_shapes[:n]]
+    except ValueError:
+        return None  # (Link.flax_shapes reports transforms that do not fit)
+    axis = rule.axis % len(parts[0]) if parts[0] else 0
+    sizes = [p[axis] if p else 0 for p in parts]
+    if rule.sizes is None and len(set(sizes)) > 1:
+        return (
+            f"{_rule_name(rule)} joins {', '.join(link.torch[:n])} of sizes {sizes} along "
+            f"axis {rule.axis} into {link.flax[0]}, but without sizes= it splits that axis in "
+            f"equal parts on export: give sizes={tuple(sizes)}"
+        )
+    if rule.sizes is not None and list(rule.sizes) != sizes:
+        return (
+            f"{_rule_name(rule)} has sizes={rule.sizes}, but {', '.join(link.torch[:n])} are "
+            f"of sizes {sizes} along axis {rule.axis}"
+        )
+    return None
+
+
+# The rows each attention projection's PyTorch weight (out, in) and bias (out,) has, by its
+# module's name: query heads, or key/value heads, times head_dim.
+_QUERY = frozenset({"q_proj", "query"})
+_KEY_VALUE = frozenset({"k_proj", "v_proj", "key", "value"})
+
+
+def attention_sizes(hf_config: Any) -> tuple[int, int, int] | None:
+    """``(heads, key/value heads, head_dim)`` of a transformers config (or its dict; a
+    nested ``text_config`` too), or None when it names no heads."""
+    if hf_config is None:
+        return None
+    doc = hf_config if isinstance(hf_config, Mapping) else getattr(hf_config, "to_dict", dict)()
+    for sub in (doc, doc.get("text_config")):
+        if not isinstance(sub, Mapping) or not sub.get("num_attention_heads"):
+            continue
+        heads = int(sub["num_attention_heads"])
+        kv = int(sub.get("num_key_value_heads") or heads)
+        head_dim = int(sub.get("head_dim") or int(sub.get("hidden_size") or 0) // heads)
+        if head_dim:
+            return heads, kv, head_dim
+    return None
+
+
+def fused_config_problems(
+    links: Sequence[_links.Link],
+    torch_shapes: Mapping[str, Shape],
+    flax_shapes: Mapping[str, Shape],
+    dtype_of: Callable[[str], Any],
+    hf_config: Any,
+) -> list[str]:
+    """One line per rule whose fused split writes query/key/value projections of other sizes
+    than ``hf_config``'s heads, key/value heads and head_dim make (``torch_shapes``: what
+    the export writes, by key), naming the rule and the ``sizes=`` that fits."""
+    sizes = attention_sizes(hf_config)
+    if sizes is None:
+        return []
+    heads, kv, head_dim = sizes
+    out: dict[Rule, str] = {}
+    for link in links:
+        rule = link.rule
+        if rule.fused is None or not link.parts_on_torch or rule in out:
+            continue
+        wrong = []
+        for key in link.torch:
+            module = key.rsplit(".", 2)[-2] if key.count(".") >= 1 else ""
+            rows = heads if module in _QUERY else kv if module in _KEY_VALUE else None
+            shape = torch_shapes.get(key)
+            if rows is None or not shape or shape[0] == rows * head_dim:
+                continue
+            wrong.append((key, shape, rows * head_dim))
+        if not wrong:
+            continue
+        key, shape, want = wrong[0]
+        name = link.flax[0]
+        fix = _fitting_sizes(
+            link, torch_shapes, flax_shapes[name], dtype_of(name), heads, kv, head_dim
+        )
+        out[rule] = (
+            f"{_rule_name(rule)} splits {name} {list(flax_shapes[name])} into "
+            f"{'sizes=' + str(rule.sizes) if rule.sizes else 'equal parts'}: {key} "
+            f"{list(shape)}, but the config's {heads} heads, {kv} key/value heads of head_dim "
+            f"{head_dim} make it {want} rows"
+            + (f" (and {len(wrong) - 1} more tensors)" if len(wrong) > 1 else "")
+            + (f": give sizes={fix}" if fix else "")
+        )
+    return list(out.values())
+
+
+def _fitting_sizes(
+    link: _links.Link,
+    torch_shapes: Mapping[str, Shape],
+    flax_shape: Shape,
+    dtype: Any,
+    heads: int,
+    kv: int,
+    head_dim: int,
+) -> tuple[int, ...] | None:
+    # The rule's sizes= that gives each part the config's rows, if the Flax tensor holds them.
+    rule = link.rule
+    fn = rule.transform_or_identity.to_flax
+    sizes = []
+    for key in link.torch[: len(rule.parts)]:
+        module = key.rsplit(".", 2)[-2]
+        rows = heads if module in _QUERY else kv if module in _KEY_VALUE else None
+        shape = torch_shapes.get(key)
+        if rows is None or not shape:
+            return None
+        try:
+            part = _probe(fn, (rows * head_dim, *shape[1:]), dtype)
+        except ValueError:
+            return None
+        sizes.append(part[rule.axis % len(part)])
+    layer = flax_shape[1:] if rule.stacked is not None else flax_shape
+    if not layer or sum(sizes) != layer[rule.axis % len(layer)]:
+        return None
+    return tuple(sizes)
