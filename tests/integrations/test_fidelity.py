@@ -188,3 +188,27 @@ def test_attention_sizes_of_configs():
     nested = {"text_config": {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32}}
     assert fidelity.attention_sizes(nested) == (8, 4, 32)
     assert fidelity.attention_sizes({"model_type": "x"}) is None
+
+
+def test_a_nested_text_config_checks_the_language_models_projections_only():
+    from orbax_safetensors._src.integrations import links
+
+    parts = ".self_attn.{p:q_proj|k_proj|v_proj}.weight"
+    mapping = osf.KeyMapping(
+        [
+            osf.Rule("model.language_model.layers.0" + parts, "lm.qkv", osf.Transpose(), fused="p", axis=-1),
+            osf.Rule("model.vision_tower.layers.0" + parts, "vis.qkv", osf.Transpose(), fused="p", axis=-1),
+        ]
+    )  # fmt: skip
+    shapes = {"lm.qkv": (64, 96), "vis.qkv": (64, 96)}  # split in equal parts of 32
+    found, report = links.export_links(mapping, shapes)
+    assert report.ok
+    torch_shapes = {
+        k: s for link in found for k, s in zip(link.torch, link.torch_shapes([shapes[link.flax[0]]], np.float32))
+    }  # fmt: skip
+    config = {"text_config": {"num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16}}
+    problems = fidelity.fused_config_problems(
+        found, torch_shapes, shapes, lambda n: np.float32, config
+    )
+    assert len(problems) == 1 and "'lm.qkv'" in problems[0], problems
+    assert "give sizes=(64, 16, 16)" in problems[0]

@@ -244,3 +244,24 @@ def test_flax_lora_wrappers_export_through_every_preset(tmp_dir, kind):
 
 def _names(model):
     return [".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))]
+
+
+def test_the_command_line_takes_the_lora_scale(tmp_dir, capsys):
+    """``orbax-safetensors export ... --lora-scale X``: qwix-named adapters of a checkpoint
+    merged with X; without it the command fails naming the flag."""
+    from orbax_safetensors import cli
+
+    rng = np.random.default_rng(2)
+    head = {
+        "kernel": rng.standard_normal((8, 6)).astype(np.float32),
+        "kernel_lora_a": rng.standard_normal((8, 2)).astype(np.float32),
+        "kernel_lora_b": rng.standard_normal((2, 6)).astype(np.float32),
+    }
+    osf.save_file({"lm_head": head}, tmp_dir / "ckpt.safetensors")
+    argv = ["export", str(tmp_dir / "ckpt.safetensors"), str(tmp_dir / "hf"), "--mapping", "llama"]
+    assert cli.main(argv) == 2
+    assert "--lora-scale" in capsys.readouterr().err
+    assert cli.main([*argv, "--lora-scale", "0.5"]) == 0
+    got = np.asarray(osf.load_file(tmp_dir / "hf" / "model.safetensors")["lm_head.weight"])
+    want = head["kernel"] + 0.5 * head["kernel_lora_a"] @ head["kernel_lora_b"]
+    np.testing.assert_allclose(got, want.T, rtol=1e-6, atol=1e-6)

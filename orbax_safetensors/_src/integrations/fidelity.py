@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -76,18 +77,36 @@ def _torch_value(link: _links.Link, arrays: list[Any], j: int) -> Any:
 
 def _largest_difference(x: Any, y: Any) -> float:
     # 0.0 for equal values (NaN equal to NaN at the same place), inf for other shapes or a
-    # NaN against a number.
+    # NaN against a number. Host arrays are compared a block of rows at a time, device arrays
+    # in one fused reduction: no float32 copy of a whole embedding either way.
     if tuple(x.shape) != tuple(y.shape):
         return math.inf
-    if isinstance(x, np.ndarray) and isinstance(y, np.ndarray):
-        xp: Any = np
-    else:
-        import jax.numpy as xp
-    a, b = xp.asarray(x).astype(xp.float32), xp.asarray(y).astype(xp.float32)
+    if not (isinstance(x, np.ndarray) and isinstance(y, np.ndarray)):
+        return float(np.asarray(_device_gap()(x, y)))
+    if x.ndim == 0:
+        return float(_gap(np, x, y))
+    step = max(1, _BLOCK_BYTES // max(1, 4 * math.prod(x.shape[1:])))
+    gaps = [_gap(np, x[i : i + step], y[i : i + step]) for i in range(0, x.shape[0], step)]
+    return float(max(gaps, default=0.0))
+
+
+_BLOCK_BYTES = 16 << 20  # (float32 bytes of a block of rows compared on the host)
+
+
+def _gap(xp: Any, x: Any, y: Any) -> Any:
+    a, b = x.astype(xp.float32), y.astype(xp.float32)
     same = (a == b) | (xp.isnan(a) & xp.isnan(b))
     gap = xp.where(same, 0.0, xp.abs(a - b))
-    gap = xp.where(xp.isnan(gap), xp.inf, gap)
-    return float(np.asarray(xp.max(gap))) if gap.size else 0.0
+    return xp.max(xp.where(xp.isnan(gap), xp.inf, gap), initial=0.0)
+
+
+@functools.cache
+def _device_gap() -> Any:
+    # (one jitted reduction, made once: XLA fuses the casts and compares, no whole copies)
+    import jax
+    import jax.numpy as jnp
+
+    return jax.jit(lambda x, y: _gap(jnp, jnp.asarray(x), jnp.asarray(y)))
 
 
 def untied(mapping: KeyMapping, keys: Sequence[str]) -> KeyMapping:
@@ -180,20 +199,37 @@ _QUERY = frozenset({"q_proj", "query"})
 _KEY_VALUE = frozenset({"k_proj", "v_proj", "key", "value"})
 
 
+def _rows(key: str, heads: int, kv: int) -> int | None:
+    # the heads of the attention projection a PyTorch key names (None: not one)
+    module = key.rsplit(".", 2)[-2] if "." in key else ""
+    return heads if module in _QUERY else kv if module in _KEY_VALUE else None
+
+
 def attention_sizes(hf_config: Any) -> tuple[int, int, int] | None:
     """``(heads, key/value heads, head_dim)`` of a transformers config (or its dict; a
     nested ``text_config`` too), or None when it names no heads."""
+    found = _attention(hf_config)
+    return None if found is None else found[0]
+
+
+# A nested text_config's heads are the language model's: its keys name one of these (a vision
+# tower's projections have heads of their own).
+_TEXT_MODULES = frozenset({"language_model", "text_model"})
+
+
+def _attention(hf_config: Any) -> tuple[tuple[int, int, int], bool] | None:
+    # (heads, key/value heads, head_dim) and whether they come from a nested text_config
     if hf_config is None:
         return None
     doc = hf_config if isinstance(hf_config, Mapping) else getattr(hf_config, "to_dict", dict)()
-    for sub in (doc, doc.get("text_config")):
+    for sub, nested in ((doc, False), (doc.get("text_config"), True)):
         if not isinstance(sub, Mapping) or not sub.get("num_attention_heads"):
             continue
         heads = int(sub["num_attention_heads"])
         kv = int(sub.get("num_key_value_heads") or heads)
         head_dim = int(sub.get("head_dim") or int(sub.get("hidden_size") or 0) // heads)
         if head_dim:
-            return heads, kv, head_dim
+            return (heads, kv, head_dim), nested
     return None
 
 
@@ -207,20 +243,20 @@ def fused_config_problems(
     """One line per rule whose fused split writes query/key/value projections of other sizes
     than ``hf_config``'s heads, key/value heads and head_dim make (``torch_shapes``: what
     the export writes, by key), naming the rule and the ``sizes=`` that fits."""
-    sizes = attention_sizes(hf_config)
-    if sizes is None:
+    found = _attention(hf_config)
+    if found is None:
         return []
-    heads, kv, head_dim = sizes
-    out: dict[Rule, str] = {}
+    (heads, kv, head_dim), nested = found
+    out: dict[int, str] = {}  # (by the rule's id: a user's transform need not hash)
     for link in links:
         rule = link.rule
-        if rule.fused is None or not link.parts_on_torch or rule in out:
+        if rule.fused is None or not link.parts_on_torch or id(rule) in out:
             continue
         wrong = []
         for key in link.torch:
-            module = key.rsplit(".", 2)[-2] if key.count(".") >= 1 else ""
-            rows = heads if module in _QUERY else kv if module in _KEY_VALUE else None
-            shape = torch_shapes.get(key)
+            rows, shape = _rows(key, heads, kv), torch_shapes.get(key)
+            if nested and _TEXT_MODULES.isdisjoint(key.split(".")):
+                continue  # (not the language model's projection)
             if rows is None or not shape or shape[0] == rows * head_dim:
                 continue
             wrong.append((key, shape, rows * head_dim))
@@ -231,7 +267,7 @@ def fused_config_problems(
         fix = _fitting_sizes(
             link, torch_shapes, flax_shapes[name], dtype_of(name), heads, kv, head_dim
         )
-        out[rule] = (
+        out[id(rule)] = (
             f"{_rule_name(rule)} splits {name} {list(flax_shapes[name])} into "
             f"{'sizes=' + str(rule.sizes) if rule.sizes else 'equal parts'}: {key} "
             f"{list(shape)}, but the config's {heads} heads, {kv} key/value heads of head_dim "
@@ -256,9 +292,7 @@ def _fitting_sizes(
     fn = rule.transform_or_identity.to_flax
     sizes = []
     for key in link.torch[: len(rule.parts)]:
-        module = key.rsplit(".", 2)[-2]
-        rows = heads if module in _QUERY else kv if module in _KEY_VALUE else None
-        shape = torch_shapes.get(key)
+        rows, shape = _rows(key, heads, kv), torch_shapes.get(key)
         if rows is None or not shape:
             return None
         try:
