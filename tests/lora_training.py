@@ -55,8 +55,9 @@ def train_adapters(
     def loss(m: nnx.Module) -> jax.Array:
         return -jnp.mean(jax.nn.log_softmax(logits(m).astype(jnp.float32))[..., 3])
 
+    grad = nnx.jit(nnx.grad(loss, argnums=diff))  # (compiled once: eager steps are slow)
     for _ in range(steps):
-        grads = nnx.grad(loss, argnums=diff)(model)
+        grads = grad(model)
         state = nnx.state(model, nnx.LoRAParam)
         nnx.update(model, jax.tree.map(lambda p, g: p - lr * g, state, grads))
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):
