@@ -226,10 +226,10 @@ def stacked_fused_rule(pattern, flax, sizes=None):
     return osf.Rule(pattern, flax, osf.Transpose(), stacked="i", fused="p", axis=-1, sizes=sizes)
 
 
-def scanned_llama_mapping(head="head", out=None):
+def scanned_llama_mapping(head="head", out=None, qkv_sizes=(32, 16, 16)):
     """``tiny_config()``'s LLaMA in a scanned layout: layers stacked on axis 0, QKV and gate/up
     fused on the last axis. ``head``: the Flax name of the LM head; ``out``: the o_proj
-    transform (default a transpose)."""
+    transform (default a transpose); ``qkv_sizes``: the fused QKV rule's ``sizes=``."""
     import orbax_safetensors as osf
 
     layer = "model.layers.{i}"
@@ -238,7 +238,7 @@ def scanned_llama_mapping(head="head", out=None):
         [
             osf.Rule("model.embed_tokens.weight", "embed"),
             stacked_fused_rule(
-                layer + ".self_attn.{p:q_proj|k_proj|v_proj}.weight", "qkv", (32, 16, 16)
+                layer + ".self_attn.{p:q_proj|k_proj|v_proj}.weight", "qkv", qkv_sizes
             ),
             osf.Rule(layer + ".self_attn.o_proj.weight", "out", out or transpose, stacked="i"),
             stacked_fused_rule(layer + ".mlp.{p:gate_proj|up_proj}.weight", "gate_up"),
@@ -278,3 +278,29 @@ def randomize_torch(model, seed):
         for p in model.parameters():
             p.add_(0.02 * torch.randn(p.shape, generator=generator, dtype=p.dtype))
     return model
+
+
+def scanned_llama_abstract(config, head="head"):
+    """The abstract JAX tree (float32 ``jax.ShapeDtypeStruct`` s) that
+    :func:`scanned_llama_mapping` loads a LLaMA ``config`` into; ``head``: the dotted name of
+    the LM head."""
+    e, f, n = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    head_dim = getattr(config, "head_dim", None) or e // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    shapes = {
+        "embed": (config.vocab_size, e),
+        "qkv": (n, e, q + 2 * kv),
+        "out": (n, q, e),
+        "gate_up": (n, e, 2 * f),
+        "down": (n, f, e),
+        "attn_norm": (n, e),
+        "mlp_norm": (n, e),
+        "norm": (e,),
+    }
+    tree = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in shapes.items()}
+    *parents, leaf = head.split(".")
+    node = tree
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = jax.ShapeDtypeStruct((e, config.vocab_size), jnp.float32)
+    return tree

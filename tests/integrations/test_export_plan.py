@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import orbax_safetensors as osf
-from orbax_safetensors._src.integrations import export_plan, links
+from orbax_safetensors._src.integrations import export_plan, links, lora
 
 RNG = np.random.default_rng(0)
 
@@ -143,7 +143,7 @@ def test_lora_merge_of_any_block_is_bit_identical_to_the_whole_merge(kernel, a, 
     (a BLAS matmul's reduction order depends on the matrix sizes)."""
     w = RNG.standard_normal(kernel).astype(dtype)
     fa, fb = RNG.standard_normal(a).astype(dtype), RNG.standard_normal(b).astype(dtype)
-    whole = links.merge_lora(w, fa, fb, 0.37)
+    whole = lora.merge_lora(w, fa, fb, 0.37)
     assert whole.dtype == w.dtype
     np.testing.assert_allclose(
         whole.astype(np.float64),
@@ -152,5 +152,5 @@ def test_lora_merge_of_any_block_is_bit_identical_to_the_whole_merge(kernel, a, 
         atol=1e-2 if dtype is jax.numpy.bfloat16 else 1e-5,
     )
     for box in _boxes(kernel, [2] * (len(kernel) - 2) + [3, 4]):
-        block = links.merge_lora_block(w[box], box, fa, fb, 0.37)
+        block = lora.merge_lora_block(w[box], box, fa, fb, 0.37, kernel)
         assert block.tobytes() == whole[box].tobytes(), box

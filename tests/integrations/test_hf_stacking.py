@@ -238,8 +238,9 @@ def test_stack_problems_are_reported_all_at_once(tmp_dir):
         strict=False,
     )  # fmt: skip
     assert report.mismatched == [
-        "a F64[2, 3, 4] -> l.0.w: a, b <-> l.0.w, l.1.w, l.2.w, ...: parts of sizes [3, 5] along "
-        "axis -1 split back only with sizes=(3, 5) (else into equal parts)"
+        "a F64[2, 3, 4] -> l.0.w: rule 'l.{i}.w' -> '{p:a|b}': a, b <-> l.0.w, l.1.w, l.2.w, "
+        "...: parts of sizes [3, 5] along axis -1, which a rule without sizes= splits into "
+        "equal parts: give sizes=(3, 5)"
     ]
 
 

@@ -147,17 +147,7 @@ def test_scanned_fused_lora_model_publishes_a_plain_hf_model(tmp_dir):
     reference = transformers.AutoModelForCausalLM.from_config(config).eval()
     reference.save_pretrained(tmp_dir / "ref")
     mapping = hf_models.scanned_llama_mapping(head="head.kernel")
-    abstract = {
-        "embed": jax.ShapeDtypeStruct((96, 32), jnp.float32),
-        "qkv": jax.ShapeDtypeStruct((2, 32, 64), jnp.float32),
-        "out": jax.ShapeDtypeStruct((2, 32, 32), jnp.float32),
-        "gate_up": jax.ShapeDtypeStruct((2, 32, 128), jnp.float32),
-        "down": jax.ShapeDtypeStruct((2, 64, 32), jnp.float32),
-        "attn_norm": jax.ShapeDtypeStruct((2, 32), jnp.float32),
-        "mlp_norm": jax.ShapeDtypeStruct((2, 32), jnp.float32),
-        "norm": jax.ShapeDtypeStruct((32,), jnp.float32),
-        "head": {"kernel": jax.ShapeDtypeStruct((32, 96), jnp.float32)},
-    }
+    abstract = hf_models.scanned_llama_abstract(config, head="head.kernel")
     params = osf.load_pytorch(abstract, tmp_dir / "ref", mapping)
     # A LoRA fine-tune of the head: the published kernel is kernel + a @ b * scale.
     a = 0.1 * jax.random.normal(jax.random.key(1), (32, 2))

@@ -274,6 +274,17 @@ def test_nnx_value_reads_every_leaf_an_nnx_state_holds():
     np.testing.assert_array_equal(_jaxcompat.nnx_value(model.kernel), model.kernel.value)
 
 
+def test_lora_params_are_recognised_in_a_module_and_its_state():
+    # flax 0.12: Variables of class LoRAParam; flax 0.11: VariableStates naming it in ``type``.
+    model = nnx.LoRALinear(2, 3, lora_rank=1, rngs=nnx.Rngs(0))
+    flat = dict(nnx.to_flat_state(nnx.state(model)))
+    lora = {".".join(map(str, p)) for p, v in flat.items() if _jaxcompat.nnx_is_lora_param(v)}
+    assert lora == {"lora.lora_a", "lora.lora_b"}
+    assert _jaxcompat.nnx_is_lora_param(model.lora.lora_a)
+    assert not _jaxcompat.nnx_is_lora_param(model.kernel)
+    assert not _jaxcompat.nnx_is_lora_param(np.zeros(2))
+
+
 def test_distributed_key_value_store_is_found_where_expected() -> None:
     """The spread object-store save (storage/objstore/spread.py) finds jax.distributed's
     key-value store here; a single process has none (its saves take the engine's own path);

@@ -94,6 +94,15 @@ def nnx_value(var: Any) -> Any:
     return var.value if get is None else get(var)
 
 
+def nnx_is_lora_param(var: Any) -> bool:
+    """Whether an NNX ``Variable`` (or flax 0.11's ``VariableState``, which names its class in
+    ``type``) is an ``nnx.LoRAParam``."""
+    from flax import nnx  # imported here: flax.nnx takes seconds to import
+
+    kind = type(var) if isinstance(var, nnx.Variable) else getattr(var, "type", None)
+    return isinstance(kind, type) and issubclass(kind, nnx.LoRAParam)
+
+
 # -- flax.nnx's internal Module attributes (private) ------------------------------------------
 
 # flax 0.12 names it _pytree__state; flax 0.11 (flax/nnx/object.py, ObjectState) _object__state.

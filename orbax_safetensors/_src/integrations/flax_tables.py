@@ -41,7 +41,8 @@ class FlaxTable:
     """Tensors by Flax name: their infos, a reader of host arrays, and (for in-memory
     sources) the values themselves, which callable dtype policies see; for a path, the
     opened ``source`` and the ``prefix`` its names carry (a multi-process export reads each
-    process's boxes from it)."""
+    process's boxes from it); ``lora_params``: the names of ``nnx.LoRAParam`` variables
+    (a module's, or an ``nnx.State``'s)."""
 
     infos: dict[str, _sources.TensorInfo]
     read: Callable[[Sequence[str]], dict[str, np.ndarray]]
@@ -49,13 +50,16 @@ class FlaxTable:
     where: str = "(model)"
     source: Any = None
     prefix: str = ""
+    lora_params: frozenset[str] = frozenset()
 
 
 def _is_path(source: Any) -> bool:
     return isinstance(source, (str, epath.PathLikeCls)) or hasattr(source, "__fspath__")
 
 
-def _in_memory(values: dict[str, Any], where: str) -> FlaxTable:
+def _in_memory(
+    values: dict[str, Any], where: str, lora_params: frozenset[str] = frozenset()
+) -> FlaxTable:
     infos = {}
     for n, x in values.items():
         dtype = _dtypes.from_numpy(np.dtype(x.dtype), key=n)
@@ -65,10 +69,10 @@ def _in_memory(values: dict[str, Any], where: str) -> FlaxTable:
     def read(names: Sequence[str]) -> dict[str, np.ndarray]:
         return {n: np.asarray(values[n]) for n in names}
 
-    return FlaxTable(infos, read, values, where)
+    return FlaxTable(infos, read, values, where, lora_params=lora_params)
 
 
-def _tree_values(tree: Any) -> dict[str, Any]:
+def _tree_values(tree: Any, lora_params: set[str] | None = None) -> dict[str, Any]:
     import jax
 
     # A tree holds nnx variables only once flax.nnx is loaded: a plain tree need not load it.
@@ -91,19 +95,26 @@ def _tree_values(tree: Any) -> dict[str, Any]:
             continue  # typed PRNG keys are training state, never model weights
         name = ".".join(_naming.entry_text(k) for k in path) or "value"
         out[name] = value
+        lora = isinstance(leaf, variables) and _jaxcompat.nnx_is_lora_param(leaf)
+        if lora and lora_params is not None:
+            lora_params.add(name)
     return out
 
 
-def model_values(model: Any, variables: Any) -> dict[str, Any]:
-    """``{dotted name: value}`` of an NNX module's variables selected by ``variables``."""
+def model_values(model: Any, variables: Any, lora_params: set[str] | None = None) -> dict[str, Any]:
+    """``{dotted name: value}`` of an NNX module's variables selected by ``variables``; the
+    names of its ``nnx.LoRAParam`` s go to ``lora_params``."""
     from flax import nnx
 
     filt = (nnx.Param, nnx.BatchStat) if variables is None else variables
     state = nnx.state(model, filt)
-    return {
-        ".".join(str(k) for k in path): _jaxcompat.nnx_value(var)
-        for path, var in nnx.to_flat_state(state)
-    }
+    out = {}
+    for path, var in nnx.to_flat_state(state):
+        name = ".".join(str(k) for k in path)
+        out[name] = _jaxcompat.nnx_value(var)
+        if lora_params is not None and _jaxcompat.nnx_is_lora_param(var):
+            lora_params.add(name)
+    return out
 
 
 def resolve_path(
@@ -163,8 +174,9 @@ def flax_table(
       SafetensorsCheckpointError: a path that holds no tensors (see :func:`resolve_path`).
       TypeError: a source that is none of these.
     """
+    lora_params: set[str] = set()
     if _is_nnx_module(source):
-        values = model_values(source, variables)
+        values = model_values(source, variables, lora_params)
     elif _is_path(source):
         src = _sources.open_source(resolve_path(source, step=step, item=item))
         infos = {
@@ -179,7 +191,7 @@ def flax_table(
 
         return FlaxTable(infos, read_checkpoint, {}, str(src.path), src, prefix)
     else:
-        values = _tree_values(source)
+        values = _tree_values(source, lora_params)
         if not values and source is not None and not isinstance(source, (dict, list, tuple)):
             raise TypeError(
                 f"cannot export a {type(source).__name__}: give an nnx.Module, a pytree of "
@@ -187,7 +199,9 @@ def flax_table(
             )
     if prefix:
         values = {n[len(prefix) :]: v for n, v in values.items() if n.startswith(prefix)}
-    return _in_memory(values, "(model)" if _is_nnx_module(source) else "(pytree)")
+        lora_params = {n[len(prefix) :] for n in lora_params if n.startswith(prefix)}
+    where = "(model)" if _is_nnx_module(source) else "(pytree)"
+    return _in_memory(values, where, frozenset(lora_params))
 
 
 TRAIN_STATE_PARAMS = "params"

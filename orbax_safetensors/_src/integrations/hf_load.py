@@ -111,8 +111,9 @@ def plan_links(
         infos = [tensors[k] for k in link.torch]
         want = [targets[n].shape for n in link.flax]
         described = f"{key} {infos[0].dtype}{list(infos[0].shape)}"
+        dtype = _dtypes.to_numpy(infos[0].dtype)
         try:
-            got = link.flax_shapes([t.shape for t in infos], _dtypes.to_numpy(infos[0].dtype))
+            got = link.flax_shapes([t.shape for t in infos], dtype)
         except ValueError as e:
             report.mismatched.append(f"{described} -> {', '.join(link.flax)}: {e}")
             continue

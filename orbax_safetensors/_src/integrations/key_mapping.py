@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
@@ -506,21 +507,24 @@ class KeyMapping:
         e.g. ``r".*\\.num_batches_tracked"``.
       ignore_flax: regexes of Flax names that are neither loaded nor exported.
       tied: ``{tied PyTorch key: the key it is tied to}``, e.g. ``{"lm_head.weight":
-        "model.embed_tokens.weight"}``: nothing is exported for the tied key, and a file
-        without it loads it from the other key (through the tied key's own rule).
-      lora_scale: LoRA adapters (``P.lora.lora_a``/``P.lora.lora_b`` of ``nnx.LoRALinear``
-        next to ``P.kernel``, or ``P.lora_a``/``P.lora_b`` of ``nnx.LoRA`` next to
-        ``P.base_module.kernel``) are merged into the kernel on export as
-        ``kernel + lora_a @ lora_b * lora_scale``, in the kernel's dtype. Flax's LoRA
-        computes ``x @ lora_a @ lora_b`` unscaled: 1.0; adapters trained with a scaling
-        ``alpha / rank`` (PEFT, Tunix) give it here.
+        "model.embed_tokens.weight"}``: an export writes nothing for the tied key when its
+        value is the other key's (a model whose head has diverged from its embedding gets
+        it written, untied, with a warning: see ``export_pytorch``), and a file without it
+        loads it from the other key (through the tied key's own rule).
+      lora_scale: the scale of the LoRA adapters merged into their kernels on export,
+        ``kernel + lora_a @ lora_b * lora_scale`` in the kernel's dtype (``integrations/
+        lora.py``: flax's ``nnx.LoRALinear`` and ``nnx.LoRA(base_module=...)``, and qwix's
+        ``W_lora_a``/``W_lora_b`` next to ``W``, which Tunix applies). None (the default):
+        1.0 for flax's adapters, whose forward pass is unscaled; qwix scales by
+        ``alpha / rank`` on the forward pass, which its tensors do not record, so an export
+        of qwix adapters needs it given (``LoraProvider(rank=4, alpha=8)``: 2.0).
     """
 
     rules: tuple[Rule, ...]
     ignore_torch: tuple[str, ...] = ()
     ignore_flax: tuple[str, ...] = ()
     tied: tuple[tuple[str, str], ...] = ()
-    lora_scale: float = 1.0
+    lora_scale: float | None = None
 
     def __init__(
         self,
@@ -528,14 +532,17 @@ class KeyMapping:
         *,
         ignore_torch: Iterable[str] = (),
         ignore_flax: Iterable[str] = (),
-        tied: Mapping[str, str] | None = None,
-        lora_scale: float = 1.0,
+        tied: Mapping[str, str] | Iterable[tuple[str, str]] | None = None,
+        lora_scale: float | None = None,
     ) -> None:
         object.__setattr__(self, "rules", tuple(rules))
         object.__setattr__(self, "ignore_torch", tuple(ignore_torch))
         object.__setattr__(self, "ignore_flax", tuple(ignore_flax))
-        object.__setattr__(self, "tied", tuple((tied or {}).items()))
-        object.__setattr__(self, "lora_scale", float(lora_scale))
+        # (a dict, or the pairs ``tied`` holds: ``dataclasses.replace`` passes those back)
+        object.__setattr__(self, "tied", tuple(dict(tied or {}).items()))
+        object.__setattr__(self, "lora_scale", None if lora_scale is None else float(lora_scale))
+        if self.lora_scale is not None and not math.isfinite(self.lora_scale):
+            raise ValueError(f"lora_scale must be a finite number, not {lora_scale!r}")
         for r in self.rules:
             if not isinstance(r, Rule):
                 raise TypeError(f"KeyMapping takes Rule objects, got {r!r}")
@@ -581,6 +588,13 @@ class MappingReport:
       missing: model variables that received no value (load only).
       mismatched: shape problems, each naming both keys and both shapes.
       ignored: keys skipped on purpose (``ignore_torch``/``ignore_flax``).
+      merged: ``(LoRA adapter, kernel)`` pairs: adapters an export merged into their kernel
+        (written as part of it, see ``KeyMapping.lora_scale``).
+      refused: LoRA adapters an export would have left out (``ignore_flax`` matches them,
+        or they fit no kernel): the files would hold the base model without its
+        fine-tune.
+      untied: tied PyTorch keys (``KeyMapping.tied``) an export wrote all the same, since
+        their value differs from the key they are tied to.
       bytes_written: tensor data bytes this process wrote (an export; in a multi-process
         export, its own share).
     """
@@ -592,11 +606,17 @@ class MappingReport:
     mismatched: list[str] = dataclasses.field(default_factory=list)
     ignored: list[str] = dataclasses.field(default_factory=list)
     bytes_written: int = 0
+    merged: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    refused: list[str] = dataclasses.field(default_factory=list)
+    untied: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        """True when every key was mapped and every model variable received a value."""
-        return not (self.unmapped or self.unexpected or self.missing or self.mismatched)
+        """True when every key was mapped, every model variable received a value and no
+        LoRA adapter was left out."""
+        return not (
+            self.unmapped or self.unexpected or self.missing or self.mismatched or self.refused
+        )
 
     def problems(self) -> str:
         """One readable block listing every problem (empty when :attr:`ok`): a heading per kind
@@ -615,6 +635,10 @@ class MappingReport:
             ("mapped to names the model does not have", self.unexpected),
             ("model variables nothing maps to", self.missing),
             ("shapes that do not fit", self.mismatched),
+            (
+                "LoRA adapters the export would drop (the files would lose the fine-tune)",
+                self.refused,
+            ),
         ):
             if keys:
                 lines.append(f"{title} ({len(keys)}):")

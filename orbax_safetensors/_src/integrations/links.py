@@ -7,7 +7,7 @@ PyTorch tensors, L * X of them with experts, P parts of a fused projection, or t
 and several tensors on both sides (separate stacked Flax projections from fused per-layer
 PyTorch ones). Links carry the shape arithmetic (checked before any byte moves) and the tensor
 arithmetic (host numpy arrays or ``jax.numpy``, one link or one tensor at a time).
-:func:`lora_merges` finds the LoRA adapters an export folds into their base kernels.
+The LoRA adapters an export folds into their kernels are ``lora.py``'s.
 
 Example::
 
@@ -84,7 +84,8 @@ class Link:
         def few(names: Sequence[str]) -> str:
             return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
 
-        return f"{few(self.flax)} <-> {few(self.torch)}"
+        rule = self.rule
+        return f"rule {rule.torch!r} -> {rule.flax!r}: {few(self.flax)} <-> {few(self.torch)}"
 
     def anonymous(self) -> Link:
         """This link without its names and a one-to-one rule's patterns: what its arithmetic
@@ -329,72 +330,3 @@ def _group_link(
     if flax_side:
         return Link(rule, tuple(here), others, ordered)
     return Link(rule, others, tuple(here), ordered)
-
-
-# --------------------------------------------------------------------------- LoRA
-
-
-def lora_merges(names: Iterable[str]) -> dict[str, tuple[str, str]]:
-    """``{kernel name: (lora_a name, lora_b name)}`` of the LoRA adapters among ``names``:
-    ``P.lora.lora_a/lora_b`` next to ``P.kernel`` (``nnx.LoRALinear``) or ``P.lora_a/lora_b``
-    next to ``P.base_module.kernel`` (``nnx.LoRA`` wrapping a layer)."""
-    present = set(names)
-    out = {}
-    for a in sorted(present):
-        if not (a == "lora_a" or a.endswith(".lora_a")):
-            continue
-        stem = a[: -len("lora_a")]
-        b = stem + "lora_b"
-        if b not in present:
-            continue
-        for kernel in (
-            stem[: -len("lora.")] + "kernel" if stem.endswith("lora.") else None,
-            stem + "base_module.kernel",
-        ):
-            if kernel is not None and kernel in present:
-                out[kernel] = (a, b)
-                break
-    return out
-
-
-def merge_lora(kernel: np.ndarray, a: np.ndarray, b: np.ndarray, scale: float) -> np.ndarray:
-    """``kernel + a @ b * scale`` in the kernel's dtype (computed in at least float32).
-
-    The rank terms of ``a @ b`` are summed elementwise, in rank order (no BLAS call, whose
-    reduction order depends on the matrix sizes): every element is the same arithmetic
-    whatever block of the kernel is merged, so :func:`merge_lora_block` of any shard is
-    bit-identical to the same block of the whole merge.
-
-    Example::
-
-        merge_lora(np.zeros((4, 3)), np.ones((4, 2)), np.ones((2, 3)), 0.5)  # all 1.0
-    """
-    work = np.result_type(kernel.dtype, np.float32) if kernel.dtype.kind == "f" else np.float32
-    a, b = a.astype(work, copy=False), b.astype(work, copy=False)
-    delta = a[..., :, 0:1] * b[..., 0:1, :]
-    term = np.empty_like(delta)
-    for k in range(1, int(a.shape[-1])):
-        np.multiply(a[..., :, k : k + 1], b[..., k : k + 1, :], out=term)
-        delta += term
-    del term
-    delta *= np.asarray(scale, work)
-    return (kernel.astype(work) + delta).astype(kernel.dtype)
-
-
-def merge_lora_block(
-    block: np.ndarray, box: Sequence[slice], a: np.ndarray, b: np.ndarray, scale: float
-) -> np.ndarray:
-    """:func:`merge_lora` of the block ``box`` of a kernel (its values ``block``), from the
-    whole adapters ``a`` and ``b`` (small: rank columns / rows): bit-identical to
-    ``merge_lora(kernel, a, b, scale)[box]``.
-
-    Example::
-
-        merge_lora_block(kernel[2:4], (slice(2, 4), slice(0, 3)), a, b, 0.5)
-    """
-    box = tuple(box)
-    lead_a = box[len(box) - a.ndim : -2]  # the adapters' leading (layer) axes, right-aligned
-    lead_b = box[len(box) - b.ndim : -2]
-    rows = a[(*lead_a, box[-2], slice(None))]
-    cols = b[(*lead_b, slice(None), box[-1])]
-    return merge_lora(block, rows, cols, scale)

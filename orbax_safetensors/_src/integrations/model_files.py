@@ -73,10 +73,13 @@ def model_files(
     cast: bool,
     *,
     generation_config: Any = None,
+    untie: bool = False,
 ) -> dict[str, bytes]:
     """``{file name: content}`` of the small files an export writes (see the module
     docstring); ``dtypes`` are the stored safetensors dtypes of the tensors, ``cast`` whether a
-    dtype policy changed them. Empty when both configs are None.
+    dtype policy changed them; ``untie``: tied keys were written all the same (a head that
+    differs from its embedding: ``fidelity.tie_differences``), so ``config.json`` says
+    ``tie_word_embeddings: false``. Empty when both configs are None.
 
     Raises:
       TypeError: ``hf_config`` or ``generation_config`` of another type.
@@ -92,6 +95,8 @@ def model_files(
     directory = _directory(hf_config)
     doc, config = _config_doc(hf_config, directory)
     if doc is not None:
+        if untie:
+            doc = untied_config(doc)
         _fill_architectures(doc)
         _set_dtype(doc, dtypes, cast)
         files[CONFIG_FILE_NAME] = _json_bytes(doc)
@@ -103,6 +108,17 @@ def model_files(
     if directory is not None:
         files.update(tokenizer_files(directory))
     return files
+
+
+def untied_config(doc: dict[str, Any]) -> dict[str, Any]:
+    """``config.json``'s ``doc`` with ``tie_word_embeddings`` false (in a nested
+    ``text_config`` too, where it says so: Gemma 3, LLaVA)."""
+    doc = dict(doc)
+    doc["tie_word_embeddings"] = False
+    text = doc.get("text_config")
+    if isinstance(text, dict) and "tie_word_embeddings" in text:
+        doc["text_config"] = {**text, "tie_word_embeddings": False}
+    return doc
 
 
 def tokenizer_files(directory: epath.PathLike) -> dict[str, bytes]:

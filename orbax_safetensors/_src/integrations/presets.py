@@ -33,7 +33,9 @@ Face's module names (``nnx.Linear`` for ``nn.Linear``, ``nnx.Embed``, ``nnx.RMSN
 
 With ``tie_word_embeddings=True`` (Gemma 3's default, small LLaMA and Qwen models), a
 directory without ``lm_head.weight`` loads a model's ``lm_head.kernel`` from the embedding,
-and an export writes no ``lm_head.weight``.
+and an export writes no ``lm_head.weight`` (a head that differs from the embedding is
+written, untied: ``export_pytorch``). LoRA adapters are merged on export with every preset
+(``lora_scale=``: ``integrations/lora.py``).
 
 Example::
 
@@ -45,6 +47,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from orbax_safetensors._src.integrations import maxtext as _maxtext
@@ -76,6 +79,7 @@ def preset_mapping(
     hf_config: Any = None,
     scan_layers: bool | None = None,
     vocab_size: int | None = None,
+    lora_scale: float | None = None,
 ) -> KeyMapping:
     """The ready-made mapping ``name`` (one of :data:`PRESETS`).
 
@@ -96,6 +100,9 @@ def preset_mapping(
         the scanned layout).
       vocab_size: the MaxText presets': the model's vocabulary when padded past the
         config's (a load pads the embedding and ``logits_dense`` to it).
+      lora_scale: the scale of LoRA adapters merged on export (``KeyMapping.lora_scale``):
+        ``alpha / rank`` of qwix's ``LoraProvider``, as Tunix applies it (rank 4, alpha 8:
+        2.0); None: flax's unscaled LoRA, 1.0.
 
     Raises:
       ValueError: for an unknown name, a Tunix preset without ``head_dim``, a MaxText preset
@@ -108,6 +115,7 @@ def preset_mapping(
         osf.preset_mapping("mixtral")
         osf.preset_mapping("tunix-llama3", head_dim=64)
         osf.preset_mapping("maxtext-llama3", hf_config="/models/Llama-3.1-8B")
+        osf.preset_mapping("tunix-qwen3", head_dim=128, lora_scale=8 / 4)
     """
     if name in MAXTEXT_PRESETS:
         if hf_config is None or head_dim is not None or tie_word_embeddings:
@@ -116,9 +124,15 @@ def preset_mapping(
                 "gives head_dim and tie_word_embeddings), and neither head_dim= nor "
                 "tie_word_embeddings="
             )
-        return _maxtext.maxtext_mapping(
+        mapping = _maxtext.maxtext_mapping(
             name, hf_config, scan_layers=scan_layers, vocab_size=vocab_size
         )
+    else:
+        mapping = _preset(name, tie_word_embeddings, head_dim)
+    return mapping if lora_scale is None else dataclasses.replace(mapping, lora_scale=lora_scale)
+
+
+def _preset(name: str, tie_word_embeddings: bool, head_dim: int | None) -> KeyMapping:
     if name in TUNIX_PRESETS:
         return _tunix(name, head_dim, tie_word_embeddings)
     tied = _TIED if tie_word_embeddings else None

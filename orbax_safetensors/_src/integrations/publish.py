@@ -10,7 +10,7 @@ registers ``KeyMapping`` with it (``orbax/mappings.py``) when the package is imp
   arrays (LoRA adapters merged, the rule's ``to_torch``, tied keys dropped); the save job runs
   those functions on its writer thread, from the snapshot. For a multi-process save each
   group also carries how one shard maps on its own (``integrations/export_plan.shard_boxes``,
-  a LoRA kernel shard merged first from the whole adapters: ``links.merge_lora_block``) and
+  a LoRA kernel shard merged first from the whole adapters: ``lora.merge_lora_block``) and
   how its outputs are re-laid-out on the devices (``sharded_export.relaid``), so that each
   process writes only its own bytes;
 - :func:`restore_item` reads such an item (or any safetensors item) back into a target's
@@ -37,8 +37,10 @@ from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core.errors import TargetMismatchError
 from orbax_safetensors._src.integrations import export_plan as _shards
+from orbax_safetensors._src.integrations import fidelity as _fidelity
 from orbax_safetensors._src.integrations import hf_load as _hf_load
 from orbax_safetensors._src.integrations import links as _links
+from orbax_safetensors._src.integrations import lora as _lora
 from orbax_safetensors._src.integrations import model_files as _model_files
 from orbax_safetensors._src.integrations import pytorch as _pytorch
 from orbax_safetensors._src.integrations import sharded_export as _sharded_export
@@ -90,7 +92,7 @@ def _group(
         # One output at a time (a stacked source's slices are views; an output that stacks or
         # joins several sources is made when the writer asks for it).
         got = dict(zip(sources, arrays))
-        flax = _with_adapters(link.flax, got, got, merges, _links.merge_lora, scale)[:n]
+        flax = _with_adapters(link.flax, got, got, merges, _lora.merge_lora, scale)[:n]
         del arrays, got
         for j, key in enumerate(link.torch):
             if key not in tied:
@@ -104,7 +106,7 @@ def _group(
         name = link.flax[k]
         if name in merges:
             a, b = merges[name]
-            data = _links.merge_lora_block(data, box, wholes[a], wholes[b], scale)
+            data = _lora.merge_lora_block(data, box, wholes[a], wholes[b], scale, shapes[name])
         return [
             (link.torch[j], obox, values)
             for j, obox, values in _shards.shard_boxes(link, k, box, data, flax_shapes)
@@ -146,39 +148,46 @@ def export_plan(
     ``generation_config`` as ``osf.export_pytorch`` writes them (``model_files``).
 
     Raises:
-      TargetMismatchError: every name no rule maps, fused part without its siblings and
-        shape that does not fit, all at once.
+      TargetMismatchError: every name no rule maps, fused part without its siblings, shape
+        that does not fit (a fused split that does not fit ``hf_config``'s heads too) and
+        LoRA adapter the mapping would drop, all at once.
+      ValueError: qwix LoRA adapters and no ``KeyMapping.lora_scale``.
     """
     policy = _casting.parse_policy(dtype)
     arrays = validated.flat.arrays
     shapes = {n: tuple(int(d) for d in a.shape) for n, a in arrays.items()}
     report = MappingReport()
-    merges = _links.lora_merges(arrays)
-    adapters = {n for pair in merges.values() for n in pair}
-    report.ignored += sorted(adapters)
-    specs, links = _pytorch.plan_tensors(
+    found = _lora.plan(shapes, mapping, report)
+    merges = dict(found.merges)
+    lora = _sharded_export.Lora(merges, found.scale)
+    planned = _pytorch.plan_export(
         mapping,
         shapes,
         {n: _dtypes.from_numpy(np.dtype(a.dtype), key=n) for n, a in arrays.items()},
         arrays,
         policy,
         report,
-        skip=adapters,
+        lora=found,
+        tie_values=lambda names: {n: _sharded_export.merged_value(arrays, n, lora) for n in names},
+        hf_config=hf_config,
         show_stored=True,
     )
-    tied = dict(mapping.tied)
+    specs = planned.specs
+    tied = dict(planned.mapping.tied)
     out_shapes = {s.name: tuple(s.shape) for s in specs}
-    groups = [_group(link, tied, merges, mapping.lora_scale, shapes, out_shapes) for link in links]
+    groups = [_group(link, tied, merges, found.scale, shapes, out_shapes) for link in planned.links]
     if not report.ok:
         raise TargetMismatchError(
             "SafetensorsSave(mapping=...): the item does not fit this mapping:\n"
             + report.problems()
         )
+    _fidelity.warn_untied(planned.untied, with_config=hf_config is not None)
     files = _model_files.model_files(
         hf_config,
         [s.dtype for s in specs],
         cast=policy is not None,
         generation_config=generation_config,
+        untie=bool(planned.untied),
     )
     summary = f"KeyMapping: {len(arrays)} tensors -> {len(specs)} Hugging Face tensors"
     return _export_plan.ExportPlan(tuple(specs), tuple(groups), HEADER_METADATA, files, summary)

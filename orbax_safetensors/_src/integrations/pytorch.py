@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,9 +44,11 @@ from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core.errors import TargetMismatchError
+from orbax_safetensors._src.integrations import fidelity as _fidelity
 from orbax_safetensors._src.integrations import flax_tables as _flax_tables
 from orbax_safetensors._src.integrations import hf_load as _hf_load
 from orbax_safetensors._src.integrations import links as _links
+from orbax_safetensors._src.integrations import lora as _lora
 from orbax_safetensors._src.integrations import model_files as _model_files
 from orbax_safetensors._src.integrations import sharded_export as _sharded_export
 from orbax_safetensors._src.integrations.key_mapping import KeyMapping, MappingReport
@@ -201,16 +203,13 @@ def abstract_pytorch(
 # --------------------------------------------------------------------------- export
 
 
-def _merged_lora(
-    table: _flax_tables.FlaxTable, mapping: KeyMapping, report: MappingReport
-) -> _flax_tables.FlaxTable:
-    """``table`` with LoRA adapters folded into their kernels (see ``KeyMapping.lora_scale``)."""
-    merges = _links.lora_merges(table.infos)
-    if not merges:
+def _merged_lora(table: _flax_tables.FlaxTable, found: _lora.LoraPlan) -> _flax_tables.FlaxTable:
+    """``table`` with LoRA adapters folded into their kernels (see ``integrations/lora.py``):
+    the adapters (and what the export refused) left out, each kernel read merged."""
+    if not found.skip:
         return table
-    adapters = {n for pair in merges.values() for n in pair}
-    report.ignored += sorted(adapters)
-    infos = {n: t for n, t in table.infos.items() if n not in adapters}
+    merges = found.merges
+    infos = {n: t for n, t in table.infos.items() if n not in found.skip}
     read = table.read
 
     def read_merged(names: Sequence[str]) -> dict[str, np.ndarray]:
@@ -220,7 +219,7 @@ def _merged_lora(
         for n in names:
             if n in merges:
                 a, b = merges[n]
-                out[n] = _links.merge_lora(got[n], got[a], got[b], mapping.lora_scale)
+                out[n] = _lora.merge_lora(got[n], got[a], got[b], found.scale)
             else:
                 out[n] = got[n]
         return out
@@ -271,8 +270,13 @@ def export_pytorch(
     file appears at once (written beside the directory and swapped in). Tensors
     are read half a batch at a time, the next half read while one is transformed (on up to 4
     threads) and written: host memory holds about a batch and the writes under way, not the
-    model. LoRA adapters are merged into their kernels (``KeyMapping.lora_scale``); tied keys
-    (``KeyMapping.tied``) are not written.
+    model. LoRA adapters are merged into their kernels (``integrations/lora.py``: flax's
+    ``nnx.LoRALinear`` and ``nnx.LoRA``, qwix's, as Tunix applies them; scaled by
+    ``KeyMapping.lora_scale``). Tied keys (``KeyMapping.tied``) are not written, unless the
+    model's value differs from the key it is tied to (a head fine-tuned apart from its
+    embedding): then it is written (``report.untied``), ``config.json`` gets
+    ``tie_word_embeddings: false``, and a ``UserWarning`` names the key and its largest
+    difference, so that the files compute what the model does.
 
     In a multi-process JAX job every process calls it with the same arguments and writes only
     the bytes of the shards it owns (``integrations/sharded_export.py``): no gather, the same
@@ -322,7 +326,10 @@ def export_pytorch(
       A :class:`MappingReport` (``moved`` pairs are ``(flax name, torch key)``).
 
     Raises:
-      TargetMismatchError: with ``strict``, listing every problem at once (nothing written).
+      TargetMismatchError: with ``strict``, listing every problem at once (nothing written):
+        names no rule maps, shapes that do not fit, a fused split that does not fit
+        ``hf_config``'s heads, LoRA adapters ``ignore_flax`` would drop.
+      ValueError: qwix LoRA adapters and no ``KeyMapping.lora_scale``.
 
     Example::
 
@@ -338,21 +345,36 @@ def export_pytorch(
         source, prefix=prefix, variables=variables, step=step, item=item
     )
     table = _without_training_state(table, report)
-    lora = _sharded_export.Lora(_links.lora_merges(table.infos), mapping.lora_scale)
-    table = _merged_lora(table, mapping, report)
+    found = _lora.plan(
+        {n: t.shape for n, t in table.infos.items()}, mapping, report, table.lora_params
+    )
+    lora = _sharded_export.Lora(found.merges, found.scale)
+    table = _merged_lora(table, found)
     infos = table.infos
-    specs, moves = plan_tensors(
+
+    def tie_values(names: Sequence[str]) -> Mapping[str, Any]:
+        # (in memory: the arrays as they are, sharded too, a kernel merged with its adapters)
+        if table.source is not None:
+            return table.read(names)
+        return {n: _sharded_export.merged_value(table.values, n, lora) for n in names}
+
+    planned = plan_export(
         mapping,
         {n: t.shape for n, t in infos.items()},
         {n: t.dtype for n, t in infos.items()},
         {n: table.values.get(n, t) for n, t in infos.items()},
         policy,
         report,
+        lora=found,
+        tie_values=tie_values,
+        hf_config=hf_config,
     )
     if strict and not report.ok:
         raise TargetMismatchError(
             f"cannot export to {directory} through this mapping:\n" + report.problems()
         )
+    _fidelity.warn_untied(planned.untied, with_config=hf_config is not None)
+    specs = planned.specs
     plan = _plan.plan_files(specs, max_file_size=max_file_size, metadata={"format": "pt"})
     extra: dict[str, str | bytes] = {}
     if len(plan.files) > 1:
@@ -363,9 +385,10 @@ def export_pytorch(
             [s.dtype for s in specs],
             cast=policy is not None,
             generation_config=generation_config,
+            untie=bool(planned.untied),
         )
     )
-    job = _sharded_export.ExportJob(plan, moves, table, dict(mapping.tied))
+    job = _sharded_export.ExportJob(plan, planned.links, table, dict(planned.mapping.tied))
     if jax.process_count() > 1:  # every process writes its own bytes (sharded_export)
         stats = _sharded_export.write_processes(
             directory, job, report, extra, lora=lora, batch_bytes=batch_bytes
@@ -379,6 +402,99 @@ def export_pytorch(
     return report
 
 
+@dataclasses.dataclass(frozen=True)
+class PlannedExport:
+    """What :func:`plan_export` plans: the PyTorch tensors written (``specs``), the ``links``
+    computing them, the ``mapping`` applied (the given one, without the ties of ``untied``)
+    and ``untied``: tied keys written all the same (see ``fidelity.tie_differences``)."""
+
+    specs: list[_plan.TensorSpec]
+    links: list[_links.Link]
+    mapping: KeyMapping
+    untied: dict[str, tuple[str, float]]
+
+
+def plan_export(
+    mapping: KeyMapping,
+    shapes: Mapping[str, tuple[int, ...]],
+    held: Mapping[str, str],
+    values: Mapping[str, Any],
+    policy: _casting.Policy | None,
+    report: MappingReport,
+    *,
+    lora: _lora.LoraPlan,
+    tie_values: Callable[[Sequence[str]], Mapping[str, Any]],
+    hf_config: Any,
+    show_stored: bool = False,
+) -> PlannedExport:
+    """:func:`plan_tensors` with what keeps an export computing what the model computes
+    (``integrations/fidelity.py``): a tied key whose value differs from the key it is tied
+    to (``tie_values(names)``: the Flax tensors, LoRA merged) is written
+    (``report.untied``), and fused splits that do not fit ``hf_config``'s heads go to
+    ``report.mismatched``; ``lora``: the merges (``lora.plan``).
+
+    Example::
+
+        planned = plan_export(mapping, shapes, held, {}, None, report, lora=found,
+                              tie_values=table.read, hf_config=config)
+    """
+    untied: dict[str, tuple[str, float]] = {}
+    if mapping.tied:
+        links, _ = mapped_links(mapping, shapes, skip=lora.skip, renamed=lora.renamed)
+        untied = _fidelity.tie_differences(mapping, links, tie_values)
+    applied = _fidelity.untied(mapping, list(untied))
+    specs, links = plan_tensors(
+        applied,
+        shapes,
+        held,
+        values,
+        policy,
+        report,
+        skip=lora.skip,
+        renamed=lora.renamed,
+        show_stored=show_stored,
+    )
+    report.untied += list(untied)
+    report.mismatched += _fidelity.fused_config_problems(
+        links,
+        {s.name: tuple(s.shape) for s in specs},
+        shapes,
+        lambda n: _dtypes.to_numpy(held[n]),
+        hf_config,
+    )
+    return PlannedExport(specs, links, applied, untied)
+
+
+def mapped_links(
+    mapping: KeyMapping,
+    shapes: Mapping[str, tuple[int, ...]],
+    *,
+    skip: Collection[str] = (),
+    renamed: Mapping[str, str] | None = None,
+) -> tuple[list[_links.Link], MappingReport]:
+    """``links.export_links`` over the Flax tensors of ``shapes`` but ``skip``, each matched
+    by the name ``renamed`` gives it (a module a LoRA wrapper wraps: ``lora.LoraPlan``); the
+    links and the report name them as ``shapes`` does."""
+    renamed = renamed or {}
+    named: dict[str, tuple[int, ...]] = {}
+    original: dict[str, str] = {}
+    clashes = []
+    for n, shape in shapes.items():
+        if n in skip:
+            continue
+        seen = renamed.get(n, n)
+        if seen in original:
+            clashes.append(f"{original[seen]} and {n} are both exported as {seen}")
+            continue
+        named[seen], original[seen] = shape, n
+    links, found = _links.export_links(mapping, named)
+    back = [dataclasses.replace(link, flax=tuple(original[n] for n in link.flax)) for link in links]
+    found.ignored = [original.get(n, n) for n in found.ignored]
+    found.unmapped = [original.get(n, n) for n in found.unmapped]
+    found.mismatched += clashes
+    return back, found
+
+
 def plan_tensors(
     mapping: KeyMapping,
     shapes: Mapping[str, tuple[int, ...]],
@@ -388,18 +504,20 @@ def plan_tensors(
     report: MappingReport,
     *,
     skip: Collection[str] = (),
+    renamed: Mapping[str, str] | None = None,
     show_stored: bool = False,
 ) -> tuple[list[_plan.TensorSpec], list[_links.Link]]:
     """The PyTorch tensors an export writes, and the links that compute them, planned from
     the Flax names' ``shapes``, ``held`` safetensors dtypes and ``values`` (for ``policy``);
-    names in ``skip`` (merged LoRA adapters) are cast but not mapped. Problems go to
-    ``report`` (a mismatch names the held dtype, or the stored one with ``show_stored``).
+    names in ``skip`` (merged LoRA adapters) are cast but not mapped, names in ``renamed``
+    mapped by their new name. Problems go to ``report`` (a mismatch names the held dtype,
+    or the stored one with ``show_stored``).
 
     Example::
 
         specs, links = plan_tensors(mapping, {"w": (2, 3)}, {"w": "F32"}, {}, None, report)
     """
-    links, found = _links.export_links(mapping, {n: s for n, s in shapes.items() if n not in skip})
+    links, found = mapped_links(mapping, shapes, skip=skip, renamed=renamed)
     report.ignored += found.ignored
     report.unmapped += found.unmapped
     report.mismatched += found.mismatched

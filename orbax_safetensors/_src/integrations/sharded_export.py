@@ -35,7 +35,7 @@ bytes, each file appears whole once complete); the index and the small files com
 
 The files are byte-identical to a one-process export of the same values, LoRA merges included
 (the small adapters are gathered to every process and each kernel shard merged on the host:
-``links.merge_lora_block``).
+``lora.merge_lora_block``).
 
 Example::
 
@@ -68,6 +68,7 @@ from orbax_safetensors._src.integrations import export_plan as _export_plan
 from orbax_safetensors._src.integrations import export_reads as _export_reads
 from orbax_safetensors._src.integrations import flax_tables as _flax_tables
 from orbax_safetensors._src.integrations import links as _links
+from orbax_safetensors._src.integrations import lora as _lora
 from orbax_safetensors._src.integrations import object_export as _object_export
 from orbax_safetensors._src.integrations.key_mapping import MappingReport
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
@@ -242,7 +243,7 @@ def _process_pieces(
     values_of: Iterator[dict[str, Any]]
     if table.source is None:  # in memory; a LoRA merge is a collective: on this thread
         reads = _export_reads.ReadPlan({}, {})
-        values_of = ({n: _merged(table.values, n, lora) for n in names} for names in names_of)
+        values_of = ({n: merged_value(table.values, n, lora) for n in names} for names in names_of)
     else:
         reads = plan_reads(job, lora)
         values_of = read_ahead(functools.partial(_read, table, reads, me), names_of)
@@ -341,7 +342,9 @@ def _read_sharded(
     return dict(zip(names, _reader.read_tensors(requests)))
 
 
-def _merged(values: Mapping[str, Any], name: str, lora: Lora) -> Any:
+def merged_value(values: Mapping[str, Any], name: str, lora: Lora) -> Any:
+    """``values[name]``, merged with its LoRA adapters where ``lora`` names them (a
+    collective when they are sharded over processes: every process calls it alike)."""
     x = values[name]
     if name not in lora.merges:
         return x
@@ -358,16 +361,16 @@ def gathered(x: Any) -> np.ndarray:
 
 
 def merged(kernel: Any, a: np.ndarray, b: np.ndarray, scale: float) -> Any:
-    """``links.merge_lora(kernel, a, b, scale)`` with ``kernel``'s sharding: a sharded
-    ``jax.Array`` is merged shard by shard on the host (``links.merge_lora_block``, from the
+    """``lora.merge_lora(kernel, a, b, scale)`` with ``kernel``'s sharding: a sharded
+    ``jax.Array`` is merged shard by shard on the host (``lora.merge_lora_block``, from the
     whole adapters ``a`` and ``b``) and put back on its devices, bit-identical to the merge of
     the whole kernel in one process; other kernels are merged whole."""
     if not is_global(kernel):
-        return _links.merge_lora(np.asarray(kernel), a, b, scale)
+        return _lora.merge_lora(np.asarray(kernel), a, b, scale)
     blocks = []
     for shard in kernel.addressable_shards:
         box = _runs.normalize_index(shard.index, kernel.shape)
-        block = _links.merge_lora_block(np.asarray(shard.data), box, a, b, scale)
+        block = _lora.merge_lora_block(np.asarray(shard.data), box, a, b, scale, kernel.shape)
         blocks.append(jax.device_put(block, shard.device))
     return jax.make_array_from_single_device_arrays(kernel.shape, kernel.sharding, blocks)
 

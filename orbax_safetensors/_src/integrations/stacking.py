@@ -203,13 +203,14 @@ class Gather:
         sizes = [p[axis] for p in parts]
         if self.sizes is None and len(set(sizes)) > 1:
             raise ValueError(
-                f"parts of sizes {sizes} along axis {self.axis} split back only with "
-                f"sizes={tuple(sizes)} (else into equal parts)"
+                f"parts of sizes {sizes} along axis {self.axis}, which a rule without sizes= "
+                f"splits into equal parts: give sizes={tuple(sizes)}"
             )
         self.part_sizes(joined[axis])  # (given sizes that do not match: the error)
         if self.sizes is not None and list(self.sizes) != sizes:
             raise ValueError(
-                f"parts of sizes {sizes} along axis {self.axis}, not {list(self.sizes)}"
+                f"parts of sizes {sizes} along axis {self.axis}, not the rule's "
+                f"sizes={tuple(self.sizes)}: give sizes={tuple(sizes)}"
             )
         return joined
 

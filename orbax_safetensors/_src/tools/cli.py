@@ -203,7 +203,7 @@ def _export_cmd(args: argparse.Namespace) -> int:
     try:
         policy = dtype_policy(args.dtype)
         config = _hf_export.read_hf_config(args.hf_config)
-        mapping = _hf_export.resolve_mapping(args.mapping, config)
+        mapping = _hf_export.resolve_mapping(args.mapping, config, args.lora_scale)
     except ValueError as e:
         _error_line("orbax-safetensors export", e)
         return EXIT_ERROR
@@ -276,6 +276,7 @@ _OPTIONS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "rtol": (("--rtol",), {"type": float, "default": None}),
     "dir": (("dir",), {"nargs": "?", "default": None}),
     "steps": (("--steps",), {"type": int, "default": 300}),
+    "lora_scale": (("--lora-scale",), {"type": float, "default": None, "metavar": "X"}),
 }
 _HELP = {  # the help of an option where a subcommand gives none
     "path": "file, item, step or root directory",
@@ -379,6 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
         item="with a step of several items: the item to export",
         max_file_size="split into shards of at most this size (default 5GB)",
         batch_size=None,
+        lora_scale="the scale of the LoRA adapters merged into their kernels: alpha / rank "
+        "for qwix's (Tunix's LoRA; needed there), default 1.0 for flax's nnx.LoRA",
     )
 
     diff = _command(sub, "diff", _diff_cmd, "compare the tensors of two checkpoints")

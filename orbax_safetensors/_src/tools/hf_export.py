@@ -8,7 +8,9 @@ model directory, through a preset or user key mapping.
 presets ``maxtext-*`` need it and read heads, ``head_dim`` and the vocabulary from it, and
 take scanned and unscanned checkpoints alike) or
 ``module:attr`` naming a :class:`KeyMapping` (or a function of no arguments returning one),
-imported like ``python -c 'import module'`` from the current directory.
+imported like ``python -c 'import module'`` from the current directory. ``--lora-scale X``
+sets its ``KeyMapping.lora_scale``: the scale of the LoRA adapters merged (qwix's
+``alpha / rank``, as Tunix applies them).
 
 ``--hf-config`` is a ``config.json``, or a model directory: its ``config.json``,
 ``generation_config.json`` and tokenizer files are written to the export
@@ -22,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import sys
@@ -50,13 +53,23 @@ def read_hf_config(path: str | None) -> dict[str, Any] | None:
     return _model_files.read_json(p / "config.json" if p.is_dir() else p, "--hf-config")
 
 
-def resolve_mapping(spec: str, hf_config: dict[str, Any] | None = None) -> KeyMapping:
-    """The mapping ``spec`` names: a preset, or ``module:attr``.
+def resolve_mapping(
+    spec: str, hf_config: dict[str, Any] | None = None, lora_scale: float | None = None
+) -> KeyMapping:
+    """The mapping ``spec`` names: a preset, or ``module:attr``; with ``lora_scale``
+    (``--lora-scale``), that mapping with that ``KeyMapping.lora_scale``.
 
     Raises:
       ValueError: an unknown preset, a module that does not import, an attribute that is not
         a KeyMapping.
     """
+    mapping = _named_mapping(spec, hf_config)
+    if lora_scale is None:
+        return mapping
+    return dataclasses.replace(mapping, lora_scale=lora_scale)
+
+
+def _named_mapping(spec: str, hf_config: dict[str, Any] | None) -> KeyMapping:
     if ":" not in spec:
         if spec not in _presets.PRESETS:
             raise ValueError(

@@ -1,0 +1,290 @@
+"""What keeps an export (and a load) from changing what the model computes, silently.
+
+- Tied keys. ``KeyMapping.tied`` says that a PyTorch key (``lm_head.weight``) is another one
+  (``model.embed_tokens.weight``), so an export leaves it out and the reader ties it back. A
+  model that holds both with different values (a head fine-tuned apart from its embedding)
+  would then be served with its embedding as its head. :func:`tie_differences` finds such
+  keys; the export writes them all the same (``MappingReport.untied``), sets
+  ``tie_word_embeddings: false`` in ``config.json`` (``model_files.untied_config``) and warns
+  (:func:`warn_untied`), naming each key and its largest difference.
+- Fused splits. A rule ``fused=`` with its parts on the PyTorch side splits one Flax tensor
+  into its parts, in ``sizes=`` or in equal parts. Parts that would not split back as they
+  were joined are refused by the shape arithmetic itself (``stacking.Gather``, on load and
+  on export); on export, with a config, the query/key/value parts are also checked against
+  the heads, key/value heads and head_dim it names (:func:`fused_config_problems`). Either
+  problem names the rule and the ``sizes=`` that fits.
+
+Example::
+
+    differ = tie_differences(mapping, links, table.read)   # {"lm_head.weight": (..., 0.3)}
+    warn_untied(differ, with_config=True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from orbax_safetensors._src.integrations import export_plan as _export_plan
+from orbax_safetensors._src.integrations import links as _links
+from orbax_safetensors._src.integrations.key_mapping import KeyMapping, Rule
+
+Shape = tuple[int, ...]
+
+
+# --------------------------------------------------------------------------- tied keys
+
+
+def tie_differences(
+    mapping: KeyMapping,
+    links: Sequence[_links.Link],
+    values: Callable[[Sequence[str]], Mapping[str, Any]],
+) -> dict[str, tuple[str, float]]:
+    """``{tied key: (the key it is tied to, largest absolute difference)}`` for each tied
+    PyTorch key that ``links`` write whose value is not the other key's (``inf``: the shapes
+    differ, or the export does not write the other key). ``values(names)`` gives the Flax
+    tensors (numpy or ``jax.Array``, sharded too: compared on the devices)."""
+    where = {k: (link, j) for link in links for j, k in enumerate(link.torch)}
+    out = {}
+    for key, source in mapping.tied:
+        if key not in where:
+            continue  # the model has no tensor of its own there: nothing to write
+        if source not in where:
+            out[key] = (source, math.inf)
+            continue
+        (link, j), (other, i) = where[key], where[source]
+        got = values(sorted({*link.flax, *other.flax}))
+        difference = _largest_difference(
+            _torch_value(link, [got[n] for n in link.flax], j),
+            _torch_value(other, [got[n] for n in other.flax], i),
+        )
+        if difference != 0:
+            out[key] = (source, difference)
+    return out
+
+
+def _torch_value(link: _links.Link, arrays: list[Any], j: int) -> Any:
+    if any(not isinstance(a, np.ndarray) for a in arrays):
+        return _export_plan.device_value(link, arrays, j)  # (jax.numpy: sharded arrays too)
+    return link.to_torch(arrays)[j]
+
+
+def _largest_difference(x: Any, y: Any) -> float:
+    # 0.0 for equal values (NaN equal to NaN at the same place), inf for other shapes or a
+    # NaN against a number. Host arrays are compared a block of rows at a time, device arrays
+    # in one fused reduction: no float32 copy of a whole embedding either way.
+    if tuple(x.shape) != tuple(y.shape):
+        return math.inf
+    if not (isinstance(x, np.ndarray) and isinstance(y, np.ndarray)):
+        return float(np.asarray(_device_gap()(x, y)))
+    if x.ndim == 0:
+        return float(_gap(np, x, y))
+    step = max(1, _BLOCK_BYTES // max(1, 4 * math.prod(x.shape[1:])))
+    gaps = [_gap(np, x[i : i + step], y[i : i + step]) for i in range(0, x.shape[0], step)]
+    return float(max(gaps, default=0.0))
+
+
+_BLOCK_BYTES = 16 << 20  # (float32 bytes of a block of rows compared on the host)
+
+
+def _gap(xp: Any, x: Any, y: Any) -> Any:
+    a, b = x.astype(xp.float32), y.astype(xp.float32)
+    same = (a == b) | (xp.isnan(a) & xp.isnan(b))
+    gap = xp.where(same, 0.0, xp.abs(a - b))
+    return xp.max(xp.where(xp.isnan(gap), xp.inf, gap), initial=0.0)
+
+
+@functools.cache
+def _device_gap() -> Any:
+    # (one jitted reduction, made once: XLA fuses the casts and compares, no whole copies)
+    import jax
+    import jax.numpy as jnp
+
+    return jax.jit(lambda x, y: _gap(jnp, jnp.asarray(x), jnp.asarray(y)))
+
+
+def untied(mapping: KeyMapping, keys: Sequence[str]) -> KeyMapping:
+    """``mapping`` without the ties of ``keys`` (written, then)."""
+    if not keys:
+        return mapping
+    return dataclasses.replace(
+        mapping, tied=tuple((k, s) for k, s in mapping.tied if k not in keys)
+    )
+
+
+def warn_untied(differences: Mapping[str, tuple[str, float]], *, with_config: bool) -> None:
+    """Warns that the keys of :func:`tie_differences` are written, untied."""
+    if not differences:
+        return
+    listed = "; ".join(
+        f"{key} differs from {source} (largest difference {d:.3g})"
+        if math.isfinite(d)
+        else f"{key}: {source} is not exported or has another shape"
+        for key, (source, d) in differences.items()
+    )
+    then = (
+        "config.json says tie_word_embeddings: false"
+        if with_config
+        else "the config.json you pair them with must say tie_word_embeddings: false"
+    )
+    warnings.warn(
+        f"the mapping ties keys whose values differ: {listed}. They are written, untied, so "
+        f"that the export computes what the model does; {then}",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+# --------------------------------------------------------------------------- fused splits
+
+
+def _probe(fn: Any, shape: Shape, dtype: Any) -> Shape:
+    return tuple(int(d) for d in np.shape(fn(np.broadcast_to(np.zeros((), dtype), shape))))
+
+
+def _rule_name(rule: Rule) -> str:
+    return f"rule {rule.torch!r} -> {rule.flax!r}"
+
+
+def _joins_torch_parts(link: _links.Link) -> bool:
+    # Whether the link's Flax tensors each join a fused rule's parts held apart in PyTorch.
+    rule = link.rule
+    return rule.fused is not None and rule.fused in rule.gathered_by(flax=True)
+
+
+def _part_keys(link: _links.Link) -> list[str]:
+    """The first PyTorch key of each fused part of ``link``, in the rule's order of parts."""
+    rule = link.rule
+    first: dict[str, str] = {}
+    for key in link.torch:
+        groups = rule.torch_groups(key) or {}
+        part = groups.get(rule.fused or "")
+        if part is not None:
+            first.setdefault(part, key)
+    return [first[p] for p in rule.parts if p in first]
+
+
+def _slot_shape(rule: Rule, flax_shape: Shape) -> Shape:
+    # A Flax tensor's shape without the axes it stacks PyTorch tensors on.
+    gathered = rule.gathered_by(flax=True)
+    axes = {a % len(flax_shape) for n, a in rule.stacked or () if n in gathered and flax_shape}
+    return tuple(d for i, d in enumerate(flax_shape) if i not in axes)
+
+
+# The rows each attention projection's PyTorch weight (out, in) and bias (out,) has, by its
+# module's name: query heads, or key/value heads, times head_dim.
+_QUERY = frozenset({"q_proj", "query"})
+_KEY_VALUE = frozenset({"k_proj", "v_proj", "key", "value"})
+
+
+def _rows(key: str, heads: int, kv: int) -> int | None:
+    # the heads of the attention projection a PyTorch key names (None: not one)
+    module = key.rsplit(".", 2)[-2] if "." in key else ""
+    return heads if module in _QUERY else kv if module in _KEY_VALUE else None
+
+
+def attention_sizes(hf_config: Any) -> tuple[int, int, int] | None:
+    """``(heads, key/value heads, head_dim)`` of a transformers config (or its dict; a
+    nested ``text_config`` too), or None when it names no heads."""
+    found = _attention(hf_config)
+    return None if found is None else found[0]
+
+
+# A nested text_config's heads are the language model's: its keys name one of these (a vision
+# tower's projections have heads of their own).
+_TEXT_MODULES = frozenset({"language_model", "text_model"})
+
+
+def _attention(hf_config: Any) -> tuple[tuple[int, int, int], bool] | None:
+    # (heads, key/value heads, head_dim) and whether they come from a nested text_config
+    if hf_config is None:
+        return None
+    doc = hf_config if isinstance(hf_config, Mapping) else getattr(hf_config, "to_dict", dict)()
+    for sub, nested in ((doc, False), (doc.get("text_config"), True)):
+        if not isinstance(sub, Mapping) or not sub.get("num_attention_heads"):
+            continue
+        heads = int(sub["num_attention_heads"])
+        kv = int(sub.get("num_key_value_heads") or heads)
+        head_dim = int(sub.get("head_dim") or int(sub.get("hidden_size") or 0) // heads)
+        if head_dim:
+            return (heads, kv, head_dim), nested
+    return None
+
+
+def fused_config_problems(
+    links: Sequence[_links.Link],
+    torch_shapes: Mapping[str, Shape],
+    flax_shapes: Mapping[str, Shape],
+    dtype_of: Callable[[str], Any],
+    hf_config: Any,
+) -> list[str]:
+    """One line per rule whose fused split writes query/key/value projections of other sizes
+    than ``hf_config``'s heads, key/value heads and head_dim make (``torch_shapes``: what
+    the export writes, by key), naming the rule and the ``sizes=`` that fits."""
+    found = _attention(hf_config)
+    if found is None:
+        return []
+    (heads, kv, head_dim), nested = found
+    out: dict[int, str] = {}  # (by the rule's id: a user's transform need not hash)
+    for link in links:
+        rule = link.rule
+        if not _joins_torch_parts(link) or id(rule) in out:
+            continue
+        wrong = []
+        for key in link.torch:
+            rows, shape = _rows(key, heads, kv), torch_shapes.get(key)
+            if nested and _TEXT_MODULES.isdisjoint(key.split(".")):
+                continue  # (not the language model's projection)
+            if rows is None or not shape or shape[0] == rows * head_dim:
+                continue
+            wrong.append((key, shape, rows * head_dim))
+        if not wrong:
+            continue
+        key, shape, want = wrong[0]
+        name = link.flax[0]
+        fix = _fitting_sizes(
+            link, torch_shapes, flax_shapes[name], dtype_of(name), heads, kv, head_dim
+        )
+        out[id(rule)] = (
+            f"{_rule_name(rule)} splits {name} {list(flax_shapes[name])} into "
+            f"{'sizes=' + str(rule.sizes) if rule.sizes else 'equal parts'}: {key} "
+            f"{list(shape)}, but the config's {heads} heads, {kv} key/value heads of head_dim "
+            f"{head_dim} make it {want} rows"
+            + (f" (and {len(wrong) - 1} more tensors)" if len(wrong) > 1 else "")
+            + (f": give sizes={fix}" if fix else "")
+        )
+    return list(out.values())
+
+
+def _fitting_sizes(
+    link: _links.Link,
+    torch_shapes: Mapping[str, Shape],
+    flax_shape: Shape,
+    dtype: Any,
+    heads: int,
+    kv: int,
+    head_dim: int,
+) -> tuple[int, ...] | None:
+    # The rule's sizes= that gives each part the config's rows, if the Flax tensor holds them.
+    rule = link.rule
+    fn = rule.transform_or_identity.to_flax
+    sizes = []
+    for key in _part_keys(link):
+        rows, shape = _rows(key, heads, kv), torch_shapes.get(key)
+        if rows is None or not shape:
+            return None
+        try:
+            part = _probe(fn, (rows * head_dim, *shape[1:]), dtype)
+        except ValueError:
+            return None
+        sizes.append(part[rule.axis % len(part)])
+    layer = _slot_shape(rule, flax_shape)
+    if not layer or sum(sizes) != layer[rule.axis % len(layer)]:
+        return None
+    return tuple(sizes)
