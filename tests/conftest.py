@@ -27,6 +27,7 @@ else:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import optional_deps  # noqa: E402
 import pytest  # noqa: E402
 from objstore.fixtures import (  # noqa: F401, E402
     gcs_bucket,
@@ -60,6 +61,23 @@ def pytest_collection_modifyitems(config, items):
             continue
         why = marker.args[0] if marker.args else "version independent"
         item.add_marker(pytest.mark.skip(reason=f"main environment only ({why}): CI runs it there"))
+
+
+def pytest_collectreport(report):
+    optional_deps.log_if_missing(report)  # a module skipped at import
+
+
+def pytest_runtest_logreport(report):
+    optional_deps.log_if_missing(report)
+
+
+@pytest.hookimpl(optionalhook=True)  # (a pytest-xdist hook: the README's `pytest -n auto`)
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker per core, and at most one per 4 GiB of memory (a worker holds a
+    few GiB at its peak, and its multi-host tests start up to 8 processes of their own)."""
+    cores = len(os.sched_getaffinity(0))
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(1, min(cores, memory // (4 << 30)))
 
 
 @pytest.fixture

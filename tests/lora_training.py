@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optional_deps  # (tests/ is on sys.path)
 import pytest
 from flax import nnx
 from packaging.requirements import Requirement
@@ -34,7 +35,7 @@ def qwix_or_skip() -> ModuleType:
         import qwix
     except ImportError as e:
         if getattr(e, "name", None) == "qwix":
-            pytest.skip(f"qwix is not installed ({QWIX_INSTALL})")
+            optional_deps.missing("qwix", QWIX_INSTALL)
         pytest.skip(
             f"qwix does not import with jax {jax.__version__}, flax {flax.__version__}: {e}"
         )

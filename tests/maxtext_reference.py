@@ -21,7 +21,7 @@ import types
 import zipfile
 from pathlib import Path
 
-import pytest
+import optional_deps  # (tests/ is on sys.path)
 
 ENV = "OSF_MAXTEXT_WHEEL"
 UTILS = "maxtext/checkpoint_conversion/utils/"
@@ -47,7 +47,11 @@ def _load(name: str) -> types.ModuleType | None:
 def _module(name: str) -> types.ModuleType:
     module = _load(name)
     if module is None:
-        pytest.skip(f"needs MaxText's wheel (maxtext==0.2.5): set {ENV} to it")
+        optional_deps.missing(
+            "MaxText's wheel (maxtext==0.2.5)",
+            "pip download --no-deps --python-version 3.12 --only-binary=:all: maxtext==0.2.5, "
+            f"then set {ENV} to the wheel",
+        )
     return module
 
 

@@ -74,6 +74,14 @@ def test_block_extraction_and_not_run_convention():
     assert runnable(code_blocks(text)) == [("python", "a = 1\n"), ("bash", "ls\n")]
 
 
+def run_python_block(code: str, where: str, namespace: dict[str, object]) -> None:
+    """Runs one block in ``namespace`` (shared by a page's blocks); a failure names the block."""
+    try:
+        exec(compile(code, where, "exec"), namespace)
+    except Exception as e:
+        raise AssertionError(f"{where} failed:\n{code}") from e
+
+
 _CLIENT = """\
 import json, os, socket, sys
 s = socket.socket(socket.AF_UNIX)
@@ -168,10 +176,7 @@ def test_page_examples_run(page, tmp_path, monkeypatch):
         for i, (lang, code) in enumerate(blocks):
             where = f"docs/{page}, runnable block {i + 1} ({lang})"
             if lang == "python":
-                try:
-                    exec(compile(code, where, "exec"), namespace)
-                except Exception as e:
-                    raise AssertionError(f"{where} failed:\n{code}") from e
+                run_python_block(code, where, namespace)
                 continue
             done = subprocess.run(
                 ["bash", "-e", "-c", code],
@@ -186,6 +191,20 @@ def test_page_examples_run(page, tmp_path, monkeypatch):
             )
     finally:
         server.close()
+
+
+def test_readme_examples_run(tmp_path, monkeypatch):
+    """README.md's Python blocks run as written, in order, in one namespace, in a fresh
+    directory, as a new user would paste them. (Its bash block is the quick start: installing
+    the package and running this suite, which CI runs as written, in a fresh venv: .ci/run.)"""
+    blocks = [
+        code for lang, code in code_blocks((ROOT / "README.md").read_text()) if lang == "python"
+    ]
+    assert blocks, "README.md has no Python block"
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, object] = {"__name__": "readme"}
+    for i, code in enumerate(blocks):
+        run_python_block(code, f"README.md, Python block {i + 1}", namespace)
 
 
 def _nav_pages() -> list[str]:

@@ -5,8 +5,10 @@ CI installs Tunix without its dependencies (``pip install --no-deps google-tunix
 which the model modules do not need. So when ``import tunix`` fails on a missing dependency,
 the model modules are imported under a bare ``tunix`` package object (its ``__init__`` not run):
 Tunix's ``models``, ``utils``, ``generate`` and ``oss`` folders are namespace packages, and the
-model modules need only jax, flax, jaxtyping, safetensors, huggingface_hub and fsspec. If the
-model modules themselves do not import, the tests skip naming the reason.
+model modules need only jax, flax, jaxtyping, safetensors, huggingface_hub and fsspec. Where
+Tunix is not installed (the README's ``pip install -e ".[test]"`` leaves it out) the tests skip
+as ``optional_deps`` skips, naming the install command; if the model modules themselves do not
+import, they skip naming the reason.
 
 Importing a Tunix model module sets Flax's ``flax_always_shard_variable`` to False (Tunix's
 ``env_utils.setup_sharding_environment``); :func:`tunix_flags` restores it after a test, so
@@ -22,6 +24,7 @@ import sys
 from collections.abc import Iterator
 from types import ModuleType
 
+import optional_deps  # (tests/ is on sys.path)
 import pytest
 
 TUNIX_INSTALL = "pip install --no-deps google-tunix==0.1.7 jaxtyping"
@@ -30,7 +33,7 @@ TUNIX_INSTALL = "pip install --no-deps google-tunix==0.1.7 jaxtyping"
 def _bare_package() -> None:
     spec = importlib.util.find_spec("tunix")
     if spec is None or spec.loader is None:
-        pytest.skip(f"google-tunix is not installed ({TUNIX_INSTALL})", allow_module_level=True)
+        optional_deps.missing("google-tunix", TUNIX_INSTALL)
     try:
         import tunix  # noqa: F401 (a full install imports as usual)
     except ImportError:

