@@ -19,26 +19,31 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_tpu_bench_smoke_run(tmp_path: Path):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2"}
-    out = tmp_path / "results.json"
+def run_benchmark(
+    script: str, *args: str, devices: int | None = None, timeout: float = 240
+) -> subprocess.CompletedProcess[str]:
+    """``benchmarks/SCRIPT ARGS`` in a fresh Python (on CPU with ``devices`` CPU devices when
+    given), asserted to succeed."""
+    env = dict(os.environ)
+    if devices is not None:
+        env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(devices))
     done = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "tpu_bench.py"),
-            "--smoke",
-            "--every-10",
-            "--json",
-            str(out),
-            "--dir",
-            str(tmp_path),
-        ],
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
         env=env,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=timeout,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def test_tpu_bench_smoke_run(tmp_path: Path):
+    out = tmp_path / "results.json"
+    done = run_benchmark(
+        "tpu_bench.py", "--smoke", "--every-10", "--json", str(out), "--dir", str(tmp_path),
+        devices=2,
+    )  # fmt: skip
     report = done.stdout
     for row in (
         "save() blocks",
@@ -67,29 +72,14 @@ def test_tpu_bench_smoke_run(tmp_path: Path):
 def test_tpu_probe_smoke_runs(tmp_path: Path):
     """``benchmarks/tpu_probe.py`` (the diagnosis behind docs/performance.md, "TPU") runs its
     restore and save variants end to end, each with a thread profile where it takes one."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1"}
     for what, variant in (
         ("restore", "restore unstaged"),
         ("save", "durable save (direct I/O never)"),
     ):
         out = tmp_path / f"{what}.json"
-        done = subprocess.run(
-            [
-                sys.executable,
-                str(ROOT / "benchmarks" / "tpu_probe.py"),
-                what,
-                "--smoke",
-                "--json",
-                str(out),
-                "--dir",
-                str(tmp_path),
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=240,
+        run_benchmark(
+            "tpu_probe.py", what, "--smoke", "--json", str(out), "--dir", str(tmp_path), devices=1
         )
-        assert done.returncode == 0, done.stderr[-3000:]
         doc = json.loads(out.read_text())
         assert doc["times"][variant]["median"] > 0
         assert doc["profiles"] and all(p["samples"] >= 0 for p in doc["profiles"].values())
@@ -98,19 +88,7 @@ def test_tpu_probe_smoke_runs(tmp_path: Path):
 
 def test_cli_startup_bench_smoke_run(tmp_path: Path):
     out = tmp_path / "startup.json"
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "cli_startup_bench.py"),
-            "--smoke",
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_benchmark("cli_startup_bench.py", "--smoke", "--json", str(out), timeout=600)
     for row in (
         "python -c pass",
         "import orbax_safetensors",
