@@ -277,7 +277,9 @@ def test_the_derived_target_is_nested_and_updates_an_nnx_model(tmp_dir):
 
     class Model(nnx.Module):
         def __init__(self, rngs):
-            self.layers = getattr(nnx, "List", list)([Block(rngs) for _ in range(L)])  # (flax 0.11: a list)
+            self.layers = getattr(nnx, "List", list)(
+                [Block(rngs) for _ in range(L)]
+            )  # (flax 0.11: a list)
 
     hf = {
         f"layers.{i}.fc.{w}": normal(*s)
