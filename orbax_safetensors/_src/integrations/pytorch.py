@@ -32,6 +32,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
@@ -397,7 +398,7 @@ def export_pytorch(
         return report
     # Earlier model files and index are replaced whole, other files kept (storage/replace.py).
     with _replace.replacing_directory(directory) as out:
-        _write(out, job, report, batch_bytes)
+        _write(out, job, report, batch_bytes, lora.merges)
         _checkpoint_save.write_small_files(out, extra)
     return report
 
@@ -561,24 +562,32 @@ def plan_tensors(
 
 
 def _write(
-    directory: epath.Path, job: _sharded_export.ExportJob, report: MappingReport, batch_bytes: int
+    directory: epath.Path,
+    job: _sharded_export.ExportJob,
+    report: MappingReport,
+    batch_bytes: int,
+    whole: Collection[str] = (),
 ) -> None:
     """Writes the files of ``job.plan``: each tensor becomes pieces at its file offsets
     (``pipeline/pieces``), cast to its planned dtype and laid out C-contiguous there, and is
     written by the checkpoint writer's threads (``checkpoint_save.write_process_share``) while
-    the next is computed, as the next batch of the source is read. Into a local directory,
-    large tensors are cast band by band into buffers reused once written (``band_piece``)."""
+    the next is computed, as the next batch of the source is read (a stacked link of an
+    Orbax-native item a band of slots at a time; not the kernels of ``whole``, which LoRA
+    adapters merge into). Into a local directory, large tensors are cast band by band into
+    buffers reused once written (``band_piece``)."""
     lent, in_flight = None, None
     if _router.is_local(directory):  # (other writers keep the pieces until the file is closed)
-        # Bands of at most half a batch, a few of them written at once: enough to keep a local
-        # device busy, and every buffer reused band after band (BANDS_IN_FLIGHT).
-        band = max(1, min(_pieces.BAND_BYTES, _sharded_export.in_flight(batch_bytes)))
+        # Bands of at most a share of the writes under way (sharded_export.in_flight), a few
+        # of them written at once: enough to keep a local device busy, and every buffer
+        # reused band after band (BANDS_IN_FLIGHT).
+        writes = _sharded_export.in_flight(batch_bytes)
+        band = max(1, min(_pieces.BAND_BYTES, writes // _pieces.BANDS_IN_FLIGHT))
         in_flight = band * _pieces.BANDS_IN_FLIGHT
         idle = _pieces.BANDS_IN_FLIGHT + _pieces.TRANSFORM_THREADS + 2
         lent = _buffers.LentBuffers(band, max_idle=idle)
     stats = _sharded_export.write_pieces(
         job.plan,
-        _host_pieces(job, batch_bytes, lent),
+        _host_pieces(job, batch_bytes, lent, whole),
         directory,
         batch_bytes,
         primary=True,
@@ -590,19 +599,26 @@ def _write(
 
 
 def _host_pieces(
-    job: _sharded_export.ExportJob, batch_bytes: int, lent: _buffers.LentBuffers | None
+    job: _sharded_export.ExportJob,
+    batch_bytes: int,
+    lent: _buffers.LentBuffers | None,
+    whole: Collection[str],
 ) -> Iterator[tuple[int, list[_interface.Piece]]]:
     # Batches of links, each batch's source tensors read (one batch ahead, on a reading
-    # thread) while the one before is transformed and written: host memory holds two
-    # half-size batches of the source and the writes under way (sharded_export.in_flight;
-    # plus one band or tensor per transform thread and the writer's part-filled 8 MiB batch).
+    # thread, while both fit in ``batch_bytes``) while the one before is transformed and
+    # written: host memory holds two half-size batches of the source and the writes under
+    # way (sharded_export.in_flight; plus one band or tensor per transform thread and the
+    # writer's part-filled 8 MiB batch). A stacked link of an Orbax-native item larger than
+    # half a batch is read a band of slots at a time (sharded_export.host_reads).
     table, tied, plan = job.table, job.tied, job.plan
-    batched = _sharded_export.half_batches(job, batch_bytes)
-    names = [batch for _, batch in batched]
+    reads = _sharded_export.host_reads(job, batch_bytes, whole)
+    units = _sharded_export.host_units(job, reads, batch_bytes)
+    read = functools.partial(_sharded_export.read_unit, table, reads, 0)
+    values_of = _sharded_export.read_ahead(read, units, [u.nbytes for u in units], batch_bytes)
 
     def tasks() -> Iterator[tuple[str, np.ndarray, tuple[int, int] | None]]:
-        for (group, _), arrays in zip(batched, _sharded_export.read_ahead(table.read, names)):
-            for link in group:
+        for unit, arrays in zip(units, values_of):
+            for link in unit.links:
                 flax = [arrays[n] for n in link.flax]
                 for j, key in enumerate(link.torch):  # one PyTorch tensor at a time
                     if key in tied:

@@ -50,7 +50,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -236,31 +236,43 @@ def _process_pieces(
     """This process's pieces, link by link in the same order on every process; with
     ``marks``, each link too, once its pieces are out."""
     plan, table, tied = job.plan, job.table, job.tied
-    batched = half_batches(job, batch_bytes)
-    names_of = [names for _, names in batched]
     me = jax.process_index()
-
-    values_of: Iterator[dict[str, Any]]
     if table.source is None:  # in memory; a LoRA merge is a collective: on this thread
-        reads = _export_reads.ReadPlan({}, {})
-        values_of = ({n: merged_value(table.values, n, lora) for n in names} for names in names_of)
-    else:
-        reads = plan_reads(job, lora)
-        values_of = read_ahead(functools.partial(_read, table, reads, me), names_of)
-    for (group, _), values in zip(batched, values_of):
-        for link in group:
-            writes = reads.writer(link, _PRIMARY) == me if table.source is not None else primary
+        for group, names in half_batches(job, batch_bytes):
+            values = {n: merged_value(table.values, n, lora) for n in names}
+            for link in group:
+                arrays = [values[n] for n in link.flax]
+                yield from _link_pieces(plan, link, arrays, tied, primary)
+                for n in link.flax:
+                    values.pop(n, None)
+                if marks:
+                    yield link
+        return
+    reads = plan_reads(job, lora, batch_bytes)
+    units = _export_reads.read_units(
+        job.links, table.infos, reads, me, max(1, batch_bytes // 2), _held(table, reads, me)
+    )
+    read = functools.partial(read_unit, table, reads, me)
+    values_of = read_ahead(read, units, [u.nbytes for u in units], batch_bytes)
+    for unit, values in zip(units, values_of):
+        for link in unit.links:
+            # (a band: this process's slots, written by it; else the owner of a link read
+            # whole, or every process its shards of one read sharded)
+            writes = unit.boxes is not None or reads.writer(link, _PRIMARY) == me
             arrays = [values[n] for n in link.flax]
             yield from _link_pieces(plan, link, arrays, tied, writes)
             for n in link.flax:
                 values.pop(n, None)
-            if marks:
-                yield link
+        if marks:
+            yield from unit.done
 
 
-def plan_reads(job: ExportJob, lora: Lora) -> _export_reads.ReadPlan:
+def plan_reads(
+    job: ExportJob, lora: Lora, batch_bytes: int | None = None
+) -> _export_reads.ReadPlan:
     """What each process reads of ``job``'s checkpoint source (``export_reads``): byte
-    ranges of safetensors files, whole chunks of an Orbax-native item; links that merge LoRA
+    ranges of safetensors files, whole chunks of an Orbax-native item (with ``batch_bytes``,
+    a stacked link whose share exceeds half of it in bands of slots); links that merge LoRA
     adapters, and every link of another source, read whole by one process each."""
     source = job.table.source
     prefix = job.table.prefix
@@ -274,7 +286,68 @@ def plan_reads(job: ExportJob, lora: Lora) -> _export_reads.ReadPlan:
         processes=jax.process_count(),
         whole=lora.merges,
         sharded=isinstance(source, (_sources.SafetensorsSource, _sources.OrbaxSource)),
+        budget=None if batch_bytes is None else max(1, batch_bytes // 2),
     )
+
+
+def host_reads(
+    job: ExportJob, batch_bytes: int, whole: Collection[str] = ()
+) -> _export_reads.ReadPlan:
+    """What a one-process export reads of ``job``'s checkpoint source: a stacked link of an
+    Orbax-native item larger than half ``batch_bytes`` in bands of slots
+    (``export_reads.plan_bands``; not one of ``whole``: the kernels LoRA adapters merge
+    into), every other link whole."""
+    source, prefix, infos = job.table.source, job.table.prefix, job.table.infos
+    bands: dict[str, _export_reads.Bands] = {}
+    if isinstance(source, _sources.OrbaxSource):
+        chunks = {n: source.chunks[prefix + n] for n in infos}
+        bands = _export_reads.plan_bands(
+            job.links, infos, chunks, processes=1, budget=max(1, batch_bytes // 2), whole=whole
+        )
+    owners = {n: _PRIMARY for link in job.links if link.flax[0] not in bands for n in link.flax}
+    return _export_reads.ReadPlan({}, owners, bands)
+
+
+def host_units(
+    job: ExportJob, reads: _export_reads.ReadPlan, batch_bytes: int
+) -> list[_export_reads.ReadUnit]:
+    """The reads of a one-process export (``reads``: :func:`host_reads`), in order."""
+    infos = job.table.infos
+    return _export_reads.read_units(
+        job.links, infos, reads, _PRIMARY, max(1, batch_bytes // 2), lambda n: infos[n].nbytes
+    )
+
+
+def _held(table: _flax_tables.FlaxTable, reads: _export_reads.ReadPlan, me: int) -> Any:
+    # The bytes this process holds of a Flax tensor read as ``reads`` plans: its devices'
+    # distinct boxes of one read sharded, the whole tensor if it reads it whole, else none.
+    def held(name: str) -> int:
+        info = table.infos[name]
+        sharding = reads.shardings.get(name)
+        if sharding is None:
+            return int(info.nbytes) if reads.owners.get(name) == me else 0
+        boxes = {
+            tuple((s.start, s.stop) for s in _runs.normalize_index(index, info.shape))
+            for index in sharding.addressable_devices_indices_map(info.shape).values()
+        }
+        return sum(_dtypes.nbytes(info.dtype, tuple(b - a for a, b in box)) for box in boxes)
+
+    return held
+
+
+def read_unit(
+    table: _flax_tables.FlaxTable,
+    reads: _export_reads.ReadPlan,
+    me: int,
+    unit: _export_reads.ReadUnit,
+) -> dict[str, Any]:
+    """This process's values of ``unit``'s Flax names: a band's boxes as host arrays
+    (``OrbaxSource.read_box``), else as :func:`plan_reads` reads them (no collective: a
+    reading thread's)."""
+    if unit.boxes is None:
+        return _read(table, reads, me, unit.names)
+    source, prefix = table.source, table.prefix
+    return {n: source.read_box(prefix + n, unit.boxes[n]) for n in unit.names}
 
 
 def _read(
@@ -296,11 +369,16 @@ def _read(
 
 
 def read_ahead(
-    read: Callable[[Sequence[str]], dict[str, Any]], batches: Sequence[Sequence[str]]
+    read: Callable[[Any], dict[str, Any]],
+    batches: Sequence[Any],
+    sizes: Sequence[int] | None = None,
+    budget: int | None = None,
 ) -> Iterator[dict[str, Any]]:
     """``read(batch)`` for each of ``batches`` in turn, the next batch read on a thread while
     the caller works on the one yielded (reads release the GIL: the transforms and writes of
-    one batch overlap the reading of the next). ``read`` must not run collectives.
+    one batch overlap the reading of the next). With ``sizes`` (the bytes each batch holds)
+    and ``budget``, the next is read ahead only while both fit in ``budget``; else once the
+    caller is done with the one before. ``read`` must not run collectives.
 
     Example::
 
@@ -310,16 +388,25 @@ def read_ahead(
     if len(batches) <= 1:
         yield from (read(b) for b in batches)
         return
+
+    def ahead(i: int) -> bool:
+        return sizes is None or budget is None or sizes[i] + sizes[i + 1] <= budget
+
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="osf-export-read") as pool:
-        future = pool.submit(read, batches[0])
+        future: concurrent.futures.Future[dict[str, Any]] | None = pool.submit(read, batches[0])
         try:
             for i in range(len(batches)):
-                values = future.result()
-                if i + 1 < len(batches):
+                if future is None:  # (not read ahead: it did not fit beside the one before)
+                    future = pool.submit(read, batches[i])
+                values: dict[str, Any] | None = future.result()
+                future = None
+                if i + 1 < len(batches) and ahead(i):
                     future = pool.submit(read, batches[i + 1])
-                yield values
+                yield values  # type: ignore[misc]
+                values = None  # (the caller's to keep: none of it held here meanwhile)
         finally:
-            future.cancel()  # the caller stopped early: a read under way is waited for
+            if future is not None:
+                future.cancel()  # the caller stopped early: a read under way is waited for
 
 
 def _read_sharded(
