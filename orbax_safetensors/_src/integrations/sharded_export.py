@@ -49,6 +49,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import math
 import uuid
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
@@ -237,12 +238,13 @@ def _process_pieces(
     ``marks``, each link too, once its pieces are out."""
     plan, table, tied = job.plan, job.table, job.tied
     me = jax.process_index()
+    band = relayout_band(batch_bytes)
     if table.source is None:  # in memory; a LoRA merge is a collective: on this thread
         for group, names in half_batches(job, batch_bytes):
             values = {n: merged_value(table.values, n, lora) for n in names}
             for link in group:
                 arrays = [values[n] for n in link.flax]
-                yield from _link_pieces(plan, link, arrays, tied, primary)
+                yield from _link_pieces(plan, link, arrays, tied, primary, band)
                 for n in link.flax:
                     values.pop(n, None)
                 if marks:
@@ -260,7 +262,7 @@ def _process_pieces(
             # whole, or every process its shards of one read sharded)
             writes = unit.boxes is not None or reads.writer(link, _PRIMARY) == me
             arrays = [values[n] for n in link.flax]
-            yield from _link_pieces(plan, link, arrays, tied, writes)
+            yield from _link_pieces(plan, link, arrays, tied, writes, band)
             for n in link.flax:
                 values.pop(n, None)
         if marks:
@@ -468,6 +470,7 @@ def _link_pieces(
     arrays: list[Any],
     tied: Mapping[str, str],
     primary: bool,
+    band_bytes: int | None = None,
 ) -> Iterator[Pieces]:
     glob = [is_global(a) for a in arrays]
     if not any(glob):  # host-local values: the primary writes them whole
@@ -503,13 +506,106 @@ def _link_pieces(
         if key in tied:
             continue
         entry = plan.locate(key)[1]
-        value = relaid(link, arrays, j, tuple(entry.shape), _dtypes.to_numpy(entry.dtype))
-        owned: _snapshots.HostCopies = [
-            (index, np.asarray(data)) for index, data in _snapshots.owned_shards(value)
-        ]
-        if owned:
-            yield _pieces.tensor_pieces(plan, key, owned)
-        del value, owned
+        shape, dtype = tuple(entry.shape), _dtypes.to_numpy(entry.dtype)
+        for start, value in relaid_rows(link, arrays, j, shape, dtype, band_bytes):
+            owned: _snapshots.HostCopies = []
+            for index, data in _snapshots.owned_shards(value):
+                if index:  # (rows start..: the band's boxes placed in the whole tensor)
+                    first = slice(index[0].start + start, index[0].stop + start)
+                    index = (first, *index[1:])
+                owned.append((index, np.asarray(data)))
+            if owned:
+                yield _pieces.tensor_pieces(plan, key, owned)
+            del value, owned
+
+
+def relayout_band(batch_bytes: int) -> int:
+    """Bytes of a PyTorch tensor per process that one re-layout on the devices moves at most
+    (:func:`relaid_rows`): an eighth of the batch, since a re-layout holds its input, the
+    exchanged blocks and its output at once."""
+    return max(1, batch_bytes // 8)
+
+
+def relaid_rows(
+    link: _links.Link,
+    arrays: Sequence[Any],
+    j: int,
+    shape: tuple[int, ...],
+    dtype: np.dtype | None = None,
+    band_bytes: int | None = None,
+) -> Iterator[tuple[int, Any]]:
+    """``(first row, value)``: ``link.torch[j]`` (of ``shape``) re-laid out on the devices
+    (:func:`relaid`) whole, or, with ``band_bytes``, a band of rows at a time where the link
+    maps boxes on their own (``export_plan.commutes``, one Flax tensor, one slot per PyTorch
+    tensor) and the Flax tensor is not split along the slot's rows or its stacked axes: each
+    band computed from the band of the Flax array alone (a slice of each device's shard), so
+    the re-layout holds about ``band_bytes`` per process of the tensor, not all of it
+    several times over. Every process calls it alike (collectives); bands of one shape
+    share one compiled re-layout, whatever the slot."""
+    rows = _band_rows(link, arrays, shape, dtype, band_bytes)
+    if rows is None:
+        yield 0, relaid(link, arrays, j, shape, dtype)
+        return
+    (x,) = arrays
+    fshape = tuple(int(d) for d in x.shape)
+    box = [slice(0, d) for d in fshape]
+    gather = link.flax_gather
+    for axis, i in zip(gather.stack_axes(len(fshape)), gather.slots[j]):
+        box[axis] = slice(i, i + 1)
+    row_axis = _export_plan.row_axis(link, [fshape])
+    one = _links.Link(link.rule, link.flax, (link.torch[j],), tuple((n, 1) for n, _ in link.counts))
+    for start in range(0, shape[0], rows):
+        stop = min(shape[0], start + rows)
+        box[row_axis] = slice(start, stop)
+        band = _band_array(x, tuple(box))
+        yield start, relaid(one, [band], 0, (stop - start, *shape[1:]), dtype)
+
+
+def _band_rows(
+    link: _links.Link,
+    arrays: Sequence[Any],
+    shape: tuple[int, ...],
+    dtype: np.dtype | None,
+    band_bytes: int | None,
+) -> int | None:
+    # Rows of ``link``'s PyTorch tensor of ``shape`` per band (a multiple of the device count
+    # where it can be, so that each band is split over every device by its rows), or None
+    # to re-lay it out whole. From global facts only: every process decides alike.
+    if band_bytes is None or len(arrays) != 1 or not shape or not shape[0]:
+        return None
+    (x,) = arrays
+    fshape = tuple(int(d) for d in x.shape)
+    if not link.torch_gather.trivial or link.flax_gather.fused is not None:
+        return None
+    if not _export_plan.commutes(link, [fshape]):
+        return None
+    held = x.sharding.shard_shape(fshape)
+    cut = [*link.flax_gather.stack_axes(len(fshape)), _export_plan.row_axis(link, [fshape])]
+    if any(held[a] != fshape[a] for a in cut):  # (split there: a band is not a global array)
+        return None
+    itemsize = max(np.dtype(x.dtype).itemsize, (dtype or np.dtype(x.dtype)).itemsize)
+    row_bytes = itemsize * math.prod(shape[1:])
+    devices = len(jax.devices())
+    rows = band_bytes * jax.process_count() // max(1, row_bytes)
+    if rows >= devices:
+        rows -= rows % devices
+    rows = max(1, rows)
+    return rows if rows < shape[0] else None
+
+
+def _band_array(x: jax.Array, box: tuple[slice, ...]) -> jax.Array:
+    # ``x[box]`` as a global array sharded as ``x`` is, from slices of this process's shards
+    # (``box`` cuts only axes ``x`` is not split along).
+    shape = tuple(s.stop - s.start for s in box)
+    pieces = []
+    for shard in x.addressable_shards:
+        index = _runs.normalize_index(shard.index, x.shape)
+        local = tuple(
+            slice(max(b.start, i.start) - i.start, min(b.stop, i.stop) - i.start)
+            for b, i in zip(box, index)
+        )
+        pieces.append(shard.data[local])
+    return jax.make_array_from_single_device_arrays(shape, x.sharding, pieces)
 
 
 # A shard whose bytes in the PyTorch tensor are many runs (MANY_RUNS or more) shorter than
