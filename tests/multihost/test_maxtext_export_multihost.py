@@ -196,6 +196,11 @@ def test_two_processes_export_through_a_maxtext_preset(setup):
     by_pid = _run(setup, 2, root, [V1], exports, preset=preset)
     largest = max(v.nbytes for v in M.parameters(setup["state"]).values())
     _check(setup, 2, by_pid, root, "preset", "preset", slack=largest)
+    # each stacked link's layers are re-laid out from their slots: one compiled re-layout
+    # per link and shape, not one per layer
+    relayouts = [by_pid[i]["preset"]["relayouts"] for i in range(2)]
+    print(f"N=2 preset: compiled re-layouts {relayouts} for {DIMS.layers} layers")
+    assert max(relayouts) <= len(M.llama_shapes(DIMS)), relayouts
     _print(by_pid, 2, exports)
 
 

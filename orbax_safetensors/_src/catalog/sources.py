@@ -8,6 +8,13 @@ checkpoint directory of this library, plain safetensors files in a directory (Hu
 style), an Orbax-native PyTree item (``StandardSave``/``PyTreeSave``, OCDBT or not), or a legacy
 Flax msgpack file (``flax.serialization.to_bytes``, ``flax.training.checkpoints``).
 
+Host memory of a read: the arrays returned, plus, for an Orbax-native item, the pieces being
+decoded (:meth:`OrbaxSource.read_box`: two of at most ``READ_PIECE_BYTES`` of whole stored
+chunks; a chunk is compressed, so one larger than that is a piece alone). A tool bounds what it
+holds by what it asks for: :func:`batches` of at most ``DEFAULT_BATCH_BYTES``, and boxes of a
+tensor larger than that (``read_box``; an export of stacked layers reads a band of them at a
+time: ``integrations/export_reads.py``).
+
 Example::
 
     source = open_source("/ckpt/100/state")

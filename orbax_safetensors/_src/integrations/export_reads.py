@@ -40,7 +40,11 @@ whole share at once: a band of layers would read (and decompress) each chunk onc
 
 :func:`read_units` lists what one process reads, in order: batches of links of at most the
 budget, and the bands of a banded link one by one, each with the bytes the process holds for
-it; ``sharded_export.read_ahead`` reads one ahead while both fit in ``batch_bytes``.
+it; ``sharded_export.read_ahead`` reads one ahead while both fit in ``batch_bytes``. So what a
+process holds of the source is at most ``batch_bytes``, except where the checkpoint's chunks
+do not let a link be cut: a band one chunk thick larger than the budget, a link read sharded
+(this process's whole share of it) or read whole (by its owner) larger than the budget; such
+a unit is read with nothing ahead of it.
 
 Example::
 

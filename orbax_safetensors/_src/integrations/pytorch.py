@@ -271,7 +271,9 @@ def export_pytorch(
     file appears at once (written beside the directory and swapped in). Tensors
     are read half a batch at a time, the next half read while one is transformed (on up to 4
     threads) and written: host memory holds about a batch and the writes under way, not the
-    model. LoRA adapters are merged into their kernels (``integrations/lora.py``: flax's
+    model (a stacked tensor of an Orbax-native item a band of layers at a time where its
+    stored chunks allow it: ``integrations/export_reads.py``; a tensor larger than half a
+    batch that its chunks do not cut is read alone). LoRA adapters are merged into their kernels (``integrations/lora.py``: flax's
     ``nnx.LoRALinear`` and ``nnx.LoRA``, qwix's, as Tunix applies them; scaled by
     ``KeyMapping.lora_scale``). Tied keys (``KeyMapping.tied``) are not written, unless the
     model's value differs from the key it is tied to (a head fine-tuned apart from its
@@ -321,7 +323,9 @@ def export_pytorch(
       strict: raise if a Flax name has no rule; with ``strict=False`` skip it and report.
       variables: with a model, the ``nnx`` filter of variables to export (default
         ``(nnx.Param, nnx.BatchStat)``).
-      batch_bytes: tensor bytes of the source held in host memory at a time (two halves).
+      batch_bytes: tensor bytes of the source held in host memory at a time (two halves),
+        and the bound of the writes under way (half of it, at most 64 MiB) and of a
+        re-layout on the devices (an eighth of it per process).
 
     Returns:
       A :class:`MappingReport` (``moved`` pairs are ``(flax name, torch key)``).

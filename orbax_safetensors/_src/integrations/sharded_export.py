@@ -13,15 +13,30 @@ bytes of the shards it owns (``replica_id == 0``), through the writer a checkpoi
      shard is transformed on its own and written at its boxes' offsets;
    - other links of sharded tensors: each PyTorch tensor is re-laid-out on the devices by one
      jitted transform with ``export_plan.spread_sharding`` as ``out_shardings`` (a collective
-     every process issues in the same order), and its owned shards written;
+     every process issues in the same order), a band of rows at a time where the link maps
+     boxes on its own (:func:`relaid_rows`: an eighth of ``batch_bytes`` per process), and
+     its owned shards written;
    - host-local tensors (numpy, a ``jax.Array`` each process holds whole): the primary writes
      them, as a one-process export does;
-   - a checkpoint path: each batch of tensors is read as ``export_reads`` plans: sharded over
-     the devices (byte ranges of safetensors files through ``pipeline/reader.read_tensors``,
-     whole chunks of an Orbax-native item through ``OrbaxSource.read_sharded``: each process
-     reads only its boxes) and written as above, or, for a link read whole, by its owner
-     process alone, as host-local tensors; host memory holds one batch of this process's
-     share;
+   - a checkpoint path: what each process reads is planned by ``export_reads`` and read one
+     unit ahead on a thread (:func:`read_ahead`, while both fit in ``batch_bytes``): batches
+     of links of at most half ``batch_bytes``, read sharded over the devices (byte ranges of
+     safetensors files through ``pipeline/reader.read_tensors``, whole chunks of an
+     Orbax-native item through ``OrbaxSource.read_sharded``: each process reads only its
+     boxes) and written as above, or, for a link read whole, by its owner process alone, as
+     host-local tensors; and the stacked links of an Orbax-native item whose chunks allow it
+     a band of layers at a time (``export_reads.plan_bands``), each process its own layers,
+     their PyTorch tensors computed and written on its host (no collective);
+
+   Host memory per process: two units read (one written, one read ahead; each at most half
+   ``batch_bytes``), the writes under way (:func:`in_flight`: at most half ``batch_bytes``),
+   a band of a re-layout with its exchanged blocks, the PyTorch tensor being cast, and a
+   constant (pieces of stored chunks being decoded: ``sources.READ_PIECE_BYTES``; thread
+   pools; what the allocator keeps). A unit is larger than half the batch only where the
+   checkpoint does not let it be cut: a band is at least one stored chunk thick, and a
+   tensor whose every chunk spans all its layers and rows (an FSDP save: each chunk is a
+   device's shard of every layer) is read as this process's whole share of it, and then
+   read alone (nothing read ahead beside it);
 3. a barrier; the primary writes the index and the small files (``config.json``,
    ``generation_config.json``, the tokenizer's: ``model_files``) and swaps the staging
    directory in (``storage/replace.swap_in``); a last barrier, so that every process returns
@@ -535,14 +550,15 @@ def relaid_rows(
     band_bytes: int | None = None,
 ) -> Iterator[tuple[int, Any]]:
     """``(first row, value)``: ``link.torch[j]`` (of ``shape``) re-laid out on the devices
-    (:func:`relaid`) whole, or, with ``band_bytes``, a band of rows at a time where the link
-    maps boxes on their own (``export_plan.commutes``, one Flax tensor, one slot per PyTorch
-    tensor) and the Flax tensor is not split along the slot's rows or its stacked axes: each
-    band computed from the band of the Flax array alone (a slice of each device's shard), so
-    the re-layout holds about ``band_bytes`` per process of the tensor, not all of it
-    several times over. Every process calls it alike (collectives); bands of one shape
-    share one compiled re-layout, whatever the slot."""
-    rows = _band_rows(link, arrays, shape, dtype, band_bytes)
+    (:func:`relaid`). Where the link has one Flax tensor, one slot per PyTorch tensor and the
+    Flax tensor is not split along its stacked axes, from that slot alone (a slice of each
+    device's shard): every slot of the link then shares one compiled re-layout, where
+    :func:`relaid` compiles one per slot. And with ``band_bytes``, where the link maps boxes
+    on their own (``export_plan.commutes``) and the slot is not split along its rows either,
+    a band of rows at a time, about ``band_bytes`` per process: the re-layout holds its input,
+    the exchanged blocks and its output at once, of a band rather than of the whole tensor.
+    Every process calls it alike (collectives)."""
+    rows = _slot_rows(link, arrays, shape, dtype, band_bytes)
     if rows is None:
         yield 0, relaid(link, arrays, j, shape, dtype)
         return
@@ -552,8 +568,11 @@ def relaid_rows(
     gather = link.flax_gather
     for axis, i in zip(gather.stack_axes(len(fshape)), gather.slots[j]):
         box[axis] = slice(i, i + 1)
-    row_axis = _export_plan.row_axis(link, [fshape])
     one = _links.Link(link.rule, link.flax, (link.torch[j],), tuple((n, 1) for n, _ in link.counts))
+    if not shape or rows >= shape[0]:
+        yield 0, relaid(one, [_band_array(x, tuple(box))], 0, shape, dtype)
+        return
+    row_axis = _export_plan.row_axis(link, [fshape])
     for start in range(0, shape[0], rows):
         stop = min(shape[0], start + rows)
         box[row_axis] = slice(start, stop)
@@ -561,36 +580,48 @@ def relaid_rows(
         yield start, relaid(one, [band], 0, (stop - start, *shape[1:]), dtype)
 
 
-def _band_rows(
+def _slot_rows(
     link: _links.Link,
     arrays: Sequence[Any],
     shape: tuple[int, ...],
     dtype: np.dtype | None,
     band_bytes: int | None,
 ) -> int | None:
-    # Rows of ``link``'s PyTorch tensor of ``shape`` per band (a multiple of the device count
-    # where it can be, so that each band is split over every device by its rows), or None
-    # to re-lay it out whole. From global facts only: every process decides alike.
-    if band_bytes is None or len(arrays) != 1 or not shape or not shape[0]:
+    # Rows of ``link``'s PyTorch tensor of ``shape`` per band, from the slot alone (all of
+    # them: the slot whole), or None to re-lay out the whole link's arrays (see relaid_rows).
+    # Bands of rows are a multiple of the device count where they can be (each band split
+    # over every device by its rows) and divide the rows evenly where a multiple does (one
+    # shape: one compiled re-layout). From global facts only: every process decides alike.
+    if len(arrays) != 1 or not link.torch_gather.trivial or link.flax_gather.fused is not None:
         return None
     (x,) = arrays
     fshape = tuple(int(d) for d in x.shape)
-    if not link.torch_gather.trivial or link.flax_gather.fused is not None:
-        return None
-    if not _export_plan.commutes(link, [fshape]):
-        return None
     held = x.sharding.shard_shape(fshape)
-    cut = [*link.flax_gather.stack_axes(len(fshape)), _export_plan.row_axis(link, [fshape])]
-    if any(held[a] != fshape[a] for a in cut):  # (split there: a band is not a global array)
+    stacked = link.flax_gather.stack_axes(len(fshape))
+    if any(held[a] != fshape[a] for a in stacked):  # (split there: a slot is not a global array)
         return None
-    itemsize = max(np.dtype(x.dtype).itemsize, (dtype or np.dtype(x.dtype)).itemsize)
-    row_bytes = itemsize * math.prod(shape[1:])
-    devices = len(jax.devices())
-    rows = band_bytes * jax.process_count() // max(1, row_bytes)
-    if rows >= devices:
-        rows -= rows % devices
-    rows = max(1, rows)
-    return rows if rows < shape[0] else None
+    whole = shape[0] if shape else 0
+    rows = whole
+    if band_bytes is not None and whole and _export_plan.commutes(link, [fshape]):
+        row_axis = _export_plan.row_axis(link, [fshape])
+        if held[row_axis] == fshape[row_axis]:
+            itemsize = max(np.dtype(x.dtype).itemsize, (dtype or np.dtype(x.dtype)).itemsize)
+            most = max(1, band_bytes * jax.process_count() // (itemsize * math.prod(shape[1:])))
+            rows = _even_rows(whole, most, len(jax.devices()))
+    if rows >= whole and not stacked:  # (nothing to cut: the link's arrays as they are)
+        return None
+    return rows
+
+
+def _even_rows(total: int, most: int, devices: int) -> int:
+    # At most ``most`` rows of ``total``: the largest multiple of ``devices`` that divides
+    # ``total``, else the largest multiple of ``devices``, else ``most``.
+    if most >= total:
+        return total
+    for rows in range(most - most % devices, 0, -devices):
+        if total % rows == 0:
+            return rows
+    return most - most % devices if most >= devices else most
 
 
 def _band_array(x: jax.Array, box: tuple[slice, ...]) -> jax.Array:
@@ -600,11 +631,10 @@ def _band_array(x: jax.Array, box: tuple[slice, ...]) -> jax.Array:
     pieces = []
     for shard in x.addressable_shards:
         index = _runs.normalize_index(shard.index, x.shape)
-        local = tuple(
-            slice(max(b.start, i.start) - i.start, min(b.stop, i.stop) - i.start)
-            for b, i in zip(box, index)
-        )
-        pieces.append(shard.data[local])
+        starts = [max(b.start, i.start) - i.start for b, i in zip(box, index)]
+        sizes = [min(b.stop, i.stop) - max(b.start, i.start) for b, i in zip(box, index)]
+        # (start indices as operands: one compiled slice serves every slot and band)
+        pieces.append(jax.lax.dynamic_slice(shard.data, starts, sizes))
     return jax.make_array_from_single_device_arrays(shape, x.sharding, pieces)
 
 
