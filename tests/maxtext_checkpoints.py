@@ -374,12 +374,15 @@ def hand_mapping(d: Dims | None = None) -> Any:
     )
 
 
-def random_sharded_state(d: Dims, *, step: int = 7, seed: int = 0) -> dict[str, Any]:
+def random_sharded_state(
+    d: Dims, *, step: int = 7, seed: int = 0, layers: bool = False
+) -> dict[str, Any]:
     """A train state of :func:`llama_shapes` built shard by shard on every process of a job
     (no process holds more than its shards: for states too large for one host), sharded as
-    :func:`shard_state` shards (``embed`` over every device): parameters, ``mu`` and ``nu``
-    random, each box's values from ``seed``, the name and the box, the same on every
-    process; the structure of :func:`train_state`'s (optax ``adamw``)."""
+    :func:`shard_state` shards (``embed`` over every device; with ``layers``, a scanned
+    tensor on its layers axis): parameters, ``mu`` and ``nu`` random, each box's values from
+    ``seed``, the name and the box, the same on every process; the structure of
+    :func:`train_state`'s (optax ``adamw``)."""
     import zlib
 
     import jax
@@ -390,6 +393,8 @@ def random_sharded_state(d: Dims, *, step: int = 7, seed: int = 0) -> dict[str, 
 
     def put(name: str, shape: tuple[int, ...], scale: float) -> Any:
         axis = _embed_axis_or_none(name)
+        if layers and ".decoder.layers." in f".{name}":
+            axis = layers_axis(name)
         if axis is not None and shape[axis] % len(devices):
             axis = None
         spec = PartitionSpec() if axis is None else PartitionSpec(*[None] * axis, "fsdp")

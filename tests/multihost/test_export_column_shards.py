@@ -23,7 +23,7 @@ def test_column_shards_are_re_laid_out_into_row_blocks(tmp_path: Path, dtype: st
     out = tmp_path / "hf"
     args = {"out": str(out), "dtype": dtype, "rows": rows, "cols": cols}
     if dtype == "bfloat16":  # a small batch: each weight re-laid out in 8 bands of rows
-        args["batch_bytes"] = 8 * cols * rows * 4 // 16
+        args["batch_bytes"] = cols * rows * 4 // 8
     results = run_workers("export_column_shards_worker.py", 2, args=args, timeout=240)
     rng = np.random.default_rng(0)
     weights = {

@@ -325,7 +325,7 @@ def export_pytorch(
         ``(nnx.Param, nnx.BatchStat)``).
       batch_bytes: tensor bytes of the source held in host memory at a time (two halves),
         and the bound of the writes under way (half of it, at most 64 MiB) and of a
-        re-layout on the devices (an eighth of it per process).
+        re-layout on the devices (a quarter of it per process).
 
     Returns:
       A :class:`MappingReport` (``moved`` pairs are ``(flax name, torch key)``).

@@ -14,7 +14,7 @@ bytes of the shards it owns (``replica_id == 0``), through the writer a checkpoi
    - other links of sharded tensors: each PyTorch tensor is re-laid-out on the devices by one
      jitted transform with ``export_plan.spread_sharding`` as ``out_shardings`` (a collective
      every process issues in the same order), a band of rows at a time where the link maps
-     boxes on its own (:func:`relaid_rows`: an eighth of ``batch_bytes`` per process), and
+     boxes on its own (:func:`relaid_rows`: a quarter of ``batch_bytes`` per process), and
      its owned shards written;
    - host-local tensors (numpy, a ``jax.Array`` each process holds whole): the primary writes
      them, as a one-process export does;
@@ -536,9 +536,9 @@ def _link_pieces(
 
 def relayout_band(batch_bytes: int) -> int:
     """Bytes of a PyTorch tensor per process that one re-layout on the devices moves at most
-    (:func:`relaid_rows`): an eighth of the batch, since a re-layout holds its input, the
+    (:func:`relaid_rows`): a quarter of the batch, since a re-layout holds its input, the
     exchanged blocks and its output at once."""
-    return max(1, batch_bytes // 8)
+    return max(1, batch_bytes // 4)
 
 
 def relaid_rows(
@@ -589,9 +589,9 @@ def _slot_rows(
 ) -> int | None:
     # Rows of ``link``'s PyTorch tensor of ``shape`` per band, from the slot alone (all of
     # them: the slot whole), or None to re-lay out the whole link's arrays (see relaid_rows).
-    # Bands of rows are a multiple of the device count where they can be (each band split
-    # over every device by its rows) and divide the rows evenly where a multiple does (one
-    # shape: one compiled re-layout). From global facts only: every process decides alike.
+    # Bands of rows divide the rows evenly (one shape: one compiled re-layout), a multiple of
+    # the device count where one does (each band split over every device by its rows). From
+    # global facts only: every process decides alike.
     if len(arrays) != 1 or not link.torch_gather.trivial or link.flax_gather.fused is not None:
         return None
     (x,) = arrays
@@ -614,14 +614,14 @@ def _slot_rows(
 
 
 def _even_rows(total: int, most: int, devices: int) -> int:
-    # At most ``most`` rows of ``total``: the largest multiple of ``devices`` that divides
-    # ``total``, else the largest multiple of ``devices``, else ``most``.
+    # At most ``most`` rows of ``total``, dividing it (one shape: one compiled re-layout): the
+    # largest multiple of ``devices`` that does, else the largest divisor.
     if most >= total:
         return total
     for rows in range(most - most % devices, 0, -devices):
         if total % rows == 0:
             return rows
-    return most - most % devices if most >= devices else most
+    return next(rows for rows in range(most, 0, -1) if total % rows == 0)
 
 
 def _band_array(x: jax.Array, box: tuple[slice, ...]) -> jax.Array:
