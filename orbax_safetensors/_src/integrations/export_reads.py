@@ -33,10 +33,10 @@ each process its own even share of the chunks; the process computes the band's P
 tensors on the host alone (``Link.band``: any rule, one slot at a time) and writes them,
 then drops the band. A band holds at most the budget, or one chunk along that axis where a
 chunk is larger; no collective runs, and every process reads and writes its share of the
-link. Where no stacked
-axis has chunk boundaries that split evenly over the processes (a training job's FSDP save:
-each chunk is a device's shard of every layer), the link is read as above, a process's
-whole share at once: a band of layers would read (and decompress) each chunk once per band.
+link. Where no stacked axis has chunk boundaries that split evenly over the processes (a
+training job's FSDP save: each chunk is a device's shard of every layer), the link is read as
+above, a process's whole share at once: a band of layers would read (and decompress) each
+chunk once per band.
 
 :func:`read_units` lists what one process reads, in order: batches of links of at most the
 budget, and the bands of a banded link one by one, each with the bytes the process holds for

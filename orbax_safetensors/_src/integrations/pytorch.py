@@ -618,24 +618,30 @@ def _host_pieces(
     reads = _sharded_export.host_reads(job, batch_bytes, whole)
     units = _sharded_export.host_units(job, reads, batch_bytes)
     read = functools.partial(_sharded_export.read_unit, table, reads, 0)
-    values_of = _sharded_export.read_ahead(read, units, [u.nbytes for u in units], batch_bytes)
+    sizes = [u.nbytes for u in units]
+    values_of = _sharded_export.read_ahead(read, units, sizes, batch_bytes)
 
-    def tasks() -> Iterator[tuple[str, np.ndarray, tuple[int, int] | None]]:
-        for unit, arrays in zip(units, values_of):
+    def tasks() -> Iterator[Any]:
+        for i, unit in enumerate(units):
+            if i and sizes[i - 1] + sizes[i] > batch_bytes:
+                # (not read ahead: every cast of the unit before is done before this one is
+                # read, so that the arrays they view are freed first)
+                yield _pieces.DRAIN
+            arrays = next(values_of)
             for link in unit.links:
-                flax = [arrays[n] for n in link.flax]
-                for j, key in enumerate(link.torch):  # one PyTorch tensor at a time
-                    if key in tied:
-                        continue
-                    value = np.asarray(link.value(flax, j, to_torch=True))
-                    if lent is None or not _pieces.cast_in_bands(plan, key, value):
-                        yield key, value, None
-                        continue
-                    itemsize = _dtypes.to_numpy(plan.locate(key)[1].dtype).itemsize
-                    for rows in _pieces.band_rows(value.shape, itemsize, lent.capacity):
-                        yield key, value, rows
-                for n in link.flax:
-                    arrays.pop(n, None)
+                yield from link_tasks(link, [arrays.pop(n) for n in link.flax])
+
+    def link_tasks(link: _links.Link, flax: list[Any]) -> Iterator[Any]:
+        for j, key in enumerate(link.torch):  # one PyTorch tensor at a time
+            if key in tied:
+                continue
+            value = np.asarray(link.value(flax, j, to_torch=True))
+            if lent is None or not _pieces.cast_in_bands(plan, key, value):
+                yield key, value, None
+                continue
+            itemsize = _dtypes.to_numpy(plan.locate(key)[1].dtype).itemsize
+            for rows in _pieces.band_rows(value.shape, itemsize, lent.capacity):
+                yield key, value, rows
 
     def pieces(task: tuple[str, np.ndarray, tuple[int, int] | None]) -> _pieces.FilePieces:
         key, value, rows = task

@@ -289,8 +289,9 @@ def plan_reads(
 ) -> _export_reads.ReadPlan:
     """What each process reads of ``job``'s checkpoint source (``export_reads``): byte
     ranges of safetensors files, whole chunks of an Orbax-native item (with ``batch_bytes``,
-    a stacked link whose share exceeds half of it in bands of slots); links that merge LoRA
-    adapters, and every link of another source, read whole by one process each."""
+    a stacked link whose chunks allow it in bands of slots of at most half of it, each
+    process its own); links that merge LoRA adapters, and every link of another source, read
+    whole by one process each."""
     source = job.table.source
     prefix = job.table.prefix
     chunks: dict[str, tuple[int, ...]] | None = None
