@@ -276,10 +276,10 @@ def _process_pieces(
             # (a band: this process's slots, written by it; else the owner of a link read
             # whole, or every process its shards of one read sharded)
             writes = unit.boxes is not None or reads.writer(link, _PRIMARY) == me
-            arrays = [values[n] for n in link.flax]
+            # (popped: nothing here holds a unit's arrays once its pieces are out)
+            arrays = [values.pop(n) for n in link.flax]
             yield from _link_pieces(plan, link, arrays, tied, writes, band)
-            for n in link.flax:
-                values.pop(n, None)
+            del arrays
         if marks:
             yield from unit.done
 
