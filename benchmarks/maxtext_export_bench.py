@@ -18,6 +18,12 @@ hand_mapping``: transposes, head splits, scanned layers first):
   ``osf.export_pytorch`` (the fastest writer we have: the baseline's cost is holding and
   moving the whole model through one host, not its writer).
 
+With ``--layout layers`` the scanned tensors are saved split on their layers axis instead
+(MaxText's ``["layers", "stage"]`` rule) in chunks of one layer (Orbax's ``chunk_byte_size``;
+the layer count rounded up to a multiple of the saving devices), and every method exports
+through the ``maxtext-llama3`` preset (one PyTorch tensor per layer): ours then reads the
+stacked tensors a band of layers at a time (``export_reads.plan_bands``).
+
 Time: wall clock until every file is written and fsynced (the slowest process, after a
 barrier). Peak host memory: ``VmHWM`` reset right before the method, minus ``VmRSS`` before
 it, per process (the largest, and the sum over the job). The outputs of every method and N
@@ -28,12 +34,14 @@ Run::
 
     python benchmarks/maxtext_export_bench.py --size 4G --rounds 3 --procs 1,2,4
     python benchmarks/maxtext_export_bench.py --size 64M --rounds 1 --procs 1,2  # a smoke run
+    python benchmarks/maxtext_export_bench.py --size 4G --rounds 3 --procs 1,2,4 --layout layers
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -61,9 +69,10 @@ def parse_size(text: str) -> int:
     return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
 
 
-def bench_dims(size: int) -> M.Dims:
+def bench_dims(size: int, multiple: int = 1) -> M.Dims:
     """A llama whose float32 train state (parameters, ``mu``, ``nu``) is about ``size``
-    bytes: a 1B-class layer (E=2048) from 1 GiB up, a small one below."""
+    bytes: a 1B-class layer (E=2048) from 1 GiB up, a small one below; its layer count
+    rounded up to a multiple of ``multiple``."""
     if size >= 1 << 30:
         base = M.Dims(layers=1, embed=2048, heads=16, kv_heads=8, head_dim=128, mlp=5632)
         base = M.Dims(**{**vars(base), "vocab": 32000})
@@ -73,6 +82,7 @@ def bench_dims(size: int) -> M.Dims:
     two = _param_bytes(M.Dims(**{**vars(base), "layers": 2}))
     per_layer, rest = two - one, 2 * one - two
     layers = max(1, round((size / 3 - rest) / per_layer))
+    layers = -(-layers // multiple) * multiple
     return M.Dims(**{**vars(base), "layers": layers})
 
 
@@ -93,7 +103,9 @@ def _launch(n: int, args: dict[str, Any], timeout: float) -> list[dict[str, Any]
     return [r.result for r in sorted(results, key=lambda r: r.process_id)]
 
 
-def measure(method: str, n: int, base: Path, dims: M.Dims, out: Path, timeout: float) -> dict:
+def measure(
+    method: str, n: int, base: Path, dims: M.Dims, out: Path, timeout: float, mapping: str
+) -> dict:
     """One launch of ``method`` on ``n`` processes: seconds, peak memory, load average."""
     load = os.getloadavg()[0]
     args = {
@@ -102,6 +114,7 @@ def measure(method: str, n: int, base: Path, dims: M.Dims, out: Path, timeout: f
         "step": STEP,
         "out": str(out),
         "dims": vars(dims),
+        "mapping": mapping,
     }
     per = _launch(n, args, timeout)
     peaks = [p["peak_extra"] for p in per]
@@ -160,13 +173,25 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where the checkpoint and outputs go")
     parser.add_argument("--json", default=None, help="write every run here")
     parser.add_argument("--timeout", type=float, default=1800.0)
+    parser.add_argument(
+        "--layout",
+        choices=("fsdp", "layers"),
+        default="fsdp",
+        help="how the scanned tensors are saved: on their embed axis, or their layers axis "
+        "in chunks of one layer (then exported through maxtext-llama3)",
+    )
     args = parser.parse_args()
-    dims = bench_dims(parse_size(args.size))
+    layers = args.layout == "layers"
+    dims = bench_dims(parse_size(args.size), 2 * args.save_procs if layers else 1)
+    mapping = "maxtext-llama3" if layers else "hand"
     procs = [int(p) for p in args.procs.split(",") if p]
     base = Path(tempfile.mkdtemp(prefix="osf-maxtext-bench-", dir=args.dir))
     try:
         t0 = time.monotonic()
         save = {"action": "save", "root": str(base / "ckpt"), "step": STEP, "dims": vars(dims)}
+        if layers:  # (chunks of one layer of the largest stacked kernel)
+            layer = max(4 * math.prod(s) // dims.layers for s in M.llama_shapes(dims).values())
+            save.update(layout="layers", chunk_bytes=layer)
         _launch(args.save_procs, save, args.timeout)
         ckpt_bytes = sum(f.stat().st_size for f in (base / "ckpt").rglob("*") if f.is_file())
         print(f"saved {_mib(ckpt_bytes)} in {time.monotonic() - t0:.0f} s", file=sys.stderr)
@@ -177,7 +202,7 @@ def main() -> None:
             order = plan if r % 2 == 0 else plan[::-1]
             for method, n in order:
                 out = base / f"out_{method}_{n}"
-                row = measure(method, n, base, dims, out, args.timeout)
+                row = measure(method, n, base, dims, out, args.timeout, mapping)
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr)
             if r == 0:

@@ -173,12 +173,17 @@ def parameters(state: dict[str, Any]) -> dict[str, np.ndarray]:
     return {n: np.asarray(v) for n, v in flatten(state).items() if n.startswith("params.params.")}
 
 
-def shard_state(state: dict[str, Any], fsdp: int | None = None) -> dict[str, Any]:
+def shard_state(
+    state: dict[str, Any], fsdp: int | None = None, *, layers: bool = False
+) -> dict[str, Any]:
     """``state`` as global ``jax.Array`` s sharded as MaxText shards a train state over every
     device of the job, a ``("data", "fsdp")`` mesh of ``fsdp`` devices (default: all) per
     data-parallel replica: each parameter (and its ``mu`` / ``nu``) split over ``fsdp`` on
-    its ``embed`` axis where ``fsdp`` divides it, else replicated; counters replicated. Every
-    process of a job calls it with the same numpy ``state``."""
+    its ``embed`` axis where ``fsdp`` divides it, else replicated; counters replicated. With
+    ``layers``, a scanned decoder tensor is split on its layers axis instead (MaxText's
+    logical rule ``["layers", "stage"]``, a ``stage`` mesh axis of ``fsdp`` devices) where
+    ``fsdp`` divides it: Orbax then stores it in chunks of whole layers. Every process of a
+    job calls it with the same numpy ``state``."""
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -189,6 +194,8 @@ def shard_state(state: dict[str, Any], fsdp: int | None = None) -> dict[str, Any
     def put(name: str, value: Any) -> Any:
         value = np.asarray(value)
         axis = None if value.ndim == 0 or name.endswith("count") else _embed_axis_or_none(name)
+        if layers and value.ndim and ".decoder.layers." in f".{name}":
+            axis = layers_axis(name)
         if axis is not None and value.shape[axis] % fsdp:
             axis = None
         spec = PartitionSpec() if axis is None else PartitionSpec(*[None] * axis, "fsdp")
@@ -197,6 +204,15 @@ def shard_state(state: dict[str, Any], fsdp: int | None = None) -> dict[str, Any
 
     flat = {n: put(n, v) for n, v in flatten(state).items()}
     return _rebuild(state, flat)
+
+
+def layers_axis(name: str) -> int | None:
+    """The layers axis of a scanned parameter ``name`` (as :func:`embed_axis` takes it), or
+    None for one that is not scanned."""
+    for suffix, axes in _AXES.items():
+        if name.endswith(suffix):
+            return axes.index("layers") if "layers" in axes else None
+    raise KeyError(f"{name}: not a MaxText llama parameter")
 
 
 def _embed_axis_or_none(name: str) -> int | None:
@@ -230,15 +246,29 @@ def has_v1_training() -> bool:
 
 
 def save_v1(
-    root: Path | str, step: int, state: dict[str, Any], *, scan_layers: bool = True
+    root: Path | str,
+    step: int,
+    state: dict[str, Any],
+    *,
+    scan_layers: bool = True,
+    chunk_bytes: int | None = None,
 ) -> Path:
     """Saves ``state`` as MaxText 0.2.5 does (``ocp.training.Checkpointer`` with OCDBT and
     zarr3, ``save_checkpointables(step, {"items": state}, custom_metadata={"scan_layers":
-    ...})``); returns the step directory. Every process of a job calls it."""
+    ...})``); returns the step directory. ``chunk_bytes``: MaxText's
+    ``checkpoint_storage_target_data_file_size_bytes``, Orbax's ``chunk_byte_size`` (each
+    device's shard stored in chunks of at most that many bytes, cut along its sharded axes
+    first). Every process of a job calls it."""
     from orbax.checkpoint import v1
 
     # (the keyword form: orbax-checkpoint 0.11.40's Context has no ``.array`` to set)
-    saving = v1.options.ArrayOptions.Saving(use_ocdbt=True, use_zarr3=True)
+    Saving = v1.options.ArrayOptions.Saving
+    storage = (
+        {}
+        if chunk_bytes is None
+        else {"storage_options": Saving.StorageOptions(chunk_byte_size=chunk_bytes)}
+    )
+    saving = Saving(use_ocdbt=True, use_zarr3=True, **storage)
     context = v1.Context(array_options=v1.options.ArrayOptions(saving=saving))
     checkpointer = v1.training.Checkpointer(Path(root), context=context)
     try:
@@ -251,27 +281,56 @@ def save_v1(
     return Path(root) / str(step)
 
 
-def save_v0(root: Path | str, step: int, state: dict[str, Any], *, how: str = "pytree") -> Path:
+def save_v0(
+    root: Path | str,
+    step: int,
+    state: dict[str, Any],
+    *,
+    how: str = "pytree",
+    chunk_bytes: int | None = None,
+) -> Path:
     """Saves ``state`` as MaxText releases before Orbax v1 did: a v0 ``CheckpointManager``
     item ``items`` written by ``PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True)``
-    (``how="pytree"``: ``PyTreeSave``) or by ``StandardSave`` (``how="standard"``); returns
-    the step directory. Every process of a job calls it."""
+    (``how="pytree"``: ``PyTreeSave``, with ``chunk_bytes`` as each leaf's
+    ``SaveArgs(chunk_byte_size=...)``, see :func:`save_v1`) or by ``StandardSave``
+    (``how="standard"``); returns the step directory. Every process of a job calls it."""
+    import jax
     import orbax.checkpoint as ocp
 
     if how == "pytree":
         handler: Any = ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True)
-        args: Any = ocp.args.PyTreeSave(state)
+        save_args = None
+        if chunk_bytes is not None:
+            save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=chunk_bytes), state)
+        args: Any = ocp.args.PyTreeSave(state, save_args=save_args)
     elif how == "standard":
         handler = ocp.StandardCheckpointHandler()
         args = ocp.args.StandardSave(state)
     else:
         raise ValueError(f"how={how!r}: 'pytree' or 'standard'")
+    if chunk_bytes is not None and how != "pytree":
+        raise ValueError("chunk_bytes needs how='pytree'")
     with ocp.CheckpointManager(
         Path(root).absolute(), item_names=(ITEM,), item_handlers={ITEM: handler}
     ) as manager:
         manager.save(step, args=ocp.args.Composite(**{ITEM: args}))
         manager.wait_until_finished()
     return Path(root) / str(step)
+
+
+def hf_config(d: Dims) -> dict[str, Any]:
+    """The Hugging Face llama config (a dict) of a llama of ``d``'s sizes: what the
+    ``maxtext-llama3`` preset takes (``osf.preset_mapping("maxtext-llama3",
+    hf_config=hf_config(d))``), untied head."""
+    return {
+        "model_type": "llama",
+        "hidden_size": d.embed,
+        "num_attention_heads": d.heads,
+        "num_key_value_heads": d.kv_heads,
+        "head_dim": d.head_dim,
+        "vocab_size": d.vocab,
+        "tie_word_embeddings": False,
+    }
 
 
 def hand_mapping(d: Dims | None = None) -> Any:
@@ -315,12 +374,15 @@ def hand_mapping(d: Dims | None = None) -> Any:
     )
 
 
-def random_sharded_state(d: Dims, *, step: int = 7, seed: int = 0) -> dict[str, Any]:
+def random_sharded_state(
+    d: Dims, *, step: int = 7, seed: int = 0, layers: bool = False
+) -> dict[str, Any]:
     """A train state of :func:`llama_shapes` built shard by shard on every process of a job
     (no process holds more than its shards: for states too large for one host), sharded as
-    :func:`shard_state` shards (``embed`` over every device): parameters, ``mu`` and ``nu``
-    random, each box's values from ``seed``, the name and the box, the same on every
-    process; the structure of :func:`train_state`'s (optax ``adamw``)."""
+    :func:`shard_state` shards (``embed`` over every device; with ``layers``, a scanned
+    tensor on its layers axis): parameters, ``mu`` and ``nu`` random, each box's values from
+    ``seed``, the name and the box, the same on every process; the structure of
+    :func:`train_state`'s (optax ``adamw``)."""
     import zlib
 
     import jax
@@ -331,6 +393,8 @@ def random_sharded_state(d: Dims, *, step: int = 7, seed: int = 0) -> dict[str, 
 
     def put(name: str, shape: tuple[int, ...], scale: float) -> Any:
         axis = _embed_axis_or_none(name)
+        if layers and ".decoder.layers." in f".{name}":
+            axis = layers_axis(name)
         if axis is not None and shape[axis] % len(devices):
             axis = None
         spec = PartitionSpec() if axis is None else PartitionSpec(*[None] * axis, "fsdp")

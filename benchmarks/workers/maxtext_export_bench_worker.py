@@ -2,9 +2,11 @@
 
 Started through ``tests/multihost/launcher.run_workers``. Args (``ctx.args``): ``action``
 (``save``: every process saves its shards of a random MaxText-layout train state of ``dims``
-at ``root``/``step`` as MaxText 0.2.5 does; ``ours``: every process exports the checkpoint's
-parameters to ``out``; ``whole``: one process restores the parameters whole, then exports
-them from memory), ``root``, ``step``, ``out``, ``dims``. Reports ``seconds`` (after a last
+at ``root``/``step`` as MaxText 0.2.5 does, ``layout`` ``fsdp`` or ``layers`` (scanned tensors
+split on their layers axis, in chunks of at most ``chunk_bytes``); ``ours``: every process
+exports the checkpoint's parameters to ``out``; ``whole``: one process restores the parameters
+whole, then exports them from memory), ``root``, ``step``, ``out``, ``dims``, ``mapping``
+(``hand``, or ``maxtext-llama3``: the preset, one PyTorch tensor per layer). Reports ``seconds`` (after a last
 barrier, the output fsynced), ``peak_extra`` (``VmHWM`` growth) and ``bytes_written``.
 """
 
@@ -35,11 +37,16 @@ root = Path(args["root"])
 item = root / str(args["step"]) / M.ITEM
 result = {"process_index": jax.process_index()}
 
+layers = args.get("layout") == "layers"
 if args["action"] == "save":
-    M.save_v1(root, args["step"], M.random_sharded_state(dims, step=args["step"]))
+    state = M.random_sharded_state(dims, step=args["step"], layers=layers)
+    M.save_v1(root, args["step"], state, chunk_bytes=args.get("chunk_bytes"))
 else:
     out = Path(args["out"])
-    mapping = M.hand_mapping(dims)
+    if args.get("mapping") == "maxtext-llama3":
+        mapping = osf.preset_mapping("maxtext-llama3", hf_config=M.hf_config(dims))
+    else:
+        mapping = M.hand_mapping(dims)
     gc.collect()
     multihost_utils.sync_global_devices("bench.start")
     rss0 = procfs.rss_bytes()

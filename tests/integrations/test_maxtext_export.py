@@ -181,3 +181,112 @@ def test_links_read_whole_are_spread_over_the_processes_largest_first():
     plan = export_reads.plan_reads(links, infos, chunks=None, processes=2, whole={"a"})
     assert set(plan.shardings) == {"b", "c", "d", "e"}
     assert set(plan.owners) == {"a", "f"} and plan.owners["a"] != plan.owners["f"]
+
+
+# A llama of 16 scanned layers whose MLP kernels (8 MiB, 512 KiB a layer) are several times
+# the batch below; stored with its layers split over the devices and chunks of at most one
+# layer (MaxText's ["layers", "stage"] rule and its chunk_byte_size), so that a band of layers
+# is whole chunks.
+BAND_DIMS = M.Dims(layers=16, embed=64, heads=4, kv_heads=2, head_dim=16, mlp=2048, vocab=96)
+LAYER_BYTES = 64 * 2048 * 4  # one layer of an MLP kernel, float32
+
+
+def _llama3(d: M.Dims) -> Any:
+    return osf.preset_mapping("maxtext-llama3", hf_config=M.hf_config(d))
+
+
+def _band_checkpoint(tmp_path: Path) -> tuple[dict[str, Any], Path]:
+    state = {"step": np.int32(7), "params": {"params": M.llama_params(BAND_DIMS)}}
+    sharded = M.shard_state(state, layers=True)
+    if M.has_v1_training():
+        step = M.save_v1(tmp_path / "ckpt", 7, sharded, chunk_bytes=LAYER_BYTES)
+    else:
+        step = M.save_v0(tmp_path / "ckpt", 7, sharded, chunk_bytes=LAYER_BYTES)
+    return state, step / M.ITEM
+
+
+def test_a_stacked_link_is_exported_a_band_of_layers_at_a_time(tmp_path):
+    from traced_memory import traced_peak
+
+    state, item = _band_checkpoint(tmp_path)
+    mapping = _llama3(BAND_DIMS)
+    reference = tmp_path / "ref"
+    assert osf.export_pytorch(state, reference, mapping).ok
+    source = _sources.open_source(item)
+    wi = "params.params.decoder.layers.mlp.wi_0.kernel"
+    assert source.chunks[wi][1] == 1  # (chunks of one layer: bands of whole chunks)
+    batch = 2 * LAYER_BYTES  # bands of 1 layer, a sixteenth of a kernel
+    peaks = {}
+    for batch_bytes in (batch, 64 * batch):
+        out = tmp_path / f"out_{batch_bytes}"
+        peaks[batch_bytes] = traced_peak(
+            lambda out=out, b=batch_bytes: osf.export_pytorch(item, out, mapping, batch_bytes=b)
+        )
+        _same_files(out, reference)
+    # the numpy memory the export holds (tracemalloc: the bands read, the layers being cast,
+    # the writes under way): a few layers, under half a kernel, where a batch that holds the
+    # kernels whole holds two of them (one read ahead)
+    kernel = BAND_DIMS.layers * LAYER_BYTES
+    assert peaks[64 * batch] >= 2 * kernel, peaks
+    assert peaks[batch] <= kernel // 2, peaks
+
+
+def test_bands_are_whole_chunks_split_evenly_over_the_processes():
+    def info(shape):
+        return types.SimpleNamespace(shape=shape, dtype="F32", nbytes=4 * int(np.prod(shape)))
+
+    rule = osf.Rule("layers.{i}.w", "w", osf.Transpose(), stacked={"i": 1})
+    link = Link(rule, ("w",), tuple(f"layers.{i}.w" for i in range(16)), (("i", 16),))
+    infos = {"w": info((8, 16, 32))}  # 1 KiB a layer, 16 KiB in all
+    layer = 8 * 32 * 4
+    got = export_reads.plan_bands([link], infos, {"w": (8, 2, 32)}, processes=2, budget=5 * layer)
+    # chunks of 2 layers, 4 per process; 2 chunks (4 layers) fit the budget
+    assert got["w"] == export_reads.Bands("i", (((0, 4), (4, 8)), ((8, 12), (12, 16))))
+    # a band is at least one chunk; with several processes a link that fits the budget is
+    # banded too (each writes its own layers: no collective), in one process it is not
+    got = export_reads.plan_bands([link], infos, {"w": (8, 4, 32)}, processes=1, budget=layer)
+    assert got["w"].of_process == (((0, 4), (4, 8), (8, 12), (12, 16)),)
+    chunks = {"w": (8, 2, 32)}
+    got = export_reads.plan_bands([link], infos, chunks, processes=2, budget=64 * layer)
+    assert got["w"].of_process == (((0, 8),), ((8, 16),))
+    assert not export_reads.plan_bands([link], infos, chunks, processes=1, budget=64 * layer)
+    # chunks across every layer (an FSDP save: a device's shard of each layer), chunk counts
+    # that do not split evenly, a LoRA kernel: not banded
+    for chunk, processes in (((1, 16, 32), 2), ((8, 8, 32), 4), ((8, 6, 32), 2)):
+        assert not export_reads.plan_bands(
+            [link], infos, {"w": chunk}, processes=processes, budget=layer
+        ), chunk
+    assert not export_reads.plan_bands([link], infos, {"w": (8, 1, 32)}, processes=1,
+                                       budget=layer, whole={"w"})  # fmt: skip
+    # a band's link: its slots' PyTorch tensors, from the band of the Flax tensor alone
+    x = np.random.default_rng(0).standard_normal((8, 16, 32)).astype(np.float32)
+    band = link.band("i", 4, 8)
+    assert band.torch == link.torch[4:8]
+    for j in range(4):
+        np.testing.assert_array_equal(
+            band.value([x[:, 4:8]], j, to_torch=True), link.value([x], 4 + j, to_torch=True)
+        )
+    box = got_box = export_reads.Bands("i", ()).boxes(link, [(8, 16, 32)], (4, 8))
+    assert got_box == [(slice(0, 8), slice(4, 8), slice(0, 32))], box
+
+
+def test_an_orbax_box_is_read_a_few_whole_chunks_at_a_time():
+    pieces = _sources.chunk_pieces((slice(1, 9), slice(0, 4)), (2, 4), 4, 64)
+    assert pieces == [
+        (slice(1, 4), slice(0, 4)),
+        (slice(4, 8), slice(0, 4)),
+        (slice(8, 9), slice(0, 4)),
+    ]
+    # a chunk larger than a piece is a piece alone; one spanning the first axis is cut on
+    # the next axis that crosses chunks
+    assert _sources.chunk_pieces((slice(0, 8), slice(0, 4)), (4, 4), 4, 16) == [
+        (slice(0, 4), slice(0, 4)),
+        (slice(4, 8), slice(0, 4)),
+    ]
+    assert _sources.chunk_pieces((slice(0, 8), slice(0, 8)), (8, 4), 4, 128) == [
+        (slice(0, 8), slice(0, 4)),
+        (slice(0, 8), slice(4, 8)),
+    ]
+    assert _sources.chunk_pieces((slice(0, 2), slice(0, 2)), (2, 2), 4, 1 << 20) == [
+        (slice(0, 2), slice(0, 2))
+    ]

@@ -41,6 +41,23 @@ def test_at_most_the_workers_are_taken_ahead_of_the_caller():
     results.close()
 
 
+def test_a_drain_waits_for_every_result_before_it_before_taking_the_next_item():
+    taken: list[object] = []
+    got: list[int] = []
+
+    def items():
+        for item in (0, 1, _pieces.DRAIN, 2, 3):
+            taken.append(item)
+            yield item
+
+    for result in _pieces.ordered_map(lambda i: i, items(), workers=4):
+        got.append(result)
+        if result < 2:  # (nothing after the drain is taken before 0 and 1 are handed on)
+            assert 2 not in taken
+    assert got == [0, 1, 2, 3]
+    assert list(_pieces.ordered_map(lambda i: i, [_pieces.DRAIN, 5], workers=1)) == [5]
+
+
 def test_an_error_is_raised_in_order_and_an_early_stop_starts_nothing_more():
     started: list[int] = []
     lock = threading.Lock()

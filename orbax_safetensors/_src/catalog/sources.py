@@ -8,6 +8,13 @@ checkpoint directory of this library, plain safetensors files in a directory (Hu
 style), an Orbax-native PyTree item (``StandardSave``/``PyTreeSave``, OCDBT or not), or a legacy
 Flax msgpack file (``flax.serialization.to_bytes``, ``flax.training.checkpoints``).
 
+Host memory of a read: the arrays returned, plus, for an Orbax-native item, the pieces being
+decoded (:meth:`OrbaxSource.read_box`: two of at most ``READ_PIECE_BYTES`` of whole stored
+chunks; a chunk is compressed, so one larger than that is a piece alone). A tool bounds what it
+holds by what it asks for: :func:`batches` of at most ``DEFAULT_BATCH_BYTES``, and boxes of a
+tensor larger than that (``read_box``; an export of stacked layers reads a band of them at a
+time: ``integrations/export_reads.py``).
+
 Example::
 
     source = open_source("/ckpt/100/state")
@@ -17,7 +24,11 @@ Example::
 
 from __future__ import annotations
 
+import collections
+import itertools
 import json
+import math
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -30,6 +41,7 @@ from orbax_safetensors._src.catalog.listing import SourceKind, TensorInfo
 from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import plan as _plan
+from orbax_safetensors._src.core import runs as _runs
 from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import (
     HeaderError,
@@ -39,8 +51,10 @@ from orbax_safetensors._src.core.errors import (
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.orbax.steps import PathKind
 from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
+from orbax_safetensors._src.pipeline import place as _place
 from orbax_safetensors._src.pipeline import reader as _reader
 from orbax_safetensors._src.pipeline import standalone as _standalone
+from orbax_safetensors._src.storage import buffers as _buffers
 from orbax_safetensors._src.storage import router as _router
 
 DEFAULT_BATCH_BYTES = 256 * 1024 * 1024  # host memory a tool reads at a time
@@ -171,12 +185,20 @@ class OrbaxSource:
     Orbax v1's ``save_checkpointables``), read through Orbax.
 
     Tensors carry the dotted names of Orbax's own tree (dict keys and list indices joined by
-    ``.``); Python scalars and strings are not tensors. ``read`` restores only the requested
-    leaves (Orbax's ``partial_restore``), as host arrays; :meth:`read_sharded` restores them
-    as global ``jax.Array`` s of a given sharding, each process reading only the chunks of its
-    own boxes (``chunks``: each tensor's stored chunk shape, from Orbax's metadata). Neither
-    runs a collective (Orbax's handler, not its ``Checkpointer``, whose restore ends in a
-    barrier): in a multi-process job any process may read on its own.
+    ``.``); Python scalars and strings are not tensors. ``chunks`` holds each tensor's stored
+    chunk shape (Orbax's metadata): a chunk is compressed, so it is the unit of every read.
+
+    Arrays are read with TensorStore from the spec Orbax's own restore opens them with
+    (``compat/orbaxcompat.array_read_spec``): :meth:`read_box` reads any box of a tensor, a
+    few stored chunks at a time into one buffer, so a read holds the box and
+    ``READ_PIECES_IN_FLIGHT`` pieces of at most ``READ_PIECE_BYTES`` decoded (at least a
+    chunk each), not the box twice; :meth:`read` reads whole tensors so, and
+    :meth:`read_sharded` each process's boxes of global ``jax.Array`` s (placed zero-copy on
+    CPU devices). Where this Orbax gives no spec (or for a dtype TensorStore does not hold as
+    stored, typed PRNG keys), they go through Orbax's restore (``partial_restore``), which
+    gives the same values. None of them runs a collective (Orbax's handler, not its
+    ``Checkpointer``, whose restore ends in a barrier): in a multi-process job any process
+    may read on its own.
     """
 
     def __init__(self, path: epath.Path) -> None:
@@ -200,15 +222,95 @@ class OrbaxSource:
                 )
                 self.chunks[name] = chunk_shape(leaf, shape)
         self.metadata: dict[str, Any] = {}
+        self._stores: dict[str, Any] = {}  # name -> its opened TensorStore, or None
+        self._context: Any = None  # (with the item's storage flags, once a tensor is opened)
+        self._storage: Any = None
+        self._lock = threading.Lock()
 
     def read(self, names: Sequence[str]) -> dict[str, np.ndarray]:
         import jax
 
-        values = self.restore(names)
-        return {
-            n: np.asarray(jax.random.key_data(v) if _tree.is_prng_key(v) else v)
+        out = {}
+        for name in names:
+            if self.store(name) is not None:
+                out[name] = self.read_box(name, _runs.whole_index(self.tensors[name].shape))
+        values = self.restore([n for n in names if n not in out])
+        out.update(
+            (n, np.asarray(jax.random.key_data(v) if _tree.is_prng_key(v) else v))
             for n, v in values.items()
-        }
+        )
+        return {n: out[n] for n in names}
+
+    def store(self, name: str) -> Any:
+        """The TensorStore of tensor ``name`` opened as Orbax's restore opens it (cached), or
+        None where reads of it go through Orbax's restore (see the class docstring)."""
+        with self._lock:
+            if name not in self._stores:
+                self._stores[name] = self._open(name)
+            return self._stores[name]
+
+    def _open(self, name: str) -> Any:
+        import tensorstore as ts
+
+        info = self.tensors.get(name)
+        leaf_name = getattr(self.leaves[name][1], "name", None) if name in self.leaves else None
+        if info is None or not isinstance(leaf_name, str) or not leaf_name:
+            return None
+        if self._context is None:
+            self._context = ts.Context(TENSORSTORE_CONTEXT)
+            self._storage = _steps.array_storage(self.path)
+        storage = self._storage
+        spec = _orbaxcompat.array_read_spec(
+            self.path,
+            leaf_name,
+            use_zarr3=storage.use_zarr3,
+            use_ocdbt=storage.use_ocdbt,
+            fill_missing=storage.fill_missing,
+            context=self._context,
+        )
+        if spec is None:
+            return None
+        store = ts.open(spec, open=True, context=self._context).result()
+        stored = _dtypes.to_numpy(info.dtype)
+        if tuple(store.shape) != info.shape or store.dtype.numpy_dtype != stored:
+            return None  # (not the array Orbax's metadata describes as stored: Orbax's restore)
+        return store
+
+    def read_box(self, name: str, box: Sequence[slice]) -> np.ndarray:
+        """The values of ``box`` (a slice per axis, steps of 1) of tensor ``name``, in its
+        stored dtype, in a new 64-byte aligned C-contiguous array: read a few stored chunks at
+        a time (pieces of whole chunks of at most ``READ_PIECE_BYTES`` where a chunk is not
+        larger, ``READ_PIECES_IN_FLIGHT`` at once), so the read holds the box and those pieces
+        decoded. A box of whole chunks reads exactly its own chunks.
+
+        Example::
+
+            source.read_box("params.w", (slice(0, 8), slice(0, 64)))   # rows 0-7
+        """
+        import tensorstore as ts
+
+        info = self.tensors[name]
+        box = _runs.normalize_index(tuple(box), info.shape)
+        shape = tuple(s.stop - s.start for s in box)
+        stored = _dtypes.to_numpy(info.dtype)
+        out = _buffers.aligned_empty(math.prod(shape) * stored.itemsize).view(stored)
+        out = out.reshape(shape)
+        store = self.store(name)
+        if store is None:  # Orbax's restore: the whole tensor, then the box
+            out[...] = self.read([name])[name][box]
+            return out
+        if not out.size:
+            return out
+        dest = ts.array(out, copy=False, write=True)
+        pending: collections.deque[Any] = collections.deque()
+        for piece in chunk_pieces(box, self.chunks[name], stored.itemsize, READ_PIECE_BYTES):
+            local = tuple(slice(p.start - b.start, p.stop - b.start) for p, b in zip(piece, box))
+            pending.append(dest[local].write(store[piece]))
+            if len(pending) >= READ_PIECES_IN_FLIGHT:
+                pending.popleft().result()
+        while pending:
+            pending.popleft().result()
+        return out
 
     def restore(self, names: Sequence[str], *, as_jax: bool = False) -> dict[str, Any]:
         """The leaves ``names`` as Orbax restores them (scalars, strings, arrays).
@@ -236,22 +338,43 @@ class OrbaxSource:
     def read_sharded(self, names: Sequence[str], shardings: Mapping[str, Any]) -> dict[str, Any]:
         """The arrays ``names`` as global ``jax.Array`` s laid out by ``shardings`` (a
         ``jax.sharding.Sharding`` by name), in their stored dtype: each process reads only
-        the stored chunks that its devices' boxes cover (a box made of whole ``chunks``
-        reads exactly its own bytes). Every process of a job may call it on its own.
+        its devices' boxes (each distinct box once, through :meth:`read_box`; a box made of
+        whole ``chunks`` reads exactly its own chunks), placed on its devices without a copy
+        where the devices share host memory (CPU). Every process of a job may call it on
+        its own.
 
         Example::
 
             spec = NamedSharding(mesh, PartitionSpec("model"))
             source.read_sharded(["params.w"], {"params.w": spec})["params.w"].sharding
         """
+        import jax
         import orbax.checkpoint as ocp
+
+        out: dict[str, Any] = {}
+        for name in names:
+            if self.store(name) is None:
+                continue
+            shape, sharding = self.tensors[name].shape, shardings[name]
+            held: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
+            hosts, devices = [], []
+            for device, index in sharding.addressable_devices_indices_map(shape).items():
+                box = _runs.normalize_index(index, shape)
+                key = tuple((s.start, s.stop) for s in box)
+                if key not in held:
+                    held[key] = self.read_box(name, box)
+                hosts.append(held[key])
+                devices.append(device)
+            arrays = _place.put(hosts, devices)
+            out[name] = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
         def restore_args(name: str, leaf: Any) -> Any:
             return ocp.ArrayRestoreArgs(
                 sharding=shardings[name], global_shape=tuple(int(d) for d in leaf.shape)
             )
 
-        return self._restore(names, restore_args)
+        out.update(self._restore([n for n in names if n not in out], restore_args))
+        return {n: out[n] for n in names}
 
     def _restore(self, names: Sequence[str], restore_args: Any) -> dict[str, Any]:
         # Orbax's handler, not PyTreeCheckpointer: the Checkpointer's restore ends in a
@@ -284,6 +407,58 @@ class OrbaxSource:
     def name_of_path(self) -> dict[tuple[Any, ...], str]:
         """Each leaf's key path in ``self.tree`` mapped to its tensor name."""
         return {keypath: name for name, (keypath, _) in self.leaves.items()}
+
+
+# What an Orbax item's reads ask TensorStore for at a time: pieces of whole stored chunks of at
+# most READ_PIECE_BYTES (a larger chunk is a piece alone), READ_PIECES_IN_FLIGHT at once (one
+# decoding while the one before is copied); a box read whole would hold every chunk of it
+# decoded beside the box.
+READ_PIECE_BYTES = 8 << 20
+READ_PIECES_IN_FLIGHT = 2
+# Orbax's own TensorStore context for OCDBT items (ts_utils.get_ts_context): its file I/O
+# concurrency, and a cache of the B-tree nodes that find the chunks, so that the reads of one
+# tensor's boxes find them once.
+TENSORSTORE_CONTEXT = {
+    "file_io_concurrency": {"limit": 128},
+    "cache_pool#ocdbt": {"total_bytes_limit": 100_000_000},
+}
+
+
+def chunk_pieces(
+    box: Sequence[slice], chunk: Sequence[int], itemsize: int, max_bytes: int
+) -> list[tuple[slice, ...]]:
+    """``box`` (slices with explicit bounds) cut at the boundaries of stored chunks of
+    ``chunk`` into pieces of at most ``max_bytes`` where a chunk is not larger: along the
+    first axis the box crosses chunks on, consecutive chunks grouped up to ``max_bytes``;
+    a group of one chunk still larger is cut the same way along the next axes.
+
+    Example::
+
+        chunk_pieces((slice(0, 8), slice(0, 4)), (2, 4), 4, 64)
+        # [(slice(0, 4), slice(0, 4)), (slice(4, 8), slice(0, 4))]
+    """
+
+    def nbytes(b: Sequence[slice]) -> int:
+        return itemsize * math.prod(s.stop - s.start for s in b)
+
+    def cut(b: tuple[slice, ...], axis: int) -> list[tuple[slice, ...]]:
+        if nbytes(b) <= max_bytes or axis >= len(b):
+            return [b]
+        s, c = b[axis], int(chunk[axis])
+        edges = [s.start, *range((s.start // c + 1) * c, s.stop, c), s.stop]
+        if len(edges) <= 2:
+            return cut(b, axis + 1)
+        unit = nbytes(b) // max(1, s.stop - s.start)  # the bytes of one index along axis
+        out: list[tuple[slice, ...]] = []
+        start = edges[0]
+        for lo, hi in itertools.pairwise(edges):
+            if lo > start and (hi - start) * unit > max_bytes:
+                out.append((*b[:axis], slice(start, lo), *b[axis + 1 :]))
+                start = lo
+        out.append((*b[:axis], slice(start, s.stop), *b[axis + 1 :]))
+        return [piece for group in out for piece in cut(group, axis + 1)]
+
+    return cut(tuple(box), 0)
 
 
 class MsgpackSource:

@@ -15,6 +15,7 @@ flax's names), nothing in the package reads another library's private attribute.
 | :func:`replace_named_handler` | a v1 registry's entry list (``_registry``) | private | ``AlreadyExistsError`` explained: register per context instead |
 | :func:`v1_loading_options` | the active v1 ``Context`` (``experimental.v1._src.context.context.get_context``) | private (v1 exports no getter) | Orbax's defaults, marked ``readable=False``: a mismatch raises, never a silent change |
 | :func:`orbax_v1` | ``orbax.checkpoint.v1`` with ``save`` / ``save_async`` / ``load`` | public in orbax-checkpoint 0.12.8 (absent in 0.11.11; partial in 0.11.40) | none: an ``ImportError`` naming the version needed |
+| :func:`array_read_spec` | ``ocp.type_handlers.ParamInfo`` / ``get_json_tspec_read`` (the TensorStore spec Orbax's restore opens an array with) | public, their fields and home changed across 0.11-0.12 | None: the array is read through Orbax's restore (the same values; whole boxes only) |
 
 Example::
 
@@ -231,3 +232,47 @@ def replace_named_handler(
             )
         entries[:] = [entry for entry in entries if entry[1] != name]
     registry.add(handler_type, checkpointable_name=name, secondary_typestrs=secondary_typestrs)
+
+
+# -- the TensorStore spec of an Orbax array (ocp.type_handlers, public; moved across versions) --
+
+
+def array_read_spec(
+    directory: Any,
+    name: str,
+    *,
+    use_zarr3: bool,
+    use_ocdbt: bool,
+    fill_missing: bool,
+    context: Any = None,
+) -> dict[str, Any] | None:
+    """The TensorStore spec (JSON) with which Orbax's restore opens the array ``name`` of the
+    item ``directory`` (an ``epath.Path``; ``context``: the ``tensorstore.Context`` it will
+    be opened in), built by Orbax's own
+    ``ocp.type_handlers.get_json_tspec_read``; None when this orbax-checkpoint's helper or its
+    ``ParamInfo`` do not take these fields: the caller then reads through Orbax's restore,
+    which gives the same values (``tests/orbax/test_compat.py`` compares them on every stack).
+
+    Example::
+
+        spec = array_read_spec(item, "params.w", use_zarr3=True, use_ocdbt=True,
+                               fill_missing=False)
+        tensorstore.open(spec).result()[0:8].read().result()
+    """
+    try:
+        import orbax.checkpoint as ocp
+
+        handlers = ocp.type_handlers
+        info = handlers.ParamInfo(
+            name=name,
+            path=directory / name,
+            parent_dir=directory,
+            use_zarr3=use_zarr3,
+            ts_context=context,
+        )
+        spec = handlers.get_json_tspec_read(
+            info, use_ocdbt=use_ocdbt, raise_array_data_missing_error=not fill_missing
+        )
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return None
+    return dict(spec) if isinstance(spec, dict) else None

@@ -154,6 +154,29 @@ class Link:
         except ValueError as e:
             raise ValueError(f"{self._where()}: {e}") from None
 
+    def band(self, placeholder: str, start: int, stop: int) -> Link:
+        """This link restricted to the values ``[start, stop)`` of ``placeholder``, one of the
+        Flax side's stacked placeholders: its Flax tensors are then the band of the whole ones
+        along that stack (``x[..., start:stop, ...]`` on its axis), its PyTorch tensors those
+        of the slots in the band, in the same order. An export of a stacked tensor a band of
+        layers at a time writes each band's PyTorch tensors from it alone.
+
+        Example::
+
+            link.counts                                   # (("i", 32),)
+            band = link.band("i", 8, 16)                  # layers 8-15
+            band.torch[0] == link.torch[8]                # True
+        """
+        stacks = [name for name, _, _ in self.flax_gather.stacks]
+        if placeholder not in stacks:
+            raise ValueError(f"{self._where()}: no Flax-side stack {{{placeholder}}} to band")
+        k = stacks.index(placeholder)
+        torch = tuple(
+            key for key, slot in zip(self.torch, self.flax_gather.slots) if start <= slot[k] < stop
+        )
+        counts = tuple((n, stop - start if n == placeholder else c) for n, c in self.counts)
+        return Link(self.rule, self.flax, torch, counts)
+
     def pairs(self) -> list[tuple[str, str]]:
         """``(torch key, flax name)`` pairs of this link, for a report."""
         return [(k, n) for k in self.torch for n in self.flax]

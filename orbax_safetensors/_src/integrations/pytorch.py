@@ -32,6 +32,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
@@ -270,7 +271,9 @@ def export_pytorch(
     file appears at once (written beside the directory and swapped in). Tensors
     are read half a batch at a time, the next half read while one is transformed (on up to 4
     threads) and written: host memory holds about a batch and the writes under way, not the
-    model. LoRA adapters are merged into their kernels (``integrations/lora.py``: flax's
+    model (a stacked tensor of an Orbax-native item a band of layers at a time where its
+    stored chunks allow it: ``integrations/export_reads.py``; a tensor larger than half a
+    batch that its chunks do not cut is read alone). LoRA adapters are merged into their kernels (``integrations/lora.py``: flax's
     ``nnx.LoRALinear`` and ``nnx.LoRA``, qwix's, as Tunix applies them; scaled by
     ``KeyMapping.lora_scale``). Tied keys (``KeyMapping.tied``) are not written, unless the
     model's value differs from the key it is tied to (a head fine-tuned apart from its
@@ -320,7 +323,9 @@ def export_pytorch(
       strict: raise if a Flax name has no rule; with ``strict=False`` skip it and report.
       variables: with a model, the ``nnx`` filter of variables to export (default
         ``(nnx.Param, nnx.BatchStat)``).
-      batch_bytes: tensor bytes of the source held in host memory at a time (two halves).
+      batch_bytes: tensor bytes of the source held in host memory at a time (two halves),
+        and the bound of the writes under way (half of it, at most 64 MiB) and of a
+        re-layout on the devices (a quarter of it per process).
 
     Returns:
       A :class:`MappingReport` (``moved`` pairs are ``(flax name, torch key)``).
@@ -397,7 +402,7 @@ def export_pytorch(
         return report
     # Earlier model files and index are replaced whole, other files kept (storage/replace.py).
     with _replace.replacing_directory(directory) as out:
-        _write(out, job, report, batch_bytes)
+        _write(out, job, report, batch_bytes, lora.merges)
         _checkpoint_save.write_small_files(out, extra)
     return report
 
@@ -561,24 +566,32 @@ def plan_tensors(
 
 
 def _write(
-    directory: epath.Path, job: _sharded_export.ExportJob, report: MappingReport, batch_bytes: int
+    directory: epath.Path,
+    job: _sharded_export.ExportJob,
+    report: MappingReport,
+    batch_bytes: int,
+    whole: Collection[str] = (),
 ) -> None:
     """Writes the files of ``job.plan``: each tensor becomes pieces at its file offsets
     (``pipeline/pieces``), cast to its planned dtype and laid out C-contiguous there, and is
     written by the checkpoint writer's threads (``checkpoint_save.write_process_share``) while
-    the next is computed, as the next batch of the source is read. Into a local directory,
-    large tensors are cast band by band into buffers reused once written (``band_piece``)."""
+    the next is computed, as the next batch of the source is read (a stacked link of an
+    Orbax-native item a band of slots at a time; not the kernels of ``whole``, which LoRA
+    adapters merge into). Into a local directory, large tensors are cast band by band into
+    buffers reused once written (``band_piece``)."""
     lent, in_flight = None, None
     if _router.is_local(directory):  # (other writers keep the pieces until the file is closed)
-        # Bands of at most half a batch, a few of them written at once: enough to keep a local
-        # device busy, and every buffer reused band after band (BANDS_IN_FLIGHT).
-        band = max(1, min(_pieces.BAND_BYTES, _sharded_export.in_flight(batch_bytes)))
+        # Bands of at most a share of the writes under way (sharded_export.in_flight), a few
+        # of them written at once: enough to keep a local device busy, and every buffer
+        # reused band after band (BANDS_IN_FLIGHT).
+        writes = _sharded_export.in_flight(batch_bytes)
+        band = max(1, min(_pieces.BAND_BYTES, writes // _pieces.BANDS_IN_FLIGHT))
         in_flight = band * _pieces.BANDS_IN_FLIGHT
         idle = _pieces.BANDS_IN_FLIGHT + _pieces.TRANSFORM_THREADS + 2
         lent = _buffers.LentBuffers(band, max_idle=idle)
     stats = _sharded_export.write_pieces(
         job.plan,
-        _host_pieces(job, batch_bytes, lent),
+        _host_pieces(job, batch_bytes, lent, whole),
         directory,
         batch_bytes,
         primary=True,
@@ -590,32 +603,45 @@ def _write(
 
 
 def _host_pieces(
-    job: _sharded_export.ExportJob, batch_bytes: int, lent: _buffers.LentBuffers | None
+    job: _sharded_export.ExportJob,
+    batch_bytes: int,
+    lent: _buffers.LentBuffers | None,
+    whole: Collection[str],
 ) -> Iterator[tuple[int, list[_interface.Piece]]]:
     # Batches of links, each batch's source tensors read (one batch ahead, on a reading
-    # thread) while the one before is transformed and written: host memory holds two
-    # half-size batches of the source and the writes under way (sharded_export.in_flight;
-    # plus one band or tensor per transform thread and the writer's part-filled 8 MiB batch).
+    # thread, while both fit in ``batch_bytes``) while the one before is transformed and
+    # written: host memory holds two half-size batches of the source and the writes under
+    # way (sharded_export.in_flight; plus one band or tensor per transform thread and the
+    # writer's part-filled 8 MiB batch). A stacked link of an Orbax-native item larger than
+    # half a batch is read a band of slots at a time (sharded_export.host_reads).
     table, tied, plan = job.table, job.tied, job.plan
-    batched = _sharded_export.half_batches(job, batch_bytes)
-    names = [batch for _, batch in batched]
+    reads = _sharded_export.host_reads(job, batch_bytes, whole)
+    units = _sharded_export.host_units(job, reads, batch_bytes)
+    read = functools.partial(_sharded_export.read_unit, table, reads, 0)
+    sizes = [u.nbytes for u in units]
+    values_of = _sharded_export.read_ahead(read, units, sizes, batch_bytes)
 
-    def tasks() -> Iterator[tuple[str, np.ndarray, tuple[int, int] | None]]:
-        for (group, _), arrays in zip(batched, _sharded_export.read_ahead(table.read, names)):
-            for link in group:
-                flax = [arrays[n] for n in link.flax]
-                for j, key in enumerate(link.torch):  # one PyTorch tensor at a time
-                    if key in tied:
-                        continue
-                    value = np.asarray(link.value(flax, j, to_torch=True))
-                    if lent is None or not _pieces.cast_in_bands(plan, key, value):
-                        yield key, value, None
-                        continue
-                    itemsize = _dtypes.to_numpy(plan.locate(key)[1].dtype).itemsize
-                    for rows in _pieces.band_rows(value.shape, itemsize, lent.capacity):
-                        yield key, value, rows
-                for n in link.flax:
-                    arrays.pop(n, None)
+    def tasks() -> Iterator[Any]:
+        for i, unit in enumerate(units):
+            if i and sizes[i - 1] + sizes[i] > batch_bytes:
+                # (not read ahead: every cast of the unit before is done before this one is
+                # read, so that the arrays they view are freed first)
+                yield _pieces.DRAIN
+            arrays = next(values_of)
+            for link in unit.links:
+                yield from link_tasks(link, [arrays.pop(n) for n in link.flax])
+
+    def link_tasks(link: _links.Link, flax: list[Any]) -> Iterator[Any]:
+        for j, key in enumerate(link.torch):  # one PyTorch tensor at a time
+            if key in tied:
+                continue
+            value = np.asarray(link.value(flax, j, to_torch=True))
+            if lent is None or not _pieces.cast_in_bands(plan, key, value):
+                yield key, value, None
+                continue
+            itemsize = _dtypes.to_numpy(plan.locate(key)[1].dtype).itemsize
+            for rows in _pieces.band_rows(value.shape, itemsize, lent.capacity):
+                yield key, value, rows
 
     def pieces(task: tuple[str, np.ndarray, tuple[int, int] | None]) -> _pieces.FilePieces:
         key, value, rows = task

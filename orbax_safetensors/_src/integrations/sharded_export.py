@@ -13,15 +13,30 @@ bytes of the shards it owns (``replica_id == 0``), through the writer a checkpoi
      shard is transformed on its own and written at its boxes' offsets;
    - other links of sharded tensors: each PyTorch tensor is re-laid-out on the devices by one
      jitted transform with ``export_plan.spread_sharding`` as ``out_shardings`` (a collective
-     every process issues in the same order), and its owned shards written;
+     every process issues in the same order), a band of rows at a time where the link maps
+     boxes on its own (:func:`relaid_rows`: a quarter of ``batch_bytes`` per process), and
+     its owned shards written;
    - host-local tensors (numpy, a ``jax.Array`` each process holds whole): the primary writes
      them, as a one-process export does;
-   - a checkpoint path: each batch of tensors is read as ``export_reads`` plans: sharded over
-     the devices (byte ranges of safetensors files through ``pipeline/reader.read_tensors``,
-     whole chunks of an Orbax-native item through ``OrbaxSource.read_sharded``: each process
-     reads only its boxes) and written as above, or, for a link read whole, by its owner
-     process alone, as host-local tensors; host memory holds one batch of this process's
-     share;
+   - a checkpoint path: what each process reads is planned by ``export_reads`` and read one
+     unit ahead on a thread (:func:`read_ahead`, while both fit in ``batch_bytes``): batches
+     of links of at most half ``batch_bytes``, read sharded over the devices (byte ranges of
+     safetensors files through ``pipeline/reader.read_tensors``, whole chunks of an
+     Orbax-native item through ``OrbaxSource.read_sharded``: each process reads only its
+     boxes) and written as above, or, for a link read whole, by its owner process alone, as
+     host-local tensors; and the stacked links of an Orbax-native item whose chunks allow it
+     a band of layers at a time (``export_reads.plan_bands``), each process its own layers,
+     their PyTorch tensors computed and written on its host (no collective);
+
+   Host memory per process: two units read (one written, one read ahead; each at most half
+   ``batch_bytes``), the writes under way (:func:`in_flight`: at most half ``batch_bytes``),
+   a band of a re-layout with its exchanged blocks, the PyTorch tensor being cast, and a
+   constant (pieces of stored chunks being decoded: ``sources.READ_PIECE_BYTES``; thread
+   pools; what the allocator keeps). A unit is larger than half the batch only where the
+   checkpoint does not let it be cut: a band is at least one stored chunk thick, and a
+   tensor whose every chunk spans all its layers and rows (an FSDP save: each chunk is a
+   device's shard of every layer) is read as this process's whole share of it, and then
+   read alone (nothing read ahead beside it);
 3. a barrier; the primary writes the index and the small files (``config.json``,
    ``generation_config.json``, the tokenizer's: ``model_files``) and swaps the staging
    directory in (``storage/replace.swap_in``); a last barrier, so that every process returns
@@ -49,8 +64,9 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import math
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -236,32 +252,46 @@ def _process_pieces(
     """This process's pieces, link by link in the same order on every process; with
     ``marks``, each link too, once its pieces are out."""
     plan, table, tied = job.plan, job.table, job.tied
-    batched = half_batches(job, batch_bytes)
-    names_of = [names for _, names in batched]
     me = jax.process_index()
-
-    values_of: Iterator[dict[str, Any]]
+    band = relayout_band(batch_bytes)
     if table.source is None:  # in memory; a LoRA merge is a collective: on this thread
-        reads = _export_reads.ReadPlan({}, {})
-        values_of = ({n: merged_value(table.values, n, lora) for n in names} for names in names_of)
-    else:
-        reads = plan_reads(job, lora)
-        values_of = read_ahead(functools.partial(_read, table, reads, me), names_of)
-    for (group, _), values in zip(batched, values_of):
-        for link in group:
-            writes = reads.writer(link, _PRIMARY) == me if table.source is not None else primary
-            arrays = [values[n] for n in link.flax]
-            yield from _link_pieces(plan, link, arrays, tied, writes)
-            for n in link.flax:
-                values.pop(n, None)
-            if marks:
-                yield link
+        for group, names in half_batches(job, batch_bytes):
+            values = {n: merged_value(table.values, n, lora) for n in names}
+            for link in group:
+                arrays = [values[n] for n in link.flax]
+                yield from _link_pieces(plan, link, arrays, tied, primary, band)
+                for n in link.flax:
+                    values.pop(n, None)
+                if marks:
+                    yield link
+        return
+    reads = plan_reads(job, lora, batch_bytes)
+    units = _export_reads.read_units(
+        job.links, table.infos, reads, me, max(1, batch_bytes // 2), _held(table, reads, me)
+    )
+    read = functools.partial(read_unit, table, reads, me)
+    values_of = read_ahead(read, units, [u.nbytes for u in units], batch_bytes)
+    for unit, values in zip(units, values_of):
+        for link in unit.links:
+            # (a band: this process's slots, written by it; else the owner of a link read
+            # whole, or every process its shards of one read sharded)
+            writes = unit.boxes is not None or reads.writer(link, _PRIMARY) == me
+            # (popped: nothing here holds a unit's arrays once its pieces are out)
+            arrays = [values.pop(n) for n in link.flax]
+            yield from _link_pieces(plan, link, arrays, tied, writes, band)
+            del arrays
+        if marks:
+            yield from unit.done
 
 
-def plan_reads(job: ExportJob, lora: Lora) -> _export_reads.ReadPlan:
+def plan_reads(
+    job: ExportJob, lora: Lora, batch_bytes: int | None = None
+) -> _export_reads.ReadPlan:
     """What each process reads of ``job``'s checkpoint source (``export_reads``): byte
-    ranges of safetensors files, whole chunks of an Orbax-native item; links that merge LoRA
-    adapters, and every link of another source, read whole by one process each."""
+    ranges of safetensors files, whole chunks of an Orbax-native item (with ``batch_bytes``,
+    a stacked link whose chunks allow it in bands of slots of at most half of it, each
+    process its own); links that merge LoRA adapters, and every link of another source, read
+    whole by one process each."""
     source = job.table.source
     prefix = job.table.prefix
     chunks: dict[str, tuple[int, ...]] | None = None
@@ -274,7 +304,68 @@ def plan_reads(job: ExportJob, lora: Lora) -> _export_reads.ReadPlan:
         processes=jax.process_count(),
         whole=lora.merges,
         sharded=isinstance(source, (_sources.SafetensorsSource, _sources.OrbaxSource)),
+        budget=None if batch_bytes is None else max(1, batch_bytes // 2),
     )
+
+
+def host_reads(
+    job: ExportJob, batch_bytes: int, whole: Collection[str] = ()
+) -> _export_reads.ReadPlan:
+    """What a one-process export reads of ``job``'s checkpoint source: a stacked link of an
+    Orbax-native item larger than half ``batch_bytes`` in bands of slots
+    (``export_reads.plan_bands``; not one of ``whole``: the kernels LoRA adapters merge
+    into), every other link whole."""
+    source, prefix, infos = job.table.source, job.table.prefix, job.table.infos
+    bands: dict[str, _export_reads.Bands] = {}
+    if isinstance(source, _sources.OrbaxSource):
+        chunks = {n: source.chunks[prefix + n] for n in infos}
+        bands = _export_reads.plan_bands(
+            job.links, infos, chunks, processes=1, budget=max(1, batch_bytes // 2), whole=whole
+        )
+    owners = {n: _PRIMARY for link in job.links if link.flax[0] not in bands for n in link.flax}
+    return _export_reads.ReadPlan({}, owners, bands)
+
+
+def host_units(
+    job: ExportJob, reads: _export_reads.ReadPlan, batch_bytes: int
+) -> list[_export_reads.ReadUnit]:
+    """The reads of a one-process export (``reads``: :func:`host_reads`), in order."""
+    infos = job.table.infos
+    return _export_reads.read_units(
+        job.links, infos, reads, _PRIMARY, max(1, batch_bytes // 2), lambda n: infos[n].nbytes
+    )
+
+
+def _held(table: _flax_tables.FlaxTable, reads: _export_reads.ReadPlan, me: int) -> Any:
+    # The bytes this process holds of a Flax tensor read as ``reads`` plans: its devices'
+    # distinct boxes of one read sharded, the whole tensor if it reads it whole, else none.
+    def held(name: str) -> int:
+        info = table.infos[name]
+        sharding = reads.shardings.get(name)
+        if sharding is None:
+            return int(info.nbytes) if reads.owners.get(name) == me else 0
+        boxes = {
+            tuple((s.start, s.stop) for s in _runs.normalize_index(index, info.shape))
+            for index in sharding.addressable_devices_indices_map(info.shape).values()
+        }
+        return sum(_dtypes.nbytes(info.dtype, tuple(b - a for a, b in box)) for box in boxes)
+
+    return held
+
+
+def read_unit(
+    table: _flax_tables.FlaxTable,
+    reads: _export_reads.ReadPlan,
+    me: int,
+    unit: _export_reads.ReadUnit,
+) -> dict[str, Any]:
+    """This process's values of ``unit``'s Flax names: a band's boxes as host arrays
+    (``OrbaxSource.read_box``), else as :func:`plan_reads` reads them (no collective: a
+    reading thread's)."""
+    if unit.boxes is None:
+        return _read(table, reads, me, unit.names)
+    source, prefix = table.source, table.prefix
+    return {n: source.read_box(prefix + n, unit.boxes[n]) for n in unit.names}
 
 
 def _read(
@@ -296,11 +387,16 @@ def _read(
 
 
 def read_ahead(
-    read: Callable[[Sequence[str]], dict[str, Any]], batches: Sequence[Sequence[str]]
+    read: Callable[[Any], dict[str, Any]],
+    batches: Sequence[Any],
+    sizes: Sequence[int] | None = None,
+    budget: int | None = None,
 ) -> Iterator[dict[str, Any]]:
     """``read(batch)`` for each of ``batches`` in turn, the next batch read on a thread while
     the caller works on the one yielded (reads release the GIL: the transforms and writes of
-    one batch overlap the reading of the next). ``read`` must not run collectives.
+    one batch overlap the reading of the next). With ``sizes`` (the bytes each batch holds)
+    and ``budget``, the next is read ahead only while both fit in ``budget``; else once the
+    caller is done with the one before. ``read`` must not run collectives.
 
     Example::
 
@@ -310,16 +406,25 @@ def read_ahead(
     if len(batches) <= 1:
         yield from (read(b) for b in batches)
         return
+
+    def ahead(i: int) -> bool:
+        return sizes is None or budget is None or sizes[i] + sizes[i + 1] <= budget
+
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="osf-export-read") as pool:
-        future = pool.submit(read, batches[0])
+        future: concurrent.futures.Future[dict[str, Any]] | None = pool.submit(read, batches[0])
         try:
             for i in range(len(batches)):
-                values = future.result()
-                if i + 1 < len(batches):
+                if future is None:  # (not read ahead: it did not fit beside the one before)
+                    future = pool.submit(read, batches[i])
+                values: dict[str, Any] | None = future.result()
+                future = None
+                if i + 1 < len(batches) and ahead(i):
                     future = pool.submit(read, batches[i + 1])
-                yield values
+                yield values  # type: ignore[misc]
+                values = None  # (the caller's to keep: none of it held here meanwhile)
         finally:
-            future.cancel()  # the caller stopped early: a read under way is waited for
+            if future is not None:
+                future.cancel()  # the caller stopped early: a read under way is waited for
 
 
 def _read_sharded(
@@ -381,6 +486,7 @@ def _link_pieces(
     arrays: list[Any],
     tied: Mapping[str, str],
     primary: bool,
+    band_bytes: int | None = None,
 ) -> Iterator[Pieces]:
     glob = [is_global(a) for a in arrays]
     if not any(glob):  # host-local values: the primary writes them whole
@@ -416,13 +522,121 @@ def _link_pieces(
         if key in tied:
             continue
         entry = plan.locate(key)[1]
-        value = relaid(link, arrays, j, tuple(entry.shape), _dtypes.to_numpy(entry.dtype))
-        owned: _snapshots.HostCopies = [
-            (index, np.asarray(data)) for index, data in _snapshots.owned_shards(value)
-        ]
-        if owned:
-            yield _pieces.tensor_pieces(plan, key, owned)
-        del value, owned
+        shape, dtype = tuple(entry.shape), _dtypes.to_numpy(entry.dtype)
+        for start, value in relaid_rows(link, arrays, j, shape, dtype, band_bytes):
+            owned: _snapshots.HostCopies = []
+            for index, data in _snapshots.owned_shards(value):
+                if index:  # (rows start..: the band's boxes placed in the whole tensor)
+                    first = slice(index[0].start + start, index[0].stop + start)
+                    index = (first, *index[1:])
+                owned.append((index, np.asarray(data)))
+            if owned:
+                yield _pieces.tensor_pieces(plan, key, owned)
+            del value, owned
+
+
+def relayout_band(batch_bytes: int) -> int:
+    """Bytes of a PyTorch tensor per process that one re-layout on the devices moves at most
+    (:func:`relaid_rows`): a quarter of the batch, since a re-layout holds its input, the
+    exchanged blocks and its output at once."""
+    return max(1, batch_bytes // 4)
+
+
+def relaid_rows(
+    link: _links.Link,
+    arrays: Sequence[Any],
+    j: int,
+    shape: tuple[int, ...],
+    dtype: np.dtype | None = None,
+    band_bytes: int | None = None,
+) -> Iterator[tuple[int, Any]]:
+    """``(first row, value)``: ``link.torch[j]`` (of ``shape``) re-laid out on the devices
+    (:func:`relaid`). Where the link has one Flax tensor, one slot per PyTorch tensor and the
+    Flax tensor is not split along its stacked axes, from that slot alone (a slice of each
+    device's shard): every slot of the link then shares one compiled re-layout, where
+    :func:`relaid` compiles one per slot. And with ``band_bytes``, where the link maps boxes
+    on their own (``export_plan.commutes``) and the slot is not split along its rows either,
+    a band of rows at a time, about ``band_bytes`` per process: the re-layout holds its input,
+    the exchanged blocks and its output at once, of a band rather than of the whole tensor.
+    Every process calls it alike (collectives)."""
+    rows = _slot_rows(link, arrays, shape, dtype, band_bytes)
+    if rows is None:
+        yield 0, relaid(link, arrays, j, shape, dtype)
+        return
+    (x,) = arrays
+    fshape = tuple(int(d) for d in x.shape)
+    box = [slice(0, d) for d in fshape]
+    gather = link.flax_gather
+    for axis, i in zip(gather.stack_axes(len(fshape)), gather.slots[j]):
+        box[axis] = slice(i, i + 1)
+    one = _links.Link(link.rule, link.flax, (link.torch[j],), tuple((n, 1) for n, _ in link.counts))
+    if not shape or rows >= shape[0]:
+        yield 0, relaid(one, [_band_array(x, tuple(box))], 0, shape, dtype)
+        return
+    row_axis = _export_plan.row_axis(link, [fshape])
+    for start in range(0, shape[0], rows):
+        stop = min(shape[0], start + rows)
+        box[row_axis] = slice(start, stop)
+        band = _band_array(x, tuple(box))
+        yield start, relaid(one, [band], 0, (stop - start, *shape[1:]), dtype)
+
+
+def _slot_rows(
+    link: _links.Link,
+    arrays: Sequence[Any],
+    shape: tuple[int, ...],
+    dtype: np.dtype | None,
+    band_bytes: int | None,
+) -> int | None:
+    # Rows of ``link``'s PyTorch tensor of ``shape`` per band, from the slot alone (all of
+    # them: the slot whole), or None to re-lay out the whole link's arrays (see relaid_rows).
+    # Bands of rows divide the rows evenly (one shape: one compiled re-layout), a multiple of
+    # the device count where one does (each band split over every device by its rows). From
+    # global facts only: every process decides alike.
+    if len(arrays) != 1 or not link.torch_gather.trivial or link.flax_gather.fused is not None:
+        return None
+    (x,) = arrays
+    fshape = tuple(int(d) for d in x.shape)
+    held = x.sharding.shard_shape(fshape)
+    stacked = link.flax_gather.stack_axes(len(fshape))
+    if any(held[a] != fshape[a] for a in stacked):  # (split there: a slot is not a global array)
+        return None
+    whole = shape[0] if shape else 0
+    rows = whole
+    if band_bytes is not None and whole and _export_plan.commutes(link, [fshape]):
+        row_axis = _export_plan.row_axis(link, [fshape])
+        if held[row_axis] == fshape[row_axis]:
+            itemsize = max(np.dtype(x.dtype).itemsize, (dtype or np.dtype(x.dtype)).itemsize)
+            most = max(1, band_bytes * jax.process_count() // (itemsize * math.prod(shape[1:])))
+            rows = _even_rows(whole, most, len(jax.devices()))
+    if rows >= whole and not stacked:  # (nothing to cut: the link's arrays as they are)
+        return None
+    return rows
+
+
+def _even_rows(total: int, most: int, devices: int) -> int:
+    # At most ``most`` rows of ``total``, dividing it (one shape: one compiled re-layout): the
+    # largest multiple of ``devices`` that does, else the largest divisor.
+    if most >= total:
+        return total
+    for rows in range(most - most % devices, 0, -devices):
+        if total % rows == 0:
+            return rows
+    return next(rows for rows in range(most, 0, -1) if total % rows == 0)
+
+
+def _band_array(x: jax.Array, box: tuple[slice, ...]) -> jax.Array:
+    # ``x[box]`` as a global array sharded as ``x`` is, from slices of this process's shards
+    # (``box`` cuts only axes ``x`` is not split along).
+    shape = tuple(s.stop - s.start for s in box)
+    pieces = []
+    for shard in x.addressable_shards:
+        index = _runs.normalize_index(shard.index, x.shape)
+        starts = [max(b.start, i.start) - i.start for b, i in zip(box, index)]
+        sizes = [min(b.stop, i.stop) - max(b.start, i.start) for b, i in zip(box, index)]
+        # (start indices as operands: one compiled slice serves every slot and band)
+        pieces.append(jax.lax.dynamic_slice(shard.data, starts, sizes))
+    return jax.make_array_from_single_device_arrays(shape, x.sharding, pieces)
 
 
 # A shard whose bytes in the PyTorch tensor are many runs (MANY_RUNS or more) shorter than

@@ -136,6 +136,43 @@ def item_kind(path: epath.Path) -> PathKind:
     return PathKind.OTHER
 
 
+OCDBT_MANIFEST_FILE = "manifest.ocdbt"  # an item whose arrays live in one OCDBT store
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayStorage:
+    """How an Orbax-native item stores its arrays, as its ``_METADATA`` records it (with
+    Orbax's own defaults where an older Orbax left a field out, as its restore takes them).
+
+    Attributes:
+      use_zarr3: zarr v3 arrays (else zarr v2).
+      use_ocdbt: every array in one OCDBT store (``manifest.ocdbt``), else a directory each.
+      fill_missing: chunks that were never written read as the fill value (items saved
+        before Orbax stored such chunks: ``store_array_data_equal_to_fill_value`` unset).
+    """
+
+    use_zarr3: bool
+    use_ocdbt: bool
+    fill_missing: bool
+
+
+def array_storage(path: epath.PathLike) -> ArrayStorage:
+    """The :class:`ArrayStorage` of the Orbax-native item ``path`` (a damaged or missing
+    ``_METADATA`` gives Orbax's defaults: its own restore then reports the damage)."""
+    path = epath.Path(path)
+    try:
+        doc = json.loads((path / ORBAX_METADATA_FILE).read_text())
+    except (OSError, ValueError):
+        doc = {}
+    doc = doc if isinstance(doc, dict) else {}
+    ocdbt = doc.get("use_ocdbt")
+    return ArrayStorage(
+        use_zarr3=doc.get("use_zarr3") is True,
+        use_ocdbt=ocdbt if isinstance(ocdbt, bool) else (path / OCDBT_MANIFEST_FILE).exists(),
+        fill_missing=doc.get("store_array_data_equal_to_fill_value") is not True,
+    )
+
+
 def item_handler(path: epath.PathLike) -> str | None:
     """The class name of the Orbax handler that wrote the item ``path``, as Orbax records it:
     in the item's own ``_CHECKPOINT_METADATA`` (a checkpoint of one item, ``ocp.Checkpointer``)

@@ -173,12 +173,16 @@ _R = TypeVar("_R")
 TRANSFORM_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
+DRAIN = object()  # an item of ordered_map's: every item before it done before one after
+
+
 def ordered_map(
-    fn: Callable[[_T], _R], items: Iterable[_T], workers: int = TRANSFORM_THREADS
+    fn: Callable[[_T], _R], items: Iterable[Any], workers: int = TRANSFORM_THREADS
 ) -> Iterator[_R]:
     """``fn`` of each item, in order, computed by up to ``workers`` threads at once (at most
     ``workers`` results held ahead of the caller). ``items`` is consumed on the caller's
-    thread.
+    thread; an item that is :data:`DRAIN` is not mapped: the results of every item before it
+    are yielded before the next item is taken (what they hold is then the caller's alone).
 
     Example::
 
@@ -186,12 +190,16 @@ def ordered_map(
             ...
     """
     if workers <= 1:
-        yield from map(fn, items)
+        yield from (fn(item) for item in items if item is not DRAIN)
         return
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="osf-cast") as pool:
         pending: collections.deque[concurrent.futures.Future[_R]] = collections.deque()
         try:
             for item in items:
+                if item is DRAIN:
+                    while pending:
+                        yield pending.popleft().result()
+                    continue
                 pending.append(pool.submit(fn, item))
                 if len(pending) >= workers:
                     yield pending.popleft().result()

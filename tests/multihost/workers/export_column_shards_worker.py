@@ -33,7 +33,8 @@ tree = {
 }
 mapping = osf.KeyMapping([osf.Rule("layers.{i}.weight", "l{i}.kernel", osf.Transpose())])
 dtype = None if args["dtype"] == "keep" else jnp.bfloat16
-report = osf.export_pytorch(tree, Path(args["out"]), mapping, dtype=dtype)
+batch = {"batch_bytes": args["batch_bytes"]} if "batch_bytes" in args else {}
+report = osf.export_pytorch(tree, Path(args["out"]), mapping, dtype=dtype, **batch)
 assert report.ok, report.problems()
 relayouts = sharded_export._relayout.cache_info().currsize  # compiled re-layouts
 worker_lib.emit_result({"bytes_written": report.bytes_written, "relayouts": relayouts})

@@ -5,8 +5,11 @@ ways MaxText saves (``ctx.args["saves"]``), then exports each saved item's param
 
 Args: ``root`` (a directory every process sees), ``dims`` (``maxtext_checkpoints.Dims``
 fields), ``saves`` (names among ``v1``, ``v0``, ``standard``), ``exports``
-(``{name: {"source": relative path, **export_pytorch kwargs}}``), ``preset`` (optional:
-``osf.preset_mapping``'s keyword arguments, e.g. a MaxText preset and its ``hf_config``).
+(``{name: {"source": relative path, **export_pytorch kwargs}}``, in order), ``preset``
+(optional: ``osf.preset_mapping``'s keyword arguments, e.g. a MaxText preset and its
+``hf_config``); optional, how the state is saved: ``params_only`` (``step`` and the
+parameters, no optimizer state), ``fsdp``, ``layers`` (scanned tensors split on their layers
+axis: ``maxtext_checkpoints.shard_state``), ``chunk_bytes`` (Orbax's ``chunk_byte_size``).
 
 With ``lora`` (a directory), the job also saves ``maxtext_checkpoints.lora_tree()`` there as
 a checkpoint of this library (``ours``) and an Orbax-native item (``orbax``) and exports each
@@ -31,9 +34,11 @@ sys.path.append(str(Path(__file__).resolve().parents[2]))  # tests/
 
 import jax  # noqa: E402
 import maxtext_checkpoints as M  # noqa: E402
+import numpy as np  # noqa: E402
 import tensorstore as ts  # noqa: E402
 
 import orbax_safetensors as osf  # noqa: E402
+from orbax_safetensors._src.integrations import sharded_export  # noqa: E402
 
 
 def counters() -> dict[str, int]:
@@ -56,14 +61,19 @@ def vm(field: str) -> int:
 
 root = Path(ctx.args["root"])
 dims = M.Dims(**ctx.args["dims"])
-state = M.train_state(M.llama_params(dims))
-sharded = M.shard_state(state, ctx.args.get("fsdp"))
+if ctx.args.get("params_only"):
+    state = {"step": np.int32(7), "params": {"params": M.llama_params(dims)}}
+else:
+    state = M.train_state(M.llama_params(dims))
+sharded = M.shard_state(state, ctx.args.get("fsdp"), layers=ctx.args.get("layers", False))
 del state
+chunk_bytes = ctx.args.get("chunk_bytes")
 for how in ctx.args["saves"]:
     if how == "v1":
-        M.save_v1(root / "v1", 7, sharded)
+        M.save_v1(root / "v1", 7, sharded, chunk_bytes=chunk_bytes)
     else:
-        M.save_v0(root / how, 7, sharded, how="pytree" if how == "v0" else how)
+        kind = "pytree" if how == "v0" else how
+        M.save_v0(root / how, 7, sharded, how=kind, chunk_bytes=chunk_bytes)
 del sharded
 # a preset (``ctx.args["preset"]``: preset_mapping's keyword arguments) or the hand mapping
 preset = ctx.args.get("preset")
@@ -90,6 +100,8 @@ for name, spec in ctx.args["exports"].items():
         "seconds": round(seconds, 3),
         "ignored": sorted(report.ignored),
         "moved": len(report.moved),
+        # compiled re-layouts so far in this process (one per link and shape, not per layer)
+        "relayouts": sharded_export._relayout.cache_info().currsize,
     }
 
 if "lora" in ctx.args:  # a checkpoint with LoRA adapters, merged as the links are written
