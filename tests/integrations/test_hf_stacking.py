@@ -6,6 +6,7 @@ files, and back bit for bit; errors that name the rule; ``load_pytorch(None, ...
 
 from __future__ import annotations
 
+import devices
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -247,7 +248,7 @@ def test_stack_problems_are_reported_all_at_once(tmp_dir):
 def test_a_stacked_load_into_a_sharded_target_reads_slices_sharded(tmp_dir):
     hf = mixtral_tensors()
     save(tmp_dir / "hf", hf)
-    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, -1), ("x", "m"))
+    mesh = jax.sharding.Mesh(np.array(devices.take(4)).reshape(2, -1), ("x", "m"))
     abstract = osf.abstract_pytorch(tmp_dir / "hf", MAXTEXT)
     specs = {
         "wi_0": P("x", None, "m"),  # experts over x: a stacked axis
@@ -259,8 +260,6 @@ def test_a_stacked_load_into_a_sharded_target_reads_slices_sharded(tmp_dir):
         spec = specs.get(path[-1].key, P())
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec))
 
-    if len(jax.devices()) < 4:
-        pytest.skip("needs 4 devices")
     sharded = jax.tree_util.tree_map_with_path(shard, abstract)
     params = osf.load_pytorch(sharded, tmp_dir / "hf", MAXTEXT)
     whole = osf.load_pytorch(None, tmp_dir / "hf", MAXTEXT)

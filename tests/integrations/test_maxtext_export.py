@@ -15,6 +15,8 @@ import types
 from pathlib import Path
 from typing import Any
 
+import devices
+import jax
 import maxtext_checkpoints as M
 import numpy as np
 import pytest
@@ -147,8 +149,7 @@ def test_chunk_shape_falls_back_to_one_chunk_when_the_metadata_does_not_say():
 
 
 def test_reads_split_only_at_whole_chunks():
-    import jax
-
+    devices.take(2)  # (one device: every tensor is one chunk)
     n = len(jax.devices())
     spec = export_reads.chunk_aligned_sharding((8 * n, 6), (8, 6), first=0).spec
     assert tuple(spec) == ("devices",)
@@ -208,6 +209,7 @@ def _band_checkpoint(tmp_path: Path) -> tuple[dict[str, Any], Path]:
 def test_a_stacked_link_is_exported_a_band_of_layers_at_a_time(tmp_path):
     from traced_memory import traced_peak
 
+    devices.take(2)  # the layers split over the devices (MaxText's rule): chunks of layers
     state, item = _band_checkpoint(tmp_path)
     mapping = _llama3(BAND_DIMS)
     reference = tmp_path / "ref"
