@@ -35,7 +35,10 @@ from orbax_safetensors._src.storage import buffers as _buffers
 STAGE_MIN_BYTES = 1 << 20
 # The ring's size (grown to hold the largest staged tensor), and how many waves of reads share
 # it: a wave of at most a quarter of the ring is read while the three before it transfer.
-RING_BYTES = 256 << 20
+# Waves of 128 MiB, four in flight: smaller waves or fewer of them left the transfers idle
+# between waves on a TPU v5e (docs/performance.md, "TPU"); pages are faulted in only as far
+# as a restore reaches into the ring.
+RING_BYTES = 512 << 20
 WAVES_IN_FLIGHT = 4
 _PAGE = 4096
 
