@@ -39,6 +39,13 @@ REPO_ROOT = MULTIHOST_DIR.parent.parent
 FAILURE_GRACE_S = 3.0
 # On timeout, hung workers get this long to dump their Python stacks (SIGUSR1) before SIGKILL.
 STACK_DUMP_GRACE_S = 1.0
+# A run whose live workers together use less than IDLE_CPU_S of CPU time in IDLE_HANG_S is
+# stuck (a deadlock: nothing computes, nothing moves), and is ended then as at its timeout:
+# the Orbax barrier hangs that COLLECTIVE_HANG retries show every worker idle from the start,
+# and would otherwise cost the whole timeout (300 s for some tests). Workers at work, even on a
+# machine busy with other runs, use far more.
+IDLE_HANG_S = 40.0
+IDLE_CPU_S = 0.5
 PORT_ATTEMPTS = 3
 _POLL_S = 0.05
 _MAX_REPORT_LINES = 150
@@ -172,6 +179,7 @@ class _Run:
     port: int
     elapsed: float
     timed_out: bool
+    stuck: bool = False  # ended early, every worker idle (_IdleWatch): timed_out too
 
 
 def _launch_once(
@@ -208,6 +216,7 @@ def _launch_once(
         first_failure: float | None = None
         grace = FAILURE_GRACE_S
         timed_out = False
+        idle = _IdleWatch([p.pid for p in procs], start)
         while [p.poll() for p in procs].count(None):  # poll every process each round
             now = time.monotonic()
             if first_failure is None and any(p.returncode not in (None, 0) for p in procs):
@@ -216,7 +225,7 @@ def _launch_once(
                 grace = 0.0 if _logs_show_port_conflict(logs) else FAILURE_GRACE_S
             if first_failure is not None and now - first_failure > grace:
                 break
-            if now - start > timeout:
+            if now - start > timeout or idle.stuck(now):
                 timed_out = True
                 for p in procs:
                     if p.poll() is None:
@@ -246,7 +255,39 @@ def _launch_once(
                 killed_by_launcher=i in killed,
             )
         )
-    return _Run(results=results, port=port, elapsed=elapsed, timed_out=timed_out)
+    return _Run(
+        results=results, port=port, elapsed=elapsed, timed_out=timed_out, stuck=idle.verdict
+    )
+
+
+class _IdleWatch:
+    """Whether the workers ``pids`` have together used less than ``IDLE_CPU_S`` of CPU time
+    in the last ``IDLE_HANG_S`` (sampled once a second from ``/proc/PID/stat``)."""
+
+    def __init__(self, pids: list[int], start: float) -> None:
+        self.pids = pids
+        self.samples: list[tuple[float, float]] = [(start, self._cpu())]
+        self.verdict = False
+
+    def _cpu(self) -> float:
+        ticks = 0
+        for pid in self.pids:
+            try:  # utime and stime: fields 14 and 15, after the command's parenthesis
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue  # (exited, or no /proc: never stuck)
+            ticks += int(fields[11]) + int(fields[12])
+        return ticks / os.sysconf("SC_CLK_TCK")
+
+    def stuck(self, now: float) -> bool:
+        if self.verdict or now - self.samples[-1][0] < 1.0:
+            return self.verdict
+        self.samples.append((now, self._cpu()))
+        while len(self.samples) > 2 and now - self.samples[1][0] >= IDLE_HANG_S:
+            self.samples.pop(0)  # (the oldest sample still IDLE_HANG_S back stays first)
+        then, cpu = self.samples[0]
+        self.verdict = now - then >= IDLE_HANG_S and self.samples[-1][1] - cpu < IDLE_CPU_S
+        return self.verdict
 
 
 def _is_port_conflict(run: _Run) -> bool:
@@ -273,7 +314,9 @@ def _tail(text: str, n: int = _MAX_REPORT_LINES) -> str:
 def _failure_report(script: Path, num_processes: int, run: _Run, log_dir: Path) -> str:
     """Describe a failed run: each failing worker's filtered stderr, brief notes on the rest."""
     head = f"{script.name} with {num_processes} processes (port {run.port})"
-    if run.timed_out:
+    if run.stuck:
+        head += f" timed out after {run.elapsed:.1f} s, every worker idle for {IDLE_HANG_S:.0f} s"
+    elif run.timed_out:
         head += f" timed out after {run.elapsed:.1f} s"
     else:
         head += f" failed after {run.elapsed:.1f} s"

@@ -10,8 +10,10 @@ from typing import Any
 import pytest
 
 try:  # pytest puts tests/ on sys.path while tests/ has no __init__.py
+    from multihost import launcher
     from multihost.launcher import FAILURE_GRACE_S, PORT_CONFLICT, run_workers
 except ImportError:  # tests/ became a package
+    from tests.multihost import launcher  # type: ignore[no-redef]
     from tests.multihost.launcher import FAILURE_GRACE_S, PORT_CONFLICT, run_workers
 
 pytestmark = [pytest.mark.multihost, pytest.mark.timeout(180)]
@@ -80,18 +82,32 @@ def test_failing_worker_fails_fast_with_its_traceback(tmp_path: Path) -> None:
     assert "[Gloo]" not in message
 
 
-def test_hung_worker_is_killed_at_timeout_with_its_stack(tmp_path: Path) -> None:
+def _hung_run(tmp_path: Path, timeout: float) -> tuple[float, str]:
+    # hang_worker.py in 2 processes: seconds until the launcher gave up, and its message
     start = time.monotonic()
     with pytest.raises(AssertionError) as excinfo:
-        run_workers("hang_worker.py", 2, timeout=2.0, log_dir=tmp_path)
-    elapsed = time.monotonic() - start
-
+        run_workers("hang_worker.py", 2, timeout=timeout, log_dir=tmp_path)
     message = str(excinfo.value)
-    assert elapsed < 10, f"took {elapsed:.1f} s:\n{message}"
-    assert "timed out" in message
     assert 'hang_worker.py", line' in message  # faulthandler's dump of the sleeping frame
     # A hang outside JAX's collectives is not retried (see launcher.COLLECTIVE_HANG).
     assert not (tmp_path / "attempt2").exists()
+    return time.monotonic() - start, message
+
+
+def test_hung_worker_is_killed_at_timeout_with_its_stack(tmp_path: Path) -> None:
+    elapsed, message = _hung_run(tmp_path, timeout=2.0)
+    assert elapsed < 10, f"took {elapsed:.1f} s:\n{message}"
+    assert "timed out" in message
+
+
+def test_workers_idle_together_are_ended_before_the_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # (a window of 3 s instead of launcher.IDLE_HANG_S: the same watch, in a few seconds)
+    monkeypatch.setattr(launcher, "IDLE_HANG_S", 3.0)
+    elapsed, message = _hung_run(tmp_path, timeout=120.0)
+    assert elapsed < 40, f"took {elapsed:.1f} s:\n{message}"
+    assert "every worker idle for 3 s" in message
 
 
 def test_stolen_coordinator_port_is_retried(stolen_port_run: tuple[list[Any], Path]) -> None:

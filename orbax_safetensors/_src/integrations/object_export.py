@@ -31,8 +31,8 @@ from typing import Any
 
 import jax
 from etils import epath
-from jax.experimental import multihost_utils
 
+from orbax_safetensors._src.compat import multihost as _multihost
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.integrations import links as _links
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
@@ -45,7 +45,7 @@ Pieces = tuple[int, list[_interface.Piece]]
 
 
 def _barrier(name: str) -> None:
-    multihost_utils.sync_global_devices(f"orbax_safetensors.export_objects.{name}")
+    _multihost.barrier(f"orbax_safetensors.export_objects.{name}")
 
 
 def write_objects(

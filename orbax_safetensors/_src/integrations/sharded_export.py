@@ -73,9 +73,9 @@ import jax
 import ml_dtypes
 import numpy as np
 from etils import epath
-from jax.experimental import multihost_utils
 
 from orbax_safetensors._src.catalog import sources as _sources
+from orbax_safetensors._src.compat import multihost as _multihost
 from orbax_safetensors._src.core import astype as _astype
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import plan as _plan
@@ -137,14 +137,13 @@ def is_global(x: Any) -> bool:
 
 
 def _barrier(name: str) -> None:
-    multihost_utils.sync_global_devices(f"orbax_safetensors.export.{name}")
+    _multihost.barrier(f"orbax_safetensors.export.{name}")
 
 
 def _staging_token(is_primary: bool) -> str:
-    # The primary's random token, as every process gets it (one collective).
-    mine = np.frombuffer(uuid.uuid4().bytes[:8], np.uint8) if is_primary else np.zeros(8, np.uint8)
-    got = np.asarray(multihost_utils.broadcast_one_to_all(mine, is_source=is_primary))
-    return bytes(got.astype(np.uint8)).hex()
+    # The primary's random token, as every process gets it (one broadcast).
+    mine = uuid.uuid4().bytes[:8] if is_primary else None
+    return _multihost.broadcast_bytes(mine, is_source=is_primary).hex()
 
 
 def write_processes(
@@ -461,7 +460,7 @@ def gathered(x: Any) -> np.ndarray:
     """``x`` whole on the host of every process (a collective when ``x`` is sharded over
     processes: for small arrays, such as LoRA adapters)."""
     if is_global(x):
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return _multihost.process_allgather(x)
     return np.asarray(x)
 
 
@@ -524,6 +523,9 @@ def _link_pieces(
         entry = plan.locate(key)[1]
         shape, dtype = tuple(entry.shape), _dtypes.to_numpy(entry.dtype)
         for start, value in relaid_rows(link, arrays, j, shape, dtype, band_bytes):
+            # (done on every local device, those this process reads nothing from too, before
+            # the next collective: compat.multihost says why)
+            value.block_until_ready()
             owned: _snapshots.HostCopies = []
             for index, data in _snapshots.owned_shards(value):
                 if index:  # (rows start..: the band's boxes placed in the whole tensor)

@@ -36,8 +36,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
+from orbax_safetensors._src.compat import multihost as _multihost
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
@@ -288,7 +288,7 @@ def device_items(
     for name in dict.fromkeys(n for g in export.groups for n in g.whole):
         x = arrays[name]
         if is_global(x):
-            host = np.asarray(multihost_utils.process_allgather(x, tiled=True))
+            host = _multihost.process_allgather(x)
         else:
             host = np.array(x)  # (a copy: the caller may donate its arrays after save())
         wholes[name] = host

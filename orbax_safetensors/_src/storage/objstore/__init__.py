@@ -39,7 +39,7 @@ Writes:
     ``<dir>/.osf-parts/<file>/`` plus a small manifest; the primary's ``finalize_directory``
     joins them. GCS: ranges are staged objects, composed in offset order (<= 32 sources per call,
     in a tree). S3: one multipart upload per file, created by the primary before anyone writes
-    (ids broadcast to every process with ``jax.experimental.multihost_utils``); each process
+    (ids broadcast to every process with ``compat.multihost.broadcast_bytes``); each process
     uploads the interior of its large ranges straight into that upload as parts numbered by
     offset; its small ranges and the first and last 5 MiB of each large range go into one
     "loose" object, from which the primary builds the remaining parts (UploadPartCopy when a

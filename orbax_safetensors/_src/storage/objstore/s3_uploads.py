@@ -22,8 +22,6 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from orbax_safetensors._src.storage.objstore import calls as _calls
 from orbax_safetensors._src.storage.objstore import common as _common
 from orbax_safetensors._src.storage.objstore.s3 import S3Store, s3_min_part
@@ -41,30 +39,18 @@ class _Uploads:
 
 _directories: dict[str, _Uploads] = {}  # checkpoint directory -> its uploads
 _MAX_REMEMBERED = 64
-_MIN_BROADCAST_BYTES = 256  # smallest padded length of _broadcast_json's bytes
 
 
 def _broadcast_json(doc: Any, *, is_source: bool) -> Any:
     """``doc`` of the process where ``is_source`` is True, returned on every process.
 
-    A collective: every process calls it at the same point of its main thread. Two calls of
-    the public ``jax.experimental.multihost_utils.broadcast_one_to_all`` (same signature in
-    jax 0.6 to 0.10; it sums the source's array with zeros from the others): the length of the
-    JSON text, then its bytes, one per int32 (a reduction every backend has), padded to a power
-    of two (few distinct shapes, so few compilations).
+    A collective: every process calls it at the same point of its main thread
+    (``compat.multihost.broadcast_bytes``, of the JSON text).
     """
-    from jax.experimental import multihost_utils
+    from orbax_safetensors._src.compat import multihost as _multihost  # (imports JAX)
 
-    data = json.dumps(doc).encode() if is_source else b""
-    length = multihost_utils.broadcast_one_to_all(
-        np.array([len(data)], dtype=np.int32), is_source=is_source
-    )
-    n = int(np.asarray(length).reshape(-1)[0])
-    buffer = np.zeros(max(_MIN_BROADCAST_BYTES, 1 << max(0, n - 1).bit_length()), np.int32)
-    if is_source:
-        buffer[:n] = np.frombuffer(data, dtype=np.uint8)
-    out = np.asarray(multihost_utils.broadcast_one_to_all(buffer, is_source=is_source))
-    return json.loads(out[:n].astype(np.uint8).tobytes()) if n else None
+    data = json.dumps(doc).encode() if is_source else None
+    return json.loads(_multihost.broadcast_bytes(data, is_source=is_source))
 
 
 def prepare_directory(
@@ -74,7 +60,7 @@ def prepare_directory(
 
     In a multi-process job the primary creates one multipart upload per file large enough to
     hold parts from several processes, and every process receives the UploadIds through
-    :func:`_broadcast_json` (a JAX collective). Every process must call this for every save, in
+    :func:`_broadcast_json` (through ``jax.distributed``). Every process must call this for every save, in
     the same order; if the primary fails, every process raises.
     """
     import jax

@@ -1,0 +1,34 @@
+"""Back-to-back barriers, broadcasts of other sizes and gathers (``compat.multihost``), as an
+export runs them: every value right and no process aborted. (With
+``jax.experimental.multihost_utils``, which waits for the first local device only, jax 0.6's
+gloo aborted a process here within seconds on a busy machine.)"""
+
+import worker_lib
+
+ctx = worker_lib.init()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from orbax_safetensors._src.compat import multihost  # noqa: E402
+
+primary = jax.process_index() == 0
+flat = NamedSharding(Mesh(np.array(jax.devices()), ("d",)), P("d"))
+whole = np.arange(8 * len(jax.devices()), dtype=np.float32)
+ok = True
+for i in range(ctx.args["n"]):
+    mine = np.arange(8, dtype=np.uint8) + i % 7 if primary else np.zeros(8, np.uint8)
+    got = multihost.broadcast_one_to_all(mine, is_source=primary)
+    ok &= bool(np.array_equal(got, np.arange(8) + i % 7))
+    # (right after, a broadcast of another size: the pattern gloo aborted on)
+    ok &= int(multihost.broadcast_one_to_all(np.uint32(i), is_source=primary)) == i
+    text = multihost.broadcast_bytes(b"x" * (i % 13) if primary else None, is_source=primary)
+    ok &= text == b"x" * (i % 13)
+    multihost.barrier(f"collectives.{i}")
+    if i % 10 == 0:
+        x = jax.make_array_from_callback(whole.shape, flat, lambda idx, i=i: whole[idx] + i)
+        ok &= bool(np.array_equal(multihost.process_allgather(x), whole + i))
+worker_lib.emit_result({"ok": ok})
+worker_lib.finish()
