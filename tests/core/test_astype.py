@@ -117,9 +117,13 @@ def test_cast_equals_jax_bit_for_bit(src, dst):
     want = want_by_dst[dst]
     got = _astype.astype(x, dst)
     bad = np.flatnonzero(bits(got).reshape(x.size, -1) != bits(want).reshape(x.size, -1))
-    if _OLD_JAX and (src, dst) == (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)):
+    old_bf16 = _OLD_JAX and (src, dst) == (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+    if old_bf16 or (src, dst) == (np.dtype(np.float64), np.dtype(np.float16)):
         # Before 0.10, XLA kept a float16 NaN's payload in bfloat16 (0x7c08 -> 0x7fc1); the
-        # library stores the current quiet NaN (0x7fc0), sign kept (docs/api.md).
+        # library stores the current quiet NaN (0x7fc0), sign kept (docs/api.md). From
+        # float64 to float16, XLA's CPU gives the canonical NaN (0x7e00) on some processors and
+        # keeps the payload's top bits on others (0x7ffe380e80a69556 -> 0x7f8e, as numpy
+        # does), with jax 0.10.2 on both: the library stores the canonical NaN, sign kept.
         sign = bits(got) >> 15 == bits(want) >> 15
         bad = bad[
             ~(

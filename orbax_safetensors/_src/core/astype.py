@@ -218,7 +218,7 @@ def _fix_nans(c: np.ndarray, out: np.ndarray, nan: np.ndarray) -> None:
     elif src == _F32 and dst == _F16:  # quieted, the payload's top 10 bits kept
         raw = c.view(np.uint32)[nan]
         bits[nan] = ((raw >> 16) & 0x8000) | 0x7E00 | ((raw >> 13) & 0x3FF)
-    elif src == _F64 and dst == _F16:  # the canonical NaN, with the sign
+    elif src == _F64 and dst == _F16:  # the canonical NaN, with the sign (docs/api.md)
         bits[nan] = (bits[nan] & sign) | np.array(0x7E00, bits.dtype)
     elif src == _BF16 and dst == _F16:  # the payload shifted along, quieted
         raw = c.view(np.uint16)[nan]
