@@ -262,22 +262,23 @@ def _launch_once(
 
 class _IdleWatch:
     """Whether the workers ``pids`` have together used less than ``IDLE_CPU_S`` of CPU time
-    in the last ``IDLE_HANG_S`` (sampled once a second from ``/proc/PID/stat``)."""
+    in the last ``IDLE_HANG_S`` (sampled once a second from ``/proc/PID/stat``; a worker that
+    has exited counts with its last reading, so its end takes nothing off the sum)."""
 
     def __init__(self, pids: list[int], start: float) -> None:
         self.pids = pids
+        self.last: dict[int, float] = {}  # pid -> its CPU seconds at its latest reading
         self.samples: list[tuple[float, float]] = [(start, self._cpu())]
         self.verdict = False
 
     def _cpu(self) -> float:
-        ticks = 0
         for pid in self.pids:
             try:  # utime and stime: fields 14 and 15, after the command's parenthesis
                 fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             except (OSError, IndexError):
-                continue  # (exited, or no /proc: never stuck)
-            ticks += int(fields[11]) + int(fields[12])
-        return ticks / os.sysconf("SC_CLK_TCK")
+                continue  # (exited: its last reading stands)
+            self.last[pid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return sum(self.last.values())
 
     def stuck(self, now: float) -> bool:
         if self.verdict or now - self.samples[-1][0] < 1.0:
