@@ -16,6 +16,7 @@ attribute.
 | :func:`nnx_list` | ``flax.nnx.List`` | public since flax 0.12 (needed there for lists of modules) | a plain ``list`` (what flax 0.11 takes) |
 | :func:`distributed_kv` | ``jax._src.distributed.global_state.client`` (its ``key_value_set``, ``blocking_key_value_get``) | private | None: object-store saves by several processes join the ranges on the primary as before |
 | :func:`distributed_kv_try_get`, :func:`distributed_kv_delete` | the client's ``key_value_try_get``, ``key_value_delete`` | private (the client); missing from some jaxlib releases | None / False: a wait notices another process's failure only at its timeout; a save's keys stay in the coordination service |
+| :mod:`.multihost`'s barriers and broadcasts | the client's ``wait_at_barrier`` (with :func:`distributed_kv`) | private (the client) | device collectives as ``multihost_utils``', waited for on every local device |
 | :func:`global_mesh_kept`, :func:`plain_set_mesh` | ``jax.sharding.set_mesh`` | a plain setter returning the previous mesh on jax 0.7, a context manager from 0.8 on, absent before | nothing to guard (no call on other versions) |
 | :func:`device_holds` | whether XLA takes an ml_dtypes dtype (float6 types: not on jax 0.10's CPU) | differs by version | probed once per dtype by a one-element ``jax.device_put`` |
 | :func:`is_nnx_internal_attr` | ``Module._pytree__state`` (flax 0.12), ``Module._object__state`` (flax 0.11): an empty pytree child of every Module | private | none needed: a flax without them has no such child |

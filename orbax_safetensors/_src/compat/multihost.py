@@ -60,11 +60,10 @@ def _identity(x: Any) -> Any:
     return x
 
 
-@functools.lru_cache(maxsize=8)
-def _process_mesh(device_ids: tuple[int, ...]) -> jax.sharding.Mesh:
+@functools.cache
+def _process_mesh() -> jax.sharding.Mesh:
     # Every device of the job, one row per process (multihost_utils's mesh).
-    by_id = {d.id: d for d in jax.devices()}
-    devices = np.array([by_id[i] for i in device_ids], dtype=object)
+    devices = np.array(jax.devices(), dtype=object)
     return jax.sharding.Mesh(
         devices.reshape(jax.process_count(), jax.local_device_count()),
         ("processes", "local_devices"),
@@ -92,7 +91,7 @@ def broadcast_one_to_all(x: np.ndarray | np.generic, *, is_source: bool) -> np.n
     host = np.asarray(x)
     if jax.process_count() == 1:
         return host
-    mesh = _process_mesh(tuple(d.id for d in jax.devices()))
+    mesh = _process_mesh()
     mine = host if is_source else np.zeros_like(host)
     inp = multihost_utils.host_local_array_to_global_array(
         mine[None], mesh, PartitionSpec("processes")
@@ -128,7 +127,7 @@ def barrier(name: str) -> None:
         )
     client.wait_at_barrier(f"{_KEY_PREFIX}/{n}/{name}", TIMEOUT_S * 1000)
     for key in _set_keys:  # (every process has read them: it has passed the barrier)
-        client.key_value_delete(key)
+        _jaxcompat.distributed_kv_delete(client, key)  # (kept where the client cannot delete)
     _set_keys.clear()
 
 
@@ -149,7 +148,7 @@ def broadcast_bytes(data: bytes | None, *, is_source: bool) -> bytes:
     if client is not None:
         return _exchange(client, next(_calls), data, is_source=is_source)
     length = broadcast_one_to_all(np.array([len(data or b"")], np.int32), is_source=is_source)
-    n = int(np.asarray(length).reshape(-1)[0])
+    n = int(length.reshape(-1)[0])
     buffer = np.zeros(max(8, 1 << max(0, n - 1).bit_length()), np.int32)
     if is_source:
         buffer[:n] = np.frombuffer(data or b"", np.uint8)
@@ -158,13 +157,9 @@ def broadcast_bytes(data: bytes | None, *, is_source: bool) -> bytes:
 
 
 def _coordination() -> Any:
-    # jax.distributed's client, where it has a barrier and can delete keys; else None
+    # jax.distributed's client, where it has a key-value store and a barrier; else None
     client = _jaxcompat.distributed_kv()
-    if client is None or not all(
-        hasattr(client, n) for n in ("wait_at_barrier", "key_value_delete")
-    ):
-        return None
-    return client
+    return client if hasattr(client, "wait_at_barrier") else None
 
 
 def _exchange(client: Any, n: int, data: bytes | None, *, is_source: bool) -> bytes:

@@ -60,8 +60,8 @@ def prepare_directory(
 
     In a multi-process job the primary creates one multipart upload per file large enough to
     hold parts from several processes, and every process receives the UploadIds through
-    :func:`_broadcast_json` (through ``jax.distributed``). Every process must call this for every save, in
-    the same order; if the primary fails, every process raises.
+    :func:`_broadcast_json` (through ``jax.distributed``). Every process must call this for
+    every save, in the same order; if the primary fails, every process raises.
     """
     import jax
 
