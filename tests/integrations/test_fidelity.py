@@ -76,7 +76,7 @@ def test_a_fine_tuned_tied_head_is_written_untied_with_a_warning(tmp_dir):
     written = json.loads((tmp_dir / "hf" / "config.json").read_text())
     assert written["tie_word_embeddings"] is False and config.tie_word_embeddings
     want = np.asarray(model(jnp.asarray(IDS)))
-    np.testing.assert_allclose(hf_logits(tmp_dir / "hf"), want, rtol=1e-5, atol=1e-5)
+    hf_models.assert_outputs_close(hf_logits(tmp_dir / "hf"), want, rtol=1e-5, atol=1e-5)
 
     # From a checkpoint (read from its files) and as a servable item: the same.
     state = nnx.state(model, nnx.Param)
@@ -93,7 +93,7 @@ def test_a_fine_tuned_tied_head_is_written_untied_with_a_warning(tmp_dir):
     for other in (tmp_dir / "from_ckpt", tmp_dir / "run" / "0" / "default"):
         assert "lm_head.weight" in keys(other)
         assert json.loads((other / "config.json").read_text())["tie_word_embeddings"] is False
-        np.testing.assert_allclose(hf_logits(other), want, rtol=1e-5, atol=1e-5)
+        hf_models.assert_outputs_close(hf_logits(other), want, rtol=1e-5, atol=1e-5)
 
 
 def test_without_a_config_the_warning_says_what_the_config_must_say(tmp_dir):
@@ -181,7 +181,7 @@ def test_a_fused_split_that_does_not_fit_is_an_error_naming_the_rule(tmp_dir):
     assert report.ok
     with torch.no_grad():
         want = reference(torch.from_numpy(IDS)).logits.numpy()
-    np.testing.assert_allclose(hf_logits(tmp_dir / "hf"), want, rtol=1e-5, atol=1e-5)
+    hf_models.assert_outputs_close(hf_logits(tmp_dir / "hf"), want, rtol=1e-5, atol=1e-5)
 
 
 def test_attention_sizes_of_configs():

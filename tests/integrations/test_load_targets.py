@@ -84,7 +84,9 @@ def test_linen_params_with_prefix_and_nnx_state(reference):
     )
     assert isinstance(state, nnx.State)
     nnx.update(model, state)
-    np.testing.assert_allclose(np.asarray(model(jnp.asarray(IDS))), logits, rtol=1e-5, atol=1e-5)
+    hf_models.assert_outputs_close(
+        np.asarray(model(jnp.asarray(IDS))), logits, rtol=1e-5, atol=1e-5
+    )
 
 
 def test_abstract_sharded_target(reference):

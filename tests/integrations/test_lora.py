@@ -238,7 +238,7 @@ def test_flax_lora_wrappers_export_through_every_preset(tmp_dir, kind):
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     with torch.no_grad():
         got = hf.eval()(torch.from_numpy(IDS)).logits.numpy()
-    np.testing.assert_allclose(got, np.asarray(model(jnp.asarray(IDS))), rtol=1e-5, atol=1e-5)
+    hf_models.assert_outputs_close(got, np.asarray(model(jnp.asarray(IDS))), rtol=1e-5, atol=1e-5)
     assert json.loads((tmp_dir / "hf" / "config.json").read_text())["model_type"]
 
 

@@ -200,7 +200,7 @@ def test_qwix_lora_exports_through_every_preset(tmp_dir, qwix, request, preset, 
     assert sorted(a for a, _ in report.merged) == adapters
     want = np.asarray(logits(lora_model))
     assert np.abs(want - np.asarray(logits(model))).max() > 1e-2  # the fine-tune shows
-    np.testing.assert_allclose(hf_logits(tmp_dir / "hf"), want, rtol=2e-5, atol=2e-5)
+    hf_models.assert_outputs_close(hf_logits(tmp_dir / "hf"), want, rtol=2e-5, atol=2e-5)
     by_hand = merged_by_hand(params, alpha / rank)
     assert osf.export_pytorch(by_hand, tmp_dir / "by_hand", mapping, hf_config=config).ok
     assert_files_close(tmp_dir / "hf", tmp_dir / "by_hand")
@@ -228,7 +228,7 @@ def test_tunix_qwen3_lora_from_memory_checkpoint_servable_item_and_cli(
     report = osf.export_pytorch(lora_model, tmp_dir / "memory", mapping, hf_config=config)
     assert report.ok and len(report.merged) == 2 * 7 * 2  # 7 projections in 2 layers
     want = np.asarray(tunix_logits(lora_model))
-    np.testing.assert_allclose(hf_logits(tmp_dir / "memory"), want, rtol=2e-5, atol=2e-5)
+    hf_models.assert_outputs_close(hf_logits(tmp_dir / "memory"), want, rtol=2e-5, atol=2e-5)
     memory = (tmp_dir / "memory" / "model.safetensors").read_bytes()
 
     # Trained, checkpointed, restored bit-exact through the manager, exported from the
@@ -262,7 +262,7 @@ def test_tunix_qwen3_lora_from_memory_checkpoint_servable_item_and_cli(
     served = tmp_dir / "run" / "0" / "default"
     written = safetensors.numpy.load_file(str(tmp_dir / "memory" / "model.safetensors"))
     assert_files_close(served, tmp_dir / "memory", exact=set(written))
-    np.testing.assert_allclose(hf_logits(served), want, rtol=2e-5, atol=2e-5)
+    hf_models.assert_outputs_close(hf_logits(served), want, rtol=2e-5, atol=2e-5)
 
 
 def test_tunix_qwen3_lora_equals_tunixs_own_merged_saver(tmp_dir, tunix_qwen3_lora, monkeypatch):

@@ -106,7 +106,7 @@ def test_rl_weight_publication_recipe(tmp_dir):
         assert {"config.json", "model.safetensors.index.json", "orbax_safetensors.json"} <= names
         assert len([n for n in names if n.endswith(".safetensors")]) > 1
         loads_cleanly(served)
-        np.testing.assert_allclose(hf_logits(served), logits[step], rtol=1e-5, atol=1e-5)
+        hf_models.assert_outputs_close(hf_logits(served), logits[step], rtol=1e-5, atol=1e-5)
 
 
 def test_transforms_run_off_the_caller_thread_from_the_snapshot(tmp_dir):
@@ -166,7 +166,7 @@ def test_scanned_fused_lora_model_publishes_a_plain_hf_model(tmp_dir):
     with torch.no_grad():
         reference.lm_head.weight.copy_(torch.from_numpy(merged.T.copy()))
         want = reference(torch.from_numpy(IDS)).logits.numpy()
-    np.testing.assert_allclose(hf_logits(served), want, rtol=1e-5, atol=1e-5)
+    hf_models.assert_outputs_close(hf_logits(served), want, rtol=1e-5, atol=1e-5)
 
 
 def test_dtype_policy_keep_and_tied_embeddings(tmp_dir):

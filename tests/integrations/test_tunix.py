@@ -18,6 +18,7 @@ from orbax_safetensors import cli
 
 transformers = pytest.importorskip("transformers", minversion="5", reason="needs transformers>=5")
 torch = pytest.importorskip("torch")
+import hf_models  # noqa: E402
 import tunix_models  # noqa: E402
 
 LLAMA3, QWEN3 = tunix_models.model_modules()
@@ -178,7 +179,7 @@ def test_tunix_model_exports_to_transformers_same_logits(tmp_dir, kind, tied):
     assert not info["mismatched_keys"], info
     classes = {"llama3": "Llama", "qwen3": "Qwen3", "qwen3-moe": "Qwen3Moe"}
     assert type(hf).__name__ == classes[kind] + "ForCausalLM"
-    np.testing.assert_allclose(hf_logits(hf.eval()), tunix_logits(model), rtol=0, atol=ATOL)
+    hf_models.assert_outputs_close(hf_logits(hf.eval()), tunix_logits(model), rtol=0, atol=ATOL)
 
 
 def test_tunix_round_trip_is_exact(tmp_dir):
@@ -225,4 +226,4 @@ def test_tunix_checkpoint_exported_by_the_command_line(tmp_dir, capsys):
     assert "needs --hf-config with head_dim" in capsys.readouterr().err
     assert cli.main([str(a) for a in [*argv, "--hf-config", tmp_dir / "config"]]) == 0
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_dir / "hf").eval()
-    np.testing.assert_allclose(hf_logits(hf), tunix_logits(model), rtol=0, atol=ATOL)
+    hf_models.assert_outputs_close(hf_logits(hf), tunix_logits(model), rtol=0, atol=ATOL)
