@@ -3,7 +3,7 @@
 exporting its share, gather-free (``osf.export_pytorch`` at N = 1, 2, 4 ``jax.distributed``
 processes), against the whole model through one host.
 
-The checkpoint is a MaxText-layout train state (``tests/maxtext_checkpoints.py``: a llama's
+The checkpoint is a MaxText-layout train state (``tests/helpers/maxtext_checkpoints.py``: a llama's
 ``params.params.decoder...`` scanned on axis 1, optax ``mu`` / ``nu``, ``step``; float32, so
 the parameters are a third of its bytes), saved once, untimed, as MaxText 0.2.5 saves (Orbax
 v1 ``save_checkpointables``, OCDBT + zarr3) by a job of ``--save-procs`` processes of 2 CPU
@@ -55,7 +55,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "helpers"))
 
 import maxtext_checkpoints as M  # noqa: E402
 

@@ -3,12 +3,18 @@
 ``OSF_TEST_PLATFORM=accelerator`` runs the tests on the machine's accelerator instead (JAX's
 own choice of platform, e.g. one TPU chip): arrays live in its memory, saves take its
 device-to-host path and restores its host-to-device path. Tests that need more devices than
-it has skip there, naming how many (``tests/devices.py``); the CPU runs cover them.
+it has skip there, naming how many (``tests/helpers/devices.py``); the CPU runs cover them.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
+
+# The tests' shared helpers (tests/helpers/) import as top-level modules (``import devices``),
+# in this process and in the processes the tests start (their PYTHONPATH is this sys.path).
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 ON_ACCELERATOR = os.environ.get("OSF_TEST_PLATFORM") == "accelerator"
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")

@@ -26,7 +26,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 
 from benchmarks import procfs  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "helpers"))
 import maxtext_checkpoints as M  # noqa: E402
 
 import orbax_safetensors as osf  # noqa: E402

@@ -1,7 +1,7 @@
 """LoRA as Tunix users apply it, merged on export (issue 42 points 7-8; issue 40 point 6):
 qwix's ``LoraProvider`` (Tunix's LoRA tool: adapters ``w_lora_a``/``w_lora_b`` on Tunix's
 einsum layers, ``kernel_lora_a``/``kernel_lora_b`` on linear layers, scaled by
-``alpha / rank``) on every preset's model (the reference ports of ``tests/hf_models.py`` and
+``alpha / rank``) on every preset's model (the reference ports of ``tests/helpers/hf_models.py`` and
 Tunix's own classes), and flax's ``nnx.LoRA(base_module=...)`` on Tunix's. Adapters are
 trained to non-zero values; transformers' ``from_pretrained`` of the export computes the LoRA
 model's logits, and the files equal a merge this test computes itself (and Tunix's own merged

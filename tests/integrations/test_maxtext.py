@@ -1,11 +1,11 @@
 """The MaxText presets (``maxtext-llama3``, ``maxtext-mistral``, ``maxtext-mixtral``,
 ``maxtext-qwen3``, ``maxtext-qwen3-moe``), end to end: a random tiny transformers model, its
-tensors in MaxText's layout (``tests/maxtext_layout.py``, MaxText's forward conversion), a
-train state saved as MaxText saves it (``tests/maxtext_checkpoints.py``), exported (Python and
+tensors in MaxText's layout (``tests/helpers/maxtext_layout.py``, MaxText's forward conversion), a
+train state saved as MaxText saves it (``tests/helpers/maxtext_checkpoints.py``), exported (Python and
 command line), loaded by ``from_pretrained``: every tensor equal, bit for bit, to what MaxText's
 own conversion writes, the logits equal; and ``load_pytorch`` filling a train state's
 parameters from the Hugging Face directory. With MaxText's wheel at hand
-(``OSF_MAXTEXT_WHEEL``, ``tests/maxtext_reference.py``) the layout's facts are checked against
+(``OSF_MAXTEXT_WHEEL``, ``tests/helpers/maxtext_reference.py``) the layout's facts are checked against
 MaxText's own hooks too."""
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def served(directory, reference: dict, tmp):
 
 @pytest.mark.parametrize("kind", sorted(maxtext_reference.ENTRIES))
 def test_the_tests_layout_is_maxtexts_own_conversion(tmp_path, kind):
-    # tests/maxtext_layout.py against MaxText's own tables and hooks, both directions
+    # tests/helpers/maxtext_layout.py against MaxText's own tables and hooks, both directions
     for scan_layers in (True, False):
         for dtype in (None, BF16):
             case = Case(tmp_path, kind, scan_layers=scan_layers, dtype=dtype)

@@ -1,6 +1,6 @@
 """The value transforms of ``integrations/transforms.py``: hand-computed examples, properties,
 and bit-for-bit agreement with MaxText's own conversion hooks (when its wheel is at hand:
-``tests/maxtext_reference.py``)."""
+``tests/helpers/maxtext_reference.py``)."""
 
 from __future__ import annotations
 

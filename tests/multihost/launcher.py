@@ -142,7 +142,7 @@ def _child_env(
     flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
     env["XLA_FLAGS"] = flags.strip()
     extra = dict(extra or {})
-    pythonpath = [str(MULTIHOST_DIR), str(REPO_ROOT)]
+    pythonpath = [str(MULTIHOST_DIR), str(MULTIHOST_DIR.parent / "helpers"), str(REPO_ROOT)]
     # A PYTHONPATH in ``extra`` (often a copy of os.environ's) is kept, after the workers' own.
     for given in (extra.pop("PYTHONPATH", None), env.get("PYTHONPATH")):
         if given and given not in pythonpath:

@@ -16,7 +16,7 @@ Fixtures:
 
 When a server's packages are missing the fixtures skip, naming them and the extra that
 installs them (``pip install -e ".[test-objstore]"``); with ``OSF_REQUIRE_OPTIONAL=1`` they fail
-instead (``tests/optional_deps.py``: CI's run of the tests that skipped). They never install
+instead (``tests/helpers/optional_deps.py``: CI's run of the tests that skipped). They never install
 anything.
 """
 

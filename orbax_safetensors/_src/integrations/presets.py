@@ -1,7 +1,7 @@
 """Ready-made key mappings between Hugging Face causal LMs and NNX ports that keep Hugging
 Face's module names (``nnx.Linear`` for ``nn.Linear``, ``nnx.Embed``, ``nnx.RMSNorm`` /
 ``nnx.LayerNorm``), the layout of the reference models in the test suite
-(``tests/hf_models.py``):
+(``tests/helpers/hf_models.py``):
 
 - ``"llama"``, ``"mistral"``, ``"qwen2"``, ``"qwen3"``, ``"phi3"``, ``"gemma3"`` (one set of
   rules: :data:`DENSE_PRESETS`): ``model.embed_tokens.embedding``,

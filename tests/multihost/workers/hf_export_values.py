@@ -20,8 +20,8 @@ import orbax_safetensors as osf
 
 try:  # imported from tests/ (on sys.path under pytest)
     import hf_models
-except ImportError:  # a worker process: tests/ is two folders up
-    sys.path.append(str(Path(__file__).resolve().parents[2]))
+except ImportError:  # a worker process: tests/helpers/ is beside tests/multihost/
+    sys.path.append(str(Path(__file__).resolve().parents[2] / "helpers"))
     import hf_models
 
 L, E, H, KV_HEADS, D, F, V = 2, 32, 4, 2, 8, 64, 96

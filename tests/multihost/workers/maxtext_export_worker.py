@@ -30,7 +30,7 @@ ctx = worker_lib.init()
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-sys.path.append(str(Path(__file__).resolve().parents[2]))  # tests/
+sys.path.append(str(Path(__file__).resolve().parents[2] / "helpers"))  # tests/helpers/
 
 import jax  # noqa: E402
 import maxtext_checkpoints as M  # noqa: E402

@@ -33,7 +33,7 @@ import pytest
 
 from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 RUNNABLE_PAGES = [
     "index.md",

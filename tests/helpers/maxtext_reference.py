@@ -5,7 +5,7 @@ is a pure-Python wheel for Python >= 3.12 that does not install here; its
 ``maxtext/checkpoint_conversion/utils/param_mapping.py`` imports only numpy and JAX, so it is
 read straight from the wheel (or an unzipped copy) that ``OSF_MAXTEXT_WHEEL`` names, and run
 as a module of its own. Without it the tests that need it skip; the other tests check the
-same facts against formulas of their own (``tests/maxtext_layout.py``).
+same facts against formulas of their own (``tests/helpers/maxtext_layout.py``).
 
 Example::
 

@@ -31,8 +31,8 @@ def state_manager(root: Path, **options: Any) -> ocp.CheckpointManager:
 
 
 def script_env(**variables: str) -> dict[str, str]:
-    """This process's environment plus ``variables``, with ``tests/`` on ``PYTHONPATH`` (a
-    test file run as a script imports this module).
+    """This process's environment plus ``variables``, with ``tests/helpers/`` on
+    ``PYTHONPATH`` (a test file run as a script imports this module).
 
     Example::
 

@@ -19,7 +19,7 @@ import orbax_safetensors as osf
 from orbax_safetensors._src.catalog import sources as _sources
 from orbax_safetensors._src.tools import inspection as _inspection
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("jax", "orbax", "flax", "ml_dtypes", "tensorstore")
 
 # Prints the heavy modules loaded after running the code above it (``args``: sys.argv[1:]).

@@ -18,7 +18,7 @@ import pytest
 
 import orbax_safetensors as osf
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "security.md"
 _REF = re.compile(r"`(tests/[\w/]+\.py)::(\w+)`")
 
