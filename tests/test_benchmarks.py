@@ -6,7 +6,7 @@ the machine's transfer and file limits on an accelerator (docs/performance.md, "
 every row of its report. ``benchmarks/cli_startup_bench.py`` times the command line's start
 (docs/performance.md, "Command-line start"); its ``--smoke`` run must time every case and find
 that neither ``--help`` nor ``inspect`` of a file imports JAX, Orbax, Flax, ml_dtypes or NumPy.
-``benchmarks/tpu_probe.py`` runs its variants, and ``benchmarks/plot.py`` reads the
+``benchmarks/studies/tpu_probe.py`` runs its variants, and ``benchmarks/plot.py`` reads the
 figures the page quotes.
 """
 
@@ -73,15 +73,23 @@ def test_tpu_bench_smoke_run(tmp_path: Path):
 
 
 def test_tpu_probe_smoke_runs(tmp_path: Path):
-    """``benchmarks/tpu_probe.py`` (the diagnosis behind docs/performance.md, "TPU") runs its
-    restore and save variants end to end, each with a thread profile where it takes one."""
+    """``benchmarks/studies/tpu_probe.py`` (the diagnosis behind docs/performance.md, "TPU")
+    runs its restore and save variants end to end, each with a thread profile where it takes
+    one."""
     for what, variant in (
         ("restore", "restore unstaged"),
         ("save", "durable save (direct I/O never)"),
     ):
         out = tmp_path / f"{what}.json"
         run_benchmark(
-            "tpu_probe.py", what, "--smoke", "--json", str(out), "--dir", str(tmp_path), devices=1
+            "studies/tpu_probe.py",
+            what,
+            "--smoke",
+            "--json",
+            str(out),
+            "--dir",
+            str(tmp_path),
+            devices=1,
         )
         doc = json.loads(out.read_text())
         assert doc["times"][variant]["median"] > 0
