@@ -96,7 +96,10 @@ def tpu_bars(case: dict[str, Any]) -> dict[str, tuple[float, float, float]]:
 
 
 def _pyplot() -> Any:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("plot.py needs matplotlib: pip install matplotlib") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
