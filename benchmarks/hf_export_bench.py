@@ -328,7 +328,7 @@ def _single(job: dict[str, Any], timeout: float) -> dict[str, Any]:
 
 
 def _multi(n: int, job: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
-    sys.path.insert(0, str(REPO / "tests" / "helpers"))
+    sys.path.insert(0, str(REPO / "tests"))
     from multihost.launcher import run_workers
 
     results = run_workers(

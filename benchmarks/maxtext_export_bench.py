@@ -55,7 +55,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests" / "helpers"))
+sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "helpers")]
 
 import maxtext_checkpoints as M  # noqa: E402
 

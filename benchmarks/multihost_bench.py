@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests" / "helpers"))
+sys.path.insert(0, str(HERE.parent / "tests"))
 
 from multihost.launcher import run_workers  # noqa: E402
 

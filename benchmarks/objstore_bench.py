@@ -41,7 +41,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
-sys.path.insert(0, str(REPO / "tests" / "helpers"))
+sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "helpers")]
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from objstore import servers  # noqa: E402

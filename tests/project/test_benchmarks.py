@@ -6,10 +6,13 @@ the machine's transfer and file limits on an accelerator (docs/performance.md, "
 every row of its report. ``benchmarks/cli_startup_bench.py`` times the command line's start
 (docs/performance.md, "Command-line start"); its ``--smoke`` run must time every case and find
 that neither ``--help`` nor ``inspect`` of a file imports JAX, Orbax, Flax, ml_dtypes or NumPy.
+``benchmarks/studies/tpu_probe.py`` runs its variants, and ``benchmarks/plot.py`` reads the
+figures the page quotes.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -70,15 +73,23 @@ def test_tpu_bench_smoke_run(tmp_path: Path):
 
 
 def test_tpu_probe_smoke_runs(tmp_path: Path):
-    """``benchmarks/tpu_probe.py`` (the diagnosis behind docs/performance.md, "TPU") runs its
-    restore and save variants end to end, each with a thread profile where it takes one."""
+    """``benchmarks/studies/tpu_probe.py`` (the diagnosis behind docs/performance.md, "TPU")
+    runs its restore and save variants end to end, each with a thread profile where it takes
+    one."""
     for what, variant in (
         ("restore", "restore unstaged"),
         ("save", "durable save (direct I/O never)"),
     ):
         out = tmp_path / f"{what}.json"
         run_benchmark(
-            "tpu_probe.py", what, "--smoke", "--json", str(out), "--dir", str(tmp_path), devices=1
+            "studies/tpu_probe.py",
+            what,
+            "--smoke",
+            "--json",
+            str(out),
+            "--dir",
+            str(tmp_path),
+            devices=1,
         )
         doc = json.loads(out.read_text())
         assert doc["times"][variant]["median"] > 0
@@ -104,3 +115,25 @@ def test_cli_startup_bench_smoke_run(tmp_path: Path):
         assert row["runs"] == 3 and 0 < row["min_s"] <= row["median_s"] <= row["max_s"]
     for command in ("import orbax_safetensors", "--help", "inspect FILE"):
         assert result["imports"][command]["heavy_imported"] == [], command
+
+
+def test_plot_draws_the_recorded_figures(tmp_path: Path):
+    """``benchmarks/plot.py`` reads ``benchmarks/figures.json`` (the medians
+    docs/performance.md quotes, in the shapes ``run.py`` and ``tpu_bench.py`` write) and, where
+    matplotlib is installed (the ``bench`` extra), draws the page's two plots from it."""
+    spec = importlib.util.spec_from_file_location("plot", ROOT / "benchmarks" / "plot.py")
+    assert spec is not None and spec.loader is not None
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    figures = json.loads(plot.FIGURES.read_text())
+    groups = plot.cpu_groups(figures["cpu"])
+    assert [label for label, _ in groups] == ["256 MiB", "1 GiB", "4 GiB"]
+    for _, summaries in groups:
+        assert {"device", *plot.CPU_METHODS} <= set(summaries)
+        assert all(s[k] > 0 for s in summaries.values() for k in ("save_s", "cold_s", "warm_s"))
+    for _, case in plot.tpu_groups(figures["tpu"]["runs"]):
+        assert all(0 < v < 60 for bars in plot.tpu_bars(case).values() for v in bars)
+    if importlib.util.find_spec("matplotlib") is None:
+        return  # the drawing needs the bench extra
+    run_benchmark("plot.py", "--out", str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cpu.png", "tpu.png"]

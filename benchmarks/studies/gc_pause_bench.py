@@ -10,7 +10,7 @@ the live objects.
 
 Run::
 
-    python benchmarks/gc_pause_bench.py [--tensors 10000] [--rounds 7] [--heap 500000]
+    python benchmarks/studies/gc_pause_bench.py [--tensors 10000] [--rounds 7] [--heap 500000]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Where a save's and a restore's time goes on the accelerator: variants of ours side by side
 with the limits of the same bytes, each phase sampled thread by thread
-(``benchmarks/stack_sampler.py``). Not a scoreboard (``tpu_bench.py`` is): a diagnosis, run
+(``benchmarks/studies/stack_sampler.py``). Not a scoreboard (``tpu_bench.py`` is): a diagnosis, run
 once per question, in one process per case (one process at a time may hold a TPU).
 
 ``restore``: a LLaMA-shaped state (``benchmarks/state.py``) saved once by ours, then restored
@@ -17,9 +17,9 @@ and file writes until durable (buffered and ``O_DIRECT``, 2 and 8 threads).
 
 Every variant's times, and one sampled run's thread summary, go to ``--json``::
 
-    python benchmarks/tpu_probe.py restore --case 2G:bfloat16 --json probe_restore.json
-    python benchmarks/tpu_probe.py save --case 4G:float32 --json probe_save.json
-    python benchmarks/tpu_probe.py restore --smoke   # CPU, seconds
+    python benchmarks/studies/tpu_probe.py restore --case 2G:bfloat16 --json probe_restore.json
+    python benchmarks/studies/tpu_probe.py save --case 4G:float32 --json probe_save.json
+    python benchmarks/studies/tpu_probe.py restore --smoke   # CPU, seconds
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parents[1]))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -50,8 +50,8 @@ import orbax.checkpoint as ocp  # noqa: E402
 
 import orbax_safetensors as osf  # noqa: E402
 from benchmarks import tpu_bench as tb  # noqa: E402
-from benchmarks.stack_sampler import StackSampler  # noqa: E402
 from benchmarks.state import llama_specs, make_state, parse_size  # noqa: E402
+from benchmarks.studies.stack_sampler import StackSampler  # noqa: E402
 from orbax_safetensors._src.pipeline import staging as _staging  # noqa: E402
 from orbax_safetensors._src.storage import local as _local  # noqa: E402
 
