@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -281,4 +282,7 @@ def test_a_damaged_orbax_item_is_one_error_line(tmp_path):
         )
         assert done.returncode == 2, done.stderr
         one_error_line(done.stderr, argv[0])
-        assert "Orbax cannot read this item's metadata" in done.stderr
+        if argv[0] == "inspect":
+            assert "Orbax cannot read this item's metadata" in done.stderr
+        else:  # the file cut short is named (catalog/orbax_claims.py), not _METADATA
+            assert re.search(r"OCDBT data file d/\w+ holds 50 bytes", done.stderr), done.stderr

@@ -13,7 +13,10 @@ decoded (:meth:`OrbaxSource.read_box`: two of at most ``READ_PIECE_BYTES`` of wh
 chunks; a chunk is compressed, so one larger than that is a piece alone). A tool bounds what it
 holds by what it asks for: :func:`batches` of at most ``DEFAULT_BATCH_BYTES``, and boxes of a
 tensor larger than that (``read_box``; an export of stacked layers reads a band of them at a
-time: ``integrations/export_reads.py``).
+time: ``integrations/export_reads.py``). An Orbax-native item's shapes are claims of its
+metadata: before a read allocates one, its files are checked to back it
+(``catalog/orbax_claims.py``: stored chunks present, OCDBT data files whole, and at most the
+machine's physical memory read at once).
 
 Example::
 
@@ -37,6 +40,7 @@ from etils import epath
 
 from orbax_safetensors._src.catalog import flax_msgpack as _flax_msgpack
 from orbax_safetensors._src.catalog import listing as _listing
+from orbax_safetensors._src.catalog import orbax_claims as _orbax_claims
 from orbax_safetensors._src.catalog.listing import SourceKind, TensorInfo
 from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
 from orbax_safetensors._src.core import dtypes as _dtypes
@@ -199,6 +203,14 @@ class OrbaxSource:
     gives the same values. None of them runs a collective (Orbax's handler, not its
     ``Checkpointer``, whose restore ends in a barrier): in a multi-process job any process
     may read on its own.
+
+    Every read (the fallback through Orbax's restore too) first checks that the item's files
+    back what it is about to allocate (``catalog/orbax_claims.py``): Orbax's metadata and
+    the zarr metadata agree on the shape, the OCDBT data files the tensor's keys lie in are
+    present and long enough, every stored chunk the read needs is there (unless the item
+    reads never-written chunks as the fill value), and the read, with a chunk decoded, fits
+    the machine's physical memory; else a ``SafetensorsCheckpointError`` names the tensor,
+    its claimed dtype, shape and bytes, or the missing file. Listing an item reads no chunk.
     """
 
     def __init__(self, path: epath.Path) -> None:
@@ -225,6 +237,8 @@ class OrbaxSource:
         self._stores: dict[str, Any] = {}  # name -> its opened TensorStore, or None
         self._context: Any = None  # (with the item's storage flags, once a tensor is opened)
         self._storage: Any = None
+        self._ocdbt: _orbax_claims.OcdbtFiles | None = None
+        self._complete: set[str] = set()  # tensors every stored chunk of which is present
         self._lock = threading.Lock()
 
     def read(self, names: Sequence[str]) -> dict[str, np.ndarray]:
@@ -270,11 +284,55 @@ class OrbaxSource:
         )
         if spec is None:
             return None
-        store = ts.open(spec, open=True, context=self._context).result()
-        stored = _dtypes.to_numpy(info.dtype)
-        if tuple(store.shape) != info.shape or store.dtype.numpy_dtype != stored:
+        if storage.use_ocdbt:  # (a missing data file named, before TensorStore reads it)
+            if self._ocdbt is None:
+                self._ocdbt = _orbax_claims.OcdbtFiles(self.path)
+            self._ocdbt.check(f"{leaf_name}/", name)
+        try:
+            store = ts.open(spec, open=True, context=self._context).result()
+        except ValueError as e:
+            raise SafetensorsCheckpointError(
+                f"{self.path}: tensor {name!r}: TensorStore cannot open its array: {e}"
+            ) from None
+        zarr = f"{leaf_name}/{'zarr.json' if storage.use_zarr3 else '.zarray'}"
+        if storage.use_ocdbt:
+            zarr += " in the item's OCDBT database"
+        _orbax_claims.check_claim(str(self.path), name, info.shape, tuple(store.shape), zarr)
+        if store.dtype.numpy_dtype != _dtypes.to_numpy(info.dtype):
             return None  # (not the array Orbax's metadata describes as stored: Orbax's restore)
         return store
+
+    def _admit(self, name: str, boxes: Sequence[Sequence[slice]]) -> None:
+        """Raises before a read of ``boxes`` (explicit bounds) of tensor ``name`` allocates
+        anything, unless the item's files back them: its chunks stored (where the item does
+        not read missing chunks as the fill value) and OCDBT data files present, and their
+        bytes within :func:`orbax_claims.max_read_bytes` (``catalog/orbax_claims.py``)."""
+        info = self.tensors[name]
+        where = str(self.path)
+        claim = _orbax_claims.describe(info.dtype, info.shape, info.nbytes)
+        store = self.store(name)
+        chunk = self.chunks[name]
+        decoded = store.chunk_layout.read_chunk.shape if store is not None else None
+        if decoded is not None:  # (the chunks TensorStore decodes: the zarr metadata's)
+            chunk = tuple(int(c) for c in decoded)
+        if store is not None and not self._storage.fill_missing:
+            leaf_name = self.leaves[name][1].name
+            location = (
+                f"the item's OCDBT database (keys {leaf_name}/...)"
+                if self._storage.use_ocdbt
+                else str(self.path / leaf_name)
+            )
+            if name not in self._complete:  # (one listing of a whole tensor, not one a box)
+                whole = _runs.whole_index(info.shape)
+                try:
+                    _orbax_claims.check_stored(where, name, store, whole, claim, chunk, location)
+                    self._complete.add(name)
+                except SafetensorsCheckpointError:  # a box of the chunks present still reads
+                    for box in boxes:
+                        _orbax_claims.check_stored(where, name, store, box, claim, chunk, location)
+        _orbax_claims.check_allocation(
+            where, name, info.dtype, info.shape, boxes=boxes, chunk=chunk
+        )
 
     def read_box(self, name: str, box: Sequence[slice]) -> np.ndarray:
         """The values of ``box`` (a slice per axis, steps of 1) of tensor ``name``, in its
@@ -291,6 +349,7 @@ class OrbaxSource:
 
         info = self.tensors[name]
         box = _runs.normalize_index(tuple(box), info.shape)
+        self._admit(name, [box])
         shape = tuple(s.stop - s.start for s in box)
         stored = _dtypes.to_numpy(info.dtype)
         out = _buffers.aligned_empty(math.prod(shape) * stored.itemsize).view(stored)
@@ -373,18 +432,37 @@ class OrbaxSource:
                 sharding=shardings[name], global_shape=tuple(int(d) for d in leaf.shape)
             )
 
-        out.update(self._restore([n for n in names if n not in out], restore_args))
+        rest = [n for n in names if n not in out]
+        boxes = {}  # what Orbax's restore allocates of each: this process's distinct boxes
+        for name in rest:
+            shape = self.tensors[name].shape
+            mine = shardings[name].addressable_devices_indices_map(shape).values()
+            distinct = {
+                _runs.index_key(b): b for b in (_runs.normalize_index(i, shape) for i in mine)
+            }
+            boxes[name] = list(distinct.values())
+        out.update(self._restore(rest, restore_args, boxes))
         return {n: out[n] for n in names}
 
-    def _restore(self, names: Sequence[str], restore_args: Any) -> dict[str, Any]:
+    def _restore(
+        self,
+        names: Sequence[str],
+        restore_args: Any,
+        boxes: Mapping[str, Sequence[Sequence[slice]]] | None = None,
+    ) -> dict[str, Any]:
         # Orbax's handler, not PyTreeCheckpointer: the Checkpointer's restore ends in a
         # barrier of every process, which a read by one process (or on a reading thread)
-        # must not reach.
+        # must not reach. Each array is admitted first (whole, or ``boxes``: what this
+        # process holds of it): Orbax's restore allocates the claimed shape before it reads.
         import jax
         import orbax.checkpoint as ocp
 
         if not names:
             return {}
+        for name in names:
+            if name in self.tensors:
+                whole = [_runs.whole_index(self.tensors[name].shape)]
+                self._admit(name, boxes[name] if boxes is not None else whole)
         wanted = set(names)
         name_of = self.name_of_path()
         item = select_leaves(self.tree, wanted, name_of, lambda leaf: 0)
@@ -524,12 +602,25 @@ def orbax_metadata_tree(path: epath.PathLike) -> Any:
         meta = ocp.PyTreeCheckpointer().metadata(_steps.absolute(path))
     except Exception as error:  # Orbax raises many types on a damaged file
         # (ValueError/TypeError/KeyError on bad JSON, AttributeError on JSON of another shape)
-        raise SafetensorsCheckpointError(f"{problem}: {error}") from error
+        raise SafetensorsCheckpointError(
+            _missing_item_file(path) or f"{problem}: {error}"
+        ) from error
     meta = getattr(meta, "item_metadata", meta)
     tree = getattr(meta, "tree", meta)
-    if tree is None:
-        raise SafetensorsCheckpointError(problem)
+    if tree is None:  # (Orbax returns no tree when it cannot read the arrays' own metadata)
+        raise SafetensorsCheckpointError(_missing_item_file(path) or problem)
     return tree
+
+
+def _missing_item_file(path: epath.PathLike) -> str | None:
+    # The file whose absence kept Orbax from reading an item's metadata, where one is missing.
+    path = _steps.absolute(path)
+    if not (path / _steps.ORBAX_METADATA_FILE).exists():
+        return None
+    storage = _steps.array_storage(path)
+    return _orbax_claims.missing_file(
+        path, use_ocdbt=storage.use_ocdbt, use_zarr3=storage.use_zarr3
+    )
 
 
 def chunk_shape(leaf: Any, shape: tuple[int, ...]) -> tuple[int, ...]:
