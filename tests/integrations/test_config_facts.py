@@ -9,8 +9,6 @@ import pytest
 import orbax_safetensors as osf
 from orbax_safetensors._src.integrations.config_facts import ConfigFacts
 
-transformers = pytest.importorskip("transformers", minversion="5", reason="needs transformers>=5")
-
 LLAMA = {
     "model_type": "llama",
     "vocab_size": 96,
@@ -72,6 +70,7 @@ def test_sizes_read():
     with pytest.raises(osf.ConfigError, match=r"text_config\.vocab_size is 0"):
         ConfigFacts({"text_config": {**LLAMA, "vocab_size": 0}}).validated()
     # a transformers config: every key, its defaults too (as the model it builds has them)
+    transformers = pytest.importorskip("transformers", minversion="5")
     config = transformers.LlamaConfig(hidden_size=32, num_attention_heads=4, vocab_size=96)
     assert ConfigFacts.of(config).size("num_hidden_layers") == config.num_hidden_layers
 
