@@ -28,6 +28,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from orbax_safetensors._src.core.errors import (
+    ConfigError,
     DeletedArrayError,
     HeaderError,
     IntegrityError,
@@ -248,6 +249,7 @@ elif not any(isinstance(f, _RegisterWithOrbax) for f in sys.meta_path):
 
 __all__ = [
     "Chain",
+    "ConfigError",
     "ConvertSummary",
     "DeletedArrayError",
     "Header",

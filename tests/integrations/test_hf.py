@@ -366,12 +366,40 @@ def test_rule_patterns_work_both_ways():
         (osf.SplitHeads(4, -1), (6, 12)),
         (osf.SplitHeads(4, 0), (12, 6)),
         (osf.Chain(osf.Transpose(), osf.SplitHeads(2, 0)), (6, 8)),
+        (osf.SplitHeads(4, -1, head_dim=3), (6, 12)),
         (osf.Reshape((2, 3, 4), (6, 4)), (6, 4)),
     ],
 )
 def test_transforms_invert(transform, shape):
     x = np.arange(np.prod(shape)).reshape(shape)
     np.testing.assert_array_equal(transform.to_torch(transform.to_flax(x)), x)
+
+
+@pytest.mark.parametrize(
+    "transform, direction, shape, match",
+    [
+        (osf.SplitHeads(5, -1), "to_flax", (6, 12), "does not split into 5 heads"),
+        (osf.SplitHeads(head_dim=16), "to_flax", (6, 12), "into heads of head_dim 16"),
+        (osf.SplitHeads(4, -1, head_dim=4), "to_flax", (6, 12), "into 4 heads of head_dim 4"),
+        # a merge checks what it is told: a wrong head_dim never merges silently
+        (
+            osf.SplitHeads(head_dim=6),
+            "to_torch",
+            (6, 4, 3),
+            "hold 4 heads of head_dim 3, not heads of head_dim 6",
+        ),
+        (osf.SplitHeads(2, 0), "to_torch", (4, 3, 6), "hold 4 heads of head_dim 3, not 2 heads"),
+    ],
+)
+def test_split_heads_refuses_what_does_not_fit(transform, direction, shape, match):
+    with pytest.raises(ValueError, match=match):
+        getattr(transform, direction)(np.zeros(shape))
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"heads": 0}, {"head_dim": -8}, {"heads": 2.5}])
+def test_split_heads_needs_positive_sizes(kwargs):
+    with pytest.raises(ValueError, match="SplitHeads"):
+        osf.SplitHeads(**kwargs)
 
 
 def test_conv_kernel_transpose_matches_torch(tmp_dir):

@@ -280,8 +280,10 @@ def test_preset_arguments_and_config_errors(tmp_path):
         osf.preset_mapping("maxtext-qwen3", hf_config=config)
     with pytest.raises(ValueError, match="needs a Hugging Face config with vocab_size"):
         osf.preset_mapping("maxtext-llama3", hf_config={"model_type": "llama"})
-    with pytest.raises(ValueError, match="no such file"):
+    with pytest.raises(ValueError, match=r"a directory without config\.json"):
         osf.preset_mapping("maxtext-llama3", hf_config=tmp_path)
+    with pytest.raises(ValueError, match="no such file"):
+        osf.preset_mapping("maxtext-llama3", hf_config=tmp_path / "missing.json")
     # the config as an object, a dict, a file or a directory: the same mapping
     config.save_pretrained(tmp_path)
     forms = [config, config.to_dict(), tmp_path / "config.json", str(tmp_path)]

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from orbax_safetensors._src.integrations import transforms
 from orbax_safetensors._src.integrations.transforms import Offset, RopeInterleave, Scale, VocabRows
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -103,23 +104,51 @@ def test_rope_interleave_refuses_an_odd_axis():
 
 
 def test_vocab_rows_cut_and_pad():
-    x = np.arange(10, dtype=np.float32).reshape(5, 2)
-    np.testing.assert_array_equal(VocabRows(3).to_torch(x), x[:3])
-    np.testing.assert_array_equal(VocabRows(3).to_flax(x[:3]), x[:3])
-    padded = VocabRows(3, padded=6).to_flax(x[:3])
-    assert padded.shape == (6, 2) and not padded[3:].any()
-    np.testing.assert_array_equal(padded[:3], x[:3])
+    x = np.arange(16, dtype=np.float32).reshape(8, 2)
+    np.testing.assert_array_equal(VocabRows(6).to_torch(x), x[:6])
+    np.testing.assert_array_equal(VocabRows(6).to_flax(x[:6]), x[:6])
+    padded = VocabRows(6, padded=8).to_flax(x[:6])
+    assert padded.shape == (8, 2) and not padded[6:].any()
+    np.testing.assert_array_equal(padded[:6], x[:6])
     # the logits kernel: vocabulary on the last axis
     k = x.T
-    np.testing.assert_array_equal(VocabRows(3, axis=-1).to_torch(k), k[:, :3])
+    np.testing.assert_array_equal(VocabRows(6, axis=-1).to_torch(k), k[:, :6])
     # a shorter vocabulary than the config's is padded with zeros on export
-    assert VocabRows(7).to_torch(x).shape == (7, 2)
+    assert VocabRows(10).to_torch(x).shape == (10, 2)
 
 
 def test_vocab_rows_probe_pads_without_allocating():
-    probe = np.broadcast_to(np.zeros((), np.float32), (4, 1 << 20))
-    out = VocabRows(4, padded=1 << 16).to_flax(probe)
-    assert out.shape == (1 << 16, 1 << 20) and not any(out.strides)
+    probe = np.broadcast_to(np.zeros((), np.float32), (60000, 1 << 20))
+    out = VocabRows(60000, padded=61440).to_flax(probe)
+    assert out.shape == (61440, 1 << 20) and not any(out.strides)
+
+
+@pytest.mark.parametrize(
+    ("rows", "transform", "direction"),
+    [
+        (96, VocabRows(48), "to_torch"),  # a config's vocabulary cutting real rows
+        (96, VocabRows(1 << 40), "to_torch"),  # one claiming what it would allocate
+        (96, VocabRows(96, padded=1 << 40), "to_flax"),  # a load padded to a claim
+        (96, VocabRows(1 << 40), "to_flax"),  # a file the config contradicts
+        (96, VocabRows(-5), "to_torch"),
+        (1 << 20, VocabRows((1 << 20) - 4096), "to_torch"),  # past PADDING_ROWS
+    ],
+    ids=["smaller", "larger", "padded", "load", "negative", "rows"],
+)
+def test_vocab_rows_refuse_more_than_a_padding(rows, transform, direction):
+    # a broadcast probe, as the shape arithmetic plans with: refused before anything is made
+    probe = np.broadcast_to(np.zeros((), np.float32), (rows, 4))
+    with pytest.raises(ValueError, match="vocab_size"):
+        getattr(transform, direction)(probe)
+
+
+def test_padding_limit():
+    assert transforms.padding_problem(96, 128, "v") is None  # MaxText's padding in the tests
+    assert transforms.padding_problem(256000, 256128, "v") is None  # Gemma's
+    assert transforms.padding_problem(262144, 262208, "v") is None  # Gemma 3's, cut
+    assert "differ by 2049" in transforms.padding_problem(1 << 20, (1 << 20) + 2049, "v")
+    assert "differ by 33" in transforms.padding_problem(96, 129, "v")  # a quarter of 129: 32
+    assert "not a positive" in transforms.padding_problem(96, 0, "v")
 
 
 # --------------------------------------------------------------------------- offset
@@ -141,7 +170,7 @@ def test_offset_in_the_dtype(dtype):
 
 @pytest.mark.parametrize(
     "transform",
-    [Scale.attention_query(8), RopeInterleave(), VocabRows(3), VocabRows(6, 9), Offset(1.0)],
+    [Scale.attention_query(8), RopeInterleave(), VocabRows(5), VocabRows(6, 8), Offset(1.0)],
     ids=repr,
 )
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)

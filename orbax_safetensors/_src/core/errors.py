@@ -107,3 +107,9 @@ class TargetMismatchError(SafetensorsCheckpointError):
 
 class IntegrityError(SafetensorsCheckpointError):
     """Stored bytes do not match their recorded checksum."""
+
+
+class ConfigError(SafetensorsCheckpointError):
+    """A model config's value that shapes a tensor (a Hugging Face ``config.json``'s
+    ``vocab_size``, heads, ``head_dim``...) is impossible: not a positive whole number, or
+    not dividing what it must divide. The message names the key and the value."""

@@ -33,6 +33,7 @@ import numpy as np
 
 from orbax_safetensors._src.integrations import export_plan as _export_plan
 from orbax_safetensors._src.integrations import links as _links
+from orbax_safetensors._src.integrations.config_facts import ConfigFacts
 from orbax_safetensors._src.integrations.key_mapping import KeyMapping, Rule
 
 Shape = tuple[int, ...]
@@ -190,8 +191,11 @@ def _rows(key: str, heads: int, kv: int) -> int | None:
 
 
 def attention_sizes(hf_config: Any) -> tuple[int, int, int] | None:
-    """``(heads, key/value heads, head_dim)`` of a transformers config (or its dict; a
-    nested ``text_config`` too), or None when it names no heads."""
+    """``(heads, key/value heads, head_dim)`` of a transformers config (or its dict, or its
+    ``config.json``; a nested ``text_config`` too), or None when it names no heads.
+
+    Raises:
+      ConfigError: an impossible value (``config_facts.ConfigFacts.attention``)."""
     found = _attention(hf_config)
     return None if found is None else found[0]
 
@@ -202,19 +206,13 @@ _TEXT_MODULES = frozenset({"language_model", "text_model"})
 
 
 def _attention(hf_config: Any) -> tuple[tuple[int, int, int], bool] | None:
-    # (heads, key/value heads, head_dim) and whether they come from a nested text_config
+    # (heads, key/value heads, head_dim) and whether they come from a nested text_config,
+    # read and validated by config_facts (an impossible value raises ConfigError)
     if hf_config is None:
         return None
-    doc = hf_config if isinstance(hf_config, Mapping) else getattr(hf_config, "to_dict", dict)()
-    for sub, nested in ((doc, False), (doc.get("text_config"), True)):
-        if not isinstance(sub, Mapping) or not sub.get("num_attention_heads"):
-            continue
-        heads = int(sub["num_attention_heads"])
-        kv = int(sub.get("num_key_value_heads") or heads)
-        head_dim = int(sub.get("head_dim") or int(sub.get("hidden_size") or 0) // heads)
-        if head_dim:
-            return (heads, kv, head_dim), nested
-    return None
+    facts = ConfigFacts.of(hf_config).language_model()
+    found = facts.attention()
+    return None if found is None else (found, bool(facts.prefix))
 
 
 def fused_config_problems(

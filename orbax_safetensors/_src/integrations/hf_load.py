@@ -101,7 +101,11 @@ def plan_links(
         key = link.torch[0]
         absent = [n for n in link.flax if n not in targets]
         if absent:
-            report.unexpected += [f"{key} -> {n}" for n in absent]
+            refused = _refusal(link, tensors)
+            if refused is not None:  # (a target derived from the files leaves such links out)
+                report.mismatched.append(refused)
+            else:
+                report.unexpected += [f"{key} -> {n}" for n in absent]
             continue
         taken = [n for n in link.flax if n in claimed]
         if taken:
@@ -126,6 +130,19 @@ def plan_links(
         moves.append(link)
     report.missing = [n for n in targets if n not in claimed and not mapping.flax_ignored(n)]
     return moves, report
+
+
+def _refusal(link: _links.Link, tensors: Mapping[str, _sources.TensorInfo]) -> str | None:
+    # Why the link's shape arithmetic refuses its stored tensors (a transform they contradict:
+    # a config's head_dim or vocabulary), or None.
+    infos = [tensors[k] for k in link.torch]
+    try:
+        link.flax_shapes([t.shape for t in infos], _dtypes.to_numpy(infos[0].dtype))
+    except ValueError as e:
+        return (
+            f"{link.torch[0]} {infos[0].dtype}{list(infos[0].shape)} -> {', '.join(link.flax)}: {e}"
+        )
+    return None
 
 
 # --------------------------------------------------------------------------- shardings

@@ -79,9 +79,12 @@ class SplitHeads:
     """Splits axis ``axis`` of size ``heads * dim`` into ``(heads, dim)`` (and merges it back
     for PyTorch), as NNX ``MultiHeadAttention`` stores its projections: query/key/value kernels
     ``(features, heads, dim)`` and biases ``(heads, dim)``, the output kernel
-    ``(heads, dim, features)``. Give the number of ``heads`` or the ``head_dim`` (one rule
+    ``(heads, dim, features)``. Give the number of ``heads``, the ``head_dim`` (one rule
     then fits query heads and fewer key/value heads alike, e.g. Tunix's
-    ``(embed, heads, head_dim)`` attention kernels).
+    ``(embed, heads, head_dim)`` attention kernels), or both (the axis must then be exactly
+    that many heads of that size). A tensor they do not fit is refused both ways (a
+    ``ValueError`` naming the axis and the sizes): a merge checks the heads and head size it
+    is given, so a wrong ``head_dim`` never merges silently.
 
     Example::
 
@@ -94,27 +97,45 @@ class SplitHeads:
     head_dim: int | None = None
 
     def __post_init__(self) -> None:
-        if (self.heads is None) == (self.head_dim is None):
-            raise ValueError("SplitHeads takes one of heads= or head_dim=")
+        if self.heads is None and self.head_dim is None:
+            raise ValueError("SplitHeads takes heads=, head_dim= or both")
+        for name in ("heads", "head_dim"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or int(value) != value or value <= 0):
+                raise ValueError(
+                    f"SplitHeads: {name} must be a positive whole number, got {value!r}"
+                )
+
+    def _sizes(self) -> str:
+        if self.heads is None:
+            return f"heads of head_dim {self.head_dim}"
+        return f"{self.heads} heads" + (
+            "" if self.head_dim is None else f" of head_dim {self.head_dim}"
+        )
 
     def to_flax(self, x: np.ndarray) -> np.ndarray:
         axis = self.axis % x.ndim
-        size = x.shape[axis]
+        size = int(x.shape[axis])
         if self.head_dim is not None:
-            if size % self.head_dim:
-                raise ValueError(
-                    f"axis {axis} of size {size} does not split into heads of {self.head_dim}"
-                )
-            split = (size // self.head_dim, self.head_dim)
+            dim = int(self.head_dim)
+            heads = size // dim if self.heads is None else int(self.heads)
         else:
             heads = int(self.heads or 0)
-            if size % heads:
-                raise ValueError(f"axis {axis} of size {size} does not split into {heads} heads")
-            split = (heads, size // heads)
-        return x.reshape(*x.shape[:axis], *split, *x.shape[axis + 1 :])
+            dim = size // heads
+        if heads * dim != size or not dim:
+            raise ValueError(f"axis {axis} of size {size} does not split into {self._sizes()}")
+        return x.reshape(*x.shape[:axis], heads, dim, *x.shape[axis + 1 :])
 
     def to_torch(self, x: np.ndarray) -> np.ndarray:
         axis = self.axis % (x.ndim - 1)
+        heads, dim = int(x.shape[axis]), int(x.shape[axis + 1])
+        if (self.heads is not None and heads != self.heads) or (
+            self.head_dim is not None and dim != self.head_dim
+        ):
+            raise ValueError(
+                f"axes {axis} and {axis + 1} hold {heads} heads of head_dim {dim}, not "
+                f"{self._sizes()}"
+            )
         return x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2 :])
 
 

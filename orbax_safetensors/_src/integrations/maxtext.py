@@ -32,13 +32,10 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import os
-from collections.abc import Mapping
+import numbers
 from typing import Any
 
-from etils import epath
-
-from orbax_safetensors._src.integrations import model_files as _model_files
+from orbax_safetensors._src.integrations.config_facts import ConfigFacts
 from orbax_safetensors._src.integrations.key_mapping import (
     Chain,
     KeyMapping,
@@ -67,27 +64,6 @@ _MOE = {
 }
 
 
-def hf_config_dict(hf_config: Any) -> dict[str, Any]:
-    """A Hugging Face config as a dict: a transformers config object, a dict, a
-    ``config.json`` or a directory holding one.
-
-    Raises:
-      ValueError: a path without a JSON object config.
-      TypeError: anything else.
-    """
-    if isinstance(hf_config, Mapping):
-        return dict(hf_config)
-    if isinstance(hf_config, (str, os.PathLike)):
-        path = epath.Path(hf_config)
-        return _model_files.read_json(path / "config.json" if path.is_dir() else path)
-    if hasattr(hf_config, "to_dict"):
-        return dict(hf_config.to_dict())
-    raise TypeError(
-        "hf_config must be a transformers config, a dict, a config.json or a directory "
-        f"holding one, not {type(hf_config).__name__}"
-    )
-
-
 def maxtext_mapping(
     name: str,
     hf_config: Any,
@@ -103,15 +79,19 @@ def maxtext_mapping(
       name: ``"maxtext-llama3"``, ``"maxtext-mistral"``, ``"maxtext-mixtral"``,
         ``"maxtext-qwen3"`` or ``"maxtext-qwen3-moe"``.
       hf_config: the model's Hugging Face config (a transformers config, a dict, a
-        ``config.json`` or the model's directory): heads, ``head_dim``, ``vocab_size`` and
-        ``tie_word_embeddings`` come from it.
+        ``config.json`` or the model's directory): heads, key/value heads, ``head_dim``,
+        ``vocab_size`` and ``tie_word_embeddings`` come from it, each checked when read
+        (``config_facts.py``) and against the tensors when a load or an export plans (the
+        heads and ``head_dim`` split and merge exactly; the vocabulary is the tensors' within
+        a padding: ``transforms.VocabRows``).
       scan_layers: MaxText's ``scan_layers``: True, the layers stacked on axis 1
         (``decoder.layers``); False, one subtree a layer (``decoder.layers_{i}``); None (the
         default), both: an export reads either (the names tell them apart), a load fills the
         scanned layout (MaxText's default) and needs ``False`` for the other.
       vocab_size: the MaxText model's vocabulary when padded past the config's: a load pads
         the embedding and ``logits_dense`` with zero rows to it. An export always writes the
-        config's ``vocab_size`` rows (the padding dropped).
+        config's ``vocab_size`` rows (the padding dropped). Either way the rows change by a
+        padding at most (``transforms.PADDING_ROWS``, and a quarter of the larger count).
       root: where the parameters sit in the tree: ``"params.params."`` in a MaxText train
         state or checkpoint; ``"params."`` for a train state's ``params``; ``""`` for the
         ``{"decoder", "token_embedder"}`` tree itself.
@@ -119,6 +99,8 @@ def maxtext_mapping(
     Raises:
       ValueError: an unknown preset, a config of another model type, a config without the
         sizes the preset needs.
+      ConfigError: a size that is not a positive whole number, or that does not divide what
+        it must (key/value heads the heads, heads the hidden size), naming the key.
 
     Example::
 
@@ -127,8 +109,8 @@ def maxtext_mapping(
     """
     if name not in MAXTEXT_PRESETS:
         raise ValueError(f"no MaxText preset {name!r} (presets: {', '.join(MAXTEXT_PRESETS)})")
-    config = hf_config_dict(hf_config)
-    model_type = config.get("model_type")
+    config = ConfigFacts.of(hf_config)
+    model_type = config.doc.get("model_type")
     if model_type is not None and model_type != MAXTEXT_PRESETS[name]:
         raise ValueError(
             f"preset {name!r} maps {MAXTEXT_PRESETS[name]!r} models; the config is a "
@@ -140,7 +122,7 @@ def maxtext_mapping(
         layers += _layer_rules(name, dims, root + "decoder.layers.", {"i": 1})
     if scan_layers in (None, False):
         layers += _layer_rules(name, dims, root + "decoder.layers_{i}.", None)
-    padded = None if vocab_size is None else int(vocab_size)
+    padded = None if vocab_size is None else _padded(vocab_size)
     rules = [
         Rule(
             "model.embed_tokens.weight",
@@ -162,32 +144,45 @@ def maxtext_mapping(
     )
 
 
+def _padded(vocab_size: Any) -> int:
+    whole = isinstance(vocab_size, numbers.Integral) and not isinstance(vocab_size, bool)
+    if not whole or vocab_size <= 0:
+        raise ValueError(f"vocab_size= must be a positive whole number, got {vocab_size!r}")
+    return int(vocab_size)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Dims:
-    """What the rules need of a config: head_dim, the vocabulary, tied embeddings."""
+    """What the rules need of a config: heads (None: not given), key/value heads, head_dim,
+    the vocabulary, tied embeddings; read through ``ConfigFacts`` (validated)."""
 
+    heads: int | None
+    kv_heads: int | None
     head_dim: int
     vocab: int
     tied: bool
 
     @classmethod
-    def of(cls, name: str, config: Mapping[str, Any]) -> _Dims:
-        heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
-        head_dim = config.get("head_dim") or (hidden // heads if heads and hidden else None)
-        vocab = config.get("vocab_size")
-        if not head_dim or not vocab:
+    def of(cls, name: str, config: ConfigFacts) -> _Dims:
+        attention = config.attention()
+        heads, kv = (attention[0], attention[1]) if attention else (None, None)
+        head_dim = attention[2] if attention else config.size("head_dim")
+        vocab = config.vocab_size()
+        if head_dim is None or vocab is None:
             raise ValueError(
                 f"preset {name!r} needs a Hugging Face config with vocab_size and head_dim (or "
-                f"hidden_size and num_attention_heads); got keys {sorted(config)}"
+                f"hidden_size and num_attention_heads); got keys {sorted(config.doc)}"
             )
-        return cls(int(head_dim), int(vocab), bool(config.get("tie_word_embeddings", False)))
+        return cls(heads, kv, head_dim, vocab, config.flag("tie_word_embeddings"))
 
 
 def _layer_rules(name: str, dims: _Dims, layer: str, stacked: dict[str, int] | None) -> list[Rule]:
     """The rules of one decoder layer's tensors under ``layer`` (``...decoder.layers.``
     scanned with ``stacked={"i": 1}``, or ``...decoder.layers_{i}.``)."""
-    heads: list[Any] = [Transpose(), SplitHeads(head_dim=dims.head_dim, axis=-1)]  # (emb, h, d)
-    query, key = list(heads), list(heads)
+    # (emb, heads, head_dim): exactly the config's heads (key/value heads) of its head_dim
+    query: list[Any] = [Transpose(), SplitHeads(dims.heads, -1, dims.head_dim)]
+    key: list[Any] = [Transpose(), SplitHeads(dims.kv_heads, -1, dims.head_dim)]
+    value = list(key)
     if name == "maxtext-llama3":
         query.append(RopeInterleave())
         key.append(RopeInterleave())
@@ -198,11 +193,11 @@ def _layer_rules(name: str, dims: _Dims, layer: str, stacked: dict[str, int] | N
     def rule(torch: str, flax: str, transform: Any = None) -> Rule:
         return Rule(hf + torch, flax, transform, stacked=stacked)
 
-    out = Chain(Transpose(), SplitHeads(head_dim=dims.head_dim, axis=0))  # (heads, head_dim, emb)
+    out = Chain(Transpose(), SplitHeads(dims.heads, 0, dims.head_dim))  # (heads, head_dim, emb)
     rules = [
         rule("self_attn.q_proj.weight", att + "query.kernel", Chain(*query)),
         rule("self_attn.k_proj.weight", att + "key.kernel", Chain(*key)),
-        rule("self_attn.v_proj.weight", att + "value.kernel", Chain(*heads)),
+        rule("self_attn.v_proj.weight", att + "value.kernel", Chain(*value)),
         rule("self_attn.o_proj.weight", att + "out.kernel", out),
         rule("input_layernorm.weight", layer + "pre_self_attention_layer_norm.scale"),
         rule("post_attention_layernorm.weight", layer + "post_self_attention_layer_norm.scale"),

@@ -160,6 +160,21 @@ def read_json(path: epath.PathLike, what: str = "hf_config") -> dict[str, Any]:
     return doc
 
 
+def config_keys(hf_config: Any) -> dict[str, Any] | None:
+    """The keys of ``hf_config`` as the model it configures has them: a path's
+    ``config.json`` (a directory's), a dict as given, a transformers config's ``to_dict()``
+    (its defaults too, unlike the ``config.json`` written); None for None.
+
+    Raises:
+      ValueError: a path that does not exist, a directory without ``config.json``, a file
+        that is not a JSON object; naming the path.
+      TypeError: a value of another type.
+    """
+    if hasattr(hf_config, "to_dict") and not isinstance(hf_config, dict):
+        return dict(hf_config.to_dict())
+    return _config_doc(hf_config, _directory(hf_config))[0]
+
+
 def _is_path(value: Any) -> bool:
     return isinstance(value, (str, os.PathLike))
 

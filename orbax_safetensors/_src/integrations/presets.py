@@ -48,6 +48,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any
 
 from orbax_safetensors._src.integrations import maxtext as _maxtext
@@ -99,7 +100,8 @@ def preset_mapping(
         ``layers_{i}`` subtree a layer), None (both: an export reads either, a load fills
         the scanned layout).
       vocab_size: the MaxText presets': the model's vocabulary when padded past the
-        config's (a load pads the embedding and ``logits_dense`` to it).
+        config's (a load pads the embedding and ``logits_dense`` to it; by a padding at
+        most, ``transforms.PADDING_ROWS`` rows and a quarter of the larger count).
       lora_scale: the scale of LoRA adapters merged on export (``KeyMapping.lora_scale``):
         ``alpha / rank`` of qwix's ``LoraProvider``, as Tunix applies it (rank 4, alpha 8:
         2.0); None: flax's unscaled LoRA, 1.0.
@@ -108,6 +110,9 @@ def preset_mapping(
       ValueError: for an unknown name, a Tunix preset without ``head_dim``, a MaxText preset
         without ``hf_config`` (or with ``head_dim``/``tie_word_embeddings``, which come from
         the config).
+      ConfigError: a MaxText preset's ``hf_config`` with an impossible size (zero,
+        negative, not a whole number, key/value heads that do not divide the heads), naming
+        the key (``integrations/config_facts.py``).
 
     Example::
 
@@ -207,7 +212,7 @@ _MIXTRAL_MOE = [
 def _tunix(name: str, head_dim: int | None, tie_word_embeddings: bool) -> KeyMapping:
     # Tunix's llama3/params.py and qwen3/params.py, both ways. The query/key/value kernels
     # are (embed, heads, head_dim), the output kernel (heads, head_dim, embed).
-    if head_dim is None or int(head_dim) <= 0:
+    if isinstance(head_dim, bool) or not isinstance(head_dim, numbers.Integral) or head_dim <= 0:
         raise ValueError(
             f"preset {name!r} needs head_dim= (the Tunix ModelConfig's head_dim), got {head_dim!r}"
         )

@@ -52,6 +52,7 @@ from orbax_safetensors._src.integrations import links as _links
 from orbax_safetensors._src.integrations import lora as _lora
 from orbax_safetensors._src.integrations import model_files as _model_files
 from orbax_safetensors._src.integrations import sharded_export as _sharded_export
+from orbax_safetensors._src.integrations.config_facts import ConfigFacts
 from orbax_safetensors._src.integrations.key_mapping import KeyMapping, MappingReport
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
 from orbax_safetensors._src.pipeline import gcpause as _gcpause
@@ -435,14 +436,22 @@ def plan_export(
     """:func:`plan_tensors` with what keeps an export computing what the model computes
     (``integrations/fidelity.py``): a tied key whose value differs from the key it is tied
     to (``tie_values(names)``: the Flax tensors, LoRA merged) is written
-    (``report.untied``), and fused splits that do not fit ``hf_config``'s heads go to
-    ``report.mismatched``; ``lora``: the merges (``lora.plan``).
+    (``report.untied``), and the sizes ``hf_config`` claims of the planned tensors that they
+    contradict (``config_facts.ConfigFacts.tensor_problems``: the config.json written with
+    them) and fused splits that do not fit its heads go to ``report.mismatched``; ``lora``:
+    the merges (``lora.plan``).
+
+    Raises:
+      ConfigError: a size of ``hf_config`` that is impossible (before any tensor is read).
 
     Example::
 
         planned = plan_export(mapping, shapes, held, {}, None, report, lora=found,
                               tie_values=table.read, hf_config=config)
     """
+    # The config's sizes are checked before a tied tensor is read (ConfigError), and against
+    # the tensors the plan writes (what its config.json will claim of them) below.
+    facts = None if hf_config is None else ConfigFacts.of(hf_config).validated()
     untied: dict[str, tuple[str, float]] = {}
     if mapping.tied:
         links, _ = mapped_links(mapping, shapes, skip=lora.skip, renamed=lora.renamed)
@@ -460,12 +469,11 @@ def plan_export(
         show_stored=show_stored,
     )
     report.untied += list(untied)
+    written = {s.name: tuple(s.shape) for s in specs}
+    if facts is not None:
+        report.mismatched += facts.tensor_problems(written)
     report.mismatched += _fidelity.fused_config_problems(
-        links,
-        {s.name: tuple(s.shape) for s in specs},
-        shapes,
-        lambda n: _dtypes.to_numpy(held[n]),
-        hf_config,
+        links, written, shapes, lambda n: _dtypes.to_numpy(held[n]), facts
     )
     return PlannedExport(specs, links, applied, untied)
 

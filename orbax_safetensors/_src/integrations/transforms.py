@@ -90,16 +90,54 @@ class RopeInterleave:
         return axis, int(x.shape[axis])
 
 
+# How far a padded vocabulary may be from the config's (docs/huggingface.md): MaxText and
+# other trainers pad the embedding up to a multiple (128 rows, or 128 per model-parallel
+# device) or by a block of rows (Gemma's 256128 for 256000), and some cut a few off (Gemma 3's
+# 262144 for 262208). A larger difference is a config that contradicts the checkpoint.
+PADDING_ROWS = 2048
+PADDING_SHARE = 4  # (and at most a quarter of the larger of the two)
+
+
+def padding_problem(rows: int, claimed: int, what: str) -> str | None:
+    """Why a tensor of ``rows`` vocabulary rows cannot become one of ``claimed`` (``what``
+    names the claim: ``"vocab_size 96"``): a claim that is not positive, or one farther from
+    the rows than a padding goes (:data:`PADDING_ROWS`, and a quarter of the larger); None
+    when it can.
+
+    Example::
+
+        padding_problem(96, 128, "vocab_size 128")   # None: a padding
+        padding_problem(96, 48, "vocab_size 48")     # "vocab_size 48 and ... differ by 48: ..."
+    """
+    if claimed <= 0:
+        return f"{what} is not a positive number of rows"
+    gap = abs(int(rows) - int(claimed))
+    if gap <= min(PADDING_ROWS, max(rows, claimed) // PADDING_SHARE):
+        return None
+    return (
+        f"{what} and the tensor's {rows} rows differ by {gap}: more than a padded "
+        f"vocabulary's (at most {PADDING_ROWS} rows and a quarter of the larger); the config "
+        "contradicts the checkpoint"
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class VocabRows:
     """A vocabulary axis padded past the tokenizer's: towards PyTorch the tensor has the
     config's ``vocab`` rows along ``axis`` (the rows past it dropped; a shorter one padded
     with zeros), towards the JAX side ``padded`` rows (None: as many as it has).
 
+    Either way the rows change by a padding at most (:func:`padding_problem`: at most
+    :data:`PADDING_ROWS` rows and a quarter of the larger count), and a tensor read from a
+    Hugging Face file has the config's ``vocab`` rows within a padding too: a ``vocab`` or
+    ``padded`` farther from the tensor's rows is a config that contradicts the checkpoint,
+    refused with a ``ValueError`` (in the shape arithmetic a load or an export plans with,
+    before anything is read), never rows silently dropped or a claim allocated.
+
     Example::
 
-        VocabRows(3).to_torch(np.ones((5, 2)))              # 3 rows
-        VocabRows(3, padded=8).to_flax(np.ones((3, 2)))     # 8 rows, the last 5 zeros
+        VocabRows(3).to_torch(np.ones((4, 2)))              # 3 rows
+        VocabRows(6, padded=8).to_flax(np.ones((6, 2)))     # 8 rows, the last 2 zeros
     """
 
     vocab: int
@@ -107,14 +145,25 @@ class VocabRows:
     axis: int = 0
 
     def to_flax(self, x: np.ndarray) -> np.ndarray:
-        return x if self.padded is None else _rows(x, int(self.padded), self.axis)
+        _check_rows(x, int(self.vocab), self.axis, f"the config's vocab_size {self.vocab}")
+        if self.padded is None:
+            return x
+        return _rows(x, int(self.padded), self.axis, f"the padded vocab_size={self.padded}")
 
     def to_torch(self, x: np.ndarray) -> np.ndarray:
-        return _rows(x, int(self.vocab), self.axis)
+        return _rows(x, int(self.vocab), self.axis, f"the config's vocab_size {self.vocab}")
 
 
-def _rows(x: Any, n: int, axis: int) -> Any:
+def _check_rows(x: Any, n: int, axis: int, what: str) -> int:
     axis %= x.ndim
+    problem = padding_problem(int(x.shape[axis]), n, what)
+    if problem is not None:
+        raise ValueError(f"axis {axis}: {problem}")
+    return axis
+
+
+def _rows(x: Any, n: int, axis: int, what: str) -> Any:
+    axis = _check_rows(x, n, axis, what)
     have = x.shape[axis]
     if have >= n:
         return x[(slice(None),) * axis + (slice(0, n),)]

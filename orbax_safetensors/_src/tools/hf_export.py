@@ -32,6 +32,7 @@ from typing import Any
 
 from etils import epath
 
+from orbax_safetensors._src.integrations import config_facts as _config_facts
 from orbax_safetensors._src.integrations import model_files as _model_files
 from orbax_safetensors._src.integrations import presets as _presets
 from orbax_safetensors._src.integrations.key_mapping import KeyMapping, MappingReport
@@ -62,6 +63,7 @@ def resolve_mapping(
     Raises:
       ValueError: an unknown preset, a module that does not import, an attribute that is not
         a KeyMapping.
+      ConfigError: a size of ``hf_config`` that a preset reads and that is impossible.
     """
     mapping = _named_mapping(spec, hf_config)
     if lora_scale is None:
@@ -75,22 +77,22 @@ def _named_mapping(spec: str, hf_config: dict[str, Any] | None) -> KeyMapping:
             raise ValueError(
                 f"--mapping {spec!r}: neither a preset ({', '.join(_presets.PRESETS)}) nor module:attr"
             )
+        # (the config's sizes read through ConfigFacts: an impossible one is a ConfigError)
+        facts = _config_facts.ConfigFacts(hf_config or {}, "--hf-config")
         if spec in _presets.MAXTEXT_PRESETS:
             if hf_config is None:
                 raise ValueError(f"--mapping {spec!r} needs --hf-config (the model's config.json)")
-            return _presets.preset_mapping(spec, hf_config=hf_config)
-        doc = hf_config or {}
-        tie = bool(doc.get("tie_word_embeddings", False))
+            return _presets.preset_mapping(spec, hf_config=facts)
+        tie = facts.flag("tie_word_embeddings")
         if spec not in _presets.TUNIX_PRESETS:
             return _presets.preset_mapping(spec, tie_word_embeddings=tie)
-        heads = doc.get("num_attention_heads")
-        head_dim = doc.get("head_dim") or (doc.get("hidden_size", 0) // heads if heads else None)
-        if not head_dim:
+        head_dim = facts.head_dim()
+        if head_dim is None:
             raise ValueError(
                 f"--mapping {spec!r} needs --hf-config with head_dim (or hidden_size and "
                 "num_attention_heads)"
             )
-        return _presets.preset_mapping(spec, tie_word_embeddings=tie, head_dim=int(head_dim))
+        return _presets.preset_mapping(spec, tie_word_embeddings=tie, head_dim=head_dim)
     module_name, _, attr = spec.partition(":")
     added = "" not in sys.path and "." not in sys.path
     if added:

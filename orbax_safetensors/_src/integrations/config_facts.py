@@ -1,0 +1,385 @@
+"""The sizes a Hugging Face config claims, read in one place and never believed over the
+tensors.
+
+A config (``hf_config`` of ``osf.export_pytorch``, ``SafetensorsSave``, the MaxText presets;
+the CLI's ``--hf-config``) is input like any other: a wrong or forged ``vocab_size`` must not
+cut rows off an embedding, nor make an export allocate what it claims. Every value of it that
+shapes a tensor is read through :class:`ConfigFacts`, and checked twice:
+
+- when read: a size the transforms are built of (``vocab_size``, ``num_attention_heads``,
+  ``num_key_value_heads``, ``head_dim``, ``hidden_size``) is a positive whole number (not a
+  bool, a float or a string), key/value heads divide the heads, and heads divide
+  ``hidden_size`` where ``head_dim`` is derived from it; a count only compared with the
+  tensors (``num_hidden_layers``, ``intermediate_size``, ``moe_intermediate_size``,
+  ``num_local_experts`` / ``num_experts``) is a whole number, not negative (zero is a claim
+  like another: an MoE count of a dense model's config shapes nothing); else
+  :class:`ConfigError` names the key and the value;
+- against the tensors, where they are first known and before anything is read or allocated:
+  the transforms a preset builds of these values (``SplitHeads`` with the heads and
+  ``head_dim``, ``VocabRows`` with the vocabulary, ``transforms.py``) refuse a stored shape
+  they contradict in the shape arithmetic every load and export plans with; and an export's
+  planned Hugging Face tensors are checked against the config that becomes its
+  ``config.json`` (:meth:`ConfigFacts.tensor_problems`): embedding and head rows against
+  ``vocab_size``, attention projections against heads times ``head_dim``, MLP and expert
+  widths, the layers' and the experts' numbers. Each problem names the key, the number the
+  config claims and the number the tensors give.
+
+Example::
+
+    facts = ConfigFacts.of({"num_attention_heads": 4, "hidden_size": 32, "vocab_size": 96})
+    facts.attention()                                   # (4, 4, 8)
+    facts.tensor_problems({"model.embed_tokens.weight": (48, 32)})
+    # ["hf_config: vocab_size 96, but model.embed_tokens.weight [48, 32] has 48 rows"]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from etils import epath
+
+from orbax_safetensors._src.core.errors import ConfigError
+from orbax_safetensors._src.integrations import model_files as _model_files
+
+Shape = tuple[int, ...]
+
+# The names of a causal LM's tensors that the checks know (Hugging Face's decoder layouts:
+# LLaMA, Mistral, Qwen, Gemma, Mixtral, their multimodal wrappers' language model): other
+# keys (a vision tower's, GPT-2's fused attention) are left to the shape arithmetic.
+_LM = r"^(?:model\.(?:language_model\.)?|language_model\.model\.)"
+_EMBEDDING = re.compile(_LM + r"embed_tokens\.weight$|^transformer\.wte\.weight$")
+_HEAD = re.compile(r"^(?:language_model\.)?lm_head\.weight$")
+_LAYER = re.compile(_LM + r"layers\.(\d+)\.(.+)$")
+_ATTENTION = re.compile(r"self_attn\.(q_proj|k_proj|v_proj|o_proj)\.(weight|bias)$")
+_MLP = re.compile(r"mlp\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(
+    r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
+)
+_ROUTER = re.compile(r"(?:mlp|block_sparse_moe)\.gate\.weight$")
+_INTO = frozenset({"gate_proj", "up_proj", "w1", "w3"})  # (out, in): out is the MLP's width
+_EXPERT_COUNTS = ("num_local_experts", "num_experts")  # Mixtral's, Qwen MoE's
+
+
+def _config_doc(hf_config: Any) -> tuple[Mapping[str, Any], str]:
+    # The config as a mapping of its keys (a transformers config: all of them, defaults
+    # included, as the model it builds has them), and how messages name it.
+    if isinstance(hf_config, Mapping):
+        return hf_config, "hf_config"
+    doc = _model_files.config_keys(hf_config)
+    if not isinstance(hf_config, (str, os.PathLike)):
+        return doc or {}, "hf_config"
+    path = epath.Path(hf_config)
+    return doc or {}, f"hf_config {path / _model_files.CONFIG_FILE_NAME if path.is_dir() else path}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigFacts:
+    """The keys of a Hugging Face config (``doc``), read as validated sizes.
+
+    Attributes:
+      doc: the config's keys (a nested ``text_config``'s, for :meth:`language_model`).
+      where: how messages name the config (``"hf_config"``, ``"hf_config /m/config.json"``).
+      prefix: the keys' place in the config (``"text_config."`` for a nested one).
+    """
+
+    doc: Mapping[str, Any]
+    where: str = "hf_config"
+    prefix: str = ""
+
+    @classmethod
+    def of(cls, hf_config: Any) -> ConfigFacts:
+        """The facts of ``hf_config``: a transformers config, a dict, a ``config.json`` or a
+        directory holding one.
+
+        Raises:
+          ValueError: a path without a JSON object config (naming it).
+          TypeError: anything else.
+        """
+        if isinstance(hf_config, ConfigFacts):
+            return hf_config
+        doc, where = _config_doc(hf_config)
+        return cls(doc, where)
+
+    def language_model(self) -> ConfigFacts:
+        """These facts, or those of a nested ``text_config`` (a multimodal model's language
+        model: Gemma 3, LLaVA) when these name no heads."""
+        text = self.doc.get("text_config")
+        if self.doc.get("num_attention_heads") is None and isinstance(text, Mapping):
+            return ConfigFacts(text, self.where, self.prefix + "text_config.")
+        return self
+
+    # ---- values, each validated as it is read
+
+    def size(self, key: str) -> int | None:
+        """``key``'s value as a positive whole number; None where it is absent or null.
+
+        Raises:
+          ConfigError: any other value (zero, negative, a bool, a float, a string), naming
+            the key and the value.
+        """
+        value = self._whole(key)
+        if value is not None and value <= 0:
+            raise ConfigError(f"{self.where}: {self.prefix}{key} is {value}, not positive")
+        return value
+
+    def count(self, key: str) -> int | None:
+        """``key``'s value as a whole number, zero allowed; None where it is absent or null.
+
+        Raises:
+          ConfigError: any other value (negative, a bool, a float, a string), naming the key
+            and the value.
+        """
+        value = self._whole(key)
+        if value is not None and value < 0:
+            raise ConfigError(f"{self.where}: {self.prefix}{key} is {value}, negative")
+        return value
+
+    def _whole(self, key: str) -> int | None:
+        value = self.doc.get(key)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ConfigError(f"{self.where}: {self.prefix}{key} is {value!r}, not a whole number")
+        return int(value)
+
+    def flag(self, key: str, default: bool = False) -> bool:
+        """``key``'s value as a bool (``default`` where absent or null).
+
+        Raises:
+          ConfigError: another value, naming the key.
+        """
+        value = self.doc.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise ConfigError(f"{self.where}: {self.prefix}{key} is {value!r}, not true or false")
+        return value
+
+    def vocab_size(self) -> int | None:
+        """``vocab_size`` (see :meth:`size`)."""
+        return self.size("vocab_size")
+
+    def head_dim(self) -> int | None:
+        """``head_dim``, or ``hidden_size / num_attention_heads`` where it is absent; None
+        where neither is given.
+
+        Raises:
+          ConfigError: an impossible value, or heads that do not divide ``hidden_size``.
+        """
+        given = self.size("head_dim")
+        if given is not None:
+            return given
+        heads, hidden = self.size("num_attention_heads"), self.size("hidden_size")
+        if heads is None or hidden is None:
+            return None
+        if hidden % heads:
+            raise ConfigError(
+                f"{self.where}: {self.prefix}hidden_size {hidden} does not split into "
+                f"{self.prefix}num_attention_heads {heads} heads (and no head_dim is given)"
+            )
+        return hidden // heads
+
+    def attention(self) -> tuple[int, int, int] | None:
+        """``(heads, key/value heads, head_dim)``: ``num_attention_heads``,
+        ``num_key_value_heads`` (default: the heads), :meth:`head_dim`; None where the
+        config names no heads or no ``head_dim`` can be had.
+
+        Raises:
+          ConfigError: an impossible value, key/value heads that do not divide the heads.
+        """
+        heads = self.size("num_attention_heads")
+        if heads is None:
+            return None
+        kv = self.size("num_key_value_heads") or heads
+        if heads % kv:
+            raise ConfigError(
+                f"{self.where}: {self.prefix}num_key_value_heads {kv} does not divide "
+                f"{self.prefix}num_attention_heads {heads}"
+            )
+        head_dim = self.head_dim()
+        return None if head_dim is None else (heads, kv, head_dim)
+
+    def width(self, key: str) -> int | None:
+        """An MLP width (see :meth:`count`); None for a list of one per layer (Gemma 3n's),
+        which the shape arithmetic checks."""
+        return None if isinstance(self.doc.get(key), (list, tuple)) else self.count(key)
+
+    def experts(self) -> tuple[str, int] | None:
+        """``(key, number)`` of the experts a layer holds: ``num_local_experts`` (Mixtral)
+        or ``num_experts`` (Qwen MoE); None for a dense model."""
+        for key in _EXPERT_COUNTS:
+            n = self.count(key)
+            if n is not None:
+                return key, n
+        return None
+
+    # ---- against the tensors
+
+    def tensor_problems(self, shapes: Mapping[str, Shape]) -> list[str]:
+        """One line per claim of this config (its language model's: :meth:`language_model`)
+        that the Hugging Face tensors of ``shapes`` (by key) contradict, naming the key, the
+        number it claims and the one the tensors give: embedding and ``lm_head`` rows
+        (``vocab_size``) and width (``hidden_size``), attention projections (heads,
+        key/value heads times ``head_dim``), MLP widths (``intermediate_size``; experts':
+        ``moe_intermediate_size`` where given), the layers (``num_hidden_layers``: exactly
+        ``0 .. n - 1``) and the experts (``num_local_experts`` / ``num_experts``: each
+        layer's, and the router's rows). Keys of other layouts are not looked at.
+
+        Raises:
+          ConfigError: an impossible value (see :meth:`size`).
+        """
+        return _Claims(self.language_model()).problems(shapes)
+
+    def validated(self) -> ConfigFacts:
+        """These facts, once every size :meth:`tensor_problems` compares has been read
+        (each checked as :meth:`size` checks it): an impossible config is refused before any
+        tensor is read.
+
+        Raises:
+          ConfigError: naming the key and its value.
+        """
+        _Claims(self.language_model())
+        return self
+
+
+# Model types whose attention projections are plain: ``q_proj`` (heads * head_dim, hidden),
+# ``k_proj``/``v_proj`` (key/value heads * head_dim, hidden), ``o_proj`` (hidden, heads *
+# head_dim). Others (multi-head latent attention, gated queries) are left to the shape
+# arithmetic; a config that names no model type is taken as plain.
+_PLAIN_ATTENTION = frozenset(
+    {
+        "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma",
+        "gemma2", "gemma3", "gemma3_text", "phi3", "olmo", "olmo2", "olmoe", "granite",
+        "cohere", "cohere2", "starcoder2", "stablelm", "smollm3", "ministral", "helium",
+    }
+)  # fmt: skip
+
+
+class _Claims:
+    """The checks of :meth:`ConfigFacts.tensor_problems`: the first contradiction of each
+    claim, and how many more tensors share it."""
+
+    def __init__(self, facts: ConfigFacts) -> None:
+        # Every size the checks compare, read (and validated) before any tensor is looked at.
+        self.facts = f = facts
+        self.found: dict[str, tuple[str, int]] = {}
+        self.vocab, self.hidden = f.vocab_size(), f.size("hidden_size")
+        plain = f.doc.get("model_type") in _PLAIN_ATTENTION | {None}
+        self.attention = f.attention() if plain else None
+        self.width = f.width("intermediate_size")
+        moe = f.width("moe_intermediate_size")
+        self.expert_key = None if moe is None else "moe_intermediate_size"
+        self.expert_width = self.width if moe is None else moe
+        self.experts = f.experts()
+        self.layers = f.count("num_hidden_layers")
+        self.extra_layers = f.count("num_nextn_predict_layers") or 0  # (DeepSeek's, GLM's)
+
+    def claim(self, what: str, claimed: int | None, key: str, shape: Shape, axis: int) -> None:
+        """``what`` (a key, and how it makes a size) claims ``claimed`` rows (``axis`` 0) or
+        columns (1) of tensor ``key`` of ``shape``."""
+        have = shape[axis]
+        if claimed is None or claimed == have:
+            return
+        if what in self.found:
+            line, more = self.found[what]
+            self.found[what] = (line, more + 1)
+            return
+        of = "columns" if axis else "rows"
+        line = f"{self.facts.where}: {what} {claimed}, but {key} {list(shape)} has {have} {of}"
+        self.found[what] = (line, 0)
+
+    def problems(self, shapes: Mapping[str, Shape]) -> list[str]:
+        p = self.facts.prefix
+        vocab, hidden, attention, experts = self.vocab, self.hidden, self.attention, self.experts
+        layers: set[int] = set()
+        expert_ids: dict[int, set[int]] = {}
+        for key, given in shapes.items():
+            shape = tuple(int(d) for d in given)
+            if (_EMBEDDING.match(key) or _HEAD.match(key)) and len(shape) == 2:
+                self.claim(p + "vocab_size", vocab, key, shape, 0)
+                self.claim(p + "hidden_size", hidden, key, shape, 1)
+                continue
+            m = _LAYER.match(key)
+            if m is None:
+                continue
+            layer, rest = int(m.group(1)), m.group(2)
+            layers.add(layer)
+            if (a := _ATTENTION.search(rest)) and attention is not None and shape:
+                self._attention(a.group(1), a.group(2) == "weight", attention, key, shape, hidden)
+            elif (e := _EXPERT.search(rest)) and len(shape) == 2:
+                expert_ids.setdefault(layer, set()).add(int(e.group(1)))
+                name = self.expert_key or "intermediate_size"
+                self._mlp(e.group(2), p + name, self.expert_width, key, shape, hidden)
+            elif (mlp := _MLP.search(rest)) and len(shape) == 2:
+                self._mlp(mlp.group(1), p + "intermediate_size", self.width, key, shape, hidden)
+            elif _ROUTER.search(rest) and experts is not None and len(shape) == 2:
+                self.claim(p + experts[0], experts[1], key, shape, 0)
+        self._counts(layers, expert_ids)
+        return [
+            line + (f" (and {more} more tensors)" if more else "")
+            for line, more in self.found.values()
+        ]
+
+    def _attention(
+        self,
+        module: str,
+        weight: bool,
+        attention: tuple[int, int, int],
+        key: str,
+        shape: Shape,
+        hidden: int | None,
+    ) -> None:
+        heads, kv, head_dim = attention
+        p = self.facts.prefix
+        query = module in ("q_proj", "o_proj")
+        n, name = (heads, "num_attention_heads") if query else (kv, "num_key_value_heads")
+        what = f"{p}{name} {n} x {p}head_dim {head_dim} ="
+        if module != "o_proj":  # (out, in) and a bias (out,)
+            self.claim(what, n * head_dim, key, shape, 0)
+            if weight and len(shape) == 2:
+                self.claim(p + "hidden_size", hidden, key, shape, 1)
+        elif weight and len(shape) == 2:  # (hidden, heads * head_dim)
+            self.claim(what, n * head_dim, key, shape, 1)
+            self.claim(p + "hidden_size", hidden, key, shape, 0)
+
+    def _mlp(
+        self, module: str, what: str, width: int | None, key: str, shape: Shape, hidden: int | None
+    ) -> None:
+        into = module in _INTO  # gate and up: (width, hidden); down: (hidden, width)
+        self.claim(what, width, key, shape, 0 if into else 1)
+        self.claim(self.facts.prefix + "hidden_size", hidden, key, shape, 1 if into else 0)
+
+    def _counts(self, layers: set[int], expert_ids: Mapping[int, set[int]]) -> None:
+        f, p, n, experts = self.facts, self.facts.prefix, self.layers, self.experts
+        if (
+            n is not None
+            and layers
+            and not set(range(n)) <= layers <= set(range(n + self.extra_layers))
+        ):
+            line = (
+                f"{f.where}: {p}num_hidden_layers {n}, but the tensors hold layers "
+                f"{_numbers(layers)} ({len(layers)})"
+            )
+            self.found[p + "num_hidden_layers"] = (line, 0)
+        if experts is None:
+            return
+        for layer, ids in sorted(expert_ids.items()):
+            if ids != set(range(experts[1])):
+                line = (
+                    f"{f.where}: {p}{experts[0]} {experts[1]}, but layer {layer} holds experts "
+                    f"{_numbers(ids)} ({len(ids)})"
+                )
+                self.found.setdefault(p + experts[0] + " per layer", (line, 0))
+
+
+def _numbers(ids: set[int]) -> str:
+    ordered = sorted(ids)
+    if ordered == list(range(ordered[0], ordered[-1] + 1)):
+        return f"{ordered[0]} to {ordered[-1]}"
+    shown = ", ".join(map(str, ordered[:6]))
+    return shown + (", ..." if len(ordered) > 6 else "")
