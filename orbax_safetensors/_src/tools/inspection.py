@@ -104,6 +104,22 @@ def _step_report(path: epath.Path, keep: _Filter = _ALL) -> dict[str, Any]:
     }
 
 
+def _incomplete_step_report(path: epath.Path, missing: list[str]) -> dict[str, Any]:
+    """The report of a step directory named directly that Orbax lists with parts missing:
+    its items by name, no tensors (as a root lists such a step)."""
+    return {
+        "path": str(path),
+        "kind": "step",
+        "status": "incomplete",
+        "missing": missing,
+        "problem": f"missing {', '.join(missing)}",
+        "items": {},
+        "other_items": list(_steps.list_items(path)),
+        "num_tensors": None,
+        "total_bytes": None,
+    }
+
+
 def _root_step(step: _steps.StepDir, keep: _Filter = _ALL) -> dict[str, Any]:
     """One committed step of a root report; an incomplete or unreadable step says so."""
     entry: dict[str, Any] = {
@@ -118,7 +134,7 @@ def _root_step(step: _steps.StepDir, keep: _Filter = _ALL) -> dict[str, Any]:
         "problem": None,
         "missing": [],
     }
-    missing = _steps.missing_entries(step.path)
+    missing = _steps.missing_entries(step)
     if missing:
         entry["status"] = "incomplete"
         entry["problem"] = f"missing {', '.join(missing)}"
@@ -193,6 +209,11 @@ def inspect_path(
 
 
 def _report(path: epath.Path, keep: _Filter) -> dict[str, Any]:
+    entry = _steps.step_entry(path)
+    if entry is not None and entry.committed:
+        missing = _steps.missing_entries(entry)
+        if missing:  # a step Orbax lists whose files are partly gone: say so, read nothing
+            return _incomplete_step_report(path, missing)
     kind = _steps.classify(path)
     if kind is PathKind.ROOT:
         return _root_report(path, keep)
@@ -279,6 +300,16 @@ def format_report(report: Mapping[str, Any]) -> str:
             lines.append(f"uncommitted (not listed by Orbax): {u['name']}: {u['reason']}")
         lines += [f"warning: {w}" for w in report["warnings"]]
         return "\n".join(lines)
+    if kind == "step" and report.get("status") == "incomplete":
+        return "\n".join(
+            [
+                f"{report['path']}: step; items: {', '.join(report['other_items']) or '-'}; "
+                "status: INCOMPLETE",
+                f"warning: incomplete step ({report['problem']}): Orbax lists it but restoring "
+                "it fails; most likely the process was killed while Orbax's cleanup "
+                "(max_to_keep) was deleting it",
+            ]
+        )
     if kind == "step":
         if report.get("uncommitted"):
             lines.append(
