@@ -324,3 +324,23 @@ def test_a_complete_step_verifies_and_a_half_deleted_one_names_what_is_missing(
         else:
             assert _steps.missing_entries(root / str(STEP)) == []
     assert needed, value_files
+
+
+def test_a_forged_chunk_grid_is_counted_not_enumerated(
+    roots: dict[str, Path], tmp_path: Path
+) -> None:
+    """The chunk files a zarr array lacks are found from its metadata's grid: one that claims
+    far more chunks than the directory could hold is counted, never listed chunk by chunk."""
+    root = tmp_path / "run"
+    shutil.copytree(roots["ours+zarr"], root)
+    step = root / str(STEP)
+    meta_path = step / "native" / "w" / "zarr.json"
+    meta = json.loads(meta_path.read_text())
+    meta["shape"] = [2**40, 64]
+    meta_path.write_text(json.dumps(meta))
+    rows, cols = meta["chunk_grid"]["configuration"]["chunk_shape"]
+    expected = -(-(2**40) // rows) * -(-64 // cols)
+    chunks = len([p for p in (step / "native" / "w").rglob("*") if p.is_file()]) - 1
+    assert chunks > 1  # the array is stored in several chunks
+    [entry] = _steps.missing_entries(step)
+    assert entry == f"{expected - chunks} of the {expected} chunk files of native/w/"

@@ -24,9 +24,10 @@ import dataclasses
 import enum
 import itertools
 import json
+import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from etils import epath
@@ -507,14 +508,17 @@ def _uncommitted(step: epath.Path) -> str | None:
 # scan_steps where it is the commit), array_metadatas/, ocdbt.process_<n>/manifest.ocdbt and
 # the per-process data files the merged manifest does not reference.
 
+# This library's handlers by class name: v0's, and v1's (orbax/v1.HANDLER_TYPESTR).
+_OUR_HANDLERS = frozenset((_OUR_HANDLER, "SafetensorsHandler"))
 _PYTREE_HANDLERS = frozenset(
     ("StandardCheckpointHandler", "PyTreeCheckpointHandler", "PyTreeHandler")
 )
-_ORBAX_ITEM_ENTRIES = ("_sharding", "_strings.json", "d", "array_metadatas")
+_ORBAX_ITEM_ENTRIES = ("_sharding", "_strings.json", "d", "array_metadatas", OCDBT_MANIFEST_FILE)
 SHARDING_FILE = "_sharding"
 STRINGS_FILE = "_strings.json"
 _TENSORSTORE_VALUES = frozenset(("jax.Array", "np.ndarray", "scalar"))
 _LISTED = 4  # missing files of one kind named one by one; more are counted
+_NAMED_CHUNKS = 4096  # beyond this many missing chunk files, a grid is counted, not listed
 
 
 def missing_entries(step: epath.PathLike | StepDir) -> list[str]:
@@ -551,8 +555,6 @@ def missing_entries(step: epath.PathLike | StepDir) -> list[str]:
         else {}
     )
     present = list_items(path)
-    if not named and not present and not missing:
-        missing.append("every item (the step directory holds none)")
     for name in sorted({*named, *present}):
         if not (path / name).is_dir():
             missing.append(f"{name}/")
@@ -562,6 +564,8 @@ def missing_entries(step: epath.PathLike | StepDir) -> list[str]:
         missing += _missing_in_item(path / name, f"{name}/", handler, name in named or not recorded)
     if _orbaxcompat.orbax_uses_legacy_commit_rule():
         missing.extend(n for n in _unfinished_items(path) if n not in missing)
+    if not named and not present and not missing:
+        missing.append("every item (the step directory holds none)")
     return missing
 
 
@@ -572,18 +576,16 @@ def _missing_in_item(item: epath.Path, prefix: str, handler: str | None, named: 
     is judged by what it holds, and an item holding nothing recognisable lacks its files only
     when ``named`` (an item of the step, or a step whose list of items is gone)."""
     names = {c.name for c in item.iterdir()}
-    if handler is None:
-        if _metadata.METADATA_FILE in names or any(n.endswith(".safetensors") for n in names):
-            handler = _OUR_HANDLER
-        elif (
-            ORBAX_METADATA_FILE in names
-            or OCDBT_MANIFEST_FILE in names
-            or any(n in _ORBAX_ITEM_ENTRIES or n.startswith("ocdbt.process_") for n in names)
-        ):
-            handler = "PyTreeCheckpointHandler"
-    if handler == _OUR_HANDLER:
+    ours = handler in _OUR_HANDLERS or _metadata.METADATA_FILE in names
+    pytree = not ours and (handler in _PYTREE_HANDLERS or ORBAX_METADATA_FILE in names)
+    if handler is None and not ours and not pytree:  # unrecorded: by what is left
+        ours = any(n.endswith(".safetensors") for n in names)
+        pytree = not ours and any(
+            n in _ORBAX_ITEM_ENTRIES or n.startswith("ocdbt.process_") for n in names
+        )
+    if ours:
         return _missing_in_our_item(item, prefix)
-    if handler in _PYTREE_HANDLERS:
+    if pytree:
         return _missing_in_pytree_item(item, names, prefix)
     if named and not names - {COMMIT_SUCCESS_FILE}:
         return [f"the files of {prefix}"]  # an item of another handler, emptied
@@ -684,11 +686,13 @@ def _missing_ocdbt_files(item: epath.Path, prefix: str) -> list[str]:
     files: set[str] = set()
     missing: set[str] = set()
     nodes = list(_locations(latest))
+    seen: set[str] = set()  # each node read once, whatever a forged tree references
     while nodes:
         location = nodes.pop()
         file = _location_file(location)
-        if file is None:
+        if file is None or location in seen:
             continue
+        seen.add(location)
         files.add(file)
         if not (item / file).exists():
             missing.add(file)
@@ -718,7 +722,8 @@ def _location_file(location: str) -> str | None:
     parts = location.split(":", 1)[-1].rsplit(":", 2)[0].split(":", 1)
     if len(parts) != 2:
         return None
-    file = parts[0] + parts[1]
+    base, relative = parts
+    file = f"{base.rstrip('/')}/{relative}" if base else relative
     names = file.split("/")
     if file.startswith("/") or any(n in ("", ".", "..") for n in names) or "\\" in file:
         return None
@@ -732,16 +737,26 @@ def _missing_zarr_files(array: epath.Path, storage: ArrayStorage, prefix: str) -
     meta = _read_json(array / meta_name)
     if meta is None:
         return [prefix + meta_name] if not (array / meta_name).exists() else []
-    keys = None if storage.fill_missing else _zarr_chunk_keys(meta, storage.use_zarr3)
-    if not keys:
+    grid = None if storage.fill_missing else _zarr_chunk_grid(meta, storage.use_zarr3)
+    if grid is None:
         return []
-    present = _files_under(array)
-    return _counted(prefix, [k for k in keys if k not in present], len(keys), "chunk files")
+    shape, key = grid
+    present = _files_under(array) - {meta_name}
+    expected = math.prod(shape)
+    if expected <= len(present):
+        return []  # (files are only ever deleted: none is missing)
+    if expected > len(present) + _NAMED_CHUNKS:  # count them: a grid is not enumerated
+        return [f"{expected - len(present)} of the {expected} chunk files of {prefix}"]
+    keys = [key(index) for index in itertools.product(*(range(n) for n in shape))]
+    return _counted(prefix, [k for k in keys if k not in present], expected, "chunk files")
 
 
-def _zarr_chunk_keys(meta: Any, zarr3: bool) -> list[str] | None:
-    """The chunk keys of a zarr array's chunk grid (v2 ``.zarray`` or v3 ``zarr.json``, with
-    the key encodings Orbax writes); None where the metadata is not of that form."""
+def _zarr_chunk_grid(
+    meta: Any, zarr3: bool
+) -> tuple[list[int], Callable[[tuple[int, ...]], str]] | None:
+    """The chunk grid of a zarr array (v2 ``.zarray`` or v3 ``zarr.json``, with the key
+    encodings Orbax writes): the number of chunks along each axis, and the key of a chunk
+    from its index; None where the metadata is not of that form."""
     if not isinstance(meta, dict) or not isinstance(meta.get("shape"), list):
         return None
     shape = meta["shape"]
@@ -768,13 +783,12 @@ def _zarr_chunk_keys(meta: Any, zarr3: bool) -> list[str] | None:
         or not all(isinstance(c, int) and c > 0 for c in chunks)
     ):
         return None
-    grid_shape = [-(-n // c) for n, c in zip(shape, chunks)]
-    if not shape:
-        return [sep.join(lead) if lead else "0"]
-    return [
-        sep.join([*lead, *(str(i) for i in index)])
-        for index in itertools.product(*(range(n) for n in grid_shape))
-    ]
+
+    def key(index: tuple[int, ...]) -> str:
+        parts = [*lead, *(str(i) for i in index)]
+        return sep.join(parts) if parts else "0"
+
+    return [-(-n // c) for n, c in zip(shape, chunks)], key
 
 
 def _files_under(directory: epath.Path, prefix: str = "") -> set[str]:

@@ -12,9 +12,10 @@ inside), an Orbax step directory (item directories inside) or a ``CheckpointMana
 In a root, the steps checked are exactly those Orbax lists (``mngr.all_steps()``), as
 :func:`orbax_safetensors._src.orbax.steps.scan_steps` decides: uncommitted steps (Orbax's
 ``*.orbax-checkpoint-tmp*`` directories, and commit-file steps without ``commit_success.txt``)
-are skipped and listed in ``skipped``, never checked as complete. A committed step with entries
-missing (an item, a metadata file, a safetensors file) is listed in ``incomplete`` and is a
-problem like any other damage: Orbax lists it but cannot restore it, so ``ok`` is False (the
+are skipped and listed in ``skipped``, never checked as complete. A committed step that lacks
+what restoring it needs (:func:`orbax_safetensors._src.orbax.steps.missing_entries`: its
+``_CHECKPOINT_METADATA``, an item, a metadata or data file of an item, ours or Orbax's) is
+listed in ``incomplete`` and is a problem like any other damage: Orbax lists it but cannot restore it, so ``ok`` is False (the
 command line exits with status 1). Every other step is still checked. When such a step is older
 than the latest one, ``warnings`` says so: most likely a crash interrupted Orbax's deletion of
 that old step (``max_to_keep``), and the latest step is unaffected. A step directory named
