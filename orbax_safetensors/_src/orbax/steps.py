@@ -669,11 +669,16 @@ def _missing_ocdbt_files(item: epath.Path, prefix: str) -> list[str]:
     spec = _orbaxcompat.array_read_spec(
         item, "_", use_zarr3=False, use_ocdbt=True, fill_missing=False, context=context
     )
+    # Orbax's own spec of the item's directory (local disk, gs://); where it gives none (s3://
+    # in orbax-checkpoint 0.12), TensorStore cannot open the path and nothing is walked.
     base_spec = spec.get("kvstore", {}).get("base") if isinstance(spec, dict) else None
+    if not isinstance(base_spec, dict):
+        base_spec = {"driver": "file", "path": str(item)}
+    path = base_spec.get("path")
+    if isinstance(path, str) and not path.endswith("/"):
+        base_spec = {**base_spec, "path": path + "/"}  # a directory: its files are its keys
     try:
-        base = ts.KvStore.open(
-            base_spec or {"driver": "file", "path": f"{item}/"}, context=context
-        ).result()
+        base = ts.KvStore.open(base_spec, context=context).result()
         manifest = ts.ocdbt.dump(base, context=context).result()
     except (ValueError, TypeError):
         return []

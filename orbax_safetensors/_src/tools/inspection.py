@@ -191,7 +191,9 @@ def inspect_path(
     For a root: the committed steps (those ``mngr.all_steps()`` lists) with their items, tensor
     counts, tensor bytes and bytes on disk, each with a ``status`` (``ok``; ``incomplete`` when
     entries are missing, ``unreadable`` when a file is damaged, both with a ``problem``), the
-    uncommitted step directories (``uncommitted``, with the reason) and ``warnings``.
+    uncommitted step directories (``uncommitted``, with the reason) and ``warnings``. A step
+    directory named directly that lacks what restoring it needs: ``status`` ``incomplete``,
+    ``missing``, its item names and no tensors (nothing else is read).
     Otherwise every tensor's name, dtype, shape, bytes and file, with totals. ``include`` /
     ``exclude`` (globs over dotted names, as in ``osf.load_file``) limit the tensors listed
     and counted; a pattern matching no tensor raises ``TargetMismatchError``.

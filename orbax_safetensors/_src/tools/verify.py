@@ -15,11 +15,12 @@ In a root, the steps checked are exactly those Orbax lists (``mngr.all_steps()``
 are skipped and listed in ``skipped``, never checked as complete. A committed step that lacks
 what restoring it needs (:func:`orbax_safetensors._src.orbax.steps.missing_entries`: its
 ``_CHECKPOINT_METADATA``, an item, a metadata or data file of an item, ours or Orbax's) is
-listed in ``incomplete`` and is a problem like any other damage: Orbax lists it but cannot restore it, so ``ok`` is False (the
-command line exits with status 1). Every other step is still checked. When such a step is older
-than the latest one, ``warnings`` says so: most likely a crash interrupted Orbax's deletion of
-that old step (``max_to_keep``), and the latest step is unaffected. A step directory named
-directly that is not committed is a problem too (and is not checked).
+listed in ``incomplete`` and is a problem like any other damage: Orbax lists it but cannot
+restore it, so ``ok`` is False (the command line exits with status 1). Every other step is
+still checked. When such a step is older than the latest one, ``warnings`` says so: most likely
+a crash interrupted Orbax's deletion of that old step (``max_to_keep``), and the latest step is
+unaffected. A step directory named directly is judged as its root judges it; one that is not
+committed is a problem too (and is not checked).
 
 Example::
 
