@@ -285,14 +285,23 @@ def trained_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # What a kill during Orbax's deletion of old step 0 can leave (it deletes file by file, in no
-# fixed order), and what is then reported missing.
+# fixed order), and what is then reported missing (every order, and steps of several items:
+# tests/hostile/test_half_deleted_steps.py).
 DAMAGE = {
     "data-file": (["default/model.safetensors"], ["default/model.safetensors"]),
     "metadata-file": (["default/orbax_safetensors.json"], ["default/orbax_safetensors.json"]),
     "whole-item": (["default"], ["default/"]),
     "step-files-first": (
         ["commit_success.txt", "_CHECKPOINT_METADATA", "default/model.safetensors"],
-        ["default/model.safetensors"],
+        ["_CHECKPOINT_METADATA", "default/model.safetensors"],
+    ),
+    # The step's metadata alone: restore could still read the item, but the step is being
+    # deleted and which items it had is gone with that file.
+    "step-metadata": (["_CHECKPOINT_METADATA"], ["_CHECKPOINT_METADATA"]),
+    # All but the directory itself: Orbax lists the empty directory still.
+    "emptied": (
+        ["commit_success.txt", "_CHECKPOINT_METADATA", "default"],
+        ["_CHECKPOINT_METADATA"],
     ),
 }
 

@@ -76,6 +76,17 @@ def _direction_of(path: epath.Path, kind: PathKind) -> Direction:
     raise _steps.not_a_checkpoint(path)
 
 
+def _refuse_incomplete_steps(src: epath.Path, kind: PathKind) -> None:
+    """Refuses a root with a committed step, or a step, that lacks what restoring it needs: a
+    conversion would carry it on as a complete checkpoint."""
+    if kind is PathKind.ROOT:
+        for step in _steps.scan_steps(src):
+            if step.committed:
+                _steps.require_complete(step)
+    elif (entry := _steps.step_entry(src)) is not None and entry.committed:
+        _steps.require_complete(entry)
+
+
 def _convert_step(
     src: epath.Path,
     dst: epath.Path,
@@ -207,6 +218,7 @@ def convert(
             dtype=policy,
         )
     kind = _steps.classify(src)
+    _refuse_incomplete_steps(src, kind)
     if to and to not in tuple(Direction):
         raise SafetensorsCheckpointError(f"to must be 'safetensors' or 'orbax', not {to!r}")
     direction = Direction(to) if to else _direction_of(src, kind)

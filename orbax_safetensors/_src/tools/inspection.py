@@ -104,6 +104,22 @@ def _step_report(path: epath.Path, keep: _Filter = _ALL) -> dict[str, Any]:
     }
 
 
+def _incomplete_step_report(path: epath.Path, missing: list[str]) -> dict[str, Any]:
+    """The report of a step directory named directly that Orbax lists with parts missing:
+    its items by name, no tensors (as a root lists such a step)."""
+    return {
+        "path": str(path),
+        "kind": "step",
+        "status": "incomplete",
+        "missing": missing,
+        "problem": f"missing {', '.join(missing)}",
+        "items": {},
+        "other_items": list(_steps.list_items(path)),
+        "num_tensors": None,
+        "total_bytes": None,
+    }
+
+
 def _root_step(step: _steps.StepDir, keep: _Filter = _ALL) -> dict[str, Any]:
     """One committed step of a root report; an incomplete or unreadable step says so."""
     entry: dict[str, Any] = {
@@ -118,7 +134,7 @@ def _root_step(step: _steps.StepDir, keep: _Filter = _ALL) -> dict[str, Any]:
         "problem": None,
         "missing": [],
     }
-    missing = _steps.missing_entries(step.path)
+    missing = _steps.missing_entries(step)
     if missing:
         entry["status"] = "incomplete"
         entry["problem"] = f"missing {', '.join(missing)}"
@@ -175,7 +191,9 @@ def inspect_path(
     For a root: the committed steps (those ``mngr.all_steps()`` lists) with their items, tensor
     counts, tensor bytes and bytes on disk, each with a ``status`` (``ok``; ``incomplete`` when
     entries are missing, ``unreadable`` when a file is damaged, both with a ``problem``), the
-    uncommitted step directories (``uncommitted``, with the reason) and ``warnings``.
+    uncommitted step directories (``uncommitted``, with the reason) and ``warnings``. A step
+    directory named directly that lacks what restoring it needs: ``status`` ``incomplete``,
+    ``missing``, its item names and no tensors (nothing else is read).
     Otherwise every tensor's name, dtype, shape, bytes and file, with totals. ``include`` /
     ``exclude`` (globs over dotted names, as in ``osf.load_file``) limit the tensors listed
     and counted; a pattern matching no tensor raises ``TargetMismatchError``.
@@ -193,6 +211,11 @@ def inspect_path(
 
 
 def _report(path: epath.Path, keep: _Filter) -> dict[str, Any]:
+    entry = _steps.step_entry(path)
+    if entry is not None and entry.committed:
+        missing = _steps.missing_entries(entry)
+        if missing:  # a step Orbax lists whose files are partly gone: say so, read nothing
+            return _incomplete_step_report(path, missing)
     kind = _steps.classify(path)
     if kind is PathKind.ROOT:
         return _root_report(path, keep)
@@ -279,6 +302,16 @@ def format_report(report: Mapping[str, Any]) -> str:
             lines.append(f"uncommitted (not listed by Orbax): {u['name']}: {u['reason']}")
         lines += [f"warning: {w}" for w in report["warnings"]]
         return "\n".join(lines)
+    if kind == "step" and report.get("status") == "incomplete":
+        return "\n".join(
+            [
+                f"{report['path']}: step; items: {', '.join(report['other_items']) or '-'}; "
+                "status: INCOMPLETE",
+                f"warning: incomplete step ({report['problem']}): Orbax lists it but restoring "
+                "it fails; most likely the process was killed while Orbax's cleanup "
+                "(max_to_keep) was deleting it",
+            ]
+        )
     if kind == "step":
         if report.get("uncommitted"):
             lines.append(

@@ -12,13 +12,15 @@ inside), an Orbax step directory (item directories inside) or a ``CheckpointMana
 In a root, the steps checked are exactly those Orbax lists (``mngr.all_steps()``), as
 :func:`orbax_safetensors._src.orbax.steps.scan_steps` decides: uncommitted steps (Orbax's
 ``*.orbax-checkpoint-tmp*`` directories, and commit-file steps without ``commit_success.txt``)
-are skipped and listed in ``skipped``, never checked as complete. A committed step with entries
-missing (an item, a metadata file, a safetensors file) is listed in ``incomplete`` and is a
-problem like any other damage: Orbax lists it but cannot restore it, so ``ok`` is False (the
-command line exits with status 1). Every other step is still checked. When such a step is older
-than the latest one, ``warnings`` says so: most likely a crash interrupted Orbax's deletion of
-that old step (``max_to_keep``), and the latest step is unaffected. A step directory named
-directly that is not committed is a problem too (and is not checked).
+are skipped and listed in ``skipped``, never checked as complete. A committed step that lacks
+what restoring it needs (:func:`orbax_safetensors._src.orbax.steps.missing_entries`: its
+``_CHECKPOINT_METADATA``, an item, a metadata or data file of an item, ours or Orbax's) is
+listed in ``incomplete`` and is a problem like any other damage: Orbax lists it but cannot
+restore it, so ``ok`` is False (the command line exits with status 1). Every other step is
+still checked. When such a step is older than the latest one, ``warnings`` says so: most likely
+a crash interrupted Orbax's deletion of that old step (``max_to_keep``), and the latest step is
+unaffected. A step directory named directly is judged as its root judges it; one that is not
+committed is a problem too (and is not checked).
 
 Example::
 
@@ -134,19 +136,24 @@ def verify(path: epath.PathLike, *, chunk_bytes: int = CHUNK_BYTES) -> VerifyRep
         raise FileNotFoundError(f"{path}: no such file or directory")
     report = VerifyReport()
     checker = _Checker(report, chunk_bytes)
+    entry = _steps.step_entry(path)
+    if entry is not None:
+        reason = None if entry.committed else entry.reason
+    else:
+        reason = _steps.uncommitted_reason(path) if path.is_dir() else None
     if not path.is_dir():
         if (path.parent / _metadata.METADATA_FILE).exists():
             checker.item(path.parent, only=path.name)  # one file of a checkpoint directory
         else:
             checker.file(path, unreadable_raises=True)
-    elif (reason := _steps.uncommitted_reason(path)) is not None:
+    elif reason is not None:
         report.skipped.append(str(path))
         report._problem(f"{path}: uncommitted step, not checked ({reason}); Orbax does not list it")
-    elif (path / _metadata.METADATA_FILE).exists():
+    elif (path / _metadata.METADATA_FILE).exists() and entry is None:
         checker.item(path)
     elif not (
-        checker.step(path, depth=0)  # one step directory
-        if (path / _steps.CHECKPOINT_METADATA_FILE).exists()
+        checker.step(path, depth=0, listed=entry)  # one step directory
+        if entry is not None
         else checker.tree(path, depth=0)
     ):
         if not report.skipped:
@@ -204,7 +211,7 @@ class _Checker:
             if _steps.TMP_SUFFIX in child.name or (step is not None and not step.committed):
                 self.report.skipped.append(str(child))
             elif step is not None:
-                found = self.step(child) or found
+                found = self.step(child, listed=step) or found
             elif child.is_dir():
                 if (child / _metadata.METADATA_FILE).exists():
                     self.item(child)
@@ -223,17 +230,15 @@ class _Checker:
                 )
         return found
 
-    def step(self, path: epath.Path, depth: int = 1) -> bool:
-        """A committed step: its items (or the step itself, when it is an item), after checking
-        that no part of it is missing. False if it holds nothing of ours."""
-        missing = _steps.missing_entries(path)
+    def step(self, path: epath.Path, depth: int = 1, listed: _steps.StepDir | None = None) -> bool:
+        """A committed step (``listed``: its entry in its root, where known): its items (or
+        the step itself, when it is an item), after checking that no part of it is missing.
+        False if it holds nothing of ours."""
+        missing = _steps.missing_entries(listed or path)
         if missing:
             self.missing[path] = missing
             self.report.incomplete.append(str(path))
-            self.report._problem(
-                f"{path}: incomplete step, missing {', '.join(missing)} (Orbax lists this "
-                "step but cannot restore it)"
-            )
+            self.report._problem(_steps.incomplete_problem(path, missing))
             return True
         if (path / _metadata.METADATA_FILE).exists():
             self.item(path)
