@@ -4,7 +4,9 @@ processes of a ``jax.distributed`` job is registered by :func:`prepare_directory
 process), run by :func:`finish_directory` (every process: :func:`.spread.execute`, then the
 primary waits for everyone and persists the commit record) and committed by
 :func:`finalize_directory` (the primary, possibly on a fresh driver). A failed save is
-removed: nothing is left that a reader could take for a checkpoint file.
+removed: nothing is left that a reader could take for a checkpoint file. A job of several
+processes without the key-value store is refused in :func:`prepare_directory`, before any
+upload, with an error naming what is missing.
 
 Example::
 
@@ -298,8 +300,8 @@ def finalize_directory(store: _Store, directory: str) -> None:
     """The primary's last step of a save into ``directory``, once every process finished
     (possibly on a driver that did not run the save): commits a save by several processes
     from its record (kept in memory, else read from the store), i.e. completes what the record
-    still lists, then deletes the record; deletes any other temporary object left under the
-    directory's hidden prefix. Nothing else for a save by one process."""
+    still lists, then deletes the record. Without a record (a save by one process) it deletes
+    what a save killed mid-way left under the directory's hidden prefix, if anything."""
     directory = os.fspath(directory).rstrip("/")
     bucket, base = _base(directory)
     staged = f"{directory}/{_common.STAGING_DIR}/"
