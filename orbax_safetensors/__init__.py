@@ -95,13 +95,13 @@ if TYPE_CHECKING:
         load_metadata,
         save_file,
     )
-    from orbax_safetensors._src.storage.config import IOOptions
-    from orbax_safetensors._src.storage.objstore.calls import ObjectStoreError
-    from orbax_safetensors._src.storage.objstore.options import (
+    from orbax_safetensors._src.storage.config import (
+        IOOptions,
         ObjectStoreOptions,
         set_object_store_options,
     )
-    from orbax_safetensors._src.storage.objstore.stats import (
+    from orbax_safetensors._src.storage.objstore.calls import (
+        ObjectStoreError,
         ObjectStoreStats,
         object_store_stats,
     )
@@ -155,10 +155,10 @@ _LAZY: dict[str, str] = {
     "save_file": "pipeline.standalone",
     "IOOptions": "storage.config",
     "ObjectStoreError": "storage.objstore.calls",
-    "ObjectStoreOptions": "storage.objstore.options",
-    "set_object_store_options": "storage.objstore.options",
-    "ObjectStoreStats": "storage.objstore.stats",
-    "object_store_stats": "storage.objstore.stats",
+    "ObjectStoreOptions": "storage.config",
+    "set_object_store_options": "storage.config",
+    "ObjectStoreStats": "storage.objstore.calls",
+    "object_store_stats": "storage.objstore.calls",
     "read_header": "storage.router",
     "ConvertSummary": "tools.convert",
     "convert": "tools.convert",

@@ -13,8 +13,6 @@ import sys
 import textwrap
 import time
 
-import hypothesis
-import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,50 +25,9 @@ import orbax_safetensors as osf
 from objstore.buckets import download, list_keys, pending_uploads, upload
 from objstore.trees import MiB, as_comparable, check_tree, official_tensors, sample_tree
 from orbax_safetensors._src.orbax import object_storage as _object_storage
-from orbax_safetensors._src.storage.objstore import s3 as _s3
-
-# --------------------------------------------------------------------------- S3 part planning
-
-
-@hypothesis.settings(max_examples=300, deadline=None)
-@hypothesis.given(
-    sizes=st.lists(st.integers(1, 30), min_size=1, max_size=12),
-    is_last=st.booleans(),
-)
-def test_s3_part_plan_respects_multipart_limits(sizes: list[int], is_last: bool) -> None:
-    """Parts tile the region, copies stay inside one object, and every part but the file's
-    last is >= the minimum part size (5 units here) and <= about part_size (12)."""
-    min_part, part_size = 5, 12
-    hypothesis.assume(is_last or sum(sizes) >= min_part)
-    sources, pos = [], 100
-    for i, n in enumerate(sizes):
-        sources.append({"offset": pos, "size": n, "key": f"obj{i}", "key_offset": 3 * i})
-        pos += n
-    parts = _s3.part_recipes(sources, is_last, min_part, part_size)
-    assert [p.start for p in parts] == [100] + [p.stop for p in parts[:-1]]
-    assert parts[-1].stop == pos
-    for k, part in enumerate(parts):
-        assert part.size <= part_size
-        if k < len(parts) - 1 or not is_last:
-            assert part.size >= min_part, parts
-        if part.copy is not None:
-            (src,) = [s for s in sources if s["key"] == part.copy["key"]]
-            shift = part.start - src["offset"]
-            assert part.copy["key_offset"] == src["key_offset"] + shift >= src["key_offset"]
-            assert shift + part.size <= src["size"]
-        else:
-            assert sum(p["size"] for p in part.ranges) == part.size
-            assert part.ranges[0]["offset"] == part.start
-
-
-def test_s3_part_numbers_follow_offsets() -> None:
-    size = 200 * 1024 * MiB  # 200 GiB: parts must exceed 5 MiB to stay within 10,000
-    min_part = _s3.s3_min_part(size)
-    assert min_part > 5 * MiB
-    starts = range(0, size - min_part, min_part)
-    numbers = [_s3.part_number(s, size) for s in starts]
-    assert numbers == sorted(set(numbers)) and numbers[0] == 1 and numbers[-1] <= 10_000
-
+from orbax_safetensors._src.storage import config as _config
+from orbax_safetensors._src.storage.interface import Piece
+from orbax_safetensors._src.storage.objstore import engine as _engine
 
 # --------------------------------------------------------------------------- single process
 
@@ -318,3 +275,19 @@ def test_missing_object_is_file_not_found(store) -> None:
     _, bucket = store
     with pytest.raises(FileNotFoundError, match=r"nope\.safetensors"):
         osf.load_file(f"{bucket}/nope.safetensors")
+
+
+@pytest.mark.parametrize(
+    "url", ["s3://bucket/ckpt/w.safetensors", "gs://bucket/ckpt/w.safetensors"]
+)
+def test_a_partly_held_file_outside_a_prepared_save_is_refused(url: str) -> None:
+    """One process holding part of a file, with no save by several processes prepared for its
+    directory: refused before any request (nothing joins ranges later), naming its bytes."""
+    pieces = [Piece(0, np.zeros(10, np.uint8)), Piece(50, np.zeros(5, np.uint8))]
+    provider = _engine.S3 if url.startswith("s3") else _engine.GCS
+    osf.object_store_stats(reset=True)
+    with pytest.raises(
+        ValueError, match=r"w\.safetensors: this process holds bytes 0-9, 50-54 of 100"
+    ):
+        provider.write_file(url, pieces, 100, _config.resolve(None))
+    assert osf.object_store_stats().requests == 0

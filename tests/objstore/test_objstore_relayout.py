@@ -107,8 +107,9 @@ def test_two_processes_upload_column_stripes_as_one_range_per_tensor(
             moved = save["bytes_uploaded"] + save["bytes_fetched"]
             assert data // n <= moved <= 1.25 * data / n + 2 * _WINDOW + (64 << 10), save
             assert save["put_requests"] + save["get_requests"] <= 8, save
-    # GCS joins staged objects of >= 1 MiB as they are: the primary re-assembles only what is
-    # smaller (the short tensor's rows, the bfloat16 tensor's quarter), not the column stripes.
+    # On GCS a range of >= 1 MiB is a window object of its own: the primary builds only mixed
+    # windows of what is smaller (the short tensor's rows, the bfloat16 tensor's quarter), not
+    # the column stripes.
     assert reports[0][gcs_root]["save"]["bytes_reassembled"] < (1 << 20), reports[0][gcs_root]
     want = {name: (item / name).read_bytes() for name in _FILES}
     for server, root in ((s3_server, s3_root), (gcs_server, gcs_root)):

@@ -3,9 +3,10 @@ column-sharded states to S3 and GCS; the part building is spread over the proces
 upload plan, so no process moves more than its share.
 
 Per process and save: the engine's counters (``osf.object_store_stats``) equal what the plan
-(``storage/objstore/upload_plan``) lists for that process, request by request kind and byte by
+(``storage/objstore/upload_plan``, counted by ``tests/helpers/upload_requests.py``) lists for
+that process, request by request kind and byte by
 byte (the primary also lists the staging directory once, and writes and deletes the commit
-record, ``storage/objstore/spread_commit.py``; no multipart upload is created that the plan does
+record, ``storage/objstore/engine.py``; no multipart upload is created that the plan does
 not use); upload plus download bytes stay
 within 1.25 x (checkpoint bytes / N) + 2 part windows; no process sends more than 2x the mean
 requests (plus the GETs of one window shared by many processes: a file too small to split,

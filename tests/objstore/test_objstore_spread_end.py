@@ -3,7 +3,7 @@
 * A spread save is finalized by a driver that did not run it (Orbax's finalize on a fresh
   handler, here the test's own process after the savers exited): each file several processes
   wrote was completed by its finisher during the save, and the primary persisted the commit
-  record (``storage/objstore/spread_commit.py``), which the finalize finds and deletes; a
+  record (``storage/objstore/engine.py``), which the finalize finds and deletes; a
   record that still lists S3 uploads or GCS tops to complete is completed from it, and one
   that does not match the store fails clearly, naming the file, and leaves no file.
 * The key-value keys of each save are deleted once every process is done.
@@ -33,7 +33,7 @@ from objstore.trees import MiB
 from orbax_safetensors._src.storage import config as _config
 from orbax_safetensors._src.storage.objstore import calls as _calls
 from orbax_safetensors._src.storage.objstore import engine as _engine
-from orbax_safetensors._src.storage.objstore import spread_commit as _commit
+from orbax_safetensors._src.storage.objstore import spread as _spread
 
 STATE = {  # as in tests/multihost/workers/objstore_spread_end_worker.py
     "a": ((1024, 4096), np.float32),
@@ -67,11 +67,11 @@ def test_commit_from_a_persisted_record(store) -> None:
         files = ({"name": name, "size": sum(map(len, blobs)), "parts": 3, "upload_id": upload_id},)
     else:
         for g, blob in enumerate(blobs):
-            st.put(name_of(bucket), _commit.compose_key(key, 0, g), [memoryview(blob)])
+            st.put(name_of(bucket), _spread.compose_key(key, 0, g), [memoryview(blob)])
         files = ({"name": name, "size": sum(map(len, blobs)), "level": 0, "sources": 3},)
-    record = _commit.CommitRecord("s3" if server.kind == "s3" else "gs", files)
+    record = _engine.CommitRecord("s3" if server.kind == "s3" else "gs", files)
     data = [memoryview(record.to_json().encode())]
-    st.put(name_of(bucket), _commit.record_key(directory), data)  # as the primary persisted it
+    st.put(name_of(bucket), _engine.record_key(directory), data)  # as the primary persisted it
     _engine.finalize_directory(st, directory)
     assert download(server, f"{directory}/{name}") == b"".join(blobs)
     assert list_keys(server, bucket) == [key]  # record and composites gone
@@ -90,11 +90,11 @@ def test_a_record_the_store_contradicts_fails_clearly(store) -> None:
         st.upload_part(name_of(bucket), key, upload_id, 1, [memoryview(_data(5 * MiB, 1))])
         files = ({"name": name, "size": 6 * MiB, "parts": 2, "upload_id": upload_id},)
     else:
-        st.put(name_of(bucket), _commit.compose_key(key, 0, 0), [memoryview(_data(99, 1))])
+        st.put(name_of(bucket), _spread.compose_key(key, 0, 0), [memoryview(_data(99, 1))])
         files = ({"name": name, "size": 198, "level": 0, "sources": 2},)
-    record = _commit.CommitRecord("s3" if server.kind == "s3" else "gs", files)
+    record = _engine.CommitRecord("s3" if server.kind == "s3" else "gs", files)
     data = [memoryview(record.to_json().encode())]
-    st.put(name_of(bucket), _commit.record_key(directory), data)
+    st.put(name_of(bucket), _engine.record_key(directory), data)
     with pytest.raises(_calls.ObjectStoreError) as info:
         _engine.finalize_directory(st, directory)
     assert name in str(info.value)

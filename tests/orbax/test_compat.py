@@ -336,9 +336,9 @@ def test_nnx_variable_types_touch_no_deprecated_flax_name():
 
 
 def test_distributed_key_value_store_is_found_where_expected() -> None:
-    """The spread object-store save (storage/objstore/spread.py) finds jax.distributed's
-    key-value store here; a single process has none (its saves take the engine's own path);
-    tests/objstore/test_objstore_spread.py uses it from real processes."""
+    """A save to object storage by several processes (storage/objstore/spread.py) runs over
+    jax.distributed's key-value store, found here; a single process has none (its saves write
+    each file whole); tests/objstore/test_objstore_spread.py uses it from real processes."""
     from jax._src import distributed
 
     assert hasattr(distributed, "global_state") and hasattr(distributed.global_state, "client"), (
@@ -346,13 +346,24 @@ def test_distributed_key_value_store_is_found_where_expected() -> None:
         "_src/compat/jaxcompat.distributed_kv"
     )
     assert _jaxcompat.distributed_kv() is None  # not initialized in this test process
+    with pytest.raises(
+        RuntimeError,
+        match=r"2 processes needs the key-value store of jax\.distributed: jax\.distributed is not initialized",
+    ):
+        _jaxcompat.require_distributed_kv("a save to gs://b/ckpt/1/default by 2 processes")
 
 
-def test_key_value_delete_and_try_get_have_fallbacks() -> None:
-    """A jaxlib client without ``key_value_try_get`` / ``key_value_delete``: a spread save's
-    waits notice a failed process only at their timeout, and its keys stay (documented); with
-    them (this jaxlib), the real calls are used (tests/objstore/test_objstore_spread_end.py
-    checks that no key is left, from real processes)."""
+def test_every_supported_jaxlib_client_has_the_key_value_store() -> None:
+    """The object-store protocol has no fallback: every jaxlib CI tests (0.6.0 on the floor
+    stack) has each method it calls; a client that lacked one is refused, naming it."""
+    try:  # jaxlib's extension module: _jax from jax 0.7 on, xla_extension before
+        from jax._src.lib import _jax as extension
+    except ImportError:
+        from jax._src.lib import xla_extension as extension
+
+    client = extension.DistributedRuntimeClient
+    assert _jaxcompat.kv_missing(client) is None, _jaxcompat.kv_missing(client)
+    assert hasattr(client, "wait_at_barrier")  # (compat/multihost's barriers)
 
     class OldClient:
         def key_value_set(self, key: str, value: str) -> None: ...
@@ -360,16 +371,6 @@ def test_key_value_delete_and_try_get_have_fallbacks() -> None:
         def blocking_key_value_get(self, key: str, timeout_in_ms: int) -> str:
             return ""
 
-    old = OldClient()
-    assert _jaxcompat.distributed_kv_try_get(old, "osf/x/failed") is None
-    assert not _jaxcompat.can_try_get(old)
-    assert _jaxcompat.distributed_kv_delete(old, "osf/x") is False
-    try:  # jaxlib's extension module: _jax from jax 0.7 on, xla_extension before
-        from jax._src.lib import _jax as extension
-    except ImportError:
-        from jax._src.lib import xla_extension as extension
-
-    client = getattr(extension, "DistributedRuntimeClient", None)
-    if client is None or not hasattr(client, "key_value_delete"):
-        pytest.skip(f"jaxlib {jax.__version__} has no DistributedRuntimeClient.key_value_delete")
-    assert hasattr(client, "key_value_try_get")
+    assert _jaxcompat.kv_missing(OldClient()) == (
+        f"the client of jax {jax.__version__} has no key_value_try_get, key_value_delete"
+    )

@@ -10,12 +10,13 @@ import random
 import numpy as np
 import pytest
 
-from orbax_safetensors._src.storage.objstore import upload_requests as _ur
+# tests/helpers/ is on sys.path (tests/conftest.py).
+import upload_requests as _ur
+from upload_requests import Phase, RequestKind
+
 from orbax_safetensors._src.storage.objstore.upload_plan import (
     MAX_WINDOW_OWNERS,
     FileOwners,
-    Phase,
-    RequestKind,
     StoreKind,
     UploadLimits,
     plan_uploads,

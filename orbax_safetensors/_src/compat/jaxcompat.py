@@ -14,8 +14,7 @@ attribute.
 | :func:`batched_device_put` | ``jax._src.interpreters.pxla.batched_device_put``, ``jax._src.core.ShapedArray`` | private | ``jax.device_put`` (``None`` here) |
 | :func:`single_device_key` | ``SingleDeviceSharding._device`` | private | the sharding itself as a dict key (``None`` here) |
 | :func:`nnx_list` | ``flax.nnx.List`` | public since flax 0.12 (needed there for lists of modules) | a plain ``list`` (what flax 0.11 takes) |
-| :func:`distributed_kv` | ``jax._src.distributed.global_state.client`` (its ``key_value_set``, ``blocking_key_value_get``) | private | None: object-store saves by several processes join the ranges on the primary as before |
-| :func:`distributed_kv_try_get`, :func:`distributed_kv_delete` | the client's ``key_value_try_get``, ``key_value_delete`` | private (the client); missing from some jaxlib releases | None / False: a wait notices another process's failure only at its timeout; a save's keys stay in the coordination service |
+| :func:`distributed_kv`, :func:`require_distributed_kv` | ``jax._src.distributed.global_state.client`` and its :data:`KV_METHODS` (every supported jaxlib, 0.6.0 on, has them) | private | none for an object-store save by several processes: it raises, naming what is missing (:func:`require_distributed_kv`); :mod:`.multihost` uses device collectives |
 | :mod:`.multihost`'s barriers and broadcasts | the client's ``wait_at_barrier`` (with :func:`distributed_kv`) | private (the client) | device collectives as ``multihost_utils``', waited for on every local device |
 | :func:`global_mesh_kept`, :func:`plain_set_mesh` | ``jax.sharding.set_mesh`` | a plain setter returning the previous mesh on jax 0.7, a context manager from 0.8 on, absent before | nothing to guard (no call on other versions) |
 | :func:`device_holds` | whether XLA takes an ml_dtypes dtype (float6 types: not on jax 0.10's CPU) | differs by version | probed once per dtype by a one-element ``jax.device_put`` |
@@ -177,64 +176,88 @@ def single_device_key(sharding: Any) -> Any:
 # -- jax._src.distributed.global_state.client (private) --------------------------------------
 
 
-def distributed_kv() -> Any:
-    """The key-value store of ``jax.distributed`` (the coordination service every process of a
-    job is connected to), or None when this JAX hides it or the job is not distributed.
+KV_METHODS = ("key_value_set", "blocking_key_value_get", "key_value_try_get", "key_value_delete")
+"""What callers use of the key-value store: ``key_value_set(key, value)``,
+``blocking_key_value_get(key, timeout_in_ms)`` (waits until another process set the key),
+``key_value_try_get(key)`` and ``key_value_delete(prefix)`` (strings)."""
 
-    What callers use of it: ``key_value_set(key, value)`` and
-    ``blocking_key_value_get(key, timeout_in_ms)`` (strings; the get waits until another
-    process set the key). Callers without it keep their single-process or older behaviour.
-    """
+
+def _distributed_client() -> Any:
     try:  # jax 0.6-0.10 keep the client here
         from jax._src import distributed
     except ImportError:
         return None
-    client = getattr(getattr(distributed, "global_state", None), "client", None)
-    needed = ("key_value_set", "blocking_key_value_get")
-    if client is None or not all(hasattr(client, name) for name in needed):
-        return None
+    return getattr(getattr(distributed, "global_state", None), "client", None)
+
+
+def kv_missing(client: Any) -> str | None:
+    """Why ``client`` (``jax.distributed``'s, None before ``jax.distributed.initialize``) cannot
+    serve as the key-value store, or None if it can.
+
+    Example::
+
+        assert kv_missing(None).startswith("jax.distributed is not initialized")
+    """
+    if client is None:
+        return (
+            "jax.distributed is not initialized (call jax.distributed.initialize() in every "
+            "process), or this JAX keeps its client elsewhere than "
+            "jax._src.distributed.global_state.client"
+        )
+    missing = [name for name in KV_METHODS if not hasattr(client, name)]
+    if missing:
+        return f"the client of jax {jax.__version__} has no {', '.join(missing)}"
+    return None
+
+
+def distributed_kv() -> Any:
+    """The key-value store of ``jax.distributed`` (the coordination service every process of a
+    job is connected to; see :data:`KV_METHODS`), or None when the job is not distributed or
+    this JAX hides it."""
+    client = _distributed_client()
+    return None if kv_missing(client) else client
+
+
+def require_distributed_kv(purpose: str) -> Any:
+    """:func:`distributed_kv`, or a RuntimeError saying that ``purpose`` needs it and what is
+    missing.
+
+    Example::
+
+        client = require_distributed_kv("a save to gs://b/ckpt/1/default by 4 processes")
+    """
+    client = _distributed_client()
+    reason = kv_missing(client)
+    if reason:
+        raise RuntimeError(f"{purpose} needs the key-value store of jax.distributed: {reason}")
     return client
 
 
 def distributed_kv_try_get(client: Any, key: str) -> str | None:
     """The value of ``key`` in the key-value store ``client`` (:func:`distributed_kv`), or None
-    if it is not set or this jaxlib's client has no ``key_value_try_get`` (callers then wait
-    with ``blocking_key_value_get`` alone). Errors other than a missing key propagate.
+    if it is not set. Errors other than a missing key propagate.
 
     Example::
 
         failed = distributed_kv_try_get(distributed_kv(), "osf/ckpt/1/failed")
     """
-    try_get = getattr(client, "key_value_try_get", None)
-    if try_get is None:
-        return None
     try:
-        return str(try_get(key))
+        return str(client.key_value_try_get(key))
     except Exception as error:
         if "NOT_FOUND" in str(error) or "not found" in str(error).lower():
             return None
         raise
 
 
-def can_try_get(client: Any) -> bool:
-    """Whether :func:`distributed_kv_try_get` can see a key without waiting for it."""
-    return hasattr(client, "key_value_try_get")
-
-
-def distributed_kv_delete(client: Any, directory: str) -> bool:
+def distributed_kv_delete(client: Any, directory: str) -> None:
     """Deletes every key under ``directory`` + ``/`` (and ``directory`` itself) from the
-    key-value store ``client``; False when this jaxlib's client cannot delete keys (they then
-    stay until the job ends: a few hundred bytes per save and process).
+    key-value store ``client``.
 
     Example::
 
         distributed_kv_delete(distributed_kv(), "osf/gs://b/ckpt/1/default/1")
     """
-    delete = getattr(client, "key_value_delete", None)
-    if delete is None:
-        return False
-    delete(directory)
-    return True
+    client.key_value_delete(directory)
 
 
 # -- jax.sharding.set_mesh (a plain setter on jax 0.7) ----------------------------------------

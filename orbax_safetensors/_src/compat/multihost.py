@@ -127,7 +127,7 @@ def barrier(name: str) -> None:
         )
     client.wait_at_barrier(f"{_KEY_PREFIX}/{n}/{name}", TIMEOUT_S * 1000)
     for key in _set_keys:  # (every process has read them: it has passed the barrier)
-        _jaxcompat.distributed_kv_delete(client, key)  # (kept where the client cannot delete)
+        _jaxcompat.distributed_kv_delete(client, key)
     _set_keys.clear()
 
 

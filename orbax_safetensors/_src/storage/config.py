@@ -51,14 +51,14 @@ class ObjectStoreOptions:
       max_request_bytes: largest ranged GET; longer coalesced reads are split.
       max_gap: the longest gap between wanted runs that a ranged read may span (the gap is read
         and dropped); gaps are merged smallest first while a read stays within 1.5x the wanted
-        bytes (``core.runs.ranged_reads``).
+        bytes.
       max_attempts: tries per request (1 = no retry) on transient failures.
       backoff_initial: first retry delay in seconds; doubles per try, with jitter.
       backoff_max: longest retry delay in seconds.
       connect_timeout: seconds to open a connection.
       read_timeout: seconds without data before a request counts as failed (and is retried).
-      gcs_min_object: a process's contiguous range shorter than this goes into its loose object
-        instead of a staged object of its own (GCS multi-process writes).
+      gcs_min_object: GCS, a save by several processes: a process's contiguous range shorter
+        than this is no object of its own (its bytes go into a loose bundle).
 
     Example::
 

@@ -237,10 +237,12 @@ def prepare_directory(
     is_primary: bool,
     io: _config.IOOptions | None = None,
 ) -> None:
-    """Main-thread step of every process before a checkpoint's files are written.
+    """Main-thread step of every process before a checkpoint's files are written, in the same
+    order on every process.
 
-    On S3 in a multi-process job the primary starts one multipart upload per large file here
-    (see :func:`.objstore.s3_uploads.prepare_directory`); elsewhere it does nothing.
+    On object storage in a multi-process job it registers the directory for a save by several
+    processes (see :func:`.objstore.engine.prepare_directory`; a RuntimeError names what is
+    missing when the job has no ``jax.distributed`` key-value store); elsewhere it does nothing.
     """
     provider = provider_for(directory)
     if provider is not None:
@@ -252,7 +254,7 @@ def prepare_directory(
 def finish_files(directory: epath.PathLike, io: _config.IOOptions | None = None) -> None:
     """Every process, after it wrote all its files of a checkpoint directory: on object
     storage in a multi-process save, uploads this process's share of the plan (its bytes, the
-    parts it builds; see :mod:`.objstore.spread`). Local files need nothing.
+    parts it builds; see :mod:`.objstore.engine`). Local files need nothing.
     """
     provider = provider_for(directory)
     if provider is not None:
@@ -277,7 +279,8 @@ def abandon_files(
 
 
 def finalize_files(directory: epath.PathLike, io: _config.IOOptions | None = None) -> None:
-    """Joins files that several processes wrote in parts (object storage; primary, once).
+    """Commits files that several processes wrote in parts (object storage; the primary,
+    once, after every process finished): see :func:`.objstore.engine.finalize_directory`.
 
     Local files need nothing: every process wrote its bytes in place.
     """

@@ -19,6 +19,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import objstore_values as vals  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
+import upload_requests  # noqa: E402  (tests/helpers)
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -26,7 +27,7 @@ import orbax_safetensors as osf  # noqa: E402
 from orbax_safetensors._src.core import metadata as core_metadata  # noqa: E402
 from orbax_safetensors._src.core import plan as core_plan  # noqa: E402
 from orbax_safetensors._src.pipeline import groups as pipeline_groups  # noqa: E402
-from orbax_safetensors._src.storage.objstore import spread, upload_requests  # noqa: E402
+from orbax_safetensors._src.storage.objstore import spread  # noqa: E402
 from orbax_safetensors._src.storage.objstore import upload_plan as up  # noqa: E402
 
 sys.path.insert(0, ctx.args["repo"])
@@ -83,7 +84,7 @@ def executed(plan) -> dict:
     return {
         "bytes_uploaded": sum(r.upload for r in mine),
         "bytes_fetched": sum(r.download for r in mine),
-        "requests": {k.value: sum(r.kind is k for r in mine) for k in up.RequestKind},
+        "requests": {k.value: sum(r.kind is k for r in mine) for k in upload_requests.RequestKind},
         "mixed_bytes": mixed_bytes(plan),
     }
 

@@ -15,12 +15,13 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import objstore_values as vals  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
+import upload_requests  # noqa: E402  (tests/helpers)
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from upload_requests import RequestKind as K  # noqa: E402
 
 import orbax_safetensors as osf  # noqa: E402
-from orbax_safetensors._src.storage.objstore import spread, upload_requests  # noqa: E402
-from orbax_safetensors._src.storage.objstore.upload_plan import RequestKind as K  # noqa: E402
+from orbax_safetensors._src.storage.objstore import spread  # noqa: E402
 
 n = ctx.num_processes
 mesh = Mesh(np.array(jax.devices()).reshape(n, -1), ("data", "model"))

@@ -4,8 +4,8 @@ Args (``ctx.args``): ``roots`` (checkpoint root URLs, e.g. ``["s3://b/run", "gs:
 ``steps`` (steps to save; ``max_to_keep=1``), ``max_file_size`` (handler option).
 
 Every process holds only its shards; the global values are ``objstore_values.value(...)`` so the
-test process can check the files it downloads. Each process reports what it uploaded, what the
-primary re-assembled in ``finalize``, whether the values it restored onto other shardings (on a
+test process can check the files it downloads. Each process reports what it uploaded, the other
+processes' bytes it downloaded to build part windows, whether the values it restored onto other shardings (on a
 mesh with the process order reversed) are right, and the bytes it fetched for that restore.
 """
 

@@ -1,16 +1,19 @@
 """Requests to object storage: :func:`call` (bounded retries on transient failures, the
-final error wrapped as :class:`ObjectStoreError`), and :func:`run_all`, which runs a batch of
-requests on the process-wide pool.
+final error wrapped as :class:`ObjectStoreError`), :func:`run_all`, which runs a batch of
+requests on the process-wide pool, and this process's counters (:class:`ObjectStoreStats`,
+read with :func:`object_store_stats`, added to with :func:`count`).
 
 Example::
 
     size = call(url, "HEAD", lambda: store.size(bucket, key), options)
     sizes = run_all([lambda: store.size(bucket, k) for k in keys], options.max_in_flight)
+    print(object_store_stats().requests)
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import random
 import threading
 import time
@@ -18,10 +21,83 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
-from orbax_safetensors._src.storage.objstore import options as _options
-from orbax_safetensors._src.storage.objstore import stats as _stats
+from orbax_safetensors._src.storage import config as _config
 
 _T = TypeVar("_T")
+
+
+@dataclasses.dataclass
+class ObjectStoreStats:
+    """Requests and bytes this process sent to object storage (cumulative, all threads).
+
+    ``bytes_fetched`` counts every byte requested by ranged GETs (coalesced gaps included);
+    ``bytes_uploaded`` every byte sent in PUTs and parts (``put_requests`` counts both,
+    ``multipart_parts`` the S3 UploadPart requests among them); ``bytes_copied`` bytes copied
+    server-side; ``bytes_reassembled`` the bytes of other processes this process downloaded to
+    build the part windows of a multi-process save it was given.
+
+    Example::
+
+        before = osf.object_store_stats()
+        print(before.requests, before.bytes_uploaded)
+    """
+
+    get_requests: int = 0
+    bytes_fetched: int = 0
+    put_requests: int = 0
+    bytes_uploaded: int = 0
+    multipart_parts: int = 0
+    copy_requests: int = 0
+    bytes_copied: int = 0
+    compose_requests: int = 0
+    head_requests: int = 0
+    list_requests: int = 0
+    delete_requests: int = 0
+    other_requests: int = 0
+    retries: int = 0
+    bytes_reassembled: int = 0
+
+    @property
+    def requests(self) -> int:
+        """All requests sent (retries included)."""
+        return (
+            self.get_requests
+            + self.put_requests
+            + self.copy_requests
+            + self.compose_requests
+            + self.head_requests
+            + self.list_requests
+            + self.delete_requests
+            + self.other_requests
+        )
+
+
+_stats = ObjectStoreStats()
+_stats_lock = threading.Lock()  # guards _stats
+
+
+def object_store_stats(reset: bool = False) -> ObjectStoreStats:
+    """A snapshot of this process's object-storage counters; ``reset`` zeroes them after.
+
+    Example::
+
+        osf.object_store_stats(reset=True)
+        osf.load_file("gs://bucket/w.safetensors", target=small_target)
+        print(osf.object_store_stats().bytes_fetched)
+    """
+    global _stats
+    with _stats_lock:
+        snapshot = dataclasses.replace(_stats)
+        if reset:
+            _stats = ObjectStoreStats()
+    return snapshot
+
+
+def count(**increments: int) -> None:
+    """Adds ``increments`` to this process's counters (thread-safe)."""
+    with _stats_lock:
+        for name, value in increments.items():
+            setattr(_stats, name, getattr(_stats, name) + value)
 
 
 class ObjectStoreError(SafetensorsCheckpointError, OSError):
@@ -34,6 +110,13 @@ class ObjectStoreError(SafetensorsCheckpointError, OSError):
       url: the object (or prefix) concerned.
       operation: what was attempted, e.g. ``"GET bytes 0-65535"``.
       attempts: tries made.
+
+    Example::
+
+        try:
+            osf.load_file("s3://bucket/w.safetensors")
+        except osf.ObjectStoreError as error:
+            print(error.url, error.operation, error.attempts)
     """
 
     def __init__(self, url: str, operation: str, attempts: int, cause: BaseException) -> None:
@@ -119,7 +202,7 @@ def call(
     url: str,
     operation: str,
     fn: Callable[[], _T],
-    options: _options.ObjectStoreOptions,
+    options: _config.ObjectStoreOptions,
     *,
     trace: bool = False,
 ) -> _T:
@@ -142,7 +225,7 @@ def call(
                 raise FileNotFoundError(f"{url}: no such object ({operation})") from error
             if not _is_transient(error) or attempt >= options.max_attempts:
                 raise ObjectStoreError(url, operation, attempt, error) from error
-            _stats.count(retries=1)
+            count(retries=1)
             if trace:
                 _trace(f"retry after attempt {attempt}: {operation} {url}: {describe_error(error)}")
             delay = min(options.backoff_max, options.backoff_initial * 2 ** (attempt - 1))
@@ -160,7 +243,7 @@ def is_not_found(error: BaseException) -> bool:
 
 _executor: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
 _worker = threading.local()
-_lock = threading.Lock()  # guards _executor
+_pool_lock = threading.Lock()  # guards _executor
 
 
 def _shared_pool(n: int) -> concurrent.futures.ThreadPoolExecutor:
@@ -170,7 +253,7 @@ def _shared_pool(n: int) -> concurrent.futures.ThreadPoolExecutor:
     its long-lived threads keep their HTTP connections (and GCS clients) between calls.
     """
     global _executor
-    with _lock:
+    with _pool_lock:
         if _executor is None or _executor[0] != n:
             pool = concurrent.futures.ThreadPoolExecutor(
                 n, thread_name_prefix="osf-objstore", initializer=_mark_worker
@@ -213,9 +296,9 @@ class Configured:
     """
 
     def __init__(
-        self, options: _options.ObjectStoreOptions | None = None, trace: bool = False
+        self, options: _config.ObjectStoreOptions | None = None, trace: bool = False
     ) -> None:
-        self.options = options if options is not None else _options.ObjectStoreOptions()
+        self.options = options if options is not None else _config.ObjectStoreOptions()
         self.trace = trace
 
     def call(self, url: str, operation: str, fn: Callable[[], _T]) -> _T:

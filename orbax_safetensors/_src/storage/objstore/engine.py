@@ -1,248 +1,385 @@
-"""The provider-neutral write flow of object storage, and the providers the router
-registers (:data:`S3`, :data:`GCS`): the only module that knows both :mod:`.s3` and :mod:`.gcs`.
+"""The provider-neutral write flow of object storage and the providers the router registers
+(:data:`S3`, :data:`GCS`): a file one process holds whole is written directly; a save by several
+processes of a ``jax.distributed`` job is registered by :func:`prepare_directory` (every
+process), run by :func:`finish_directory` (every process: :func:`.spread.execute`, then the
+primary waits for everyone and persists the commit record) and committed by
+:func:`finalize_directory` (the primary, possibly on a fresh driver). A failed save is
+removed: nothing is left that a reader could take for a checkpoint file. A job of several
+processes without the key-value store is refused in :func:`prepare_directory`, before any
+upload, with an error naming what is missing.
 
 Example::
 
-    S3.write_file("s3://bucket/w.safetensors", [interface.header_piece(header), *pieces], size)
-    with contextlib.closing(GCS.open_reader("gs://bucket/w.safetensors")) as reader:
+    S3.write_file("s3://bucket/w.safetensors", [interface.header_piece(header), *pieces], size, io)
+    with contextlib.closing(GCS.open_reader("gs://bucket/w.safetensors", io)) as reader:
         head = reader.pread(0, 8)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
-from collections.abc import Callable, Sequence
-from typing import Any, TypeAlias
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
+from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
 from orbax_safetensors._src.storage import config as _config
 from orbax_safetensors._src.storage import interface as _interface
+from orbax_safetensors._src.storage.objstore import calls as _calls
 from orbax_safetensors._src.storage.objstore import common as _common
 from orbax_safetensors._src.storage.objstore import gcs as _gcs
 from orbax_safetensors._src.storage.objstore import s3 as _s3
-from orbax_safetensors._src.storage.objstore import s3_uploads as _s3_uploads
 from orbax_safetensors._src.storage.objstore import spread as _spread
-from orbax_safetensors._src.storage.objstore import spread_commit as _spread_commit
-from orbax_safetensors._src.storage.objstore import views as _views
+from orbax_safetensors._src.storage.objstore import upload_plan as _up
 
-_Store: TypeAlias = _s3.S3Store | _gcs.GcsStore
+RECORD_NAME = "spread.json"  # under the staging directory
+_FORMAT = 1
+_MAX_KEPT = 64  # records kept for a finalize that another driver ran instead
+_lock = threading.Lock()  # guards _saves, _counts, _kept
+_Store = _spread.Store
+
+_saves: dict[str, _spread.Save] = {}  # registered directories, until their finish
+_counts: dict[str, int] = {}  # saves registered per directory (the same on every process)
 
 
 def write_file(store: _Store, url: str, pieces: Sequence[_interface.Piece], size: int) -> None:
     """Writes this process's ``pieces`` of the ``size``-byte file at ``url``.
 
-    When the pieces tile ``[0, size)`` the final object is written directly. Otherwise other
-    processes hold the rest: this process uploads its ranges under the file's hidden staging
-    prefix, and :func:`finalize_directory` (primary, after everyone wrote) joins them.
-    In a save that :func:`prepare_directory` registered for the spread plan (several
-    processes, see :mod:`.spread`) the pieces are kept for :func:`finish_directory` instead.
+    In a save :func:`prepare_directory` registered, the pieces are kept for
+    :func:`finish_directory`. Otherwise they must tile ``[0, size)``, and the final object is
+    written directly (it appears whole or not at all); ValueError naming the missing bytes if
+    they do not.
     """
     url = os.fspath(url)
-    if _spread.take(url, pieces, size):
-        return  # a save by several processes: sent by finish_directory
-    _, bucket, key = _common.split_url(url)
-    segments = _views.segments_of(pieces)
+    segments = _common.segments_of(pieces)
     if segments and segments[-1].end > size:
         raise ValueError(f"{url}: pieces end at {segments[-1].end}, past the file size {size}")
-    if size == 0 or (len(segments) == 1 and segments[0].start == 0 and segments[0].size == size):
-        _write_whole(store, url, bucket, key, segments[0] if segments else _views.Segment(0, [], 0))
-    elif segments:
-        _write_ranges(store, url, bucket, key, segments, size)
-
-
-def _write_whole(store: _Store, url: str, bucket: str, key: str, seg: _views.Segment) -> None:
-    options = store.options
-    if seg.size <= options.part_size:
-        store.call(url, f"PUT {seg.size} bytes", lambda: store.put(bucket, key, seg.views))
+    directory, _, name = url.rpartition("/")
+    with _lock:
+        save = _saves.get(directory)
+    if save is not None and any(name == f for f, _ in save.files):
+        save.written[name] = segments  # sent by finish_directory
         return
-    chunks = _views.even_chunks(seg.size, options.part_size)
-    if isinstance(store, _s3.S3Store):
-        _s3.write_multipart(store, url, bucket, key, seg, chunks)
-    else:
-        _gcs.write_composed(store, url, bucket, key, seg, chunks)
-
-
-def _write_ranges(
-    store: _Store, url: str, bucket: str, key: str, segments: list[_views.Segment], size: int
-) -> None:
-    """Uploads this process's ranges of a file that other processes also write.
-
-    Each range becomes one of: parts of the shared S3 multipart upload (interior of ranges
-    >= 3 x the minimum part), whole staged objects (ranges >= the minimum part on S3 without a
-    shared upload, >= ``gcs_min_object`` on GCS), or slices of this process's loose objects
-    (everything smaller, and the 5 MiB edges around S3 direct parts). A manifest listing them
-    by file offset is written last.
-    """
-    options = store.options
-    prefix, name = _common.staging_prefix(key)
-    s3 = isinstance(store, _s3.S3Store)
-    upload_id = _s3_uploads.upload_id_for(url) if s3 else None
-    min_part = _s3.s3_min_part(size)
-    target = max(options.part_size, 2 * min_part)
-    sources: list[dict[str, Any]] = []
-    uploads: list[Callable[[], Any]] = []
-    loose: list[tuple[int, list[memoryview], int]] = []  # (file offset, views, nbytes)
-
-    def put_job(obj: str, views: list[memoryview], what: str) -> Callable[[], None]:
-        return lambda: store.call(url, f"PUT {what} {obj}", lambda: store.put(bucket, obj, views))
-
-    def part_job(record: dict[str, Any], views: list[memoryview]) -> Callable[[], None]:
-        assert isinstance(store, _s3.S3Store) and upload_id is not None
-        number, a = record["part"], record["offset"]
-
-        def job() -> None:
-            record["etag"] = store.call(
-                url,
-                f"UploadPart {number} (bytes {a}-{a + record['size'] - 1})",
-                lambda: store.upload_part(bucket, key, upload_id, number, views),
-            )
-
-        return job
-
-    def add_objects(seg: _views.Segment) -> None:
-        for ca, cb in _views.even_chunks(seg.size, target):
-            a, b = seg.start + ca, seg.start + cb
-            obj = f"{prefix}o-{a:016x}-{b:016x}"
-            sources.append({"offset": a, "size": b - a, "key": obj, "key_offset": 0, "whole": True})
-            uploads.append(put_job(obj, seg.slice(a, b), "part object"))
-
-    for seg in segments:
-        if s3 and upload_id is not None and seg.size >= 3 * min_part:
-            # Interior straight into the shared multipart upload; the edges go to the loose
-            # object so the primary can always make parts >= min_part around others' bytes.
-            a, b = seg.start + min_part, seg.end - min_part
-            loose.append((seg.start, seg.slice(seg.start, a), min_part))
-            for ca, cb in _views.even_chunks(b - a, target):
-                record = {"offset": a + ca, "size": cb - ca, "part": _s3.part_number(a + ca, size)}
-                sources.append(record)
-                uploads.append(part_job(record, seg.slice(a + ca, a + cb)))
-            loose.append((b, seg.slice(b, seg.end), min_part))
-        elif seg.size >= (min_part if s3 else options.gcs_min_object):
-            add_objects(seg)
-        else:
-            loose.append((seg.start, seg.views, seg.size))
-
-    # Loose ranges: concatenated into bundle objects of <= part_size bytes.
-    bundles: list[list[tuple[int, list[memoryview], int]]] = []
-    total = 0
-    for item in loose:
-        if not bundles or total + item[2] > target:
-            bundles.append([])
-            total = 0
-        bundles[-1].append(item)
-        total += item[2]
-    for items in bundles:
-        obj = f"{prefix}l-{items[0][0]:016x}"
-        views: list[memoryview] = []
-        pos = 0
-        for offset, item_views, n in items:
-            sources.append({"offset": offset, "size": n, "key": obj, "key_offset": pos})
-            views.extend(item_views)
-            pos += n
-        uploads.append(put_job(obj, views, "loose ranges"))
-
-    store.run_all(uploads)
-    manifest = {
-        "file": name,
-        "size": size,
-        "upload_id": upload_id,
-        "sources": sorted(sources, key=lambda s: s["offset"]),
-    }
-    data = [memoryview(json.dumps(manifest).encode())]
-    mkey = f"{prefix}m-{segments[0].start:016x}.json"
-    store.call(url, f"PUT manifest {mkey}", lambda: store.put(bucket, mkey, data))
+    _, bucket, key = _common.split_url(url)
+    if size and not (len(segments) == 1 and segments[0].start == 0 and segments[0].size == size):
+        held = ", ".join(f"{s.start}-{s.end - 1}" for s in segments[:4]) or "none"
+        held += ", ..." if len(segments) > 4 else ""
+        raise ValueError(
+            f"{url}: this process holds bytes {held} of {size}, and no save by several "
+            "processes was prepared for its directory (storage.router.prepare_directory)"
+        )
+    whole = segments[0] if segments else _common.Segment(0, [], 0)
+    _spread.write_whole(store, url, bucket, key, whole)
 
 
 def prepare_directory(
-    store: _Store, directory: str, files: Sequence[tuple[str, int]], *, is_primary: bool
+    directory: str, files: Sequence[tuple[str, int]], *, is_primary: bool
 ) -> None:
-    """Main-thread step of every process before a save into ``directory``: in a multi-process
-    job with a ``jax.distributed`` key-value store, registers the directory for the spread plan
-    (:func:`.spread.register`: the S3 uploads are created once the plan shows which files need
-    one); otherwise on S3 the primary starts the shared uploads
-    (:func:`.s3_uploads.prepare_directory`)."""
-    directory = os.fspath(directory).rstrip("/")
-    if _spread.register(directory, files, is_primary=is_primary):
+    """Main-thread step of every process before a save of ``files`` into ``directory``, in the
+    same order on every process: in a job of several processes, registers the directory, so
+    that :func:`write_file` keeps this process's pieces for :func:`finish_directory`. Nothing
+    for one process.
+
+    Raises:
+      RuntimeError: several processes, and ``jax.distributed``'s key-value store is missing
+        (naming what is missing).
+    """
+    import jax
+
+    if jax.process_count() <= 1:
         return
-    if isinstance(store, _s3.S3Store):
-        _s3_uploads.prepare_directory(store, directory, files, is_primary=is_primary)
+    directory = os.fspath(directory).rstrip("/")
+    _jaxcompat.require_distributed_kv(f"a save to {directory} by {jax.process_count()} processes")
+    with _lock:
+        n = _counts[directory] = _counts.get(directory, 0) + 1
+        _saves[directory] = _spread.Save(
+            list(files),
+            is_primary,
+            jax.process_index(),
+            jax.process_count(),
+            f"osf/{directory}/{n}",
+        )
 
 
 def finish_directory(store: _Store, directory: str) -> None:
-    """Every process, once it wrote all its files of ``directory``: its part of a spread save
-    (:func:`.spread.finish`); nothing otherwise."""
-    _spread.finish(store, os.fspath(directory).rstrip("/"), _write_whole)
+    """Every process, once it wrote all its files of ``directory``: its part of the save
+    (:func:`.spread.execute`); nothing unless :func:`prepare_directory` registered it.
+
+    A process that fails tells the others (they raise instead of waiting for it). The primary
+    waits until every process is done, then persists the commit record, or, if any process
+    failed, removes everything the save wrote and aborts its uploads, and raises naming the
+    first failure; then it deletes the save's keys.
+    """
+    directory = os.fspath(directory).rstrip("/")
+    with _lock:
+        save = _saves.pop(directory, None)
+    if save is None:
+        return
+    kv = _spread.SaveKeys(save.key, directory)
+    me, outcome = save.process, _spread.Outcome()
+    error: BaseException | None = None
+    try:
+        _spread.execute(store, directory, save, kv, outcome)
+    except BaseException as e:
+        error = e
+        kv.fail(me, e)
+        _abort_mine(store, directory, outcome)
+    try:
+        kv.set(f"done/{me}", "ok" if error is None else "failed")
+    except Exception as e:  # the coordination service is gone: the job is failing anyway
+        error = error or e
+    if not save.is_primary:
+        if error is not None:
+            raise error
+        return
+    try:
+        failed = kv.wait_done(save.count, me)
+        if error is None and not failed:
+            assert outcome.plan is not None
+            _write_record(store, directory, CommitRecord.of_plan(outcome.plan))
+            return
+        first = kv.failure()
+        if error is None or (first is not None and not first.startswith(f"process {me}:")):
+            # Another process failed first (this one's own failure, if any, followed from
+            # it: an upload that process aborted, say): the error names the first.
+            reason = first or f"processes {failed} did not finish"
+            own, error = (
+                error,
+                _calls.ObjectStoreError(
+                    directory, "the save", 1, RuntimeError(f"the save failed on {reason}")
+                ),
+            )
+            error.__cause__ = own
+    except BaseException as e:
+        error = error or e
+    finally:
+        if error is not None:
+            names = [name for name, _ in save.files]
+            discard(store, directory, names, _created_uploads(kv, outcome))
+        kv.delete()  # every process is done with them
+    raise error
 
 
 def abandon_directory(store: _Store, directory: str, error: BaseException) -> None:
-    """This process's save of ``directory`` failed outside :func:`finish_directory`: see
-    :func:`.spread.abandon` (nothing for a save that is not spread)."""
-    _spread.abandon(store, os.fspath(directory).rstrip("/"), error)
+    """This process's save of ``directory`` failed outside :func:`finish_directory` (a host
+    copy, a write before it, or the primary's files after it): tells the other processes (they
+    raise instead of waiting for this one) and, on the primary, removes what the save wrote once
+    every process is done (or, after :func:`finish_directory`, aborts the uploads the kept
+    commit record holds). Nothing if no save of ``directory`` was registered."""
+    directory = os.fspath(directory).rstrip("/")
+    with _lock:
+        save = _saves.pop(directory, None)
+        record = _kept.pop(directory, None) if save is None else None
+    if save is None:
+        if record is not None:
+            ids = {str(f["name"]): str(f["upload_id"]) for f in record.files if "upload_id" in f}
+            discard(store, directory, [str(f["name"]) for f in record.files], ids)
+        return
+    kv = _spread.SaveKeys(save.key, directory)
+    kv.fail(save.process, error)
+    try:
+        kv.set(f"done/{save.process}", "failed")
+    except Exception:  # the coordination service is gone: the job is failing anyway
+        return
+    if save.is_primary:
+        try:
+            kv.wait_done(save.count, save.process)
+            discard(store, directory, [name for name, _ in save.files], {})
+        finally:
+            kv.delete()
+
+
+def _abort_mine(store: _Store, directory: str, outcome: _spread.Outcome) -> None:
+    """Aborts the uploads this process created and did not complete (its save failed)."""
+    if isinstance(store, _s3.S3Store):
+        _, bucket, base = _common.split_url(directory)
+        for name, upload_id in outcome.upload_ids.items():
+            if name not in outcome.completed:
+                store.abort_upload(bucket, f"{base}/{name}" if base else name, upload_id)
+
+
+def _created_uploads(kv: _spread.SaveKeys, outcome: _spread.Outcome) -> dict[str, str]:
+    """The primary, once every process is done with a failed save: every multipart upload
+    a finisher created (its own, and those the others published), to abort."""
+    ids = dict(outcome.upload_ids)
+    plan = outcome.plan
+    if plan is not None and plan.kind is _up.StoreKind.S3:
+        for index, f in enumerate(plan.files):
+            if f.whole_owner < 0 and f.windows > 1 and f.name not in ids:
+                try:
+                    upload_id = kv.try_get(f"up/{index}")
+                except Exception:  # the coordination service is gone: the job fails anyway
+                    continue
+                if upload_id is not None:
+                    ids[f.name] = upload_id
+    return ids
+
+
+def _base(directory: str) -> tuple[str, str]:
+    _, bucket, key = _common.split_url(directory)
+    return bucket, f"{key}/" if key else ""
+
+
+def record_key(directory: str) -> str:
+    """The object key of the commit record of the save of ``directory``."""
+    _, base = _base(directory)
+    return f"{base}{_common.STAGING_DIR}/{RECORD_NAME}"
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitRecord:
+    """What committing a save by several processes needs, per file several processes wrote,
+    persisted as ``<directory>/.osf-parts/spread.json`` by the primary once every process
+    finished: ``{"name", "size"}`` for a file its finisher completed during the save (what
+    :func:`finish_directory` writes); S3 ``{"name", "size", "parts", "upload_id"}`` or GCS
+    ``{"name", "size", "level", "sources"}`` (the composites ``spread.compose_key(file, level,
+    g)`` for ``g < sources``) for one still to complete (:func:`.spread.commit_file`).
+
+    Example::
+
+        record = CommitRecord("gs", ({"name": "model.safetensors", "size": 1 << 20},))
+        assert CommitRecord.from_json("gs://b/r.json", record.to_json()) == record
+    """
+
+    kind: str  # "s3" or "gs"
+    files: tuple[Mapping[str, Any], ...]
+
+    @classmethod
+    def of_plan(cls, plan: _up.UploadPlan) -> CommitRecord:
+        """The record of a save that ran ``plan``: every file's finisher completed its upload
+        or composed its top level during the save, so each file several processes wrote is
+        listed as ``{"name", "size"}``, with nothing left to complete."""
+        files = [
+            {"name": f.name, "size": f.size}
+            for f in plan.files
+            if f.whole_owner < 0 and f.windows > 1
+        ]
+        return cls(plan.kind.value, tuple(files))
+
+    def to_json(self) -> str:
+        return json.dumps({"format": _FORMAT, "kind": self.kind, "files": list(self.files)})
+
+    @classmethod
+    def from_json(cls, url: str, text: bytes | str) -> CommitRecord:
+        """The record in ``text``; an ObjectStoreError naming ``url`` if it is not one."""
+        try:
+            doc = json.loads(text)
+            if doc.get("format") != _FORMAT or doc.get("kind") not in ("s3", "gs"):
+                raise ValueError(f"format {doc.get('format')!r}, kind {doc.get('kind')!r}")
+            return cls(str(doc["kind"]), tuple(dict(f) for f in doc["files"]))
+        except (ValueError, TypeError, KeyError, AttributeError) as error:
+            raise _calls.ObjectStoreError(
+                url, "reading the spread save's record", 1, error
+            ) from error
+
+
+_kept: dict[str, CommitRecord] = {}  # the primary's records, until its finalize
+
+
+def _write_record(store: _Store, directory: str, record: CommitRecord) -> None:
+    """Persists ``record`` (the primary, once every process finished) and keeps it for
+    :func:`finalize_directory`."""
+    bucket, _ = _base(directory)
+    key, data = record_key(directory), [memoryview(record.to_json().encode())]
+    store.call(
+        f"{directory}/{_common.STAGING_DIR}/{RECORD_NAME}",
+        "PUT commit record",
+        lambda: store.put(bucket, key, data),
+    )
+    with _lock:
+        _kept.pop(directory, None)
+        _kept[directory] = record
+        while len(_kept) > _MAX_KEPT:  # finalized by other drivers: from the persisted record
+            _kept.pop(next(iter(_kept)))
 
 
 def finalize_directory(store: _Store, directory: str) -> None:
-    """Joins the ranges every process uploaded into each file of ``directory``, then deletes
-    the staged objects. Run once, on the primary, after all processes finished writing; for a
-    spread save, completes it from the commit record (:func:`.spread_commit.commit`), which
-    works on a process that did not run the save too."""
+    """The primary's last step of a save into ``directory``, once every process finished
+    (possibly on a driver that did not run the save): commits a save by several processes
+    from its record (kept in memory, else read from the store), i.e. completes what the record
+    still lists, then deletes the record. Without a record (a save by one process) it deletes
+    what a save killed mid-way left under the directory's hidden prefix, if anything."""
     directory = os.fspath(directory).rstrip("/")
-    _, bucket, key = _common.split_url(directory)
-    base = f"{key}/" if key else ""
+    bucket, base = _base(directory)
+    staged = f"{directory}/{_common.STAGING_DIR}/"
     listing = store.call(
-        f"{directory}/{_common.STAGING_DIR}/",
-        "LIST parts",
-        lambda: store.list(bucket, f"{base}{_common.STAGING_DIR}/"),
+        staged, "LIST parts", lambda: store.list(bucket, f"{base}{_common.STAGING_DIR}/")
     )
-    if _spread_commit.commit(store, directory, listing):
-        # A spread save: its uploads completed, its tops composed, its record deleted; the
-        # files nobody registered for it (none from this library's pipeline) are joined below.
-        listing = {k: n for k, n in listing.items() if k != _spread_commit.record_key(directory)}
-        if not any(k.rpartition("/")[2].startswith("m-") for k in listing):
-            return
-    entry = _s3_uploads.take_uploads(directory) if isinstance(store, _s3.S3Store) else None
-    if not listing and (entry is None or not entry.ids):
-        return  # every file was written whole (by one process): nothing to join
-    manifests: dict[str, list[dict[str, Any]]] = {}
-    for obj in sorted(listing):
-        rest = obj[len(f"{base}{_common.STAGING_DIR}/") :]
-        name, _, leaf = rest.rpartition("/")
-        if leaf.startswith("m-") and leaf.endswith(".json"):
-            data, _ = store.call(
-                f"{store.scheme}://{bucket}/{obj}",
-                "GET manifest",
-                functools.partial(store.get_upto, bucket, obj, 0, listing[obj] + 1),
-            )
-            manifests.setdefault(name, []).append(json.loads(data))
-    created = entry.ids if entry is not None and entry.created_here else {}
-    try:
-        for name, docs in sorted(manifests.items()):
-            url = f"{directory}/{name}"
-            if isinstance(store, _s3.S3Store):
-                _s3.assemble(store, url, bucket, f"{base}{name}", docs)
-            else:
-                _gcs.assemble(store, url, bucket, f"{base}{name}", docs)
-    finally:
-        for name, upload_id in created.items():
-            # written whole by one process
-            if name not in manifests and isinstance(store, _s3.S3Store):
-                store.abort_upload(bucket, f"{base}{name}", upload_id)
-    leftovers = store.call(
-        f"{directory}/{_common.STAGING_DIR}/",
-        "LIST parts",
-        lambda: store.list(bucket, f"{base}{_common.STAGING_DIR}/"),
-    )
-    if leftovers:
-        store.call(
-            f"{directory}/{_common.STAGING_DIR}/",
-            f"DELETE {len(leftovers)} part objects",
-            lambda: store.delete(bucket, sorted(leftovers)),
+    with _lock:
+        record = _kept.pop(directory, None)
+    key = record_key(directory)
+    url = f"{staged}{RECORD_NAME}"
+    if record is None and key in listing:
+        data, _ = store.call(
+            url,
+            "GET commit record",
+            functools.partial(store.get_upto, bucket, key, 0, listing[key] + 1),
         )
+        record = CommitRecord.from_json(url, data)
+    if record is None:
+        if listing:  # a save killed mid-way left them
+            store.call(
+                staged,
+                f"DELETE {len(listing)} temporary objects",
+                lambda: store.delete(bucket, sorted(listing)),
+            )
+        return
+    if record.kind != store.scheme:
+        raise _calls.ObjectStoreError(
+            url, "finalize", 1, RuntimeError(f"a record of a {record.kind}:// save")
+        )
+    try:
+        for f in record.files:
+            _spread.commit_file(store, directory, bucket, base, f)
+    except BaseException:
+        if isinstance(store, _s3.S3Store):
+            for f in record.files:
+                if "upload_id" in f:  # (not one its finisher completed)
+                    store.abort_upload(bucket, base + f["name"], f["upload_id"])
+        raise
+    store.call(url, "DELETE commit record", functools.partial(store.delete, bucket, [key]))
+
+
+def discard(
+    store: _Store, directory: str, names: Sequence[str], upload_ids: Mapping[str, str]
+) -> None:
+    """Removes what a failed save of the files ``names`` wrote in ``directory`` (the primary,
+    once no process writes for it any more): aborts the multipart uploads ``upload_ids``,
+    deletes the files already written whole or composed (``names`` and any ``.safetensors``
+    object of the item directory) and every staged object. Best effort: a failure leaves
+    objects behind rather than hiding the save's error."""
+    bucket, base = _base(directory)
+    if isinstance(store, _s3.S3Store):
+        for name, upload_id in upload_ids.items():
+            store.abort_upload(bucket, base + name, upload_id)
+    try:
+        listing = store.call(
+            f"{directory}/", "LIST (clean-up)", functools.partial(store.list, bucket, base)
+        )
+    except Exception:
+        return
+    staged = f"{base}{_common.STAGING_DIR}/"
+    wanted = {base + n for n in names}
+
+    def written(k: str) -> bool:  # a file of this save (in the item directory itself)
+        rest = k[len(base) :]
+        return k in wanted or ("/" not in rest and rest.endswith(".safetensors"))
+
+    doomed = [k for k in sorted(listing) if written(k) or k.startswith(staged)]
+    _common.delete_quietly(store, bucket, doomed)
 
 
 class ObjectStoreProvider:
     """One object store as a :class:`orbax_safetensors._src.storage.router.Provider`: the
-    router hands it every path of its URL scheme, with the I/O options of the call."""
+    router hands it every path of its URL scheme, with the I/O options of the call.
+
+    Example::
+
+        S3.write_file("s3://bucket/w.safetensors", pieces, size, config.resolve(None))
+    """
 
     def __init__(self, make_store: Callable[[_config.ObjectStoreOptions, bool], _Store]) -> None:
         self._make_store = make_store
@@ -272,7 +409,7 @@ class ObjectStoreProvider:
         io: _config.IOOptions,
     ) -> None:
         """See :func:`prepare_directory`."""
-        prepare_directory(self.store(io), directory, files, is_primary=is_primary)
+        prepare_directory(directory, files, is_primary=is_primary)
 
     def finish_directory(self, directory: str, io: _config.IOOptions) -> None:
         """See :func:`finish_directory`."""

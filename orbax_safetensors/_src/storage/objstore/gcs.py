@@ -1,6 +1,5 @@
-"""Google Cloud Storage through google-cloud-storage: the client (:class:`GcsStore`),
-composing objects (:func:`compose_tree`), and the joining of several processes' ranges into
-one object (:func:`assemble`).
+"""Google Cloud Storage through google-cloud-storage: the client (:class:`GcsStore`) and
+parallel composite uploads (:func:`write_composed`, composed by :func:`compose_tree`).
 
 Example::
 
@@ -15,14 +14,12 @@ import functools
 import io
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from orbax_safetensors._src.storage import config as _config
 from orbax_safetensors._src.storage.objstore import calls as _calls
 from orbax_safetensors._src.storage.objstore import common as _common
-from orbax_safetensors._src.storage.objstore import stats as _stats
-from orbax_safetensors._src.storage.objstore import views as _views
 
 GCS_MAX_COMPOSE = 32
 
@@ -71,7 +68,7 @@ class GcsStore(_calls.Configured):
         return (options.connect_timeout, options.read_timeout)
 
     def size(self, bucket: str, key: str) -> int:
-        _stats.count(head_requests=1)
+        _calls.count(head_requests=1)
         blob = self.client().bucket(bucket).get_blob(key, retry=None, timeout=self._timeout())
         if blob is None:
             raise FileNotFoundError(f"gs://{bucket}/{key}: no such object")
@@ -80,7 +77,7 @@ class GcsStore(_calls.Configured):
     def _download(self, bucket: str, key: str, start: int, n: int, sink: Any) -> bool:
         """Streams up to ``n`` bytes from ``start`` into the file ``sink`` (one GET, without the
         client's own retries and checksums); False if the object has no byte at ``start``."""
-        _stats.count(get_requests=1, bytes_fetched=n)
+        _calls.count(get_requests=1, bytes_fetched=n)
         try:
             self._blob(bucket, key).download_to_file(
                 sink,
@@ -106,7 +103,7 @@ class GcsStore(_calls.Configured):
         Raises EOFError when the object ends before the views are full.
         """
         n = sum(len(v) for v in views)
-        sink = _views.ViewsWriter(views)
+        sink = _common.ViewsWriter(views)
         if not self._download(bucket, key, start, n, sink):
             raise EOFError(f"gs://{bucket}/{key}: no bytes at offset {start}")
         if sink.written < n:
@@ -125,8 +122,8 @@ class GcsStore(_calls.Configured):
         return data, (start + len(data) if len(data) < n else None)
 
     def put(self, bucket: str, key: str, views: Sequence[memoryview]) -> None:
-        body = _views.ViewsReader(views)
-        _stats.count(put_requests=1, bytes_uploaded=len(body))
+        body = _common.ViewsReader(views)
+        _calls.count(put_requests=1, bytes_uploaded=len(body))
         self._blob(bucket, key).upload_from_file(
             body,
             size=len(body),
@@ -140,7 +137,7 @@ class GcsStore(_calls.Configured):
         from google.api_core import exceptions
 
         for key in keys:
-            _stats.count(delete_requests=1)
+            _calls.count(delete_requests=1)
             with contextlib.suppress(exceptions.NotFound):
                 self._blob(bucket, key).delete(retry=None, timeout=self._timeout())
 
@@ -152,7 +149,7 @@ class GcsStore(_calls.Configured):
             .pages
         )
         for page in pages:
-            _stats.count(list_requests=1)
+            _calls.count(list_requests=1)
             for blob in page:
                 out[blob.name] = int(blob.size)
         return out
@@ -160,7 +157,7 @@ class GcsStore(_calls.Configured):
     def compose(self, bucket: str, key: str, sources: Sequence[str]) -> None:
         if not 1 <= len(sources) <= GCS_MAX_COMPOSE:
             raise ValueError(f"compose takes 1..{GCS_MAX_COMPOSE} sources, got {len(sources)}")
-        _stats.count(compose_requests=1)
+        _calls.count(compose_requests=1)
         b = self.client().bucket(bucket)
         blob = b.blob(key)
         blob.content_type = "application/octet-stream"
@@ -172,7 +169,7 @@ def write_composed(
     url: str,
     bucket: str,
     key: str,
-    seg: _views.Segment,
+    seg: _common.Segment,
     chunks: Sequence[tuple[int, int]],
 ) -> None:
     """Writes the whole object ``key`` from ``seg``: one staged object per chunk (in parallel),
@@ -222,44 +219,3 @@ def compose_tree(
         level += 1
     store.call(url, f"compose {len(names)} objects", lambda: store.compose(bucket, key, names))
     return created
-
-
-def assemble(store: GcsStore, url: str, bucket: str, key: str, docs: list[dict[str, Any]]) -> None:
-    """Joins the ranges the manifests ``docs`` list into the object ``key``: staged objects as
-    they are, runs of loose ranges through filler objects, composed in offset order."""
-    size, sources = _common.checked_sources(url, docs)
-    prefix, _ = _common.staging_prefix(key)
-    names: list[str] = []
-    fill_jobs: list[Callable[[], None]] = []
-    run: list[dict[str, Any]] = []
-
-    def flush() -> None:
-        if not run:
-            return
-        ranges = list(run)
-        run.clear()
-        obj = f"{prefix}f-{int(ranges[0]['offset']):016x}"
-        names.append(obj)
-
-        def job() -> None:
-            buffer = bytearray(sum(int(p["size"]) for p in ranges))
-            _common.fetch(store, url, bucket, ranges, memoryview(buffer))
-            store.call(
-                url, f"PUT filler {obj}", lambda: store.put(bucket, obj, [memoryview(buffer)])
-            )
-
-        fill_jobs.append(job)
-
-    for s in sources:
-        if s.get("whole"):
-            flush()
-            names.append(s["key"])
-        else:
-            run.append(s)
-    flush()
-    store.run_all(fill_jobs)
-    if not names:  # an empty file
-        store.call(url, "PUT 0 bytes", lambda: store.put(bucket, key, []))
-        return
-    del size
-    compose_tree(store, url, bucket, key, names, f"{prefix}c-{uuid.uuid4().hex[:12]}")

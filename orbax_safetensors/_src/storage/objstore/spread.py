@@ -1,75 +1,54 @@
-"""A save by several processes on S3 or GCS, with the part building spread over the processes:
-each process executes its part of the :mod:`.upload_plan` (issue 27 point 1).
+"""One process's part of a save by several processes on S3 or GCS (:mod:`.upload_plan`), run
+over the key-value store of ``jax.distributed``.
 
-:func:`register` (every process, from ``prepare_directory``) marks a checkpoint directory;
-the engine's ``write_file`` then hands this process's bytes of each file to :func:`take`
-instead of uploading them; :func:`finish` (every process, once it wrote all its files) does
-the work: every process publishes which bytes of which file it holds and reads everyone
-else's through the ``jax.distributed`` key-value store, all compute the same plan, and each
-sends its own requests, phase by phase:
-
-0. S3: it creates the multipart upload of each file it finishes (:mod:`.upload_plan`: one of
-   the file's writers) and publishes its UploadId (``up/<file>``);
-1. its own bytes: files it owns whole, pure windows (S3 parts, GCS staged objects) and its
-   loose bundles (the bytes of windows others build), then it announces ``own``;
-2. the windows it builds: it waits for the owners' ``own``, fetches their bytes (one ranged GET
-   per owner and window), adds its own and uploads the part or filler, announces ``built``;
-   on S3 it then completes the uploads of the files it finishes (once their parts' writers
-   announced them); on GCS it composes the subtrees and top levels assigned to it (after their
-   sources' writers announced them), and deletes the objects it wrote once they were composed;
-3. it waits for the builders that read its loose bundles and deletes them;
-4. it announces ``done`` (failed or not). A process that fails first announces it, and every
-   process waiting for one of its steps raises (:mod:`.spread_kv`). The primary waits for
-   every ``done``: if all went well it persists the commit record (:mod:`.spread_commit`);
-   otherwise it removes everything the save wrote and aborts every upload a finisher created
-   (each failing process aborts its own too), and raises. Then it deletes the save's keys.
-
-So the primary sends no request per file. Its ``finalize_directory`` (after every process
-finished; Orbax may run it on a fresh driver) finds the record and deletes it
-(:func:`.spread_commit.commit`). Waits time out after
-``spread_kv.WAIT_SECONDS`` with an error naming the process and step waited for. Without the
-key-value store (or in a single-process job) nothing is registered and the engine works as
-before.
+Every process publishes which bytes of which file it holds and reads everyone else's
+(:class:`SaveKeys`), computes the same plan, and sends its own requests phase by phase
+(:func:`execute`): the multipart uploads of the files it finishes (S3; their UploadIds
+published), its own bytes (files it owns whole, pure windows, its loose bundles: ``own``), the
+windows it builds from the others' loose bundles (``built``), then the uploads it completes
+(S3) or the compose levels it was given (GCS), and the deletion of what it wrote once no one
+reads it. A process that fails sets ``failed``; every wait for another process's step raises
+as soon as it sees that (or after :data:`WAIT_SECONDS`), naming the process and step. The
+engine (:mod:`.engine`) registers saves, runs :func:`execute` on every process and commits.
+``docs/object-storage.md`` tells the protocol step by step.
 
 Example::
 
-    register("gs://b/ckpt/1/default", [("model.safetensors", size)], is_primary=True)
-    # ... write_file(...) per file: take() keeps the pieces ...
-    finish(store, "gs://b/ckpt/1/default")      # every process
-    spread_commit.commit(store, "gs://b/ckpt/1/default", listing)   # the primary, finalize
+    keys = SaveKeys("osf/gs://b/ckpt/1/default/1", "gs://b/ckpt/1/default")
+    execute(store, "gs://b/ckpt/1/default", save, keys, Outcome())  # every process
+    plan, me = last_plan()
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
-from orbax_safetensors._src.storage import interface as _interface
 from orbax_safetensors._src.storage.objstore import calls as _calls
 from orbax_safetensors._src.storage.objstore import common as _common
 from orbax_safetensors._src.storage.objstore import gcs as _gcs
 from orbax_safetensors._src.storage.objstore import s3 as _s3
-from orbax_safetensors._src.storage.objstore import spread_commit as _commit
-from orbax_safetensors._src.storage.objstore import spread_kv as _kv
-from orbax_safetensors._src.storage.objstore import stats as _stats
 from orbax_safetensors._src.storage.objstore import upload_plan as _up
-from orbax_safetensors._src.storage.objstore import views as _views
 
 LOOSE_DIR = "_loose"  # under the staging directory: every process's loose bundles
-_lock = threading.Lock()  # guards _saves, _counts, _last
-_Store = _s3.S3Store | _gcs.GcsStore
-WriteWhole = Callable[[Any, str, str, str, _views.Segment], None]
+WAIT_SECONDS = 600.0  # longest wait for another process's step
+POLL_SECONDS = 2.0  # how often a wait checks whether another process failed
+FAILED = "failed"  # the key a failing process sets: "process <p>: <error>"
+_lock = threading.Lock()  # guards _last
+Store = _s3.S3Store | _gcs.GcsStore
 
 
 @dataclasses.dataclass
-class _Save:
+class Save:
     """A registered directory: its files and what this process wrote of them."""
 
     files: list[tuple[str, int]]
@@ -77,66 +56,192 @@ class _Save:
     process: int
     count: int
     key: str  # key-value store namespace of this save
-    written: dict[str, list[_views.Segment]] = dataclasses.field(default_factory=dict)
+    written: dict[str, list[_common.Segment]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
-class _Outcome:
-    """What :func:`_execute` got to before it returned or raised (for the clean-up)."""
+class Outcome:
+    """What :func:`execute` got to before it returned or raised (for the clean-up)."""
 
     plan: _up.UploadPlan | None = None
     upload_ids: dict[str, str] = dataclasses.field(default_factory=dict)  # created here
     completed: set[str] = dataclasses.field(default_factory=set)  # of those, completed
 
 
-_saves: dict[str, _Save] = {}
-_counts: dict[str, int] = {}  # saves registered per directory (the same on every process)
 _last: list[tuple[_up.UploadPlan, int]] = []  # the last plan this process executed, and its index
 
 
 def last_plan() -> tuple[_up.UploadPlan, int] | None:
     """The plan of the last spread save this process finished and its own process index (to
-    compare what it sent, :func:`.stats.object_store_stats`, with what the plan says)."""
+    compare what it sent, :func:`.calls.object_store_stats`, with what the plan says)."""
     with _lock:
         return _last[-1] if _last else None
 
 
-def register(directory: str, files: Sequence[tuple[str, int]], *, is_primary: bool) -> bool:
-    """Marks ``directory`` for a spread save (every process, main thread, same order), when
-    the job has several processes and a ``jax.distributed`` key-value store; returns whether it
-    did (the same answer on every process)."""
-    import jax
+class SaveKeys:
+    """The steps of one save in the key-value store: every key lives under ``prefix``
+    (``osf/<directory>/<n>``, ``n`` counting the saves of that directory in this job), is set
+    once, and is deleted by the primary once every process is done (:meth:`delete`).
 
-    if jax.process_count() <= 1 or _jaxcompat.distributed_kv() is None:
-        return False
-    with _lock:
-        n = _counts[directory] = _counts.get(directory, 0) + 1
-        _saves[directory] = _Save(
-            list(files),
-            is_primary,
-            jax.process_index(),
-            jax.process_count(),
-            f"osf/{directory}/{n}",
+    Every process sets ``done/<p>`` last, failed or not; the primary waits for all of them
+    (:meth:`wait_done`) before it commits or cleans up, so no process still writes when it
+    decides.
+
+    Example::
+
+        keys = SaveKeys("osf/gs://b/ckpt/1/default/1", "gs://b/ckpt/1/default")
+        keys.set("own/0")
+        keys.wait("own/1", "process 1 to upload its own bytes")
+    """
+
+    def __init__(self, prefix: str, directory: str) -> None:
+        self.client: Any = _jaxcompat.require_distributed_kv(f"a save to {directory}")
+        self.prefix = prefix
+        self.directory = directory
+        self.seen: set[str] = set()
+
+    def set(self, key: str, value: str = "1") -> None:
+        """Sets ``key`` (once per save)."""
+        self.client.key_value_set(f"{self.prefix}/{key}", value)
+
+    def get(self, key: str, what: str, *, watch_failed: bool = True) -> str:
+        """The value of ``key`` once a process set it. Raises an ObjectStoreError naming
+        ``what`` after :data:`WAIT_SECONDS`, or as soon as another process reported its failure
+        (``watch_failed``)."""
+        full = f"{self.prefix}/{key}"
+        deadline = time.monotonic() + WAIT_SECONDS
+        while True:
+            left = deadline - time.monotonic()
+            step = min(left, POLL_SECONDS) if watch_failed else left
+            try:
+                value = self.client.blocking_key_value_get(full, max(1, int(step * 1000)))
+                break
+            except Exception as error:
+                if watch_failed:
+                    failed = self.failure()
+                    if failed is not None:
+                        raise _calls.ObjectStoreError(
+                            self.directory,
+                            f"waiting for {what}",
+                            1,
+                            RuntimeError(f"the save failed on {failed}"),
+                        ) from None
+                if time.monotonic() >= deadline:
+                    raise _calls.ObjectStoreError(
+                        self.directory, f"waiting {WAIT_SECONDS:.0f} s for {what}", 1, error
+                    ) from error
+        self.seen.add(key)
+        return str(value)
+
+    def wait(self, key: str, what: str) -> None:
+        """Returns once ``key`` is set (see :meth:`get`)."""
+        if key not in self.seen:
+            self.get(key, what)
+
+    def try_get(self, key: str) -> str | None:
+        """The value of ``key`` if a process set it, else None (without waiting)."""
+        return _jaxcompat.distributed_kv_try_get(self.client, f"{self.prefix}/{key}")
+
+    def failure(self) -> str | None:
+        """What the first failing process reported, or None."""
+        return _jaxcompat.distributed_kv_try_get(self.client, f"{self.prefix}/{FAILED}")
+
+    def fail(self, process: int, error: BaseException) -> None:
+        """Reports this process's failure to the others (the first report stays)."""
+        with contextlib.suppress(Exception):  # set already by another process
+            self.set(FAILED, f"process {process}: {_calls.describe_error(error)}")
+
+    def wait_done(self, count: int, me: int) -> list[int]:
+        """The primary, after its own ``done``: waits until every process set ``done/<p>``
+        (at most :data:`WAIT_SECONDS` each); returns the processes that failed or never
+        answered."""
+        failed = []
+        for p in range(count):
+            if p == me:
+                continue
+            try:
+                if self.get(f"done/{p}", f"process {p} to finish", watch_failed=False) != "ok":
+                    failed.append(p)
+            except _calls.ObjectStoreError:
+                failed.append(p)
+        return failed
+
+    def delete(self) -> None:
+        """Removes every key of this save (the primary, once every process is done; no process
+        reads them any more)."""
+        with contextlib.suppress(Exception):  # best effort: the save's outcome matters more
+            _jaxcompat.distributed_kv_delete(self.client, self.prefix)
+
+
+def window_key(key: str, w: int) -> str:
+    """The staged object of window ``w`` of the object ``key`` (GCS)."""
+    prefix, _ = _common.staging_prefix(key)
+    return f"{prefix}w-{w:06d}"
+
+
+def compose_key(key: str, level: int, group: int) -> str:
+    """The composite of group ``group`` of compose level ``level`` of the object ``key``."""
+    prefix, _ = _common.staging_prefix(key)
+    return f"{prefix}c{level}-{group:06d}"
+
+
+def write_whole(store: Store, url: str, bucket: str, key: str, seg: _common.Segment) -> None:
+    """Writes the object ``key`` from ``seg``, which holds all of its bytes: one PUT up to
+    ``part_size``, else a multipart upload (S3) or a parallel composite upload (GCS)."""
+    options = store.options
+    if seg.size <= options.part_size:
+        store.call(url, f"PUT {seg.size} bytes", lambda: store.put(bucket, key, seg.views))
+        return
+    chunks = _common.even_chunks(seg.size, options.part_size)
+    if isinstance(store, _s3.S3Store):
+        _s3.write_multipart(store, url, bucket, key, seg, chunks)
+    else:
+        _gcs.write_composed(store, url, bucket, key, seg, chunks)
+
+
+def commit_file(store: Store, directory: str, bucket: str, base: str, f: Mapping[str, Any]) -> None:
+    """Completes one file several processes wrote, as its finisher does during the save or a
+    commit record lists it: S3, lists the parts of upload ``f["upload_id"]`` and completes it (an error naming the file and the parts never uploaded unless all
+    ``f["parts"]`` are there); GCS, composes ``f["sources"]`` composites of level
+    ``f["level"]`` into the file and deletes them. Nothing for an entry without either (a file
+    its finisher completed during the save).
+
+    Example::
+
+        commit_file(store, "s3://b/ckpt/1/default", "b", "ckpt/1/default/",
+                    {"name": "model.safetensors", "size": n, "parts": 3, "upload_id": uid})
+    """
+    if "upload_id" not in f and "level" not in f:
+        return
+    url, key = f"{directory}/{f['name']}", base + f["name"]
+    if isinstance(store, _s3.S3Store):
+        upload_id, count = str(f["upload_id"]), int(f["parts"])
+        parts = store.call(
+            url, "ListParts", functools.partial(store.list_parts, bucket, key, upload_id)
         )
-    return True
+        numbers = sorted(n for n, _ in parts)
+        if numbers != list(range(1, count + 1)):
+            missing = sorted(set(range(1, count + 1)) - set(numbers))
+            raise _calls.ObjectStoreError(
+                url, "finalize", 1, RuntimeError(f"parts {missing[:10]} were never uploaded")
+            )
+        _s3.complete(store, url, bucket, key, upload_id, parts, int(f["size"]))
+        return
+    level, count = int(f["level"]), int(f["sources"])
+    sources = [compose_key(key, level, g) for g in range(count)]
+    store.call(
+        url,
+        f"compose {len(sources)} objects into {key}",
+        functools.partial(store.compose, bucket, key, sources),
+    )
+    store.call(
+        url,
+        f"DELETE {len(sources)} composed objects",
+        functools.partial(store.delete, bucket, sources),
+    )
 
 
-def take(url: str, pieces: Sequence[_interface.Piece], size: int) -> bool:
-    """Keeps this process's ``pieces`` of the file at ``url`` for :func:`finish` if its
-    directory is registered (True), else False (the engine writes them itself)."""
-    directory, _, name = url.rpartition("/")
-    with _lock:
-        save = _saves.get(directory)
-    if save is None or all(name != f for f, _ in save.files):
-        return False
-    segments = _views.segments_of(pieces)
-    if segments and segments[-1].end > size:
-        raise ValueError(f"{url}: pieces end at {segments[-1].end}, past the file size {size}")
-    save.written[name] = segments
-    return True
-
-
-def _slices(segments: Sequence[_views.Segment], a: int, b: int) -> list[memoryview]:
+def _slices(segments: Sequence[_common.Segment], a: int, b: int) -> list[memoryview]:
     """Views of this process's bytes within ``[a, b)``, in offset order."""
     out: list[memoryview] = []
     for s in segments:
@@ -158,128 +263,11 @@ def _peer_ranges(f: _up.FileOwners, a: int, b: int) -> dict[int, list[tuple[int,
     return out
 
 
-def finish(store: _Store, directory: str, write_whole: WriteWhole) -> None:
-    """This process's part of the save of ``directory`` (see the module docstring); does
-    nothing unless :func:`register` marked it. Every process calls it once it wrote its files.
-    ``write_whole(store, url, bucket, key, segment)`` writes a file this process owns all of.
-
-    A process that fails tells the others (they raise instead of waiting for it); the primary
-    waits until every process is done, then persists the commit record
-    (:mod:`.spread_commit`), or, if any process failed, removes everything the save wrote and
-    aborts its uploads, and raises; then it deletes the save's keys.
-    """
-    directory = directory.rstrip("/")
-    with _lock:
-        save = _saves.pop(directory, None)
-    if save is None:
-        return
-    kv = _kv.SaveKeys(save.key, directory)
-    me, outcome = save.process, _Outcome()
-    error: BaseException | None = None
-    try:
-        _execute(store, directory, write_whole, save, kv, outcome)
-    except BaseException as e:
-        error = e
-        kv.fail(me, e)
-        _abort_mine(store, directory, outcome)
-    try:
-        kv.set(f"done/{me}", "ok" if error is None else "failed")
-    except Exception as e:  # the coordination service is gone: the job is failing anyway
-        error = error or e
-    if not save.is_primary:
-        if error is not None:
-            raise error
-        return
-    try:
-        failed = kv.wait_done(save.count, me)
-        if error is None and not failed:
-            assert outcome.plan is not None
-            record = _commit.CommitRecord.of_plan(outcome.plan)
-            _commit.write_record(store, directory, record)
-            return
-        first = kv.failure()
-        if error is None or (first is not None and not first.startswith(f"process {me}:")):
-            # Another process failed first (this one's own failure, if any, followed from
-            # it: an upload that process aborted, say): the error names the first.
-            reason = first or f"processes {failed} did not finish"
-            own, error = (
-                error,
-                _calls.ObjectStoreError(
-                    directory, "the save", 1, RuntimeError(f"the save failed on {reason}")
-                ),
-            )
-            error.__cause__ = own
-    except BaseException as e:
-        error = error or e
-    finally:
-        if error is not None:
-            names = [name for name, _ in save.files]
-            _commit.discard(store, directory, names, _created_uploads(kv, outcome))
-        kv.delete()  # every process is done with them
-    raise error
-
-
-def _abort_mine(store: _Store, directory: str, outcome: _Outcome) -> None:
-    """Aborts the uploads this process created and did not complete (its save failed)."""
-    if isinstance(store, _s3.S3Store):
-        _, bucket, base = _common.split_url(directory)
-        for name, upload_id in outcome.upload_ids.items():
-            if name not in outcome.completed:
-                store.abort_upload(bucket, f"{base}/{name}" if base else name, upload_id)
-
-
-def _created_uploads(kv: _kv.SaveKeys, outcome: _Outcome) -> dict[str, str]:
-    """The primary, once every process is done with a failed save: every multipart upload
-    a finisher created (its own, and those the others published), to abort."""
-    ids = dict(outcome.upload_ids)
-    plan = outcome.plan
-    if plan is not None and plan.kind is _up.StoreKind.S3:
-        for index, f in enumerate(plan.files):
-            if f.whole_owner < 0 and f.windows > 1 and f.name not in ids:
-                try:
-                    upload_id = kv.try_get(f"up/{index}")
-                except Exception:  # the coordination service is gone: the job fails anyway
-                    continue
-                if upload_id is not None:
-                    ids[f.name] = upload_id
-    return ids
-
-
-def abandon(store: _Store, directory: str, error: BaseException) -> None:
-    """This process's save of ``directory`` failed outside :func:`finish` (a host copy, a
-    write before it, or the primary's files after it): tells the other processes (they raise
-    instead of waiting for this one) and, on the primary, removes what the save wrote once
-    every process is done (or, after :func:`finish`, aborts the uploads the commit record
-    holds). Nothing if this process registered no spread save of ``directory``."""
-    directory = directory.rstrip("/")
-    with _lock:
-        save = _saves.pop(directory, None)
-    if save is None:
-        _commit.forget(store, directory)
-        return
-    kv = _kv.SaveKeys(save.key, directory)
-    kv.fail(save.process, error)
-    try:
-        kv.set(f"done/{save.process}", "failed")
-    except Exception:  # the coordination service is gone: the job is failing anyway
-        return
-    if save.is_primary:
-        try:
-            kv.wait_done(save.count, save.process)
-            _commit.discard(store, directory, [name for name, _ in save.files], {})
-        finally:
-            kv.delete()
-
-
-def _execute(
-    store: _Store,
-    directory: str,
-    write_whole: WriteWhole,
-    save: _Save,
-    kv: _kv.SaveKeys,
-    outcome: _Outcome,
-) -> None:
-    """The steps of :func:`finish` on this process, up to its clean-up."""
+def execute(store: Store, directory: str, save: Save, kv: SaveKeys, outcome: Outcome) -> None:
+    """This process's requests of the save of ``directory`` (see the module docstring), from
+    the exchange of byte ranges to the deletion of what it wrote; every process calls it once
+    it wrote its files. ``outcome`` records the plan and the uploads created here as it goes
+    (for the clean-up of a failed save)."""
     me, s3 = save.process, isinstance(store, _s3.S3Store)
     mine = {name: [[s.start, s.end] for s in segs] for name, segs in save.written.items()}
     kv.set(f"seg/{me}", json.dumps(mine))
@@ -318,7 +306,7 @@ def _execute(
                     functools.partial(store.create_upload, bucket, base + f.name),
                 )
                 kv.set(f"up/{index}", ids[f.name])
-    run = _Run(store, directory, bucket, base, plan, owners, save, kv, dict(ids), write_whole)
+    run = _Run(store, directory, bucket, base, plan, owners, save, kv, dict(ids))
     run.own()
     kv.set(f"own/{me}")
     run.build()
@@ -337,18 +325,16 @@ class _Run:
 
     def __init__(
         self,
-        store: _Store,
+        store: Store,
         directory: str,
         bucket: str,
         base: str,
         plan: _up.UploadPlan,
         owners: list[_up.FileOwners],
-        save: _Save,
-        kv: _kv.SaveKeys,
+        save: Save,
+        kv: SaveKeys,
         ids: dict[str, str],
-        write_whole: WriteWhole,
     ) -> None:
-        self.write_whole = write_whole
         self.store, self.directory, self.bucket, self.base = store, directory, bucket, base
         self.plan, self.owners, self.save, self.kv, self.ids = plan, owners, save, kv, ids
         self.me = save.process
@@ -370,7 +356,7 @@ class _Run:
                 lambda: store.upload_part(bucket, key, upload_id, w + 1, views),
             )
         else:
-            obj = _commit.window_key(key, w)
+            obj = window_key(key, w)
             store.call(url, f"PUT window {obj}", lambda: store.put(bucket, obj, views))
 
     def upload_id(self, index: int) -> str:
@@ -401,14 +387,13 @@ class _Run:
                 continue
             for k in sorted(set(self._ready_keys(f))):
                 self.kv.wait(k, f"{k} (parts of {f.name})")
-            entry = {"name": f.name, "size": f.size, "parts": f.windows}
-            _commit.commit_file(
-                store,
-                self.directory,
-                self.bucket,
-                self.base,
-                {**entry, "upload_id": self.ids[f.name]},
-            )
+            entry = {
+                "name": f.name,
+                "size": f.size,
+                "parts": f.windows,
+                "upload_id": self.ids[f.name],
+            }
+            commit_file(store, self.directory, self.bucket, self.base, entry)
             completed.add(f.name)
 
     def own(self) -> None:
@@ -419,11 +404,9 @@ class _Run:
             segs = written.get(f.name, [])
             url = f"{self.directory}/{f.name}"
             if f.whole_owner == self.me:
-                seg = segs[0] if segs else _views.Segment(0, [], 0)
+                seg = segs[0] if segs else _common.Segment(0, [], 0)
                 key = self.base + f.name
-                jobs.append(
-                    functools.partial(self.write_whole, self.store, url, self.bucket, key, seg)
-                )
+                jobs.append(functools.partial(write_whole, self.store, url, self.bucket, key, seg))
                 continue
             if f.whole_owner >= 0:
                 continue
@@ -473,7 +456,7 @@ class _Run:
             obj = self.loose_key(peer, int(plan.item_bundle[i]))
             start = int(plan.item_offset[i])
             jobs.append(self._get_job(obj, start, views))
-        _stats.count(bytes_reassembled=sum(int(n) for n in plan.item_bytes[reads]))
+        _calls.count(bytes_reassembled=sum(int(n) for n in plan.item_bytes[reads]))
         self.store.run_all(jobs)
         self._put_window(index, w, [out])
 
@@ -505,12 +488,12 @@ class _Run:
             if f.whole_owner >= 0 or f.windows <= 1:
                 continue
             key = self.base + f.name
-            names = [_commit.window_key(key, w) for w in range(f.windows)]
+            names = [window_key(key, w) for w in range(f.windows)]
             ready = self._ready_keys(f)
             for level, groups in enumerate(f.compose):
                 targets, done = [], []
                 for g, (composer, _) in enumerate(groups):
-                    target = _commit.compose_key(key, level, g)
+                    target = compose_key(key, level, g)
                     sources = names[g * fan_in : (g + 1) * fan_in]
                     if composer == self.me:
                         for k in ready[g * fan_in : (g + 1) * fan_in]:
@@ -543,12 +526,9 @@ class _Run:
             doomed: list[str] = []
             for level in range(len(levels) + 1):
                 names = (
-                    [_commit.window_key(key, w) for w in range(f.windows)]
+                    [window_key(key, w) for w in range(f.windows)]
                     if level == 0
-                    else [
-                        _commit.compose_key(key, level - 1, g)
-                        for g in range(len(levels[level - 1]))
-                    ]
+                    else [compose_key(key, level - 1, g) for g in range(len(levels[level - 1]))]
                 )
                 for i, (name, writer) in enumerate(zip(names, writers)):
                     if writer != self.me:

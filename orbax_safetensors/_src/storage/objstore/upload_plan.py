@@ -1,5 +1,5 @@
-"""The object-store upload plan of a save by several processes: which requests each process
-sends, and the bytes it moves. Pure and deterministic (no I/O, no JAX): every process computes
+"""The object-store upload plan of a save by several processes: which windows each process
+uploads or builds, and the bytes it moves. Pure and deterministic (no I/O, no JAX): every process computes
 the same plan from global facts (the files' sizes and every process's bytes of each file, which
 ``core.plan`` gives every process), so no process has to be told what to build.
 
@@ -37,7 +37,6 @@ Example::
                                        {0: [(0, 60 << 20)], 1: [(60 << 20, 100 << 20)]})]
     plan = plan_uploads(StoreKind.S3, UploadLimits(), owners, num_processes=2)
     plan.files[0].writer                         # who uploads each window
-    upload_requests.requests_of(plan, 1)         # what process 1 sends
 """
 
 from __future__ import annotations
@@ -48,7 +47,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from orbax_safetensors._src.storage.objstore import options as _options
+from orbax_safetensors._src.storage import config as _config
 from orbax_safetensors._src.storage.objstore.gcs import GCS_MAX_COMPOSE
 from orbax_safetensors._src.storage.objstore.s3 import S3_MAX_PARTS
 
@@ -68,38 +67,6 @@ class StoreKind(enum.Enum):
     GCS = "gs"
 
 
-class Phase(enum.IntEnum):
-    """When a request is sent, in the order of a save."""
-
-    PREPARE = 0  # a file's finisher, before anyone writes (S3 CreateMultipartUpload)
-    OWN = 1  # every process: its own bytes (whole files, pure windows, loose objects)
-    BUILD = 2  # builders: mixed windows and compose subtrees (after the owners' OWN phase)
-    CLEANUP = 3  # owners delete their loose objects (after their builders' BUILD phase)
-    COMMIT = 4  # a file's finisher: complete its upload / compose its top level
-
-
-class RequestKind(enum.Enum):
-    """One request to the object store."""
-
-    PUT_OBJECT = "put_object"  # a final object in one PUT
-    PUT_STAGED = "put_staged"  # GCS: one object of one owner's bytes (a pure window, a chunk)
-    PUT_LOOSE = "put_loose"  # a bundle of a process's bytes that builders fetch
-    PUT_FILLER = "put_filler"  # GCS: a mixed window's object, built by its builder
-    CREATE_UPLOAD = "create_upload"  # S3 CreateMultipartUpload
-    UPLOAD_PART = "upload_part"  # S3 UploadPart
-    LIST_PARTS = "list_parts"  # S3 ListParts (the ETags to complete with), one per 1,000 parts
-    COMPLETE_UPLOAD = "complete_upload"  # S3 CompleteMultipartUpload
-    GET_RANGE = "get_range"  # a ranged GET of another process's loose object
-    COMPOSE = "compose"  # GCS compose
-    DELETE = "delete"  # S3: one DeleteObjects of <= 1,000 keys; GCS: one object
-
-
-WRITE_KINDS = frozenset(
-    k for k in RequestKind if k not in (RequestKind.GET_RANGE, RequestKind.LIST_PARTS)
-)
-"""Kinds that write (create or delete) objects: what a bucket's write-rate limit counts."""
-
-
 @dataclasses.dataclass(frozen=True)
 class UploadLimits:
     """The sizes a plan obeys (see :class:`ObjectStoreOptions` and the providers' limits)."""
@@ -107,11 +74,11 @@ class UploadLimits:
     part_size: int = 64 * MiB
     gcs_min_object: int = 1 * MiB
     compose_fan_in: int = GCS_MAX_COMPOSE
-    s3_min_part: int = _options.S3_MIN_PART
+    s3_min_part: int = _config.S3_MIN_PART
     s3_max_parts: int = S3_MAX_PARTS
 
     @classmethod
-    def of(cls, options: _options.ObjectStoreOptions) -> UploadLimits:
+    def of(cls, options: _config.ObjectStoreOptions) -> UploadLimits:
         """The limits of a store configured with ``options``."""
         return cls(part_size=options.part_size, gcs_min_object=options.gcs_min_object)
 
@@ -156,28 +123,6 @@ class FileOwners:
         return np.append(self.starts[1:], self.size)
 
 
-@dataclasses.dataclass(frozen=True)
-class Request:
-    """One request of a process: its kind, phase, file (index in the plan; -1 for a loose
-    bundle, which may hold bytes of several files) and bytes moved. ``start``/``stop``: the
-    file bytes of a part or window object (of a GET: the bytes in the peer's loose object);
-    ``number``: S3 part number, bundle index (loose objects, GETs) or compose level; ``peer``:
-    whose loose object a GET reads; ``window``: the window a part or GET is for; ``sources``:
-    objects composed or deleted (parts completed)."""
-
-    kind: RequestKind
-    phase: Phase
-    file: int
-    upload: int = 0
-    download: int = 0
-    start: int = 0
-    stop: int = 0
-    number: int = 0
-    peer: int = -1
-    window: int = -1
-    sources: int = 0
-
-
 @dataclasses.dataclass
 class FileUpload:
     """The plan of one file: written whole by ``whole_owner``, or in windows."""
@@ -207,7 +152,8 @@ class FileUpload:
 
 @dataclasses.dataclass
 class UploadPlan:
-    """Every process's requests for one save (see the module docstring)."""
+    """Every process's windows, the builders of the mixed ones and the loose bundles of one
+    save (see the module docstring)."""
 
     kind: StoreKind
     limits: UploadLimits

@@ -1,8 +1,10 @@
-"""What an :class:`.upload_plan.UploadPlan` asks of each process: the list of one process's
-requests (:func:`requests_of`, what the engine sends) and every process's bytes and request
-counts at once (:func:`tally`, the same sums, computed with array operations so that a
-simulation of thousands of processes stays fast), plus the plan's limits as figures
-(:func:`part_figures`, :func:`compose_depth`).
+"""What an object-store upload plan (``storage/objstore/upload_plan.UploadPlan``) asks of each
+process, as the tests and ``benchmarks/scale_sim.py`` count it: the list of one process's
+requests (:func:`requests_of`: what the engine, ``storage/objstore/spread.py``, sends, which the
+multi-process tests compare with the counters each process measured) and every process's bytes
+and request counts at once (:func:`tally`, the same sums, computed with array operations so
+that a simulation of thousands of processes stays fast), plus the plan's limits as figures
+(:func:`part_figures`, :func:`compose_depth`, :func:`largest_compose`).
 
 Example::
 
@@ -14,19 +16,67 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import numpy as np
 
-from orbax_safetensors._src.storage.objstore.upload_plan import (
-    FileUpload,
-    Phase,
-    Request,
-    RequestKind,
-    StoreKind,
-    UploadPlan,
-)
+from orbax_safetensors._src.storage.objstore.upload_plan import FileUpload, StoreKind, UploadPlan
 
 _PAGE = 1000  # parts per S3 ListParts page; keys per S3 DeleteObjects request
+
+
+class Phase(enum.IntEnum):
+    """When a request is sent, in the order of a save."""
+
+    PREPARE = 0  # a file's finisher, before anyone writes (S3 CreateMultipartUpload)
+    OWN = 1  # every process: its own bytes (whole files, pure windows, loose objects)
+    BUILD = 2  # builders: mixed windows and compose subtrees (after the owners' OWN phase)
+    CLEANUP = 3  # owners delete their loose objects (after their builders' BUILD phase)
+    COMMIT = 4  # a file's finisher: complete its upload / compose its top level
+
+
+class RequestKind(enum.Enum):
+    """One request to the object store."""
+
+    PUT_OBJECT = "put_object"  # a final object in one PUT
+    PUT_STAGED = "put_staged"  # GCS: one object of one owner's bytes (a pure window, a chunk)
+    PUT_LOOSE = "put_loose"  # a bundle of a process's bytes that builders fetch
+    PUT_FILLER = "put_filler"  # GCS: a mixed window's object, built by its builder
+    CREATE_UPLOAD = "create_upload"  # S3 CreateMultipartUpload
+    UPLOAD_PART = "upload_part"  # S3 UploadPart
+    LIST_PARTS = "list_parts"  # S3 ListParts (the ETags to complete with), one per 1,000 parts
+    COMPLETE_UPLOAD = "complete_upload"  # S3 CompleteMultipartUpload
+    GET_RANGE = "get_range"  # a ranged GET of another process's loose object
+    COMPOSE = "compose"  # GCS compose
+    DELETE = "delete"  # S3: one DeleteObjects of <= 1,000 keys; GCS: one object
+
+
+WRITE_KINDS = frozenset(
+    k for k in RequestKind if k not in (RequestKind.GET_RANGE, RequestKind.LIST_PARTS)
+)
+"""Kinds that write (create or delete) objects: what a bucket's write-rate limit counts."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One request of a process: its kind, phase, file (index in the plan; -1 for a loose
+    bundle, which may hold bytes of several files) and bytes moved. ``start``/``stop``: the
+    file bytes of a part or window object (of a GET: the bytes in the peer's loose object);
+    ``number``: S3 part number, bundle index (loose objects, GETs) or compose level; ``peer``:
+    whose loose object a GET reads; ``window``: the window a part or GET is for; ``sources``:
+    objects composed or deleted (parts completed)."""
+
+    kind: RequestKind
+    phase: Phase
+    file: int
+    upload: int = 0
+    download: int = 0
+    start: int = 0
+    stop: int = 0
+    number: int = 0
+    peer: int = -1
+    window: int = -1
+    sources: int = 0
 
 
 @dataclasses.dataclass
