@@ -23,8 +23,14 @@ from etils import epath
 
 from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.core import sniff as _sniff
-from orbax_safetensors._src.core.errors import HeaderError, NotSafetensorsError
+from orbax_safetensors._src.core.errors import (
+    HeaderError,
+    NotSafetensorsError,
+    SafetensorsCheckpointError,
+    UnsafePathError,
+)
 from orbax_safetensors._src.storage import config as _config
+from orbax_safetensors._src.storage import confine as _confine
 from orbax_safetensors._src.storage import interface as _interface
 from orbax_safetensors._src.storage import local as _local
 from orbax_safetensors._src.storage import stream as _stream
@@ -102,9 +108,7 @@ def is_regular_file(path: epath.PathLike) -> bool:
         return False
 
 
-def is_local(path: epath.PathLike) -> bool:
-    """Whether ``path`` is on a local (POSIX) filesystem, where fd-level I/O is used."""
-    return "://" not in os.fspath(path)
+is_local = _confine.is_local  # (on a local filesystem fd-level I/O is used)
 
 
 def is_object_url(path: epath.PathLike) -> bool:
@@ -230,6 +234,50 @@ def open_reader(
         reader.close()
 
 
+# What a small file read whole (configs, indexes, metadata documents) may hold.
+MAX_SMALL_FILE_BYTES = 512 * 1024 * 1024
+
+
+def read_file(
+    path: epath.PathLike,
+    *,
+    limit: int | None = MAX_SMALL_FILE_BYTES,
+    io: _config.IOOptions | None = None,
+) -> bytes:
+    """The whole content of the file ``path``: every file this library reads whole (a
+    config, an index, a metadata document, a tokenizer file) is read here. A local file is
+    opened without blocking and must be a regular file (:func:`.confine.open_regular`); its
+    size is checked against ``limit`` (None: no limit) before a byte is read, so memory
+    follows the real size. Elsewhere, through :func:`open_reader`.
+
+    Raises:
+      UnsafePathError: a FIFO, device, socket or directory.
+      SafetensorsCheckpointError: larger than ``limit`` bytes.
+      OSError: it cannot be read (missing, permissions).
+
+    Example::
+
+        doc = json.loads(read_file("hf/config.json"))
+    """
+    with open_reader(path, threads=1, io=io) as reader:
+        if limit is not None and reader.size > limit:
+            raise SafetensorsCheckpointError(
+                f"{path}: {reader.size} bytes, more than the {limit} bytes read whole"
+            )
+        data = reader.pread(0, reader.size)
+    if len(data) != reader.size:
+        raise OSError(f"{path}: read {len(data)} of its {reader.size} bytes")
+    return data
+
+
+def copy_file(src: epath.PathLike, dst: epath.PathLike, chunk_bytes: int = 64 << 20) -> None:
+    """Copies the file ``src`` to ``dst`` (created or replaced), ``chunk_bytes`` at a time;
+    ``src`` is opened as :func:`read_file` opens it (a FIFO is refused, not waited on)."""
+    with open_reader(src, threads=1) as reader, epath.Path(dst).open("wb") as out:
+        for offset in range(0, reader.size, chunk_bytes):
+            out.write(reader.pread(offset, chunk_bytes))
+
+
 def prepare_directory(
     directory: epath.PathLike,
     files: Sequence[tuple[str, int]],
@@ -301,7 +349,7 @@ def read_header(path: epath.PathLike, io: _config.IOOptions | None = None) -> _h
             return _header.parse_file(r.pread, r.size, where=str(path))
     except NotSafetensorsError:
         raise
-    except (HeaderError, OSError):
+    except (HeaderError, UnsafePathError, OSError):
         found = (
             _sniff.sniff_directory(_entry_names(path), str(path)) if _is_directory(path) else None
         )
