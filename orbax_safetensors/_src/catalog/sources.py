@@ -153,7 +153,7 @@ def _read_index(path: epath.Path) -> tuple[epath.Path, dict[str, Any]] | None:
     if not (path / _plan.INDEX_FILE_NAME).exists():
         return None
     index = _confine.inside(path, _plan.INDEX_FILE_NAME)
-    raw = _router.read_file(index)  # (outside the try: its errors are not the index's)
+    raw = _confine.read_file(index)  # (outside the try: its errors are not the index's)
     try:
         doc = json.loads(raw)
         weight_map = doc["weight_map"]

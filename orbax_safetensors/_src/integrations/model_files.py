@@ -41,7 +41,6 @@ from typing import Any
 from etils import epath
 
 from orbax_safetensors._src.storage import confine as _confine
-from orbax_safetensors._src.storage import router as _router
 
 CONFIG_FILE_NAME = "config.json"
 GENERATION_CONFIG_FILE_NAME = "generation_config.json"
@@ -138,7 +137,7 @@ def tokenizer_files(directory: epath.PathLike) -> dict[str, bytes]:
     if templates.is_dir():
         names += [f"{CHAT_TEMPLATES_DIR}/{p.name}" for p in sorted(templates.glob("*.jinja"))]
     found = {name: _confine.inside(directory, name) for name in names}
-    return {name: _router.read_file(path) for name, path in found.items() if path.exists()}
+    return {name: _confine.read_file(path) for name, path in found.items() if path.exists()}
 
 
 def directory_file(directory: epath.PathLike, name: str) -> epath.Path:
@@ -161,7 +160,7 @@ def read_json(path: epath.PathLike, what: str = "hf_config") -> dict[str, Any]:
     p = epath.Path(path)
     if not p.exists():
         raise ValueError(f"{what} {p}: no such file or directory")
-    raw = _router.read_file(p)  # (a FIFO or directory: refused, never waited on)
+    raw = _confine.read_file(p)  # (a FIFO or directory: refused, never waited on)
     try:
         doc = json.loads(raw)
     except (ValueError, RecursionError) as e:
@@ -258,7 +257,7 @@ def _generation_config(given: Any, directory: epath.Path | None, model_config: A
         )
     stored = None if directory is None else directory_file(directory, GENERATION_CONFIG_FILE_NAME)
     if stored is not None and stored.exists():
-        return _router.read_file(stored)
+        return _confine.read_file(stored)
     if model_config is None:
         return None
     is_dict = isinstance(model_config, dict)

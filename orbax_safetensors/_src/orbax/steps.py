@@ -35,7 +35,6 @@ from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core.errors import NotSafetensorsError, UnsafePathError
 from orbax_safetensors._src.storage import confine as _confine
-from orbax_safetensors._src.storage import router as _router
 
 ORBAX_METADATA_FILE = "_METADATA"
 CHECKPOINT_METADATA_FILE = "_CHECKPOINT_METADATA"
@@ -508,11 +507,11 @@ def _read_json(path: epath.Path) -> Any:
     """The JSON document at ``path``; None when it is missing or unreadable.
 
     Raises:
-      UnsafePathError: ``path`` is a FIFO or another special file (``router.read_file``
+      UnsafePathError: ``path`` is a FIFO or another special file (``confine.read_file``
         refuses it without blocking): planted, not damaged.
     """
     try:
-        return json.loads(_router.read_file(path))
+        return json.loads(_confine.read_file(path))
     except UnsafePathError:
         raise
     except (OSError, ValueError, RecursionError):

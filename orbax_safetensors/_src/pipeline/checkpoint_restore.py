@@ -49,7 +49,7 @@ def read_metadata(directory: epath.PathLike, *, stats: ReadStats | None = None) 
         raise FileNotFoundError(
             f"{directory} is not an orbax-safetensors checkpoint: no {_metadata.METADATA_FILE}"
         )
-    raw = _router.read_file(path, limit=_metadata.MAX_METADATA_BYTES)
+    raw = _confine.read_file(path, limit=_metadata.MAX_METADATA_BYTES)
     if stats is not None:
         stats.metadata_bytes += len(raw)
     return _metadata.parse_metadata(raw, path)

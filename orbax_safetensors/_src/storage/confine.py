@@ -18,6 +18,8 @@ that one), ``../other``, ``gs://bucket/key``, or a symbolic link planted in the 
 - :func:`open_regular` is the one way a local file is opened for reading: without blocking
   (``O_NONBLOCK``: opening a FIFO for reading otherwise waits for a writer), and only when
   ``fstat`` says it is a regular file; a FIFO, device, socket or directory is refused.
+  :func:`read_file` reads a whole file (or its first bytes) through it, :func:`copy_file`
+  copies one; ranged reads (``local.LocalReader``) open through it too.
 
 Example::
 
@@ -30,10 +32,10 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from orbax_safetensors._src.core import paths as _paths
-from orbax_safetensors._src.core.errors import UnsafePathError
+from orbax_safetensors._src.core.errors import SafetensorsCheckpointError, UnsafePathError
 
 if TYPE_CHECKING:  # (etils is imported where a path is built: listing one file needs none)
     from etils import epath
@@ -155,6 +157,75 @@ def open_regular(path: epath.PathLike) -> tuple[int, os.stat_result]:
         os.close(fd)
         raise
     return fd, st
+
+
+# What a file read whole (a config, an index, a metadata document) may hold.
+MAX_SMALL_FILE_BYTES = 512 * 1024 * 1024
+_COPY_CHUNK = 64 << 20
+
+
+def read_file(
+    path: epath.PathLike, *, limit: int | None = MAX_SMALL_FILE_BYTES, head: int | None = None
+) -> bytes:
+    """The content of the file ``path``: every file this library reads whole (a config, an
+    index, a metadata document, a tokenizer file) is read here. A local file is opened by
+    :func:`open_regular` (a FIFO or another special file: refused, never waited on) and its
+    size checked against ``limit`` (None: none) before a byte is read, so memory follows the
+    real size; other paths (object storage) are read through ``etils.epath``, up to ``limit``.
+    With ``head``, only the first ``head`` bytes are read (no limit applies).
+
+    Raises:
+      UnsafePathError: a FIFO, device, socket or directory.
+      SafetensorsCheckpointError: larger than ``limit`` bytes.
+      OSError: it cannot be read (missing, permissions).
+
+    Example::
+
+        doc = json.loads(read_file("hf/config.json"))
+    """
+    if is_local(path):
+        fd, st = open_regular(path)
+        with os.fdopen(fd, "rb", buffering=0) as f:  # (closes fd)
+            if head is not None:
+                return f.read(head)
+            if limit is not None and st.st_size > limit:
+                raise _too_large(path, st.st_size, limit)
+            data = f.read()  # (one buffer of the size fstat gave, grown if the file grew)
+    else:
+        from etils import epath
+
+        with epath.Path(path).open("rb") as f:
+            if head is not None:
+                return f.read(head)
+            data = f.read() if limit is None else f.read(limit + 1)
+    if limit is not None and len(data) > limit:  # (grown since its size was read)
+        raise _too_large(path, len(data), limit)
+    return data
+
+
+def _too_large(path: object, size: int, limit: int) -> SafetensorsCheckpointError:
+    return SafetensorsCheckpointError(
+        f"{path}: {size} bytes, larger than the {limit} bytes a file read whole may hold"
+    )
+
+
+def copy_file(src: epath.PathLike, dst: epath.PathLike) -> None:
+    """Copies the file ``src`` to ``dst`` (created or replaced), a chunk at a time; ``src`` is
+    opened as :func:`read_file` opens it (a FIFO is refused, not waited on), before ``dst``."""
+    from etils import epath
+
+    with _open_for_reading(src) as f, epath.Path(dst).open("wb") as out:
+        while chunk := f.read(_COPY_CHUNK):
+            out.write(chunk)
+
+
+def _open_for_reading(path: epath.PathLike) -> Any:
+    # A binary file object of ``path``: a local one opened by open_regular, others by epath.
+    from etils import epath
+
+    if is_local(path):
+        return os.fdopen(open_regular(path)[0], "rb", buffering=0)
+    return epath.Path(path).open("rb")
 
 
 def check_tree(root: epath.PathLike, *, where: object = None) -> None:

@@ -23,12 +23,7 @@ from etils import epath
 
 from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.core import sniff as _sniff
-from orbax_safetensors._src.core.errors import (
-    HeaderError,
-    NotSafetensorsError,
-    SafetensorsCheckpointError,
-    UnsafePathError,
-)
+from orbax_safetensors._src.core.errors import HeaderError, NotSafetensorsError, UnsafePathError
 from orbax_safetensors._src.storage import config as _config
 from orbax_safetensors._src.storage import confine as _confine
 from orbax_safetensors._src.storage import interface as _interface
@@ -232,50 +227,6 @@ def open_reader(
         yield reader
     finally:
         reader.close()
-
-
-# What a small file read whole (configs, indexes, metadata documents) may hold.
-MAX_SMALL_FILE_BYTES = 512 * 1024 * 1024
-
-
-def read_file(
-    path: epath.PathLike,
-    *,
-    limit: int | None = MAX_SMALL_FILE_BYTES,
-    io: _config.IOOptions | None = None,
-) -> bytes:
-    """The whole content of the file ``path``: every file this library reads whole (a
-    config, an index, a metadata document, a tokenizer file) is read here. A local file is
-    opened without blocking and must be a regular file (:func:`.confine.open_regular`); its
-    size is checked against ``limit`` (None: no limit) before a byte is read, so memory
-    follows the real size. Elsewhere, through :func:`open_reader`.
-
-    Raises:
-      UnsafePathError: a FIFO, device, socket or directory.
-      SafetensorsCheckpointError: larger than ``limit`` bytes.
-      OSError: it cannot be read (missing, permissions).
-
-    Example::
-
-        doc = json.loads(read_file("hf/config.json"))
-    """
-    with open_reader(path, threads=1, io=io) as reader:
-        if limit is not None and reader.size > limit:
-            raise SafetensorsCheckpointError(
-                f"{path}: {reader.size} bytes, more than the {limit} bytes read whole"
-            )
-        data = reader.pread(0, reader.size)
-    if len(data) != reader.size:
-        raise OSError(f"{path}: read {len(data)} of its {reader.size} bytes")
-    return data
-
-
-def copy_file(src: epath.PathLike, dst: epath.PathLike, chunk_bytes: int = 64 << 20) -> None:
-    """Copies the file ``src`` to ``dst`` (created or replaced), ``chunk_bytes`` at a time;
-    ``src`` is opened as :func:`read_file` opens it (a FIFO is refused, not waited on)."""
-    with open_reader(src, threads=1) as reader, epath.Path(dst).open("wb") as out:
-        for offset in range(0, reader.size, chunk_bytes):
-            out.write(reader.pread(offset, chunk_bytes))
 
 
 def prepare_directory(

@@ -33,7 +33,6 @@ from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.orbax.steps import PathKind
 from orbax_safetensors._src.storage import confine as _confine
-from orbax_safetensors._src.storage import router as _router
 from orbax_safetensors._src.tools import from_orbax as _from_orbax
 from orbax_safetensors._src.tools import to_orbax as _to_orbax
 from orbax_safetensors._src.tools.convert_output import TO_ORBAX as _TO_ORBAX
@@ -124,7 +123,7 @@ def _write_step_metadata(src: epath.Path, dst: epath.Path, handlers: dict[str, s
     path = _confine.inside(src, _steps.CHECKPOINT_METADATA_FILE)
     if not path.exists():
         return
-    doc = json.loads(_router.read_file(path))
+    doc = json.loads(_confine.read_file(path))
     item_handlers = doc.get("item_handlers")
     if isinstance(item_handlers, dict):
         item_handlers.update(handlers)

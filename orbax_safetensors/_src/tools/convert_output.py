@@ -17,7 +17,6 @@ from etils import epath
 
 from orbax_safetensors._src.storage import confine as _confine
 from orbax_safetensors._src.storage import replace as _replace
-from orbax_safetensors._src.storage import router as _router
 
 
 class Direction(enum.StrEnum):
@@ -72,7 +71,7 @@ def commit(tmp: epath.Path, dst: epath.Path) -> None:
 def copy_tree(root: epath.Path, name: str, dst: epath.Path) -> None:
     """Copies the file or directory tree ``name`` of the directory ``root`` (an entry a
     conversion keeps unchanged) to ``dst``: every entry checked to lie inside ``root`` and
-    every file read as every file is (``storage/confine.py``, ``router.read_file``: a
+    every file read as every file is (``storage/confine.py``, ``confine.read_file``: a
     symbolic link out of ``root`` or a FIFO is refused)."""
     src = _confine.inside(root, name)
     if src.is_dir():
@@ -80,7 +79,7 @@ def copy_tree(root: epath.Path, name: str, dst: epath.Path) -> None:
         for child in src.iterdir():
             copy_tree(root, f"{name}/{child.name}", dst / child.name)
     else:
-        _router.copy_file(src, dst)
+        _confine.copy_file(src, dst)
 
 
 def atomic(dst: epath.PathLike, write: Callable[[epath.Path], ConvertSummary]) -> ConvertSummary:

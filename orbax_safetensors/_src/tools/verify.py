@@ -330,7 +330,7 @@ class _Checker:
         if not path.exists():
             return
         try:
-            raw = _router.read_file(_confine.inside(directory, _plan.INDEX_FILE_NAME))
+            raw = _confine.read_file(_confine.inside(directory, _plan.INDEX_FILE_NAME))
         except _READ_ERRORS as e:
             self.report._problem(_message(e, path))
             return
