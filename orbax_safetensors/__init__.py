@@ -37,6 +37,7 @@ from orbax_safetensors._src.core.errors import (
     SafetensorsCheckpointError,
     SchemaError,
     TargetMismatchError,
+    UnsafePathError,
     UnsupportedLeafError,
 )
 from orbax_safetensors._version import __version__
@@ -280,6 +281,7 @@ __all__ = [
     "TensorEntry",
     "Transform",
     "Transpose",
+    "UnsafePathError",
     "UnsupportedLeafError",
     "VerifyReport",
     "VocabRows",

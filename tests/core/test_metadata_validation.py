@@ -38,8 +38,8 @@ def forge(directory, edit):
     path.write_text(json.dumps(doc))
 
 
-def assert_both_refuse(directory, capsys, match):
-    with pytest.raises(SchemaError, match=match) as raised:
+def assert_both_refuse(directory, capsys, match, error=SchemaError):
+    with pytest.raises(error, match=match) as raised:
         osf.restore_directory(directory)
     report = osf.verify(directory)
     assert not report.ok
@@ -110,7 +110,7 @@ ENTRY_FORGERIES = {
     "checksum": (lambda d: _tensor(d, crc32c="zzzzzzzz"), "checksum of 'b' is malformed"),
     "device id a str": (lambda d: _tensor(d, device="0"), "device id '0' is not an integer"),
     "entry not an object": (lambda d: d["tensors"].update(b=[1]), "has no entry"),
-    "file list entry": (lambda d: d["files"].append("../x"), "invalid file name"),
+    "file list entry": (lambda d: d["files"].append("a/x"), "invalid file name"),
     "device_meshes": (lambda d: d.update(device_meshes=[["0"]]), "device_meshes"),
     "user metadata": (lambda d: d.update(metadata=[1, 2]), "metadata is list"),
 }
@@ -121,6 +121,12 @@ def test_a_malformed_tensor_entry_is_refused_by_restore_and_verify(item, capsys,
     edit, match = ENTRY_FORGERIES[forgery]
     forge(item, edit)
     assert_both_refuse(item, capsys, match)
+
+
+@pytest.mark.parametrize("name", ["../x", "/etc/x", "s3://b/x"])
+def test_a_listed_file_outside_the_directory_is_refused_by_restore_and_verify(item, capsys, name):
+    forge(item, lambda d: d["files"].append(name))
+    assert_both_refuse(item, capsys, "leads outside", osf.UnsafePathError)
 
 
 def test_orbax_restore_refuses_what_verify_refuses(tmp_path):

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import orbax_safetensors as osf
-from orbax_safetensors import HeaderError, IntegrityError, SchemaError
+from orbax_safetensors import HeaderError, IntegrityError, SchemaError, UnsafePathError
 
 from .bases import META_FILE, Case, base_dir, drop, make_fifo
 from .schema_cases import alias_cycle, leaf_edit, update_leaf
@@ -135,7 +135,7 @@ def legacy_files(edit: Callable[[Path], None]) -> Callable[[Path], Path]:
 
 
 def dir_cases() -> list[Case]:
-    S, H = SchemaError, HeaderError
+    S, H, U = SchemaError, HeaderError, UnsafePathError
     items: list[tuple[str, Callable[[Path], Path], type[Exception], str]] = [
         ("meta-garbage-json", meta_doc(lambda m: "{nope"), S, "not valid JSON"),
         ("meta-invalid-utf8", meta_doc(lambda m: b'{"\xff": 1}'), S, "not valid JSON"),
@@ -159,12 +159,12 @@ def dir_cases() -> list[Case]:
         ("meta-files-dict", meta_doc(lambda m: m.update(files={})), S, "files"),
         ("meta-no-schema", meta_doc(lambda m: drop(m, "schema")), S, "schema"),
         ("meta-entry-not-object", meta_doc(lambda m: m["tensors"].update(a=[1])), S, "'a'"),
-        ("file-dotdot-path", meta_doc(_tensor_file("../model.safetensors")), S, "invalid file"),
-        ("file-absolute", meta_doc(_tensor_file("/etc/passwd")), S, "invalid file"),
+        ("file-dotdot-path", meta_doc(_tensor_file("../model.safetensors")), U, "leads outside"),
+        ("file-absolute", meta_doc(_tensor_file("/etc/passwd")), U, "leads outside"),
         ("file-subdir", meta_doc(_tensor_file("sub/model.safetensors")), S, "invalid file"),
-        ("file-dotdot", meta_doc(_tensor_file("..")), S, "invalid file"),
+        ("file-dotdot", meta_doc(_tensor_file("..")), U, "leads outside"),
         ("file-empty-name", meta_doc(_tensor_file("")), S, "invalid file"),
-        ("file-nul-byte", meta_doc(_tensor_file("a\x00b")), S, "invalid file"),
+        ("file-nul-byte", meta_doc(_tensor_file("a\x00b")), U, "leads outside"),
         (
             "file-not-listed",
             meta_doc(lambda m: m["tensors"]["a"].update(file="x")),
@@ -172,10 +172,10 @@ def dir_cases() -> list[Case]:
             "invalid file",
         ),
         ("file-missing", legacy_doc(_tensor_file("gone.safetensors")), S, "not a regular file"),
-        ("file-is-directory", legacy_files(_make_dir_entry), S, "not a regular file"),
+        ("file-is-directory", legacy_files(_make_dir_entry), U, "a directory, not a regular file"),
         ("file-is-metadata", legacy_doc(_tensor_file(META_FILE)), H, "not a safetensors file"),
-        ("file-is-fifo", legacy_files(_fifo_tensor_file), S, "not a regular file"),
-        ("meta-is-fifo", file_edit(_fifo_metadata), S, "not a regular file"),
+        ("file-is-fifo", legacy_files(_fifo_tensor_file), U, "a FIFO, not a regular file"),
+        ("meta-is-fifo", file_edit(_fifo_metadata), U, "a FIFO, not a regular file"),
         (
             "tensor-not-in-header",
             legacy_doc(lambda m: m["tensors"].update(zz=dict(m["tensors"]["a"]))),

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from orbax_safetensors import HeaderError
+from orbax_safetensors import HeaderError, UnsafePathError
 
 from .bases import (
     MAX_HEADER,
@@ -198,7 +198,9 @@ def header_cases() -> list[Case]:
         ),
     ]
     cases += [Case(n, "header", b, H, r) for n, b, r in docs]
-    cases.append(Case("fifo-not-a-file", "header", make_fifo, H, "not a regular file"))
+    cases.append(
+        Case("fifo-not-a-file", "header", make_fifo, UnsafePathError, "a FIFO, not a regular file")
+    )
     return cases
 
 

@@ -33,6 +33,7 @@ from etils import epath
 
 from orbax_safetensors._src.core import sniff as _sniff
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
+from orbax_safetensors._src.storage import confine as _confine
 
 if TYPE_CHECKING:
     import numpy as np
@@ -99,8 +100,8 @@ def is_flax_msgpack(path: epath.PathLike) -> bool:
     path = epath.Path(path)
     if path.suffix == ".safetensors" or not path.is_file():
         return False
-    with path.open("rb") as f:
-        return looks_like_flax_msgpack(f.read(_sniff.HEAD_BYTES))
+    head = _confine.read_file(path, head=_sniff.HEAD_BYTES)  # (a FIFO: refused, not waited on)
+    return looks_like_flax_msgpack(head)
 
 
 def step_of(path: epath.PathLike) -> int | None:
@@ -117,7 +118,7 @@ def read_file(path: epath.PathLike) -> dict[Any, Any]:
         fault) when the file is truncated, forged, or not a Flax state dict.
     """
     path = epath.Path(path)
-    return decode(path.read_bytes(), where=str(path))
+    return decode(_confine.read_file(path, limit=None), where=str(path))
 
 
 def decode(data: bytes | memoryview, *, where: str = "<bytes>") -> dict[Any, Any]:

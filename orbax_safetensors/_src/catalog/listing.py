@@ -20,7 +20,6 @@ import dataclasses
 import enum
 import os
 import pathlib
-import stat
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +27,8 @@ from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import schema as _schema
-from orbax_safetensors._src.core.errors import SchemaError
+from orbax_safetensors._src.core.errors import SchemaError, UnsafePathError
+from orbax_safetensors._src.storage import confine as _confine
 
 if TYPE_CHECKING:
     from etils import epath
@@ -146,13 +146,15 @@ def _read_header(path: epath.PathLike) -> tuple[epath.Path | pathlib.PurePath, _
     name = os.fspath(path)
     if "://" not in name:
         try:
-            info = os.stat(name)
-        except OSError:
-            info = None  # the router raises the error every tool words the same way
-        if info is not None and stat.S_ISREG(info.st_mode):
+            fd, info = _confine.open_regular(name)
+        except (OSError, UnsafePathError):
+            fd = None  # the router raises the error every tool words the same way
+        if fd is not None:
             local = pathlib.PurePath(name)
-            with open(name, "rb", buffering=0) as f:
-                header = _header.parse_file(_preader(f.fileno()), info.st_size, where=str(local))
+            try:
+                header = _header.parse_file(_preader(fd), info.st_size, where=str(local))
+            finally:
+                os.close(fd)
             return local, header
     from etils import epath
 

@@ -59,6 +59,7 @@ from orbax_safetensors._src.pipeline import place as _place
 from orbax_safetensors._src.pipeline import reader as _reader
 from orbax_safetensors._src.pipeline import standalone as _standalone
 from orbax_safetensors._src.storage import buffers as _buffers
+from orbax_safetensors._src.storage import confine as _confine
 from orbax_safetensors._src.storage import router as _router
 
 DEFAULT_BATCH_BYTES = 256 * 1024 * 1024  # host memory a tool reads at a time
@@ -137,32 +138,48 @@ def _open_item(path: epath.Path) -> SafetensorsSource:
 
 def safetensors_dir_files(path: epath.Path) -> list[str]:
     """The files of a plain safetensors directory: those listed by the HF index, else every
-    ``*.safetensors`` file."""
-    index = path / _plan.INDEX_FILE_NAME
-    if index.exists():
-        try:
-            doc = json.loads(index.read_text())
-            weight_map = doc["weight_map"]
-            files = sorted(set(weight_map.values()))
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise HeaderError(f"{index}: not a valid index file ({e})") from None
-        for f in files:
-            if not isinstance(f, str) or "/" in f or f.startswith("."):
-                raise HeaderError(f"{index}: invalid file name {f!r}")
-        return files
-    return [p.name for p in _steps.safetensors_files(path)]
+    ``*.safetensors`` file; each checked to lie inside ``path`` (``storage/confine.py``)."""
+    return _dir_files(path, _read_index(path))
+
+
+def _dir_files(path: epath.Path, index: tuple[epath.Path, dict[str, Any]] | None) -> list[str]:
+    if index is None:
+        where, names = path, [p.name for p in _steps.safetensors_files(path)]
+    else:
+        where, names = index[0], sorted(set(index[1]["weight_map"].values()))
+    for name in names:
+        _confine.inside(path, name, where=where)
+    return names
+
+
+def _read_index(path: epath.Path) -> tuple[epath.Path, dict[str, Any]] | None:
+    # The Hugging Face index of a safetensors directory (its path and document), or None.
+    if not (path / _plan.INDEX_FILE_NAME).exists():
+        return None
+    index = _confine.inside(path, _plan.INDEX_FILE_NAME)
+    raw = _confine.read_file(index)  # (outside the try: its errors are not the index's)
+    try:
+        doc = json.loads(raw)
+        weight_map = doc["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError(f"weight_map is a {type(weight_map).__name__}")
+        for file in weight_map.values():
+            if not isinstance(file, str):
+                raise TypeError(f"a file name {file!r} is not a string")
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        raise HeaderError(f"{index}: not a valid index file ({type(e).__name__}: {e})") from None
+    return index, doc
 
 
 def _open_safetensors_dir(path: epath.Path) -> SafetensorsSource:
     stored: dict[str, Any] = {}
     metadata: dict[str, Any] = {}
     weight_map: dict[str, str] | None = None
-    index = path / _plan.INDEX_FILE_NAME
-    if index.exists():
-        doc = json.loads(index.read_text())
-        weight_map = doc["weight_map"]
-        metadata = {"index": doc.get("metadata", {})}
-    for filename in safetensors_dir_files(path):
+    index = _read_index(path)
+    if index is not None:
+        weight_map = index[1]["weight_map"]
+        metadata = {"index": index[1].get("metadata", {})}
+    for filename in _dir_files(path, index):
         header = _router.read_header(path / filename)
         metadata.setdefault("format", header.metadata.get("format"))
         _, in_file = _standalone.file_index(path / filename, header, strict=False)
@@ -177,10 +194,10 @@ def _open_safetensors_dir(path: epath.Path) -> SafetensorsSource:
                     f"{weight_map.get(name)!r}"
                 )
             stored[name] = st
-    if weight_map is not None:
+    if index is not None and weight_map is not None:
         lost = sorted(set(weight_map) - set(stored))
         if lost:
-            raise HeaderError(f"{index}: lists tensors found in no file: {lost[:10]}")
+            raise HeaderError(f"{index[0]}: lists tensors found in no file: {lost[:10]}")
     return SafetensorsSource(path, SourceKind.SAFETENSORS_DIR, stored, metadata)
 
 
@@ -218,6 +235,7 @@ class OrbaxSource:
 
         self.path = path = _steps.absolute(path)
         self.kind = SourceKind.ORBAX
+        _steps.check_orbax_item(path)  # (before Orbax or TensorStore opens a file of it)
         self.tree = orbax_metadata_tree(path)
         flat, _ = jax.tree_util.tree_flatten_with_path(self.tree)
         names = _tree.assign_names([tuple(p) for p, _ in flat])
@@ -274,6 +292,7 @@ class OrbaxSource:
             self._context = ts.Context(TENSORSTORE_CONTEXT)
             self._storage = _steps.array_storage(self.path)
         storage = self._storage
+        _confine.inside(self.path, leaf_name, where=self.path / _steps.ORBAX_METADATA_FILE)
         spec = _orbaxcompat.array_read_spec(
             self.path,
             leaf_name,

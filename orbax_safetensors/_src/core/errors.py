@@ -43,6 +43,14 @@ class SchemaError(SafetensorsCheckpointError):
     """The JSON tree schema stored with a checkpoint is malformed or inconsistent."""
 
 
+class UnsafePathError(SafetensorsCheckpointError):
+    """A path the input leads to is refused before anything is read from it: a name read from
+    a checkpoint or a directory (an item's metadata, an index, a listing) that leads outside
+    the directory holding it (an absolute name, ``..``, another URL scheme, a symbolic link out
+    of it), or a file that is not a regular file (a FIFO, device, socket or directory where a
+    file is read: opening a FIFO for reading would block)."""
+
+
 class UnsupportedLeafError(SafetensorsCheckpointError):
     """A pytree leaf (or its dtype) cannot be stored; nothing was written."""
 

@@ -18,6 +18,7 @@ from typing import Any
 from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import header as _header
+from orbax_safetensors._src.core import paths as _paths
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import sharding as _sharding
 from orbax_safetensors._src.core.errors import (
@@ -199,6 +200,9 @@ def validate_entries(doc: Mapping[str, Any], where: object) -> None:
     """
     files = doc["files"]
     for filename in files:
+        escape = _paths.escape_problem(filename)
+        if escape is not None and isinstance(filename, str) and filename:
+            raise _paths.escape_error(where, filename, str(where).rpartition("/")[0], escape)
         if not is_plain_filename(filename):
             raise SchemaError(f"{where}: lists an invalid file name {filename!r}")
     meshes = doc.get("device_meshes")

@@ -40,6 +40,8 @@ from typing import Any
 
 from etils import epath
 
+from orbax_safetensors._src.storage import confine as _confine
+
 CONFIG_FILE_NAME = "config.json"
 GENERATION_CONFIG_FILE_NAME = "generation_config.json"
 # What transformers' tokenizers and processors save (their ``vocab_files_names`` and the
@@ -130,12 +132,19 @@ def tokenizer_files(directory: epath.PathLike) -> dict[str, bytes]:
         tokenizer_files("Qwen3-0.6B")   # {"tokenizer.json": b"...", "vocab.json": ..., ...}
     """
     directory = epath.Path(directory)
-    found = {name: directory / name for name in TOKENIZER_FILES}
-    templates = directory / CHAT_TEMPLATES_DIR
+    names = list(TOKENIZER_FILES)
+    templates = _confine.inside(directory, CHAT_TEMPLATES_DIR)
     if templates.is_dir():
-        for path in sorted(templates.glob("*.jinja")):
-            found[f"{CHAT_TEMPLATES_DIR}/{path.name}"] = path
-    return {name: path.read_bytes() for name, path in found.items() if path.is_file()}
+        names += [f"{CHAT_TEMPLATES_DIR}/{p.name}" for p in sorted(templates.glob("*.jinja"))]
+    found = {name: _confine.inside(directory, name) for name in names}
+    return {name: _confine.read_file(path) for name, path in found.items() if path.exists()}
+
+
+def directory_file(directory: epath.PathLike, name: str) -> epath.Path:
+    """The file ``name`` of the model directory ``directory``, checked to lie inside it
+    (symbolic links included: ``storage/confine.py``; a Hugging Face hub cache snapshot's
+    links into its own ``blobs/`` do)."""
+    return _confine.inside(directory, name)
 
 
 def read_json(path: epath.PathLike, what: str = "hf_config") -> dict[str, Any]:
@@ -149,11 +158,12 @@ def read_json(path: epath.PathLike, what: str = "hf_config") -> dict[str, Any]:
         read_json("hf/config.json")   # {"model_type": "llama", ...}
     """
     p = epath.Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise ValueError(f"{what} {p}: no such file or directory")
+    raw = _confine.read_file(p)  # (a FIFO or directory: refused, never waited on)
     try:
-        doc = json.loads(p.read_text())
-    except ValueError as e:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError) as e:
         raise ValueError(f"{what} {p}: not JSON ({e})") from None
     if not isinstance(doc, dict):
         raise ValueError(f"{what} {p}: not a JSON object")
@@ -193,9 +203,10 @@ def _config_doc(hf_config: Any, directory: epath.Path | None) -> tuple[dict[str,
     if hf_config is None:
         return None, None
     if directory is not None:
-        if not (directory / CONFIG_FILE_NAME).is_file():
+        config = directory_file(directory, CONFIG_FILE_NAME)
+        if not config.exists():
             raise ValueError(f"hf_config {directory}: a directory without {CONFIG_FILE_NAME}")
-        return read_json(directory / CONFIG_FILE_NAME), None
+        return read_json(config), None
     if _is_path(hf_config):
         return read_json(hf_config), None
     if isinstance(hf_config, dict):
@@ -248,9 +259,9 @@ def _generation_config(given: Any, directory: epath.Path | None, model_config: A
     if given is not None:
         if _is_path(given):
             p = epath.Path(given)
-            return _json_bytes(
-                read_json(p / GENERATION_CONFIG_FILE_NAME if p.is_dir() else p, "generation_config")
-            )
+            if p.is_dir():
+                p = directory_file(p, GENERATION_CONFIG_FILE_NAME)
+            return _json_bytes(read_json(p, "generation_config"))
         if isinstance(given, dict):
             return _json_bytes(given)
         if hasattr(given, "to_json_string"):
@@ -259,8 +270,9 @@ def _generation_config(given: Any, directory: epath.Path | None, model_config: A
             "generation_config must be a transformers GenerationConfig, a dict or a path, not "
             f"{type(given).__name__}"
         )
-    if directory is not None and (directory / GENERATION_CONFIG_FILE_NAME).is_file():
-        return (directory / GENERATION_CONFIG_FILE_NAME).read_bytes()
+    stored = None if directory is None else directory_file(directory, GENERATION_CONFIG_FILE_NAME)
+    if stored is not None and stored.exists():
+        return _confine.read_file(stored)
     if model_config is None:
         return None
     is_dict = isinstance(model_config, dict)

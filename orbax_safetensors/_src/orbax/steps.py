@@ -35,7 +35,12 @@ from etils import epath
 from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
 from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import plan as _plan
-from orbax_safetensors._src.core.errors import NotSafetensorsError, SafetensorsCheckpointError
+from orbax_safetensors._src.core.errors import (
+    NotSafetensorsError,
+    SafetensorsCheckpointError,
+    UnsafePathError,
+)
+from orbax_safetensors._src.storage import confine as _confine
 
 ORBAX_METADATA_FILE = "_METADATA"
 CHECKPOINT_METADATA_FILE = "_CHECKPOINT_METADATA"
@@ -162,10 +167,7 @@ def array_storage(path: epath.PathLike) -> ArrayStorage:
     """The :class:`ArrayStorage` of the Orbax-native item ``path`` (a damaged or missing
     ``_METADATA`` gives Orbax's defaults: its own restore then reports the damage)."""
     path = epath.Path(path)
-    try:
-        doc = json.loads((path / ORBAX_METADATA_FILE).read_text())
-    except (OSError, ValueError):
-        doc = {}
+    doc = _read_json(path / ORBAX_METADATA_FILE)
     doc = doc if isinstance(doc, dict) else {}
     ocdbt = doc.get("use_ocdbt")
     return ArrayStorage(
@@ -173,6 +175,48 @@ def array_storage(path: epath.PathLike) -> ArrayStorage:
         use_ocdbt=ocdbt if isinstance(ocdbt, bool) else (path / OCDBT_MANIFEST_FILE).exists(),
         fill_missing=doc.get("store_array_data_equal_to_fill_value") is not True,
     )
+
+
+def check_orbax_item(path: epath.PathLike) -> None:
+    """Refuses an Orbax-native item that a read through Orbax or TensorStore would leave or
+    block in, before either opens a file of it: no entry of the item may be a symbolic link
+    out of it or a special file (``confine.check_tree``), and every array name its
+    ``_METADATA`` records (Orbax reads the array ``name`` at ``<item>/<name>``) must stay
+    inside it (``confine.inside``). A ``_METADATA`` that cannot be parsed is left to Orbax,
+    which reports it.
+
+    Raises:
+      UnsafePathError: naming ``_METADATA``, the name and the item.
+
+    Example::
+
+        check_orbax_item("/ckpt/100/state")   # before ocp.PyTreeCheckpointHandler().restore
+    """
+    path = epath.Path(path)
+    where = path / ORBAX_METADATA_FILE
+    _confine.check_tree(path, where=path)
+    doc = _read_json(where)
+    for name in orbax_array_names(doc):
+        _confine.inside(path, name, where=where)
+
+
+def orbax_array_names(doc: Any) -> list[str]:
+    """The name of each leaf an Orbax ``_METADATA`` document records, as Orbax joins it
+    (its keys, ``str`` of each, joined by ``.``: ``tree_utils.param_name_from_keypath``);
+    entries that are not so shaped are skipped (Orbax refuses them itself).
+
+    Example::
+
+        orbax_array_names({"tree_metadata": {"('a', 'b')": {"key_metadata": [
+            {"key": "a", "key_type": 2}, {"key": "b", "key_type": 2}]}}})   # ['a.b']
+    """
+    tree = doc.get("tree_metadata") if isinstance(doc, dict) else None
+    names = []
+    for entry in tree.values() if isinstance(tree, dict) else ():
+        keys = entry.get("key_metadata") if isinstance(entry, dict) else None
+        if isinstance(keys, list) and all(isinstance(k, dict) and "key" in k for k in keys):
+            names.append(".".join(str(k["key"]) for k in keys))
+    return names
 
 
 def item_handler(path: epath.PathLike) -> str | None:
@@ -233,12 +277,16 @@ def not_a_checkpoint(path: epath.PathLike) -> NotSafetensorsError:
 
 def list_items(step: epath.PathLike) -> dict[str, PathKind]:
     """The items of a step directory by name, with their kind (``other`` for non-tensor items
-    such as Orbax JSON items)."""
+    such as Orbax JSON items).
+
+    Raises:
+      UnsafePathError: an item is a symbolic link out of the step (``confine.inside``).
+    """
     step = epath.Path(step)
     out = {}
     for c in sorted(step.iterdir(), key=lambda p: p.name):
         if c.is_dir() and TMP_SUFFIX not in c.name:
-            out[c.name] = item_kind(c)
+            out[c.name] = item_kind(_confine.inside(step, c.name))
     return out
 
 
@@ -378,6 +426,7 @@ def _step_candidates(root: epath.Path) -> list[tuple[epath.Path, int]]:
             continue
         m = _STEP_NAME.match(child.name)
         if m and child.is_dir():
+            child = _confine.inside(root, child.name)  # (a step linked out of the root: refused)
             (found if _looks_like_step(child) else unclear).append((child, int(m.group(1))))
     formats = {_name_parts(c.name) for c, _ in found if TMP_SUFFIX not in c.name}
     for child, number in unclear:
@@ -838,9 +887,16 @@ def _is_child_name(name: object) -> bool:
 
 
 def _read_json(path: epath.Path) -> Any:
-    """The JSON document at ``path``; None when it is missing or unreadable."""
+    """The JSON document at ``path``; None when it is missing or unreadable.
+
+    Raises:
+      UnsafePathError: ``path`` is a FIFO or another special file (``confine.read_file``
+        refuses it without blocking): planted, not damaged.
+    """
     try:
-        return json.loads(path.read_text())
+        return json.loads(_confine.read_file(path))
+    except UnsafePathError:
+        raise
     except (OSError, ValueError, RecursionError):
         return None
 

@@ -215,6 +215,8 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         hold both kinds of steps (see :func:`handler_registry`).
         """
         native = _steps.item_kind(epath.Path(directory)) is PathKind.ORBAX
+        if native:  # (Orbax reads the names its _METADATA records: kept inside the item)
+            _steps.check_orbax_item(directory)
         kind = _routing.orbax_kind(args)
         if kind is not None:  # Orbax's StandardRestore / PyTreeRestore, in a mixed root
             if native:
@@ -259,6 +261,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         """The saved tree (``jax.ShapeDtypeStruct`` leaves, inline values as saved) and its
         ``custom_metadata``, as a ``TreeMetadata`` like Orbax's; reads no tensor bytes."""
         if _steps.item_kind(epath.Path(directory)) is PathKind.ORBAX:  # an Orbax-native step
+            _steps.check_orbax_item(directory)
             return self._orbax_handler("pytree").metadata(directory)  # type: ignore[no-any-return]
         metadata = _checkpoint_restore.read_metadata(directory)
         return TreeMetadata.build(

@@ -28,12 +28,14 @@ from orbax_safetensors._src.core.errors import (
     HeaderError,
     SchemaError,
     TargetMismatchError,
+    UnsafePathError,
 )
 from orbax_safetensors._src.pipeline import gcpause as _gcpause
 from orbax_safetensors._src.pipeline.reader import ReadStats, StoredTensor
 from orbax_safetensors._src.pipeline.restore_options import RestoreOptions
 from orbax_safetensors._src.pipeline.tree_restore import restore_tree
 from orbax_safetensors._src.storage import config as _config
+from orbax_safetensors._src.storage import confine as _confine
 from orbax_safetensors._src.storage import router as _router
 
 # --------------------------------------------------------------------------- reading
@@ -42,20 +44,12 @@ from orbax_safetensors._src.storage import router as _router
 def read_metadata(directory: epath.PathLike, *, stats: ReadStats | None = None) -> dict[str, Any]:
     """Reads and checks the metadata file of a checkpoint directory (its size is added to
     ``stats.metadata_bytes``)."""
-    path = epath.Path(directory) / _metadata.METADATA_FILE
+    path = _confine.inside(directory, _metadata.METADATA_FILE)
     if not path.exists():
         raise FileNotFoundError(
             f"{directory} is not an orbax-safetensors checkpoint: no {_metadata.METADATA_FILE}"
         )
-    if not _router.is_regular_file(path):  # a FIFO would block the read below
-        raise SchemaError(f"{path}: not a regular file")
-    with path.open("rb") as f:  # in chunks: memory follows the real size, not the cap
-        chunks: list[bytes] = []
-        while sum(map(len, chunks)) <= _metadata.MAX_METADATA_BYTES and (chunk := f.read(1 << 20)):
-            chunks.append(chunk)
-        raw = b"".join(chunks)
-    if len(raw) > _metadata.MAX_METADATA_BYTES:
-        raise SchemaError(f"{path}: larger than {_metadata.MAX_METADATA_BYTES} bytes")
+    raw = _confine.read_file(path, limit=_metadata.MAX_METADATA_BYTES)
     if stats is not None:
         stats.metadata_bytes += len(raw)
     return _metadata.parse_metadata(raw, path)
@@ -96,7 +90,7 @@ def locate_in_directory(
         ):
             raise SchemaError(f"{directory}: tensor {name!r} names an invalid file {filename!r}")
         if filename not in paths:
-            path = directory / filename
+            path = _confine.inside(directory, filename, where=directory / _metadata.METADATA_FILE)
             _check_file(directory, name, filename, path, layout)
             if layout is None or check_headers:
                 headers[filename] = _router.read_header(path, io)
@@ -146,6 +140,8 @@ def locate_in_directory_file(
     Raises:
       SchemaError: the metadata file beside ``path`` is malformed.
       HeaderError: it disagrees with ``header`` (naming the tensor).
+      UnsafePathError: it is a FIFO or another special file, or a symbolic link out of the
+        directory.
 
     Example::
 
@@ -161,8 +157,8 @@ def locate_in_directory_file(
         if path.name not in metadata["files"]:
             return None
         return _located_by_metadata(path, header, metadata)
-    except (HeaderError, SchemaError) as e:
-        if type(e) not in (HeaderError, SchemaError):
+    except (HeaderError, SchemaError, UnsafePathError) as e:
+        if type(e) not in (HeaderError, SchemaError, UnsafePathError):
             raise
         raise type(e)(
             f"{e}\n{path.name} lies in a checkpoint directory whose {_metadata.METADATA_FILE} "
@@ -208,9 +204,9 @@ def _check_file(
     # process, the ranged reads themselves fail on a missing or shorter object.
     if layout is not None and _router.is_object_url(path):
         return
-    if layout is not None and _router.is_local(path):
+    if _router.is_local(path):
         size = _local_size(path)
-        expected = layout[filename]["size"]
+        expected = layout[filename]["size"] if layout is not None else size
         if size is not None and size != expected:
             raise SchemaError(
                 f"{directory}: {filename!r} is {size} bytes but {_metadata.METADATA_FILE} "
@@ -226,12 +222,15 @@ def _check_file(
 
 
 def _local_size(path: epath.Path) -> int | None:
-    # The size of a local regular file, None when it is missing or something else.
+    # The size of a local regular file, None when it is missing. Something else (a FIFO, a
+    # directory) is refused as every read of a file refuses it.
     try:
         st = os.stat(os.fspath(path))
     except (OSError, ValueError):
         return None
-    return st.st_size if stat.S_ISREG(st.st_mode) else None
+    if not stat.S_ISREG(st.st_mode):
+        raise _confine.not_regular_error(path, st.st_mode)
+    return st.st_size
 
 
 def _checked_entry(

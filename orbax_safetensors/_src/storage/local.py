@@ -22,7 +22,6 @@ import dataclasses
 import functools
 import os
 import queue
-import stat
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -33,8 +32,8 @@ from etils import epath
 
 from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import runs as _runs
-from orbax_safetensors._src.core.errors import HeaderError
 from orbax_safetensors._src.storage import buffers as _buffers
+from orbax_safetensors._src.storage import confine as _confine
 from orbax_safetensors._src.storage import direct as _direct
 from orbax_safetensors._src.storage import interface as _interface
 
@@ -397,13 +396,8 @@ class LocalWriter:
 class LocalReader:
     def __init__(self, path: epath.PathLike, threads: int, *, direct_io: str | None = None) -> None:
         self.path = os.fspath(path)
-        # O_NONBLOCK: opening a FIFO planted where a file should be must not hang.
-        self._fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
-        self._stat = st = os.fstat(self._fd)
-        if not stat.S_ISREG(st.st_mode):
-            os.close(self._fd)
-            raise HeaderError(f"{self.path}: not a regular file (a directory, FIFO or device)")
-        self.size = st.st_size
+        self._fd, self._stat = _confine.open_regular(self.path)  # (a FIFO: refused, not waited on)
+        self.size = self._stat.st_size
         self._threads = threads
         self._direct_mode = _direct.mode(direct_io) if _direct.available() else "never"
         self._direct_fd: int | None = None  # opened on the first direct read

@@ -57,6 +57,35 @@ def owned(name: str) -> bool:
 
 
 @contextlib.contextmanager
+def made_parents(path: epath.PathLike) -> Iterator[None]:
+    """Creates the missing parent directories of ``path`` for the block; if the block raises,
+    removes those it created (deepest first, each only while empty), so a failed write leaves
+    nothing behind, not even the directories it would have written into.
+
+    Example::
+
+        with made_parents("/out/new/ckpt"):   # /out/new created, removed if the write fails
+            write_into(staging_sibling_of("/out/new/ckpt"))
+    """
+    parent = epath.Path(path).parent
+    created = []
+    while not parent.exists() and parent != parent.parent:
+        created.append(parent)
+        parent = parent.parent
+    if created:
+        created[0].mkdir(parents=True, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        for directory in created:
+            try:
+                directory.rmdir()
+            except OSError:  # (not empty: something else wrote there meanwhile)
+                break
+        raise
+
+
+@contextlib.contextmanager
 def replacing_directory(directory: epath.PathLike) -> Iterator[epath.Path]:
     """Yields where to write the new content of ``directory``; on a normal exit that content
     replaces the directory's checkpoint files (see the module docstring)."""
@@ -66,16 +95,16 @@ def replacing_directory(directory: epath.PathLike) -> Iterator[epath.Path]:
         directory.mkdir(parents=True, exist_ok=True)
         yield directory
         return
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = staging_path(directory, uuid.uuid4().hex[:8])
-    tmp.mkdir()
-    try:
-        yield tmp
-        swap_in(tmp, directory)
-    except BaseException:
-        if tmp.exists():
-            tmp.rmtree()
-        raise
+    with made_parents(directory):
+        tmp = staging_path(directory, uuid.uuid4().hex[:8])
+        tmp.mkdir()
+        try:
+            yield tmp
+            swap_in(tmp, directory)
+        except BaseException:
+            if tmp.exists():
+                tmp.rmtree()
+            raise
 
 
 def staging_path(directory: epath.PathLike, token: str) -> epath.Path:

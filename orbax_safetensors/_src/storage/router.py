@@ -23,8 +23,9 @@ from etils import epath
 
 from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.core import sniff as _sniff
-from orbax_safetensors._src.core.errors import HeaderError, NotSafetensorsError
+from orbax_safetensors._src.core.errors import HeaderError, NotSafetensorsError, UnsafePathError
 from orbax_safetensors._src.storage import config as _config
+from orbax_safetensors._src.storage import confine as _confine
 from orbax_safetensors._src.storage import interface as _interface
 from orbax_safetensors._src.storage import local as _local
 from orbax_safetensors._src.storage import stream as _stream
@@ -102,9 +103,7 @@ def is_regular_file(path: epath.PathLike) -> bool:
         return False
 
 
-def is_local(path: epath.PathLike) -> bool:
-    """Whether ``path`` is on a local (POSIX) filesystem, where fd-level I/O is used."""
-    return "://" not in os.fspath(path)
+is_local = _confine.is_local  # (on a local filesystem fd-level I/O is used)
 
 
 def is_object_url(path: epath.PathLike) -> bool:
@@ -304,7 +303,7 @@ def read_header(path: epath.PathLike, io: _config.IOOptions | None = None) -> _h
             return _header.parse_file(r.pread, r.size, where=str(path))
     except NotSafetensorsError:
         raise
-    except (HeaderError, OSError):
+    except (HeaderError, UnsafePathError, OSError):
         found = (
             _sniff.sniff_directory(_entry_names(path), str(path)) if _is_directory(path) else None
         )

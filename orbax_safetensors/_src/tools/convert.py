@@ -32,6 +32,7 @@ from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.orbax.steps import PathKind
+from orbax_safetensors._src.storage import confine as _confine
 from orbax_safetensors._src.tools import from_orbax as _from_orbax
 from orbax_safetensors._src.tools import to_orbax as _to_orbax
 from orbax_safetensors._src.tools.convert_output import TO_ORBAX as _TO_ORBAX
@@ -105,7 +106,7 @@ def _convert_step(
             else kind in (PathKind.ITEM, PathKind.SAFETENSORS_DIR)
         )
         if not converts:
-            copy_tree(src / name, dst / name)
+            copy_tree(src, name, dst / name)
             summary.copied.append(name)
             continue
         if direction == _TO_SAFETENSORS:
@@ -124,16 +125,16 @@ def _convert_step(
         summary.bytes += item_summary.bytes
     for entry in src.iterdir():
         if not entry.is_dir() and entry.name != _steps.CHECKPOINT_METADATA_FILE:
-            entry.copy(dst / entry.name, overwrite=True)
+            copy_tree(src, entry.name, dst / entry.name)
     _write_step_metadata(src, dst, handlers)
     return summary
 
 
 def _write_step_metadata(src: epath.Path, dst: epath.Path, handlers: dict[str, str]) -> None:
-    path = src / _steps.CHECKPOINT_METADATA_FILE
+    path = _confine.inside(src, _steps.CHECKPOINT_METADATA_FILE)
     if not path.exists():
         return
-    doc = json.loads(path.read_text())
+    doc = json.loads(_confine.read_file(path))
     item_handlers = doc.get("item_handlers")
     if isinstance(item_handlers, dict):
         item_handlers.update(handlers)

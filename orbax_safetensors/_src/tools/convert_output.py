@@ -15,6 +15,9 @@ from collections.abc import Callable
 
 from etils import epath
 
+from orbax_safetensors._src.storage import confine as _confine
+from orbax_safetensors._src.storage import replace as _replace
+
 
 class Direction(enum.StrEnum):
     """Which way a conversion goes (string-valued: ``ConvertSummary.direction`` and messages
@@ -47,15 +50,14 @@ class ConvertSummary:
 
 
 def fresh_destination(dst: epath.Path) -> epath.Path:
-    """The temporary sibling to write ``dst`` into; ``dst`` must not exist, or be an empty
-    directory.
+    """The temporary sibling to write ``dst`` into (its parent is not created here:
+    :func:`atomic`); ``dst`` must not exist, or be an empty directory.
 
     Raises:
       FileExistsError: ``dst`` exists and is not an empty directory.
     """
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise FileExistsError(f"{dst} already exists; choose a new destination")
-    dst.parent.mkdir(parents=True, exist_ok=True)
     return dst.parent / f".{dst.name}.converting-{uuid.uuid4().hex[:8]}"
 
 
@@ -66,26 +68,32 @@ def commit(tmp: epath.Path, dst: epath.Path) -> None:
     tmp.rename(dst)
 
 
-def copy_tree(src: epath.Path, dst: epath.Path) -> None:
-    """Copies a file or directory tree (items a conversion keeps unchanged)."""
+def copy_tree(root: epath.Path, name: str, dst: epath.Path) -> None:
+    """Copies the file or directory tree ``name`` of the directory ``root`` (an entry a
+    conversion keeps unchanged) to ``dst``: every entry checked to lie inside ``root`` and
+    every file read as every file is (``storage/confine.py``, ``confine.read_file``: a
+    symbolic link out of ``root`` or a FIFO is refused)."""
+    src = _confine.inside(root, name)
     if src.is_dir():
         dst.mkdir(parents=True, exist_ok=True)
         for child in src.iterdir():
-            copy_tree(child, dst / child.name)
+            copy_tree(root, f"{name}/{child.name}", dst / child.name)
     else:
-        src.copy(dst, overwrite=True)
+        _confine.copy_file(src, dst)
 
 
 def atomic(dst: epath.PathLike, write: Callable[[epath.Path], ConvertSummary]) -> ConvertSummary:
     """Runs ``write`` into a temporary sibling of ``dst`` and renames it to ``dst`` when it
-    returns; on any failure the temporary directory is removed and ``dst`` never appears."""
+    returns; on any failure the temporary directory is removed, with the parent directories
+    created for it, and ``dst`` never appears."""
     dst = epath.Path(dst)
     tmp = fresh_destination(dst)
-    try:
-        summary = write(tmp)
-        commit(tmp, dst)
-    except BaseException:
-        if tmp.exists():
-            tmp.rmtree()
-        raise
+    with _replace.made_parents(dst):  # (removed again on failure, with the temporary one)
+        try:
+            summary = write(tmp)
+            commit(tmp, dst)
+        except BaseException:
+            if tmp.exists():
+                tmp.rmtree()
+            raise
     return summary

@@ -24,6 +24,7 @@ from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.orbax import v0 as _v0
 from orbax_safetensors._src.pipeline import standalone as _standalone
+from orbax_safetensors._src.storage import replace as _replace
 from orbax_safetensors._src.tools import convert_output as _output
 from orbax_safetensors._src.tools import terminal as _terminal
 
@@ -84,14 +85,16 @@ def flax_msgpack_to_safetensors(
     )  # a file: no items
     with _terminal.progress_bar(size, f"convert {src.name}", progress) as bar:
         if as_file:
-            dst.parent.mkdir(parents=True, exist_ok=True)
             tmp = dst.parent / f".{dst.name}.converting-{uuid.uuid4().hex[:8]}"
-            try:
-                _standalone.save_file(tree, tmp, {"converted_from": "flax-msgpack"}, dtype=dtype)
-                tmp.rename(dst)
-            finally:
-                if tmp.exists():
-                    tmp.unlink()
+            with _replace.made_parents(dst):
+                try:
+                    _standalone.save_file(
+                        tree, tmp, {"converted_from": "flax-msgpack"}, dtype=dtype
+                    )
+                    tmp.rename(dst)
+                finally:
+                    if tmp.exists():
+                        tmp.unlink()
         elif step is not None:  # (a directory without a step was refused above)
             summary.items = [f"{step}/default"]
 

@@ -51,7 +51,9 @@ def read_hf_config(path: str | None) -> dict[str, Any] | None:
     p = epath.Path(path)
     if not p.exists():
         raise ValueError(f"--hf-config {path}: no such file or directory")
-    return _model_files.read_json(p / "config.json" if p.is_dir() else p, "--hf-config")
+    if p.is_dir():
+        p = _model_files.directory_file(p, _model_files.CONFIG_FILE_NAME)
+    return _model_files.read_json(p, "--hf-config")
 
 
 def resolve_mapping(

@@ -30,6 +30,7 @@ from typing import Any
 from orbax_safetensors._src.core import schema as _schema
 from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.orbax import steps as _steps
+from orbax_safetensors._src.storage import confine as _confine
 
 RECORD_KEY = "orbax_safetensors"  # our entry of an Orbax item's custom_metadata
 VARIABLES_KEY = "nnx_variables"  # its list of the dotted names of NNX Variable leaves
@@ -56,7 +57,7 @@ def recorded_variables(item: Any) -> list[str] | None:
     item's custom metadata, or None when it recorded nothing (an item Orbax wrote itself)."""
     path = _steps.absolute(item) / _steps.ORBAX_METADATA_FILE
     try:
-        doc = json.loads(path.read_text())
+        doc = json.loads(_confine.read_file(path))
     except (OSError, ValueError, RecursionError):
         return None
     custom = doc.get("custom_metadata") if isinstance(doc, dict) else None

@@ -61,6 +61,7 @@ from orbax_safetensors._src.pipeline import standalone as _standalone
 from orbax_safetensors._src.pipeline.reader import StoredTensor
 from orbax_safetensors._src.pipeline.tree_restore import wrap_key
 from orbax_safetensors._src.storage import buffers as _buffers
+from orbax_safetensors._src.storage import confine as _confine
 from orbax_safetensors._src.storage import router as _router
 
 CHUNK_BYTES = 16 << 20
@@ -207,6 +208,12 @@ class _Checker:
             steps = {s.path.name: s for s in _steps.scan_steps(path)}
         found = False
         for child in sorted(path.iterdir(), key=_natural):
+            try:
+                _confine.inside(path, child.name)
+            except _READ_ERRORS as e:  # (a symbolic link out of the directory: not read)
+                self.report._problem(str(e))
+                found = True
+                continue
             step = steps.get(child.name)
             if _steps.TMP_SUFFIX in child.name or (step is not None and not step.committed):
                 self.report.skipped.append(str(child))
@@ -327,12 +334,14 @@ class _Checker:
         path = directory / _plan.INDEX_FILE_NAME
         if not path.exists():
             return
-        if not _router.is_regular_file(path):
-            self.report._problem(f"{path}: not a regular file")
+        try:
+            raw = _confine.read_file(_confine.inside(directory, _plan.INDEX_FILE_NAME))
+        except _READ_ERRORS as e:
+            self.report._problem(_message(e, path))
             return
         try:
-            weight_map = json.loads(path.read_bytes()).get("weight_map")
-        except (ValueError, AttributeError, RecursionError, OSError) as e:
+            weight_map = json.loads(raw).get("weight_map")
+        except (ValueError, AttributeError, RecursionError) as e:
             self.report._problem(f"{path}: unreadable index ({type(e).__name__}: {e})")
             return
         expected = {n: t.get("file") for n, t in metadata["tensors"].items() if isinstance(t, dict)}
