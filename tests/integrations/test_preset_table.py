@@ -117,11 +117,16 @@ def documents(factory, param):
     return bool(shared) and documents(getattr(module, shared.group(1)), param)
 
 
+# osf.hf's names whose docstrings are still to be cut down with the export engine's rewrite
+PENDING = {"export_pytorch", "load_pytorch"}
+
+
 def test_factories_and_the_namespace_document_their_contract():
-    """Each factory, ``preset_mapping`` and ``osf.hf`` itself: a docstring of at most 40
-    lines, with an example, naming no private module; each factory names its presets and
-    documents every argument."""
-    for obj in [osf.hf, osf.hf.preset_mapping, *set(osf.hf.PRESETS.values())]:
+    """Each factory, ``osf.hf`` itself and its names: a docstring of at most 40 lines, with an
+    example, naming no private module; each factory names its presets and documents every
+    argument."""
+    names = [getattr(osf.hf, n) for n in osf.hf.__all__ if n not in {*PENDING, "PRESETS"}]
+    for obj in [osf.hf, *names, *set(osf.hf.PRESETS.values())]:
         doc = inspect.getdoc(obj) or ""
         assert len(doc.splitlines()) <= 40, obj
         assert "Example::" in doc, obj
