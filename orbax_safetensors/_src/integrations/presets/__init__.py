@@ -72,7 +72,7 @@ def preset_mapping(name: str, **kwargs: Any) -> KeyMapping:
     if missing or unknown:
         takes = ", ".join(f"{n}=" + (" (required)" if n in required else "") for n in params)
         problems = [f"{n}= is missing" for n in missing]
-        problems += [f"{k}={given[k]!r} is not one of them" for k in unknown]
+        problems += [f"{k}= is not one of them" for k in unknown]
         group = factory.__module__.rsplit(".", 1)[-1]
         raise ValueError(
             f"preset {name!r} takes {takes}; {', '.join(problems)} "
