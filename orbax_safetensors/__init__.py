@@ -5,6 +5,9 @@ Example::
     import orbax_safetensors as osf
     osf.save_file(state, "ckpt.safetensors")
     state = osf.load_file("ckpt.safetensors", target=abstract_state)
+    osf.hf.export_pytorch(state, "hf_dir", osf.hf.preset_mapping("llama"))
+
+The Hugging Face and PyTorch names are also one namespace, ``osf.hf`` (``orbax_safetensors.hf``).
 
 The errors and the version are imported with the package; every other public name is imported
 from its module when first used (``osf.save_file``, ``from orbax_safetensors import
@@ -43,6 +46,7 @@ from orbax_safetensors._src.core.errors import (
 from orbax_safetensors._version import __version__
 
 if TYPE_CHECKING:
+    from orbax_safetensors import hf
     from orbax_safetensors._src.core.header import (
         Header,
         TensorEntry,
@@ -117,8 +121,9 @@ if TYPE_CHECKING:
     )
 
 # Each public name (errors and version apart) -> the module under ``orbax_safetensors._src``
-# that defines it.
+# that defines it; a sub-namespace of the package maps to its own name (``osf.hf``).
 _LAZY: dict[str, str] = {
+    "hf": "hf",
     "Header": "core.header",
     "TensorEntry": "core.header",
     "Chain": "integrations.key_mapping",
@@ -175,6 +180,8 @@ def __getattr__(name: str) -> Any:
     module_name = _LAZY.get(name)
     if module_name is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if module_name == name:  # a sub-namespace: the module is the value
+        return importlib.import_module(f"{__name__}.{name}")
     module = importlib.import_module(f"{__name__}._src.{module_name}")
     if module_name in _REGISTERS_MAPPINGS:
         importlib.import_module(f"{__name__}._src.integrations.publish")
@@ -291,6 +298,7 @@ __all__ = [
     "convert",
     "export_pytorch",
     "handler_registry",
+    "hf",
     "load_file",
     "load_metadata",
     "load_model",

@@ -1,7 +1,6 @@
-"""Key mappings between MaxText's checkpoints and Hugging Face causal LMs: the presets
-``maxtext-llama3``, ``maxtext-mistral``, ``maxtext-mixtral``, ``maxtext-qwen3`` and
-``maxtext-qwen3-moe``, built from the model's Hugging Face config (heads, head_dim, vocabulary,
-tied embeddings).
+"""Presets for MaxText's train states and checkpoints: ``maxtext-llama3``,
+``maxtext-mistral``, ``maxtext-mixtral``, ``maxtext-qwen3`` and ``maxtext-qwen3-moe``, each
+built from the model's Hugging Face config (heads, head_dim, vocabulary, tied embeddings).
 
 The facts are those of MaxText's own conversion (``maxtext`` 0.2.5,
 ``checkpoint_conversion/utils/param_mapping.py``: the ``*_MAXTEXT_TO_HF_PARAM_MAPPING`` names,
@@ -18,14 +17,17 @@ the ``*_PARAM_HOOK_FN`` value hooks), so that an export writes the tensors its
 - ``token_embedder.embedding`` ``(vocab, emb)``, ``decoder.logits_dense.kernel`` ``(emb, vocab)``
   (none with tied embeddings), ``decoder.decoder_norm.scale``;
 - LLaMA 3 (MaxText's LLaMA 3.1 entry): the query and key projections interleaved for RoPE and
-  the query scaled by ``1 / sqrt(head_dim)`` (:class:`~transforms.Scale`, float32); Mistral and
-  Mixtral: the query scaled; Qwen 3: neither (it has q/k norms);
+  the query scaled by ``1 / sqrt(head_dim)`` (``Scale``, float32); Mistral and Mixtral: the
+  query scaled; Qwen 3: neither (it has q/k norms);
 - a vocabulary padded past the config's is cut to it on export (and padded back on a load into
   a tree of ``vocab_size`` rows).
 
+A new MaxText family is a :class:`_Family` (what its layers hold), a factory, and a line in
+:data:`PRESETS`.
+
 Example::
 
-    mapping = maxtext_mapping("maxtext-llama3", "/models/Llama-3.1-8B")
+    mapping = llama3("/models/Llama-3.1-8B")
     osf.export_pytorch("/ckpt/1000/items", "/tmp/hf", mapping, hf_config=config)
 """
 
@@ -45,102 +47,201 @@ from orbax_safetensors._src.integrations.key_mapping import (
 )
 from orbax_safetensors._src.integrations.transforms import RopeInterleave, Scale, VocabRows
 
-# preset -> the Hugging Face model_type its config must have
-MAXTEXT_PRESETS = {
-    "maxtext-llama3": "llama",
-    "maxtext-mistral": "mistral",
-    "maxtext-mixtral": "mixtral",
-    "maxtext-qwen3": "qwen3",
-    "maxtext-qwen3-moe": "qwen3_moe",
-}
 # Where a train state keeps its parameters: state.params = {"params": {decoder, token_embedder}}
-ROOT = "params.params."
+_ROOT = "params.params."
 _TRAINING_STATE = (r"opt_state(\..*)?", "step")  # left alone by a load into a train state
 _HF_LAYER = "model.layers.{i}."
-# MoE presets: the Hugging Face module, MaxText's block, the experts' gate, up and down weights
-_MOE = {
-    "maxtext-mixtral": ("block_sparse_moe.", "MoeBlock_0.", ("w1", "w3", "w2")),
-    "maxtext-qwen3-moe": ("mlp.", "moe_block.", ("gate_proj", "up_proj", "down_proj")),
-}
 
 
-def maxtext_mapping(
-    name: str,
+@dataclasses.dataclass(frozen=True)
+class _Family:
+    """What one MaxText model family's layers hold, next to Hugging Face's."""
+
+    preset: str
+    model_type: str  # the Hugging Face model_type its config must have
+    rope_interleave: bool = False  # query and key interleaved for RoPE (MaxText's LLaMA 3)
+    scale_query: bool = False  # the query times 1 / sqrt(head_dim)
+    qk_norm: bool = False  # query_norm and key_norm (Qwen 3)
+    # MoE: the Hugging Face module, MaxText's block, the experts' gate, up and down weights
+    moe: tuple[str, str, tuple[str, str, str]] | None = None
+
+
+_LLAMA3 = _Family("maxtext-llama3", "llama", rope_interleave=True, scale_query=True)
+_MISTRAL = _Family("maxtext-mistral", "mistral", scale_query=True)
+_MIXTRAL = _Family(
+    "maxtext-mixtral",
+    "mixtral",
+    scale_query=True,
+    moe=("block_sparse_moe.", "MoeBlock_0.", ("w1", "w3", "w2")),
+)
+_QWEN3 = _Family("maxtext-qwen3", "qwen3", qk_norm=True)
+_QWEN3_MOE = _Family(
+    "maxtext-qwen3-moe",
+    "qwen3_moe",
+    qk_norm=True,
+    moe=("mlp.", "moe_block.", ("gate_proj", "up_proj", "down_proj")),
+)
+
+
+def llama3(
     hf_config: Any,
     *,
     scan_layers: bool | None = None,
     vocab_size: int | None = None,
-    root: str = ROOT,
+    lora_scale: float | None = None,
 ) -> KeyMapping:
-    """The mapping of preset ``name`` (one of :data:`MAXTEXT_PRESETS`) for the model of
-    ``hf_config``.
+    """The preset ``"maxtext-llama3"``: MaxText's LLaMA 3 (3.1), for a ``llama`` config. The
+    query and key are interleaved for RoPE and the query scaled by ``1 / sqrt(head_dim)``,
+    as MaxText's conversion hooks do.
 
     Args:
-      name: ``"maxtext-llama3"``, ``"maxtext-mistral"``, ``"maxtext-mixtral"``,
-        ``"maxtext-qwen3"`` or ``"maxtext-qwen3-moe"``.
       hf_config: the model's Hugging Face config (a transformers config, a dict, a
         ``config.json`` or the model's directory): heads, key/value heads, ``head_dim``,
-        ``vocab_size`` and ``tie_word_embeddings`` come from it, each checked when read
-        (``config_facts.py``) and against the tensors when a load or an export plans (the
-        heads and ``head_dim`` split and merge exactly; the vocabulary is the tensors' within
-        a padding: ``transforms.VocabRows``).
+        ``vocab_size`` and ``tie_word_embeddings`` come from it, each checked when read and
+        against the tensors when a load or an export plans.
       scan_layers: MaxText's ``scan_layers``: True, the layers stacked on axis 1
         (``decoder.layers``); False, one subtree a layer (``decoder.layers_{i}``); None (the
-        default), both: an export reads either (the names tell them apart), a load fills the
-        scanned layout (MaxText's default) and needs ``False`` for the other.
+        default), both: an export reads either, a load fills the scanned layout.
       vocab_size: the MaxText model's vocabulary when padded past the config's: a load pads
-        the embedding and ``logits_dense`` with zero rows to it. An export always writes the
-        config's ``vocab_size`` rows (the padding dropped). Either way the rows change by a
-        padding at most (``transforms.PADDING_ROWS``, and a quarter of the larger count).
-      root: where the parameters sit in the tree: ``"params.params."`` in a MaxText train
-        state or checkpoint; ``"params."`` for a train state's ``params``; ``""`` for the
-        ``{"decoder", "token_embedder"}`` tree itself.
+        the embedding and ``logits_dense`` with zero rows to it (an export always writes the
+        config's rows). Either way by a padding at most (see ``VocabRows``).
+      lora_scale: the scale of LoRA adapters merged on export (``KeyMapping.lora_scale``).
+
+    The names start at a train state's top (``params.params.decoder...``); a load leaves its
+    ``opt_state`` and ``step`` alone.
 
     Raises:
-      ValueError: an unknown preset, a config of another model type, a config without the
-        sizes the preset needs.
+      ValueError: a config of another model type, or without the sizes the preset needs.
       ConfigError: a size that is not a positive whole number, or that does not divide what
         it must (key/value heads the heads, heads the hidden size), naming the key.
 
     Example::
 
-        mapping = maxtext_mapping("maxtext-qwen3", transformers.AutoConfig.from_pretrained(d))
-        osf.load_pytorch(state, d, maxtext_mapping("maxtext-qwen3", d, scan_layers=False))
+        mapping = osf.hf.presets.maxtext.llama3("/models/Llama-3.1-8B", scan_layers=False)
+        osf.export_pytorch("/ckpt/1000/items", "/tmp/hf", mapping)
     """
-    if name not in MAXTEXT_PRESETS:
-        raise ValueError(f"no MaxText preset {name!r} (presets: {', '.join(MAXTEXT_PRESETS)})")
+    return _mapping(_LLAMA3, hf_config, scan_layers, vocab_size, lora_scale)
+
+
+def mistral(
+    hf_config: Any,
+    *,
+    scan_layers: bool | None = None,
+    vocab_size: int | None = None,
+    lora_scale: float | None = None,
+) -> KeyMapping:
+    """The preset ``"maxtext-mistral"``: MaxText's Mistral, for a ``mistral`` config; the
+    query scaled by ``1 / sqrt(head_dim)``.
+
+    Its arguments are :func:`llama3`'s.
+
+    Example::
+
+        mapping = osf.hf.presets.maxtext.mistral("/models/Mistral-7B-v0.3")
+    """
+    return _mapping(_MISTRAL, hf_config, scan_layers, vocab_size, lora_scale)
+
+
+def mixtral(
+    hf_config: Any,
+    *,
+    scan_layers: bool | None = None,
+    vocab_size: int | None = None,
+    lora_scale: float | None = None,
+) -> KeyMapping:
+    """The preset ``"maxtext-mixtral"``: MaxText's Mixtral, for a ``mixtral`` config; the
+    query scaled by ``1 / sqrt(head_dim)``, the experts of ``MoeBlock_0`` (``wi_0``, ``wi_1``,
+    ``wo``: ``(experts, L, emb, mlp)``) as the files' ``block_sparse_moe.experts.{e}.w1``,
+    ``w3``, ``w2``.
+
+    Its arguments are :func:`llama3`'s.
+
+    Example::
+
+        mapping = osf.hf.presets.maxtext.mixtral("/models/Mixtral-8x7B-v0.1")
+    """
+    return _mapping(_MIXTRAL, hf_config, scan_layers, vocab_size, lora_scale)
+
+
+def qwen3(
+    hf_config: Any,
+    *,
+    scan_layers: bool | None = None,
+    vocab_size: int | None = None,
+    lora_scale: float | None = None,
+) -> KeyMapping:
+    """The preset ``"maxtext-qwen3"``: MaxText's Qwen 3, for a ``qwen3`` config, with its
+    ``query_norm`` and ``key_norm``; no value changes.
+
+    Its arguments are :func:`llama3`'s.
+
+    Example::
+
+        mapping = osf.hf.presets.maxtext.qwen3("/models/Qwen3-0.6B")
+    """
+    return _mapping(_QWEN3, hf_config, scan_layers, vocab_size, lora_scale)
+
+
+def qwen3_moe(
+    hf_config: Any,
+    *,
+    scan_layers: bool | None = None,
+    vocab_size: int | None = None,
+    lora_scale: float | None = None,
+) -> KeyMapping:
+    """The preset ``"maxtext-qwen3-moe"``: MaxText's Qwen 3 MoE, for a ``qwen3_moe`` config;
+    :func:`qwen3`'s layers with the experts of ``moe_block`` as the files'
+    ``mlp.experts.{e}.{gate,up,down}_proj``.
+
+    Its arguments are :func:`llama3`'s.
+
+    Example::
+
+        mapping = osf.hf.presets.maxtext.qwen3_moe("/models/Qwen3-30B-A3B")
+    """
+    return _mapping(_QWEN3_MOE, hf_config, scan_layers, vocab_size, lora_scale)
+
+
+def _mapping(
+    family: _Family,
+    hf_config: Any,
+    scan_layers: bool | None,
+    vocab_size: int | None,
+    lora_scale: float | None,
+) -> KeyMapping:
     config = ConfigFacts.of(hf_config)
     model_type = config.doc.get("model_type")
-    if model_type is not None and model_type != MAXTEXT_PRESETS[name]:
+    if model_type is not None and model_type != family.model_type:
         raise ValueError(
-            f"preset {name!r} maps {MAXTEXT_PRESETS[name]!r} models; the config is a "
+            f"preset {family.preset!r} maps {family.model_type!r} models; the config is a "
             f"{model_type!r} model's"
         )
-    dims = _Dims.of(name, config)
+    dims = _Dims.of(family.preset, config)
     layers = []
     if scan_layers in (None, True):
-        layers += _layer_rules(name, dims, root + "decoder.layers.", {"i": 1})
+        layers += _layer_rules(family, dims, _ROOT + "decoder.layers.", {"i": 1})
     if scan_layers in (None, False):
-        layers += _layer_rules(name, dims, root + "decoder.layers_{i}.", None)
+        layers += _layer_rules(family, dims, _ROOT + "decoder.layers_{i}.", None)
     padded = None if vocab_size is None else _padded(vocab_size)
     rules = [
         Rule(
             "model.embed_tokens.weight",
-            root + "token_embedder.embedding",
+            _ROOT + "token_embedder.embedding",
             VocabRows(dims.vocab, padded),
         ),
-        Rule("model.norm.weight", root + "decoder.decoder_norm.scale"),
+        Rule("model.norm.weight", _ROOT + "decoder.decoder_norm.scale"),
         *layers,
     ]
     if not dims.tied:
         head = Chain(Transpose(), VocabRows(dims.vocab, padded, axis=-1))
-        rules.append(Rule("lm_head.weight", root + "decoder.logits_dense.kernel", head))
+        rules.append(Rule("lm_head.weight", _ROOT + "decoder.logits_dense.kernel", head))
     return KeyMapping(
         rules,
         # tied: MaxText has no logits_dense (logits_via_embedding); a file's lm_head is the
         # embedding's copy. A checkpoint with a logits_dense has no rule: an export refuses it.
         ignore_torch=["lm_head.weight"] if dims.tied else [],
-        ignore_flax=_TRAINING_STATE if root == ROOT else (),
+        ignore_flax=_TRAINING_STATE,
+        lora_scale=lora_scale,
     )
 
 
@@ -176,17 +277,19 @@ class _Dims:
         return cls(heads, kv, head_dim, vocab, config.flag("tie_word_embeddings"))
 
 
-def _layer_rules(name: str, dims: _Dims, layer: str, stacked: dict[str, int] | None) -> list[Rule]:
+def _layer_rules(
+    family: _Family, dims: _Dims, layer: str, stacked: dict[str, int] | None
+) -> list[Rule]:
     """The rules of one decoder layer's tensors under ``layer`` (``...decoder.layers.``
     scanned with ``stacked={"i": 1}``, or ``...decoder.layers_{i}.``)."""
     # (emb, heads, head_dim): exactly the config's heads (key/value heads) of its head_dim
     query: list[Any] = [Transpose(), SplitHeads(dims.heads, -1, dims.head_dim)]
     key: list[Any] = [Transpose(), SplitHeads(dims.kv_heads, -1, dims.head_dim)]
     value = list(key)
-    if name == "maxtext-llama3":
+    if family.rope_interleave:
         query.append(RopeInterleave())
         key.append(RopeInterleave())
-    if name in ("maxtext-llama3", "maxtext-mistral", "maxtext-mixtral"):
+    if family.scale_query:
         query.append(Scale.attention_query(dims.head_dim))
     hf, att = _HF_LAYER, layer + "self_attention."
 
@@ -202,20 +305,29 @@ def _layer_rules(name: str, dims: _Dims, layer: str, stacked: dict[str, int] | N
         rule("input_layernorm.weight", layer + "pre_self_attention_layer_norm.scale"),
         rule("post_attention_layernorm.weight", layer + "post_self_attention_layer_norm.scale"),
     ]
-    if name in ("maxtext-qwen3", "maxtext-qwen3-moe"):
+    if family.qk_norm:
         rules += [
             rule("self_attn.q_norm.weight", att + "query_norm.scale"),
             rule("self_attn.k_norm.weight", att + "key_norm.scale"),
         ]
-    moe = _MOE.get(name)
-    if moe is None:
+    if family.moe is None:
         for theirs, ours in (("gate_proj", "wi_0"), ("up_proj", "wi_1"), ("down_proj", "wo")):
             rules.append(rule(f"mlp.{theirs}.weight", layer + f"mlp.{ours}.kernel", Transpose()))
         return rules
-    hf_moe, block, (gate, up, down) = moe
+    hf_moe, block, (gate, up, down) = family.moe
     rules.append(rule(hf_moe + "gate.weight", layer + block + "gate.kernel", Transpose()))
     experts = {"e": 0, **({"i": 1} if stacked else {})}  # the experts' axis before the layers'
     for theirs, ours in ((gate, "wi_0"), (up, "wi_1"), (down, "wo")):
         torch = hf + hf_moe + f"experts.{{e}}.{theirs}.weight"
         rules.append(Rule(torch, layer + block + ours, Transpose(), stacked=experts))
     return rules
+
+
+# The preset names of this group.
+PRESETS = {
+    "maxtext-llama3": llama3,
+    "maxtext-mistral": mistral,
+    "maxtext-mixtral": mixtral,
+    "maxtext-qwen3": qwen3,
+    "maxtext-qwen3-moe": qwen3_moe,
+}
