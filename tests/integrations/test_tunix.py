@@ -1,8 +1,11 @@
-"""The ``tunix-llama3`` and ``tunix-qwen3`` presets against Tunix's own model classes
-(``google-tunix``) and transformers' real ones, tiny configs, both directions: a Hugging Face
-directory (``save_pretrained``) loads into the Tunix model with the same logits; a Tunix model
-exports to a directory that ``from_pretrained`` loads (no missing or unexpected keys) with the
-same logits. Float32; tied embeddings where Tunix's config has them; Qwen 3 MoE too."""
+"""The ``tunix-*`` presets against Tunix's own model classes (``google-tunix``) and
+transformers' real ones, tiny configs, both directions: a Hugging Face directory
+(``save_pretrained``) loads into the Tunix model with the same logits; a Tunix model exports to
+a directory that ``from_pretrained`` loads (no missing or unexpected keys) with the same
+logits. Float32; tied embeddings where Tunix's config has them; Qwen 3 MoE too; Qwen 2 and the
+Gemma family (Gemma 2 as Tunix's ``gemma``, Gemma 3, Gemma 4 with its global layers' own heads,
+a key for a value, per-layer inputs, MoE and KV-shared layers), whose exports load back
+bit for bit."""
 
 from __future__ import annotations
 
@@ -227,3 +230,51 @@ def test_tunix_checkpoint_exported_by_the_command_line(tmp_dir, capsys):
     assert cli.main([str(a) for a in [*argv, "--hf-config", tmp_dir / "config"]]) == 0
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_dir / "hf").eval()
     hf_models.assert_outputs_close(hf_logits(hf), tunix_logits(model), rtol=0, atol=ATOL)
+
+
+# --------------------------------------------------------------------------- Gemma, Qwen 2
+
+
+def randomize_all(model, seed):
+    """Every weight random, norms around one, except Gemma 4's pre-MoE norm: Tunix 0.1.7
+    routes the experts from the hidden state after it, transformers from the one before it
+    (each normalised), which agree only where that norm's weights are all alike."""
+    for index, (path, var) in enumerate(nnx.to_flat_state(nnx.state(model, nnx.Param))):
+        value, key = var.get_value(), jax.random.key(seed * 1000 + index)
+        noise = jax.random.normal(key, value.shape, value.dtype)
+        if "moe_pre_ffw_norm" in path:
+            var.set_value(jnp.ones_like(value))
+        elif any("norm" in str(p) for p in path) or "skip_scale" in path:
+            var.set_value(1.0 + 0.1 * noise)
+        else:
+            var.set_value(0.1 * noise)
+
+
+@pytest.mark.parametrize("case", tunix_models.TINY)
+def test_gemma_and_qwen2_export_to_transformers_and_load_back(tmp_dir, case):
+    """A Tunix model exports to a directory that ``from_pretrained`` loads with its logits;
+    that directory loads into a fresh Tunix model (the same logits) whose export is the same
+    files, bit for bit."""
+    config, model, mapping = tunix_models.tiny(case, seed=2)
+    randomize_all(model, seed=2)
+    report = osf.export_pytorch(model, tmp_dir / "hf", mapping, hf_config=config)
+    assert report.ok, report.problems()
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_dir / "hf", output_loading_info=True
+    )
+    assert not any(info.values()), info
+    want = tunix_logits(model)
+    assert np.abs(want).max() > 0.1
+    hf_models.assert_outputs_close(hf_logits(hf.eval()), want, rtol=0, atol=1e-5)
+
+    _, fresh, _ = tunix_models.tiny(case, seed=3)
+    assert osf.load_pytorch(fresh, tmp_dir / "hf", mapping).ok
+    hf_models.assert_outputs_close(tunix_logits(fresh), want, rtol=0, atol=1e-5)
+    osf.export_pytorch(fresh, tmp_dir / "back", mapping, hf_config=config)
+    for name in ("hf", "back"):
+        files = sorted((tmp_dir / name).glob("*.safetensors"))
+        assert len(files) == 1
+    original, back = (osf.load_file(tmp_dir / n / "model.safetensors") for n in ("hf", "back"))
+    assert sorted(original) == sorted(back)
+    for key in original:
+        np.testing.assert_array_equal(np.asarray(back[key]), np.asarray(original[key]), key)

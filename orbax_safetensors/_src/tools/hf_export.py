@@ -3,10 +3,11 @@ model directory, through a preset or user key mapping.
 
 ``--mapping`` is a preset name (``osf.hf.PRESETS``: ``llama``, ``mistral``, ``qwen2``, ``qwen3``,
 ``phi3``, ``gemma3``, ``mixtral``, ``qwen2-moe``, ``qwen3-moe``, ``gpt2``, ``tunix-llama3``,
-``tunix-qwen3``; with a config whose ``tie_word_embeddings`` is true, the preset ties
-``lm_head`` to the embedding; the Tunix presets take their ``head_dim`` from it; the MaxText
-presets ``maxtext-*`` need it and read heads, ``head_dim`` and the vocabulary from it, and
-take scanned and unscanned checkpoints alike) or
+``tunix-qwen2``, ``tunix-qwen3``, ``tunix-gemma``, ``tunix-gemma3``, ``tunix-gemma4``;
+with a config whose ``tie_word_embeddings`` is true, the preset ties ``lm_head`` to the
+embedding; the Tunix presets take their ``head_dim`` from it (``tunix-gemma4`` its layers);
+the MaxText presets ``maxtext-*`` need it and read heads, ``head_dim`` and the vocabulary
+from it, and take scanned and unscanned checkpoints alike) or
 ``module:attr`` naming a :class:`KeyMapping` (or a function of no arguments returning one),
 imported like ``python -c 'import module'`` from the current directory. ``--lora-scale X``
 sets its ``KeyMapping.lora_scale``: the scale of the LoRA adapters merged (qwix's
@@ -91,8 +92,8 @@ def _named_mapping(spec: str, hf_config: dict[str, Any] | None) -> KeyMapping:
         if "tie_word_embeddings" in takes:  # absent: the preset's default (GPT-2's: tied)
             tie = takes["tie_word_embeddings"].default
             kwargs["tie_word_embeddings"] = facts.flag("tie_word_embeddings", tie)
-        if "head_dim" in takes:
-            kwargs["head_dim"] = facts.head_dim()
+        if "head_dim" in takes:  # (a multimodal config's: its text_config's)
+            kwargs["head_dim"] = facts.language_model().head_dim()
             if kwargs["head_dim"] is None:
                 raise ValueError(
                     f"--mapping {spec!r} needs --hf-config with head_dim (or hidden_size and "
