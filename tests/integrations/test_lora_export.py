@@ -13,6 +13,7 @@ them skip naming why where they are absent."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import hf_models
@@ -109,10 +110,10 @@ def hf_logits(directory):
         return model.eval()(torch.from_numpy(IDS)).logits.float().numpy()
 
 
-def with_qwix(qwix, model, rank, alpha, *inputs, **kw_inputs):
+def with_qwix(qwix, model, rank, alpha, *inputs, module_path=PROJECTIONS, **kw_inputs):
     """``model`` with qwix's LoRA of ``rank`` and ``alpha`` on its projections (Tunix's
     recipe: ``qwix.apply_lora_to_model``), its adapters created."""
-    provider = qwix.LoraProvider(module_path=PROJECTIONS, rank=rank, alpha=alpha)
+    provider = qwix.LoraProvider(module_path=module_path, rank=rank, alpha=alpha)
     return qwix.apply_lora_to_model(model, provider, *inputs, rngs=nnx.Rngs(3), **kw_inputs)
 
 
@@ -315,3 +316,74 @@ def test_flax_lora_wrapper_on_tunix_layers_exports_with_the_tunix_presets(tmp_di
         np.testing.assert_allclose(
             hf_logits(tmp_dir / kind), np.asarray(tunix_logits(model)), rtol=2e-5, atol=2e-5
         )
+
+
+# --------------------------------------------------------------------------- Gemma, Qwen 2
+
+
+def tiny_trainable(case, seed):
+    """Tunix's tiny ``case`` (``tunix_models.TINY``), its zero MLP kernels made random (as
+    :func:`tunix_model` does), Gemma 4's pre-MoE norm left alike (see test_tunix.py)."""
+    config, model, mapping = tunix_models.tiny(case, seed=seed)
+    random_values(model, nnx.Param, seed, lambda v: v.ndim > 1)
+    return config, model, mapping
+
+
+def random_values(model, kind, seed, which=lambda v: True):
+    """The values of ``model``'s variables of ``kind`` that ``which`` picks made random, from
+    numpy (no compile per shape): adapters then non-zero, as trained ones are, so that a
+    merge that dropped them would show."""
+    rng = np.random.default_rng(seed)
+    for _, var in nnx.to_flat_state(nnx.state(model, kind)):
+        value = var.get_value()
+        if which(value):
+            var.set_value(jnp.asarray(0.1 * rng.standard_normal(value.shape), value.dtype))
+
+
+@pytest.mark.parametrize(
+    "case, rank, alpha",
+    [("gemma", 3, 6.0), ("gemma3", 4, 8.0), ("qwen2", 3, 6.0), ("gemma4", 2, 4.0)],
+)  # fmt: skip
+def test_qwix_lora_on_tunix_gemma_and_qwen2_from_memory_checkpoint_and_cli(
+    tmp_dir, qwix, tunix, case, rank, alpha
+):
+    """qwix's LoRA on every projection, Gemma's heads-first einsums too (``kv_einsum``'s one
+    adapter pair for keys and values together), merged on export: ``from_pretrained`` gives
+    the LoRA model's logits; a checkpoint of it exported by the command line, the same bytes."""
+    config, model, mapping = tiny_trainable(case, seed=7)
+    inputs = model.get_model_input()
+    lora_model = with_qwix(qwix, model, rank, alpha, module_path=".*(_proj|_einsum)", **inputs)
+    random_values(lora_model, nnx.LoRAParam, seed=7)
+    adapters = sorted(n for n in flat_params(lora_model) if n.endswith(("_lora_a", "_lora_b")))
+    assert case == "qwen2" or any("kv_einsum.w_lora_b" in n for n in adapters), adapters
+    scaled = dataclasses.replace(mapping, lora_scale=alpha / rank)
+    report = osf.export_pytorch(lora_model, tmp_dir / "memory", scaled, hf_config=config)
+    assert report.ok, report.problems()
+    assert sorted(a for a, _ in report.merged) == adapters
+    want = np.asarray(tunix_logits(lora_model))
+    hf_models.assert_outputs_close(hf_logits(tmp_dir / "memory"), want, rtol=2e-5, atol=2e-5)
+
+    with ocp.CheckpointManager(tmp_dir / "ckpt") as mngr:
+        mngr.save(1, args=ocp.args.Composite(model=osf.SafetensorsSave(nnx.state(lora_model))))
+        mngr.wait_until_finished()
+    config.save_pretrained(tmp_dir / "config")
+    argv = ["export", tmp_dir / "ckpt", tmp_dir / "cli", "--mapping", "tunix-" + case.split("-")[0],
+            "--hf-config", tmp_dir / "config", "--lora-scale", alpha / rank]  # fmt: skip
+    assert cli.main([str(a) for a in argv]) == 0
+    memory = (tmp_dir / "memory" / "model.safetensors").read_bytes()
+    assert (tmp_dir / "cli" / "model.safetensors").read_bytes() == memory
+
+
+@pytest.mark.parametrize("case", ["gemma", "gemma3", "qwen2", "gemma4"])
+def test_flax_lora_wrapper_on_tunix_gemma_and_qwen2(tmp_dir, tunix, case):
+    config, model, mapping = tiny_trainable(case, seed=8)
+    for layer in model.layers:
+        down = layer.mlp.down_proj
+        layer.mlp.down_proj = nnx.LoRA(64, 2, 32, base_module=down, rngs=nnx.Rngs(4))
+    random_values(model, nnx.LoRAParam, seed=8)
+    report = osf.export_pytorch(model, tmp_dir / "hf", mapping, hf_config=config)
+    assert report.ok, report.problems()
+    assert len(report.merged) == 2 * len(model.layers)
+    hf_models.assert_outputs_close(
+        hf_logits(tmp_dir / "hf"), np.asarray(tunix_logits(model)), rtol=2e-5, atol=2e-5
+    )
