@@ -29,11 +29,7 @@ from etils import epath
 
 from orbax_safetensors._src.catalog import sources as _sources
 from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
-from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import naming as _naming
-from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
-from orbax_safetensors._src.orbax import steps as _steps
-from orbax_safetensors._src.orbax.steps import PathKind
 
 
 @dataclasses.dataclass
@@ -60,11 +56,7 @@ def _is_path(source: Any) -> bool:
 def _in_memory(
     values: dict[str, Any], where: str, lora_params: frozenset[str] = frozenset()
 ) -> FlaxTable:
-    infos = {}
-    for n, x in values.items():
-        dtype = _dtypes.from_numpy(np.dtype(x.dtype), key=n)
-        shape = tuple(int(d) for d in x.shape)
-        infos[n] = _sources.TensorInfo(n, dtype, shape, _dtypes.nbytes(dtype, shape), where)
+    infos = {n: _sources.TensorInfo.of(n, x, where) for n, x in values.items()}
 
     def read(names: Sequence[str]) -> dict[str, np.ndarray]:
         return {n: np.asarray(values[n]) for n in names}
@@ -117,48 +109,6 @@ def model_values(model: Any, variables: Any, lora_params: set[str] | None = None
     return out
 
 
-def resolve_path(
-    path: epath.PathLike, *, step: int | None = None, item: str | None = None
-) -> epath.Path:
-    """The tensor source a path names: a root's latest committed step (or ``step``), and in a
-    step the item ``item`` (needed when the step holds several).
-
-    Raises:
-      SafetensorsCheckpointError: a root without committed steps (or without ``step``), an
-        unknown item, ``step``/``item`` given for a path that has none.
-    """
-    path = epath.Path(path)
-    kind = _steps.classify(path)
-    if kind is PathKind.ROOT:
-        steps = dict(_steps.list_steps(path))
-        if not steps:
-            raise SafetensorsCheckpointError(
-                f"{path}: a CheckpointManager root with no committed step"
-            )
-        if step is not None and step not in steps:
-            raise SafetensorsCheckpointError(
-                f"{path}: no committed step {step} (steps: {', '.join(map(str, sorted(steps)))})"
-            )
-        path = steps[max(steps) if step is None else step]
-        kind = _steps.classify(path)
-    elif step is not None:
-        raise SafetensorsCheckpointError(
-            f"{path} is {kind.noun}, not a CheckpointManager root: step= does not apply"
-        )
-    if item is not None:
-        if kind is not PathKind.STEP:
-            raise SafetensorsCheckpointError(
-                f"{path} is {kind.noun}, not a step: item= does not apply"
-            )
-        items = _steps.list_items(path)
-        if items.get(item) not in _steps.TENSOR_KINDS:
-            raise SafetensorsCheckpointError(
-                f"{path}: no tensor item {item!r} (items: {', '.join(items) or '-'})"
-            )
-        path = path / item
-    return path
-
-
 def flax_table(
     source: Any,
     *,
@@ -171,14 +121,15 @@ def flax_table(
     names starting with it, without it.
 
     Raises:
-      SafetensorsCheckpointError: a path that holds no tensors (see :func:`resolve_path`).
+      SafetensorsCheckpointError: a path that holds no tensors, or no ``step`` or ``item``
+        of that name (``catalog.sources.open_source``).
       TypeError: a source that is none of these.
     """
     lora_params: set[str] = set()
     if _is_nnx_module(source):
         values = model_values(source, variables, lora_params)
     elif _is_path(source):
-        src = _sources.open_source(resolve_path(source, step=step, item=item))
+        src = _sources.open_source(source, step=step, item=item, latest=True)
         infos = {
             n[len(prefix) :]: dataclasses.replace(t, name=n[len(prefix) :])
             for n, t in src.tensors.items()
