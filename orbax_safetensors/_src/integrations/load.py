@@ -190,20 +190,12 @@ class Target:
             return cls(tuple(int(d) for d in leaf.shape), np.dtype(leaf.dtype), sharding)
         return None
 
-    def describe(self) -> str:
-        return f"{self.dtype}{list(self.shape)}"
-
 
 @dataclasses.dataclass(frozen=True)
 class LoadOptions:
-    """How :func:`load_flat` and :func:`load_tree` load: ``strict`` raises on any mapping
-    problem (else the report lists it); ``batch_bytes`` of tensors held at a time; ``where``
-    names the source in errors; ``verify``, ``io`` and ``stats`` go to the pipeline's reader.
-
-    Example::
-
-        values, report = load_flat(source, flat, mapping, LoadOptions(strict=False))
-    """
+    """How a load reads: ``strict`` raises on any mapping problem (else the report lists it);
+    ``batch_bytes`` of tensors held at a time; ``where`` names the source in errors;
+    ``verify``, ``io`` and ``stats`` go to the pipeline's reader."""
 
     strict: bool = True
     batch_bytes: int = _sources.DEFAULT_BATCH_BYTES
@@ -258,8 +250,8 @@ def load_flat(
     mapping: KeyMapping,
     options: LoadOptions | None = None,
 ) -> tuple[dict[str, Any], MappingReport]:
-    """The values of ``targets`` (by Flax name) read from ``source`` (a catalog
-    ``TensorSource``) through ``mapping``, and the report.
+    """The values of ``targets`` (by Flax name) read from ``source`` (a ``TensorSource``)
+    through ``mapping``, a batch of links at a time, and the report.
 
     Raises:
       TargetMismatchError: with ``strict``, listing every problem at once, before any read.
@@ -274,7 +266,7 @@ def load_flat(
         )
     reads = _Reads(source, alias, options)
     values: dict[str, Any] = {}
-    sharded = getattr(source, "stored", None) is not None
+    sharded = isinstance(source, _sources.SafetensorsSource)
     for group in _links.link_batches(
         moves, lambda k: tensors[k].nbytes, options.batch_bytes, torch_side=True
     ):
@@ -300,11 +292,9 @@ def load_flat(
 def derived_targets(
     tensors: Mapping[str, _sources.TensorInfo], mapping: KeyMapping
 ) -> dict[str, Target]:
-    """The target ``tensors`` (by PyTorch key) and ``mapping`` imply: every Flax tensor the
-    mapping's links make of them (stacked and fused ones joined), of the shape the link gives
-    and the stored dtype (the promotion of a link's dtypes if they differ), on the default
-    device. Names the mapping ignores are left out; tensors no rule maps and links whose
-    shapes do not fit too (:func:`plan_links` reports them)."""
+    """The targets ``tensors`` (by PyTorch key) and ``mapping`` imply: each Flax tensor a link
+    makes, of the link's shape and the stored dtype (promoted across the link), on the
+    default device; names the mapping ignores and links that do not fit left out."""
     links, _ = _links.load_links(mapping, {k: t.shape for k, t in tensors.items()})
     targets: dict[str, Target] = {}
     for link in links:
@@ -321,10 +311,8 @@ def derived_targets(
 
 
 def nested(flat: Mapping[str, Any]) -> dict[Any, Any]:
-    """The nested dicts of dotted names ``flat``: ``{"a.0.b": x}`` -> ``{"a": {0: {"b": x}}}``.
-    The keys of a dict whose keys are all decimal numbers are ``int`` s (as ``nnx.state``
-    and ``nnx.to_pure_dict`` key a list's items, so that ``nnx.update`` takes the tree), the
-    others strings; joined with ``.`` again, the key paths are the names.
+    """The nested dicts of dotted names ``flat``: ``{"a.0.b": x}`` -> ``{"a": {0: {"b": x}}}``
+    (a dict whose keys are all decimal has ``int`` keys, as ``nnx.state`` keys a list).
 
     Raises:
       ValueError: a name that is also the prefix of another (``a`` and ``a.b``).
@@ -373,9 +361,9 @@ def plan_links(
     targets: Mapping[str, Target],
     mapping: KeyMapping,
 ) -> tuple[list[_links.Link], MappingReport]:
-    """The links filling ``targets`` from ``tensors`` (the tied keys among them), and the
-    report of every problem: keys no rule maps, names the target lacks, names two keys fill,
-    shapes that do not fit, targets nothing fills."""
+    """The links filling ``targets`` from ``tensors``, and the report of every problem: keys
+    no rule maps, names the target lacks, names two keys fill, shapes that do not fit,
+    targets nothing fills."""
     links, report = _links.load_links(mapping, {k: t.shape for k, t in tensors.items()})
     moves: list[_links.Link] = []
     claimed: dict[str, str] = {}
@@ -465,9 +453,9 @@ def _fits(mesh: Any, spec: tuple[Any, ...], shape: tuple[int, ...]) -> tuple[Any
 def _torch_shardings(
     link: _links.Link, targets: Sequence[Target], shapes: Sequence[tuple[int, ...]]
 ) -> list[Any]:
-    """The sharding each PyTorch tensor of ``link`` is read with (see the module docstring):
-    the first target's partition spec without its stacked axes (a slot's spec), pulled back
-    through the rule's transform, with unsharded axes where the PyTorch tensor stacks."""
+    # The sharding each PyTorch tensor of ``link`` is read with: the first target's partition
+    # spec without its stacked axes (a slot's), pulled back through the rule's transform,
+    # unsharded where the PyTorch tensor stacks.
     first = targets[0].sharding
     mesh = first.mesh
     ndim = len(targets[0].shape)
@@ -502,29 +490,29 @@ def _device_path(link: _links.Link, targets: Sequence[Target]) -> bool:
 
 @dataclasses.dataclass
 class _Reads:
-    """How a load reads its source: ranged and sharded when the source is safetensors."""
+    """How a load reads its source (a tied key as the key it is tied to): ranged, and sharded
+    where asked, from safetensors files; through ``source.read`` from any other source."""
 
     source: Any
     alias: dict[str, str]
     options: LoadOptions
 
-    def stored(self, key: str) -> Any:
-        stored = getattr(self.source, "stored", None)
-        return None if stored is None else stored[self.alias.get(key, key)]
-
     def host(self, keys: Sequence[str]) -> dict[str, np.ndarray]:
-        if getattr(self.source, "stored", None) is None:  # an Orbax or msgpack source
+        if not isinstance(self.source, _sources.SafetensorsSource):  # Orbax, Flax msgpack
             got = self.source.read(sorted({self.alias.get(k, k) for k in keys}))
             return {k: got[self.alias.get(k, k)] for k in keys}
-        requests = [
-            _reader.ReadRequest(self.stored(k), _reader.ReadKind.NUMPY, verify=self.options.verify)
-            for k in keys
-        ]
-        return dict(zip(keys, _reader.read_tensors(requests, self.options.stats, self.options.io)))
+        return dict(zip(keys, self.sharded(keys, [None] * len(keys))))
 
-    def sharded(self, keys: Sequence[str], shardings: Sequence[Any]) -> list[jax.Array]:
+    def sharded(self, keys: Sequence[str], shardings: Sequence[Any]) -> list[Any]:
+        # (a sharding of None: a host numpy array)
+        stored = self.source.stored
         requests = [
-            _reader.ReadRequest(self.stored(k), _reader.ReadKind.JAX, s, verify=self.options.verify)
+            _reader.ReadRequest(
+                stored[self.alias.get(k, k)],
+                _reader.ReadKind.NUMPY if s is None else _reader.ReadKind.JAX,
+                s,
+                verify=self.options.verify,
+            )
             for k, s in zip(keys, shardings)
         ]
         return _reader.read_tensors(requests, self.options.stats, self.options.io)
