@@ -101,17 +101,16 @@ def cast_origins(schema: Any) -> dict[str, str]:
     return {name: str(origin) for name, origin in origins.items()}
 
 
-def user_metadata(header: _header.Header) -> dict[str, str]:
-    """A file's ``__metadata__`` without the entries this library reserves (schema, checksums)."""
-    return {k: v for k, v in header.metadata.items() if k not in _metadata.RESERVED_KEYS}
-
-
-def header_schema(header: _header.Header, where: str) -> Any:
-    """The tree schema a file's header records, or None (absent, or not JSON)."""
+def header_facts(header: _header.Header, where: str) -> tuple[dict[str, str], dict[str, str]]:
+    """What a file's header records besides its tensors: its user metadata (``__metadata__``
+    without the entries this library reserves) and :func:`cast_origins` of its schema (none
+    where the schema is absent or not JSON)."""
     try:
-        return _metadata.header_json(header, _metadata.SCHEMA_KEY, where)
+        schema = _metadata.header_json(header, _metadata.SCHEMA_KEY, where)
     except SchemaError:
-        return None
+        schema = None
+    user = {k: v for k, v in header.metadata.items() if k not in _metadata.RESERVED_KEYS}
+    return user, cast_origins(schema)
 
 
 def list_file(path: epath.PathLike) -> FileTable:
@@ -123,12 +122,12 @@ def list_file(path: epath.PathLike) -> FileTable:
       OSError: ``path`` cannot be read.
     """
     path, header = _read_header(path)
-    origins = cast_origins(header_schema(header, str(path)))
+    user, origins = header_facts(header, str(path))
     tensors = {
         name: TensorInfo(name, e.dtype, e.shape, e.nbytes, path.name, origins.get(name))
         for name, e in header.tensors.items()
     }
-    return FileTable(path, tensors, user_metadata(header))
+    return FileTable(path, tensors, user)
 
 
 def _read_header(path: epath.PathLike) -> tuple[epath.Path | pathlib.PurePath, _header.Header]:

@@ -144,7 +144,8 @@ def _resolve(
 
 class SafetensorsSource:
     """Tensors stored in safetensors files: one file, one of our items, or an HF directory;
-    ``stored``: where each tensor's bytes lie, with its checksum where one is recorded."""
+    ``stored``: where each tensor's bytes lie, with its checksum where one is recorded;
+    ``origins``: each cast tensor's dtype before the cast (``listing.cast_origins``)."""
 
     def __init__(
         self,
@@ -152,14 +153,14 @@ class SafetensorsSource:
         kind: SourceKind,
         stored: Mapping[str, _reader.StoredTensor],
         metadata: dict[str, Any],
-        schema: Any = None,
+        origins: Mapping[str, str] | None = None,
     ) -> None:
         self.path = path
         self.kind = kind
         self.stored = dict(stored)
         self.metadata = metadata
         base = path if path.is_dir() else path.parent
-        origins = _listing.cast_origins(schema)
+        origins = origins or {}
         self.tensors = {
             name: TensorInfo(
                 name, s.dtype, tuple(s.shape), s.nbytes, _relative(s.path, base), origins.get(name)
@@ -186,15 +187,15 @@ def _open_file(path: epath.Path) -> TensorSource:
         return _flax_msgpack.MsgpackSource(path)
     header = _router.read_header(path)
     _, stored = _standalone.file_index(path, header, strict=False, directory_checksums=True)
-    schema = _listing.header_schema(header, str(path))
-    return SafetensorsSource(path, SourceKind.FILE, stored, _listing.user_metadata(header), schema)
+    user, origins = _listing.header_facts(header, str(path))
+    return SafetensorsSource(path, SourceKind.FILE, stored, user, origins)
 
 
 def _open_item(path: epath.Path) -> SafetensorsSource:
     meta = _checkpoint_restore.read_metadata(path)
     stored = _checkpoint_restore.locate_in_directory(path, meta)
-    user = dict(meta.get("metadata") or {})
-    return SafetensorsSource(path, SourceKind.ITEM, stored, user, meta.get("schema"))
+    user, origins = dict(meta.get("metadata") or {}), _listing.cast_origins(meta.get("schema"))
+    return SafetensorsSource(path, SourceKind.ITEM, stored, user, origins)
 
 
 def _open_safetensors_dir(path: epath.Path) -> SafetensorsSource:

@@ -64,31 +64,39 @@ def _in_memory(
     return FlaxTable(infos, read, values, where, lora_params=lora_params)
 
 
-def _tree_values(tree: Any, lora_params: set[str] | None = None) -> dict[str, Any]:
+def tree_leaves(tree: Any) -> tuple[list[tuple[str, Any, Any]], Any]:
+    """``tree``'s leaves as ``(dotted name, leaf, value)``, and its treedef: an
+    ``nnx.Variable`` is one leaf whose value is the array it holds, RNG state
+    (``nnx.RngState``: training state, never model weights) has the value None, and any
+    other leaf is its own value."""
     import jax
 
     # A tree holds nnx variables only once flax.nnx is loaded: a plain tree need not load it.
     nnx = sys.modules.get("flax.nnx")
     variables = _jaxcompat.nnx_variable_types() if nnx is not None else ()
     rng_state = (nnx.RngState,) if nnx is not None else ()
-
-    def is_leaf(x: Any) -> bool:
-        return isinstance(x, variables)
-
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
-    out = {}
+    flat, treedef = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, variables)
+    )
+    out = []
     for path, leaf in flat:
-        if isinstance(leaf, rng_state):
-            continue  # RNG keys and counts are training state, never model weights
         value = _jaxcompat.nnx_value(leaf) if isinstance(leaf, variables) else leaf
+        out.append((_naming.join_path(path), leaf, None if isinstance(leaf, rng_state) else value))
+    return out, treedef
+
+
+def _tree_values(tree: Any, lora_params: set[str] | None = None) -> dict[str, Any]:
+    import jax
+
+    out = {}
+    for name, leaf, value in tree_leaves(tree)[0]:
         if not hasattr(value, "shape") or not hasattr(value, "dtype"):
             continue  # Python scalars, strings, None: not tensors
         if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
             continue  # typed PRNG keys are training state, never model weights
-        name = ".".join(_naming.entry_text(k) for k in path) or "value"
         out[name] = value
-        lora = isinstance(leaf, variables) and _jaxcompat.nnx_is_lora_param(leaf)
-        if lora and lora_params is not None:
+        variable = leaf is not value  # (an nnx.Variable holds its value)
+        if variable and lora_params is not None and _jaxcompat.nnx_is_lora_param(leaf):
             lora_params.add(name)
     return out
 
@@ -161,12 +169,11 @@ STEP = "step"
 
 
 def training_state(infos: Mapping[str, _sources.TensorInfo]) -> list[str]:
-    """The names of ``infos`` that are a train state's optimizer state and step counter,
-    not parameters: when the top level holds ``params`` (a Flax ``TrainState``, MaxText's
-    ``{"step", "params", "opt_state"}``), every name under ``opt_state`` (optax's ``mu`` /
-    ``nu`` carry the parameters' names, ``count`` is a counter) and ``step`` when it is a
-    0-d integer. Nothing else is left out: other top-level entries (MaxText's ``nnx_aux``:
-    RNG state, batch statistics) go through the mapping as parameters do.
+    """The names of ``infos`` that are a train state's optimizer state and step counter, not
+    parameters: when the top level holds ``params`` (a Flax ``TrainState``, MaxText's
+    ``{"step", "params", "opt_state"}``), every name under ``opt_state`` and ``step`` when
+    it is a 0-d integer. Other top-level entries (MaxText's ``nnx_aux``) go through the
+    mapping as parameters do.
 
     Example::
 

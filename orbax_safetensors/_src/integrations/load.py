@@ -27,10 +27,9 @@ import numpy as np
 from etils import epath
 
 from orbax_safetensors._src.catalog import sources as _sources
-from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
 from orbax_safetensors._src.core import dtypes as _dtypes
-from orbax_safetensors._src.core import naming as _naming
 from orbax_safetensors._src.core.errors import TargetMismatchError
+from orbax_safetensors._src.integrations import flax_tables as _flax_tables
 from orbax_safetensors._src.integrations import links as _links
 from orbax_safetensors._src.integrations.key_mapping import (
     IDENTITY,
@@ -218,29 +217,20 @@ def load_tree(
     (NNX variables by their value, kept as variables); with ``prefix`` only names starting
     with it are filled, matched without it. Other leaves (and, with ``strict=False``, tensors
     nothing fills) come back as given."""
-    variables = _jaxcompat.nnx_variable_types()
-    flat, treedef = jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda x: isinstance(x, variables)
-    )
+    flat, treedef = _flax_tables.tree_leaves(tree)
     targets: dict[str, Target] = {}
     positions: dict[str, int] = {}
-    for i, (path, leaf) in enumerate(flat):
-        name = _naming.join_path(path)
-        if not name.startswith(prefix):
-            continue
-        value = _jaxcompat.nnx_value(leaf) if isinstance(leaf, variables) else leaf
-        if isinstance(leaf, _rng_types()):
-            continue  # RNG keys and counts are training state, never model weights
-        target = Target.of(value)
+    for i, (name, _, value) in enumerate(flat):
+        target = Target.of(value) if name.startswith(prefix) else None
         if target is not None:
             targets[name[len(prefix) :]] = target
             positions[name[len(prefix) :]] = i
     values, report = load_flat(source, targets, mapping, options)
-    leaves = [leaf for _, leaf in flat]
+    leaves = [leaf for _, leaf, _ in flat]
     for name, value in values.items():
-        i = positions[name]
-        leaf = leaves[i]
-        leaves[i] = leaf.replace(value) if isinstance(leaf, variables) else value  # type: ignore[attr-defined]
+        _, leaf, held = flat[positions[name]]
+        variable = leaf is not held  # (an nnx.Variable holds its value: kept as a variable)
+        leaves[positions[name]] = leaf.replace(value) if variable else value
     return jax.tree_util.tree_unflatten(treedef, leaves), report
 
 
@@ -551,10 +541,3 @@ def _jitted(link: _links.Link, dtypes: tuple[np.dtype, ...], shardings: tuple[An
         return tuple(o.astype(d) for o, d in zip(outs, dtypes))
 
     return jax.jit(apply, out_shardings=shardings)
-
-
-def _rng_types() -> tuple[type, ...]:
-    import sys
-
-    nnx = sys.modules.get("flax.nnx")
-    return (nnx.RngState,) if nnx is not None else ()
