@@ -61,16 +61,13 @@ if TYPE_CHECKING:
         Transform,
         Transpose,
     )
+    from orbax_safetensors._src.integrations.load import abstract_pytorch, load_pytorch
     from orbax_safetensors._src.integrations.nnx import (
         load_model,
         save_model,
     )
     from orbax_safetensors._src.integrations.presets import preset_mapping
-    from orbax_safetensors._src.integrations.pytorch import (
-        abstract_pytorch,
-        export_pytorch,
-        load_pytorch,
-    )
+    from orbax_safetensors._src.integrations.pytorch import export_pytorch
     from orbax_safetensors._src.integrations.transforms import (
         Offset,
         RopeInterleave,
@@ -141,9 +138,9 @@ _LAZY: dict[str, str] = {
     "RopeInterleave": "integrations.transforms",
     "Scale": "integrations.transforms",
     "VocabRows": "integrations.transforms",
-    "abstract_pytorch": "integrations.pytorch",
+    "abstract_pytorch": "integrations.load",
     "export_pytorch": "integrations.pytorch",
-    "load_pytorch": "integrations.pytorch",
+    "load_pytorch": "integrations.load",
     "manager_options_for": "orbax.object_storage",
     "load_file": "orbax.restoring",
     "restore_directory": "orbax.restoring",

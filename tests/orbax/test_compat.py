@@ -239,7 +239,7 @@ def test_tensorstore_reads_of_orbax_arrays_match_orbax_restore(tmp_path: Path, h
     # whole and in boxes that cut across chunks.
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from orbax_safetensors._src.catalog import sources as _sources
+    from orbax_safetensors._src.catalog import orbax_source as _orbax_source
     from orbax_safetensors._src.orbax import steps as _steps
 
     mesh = Mesh(np.array(jax.devices()), ("d",))
@@ -256,7 +256,7 @@ def test_tensorstore_reads_of_orbax_arrays_match_orbax_restore(tmp_path: Path, h
     ckptr.save(tmp_path / "ck", args=ocp.args.PyTreeSave(tree))
     storage = _steps.array_storage(tmp_path / "ck")
     assert (storage.use_ocdbt, storage.use_zarr3) == (ocdbt, zarr3)
-    source = _sources.OrbaxSource(tmp_path / "ck")
+    source = _orbax_source.OrbaxSource(tmp_path / "ck")
     names = sorted(source.tensors)
     assert names == ["b", "n.i", "n.s", "w"]
     assert all(source.store(n) is not None for n in names)  # (this Orbax builds the spec)
