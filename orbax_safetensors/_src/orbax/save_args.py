@@ -71,6 +71,14 @@ class SafetensorsSave(ocp.args.CheckpointArgs):
         ``generation_config.json``, the tokenizer's files. Read here, on the caller's line.
       generation_config: with ``mapping``: a transformers ``GenerationConfig``, a dict or a
         path, written as ``generation_config.json`` (default: as ``osf.export_pytorch``).
+      snapshot: True (default): this process's shards are copied to host before ``save()``
+        returns, so the caller may donate or change its arrays at once (an async save).
+        False: each tensor is written straight from its array, with no host copy of the
+        state: for a save that waits for its writes (``CheckpointManager`` with
+        ``enable_async_checkpointing=False``); under an async save the arrays must then stay
+        alive and unchanged until ``wait_until_finished()``. Orbax does not tell a handler
+        which kind of save calls it. (``ocp.Checkpointer(handler)`` calls the handler's
+        synchronous ``save``, which always writes straight from the arrays.)
 
     Prints as a summary (``SafetensorsSave(item=<dict: 12 leaves, 3.4 MiB>)``), never the
     arrays.
@@ -85,6 +93,7 @@ class SafetensorsSave(ocp.args.CheckpointArgs):
     mapping: Any = None
     hf_config: Any = None
     generation_config: Any = None
+    snapshot: bool = True
     _validated: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
     _export: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
@@ -146,6 +155,7 @@ class SafetensorsSave(ocp.args.CheckpointArgs):
                 ("dtype", None if policy is None else policy.describe().removeprefix("dtype=")),
                 ("io_options", None if self.io_options is None else repr(self.io_options)),
                 ("mapping", None if self._export is None else f"<{self._export.summary}>"),
+                ("snapshot", None if self.snapshot else "False"),
             ],
         )
 

@@ -10,7 +10,7 @@ and the same step can be saved again at once.
 
 Example::
 
-    job = SaveJob(validated, directory, mode=save_mode(), processes=Processes.of_jax())
+    job = SaveJob(validated, directory, mode=SaveMode.SNAPSHOT, processes=Processes.of_jax())
     futures = start(job)      # the host copies are made when this returns
 """
 
@@ -22,7 +22,6 @@ from collections.abc import Callable
 
 from orbax.checkpoint import future as ocp_future
 
-from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
 from orbax_safetensors._src.orbax import object_storage as _object_storage
 from orbax_safetensors._src.pipeline import gcpause as _gcpause
 from orbax_safetensors._src.pipeline import save_job as _save_job
@@ -30,13 +29,6 @@ from orbax_safetensors._src.pipeline import save_job as _save_job
 # How long a save() whose host copies failed waits for Orbax to create the step directory (its
 # writer future waits for that before it can end) before it raises.
 _ABORT_WAIT_SECONDS = 60.0
-
-
-def save_mode(skip: int = 1) -> _save_job.SaveMode:
-    """``DIRECT`` inside one of Orbax's synchronous saves (they wait for the commit futures
-    before returning), else ``SNAPSHOT``. ``skip``: frames above the caller's to skip."""
-    sync = _orbaxcompat.orbax_waits_for_commit(skip=skip + 1)
-    return _save_job.SaveMode.DIRECT if sync else _save_job.SaveMode.SNAPSHOT
 
 
 @_gcpause.paused  # (the caller's thread only: what outlives save() is never paused)

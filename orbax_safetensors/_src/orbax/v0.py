@@ -4,7 +4,7 @@ Thin glue over ``pipeline.save_job`` and ``pipeline.checkpoint_restore``: each s
 ``SaveJob`` (run by ``orbax/saving.py``): under an async save, ``async_save`` copies this
 process's owned shards to host (so the caller may donate its arrays as soon as ``save()``
 returns) and a commit future plans and writes them once Orbax has created the step directory;
-under a synchronous save it writes straight from the arrays. Orbax's barrier then orders "every
+with ``SafetensorsSave(snapshot=False)`` it writes straight from the arrays. Orbax's barrier then orders "every
 process wrote" before the primary's :meth:`finalize`, which finds the job by its directory and
 merges checksums into the metadata file, before Orbax commits the step atomically. The handler
 holds no state of a save: one instance serves any number of items, managers and concurrent
@@ -141,24 +141,24 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
     ) -> Coroutine[Any, Any, list[ocp_future.Future] | None]:
         """Starts the save; the returned coroutine (awaited by Orbax) gives its commit future.
 
-        Under an async ``CheckpointManager`` (or ``ocp.AsyncCheckpointer``) this process's owned
-        shards are copied to host before this returns, so the caller may donate or overwrite
-        its arrays as soon as ``save()`` returns; a writer thread plans the files and writes
-        the copies once Orbax's step directory exists (a large state's writes start while its
-        later tensors are still being copied). Under a synchronous save, which waits for the
-        commit future before returning, nothing is copied up front: each tensor is written
-        straight from its buffer. If the copies fail this raises, and nothing of the save is
-        written or left writing.
+        With ``SafetensorsSave(snapshot=True)`` (the default) this process's owned shards are
+        copied to host before this returns, so the caller may donate or overwrite its arrays
+        as soon as ``save()`` returns; a writer thread plans the files and writes the copies
+        once Orbax's step directory exists (a large state's writes start while its later
+        tensors are still being copied). With ``snapshot=False`` nothing is copied up front:
+        each tensor is written straight from its buffer. If the copies fail this raises, and
+        nothing of the save is written or left writing.
 
         A plain method returning a coroutine, not ``async def``: the copies must happen in the
-        caller's call, and :func:`_saving.save_mode` must see the caller's frames.
+        caller's call.
         """
         if (
             _routing.orbax_kind(args) is not None
         ):  # Orbax's StandardSave / PyTreeSave, in a mixed root
             self._pending.pop(directory)
             return self._routing.async_save(directory, args)
-        job = self._job(directory, args, _saving.save_mode(skip=1))
+        mode = _save_job.SaveMode.SNAPSHOT if args.snapshot else _save_job.SaveMode.DIRECT
+        job = self._job(directory, args, mode)
         try:
             futures = _saving.start(job, on_failure=lambda: self._pending.discard(job))
         except BaseException:

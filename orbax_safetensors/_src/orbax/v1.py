@@ -156,7 +156,7 @@ class SafetensorsHandler:
             hf_config=self._hf_config,
             generation_config=self._generation_config,
         )
-        job = self._v0.new_job(epath.Path(directory.path), args, _saving.save_mode(skip=1))
+        job = self._v0.new_job(epath.Path(directory.path), args, _save_job.SaveMode.SNAPSHOT)
         commit_futures = _saving.start(job)
         barrier = f"orbax_safetensors_v1_save_{next(_save_counter)}"
         return self._background_save(directory, job, commit_futures, barrier)
