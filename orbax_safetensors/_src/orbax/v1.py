@@ -1,15 +1,11 @@
 """The Orbax v1 plugin: ``SafetensorsHandler``, a ``CheckpointableHandler`` for pytrees.
 
-Thin glue over the same save object as the v0
-:class:`~orbax_safetensors._src.orbax.v0.SafetensorsCheckpointHandler` (a ``SaveJob`` with the
-v0 handler's options, started by ``orbax/saving.py``): the same validation, host copies, files,
-``orbax_safetensors.json``, checksums, gather-free multi-host writes and byte-range reads. What
-v1 adds is the ordering Orbax's v0 ``AsyncCheckpointer`` does for a v0 handler: wait for every
-process's writes, finalize the job on the primary, wait again.
-
-Needs the v1 API of orbax-checkpoint 0.12.8 (``ocp.v1.save`` / ``save_async`` / ``load``);
-on an older Orbax the module imports, and the handler and :func:`register_handler` raise an
-``ImportError`` naming the version.
+Thin glue over the v0 handler's save job and restore (the same validation, host copies, files,
+checksums, multi-host writes and reads): what v1 adds is the ordering Orbax's v0
+``AsyncCheckpointer`` does for a v0 handler: wait for every process's writes, finalize the job
+on the primary, wait again. Needs orbax-checkpoint's v1 API (0.12.8); on an older Orbax the
+module imports, and the handler and :func:`register_handler` raise an ``ImportError`` naming
+the version.
 
 Example::
 
@@ -37,11 +33,10 @@ from etils import epath
 from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
 from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import errors as _errors
+from orbax_safetensors._src.orbax import args as _args
 from orbax_safetensors._src.orbax import mappings as _mappings
-from orbax_safetensors._src.orbax import saving as _saving
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.orbax import v0 as _v0
-from orbax_safetensors._src.orbax.tree_metadata import TreeMetadata
 from orbax_safetensors._src.pipeline import save_job as _save_job
 from orbax_safetensors._src.pipeline.restore_options import Words
 
@@ -157,7 +152,7 @@ class SafetensorsHandler:
             generation_config=self._generation_config,
         )
         job = self._v0.new_job(epath.Path(directory.path), args, _save_job.SaveMode.SNAPSHOT)
-        commit_futures = _saving.start(job)
+        commit_futures = _v0.start_save(job)
         barrier = f"orbax_safetensors_v1_save_{next(_save_counter)}"
         return self._background_save(directory, job, commit_futures, barrier)
 
@@ -194,7 +189,7 @@ class SafetensorsHandler:
     async def metadata(self, directory: Any) -> Any:
         """The saved tree with ``jax.ShapeDtypeStruct`` leaves; reads no tensor bytes."""
         metadata = self._v0.metadata(epath.Path(directory))
-        return metadata.tree if isinstance(metadata, TreeMetadata) else metadata
+        return metadata.tree if isinstance(metadata, _args.TreeMetadata) else metadata
 
     def is_handleable(self, checkpointable: Any) -> bool:
         """True for a pytree this handler can save (a ``SafetensorsSave`` accepts it)."""
