@@ -1,17 +1,7 @@
-"""Orbax's directory conventions: what a path is, and which steps of a root Orbax lists as
-committed. The one owner of step listing and committedness (inspect, verify, convert and the
-demo ask here; what a committed step lacks: ``catalog/completeness``). Importing it imports
-no Orbax: ``inspect FILE`` runs without it.
-
-What a path can be (:func:`classify`):
-
-- ``file``: one ``.safetensors`` file (written by this library, PyTorch, anyone);
-- ``item``: a checkpoint directory of this library (it has ``orbax_safetensors.json``);
-- ``safetensors-dir``: plain safetensors files in a directory, Hugging Face style
-  (``model.safetensors`` or shards listed in ``model.safetensors.index.json``);
-- ``orbax``: an Orbax-native PyTree item (``StandardSave``/``PyTreeSave``, OCDBT or not);
-- ``step``: a directory of items (one CheckpointManager step);
-- ``root``: a directory of steps (a CheckpointManager root).
+"""Orbax's directory conventions: what a path is (:func:`classify`: a file, an item of this
+library, plain safetensors files, an Orbax-native item, a step, a root) and which steps of a
+root Orbax lists as committed: the one owner of step listing and committedness (what a
+committed step lacks: ``catalog/completeness``). Importing it imports no Orbax.
 
 Example::
 
@@ -76,7 +66,7 @@ _NOUNS = {
 
 
 TENSOR_KINDS = frozenset((PathKind.FILE, PathKind.ITEM, PathKind.SAFETENSORS_DIR, PathKind.ORBAX))
-_STEP_NAME = re.compile(r"^(?:.*?[_-])?(\d+)$")
+_STEP_NAME = re.compile(r"^((?:.*?[_-])?)(\d+)$")  # (prefix, digits)
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 _TMP_STEP_NAME = re.compile(rf"^(?:.*?[_-])?(\d+){re.escape(TMP_SUFFIX)}")
 _TMP_REASON = "temporary directory of a save that never finished (Orbax renames it on commit)"
@@ -174,11 +164,10 @@ def array_storage(path: epath.PathLike) -> ArrayStorage:
 
 def check_orbax_item(path: epath.PathLike) -> None:
     """Refuses an Orbax-native item that a read through Orbax or TensorStore would leave or
-    block in, before either opens a file of it: no entry of the item may be a symbolic link
-    out of it or a special file (``confine.check_tree``), and every array name its
-    ``_METADATA`` records (Orbax reads the array ``name`` at ``<item>/<name>``) must stay
-    inside it (``confine.inside``). A ``_METADATA`` that cannot be parsed is left to Orbax,
-    which reports it.
+    block in, before either opens a file of it: no entry may be a symbolic link out of it or
+    a special file, and every array name its ``_METADATA`` records (Orbax reads the array
+    ``name`` at ``<item>/<name>``) must stay inside it. A ``_METADATA`` that cannot be parsed
+    is left to Orbax, which reports it.
 
     Raises:
       UnsafePathError: naming ``_METADATA``, the name and the item.
@@ -328,13 +317,9 @@ class StepDir:
 
 
 def scan_steps(root: epath.PathLike) -> list[StepDir]:
-    """Every step directory of a CheckpointManager root, committed or not, sorted by step.
-
-    The one place that decides which directories of a root are steps and which of them Orbax
-    counts as committed (see the rule above); ``inspect``, ``verify`` and ``convert`` use it.
-    Temporary directories of unfinished saves (``<step>.orbax-checkpoint-tmp``, or
-    ``<step>.orbax-checkpoint-tmp-<n>`` from older Orbax such as 0.11.11) are included, not
-    committed. So is what a deletion of a step leaves (see :func:`_step_candidates`).
+    """Every step directory of a CheckpointManager root, committed or not (the rule above),
+    sorted by step; temporary directories of unfinished saves and what a deletion of a step
+    leaves (:func:`_step_candidates`) included.
 
     Example::
 
@@ -350,12 +335,9 @@ def scan_steps(root: epath.PathLike) -> list[StepDir]:
     return sorted(steps, key=lambda s: (s.step, s.path.name))
 
 
-_NAME_PARTS = re.compile(r"^((?:.*?[_-])?)(\d+)$")
-
-
 def _name_parts(name: str) -> tuple[str, str]:
     """The prefix and the digits of a step name (``"ckpt_0100"`` -> ``("ckpt_", "0100")``)."""
-    m = _NAME_PARTS.match(name)
+    m = _STEP_NAME.match(name)
     return (m.group(1), m.group(2)) if m else (name, "")
 
 
@@ -379,7 +361,7 @@ def _step_candidates(root: epath.Path) -> list[tuple[epath.Path, int]]:
         m = _STEP_NAME.match(child.name)
         if m and child.is_dir():
             child = _confine.inside(root, child.name)  # (a step linked out of the root: refused)
-            (found if _looks_like_step(child) else unclear).append((child, int(m.group(1))))
+            (found if _looks_like_step(child) else unclear).append((child, int(m.group(2))))
     formats = {_name_parts(c.name) for c, _ in found if TMP_SUFFIX not in c.name}
     for child, number in unclear:
         prefix, digits = _name_parts(child.name)
@@ -400,10 +382,8 @@ def _looks_like_step(path: epath.Path) -> bool:
 
 
 def listed_step(path: epath.PathLike) -> StepDir | None:
-    """The :class:`StepDir` of the directory ``path`` when it is a step directory of a
-    CheckpointManager root (its parent), committed or not; None otherwise. For a step named
-    directly, what its root tells about it (whether Orbax wrote ``_CHECKPOINT_METADATA`` for
-    its other steps)."""
+    """The :class:`StepDir` of the directory ``path`` in the CheckpointManager root that is
+    its parent, committed or not; None when it is not a step there."""
     path = epath.Path(path)
     if not _STEP_NAME.match(path.name) and TMP_SUFFIX not in path.name:
         return None
@@ -415,12 +395,10 @@ def listed_step(path: epath.PathLike) -> StepDir | None:
 
 
 def step_entry(path: epath.PathLike) -> StepDir | None:
-    """What the directory ``path``, named on its own, is as a step: its root's entry when its
-    parent is a root that holds it as a step (:func:`listed_step`); else, for a directory
-    Orbax wrote as a step (``_CHECKPOINT_METADATA``, a temporary name) or one holding items,
+    """What the directory ``path``, named on its own, is as a step: its root's entry
+    (:func:`listed_step`); else, for a directory Orbax wrote as a step or one holding items,
     an entry of its own (step -1 where its name holds no number); None for anything else,
-    such as one item of another handler saved by ``ocp.Checkpointer``. ``verify``,
-    ``inspect`` and ``convert`` take a path so."""
+    such as one item of another handler saved by ``ocp.Checkpointer``."""
     path = epath.Path(path)
     if not path.is_dir():
         return None
@@ -437,14 +415,12 @@ def step_entry(path: epath.PathLike) -> StepDir | None:
         return None  # one item of another handler (ocp.Checkpointer): an item, not a step
     reason = uncommitted_reason(path)
     m = _STEP_NAME.match(path.name.split(TMP_SUFFIX, 1)[0])
-    return StepDir(int(m.group(1)) if m else -1, path, reason is None, reason or "")
+    return StepDir(int(m.group(2)) if m else -1, path, reason is None, reason or "")
 
 
 def uncommitted_reason(path: epath.PathLike) -> str | None:
-    """Why Orbax does not count the directory ``path`` as a committed step; None when it does,
-    or when ``path`` is not recognisably a step Orbax saved (no ``_CHECKPOINT_METADATA``, not a
-    temporary directory). The rule is the comment above :class:`StepDir`.
-    """
+    """Why Orbax does not count the directory ``path`` as a committed step (the rule above
+    :class:`StepDir`); None when it does, or when ``path`` is no step Orbax saved."""
     path = epath.Path(path)
     if TMP_SUFFIX not in path.name and not (path / CHECKPOINT_METADATA_FILE).exists():
         return None

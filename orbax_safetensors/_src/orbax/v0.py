@@ -1,16 +1,11 @@
 """The Orbax plugin: ``SafetensorsCheckpointHandler`` and its args, ``SafetensorsSave`` and
 ``SafetensorsRestore``, registered with it as Orbax's ``StandardSave`` / ``StandardRestore``
-are with theirs.
+are with theirs. Each save is one ``SaveJob`` (copies, then writes in a commit future; the
+primary's ``finalize`` merges every process's checksums); the handler keeps no state of a save.
 
-Each save is one ``pipeline/save_job.SaveJob``: ``async_save`` copies this process's owned
-shards to host (unless ``SafetensorsSave(snapshot=False)``) and returns a commit future that
-writes them once Orbax has created the step directory; after Orbax's barrier the primary's
-``finalize`` merges every process's checksums into the metadata file. The handler holds no
-state of a save: one instance serves any number of items, managers and concurrent saves.
-
-Importing this module registers the handler with Orbax (the package root imports it once
-Orbax is imported): it reads nothing of its sibling modules until called, so it can be
-imported while any of them is still being imported.
+Importing this module registers the handler with Orbax (the package root imports it once Orbax
+is imported), so it reads no sibling module's names until called: it may be imported while one
+is still half imported.
 
 Example::
 
@@ -272,14 +267,13 @@ class SafetensorsRestore(ocp.args.CheckpointArgs):
 def start_save(
     job: _save_job.SaveJob, *, on_failure: Callable[[], None] | None = None
 ) -> list[ocp_future.Future]:
-    """Starts ``job`` under Orbax, for the v0 and v1 handlers alike; returns its commit future.
+    """Starts ``job`` under Orbax (the v0 and v1 handlers); returns its commit future.
 
-    On the caller's thread: refuses a renaming commit on S3, plans if the job must plan first,
-    starts the writer as an Orbax commit future (it waits until Orbax has created the step
-    directory), then makes the host copies, so a large state's writes start while its later
-    tensors are still being copied. If a copy fails, the job is aborted and the future waited
-    for before the error propagates: nothing of the step is left writing or written.
-    ``on_failure`` runs if the background write fails (e.g. to forget the job).
+    On the caller's thread: refuses a renaming commit on S3, plans if the job must, starts the
+    writer as an Orbax commit future (it waits for the step directory), then makes the host
+    copies, which the writer writes as they come. If a copy fails, the job is aborted and the
+    future waited for before the error propagates: nothing of the step is left writing.
+    ``on_failure`` runs if the background write fails.
 
     Example::
 
@@ -332,10 +326,9 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         returns.
       io_options: how files are written and read (``osf.IOOptions``); None: the defaults.
 
-    After a save's writes, ``last_write_stats`` (a ``WriteStats``) holds the byte ranges this
-    process wrote; after a restore, ``last_read_stats`` (a ``ReadStats``) the bytes it read.
-    Orbax's own ``StandardSave`` / ``PyTreeSave`` args (a root that holds both kinds of steps,
-    see :func:`handler_registry`) go to Orbax's own handlers.
+    ``last_write_stats`` (a ``WriteStats``) holds the byte ranges this process's last save
+    wrote, ``last_read_stats`` (a ``ReadStats``) what its last restore read. Orbax's own
+    ``StandardSave`` / ``PyTreeSave`` args go to Orbax's handlers (:func:`handler_registry`).
 
     Example::
 
@@ -395,15 +388,9 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
     def async_save(  # type: ignore[override]
         self, directory: epath.Path, args: SafetensorsSave | Any
     ) -> Coroutine[Any, Any, list[ocp_future.Future] | None]:
-        """Starts the save; the returned coroutine (awaited by Orbax) gives its commit future.
-
-        The host copies (``SafetensorsSave(snapshot=True)``, the default) are made before this
-        returns, so the caller may donate or overwrite its arrays as soon as ``save()``
-        returns; with ``snapshot=False`` each tensor is written straight from its buffer. If
-        the copies fail this raises, and nothing of the save is written or left writing. A
-        plain method returning a coroutine, not ``async def``: the copies must happen in the
-        caller's call.
-        """
+        """Starts the save (host copies made before it returns, unless ``snapshot=False``);
+        the returned coroutine gives its commit future. A plain method, not ``async def``: the
+        copies must happen in the caller's call."""
         if _args.orbax_kind(args) is not None:  # Orbax's own args, in a mixed root
             self._pending.pop(directory)
             return self._routing.async_save(directory, args)
@@ -477,8 +464,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
     def restore_safetensors(
         self, directory: epath.Path, args: SafetensorsRestore, *, words: Words | None = None
     ) -> Any:
-        """Restores a safetensors item; a mismatch error is worded in ``words`` (the option
-        names of the API the caller came through; default ``SafetensorsRestore``'s)."""
+        """Restores a safetensors item; a mismatch error names the options in ``words``."""
         stats = ReadStats()
         io = args.io_options if args.io_options is not None else self._io
         if args.mapping is not None:  # a Hugging Face directory, read into the JAX layout
@@ -505,8 +491,8 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         return result
 
     def metadata(self, directory: epath.Path) -> _args.TreeMetadata | Any:
-        """The saved tree (``jax.ShapeDtypeStruct`` leaves, inline values as saved) and its
-        ``custom_metadata``, as a ``TreeMetadata`` like Orbax's; reads no tensor bytes."""
+        """The saved tree and its ``custom_metadata`` as a ``TreeMetadata`` like Orbax's
+        (``jax.ShapeDtypeStruct`` leaves); reads no tensor bytes."""
         if _steps.item_kind(epath.Path(directory)) is _steps.PathKind.ORBAX:
             _steps.check_orbax_item(directory)
             return self._routing.handler("pytree").metadata(directory)
@@ -535,11 +521,8 @@ def handler_registry(
     Item ``item`` goes to ``handler`` (default ``SafetensorsCheckpointHandler()``) for
     ``SafetensorsSave`` / ``SafetensorsRestore`` and for Orbax's ``StandardSave`` /
     ``StandardRestore`` and ``PyTreeSave`` / ``PyTreeRestore``, which it passes to Orbax's own
-    handlers: those steps stay Orbax-native. ``mngr.restore(step)`` without args and
-    ``mngr.item_metadata(step)`` read each step in its own format; Orbax's restore args on a
-    safetensors step mean what they mean in ``SafetensorsRestore``. Without it, a
-    ``CheckpointManager`` ties each item to the first handler it meets, and the other kind of
-    args fails with "does not match with any registered handler".
+    handlers. ``mngr.restore(step)`` without args reads each step in its own format. Without
+    it, a ``CheckpointManager`` ties each item to the first handler it meets.
 
     Example::
 

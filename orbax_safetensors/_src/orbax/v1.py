@@ -77,27 +77,18 @@ class SafetensorsHandler:
     ``orbax_safetensors.json``: exactly what ``SafetensorsCheckpointHandler`` stores.
 
     Register it globally with :func:`register_handler`, or per context with
-    :func:`local_registry` (both also take over the ``"state"`` checkpointable that
-    ``ocp.save`` uses, which Orbax gives its own ``PyTreeHandler`` by name; for other names
-    ``ocp.handlers.register_handler(osf.SafetensorsHandler, checkpointable_name=...,
-    secondary_typestrs=osf.SafetensorsHandler.SECONDARY_TYPESTRS)`` works as is). Orbax
-    constructs it without arguments; for other options, register a subclass that passes a
-    configured v0 handler.
+    :func:`local_registry` (both also take over the ``"state"`` checkpointable that ``ocp.save``
+    uses). Orbax constructs it without arguments: for options, register a subclass.
 
     Args:
-      handler: the ``SafetensorsCheckpointHandler`` doing the work (its ``max_file_size``,
-        ``checksums``, ``verify``, ``primary_host``); default ``SafetensorsCheckpointHandler()``.
-      dtype: a save-time dtype policy for every save through this handler, as
-        ``SafetensorsSave(dtype=...)`` takes it (one dtype for floating-point arrays, glob
-        patterns over dotted names, or a callable); checked here. Orbax v1's own
-        ``StorageOptions.dtype`` context option is not read: pass the policy here.
-      mapping: an ``osf.KeyMapping``: every save writes a Hugging Face model directory (a
-        servable item, as ``SafetensorsSave(item, mapping=...)``; by every process of a
-        multi-process job, each writing its own bytes) and every load reads one into the
-        abstract tree's JAX layout (``SafetensorsRestore(target, mapping=...)``).
-      hf_config: with ``mapping``: a transformers config object, a dict or a path (a
-        ``config.json``, or a model directory whose generation config and tokenizer files
-        are copied too), as ``SafetensorsSave(hf_config=...)`` takes it.
+      handler: the ``SafetensorsCheckpointHandler`` doing the work (its file size,
+        checksums, primary host...); default ``SafetensorsCheckpointHandler()``.
+      dtype: a save-time dtype policy for every save, as ``SafetensorsSave(dtype=...)`` takes
+        it (Orbax v1's ``StorageOptions.dtype`` is not read).
+      mapping: an ``osf.KeyMapping``: every save writes a Hugging Face model directory and
+        every load reads one into the abstract tree's layout, as
+        ``SafetensorsSave(item, mapping=...)`` / ``SafetensorsRestore(target, mapping=...)``.
+      hf_config: with ``mapping``: as ``SafetensorsSave(hf_config=...)``.
       generation_config: with ``mapping``: as ``SafetensorsSave(generation_config=...)``.
 
     Example::
@@ -105,10 +96,6 @@ class SafetensorsHandler:
         class SmallFiles(osf.SafetensorsHandler):
             def __init__(self):
                 super().__init__(osf.SafetensorsCheckpointHandler(max_file_size=1 << 30))
-
-        class Bf16Export(osf.SafetensorsHandler):  # every save stores floats as bf16
-            def __init__(self):
-                super().__init__(dtype=jnp.bfloat16)
 
         class Servable(osf.SafetensorsHandler):  # a Hugging Face model directory
             def __init__(self):
