@@ -25,7 +25,6 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
-import threading
 from collections.abc import Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -195,52 +194,34 @@ _HANDLER_MODULE = f"{__name__}._src.orbax.v0"  # importing it registers the hand
 
 
 class _RegisterWithOrbax(importlib.abc.MetaPathFinder):
-    """A post-import hook: imports the handler's module (which registers it with Orbax, so
-    that Orbax finds the handler a step's metadata names) once ``orbax.checkpoint`` is
-    imported and no module of this package is being executed in this thread (the handler's
-    module imports them: a module of ours that imports Orbax must first be whole). It finds
-    nothing itself: it wraps the loaders the other finders give these modules."""
-
-    def __init__(self) -> None:
-        self._local = threading.local()  # .finding (re-entry), .depth (our modules running)
+    """Imports the handler's module right after ``orbax.checkpoint`` is first imported (why a
+    hook: docs/architecture.md, "Registering with Orbax"). It finds nothing itself: it wraps
+    the loader the other finders give ``orbax.checkpoint``, and leaves ``sys.meta_path``."""
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> Any:
-        ours = fullname.startswith(f"{__name__}._src.")
-        if not (ours or fullname == "orbax.checkpoint") or _HANDLER_MODULE in sys.modules:
+        if fullname != "orbax.checkpoint" or self not in sys.meta_path:
             return None
-        if getattr(self._local, "finding", False):
-            return None
-        self._local.finding = True
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            self._local.finding = False
+        sys.meta_path.remove(self)  # once: and the search below does not come back here
+        spec = importlib.util.find_spec(fullname)
         if spec is not None and isinstance(spec.loader, importlib.abc.Loader):
-            spec.loader = _ThenRegister(spec.loader, self._local, ours)
+            spec.loader = _ThenRegister(spec.loader)
         return spec
 
 
 class _ThenRegister(importlib.abc.Loader):
-    """A module's loader, which then imports the handler's module if the time has come (see
-    :class:`_RegisterWithOrbax`); everything else is the wrapped loader's."""
+    """``orbax.checkpoint``'s loader, then the handler's module imported."""
 
-    def __init__(self, loader: importlib.abc.Loader, local: threading.local, ours: bool) -> None:
-        self._loader, self._local, self._ours = loader, local, ours
+    def __init__(self, loader: importlib.abc.Loader) -> None:
+        self._loader = loader
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return self._loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
-        depth = getattr(self._local, "depth", 0)
-        self._local.depth = depth + self._ours
-        try:
-            self._loader.exec_module(module)
-        finally:
-            self._local.depth = depth
-        if depth == 0 and "orbax.checkpoint" in sys.modules:
-            importlib.import_module(_HANDLER_MODULE)
+        self._loader.exec_module(module)
+        importlib.import_module(_HANDLER_MODULE)
 
     def __getattr__(self, name: str) -> Any:  # get_source, get_resource_reader, ...
         return getattr(self._loader, name)

@@ -4,7 +4,7 @@ A :class:`SaveJob` holds everything one save of one checkpoint directory needs, 
 caller's call to the primary's finalize: the validated tree, how the caller's arrays are treated
 (:class:`SaveMode`), the host buffers of its snapshot, its file plan, and what its finalize merges
 (the metadata draft and, in a one-process job, the checksum share, both kept in memory). Drivers
-hold no state of their own per save: the Orbax handlers (through ``orbax/saving.py``) and
+hold no state of their own per save: the Orbax handlers (through ``orbax/v0.start_save``) and
 :func:`save_directory` each build a job and call its steps where their protocol puts them, so one
 driver serves any number of saves at once.
 

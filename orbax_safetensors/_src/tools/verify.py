@@ -13,7 +13,7 @@ In a root, the steps checked are exactly those Orbax lists (``mngr.all_steps()``
 :func:`orbax_safetensors._src.orbax.steps.scan_steps` decides: uncommitted steps (Orbax's
 ``*.orbax-checkpoint-tmp*`` directories, and commit-file steps without ``commit_success.txt``)
 are skipped and listed in ``skipped``, never checked as complete. A committed step that lacks
-what restoring it needs (:func:`orbax_safetensors._src.orbax.steps.missing_entries`: its
+what restoring it needs (:func:`orbax_safetensors._src.catalog.completeness.missing_entries`: its
 ``_CHECKPOINT_METADATA``, an item, a metadata or data file of an item, ours or Orbax's) is
 listed in ``incomplete`` and is a problem like any other damage: Orbax lists it but cannot
 restore it, so ``ok`` is False (the command line exits with status 1). Every other step is
@@ -41,6 +41,7 @@ from typing import Any
 import jax
 from etils import epath
 
+from orbax_safetensors._src.catalog import completeness as _completeness
 from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import header as _header
@@ -233,7 +234,7 @@ class _Checker:
         for s in sorted(committed, key=lambda s: s.step):
             if s.path in self.missing:
                 self.report.warnings.append(
-                    _steps.incomplete_warning(s.step, s.path, self.missing[s.path], latest)
+                    _completeness.incomplete_warning(s.step, s.path, self.missing[s.path], latest)
                 )
         return found
 
@@ -241,11 +242,11 @@ class _Checker:
         """A committed step (``listed``: its entry in its root, where known): its items (or
         the step itself, when it is an item), after checking that no part of it is missing.
         False if it holds nothing of ours."""
-        missing = _steps.missing_entries(listed or path)
+        missing = _completeness.missing_entries(listed or path)
         if missing:
             self.missing[path] = missing
             self.report.incomplete.append(str(path))
-            self.report._problem(_steps.incomplete_problem(path, missing))
+            self.report._problem(_completeness.incomplete_problem(path, missing))
             return True
         if (path / _metadata.METADATA_FILE).exists():
             self.item(path)
