@@ -276,10 +276,18 @@ def test_gemma3_reads_the_names_of_transformers_4_and_5(models, tmp_path):
         tree = flat(jax.tree.map(np.asarray, osf.load_pytorch(None, d, mapping)["params"]))
         assert all(np.array_equal(v, tree[k]) for k, v in flat(params).items()), form
     # the language model alone (Gemma3ForCausalLM): Hugging Face's model.*, no vision encoder
-    text = osf.preset_mapping("maxtext-gemma3", hf_config=m.config.text_config.to_dict())
-    name = "params.params.decoder.layers.layers_1.self_attention.key_norm.scale"
-    assert text.to_torch(name)[0] == "model.layers.1.self_attn.k_norm.weight"
-    assert not any("vision" in r.flax for r in text.rules)
+    text = transformers.Gemma3ForCausalLM(m.config.text_config).eval()
+    text.save_pretrained(tmp_path / "text")
+    mapping = osf.preset_mapping("maxtext-gemma3", hf_config=tmp_path / "text")
+    assert not any("vision" in r.flax for r in mapping.rules)
+    tree = osf.load_pytorch(None, tmp_path / "text", mapping)
+    assert osf.export_pytorch(tree, tmp_path / "out", mapping, hf_config=tmp_path / "text").ok
+    served = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert type(served) is transformers.Gemma3ForCausalLM
+    ids = torch.tensor([[1, 5, 9, 2, 77, 31, 4, 60]])
+    with torch.no_grad():
+        got, want = served(ids).logits.numpy(), text(ids).logits.numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_config_errors():
