@@ -153,6 +153,7 @@ def router_bias(m, hf):
 @SCANS
 @pytest.mark.parametrize(("kind", "dtype"), CASES, ids=lambda v: str(v or "f32"))
 def test_load_is_maxtexts_own_conversion(models, kind, dtype, scan_layers):
+    reference.param_mapping()  # (skips at once without MaxText's wheel)
     m = models(kind)
     params, _ = loaded(kind, m, scan_layers, dtype)
     hf = m.tensors(dtype)
@@ -201,6 +202,7 @@ def legacy_bias(params):
 @SCANS
 @pytest.mark.parametrize(("kind", "dtype"), CASES, ids=lambda v: str(v or "f32"))
 def test_export_is_maxtexts_own_conversion(models, tmp_path, kind, dtype, scan_layers):
+    reference.param_mapping()  # (skips at once without MaxText's wheel)
     m = models(kind)
     params, mapping = loaded(kind, m, scan_layers)
     params = jax.tree.map(lambda x: x.astype(dtype or x.dtype), params)
@@ -253,6 +255,26 @@ def test_deepseek_router_bias_from_either_collection_and_mtp_layers_left_out(mod
     assert report.ok and report.ignored == list(extra), report.problems()
     same = flat(jax.tree.map(np.asarray, tree["params"]))
     assert all(np.array_equal(v, same[k]) for k, v in flat(params).items())
+
+
+def test_deepseek_without_a_query_lora(tmp_path):
+    # q_lora_rank None (as V2): Hugging Face's q_proj is MaxText's self_attention.query
+    reference.param_mapping()
+    config = CONFIGS["deepseek3"]()
+    config.q_lora_rank = None
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    mapping = osf.preset_mapping("maxtext-deepseek3", hf_config=tmp_path, scan_layers=True)
+    params = jax.tree.map(np.asarray, osf.load_pytorch(None, tmp_path, mapping))["params"]
+    ours = reference._flat(params["params"])
+    assert ours["params-decoder-moe_layers-self_attention-query-kernel"].shape == (32, 2, 4, 10)
+    hf = maxtext_layout.hf_tensors(tmp_path)
+    theirs = reference.to_maxtext("deepseek3", hf, config.to_dict(), params["params"],
+                                  scan_layers=True)  # fmt: skip
+    assert all(np.array_equal(bits(v), bits(theirs[k])) for k, v in ours.items())
+    assert osf.export_pytorch({"params": params}, tmp_path / "out", mapping).ok
+    written = maxtext_layout.hf_tensors(tmp_path / "out")
+    assert sorted(written) == sorted(hf)
+    assert all(np.array_equal(bits(v), bits(hf[k])) for k, v in written.items())
 
 
 def test_gemma3_reads_the_names_of_transformers_4_and_5(models, tmp_path):

@@ -457,7 +457,7 @@ class _Dims:
         dims = cls(heads, kv, head_dim, vocab, tied)
         if family.layout == "plain":
             return dims
-        layers = _needs(name, "num_hidden_layers", config.count("num_hidden_layers"))
+        layers = _needs(name, "num_hidden_layers", config.size("num_hidden_layers"))
         dense = 0
         if family.layout == "dense_moe":
             dense = _needs(name, "first_k_dense_replace", config.count("first_k_dense_replace"))
@@ -540,19 +540,22 @@ def _layers(family: _Family, dims: _Dims, hf: str, scanned: bool) -> list[_Place
         ]
     if family.layout == "dense_moe":  # the first layers dense, then the MoE layers
         k, moe, var = dims.dense, _layer(family, dims), "params.MoEBiasVar.decoder."
+        places: list[_Placement]
         # the router's bias: in MaxText 0.2.5's MoEBiasVar collection, its layers on axis 0
-        bias = [("mlp.gate.e_score_correction_bias", _BLOCK + "MoeBlock_0.gate.bias", None)]
-        if scanned:
-            at = hf + _listed(range(k, n))
-            places = [
-                (at, var + "moe_layers.", {"i": 0}, bias),
-                (at, mt + "moe_layers.", scan, moe),
-            ]
-        else:
+        bias: list[_Entry] = [
+            ("mlp.gate.e_score_correction_bias", _BLOCK + "MoeBlock_0.gate.bias", None)
+        ]
+        at, places = hf + _listed(range(k, n)), []
+        if not scanned:
             places = [
                 (f"{hf}{k + j}.", f"{root}moe_layers_{j}.", None, t)
                 for j in range(n - k)
                 for root, t in ((var, bias), (mt, moe))
+            ]
+        elif n > k:
+            places = [
+                (at, var + "moe_layers.", {"i": 0}, bias),
+                (at, mt + "moe_layers.", scan, moe),
             ]
         dense = mt + ("dense_layers." if scanned else "dense_layers_{i}.")
         dense_layers = (hf + _listed(range(k)), dense, scan, _layer(family, dims, dense=True))
