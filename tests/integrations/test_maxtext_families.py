@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import re
 
+import devices
 import jax
 import maxtext_checkpoints
 import maxtext_layout
@@ -233,6 +234,32 @@ def test_export_is_maxtexts_own_conversion(models, tmp_path, kind, dtype, scan_l
         np.testing.assert_array_equal(got_logits, want_logits)
     else:  # Gemma's norms stored as 1 + w: float32 rounding of the weights (docs)
         np.testing.assert_allclose(got_logits, want_logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "deepseek3"])
+def test_sharded_targets_and_sharded_exports(models, tmp_path, kind):
+    # the transforms on the devices (a load into MaxText's sharded abstract state, an export
+    # of its sharded arrays): the host's bits
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(devices.take(2)), ("fsdp",))
+    m = models(kind)
+    params, mapping = loaded(kind, m, True)
+
+    def sharding(x):  # the first axis two devices split
+        axis = next((a for a, n in enumerate(x.shape) if n % 2 == 0), None)
+        spec = PartitionSpec() if axis is None else PartitionSpec(*[None] * axis, "fsdp")
+        return NamedSharding(mesh, spec)
+
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding(x)), params)  # fmt: skip
+    got = osf.load_pytorch({"params": abstract}, m.dirs[None], mapping)["params"]
+    for g, want, a in zip(*map(jax.tree.leaves, (got, params, abstract))):
+        assert g.sharding == a.sharding and np.array_equal(bits(np.asarray(g)), bits(want))
+    for name, tree in (("host", params), ("devices", got)):
+        assert osf.export_pytorch({"params": tree}, tmp_path / name, mapping).ok
+    host, on_devices = (maxtext_layout.hf_tensors(tmp_path / n) for n in ("host", "devices"))
+    assert sorted(host) == sorted(on_devices)
+    assert all(np.array_equal(bits(v), bits(on_devices[k])) for k, v in host.items())
 
 
 def test_deepseek_router_bias_from_either_collection_and_mtp_layers_left_out(models, tmp_path):
