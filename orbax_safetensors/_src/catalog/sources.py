@@ -54,10 +54,8 @@ from orbax_safetensors._src.core.errors import (
 )
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.orbax.steps import PathKind
-from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
 from orbax_safetensors._src.pipeline import place as _place
-from orbax_safetensors._src.pipeline import reader as _reader
-from orbax_safetensors._src.pipeline import standalone as _standalone
+from orbax_safetensors._src.pipeline import read as _read
 from orbax_safetensors._src.storage import buffers as _buffers
 from orbax_safetensors._src.storage import confine as _confine
 from orbax_safetensors._src.storage import router as _router
@@ -91,7 +89,7 @@ class SafetensorsSource:
     ) -> None:
         self.path = path
         self.kind = kind
-        self.stored = dict(stored)  # name -> _reader.StoredTensor
+        self.stored = dict(stored)  # name -> _read.StoredTensor
         self.metadata = metadata
         base = path if path.is_dir() else path.parent
         origins = _listing.listed_origins(schema)
@@ -108,8 +106,8 @@ class SafetensorsSource:
         }
 
     def read(self, names: Sequence[str]) -> dict[str, np.ndarray]:
-        requests = [_reader.ReadRequest(self.stored[n], kind=_reader.ReadKind.NUMPY) for n in names]
-        return dict(zip(names, _reader.read_tensors(requests)))
+        requests = [_read.ReadRequest(self.stored[n], kind=_read.ReadKind.NUMPY) for n in names]
+        return dict(zip(names, _read.read_tensors(requests)))
 
 
 def _relative(path: epath.Path, base: epath.Path) -> str:
@@ -122,15 +120,15 @@ def _relative(path: epath.Path, base: epath.Path) -> str:
 def _open_file(path: epath.Path) -> SafetensorsSource:
     header = _router.read_header(path)
     # (a file of a checkpoint directory is read against the checksums the directory records)
-    _, stored = _standalone.file_index(path, header, strict=False, directory_checksums=True)
+    _, stored = _read.file_index(path, header, strict=False, directory_checksums=True)
     user = _listing.user_metadata(header)
     schema = _listing.header_schema(header, str(path))
     return SafetensorsSource(path, SourceKind.FILE, stored, user, schema)
 
 
 def _open_item(path: epath.Path) -> SafetensorsSource:
-    meta = _checkpoint_restore.read_metadata(path)
-    stored = _checkpoint_restore.locate_in_directory(path, meta)
+    meta = _read.read_metadata(path)
+    stored = _read.locate_in_directory(path, meta)
     return SafetensorsSource(
         path, SourceKind.ITEM, stored, dict(meta.get("metadata") or {}), meta.get("schema")
     )
@@ -182,7 +180,7 @@ def _open_safetensors_dir(path: epath.Path) -> SafetensorsSource:
     for filename in _dir_files(path, index):
         header = _router.read_header(path / filename)
         metadata.setdefault("format", header.metadata.get("format"))
-        _, in_file = _standalone.file_index(path / filename, header, strict=False)
+        _, in_file = _read.file_index(path / filename, header, strict=False)
         for name, st in in_file.items():  # (with the file's own checksums, if it has any)
             if name in stored:
                 raise HeaderError(

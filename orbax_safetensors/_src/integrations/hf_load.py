@@ -41,7 +41,7 @@ from orbax_safetensors._src.integrations.key_mapping import (
     SplitHeads,
     Transpose,
 )
-from orbax_safetensors._src.pipeline import reader as _reader
+from orbax_safetensors._src.pipeline import read as _read
 from orbax_safetensors._src.storage import config as _config
 
 
@@ -247,7 +247,7 @@ class LoadOptions:
     where: str = ""
     verify: bool = True
     io: _config.IOOptions | None = None
-    stats: _reader.ReadStats | None = None
+    stats: _read.ReadStats | None = None
 
 
 @dataclasses.dataclass
@@ -267,17 +267,17 @@ class _Reads:
             got = self.source.read(sorted({self.alias.get(k, k) for k in keys}))
             return {k: got[self.alias.get(k, k)] for k in keys}
         requests = [
-            _reader.ReadRequest(self.stored(k), _reader.ReadKind.NUMPY, verify=self.options.verify)
+            _read.ReadRequest(self.stored(k), _read.ReadKind.NUMPY, verify=self.options.verify)
             for k in keys
         ]
-        return dict(zip(keys, _reader.read_tensors(requests, self.options.stats, self.options.io)))
+        return dict(zip(keys, _read.read_tensors(requests, self.options.stats, self.options.io)))
 
     def sharded(self, keys: Sequence[str], shardings: Sequence[Any]) -> list[jax.Array]:
         requests = [
-            _reader.ReadRequest(self.stored(k), _reader.ReadKind.JAX, s, verify=self.options.verify)
+            _read.ReadRequest(self.stored(k), _read.ReadKind.JAX, s, verify=self.options.verify)
             for k, s in zip(keys, shardings)
         ]
-        return _reader.read_tensors(requests, self.options.stats, self.options.io)
+        return _read.read_tensors(requests, self.options.stats, self.options.io)
 
 
 def _place(value: np.ndarray, target: Target) -> Any:

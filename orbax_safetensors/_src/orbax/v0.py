@@ -1,7 +1,7 @@
 """The Orbax plugin: ``SafetensorsCheckpointHandler`` and its registered args.
 
-Thin glue over ``pipeline.save_job`` and ``pipeline.checkpoint_restore``: each save is one
-``SaveJob`` (run by ``orbax/saving.py``): under an async save, ``async_save`` copies this
+Thin glue over ``pipeline.save_job`` and ``pipeline.standalone.restore_checkpoint``: each save is
+one ``SaveJob`` (run by ``orbax/saving.py``): under an async save, ``async_save`` copies this
 process's owned shards to host (so the caller may donate its arrays as soon as ``save()``
 returns) and a commit future plans and writes them once Orbax has created the step directory;
 under a synchronous save it writes straight from the arrays. Orbax's barrier then orders "every
@@ -40,12 +40,13 @@ from orbax_safetensors._src.orbax.restore_args import SafetensorsRestore
 from orbax_safetensors._src.orbax.save_args import SafetensorsSave
 from orbax_safetensors._src.orbax.steps import PathKind
 from orbax_safetensors._src.orbax.tree_metadata import TreeMetadata
-from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
 from orbax_safetensors._src.pipeline import gcpause as _gcpause
 from orbax_safetensors._src.pipeline import pieces as _pieces
+from orbax_safetensors._src.pipeline import read as _read
+from orbax_safetensors._src.pipeline import restore_plan as _restore_plan
 from orbax_safetensors._src.pipeline import save_job as _save_job
-from orbax_safetensors._src.pipeline.reader import ReadStats
+from orbax_safetensors._src.pipeline.read import ReadStats
 from orbax_safetensors._src.pipeline.restore_options import Words
 from orbax_safetensors._src.storage import buffers as _buffers
 from orbax_safetensors._src.storage import config as _config
@@ -263,9 +264,9 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         if _steps.item_kind(epath.Path(directory)) is PathKind.ORBAX:  # an Orbax-native step
             _steps.check_orbax_item(directory)
             return self._orbax_handler("pytree").metadata(directory)  # type: ignore[no-any-return]
-        metadata = _checkpoint_restore.read_metadata(directory)
+        metadata = _read.read_metadata(directory)
         return TreeMetadata.build(
-            _checkpoint_restore.abstract_tree(directory, metadata),
+            _restore_plan.abstract_tree(directory, metadata),
             custom_metadata=metadata.get("metadata") or None,
         )
 
