@@ -22,11 +22,17 @@ from typing import Any
 import jax
 import numpy as np
 
+_restore_args: type | None = None  # Orbax's class, once Orbax is imported
+
 
 def is_restore_args(x: object) -> bool:
     """Whether ``x`` is Orbax's ``RestoreArgs`` (``ArrayRestoreArgs`` is one); imports nothing."""
-    cls = getattr(sys.modules.get("orbax.checkpoint"), "RestoreArgs", None)
-    return cls is not None and isinstance(x, cls)
+    global _restore_args
+    if _restore_args is None:
+        _restore_args = getattr(sys.modules.get("orbax.checkpoint"), "RestoreArgs", None)
+        if _restore_args is None:
+            return False
+    return isinstance(x, _restore_args)
 
 
 def restore_args_request(arg: Any) -> dict[str, Any]:
