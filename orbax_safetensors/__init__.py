@@ -25,7 +25,6 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
-import threading
 from collections.abc import Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -61,16 +60,13 @@ if TYPE_CHECKING:
         Transform,
         Transpose,
     )
+    from orbax_safetensors._src.integrations.load import abstract_pytorch, load_pytorch
     from orbax_safetensors._src.integrations.nnx import (
         load_model,
         save_model,
     )
     from orbax_safetensors._src.integrations.presets import preset_mapping
-    from orbax_safetensors._src.integrations.pytorch import (
-        abstract_pytorch,
-        export_pytorch,
-        load_pytorch,
-    )
+    from orbax_safetensors._src.integrations.pytorch import export_pytorch
     from orbax_safetensors._src.integrations.transforms import (
         Offset,
         RopeInterleave,
@@ -78,10 +74,6 @@ if TYPE_CHECKING:
         VocabRows,
     )
     from orbax_safetensors._src.orbax.object_storage import manager_options_for
-    from orbax_safetensors._src.orbax.restoring import (
-        load_file,
-        restore_directory,
-    )
     from orbax_safetensors._src.orbax.v0 import (
         SafetensorsCheckpointHandler,
         SafetensorsRestore,
@@ -94,10 +86,12 @@ if TYPE_CHECKING:
         register_handler,
     )
     from orbax_safetensors._src.pipeline.pieces import WriteStats
-    from orbax_safetensors._src.pipeline.reader import ReadStats
-    from orbax_safetensors._src.pipeline.save_job import save_directory
+    from orbax_safetensors._src.pipeline.read import ReadStats
     from orbax_safetensors._src.pipeline.standalone import (
+        load_file,
         load_metadata,
+        restore_directory,
+        save_directory,
         save_file,
     )
     from orbax_safetensors._src.storage.config import (
@@ -141,12 +135,10 @@ _LAZY: dict[str, str] = {
     "RopeInterleave": "integrations.transforms",
     "Scale": "integrations.transforms",
     "VocabRows": "integrations.transforms",
-    "abstract_pytorch": "integrations.pytorch",
+    "abstract_pytorch": "integrations.load",
     "export_pytorch": "integrations.pytorch",
-    "load_pytorch": "integrations.pytorch",
+    "load_pytorch": "integrations.load",
     "manager_options_for": "orbax.object_storage",
-    "load_file": "orbax.restoring",
-    "restore_directory": "orbax.restoring",
     "SafetensorsCheckpointHandler": "orbax.v0",
     "SafetensorsRestore": "orbax.v0",
     "SafetensorsSave": "orbax.v0",
@@ -155,9 +147,11 @@ _LAZY: dict[str, str] = {
     "local_registry": "orbax.v1",
     "register_handler": "orbax.v1",
     "WriteStats": "pipeline.pieces",
-    "ReadStats": "pipeline.reader",
-    "save_directory": "pipeline.save_job",
+    "ReadStats": "pipeline.read",
+    "load_file": "pipeline.standalone",
     "load_metadata": "pipeline.standalone",
+    "restore_directory": "pipeline.standalone",
+    "save_directory": "pipeline.standalone",
     "save_file": "pipeline.standalone",
     "IOOptions": "storage.config",
     "ObjectStoreError": "storage.objstore.calls",
@@ -198,52 +192,34 @@ _HANDLER_MODULE = f"{__name__}._src.orbax.v0"  # importing it registers the hand
 
 
 class _RegisterWithOrbax(importlib.abc.MetaPathFinder):
-    """A post-import hook: imports the handler's module (which registers it with Orbax, so
-    that Orbax finds the handler a step's metadata names) once ``orbax.checkpoint`` is
-    imported and no module of this package is being executed in this thread (the handler's
-    module imports them: a module of ours that imports Orbax must first be whole). It finds
-    nothing itself: it wraps the loaders the other finders give these modules."""
-
-    def __init__(self) -> None:
-        self._local = threading.local()  # .finding (re-entry), .depth (our modules running)
+    """Imports the handler's module right after ``orbax.checkpoint`` is first imported (why a
+    hook: docs/architecture.md, "Registering with Orbax"). It finds nothing itself: it wraps
+    the loader the other finders give ``orbax.checkpoint``, and leaves ``sys.meta_path``."""
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> Any:
-        ours = fullname.startswith(f"{__name__}._src.")
-        if not (ours or fullname == "orbax.checkpoint") or _HANDLER_MODULE in sys.modules:
+        if fullname != "orbax.checkpoint" or self not in sys.meta_path:
             return None
-        if getattr(self._local, "finding", False):
-            return None
-        self._local.finding = True
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            self._local.finding = False
+        sys.meta_path.remove(self)  # once: and the search below does not come back here
+        spec = importlib.util.find_spec(fullname)
         if spec is not None and isinstance(spec.loader, importlib.abc.Loader):
-            spec.loader = _ThenRegister(spec.loader, self._local, ours)
+            spec.loader = _ThenRegister(spec.loader)
         return spec
 
 
 class _ThenRegister(importlib.abc.Loader):
-    """A module's loader, which then imports the handler's module if the time has come (see
-    :class:`_RegisterWithOrbax`); everything else is the wrapped loader's."""
+    """``orbax.checkpoint``'s loader, then the handler's module imported."""
 
-    def __init__(self, loader: importlib.abc.Loader, local: threading.local, ours: bool) -> None:
-        self._loader, self._local, self._ours = loader, local, ours
+    def __init__(self, loader: importlib.abc.Loader) -> None:
+        self._loader = loader
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return self._loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
-        depth = getattr(self._local, "depth", 0)
-        self._local.depth = depth + self._ours
-        try:
-            self._loader.exec_module(module)
-        finally:
-            self._local.depth = depth
-        if depth == 0 and "orbax.checkpoint" in sys.modules:
-            importlib.import_module(_HANDLER_MODULE)
+        self._loader.exec_module(module)
+        importlib.import_module(_HANDLER_MODULE)
 
     def __getattr__(self, name: str) -> Any:  # get_source, get_resource_reader, ...
         return getattr(self._loader, name)

@@ -36,12 +36,9 @@ from orbax_safetensors._src.integrations.key_mapping import (
     Transform,
     Transpose,
 )
+from orbax_safetensors._src.integrations.load import abstract_pytorch, load_pytorch
 from orbax_safetensors._src.integrations.presets import PRESETS, preset_mapping
-from orbax_safetensors._src.integrations.pytorch import (
-    abstract_pytorch,
-    export_pytorch,
-    load_pytorch,
-)
+from orbax_safetensors._src.integrations.pytorch import export_pytorch
 from orbax_safetensors._src.integrations.transforms import (
     Offset,
     RopeInterleave,

@@ -14,7 +14,7 @@ registers ``KeyMapping`` with it (``orbax/mappings.py``) when the package is imp
   how its outputs are re-laid-out on the devices (``sharded_export.relaid``), so that each
   process writes only its own bytes;
 - :func:`restore_item` reads such an item (or any safetensors item) back into a target's
-  layout with the load machinery of ``integrations/hf_load.py``.
+  layout with the load machinery of ``integrations/load.py``.
 
 Example::
 
@@ -38,8 +38,8 @@ from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core.errors import TargetMismatchError
 from orbax_safetensors._src.integrations import export_plan as _shards
 from orbax_safetensors._src.integrations import fidelity as _fidelity
-from orbax_safetensors._src.integrations import hf_load as _hf_load
 from orbax_safetensors._src.integrations import links as _links
+from orbax_safetensors._src.integrations import load as _load
 from orbax_safetensors._src.integrations import lora as _lora
 from orbax_safetensors._src.integrations import model_files as _model_files
 from orbax_safetensors._src.integrations import pytorch as _pytorch
@@ -48,7 +48,7 @@ from orbax_safetensors._src.integrations.key_mapping import KeyMapping, MappingR
 from orbax_safetensors._src.orbax import mappings as _mappings
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
 from orbax_safetensors._src.pipeline import export_plan as _export_plan
-from orbax_safetensors._src.pipeline import reader as _reader
+from orbax_safetensors._src.pipeline import read as _read
 from orbax_safetensors._src.storage import config as _config
 
 HEADER_METADATA = {"format": "pt"}  # what transformers and safetensors.torch write
@@ -201,14 +201,14 @@ def restore_item(
     strict: bool = True,
     verify: bool = True,
     io: _config.IOOptions | None = None,
-    stats: _reader.ReadStats | None = None,
+    stats: _read.ReadStats | None = None,
 ) -> Any:
     """``target`` (a pytree, an abstract pytree, ``nnx.State``) filled from the item in
-    ``directory`` through ``mapping`` (see ``hf_load.load_tree``)."""
-    options = _hf_load.LoadOptions(
+    ``directory`` through ``mapping`` (see ``load.load_tree``)."""
+    options = _load.LoadOptions(
         strict=strict, where=str(directory), verify=verify, io=io, stats=stats
     )
-    tree, _ = _hf_load.load_tree(target, _sources.open_source(directory), mapping, options)
+    tree, _ = _load.load_tree(target, _sources.open_source(directory), mapping, options)
     return tree
 
 

@@ -8,7 +8,8 @@ one table of names.
 - ``tunix``: Tunix's NNX models (``"tunix-llama3"``, ``"tunix-qwen2"``, ``"tunix-qwen3"``,
   ``"tunix-gemma"``, ``"tunix-gemma3"``, ``"tunix-gemma4"``);
 - ``maxtext``: MaxText's train states (``"maxtext-llama3"``, ``"maxtext-mistral"``,
-  ``"maxtext-mixtral"``, ``"maxtext-qwen3"``, ``"maxtext-qwen3-moe"``).
+  ``"maxtext-mixtral"``, ``"maxtext-qwen3"``, ``"maxtext-qwen3-moe"``, ``"maxtext-qwen2"``,
+  ``"maxtext-gemma2"``, ``"maxtext-gemma3"``, ``"maxtext-deepseek3"``).
 
 A new preset is a factory and a line in its group's ``PRESETS``; a new group is a module and
 a line below.
