@@ -87,10 +87,10 @@ _SIZES = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_attention
 def tiny(case: str, seed: int = 1) -> tuple[Any, Any, Any]:
     """``(transformers config, Tunix model, mapping)`` of the tiny ``case`` (of :data:`TINY`):
     float32, Tunix's runtime settings matching Hugging Face's (query scale ``head_dim``,
-    RoPE bases, soft caps, windows longer than the tests' sequences)."""
+    RoPE bases, soft caps, windows longer than the tests' sequences); its parameters as
+    :func:`_built` sets them."""
     import jax.numpy as jnp
     import transformers
-    from flax import nnx
 
     import orbax_safetensors as osf
 
@@ -105,12 +105,10 @@ def tiny(case: str, seed: int = 1) -> tuple[Any, Any, Any]:
             query_pre_attn_scalar=8, sliding_window=16, attn_logit_softcapping=50.0,
         )  # fmt: skip
         types = (g.AttentionType.LOCAL_SLIDING, g.AttentionType.GLOBAL)
-        model = g.Gemma(
-            g.ModelConfig(**tunix, final_logit_softcap=30.0, use_post_attn_norm=True,
-                          use_post_ffw_norm=True, attention_types=types,
-                          attn_logits_soft_cap=50.0, sliding_window_size=16),
-            rngs=nnx.Rngs(seed),
-        )  # fmt: skip
+        cfg = g.ModelConfig(**tunix, final_logit_softcap=30.0, use_post_attn_norm=True,
+                            use_post_ffw_norm=True, attention_types=types,
+                            attn_logits_soft_cap=50.0, sliding_window_size=16)  # fmt: skip
+        model = _built(g.Gemma, cfg, seed)
         return config, model, osf.preset_mapping(preset, head_dim=8, fused_qkv=kv == 4)
     if case == "gemma3":
         g = model_module("gemma3")
@@ -120,7 +118,7 @@ def tiny(case: str, seed: int = 1) -> tuple[Any, Any, Any]:
         )  # fmt: skip
         cfg = g.ModelConfig(**tunix, sliding_window_size=16, param_dtype=jnp.float32,
                             global_base_frequency=1_000_000)  # fmt: skip
-        return config, g.Gemma3(cfg, rngs=nnx.Rngs(seed)), osf.preset_mapping(preset, head_dim=8)
+        return config, _built(g.Gemma3, cfg, seed), osf.preset_mapping(preset, head_dim=8)
     if case == "qwen2":
         q = model_module("qwen2")
         rope = {"rope_type": "default", "rope_theta": 10_000}
@@ -132,7 +130,7 @@ def tiny(case: str, seed: int = 1) -> tuple[Any, Any, Any]:
             num_layers=2, vocab_size=96, embed_dim=32, hidden_dim=64, **heads,
             rope_theta=10_000, norm_eps=1e-6, use_tied_embedding=False,
         )  # fmt: skip
-        return config, q.Qwen2(cfg, rngs=nnx.Rngs(seed)), osf.preset_mapping(preset, head_dim=8)
+        return config, _built(q.Qwen2, cfg, seed), osf.preset_mapping(preset, head_dim=8)
     g = model_module("gemma4")
     local, full = g.AttentionType.LOCAL_SLIDING, g.AttentionType.GLOBAL
     if case == "gemma4":
@@ -157,7 +155,25 @@ def tiny(case: str, seed: int = 1) -> tuple[Any, Any, Any]:
         **hf,
     )  # fmt: skip
     cfg = g.ModelConfig(**tunix, sliding_window_size=16, global_key_size=16)
-    return config, g.Gemma4(cfg, rngs=nnx.Rngs(seed)), osf.preset_mapping(preset, hf_config=config)
+    return config, _built(g.Gemma4, cfg, seed), osf.preset_mapping(preset, hf_config=config)
+
+
+def _built(cls: Any, config: Any, seed: int) -> Any:
+    # ``cls(config)`` with its parameters from numpy, seeded: kernels and embeddings
+    # 0.1 * N(0, 1), vectors (norms, scales, biases) ones. Tunix's initialisers, run eagerly,
+    # would compile once per shape, which costs more than a tiny test itself; built
+    # abstractly, nothing compiles.
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(seed)))
+    rng = np.random.default_rng(seed)
+    for _, var in nnx.to_flat_state(nnx.state(model)):
+        shape, dtype = var.get_value().shape, var.get_value().dtype
+        value = 0.1 * rng.standard_normal(shape) if len(shape) > 1 else np.ones(shape)
+        var.set_value(jnp.asarray(value, dtype))
+    return model
 
 
 def _shard_flag(flax: ModuleType) -> bool | None:

@@ -91,11 +91,16 @@ def tunix_model(modules, kind, config, seed=1):
     return model
 
 
-def tunix_logits(model):
+def tunix_inputs():
+    """A Tunix model's inputs for :data:`IDS`: ``(tokens, positions, cache, attention mask)``."""
     b, t = IDS.shape
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-    return model(jnp.asarray(IDS), positions, None, mask)[0]
+    return jnp.asarray(IDS), positions, None, mask
+
+
+def tunix_logits(model):
+    return model(*tunix_inputs())[0]
 
 
 def port_logits(model):
@@ -323,23 +328,15 @@ def test_flax_lora_wrapper_on_tunix_layers_exports_with_the_tunix_presets(tmp_di
 # --------------------------------------------------------------------------- Gemma, Qwen 2
 
 
-def tiny_trainable(case, seed):
-    """Tunix's tiny ``case`` (``tunix_models.TINY``), its zero MLP kernels made random (as
-    :func:`tunix_model` does), Gemma 4's pre-MoE norm left alike (see test_tunix.py)."""
-    config, model, mapping = tunix_models.tiny(case, seed=seed)
-    random_values(model, nnx.Param, seed, lambda v: v.ndim > 1)
-    return config, model, mapping
-
-
-def random_values(model, kind, seed, which=lambda v: True):
-    """The values of ``model``'s variables of ``kind`` that ``which`` picks made random, from
-    numpy (no compile per shape): adapters then non-zero, as trained ones are, so that a
-    merge that dropped them would show."""
+def random_adapters(model, seed):
+    """``model``'s LoRA adapters made random, from numpy (no compile per shape): non-zero, as
+    trained ones are, so that a merge that dropped them would show. (Tunix's tiny models,
+    ``tunix_models.tiny``, have random kernels and their norms alike, as Gemma 4's pre-MoE
+    norm must be: see test_tunix.py.)"""
     rng = np.random.default_rng(seed)
-    for _, var in nnx.to_flat_state(nnx.state(model, kind)):
+    for _, var in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):
         value = var.get_value()
-        if which(value):
-            var.set_value(jnp.asarray(0.1 * rng.standard_normal(value.shape), value.dtype))
+        var.set_value(jnp.asarray(0.1 * rng.standard_normal(value.shape), value.dtype))
 
 
 @pytest.mark.parametrize(
@@ -354,10 +351,11 @@ def test_qwix_lora_on_tunix_gemma_and_qwen2_from_memory_checkpoint_and_cli(
     and values together, ``b`` ``(r, 2, kv_heads, head_dim)``), merged on export:
     ``from_pretrained`` gives the LoRA model's logits; a CheckpointManager step of it exported
     from Python and by the command line, the same bytes."""
-    config, model, mapping = tiny_trainable(case, seed=7)
-    inputs = model.get_model_input()
-    lora_model = with_qwix(qwix, model, rank, alpha, module_path=".*(_proj|_einsum)", **inputs)
-    random_values(lora_model, nnx.LoRAParam, seed=7)
+    config, model, mapping = tunix_models.tiny(case, seed=7)
+    # (qwix runs the model once, eagerly: on the logits' inputs, whose operations it compiles)
+    inputs = tunix_inputs()
+    lora_model = with_qwix(qwix, model, rank, alpha, *inputs, module_path=".*(_proj|_einsum)")
+    random_adapters(lora_model, seed=7)
     params = flat_params(lora_model)
     adapters = sorted(n for n in params if n.endswith(("_lora_a", "_lora_b")))
     if case != "qwen2":  # (layer 0: 4 heads, 2 key/value heads of 8, embed 32)
@@ -392,11 +390,11 @@ def test_qwix_lora_on_tunix_gemma_and_qwen2_from_memory_checkpoint_and_cli(
 def test_flax_lora_wrapper_on_tunix_gemma_and_qwen2(tmp_dir, tunix, case):
     """flax's ``nnx.LoRA(base_module=...)`` on the MLP of Tunix's Gemma and Qwen 2 models:
     merged on export, ``from_pretrained`` gives the model's logits."""
-    config, model, mapping = tiny_trainable(case, seed=8)
+    config, model, mapping = tunix_models.tiny(case, seed=8)
     for layer in model.layers:
         down = layer.mlp.down_proj
         layer.mlp.down_proj = nnx.LoRA(64, 2, 32, base_module=down, rngs=nnx.Rngs(4))
-    random_values(model, nnx.LoRAParam, seed=8)
+    random_adapters(model, seed=8)
     report = osf.export_pytorch(model, tmp_dir / "hf", mapping, hf_config=config)
     assert report.ok, report.problems()
     assert len(report.merged) == 2 * len(model.layers)

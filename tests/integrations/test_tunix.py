@@ -101,12 +101,16 @@ def tunix_model(kind, config, seed=1):
     return LLAMA3.Llama3(cfg, rngs=nnx.Rngs(seed))
 
 
-def tunix_logits(model):
+def forward(model):
     b, t = IDS.shape
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
     logits, _ = model(jnp.asarray(IDS), positions, None, mask)
-    return np.asarray(logits, np.float32)
+    return logits
+
+
+def tunix_logits(model):
+    return np.asarray(forward(model), np.float32)
 
 
 def hf_logits(model):
@@ -241,16 +245,25 @@ def test_tunix_checkpoint_exported_by_the_command_line(tmp_dir, capsys):
 def randomize_all(model, seed):
     """Every weight random, norms around one, except Gemma 4's pre-MoE norm: Tunix 0.1.7
     routes the experts from the hidden state after it, transformers from the one before it
-    (each normalised), which agree only where that norm's weights are all alike."""
-    for index, (path, var) in enumerate(nnx.to_flat_state(nnx.state(model, nnx.Param))):
-        value, key = var.get_value(), jax.random.key(seed * 1000 + index)
-        noise = jax.random.normal(key, value.shape, value.dtype)
+    (each normalised), which agree only where that norm's weights are all alike. (From numpy:
+    nothing compiles per shape.)"""
+    rng = np.random.default_rng(seed)
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        value = var.get_value()
+        noise = 0.1 * rng.standard_normal(value.shape)
         if "moe_pre_ffw_norm" in path:
-            var.set_value(jnp.ones_like(value))
+            noise = np.ones(value.shape)
         elif any("norm" in str(p) for p in path) or "skip_scale" in path:
-            var.set_value(1.0 + 0.1 * noise)
-        else:
-            var.set_value(0.1 * noise)
+            noise = 1.0 + noise
+        var.set_value(jnp.asarray(noise, value.dtype))
+
+
+def jit_logits(model):
+    """:func:`tunix_logits` compiled once (run eagerly, each operation compiles alone)."""
+    return np.asarray(_jit_forward(model), np.float32)
+
+
+_jit_forward = nnx.jit(forward)
 
 
 @pytest.mark.parametrize("case", tunix_models.TINY)
@@ -266,13 +279,13 @@ def test_gemma_and_qwen2_export_to_transformers_and_load_back(tmp_dir, case):
         tmp_dir / "hf", output_loading_info=True
     )
     assert not any(info.values()), info
-    want = tunix_logits(model)
+    want = jit_logits(model)
     assert np.abs(want).max() > 0.1
     hf_models.assert_outputs_close(hf_logits(hf.eval()), want, rtol=0, atol=1e-5)
 
     _, fresh, _ = tunix_models.tiny(case, seed=3)
     assert osf.load_pytorch(fresh, tmp_dir / "hf", mapping).ok
-    hf_models.assert_outputs_close(tunix_logits(fresh), want, rtol=0, atol=1e-5)
+    hf_models.assert_outputs_close(jit_logits(fresh), want, rtol=0, atol=1e-5)
     osf.export_pytorch(fresh, tmp_dir / "back", mapping, hf_config=config)
     for name in ("hf", "back"):
         files = sorted((tmp_dir / name).glob("*.safetensors"))
