@@ -60,43 +60,33 @@ def _verify_cmd(args: argparse.Namespace) -> int:
     all is well; status 2 (one error line) when PATH is no checkpoint of this library (an
     empty or other directory, another handler's Orbax item, an Orbax-native checkpoint, a
     file whose header cannot be read)."""
-    from orbax_safetensors._src.tools.terminal import counted
+    import dataclasses
+
+    from orbax_safetensors._src.tools.inspection import counted
     from orbax_safetensors._src.tools.verify import verify  # imported only when used
 
     report = verify(args.path)
     if args.json:
-        doc = {
-            "path": args.path,
-            "ok": report.ok,
-            "problems": list(report.problems),
-            "files": report.files,
-            "tensors": report.tensors,
-            "bytes": report.bytes,
-            "unverified": list(getattr(report, "unverified", [])),
-            "skipped": list(getattr(report, "skipped", [])),
-            "incomplete": list(getattr(report, "incomplete", [])),
-            "warnings": list(getattr(report, "warnings", [])),
-        }
+        doc = {"path": args.path, **dataclasses.asdict(report)}
         print(json.dumps(doc, indent=1))
-    elif report.ok:
+        return EXIT_OK if report.ok else EXIT_DIFFERENT
+    if report.ok:
         checked = (counted(report.files, "file"), counted(report.tensors, "tensor"))
         print(f"{args.path}: OK ({', '.join(checked)}, {counted(report.bytes, 'byte')} checked)")
     else:
         print(f"{args.path}: DAMAGED ({counted(len(report.problems), 'problem')})")
         for problem in report.problems:
             print(f"  {problem}")
-    if not args.json:
-        unverified = getattr(report, "unverified", [])
-        if unverified:
-            has = "has" if len(unverified) == 1 else "have"
-            print(
-                f"  {counted(len(unverified), 'tensor')} {has} no recorded checksum "
-                "(headers checked only)"
-            )
-        for skipped in getattr(report, "skipped", []):
-            print(f"  skipped uncommitted {skipped}")
-        for warning in getattr(report, "warnings", []):
-            print(f"  warning: {warning}")
+    if report.unverified:
+        has = "has" if len(report.unverified) == 1 else "have"
+        print(
+            f"  {counted(len(report.unverified), 'tensor')} {has} no recorded checksum "
+            "(headers checked only)"
+        )
+    for skipped in report.skipped:
+        print(f"  skipped uncommitted {skipped}")
+    for warning in report.warnings:
+        print(f"  warning: {warning}")
     return EXIT_OK if report.ok else EXIT_DIFFERENT
 
 
@@ -161,8 +151,6 @@ def _convert_cmd(args: argparse.Namespace) -> int:
     must not exist (or be empty); it appears only once complete."""
     from orbax_safetensors._src.tools import convert as _convert
     from orbax_safetensors._src.tools import inspection as _inspection
-    from orbax_safetensors._src.tools.convert_output import Direction
-    from orbax_safetensors._src.tools.terminal import counted
 
     try:
         policy = dtype_policy(args.dtype)
@@ -178,10 +166,12 @@ def _convert_cmd(args: argparse.Namespace) -> int:
         dtype=policy,
         **_keywords(args, passed),
     )
-    target = "safetensors" if summary.direction is Direction.SAFETENSORS else "Orbax-native"
+    target = (
+        "safetensors" if summary.direction is _convert.Direction.SAFETENSORS else "Orbax-native"
+    )
     items = ", ".join(i or "(item)" for i in summary.items) or "-"
     print(
-        f"converted {counted(summary.tensors, 'tensor')} "
+        f"converted {_inspection.counted(summary.tensors, 'tensor')} "
         f"({_inspection.human_bytes(summary.bytes)}) to "
         f"{target} in {args.dst}; items: {items}"
         + (f"; copied unchanged: {', '.join(summary.copied)}" if summary.copied else "")

@@ -24,9 +24,8 @@ from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.orbax.steps import PathKind
-from orbax_safetensors._src.tools import from_orbax as _from_orbax
-from orbax_safetensors._src.tools import nnx_values as _nnx_values
-from orbax_safetensors._src.tools.terminal import counted
+from orbax_safetensors._src.tools import convert_items as _convert_items
+from orbax_safetensors._src.tools.inspection import counted
 
 
 @dataclasses.dataclass
@@ -117,10 +116,9 @@ class _Renamed:
 def _open(path: epath.Path) -> _sources.TensorSource:
     source = _sources.open_source(path)
     if isinstance(source, _orbax_source.OrbaxSource):
-        collapse = _from_orbax.unwrapped_paths(source, None)
-        if collapse:
-            leaves = {n: _nnx_values.raw_path(kp) for n, (kp, _) in source.leaves.items()}
-            return _Renamed(source, _nnx_values.renamed(leaves, collapse))
+        names = _convert_items.converted_names(source)
+        if names:
+            return _Renamed(source, names)
     return source
 
 

@@ -37,7 +37,6 @@ from orbax_safetensors._src.integrations import model_files as _model_files
 from orbax_safetensors._src.integrations import presets as _presets
 from orbax_safetensors._src.integrations.key_mapping import KeyMapping, MappingReport
 from orbax_safetensors._src.tools import inspection as _inspection
-from orbax_safetensors._src.tools.terminal import counted
 
 
 def read_hf_config(path: str | None) -> dict[str, Any] | None:
@@ -140,6 +139,6 @@ def summary(out: str, report: MappingReport) -> str:
     files = sorted(p for p in epath.Path(out).iterdir() if p.is_file())
     size = sum(p.stat().length for p in files if p.suffix == ".safetensors")
     return (
-        f"exported {counted(len(report.moved), 'tensor')} ({_inspection.human_bytes(size)}) to "
+        f"exported {_inspection.counted(len(report.moved), 'tensor')} ({_inspection.human_bytes(size)}) to "
         f"{out}: " + ", ".join(p.name for p in files)
     )

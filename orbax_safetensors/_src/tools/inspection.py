@@ -1,5 +1,6 @@
 """``orbax-safetensors inspect``: what a path holds (files, items, steps of a root), as a
-JSON-able report and as text.
+JSON-able report and as text; and the words of every tool's output (counts, sizes, progress
+bars, shown on a terminal only).
 
 Example::
 
@@ -10,6 +11,7 @@ Example::
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +25,6 @@ from orbax_safetensors._src.core import sniff as _sniff
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.orbax.steps import PathKind
-from orbax_safetensors._src.tools.terminal import counted
 
 if TYPE_CHECKING:
     from orbax_safetensors._src.catalog.sources import TensorSource
@@ -236,6 +237,38 @@ def _report(path: epath.Path, keep: _Filter) -> dict[str, Any]:
     if kind is PathKind.OTHER:
         raise _steps.not_a_checkpoint(path)
     return _source_report(_open(path), keep)
+
+
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and ``noun`` in agreement: ``'1 file'``, ``'2 files'`` (``plural`` where adding an
+    s is wrong)."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
+def stderr_is_terminal() -> bool:
+    """Whether ``sys.stderr`` is a terminal (False when it is missing or closed)."""
+    try:
+        return sys.stderr is not None and sys.stderr.isatty()
+    except (AttributeError, ValueError, OSError):  # no isatty, or a closed stream
+        return False
+
+
+def progress_bar(total: int, desc: str, progress: bool | None) -> Any:
+    """A tqdm bar of bytes on stderr, shown only when stderr is a terminal (never mixed into
+    piped or redirected output) and ``progress`` is not False."""
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        file=sys.stderr,
+        disable=progress is False or not stderr_is_terminal(),
+        mininterval=0.5,
+        leave=False,
+    )
 
 
 def human_bytes(n: float) -> str:
