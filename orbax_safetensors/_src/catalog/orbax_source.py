@@ -1,6 +1,14 @@
 """An Orbax-native PyTree item as a table of tensors (:class:`OrbaxSource`), read through
 TensorStore as Orbax's own restore reads it, a few stored chunks at a time, and only once the
-item's files back what a read would allocate (``catalog/orbax_claims.py``).
+item's files back what a read would allocate.
+
+An item claims each array's shape in metadata, and a chunk is compressed (a chunk of zeros
+takes a few bytes), so neither the metadata nor the bytes on disk bound what a read allocates.
+Before any read allocates an array: Orbax's metadata and the zarr metadata claim the same
+shape (:func:`check_claim`); in an OCDBT item, the data files that hold it exist and are long
+enough (``completeness.OcdbtFiles``); unless the item reads missing chunks as the fill value,
+every stored chunk the read needs exists (:func:`check_stored`); and the read fits the
+machine's physical memory (:func:`check_allocation`).
 
 Example::
 
@@ -13,6 +21,7 @@ from __future__ import annotations
 import collections
 import itertools
 import math
+import os
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -20,7 +29,7 @@ from typing import Any
 import numpy as np
 from etils import epath
 
-from orbax_safetensors._src.catalog import orbax_claims as _orbax_claims
+from orbax_safetensors._src.catalog import completeness as _completeness
 from orbax_safetensors._src.catalog.listing import SourceKind, TensorInfo
 from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
 from orbax_safetensors._src.core import dtypes as _dtypes
@@ -45,6 +54,91 @@ TENSORSTORE_CONTEXT = {
     "file_io_concurrency": {"limit": 128},
     "cache_pool#ocdbt": {"total_bytes_limit": 100_000_000},
 }
+
+
+def max_read_bytes() -> int | None:
+    """The most bytes one read of an Orbax-native array may allocate: the machine's physical
+    memory (``os.sysconf``), or None where the system does not report it."""
+    try:
+        pages, page = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+    return pages * page if pages > 0 and page > 0 else None
+
+
+def describe(dtype: str, shape: Sequence[int], nbytes: int) -> str:
+    """A claimed array for messages: ``F32[1048576, 1048576] (4398046511104 bytes)``."""
+    return f"{dtype}{list(shape)} ({nbytes} bytes)"
+
+
+def check_allocation(
+    where: str,
+    name: str,
+    dtype: str,
+    shape: Sequence[int],
+    *,
+    boxes: Sequence[Sequence[slice]],
+    chunk: Sequence[int],
+) -> None:
+    """Raises unless a read of ``boxes`` of tensor ``name`` (claimed ``dtype[shape]``, stored
+    in chunks of ``chunk``) fits :func:`max_read_bytes`: the boxes, plus one chunk decoded
+    whole (a chunk is the unit TensorStore decodes, however little of it a box takes)."""
+    limit = max_read_bytes()
+    read = sum(_dtypes.nbytes(dtype, tuple(s.stop - s.start for s in box)) for box in boxes)
+    if limit is None or not read:
+        return
+    decoded = _dtypes.nbytes(dtype, tuple(chunk))
+    if read + decoded > limit:
+        claim = describe(dtype, shape, _dtypes.nbytes(dtype, tuple(shape)))
+        raise SafetensorsCheckpointError(
+            f"{where}: tensor {name!r} claims {claim}; this read of {read} bytes, with a "
+            f"chunk of {list(chunk)} decoded ({decoded} bytes), needs more than this machine's "
+            f"{limit} bytes of physical memory: refused before allocating (the claim is "
+            "forged, or the array too large to read here)"
+        )
+
+
+def check_claim(
+    where: str, name: str, claimed: Sequence[int], stored: Sequence[int], zarr_file: str
+) -> None:
+    """Raises unless Orbax's metadata shape ``claimed`` of tensor ``name`` is the shape
+    ``stored`` that its zarr metadata ``zarr_file`` gives."""
+    if tuple(claimed) != tuple(stored):
+        raise SafetensorsCheckpointError(
+            f"{where}: tensor {name!r}: Orbax's metadata claims shape {list(claimed)} but its "
+            f"zarr metadata ({zarr_file}) gives shape {list(stored)}: the item is damaged or "
+            "forged"
+        )
+
+
+def check_stored(
+    where: str,
+    name: str,
+    store: Any,
+    box: Sequence[slice],
+    claim: str,
+    chunk: Sequence[int],
+    location: str,
+) -> None:
+    """Raises unless every stored chunk of ``box`` of tensor ``name`` (``store``: its opened
+    TensorStore; ``claim``: its :func:`describe`; ``chunk``: its chunk shape; ``location``:
+    where its chunks live, for the message) is present. Lists the chunks present; reads
+    none."""
+    if not math.prod(s.stop - s.start for s in box):
+        return
+    try:
+        stats = store[tuple(box)].storage_statistics(query_fully_stored=True).result()
+    except ValueError as e:
+        raise SafetensorsCheckpointError(
+            f"{where}: tensor {name!r}: its stored chunks cannot be listed in {location}: {e}"
+        ) from None
+    if not stats.fully_stored:
+        part = ", ".join(f"{s.start}:{s.stop}" for s in box)
+        raise SafetensorsCheckpointError(
+            f"{where}: tensor {name!r} claims {claim}, but chunks of [{part}] (chunks of "
+            f"{list(chunk)}) are missing from {location}: refused before allocating (the item "
+            "is damaged, partly deleted or forged)"
+        )
 
 
 class OrbaxSource:
@@ -85,7 +179,7 @@ class OrbaxSource:
         self._stores: dict[str, Any] = {}  # name -> its opened TensorStore, or None
         self._context: Any = None  # (with the item's storage flags, once a tensor is opened)
         self._storage: Any = None
-        self._ocdbt: _orbax_claims.OcdbtFiles | None = None
+        self._ocdbt: _completeness.OcdbtFiles | None = None
         self._complete: set[str] = set()  # tensors every stored chunk of which is present
         self._lock = threading.Lock()
 
@@ -135,7 +229,7 @@ class OrbaxSource:
             return None
         if storage.use_ocdbt:  # (a missing data file named, before TensorStore reads it)
             if self._ocdbt is None:
-                self._ocdbt = _orbax_claims.OcdbtFiles(self.path)
+                self._ocdbt = _completeness.OcdbtFiles(self.path)
             self._ocdbt.check(f"{leaf_name}/", name)
         try:
             store = ts.open(spec, open=True, context=self._context).result()
@@ -146,7 +240,7 @@ class OrbaxSource:
         zarr = f"{leaf_name}/{'zarr.json' if storage.use_zarr3 else '.zarray'}"
         if storage.use_ocdbt:
             zarr += " in the item's OCDBT database"
-        _orbax_claims.check_claim(str(self.path), name, info.shape, tuple(store.shape), zarr)
+        check_claim(str(self.path), name, info.shape, tuple(store.shape), zarr)
         if store.dtype.numpy_dtype != _dtypes.to_numpy(info.dtype):
             return None  # (not the array Orbax's metadata describes as stored: Orbax's restore)
         return store
@@ -156,7 +250,7 @@ class OrbaxSource:
         # anything, unless the item's files back them (the class docstring).
         info = self.tensors[name]
         where = str(self.path)
-        claim = _orbax_claims.describe(info.dtype, info.shape, info.nbytes)
+        claim = describe(info.dtype, info.shape, info.nbytes)
         store = self.store(name)
         chunk = self.chunks[name]
         decoded = store.chunk_layout.read_chunk.shape if store is not None else None
@@ -172,14 +266,12 @@ class OrbaxSource:
             if name not in self._complete:  # (one listing of a whole tensor, not one a box)
                 whole = _runs.whole_index(info.shape)
                 try:
-                    _orbax_claims.check_stored(where, name, store, whole, claim, chunk, location)
+                    check_stored(where, name, store, whole, claim, chunk, location)
                     self._complete.add(name)
                 except SafetensorsCheckpointError:  # a box of the chunks present still reads
                     for box in boxes:
-                        _orbax_claims.check_stored(where, name, store, box, claim, chunk, location)
-        _orbax_claims.check_allocation(
-            where, name, info.dtype, info.shape, boxes=boxes, chunk=chunk
-        )
+                        check_stored(where, name, store, box, claim, chunk, location)
+        check_allocation(where, name, info.dtype, info.shape, boxes=boxes, chunk=chunk)
 
     def read_box(self, name: str, box: Sequence[slice]) -> np.ndarray:
         """The values of ``box`` (a slice per axis, steps of 1) of tensor ``name``, in its
@@ -381,12 +473,12 @@ def _orbax_metadata_tree(path: epath.Path) -> Any:
     except Exception as error:  # Orbax raises many types on a damaged file
         # (ValueError/TypeError/KeyError on bad JSON, AttributeError on JSON of another shape)
         raise SafetensorsCheckpointError(
-            _orbax_claims.missing_file(path) or f"{problem}: {error}"
+            _completeness.missing_file(path) or f"{problem}: {error}"
         ) from error
     meta = getattr(meta, "item_metadata", meta)
     tree = getattr(meta, "tree", meta)
     if tree is None:  # (Orbax returns no tree when it cannot read the arrays' own metadata)
-        raise SafetensorsCheckpointError(_orbax_claims.missing_file(path) or problem)
+        raise SafetensorsCheckpointError(_completeness.missing_file(path) or problem)
     return tree
 
 
