@@ -57,8 +57,7 @@ TENSORSTORE_CONTEXT = {
 
 
 def max_read_bytes() -> int | None:
-    """The most bytes one read of an Orbax-native array may allocate: the machine's physical
-    memory (``os.sysconf``), or None where the system does not report it."""
+    """The most bytes one read may allocate: the machine's physical memory (None: unknown)."""
     try:
         pages, page = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, ValueError, OSError):
@@ -80,9 +79,8 @@ def check_allocation(
     boxes: Sequence[Sequence[slice]],
     chunk: Sequence[int],
 ) -> None:
-    """Raises unless a read of ``boxes`` of tensor ``name`` (claimed ``dtype[shape]``, stored
-    in chunks of ``chunk``) fits :func:`max_read_bytes`: the boxes, plus one chunk decoded
-    whole (a chunk is the unit TensorStore decodes, however little of it a box takes)."""
+    """Raises unless a read of ``boxes`` of tensor ``name`` fits :func:`max_read_bytes`: the
+    boxes, plus one chunk decoded whole (TensorStore decodes whole chunks)."""
     limit = max_read_bytes()
     read = sum(_dtypes.nbytes(dtype, tuple(s.stop - s.start for s in box)) for box in boxes)
     if limit is None or not read:
@@ -101,8 +99,7 @@ def check_allocation(
 def check_claim(
     where: str, name: str, claimed: Sequence[int], stored: Sequence[int], zarr_file: str
 ) -> None:
-    """Raises unless Orbax's metadata shape ``claimed`` of tensor ``name`` is the shape
-    ``stored`` that its zarr metadata ``zarr_file`` gives."""
+    """Raises unless Orbax's metadata and the zarr metadata ``zarr_file`` claim one shape."""
     if tuple(claimed) != tuple(stored):
         raise SafetensorsCheckpointError(
             f"{where}: tensor {name!r}: Orbax's metadata claims shape {list(claimed)} but its "
@@ -120,10 +117,8 @@ def check_stored(
     chunk: Sequence[int],
     location: str,
 ) -> None:
-    """Raises unless every stored chunk of ``box`` of tensor ``name`` (``store``: its opened
-    TensorStore; ``claim``: its :func:`describe`; ``chunk``: its chunk shape; ``location``:
-    where its chunks live, for the message) is present. Lists the chunks present; reads
-    none."""
+    """Raises unless every stored chunk of ``box`` of the opened ``store`` is present (a
+    listing: no chunk is read); the other arguments word the message."""
     if not math.prod(s.stop - s.start for s in box):
         return
     try:
@@ -143,19 +138,18 @@ def check_stored(
 
 class OrbaxSource:
     """An Orbax-native PyTree item (``StandardSave``/``PyTreeSave``, or a checkpointable of
-    Orbax v1's ``save_checkpointables``), read through TensorStore as Orbax's restore reads it.
+    Orbax v1), read through TensorStore as Orbax's restore reads it.
 
-    Tensors carry the dotted names of Orbax's own tree; Python scalars and strings are not
-    tensors. ``chunks``: each tensor's stored chunk shape, the unit of every read (a chunk is
-    compressed). :meth:`read_box` holds the box and at most ``READ_PIECES_IN_FLIGHT`` pieces
-    of ``READ_PIECE_BYTES`` decoded; arrays TensorStore cannot give as stored (typed PRNG
-    keys, an Orbax without a read spec) go through Orbax's restore. No read runs a
-    collective: any process of a job may read on its own.
+    Tensors carry the dotted names of Orbax's tree; Python scalars and strings are not
+    tensors. ``chunks``: each tensor's stored chunk shape, the unit of every read. Arrays
+    TensorStore cannot give as stored (typed PRNG keys, an Orbax without a read spec) go
+    through Orbax's restore. No read runs a collective. Listing reads no chunk; a read that
+    the item's files do not back (see the module docstring) raises a
+    ``SafetensorsCheckpointError`` naming the tensor and its claim, or the missing file.
 
-    Before a read allocates anything, the item's files must back it
-    (``orbax_claims``): the claimed shape, the OCDBT data files, the stored chunks, and the
-    machine's physical memory; else a ``SafetensorsCheckpointError`` names the tensor, its
-    claimed dtype, shape and bytes, or the missing file. Listing an item reads no chunk.
+    Example::
+
+        OrbaxSource(epath.Path("/ckpt/100/state")).read(["params.w"])   # {"params.w": array}
     """
 
     def __init__(self, path: epath.Path) -> None:
@@ -198,8 +192,8 @@ class OrbaxSource:
         return {n: out[n] for n in names}
 
     def store(self, name: str) -> Any:
-        """The TensorStore of tensor ``name`` opened as Orbax's restore opens it (cached), or
-        None where reads of it go through Orbax's restore (see the class docstring)."""
+        """The TensorStore of tensor ``name`` as Orbax's restore opens it (cached); None where
+        reads of it go through Orbax's restore."""
         with self._lock:
             if name not in self._stores:
                 self._stores[name] = self._open(name)
@@ -274,9 +268,8 @@ class OrbaxSource:
         check_allocation(where, name, info.dtype, info.shape, boxes=boxes, chunk=chunk)
 
     def read_box(self, name: str, box: Sequence[slice]) -> np.ndarray:
-        """The values of ``box`` (a slice per axis, steps of 1) of tensor ``name``, in its
-        stored dtype, in a new 64-byte aligned C-contiguous array, read a few whole stored
-        chunks at a time (:func:`chunk_pieces`).
+        """The values of ``box`` (a slice per axis, steps of 1) of tensor ``name`` in its stored
+        dtype, in a new 64-byte aligned array, read a few whole stored chunks at a time.
 
         Example::
 
@@ -309,11 +302,8 @@ class OrbaxSource:
         return out
 
     def restore(self, names: Sequence[str], *, as_jax: bool = False) -> dict[str, Any]:
-        """The leaves ``names`` as Orbax restores them (scalars, strings, arrays).
-
-        With ``as_jax``, arrays saved as ``jax.Array`` come back as single-device jax arrays
-        (typed PRNG keys keep their type); otherwise every array is a host numpy array.
-        """
+        """The leaves ``names`` as Orbax restores them: arrays as host numpy arrays, or with
+        ``as_jax`` those saved as ``jax.Array`` as single-device ones (PRNG keys stay keys)."""
         import jax
         import orbax.checkpoint as ocp
 
@@ -332,10 +322,8 @@ class OrbaxSource:
         return self._restore(names, restore_args)
 
     def read_sharded(self, names: Sequence[str], shardings: Mapping[str, Any]) -> dict[str, Any]:
-        """The arrays ``names`` as global ``jax.Array`` s laid out by ``shardings`` (a
-        ``jax.sharding.Sharding`` by name), in their stored dtype: each process reads each
-        distinct box of its devices once (:meth:`read_box`), placed without a copy where the
-        devices share host memory (CPU).
+        """The arrays ``names`` as global ``jax.Array`` s laid out by ``shardings`` (by name),
+        in their stored dtype: each process reads each distinct box of its devices once.
 
         Example::
 
@@ -425,10 +413,9 @@ class OrbaxSource:
 def chunk_pieces(
     box: Sequence[slice], chunk: Sequence[int], itemsize: int, max_bytes: int
 ) -> list[tuple[slice, ...]]:
-    """``box`` (slices with explicit bounds) cut at the boundaries of stored chunks of
-    ``chunk`` into pieces of at most ``max_bytes`` where a chunk is not larger: along the
-    first axis the box crosses chunks on, consecutive chunks grouped up to ``max_bytes``;
-    a group of one chunk still larger is cut the same way along the next axes.
+    """``box`` (explicit bounds) cut at stored chunk boundaries into pieces of at most
+    ``max_bytes`` where a chunk is not larger: along the first axis it crosses chunks on,
+    consecutive chunks grouped; a group still larger is cut the same way along the next axes.
 
     Example::
 
@@ -483,9 +470,8 @@ def _orbax_metadata_tree(path: epath.Path) -> Any:
 
 
 def chunk_shape(leaf: Any, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The shape of the chunks an Orbax metadata leaf's array is stored in (its read unit:
-    a multi-process save stores each device's shard as one), or ``shape`` (one chunk) when
-    the metadata does not say."""
+    """The chunk shape of an Orbax metadata leaf's stored array (a multi-process save stores
+    each device's shard as one), or ``shape`` where the metadata does not say."""
     chunk = getattr(getattr(leaf, "storage", None), "chunk_shape", None)
     if chunk is None or len(chunk) != len(shape) or any(int(c) < 1 for c in chunk):
         return shape
@@ -509,9 +495,8 @@ def select_leaves(
     *,
     named: bool = False,
 ) -> Any:
-    """A copy of ``tree`` keeping only the leaves named in ``wanted`` (mapped through ``fn``;
-    with ``named``, through ``fn(name, leaf)``): dicts drop other keys, lists keep their
-    length with None in unwanted places."""
+    """``tree`` with only the leaves named in ``wanted``, mapped through ``fn`` (``named``:
+    ``fn(name, leaf)``); lists keep their length with None in unwanted places."""
     from jax.tree_util import DictKey, SequenceKey
 
     def walk(node: Any, path: tuple[Any, ...]) -> tuple[bool, Any]:
