@@ -38,10 +38,9 @@ from orbax_safetensors._src.core.errors import (
 )
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.orbax.steps import PathKind
-from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
-from orbax_safetensors._src.pipeline import standalone as _standalone
-from orbax_safetensors._src.pipeline.reader import StoredTensor
-from orbax_safetensors._src.pipeline.tree_restore import wrap_key
+from orbax_safetensors._src.pipeline import read as _read
+from orbax_safetensors._src.pipeline.place import wrap_key
+from orbax_safetensors._src.pipeline.read import StoredTensor
 from orbax_safetensors._src.storage import buffers as _buffers
 from orbax_safetensors._src.storage import confine as _confine
 from orbax_safetensors._src.storage import router as _router
@@ -240,7 +239,7 @@ class _Checker:
         if header is None:
             return
         try:
-            schema, stored = _standalone.file_index(path, header)
+            schema, stored = _read.file_index(path, header)
         except SafetensorsCheckpointError as e:
             self.report._problem(str(e))
             return
@@ -266,7 +265,7 @@ class _Checker:
         """A checkpoint item: metadata, every file's header, index, schema and bytes; with
         ``only``, that one file (on its own where the metadata does not list it)."""
         try:
-            metadata = _checkpoint_restore.read_metadata(directory)
+            metadata = _read.read_metadata(directory)
         except _READ_ERRORS as e:
             self.report._problem(_message(e, directory))
             return
@@ -285,9 +284,7 @@ class _Checker:
             elif (header := self._header(directory / filename)) is not None:
                 headers[filename] = header
         try:
-            stored = _checkpoint_restore.locate_in_directory(
-                directory, metadata, check_headers=True
-            )
+            stored = _read.locate_in_directory(directory, metadata, check_headers=True)
         except _READ_ERRORS as e:
             self.report._problem(_message(e, directory))
             return
