@@ -56,6 +56,11 @@ class ConvertSummary:
       copied: items copied unchanged (e.g. Orbax JSON items of a step).
       tensors: tensors converted.
       bytes: tensor bytes converted.
+
+    Example::
+
+        summary = convert("/orbax/100", "/st/100")
+        summary.items, summary.tensors   # (['default'], 12)
     """
 
     direction: Direction

@@ -66,6 +66,12 @@ class VerifyReport:
       skipped: uncommitted steps (and Orbax temporary directories), not examined.
       incomplete: committed steps with entries missing (each is also in ``problems``).
       warnings: what the problems probably mean (e.g. an old step half-deleted by a crash).
+
+    Example::
+
+        report = verify("/ckpt")
+        if not report.ok:
+            print("\n".join(report.problems))
     """
 
     ok: bool = True
