@@ -1,7 +1,7 @@
 """Whether a checkpoint's files are all there: what a committed step lacks that restoring it
-needs (:func:`missing_entries`, the one judgement for ``verify``, ``inspect`` and ``convert``),
-and the data files of an Orbax item's OCDBT database (:class:`OcdbtFiles`, one walk of its
-B-tree for both this judgement and the checks before a read of an Orbax-native array).
+needs (:func:`missing_entries`, the one judgement for ``verify``, ``inspect`` and ``convert``;
+an OCDBT database's data files are found by the walk of its B-tree that also serves the checks
+before a read of an Orbax-native array).
 
 A step is judged file by file against what Orbax's restore reads, since a kill during Orbax's
 deletion of an old step (``max_to_keep``) can leave any subset of its files.
@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
-import urllib.parse
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 from etils import epath
 
 from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
 from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
+from orbax_safetensors._src.orbax import claims as _claims
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.orbax.steps import (
     CHECKPOINT_METADATA_FILE,
@@ -146,7 +145,7 @@ def _missing_in_pytree_item(item: epath.Path, names: set[str], prefix: str) -> l
     doc = _steps.read_json(item / ORBAX_METADATA_FILE)
     if not isinstance(doc, dict) or not isinstance(doc.get("tree_metadata"), dict):
         return []  # damaged, not deleted: Orbax's restore (and inspect) report it
-    leaves = _pytree_leaves(doc)
+    leaves = _claims.pytree_leaves(doc)
     missing = []
     kinds = set(leaves.values())
     if "jax.Array" in kinds and SHARDING_FILE not in names:
@@ -163,23 +162,6 @@ def _missing_in_pytree_item(item: epath.Path, names: set[str], prefix: str) -> l
         if kind in _TENSORSTORE_VALUES:
             missing += _missing_zarr_files(item / name, storage, f"{prefix}{name}/")
     return missing
-
-
-def _pytree_leaves(doc: dict[str, Any]) -> dict[str, str]:
-    """Each stored leaf an Orbax ``_METADATA`` records (its keys joined with ``.``: the name of
-    its directory or OCDBT key) -> its value type."""
-    tree = doc.get("tree_metadata")
-    leaves = {}
-    for entry in tree.values() if isinstance(tree, dict) else ():
-        keys = entry.get("key_metadata") if isinstance(entry, dict) else None
-        value = entry.get("value_metadata") if isinstance(entry, dict) else None
-        if not isinstance(keys, list) or not isinstance(value, dict):
-            continue
-        if value.get("skip_deserialize") is True or not isinstance(value.get("value_type"), str):
-            continue
-        name = ".".join(str(k.get("key")) for k in keys if isinstance(k, dict))
-        leaves[name] = value["value_type"]
-    return leaves
 
 
 def _orbax_ocdbt(item: epath.Path) -> bool:
@@ -200,13 +182,13 @@ def _missing_ocdbt_files(item: epath.Path, prefix: str) -> list[str]:
         return [prefix + OCDBT_MANIFEST_FILE]
     files: dict[str, bool] = {}  # each referenced file: whether it is present
 
-    def present(ref: _Ref) -> bool:
+    def present(ref: _claims.Ref) -> bool:
         if ref.file not in files:
             files[ref.file] = (item / ref.file).exists()
         return files[ref.file]
 
     try:
-        OcdbtFiles(item, _orbax_kvstore(item)).walk(present, strict=False)
+        _claims.OcdbtFiles(item, _orbax_kvstore(item)).walk(present, strict=False)
     except SafetensorsCheckpointError:  # no readable manifest: the restore reports it
         return []
     missing = sorted(f for f, there in files.items() if not there)
@@ -358,186 +340,6 @@ def incomplete_warning(
     return f"{what} and is the latest step: restoring it fails; restore an earlier step"
 
 
-# ------------------------------------------------------------------ an Orbax item's OCDBT database
-
-
-class _Ref(NamedTuple):
-    """A place in a data file of an OCDBT database: a B-tree node, or the value of ``key``."""
-
-    file: str
-    offset: int
-    length: int
-    key: str | None
-
-
-class OcdbtFiles:
-    """The data files of the OCDBT database of the Orbax item ``path`` (``d/<id>``,
-    ``ocdbt.process_<i>/d/<id>``), found through its manifest and B-tree with TensorStore's
-    ``ocdbt.dump`` (nodes read, values only located). ``kvstore``: the spec of the item's
-    directory (default: its URL). Nodes and file sizes are kept, so the tensors of one item
-    share the walk's reads.
-
-    Example::
-
-        files = OcdbtFiles(epath.Path("/ckpt/100/state"))
-        files.check("params.w/", "params.w")   # raises naming a missing or short data file
-    """
-
-    def __init__(self, path: epath.Path, kvstore: Any = None) -> None:
-        self.path = path
-        self._kvstore = kvstore if kvstore is not None else kvstore_url(path)
-        self._base: Any = None
-        self._root: tuple[str, int] | None = None
-        self._nodes: dict[str, Any] = {}
-        self._sizes: dict[str, int | None] = {}
-        self._checked: set[str] = set()
-
-    def _open(self, name: str | None) -> None:
-        import tensorstore as ts
-
-        manifest = self.path / OCDBT_MANIFEST_FILE
-        if not manifest.exists():
-            raise SafetensorsCheckpointError(
-                f"{self.path}: OCDBT manifest file {OCDBT_MANIFEST_FILE} is missing"
-                + (f" (reading tensor {name!r})" if name else "")
-            )
-        try:
-            self._base = ts.KvStore.open(self._kvstore).result()
-            doc = ts.ocdbt.dump(self._base).result()
-        except (ValueError, TypeError) as e:
-            raise SafetensorsCheckpointError(
-                f"{manifest}: not a readable OCDBT manifest ({e})"
-            ) from None
-        versions = [v for v in doc.get("versions") or () if isinstance(v, dict)]
-        latest = max(versions, key=lambda v: v.get("generation_number", 0), default={})
-        location = (latest.get("root") or {}).get("location")
-        if isinstance(location, str):
-            self._root = (location, int(latest.get("root_height", 0)))
-
-    def walk(
-        self,
-        visit: Callable[[_Ref], bool],
-        low: bytes = b"",
-        high: bytes | None = None,
-        *,
-        strict: bool = True,
-        name: str | None = None,
-    ) -> None:
-        """Calls ``visit`` on each node on the way to the keys in ``[low, high)`` and on each
-        of their values; a node is read only where ``visit`` returns True for it. A malformed
-        reference or node raises with ``strict``, else ends its subtree.
-
-        Raises:
-          SafetensorsCheckpointError: no readable manifest; with ``strict``, a bad node.
-        """
-        import tensorstore as ts
-
-        if self._base is None:
-            self._open(name)
-        seen: set[str] = set()
-
-        def walk_node(location: str, height: int, acc: bytes, hi: bytes | None) -> None:
-            # The node holds keys acc + key below ``hi``. Each level down is one lower (as
-            # TensorStore requires) and each node is read once a walk, so a forged tree can
-            # neither loop nor multiply the walk.
-            ref = self._ref(location, None, strict)
-            if location in seen or ref is None or not visit(ref):
-                return
-            seen.add(location)
-            if location not in self._nodes:
-                try:
-                    self._nodes[location] = ts.ocdbt.dump(self._base, location).result()
-                except (ValueError, TypeError) as e:
-                    if not strict:
-                        return
-                    raise SafetensorsCheckpointError(
-                        f"{self.path}: a B-tree node of its OCDBT database ({location}) "
-                        f"cannot be read: {e}"
-                    ) from None
-            node = self._nodes[location]
-            if node.get("height") != height or height < 0:
-                if not strict:
-                    return
-                raise SafetensorsCheckpointError(
-                    f"{self.path}: its OCDBT database has a B-tree node ({location}) of height "
-                    f"{node.get('height')!r} where {height} is expected"
-                )
-            entries = node.get("entries") or []
-            for i, entry in enumerate(entries):
-                key = acc + bytes(entry.get("key", b""))
-                if height > 0 and "location" in entry:
-                    stop = acc + bytes(entries[i + 1]["key"]) if i + 1 < len(entries) else hi
-                    if (high is None or key < high) and (stop is None or stop > low):
-                        child = acc + bytes(entry.get("subtree_common_prefix", b""))
-                        walk_node(entry["location"], height - 1, child, stop)
-                elif "indirect_value" in entry and low <= key and (high is None or key < high):
-                    value = self._ref(entry["indirect_value"], key.decode(errors="replace"), strict)
-                    if value is not None:
-                        visit(value)
-
-        if self._root is not None:
-            walk_node(*self._root, b"", None)
-
-    def _ref(self, location: str, key: str | None, strict: bool) -> _Ref | None:
-        # A dumped location, "<kind>:<base>:<relative>:<offset>:<length>" (the paths
-        # percent-encoded); one that is malformed or leaves the database raises, or is None.
-        parts = location.split(":")
-        try:
-            base, relative = (urllib.parse.unquote(p) for p in parts[1:3])
-            file = f"{base.rstrip('/')}/{relative}" if base else relative
-            ref = _Ref(file, int(parts[3]), int(parts[4]), key)
-        except (IndexError, ValueError):
-            ref = None
-        names = ref.file.split("/") if ref else ()
-        if ref and not (ref.file.startswith("/") or "\\" in ref.file or {"", ".", ".."} & {*names}):
-            return ref
-        if strict:
-            raise SafetensorsCheckpointError(
-                f"{self.path}: its OCDBT database holds an invalid data reference {location!r}"
-            )
-        return None
-
-    def check(self, prefix: str, name: str | None = None) -> None:
-        """Raises naming the first data file that a node or value of the keys under
-        ``prefix`` (all keys: "") lies in and that is missing or shorter than the manifest
-        says (``name``: the tensor read, for the message)."""
-        if prefix in self._checked:
-            return
-        low = prefix.encode()
-        self.walk(lambda ref: self._present(ref, name), low, _successor(low), name=name)
-        self._checked.add(prefix)
-
-    def _present(self, ref: _Ref, name: str | None) -> bool:
-        what = f"the value of key {ref.key!r}" if ref.key is not None else "a B-tree node"
-        whose = f" of tensor {name!r}" if name else ""
-        if ref.file not in self._sizes:
-            path = self.path / ref.file
-            self._sizes[ref.file] = path.stat().length if path.is_file() else None
-        size = self._sizes[ref.file]
-        if size is None:
-            raise SafetensorsCheckpointError(
-                f"{self.path}: OCDBT data file {ref.file} is missing: it holds {what}{whose}"
-            )
-        if ref.offset + ref.length > size:
-            raise SafetensorsCheckpointError(
-                f"{self.path}: OCDBT data file {ref.file} holds {size} bytes, but its manifest "
-                f"places {what}{whose} at bytes [{ref.offset}, {ref.offset + ref.length})"
-            )
-        return True
-
-
-def _successor(prefix: bytes) -> bytes | None:
-    """The smallest key above every key that starts with ``prefix`` (None: no bound)."""
-    stripped = prefix.rstrip(b"\xff")
-    return stripped[:-1] + bytes([stripped[-1] + 1]) if stripped else None
-
-
-def kvstore_url(path: epath.Path) -> str:
-    """The TensorStore KvStore URL of the directory ``path`` (local or an object store)."""
-    text = str(path)
-    return (text if "://" in text else "file://" + os.path.abspath(text)).rstrip("/") + "/"
-
-
 def missing_file(path: epath.Path) -> str | None:
     """Why Orbax could not read the metadata of item ``path`` whose ``_METADATA`` is sound,
     when a file it needs is missing (the OCDBT manifest or a data file, or an array's zarr
@@ -548,12 +350,12 @@ def missing_file(path: epath.Path) -> str | None:
     storage = _steps.array_storage(path)
     if storage.use_ocdbt:
         try:
-            OcdbtFiles(path).check("")
+            _claims.OcdbtFiles(path).check("")
         except SafetensorsCheckpointError as e:
             return str(e)
         return None
     meta = "zarr.json" if storage.use_zarr3 else ".zarray"
-    for array, value_type in _pytree_leaves(doc).items():
+    for array, value_type in _claims.pytree_leaves(doc).items():
         plain = array and "/" not in array and "\\" not in array and array.strip(".")
         if value_type in _TENSORSTORE_VALUES and plain and not (path / array / meta).exists():
             return f"{path}: the zarr metadata of array {array!r} ({array}/{meta}) is missing"

@@ -1,14 +1,8 @@
 """An Orbax-native PyTree item as a table of tensors (:class:`OrbaxSource`), read through
 TensorStore as Orbax's own restore reads it, a few stored chunks at a time, and only once the
-item's files back what a read would allocate.
-
-An item claims each array's shape in metadata, and a chunk is compressed (a chunk of zeros
-takes a few bytes), so neither the metadata nor the bytes on disk bound what a read allocates.
-Before any read allocates an array: Orbax's metadata and the zarr metadata claim the same
-shape (:func:`check_claim`); in an OCDBT item, the data files that hold it exist and are long
-enough (``completeness.OcdbtFiles``); unless the item reads missing chunks as the fill value,
-every stored chunk the read needs exists (:func:`check_stored`); and the read fits the
-machine's physical memory (:func:`check_allocation`).
+item's files back what a read would allocate (the admission checks Orbax's restore through a
+manager also runs: the claimed shape, the OCDBT data files, the stored chunks, the machine's
+physical memory).
 
 Example::
 
@@ -21,7 +15,6 @@ from __future__ import annotations
 import collections
 import itertools
 import math
-import os
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -36,6 +29,7 @@ from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import runs as _runs
 from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
+from orbax_safetensors._src.orbax import claims as _claims
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.pipeline import place as _place
 from orbax_safetensors._src.storage import buffers as _buffers
@@ -47,93 +41,6 @@ from orbax_safetensors._src.storage import confine as _confine
 # decoded beside the box.
 READ_PIECE_BYTES = 8 << 20
 READ_PIECES_IN_FLIGHT = 2
-# Orbax's own TensorStore context for OCDBT items (ts_utils.get_ts_context): its file I/O
-# concurrency, and a cache of the B-tree nodes that find the chunks, so that the reads of one
-# tensor's boxes find them once.
-TENSORSTORE_CONTEXT = {
-    "file_io_concurrency": {"limit": 128},
-    "cache_pool#ocdbt": {"total_bytes_limit": 100_000_000},
-}
-
-
-def max_read_bytes() -> int | None:
-    """The most bytes one read may allocate: the machine's physical memory (None: unknown)."""
-    try:
-        pages, page = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return None
-    return pages * page if pages > 0 and page > 0 else None
-
-
-def describe(dtype: str, shape: Sequence[int], nbytes: int) -> str:
-    """A claimed array for messages: ``F32[1048576, 1048576] (4398046511104 bytes)``."""
-    return f"{dtype}{list(shape)} ({nbytes} bytes)"
-
-
-def check_allocation(
-    where: str,
-    name: str,
-    dtype: str,
-    shape: Sequence[int],
-    *,
-    boxes: Sequence[Sequence[slice]],
-    chunk: Sequence[int],
-) -> None:
-    """Raises unless a read of ``boxes`` of tensor ``name`` fits :func:`max_read_bytes`: the
-    boxes, plus one chunk decoded whole (TensorStore decodes whole chunks)."""
-    limit = max_read_bytes()
-    read = sum(_dtypes.nbytes(dtype, tuple(s.stop - s.start for s in box)) for box in boxes)
-    if limit is None or not read:
-        return
-    decoded = _dtypes.nbytes(dtype, tuple(chunk))
-    if read + decoded > limit:
-        claim = describe(dtype, shape, _dtypes.nbytes(dtype, tuple(shape)))
-        raise SafetensorsCheckpointError(
-            f"{where}: tensor {name!r} claims {claim}; this read of {read} bytes, with a "
-            f"chunk of {list(chunk)} decoded ({decoded} bytes), needs more than this machine's "
-            f"{limit} bytes of physical memory: refused before allocating (the claim is "
-            "forged, or the array too large to read here)"
-        )
-
-
-def check_claim(
-    where: str, name: str, claimed: Sequence[int], stored: Sequence[int], zarr_file: str
-) -> None:
-    """Raises unless Orbax's metadata and the zarr metadata ``zarr_file`` claim one shape."""
-    if tuple(claimed) != tuple(stored):
-        raise SafetensorsCheckpointError(
-            f"{where}: tensor {name!r}: Orbax's metadata claims shape {list(claimed)} but its "
-            f"zarr metadata ({zarr_file}) gives shape {list(stored)}: the item is damaged or "
-            "forged"
-        )
-
-
-def check_stored(
-    where: str,
-    name: str,
-    store: Any,
-    box: Sequence[slice],
-    claim: str,
-    chunk: Sequence[int],
-    location: str,
-) -> None:
-    """Raises unless every stored chunk of ``box`` of the opened ``store`` is present (a
-    listing: no chunk is read); the other arguments word the message."""
-    if not math.prod(s.stop - s.start for s in box):
-        return
-    try:
-        stats = store[tuple(box)].storage_statistics(query_fully_stored=True).result()
-    except ValueError as e:
-        raise SafetensorsCheckpointError(
-            f"{where}: tensor {name!r}: its stored chunks cannot be listed in {location}: {e}"
-        ) from None
-    if not stats.fully_stored:
-        part = ", ".join(f"{s.start}:{s.stop}" for s in box)
-        raise SafetensorsCheckpointError(
-            f"{where}: tensor {name!r} claims {claim}, but chunks of [{part}] (chunks of "
-            f"{list(chunk)}) are missing from {location}: refused before allocating (the item "
-            "is damaged, partly deleted or forged)"
-        )
 
 
 class OrbaxSource:
@@ -173,7 +80,7 @@ class OrbaxSource:
         self._stores: dict[str, Any] = {}  # name -> its opened TensorStore, or None
         self._context: Any = None  # (with the item's storage flags, once a tensor is opened)
         self._storage: Any = None
-        self._ocdbt: _completeness.OcdbtFiles | None = None
+        self._ocdbt: _claims.OcdbtFiles | None = None
         self._complete: set[str] = set()  # tensors every stored chunk of which is present
         self._lock = threading.Lock()
 
@@ -207,7 +114,7 @@ class OrbaxSource:
         if info is None or not isinstance(leaf_name, str) or not leaf_name:
             return None
         if self._context is None:
-            self._context = ts.Context(TENSORSTORE_CONTEXT)
+            self._context = ts.Context(_claims.TENSORSTORE_CONTEXT)
             self._storage = _steps.array_storage(self.path)
         storage = self._storage
         _confine.inside(self.path, leaf_name, where=self.path / _steps.ORBAX_METADATA_FILE)
@@ -223,7 +130,7 @@ class OrbaxSource:
             return None
         if storage.use_ocdbt:  # (a missing data file named, before TensorStore reads it)
             if self._ocdbt is None:
-                self._ocdbt = _completeness.OcdbtFiles(self.path)
+                self._ocdbt = _claims.OcdbtFiles(self.path)
             self._ocdbt.check(f"{leaf_name}/", name)
         try:
             store = ts.open(spec, open=True, context=self._context).result()
@@ -234,7 +141,7 @@ class OrbaxSource:
         zarr = f"{leaf_name}/{'zarr.json' if storage.use_zarr3 else '.zarray'}"
         if storage.use_ocdbt:
             zarr += " in the item's OCDBT database"
-        check_claim(str(self.path), name, info.shape, tuple(store.shape), zarr)
+        _claims.check_claim(str(self.path), name, info.shape, tuple(store.shape), zarr)
         if store.dtype.numpy_dtype != _dtypes.to_numpy(info.dtype):
             return None  # (not the array Orbax's metadata describes as stored: Orbax's restore)
         return store
@@ -244,28 +151,24 @@ class OrbaxSource:
         # anything, unless the item's files back them (the class docstring).
         info = self.tensors[name]
         where = str(self.path)
-        claim = describe(info.dtype, info.shape, info.nbytes)
+        claim = _claims.describe(info.dtype, info.shape, info.nbytes)
         store = self.store(name)
         chunk = self.chunks[name]
         decoded = store.chunk_layout.read_chunk.shape if store is not None else None
         if decoded is not None:  # (the chunks TensorStore decodes: the zarr metadata's)
             chunk = tuple(int(c) for c in decoded)
         if store is not None and not self._storage.fill_missing:
-            leaf_name = self.leaves[name][1].name
-            location = (
-                f"the item's OCDBT database (keys {leaf_name}/...)"
-                if self._storage.use_ocdbt
-                else str(self.path / leaf_name)
-            )
+            location = _claims.chunk_location(self.path, self.leaves[name][1].name, self._storage)
             if name not in self._complete:  # (one listing of a whole tensor, not one a box)
                 whole = _runs.whole_index(info.shape)
                 try:
-                    check_stored(where, name, store, whole, claim, chunk, location)
+                    _claims.check_stored(where, name, store, whole, claim, chunk, location)
                     self._complete.add(name)
                 except SafetensorsCheckpointError:  # a box of the chunks present still reads
                     for box in boxes:
-                        check_stored(where, name, store, box, claim, chunk, location)
-        check_allocation(where, name, info.dtype, info.shape, boxes=boxes, chunk=chunk)
+                        _claims.check_stored(where, name, store, box, claim, chunk, location)
+        read = sum(_dtypes.nbytes(info.dtype, [s.stop - s.start for s in box]) for box in boxes)
+        _claims.check_allocation(where, name, info.dtype, info.shape, read=read, chunk=chunk)
 
     def read_box(self, name: str, box: Sequence[slice]) -> np.ndarray:
         """The values of ``box`` (a slice per axis, steps of 1) of tensor ``name`` in its stored
