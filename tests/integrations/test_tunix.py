@@ -269,8 +269,9 @@ _jit_forward = nnx.jit(forward)
 @pytest.mark.parametrize("case", tunix_models.TINY)
 def test_gemma_and_qwen2_export_to_transformers_and_load_back(tmp_dir, case):
     """A Tunix model exports to a directory that ``from_pretrained`` loads with its logits;
-    that directory loads into a fresh Tunix model (the same logits) whose export is the same
-    files, bit for bit; Tunix's own loader reads it into the model's parameters."""
+    what that transformers model's ``save_pretrained`` writes loads into a fresh Tunix model
+    (the same logits) whose export is the export's files, bit for bit; Tunix's own loader
+    reads the export into the model's parameters."""
     config, model, mapping = tunix_models.tiny(case, seed=2)
     randomize_all(model, seed=2)
     report = osf.export_pytorch(model, tmp_dir / "hf", mapping, hf_config=config)
@@ -283,8 +284,9 @@ def test_gemma_and_qwen2_export_to_transformers_and_load_back(tmp_dir, case):
     assert np.abs(want).max() > 0.1
     hf_models.assert_outputs_close(hf_logits(hf.eval()), want, rtol=0, atol=1e-5)
 
+    hf.save_pretrained(tmp_dir / "saved")  # (transformers' own files)
     _, fresh, _ = tunix_models.tiny(case, seed=3)
-    assert osf.load_pytorch(fresh, tmp_dir / "hf", mapping).ok
+    assert osf.load_pytorch(fresh, tmp_dir / "saved", mapping).ok
     hf_models.assert_outputs_close(jit_logits(fresh), want, rtol=0, atol=1e-5)
     osf.export_pytorch(fresh, tmp_dir / "back", mapping, hf_config=config)
     for name in ("hf", "back"):
