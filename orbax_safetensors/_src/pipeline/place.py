@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
-from orbax_safetensors._src.core import memo as _memo
+from orbax_safetensors._src.core import sharding as _sharding
 from orbax_safetensors._src.storage import buffers as _buffers
 
 
@@ -78,7 +78,7 @@ def put(values: Sequence[np.ndarray], targets: Sequence[Any]) -> list[jax.Array]
     slow: list[int] = []
     # Per target: its one-device (sharding, device), or None. (Equal targets may share the
     # first one's sharding object.)
-    singles = _memo.ShardingMemo(_single_device_sharding)
+    singles = _sharding.ShardingMemo(_single_device_sharding)
     for i, (x, target) in enumerate(zip(values, targets, strict=True)):
         if direct is None or type(x) is not np.ndarray or x.dtype in _CANONICALISED:
             slow.append(i)

@@ -27,8 +27,8 @@ from etils import epath
 
 from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import dtypes as _dtypes
-from orbax_safetensors._src.core import memo as _memo
 from orbax_safetensors._src.core import runs as _runs
+from orbax_safetensors._src.core import sharding as _sharding
 from orbax_safetensors._src.core.errors import IntegrityError
 from orbax_safetensors._src.pipeline import place as _place
 from orbax_safetensors._src.pipeline import relayout as _relayout
@@ -132,7 +132,7 @@ class _ReadBuffers:
 def _read_buffers(
     req: ReadRequest,
     whole: Callable[[ReadRequest], np.ndarray],
-    single_device: _memo.ShardingMemo[bool],
+    single_device: _sharding.ShardingMemo[bool],
 ) -> _ReadBuffers:
     # ``whole(req)``: the buffer a whole-tensor read lands in (an arena's, or a staging ring's).
     shape = req.stored.shape
@@ -207,7 +207,7 @@ def _read_tensors(
     requests: Sequence[ReadRequest], stats: ReadStats | None, io: _config.IOOptions | None
 ) -> list[Any]:
     arena = _buffers.BufferArena()
-    single_device = _memo.ShardingMemo(_single_device)  # many tensors share a few shardings
+    single_device = _sharding.ShardingMemo(_single_device)  # many tensors share a few shardings
     with _Files(io, stats) as files:
         staged = _staging.staged(requests)
         if staged is None:
@@ -227,7 +227,7 @@ def _read_staged(
     staged: list[bool],
     ring: _buffers.StagingRing,
     arena: _buffers.BufferArena,
-    single_device: _memo.ShardingMemo[bool],
+    single_device: _sharding.ShardingMemo[bool],
     files: _Files,
 ) -> list[Any]:
     """Reads in waves through ``ring`` (``staged[i]``: request i's whole tensor goes through

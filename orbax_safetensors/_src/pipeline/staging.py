@@ -26,7 +26,7 @@ from typing import Any
 
 import jax
 
-from orbax_safetensors._src.core import memo as _memo
+from orbax_safetensors._src.core import sharding as _sharding
 from orbax_safetensors._src.pipeline import place as _place
 from orbax_safetensors._src.storage import buffers as _buffers
 
@@ -56,7 +56,7 @@ def staged(requests: Sequence[Any]) -> list[bool] | None:
     request is."""
     if MODE == "never":
         return None
-    copies = _memo.ShardingMemo(_copies) if MODE == "auto" else (lambda _: True)
+    copies = _sharding.ShardingMemo(_copies) if MODE == "auto" else (lambda _: True)
     default = None
     out: list[bool] = []
     for req in requests:
