@@ -214,13 +214,9 @@ def sharding_from_json(
 
     if not desc:
         return None
-    check_sharding_json(desc, device_meshes)
-    try:
-        shape = tuple(int(d) for d in desc["mesh_shape"])
-        axes = tuple(str(a) for a in desc["mesh_axes"])
-        spec = [tuple(e) if isinstance(e, list) else e for e in desc["spec"]]
-    except (KeyError, TypeError, ValueError):
-        raise SchemaError(f"sharding {desc!r} is malformed") from None
+    check_sharding_json(desc, device_meshes)  # (so the fields below have their types)
+    shape, axes = tuple(desc["mesh_shape"]), tuple(desc["mesh_axes"])
+    spec = [tuple(e) if isinstance(e, list) else e for e in desc["spec"]]
     ids = _device_ids(desc, device_meshes)
     size = math.prod(shape)
     if ids is not None:

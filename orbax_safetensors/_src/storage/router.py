@@ -228,7 +228,7 @@ def open_writer(
             os.fspath(path), size, truncate, threads, sync, direct_io=resolved.direct_io
         )
     elif provider is not None:
-        flush = functools.partial(_flush_to, provider, resolved)
+        flush = functools.partial(provider.write_file, io=resolved)
         writer = BufferedWriter(os.fspath(path), size, flush=flush)
     else:
         writer = BufferedWriter(os.fspath(path), size, flush=write_stream)
@@ -239,16 +239,6 @@ def open_writer(
             writer.close(sync=False)
         raise
     writer.close(sync)
-
-
-def _flush_to(
-    provider: Provider,
-    io: _config.IOOptions,
-    url: str,
-    pieces: Sequence[_interface.Piece],
-    size: int,
-) -> None:
-    provider.write_file(url, pieces, size, io)
 
 
 def write_file(
