@@ -37,8 +37,9 @@ def group(factory):
 
 
 def config_for(name):
-    model_type = {"llama3": "llama", "qwen3-moe": "qwen3_moe"}.get(name[8:], name[8:])
-    return {**CONFIG, "model_type": model_type}
+    types = {"llama3": "llama", "qwen3-moe": "qwen3_moe", "deepseek3": "deepseek_v3"}
+    layers = {"num_hidden_layers": 2, "first_k_dense_replace": 1}  # (Gemma's, DeepSeek's)
+    return {**CONFIG, **layers, "model_type": types.get(name[8:], name[8:])}
 
 
 @pytest.mark.parametrize("name", list(osf.hf.PRESETS))

@@ -40,7 +40,7 @@ from orbax_safetensors._src.integrations.key_mapping import (
     SplitHeads,
     Transpose,
 )
-from orbax_safetensors._src.pipeline import reader as _reader
+from orbax_safetensors._src.pipeline import read as _read
 from orbax_safetensors._src.storage import config as _config
 
 __all__ = ["abstract_pytorch", "load_pytorch"]
@@ -201,7 +201,7 @@ class LoadOptions:
     where: str = ""
     verify: bool = True
     io: _config.IOOptions | None = None
-    stats: _reader.ReadStats | None = None
+    stats: _read.ReadStats | None = None
 
 
 def load_tree(
@@ -497,15 +497,15 @@ class _Reads:
         # (a sharding of None: a host numpy array)
         stored = self.source.stored
         requests = [
-            _reader.ReadRequest(
+            _read.ReadRequest(
                 stored[self.alias.get(k, k)],
-                _reader.ReadKind.NUMPY if s is None else _reader.ReadKind.JAX,
+                _read.ReadKind.NUMPY if s is None else _read.ReadKind.JAX,
                 s,
                 verify=self.options.verify,
             )
             for k, s in zip(keys, shardings)
         ]
-        return _reader.read_tensors(requests, self.options.stats, self.options.io)
+        return _read.read_tensors(requests, self.options.stats, self.options.io)
 
 
 def _place(value: np.ndarray, target: Target) -> Any:

@@ -7,7 +7,8 @@ one table of names.
   ``"qwen3-moe"``, ``"gpt2"``);
 - ``tunix``: Tunix's NNX models (``"tunix-llama3"``, ``"tunix-qwen3"``);
 - ``maxtext``: MaxText's train states (``"maxtext-llama3"``, ``"maxtext-mistral"``,
-  ``"maxtext-mixtral"``, ``"maxtext-qwen3"``, ``"maxtext-qwen3-moe"``).
+  ``"maxtext-mixtral"``, ``"maxtext-qwen3"``, ``"maxtext-qwen3-moe"``, ``"maxtext-qwen2"``,
+  ``"maxtext-gemma2"``, ``"maxtext-gemma3"``, ``"maxtext-deepseek3"``).
 
 A new preset is a factory and a line in its group's ``PRESETS``; a new group is a module and
 a line below.
