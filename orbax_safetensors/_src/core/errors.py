@@ -32,7 +32,9 @@ class SafetensorsCheckpointError(ValueError):
 
 
 class HeaderError(SafetensorsCheckpointError):
-    """A ``.safetensors`` file's header is malformed, inconsistent or hostile."""
+    """A ``.safetensors`` file's header is malformed, inconsistent or hostile.
+
+    Example: ``osf.read_header(path)`` of a truncated file raises it, naming the file."""
 
 
 class NotSafetensorsError(HeaderError):
@@ -54,25 +56,35 @@ class NotSafetensorsError(HeaderError):
 
 
 class SchemaError(SafetensorsCheckpointError):
-    """The JSON tree schema stored with a checkpoint is malformed or inconsistent."""
+    """The JSON tree schema stored with a checkpoint is malformed or inconsistent.
+
+    Example: ``osf.load_file(path)`` of a file whose schema names an unknown kind raises it."""
 
 
 class UnsafePathError(SafetensorsCheckpointError):
     """A path refused before anything is read from it: a name read from a checkpoint that
     leads outside the directory holding it (absolute, ``..``, a URL, a symbolic link out of
-    it), or a file that is not a regular file (a FIFO, device, socket or directory)."""
+    it), or a file that is not a regular file (a FIFO, device, socket or directory).
+
+    Example: an index naming ``../other.safetensors`` raises it before anything is read."""
 
 
 class UnsupportedLeafError(SafetensorsCheckpointError):
-    """A pytree leaf (or its dtype) cannot be stored; nothing was written."""
+    """A pytree leaf (or its dtype) cannot be stored; nothing was written.
+
+    Example: ``osf.save_file({"f": print}, path)`` raises it, naming the leaf ``f``."""
 
 
 class DeletedArrayError(UnsupportedLeafError):
-    """A ``jax.Array`` leaf has been deleted (donated); nothing was written."""
+    """A ``jax.Array`` leaf has been deleted (donated); nothing was written.
+
+    Example: saving ``state`` after ``jax.jit(step, donate_argnums=0)(state)`` raises it."""
 
 
 class MetadataError(SafetensorsCheckpointError, TypeError):
-    """User metadata of a checkpoint directory is not JSON-serialisable."""
+    """User metadata of a checkpoint directory is not JSON-serialisable.
+
+    Example: ``SafetensorsSave(state, metadata={"when": datetime.now()})`` raises it."""
 
 
 class MismatchKind(enum.Enum):
@@ -131,9 +143,13 @@ class TargetMismatchError(SafetensorsCheckpointError):
 
 
 class IntegrityError(SafetensorsCheckpointError):
-    """Stored bytes do not match their recorded checksum."""
+    """Stored bytes do not match their recorded checksum.
+
+    Example: ``osf.load_file(path)`` of a file with a flipped bit raises it, naming the tensor."""
 
 
 class ConfigError(SafetensorsCheckpointError):
     """A model config's value that shapes a tensor (``vocab_size``, heads, ``head_dim``...) is
-    impossible: not a positive whole number, or not dividing what it must divide."""
+    impossible: not a positive whole number, or not dividing what it must divide.
+
+    Example: a preset reading a ``config.json`` whose ``num_attention_heads`` is 0 raises it."""
