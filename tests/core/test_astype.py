@@ -11,41 +11,13 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from jax_casts import EDGES as _EDGES
 from jax_casts import OLD_JAX as _OLD_JAX
+from jax_casts import bits, jax_dtypes, x64
 from jax_casts import small_float as _small_float
-from jax_casts import x64
 
 from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import dtypes as _dtypes
-
-
-@functools.cache
-def jax_dtypes() -> list[np.dtype]:
-    """The safetensors dtypes JAX itself can hold (not float6 on any release yet)."""
-    out = []
-    for name in _dtypes.SAFETENSORS_DTYPES:
-        dt = _dtypes.to_numpy(name)
-        try:
-            np.asarray(jnp.zeros(2, dt).astype(jnp.float32))
-        except Exception:
-            continue
-        out.append(dt)
-    return out
-
-
-def bits(a: np.ndarray) -> np.ndarray:
-    a = np.ascontiguousarray(a)
-    return a.view(f"u{a.dtype.itemsize}") if a.dtype.itemsize in (1, 2, 4, 8) else a.view("u1")
-
-
-_EDGES = [
-    0.0, -0.0, 0.5, -0.5, 1.0, -1.0, 1.5, 2.5, -2.5, 3.5, 127.5, -128.5, 255.5, 300.0, -300.0,
-    32767.5, 65535.5, 65504.0, 65519.0, 65520.0, 2.0**31 - 64, 2.0**31, -(2.0**31),
-    4294967295.5, 2.0**32, 2.0**53 + 2, 2.0**63, -(2.0**63), 2.0**64, 1e10, -1e10, 3e38,
-    -3e38, 1e300, -1e300, 1 / 3, 2 / 3, 1e-8, 1e-40, -1e-40, 1e-45, 5e-324, 2.0**-126,
-    2.0**-127, 448.0, 464.0, 57344.0, 61440.0, 240.0, 6.0, 7.0, np.nan, -np.nan, np.inf,
-    -np.inf,
-]  # fmt: skip
 
 
 def sources(dt: np.dtype, rng: np.random.Generator) -> np.ndarray:
