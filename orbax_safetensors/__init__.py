@@ -75,10 +75,6 @@ if TYPE_CHECKING:
         VocabRows,
     )
     from orbax_safetensors._src.orbax.object_storage import manager_options_for
-    from orbax_safetensors._src.orbax.restoring import (
-        load_file,
-        restore_directory,
-    )
     from orbax_safetensors._src.orbax.v0 import (
         SafetensorsCheckpointHandler,
         SafetensorsRestore,
@@ -91,10 +87,12 @@ if TYPE_CHECKING:
         register_handler,
     )
     from orbax_safetensors._src.pipeline.pieces import WriteStats
-    from orbax_safetensors._src.pipeline.reader import ReadStats
-    from orbax_safetensors._src.pipeline.save_job import save_directory
+    from orbax_safetensors._src.pipeline.read import ReadStats
     from orbax_safetensors._src.pipeline.standalone import (
+        load_file,
         load_metadata,
+        restore_directory,
+        save_directory,
         save_file,
     )
     from orbax_safetensors._src.storage.config import (
@@ -143,8 +141,6 @@ _LAZY: dict[str, str] = {
     "import_pytorch": "integrations.hf_import",
     "load_pytorch": "integrations.load",
     "manager_options_for": "orbax.object_storage",
-    "load_file": "orbax.restoring",
-    "restore_directory": "orbax.restoring",
     "SafetensorsCheckpointHandler": "orbax.v0",
     "SafetensorsRestore": "orbax.v0",
     "SafetensorsSave": "orbax.v0",
@@ -153,9 +149,11 @@ _LAZY: dict[str, str] = {
     "local_registry": "orbax.v1",
     "register_handler": "orbax.v1",
     "WriteStats": "pipeline.pieces",
-    "ReadStats": "pipeline.reader",
-    "save_directory": "pipeline.save_job",
+    "ReadStats": "pipeline.read",
+    "load_file": "pipeline.standalone",
     "load_metadata": "pipeline.standalone",
+    "restore_directory": "pipeline.standalone",
+    "save_directory": "pipeline.standalone",
     "save_file": "pipeline.standalone",
     "IOOptions": "storage.config",
     "ObjectStoreError": "storage.objstore.calls",

@@ -33,9 +33,7 @@ from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core.errors import HeaderError, SafetensorsCheckpointError
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.orbax.steps import PathKind
-from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
-from orbax_safetensors._src.pipeline import reader as _reader
-from orbax_safetensors._src.pipeline import standalone as _standalone
+from orbax_safetensors._src.pipeline import read as _read
 from orbax_safetensors._src.storage import confine as _confine
 from orbax_safetensors._src.storage import router as _router
 
@@ -151,7 +149,7 @@ class SafetensorsSource:
         self,
         path: epath.Path,
         kind: SourceKind,
-        stored: Mapping[str, _reader.StoredTensor],
+        stored: Mapping[str, _read.StoredTensor],
         metadata: dict[str, Any],
         origins: Mapping[str, str] | None = None,
     ) -> None:
@@ -169,8 +167,8 @@ class SafetensorsSource:
         }
 
     def read(self, names: Sequence[str]) -> dict[str, np.ndarray]:
-        requests = [_reader.ReadRequest(self.stored[n], kind=_reader.ReadKind.NUMPY) for n in names]
-        return dict(zip(names, _reader.read_tensors(requests)))
+        requests = [_read.ReadRequest(self.stored[n], kind=_read.ReadKind.NUMPY) for n in names]
+        return dict(zip(names, _read.read_tensors(requests)))
 
 
 def _relative(path: epath.Path, base: epath.Path) -> str:
@@ -186,14 +184,14 @@ def _open_file(path: epath.Path) -> TensorSource:
     if _flax_msgpack.is_flax_msgpack(path):
         return _flax_msgpack.MsgpackSource(path)
     header = _router.read_header(path)
-    _, stored = _standalone.file_index(path, header, strict=False, directory_checksums=True)
+    _, stored = _read.file_index(path, header, strict=False, directory_checksums=True)
     user, origins = _listing.header_facts(header, str(path))
     return SafetensorsSource(path, SourceKind.FILE, stored, user, origins)
 
 
 def _open_item(path: epath.Path) -> SafetensorsSource:
-    meta = _checkpoint_restore.read_metadata(path)
-    stored = _checkpoint_restore.locate_in_directory(path, meta)
+    meta = _read.read_metadata(path)
+    stored = _read.locate_in_directory(path, meta)
     user, origins = dict(meta.get("metadata") or {}), _listing.cast_origins(meta.get("schema"))
     return SafetensorsSource(path, SourceKind.ITEM, stored, user, origins)
 
@@ -210,11 +208,11 @@ def _open_safetensors_dir(path: epath.Path) -> SafetensorsSource:
         weight_map, metadata = doc["weight_map"], {"index": doc.get("metadata", {})}
         names = sorted(set(weight_map.values()))
     files = {name: _confine.inside(path, name, where=where) for name in names}
-    stored: dict[str, _reader.StoredTensor] = {}
+    stored: dict[str, _read.StoredTensor] = {}
     for filename, file in files.items():
         header = _router.read_header(file)
         metadata.setdefault("format", header.metadata.get("format"))
-        _, in_file = _standalone.file_index(file, header, strict=False)
+        _, in_file = _read.file_index(file, header, strict=False)
         for name, st in in_file.items():
             if name in stored:
                 raise HeaderError(

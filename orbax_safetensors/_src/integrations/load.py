@@ -42,7 +42,7 @@ from orbax_safetensors._src.integrations.key_mapping import (
     Transpose,
 )
 from orbax_safetensors._src.integrations.transforms import Offset, RopeInterleave, Scale, VocabRows
-from orbax_safetensors._src.pipeline import reader as _reader
+from orbax_safetensors._src.pipeline import read as _read
 from orbax_safetensors._src.storage import config as _config
 
 __all__ = ["abstract_pytorch", "load_pytorch"]
@@ -203,7 +203,7 @@ class LoadOptions:
     where: str = ""
     verify: bool = True
     io: _config.IOOptions | None = None
-    stats: _reader.ReadStats | None = None
+    stats: _read.ReadStats | None = None
 
 
 def load_tree(
@@ -256,7 +256,7 @@ def load_flat(
             f"{options.where or source.path}: the checkpoint does not fit the target through this "
             "mapping:\n" + report.problems()
         )
-    stats = options.stats if options.stats is not None else _reader.ReadStats()
+    stats = options.stats if options.stats is not None else _read.ReadStats()
     options = dataclasses.replace(options, stats=stats)  # (counted for the report)
     reads = _Reads(source, alias, options)
     values: dict[str, Any] = {}
@@ -558,15 +558,15 @@ class _Reads:
         # (a sharding of None: a host numpy array)
         stored = self.source.stored
         requests = [
-            _reader.ReadRequest(
+            _read.ReadRequest(
                 stored[self.alias.get(k, k)],
-                _reader.ReadKind.NUMPY if s is None else _reader.ReadKind.JAX,
+                _read.ReadKind.NUMPY if s is None else _read.ReadKind.JAX,
                 s,
                 verify=self.options.verify,
             )
             for k, s in zip(keys, shardings)
         ]
-        return _reader.read_tensors(requests, self.options.stats, self.options.io)
+        return _read.read_tensors(requests, self.options.stats, self.options.io)
 
 
 def _place(value: np.ndarray, target: Target) -> Any:

@@ -48,7 +48,7 @@ from orbax_safetensors._src.integrations.key_mapping import KeyMapping, MappingR
 from orbax_safetensors._src.orbax import mappings as _mappings
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
 from orbax_safetensors._src.pipeline import export_plan as _export_plan
-from orbax_safetensors._src.pipeline import reader as _reader
+from orbax_safetensors._src.pipeline import read as _read
 from orbax_safetensors._src.storage import config as _config
 
 HEADER_METADATA = {"format": "pt"}  # what transformers and safetensors.torch write
@@ -201,7 +201,7 @@ def restore_item(
     strict: bool = True,
     verify: bool = True,
     io: _config.IOOptions | None = None,
-    stats: _reader.ReadStats | None = None,
+    stats: _read.ReadStats | None = None,
 ) -> Any:
     """``target`` (a pytree, an abstract pytree, ``nnx.State``) filled from the item in
     ``directory`` through ``mapping`` (see ``load.load_tree``)."""

@@ -21,7 +21,7 @@ bytes of the shards it owns (``replica_id == 0``), through the writer a checkpoi
    - a checkpoint path: what each process reads is planned by ``export_reads`` and read one
      unit ahead on a thread (:func:`read_ahead`, while both fit in ``batch_bytes``): batches
      of links of at most half ``batch_bytes``, read sharded over the devices (byte ranges of
-     safetensors files through ``pipeline/reader.read_tensors``, whole chunks of an
+     safetensors files through ``pipeline/read.read_tensors``, whole chunks of an
      Orbax-native item through ``OrbaxSource.read_sharded``: each process reads only its
      boxes) and written as above, or, for a link read whole, by its owner process alone, as
      host-local tensors; and the stacked links of an Orbax-native item whose chunks allow it
@@ -89,7 +89,7 @@ from orbax_safetensors._src.integrations import object_export as _object_export
 from orbax_safetensors._src.integrations.key_mapping import MappingReport
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
 from orbax_safetensors._src.pipeline import pieces as _pieces
-from orbax_safetensors._src.pipeline import reader as _reader
+from orbax_safetensors._src.pipeline import read as _reader
 from orbax_safetensors._src.pipeline import snapshots as _snapshots
 from orbax_safetensors._src.storage import buffers as _buffers
 from orbax_safetensors._src.storage import interface as _interface

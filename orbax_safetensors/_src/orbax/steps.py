@@ -326,13 +326,19 @@ def scan_steps(root: epath.PathLike) -> list[StepDir]:
         [(s.step, s.committed) for s in scan_steps("/ckpt")]   # [(100, True), (200, False)]
     """
     candidates = _step_candidates(epath.Path(root))
-    recorded = {c.name for c, _ in candidates if (c / CHECKPOINT_METADATA_FILE).exists()}
-    steps = []
-    for child, number in candidates:
-        reason = _uncommitted(child)
-        siblings = bool(recorded - {child.name})
-        steps.append(StepDir(number, child, reason is None, reason or "", siblings))
+    recorded = _recorded(candidates)
+    steps = [_step_dir(child, number, recorded) for child, number in candidates]
     return sorted(steps, key=lambda s: (s.step, s.path.name))
+
+
+def _recorded(candidates: list[tuple[epath.Path, int]]) -> set[str]:
+    """The names of the step directories that hold Orbax's ``_CHECKPOINT_METADATA``."""
+    return {c.name for c, _ in candidates if (c / CHECKPOINT_METADATA_FILE).exists()}
+
+
+def _step_dir(child: epath.Path, number: int, recorded: set[str]) -> StepDir:
+    reason = _uncommitted(child)
+    return StepDir(number, child, reason is None, reason or "", bool(recorded - {child.name}))
 
 
 def _name_parts(name: str) -> tuple[str, str]:
@@ -387,11 +393,16 @@ def listed_step(path: epath.PathLike) -> StepDir | None:
     path = epath.Path(path)
     if not _STEP_NAME.match(path.name) and TMP_SUFFIX not in path.name:
         return None
+    # Only the parent's listing and which siblings hold Orbax's metadata file: the content of a
+    # sibling is never read (it lies outside what the user named).
     try:
-        steps = scan_steps(path.parent) if path.parent != path else []
+        candidates = _step_candidates(path.parent) if path.parent != path else []
     except OSError:  # a parent that cannot be listed is no root
         return None
-    return next((s for s in steps if s.path.name == path.name), None)
+    for child, number in candidates:
+        if child.name == path.name:
+            return _step_dir(child, number, _recorded(candidates))
+    return None
 
 
 def step_entry(path: epath.PathLike) -> StepDir | None:

@@ -34,13 +34,14 @@ from orbax_safetensors._src.orbax import mappings as _mappings
 from orbax_safetensors._src.orbax import object_storage as _object_storage
 from orbax_safetensors._src.orbax import restoring as _restoring
 from orbax_safetensors._src.orbax import steps as _steps
-from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
 from orbax_safetensors._src.pipeline import export_plan as _export_plan
 from orbax_safetensors._src.pipeline import gcpause as _gcpause
 from orbax_safetensors._src.pipeline import pieces as _pieces
+from orbax_safetensors._src.pipeline import read as _read
+from orbax_safetensors._src.pipeline import restore_plan as _restore_plan
 from orbax_safetensors._src.pipeline import save_job as _save_job
-from orbax_safetensors._src.pipeline.reader import ReadStats
+from orbax_safetensors._src.pipeline.read import ReadStats
 from orbax_safetensors._src.pipeline.restore_options import Words
 from orbax_safetensors._src.storage import buffers as _buffers
 from orbax_safetensors._src.storage import config as _config
@@ -496,9 +497,9 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         if _steps.item_kind(epath.Path(directory)) is _steps.PathKind.ORBAX:
             _steps.check_orbax_item(directory)
             return self._routing.handler("pytree").metadata(directory)
-        metadata = _checkpoint_restore.read_metadata(directory)
+        metadata = _read.read_metadata(directory)
         return _args.TreeMetadata.build(
-            _checkpoint_restore.abstract_tree(directory, metadata),
+            _restore_plan.abstract_tree(directory, metadata),
             custom_metadata=metadata.get("metadata") or None,
         )
 

@@ -2,7 +2,7 @@
 (``core.relayout`` decides which tensors, from global facts), and the move itself.
 
 Saving (``snapshots.iter_snapshots``, ``snapshots.iter_relaid``) and restoring
-(``reader.read_tensors``) a tensor whose across-process axis cuts a later dimension on
+(``read.read_tensors``) a tensor whose across-process axis cuts a later dimension on
 ``s3://`` / ``gs://`` go through row blocks: one contiguous byte range per process instead of
 one per row. The move is one jitted identity with the target sharding as ``out_shardings``: a
 collective, which every process reaches in the same order (each decides from the same global

@@ -57,10 +57,9 @@ from orbax_safetensors._src.core.errors import (
 )
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.orbax.steps import PathKind
-from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
-from orbax_safetensors._src.pipeline import standalone as _standalone
-from orbax_safetensors._src.pipeline.reader import StoredTensor
-from orbax_safetensors._src.pipeline.tree_restore import wrap_key
+from orbax_safetensors._src.pipeline import read as _read
+from orbax_safetensors._src.pipeline.place import wrap_key
+from orbax_safetensors._src.pipeline.read import StoredTensor
 from orbax_safetensors._src.storage import buffers as _buffers
 from orbax_safetensors._src.storage import confine as _confine
 from orbax_safetensors._src.storage import router as _router
@@ -265,7 +264,7 @@ class _Checker:
         if header is None:
             return
         try:
-            schema, stored = _standalone.file_index(path, header)
+            schema, stored = _read.file_index(path, header)
         except SafetensorsCheckpointError as e:
             self.report._problem(str(e))
             return
@@ -294,7 +293,7 @@ class _Checker:
         metadata and checksums); a file the metadata does not list is checked on its own.
         """
         try:
-            metadata = _checkpoint_restore.read_metadata(directory)
+            metadata = _read.read_metadata(directory)
         except _READ_ERRORS as e:
             self.report._problem(_message(e, directory))
             return
@@ -313,9 +312,7 @@ class _Checker:
             elif (header := self._header(directory / filename)) is not None:
                 headers[filename] = header
         try:
-            stored = _checkpoint_restore.locate_in_directory(
-                directory, metadata, check_headers=True
-            )
+            stored = _read.locate_in_directory(directory, metadata, check_headers=True)
         except _READ_ERRORS as e:
             self.report._problem(_message(e, directory))
             return
