@@ -172,10 +172,14 @@ def test_dtype_and_refusals_write_nothing(models, tmp_path):
     got = flat(maxtext_loader.load_params_from_path(root / "0" / "items", maxtext_abstract(want)))
     for name, value in flat(want).items():
         assert stored(root / "0")["params"][name].dtype == ml_dtypes.bfloat16
-        np.testing.assert_array_equal(got[name], value.astype(ml_dtypes.bfloat16).astype(np.float32))
+        np.testing.assert_array_equal(
+            got[name], value.astype(ml_dtypes.bfloat16).astype(np.float32)
+        )
     with pytest.raises(osf.SafetensorsCheckpointError, match=r"step 0 exists already"):
         osf.import_pytorch(hf, root, "maxtext-llama3")
-    with pytest.raises(ValueError, match=r"'llama': not a MaxText preset \(maxtext-llama3, .*\) nor module:attr"):
+    with pytest.raises(
+        ValueError, match=r"'llama': not a MaxText preset \(maxtext-llama3, .*\) nor module:attr"
+    ):
         osf.import_pytorch(hf, tmp_path / "other", "llama")
     with pytest.raises(ValueError, match=r"maps 'qwen2' models; the config is a 'llama'"):
         osf.import_pytorch(hf, tmp_path / "other", "maxtext-qwen2")
@@ -197,3 +201,76 @@ def test_an_orbax_without_v1_training_is_named():
         pytest.skip("this orbax-checkpoint has orbax.checkpoint.v1.training (the floor has not)")
     with pytest.raises(ImportError, match=r"orbax-checkpoint >= 0\.12\.8.*installed"):
         osf.import_pytorch("unused", "unused", "maxtext-llama3")
+
+
+def _hostile(models, tmp_path, case):
+    """A copy of the tiny LLaMA's directory made hostile in one way."""
+    import safetensors.numpy
+
+    _, hf = models("llama3")
+    config = json.loads((hf / "config.json").read_text())
+    tensors = maxtext_layout.hf_tensors(hf)
+    d = tmp_path / case
+    d.mkdir()
+    claims = {"vocab": {"vocab_size": config["vocab_size"] - 1}, "layers": {"num_hidden_layers": 3},
+              "heads": {"num_attention_heads": 3}, "string": {"num_attention_heads": "4"}}  # fmt: skip
+    (d / "config.json").write_text(json.dumps(config | claims.get(case, {})))
+    safetensors.numpy.save_file(tensors, str(d / "model.safetensors"))
+    if case == "outside":  # an index naming a file out of the directory
+        index = {"weight_map": {k: "../llama3/model.safetensors" for k in tensors}}
+        (d / "model.safetensors.index.json").write_text(json.dumps(index))
+        (d / "model.safetensors").rename(d / "unused.bin")
+    elif case == "truncated":
+        (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:-100])
+    return d
+
+
+HOSTILE = {
+    "outside": r"model\.safetensors\.index\.json: names '\.\./llama3/model\.safetensors', which leads outside",
+    "vocab": r"config\.json: vocab_size 95, but .* has 96 rows",
+    "layers": r"config\.json: num_hidden_layers 3, but the tensors hold layers 0 to 1 \(2\)",
+    "heads": r"config\.json: num_key_value_heads 2 does not divide num_attention_heads 3",
+    "string": r"config\.json: num_attention_heads is '4', not a whole number",
+    "truncated": r"model\.safetensors: tensor '.*' ends at \d+, past the \d+-byte data section",
+}  # fmt: skip
+
+
+@V1
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_input_is_one_error_line_and_leaves_nothing(models, tmp_path, capsys, case):
+    from orbax_safetensors._src.tools import cli
+
+    hf = _hostile(models, tmp_path, case)
+    out = tmp_path / "new" / "ckpt"  # neither exists: both must be gone after the failure
+    assert cli.main(["import", str(hf), str(out), "--mapping", "maxtext-llama3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("orbax-safetensors import: error: "), err
+    assert __import__("re").search(HOSTILE[case], err), err
+    assert not (tmp_path / "new").exists()
+    with pytest.raises(osf.SafetensorsCheckpointError):  # the same from Python
+        osf.import_pytorch(hf, out, "maxtext-llama3")
+    assert not (tmp_path / "new").exists()
+
+
+@V1
+def test_the_command_line_writes_what_maxtext_reads(models, tmp_path, capsys):
+    from orbax_safetensors._src.tools import cli
+
+    _, hf = models("llama3")
+    root = tmp_path / "ckpt"
+    argv = ["import", str(hf), str(root), "--mapping", "maxtext-llama3", "--step", "2"]
+    assert cli.main([*argv, "--no-scan-layers", "--dtype", "bfloat16"]) == 0
+    items = root / "2" / "items"
+    assert f"load_parameters_path={items}" in capsys.readouterr().out
+    assert maxtext_loader.verify_scan_layers(items, scan_layers=False) is False
+    mapping = osf.preset_mapping("maxtext-llama3", hf_config=hf, scan_layers=False)
+    want = osf.load_pytorch(None, hf, mapping)["params"]
+    got = flat(maxtext_loader.load_params_from_path(items, maxtext_abstract(want)))
+    for name, value in flat(want).items():
+        np.testing.assert_array_equal(
+            got[name], value.astype(ml_dtypes.bfloat16).astype(np.float32)
+        )
+    assert cli.main(argv) == 2  # step 2 exists: refused, left as it was
+    assert "step 2 exists already" in capsys.readouterr().err
+    assert cli.main(["import", str(hf), str(tmp_path / "x"), "--mapping", "llama"]) == 2
+    assert "not a MaxText preset" in capsys.readouterr().err and not (tmp_path / "x").exists()

@@ -30,14 +30,18 @@ from etils import epath
 from orbax_safetensors._src.catalog import sources as _sources
 from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
 from orbax_safetensors._src.core import casting as _casting
-from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
+from orbax_safetensors._src.core.errors import ConfigError, SafetensorsCheckpointError
 from orbax_safetensors._src.integrations import load as _load
+from orbax_safetensors._src.integrations import model_files as _model_files
 from orbax_safetensors._src.integrations import presets as _presets
+from orbax_safetensors._src.integrations.config_facts import ConfigFacts
 from orbax_safetensors._src.integrations.key_mapping import KeyMapping, MappingReport
+from orbax_safetensors._src.storage import replace as _replace
 
 __all__ = ["import_pytorch"]
 
 ITEM = "items"  # the checkpointable MaxText keeps its train state in
+_TMP = ".orbax-checkpoint-tmp"  # Orbax's suffix of a step directory being written
 
 
 def import_pytorch(
@@ -51,52 +55,42 @@ def import_pytorch(
     vocab_size: int | None = None,
     batch_bytes: int = _sources.DEFAULT_BATCH_BYTES,
 ) -> MappingReport:
-    """Writes a Hugging Face (PyTorch safetensors) checkpoint as step ``step`` of the Orbax
-    checkpoint ``directory``, in the layout MaxText's ``to_maxtext`` saves and its
-    ``load_parameters_path`` reads (``directory/<step>/items``): the checkpointable ``items``
-    holding ``{"step": step, **tree, "opt_state": {}}``, where ``tree`` is what the mapping
-    makes of the files (a MaxText preset's: ``{"params": {"params": {"decoder", ...}}}``, and
-    DeepSeek's ``MoEBiasVar`` collection beside ``params``), and ``custom_metadata``
-    ``{"scan_layers": ...}``.
+    """Writes a Hugging Face checkpoint as step ``step`` of the Orbax checkpoint ``directory``
+    in the layout MaxText 0.2.5's ``to_maxtext`` saves and its ``load_parameters_path``
+    reads (``directory/<step>/items``): the checkpointable ``items`` holding ``{"step": step,
+    **tree, "opt_state": {}}`` (``tree``: the mapping's, ``{"params": {"params": ...}}``, plus
+    DeepSeek's ``MoEBiasVar``), ``custom_metadata`` ``{"scan_layers": ...}``, OCDBT and zarr3.
 
-    Every tensor is split over all the devices of the job and each process reads only the byte
-    ranges of its own shards and writes only them (run it on every process of a
-    ``jax.distributed`` job, with the same arguments, ``directory`` on a file system they all
-    see). Tensors are read ``batch_bytes`` at a time onto the devices, and Orbax's save copies
-    at most ``batch_bytes`` at a time from the devices to the host: host memory follows the
-    batch; the devices hold the model, split over them.
+    Run it on every process of a ``jax.distributed`` job with the same arguments: every tensor
+    is split over all devices, each process reads only the byte ranges of its own shards,
+    ``batch_bytes`` at a time, and writes only them; host memory follows the batch. A failure
+    leaves nothing behind (neither the step nor directories the call created).
 
     Args:
       path: a Hugging Face model directory (or a ``.safetensors`` file, or its index).
-      directory: the checkpoint's root: step ``step`` is written in it, which must not exist.
-      mapping: a MaxText preset's name (``"maxtext-llama3"``..., ``osf.hf.PRESETS``), built
-        from ``path``'s ``config.json`` with ``scan_layers`` (default True, as MaxText) and
-        ``vocab_size``; or a :class:`KeyMapping` (its names start at the train state's top).
+      directory: the checkpoint's root; its step ``step`` must not exist.
+      mapping: a MaxText preset's name (``"maxtext-llama3"``..., built from ``path``'s
+        ``config.json`` with ``scan_layers``, default True, and ``vocab_size``, the MaxText
+        vocabulary where it pads past the config's), or a :class:`KeyMapping`.
       step: the step directory and the state's ``step``.
-      dtype: a dtype policy over the tree's dotted names, as ``export_pytorch`` takes it (one
-        dtype casts every floating-point tensor: MaxText's ``weight_dtype``, float32, or
-        ``bfloat16``), applied after the mapping's transforms. Default: as stored.
-      scan_layers: MaxText's ``scan_layers`` (recorded in ``custom_metadata``, which MaxText
-        checks against its config); with a mapping, recorded when given.
-      vocab_size: with a preset's name: the MaxText model's vocabulary, when padded past the
-        config's (the embedding and head get zero rows).
+      dtype: a dtype policy over the tree's dotted names, as ``export_pytorch`` takes it
+        (``"bfloat16"``: every floating-point tensor), applied after the transforms.
+      scan_layers: recorded in ``custom_metadata`` (MaxText checks it against its config).
+      vocab_size: with a preset's name, MaxText's vocabulary (the embedding gets zero rows).
       batch_bytes: tensor bytes read at a time, and the bound of Orbax's host copies.
 
     Returns:
       The :class:`MappingReport` of the load (``bytes_read``: this process's).
 
     Raises:
-      TargetMismatchError: a key no rule maps, or a tensor that does not fit, before anything
-        is read or written.
-      SafetensorsCheckpointError: step ``step`` of ``directory`` exists already.
-      ImportError: an orbax-checkpoint without ``orbax.checkpoint.v1.training`` (MaxText
-        0.2.5's writer; orbax-checkpoint >= 0.12.8), naming the installed version.
+      SafetensorsCheckpointError: hostile or unfitting input, before anything is written (a
+        key no rule maps, a config contradicting the tensors, a path outside ``path``), or
+        an existing step; ImportError: an orbax-checkpoint without ``v1.training``.
 
     Example::
 
-        osf.import_pytorch("/models/Qwen2.5-7B", "gs://bucket/qwen", "maxtext-qwen2", step=0)
-        osf.import_pytorch(hf, ckpt, osf.hf.presets.maxtext.gemma2(hf, scan_layers=False),
-                           scan_layers=False, vocab_size=256128, dtype="bfloat16")
+        osf.import_pytorch("/models/Qwen2.5-7B", "gs://bucket/qwen", "maxtext-qwen2")
+        # MaxText: load_parameters_path=gs://bucket/qwen/0/items
     """
     v1 = _training_orbax()
     mapping, scan_layers = resolve(mapping, path, scan_layers, vocab_size)
@@ -107,7 +101,29 @@ def import_pytorch(
         raise SafetensorsCheckpointError(
             f"{root / str(step)}: step {step} exists already (remove it or give another step)"
         )
+    # A failure leaves nothing behind: the directories this call created, and Orbax's
+    # temporary step directory, are removed (storage/replace.made_parents).
+    with _replace.made_parents(root / str(step)):
+        try:
+            return _write(v1, path, root, mapping, step, dtype, scan_layers, batch_bytes)
+        except BaseException:
+            if jax.process_index() == 0:
+                _remove_step(root, step)
+            raise
+
+
+def _write(
+    v1: Any,
+    path: epath.PathLike,
+    root: epath.Path,
+    mapping: KeyMapping,
+    step: int,
+    dtype: _casting.DtypePolicy | None,
+    scan_layers: bool | None,
+    batch_bytes: int,
+) -> MappingReport:
     source = _sources.open_source(_load.source_path(path))
+    _check_config(source)
     targets = _cast(_load.derived_targets(source.tensors, mapping), _casting.parse_policy(dtype))
     links, _ = _load.plan_links(dict(source.tensors), targets, mapping)
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("devices",))
@@ -126,6 +142,31 @@ def import_pytorch(
     with v1.training.Checkpointer(root, context=context) as checkpointer:
         checkpointer.save_checkpointables(step, {ITEM: state}, custom_metadata=metadata, force=True)
     return report
+
+
+def _check_config(source: _sources.TensorSource) -> None:
+    # The sizes the directory's config.json claims (which the presets are built of) against
+    # its tensors (config_facts.py): a forged vocab_size or layer count is refused, not
+    # written into MaxText's layout.
+    config = epath.Path(source.path) / _model_files.CONFIG_FILE_NAME
+    if not epath.Path(source.path).is_dir() or not config.exists():
+        return
+    facts = ConfigFacts.of(config).validated()
+    problems = facts.tensor_problems({k: tuple(t.shape) for k, t in source.tensors.items()})
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def _remove_step(root: epath.Path, step: int) -> None:
+    # Step ``step`` did not exist before the call: what is there now under its name is ours.
+    if not root.exists():
+        return
+    for child in root.iterdir():
+        if child.name == str(step) or child.name.startswith(f"{step}{_TMP}"):
+            if child.is_dir():
+                child.rmtree(missing_ok=True)
+            else:
+                child.unlink(missing_ok=True)
 
 
 def resolve(
