@@ -53,7 +53,10 @@ class _Unused(types.ModuleType):
         raise AssertionError(f"MaxText's {self.__name__}.{name} is not emulated here")
 
 
-def _functions(member: str, names: tuple[str, ...], namespace: dict[str, Any]) -> None:
+def functions(member: str, names: tuple[str, ...], namespace: dict[str, Any]) -> None:
+    """Runs the top-level functions ``names`` of the wheel's ``member`` (``maxtext/...py``), as
+    written, in ``namespace`` (which supplies what they use). Skips the calling test without
+    MaxText's wheel."""
     found = maxtext_reference.source(member)
     if found is None:
         optional_deps.missing(
@@ -90,10 +93,10 @@ def _reader() -> dict[str, Any]:
         "maxtext_sharding": _Unused("maxtext_sharding"),
         "quantizations": _Unused("quantizations"),
     }  # fmt: skip
-    _functions(CHECKPOINTING, FUNCTIONS, namespace)
+    functions(CHECKPOINTING, FUNCTIONS, namespace)
     checkpointing = types.SimpleNamespace(**namespace)
     creation = {"checkpointing": checkpointing, "max_logging": namespace["max_logging"]}
-    _functions(CREATION, ("verify_and_sync_scan_layers",), creation)
+    functions(CREATION, ("verify_and_sync_scan_layers",), creation)
     namespace["verify_and_sync_scan_layers"] = creation["verify_and_sync_scan_layers"]
     return namespace
 

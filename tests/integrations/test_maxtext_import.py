@@ -51,10 +51,11 @@ CONFIGS = {
         qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, tie_word_embeddings=False,
     ),
 }  # fmt: skip
-# (kind, scan_layers, the files' dtype); llama3 with head_dim 16: a query scale that round trips
-CASES = [("llama3", True, None), ("deepseek3", True, None), ("gemma2", False, None),
-         ("gemma2", True, ml_dtypes.bfloat16)]  # fmt: skip
-IDS = ["llama3-scanned", "deepseek3-scanned", "gemma2-unscanned", "gemma2-bf16-scanned"]
+# (kind, scan_layers, the files' dtype, MaxText's vocabulary where padded past the config's);
+# llama3 with head_dim 16: a query scale that round trips
+CASES = [("llama3", True, None, None), ("deepseek3", True, None, None),
+         ("gemma2", False, None, 104), ("gemma2", True, ml_dtypes.bfloat16, None)]  # fmt: skip
+IDS = ["llama3-scanned", "deepseek3-scanned", "gemma2-unscanned-padded", "gemma2-bf16-scanned"]
 
 
 def bits(x):
@@ -116,20 +117,26 @@ def maxtext_abstract(tree):
 
 
 @V1
-@pytest.mark.parametrize(("kind", "scan_layers", "dtype"), CASES, ids=IDS)
+@pytest.mark.parametrize(("kind", "scan_layers", "dtype", "vocab"), CASES, ids=IDS)
 def test_maxtexts_reader_restores_the_import_and_an_export_gives_the_model(
-    models, tmp_path, kind, scan_layers, dtype
+    models, tmp_path, kind, scan_layers, dtype, vocab
 ):
     net, hf = models(kind, dtype)
     root = tmp_path / "ckpt"
-    report = osf.import_pytorch(hf, root, f"maxtext-{kind}", step=3, scan_layers=scan_layers)
+    report = osf.import_pytorch(
+        hf, root, f"maxtext-{kind}", step=3, scan_layers=scan_layers, vocab_size=vocab
+    )
     assert report.ok, report.problems()
     items = root / "3" / "items"
     meta = json.loads((root / "3" / "_CHECKPOINT_METADATA").read_text())
     assert meta["custom_metadata"] == {"scan_layers": scan_layers}
     assert sorted(meta["item_handlers"]) == ["items"]
-    mapping = osf.preset_mapping(f"maxtext-{kind}", hf_config=hf, scan_layers=scan_layers)
+    mapping = osf.preset_mapping(
+        f"maxtext-{kind}", hf_config=hf, scan_layers=scan_layers, vocab_size=vocab
+    )
     want = osf.load_pytorch(None, hf, mapping)  # one process, on the host
+    embedding = want["params"]["params"]["token_embedder"]["embedding"]
+    assert embedding.shape[0] == (vocab or 96)  # (zero rows past the config's)
     # (a) MaxText's own reader, into the model's abstract parameters
     assert maxtext_loader.verify_scan_layers(items, scan_layers=scan_layers) is scan_layers
     with pytest.raises(ValueError, match="saved with scan_layers"):
@@ -220,6 +227,9 @@ def _hostile(models, tmp_path, case):
         index = {"weight_map": {k: "../llama3/model.safetensors" for k in tensors}}
         (d / "model.safetensors.index.json").write_text(json.dumps(index))
         (d / "model.safetensors").rename(d / "unused.bin")
+    elif case == "symlink":  # the model file a link to one out of the directory
+        (d / "model.safetensors").unlink()
+        (d / "model.safetensors").symlink_to(hf / "model.safetensors")
     elif case == "truncated":
         (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:-100])
     return d
@@ -227,6 +237,7 @@ def _hostile(models, tmp_path, case):
 
 HOSTILE = {
     "outside": r"model\.safetensors\.index\.json: names '\.\./llama3/model\.safetensors', which leads outside",
+    "symlink": r"model\.safetensors.*(symbolic link|outside)",
     "vocab": r"config\.json: vocab_size 95, but .* has 96 rows",
     "layers": r"config\.json: num_hidden_layers 3, but the tensors hold layers 0 to 1 \(2\)",
     "heads": r"config\.json: num_key_value_heads 2 does not divide num_attention_heads 3",
