@@ -252,6 +252,7 @@ def test_hostile_input_is_one_error_line_and_leaves_nothing(models, tmp_path, ca
     from orbax_safetensors._src.tools import cli
 
     hf = _hostile(models, tmp_path, case)
+    capsys.readouterr()  # (what building the model printed)
     out = tmp_path / "new" / "ckpt"  # neither exists: both must be gone after the failure
     assert cli.main(["import", str(hf), str(out), "--mapping", "maxtext-llama3"]) == 2
     err = capsys.readouterr().err
@@ -268,6 +269,7 @@ def test_the_command_line_writes_what_maxtext_reads(models, tmp_path, capsys):
     from orbax_safetensors._src.tools import cli
 
     _, hf = models("llama3")
+    capsys.readouterr()  # (what building the model printed)
     root = tmp_path / "ckpt"
     argv = ["import", str(hf), str(root), "--mapping", "maxtext-llama3", "--step", "2"]
     assert cli.main([*argv, "--no-scan-layers", "--dtype", "bfloat16"]) == 0
