@@ -201,6 +201,10 @@ def test_dtype_and_refusals_write_nothing(models, tmp_path):
     with pytest.raises(osf.TargetMismatchError, match=r"model\.extra\.weight"):
         osf.import_pytorch(odd, tmp_path / "other", "maxtext-llama3")
     assert not (tmp_path / "other").exists()
+    before = sorted(p.name for p in root.iterdir())  # a checkpoint's other steps are kept
+    with pytest.raises(osf.TargetMismatchError, match=r"model\.extra\.weight"):
+        osf.import_pytorch(odd, root, "maxtext-llama3", step=1)
+    assert sorted(p.name for p in root.iterdir()) == before == ["0"]
 
 
 def test_an_orbax_without_v1_training_is_named():
