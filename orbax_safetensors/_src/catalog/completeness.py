@@ -1,5 +1,5 @@
 """What a committed step lacks that restoring it needs: the one judgement of a step's
-completeness, for ``verify``, ``inspect`` and ``convert``.
+completeness, for ``verify``, ``inspect`` and every tool that reads a step's tensors.
 
 Orbax deletes an old step (``max_to_keep``) file by file, in directory listing order or (with
 several deletion threads) in no order, and lists the step until its directory itself is gone;
@@ -67,7 +67,7 @@ _NAMED_CHUNKS = 4096  # beyond this many missing chunk files, a grid is counted,
 def missing_entries(step: epath.PathLike | StepDir) -> list[str]:
     """What a committed step lacks that restoring it needs, relative to the step; empty when
     nothing is missing. The one judgement of a step's completeness: ``verify``, ``inspect``
-    and ``convert`` ask here (see the comment above for what is required).
+    and the tools that read a step's tensors (:func:`refuse_incomplete`) ask here (see the comment above for what is required).
 
     A step Orbax lists with entries missing cannot be restored: typically an old step whose
     deletion by Orbax's cleanup (``max_to_keep``) was interrupted by a kill. Pass the
@@ -400,6 +400,20 @@ def require_complete(step: epath.PathLike | StepDir) -> None:
             "Orbax's cleanup (max_to_keep) was deleting it: delete it, or name the other steps "
             "one by one"
         )
+
+
+def refuse_incomplete(path: epath.PathLike) -> None:
+    """Raises when ``path`` names a committed step (as its root lists it, or on its own) that
+    lacks what restoring it needs: every tool that reads a step's tensors (``convert``,
+    ``diff``, ``export``, ``load_pytorch``: :func:`catalog.sources.open_source`) would
+    otherwise read what is left as if it were the checkpoint. Anything else passes.
+
+    Raises:
+      SafetensorsCheckpointError: naming the step and what it lacks (:func:`require_complete`).
+    """
+    entry = _steps.step_entry(path)
+    if entry is not None and entry.committed:
+        require_complete(entry)
 
 
 def incomplete_warning(

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import numpy as np
 from etils import epath
 
+from orbax_safetensors._src.catalog import completeness as _completeness
 from orbax_safetensors._src.catalog import flax_msgpack as _flax_msgpack
 from orbax_safetensors._src.catalog import listing as _listing
 from orbax_safetensors._src.catalog.listing import SourceKind, TensorInfo
@@ -112,6 +113,8 @@ def _resolve(
         raise SafetensorsCheckpointError(
             f"{path} is {kind.noun}, not a CheckpointManager root: step= does not apply"
         )
+    if kind is not PathKind.ROOT:  # a step Orbax lists with parts gone is no checkpoint
+        _completeness.refuse_incomplete(path)
     if kind is PathKind.STEP:
         items = _steps.list_items(path)
         tensors = [n for n, k in items.items() if k in _steps.TENSOR_KINDS]

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 from etils import epath
 
+from orbax_safetensors._src.catalog import completeness as _completeness
 from orbax_safetensors._src.catalog import orbax_source as _orbax_source
 from orbax_safetensors._src.catalog import sources as _sources
 from orbax_safetensors._src.core import select as _select
@@ -126,7 +127,8 @@ def _open(path: epath.Path) -> _sources.TensorSource:
 
 def _sources_of(path: epath.Path) -> dict[str, _sources.TensorSource]:
     kind = _steps.classify(path)
-    if kind is PathKind.STEP:
+    if kind is PathKind.STEP:  # compared item by item: judged whole here, as open_source would
+        _completeness.refuse_incomplete(path)
         items = [n for n, k in _steps.list_items(path).items() if k in _steps.TENSOR_KINDS]
         if not items:
             raise _steps.not_a_checkpoint(path)
