@@ -76,7 +76,7 @@ from etils import epath
 
 from orbax_safetensors._src.catalog import sources as _sources
 from orbax_safetensors._src.compat import multihost as _multihost
-from orbax_safetensors._src.core import astype as _astype
+from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import runs as _runs
@@ -511,7 +511,7 @@ def _link_pieces(
             for index, data in _snapshots.owned_shards(x):
                 host = np.asarray(data)
                 if host.dtype != stored:
-                    host = _astype.astype(host, stored)
+                    host = _casting.astype(host, stored)
                 for j, box, values in _export_plan.shard_boxes(link, k, index, host, shapes):
                     key = link.torch[j]
                     if key not in tied:
