@@ -50,6 +50,7 @@ if TYPE_CHECKING:
         Header,
         TensorEntry,
     )
+    from orbax_safetensors._src.integrations.hf_import import import_pytorch
     from orbax_safetensors._src.integrations.key_mapping import (
         Chain,
         KeyMapping,
@@ -137,6 +138,7 @@ _LAZY: dict[str, str] = {
     "VocabRows": "integrations.transforms",
     "abstract_pytorch": "integrations.load",
     "export_pytorch": "integrations.pytorch",
+    "import_pytorch": "integrations.hf_import",
     "load_pytorch": "integrations.load",
     "manager_options_for": "orbax.object_storage",
     "SafetensorsCheckpointHandler": "orbax.v0",
@@ -275,6 +277,7 @@ __all__ = [
     "export_pytorch",
     "handler_registry",
     "hf",
+    "import_pytorch",
     "load_file",
     "load_metadata",
     "load_model",

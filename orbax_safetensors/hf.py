@@ -26,6 +26,7 @@ from orbax_safetensors._src.integrations import presets
 
 # Importing publish registers KeyMapping with the Orbax args, for SafetensorsSave(mapping=).
 from orbax_safetensors._src.integrations import publish as _publish  # noqa: F401
+from orbax_safetensors._src.integrations.hf_import import import_pytorch
 from orbax_safetensors._src.integrations.key_mapping import (
     Chain,
     KeyMapping,
@@ -62,6 +63,7 @@ __all__ = [
     "VocabRows",
     "abstract_pytorch",
     "export_pytorch",
+    "import_pytorch",
     "load_pytorch",
     "preset_mapping",
     "presets",
