@@ -168,6 +168,30 @@ def test_a_named_step_is_judged_without_reading_its_siblings(tmp_path: Path) -> 
     assert not report.ok and report.incomplete == [str(tmp_path / "7")]
 
 
+def test_another_roots_step_beside_a_named_directory_vouches_for_nothing(tmp_path: Path) -> None:
+    # pytest's own temporary directories look like this: ``test_a_0`` beside ``test_b_0`` that
+    # holds Orbax's metadata file. A step of another name prefix is another manager's (or no
+    # step at all): the named directory is not judged half-deleted by it.
+    osf.save_directory({"w": np.arange(4.0)}, tmp_path / "test_a_0" / "state")
+    (tmp_path / "test_b_0").mkdir()
+    (tmp_path / "test_b_0" / "_CHECKPOINT_METADATA").write_text("{}")
+    report = osf.verify(tmp_path / "test_a_0")
+    assert report.ok and report.incomplete == [], report.problems
+
+
+def test_a_directory_of_tensors_named_like_a_step_is_read_as_it_is(tmp_path: Path) -> None:
+    # A Hugging Face directory (or pytest's ``test_x_0``) holds tensors itself: a step that is
+    # one item, never "a step missing every item".
+    hf = tmp_path / "model_0"
+    hf.mkdir()
+    safetensors.numpy.save_file(
+        {"w": np.arange(6, dtype=np.float32)}, str(hf / "model.safetensors")
+    )
+    summary = osf.convert(hf, tmp_path / "out")
+    assert (summary.direction, summary.tensors, summary.bytes) == ("orbax", 1, 24)
+    assert osf.verify(hf).ok
+
+
 # --------------------------------------------------------------------------- CheckpointManager
 
 

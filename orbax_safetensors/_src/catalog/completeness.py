@@ -34,6 +34,7 @@ from orbax_safetensors._src.orbax.steps import (
     ORBAX_METADATA_FILE,
     TMP_SUFFIX,
     ArrayStorage,
+    PathKind,
     StepDir,
 )
 
@@ -103,7 +104,8 @@ def missing_entries(step: epath.PathLike | StepDir) -> list[str]:
         missing += _missing_in_item(path / name, f"{name}/", handler, name in named or not recorded)
     if _orbaxcompat.orbax_uses_legacy_commit_rule():
         missing.extend(n for n in _unfinished_items(path) if n not in missing)
-    if not named and not present and not missing:
+    if not named and not present and not missing and _steps.item_kind(path) is PathKind.OTHER:
+        # (a directory that holds tensors itself is a step that is one item, read as it is)
         missing.append("every item (the step directory holds none)")
     return missing
 

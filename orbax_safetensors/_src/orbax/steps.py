@@ -338,7 +338,16 @@ def _recorded(candidates: list[tuple[epath.Path, int]]) -> set[str]:
 
 def _step_dir(child: epath.Path, number: int, recorded: set[str]) -> StepDir:
     reason = _uncommitted(child)
-    return StepDir(number, child, reason is None, reason or "", bool(recorded - {child.name}))
+    # Only a step of the same manager vouches for the rule: one root's steps share one name
+    # prefix (its ``step_prefix``); another prefix is another root's or no step at all.
+    prefix = _name_parts(_base_name(child.name))[0]
+    siblings = any(_name_parts(_base_name(n))[0] == prefix for n in recorded - {child.name})
+    return StepDir(number, child, reason is None, reason or "", siblings)
+
+
+def _base_name(name: str) -> str:
+    """A step directory's name without the suffix of a save in progress."""
+    return name.split(TMP_SUFFIX, 1)[0]
 
 
 def _name_parts(name: str) -> tuple[str, str]:
@@ -425,7 +434,7 @@ def step_entry(path: epath.PathLike) -> StepDir | None:
     if _other_handler(_recorded_handlers(path)):
         return None  # one item of another handler (ocp.Checkpointer): an item, not a step
     reason = uncommitted_reason(path)
-    m = _STEP_NAME.match(path.name.split(TMP_SUFFIX, 1)[0])
+    m = _STEP_NAME.match(_base_name(path.name))
     return StepDir(int(m.group(2)) if m else -1, path, reason is None, reason or "")
 
 
