@@ -40,9 +40,9 @@ if str(HERE.parent) not in sys.path:
     sys.path.insert(0, str(HERE.parent))
 
 from benchmarks.scale_model import MODELS, Mesh, model_specs  # noqa: E402
-from orbax_safetensors._src.core import groups as _groups  # noqa: E402
 from orbax_safetensors._src.core import metadata as _metadata  # noqa: E402
 from orbax_safetensors._src.core import plan as _plan  # noqa: E402
+from orbax_safetensors._src.core import relayout as _groups  # noqa: E402
 from orbax_safetensors._src.storage.objstore import upload_plan as _up  # noqa: E402
 
 sys.path.insert(0, str(HERE.parent / "tests" / "helpers"))
@@ -147,7 +147,7 @@ def plan_save(
 ) -> tuple[_plan.CheckpointPlan, list[_up.FileOwners], np.ndarray]:
     """What every process of a save of ``specs`` plans: the file plan, each file's owners,
     each process's in-place write runs. ``joined`` (object storage): the save joins
-    ``core.groups``' groups on the devices (every tensor is a ``jax.Array`` sharded by
+    ``core.relayout``' groups on the devices (every tensor is a ``jax.Array`` sharded by
     ``partition`` on ``mesh``, so its key is its shape, dtype and partition) and places their
     members next to each other in the files, as the real save does. ``metadata``: each
     header's ``__metadata__``."""

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
         Header,
         TensorEntry,
     )
+    from orbax_safetensors._src.integrations.export import export_pytorch
     from orbax_safetensors._src.integrations.key_mapping import (
         Chain,
         KeyMapping,
@@ -64,7 +65,6 @@ if TYPE_CHECKING:
     from orbax_safetensors._src.integrations.presets import preset_mapping
     from orbax_safetensors._src.integrations.pytorch import (
         abstract_pytorch,
-        export_pytorch,
         load_pytorch,
     )
     from orbax_safetensors._src.integrations.transforms import (
@@ -137,7 +137,7 @@ _LAZY: dict[str, str] = {
     "Scale": "integrations.transforms",
     "VocabRows": "integrations.transforms",
     "abstract_pytorch": "integrations.pytorch",
-    "export_pytorch": "integrations.pytorch",
+    "export_pytorch": "integrations.export",
     "load_pytorch": "integrations.pytorch",
     "manager_options_for": "orbax.object_storage",
     "load_file": "orbax.restoring",
@@ -166,9 +166,6 @@ _LAZY: dict[str, str] = {
     "VerifyReport": "tools.verify",
     "verify": "tools.verify",
 }
-# Modules whose names make key mappings: using them also imports ``integrations/publish``,
-# which registers ``KeyMapping`` with the Orbax args (``SafetensorsSave(..., mapping=)``).
-_REGISTERS_MAPPINGS = ("integrations.key_mapping", "integrations.presets")
 
 
 def __getattr__(name: str) -> Any:
@@ -176,8 +173,6 @@ def __getattr__(name: str) -> Any:
     if module_name is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     module = importlib.import_module(f"{__name__}._src.{module_name}")
-    if module_name in _REGISTERS_MAPPINGS:
-        importlib.import_module(f"{__name__}._src.integrations.publish")
     value = getattr(module, name)
     globals()[name] = value  # later uses are plain attribute reads
     return value

@@ -127,7 +127,7 @@ assert save_file is osf.save_file and KeyMapping.__module__.startswith('orbax_sa
 
 
 def test_a_key_mapping_from_the_package_works_with_the_orbax_args() -> None:
-    """Using a mapping name registers KeyMapping with the Orbax args (integrations/publish)."""
+    """A KeyMapping from the package works as the Orbax args' mapping= (its protocol methods)."""
     code = """
 import numpy as np
 import orbax_safetensors as osf

@@ -19,9 +19,9 @@ import orbax.checkpoint as ocp
 
 from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.orbax import args as _args
-from orbax_safetensors._src.orbax import mappings as _mappings
 from orbax_safetensors._src.orbax import save_args as _save_args
 from orbax_safetensors._src.orbax.tree_metadata import TreeMetadata
+from orbax_safetensors._src.pipeline import export as _export
 from orbax_safetensors._src.storage import config as _config
 
 
@@ -80,7 +80,7 @@ class SafetensorsRestore(ocp.args.CheckpointArgs):
     def __post_init__(self) -> None:
         _select.Selection.of(self.include, self.exclude)  # a bad pattern fails here
         if self.mapping is not None:
-            _mappings.hooks_for(self.mapping)  # an unknown mapping type fails here
+            _export.check_mapping(self.mapping)  # an unknown mapping type fails here
             unused = [
                 n
                 for n, v in (

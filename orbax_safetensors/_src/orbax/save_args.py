@@ -16,9 +16,8 @@ import orbax.checkpoint as ocp
 
 from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.orbax import args as _args
-from orbax_safetensors._src.orbax import mappings as _mappings
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
-from orbax_safetensors._src.pipeline import export_plan as _export_plan
+from orbax_safetensors._src.pipeline import export as _export
 from orbax_safetensors._src.storage import config as _config
 
 REGISTRY_HINT = (
@@ -111,10 +110,9 @@ class SafetensorsSave(ocp.args.CheckpointArgs):
             )
             return
         # The policy names the item's tensors; the export plan applies it to their outputs.
-        hooks = _mappings.hooks_for(self.mapping)
+        mapping = _export.check_mapping(self.mapping)
         self._validated = _checkpoint_save.validate_save(item, self.custom_metadata)
-        self._export = hooks.export_plan(
-            self.mapping,
+        self._export = mapping.export_plan(
             self._validated,
             self.dtype,
             self.hf_config,
@@ -127,7 +125,7 @@ class SafetensorsSave(ocp.args.CheckpointArgs):
         return self._validated  # type: ignore[no-any-return]
 
     @property
-    def export_plan(self) -> _export_plan.ExportPlan | None:
+    def export_plan(self) -> _export.ExportPlan | None:
         """With ``mapping``: the tensors the save writes instead of the item's."""
         return self._export  # type: ignore[no-any-return]
 

@@ -31,7 +31,6 @@ from etils import epath
 from orbax.checkpoint import future as ocp_future
 
 from orbax_safetensors._src.core import plan as _plan
-from orbax_safetensors._src.orbax import mappings as _mappings
 from orbax_safetensors._src.orbax import restoring as _restoring
 from orbax_safetensors._src.orbax import routing as _routing
 from orbax_safetensors._src.orbax import saving as _saving
@@ -42,6 +41,7 @@ from orbax_safetensors._src.orbax.steps import PathKind
 from orbax_safetensors._src.orbax.tree_metadata import TreeMetadata
 from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
+from orbax_safetensors._src.pipeline import export as _export
 from orbax_safetensors._src.pipeline import gcpause as _gcpause
 from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.pipeline import save_job as _save_job
@@ -235,10 +235,9 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         stats = ReadStats()
         io = args.io_options if args.io_options is not None else self._io
         if args.mapping is not None:  # a Hugging Face directory, read into the JAX layout
-            result = _mappings.hooks_for(args.mapping).restore(
+            result = _export.check_mapping(args.mapping).restore(
                 epath.Path(directory),
                 args.item,
-                args.mapping,
                 strict=not args.partial_restore,
                 verify=self._verify,
                 io=io,
