@@ -320,8 +320,12 @@ class OursManager(Method):
     """
 
     name = "ours.mngr.sync"
-    description = "orbax_safetensors via CheckpointManager, synchronous"
+    description = (
+        "orbax_safetensors via CheckpointManager, synchronous, written straight from the "
+        "arrays (SafetensorsSave(snapshot=False))"
+    )
     enable_async: ClassVar[bool] = False
+    snapshot: ClassVar[bool] = False  # SafetensorsSave(snapshot=...), where it takes one
     _needs: ClassVar[tuple[str, ...]] = ("SafetensorsSave", "SafetensorsRestore")
 
     def unavailable(self) -> str | None:
@@ -349,7 +353,10 @@ class OursManager(Method):
         return {}
 
     def save(self, state: Any, directory: Path) -> None:
-        self._mngr.save(0, args=self._osf.SafetensorsSave(state))
+        save_args = self._osf.SafetensorsSave
+        # (Versions before the option wrote a synchronous save straight from the arrays.)
+        kwargs = {"snapshot": self.snapshot} if _accepts(save_args, "snapshot") else {}
+        self._mngr.save(0, args=save_args(state, **kwargs))
 
     def wait(self) -> None:
         self._mngr.wait_until_finished()
@@ -376,7 +383,17 @@ class OursManagerAsync(OursManager):
     name = "ours.mngr.async"
     description = "orbax_safetensors via CheckpointManager, async"
     enable_async = True
+    snapshot = True
     is_async = True
+
+
+class OursManagerSyncSnapshot(OursManager):
+    """As :class:`OursManager` with ``SafetensorsSave``'s default ``snapshot=True``: a
+    synchronous save that copies the state to host first, as an async one does."""
+
+    name = "ours.mngr.sync.snapshot"
+    description = "as ours.mngr.sync with the default snapshot=True (host copies first)"
+    snapshot = True
 
 
 class OursManagerNoChecksums(OursManager):
@@ -472,6 +489,7 @@ METHODS: dict[str, type[Method]] = {
         OursFileBufferedWrites,
         OursManager,
         OursManagerAsync,
+        OursManagerSyncSnapshot,
         OursManagerNoChecksums,
     )
 }

@@ -5,6 +5,9 @@ Example::
     import orbax_safetensors as osf
     osf.save_file(state, "ckpt.safetensors")
     state = osf.load_file("ckpt.safetensors", target=abstract_state)
+    osf.hf.export_pytorch(state, "hf_dir", osf.hf.preset_mapping("llama"))
+
+The Hugging Face and PyTorch names are also one namespace, ``osf.hf`` (``orbax_safetensors.hf``).
 
 The errors and the version are imported with the package; every other public name is imported
 from its module when first used (``osf.save_file``, ``from orbax_safetensors import
@@ -22,7 +25,6 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
-import threading
 from collections.abc import Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -43,6 +45,7 @@ from orbax_safetensors._src.core.errors import (
 from orbax_safetensors._version import __version__
 
 if TYPE_CHECKING:
+    from orbax_safetensors import hf
     from orbax_safetensors._src.core.header import (
         Header,
         TensorEntry,
@@ -58,15 +61,12 @@ if TYPE_CHECKING:
         Transform,
         Transpose,
     )
+    from orbax_safetensors._src.integrations.load import abstract_pytorch, load_pytorch
     from orbax_safetensors._src.integrations.nnx import (
         load_model,
         save_model,
     )
     from orbax_safetensors._src.integrations.presets import preset_mapping
-    from orbax_safetensors._src.integrations.pytorch import (
-        abstract_pytorch,
-        load_pytorch,
-    )
     from orbax_safetensors._src.integrations.transforms import (
         Offset,
         RopeInterleave,
@@ -74,10 +74,6 @@ if TYPE_CHECKING:
         VocabRows,
     )
     from orbax_safetensors._src.orbax.object_storage import manager_options_for
-    from orbax_safetensors._src.orbax.restoring import (
-        load_file,
-        restore_directory,
-    )
     from orbax_safetensors._src.orbax.v0 import (
         SafetensorsCheckpointHandler,
         SafetensorsRestore,
@@ -90,10 +86,12 @@ if TYPE_CHECKING:
         register_handler,
     )
     from orbax_safetensors._src.pipeline.pieces import WriteStats
-    from orbax_safetensors._src.pipeline.reader import ReadStats
-    from orbax_safetensors._src.pipeline.save_job import save_directory
+    from orbax_safetensors._src.pipeline.read import ReadStats
     from orbax_safetensors._src.pipeline.standalone import (
+        load_file,
         load_metadata,
+        restore_directory,
+        save_directory,
         save_file,
     )
     from orbax_safetensors._src.storage.config import (
@@ -117,8 +115,9 @@ if TYPE_CHECKING:
     )
 
 # Each public name (errors and version apart) -> the module under ``orbax_safetensors._src``
-# that defines it.
+# that defines it; a sub-namespace of the package maps to its own name (``osf.hf``).
 _LAZY: dict[str, str] = {
+    "hf": "hf",
     "Header": "core.header",
     "TensorEntry": "core.header",
     "Chain": "integrations.key_mapping",
@@ -136,12 +135,10 @@ _LAZY: dict[str, str] = {
     "RopeInterleave": "integrations.transforms",
     "Scale": "integrations.transforms",
     "VocabRows": "integrations.transforms",
-    "abstract_pytorch": "integrations.pytorch",
+    "abstract_pytorch": "integrations.load",
     "export_pytorch": "integrations.export",
-    "load_pytorch": "integrations.pytorch",
+    "load_pytorch": "integrations.load",
     "manager_options_for": "orbax.object_storage",
-    "load_file": "orbax.restoring",
-    "restore_directory": "orbax.restoring",
     "SafetensorsCheckpointHandler": "orbax.v0",
     "SafetensorsRestore": "orbax.v0",
     "SafetensorsSave": "orbax.v0",
@@ -150,9 +147,11 @@ _LAZY: dict[str, str] = {
     "local_registry": "orbax.v1",
     "register_handler": "orbax.v1",
     "WriteStats": "pipeline.pieces",
-    "ReadStats": "pipeline.reader",
-    "save_directory": "pipeline.save_job",
+    "ReadStats": "pipeline.read",
+    "load_file": "pipeline.standalone",
     "load_metadata": "pipeline.standalone",
+    "restore_directory": "pipeline.standalone",
+    "save_directory": "pipeline.standalone",
     "save_file": "pipeline.standalone",
     "IOOptions": "storage.config",
     "ObjectStoreError": "storage.objstore.calls",
@@ -172,6 +171,8 @@ def __getattr__(name: str) -> Any:
     module_name = _LAZY.get(name)
     if module_name is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if module_name == name:  # a sub-namespace: the module is the value
+        return importlib.import_module(f"{__name__}.{name}")
     module = importlib.import_module(f"{__name__}._src.{module_name}")
     value = getattr(module, name)
     globals()[name] = value  # later uses are plain attribute reads
@@ -186,52 +187,34 @@ _HANDLER_MODULE = f"{__name__}._src.orbax.v0"  # importing it registers the hand
 
 
 class _RegisterWithOrbax(importlib.abc.MetaPathFinder):
-    """A post-import hook: imports the handler's module (which registers it with Orbax, so
-    that Orbax finds the handler a step's metadata names) once ``orbax.checkpoint`` is
-    imported and no module of this package is being executed in this thread (the handler's
-    module imports them: a module of ours that imports Orbax must first be whole). It finds
-    nothing itself: it wraps the loaders the other finders give these modules."""
-
-    def __init__(self) -> None:
-        self._local = threading.local()  # .finding (re-entry), .depth (our modules running)
+    """Imports the handler's module right after ``orbax.checkpoint`` is first imported (why a
+    hook: docs/architecture.md, "Registering with Orbax"). It finds nothing itself: it wraps
+    the loader the other finders give ``orbax.checkpoint``, and leaves ``sys.meta_path``."""
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> Any:
-        ours = fullname.startswith(f"{__name__}._src.")
-        if not (ours or fullname == "orbax.checkpoint") or _HANDLER_MODULE in sys.modules:
+        if fullname != "orbax.checkpoint" or self not in sys.meta_path:
             return None
-        if getattr(self._local, "finding", False):
-            return None
-        self._local.finding = True
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            self._local.finding = False
+        sys.meta_path.remove(self)  # once: and the search below does not come back here
+        spec = importlib.util.find_spec(fullname)
         if spec is not None and isinstance(spec.loader, importlib.abc.Loader):
-            spec.loader = _ThenRegister(spec.loader, self._local, ours)
+            spec.loader = _ThenRegister(spec.loader)
         return spec
 
 
 class _ThenRegister(importlib.abc.Loader):
-    """A module's loader, which then imports the handler's module if the time has come (see
-    :class:`_RegisterWithOrbax`); everything else is the wrapped loader's."""
+    """``orbax.checkpoint``'s loader, then the handler's module imported."""
 
-    def __init__(self, loader: importlib.abc.Loader, local: threading.local, ours: bool) -> None:
-        self._loader, self._local, self._ours = loader, local, ours
+    def __init__(self, loader: importlib.abc.Loader) -> None:
+        self._loader = loader
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return self._loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
-        depth = getattr(self._local, "depth", 0)
-        self._local.depth = depth + self._ours
-        try:
-            self._loader.exec_module(module)
-        finally:
-            self._local.depth = depth
-        if depth == 0 and "orbax.checkpoint" in sys.modules:
-            importlib.import_module(_HANDLER_MODULE)
+        self._loader.exec_module(module)
+        importlib.import_module(_HANDLER_MODULE)
 
     def __getattr__(self, name: str) -> Any:  # get_source, get_resource_reader, ...
         return getattr(self._loader, name)
@@ -286,6 +269,7 @@ __all__ = [
     "convert",
     "export_pytorch",
     "handler_registry",
+    "hf",
     "load_file",
     "load_metadata",
     "load_model",

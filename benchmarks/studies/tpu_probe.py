@@ -52,7 +52,7 @@ import orbax_safetensors as osf  # noqa: E402
 from benchmarks import tpu_bench as tb  # noqa: E402
 from benchmarks.state import llama_specs, make_state, parse_size  # noqa: E402
 from benchmarks.studies.stack_sampler import StackSampler  # noqa: E402
-from orbax_safetensors._src.pipeline import staging as _staging  # noqa: E402
+from orbax_safetensors._src.pipeline import place as _place  # noqa: E402
 from orbax_safetensors._src.storage import local as _local  # noqa: E402
 
 log = tb.log
@@ -146,17 +146,17 @@ def restore_case(state: Any, base: Path, rec: Recorder, reps: int) -> None:
     rec.time("restore verify=False", restore(verify=False), reps, profile=False)
     with env(OSF_DIRECT_IO="never"):
         rec.time("restore (direct I/O never)", restore(), reps)
-    with patched(_staging, RING_BYTES=1 << 30, WAVES_IN_FLIGHT=8):
+    with patched(_place, RING_BYTES=1 << 30, WAVES_IN_FLIGHT=8):
         restore()()
         rec.time("restore ring 1 GiB, 8 waves", restore(), reps, profile=False)
-    with patched(_staging, WAVES_IN_FLIGHT=2):
+    with patched(_place, WAVES_IN_FLIGHT=2):
         rec.time("restore 2 waves", restore(), reps, profile=False)
-    with patched(_staging, RING_BYTES=512 << 20):
+    with patched(_place, RING_BYTES=512 << 20):
         restore()()
         rec.time("restore ring 512 MiB, 4 waves", restore(), reps, profile=False)
-        with patched(_staging, WAVES_IN_FLIGHT=8):
+        with patched(_place, WAVES_IN_FLIGHT=8):
             rec.time("restore ring 512 MiB, 8 waves", restore(), reps, profile=False)
-    with patched(_staging, MODE="never"):
+    with patched(_place, MODE="never"):
         rec.time("restore unstaged", restore(), reps, profile=False)
     out = restore()()
     rec.note("exact", tb.bit_equal(out, state))

@@ -519,7 +519,7 @@ def test_validated_tree_specs_come_from_the_capture_not_the_arrays(tmp_path):
     """An async save's writer plans from the dtypes and shapes read at capture and writes host
     copies: the caller's arrays may be deleted (donated) and its numpy arrays reshaped in place
     by then, and the checkpoint is still the tree as saved."""
-    from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
+    from orbax_safetensors._src.pipeline import standalone as _standalone
 
     host = np.arange(6, dtype=np.float32)
     key = jax.random.key(7)
@@ -544,7 +544,7 @@ def test_validated_tree_specs_come_from_the_capture_not_the_arrays(tmp_path):
     )
     _checkpoint_save.write_process_share(prepared, tmp_path)
     _checkpoint_save.finalize(tmp_path)
-    restored = _checkpoint_restore.restore_checkpoint(tmp_path)
+    restored = _standalone.restore_checkpoint(tmp_path)
     np.testing.assert_array_equal(np.asarray(restored["w"]), np.arange(4.0, dtype=np.float32))
     np.testing.assert_array_equal(restored["host"], np.arange(6, dtype=np.float32))
     assert restored["alias"] is restored["host"]

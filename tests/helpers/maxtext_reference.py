@@ -63,7 +63,16 @@ def param_mapping() -> types.ModuleType:
 
 # MaxText's table entries of each kind (Mistral has none: its conversion is a standalone
 # script for Meta's checkpoints).
-ENTRIES = {"llama3": "LLAMA31", "mixtral": "MIXTRAL", "qwen3": "QWEN", "qwen3-moe": "QWEN"}
+ENTRIES = {
+    "llama3": "LLAMA31",
+    "mixtral": "MIXTRAL",
+    "qwen3": "QWEN",
+    "qwen3-moe": "QWEN",
+    "qwen2": "QWEN",
+    "gemma2": "GEMMA2",
+    "gemma3": "GEMMA3",
+    "deepseek3": "DEEPSEEK",
+}
 
 
 def _tables(kind: str, hf_config: dict, scan_layers: bool, saving_to_hf: bool, dtype=None):
@@ -73,7 +82,7 @@ def _tables(kind: str, hf_config: dict, scan_layers: bool, saving_to_hf: bool, d
         scan_layers=scan_layers,
         param_scan_axis=1,
         num_experts=hf_config.get("num_local_experts", hf_config.get("num_experts", 0)),
-        head_dim=hf_config["head_dim"],
+        head_dim=hf_config.get("head_dim") or hf_config["text_config"]["head_dim"],
         weight_dtype=dtype,
     )
     table = getattr(pm, f"{entry}_MAXTEXT_TO_HF_PARAM_MAPPING")(

@@ -27,8 +27,8 @@ from orbax_safetensors import HeaderError, SafetensorsCheckpointError, SchemaErr
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.core import tree as _tree
-from orbax_safetensors._src.pipeline import standalone as _standalone
-from orbax_safetensors._src.pipeline.tree_restore import restore_tree
+from orbax_safetensors._src.pipeline import read as _read
+from orbax_safetensors._src.pipeline.restore_plan import restore_tree
 from orbax_safetensors._src.storage import router as _router
 
 try:  # pytest puts tests/ on sys.path while tests/ has no __init__.py
@@ -264,7 +264,7 @@ def _stored() -> Any:
         path.write_bytes(_BASE)
         header = _router.read_header(path)
         crcs = json.loads(header.metadata[corpus.CRC_KEY])
-        _STORED = _standalone.locate_in_file(path, header, crcs)
+        _STORED = _read.locate_in_file(path, header, crcs)
     return _STORED
 
 

@@ -38,6 +38,7 @@ import pytest
 
 import orbax_safetensors as osf
 from orbax_safetensors import cli
+from orbax_safetensors._src.catalog import completeness as _completeness
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.tools import inspection
 
@@ -289,7 +290,7 @@ def test_a_complete_step_verifies_and_a_half_deleted_one_names_what_is_missing(
     """The messages: each missing part by its path in the step, in verify and inspect."""
     for config, src in roots.items():
         assert osf.verify(src).ok, (config, osf.verify(src).problems)
-        assert _steps.missing_entries(src / str(STEP)) == []
+        assert _completeness.missing_entries(src / str(STEP)) == []
     src = roots["ours+standard"]
     native = src / str(STEP) / "native"
     value_files = sorted(
@@ -305,7 +306,7 @@ def test_a_complete_step_verifies_and_a_half_deleted_one_names_what_is_missing(
         root = tmp_path / deleted.replace("/", "-") / "run"
         shutil.copytree(src, root)
         _delete(root / str(STEP), [deleted])
-        assert _steps.missing_entries(root / str(STEP)) == missing, deleted
+        assert _completeness.missing_entries(root / str(STEP)) == missing, deleted
         report = osf.verify(root)
         assert report.problems == [
             f"{root / str(STEP)}: incomplete step, missing {', '.join(missing)} (Orbax lists "
@@ -320,9 +321,9 @@ def test_a_complete_step_verifies_and_a_half_deleted_one_names_what_is_missing(
         _delete(root / str(STEP), [f])
         if _restore_error(root, CONFIGS["ours+standard"][1]) is not None:
             needed.append(f)
-            assert _steps.missing_entries(root / str(STEP)) == [f]
+            assert _completeness.missing_entries(root / str(STEP)) == [f]
         else:
-            assert _steps.missing_entries(root / str(STEP)) == []
+            assert _completeness.missing_entries(root / str(STEP)) == []
     assert needed, value_files
 
 
@@ -342,5 +343,5 @@ def test_a_forged_chunk_grid_is_counted_not_enumerated(
     expected = -(-(2**40) // rows) * -(-64 // cols)
     chunks = len([p for p in (step / "native" / "w").rglob("*") if p.is_file()]) - 1
     assert chunks > 1  # the array is stored in several chunks
-    [entry] = _steps.missing_entries(step)
+    [entry] = _completeness.missing_entries(step)
     assert entry == f"{expected - chunks} of the {expected} chunk files of native/w/"

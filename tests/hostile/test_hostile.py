@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import orbax_safetensors as osf
-from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
+from orbax_safetensors._src.pipeline import standalone as _standalone
 
 try:  # pytest puts tests/ on sys.path while tests/ has no __init__.py
     from hostile import corpus
@@ -107,7 +107,7 @@ def test_hostile_schema(case: corpus.Case, tmp_path: Path) -> None:
 @pytest.mark.parametrize("case", DIRS, ids=lambda c: c.name)
 def test_hostile_directory(case: corpus.Case, tmp_path: Path) -> None:
     path = _build(case, tmp_path)
-    _raises(case, lambda: _checkpoint_restore.restore_checkpoint(path), path)
+    _raises(case, lambda: _standalone.restore_checkpoint(path), path)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -128,7 +128,7 @@ def test_bases_are_valid(tmp_path: Path) -> None:
     tree = osf.load_file(path)
     assert tree["tied"] is tree["a"] and tree["step"] == 7
     assert osf.verify(path).ok
-    restored = _checkpoint_restore.restore_checkpoint(corpus.base_dir())
+    restored = _standalone.restore_checkpoint(corpus.base_dir())
     assert restored["name"] == "run"
     report = osf.verify(corpus.base_dir())
     assert report.ok and report.files > 1, report

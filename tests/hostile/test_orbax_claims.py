@@ -242,9 +242,9 @@ def _mapping(name: str = "mapping") -> Any:
 
 
 def _source(item: Path) -> Any:
-    from orbax_safetensors._src.catalog import sources
+    from orbax_safetensors._src.catalog import orbax_source
 
-    return sources.OrbaxSource(item)
+    return orbax_source.OrbaxSource(item)
 
 
 def _read_sharded(item: Path, out: Path) -> Any:

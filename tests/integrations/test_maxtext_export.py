@@ -23,6 +23,7 @@ import pytest
 
 import orbax_safetensors as osf
 from orbax_safetensors import cli
+from orbax_safetensors._src.catalog import orbax_source as _orbax_source
 from orbax_safetensors._src.catalog import sources as _sources
 from orbax_safetensors._src.integrations import export_reads
 from orbax_safetensors._src.integrations.links import Link
@@ -142,10 +143,10 @@ def test_chunk_shape_falls_back_to_one_chunk_when_the_metadata_does_not_say():
     def leaf(chunk):
         return types.SimpleNamespace(storage=types.SimpleNamespace(chunk_shape=chunk))
 
-    assert _sources.chunk_shape(leaf((2, 3)), (4, 3)) == (2, 3)
+    assert _orbax_source.chunk_shape(leaf((2, 3)), (4, 3)) == (2, 3)
     for bad in (None, (2,), (0, 3), (-1, 3)):
-        assert _sources.chunk_shape(leaf(bad), (4, 3)) == (4, 3)
-    assert _sources.chunk_shape(object(), (4, 3)) == (4, 3)
+        assert _orbax_source.chunk_shape(leaf(bad), (4, 3)) == (4, 3)
+    assert _orbax_source.chunk_shape(object(), (4, 3)) == (4, 3)
 
 
 def test_reads_split_only_at_whole_chunks():
@@ -273,7 +274,7 @@ def test_bands_are_whole_chunks_split_evenly_over_the_processes():
 
 
 def test_an_orbax_box_is_read_a_few_whole_chunks_at_a_time():
-    pieces = _sources.chunk_pieces((slice(1, 9), slice(0, 4)), (2, 4), 4, 64)
+    pieces = _orbax_source.chunk_pieces((slice(1, 9), slice(0, 4)), (2, 4), 4, 64)
     assert pieces == [
         (slice(1, 4), slice(0, 4)),
         (slice(4, 8), slice(0, 4)),
@@ -281,14 +282,14 @@ def test_an_orbax_box_is_read_a_few_whole_chunks_at_a_time():
     ]
     # a chunk larger than a piece is a piece alone; one spanning the first axis is cut on
     # the next axis that crosses chunks
-    assert _sources.chunk_pieces((slice(0, 8), slice(0, 4)), (4, 4), 4, 16) == [
+    assert _orbax_source.chunk_pieces((slice(0, 8), slice(0, 4)), (4, 4), 4, 16) == [
         (slice(0, 4), slice(0, 4)),
         (slice(4, 8), slice(0, 4)),
     ]
-    assert _sources.chunk_pieces((slice(0, 8), slice(0, 8)), (8, 4), 4, 128) == [
+    assert _orbax_source.chunk_pieces((slice(0, 8), slice(0, 8)), (8, 4), 4, 128) == [
         (slice(0, 8), slice(0, 4)),
         (slice(0, 8), slice(4, 8)),
     ]
-    assert _sources.chunk_pieces((slice(0, 2), slice(0, 2)), (2, 2), 4, 1 << 20) == [
+    assert _orbax_source.chunk_pieces((slice(0, 2), slice(0, 2)), (2, 2), 4, 1 << 20) == [
         (slice(0, 2), slice(0, 2))
     ]

@@ -20,8 +20,9 @@ from jax.sharding import PartitionSpec as P
 import orbax_safetensors as osf
 from orbax_safetensors._src.core import runs as _runs
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
-from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
-from orbax_safetensors._src.pipeline.reader import ReadStats
+from orbax_safetensors._src.pipeline import read as _read
+from orbax_safetensors._src.pipeline import standalone as _standalone
+from orbax_safetensors._src.pipeline.read import ReadStats
 from orbax_safetensors._src.storage import buffers as _buffers
 from orbax_safetensors._src.storage import router as _router
 from orbax_safetensors._src.storage.objstore import calls as _calls
@@ -74,7 +75,7 @@ def test_restores_read_no_header_unless_the_metadata_lacks_offsets(store) -> Non
 
     osf.object_store_stats(reset=True)
     stats = ReadStats()
-    got = _checkpoint_restore.restore_checkpoint(directory, stats=stats)
+    got = _standalone.restore_checkpoint(directory, stats=stats)
     engine = osf.object_store_stats(reset=True)
     for name, want in state().items():
         np.testing.assert_array_equal(np.asarray(got[name]), want)
@@ -85,7 +86,7 @@ def test_restores_read_no_header_unless_the_metadata_lacks_offsets(store) -> Non
 
     rewrite_metadata(directory, strip_layout)  # as written before the fields existed
     stats = ReadStats()
-    got = _checkpoint_restore.restore_checkpoint(directory, stats=stats)
+    got = _standalone.restore_checkpoint(directory, stats=stats)
     engine = osf.object_store_stats(reset=True)
     np.testing.assert_array_equal(np.asarray(got["w"]), state()["w"])
     assert stats.header_reads == len(files) and stats.header_bytes == len(files) * 4096
@@ -147,8 +148,8 @@ def test_a_column_quarter_reads_at_most_1_5x_in_the_fewest_requests(store) -> No
     matrix = np.random.default_rng(1).standard_normal((rows, cols), dtype=np.float32)
     directory = f"{bucket}/cols"
     osf.save_directory({"m": matrix}, directory)
-    metadata = _checkpoint_restore.read_metadata(directory)
-    stored = _checkpoint_restore.locate_in_directory(directory, metadata)["m"]
+    metadata = _read.read_metadata(directory)
+    stored = _read.locate_in_directory(directory, metadata)["m"]
 
     mesh = Mesh(np.array(jax.devices()), ("x",))
     sharding = NamedSharding(mesh, P(None, "x"))

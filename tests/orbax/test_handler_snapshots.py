@@ -1,11 +1,12 @@
-"""Sync saves write in place, async saves snapshot: the snapshot queue, donated arrays and
-the copying thread (issue 3).
+"""Saves snapshot unless told to write in place (``SafetensorsSave(snapshot=False)``): the
+snapshot queue, donated arrays and the copying thread (issue 3).
 
 Interop checks read our files with ``safetensors`` itself.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from traced_memory import traced_peak
 import orbax_safetensors as osf
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
 from orbax_safetensors._src.pipeline import snapshots as _snapshots
+from orbax_safetensors._src.pipeline.save_job import SaveMode
 
 # --------------------------------------------------------------------------- host memory of saves
 
@@ -37,9 +39,10 @@ def _big_state() -> dict[str, Any]:
 def test_sync_saves_write_in_place_async_saves_snapshot(
     tmp_path: Path, async_enabled: bool, reuse: bool
 ) -> None:
-    """A synchronous manager save writes each tensor straight from its buffer (no host
-    snapshot); an async one copies every owned byte to host before save() returns: into new
-    memory, or (the default) into the buffers of the previous save, allocating nothing."""
+    """A synchronous manager save with ``snapshot=False`` writes each tensor straight from its
+    buffer (no host snapshot); an async one copies every owned byte to host before save()
+    returns: into new memory, or (the default) into the buffers of the previous save,
+    allocating nothing."""
     state = _big_state()
     options = ocp.CheckpointManagerOptions(enable_async_checkpointing=async_enabled)
     handler = osf.SafetensorsCheckpointHandler(reuse_host_buffers=reuse)
@@ -48,7 +51,7 @@ def test_sync_saves_write_in_place_async_saves_snapshot(
     mngr.wait_until_finished()
 
     def save() -> None:
-        mngr.save(1, args=osf.SafetensorsSave(state))
+        mngr.save(1, args=osf.SafetensorsSave(state, snapshot=async_enabled))
         mngr.wait_until_finished()
 
     peak = traced_peak(save)
@@ -129,6 +132,61 @@ def test_checkpointer_with_the_handler_alone(tmp_path: Path, checkpointer: Any) 
         assert peak < 2 << 20, peak
     else:
         assert all(x.is_deleted() for x in state.values())
+
+
+class _RecordingHandler(osf.SafetensorsCheckpointHandler):
+    """Records the mode of each save job it makes."""
+
+    modes: list[SaveMode] = []
+
+    @classmethod
+    def typestr(cls) -> str:
+        return "tests.test_handler_snapshots._RecordingHandler"
+
+    def new_job(self, directory: Any, args: Any, mode: SaveMode) -> Any:
+        _RecordingHandler.modes.append(mode)
+        return super().new_job(directory, args, mode)
+
+
+@ocp.args.register_with_handler(_RecordingHandler, for_save=True)
+@dataclasses.dataclass
+class _RecordingSave(osf.SafetensorsSave):
+    pass
+
+
+@ocp.args.register_with_handler(_RecordingHandler, for_restore=True)
+@dataclasses.dataclass
+class _RecordingRestore(osf.SafetensorsRestore):
+    pass
+
+
+@pytest.mark.parametrize("async_enabled", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("snapshot", [True, False], ids=["snapshot", "direct"])
+def test_the_snapshot_option_alone_decides_how_a_manager_save_writes(
+    tmp_path: Path, async_enabled: bool, snapshot: bool
+) -> None:
+    """Orbax tells a handler nothing of whether its save() waits for the writes: a manager
+    save (either kind) snapshots unless ``SafetensorsSave(snapshot=False)`` says to write
+    straight from the arrays, and writes the same values either way."""
+    _RecordingHandler.modes = []
+    options = ocp.CheckpointManagerOptions(enable_async_checkpointing=async_enabled)
+    mngr = ocp.CheckpointManager(tmp_path, options=options)
+    state = {"w": jnp.arange(6.0)}
+    mngr.save(0, args=_RecordingSave(state, snapshot=snapshot))
+    mngr.wait_until_finished()
+    restored = mngr.restore(0, args=_RecordingRestore())
+    mngr.close()
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.arange(6.0))
+    assert _RecordingHandler.modes == [SaveMode.SNAPSHOT if snapshot else SaveMode.DIRECT]
+
+
+def test_an_async_checkpointer_snapshots_by_default(tmp_path: Path) -> None:
+    _RecordingHandler.modes = []
+    ckptr = ocp.AsyncCheckpointer(_RecordingHandler())
+    ckptr.save(tmp_path / "ck", args=_RecordingSave({"w": jnp.ones(2)}))
+    ckptr.wait_until_finished()
+    ckptr.close()
+    assert _RecordingHandler.modes == [SaveMode.SNAPSHOT]
 
 
 def test_saving_a_donated_array_names_it(tmp_path: Path) -> None:

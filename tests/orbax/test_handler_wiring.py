@@ -6,6 +6,7 @@ Interop checks read our files with ``safetensors`` itself.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -133,6 +134,53 @@ def test_restore_with_no_args_in_a_fresh_process(tmp_path: Path) -> None:
                 assert row["kind"] == "python" and row["value"] == leaf
                 assert row["type"] == type(leaf).__name__
         assert len(rows) == len(jax.tree.leaves(state)) + composite
+
+
+ORBAX_PACKAGE = Path(osf.__file__).parent / "_src" / "orbax"
+
+
+def test_the_handler_module_reads_no_sibling_name_at_import() -> None:
+    """The package root imports orbax/v0.py (which registers the handler) right after
+    ``orbax.checkpoint`` is first imported, possibly while a sibling that imported Orbax first
+    is still half imported: so the package's modules import each other as modules, never names
+    from one, and its ``__init__`` imports nothing (docs/architecture.md, "Registering with
+    Orbax")."""
+    offenders = []
+    for path in sorted(ORBAX_PACKAGE.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and path.name == "__init__.py":
+                offenders.append(f"{path.name}:{node.lineno}: the package's __init__ imports")
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "orbax_safetensors._src.orbax."
+            ):
+                offenders.append(f"{path.name}:{node.lineno}: names from {node.module}")
+    assert not offenders, offenders
+
+
+def test_the_handler_registers_when_a_sibling_imports_orbax_first(tmp_path: Path) -> None:
+    mngr = helpers.manager(tmp_path)
+    mngr.save(1, args=osf.SafetensorsSave({"w": np.arange(3.0)}))
+    mngr.wait_until_finished()
+    mngr.close()
+    code = (
+        "import sys\n"
+        "import orbax_safetensors\n"
+        "import orbax_safetensors._src.orbax.args  # imports Orbax before the handler's module\n"
+        "import orbax.checkpoint as ocp\n"
+        "with ocp.CheckpointManager(sys.argv[1]) as mngr:\n"
+        "    print(mngr.restore(1)['w'].tolist())\n"
+    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1] == "[0.0, 1.0, 2.0]"
 
 
 def _tensor_names(item: Path) -> set[str]:

@@ -277,7 +277,8 @@ def test_point9_partial_restore_with_omitted_and_unexpected_keys(tmp_path, throu
 
 
 def test_load_file_still_takes_orbaxs_restore_args_and_placeholder(tmp_path):
-    """Translated in ``orbax/restoring.py`` before the (Orbax-free) pipeline sees them."""
+    """Recognised without importing Orbax (``compat/orbaxcompat.py``) and translated into the
+    pipeline's neutral leaves before a target is matched."""
     path = tmp_path / "x.safetensors"
     osf.save_file({"a": jnp.arange(3.0), "b": np.ones(2, np.int16), "c": jnp.ones(4)}, path)
     target = {

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from orbax_safetensors._src.compat import jaxcompat
-from orbax_safetensors._src.orbax import routing
+from orbax_safetensors._src.orbax import args as _args
 
 
 def _replicated() -> dict[str, jax.Array]:
@@ -38,7 +38,7 @@ def _jit_elsewhere_works() -> None:
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_orbax_save_through_the_router_keeps_the_global_mesh(tmp_path, mode):
-    router = routing.OrbaxRouter()
+    router = _args.OrbaxRouter()
     directory = epath.Path(tmp_path) / "item"
     directory.mkdir()
     args = ocp.args.StandardSave(_replicated())

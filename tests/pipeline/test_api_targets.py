@@ -17,10 +17,10 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 import orbax_safetensors as osf
 from orbax_safetensors._src.core import metadata as _metadata
-from orbax_safetensors._src.pipeline import standalone as _standalone
-from orbax_safetensors._src.pipeline.reader import ReadStats
+from orbax_safetensors._src.pipeline import read as _read
+from orbax_safetensors._src.pipeline.read import ReadStats
 from orbax_safetensors._src.pipeline.restore_options import RestoreOptions
-from orbax_safetensors._src.pipeline.tree_restore import restore_tree
+from orbax_safetensors._src.pipeline.restore_plan import restore_tree
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +129,7 @@ def _restore_with_stats(path: epath.Path, target: Any, **kwargs: Any) -> tuple[A
     crcs = json.loads(header.metadata[_metadata.CHECKSUM_KEY])
     stats = ReadStats()
     options = RestoreOptions.standalone(target, **kwargs)
-    out = restore_tree(schema, _standalone.locate_in_file(path, header, crcs), options, stats=stats)
+    out = restore_tree(schema, _read.locate_in_file(path, header, crcs), options, stats=stats)
     return out, stats
 
 

@@ -299,8 +299,9 @@ def test_sharded_arrays_are_cast_shard_by_shard(tmp_path: Path) -> None:
 
 
 def test_sync_save_extra_memory_is_bounded_by_the_largest_tensor(tmp_path: Path) -> None:
-    """16 x 16 MiB float32 saved as bf16: the whole cast state (128 MiB) is more than the
-    bound (largest tensor, 16 MiB, plus 64 MiB), so a cast copy of the state would fail."""
+    """16 x 16 MiB float32 saved as bf16 by a synchronous save written straight from the
+    arrays (``snapshot=False``): the whole cast state (128 MiB) is more than the bound
+    (largest tensor, 16 MiB, plus 64 MiB), so a cast copy of the state would fail."""
     mib = 1 << 20
     state = {f"w{i:02d}": jnp.full((4 * mib,), i + 0.5, jnp.float32) for i in range(16)}
     options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
@@ -308,7 +309,7 @@ def test_sync_save_extra_memory_is_bounded_by_the_largest_tensor(tmp_path: Path)
     mngr.save(0, args=osf.SafetensorsSave({"w": jnp.ones(4)}, dtype=jnp.bfloat16))  # warm-up
 
     def save() -> None:
-        mngr.save(1, args=osf.SafetensorsSave(state, dtype=jnp.bfloat16))
+        mngr.save(1, args=osf.SafetensorsSave(state, dtype=jnp.bfloat16, snapshot=False))
 
     peak = traced_peak(save)
     restored = mngr.restore(1, args=osf.SafetensorsRestore())

@@ -9,6 +9,7 @@ manager root in bounded chunks without building arrays.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -153,6 +154,18 @@ def test_files_without_checksums_are_unverifiable_but_valid(tmp_path: Path) -> N
 def test_empty_directory_is_not_a_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(osf.NotSafetensorsError, match="not a checkpoint: an empty directory"):
         osf.verify(tmp_path)
+
+
+def test_a_named_step_is_judged_without_reading_its_siblings(tmp_path: Path) -> None:
+    # The parent is listed (is the named directory one step of a root?), but what a sibling
+    # holds is outside what the user named: a special file planted there is never opened.
+    (tmp_path / "7").mkdir()
+    (tmp_path / "8").mkdir()
+    (tmp_path / "8" / "_CHECKPOINT_METADATA").mkdir()
+    os.mkfifo(tmp_path / "9")
+    # (An empty step-named directory beside a step Orbax wrote is what cleanup leaves.)
+    report = osf.verify(tmp_path / "7")
+    assert not report.ok and report.incomplete == [str(tmp_path / "7")]
 
 
 # --------------------------------------------------------------------------- CheckpointManager

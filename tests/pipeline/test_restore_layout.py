@@ -23,8 +23,8 @@ import pytest
 import orbax_safetensors as osf
 from orbax_safetensors._src.core import runs as _runs
 from orbax_safetensors._src.core.errors import IntegrityError, SchemaError
-from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
-from orbax_safetensors._src.pipeline.reader import ReadStats
+from orbax_safetensors._src.pipeline import standalone as _standalone
+from orbax_safetensors._src.pipeline.read import ReadStats
 
 GOLDEN = Path(__file__).parents[1] / "golden" / "format1_without_offsets"
 META = "orbax_safetensors.json"
@@ -61,7 +61,7 @@ def strip_layout(directory: Path) -> None:
 
 def restore(directory: Path) -> tuple[Any, ReadStats]:
     stats = ReadStats()
-    return _checkpoint_restore.restore_checkpoint(directory, stats=stats), stats
+    return _standalone.restore_checkpoint(directory, stats=stats), stats
 
 
 def test_metadata_records_each_tensor_where_its_header_does(tmp_path: Path) -> None:

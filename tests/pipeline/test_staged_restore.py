@@ -1,8 +1,8 @@
-"""Restores through a staging ring (pipeline/staging): on an accelerator each large tensor is
+"""Restores through a staging ring (pipeline/place): on an accelerator each large tensor is
 read into one reused host ring and transferred from it, in waves, instead of into fresh memory.
 
 Off an accelerator the ring is never chosen by itself (``device_put`` shares CPU memory), so
-these tests force it with ``staging.MODE = "always"`` and a small ring: the same reads, waves,
+these tests force it with ``place.MODE = "always"`` and a small ring: the same reads, waves,
 wrap-arounds and waits, with each placed array copied off the ring. Every value must equal an
 unstaged restore bit for bit, whatever the sharding, dtype or cast; a damaged tensor must still
 be named; and a later restore reusing the ring must leave earlier results alone. On the TPU the
@@ -23,7 +23,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import orbax_safetensors as osf
 from orbax_safetensors._src.pipeline import place as _place
-from orbax_safetensors._src.pipeline import staging as _staging
 
 MiB = 1 << 20
 
@@ -31,11 +30,11 @@ MiB = 1 << 20
 @pytest.fixture
 def forced(monkeypatch):
     """Staging forced on CPU with a 4 MiB ring (waves of 1 MiB): every large tensor wraps it."""
-    monkeypatch.setattr(_staging, "MODE", "always")
-    monkeypatch.setattr(_staging, "RING_BYTES", 4 * MiB)
-    _staging.RINGS.clear()
+    monkeypatch.setattr(_place, "MODE", "always")
+    monkeypatch.setattr(_place, "RING_BYTES", 4 * MiB)
+    _place.RINGS.clear()
     yield
-    _staging.RINGS.clear()
+    _place.RINGS.clear()
 
 
 def _tree() -> dict[str, Any]:
@@ -67,9 +66,9 @@ def test_auto_mode_stages_on_accelerators_only(tmp_path: Path):
     path = tmp_path / "m.safetensors"
     tree = _tree()
     osf.save_file(tree, path)
-    _staging.RINGS.clear()
+    _place.RINGS.clear()
     _equal(osf.load_file(path), jax.tree.map(np.asarray, tree))
-    assert _staging.RINGS.idle_bytes == (0 if on_cpu else _staging.RING_BYTES)
+    assert _place.RINGS.idle_bytes == (0 if on_cpu else _place.RING_BYTES)
 
 
 def test_a_staged_file_restore_equals_an_unstaged_one(tmp_path: Path, forced, monkeypatch):
@@ -77,8 +76,8 @@ def test_a_staged_file_restore_equals_an_unstaged_one(tmp_path: Path, forced, mo
     path = tmp_path / "m.safetensors"
     osf.save_file(tree, path)
     staged = osf.load_file(path)
-    assert _staging.RINGS.idle_bytes == 4 * MiB  # the ring was used and kept
-    monkeypatch.setattr(_staging, "MODE", "never")
+    assert _place.RINGS.idle_bytes == 4 * MiB  # the ring was used and kept
+    monkeypatch.setattr(_place, "MODE", "never")
     _equal(staged, osf.load_file(path))
     _equal(staged, jax.tree.map(np.asarray, tree) | {"host": tree["host"]})
 
@@ -98,7 +97,7 @@ def test_a_staged_restore_with_shardings_and_casts(tmp_path: Path, forced, monke
 
     abstract = jax.tree.map(target, tree)
     staged = osf.restore_directory(tmp_path / "ckpt", target=abstract)
-    monkeypatch.setattr(_staging, "MODE", "never")
+    monkeypatch.setattr(_place, "MODE", "never")
     plain = osf.restore_directory(tmp_path / "ckpt", target=abstract)
     _equal(staged, plain)
     for x, t in zip(jax.tree.leaves(staged), jax.tree.leaves(abstract)):

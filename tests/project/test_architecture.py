@@ -100,7 +100,7 @@ def test_src_never_imports_the_package_root() -> None:
 
 def test_the_package_root_holds_only_the_public_surface() -> None:
     names = sorted(p.name for p in PACKAGE.iterdir() if p.name != "__pycache__")
-    assert names == ["__init__.py", "_src", "_version.py", "cli.py", "py.typed"]
+    assert names == ["__init__.py", "_src", "_version.py", "cli.py", "hf.py", "py.typed"]
     layers = sorted(
         p.name for p in (PACKAGE / "_src").iterdir() if p.is_dir() and p.name != "__pycache__"
     )

@@ -44,6 +44,7 @@ RUNNABLE_PAGES = [
     "pytorch.md",
     "huggingface.md",
     "cli.md",
+    "api.md",
 ]
 NEEDS_TORCH = {"pytorch.md", "huggingface.md"}
 NEEDS_TRANSFORMERS = {"huggingface.md"}

@@ -126,6 +126,38 @@ assert save_file is osf.save_file and KeyMapping.__module__.startswith('orbax_sa
     assert typed | (eager & set(osf.__all__)) == set(osf.__all__)
 
 
+def test_the_hugging_face_namespace_after_importing_the_package_alone() -> None:
+    """``osf.hf`` (issue 47 point 6): reached as an attribute after ``import orbax_safetensors``
+    alone; its names are the top level's objects, its presets by group; its mappings work
+    with the Orbax args."""
+    code = """
+import numpy as np
+import orbax_safetensors as osf
+assert 'orbax_safetensors.hf' not in sys.modules
+hf = osf.hf
+assert hf is sys.modules['orbax_safetensors.hf'] and 'hf' in osf.__all__
+own = {'PRESETS', 'presets'}
+assert [n for n in hf.__all__ if n not in own and getattr(hf, n) is not getattr(osf, n)] == []
+assert hf.presets.maxtext.llama3 is hf.PRESETS['maxtext-llama3']
+assert hf.presets.generic.dense() == osf.preset_mapping('llama')
+mapping = hf.KeyMapping([hf.Rule('fc.weight', 'w', hf.Transpose())])
+osf.SafetensorsSave({'w': np.ones((2, 3), np.float32)}, mapping=mapping)
+print(sorted(hf.__all__))
+"""
+    done = _fresh(code)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1] == str(sorted(HF_NAMES))
+
+
+# What ``osf.hf`` holds.
+HF_NAMES = {
+    *("KeyMapping", "Rule", "MappingReport", "Transform", "Transpose", "SplitHeads", "Reshape"),
+    *("Chain", "Scale", "RopeInterleave", "VocabRows", "Offset"),
+    *("preset_mapping", "PRESETS", "presets", "load_pytorch", "export_pytorch"),
+    "abstract_pytorch",
+}
+
+
 def test_a_key_mapping_from_the_package_works_with_the_orbax_args() -> None:
     """A KeyMapping from the package works as the Orbax args' mapping= (its protocol methods)."""
     code = """

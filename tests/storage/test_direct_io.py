@@ -20,8 +20,7 @@ from etils import epath
 
 import orbax_safetensors as osf
 from orbax_safetensors._src.core import checksum as _checksum
-from orbax_safetensors._src.pipeline import reader as _reader
-from orbax_safetensors._src.pipeline import standalone as _standalone
+from orbax_safetensors._src.pipeline import read as _read
 from orbax_safetensors._src.storage import direct as _direct
 from orbax_safetensors._src.storage import interface as _interface
 from orbax_safetensors._src.storage import local as _local
@@ -71,10 +70,10 @@ def _restore(directory: Path) -> tuple[dict, osf.ReadStats]:
 def _load_file(path: Path) -> tuple[dict, osf.ReadStats]:
     """Every tensor of any safetensors file, as numpy, with the read's statistics."""
     header = _router.read_header(path)
-    _, stored = _standalone.file_index(epath.Path(path), header, strict=False)
+    _, stored = _read.file_index(epath.Path(path), header, strict=False)
     stats = osf.ReadStats()
-    requests = [_reader.ReadRequest(s, kind=_reader.ReadKind.NUMPY) for s in stored.values()]
-    return dict(zip(stored, _reader.read_tensors(requests, stats))), stats
+    requests = [_read.ReadRequest(s, kind=_read.ReadKind.NUMPY) for s in stored.values()]
+    return dict(zip(stored, _read.read_tensors(requests, stats))), stats
 
 
 def _same(got: dict, tree: dict) -> None:

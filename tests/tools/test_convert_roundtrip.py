@@ -13,6 +13,7 @@ from flax import nnx
 
 import orbax_safetensors as osf
 from orbax_safetensors import cli
+from orbax_safetensors._src.catalog import orbax_source as _orbax_source
 from orbax_safetensors._src.catalog import sources as _sources
 from orbax_safetensors._src.tools import diff as _diff
 
@@ -143,6 +144,6 @@ def test_a_native_nnx_item_round_trips_to_itself(tmp_path, capsys, flag):
     assert code == 0, err
     code, _, err = run(capsys, "convert", tmp_path / "st", tmp_path / "back", "-q")
     assert code == 0, err
-    orbax_names = sorted(_sources.OrbaxSource(tmp_path / "native").tensors)
-    assert sorted(_sources.OrbaxSource(tmp_path / "back").tensors) == orbax_names
+    orbax_names = sorted(_orbax_source.OrbaxSource(tmp_path / "native").tensors)
+    assert sorted(_orbax_source.OrbaxSource(tmp_path / "back").tensors) == orbax_names
     assert _diff.diff_paths(tmp_path / "native", tmp_path / "back").identical

@@ -14,6 +14,9 @@ dtype must be a known numeric one, and each array's shape is checked against the
 present before an array is made (a view on those bytes, no copy). The whole file is decoded at
 once: peak host memory is about twice the file size.
 
+:class:`MsgpackSource` is such a file as a table of tensors (``catalog/sources.open_source``
+opens one).
+
 Example::
 
     tree = read_file("flax_model.msgpack")   # the state dict, as flax.serialization gives it
@@ -25,14 +28,15 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgpack
 from etils import epath
 
+from orbax_safetensors._src.catalog.listing import SourceKind, TensorInfo
 from orbax_safetensors._src.core import sniff as _sniff
-from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
+from orbax_safetensors._src.core.errors import SafetensorsCheckpointError, UnsupportedLeafError
 from orbax_safetensors._src.storage import confine as _confine
 
 if TYPE_CHECKING:
@@ -61,7 +65,7 @@ _ML_DTYPES_NAMES = (
 
 
 @functools.cache
-def _dtypes() -> dict[str, np.dtype]:
+def _accepted_dtypes() -> dict[str, np.dtype]:
     import ml_dtypes
     import numpy as np
 
@@ -225,11 +229,11 @@ def _ndarray(data: bytes, name: str, where: str) -> np.ndarray:
     ):
         raise FlaxMsgpackError(f"{problem}: shape {shape!r} is not a list of sizes")
     dtype_text = dtype_name.decode("ascii", "replace") if isinstance(dtype_name, bytes) else ""
-    dtype = _dtypes().get(dtype_text)
+    dtype = _accepted_dtypes().get(dtype_text)
     if dtype is None:
         raise FlaxMsgpackError(
             f"{where}: key {name!r}: dtype {dtype_name!r} is not a numeric dtype this reader "
-            f"accepts ({', '.join(_dtypes())})"
+            f"accepts ({', '.join(_accepted_dtypes())})"
         )
     _check_extent(shape, dtype, problem)
     start, length = _bytes_header(data, offset, problem)
@@ -334,3 +338,52 @@ def _items(node: dict[Any, Any], prefix: str) -> Iterator[tuple[str, Any]]:
             yield from _items(v, name)
         elif not isinstance(v, dict):
             yield name, v
+
+
+class MsgpackSource:
+    """A legacy Flax msgpack file as a table of tensors, decoded whole (host memory: about
+    twice the file). ``tree``: the state dict as ``flax.serialization.msgpack_restore``
+    gives it, a Python complex as a ``complex64`` scalar where that is exact (safetensors has
+    no complex128); tensors carry the names of :func:`flatten`. Python scalars, strings and
+    None are not tensors.
+
+    Example::
+
+        MsgpackSource(epath.Path("flax_model.msgpack")).tensors   # {"params.w": TensorInfo}
+    """
+
+    def __init__(self, path: epath.Path) -> None:
+        import numpy as np
+
+        self.path = path
+        self.kind = SourceKind.FLAX_MSGPACK
+        self.step = step_of(path)
+        self.tree = _exact_complex64(read_file(path), str(path))
+        self.values = {
+            name: np.asarray(v)
+            for name, v in flatten(self.tree).items()
+            if isinstance(v, (np.ndarray, np.generic))
+        }
+        self.tensors = {n: TensorInfo.of(n, v, path.name) for n, v in self.values.items()}
+        self.metadata: dict[str, Any] = {}
+
+    def read(self, names: Sequence[str]) -> dict[str, np.ndarray]:
+        return {n: self.values[n] for n in names}
+
+
+def _exact_complex64(node: Any, where: str, name: str = "") -> Any:
+    import numpy as np
+
+    if isinstance(node, dict):
+        return {k: _exact_complex64(v, where, _join(name, k)) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_exact_complex64(v, where, _join(name, i)) for i, v in enumerate(node)]
+    if isinstance(node, complex):
+        value = np.complex64(node)
+        if complex(value) != node:
+            raise UnsupportedLeafError(
+                f"{where}: key {name!r}: complex {node!r} is not exact in complex64, and "
+                "safetensors has no complex128"
+            )
+        return value
+    return node

@@ -1,12 +1,9 @@
-"""What a checkpoint holds, as a table of tensors; one ``.safetensors`` file listed from its
-header alone.
+"""The rows of every table of tensors (:class:`TensorInfo`), and one ``.safetensors`` file
+listed from its header alone (:func:`list_file`).
 
-:class:`TensorInfo` is one row of every tool's table (``catalog/sources.py`` builds them for
-every kind of checkpoint). :func:`list_file` lists one safetensors file without reading a
-tensor byte; a local file is read with ``os.pread`` and ``core/`` alone (no JAX, Orbax,
-NumPy or ml_dtypes, not even the storage layer), so that ``orbax-safetensors inspect
-FILE.safetensors`` answers at once. Other paths (object stores, FIFOs...) are read through
-``storage/router``, imported when one comes.
+A local file is listed with ``os.pread`` and ``core/`` alone (no JAX, Orbax, NumPy or
+ml_dtypes, not even the storage layer), so that ``orbax-safetensors inspect FILE`` answers at
+once; other paths (object stores, FIFOs...) are read through ``storage/router``.
 
 Example::
 
@@ -20,7 +17,6 @@ import dataclasses
 import enum
 import os
 import pathlib
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from orbax_safetensors._src.core import dtypes as _dtypes
@@ -45,6 +41,13 @@ class TensorInfo:
     nbytes: int
     file: str
     cast_from: str | None = None
+
+    @classmethod
+    def of(cls, name: str, value: Any, file: str) -> TensorInfo:
+        """The row of an array (anything with a ``shape`` and a numpy ``dtype``)."""
+        dtype = _dtypes.from_numpy(value.dtype, key=name)
+        shape = tuple(int(d) for d in value.shape)
+        return cls(name, dtype, shape, _dtypes.nbytes(dtype, shape), file)
 
     def to_json(self) -> dict[str, Any]:
         out = {
@@ -80,47 +83,34 @@ class FileTable:
     kind: SourceKind = SourceKind.FILE
 
 
-def cast_origins(leaves: Mapping[str, _schema.SchemaLeaf]) -> dict[str, str]:
-    """``{tensor name: dtype before the cast}`` of a validated schema's leaves (``SchemaLeaf``
-    by name, see ``schema.from_json``), for the tensors saved under a dtype policy.
-
-    Raises:
-      SchemaError: a recorded original dtype is not a safetensors dtype.
-    """
-    out = {}
-    for name, leaf in leaves.items():
-        node = leaf.node
-        if not isinstance(node, _schema.Tensor) or node.cast_from is None:
-            continue
-        origin = node.cast_from
-        if not _dtypes.is_known(origin):
-            raise SchemaError(f"leaf {name!r}: cast_from {origin!r} is not a safetensors dtype")
-        out[name] = str(origin)
-    return out
-
-
-def listed_origins(schema: Any) -> dict[str, str]:
-    """:func:`cast_origins` of a schema document as read from a file; none when the schema is
-    absent or unreadable (the tools still list the tensors)."""
-    if schema is None:
-        return {}
+def cast_origins(schema: Any) -> dict[str, str]:
+    """``{tensor name: its dtype before a save-time dtype policy cast it}`` of the schema
+    document a file records; none when the schema is absent or unreadable (the tools still
+    list the tensors)."""
     try:
-        return cast_origins(_schema.from_json(schema).leaves)
+        leaves = _schema.from_json(schema).leaves if schema is not None else {}
     except SchemaError:
         return {}
+    origins = {
+        name: leaf.node.cast_from
+        for name, leaf in leaves.items()
+        if isinstance(leaf.node, _schema.Tensor) and leaf.node.cast_from is not None
+    }
+    if not all(_dtypes.is_known(origin) for origin in origins.values()):
+        return {}
+    return {name: str(origin) for name, origin in origins.items()}
 
 
-def user_metadata(header: _header.Header) -> dict[str, str]:
-    """A file's ``__metadata__`` without the entries this library reserves (schema, checksums)."""
-    return {k: v for k, v in header.metadata.items() if k not in _metadata.RESERVED_KEYS}
-
-
-def header_schema(header: _header.Header, where: str) -> Any:
-    """The tree schema a file's header records, or None (absent, or not JSON)."""
+def header_facts(header: _header.Header, where: str) -> tuple[dict[str, str], dict[str, str]]:
+    """What a file's header records besides its tensors: its user metadata (``__metadata__``
+    without the entries this library reserves) and :func:`cast_origins` of its schema (none
+    where the schema is absent or not JSON)."""
     try:
-        return _metadata.header_json(header, _metadata.SCHEMA_KEY, where)
+        schema = _metadata.header_json(header, _metadata.SCHEMA_KEY, where)
     except SchemaError:
-        return None
+        schema = None
+    user = {k: v for k, v in header.metadata.items() if k not in _metadata.RESERVED_KEYS}
+    return user, cast_origins(schema)
 
 
 def list_file(path: epath.PathLike) -> FileTable:
@@ -132,12 +122,12 @@ def list_file(path: epath.PathLike) -> FileTable:
       OSError: ``path`` cannot be read.
     """
     path, header = _read_header(path)
-    origins = listed_origins(header_schema(header, str(path)))
+    user, origins = header_facts(header, str(path))
     tensors = {
         name: TensorInfo(name, e.dtype, e.shape, e.nbytes, path.name, origins.get(name))
         for name, e in header.tensors.items()
     }
-    return FileTable(path, tensors, user_metadata(header))
+    return FileTable(path, tensors, user)
 
 
 def _read_header(path: epath.PathLike) -> tuple[epath.Path | pathlib.PurePath, _header.Header]:

@@ -266,23 +266,24 @@ def kvstore_url(path: epath.Path) -> str:
     return (text if "://" in text else "file://" + os.path.abspath(text)).rstrip("/") + "/"
 
 
-def missing_file(path: epath.Path, *, use_ocdbt: bool, use_zarr3: bool) -> str | None:
+def missing_file(path: epath.Path) -> str | None:
     """Why Orbax could not read the metadata of item ``path`` whose ``_METADATA`` is sound,
     when a file it needs is missing: the OCDBT manifest or a data file of the database, or an
     array's zarr metadata (its name from ``_METADATA``); None when none is (or ``_METADATA``
-    itself is damaged: that is the problem to report)."""
+    itself is missing or damaged: that is the problem to report)."""
     try:
         doc = json.loads((path / _steps.ORBAX_METADATA_FILE).read_text())
         entries = list(doc["tree_metadata"].values())
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    if use_ocdbt:
+    storage = _steps.array_storage(path)
+    if storage.use_ocdbt:
         try:
             OcdbtFiles(path).check("")
         except SafetensorsCheckpointError as e:
             return str(e)
         return None
-    meta = "zarr.json" if use_zarr3 else ".zarray"
+    meta = "zarr.json" if storage.use_zarr3 else ".zarray"
     for entry in entries:
         try:
             value_type = entry["value_metadata"]["value_type"]

@@ -1,22 +1,13 @@
-"""Any checkpoint as a table of tensors: what it holds, and reading it a batch at a time.
+"""Any checkpoint as a table of tensors that reads a batch at a time.
 
-Every tool (``inspect``, ``diff``, ``convert``, the Hugging Face loader) sees a checkpoint as a
-:class:`TensorSource`: a table of :class:`TensorInfo` by dotted name plus ``read(names)``, which
-returns host numpy arrays, a batch at a time, so no tool needs the whole checkpoint in memory.
-A source can be one ``.safetensors`` file (written by this library, PyTorch, anyone), a
-checkpoint directory of this library, plain safetensors files in a directory (Hugging Face
-style), an Orbax-native PyTree item (``StandardSave``/``PyTreeSave``, OCDBT or not), or a legacy
-Flax msgpack file (``flax.serialization.to_bytes``, ``flax.training.checkpoints``).
-
-Host memory of a read: the arrays returned, plus, for an Orbax-native item, the pieces being
-decoded (:meth:`OrbaxSource.read_box`: two of at most ``READ_PIECE_BYTES`` of whole stored
-chunks; a chunk is compressed, so one larger than that is a piece alone). A tool bounds what it
-holds by what it asks for: :func:`batches` of at most ``DEFAULT_BATCH_BYTES``, and boxes of a
-tensor larger than that (``read_box``; an export of stacked layers reads a band of them at a
-time: ``integrations/export_reads.py``). An Orbax-native item's shapes are claims of its
-metadata: before a read allocates one, its files are checked to back it
-(``catalog/orbax_claims.py``: stored chunks present, OCDBT data files whole, and at most the
-machine's physical memory read at once).
+Every tool and loader sees what it reads as a :class:`TensorSource`: :class:`TensorInfo` rows
+by dotted name, and ``read(names)``, which returns host numpy arrays of those tensors only.
+:func:`open_source` opens any path: it classifies the path once, descends from a root to a step
+and from a step to its item of tensors, and opens that item with the one reader of its kind:
+:class:`SafetensorsSource` (a ``.safetensors`` file, this library's item, a Hugging Face
+directory), :class:`OrbaxSource` (an Orbax-native PyTree item) or ``MsgpackSource`` (a legacy
+Flax msgpack file). Every file a checkpoint names is checked to lie inside it, and a local file
+is never opened if it is a FIFO or another special file.
 
 Example::
 
@@ -27,12 +18,8 @@ Example::
 
 from __future__ import annotations
 
-import collections
-import itertools
 import json
-import math
-import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -40,25 +27,13 @@ from etils import epath
 
 from orbax_safetensors._src.catalog import flax_msgpack as _flax_msgpack
 from orbax_safetensors._src.catalog import listing as _listing
-from orbax_safetensors._src.catalog import orbax_claims as _orbax_claims
 from orbax_safetensors._src.catalog.listing import SourceKind, TensorInfo
-from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
-from orbax_safetensors._src.core import dtypes as _dtypes
+from orbax_safetensors._src.catalog.orbax_source import OrbaxSource
 from orbax_safetensors._src.core import plan as _plan
-from orbax_safetensors._src.core import runs as _runs
-from orbax_safetensors._src.core import tree as _tree
-from orbax_safetensors._src.core.errors import (
-    HeaderError,
-    SafetensorsCheckpointError,
-    UnsupportedLeafError,
-)
+from orbax_safetensors._src.core.errors import HeaderError, SafetensorsCheckpointError
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.orbax.steps import PathKind
-from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
-from orbax_safetensors._src.pipeline import place as _place
-from orbax_safetensors._src.pipeline import reader as _reader
-from orbax_safetensors._src.pipeline import standalone as _standalone
-from orbax_safetensors._src.storage import buffers as _buffers
+from orbax_safetensors._src.pipeline import read as _read
 from orbax_safetensors._src.storage import confine as _confine
 from orbax_safetensors._src.storage import router as _router
 
@@ -78,38 +53,122 @@ class TensorSource(Protocol):
         ...
 
 
+def batches(
+    infos: Sequence[TensorInfo], max_bytes: int = DEFAULT_BATCH_BYTES
+) -> list[list[TensorInfo]]:
+    """Groups tensors into batches of at most ``max_bytes`` (a larger tensor goes alone)."""
+    out: list[list[TensorInfo]] = []
+    used = 0
+    for t in infos:
+        if not out or (out[-1] and used + t.nbytes > max_bytes):
+            out.append([])
+            used = 0
+        out[-1].append(t)
+        used += t.nbytes
+    return out
+
+
+def open_source(
+    path: epath.PathLike, *, step: int | None = None, item: str | None = None, latest: bool = False
+) -> TensorSource:
+    """Opens the tensors ``path`` names: a ``.safetensors`` or Flax msgpack file, a checkpoint
+    item, a directory of safetensors files, an Orbax-native item, or a step directory with one
+    item of tensors (``item``: the item of a step with several). A CheckpointManager root
+    opens its committed step ``step``, or with ``latest`` its latest one.
+
+    Raises:
+      SafetensorsCheckpointError: ``path`` holds no tensors; a step with several items of
+        tensors and no ``item``; a root without ``step`` or ``latest``; ``step`` or ``item``
+        that ``path`` does not have.
+      FileNotFoundError: ``path`` does not exist.
+
+    Example::
+
+        open_source("/ckpt", latest=True, item="state").tensors   # {"params.w": TensorInfo}
+    """
+    path, kind = _resolve(epath.Path(path), step, item, latest)
+    return _READERS[kind](path)
+
+
+def _resolve(
+    path: epath.Path, step: int | None, item: str | None, latest: bool
+) -> tuple[epath.Path, PathKind]:
+    # The item of tensors ``path`` names, and its kind (see open_source): the path classified
+    # once, then a root's step and a step's item taken from Orbax's own listings.
+    kind = _steps.classify(path)
+    if kind is PathKind.ROOT and (latest or step is not None):
+        steps = dict(_steps.list_steps(path))
+        if not steps:
+            raise SafetensorsCheckpointError(
+                f"{path}: a CheckpointManager root with no committed step"
+            )
+        if step is not None and step not in steps:
+            raise SafetensorsCheckpointError(
+                f"{path}: no committed step {step} (steps: {', '.join(map(str, sorted(steps)))})"
+            )
+        path = steps[max(steps) if step is None else step]
+        kind = _steps.classify(path)
+    elif step is not None:
+        raise SafetensorsCheckpointError(
+            f"{path} is {kind.noun}, not a CheckpointManager root: step= does not apply"
+        )
+    if kind is PathKind.STEP:
+        items = _steps.list_items(path)
+        tensors = [n for n, k in items.items() if k in _steps.TENSOR_KINDS]
+        if item is not None and item not in tensors:
+            raise SafetensorsCheckpointError(
+                f"{path}: no tensor item {item!r} (items: {', '.join(items) or '-'})"
+            )
+        if item is None and not tensors:
+            raise _steps.not_a_checkpoint(path)
+        if item is None and len(tensors) > 1:
+            raise SafetensorsCheckpointError(
+                f"{path}: a step with {len(tensors)} items of tensors ({', '.join(tensors)}); "
+                "name one item directory"
+            )
+        name = tensors[0] if item is None else item
+        return path / name, items[name]
+    if item is not None:
+        raise SafetensorsCheckpointError(f"{path} is {kind.noun}, not a step: item= does not apply")
+    if kind is PathKind.ROOT:
+        listed = ", ".join(str(s) for s, _ in _steps.list_steps(path)[-5:]) or "none committed"
+        raise SafetensorsCheckpointError(
+            f"{path}: a CheckpointManager root (steps: {listed}); name one step or item directory"
+        )
+    if kind not in _steps.TENSOR_KINDS:
+        raise _steps.not_a_checkpoint(path)
+    return path, kind
+
+
 class SafetensorsSource:
-    """Tensors stored in safetensors files: one file, one of our items, or an HF directory."""
+    """Tensors stored in safetensors files: one file, one of our items, or an HF directory;
+    ``stored``: where each tensor's bytes lie, with its checksum where one is recorded;
+    ``origins``: each cast tensor's dtype before the cast (``listing.cast_origins``)."""
 
     def __init__(
         self,
         path: epath.Path,
         kind: SourceKind,
-        stored: Mapping[str, Any],
+        stored: Mapping[str, _read.StoredTensor],
         metadata: dict[str, Any],
-        schema: Any = None,
+        origins: Mapping[str, str] | None = None,
     ) -> None:
         self.path = path
         self.kind = kind
-        self.stored = dict(stored)  # name -> _reader.StoredTensor
+        self.stored = dict(stored)
         self.metadata = metadata
         base = path if path.is_dir() else path.parent
-        origins = _listing.listed_origins(schema)
+        origins = origins or {}
         self.tensors = {
             name: TensorInfo(
-                name,
-                s.dtype,
-                tuple(s.shape),
-                s.nbytes,
-                _relative(s.path, base),
-                origins.get(name),
+                name, s.dtype, tuple(s.shape), s.nbytes, _relative(s.path, base), origins.get(name)
             )
             for name, s in self.stored.items()
         }
 
     def read(self, names: Sequence[str]) -> dict[str, np.ndarray]:
-        requests = [_reader.ReadRequest(self.stored[n], kind=_reader.ReadKind.NUMPY) for n in names]
-        return dict(zip(names, _reader.read_tensors(requests)))
+        requests = [_read.ReadRequest(self.stored[n], kind=_read.ReadKind.NUMPY) for n in names]
+        return dict(zip(names, _read.read_tensors(requests)))
 
 
 def _relative(path: epath.Path, base: epath.Path) -> str:
@@ -119,37 +178,56 @@ def _relative(path: epath.Path, base: epath.Path) -> str:
         return path.name
 
 
-def _open_file(path: epath.Path) -> SafetensorsSource:
+def _open_file(path: epath.Path) -> TensorSource:
+    # A Flax msgpack file, else a .safetensors file; a file of a checkpoint item is read
+    # against the checksums its item records.
+    if _flax_msgpack.is_flax_msgpack(path):
+        return _flax_msgpack.MsgpackSource(path)
     header = _router.read_header(path)
-    # (a file of a checkpoint directory is read against the checksums the directory records)
-    _, stored = _standalone.file_index(path, header, strict=False, directory_checksums=True)
-    user = _listing.user_metadata(header)
-    schema = _listing.header_schema(header, str(path))
-    return SafetensorsSource(path, SourceKind.FILE, stored, user, schema)
+    _, stored = _read.file_index(path, header, strict=False, directory_checksums=True)
+    user, origins = _listing.header_facts(header, str(path))
+    return SafetensorsSource(path, SourceKind.FILE, stored, user, origins)
 
 
 def _open_item(path: epath.Path) -> SafetensorsSource:
-    meta = _checkpoint_restore.read_metadata(path)
-    stored = _checkpoint_restore.locate_in_directory(path, meta)
-    return SafetensorsSource(
-        path, SourceKind.ITEM, stored, dict(meta.get("metadata") or {}), meta.get("schema")
-    )
+    meta = _read.read_metadata(path)
+    stored = _read.locate_in_directory(path, meta)
+    user, origins = dict(meta.get("metadata") or {}), _listing.cast_origins(meta.get("schema"))
+    return SafetensorsSource(path, SourceKind.ITEM, stored, user, origins)
 
 
-def safetensors_dir_files(path: epath.Path) -> list[str]:
-    """The files of a plain safetensors directory: those listed by the HF index, else every
-    ``*.safetensors`` file; each checked to lie inside ``path`` (``storage/confine.py``)."""
-    return _dir_files(path, _read_index(path))
-
-
-def _dir_files(path: epath.Path, index: tuple[epath.Path, dict[str, Any]] | None) -> list[str]:
+def _open_safetensors_dir(path: epath.Path) -> SafetensorsSource:
+    # The files the Hugging Face index lists (each tensor in the file it names), else every
+    # ``*.safetensors`` file; each with the checksums it records, if any.
+    index = _read_index(path)
     if index is None:
-        where, names = path, [p.name for p in _steps.safetensors_files(path)]
+        where, weight_map, metadata = path, None, {}
+        names = [p.name for p in _steps.safetensors_files(path)]
     else:
-        where, names = index[0], sorted(set(index[1]["weight_map"].values()))
-    for name in names:
-        _confine.inside(path, name, where=where)
-    return names
+        where, doc = index
+        weight_map, metadata = doc["weight_map"], {"index": doc.get("metadata", {})}
+        names = sorted(set(weight_map.values()))
+    files = {name: _confine.inside(path, name, where=where) for name in names}
+    stored: dict[str, _read.StoredTensor] = {}
+    for filename, file in files.items():
+        header = _router.read_header(file)
+        metadata.setdefault("format", header.metadata.get("format"))
+        _, in_file = _read.file_index(file, header, strict=False)
+        for name, st in in_file.items():
+            if name in stored:
+                raise HeaderError(
+                    f"{path}: tensor {name!r} appears in both {stored[name].path.name} and {filename}"
+                )
+            if weight_map is not None and weight_map.get(name) != filename:
+                raise HeaderError(
+                    f"{file}: holds tensor {name!r}, which the index places in "
+                    f"{weight_map.get(name)!r}"
+                )
+            stored[name] = st
+    lost = sorted(set(weight_map or ()) - set(stored))
+    if lost:
+        raise HeaderError(f"{where}: lists tensors found in no file: {lost[:10]}")
+    return SafetensorsSource(path, SourceKind.SAFETENSORS_DIR, stored, metadata)
 
 
 def _read_index(path: epath.Path) -> tuple[epath.Path, dict[str, Any]] | None:
@@ -171,580 +249,10 @@ def _read_index(path: epath.Path) -> tuple[epath.Path, dict[str, Any]] | None:
     return index, doc
 
 
-def _open_safetensors_dir(path: epath.Path) -> SafetensorsSource:
-    stored: dict[str, Any] = {}
-    metadata: dict[str, Any] = {}
-    weight_map: dict[str, str] | None = None
-    index = _read_index(path)
-    if index is not None:
-        weight_map = index[1]["weight_map"]
-        metadata = {"index": index[1].get("metadata", {})}
-    for filename in _dir_files(path, index):
-        header = _router.read_header(path / filename)
-        metadata.setdefault("format", header.metadata.get("format"))
-        _, in_file = _standalone.file_index(path / filename, header, strict=False)
-        for name, st in in_file.items():  # (with the file's own checksums, if it has any)
-            if name in stored:
-                raise HeaderError(
-                    f"{path}: tensor {name!r} appears in both {stored[name].path.name} and {filename}"
-                )
-            if weight_map is not None and weight_map.get(name) != filename:
-                raise HeaderError(
-                    f"{path / filename}: holds tensor {name!r}, which the index places in "
-                    f"{weight_map.get(name)!r}"
-                )
-            stored[name] = st
-    if index is not None and weight_map is not None:
-        lost = sorted(set(weight_map) - set(stored))
-        if lost:
-            raise HeaderError(f"{index[0]}: lists tensors found in no file: {lost[:10]}")
-    return SafetensorsSource(path, SourceKind.SAFETENSORS_DIR, stored, metadata)
-
-
-class OrbaxSource:
-    """An Orbax-native PyTree item (``StandardSave``/``PyTreeSave``, or a checkpointable of
-    Orbax v1's ``save_checkpointables``), read through Orbax.
-
-    Tensors carry the dotted names of Orbax's own tree (dict keys and list indices joined by
-    ``.``); Python scalars and strings are not tensors. ``chunks`` holds each tensor's stored
-    chunk shape (Orbax's metadata): a chunk is compressed, so it is the unit of every read.
-
-    Arrays are read with TensorStore from the spec Orbax's own restore opens them with
-    (``compat/orbaxcompat.array_read_spec``): :meth:`read_box` reads any box of a tensor, a
-    few stored chunks at a time into one buffer, so a read holds the box and
-    ``READ_PIECES_IN_FLIGHT`` pieces of at most ``READ_PIECE_BYTES`` decoded (at least a
-    chunk each), not the box twice; :meth:`read` reads whole tensors so, and
-    :meth:`read_sharded` each process's boxes of global ``jax.Array`` s (placed zero-copy on
-    CPU devices). Where this Orbax gives no spec (or for a dtype TensorStore does not hold as
-    stored, typed PRNG keys), they go through Orbax's restore (``partial_restore``), which
-    gives the same values. None of them runs a collective (Orbax's handler, not its
-    ``Checkpointer``, whose restore ends in a barrier): in a multi-process job any process
-    may read on its own.
-
-    Every read (the fallback through Orbax's restore too) first checks that the item's files
-    back what it is about to allocate (``catalog/orbax_claims.py``): Orbax's metadata and
-    the zarr metadata agree on the shape, the OCDBT data files the tensor's keys lie in are
-    present and long enough, every stored chunk the read needs is there (unless the item
-    reads never-written chunks as the fill value), and the read, with a chunk decoded, fits
-    the machine's physical memory; else a ``SafetensorsCheckpointError`` names the tensor,
-    its claimed dtype, shape and bytes, or the missing file. Listing an item reads no chunk.
-    """
-
-    def __init__(self, path: epath.Path) -> None:
-        import jax
-
-        self.path = path = _steps.absolute(path)
-        self.kind = SourceKind.ORBAX
-        _steps.check_orbax_item(path)  # (before Orbax or TensorStore opens a file of it)
-        self.tree = orbax_metadata_tree(path)
-        flat, _ = jax.tree_util.tree_flatten_with_path(self.tree)
-        names = _tree.assign_names([tuple(p) for p, _ in flat])
-        self.leaves: dict[str, tuple[tuple[Any, ...], Any]] = {}
-        self.tensors = {}
-        self.chunks: dict[str, tuple[int, ...]] = {}
-        for name, (keypath, leaf) in zip(names, flat):
-            self.leaves[name] = (tuple(keypath), leaf)
-            if is_orbax_array(leaf):
-                shape = tuple(int(d) for d in leaf.shape)
-                dtype = _dtypes.from_numpy(np.dtype(leaf.dtype), key=name)
-                self.tensors[name] = TensorInfo(
-                    name, dtype, shape, _dtypes.nbytes(dtype, shape), "(orbax)"
-                )
-                self.chunks[name] = chunk_shape(leaf, shape)
-        self.metadata: dict[str, Any] = {}
-        self._stores: dict[str, Any] = {}  # name -> its opened TensorStore, or None
-        self._context: Any = None  # (with the item's storage flags, once a tensor is opened)
-        self._storage: Any = None
-        self._ocdbt: _orbax_claims.OcdbtFiles | None = None
-        self._complete: set[str] = set()  # tensors every stored chunk of which is present
-        self._lock = threading.Lock()
-
-    def read(self, names: Sequence[str]) -> dict[str, np.ndarray]:
-        import jax
-
-        out = {}
-        for name in names:
-            if self.store(name) is not None:
-                out[name] = self.read_box(name, _runs.whole_index(self.tensors[name].shape))
-        values = self.restore([n for n in names if n not in out])
-        out.update(
-            (n, np.asarray(jax.random.key_data(v) if _tree.is_prng_key(v) else v))
-            for n, v in values.items()
-        )
-        return {n: out[n] for n in names}
-
-    def store(self, name: str) -> Any:
-        """The TensorStore of tensor ``name`` opened as Orbax's restore opens it (cached), or
-        None where reads of it go through Orbax's restore (see the class docstring)."""
-        with self._lock:
-            if name not in self._stores:
-                self._stores[name] = self._open(name)
-            return self._stores[name]
-
-    def _open(self, name: str) -> Any:
-        import tensorstore as ts
-
-        info = self.tensors.get(name)
-        leaf_name = getattr(self.leaves[name][1], "name", None) if name in self.leaves else None
-        if info is None or not isinstance(leaf_name, str) or not leaf_name:
-            return None
-        if self._context is None:
-            self._context = ts.Context(TENSORSTORE_CONTEXT)
-            self._storage = _steps.array_storage(self.path)
-        storage = self._storage
-        _confine.inside(self.path, leaf_name, where=self.path / _steps.ORBAX_METADATA_FILE)
-        spec = _orbaxcompat.array_read_spec(
-            self.path,
-            leaf_name,
-            use_zarr3=storage.use_zarr3,
-            use_ocdbt=storage.use_ocdbt,
-            fill_missing=storage.fill_missing,
-            context=self._context,
-        )
-        if spec is None:
-            return None
-        if storage.use_ocdbt:  # (a missing data file named, before TensorStore reads it)
-            if self._ocdbt is None:
-                self._ocdbt = _orbax_claims.OcdbtFiles(self.path)
-            self._ocdbt.check(f"{leaf_name}/", name)
-        try:
-            store = ts.open(spec, open=True, context=self._context).result()
-        except ValueError as e:
-            raise SafetensorsCheckpointError(
-                f"{self.path}: tensor {name!r}: TensorStore cannot open its array: {e}"
-            ) from None
-        zarr = f"{leaf_name}/{'zarr.json' if storage.use_zarr3 else '.zarray'}"
-        if storage.use_ocdbt:
-            zarr += " in the item's OCDBT database"
-        _orbax_claims.check_claim(str(self.path), name, info.shape, tuple(store.shape), zarr)
-        if store.dtype.numpy_dtype != _dtypes.to_numpy(info.dtype):
-            return None  # (not the array Orbax's metadata describes as stored: Orbax's restore)
-        return store
-
-    def _admit(self, name: str, boxes: Sequence[Sequence[slice]]) -> None:
-        """Raises before a read of ``boxes`` (explicit bounds) of tensor ``name`` allocates
-        anything, unless the item's files back them: its chunks stored (where the item does
-        not read missing chunks as the fill value) and OCDBT data files present, and their
-        bytes within :func:`orbax_claims.max_read_bytes` (``catalog/orbax_claims.py``)."""
-        info = self.tensors[name]
-        where = str(self.path)
-        claim = _orbax_claims.describe(info.dtype, info.shape, info.nbytes)
-        store = self.store(name)
-        chunk = self.chunks[name]
-        decoded = store.chunk_layout.read_chunk.shape if store is not None else None
-        if decoded is not None:  # (the chunks TensorStore decodes: the zarr metadata's)
-            chunk = tuple(int(c) for c in decoded)
-        if store is not None and not self._storage.fill_missing:
-            leaf_name = self.leaves[name][1].name
-            location = (
-                f"the item's OCDBT database (keys {leaf_name}/...)"
-                if self._storage.use_ocdbt
-                else str(self.path / leaf_name)
-            )
-            if name not in self._complete:  # (one listing of a whole tensor, not one a box)
-                whole = _runs.whole_index(info.shape)
-                try:
-                    _orbax_claims.check_stored(where, name, store, whole, claim, chunk, location)
-                    self._complete.add(name)
-                except SafetensorsCheckpointError:  # a box of the chunks present still reads
-                    for box in boxes:
-                        _orbax_claims.check_stored(where, name, store, box, claim, chunk, location)
-        _orbax_claims.check_allocation(
-            where, name, info.dtype, info.shape, boxes=boxes, chunk=chunk
-        )
-
-    def read_box(self, name: str, box: Sequence[slice]) -> np.ndarray:
-        """The values of ``box`` (a slice per axis, steps of 1) of tensor ``name``, in its
-        stored dtype, in a new 64-byte aligned C-contiguous array: read a few stored chunks at
-        a time (pieces of whole chunks of at most ``READ_PIECE_BYTES`` where a chunk is not
-        larger, ``READ_PIECES_IN_FLIGHT`` at once), so the read holds the box and those pieces
-        decoded. A box of whole chunks reads exactly its own chunks.
-
-        Example::
-
-            source.read_box("params.w", (slice(0, 8), slice(0, 64)))   # rows 0-7
-        """
-        import tensorstore as ts
-
-        info = self.tensors[name]
-        box = _runs.normalize_index(tuple(box), info.shape)
-        self._admit(name, [box])
-        shape = tuple(s.stop - s.start for s in box)
-        stored = _dtypes.to_numpy(info.dtype)
-        out = _buffers.aligned_empty(math.prod(shape) * stored.itemsize).view(stored)
-        out = out.reshape(shape)
-        store = self.store(name)
-        if store is None:  # Orbax's restore: the whole tensor, then the box
-            out[...] = self.read([name])[name][box]
-            return out
-        if not out.size:
-            return out
-        dest = ts.array(out, copy=False, write=True)
-        pending: collections.deque[Any] = collections.deque()
-        for piece in chunk_pieces(box, self.chunks[name], stored.itemsize, READ_PIECE_BYTES):
-            local = tuple(slice(p.start - b.start, p.stop - b.start) for p, b in zip(piece, box))
-            pending.append(dest[local].write(store[piece]))
-            if len(pending) >= READ_PIECES_IN_FLIGHT:
-                pending.popleft().result()
-        while pending:
-            pending.popleft().result()
-        return out
-
-    def restore(self, names: Sequence[str], *, as_jax: bool = False) -> dict[str, Any]:
-        """The leaves ``names`` as Orbax restores them (scalars, strings, arrays).
-
-        With ``as_jax``, arrays saved as ``jax.Array`` come back as single-device jax arrays
-        (typed PRNG keys keep their type); otherwise every array is a host numpy array.
-        """
-        import jax
-        import orbax.checkpoint as ocp
-
-        device = jax.devices()[0]
-
-        def restore_args(name: str, leaf: Any) -> Any:
-            if is_orbax_array(leaf) and (not as_jax or leaf.sharding is None):
-                return ocp.RestoreArgs(restore_type=np.ndarray)
-            if is_orbax_array(leaf):
-                return ocp.ArrayRestoreArgs(
-                    sharding=jax.sharding.SingleDeviceSharding(device),
-                    global_shape=tuple(leaf.shape),
-                )
-            return ocp.RestoreArgs()
-
-        return self._restore(names, restore_args)
-
-    def read_sharded(self, names: Sequence[str], shardings: Mapping[str, Any]) -> dict[str, Any]:
-        """The arrays ``names`` as global ``jax.Array`` s laid out by ``shardings`` (a
-        ``jax.sharding.Sharding`` by name), in their stored dtype: each process reads only
-        its devices' boxes (each distinct box once, through :meth:`read_box`; a box made of
-        whole ``chunks`` reads exactly its own chunks), placed on its devices without a copy
-        where the devices share host memory (CPU). Every process of a job may call it on
-        its own.
-
-        Example::
-
-            spec = NamedSharding(mesh, PartitionSpec("model"))
-            source.read_sharded(["params.w"], {"params.w": spec})["params.w"].sharding
-        """
-        import jax
-        import orbax.checkpoint as ocp
-
-        out: dict[str, Any] = {}
-        for name in names:
-            if self.store(name) is None:
-                continue
-            shape, sharding = self.tensors[name].shape, shardings[name]
-            held: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
-            hosts, devices = [], []
-            for device, index in sharding.addressable_devices_indices_map(shape).items():
-                box = _runs.normalize_index(index, shape)
-                key = tuple((s.start, s.stop) for s in box)
-                if key not in held:
-                    held[key] = self.read_box(name, box)
-                hosts.append(held[key])
-                devices.append(device)
-            arrays = _place.put(hosts, devices)
-            out[name] = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
-
-        def restore_args(name: str, leaf: Any) -> Any:
-            return ocp.ArrayRestoreArgs(
-                sharding=shardings[name], global_shape=tuple(int(d) for d in leaf.shape)
-            )
-
-        rest = [n for n in names if n not in out]
-        boxes = {}  # what Orbax's restore allocates of each: this process's distinct boxes
-        for name in rest:
-            shape = self.tensors[name].shape
-            mine = shardings[name].addressable_devices_indices_map(shape).values()
-            distinct = {
-                _runs.index_key(b): b for b in (_runs.normalize_index(i, shape) for i in mine)
-            }
-            boxes[name] = list(distinct.values())
-        out.update(self._restore(rest, restore_args, boxes))
-        return {n: out[n] for n in names}
-
-    def _restore(
-        self,
-        names: Sequence[str],
-        restore_args: Any,
-        boxes: Mapping[str, Sequence[Sequence[slice]]] | None = None,
-    ) -> dict[str, Any]:
-        # Orbax's handler, not PyTreeCheckpointer: the Checkpointer's restore ends in a
-        # barrier of every process, which a read by one process (or on a reading thread)
-        # must not reach. Each array is admitted first (whole, or ``boxes``: what this
-        # process holds of it): Orbax's restore allocates the claimed shape before it reads.
-        import jax
-        import orbax.checkpoint as ocp
-
-        if not names:
-            return {}
-        for name in names:
-            if name in self.tensors:
-                whole = [_runs.whole_index(self.tensors[name].shape)]
-                self._admit(name, boxes[name] if boxes is not None else whole)
-        wanted = set(names)
-        name_of = self.name_of_path()
-        item = select_leaves(self.tree, wanted, name_of, lambda leaf: 0)
-        args = select_leaves(self.tree, wanted, name_of, restore_args, named=True)
-        handler = ocp.PyTreeCheckpointHandler()
-        try:
-            restored = handler.restore(
-                self.path, args=_orbaxcompat.pytree_partial_restore(item, args)
-            )
-        finally:
-            handler.close()
-        out = {}
-        flat, _ = jax.tree_util.tree_flatten_with_path(restored)
-        by_path = {tuple(p): v for p, v in flat}
-        for name in names:
-            keypath, _ = self.leaves[name]
-            out[name] = by_path[keypath]
-        return out
-
-    def name_of_path(self) -> dict[tuple[Any, ...], str]:
-        """Each leaf's key path in ``self.tree`` mapped to its tensor name."""
-        return {keypath: name for name, (keypath, _) in self.leaves.items()}
-
-
-# What an Orbax item's reads ask TensorStore for at a time: pieces of whole stored chunks of at
-# most READ_PIECE_BYTES (a larger chunk is a piece alone), READ_PIECES_IN_FLIGHT at once (one
-# decoding while the one before is copied); a box read whole would hold every chunk of it
-# decoded beside the box.
-READ_PIECE_BYTES = 8 << 20
-READ_PIECES_IN_FLIGHT = 2
-# Orbax's own TensorStore context for OCDBT items (ts_utils.get_ts_context): its file I/O
-# concurrency, and a cache of the B-tree nodes that find the chunks, so that the reads of one
-# tensor's boxes find them once.
-TENSORSTORE_CONTEXT = {
-    "file_io_concurrency": {"limit": 128},
-    "cache_pool#ocdbt": {"total_bytes_limit": 100_000_000},
+# The one reader of each kind of item (what ``_resolve`` gives).
+_READERS: dict[PathKind, Callable[[epath.Path], TensorSource]] = {
+    PathKind.FILE: _open_file,
+    PathKind.ITEM: _open_item,
+    PathKind.SAFETENSORS_DIR: _open_safetensors_dir,
+    PathKind.ORBAX: OrbaxSource,
 }
-
-
-def chunk_pieces(
-    box: Sequence[slice], chunk: Sequence[int], itemsize: int, max_bytes: int
-) -> list[tuple[slice, ...]]:
-    """``box`` (slices with explicit bounds) cut at the boundaries of stored chunks of
-    ``chunk`` into pieces of at most ``max_bytes`` where a chunk is not larger: along the
-    first axis the box crosses chunks on, consecutive chunks grouped up to ``max_bytes``;
-    a group of one chunk still larger is cut the same way along the next axes.
-
-    Example::
-
-        chunk_pieces((slice(0, 8), slice(0, 4)), (2, 4), 4, 64)
-        # [(slice(0, 4), slice(0, 4)), (slice(4, 8), slice(0, 4))]
-    """
-
-    def nbytes(b: Sequence[slice]) -> int:
-        return itemsize * math.prod(s.stop - s.start for s in b)
-
-    def cut(b: tuple[slice, ...], axis: int) -> list[tuple[slice, ...]]:
-        if nbytes(b) <= max_bytes or axis >= len(b):
-            return [b]
-        s, c = b[axis], int(chunk[axis])
-        edges = [s.start, *range((s.start // c + 1) * c, s.stop, c), s.stop]
-        if len(edges) <= 2:
-            return cut(b, axis + 1)
-        unit = nbytes(b) // max(1, s.stop - s.start)  # the bytes of one index along axis
-        out: list[tuple[slice, ...]] = []
-        start = edges[0]
-        for lo, hi in itertools.pairwise(edges):
-            if lo > start and (hi - start) * unit > max_bytes:
-                out.append((*b[:axis], slice(start, lo), *b[axis + 1 :]))
-                start = lo
-        out.append((*b[:axis], slice(start, s.stop), *b[axis + 1 :]))
-        return [piece for group in out for piece in cut(group, axis + 1)]
-
-    return cut(tuple(box), 0)
-
-
-class MsgpackSource:
-    """A legacy Flax msgpack file, decoded whole (host memory: about twice the file).
-
-    ``tree`` is the state dict as ``flax.serialization.msgpack_restore`` gives it (a Python
-    complex as a ``complex64`` scalar when that is exact: safetensors has no complex128);
-    tensors carry the dotted names of ``flax.traverse_util.flatten_dict(tree, sep=".")``.
-    Python scalars, strings and None are not tensors.
-    """
-
-    def __init__(self, path: epath.Path) -> None:
-        self.path = path
-        self.kind = SourceKind.FLAX_MSGPACK
-        self.step = _flax_msgpack.step_of(path)
-        self.tree = _exact_complex64(_flax_msgpack.read_file(path), str(path))
-        self.values = {
-            name: np.asarray(v)
-            for name, v in _flax_msgpack.flatten(self.tree).items()
-            if isinstance(v, (np.ndarray, np.generic))
-        }
-        self.tensors = {}
-        for name, v in self.values.items():
-            dtype = _dtypes.from_numpy(v.dtype, key=name)
-            shape = tuple(v.shape)
-            self.tensors[name] = TensorInfo(
-                name, dtype, shape, _dtypes.nbytes(dtype, shape), path.name
-            )
-        self.metadata: dict[str, Any] = {}
-
-    def read(self, names: Sequence[str]) -> dict[str, np.ndarray]:
-        return {n: self.values[n] for n in names}
-
-
-def _exact_complex64(node: Any, where: str, name: str = "") -> Any:
-    if isinstance(node, dict):
-        return {
-            k: _exact_complex64(v, where, f"{name}.{k}" if name else str(k))
-            for k, v in node.items()
-        }
-    if isinstance(node, list):
-        return [_exact_complex64(v, where, f"{name}.{i}") for i, v in enumerate(node)]
-    if isinstance(node, complex):
-        value = np.complex64(node)
-        if complex(value) != node:
-            raise UnsupportedLeafError(
-                f"{where}: key {name!r}: complex {node!r} is not exact in complex64, and "
-                "safetensors has no complex128"
-            )
-        return value
-    return node
-
-
-def orbax_metadata_tree(path: epath.PathLike) -> Any:
-    """Orbax's metadata tree of a native PyTree item (``ArrayMetadata``/``ScalarMetadata``...)."""
-    import orbax.checkpoint as ocp
-
-    problem = (
-        f"{path}: Orbax cannot read this item's metadata ({_steps.ORBAX_METADATA_FILE} is missing "
-        "or damaged)"
-    )
-    try:
-        meta = ocp.PyTreeCheckpointer().metadata(_steps.absolute(path))
-    except Exception as error:  # Orbax raises many types on a damaged file
-        # (ValueError/TypeError/KeyError on bad JSON, AttributeError on JSON of another shape)
-        raise SafetensorsCheckpointError(
-            _missing_item_file(path) or f"{problem}: {error}"
-        ) from error
-    meta = getattr(meta, "item_metadata", meta)
-    tree = getattr(meta, "tree", meta)
-    if tree is None:  # (Orbax returns no tree when it cannot read the arrays' own metadata)
-        raise SafetensorsCheckpointError(_missing_item_file(path) or problem)
-    return tree
-
-
-def _missing_item_file(path: epath.PathLike) -> str | None:
-    # The file whose absence kept Orbax from reading an item's metadata, where one is missing.
-    path = _steps.absolute(path)
-    if not (path / _steps.ORBAX_METADATA_FILE).exists():
-        return None
-    storage = _steps.array_storage(path)
-    return _orbax_claims.missing_file(
-        path, use_ocdbt=storage.use_ocdbt, use_zarr3=storage.use_zarr3
-    )
-
-
-def chunk_shape(leaf: Any, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The shape of the chunks an Orbax metadata leaf's array is stored in (its read unit:
-    a multi-process save stores each device's shard as one), or ``shape`` (one chunk) when
-    the metadata does not say."""
-    chunk = getattr(getattr(leaf, "storage", None), "chunk_shape", None)
-    if chunk is None or len(chunk) != len(shape) or any(int(c) < 1 for c in chunk):
-        return shape
-    return tuple(int(c) for c in chunk)
-
-
-def is_orbax_array(leaf: Any) -> bool:
-    """Whether an Orbax metadata leaf describes an array (jax or numpy), not a scalar/string."""
-    from orbax.checkpoint import metadata as ocp_metadata
-
-    return isinstance(leaf, ocp_metadata.ArrayMetadata) and not isinstance(
-        leaf, ocp_metadata.ScalarMetadata
-    )
-
-
-def select_leaves(
-    tree: Any,
-    wanted: set[str],
-    names: Mapping[tuple[Any, ...], str],
-    fn: Any,
-    *,
-    named: bool = False,
-) -> Any:
-    """A copy of ``tree`` keeping only the leaves named in ``wanted`` (mapped through ``fn``;
-    with ``named``, through ``fn(name, leaf)``): dicts drop other keys, lists keep their
-    length with None in unwanted places."""
-    from jax.tree_util import DictKey, SequenceKey
-
-    def walk(node: Any, path: tuple[Any, ...]) -> tuple[bool, Any]:
-        if isinstance(node, dict):
-            out = {}
-            for k, v in node.items():
-                keep, sub = walk(v, (*path, DictKey(k)))
-                if keep:
-                    out[k] = sub
-            return bool(out), out
-        if isinstance(node, (list, tuple)):
-            items = [walk(v, (*path, SequenceKey(i))) for i, v in enumerate(node)]
-            seq = [sub if keep else None for keep, sub in items]
-            return any(keep for keep, _ in items), type(node)(seq)
-        if node is None:
-            return False, None
-        name = names.get(path)
-        if name not in wanted:
-            return False, None
-        return True, (fn(name, node) if named else fn(node))
-
-    return walk(tree, ())[1]
-
-
-def open_source(path: epath.PathLike) -> TensorSource:
-    """Opens a file, item, safetensors directory, Orbax item or Flax msgpack file as a
-    :class:`TensorSource`.
-
-    A step with exactly one tensor item opens that item.
-
-    Raises:
-      SafetensorsCheckpointError: when ``path`` holds no tensors or several items.
-    """
-    path = epath.Path(path)
-    kind = _steps.classify(path)
-    if kind is PathKind.STEP:
-        items = [n for n, k in _steps.list_items(path).items() if k in _steps.TENSOR_KINDS]
-        if not items:
-            raise _steps.not_a_checkpoint(path)
-        if len(items) > 1:
-            raise SafetensorsCheckpointError(
-                f"{path}: a step with {len(items)} items of tensors ({', '.join(items)}); "
-                "name one item directory"
-            )
-        path, kind = path / items[0], _steps.item_kind(path / items[0])
-    if kind is PathKind.FILE:
-        if _flax_msgpack.is_flax_msgpack(path):
-            return MsgpackSource(path)
-        return _open_file(path)
-    if kind is PathKind.ITEM:
-        return _open_item(path)
-    if kind is PathKind.SAFETENSORS_DIR:
-        return _open_safetensors_dir(path)
-    if kind is PathKind.ORBAX:
-        return OrbaxSource(path)
-    if kind is PathKind.ROOT:
-        steps = ", ".join(str(s) for s, _ in _steps.list_steps(path)[-5:]) or "none committed"
-        raise SafetensorsCheckpointError(
-            f"{path}: a CheckpointManager root (steps: {steps}); name one step or item directory"
-        )
-    raise _steps.not_a_checkpoint(path)
-
-
-def batches(
-    infos: Sequence[TensorInfo], max_bytes: int = DEFAULT_BATCH_BYTES
-) -> list[list[TensorInfo]]:
-    """Groups tensors into batches of at most ``max_bytes`` (a larger tensor goes alone)."""
-    out: list[list[TensorInfo]] = []
-    used = 0
-    for t in infos:
-        if not out or (out[-1] and used + t.nbytes > max_bytes):
-            out.append([])
-            used = 0
-        out[-1].append(t)
-        used += t.nbytes
-    return out

@@ -11,7 +11,6 @@ flax's names), nothing in the package reads another library's private attribute.
 |---|---|---|---|
 | :func:`pytree_partial_restore` | ``PyTreeRestore(partial_restore=True)`` | public, newer than orbax-checkpoint 0.11.11 | ``PyTreeRestore(transforms={})``, which restores only what ``item`` holds |
 | :func:`orbax_uses_legacy_commit_rule` | which steps ``CheckpointManager.all_steps()`` lists | changed in orbax-checkpoint 0.12.3 | the installed version decides (``importlib.metadata``) |
-| :func:`orbax_waits_for_commit` | the qualnames of Orbax's synchronous save entry points | private | ``False``: the async path, a full host snapshot |
 | :func:`replace_named_handler` | a v1 registry's entry list (``_registry``) | private | ``AlreadyExistsError`` explained: register per context instead |
 | :func:`v1_loading_options` | the active v1 ``Context`` (``experimental.v1._src.context.context.get_context``) | private (v1 exports no getter) | Orbax's defaults, marked ``readable=False``: a mismatch raises, never a silent change |
 | :func:`orbax_v1` | ``orbax.checkpoint.v1`` with ``save`` / ``save_async`` / ``load`` | public in orbax-checkpoint 0.12.8 (absent in 0.11.11; partial in 0.11.40) | none: an ``ImportError`` naming the version needed |
@@ -19,8 +18,8 @@ flax's names), nothing in the package reads another library's private attribute.
 
 Example::
 
-    if orbax_waits_for_commit():
-        ...  # Orbax waits for the commit: no host snapshot needed before returning
+    if has_orbax_v1():
+        osf.register_handler()
 """
 
 from __future__ import annotations
@@ -28,10 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.metadata
-import os
 import re
-import sys
-import types
 from typing import Any
 
 # -- PyTreeRestore(partial_restore=True) (newer than orbax-checkpoint 0.11.11) ----------------
@@ -79,48 +75,6 @@ def orbax_uses_legacy_commit_rule() -> bool:
         return False
     m = re.match(r"(\d+)\.(\d+)\.(\d+)", text)
     return m is not None and tuple(int(g) for g in m.groups()) < ORBAX_CLASS_AWARE_COMMIT
-
-
-# -- Orbax's synchronous save entry points (private qualnames) -------------------------------
-
-# CheckpointManager(enable_async_checkpointing=False) and ocp.Checkpointer run
-# Checkpointer.save -> CompositeCheckpointHandler.save -> its local async_save -> our
-# async_save, then wait for the commit futures before returning. Checked on every stack CI
-# tests (tests/test_compat.py), so a rename in Orbax fails a test instead of silently taking
-# the slower async path.
-SYNC_CALLERS = frozenset(
-    {"CompositeCheckpointHandler.save.<locals>.async_save", "Checkpointer.save"}
-)
-ASYNC_CALLER_PREFIX = "AsyncCheckpointer."
-_MAX_FRAMES = 64
-_ORBAX_DIR = f"orbax{os.sep}checkpoint{os.sep}"
-
-
-def orbax_waits_for_commit(skip: int = 1) -> bool:
-    """Whether the calling function runs inside one of Orbax's synchronous saves, which wait
-    for the commit futures before returning to user code.
-
-    Orbax passes no such flag, so this looks among the *calling thread's own* frames (never
-    another thread's) for Orbax's synchronous entry points. Anything else (an
-    ``AsyncCheckpointer``, a call from another thread, an Orbax that renamed them) gives
-    False: the safe answer, a full host snapshot before ``save()`` returns.
-
-    Args:
-      skip: frames to skip above this function's caller's own (1: start at its caller).
-    """
-    frame: types.FrameType | None = sys._getframe(skip + 1)
-    for _ in range(_MAX_FRAMES):
-        if frame is None:
-            break
-        code = frame.f_code
-        if _ORBAX_DIR in code.co_filename:
-            qualname = code.co_qualname  # Python >= 3.11
-            if qualname.startswith(ASYNC_CALLER_PREFIX):
-                return False
-            if qualname in SYNC_CALLERS:
-                return True
-        frame = frame.f_back
-    return False
 
 
 # -- Orbax's v1 API (orbax.checkpoint.v1; save / save_async / load in orbax-checkpoint 0.12.8) --

@@ -27,8 +27,8 @@ from orbax_safetensors._src.core.errors import TargetMismatchError
 from orbax_safetensors._src.integrations import export_reads as _export_reads
 from orbax_safetensors._src.integrations import fidelity as _fidelity
 from orbax_safetensors._src.integrations import flax_tables as _flax_tables
-from orbax_safetensors._src.integrations import hf_load as _hf_load
 from orbax_safetensors._src.integrations import links as _links
+from orbax_safetensors._src.integrations import load as _load
 from orbax_safetensors._src.integrations import lora as _lora
 from orbax_safetensors._src.integrations import model_files as _model_files
 from orbax_safetensors._src.integrations.config_facts import ConfigFacts
@@ -37,7 +37,7 @@ from orbax_safetensors._src.integrations.links import Link
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
 from orbax_safetensors._src.pipeline import export as _export
 from orbax_safetensors._src.pipeline import gcpause as _gcpause
-from orbax_safetensors._src.pipeline import reader as _reader
+from orbax_safetensors._src.pipeline import read as _read
 from orbax_safetensors._src.pipeline import relayout as _relayout
 from orbax_safetensors._src.storage import config as _config
 
@@ -181,14 +181,14 @@ def restore_item(
     strict: bool = True,
     verify: bool = True,
     io: _config.IOOptions | None = None,
-    stats: _reader.ReadStats | None = None,
+    stats: _read.ReadStats | None = None,
 ) -> Any:
     """``target`` (a pytree, an abstract one, ``nnx.State``) filled from the item in
     ``directory`` through ``mapping``, as ``load_pytorch`` fills a pytree."""
-    options = _hf_load.LoadOptions(
+    options = _load.LoadOptions(
         strict=strict, where=str(directory), verify=verify, io=io, stats=stats
     )
-    tree, _ = _hf_load.load_tree(target, _sources.open_source(directory), mapping, options)
+    tree, _ = _load.load_tree(target, _sources.open_source(directory), mapping, options)
     return tree
 
 

@@ -38,7 +38,7 @@ from orbax_safetensors._src.integrations import flax_tables as _flax_tables
 from orbax_safetensors._src.integrations import links as _links
 from orbax_safetensors._src.integrations.links import Link
 from orbax_safetensors._src.pipeline import export as _export
-from orbax_safetensors._src.pipeline import reader as _reader
+from orbax_safetensors._src.pipeline import read as _read
 from orbax_safetensors._src.pipeline import relayout as _relayout
 
 Shape = tuple[int, ...]
@@ -378,12 +378,12 @@ def read(
         out.update({n: got[prefix + n] for n in sharded})
     elif sharded:
         requests = [
-            _reader.ReadRequest(
-                source.stored[prefix + n], kind=_reader.ReadKind.JAX, sharding=reads.shardings[n]
+            _read.ReadRequest(
+                source.stored[prefix + n], kind=_read.ReadKind.JAX, sharding=reads.shardings[n]
             )
             for n in sharded
         ]
-        out.update(zip(sharded, _reader.read_tensors(requests)))
+        out.update(zip(sharded, _read.read_tensors(requests)))
     if mine:
         out.update(table.read(mine))
     return out

@@ -29,11 +29,7 @@ from etils import epath
 
 from orbax_safetensors._src.catalog import sources as _sources
 from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
-from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import naming as _naming
-from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
-from orbax_safetensors._src.orbax import steps as _steps
-from orbax_safetensors._src.orbax.steps import PathKind
 
 
 @dataclasses.dataclass
@@ -60,11 +56,7 @@ def _is_path(source: Any) -> bool:
 def _in_memory(
     values: dict[str, Any], where: str, lora_params: frozenset[str] = frozenset()
 ) -> FlaxTable:
-    infos = {}
-    for n, x in values.items():
-        dtype = _dtypes.from_numpy(np.dtype(x.dtype), key=n)
-        shape = tuple(int(d) for d in x.shape)
-        infos[n] = _sources.TensorInfo(n, dtype, shape, _dtypes.nbytes(dtype, shape), where)
+    infos = {n: _sources.TensorInfo.of(n, x, where) for n, x in values.items()}
 
     def read(names: Sequence[str]) -> dict[str, np.ndarray]:
         return {n: np.asarray(values[n]) for n in names}
@@ -72,31 +64,39 @@ def _in_memory(
     return FlaxTable(infos, read, values, where, lora_params=lora_params)
 
 
-def _tree_values(tree: Any, lora_params: set[str] | None = None) -> dict[str, Any]:
+def tree_leaves(tree: Any) -> tuple[list[tuple[str, Any, Any]], Any]:
+    """``tree``'s leaves as ``(dotted name, leaf, value)``, and its treedef: an
+    ``nnx.Variable`` is one leaf whose value is the array it holds, RNG state
+    (``nnx.RngState``: training state, never model weights) has the value None, and any
+    other leaf is its own value."""
     import jax
 
     # A tree holds nnx variables only once flax.nnx is loaded: a plain tree need not load it.
     nnx = sys.modules.get("flax.nnx")
     variables = _jaxcompat.nnx_variable_types() if nnx is not None else ()
     rng_state = (nnx.RngState,) if nnx is not None else ()
-
-    def is_leaf(x: Any) -> bool:
-        return isinstance(x, variables)
-
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
-    out = {}
+    flat, treedef = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, variables)
+    )
+    out = []
     for path, leaf in flat:
-        if isinstance(leaf, rng_state):
-            continue  # RNG keys and counts are training state, never model weights
         value = _jaxcompat.nnx_value(leaf) if isinstance(leaf, variables) else leaf
+        out.append((_naming.join_path(path), leaf, None if isinstance(leaf, rng_state) else value))
+    return out, treedef
+
+
+def _tree_values(tree: Any, lora_params: set[str] | None = None) -> dict[str, Any]:
+    import jax
+
+    out = {}
+    for name, leaf, value in tree_leaves(tree)[0]:
         if not hasattr(value, "shape") or not hasattr(value, "dtype"):
             continue  # Python scalars, strings, None: not tensors
         if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
             continue  # typed PRNG keys are training state, never model weights
-        name = ".".join(_naming.entry_text(k) for k in path) or "value"
         out[name] = value
-        lora = isinstance(leaf, variables) and _jaxcompat.nnx_is_lora_param(leaf)
-        if lora and lora_params is not None:
+        variable = leaf is not value  # (an nnx.Variable holds its value)
+        if variable and lora_params is not None and _jaxcompat.nnx_is_lora_param(leaf):
             lora_params.add(name)
     return out
 
@@ -117,48 +117,6 @@ def model_values(model: Any, variables: Any, lora_params: set[str] | None = None
     return out
 
 
-def resolve_path(
-    path: epath.PathLike, *, step: int | None = None, item: str | None = None
-) -> epath.Path:
-    """The tensor source a path names: a root's latest committed step (or ``step``), and in a
-    step the item ``item`` (needed when the step holds several).
-
-    Raises:
-      SafetensorsCheckpointError: a root without committed steps (or without ``step``), an
-        unknown item, ``step``/``item`` given for a path that has none.
-    """
-    path = epath.Path(path)
-    kind = _steps.classify(path)
-    if kind is PathKind.ROOT:
-        steps = dict(_steps.list_steps(path))
-        if not steps:
-            raise SafetensorsCheckpointError(
-                f"{path}: a CheckpointManager root with no committed step"
-            )
-        if step is not None and step not in steps:
-            raise SafetensorsCheckpointError(
-                f"{path}: no committed step {step} (steps: {', '.join(map(str, sorted(steps)))})"
-            )
-        path = steps[max(steps) if step is None else step]
-        kind = _steps.classify(path)
-    elif step is not None:
-        raise SafetensorsCheckpointError(
-            f"{path} is {kind.noun}, not a CheckpointManager root: step= does not apply"
-        )
-    if item is not None:
-        if kind is not PathKind.STEP:
-            raise SafetensorsCheckpointError(
-                f"{path} is {kind.noun}, not a step: item= does not apply"
-            )
-        items = _steps.list_items(path)
-        if items.get(item) not in _steps.TENSOR_KINDS:
-            raise SafetensorsCheckpointError(
-                f"{path}: no tensor item {item!r} (items: {', '.join(items) or '-'})"
-            )
-        path = path / item
-    return path
-
-
 def flax_table(
     source: Any,
     *,
@@ -171,14 +129,15 @@ def flax_table(
     names starting with it, without it.
 
     Raises:
-      SafetensorsCheckpointError: a path that holds no tensors (see :func:`resolve_path`).
+      SafetensorsCheckpointError: a path that holds no tensors, or no ``step`` or ``item``
+        of that name (``catalog.sources.open_source``).
       TypeError: a source that is none of these.
     """
     lora_params: set[str] = set()
     if _is_nnx_module(source):
         values = model_values(source, variables, lora_params)
     elif _is_path(source):
-        src = _sources.open_source(resolve_path(source, step=step, item=item))
+        src = _sources.open_source(source, step=step, item=item, latest=True)
         infos = {
             n[len(prefix) :]: dataclasses.replace(t, name=n[len(prefix) :])
             for n, t in src.tensors.items()
@@ -210,12 +169,11 @@ STEP = "step"
 
 
 def training_state(infos: Mapping[str, _sources.TensorInfo]) -> list[str]:
-    """The names of ``infos`` that are a train state's optimizer state and step counter,
-    not parameters: when the top level holds ``params`` (a Flax ``TrainState``, MaxText's
-    ``{"step", "params", "opt_state"}``), every name under ``opt_state`` (optax's ``mu`` /
-    ``nu`` carry the parameters' names, ``count`` is a counter) and ``step`` when it is a
-    0-d integer. Nothing else is left out: other top-level entries (MaxText's ``nnx_aux``:
-    RNG state, batch statistics) go through the mapping as parameters do.
+    """The names of ``infos`` that are a train state's optimizer state and step counter, not
+    parameters: when the top level holds ``params`` (a Flax ``TrainState``, MaxText's
+    ``{"step", "params", "opt_state"}``), every name under ``opt_state`` and ``step`` when
+    it is a 0-d integer. Other top-level entries (MaxText's ``nnx_aux``) go through the
+    mapping as parameters do.
 
     Example::
 

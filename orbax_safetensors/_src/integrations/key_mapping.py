@@ -1,7 +1,7 @@
 """The vocabulary of a PyTorch <-> Flax key mapping: :class:`Rule` s (a PyTorch key pattern,
 a Flax name pattern, an optional :class:`Transform`), their :class:`KeyMapping`, and the
-:class:`MappingReport` a load or export gives back. ``integrations/pytorch.py`` moves tensors
-with them.
+:class:`MappingReport` a load or export gives back. ``load_pytorch`` and
+``export_pytorch`` move tensors with them.
 
 - patterns are literal dotted names with placeholders: ``{i}`` matches one name component
   (``[^.]+``), ``{i:REGEX}`` matches ``REGEX`` (declared once, on either side, it holds on
@@ -46,7 +46,15 @@ _PLACEHOLDER = re.compile(r"\{(\w+)(?::([^{}]+))?\}")
 
 
 class Transform(Protocol):
-    """A reversible tensor transform: ``to_flax(to_torch(x))`` gives ``x`` back."""
+    """A reversible tensor transform: ``to_flax(to_torch(x))`` gives ``x`` back.
+
+    Example::
+
+        @dataclasses.dataclass(frozen=True)
+        class Negate:  # a Transform of your own, for a Rule
+            def to_flax(self, x): return -x
+            def to_torch(self, x): return -x
+    """
 
     def to_flax(self, x: np.ndarray) -> np.ndarray:
         """The PyTorch tensor ``x`` as the Flax variable wants it."""
@@ -61,7 +69,12 @@ class Transform(Protocol):
 class Transpose:
     """Permutes axes: ``Transpose()`` reverses them (``nn.Linear`` weight ``(out, in)`` ->
     kernel ``(in, out)``); ``Transpose((2, 3, 1, 0))`` turns a ``Conv2d`` weight
-    ``(out, in, kh, kw)`` into an NNX ``Conv`` kernel ``(kh, kw, in, out)``."""
+    ``(out, in, kh, kw)`` into an NNX ``Conv`` kernel ``(kh, kw, in, out)``.
+
+    Example::
+
+        Rule("{p:.*_proj}.weight", "{p}.kernel", Transpose())
+    """
 
     axes: tuple[int, ...] | None = None
 
@@ -141,7 +154,12 @@ class SplitHeads:
 
 @dataclasses.dataclass(frozen=True)
 class Reshape:
-    """Reshapes between two fixed shapes (``-1`` allowed on either side)."""
+    """Reshapes between two fixed shapes (``-1`` allowed on either side).
+
+    Example::
+
+        Reshape(flax_shape=(4, 8, 32), torch_shape=(32, 32)).to_flax(w).shape  # (4, 8, 32)
+    """
 
     flax_shape: tuple[int, ...]
     torch_shape: tuple[int, ...]
@@ -155,7 +173,12 @@ class Reshape:
 
 @dataclasses.dataclass(frozen=True)
 class Chain:
-    """Several transforms: applied in order towards Flax, in reverse order towards PyTorch."""
+    """Several transforms: applied in order towards Flax, in reverse order towards PyTorch.
+
+    Example::
+
+        Chain(Transpose(), SplitHeads(head_dim=64))  # (heads * 64, emb) -> (emb, heads, 64)
+    """
 
     transforms: tuple[Any, ...]
 
@@ -533,12 +556,16 @@ class KeyMapping:
         it written, untied, with a warning: see ``export_pytorch``), and a file without it
         loads it from the other key (through the tied key's own rule).
       lora_scale: the scale of the LoRA adapters merged into their kernels on export,
-        ``kernel + lora_a @ lora_b * lora_scale`` in the kernel's dtype (``integrations/
-        lora.py``: flax's ``nnx.LoRALinear`` and ``nnx.LoRA(base_module=...)``, and qwix's
+        ``kernel + lora_a @ lora_b * lora_scale`` in the kernel's dtype (flax's
+        ``nnx.LoRALinear`` and ``nnx.LoRA(base_module=...)``, and qwix's
         ``W_lora_a``/``W_lora_b`` next to ``W``, which Tunix applies). None (the default):
         1.0 for flax's adapters, whose forward pass is unscaled; qwix scales by
         ``alpha / rank`` on the forward pass, which its tensors do not record, so an export
         of qwix adapters needs it given (``LoraProvider(rank=4, alpha=8)``: 2.0).
+
+    Example::
+
+        KeyMapping([Rule("fc.weight", "fc.kernel", Transpose())], ignore_flax=["step"])
     """
 
     rules: tuple[Rule, ...]
@@ -641,6 +668,11 @@ class MappingReport:
         their value differs from the key they are tied to.
       bytes_written: tensor data bytes this process wrote (an export; in a multi-process
         export, its own share).
+
+    Example::
+
+        report = osf.load_pytorch(model, "hf_dir", mapping)
+        assert report.ok, (report.unmapped, report.missing, report.mismatched)
     """
 
     moved: list[tuple[str, str]] = dataclasses.field(default_factory=list)

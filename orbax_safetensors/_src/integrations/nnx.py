@@ -23,8 +23,7 @@ if TYPE_CHECKING:  # flax.nnx is slow to import: only when these helpers run
     from flax import nnx
 
 from orbax_safetensors._src.core.casting import DtypePolicy
-from orbax_safetensors._src.orbax.restoring import load_file
-from orbax_safetensors._src.pipeline.standalone import save_file
+from orbax_safetensors._src.pipeline.standalone import load_file, save_file
 
 
 def save_model(

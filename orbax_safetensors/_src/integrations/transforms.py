@@ -4,7 +4,7 @@ Face does: a factor folded into a weight (:class:`Scale`), the two RoPE conventi
 norm stored as an offset from one (:class:`Offset`). Each is a :class:`Transform` (``to_flax``
 towards the JAX side, ``to_torch`` towards Hugging Face), runs on numpy arrays (and on
 jax arrays, as an export on the devices applies it) and keeps the
-tensor's dtype; the MaxText presets (``integrations/maxtext.py``) are built of them.
+tensor's dtype; the MaxText presets (``presets/maxtext.py``) are built of them.
 
 Example::
 

@@ -1,24 +1,42 @@
-"""Orbax's argument conventions for saves (restore args are translated in ``restoring``).
+"""Orbax's argument conventions, for the args classes beside their handler in :mod:`.v0`.
 
-- :func:`apply_save_args`: ``StandardSave(item, save_args)``: ``SaveArgs(dtype=...)`` casts
-  before saving, as Orbax does; options that have no safetensors meaning raise.
-- :func:`tree_summary`: what the args objects print instead of the arrays.
+- :func:`apply_save_args`: ``SaveArgs(dtype=...)`` casts before saving, as Orbax does; options
+  without a safetensors meaning raise;
+- :func:`tree_summary`, :func:`args_repr`, :func:`with_registry_hint`: what args print;
+- :class:`TreeMetadata`: what the handler's ``metadata`` returns, shaped like Orbax's;
+- :class:`OrbaxRouter`, :func:`registry_for`: Orbax's own args (``StandardSave`` /
+  ``StandardRestore``, ``PyTreeSave`` / ``PyTreeRestore``) in a root that also holds
+  safetensors steps go to Orbax's own handlers.
 
 Example::
 
     item = apply_save_args(item, save_args)
+    if orbax_kind(args) is not None:
+        return router.async_save(directory, args)   # an Orbax-native step
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import threading
+from collections.abc import Coroutine, Iterable, Iterator
 from typing import Any
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+from jax.tree_util import DictKey, GetAttrKey, SequenceKey
 
+from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
 from orbax_safetensors._src.core import tree as _tree
-from orbax_safetensors._src.orbax.restoring import is_restore_args
+from orbax_safetensors._src.orbax import restoring as _restoring
+
+REGISTRY_HINT = (
+    "an item that also takes Orbax's StandardSave/PyTreeSave args needs "
+    "ocp.CheckpointManager(..., handler_registry=osf.handler_registry())"
+)
 
 # --------------------------------------------------------------------------- printing
 
@@ -47,19 +65,26 @@ def tree_summary(tree: Any) -> str:
     """``<dict: 12 leaves, 3.4 MiB>``: a pytree described without printing its arrays."""
     if tree is None:
         return "None"
-    leaves = jax.tree_util.tree_leaves(tree, is_leaf=is_restore_args)
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=_restoring.is_restore_args)
     total = sum(_leaf_bytes(x) for x in leaves)
     count = f"{len(leaves)} leaf" if len(leaves) == 1 else f"{len(leaves)} leaves"
     return f"<{type(tree).__name__}: {count}, {_human_bytes(total)}>"
 
 
-# --------------------------------------------------------------------------- save_args
-
-
 def args_repr(name: str, fields: list[tuple[str, str | None]]) -> str:
-    """``name(field=text, ...)`` of the fields whose text is not ``None`` (an args class's
-    ``__repr__``: the optional fields it was given, each summarised by its caller)."""
+    """``name(field=text, ...)`` of the fields whose text is not ``None``."""
     return f"{name}({', '.join(f'{k}={v}' for k, v in fields if v is not None)})"
+
+
+def with_registry_hint(summary: str) -> str:
+    """``summary`` followed by how to let an item take Orbax's args too."""
+    # Orbax's only error for an item already tied to another handler ('Item "default" and
+    # args ... does not match with any registered handler!') formats the args with str(), so
+    # the fix travels there (repr() stays the bare summary).
+    return f"{summary} [{REGISTRY_HINT}]"
+
+
+# --------------------------------------------------------------------------- save_args
 
 
 def apply_save_args(item: Any, save_args: Any) -> Any:
@@ -105,7 +130,7 @@ def apply_save_args(item: Any, save_args: Any) -> Any:
 
 
 def _is_save_args(x: object) -> bool:
-    # Orbax's SaveArgs, recognised by its fields (no Orbax import needed).
+    # Orbax's SaveArgs, recognised by its fields.
     return dataclasses.is_dataclass(x) and hasattr(x, "aggregate") and hasattr(x, "dtype")
 
 
@@ -123,3 +148,263 @@ def _refuse_unmapped(name: str, arg: Any) -> None:
             "ranges its devices need; drop them (to split files, pass "
             "SafetensorsCheckpointHandler(max_file_size=...))"
         )
+
+
+# --------------------------------------------------------------------------- TreeMetadata
+
+
+def _fields(x: object) -> tuple[str, ...]:
+    # A namedtuple's field names (its public ``_fields``), else ().
+    return tuple(getattr(type(x), "_fields", ())) if isinstance(x, tuple) else ()
+
+
+def _is_namedtuple(x: object) -> bool:
+    return bool(_fields(x))
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class TreeMetadata:
+    """The saved tree (``jax.ShapeDtypeStruct`` leaves, inline scalars as saved) and the
+    ``custom_metadata`` it was saved with: the members of Orbax's own (private)
+    ``TreeMetadata``, so Orbax's protocol and args (``StandardRestore``, ``PyTreeRestore``)
+    take it as a restore target, as ours do.
+
+    Maps over like the tree itself (``jax.tree.map(f, meta)``), and indexes like its top
+    level (``meta["params"]``); ``meta.tree`` is the plain tree.
+
+    Example::
+
+        meta = mngr.item_metadata(step)
+        meta.tree["params"]["w"].shape, meta.custom_metadata
+    """
+
+    def __init__(self, *, tree: Any, custom_metadata: Any = None, use_zarr3: bool = False):
+        self._tree = tree
+        self._custom_metadata = custom_metadata
+        self._use_zarr3 = use_zarr3
+
+    @classmethod
+    def build(
+        cls, tree: Any, *, custom_metadata: Any = None, use_zarr3: bool = False
+    ) -> TreeMetadata:
+        """Orbax's constructor name."""
+        return cls(tree=tree, custom_metadata=custom_metadata, use_zarr3=use_zarr3)
+
+    @property
+    def tree(self) -> Any:
+        """The saved tree."""
+        return self._tree
+
+    @property
+    def custom_metadata(self) -> Any:
+        """``SafetensorsSave(custom_metadata=...)`` of the save (None if not given)."""
+        return self._custom_metadata
+
+    @property
+    def use_zarr3(self) -> bool:
+        """Always False: Orbax's protocol member; safetensors files are not zarr."""
+        return self._use_zarr3
+
+    def _children(self) -> tuple[list[Any], list[Any]]:
+        tree = self._tree
+        if isinstance(tree, dict):
+            return [DictKey(k) for k in tree], list(tree.values())
+        if _is_namedtuple(tree):
+            return [DictKey(k) for k in _fields(tree)], list(tree)
+        if isinstance(tree, (list, tuple)):
+            return [SequenceKey(i) for i in range(len(tree))], list(tree)
+        return [GetAttrKey("tree")], [tree]
+
+    def tree_flatten_with_keys(self) -> tuple[list[tuple[Any, Any]], Any]:
+        keys, values = self._children()
+        return list(zip(keys, values)), (self._tree, self._custom_metadata, self._use_zarr3)
+
+    def tree_flatten(self) -> tuple[list[Any], Any]:
+        pairs, aux = self.tree_flatten_with_keys()
+        return [v for _, v in pairs], aux
+
+    @classmethod
+    def tree_unflatten(cls, aux: Any, children: Any) -> TreeMetadata:
+        template, custom_metadata, use_zarr3 = aux
+        children = list(children)
+        if isinstance(template, dict):
+            tree: Any = type(template)(zip(template.keys(), children))
+        elif _is_namedtuple(template):
+            tree = type(template)(*children)
+        elif isinstance(template, (list, tuple)):
+            tree = type(template)(children)
+        else:
+            (tree,) = children
+        return cls(tree=tree, custom_metadata=custom_metadata, use_zarr3=use_zarr3)
+
+    def __getitem__(self, key: Any) -> Any:
+        if _is_namedtuple(self._tree) and isinstance(key, str):
+            return getattr(self._tree, key)
+        return self._tree[key]
+
+    def __contains__(self, key: Any) -> bool:
+        if isinstance(self._tree, dict):
+            return key in self._tree
+        if _is_namedtuple(self._tree) and isinstance(key, str):
+            return key in _fields(self._tree)
+        if isinstance(self._tree, (list, tuple)):
+            return isinstance(key, int) and -len(self._tree) <= key < len(self._tree)
+        return False
+
+    def __len__(self) -> int:
+        return len(self._tree) if isinstance(self._tree, (dict, list, tuple)) else 1
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._tree) if isinstance(self._tree, (dict, list, tuple)) else iter([])
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        if key not in self:
+            return default
+        return self[key]
+
+    def keys(self) -> Any:
+        return self._tree.keys() if isinstance(self._tree, dict) else range(len(self))
+
+    def values(self) -> Any:
+        return self._tree.values() if isinstance(self._tree, dict) else list(self._children()[1])
+
+    def items(self) -> Any:
+        return (
+            self._tree.items() if isinstance(self._tree, dict) else zip(self.keys(), self.values())
+        )
+
+    def __repr__(self) -> str:
+        leaves = jax.tree_util.tree_leaves(self._tree)
+        return (
+            f"TreeMetadata(tree=<{type(self._tree).__name__} with {len(leaves)} leaves>, "
+            f"custom_metadata={self._custom_metadata!r})"
+        )
+
+
+def tree_of_metadata(x: Any) -> Any:
+    """The plain tree of a ``TreeMetadata`` (ours, or Orbax's own, recognised by its members);
+    anything else as given."""
+    if isinstance(x, TreeMetadata) or (
+        x is not None
+        and hasattr(x, "tree")
+        and hasattr(x, "custom_metadata")
+        and hasattr(type(x), "tree_flatten_with_keys")
+    ):
+        return x.tree
+    return x
+
+
+# --------------------------------------------------------------------------- Orbax's own args
+
+
+class OrbaxKind(enum.StrEnum):
+    """Which of Orbax's handlers takes an args object."""
+
+    STANDARD = "standard"  # StandardSave / StandardRestore: StandardCheckpointHandler
+    PYTREE = "pytree"  # PyTreeSave / PyTreeRestore: PyTreeCheckpointHandler
+
+
+# Orbax's args types a safetensors item also takes in a mixed root (see registry_for).
+ORBAX_ARGS = (
+    ocp.args.StandardSave,
+    ocp.args.StandardRestore,
+    ocp.args.PyTreeSave,
+    ocp.args.PyTreeRestore,
+)
+
+
+def orbax_kind(args: object) -> OrbaxKind | None:
+    """The kind of Orbax's own args (a mixed root's), else None."""
+    if isinstance(args, (ocp.args.StandardSave, ocp.args.StandardRestore)):
+        return OrbaxKind.STANDARD
+    if isinstance(args, (ocp.args.PyTreeSave, ocp.args.PyTreeRestore)):
+        return OrbaxKind.PYTREE
+    return None
+
+
+class OrbaxRouter:
+    """Orbax's own handlers, made when first needed, and which of them saved each item
+    directory still to finalize. Thread-safe: one router serves any number of items and
+    concurrent saves (each directory is one save).
+
+    Example::
+
+        router = OrbaxRouter()
+        coroutine = router.async_save(directory, ocp.args.StandardSave(state))
+        router.finalize(directory)   # True: Orbax's handler saved it
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._handlers: dict[OrbaxKind, Any] = {}
+        self._saved: dict[str, Any] = {}  # item directory -> the Orbax handler that saved it
+
+    def handler(self, kind: OrbaxKind | str) -> Any:
+        """Orbax's handler for ``kind`` (made once, kept until :meth:`close`)."""
+        kind = OrbaxKind(kind)
+        with self._lock:
+            handler = self._handlers.get(kind)
+            if handler is None:
+                make = (
+                    ocp.StandardCheckpointHandler
+                    if kind is OrbaxKind.STANDARD
+                    else ocp.PyTreeCheckpointHandler
+                )
+                handler = self._handlers[kind] = make()
+            return handler
+
+    def _saving(self, directory: epath.Path, args: Any) -> Any:
+        kind = orbax_kind(args)
+        if kind is None:
+            raise TypeError(f"not one of Orbax's args: {type(args).__name__}")
+        handler = self.handler(kind)
+        with self._lock:
+            self._saved[str(directory)] = handler
+        return handler
+
+    def async_save(self, directory: epath.Path, args: Any) -> Coroutine[Any, Any, Any]:
+        """Orbax's handler's ``async_save`` for Orbax's args; its finalize is remembered."""
+        return _mesh_kept(self._saving(directory, args).async_save(directory, args=args))
+
+    def save(self, directory: epath.Path, args: Any) -> None:
+        """Orbax's handler's ``save`` for Orbax's args; its finalize is remembered."""
+        with _jaxcompat.global_mesh_kept():
+            self._saving(directory, args).save(directory, args=args)
+
+    def forget(self, directory: epath.Path) -> None:
+        """``directory`` is saved by another handler now (e.g. a retry with other args)."""
+        with self._lock:
+            self._saved.pop(str(directory), None)
+
+    def finalize(self, directory: epath.Path) -> bool:
+        """Finalizes ``directory`` if one of Orbax's handlers saved it; whether it did."""
+        with self._lock:
+            handler = self._saved.pop(str(directory), None)
+        if handler is None:
+            return False
+        handler.finalize(directory)
+        return True
+
+    def close(self) -> None:
+        """Closes Orbax's handlers (new ones are made if used again)."""
+        with self._lock:
+            handlers, self._handlers = list(self._handlers.values()), {}
+        for handler in handlers:
+            handler.close()
+
+
+async def _mesh_kept(save: Coroutine[Any, Any, Any]) -> Any:
+    # Orbax's save runs while this coroutine is awaited: a global mesh it leaves set (Orbax
+    # 0.11.40 on jax 0.7, see jaxcompat.global_mesh_kept) is undone on the same thread.
+    with _jaxcompat.global_mesh_kept():
+        return await save
+
+
+def registry_for(handler: Any, item: str, own_args: Iterable[type]) -> Any:
+    """A ``CheckpointHandlerRegistry`` giving item ``item``'s ``own_args`` types and Orbax's
+    (:data:`ORBAX_ARGS`) to ``handler``: Orbax finalizes, restores without args and reads
+    metadata through one handler per item, and ours passes Orbax's args to Orbax's handlers."""
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    for args_type in (*own_args, *ORBAX_ARGS):
+        registry.add(item, args_type, handler)
+    return registry

@@ -16,22 +16,13 @@ from typing import Any
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
 from orbax_safetensors._src.orbax import steps as _steps
 
-# Orbax's AtomicRenameTemporaryPath writes a step into ``<step><suffix>`` (and each item into
-# ``<item><suffix>``) and renames it when done (orbax.checkpoint.path.atomicity.TMP_DIR_SUFFIX;
-# older Orbax versions appended a counter to it: _steps.TMP_SUFFIX). CommitFileTemporaryPath
-# writes in place.
-
 
 def check_commit_scheme(directory: str) -> None:
-    """Raises if Orbax will commit the save into ``directory`` by renaming it on ``s3://``.
-
-    Orbax's default ``AtomicRenameTemporaryPath`` renames the temporary step (and item)
-    directory once every file is written; S3 has no rename (fsspec copies and deletes, and
-    fails on the directory prefixes), so such a save would upload everything and then fail in
-    Orbax's background commit. The item directory then lies under ``<step>.orbax-checkpoint-tmp``
-    or is ``<item>.orbax-checkpoint-tmp`` itself; under ``CommitFileTemporaryPath`` it is
-    ``<root>/<step>/<item>``.
-    """
+    """Raises if Orbax will commit the save into ``directory`` by renaming it on ``s3://``:
+    S3 has no rename, so the save would upload everything and then fail in Orbax's background
+    commit. Orbax's default ``AtomicRenameTemporaryPath`` writes into a temporary name
+    (``<step>.orbax-checkpoint-tmp``, or such an item directory) and renames it;
+    ``CommitFileTemporaryPath`` writes ``<root>/<step>/<item>`` in place."""
     directory = os.fspath(directory).rstrip("/")
     if not directory.startswith("s3://"):
         return
@@ -53,15 +44,12 @@ def check_commit_scheme(directory: str) -> None:
 
 
 def wait_for_orbax_directories(timeout: float = 60.0) -> None:
-    """Waits (at most ``timeout`` seconds) until Orbax has created this save's directories.
-
-    Orbax starts creating the step and item directories in a background thread before it calls
-    the handler. A ``save()`` that raises before they exist leaves that thread racing
-    ``close()``, which shuts down the executor it writes the step metadata with; the thread
-    then dies before signalling, and a thread waiting for its signal keeps the process from
-    exiting until Orbax's coordination timeout. This waits for the same signals the handler's
-    own writes wait for, through the same public ``orbax.checkpoint.future`` class.
-    """
+    """Waits (at most ``timeout`` seconds) until Orbax has created this save's directories,
+    for the same signals the handler's own writes wait for."""
+    # Orbax creates them in a background thread before it calls the handler. A save() that
+    # raises before they exist leaves that thread racing close(), which shuts down the executor
+    # it writes the step metadata with; it then dies before signalling, and a thread waiting
+    # for its signal keeps the process from exiting until Orbax's coordination timeout.
     from orbax.checkpoint import future as ocp_future
 
     async def nothing() -> None:

@@ -1,21 +1,15 @@
-"""Orbax's restore vocabulary translated into the pipeline's neutral one.
+"""Orbax's restore args translated into the pipeline's neutral options.
 
-Orbax's names are recognised here and nowhere below: ``ocp.RestoreArgs`` /
-``ocp.ArrayRestoreArgs`` (including the sharding metadata objects Orbax's ``item_metadata``
-gives, and ``mesh`` / ``mesh_axes``) become :class:`.restore_options.LeafRequest`,
-``ocp.PLACEHOLDER`` becomes :class:`.restore_options.Skip`, ``SafetensorsRestore``'s fields
-(Orbax's ``strict``, ``partial_restore``, ``restore_args``) become one
-:class:`.restore_options.RestoreOptions`, and the pipeline's structured mismatch errors are
-worded in the option names of the API the caller came through.
-
-The public ``load_file`` and ``restore_directory`` are defined here as well (the pipeline
-takes a :class:`.restore_options.RestoreOptions` only): the standalone API takes Orbax's
-restore args and ``...`` as target leaves, translated before the pipeline sees them.
+``SafetensorsRestore``'s fields (Orbax's ``strict``, ``partial_restore``, ``restore_args``)
+become one :class:`.restore_options.RestoreOptions` (Orbax's leaves themselves are translated
+by :func:`.restore_options.neutral_leaves`, which the standalone ``load_file`` shares), and the
+pipeline's structured mismatch errors are worded in the option names of the API the caller came
+through. An Orbax-native item is restored by Orbax's own handler, with the same meanings.
 
 Example::
 
     options = restore_options(args, verify=True)
-    tree = pipeline_restore(path, options)   # (checkpoint_restore.restore_checkpoint)
+    tree = restore_checkpoint(path, options)
 """
 
 from __future__ import annotations
@@ -25,133 +19,31 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
 from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
+from orbax_safetensors._src.compat.orbaxargs import is_restore_args
 from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.core import tree as _tree
-from orbax_safetensors._src.core.errors import Mismatch, MismatchKind, TargetMismatchError
-from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
+from orbax_safetensors._src.core.errors import TargetMismatchError
 from orbax_safetensors._src.pipeline import standalone as _standalone
-from orbax_safetensors._src.pipeline.reader import ReadStats
+from orbax_safetensors._src.pipeline.read import ReadStats
 from orbax_safetensors._src.pipeline.restore_options import (
-    Build,
     Keys,
-    LeafRequest,
     RestoreOptions,
     Skip,
     Words,
-    mismatch_message,
+    neutral_leaves,
+    neutral_target,
     reworded,
 )
 from orbax_safetensors._src.storage import config as _config
-
-# --------------------------------------------------------------------------- leaves
-
-
-def is_restore_args(x: object) -> bool:
-    """Whether ``x`` is Orbax's ``RestoreArgs`` (``ArrayRestoreArgs`` is one)."""
-    return isinstance(x, ocp.RestoreArgs)
 
 
 def is_placeholder(x: object) -> bool:
     """Whether ``x`` is Orbax's ``PLACEHOLDER`` (a leaf to leave unread)."""
     return x is ocp.PLACEHOLDER
-
-
-def restore_args_sharding(arg: Any) -> Any:
-    """The sharding an Orbax ``ArrayRestoreArgs`` asks for (its ``sharding``, converted from
-    Orbax's sharding metadata if need be, or a ``NamedSharding`` built from ``mesh`` and
-    ``mesh_axes``), else None.
-
-    Raises:
-      ValueError: Orbax's sharding metadata that this job's devices cannot reproduce.
-    """
-    sharding = getattr(arg, "sharding", None)
-    if sharding is not None and not isinstance(sharding, jax.sharding.Sharding):
-        # Orbax's ShardingMetadata (from item_metadata), known by its method: converted as
-        # Orbax converts it.
-        to_jax = getattr(sharding, "to_jax_sharding", None)
-        if callable(to_jax):
-            sharding = to_jax()
-    mesh, axes = getattr(arg, "mesh", None), getattr(arg, "mesh_axes", None)
-    if sharding is None and mesh is not None and axes is not None:
-        sharding = jax.sharding.NamedSharding(mesh, axes)
-    return sharding
-
-
-def leaf_request(arg: Any, given: Any = None) -> LeafRequest:
-    """What an Orbax ``RestoreArgs`` asks for, with Orbax's meaning: ``restore_type`` names
-    the type to return (numpy arrays and Python scalars stay on the host, as
-    ``PyTreeRestore`` returns them; None is the saved type; anything else is a
-    ``jax.Array``); ``ArrayRestoreArgs(strict=False)`` pads or truncates to its
-    ``global_shape``. ``given``: what a partial restore returns if the key is not saved.
-
-    Raises:
-      ValueError: Orbax's sharding metadata that this job's devices cannot reproduce.
-    """
-    shape = getattr(arg, "global_shape", None)
-    shape = tuple(shape) if shape is not None else None
-    dtype = np.dtype(arg.dtype) if getattr(arg, "dtype", None) is not None else None
-    restore_type = getattr(arg, "restore_type", None)
-    pad = getattr(arg, "strict", True) is False
-    given = arg if given is None else given
-    if isinstance(restore_type, type) and issubclass(restore_type, np.ndarray):
-        return LeafRequest(Build.NUMPY, shape, dtype, pad_or_truncate=pad, given=given)
-    if restore_type in (bool, int, float):
-        return LeafRequest(Build.PYTHON, (), pytype=restore_type, given=given)
-    if restore_type is str:
-        return LeafRequest(Build.STR, (), given=given)
-    sharding = restore_args_sharding(arg)
-    if restore_type is None and sharding is None:
-        return LeafRequest(Build.SAVED, shape, dtype, pad_or_truncate=pad, given=given)
-    return LeafRequest(
-        Build.JAX, shape, dtype, sharding, needs_sharding=True, pad_or_truncate=pad, given=given
-    )
-
-
-class _Translator:
-    """Translates leaves, collecting the ones whose sharding cannot be rebuilt."""
-
-    def __init__(self) -> None:
-        self.problems: list[Mismatch] = []
-
-    def leaf(self, name: str, x: Any, given: Any = None) -> Any:
-        if is_placeholder(x):
-            return Skip(x)
-        if not is_restore_args(x):
-            return x
-        try:
-            return leaf_request(x, given)
-        except ValueError as e:
-            self.problems.append(Mismatch(name, MismatchKind.SHARDING, str(e)))
-            return None
-
-    def check(self) -> None:
-        if self.problems:
-            raise TargetMismatchError(mismatch_message(self.problems), self.problems)
-
-
-def neutral_target(target: Any) -> Any:
-    """``target`` with Orbax's leaves translated (the same object when it has none).
-
-    Raises:
-      TargetMismatchError: naming leaves whose sharding metadata cannot be rebuilt here.
-    """
-    if target is None:
-        return None
-    if not any(
-        is_restore_args(x) or is_placeholder(x)
-        for x in jax.tree_util.tree_leaves(target, is_leaf=is_restore_args)
-    ):
-        return target
-    flat = _tree.flatten_target(target, is_leaf=is_restore_args)
-    translator = _Translator()
-    out = [translator.leaf(n, x) for n, x in zip(flat.names, flat.leaves)]
-    translator.check()
-    return flat.rebuild(out)
 
 
 def merge_restore_args(item: Any, restore_args: Any, *, partial_restore: bool) -> Any:
@@ -190,21 +82,18 @@ def merge_restore_args(item: Any, restore_args: Any, *, partial_restore: bool) -
                 "(pass partial_restore=True to restore only item's keys)"
             )
         raise TargetMismatchError("\n".join(parts))  # (about the args: worded here)
-    translator = _Translator()
-    out = []
+    leaves: list[Any] = []
+    givens: list[Any] = []
     for name, x in zip(flat.names, flat.leaves):
+        arg = by_name.get(name)
         if is_placeholder(x):  # Orbax keeps the placeholder, whatever restore_args says
-            out.append(Skip(x))
-            continue
-        arg = by_name[name]
-        if arg is None:
-            out.append(translator.leaf(name, x))
+            leaves.append(Skip(x))
         elif is_restore_args(arg):
-            out.append(translator.leaf(name, _merge_leaf(x, arg), given=x))
+            leaves.append(_merge_leaf(x, arg))
         else:
-            out.append(translator.leaf(name, arg))
-    translator.check()
-    return flat.rebuild(out)
+            leaves.append(x if arg is None else arg)
+        givens.append(x if is_restore_args(arg) and not is_placeholder(x) else None)
+    return flat.rebuild(neutral_leaves(flat.names, leaves, givens))
 
 
 def _merge_leaf(item_leaf: Any, arg: Any) -> Any:
@@ -276,7 +165,7 @@ def restore_safetensors(
     is worded in ``words``."""
     try:
         options = restore_options(args, verify=verify, io=io)
-        return _checkpoint_restore.restore_checkpoint(directory, options, stats=stats)
+        return _standalone.restore_checkpoint(directory, options, stats=stats)
     except TargetMismatchError as e:
         raise reworded(e, words) from None
 
@@ -336,124 +225,3 @@ def restore_orbax_native(
     else:
         pytree_args = ocp.args.PyTreeRestore(args.item, restore_args=restore_args)
     return orbax_handler("pytree").restore(directory, args=pytree_args)
-
-
-# --------------------------------------------------------------------------- the standalone API
-
-
-def _standalone_options(
-    target: Any,
-    strict: bool,
-    include: _select.Patterns,
-    exclude: _select.Patterns,
-    verify: bool,
-    io_options: _config.IOOptions | None,
-    fallback_sharding: jax.sharding.Sharding | None = None,
-) -> RestoreOptions:
-    """The one value :func:`load_file` and :func:`restore_directory` pass to the pipeline
-    (arguments in ``load_file``'s order): Orbax's target leaves translated, ``strict``
-    governing keys."""
-    return RestoreOptions.standalone(
-        neutral_target(target),
-        strict=strict,
-        include=include,
-        exclude=exclude,
-        verify=verify,
-        fallback_sharding=fallback_sharding,
-        io=io_options,
-    )
-
-
-def load_file(
-    path: epath.PathLike,
-    target: Any = None,
-    *,
-    strict: bool = True,
-    include: _select.Patterns = None,
-    exclude: _select.Patterns = None,
-    verify: bool = True,
-    io_options: _config.IOOptions | None = None,
-) -> Any:
-    """Loads a ``.safetensors`` file, rebuilding the saved pytree.
-
-    Args:
-      path: a file written by :func:`save_file`, or any safetensors file (then the result is a
-        flat ``{name: array}`` dict).
-      target: optional pytree saying what to build: leaves may be ``jax.Array``, numpy arrays,
-        ``jax.ShapeDtypeStruct`` (placed with its sharding; without one, a leaf saved as numpy
-        comes back as numpy of the struct's dtype, as Orbax's ``StandardRestore`` gives it),
-        Python scalars, Orbax ``RestoreArgs``, or ``None`` / ``...`` / empty nodes to skip a
-        leaf; the result has the target's node types (TrainState, namedtuples,
-        ``nnx.State``...). Only the tensors the target asks for are read.
-      strict: with a target, missing or unexpected keys (and ``None`` or an empty node where
-        the file has a subtree) raise one error listing all of them; with ``strict=False``
-        unexpected keys are skipped, skipped subtrees too, and missing ones keep the target's
-        (concrete) value.
-      include: glob patterns (one string or a sequence) over dotted names, as ``fnmatch``
-        reads them (``*`` crosses dots); a pattern also selects everything beneath a name it
-        matches (``params`` selects ``params.w``). Only the selected tensors' bytes are read.
-        Without a target the selected subtrees come back in their saved containers (lists
-        keep their length, None where nothing is selected); with one, they select among the
-        target's leaves and an unselected leaf comes back as given. A pattern matching no
-        name raises ``TargetMismatchError`` listing names. None: every name.
-      exclude: glob patterns of names not to read, by the same rule (applied after
-        ``include``).
-      verify: check each tensor read whole against its CRC32C: the one the file's header
-        records, or, for one file of a checkpoint directory (a CheckpointManager item's
-        ``model.safetensors``, whose header records none), the one the directory's
-        ``orbax_safetensors.json`` records, which must then describe the file exactly as its
-        header does. False: nothing is checked, and the directory's metadata is not read.
-      io_options: how the file is read (:class:`~orbax_safetensors.IOOptions`: direct I/O
-        mode, object-store options, tracing); None: the defaults (environment).
-
-    Raises:
-      HeaderError, SchemaError: the file is damaged or hostile, or (with ``verify``) the
-        metadata of the checkpoint directory it belongs to is, or disagrees with it.
-      TargetMismatchError: the target disagrees with the file (names every key at once;
-        ``.mismatches`` lists them as records).
-      IntegrityError: a tensor's bytes do not match their checksum.
-
-    Example::
-
-        params = osf.load_file("w.safetensors", target=jax.eval_shape(lambda: params))
-        attn = osf.load_file("w.safetensors", include="layers.*.attn", exclude="*.bias")
-    """
-    options = _standalone_options(target, strict, include, exclude, verify, io_options)
-    return _standalone.load_with_options(path, options)
-
-
-def restore_directory(
-    directory: epath.PathLike,
-    target: Any = None,
-    *,
-    strict: bool = True,
-    verify: bool = True,
-    stats: ReadStats | None = None,
-    fallback_sharding: jax.sharding.Sharding | None = None,
-    include: _select.Patterns = None,
-    exclude: _select.Patterns = None,
-    io_options: _config.IOOptions | None = None,
-) -> Any:
-    """Restores a checkpoint directory (an item directory of a step, or one that
-    ``save_directory`` wrote), without Orbax's manager.
-
-    ``target``, ``strict``, ``include``, ``exclude``, ``verify`` and ``io_options`` are as in
-    :func:`load_file` (``strict`` governs keys); only the selected tensors' bytes are read.
-    ``stats`` (a ``ReadStats``) accumulates the bytes read and needed.
-
-    As Orbax's handlers do, arrays saved as ``jax.Array`` without a sharding in the target (no
-    target at all, ``jax.ShapeDtypeStruct`` or ``ArrayRestoreArgs`` without one,
-    ``RestoreArgs()``) are placed with their saved sharding, rebuilt over the saved devices
-    when this job has them all; otherwise on ``fallback_sharding`` (as Orbax's
-    ``StandardRestore(fallback_sharding=...)``) if given, else a ``TargetMismatchError`` asks
-    for a target sharding (Orbax: "Topology mismatch"). Arrays saved host-local come back on
-    this process's first device.
-
-    Example::
-
-        state = osf.restore_directory("/tmp/ckpt/100/default", target=abstract_state)
-    """
-    options = _standalone_options(
-        target, strict, include, exclude, verify, io_options, fallback_sharding
-    )
-    return _checkpoint_restore.restore_checkpoint(directory, options, stats=stats)

@@ -1,15 +1,11 @@
 """The Orbax v1 plugin: ``SafetensorsHandler``, a ``CheckpointableHandler`` for pytrees.
 
-Thin glue over the same save object as the v0
-:class:`~orbax_safetensors._src.orbax.v0.SafetensorsCheckpointHandler` (a ``SaveJob`` with the
-v0 handler's options, started by ``orbax/saving.py``): the same validation, host copies, files,
-``orbax_safetensors.json``, checksums, gather-free multi-host writes and byte-range reads. What
-v1 adds is the ordering Orbax's v0 ``AsyncCheckpointer`` does for a v0 handler: wait for every
-process's writes, finalize the job on the primary, wait again.
-
-Needs the v1 API of orbax-checkpoint 0.12.8 (``ocp.v1.save`` / ``save_async`` / ``load``);
-on an older Orbax the module imports, and the handler and :func:`register_handler` raise an
-``ImportError`` naming the version.
+Thin glue over the v0 handler's save job and restore (the same validation, host copies, files,
+checksums, multi-host writes and reads): what v1 adds is the ordering Orbax's v0
+``AsyncCheckpointer`` does for a v0 handler: wait for every process's writes, finalize the job
+on the primary, wait again. Needs orbax-checkpoint's v1 API (0.12.8); on an older Orbax the
+module imports, and the handler and :func:`register_handler` raise an ``ImportError`` naming
+the version.
 
 Example::
 
@@ -37,10 +33,9 @@ from etils import epath
 from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
 from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import errors as _errors
-from orbax_safetensors._src.orbax import saving as _saving
+from orbax_safetensors._src.orbax import args as _args
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.orbax import v0 as _v0
-from orbax_safetensors._src.orbax.tree_metadata import TreeMetadata
 from orbax_safetensors._src.pipeline import export as _export
 from orbax_safetensors._src.pipeline import save_job as _save_job
 from orbax_safetensors._src.pipeline.restore_options import Words
@@ -82,27 +77,18 @@ class SafetensorsHandler:
     ``orbax_safetensors.json``: exactly what ``SafetensorsCheckpointHandler`` stores.
 
     Register it globally with :func:`register_handler`, or per context with
-    :func:`local_registry` (both also take over the ``"state"`` checkpointable that
-    ``ocp.save`` uses, which Orbax gives its own ``PyTreeHandler`` by name; for other names
-    ``ocp.handlers.register_handler(osf.SafetensorsHandler, checkpointable_name=...,
-    secondary_typestrs=osf.SafetensorsHandler.SECONDARY_TYPESTRS)`` works as is). Orbax
-    constructs it without arguments; for other options, register a subclass that passes a
-    configured v0 handler.
+    :func:`local_registry` (both also take over the ``"state"`` checkpointable that ``ocp.save``
+    uses). Orbax constructs it without arguments: for options, register a subclass.
 
     Args:
-      handler: the ``SafetensorsCheckpointHandler`` doing the work (its ``max_file_size``,
-        ``checksums``, ``verify``, ``primary_host``); default ``SafetensorsCheckpointHandler()``.
-      dtype: a save-time dtype policy for every save through this handler, as
-        ``SafetensorsSave(dtype=...)`` takes it (one dtype for floating-point arrays, glob
-        patterns over dotted names, or a callable); checked here. Orbax v1's own
-        ``StorageOptions.dtype`` context option is not read: pass the policy here.
-      mapping: an ``osf.KeyMapping``: every save writes a Hugging Face model directory (a
-        servable item, as ``SafetensorsSave(item, mapping=...)``; by every process of a
-        multi-process job, each writing its own bytes) and every load reads one into the
-        abstract tree's JAX layout (``SafetensorsRestore(target, mapping=...)``).
-      hf_config: with ``mapping``: a transformers config object, a dict or a path (a
-        ``config.json``, or a model directory whose generation config and tokenizer files
-        are copied too), as ``SafetensorsSave(hf_config=...)`` takes it.
+      handler: the ``SafetensorsCheckpointHandler`` doing the work (its file size,
+        checksums, primary host...); default ``SafetensorsCheckpointHandler()``.
+      dtype: a save-time dtype policy for every save, as ``SafetensorsSave(dtype=...)`` takes
+        it (Orbax v1's ``StorageOptions.dtype`` is not read).
+      mapping: an ``osf.KeyMapping``: every save writes a Hugging Face model directory and
+        every load reads one into the abstract tree's layout, as
+        ``SafetensorsSave(item, mapping=...)`` / ``SafetensorsRestore(target, mapping=...)``.
+      hf_config: with ``mapping``: as ``SafetensorsSave(hf_config=...)``.
       generation_config: with ``mapping``: as ``SafetensorsSave(generation_config=...)``.
 
     Example::
@@ -110,10 +96,6 @@ class SafetensorsHandler:
         class SmallFiles(osf.SafetensorsHandler):
             def __init__(self):
                 super().__init__(osf.SafetensorsCheckpointHandler(max_file_size=1 << 30))
-
-        class Bf16Export(osf.SafetensorsHandler):  # every save stores floats as bf16
-            def __init__(self):
-                super().__init__(dtype=jnp.bfloat16)
 
         class Servable(osf.SafetensorsHandler):  # a Hugging Face model directory
             def __init__(self):
@@ -156,8 +138,8 @@ class SafetensorsHandler:
             hf_config=self._hf_config,
             generation_config=self._generation_config,
         )
-        job = self._v0.new_job(epath.Path(directory.path), args, _saving.save_mode(skip=1))
-        commit_futures = _saving.start(job)
+        job = self._v0.new_job(epath.Path(directory.path), args, _save_job.SaveMode.SNAPSHOT)
+        commit_futures = _v0.start_save(job)
         barrier = f"orbax_safetensors_v1_save_{next(_save_counter)}"
         return self._background_save(directory, job, commit_futures, barrier)
 
@@ -194,7 +176,7 @@ class SafetensorsHandler:
     async def metadata(self, directory: Any) -> Any:
         """The saved tree with ``jax.ShapeDtypeStruct`` leaves; reads no tensor bytes."""
         metadata = self._v0.metadata(epath.Path(directory))
-        return metadata.tree if isinstance(metadata, TreeMetadata) else metadata
+        return metadata.tree if isinstance(metadata, _args.TreeMetadata) else metadata
 
     def is_handleable(self, checkpointable: Any) -> bool:
         """True for a pytree this handler can save (a ``SafetensorsSave`` accepts it)."""

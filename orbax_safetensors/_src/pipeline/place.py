@@ -1,14 +1,12 @@
-"""Host buffers to ``jax.Array``s: one call for many arrays, zero-copy where XLA allows it.
+"""Host buffers onto devices, and the target's values finished around them.
 
-``jax.device_put`` of a numpy array spends most of its time in Python (it builds the abstract
-value several times over and runs sharding checks meant for resharding ``jax.Array``s) before
-XLA's C++ transfer, which takes a fraction of that. Restoring 10,000 small tensors, that Python
-was most of the restore (docs/performance.md, "Figures behind the code"). So a numpy array bound for one addressable device takes the entry that
-``jax.device_put`` itself ends in for numpy inputs (``pxla.batched_device_put``: the same
-transfer, the same zero-copy aliasing of 64-byte aligned buffers on CPU, committed like
-``device_put`` to a device) straight away. Anything else (shardings over several devices,
-64-bit dtypes that JAX may canonicalise, a JAX without that entry) goes through
-``jax.device_put``. The private entry is looked up in :mod:`orbax_safetensors._src.compat.jaxcompat`.
+:func:`host_buffers` says which boxes of a tensor this process's devices need (the buffers
+``read`` fills), :func:`place_read` puts the filled buffers on the devices through :func:`put`
+(many arrays in one call, zero-copy where XLA allows it). On an accelerator large tensors are
+read into a staging ring (:func:`staged`, :func:`ring_for`) reused once their transfers are
+done, so host memory stays at the ring's size whatever the state's. :func:`saved_shardings`
+says where an array saved as a ``jax.Array`` goes when the target names no sharding, and
+:func:`finished` makes the values read into the target's leaves as their plans say.
 
 Example::
 
@@ -17,15 +15,35 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import dataclasses
+import json
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
+from etils import epath
 
 from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
+from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import memo as _memo
+from orbax_safetensors._src.core import runs as _runs
+from orbax_safetensors._src.core import sharding as _sharding
+from orbax_safetensors._src.core.errors import SchemaError, TargetMismatchError
 from orbax_safetensors._src.storage import buffers as _buffers
+
+# --------------------------------------------------------------------------- put
+
+# ``jax.device_put`` of a numpy array spends most of its time in Python (building the abstract
+# value several times over, sharding checks meant for resharding jax.Arrays) before XLA's C++
+# transfer; restoring many small tensors, that Python was most of the restore. A numpy array
+# bound for one addressable device therefore takes the entry ``jax.device_put`` itself ends in
+# for numpy inputs (the same transfer, the same zero-copy aliasing of 64-byte aligned buffers
+# on CPU, committed as ``device_put`` commits), looked up in ``compat/jaxcompat``. Anything else
+# (several devices, 64-bit dtypes JAX may canonicalise, a JAX without that entry) goes through
+# ``jax.device_put``.
 
 
 def _load_direct_put() -> _jaxcompat.DirectPut | None:
@@ -43,9 +61,7 @@ def _load_direct_put() -> _jaxcompat.DirectPut | None:
     return direct_put
 
 
-_direct_put: _jaxcompat.DirectPut | bool | None = (
-    False  # False: not loaded yet (needs a JAX backend)
-)
+_direct_put: _jaxcompat.DirectPut | bool | None = False  # False: not loaded yet (needs a backend)
 
 # Dtypes that jax.device_put may convert (to 32 bits unless jax_enable_x64): left to it.
 _CANONICALISED = frozenset(np.dtype(t) for t in (np.int64, np.uint64, np.float64, np.complex128))
@@ -76,8 +92,8 @@ def put(values: Sequence[np.ndarray], targets: Sequence[Any]) -> list[jax.Array]
     direct = _direct_put if callable(_direct_put) else None
     out: list[Any] = [None] * len(values)
     slow: list[int] = []
-    # Per target: its one-device (sharding, device), or None. (Equal targets may share the
-    # first one's sharding object.)
+    # Per target: its one-device (sharding, device), or None (equal targets may share the
+    # first one's sharding object).
     singles = _memo.ShardingMemo(_single_device_sharding)
     for i, (x, target) in enumerate(zip(values, targets, strict=True)):
         if direct is None or type(x) is not np.ndarray or x.dtype in _CANONICALISED:
@@ -119,3 +135,423 @@ def aliases_host(device: Any, memory_kind: str | None = None) -> bool:
             known = True
         _ALIASES[key] = known
     return known
+
+
+# --------------------------------------------------------------------------- read buffers
+
+
+@dataclasses.dataclass(slots=True)
+class Box:
+    """One box of a tensor that this process's devices need, and its host buffer."""
+
+    index: _runs.Index
+    buffer: np.ndarray  # flat aligned uint8: the box's bytes in row-major order
+
+    @property
+    def key(self) -> tuple:
+        return _runs.index_key(self.index)
+
+
+@dataclasses.dataclass(slots=True)
+class HostBuffers:
+    """Where one read request's bytes land on the host."""
+
+    whole: np.ndarray | None  # the buffer of the whole tensor, when it is read whole (one run)
+    boxes: list[Box]  # otherwise: the boxes read from the file
+    device_keys: dict[Any, tuple] | None  # device -> index key of its box (None: no sharding)
+
+
+def on_one_device(sharding: jax.sharding.Sharding) -> bool:
+    """Whether one device of this process holds the whole array (placed whole, no assembly)."""
+    return len(sharding.device_set) == 1 and sharding.is_fully_addressable
+
+
+def host_buffers(
+    req: Any, whole: Callable[[Any], np.ndarray], one_device: Callable[[Any], bool]
+) -> HostBuffers:
+    """The host buffers a read request (``read.ReadRequest``) is read into: the boxes this
+    process's devices need (``sharding.addressable_devices_indices_map``), each distinct box
+    once, or ``whole(req)`` (an arena's buffer, or a staging ring's) when this process needs
+    every byte; ``one_device``: :func:`on_one_device`, memoised by the caller."""
+    shape = req.stored.shape
+    if req.kind != "jax" or req.sharding is None or one_device(req.sharding):
+        return HostBuffers(whole(req), [], None)
+    device_keys: dict[Any, tuple] = {}
+    boxes: dict[tuple, Box] = {}
+    for device, index in req.sharding.addressable_devices_indices_map(shape).items():
+        norm = _runs.normalize_index(index or (), shape)
+        device_keys[device] = _runs.index_key(norm)
+        boxes.setdefault(device_keys[device], Box(norm, np.empty(0, np.uint8)))
+    if req.sharding.is_fully_addressable or _runs.index_key(_runs.whole_index(shape)) in boxes:
+        # This process needs every byte: one whole read (verifiable) serves every box.
+        return HostBuffers(whole(req), [], device_keys)
+    for box in boxes.values():
+        box.buffer = _buffers.aligned_empty(
+            _dtypes.nbytes(req.stored.dtype, _runs.box_shape(box.index))
+        )
+    return HostBuffers(None, list(boxes.values()), device_keys)
+
+
+def _host_value(req: Any, raw: np.ndarray, box_shape: tuple[int, ...]) -> np.ndarray:
+    value = _dtypes.unpack(raw, req.stored.dtype, box_shape)
+    if req.dtype is not None and value.dtype != req.dtype:
+        value = value.astype(req.dtype)
+    return value
+
+
+def _shard_targets(sharding: Any, devices: list[Any]) -> list[Any]:
+    # Where each device's shard of an array over ``sharding`` goes: the device, or its memory
+    # of the sharding's kind (e.g. ``pinned_host``) when that is not the device's own.
+    kind = getattr(sharding, "memory_kind", None)
+    if kind is None or kind == "device":
+        return devices
+    return [jax.sharding.SingleDeviceSharding(d, memory_kind=kind) for d in devices]
+
+
+def place_read(requests: Sequence[Any], buffers: Sequence[HostBuffers]) -> list[Any]:
+    """The values of read requests (``read.ReadRequest``) from their filled ``buffers``: host
+    arrays as asked (cast to the request's dtype), or ``jax.Array``s assembled from their
+    shards, every placement in one :func:`put`."""
+    results: list[Any] = [None] * len(requests)
+    default = jax.local_devices()[0]  # jax.devices()[0] may belong to another process
+    # values[k] goes to targets[k]. Per request placed: (request, first k, shards to assemble
+    # into one array over its sharding, or None for an array placed whole on one device).
+    values: list[np.ndarray] = []
+    targets: list[Any] = []
+    spans: list[tuple[int, int, int | None]] = []
+    for i, (req, rbuf) in enumerate(zip(requests, buffers)):
+        if rbuf.whole is not None:
+            full = _host_value(req, rbuf.whole, req.stored.shape)
+            if req.kind != "jax":
+                results[i] = full[()] if req.kind == "scalar" else full
+                continue
+            if rbuf.device_keys is None:  # one device: put to the sharding itself
+                spans.append((i, len(values), None))
+                values.append(full)
+                targets.append(req.sharding or default)
+                continue
+            keys = set(rbuf.device_keys.values())
+            host = {k: full[tuple(slice(a, b) for a, b in k)] for k in keys}
+        else:
+            assert rbuf.device_keys is not None
+            host = {b.key: _host_value(req, b.buffer, _runs.box_shape(b.index)) for b in rbuf.boxes}
+        devices = list(rbuf.device_keys)
+        spans.append((i, len(values), len(devices)))
+        values.extend(host[rbuf.device_keys[d]] for d in devices)
+        targets.extend(_shard_targets(req.sharding, devices))
+    placed = put(values, targets)
+    for i, start, shards in spans:
+        if shards is None:
+            results[i] = placed[start]
+        else:
+            sharding = requests[i].sharding
+            results[i] = jax.make_array_from_single_device_arrays(
+                requests[i].stored.shape, sharding, placed[start : start + shards]
+            )
+    return results
+
+
+# --------------------------------------------------------------------------- staging
+
+# On an accelerator ``jax.device_put`` copies host bytes and is then done with them: a restore
+# reads each large tensor into a ring, starts its transfer, and reads into that space again
+# once the transfer is done. The ring is kept between restores so that its pages are faulted in
+# once per process, not once per restore (first-touch faults are the slow part of reading into
+# fresh memory on virtual machines: docs/performance.md, "TPU"). On CPU the placed array *is*
+# the host buffer, so nothing is staged there.
+
+# Tensors of at least this many bytes go through the ring; smaller ones are carved from the
+# arena's slabs (few allocations, and the ring's page placement would waste more than they hold).
+STAGE_MIN_BYTES = 1 << 20
+# The ring's size (grown to hold the largest staged tensor), and how many waves of reads share
+# it: a wave of at most a quarter of the ring is read while the three before it transfer.
+# Smaller waves or fewer of them left the transfers idle between waves on a TPU v5e
+# (docs/performance.md, "TPU"); pages are faulted in only as far as a restore reaches.
+RING_BYTES = 512 << 20
+WAVES_IN_FLIGHT = 4
+_PAGE = 4096
+
+#: ``"auto"``: stage the large tensors bound for devices whose placement copies (accelerators);
+#: ``"always"``: stage every large ``jax.Array`` read, and copy off the ring those whose
+#: placement shared its memory (CPU: slower, for tests of this path on machines without an
+#: accelerator); ``"never"``: read every tensor into its own fresh buffer, as on CPU.
+MODE = "auto"
+
+
+def staged(requests: Sequence[Any]) -> list[bool] | None:
+    """Per read request, whether its whole tensor is read through a staging ring: a
+    ``jax.Array`` of at least :data:`STAGE_MIN_BYTES` whose placement copies the host bytes
+    (an accelerator's memory, not CPU memory that ``device_put`` shares). None when none is."""
+    if MODE == "never":
+        return None
+    copies = _memo.ShardingMemo(_copies) if MODE == "auto" else (lambda _: True)
+    default = None
+    out: list[bool] = []
+    for req in requests:
+        stage = False
+        if req.kind == "jax" and req.stored.nbytes >= STAGE_MIN_BYTES:
+            if MODE == "always":
+                stage = True
+            elif req.sharding is not None:
+                stage = copies(req.sharding)
+            else:
+                if default is None:
+                    default = _copies(jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+                stage = default
+        out.append(stage)
+    return out if any(out) else None
+
+
+def _copies(sharding: jax.sharding.Sharding) -> bool:
+    kind = getattr(sharding, "memory_kind", None)
+    return not any(aliases_host(d, kind) for d in sharding.addressable_devices)
+
+
+def off_the_ring(value: Any) -> Any:
+    """``value`` (placed from ring memory) as an array that does not share the ring's memory:
+    itself where its placement copied, else a device copy (``MODE = "always"`` on CPU)."""
+    if not isinstance(value, jax.Array):
+        return value
+    kind = getattr(value.sharding, "memory_kind", None)
+    if any(aliases_host(d, kind) for d in value.sharding.addressable_devices):
+        return value.copy()
+    return value
+
+
+class _Rings:
+    """Rings kept between restores: one idle ring (a restore takes it, or a new one when it
+    needs more room or another restore holds it) so that its pages stay faulted in."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: _buffers.StagingRing | None = None
+
+    def take(self, capacity: int) -> _buffers.StagingRing:
+        with self._lock:
+            ring, self._idle = self._idle, None
+        if ring is not None and ring.capacity >= capacity:
+            return ring
+        return _buffers.StagingRing(capacity)
+
+    def give_back(self, ring: _buffers.StagingRing) -> None:
+        with self._lock:
+            if self._idle is None or self._idle.capacity < ring.capacity:
+                self._idle = ring
+
+    def clear(self) -> None:
+        with self._lock:
+            self._idle = None
+
+    @property
+    def idle_bytes(self) -> int:
+        with self._lock:
+            return self._idle.capacity if self._idle is not None else 0
+
+
+RINGS = _Rings()
+
+
+@contextlib.contextmanager
+def ring_for(requests: Sequence[Any], staged: list[bool]) -> Iterator[_buffers.StagingRing]:
+    """A staging ring large enough for every staged tensor of ``requests`` (at least
+    :data:`RING_BYTES`); drained (every transfer out of it done) before it is kept for the
+    next restore, also when the restore fails."""
+    largest = max(r.stored.nbytes for r, s in zip(requests, staged) if s)
+    ring = RINGS.take(max(RING_BYTES, largest + 2 * _PAGE))
+    try:
+        yield ring
+    finally:
+        try:
+            ring.drain()
+        except BaseException:
+            ring = None  # type: ignore[assignment]  # a failed transfer: do not keep it
+            raise
+        finally:
+            if ring is not None:
+                RINGS.give_back(ring)
+
+
+# --------------------------------------------------------------------------- saved shardings
+
+
+def saved_shardings(
+    directory: epath.PathLike,
+    metadata: Mapping[str, Any],
+    fallback_sharding: jax.sharding.Sharding | None = None,
+) -> Callable[[str], Any] | None:
+    """Each tensor's saved sharding over this job's devices, by tensor name (None for a tensor
+    saved without one); None when no tensor has one. For a sharding this job's devices cannot
+    reproduce the function gives ``fallback_sharding``, or raises ``TargetMismatchError``
+    without one."""
+    tensors = metadata["tensors"]
+    if not any(
+        isinstance(info, dict) and (info.get("sharding") or "device" in info)
+        for info in tensors.values()
+    ):
+        return None
+    # A saved single device counts in a single-process job only: in a multi-process one, each
+    # process places host-local arrays on its own first device (the same answer everywhere).
+    single_process = jax.process_count() == 1
+    device_meshes = metadata.get("device_meshes")
+    built: dict[str, Any] = {}  # one sharding object per distinct description
+
+    def rebuilt(name: str, key: str, build: Callable[[], Any], saved_on: Callable[[], str]) -> Any:
+        if key not in built:
+            built[key] = build()
+        if built[key] is not None:
+            return built[key]
+        if fallback_sharding is not None:
+            return fallback_sharding
+        raise TargetMismatchError(
+            f"{directory}: tensor {name!r} was saved {saved_on()}; pass a restore target whose "
+            "leaves are jax.ShapeDtypeStruct with the sharding you want"
+        )
+
+    def sharding_of(name: str) -> Any:
+        info = tensors.get(name)
+        desc = info.get("sharding") if isinstance(info, dict) else None
+        if not desc:
+            if single_process and isinstance(info, dict) and "device" in info:
+                saved = info["device"]
+                return rebuilt(
+                    name,
+                    f"device {saved!r}",
+                    lambda: _sharding.device_from_json(saved),
+                    lambda: f"on device {saved}, which this process does not have",
+                )
+            return None
+        if not isinstance(desc, dict):
+            raise SchemaError(f"{directory}: tensor {name!r} has a malformed sharding {desc!r}")
+        if "device_ids" in desc:  # (long lists: kept in device_meshes by this library)
+            key = json.dumps(desc, sort_keys=True)
+        else:
+            fields = ("mesh_axes", "mesh_shape", "spec", "mesh_devices")
+            key = repr(tuple(desc.get(f) for f in fields))
+        return rebuilt(
+            name,
+            key,
+            lambda: _sharding.sharding_from_json(desc, device_meshes),
+            lambda: (
+                f"with sharding {desc!r} (a mesh of {_sharding.mesh_size(desc)} devices), "
+                f"which this job's {len(jax.devices())} devices cannot reproduce"
+            ),
+        )
+
+    return sharding_of
+
+
+def key_sharding(sharding: Any, ndim: int) -> Any:
+    """The sharding of a typed PRNG key array of ``ndim`` dimensions from its key data's
+    sharding (one more, trailing dimension), or None when the data's sharding splits that
+    dimension."""
+    if not isinstance(sharding, jax.sharding.NamedSharding) or len(sharding.spec) <= ndim:
+        return sharding
+    if any(e is not None for e in sharding.spec[ndim:]):
+        return None
+    spec = jax.sharding.PartitionSpec(*sharding.spec[:ndim])
+    return jax.sharding.NamedSharding(sharding.mesh, spec, memory_kind=sharding.memory_kind)
+
+
+# --------------------------------------------------------------------------- values finished
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Known:
+    """A target leaf's value known without reading (a skipped leaf, an inline value)."""
+
+    value: Any
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Read:
+    """The value read into ``slot``, as it is (the common case)."""
+
+    slot: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Resize:
+    """The tensor read whole on the host into ``slot``, then cut and zero-padded to ``shape``
+    (a ``jax.Array`` on ``sharding`` when ``to_jax``)."""
+
+    slot: int
+    shape: tuple[int, ...]
+    to_jax: bool
+    sharding: Any
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Finish:
+    """The key data in ``slot`` wrapped as a typed PRNG key of ``impl`` (placed on
+    ``sharding``), or, with ``pytype``, the value converted to that Python type."""
+
+    slot: int
+    name: str
+    impl: str = ""
+    sharding: Any = None
+    pytype: type | None = None
+
+
+Plan = Known | Read | Resize | Finish
+
+
+def finished(plans: Sequence[Plan], values: Sequence[Any]) -> list[Any]:
+    """The target leaves ``plans`` make of the ``values`` read (one per read slot); plans that
+    wrap the same slot on the same sharding share one object, as aliases do."""
+    out: list[Any] = []
+    once: dict[tuple, Any] = {}
+    for plan in plans:
+        if isinstance(plan, Read):
+            out.append(values[plan.slot])  # the common case (aliases share it)
+        elif isinstance(plan, Known):
+            out.append(plan.value)
+        elif isinstance(plan, Resize):
+            out.append(pad_or_truncate(values[plan.slot], plan.shape, plan.to_jax, plan.sharding))
+        elif plan.pytype is not None:
+            out.append(plan.pytype(values[plan.slot].item()))
+        else:
+            key = (plan.slot, id(plan.sharding))
+            if key not in once:
+                once[key] = typed_key(plan.name, values[plan.slot], plan.impl, plan.sharding)
+            out.append(once[key])
+    return out
+
+
+def typed_key(name: str, data: Any, impl: str, sharding: Any = None) -> Any:
+    """Stored key data as a typed PRNG key (placed on ``sharding`` if given)."""
+    key = wrap_key(name, data, impl)
+    return jax.device_put(key, sharding) if sharding is not None else key
+
+
+def wrap_key(name: str, data: Any, impl: str) -> Any:
+    """``jax.random.wrap_key_data`` for a stored key, raising ``SchemaError`` on forged data.
+
+    Works on ``jax.ShapeDtypeStruct`` inside ``jax.eval_shape`` too (checks without reading).
+    """
+    try:
+        return jax.random.wrap_key_data(data, impl=impl)
+    except (TypeError, ValueError) as e:
+        reason = str(e).split(" for impl=")[0]
+        raise SchemaError(
+            f"PRNG key {name!r}: stored {data.dtype}{list(data.shape)} is not key data of "
+            f"impl {impl!r} ({reason})"
+        ) from None
+
+
+def pad_or_truncate(value: Any, shape: tuple[int, ...], to_jax: bool, sharding: Any = None) -> Any:
+    """``value`` (a host array) cut to ``shape`` and padded with zeros, as Orbax's
+    ``strict=False`` restores; a ``jax.Array`` on ``sharding`` when ``to_jax``.
+
+    Example::
+
+        pad_or_truncate(np.ones(3), (5,), to_jax=False)   # array([1., 1., 1., 0., 0.])
+    """
+    host = np.asarray(value)
+    out = np.zeros(shape, host.dtype)
+    common = tuple(slice(0, min(a, b)) for a, b in zip(shape, host.shape))
+    out[common] = host[common]
+    if not to_jax:
+        return out
+    if sharding is None:
+        return jax.device_put(out)
+    return jax.make_array_from_callback(shape, sharding, lambda index: out[index])

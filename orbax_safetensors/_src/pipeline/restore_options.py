@@ -1,12 +1,12 @@
-"""What a restore is asked to do, in neutral terms: one frozen :class:`RestoreOptions` value
-from the API adapters (the standalone ``load_file`` / ``restore_directory``, the Orbax
-handlers) to :func:`.tree_restore.restore_tree`, and the wording of its mismatch errors.
+"""What a restore is asked, in neutral terms: one frozen :class:`RestoreOptions` value from the
+API adapters (``load_file``, ``restore_directory``, the Orbax handlers) to
+:func:`.restore_plan.restore_tree`, and the wording of its mismatch errors (:class:`Words`).
 
-Target leaves the pipeline understands: ``jax.Array``, ``jax.ShapeDtypeStruct``, numpy arrays
-and scalars, Python scalars and strings (each asking for its own kind of value), ``None`` and
-empty nodes (nothing to read: returned as given), and the two neutral forms here:
-:class:`LeafRequest` (what to build, spelled out) and :class:`Skip` (read nothing, return a
-value). Another library's restore arguments are translated into these by its adapter.
+Target leaves: ``jax.Array``, ``jax.ShapeDtypeStruct``, numpy arrays and scalars, Python scalars
+and strings (each asking for its own kind of value), ``None`` and empty nodes (nothing to read:
+returned as given), :class:`LeafRequest` (what to build, spelled out), :class:`Skip` (read
+nothing, return a value), and Orbax's restore args and ``...`` (:func:`neutral_target`
+translates them into the last two).
 
 Example::
 
@@ -24,7 +24,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from orbax_safetensors._src.compat import orbaxargs as _orbaxargs
 from orbax_safetensors._src.core import select as _select
+from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import Mismatch, MismatchKind, TargetMismatchError
 from orbax_safetensors._src.storage import config as _config
 
@@ -98,12 +100,11 @@ class RestoreOptions:
       keys: how keys in one of target and checkpoint only are treated (:class:`Keys`).
       pad_or_truncate: a stored array whose shape differs from the target's (same rank) is cut
         and zero-padded to it; otherwise that is an error.
-      select: read only the names it selects (``core/select.py``; None: every name).
+      select: read only the names it selects (None: every name).
       verify: check each tensor read whole against its CRC32C.
       fallback_sharding: where an array goes whose saved sharding this job's devices cannot
         rebuild and whose target gives none (None: that is an error).
-      io: how files are read (direct I/O mode, object-store options; None: the defaults, see
-        :class:`~orbax_safetensors.IOOptions`).
+      io: how files are read (None: the defaults, see :class:`~orbax_safetensors.IOOptions`).
 
     Example::
 
@@ -130,16 +131,63 @@ class RestoreOptions:
         fallback_sharding: jax.sharding.Sharding | None = None,
         io: _config.IOOptions | None = None,
     ) -> RestoreOptions:
-        """The options of ``load_file`` / ``restore_directory``: ``strict`` governs keys (the
-        safetensors and PyTorch meaning)."""
+        """The options of ``load_file`` / ``restore_directory``: Orbax's target leaves
+        translated (:func:`neutral_target`), ``strict`` governing keys (the safetensors and
+        PyTorch meaning)."""
         return cls(
-            target,
+            neutral_target(target),
             keys=Keys.EXACT if strict else Keys.LENIENT,
             select=_select.Selection.of(include, exclude),
             verify=verify,
             fallback_sharding=fallback_sharding,
             io=io,
         )
+
+
+# --------------------------------------------------------------------------- Orbax's leaves
+
+
+def neutral_leaves(
+    names: Sequence[str], leaves: Sequence[Any], givens: Sequence[Any] | None = None
+) -> list[Any]:
+    """``leaves`` with Orbax's translated: its restore args into :class:`LeafRequest`
+    (``givens[i]``, else the args themselves, what a partial restore returns where the key is
+    not saved), ``...`` (Orbax's placeholder) into :class:`Skip`.
+
+    Raises:
+      TargetMismatchError: naming every leaf whose sharding metadata cannot be rebuilt here.
+    """
+    out: list[Any] = []
+    problems: list[Mismatch] = []
+    for i, (name, x) in enumerate(zip(names, leaves)):
+        if x is ...:
+            out.append(Skip(x))
+        elif not _orbaxargs.is_restore_args(x):
+            out.append(x)
+        else:
+            given = givens[i] if givens is not None and givens[i] is not None else x
+            try:
+                fields = _orbaxargs.restore_args_request(x)
+            except ValueError as e:
+                problems.append(Mismatch(name, MismatchKind.SHARDING, str(e)))
+                out.append(None)
+                continue
+            out.append(LeafRequest(Build(fields.pop("build")), **fields, given=given))
+    if problems:
+        raise TargetMismatchError(mismatch_message(problems), problems)
+    return out
+
+
+def neutral_target(target: Any) -> Any:
+    """``target`` with Orbax's leaves translated (:func:`neutral_leaves`); the same object
+    when it has none."""
+    is_args = _orbaxargs.is_restore_args
+    if target is None or not any(
+        x is ... or is_args(x) for x in jax.tree_util.tree_leaves(target, is_leaf=is_args)
+    ):
+        return target
+    flat = _tree.flatten_target(target, is_leaf=is_args)
+    return flat.rebuild(neutral_leaves(flat.names, flat.leaves))
 
 
 # --------------------------------------------------------------------------- wording

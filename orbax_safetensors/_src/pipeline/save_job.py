@@ -4,8 +4,8 @@ A :class:`SaveJob` holds everything one save of one checkpoint directory needs, 
 caller's call to the primary's finalize: the validated tree, how the caller's arrays are treated
 (:class:`SaveMode`), the host buffers of its snapshot, its file plan, and what its finalize merges
 (the metadata draft and, in a one-process job, the checksum share, both kept in memory). Drivers
-hold no state of their own per save: the Orbax handlers (through ``orbax/saving.py``) and
-:func:`save_directory` each build a job and call its steps where their protocol puts them, so one
+hold no state of their own per save: the Orbax handlers (through ``orbax/v0.start_save``) and
+:func:`.standalone.save_directory` each build a job and call its steps where their protocol puts them, so one
 driver serves any number of saves at once.
 
 The steps, and the thread each runs on:
@@ -44,13 +44,11 @@ from typing import Any
 import jax
 from etils import epath
 
-from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
-from orbax_safetensors._src.pipeline import export as _export
 from orbax_safetensors._src.pipeline import export_item as _export_item
 from orbax_safetensors._src.pipeline import gcpause as _gcpause
 from orbax_safetensors._src.pipeline import pieces as _pieces
@@ -58,7 +56,6 @@ from orbax_safetensors._src.pipeline import snapshots as _snapshots
 from orbax_safetensors._src.storage import buffers as _buffers
 from orbax_safetensors._src.storage import config as _config
 from orbax_safetensors._src.storage import interface as _interface
-from orbax_safetensors._src.storage import replace as _replace
 from orbax_safetensors._src.storage import router as _router
 
 # How long an async save's writer waits, once every host copy is made, before it plans the
@@ -70,7 +67,7 @@ _PLAN_DELAY_SECONDS = 0.03
 class SaveMode(enum.Enum):
     """How a save treats the caller's arrays.
 
-    ``DIRECT``: the caller waits for the write (a synchronous save, :func:`save_directory`):
+    ``DIRECT``: the caller waits for the write (a synchronous save, :func:`.standalone.save_directory`):
     each tensor is written straight from its array (zero-copy on CPU; one tensor at a time in
     host memory on accelerators), cast as it is written under a dtype policy.
 
@@ -163,7 +160,7 @@ class SaveJob:
         processes: Processes | None = None,
         host_buffers: _buffers.HostBufferPool | None = None,
         io: _config.IOOptions | None = None,
-        export: _export.ExportPlan | None = None,
+        export: _export_item.ExportPlan | None = None,
         device_snapshot: bool = True,
     ) -> None:
         self.directory = epath.Path(directory)
@@ -601,33 +598,3 @@ class PendingSaves:
     def __len__(self) -> int:
         with self._lock:
             return len(self._jobs)
-
-
-@_gcpause.paused
-def save_directory(
-    tree: Any,
-    directory: epath.PathLike,
-    *,
-    metadata: Mapping[str, Any] | None = None,
-    max_file_size: int | None = _plan.DEFAULT_MAX_FILE_SIZE,
-    dtype: _casting.DtypePolicy | None = None,
-    io_options: _config.IOOptions | None = None,
-) -> None:
-    """Saves ``tree`` as a checkpoint directory from one process (no Orbax involved);
-    ``dtype`` is a dtype policy (see ``save_file``), applied tensor by tensor as it writes;
-    ``io_options`` the I/O options (see ``save_file``). An existing directory's checkpoint
-    files are replaced whole (``storage/replace.py``): a reader never meets old and new
-    files mixed.
-
-    Example::
-
-        osf.save_directory(state, "/tmp/ckpt", max_file_size=1 << 30)
-    """
-    directory = epath.Path(directory)
-    layout = _checkpoint_save.SaveLayout(max_file_size)
-    validated = _checkpoint_save.validate_save(tree, metadata, dtype=dtype)  # before any I/O
-    with _replace.replacing_directory(directory) as out:
-        job = SaveJob(validated, out, mode=SaveMode.DIRECT, layout=layout, io=io_options)
-        job.start()
-        job.write()
-        job.finalize()

@@ -1,7 +1,10 @@
-"""The standalone API: one pytree <-> one ``.safetensors`` file, no Orbax needed.
+"""The standalone verbs: a pytree to and from one ``.safetensors`` file (:func:`save_file`,
+:func:`load_file`) or one checkpoint directory (:func:`save_directory`,
+:func:`restore_directory`), no Orbax needed; and the two restores the Orbax handlers call with
+a :class:`.RestoreOptions` (:func:`load_with_options`, :func:`restore_checkpoint`).
 
-The tree schema and per-tensor CRC32C checksums live in the file's ``__metadata__``, so the file
-alone round-trips, while every safetensors reader sees plain tensors under dotted names.
+A file keeps the tree schema and per-tensor CRC32C checksums in its ``__metadata__``, so it
+round-trips alone, while every safetensors reader sees plain tensors under dotted names.
 
 Example::
 
@@ -17,25 +20,27 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 from etils import epath
 
 from orbax_safetensors._src.core import casting as _casting
-from orbax_safetensors._src.core import checksum as _checksum
-from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.core import metadata as _metadata
-from orbax_safetensors._src.core.errors import (
-    SafetensorsCheckpointError,
-    SchemaError,
-)
-from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
+from orbax_safetensors._src.core import plan as _plan
+from orbax_safetensors._src.core import select as _select
+from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
 from orbax_safetensors._src.pipeline import gcpause as _gcpause
+from orbax_safetensors._src.pipeline import place as _place
+from orbax_safetensors._src.pipeline import read as _read
 from orbax_safetensors._src.pipeline import save_job as _save_job
-from orbax_safetensors._src.pipeline.reader import StoredTensor
+from orbax_safetensors._src.pipeline.read import ReadStats
 from orbax_safetensors._src.pipeline.restore_options import RestoreOptions
-from orbax_safetensors._src.pipeline.tree_restore import restore_tree
+from orbax_safetensors._src.pipeline.restore_plan import restore_tree
 from orbax_safetensors._src.storage import config as _config
+from orbax_safetensors._src.storage import replace as _replace
 from orbax_safetensors._src.storage import router as _router
+
+# --------------------------------------------------------------------------- one file
 
 
 @_gcpause.paused
@@ -85,69 +90,66 @@ def save_file(
     job.finalize()
 
 
-def locate_in_file(
-    path: epath.Path, header: _header.Header, crcs: Mapping[str, Any] | None
-) -> dict[str, StoredTensor]:
-    """The tensors of one file, with their checksums when known."""
-    out = {}
-    for name, e in header.tensors.items():
-        crc = None
-        if crcs is not None and name in crcs:
-            crc = _checksum.from_hex(crcs[name])
-            if crc is None:
-                raise SchemaError(f"{path}: checksum of {name!r} is malformed: {crcs[name]!r}")
-        out[name] = StoredTensor(name, path, header.data_start + e.begin, e.dtype, e.shape, crc)
-    return out
-
-
-@_gcpause.paused
-def file_index(
-    path: epath.Path,
-    header: _header.Header,
+def load_file(
+    path: epath.PathLike,
+    target: Any = None,
     *,
     strict: bool = True,
-    directory_checksums: bool = False,
-) -> tuple[Any, dict[str, StoredTensor]]:
-    """The schema (``None`` if the file has none, or when not ``strict``) and where each tensor
-    of a standalone file lies, with its checksum when the file records one.
+    include: _select.Patterns = None,
+    exclude: _select.Patterns = None,
+    verify: bool = True,
+    io_options: _config.IOOptions | None = None,
+) -> Any:
+    """Loads a ``.safetensors`` file, rebuilding the saved pytree.
 
-    ``strict=False`` skips the schema and ignores a checksum entry that is not an object (for
-    tools that list any safetensors file); the schema is parsed first, so the first error a
-    strict caller sees is the schema's.
+    Args:
+      path: a file written by :func:`save_file`, or any safetensors file (then the result is a
+        flat ``{name: array}`` dict).
+      target: optional pytree saying what to build: leaves may be ``jax.Array``, numpy arrays,
+        ``jax.ShapeDtypeStruct`` (placed with its sharding; without one, a leaf saved as numpy
+        comes back as numpy of the struct's dtype, as Orbax's ``StandardRestore`` gives it),
+        Python scalars, Orbax ``RestoreArgs``, or ``None`` / ``...`` / empty nodes to skip a
+        leaf; the result has the target's node types (TrainState, namedtuples,
+        ``nnx.State``...). Only the tensors the target asks for are read.
+      strict: with a target, missing or unexpected keys (and ``None`` or an empty node where
+        the file has a subtree) raise one error listing all of them; with ``strict=False``
+        unexpected keys and skipped subtrees are skipped, and missing keys keep the target's
+        (concrete) value.
+      include: glob patterns (a string or a sequence) over dotted names, as ``fnmatch`` reads
+        them (``*`` crosses dots); a pattern also selects all beneath a name it matches
+        (``params`` selects ``params.w``), and one matching no name raises
+        ``TargetMismatchError``. Only the selected tensors are read: without a target in their
+        saved containers (lists keep their length, None where nothing is selected), with one
+        an unselected target leaf comes back as given. None: every name.
+      exclude: glob patterns of names not to read, by the same rule (after ``include``).
+      verify: check each tensor read whole against its CRC32C: the file's own, or for a file
+        of a checkpoint directory (a CheckpointManager item's ``model.safetensors``) the one
+        the directory's ``orbax_safetensors.json`` records, which must then describe the file
+        exactly as its header does. False: nothing is checked, no directory metadata read.
+      io_options: how the file is read (:class:`~orbax_safetensors.IOOptions`; None: default).
 
-    ``directory_checksums``: a file that records no checksums of its own but is a file of a
-    checkpoint directory (the directory's ``orbax_safetensors.json`` lists it) takes the
-    checksums that metadata records for it
-    (:func:`.checkpoint_restore.locate_in_directory_file`: a metadata file that is malformed
-    or disagrees with the header raises). A file's own checksums always win.
+    Raises:
+      HeaderError, SchemaError: the file is damaged or hostile, or (with ``verify``) the
+        metadata of the checkpoint directory it belongs to is, or disagrees with it.
+      TargetMismatchError: the target disagrees with the file (names every key at once;
+        ``.mismatches`` lists them as records).
+      IntegrityError: a tensor's bytes do not match their checksum.
 
     Example::
 
-        schema, stored = file_index(path, _router.read_header(path))
+        params = osf.load_file("w.safetensors", target=jax.eval_shape(lambda: params))
+        attn = osf.load_file("w.safetensors", include="layers.*.attn", exclude="*.bias")
     """
-    schema = _metadata.header_json(header, _metadata.SCHEMA_KEY, str(path)) if strict else None
-    crcs = _metadata.header_json(header, _metadata.CHECKSUM_KEY, str(path))
-    if crcs is not None and not isinstance(crcs, dict):
-        if strict:
-            raise SchemaError(f"{path}: {_metadata.CHECKSUM_KEY} is not an object")
-        crcs = None
-    if crcs is None and directory_checksums:
-        stored = _checkpoint_restore.locate_in_directory_file(path, header)
-        if stored is not None:
-            return schema, stored
-    return schema, locate_in_file(path, header, crcs)
+    options = RestoreOptions.standalone(
+        target, strict=strict, include=include, exclude=exclude, verify=verify, io=io_options
+    )
+    return load_with_options(path, options)
 
 
 def load_with_options(path: epath.PathLike, options: RestoreOptions) -> Any:
-    """Loads a ``.safetensors`` file as ``options`` asks (see :class:`.RestoreOptions`); with
-    ``options.verify``, a file of a checkpoint directory is checked against the checksums its
-    directory records (:func:`file_index`'s ``directory_checksums``).
-
-    Raises:
-      HeaderError, SchemaError: the file is damaged or hostile, or (with ``options.verify``)
-        the metadata of the checkpoint directory it belongs to cannot vouch for it.
-      TargetMismatchError: the target disagrees with the file (names every key at once).
-      IntegrityError: a tensor's bytes do not match their checksum.
+    """Loads a ``.safetensors`` file as ``options`` asks; with ``options.verify``, a file of a
+    checkpoint directory is checked against the checksums its directory records. Raises as
+    :func:`load_file` does.
 
     Example::
 
@@ -161,7 +163,7 @@ def load_with_options(path: epath.PathLike, options: RestoreOptions) -> Any:
         before = _identity(path)
         header = _router.read_header(path, options.io)
         try:
-            schema, stored = file_index(path, header, directory_checksums=options.verify)
+            schema, stored = _read.file_index(path, header, directory_checksums=options.verify)
             tree = restore_tree(schema, stored, options)
         except (SafetensorsCheckpointError, OSError, EOFError):
             if _identity(path) == before:
@@ -178,7 +180,7 @@ _READ_ATTEMPTS = 5
 
 
 def _identity(path: epath.Path) -> tuple[int, ...] | None:
-    """What changes when a local file is replaced or rewritten (None elsewhere)."""
+    # What changes when a local file is replaced or rewritten (None elsewhere).
     if not _router.is_local(path):
         return None
     try:
@@ -189,9 +191,112 @@ def _identity(path: epath.Path) -> tuple[int, ...] | None:
 
 
 def load_metadata(path: epath.PathLike) -> dict[str, str]:
-    """The user metadata of a file saved with :func:`save_file` (reserved keys removed)."""
+    """The user metadata of a file saved with :func:`save_file` (reserved keys removed).
+
+    Example::
+
+        osf.load_metadata("w.safetensors")  # {"format": "flax", "step": "10"}
+    """
     header = _router.read_header(path)
     return {k: v for k, v in header.metadata.items() if k not in _metadata.RESERVED_KEYS}
 
 
-__all__ = ["load_metadata", "load_with_options", "save_file"]
+# --------------------------------------------------------------------------- a directory
+
+
+@_gcpause.paused
+def save_directory(
+    tree: Any,
+    directory: epath.PathLike,
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    max_file_size: int | None = _plan.DEFAULT_MAX_FILE_SIZE,
+    dtype: _casting.DtypePolicy | None = None,
+    io_options: _config.IOOptions | None = None,
+) -> None:
+    """Saves ``tree`` as a checkpoint directory from one process (no Orbax involved);
+    ``dtype`` is a dtype policy (see :func:`save_file`), applied tensor by tensor as it writes;
+    ``io_options`` the I/O options (see :func:`save_file`). An existing directory's checkpoint
+    files are replaced whole: a reader never meets old and new files mixed.
+
+    Example::
+
+        osf.save_directory(state, "/tmp/ckpt", max_file_size=1 << 30)
+    """
+    directory = epath.Path(directory)
+    layout = _checkpoint_save.SaveLayout(max_file_size)
+    validated = _checkpoint_save.validate_save(tree, metadata, dtype=dtype)  # before any I/O
+    with _replace.replacing_directory(directory) as out:
+        job = _save_job.SaveJob(
+            validated, out, mode=_save_job.SaveMode.DIRECT, layout=layout, io=io_options
+        )
+        job.start()
+        job.write()
+        job.finalize()
+
+
+def restore_directory(
+    directory: epath.PathLike,
+    target: Any = None,
+    *,
+    strict: bool = True,
+    verify: bool = True,
+    stats: ReadStats | None = None,
+    fallback_sharding: jax.sharding.Sharding | None = None,
+    include: _select.Patterns = None,
+    exclude: _select.Patterns = None,
+    io_options: _config.IOOptions | None = None,
+) -> Any:
+    """Restores a checkpoint directory (an item directory of a step, or one that
+    :func:`save_directory` wrote), without Orbax's manager.
+
+    ``target``, ``strict``, ``include``, ``exclude``, ``verify`` and ``io_options`` are as in
+    :func:`load_file` (``strict`` governs keys); only the selected tensors' bytes are read.
+    ``stats`` (a ``ReadStats``) accumulates the bytes read and needed.
+
+    As Orbax's handlers do, arrays saved as ``jax.Array`` without a sharding in the target (no
+    target at all, ``jax.ShapeDtypeStruct`` or ``ArrayRestoreArgs`` without one,
+    ``RestoreArgs()``) are placed with their saved sharding, rebuilt over the saved devices
+    when this job has them all; otherwise on ``fallback_sharding`` (as Orbax's
+    ``StandardRestore(fallback_sharding=...)``) if given, else a ``TargetMismatchError`` asks
+    for a target sharding (Orbax: "Topology mismatch"). Arrays saved host-local come back on
+    this process's first device.
+
+    Example::
+
+        state = osf.restore_directory("/tmp/ckpt/100/default", target=abstract_state)
+    """
+    options = RestoreOptions.standalone(
+        target,
+        strict=strict,
+        include=include,
+        exclude=exclude,
+        verify=verify,
+        fallback_sharding=fallback_sharding,
+        io=io_options,
+    )
+    return restore_checkpoint(directory, options, stats=stats)
+
+
+@_gcpause.paused
+def restore_checkpoint(
+    directory: epath.PathLike,
+    options: RestoreOptions | None = None,
+    *,
+    stats: ReadStats | None = None,
+) -> Any:
+    """Restores a checkpoint directory as ``options`` asks; placement as in
+    :func:`restore_directory` (``options.fallback_sharding``).
+
+    Example::
+
+        tree = restore_checkpoint(path, RestoreOptions(target=abstract, keys=Keys.PARTIAL))
+    """
+    options = options or RestoreOptions()
+    directory = epath.Path(directory)
+    metadata = _read.read_metadata(directory, stats=stats)
+    stored = _read.locate_in_directory(directory, metadata, stats=stats, io=options.io)
+    saved_sharding = _place.saved_shardings(directory, metadata, options.fallback_sharding)
+    return restore_tree(
+        metadata["schema"], stored, options, stats=stats, saved_sharding=saved_sharding
+    )

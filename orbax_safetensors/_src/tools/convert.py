@@ -24,6 +24,7 @@ from typing import Any
 
 from etils import epath
 
+from orbax_safetensors._src.catalog import completeness as _completeness
 from orbax_safetensors._src.catalog import flax_msgpack as _flax_msgpack
 from orbax_safetensors._src.catalog import sources as _sources
 from orbax_safetensors._src.core import casting as _casting
@@ -83,9 +84,9 @@ def _refuse_incomplete_steps(src: epath.Path, kind: PathKind) -> None:
     if kind is PathKind.ROOT:
         for step in _steps.scan_steps(src):
             if step.committed:
-                _steps.require_complete(step)
+                _completeness.require_complete(step)
     elif (entry := _steps.step_entry(src)) is not None and entry.committed:
-        _steps.require_complete(entry)
+        _completeness.require_complete(entry)
 
 
 def _convert_step(

@@ -18,7 +18,7 @@ from typing import Any
 from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.orbax import v0 as _v0
-from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
+from orbax_safetensors._src.pipeline import read as _read
 from orbax_safetensors._src.tools import terminal as _terminal
 
 DEFAULT_STEPS = 300
@@ -204,7 +204,7 @@ def _report(directory: str) -> None:
     steps = [step for step, _ in _steps.list_steps(directory)]
     print(f"kept steps (max_to_keep=2): {steps}")
     item = os.path.join(directory, str(steps[-1]), "state")
-    meta = _checkpoint_restore.read_metadata(item)
+    meta = _read.read_metadata(item)
     total = sum(os.path.getsize(os.path.join(item, f)) for f in meta["files"])
     print(
         f"latest step's arrays: {item}/{meta['files'][0]} ({len(meta['tensors'])} tensors, {total} bytes)"

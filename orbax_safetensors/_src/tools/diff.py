@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 from etils import epath
 
+from orbax_safetensors._src.catalog import orbax_source as _orbax_source
 from orbax_safetensors._src.catalog import sources as _sources
 from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
@@ -115,7 +116,7 @@ class _Renamed:
 
 def _open(path: epath.Path) -> _sources.TensorSource:
     source = _sources.open_source(path)
-    if isinstance(source, _sources.OrbaxSource):
+    if isinstance(source, _orbax_source.OrbaxSource):
         collapse = _from_orbax.unwrapped_paths(source, None)
         if collapse:
             leaves = {n: _nnx_values.raw_path(kp) for n, (kp, _) in source.leaves.items()}

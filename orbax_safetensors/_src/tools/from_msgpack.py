@@ -16,7 +16,6 @@ from typing import Any
 from etils import epath
 
 from orbax_safetensors._src.catalog import flax_msgpack as _flax_msgpack
-from orbax_safetensors._src.catalog import sources as _sources
 from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import select as _select
@@ -73,7 +72,7 @@ def flax_msgpack_to_safetensors(
         )
     if dst.exists() and (as_file or any(dst.iterdir())):
         raise FileExistsError(f"{dst} already exists; choose a new destination")
-    source = _sources.MsgpackSource(src)  # decoded (and checked) before anything is written
+    source = _flax_msgpack.MsgpackSource(src)  # decoded (and checked) before anything is written
     tree, tensors = source.tree, source.tensors
     if select is not None:
         select.check(_flax_msgpack.flatten(tree), str(src))

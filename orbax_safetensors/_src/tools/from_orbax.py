@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from etils import epath
 
+from orbax_safetensors._src.catalog import orbax_source as _orbax_source
 from orbax_safetensors._src.catalog import sources as _sources
 from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import dtypes as _dtypes
@@ -112,7 +113,7 @@ def orbax_item_to_safetensors(
     )
 
 
-def unwrapped_paths(source: _sources.OrbaxSource, unwrap_values: bool | None) -> set[Any]:
+def unwrapped_paths(source: _orbax_source.OrbaxSource, unwrap_values: bool | None) -> set[Any]:
     """The paths of the ``{"value": x}`` dicts of ``source`` to collapse (``nnx_values``)."""
     leaves = {n: _nnx_values.raw_path(kp) for n, (kp, _) in source.leaves.items()}
     recorded = _nnx_values.recorded_variables(source.path)
@@ -132,13 +133,13 @@ def write_item(
     """Writes the safetensors item ``dst`` (a directory, created) from the Orbax item ``src``
     (:func:`orbax_item_to_safetensors`' arguments); ``dst`` appears partly written on failure,
     so callers write into a temporary directory."""
-    source = _sources.OrbaxSource(src)
+    source = _orbax_source.OrbaxSource(src)
     collapse = unwrapped_paths(source, unwrap_values)
     saved_tree = source.tree
     if select is not None:
         select.check(source.leaves, str(src))
         wanted = {n for n in source.leaves if select.selects(n)}
-        saved_tree = _sources.select_leaves(
+        saved_tree = _orbax_source.select_leaves(
             source.tree, wanted, source.name_of_path(), lambda leaf: leaf
         )
     inline_names = [n for n in source.leaves if n not in source.tensors]
@@ -219,7 +220,7 @@ def write_item(
 
 
 def _safetensors_metadata(
-    source: _sources.OrbaxSource,
+    source: _orbax_source.OrbaxSource,
     tree: Any,
     to_orbax: dict[str, str],
     plan: _plan.CheckpointPlan,

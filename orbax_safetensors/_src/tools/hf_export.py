@@ -1,7 +1,7 @@
 """``orbax-safetensors export``: a checkpoint (or a file, an item, a step) as a Hugging Face
 model directory, through a preset or user key mapping.
 
-``--mapping`` is a preset name (``presets.PRESETS``: ``llama``, ``mistral``, ``qwen2``, ``qwen3``,
+``--mapping`` is a preset name (``osf.hf.PRESETS``: ``llama``, ``mistral``, ``qwen2``, ``qwen3``,
 ``phi3``, ``gemma3``, ``mixtral``, ``qwen2-moe``, ``qwen3-moe``, ``gpt2``, ``tunix-llama3``,
 ``tunix-qwen3``; with a config whose ``tie_word_embeddings`` is true, the preset ties
 ``lm_head`` to the embedding; the Tunix presets take their ``head_dim`` from it; the MaxText
@@ -79,22 +79,26 @@ def _named_mapping(spec: str, hf_config: dict[str, Any] | None) -> KeyMapping:
             raise ValueError(
                 f"--mapping {spec!r}: neither a preset ({', '.join(_presets.PRESETS)}) nor module:attr"
             )
-        # (the config's sizes read through ConfigFacts: an impossible one is a ConfigError)
+        # Each keyword the preset takes that the config gives (its sizes read through
+        # ConfigFacts: an impossible one is a ConfigError).
         facts = _config_facts.ConfigFacts(hf_config or {}, "--hf-config")
-        if spec in _presets.MAXTEXT_PRESETS:
+        takes = inspect.signature(_presets.PRESETS[spec]).parameters
+        kwargs: dict[str, Any] = {}
+        if "hf_config" in takes:
             if hf_config is None:
                 raise ValueError(f"--mapping {spec!r} needs --hf-config (the model's config.json)")
-            return _presets.preset_mapping(spec, hf_config=facts)
-        tie = facts.flag("tie_word_embeddings")
-        if spec not in _presets.TUNIX_PRESETS:
-            return _presets.preset_mapping(spec, tie_word_embeddings=tie)
-        head_dim = facts.head_dim()
-        if head_dim is None:
-            raise ValueError(
-                f"--mapping {spec!r} needs --hf-config with head_dim (or hidden_size and "
-                "num_attention_heads)"
-            )
-        return _presets.preset_mapping(spec, tie_word_embeddings=tie, head_dim=head_dim)
+            kwargs["hf_config"] = facts
+        if "tie_word_embeddings" in takes:  # absent: the preset's default (GPT-2's: tied)
+            tie = takes["tie_word_embeddings"].default
+            kwargs["tie_word_embeddings"] = facts.flag("tie_word_embeddings", tie)
+        if "head_dim" in takes:
+            kwargs["head_dim"] = facts.head_dim()
+            if kwargs["head_dim"] is None:
+                raise ValueError(
+                    f"--mapping {spec!r} needs --hf-config with head_dim (or hidden_size and "
+                    "num_attention_heads)"
+                )
+        return _presets.preset_mapping(spec, **kwargs)
     module_name, _, attr = spec.partition(":")
     added = "" not in sys.path and "." not in sys.path
     if added:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from etils import epath
 
+from orbax_safetensors._src.catalog import completeness as _completeness
 from orbax_safetensors._src.catalog import flax_msgpack as _flax_msgpack
 from orbax_safetensors._src.catalog import listing as _listing
 from orbax_safetensors._src.core import select as _select
@@ -134,7 +135,7 @@ def _root_step(step: _steps.StepDir, keep: _Filter = _ALL) -> dict[str, Any]:
         "problem": None,
         "missing": [],
     }
-    missing = _steps.missing_entries(step)
+    missing = _completeness.missing_entries(step)
     if missing:
         entry["status"] = "incomplete"
         entry["problem"] = f"missing {', '.join(missing)}"
@@ -163,7 +164,9 @@ def _root_report(path: epath.Path, keep: _Filter = _ALL) -> dict[str, Any]:
     warnings = []
     for s in steps:
         if s["status"] == "incomplete":
-            warnings.append(_steps.incomplete_warning(s["step"], s["path"], s["missing"], latest))
+            warnings.append(
+                _completeness.incomplete_warning(s["step"], s["path"], s["missing"], latest)
+            )
         elif s["status"] == "unreadable":
             warnings.append(f"step {s['step']} cannot be read: {s['problem']}")
     return {
@@ -213,7 +216,7 @@ def inspect_path(
 def _report(path: epath.Path, keep: _Filter) -> dict[str, Any]:
     entry = _steps.step_entry(path)
     if entry is not None and entry.committed:
-        missing = _steps.missing_entries(entry)
+        missing = _completeness.missing_entries(entry)
         if missing:  # a step Orbax lists whose files are partly gone: say so, read nothing
             return _incomplete_step_report(path, missing)
     kind = _steps.classify(path)

@@ -25,10 +25,9 @@ from orbax_safetensors._src.core import schema as _schema
 from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
-from orbax_safetensors._src.orbax import restoring as _restoring
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.orbax.steps import PathKind
-from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
+from orbax_safetensors._src.pipeline import read as _read
 from orbax_safetensors._src.pipeline import standalone as _standalone
 from orbax_safetensors._src.storage import router as _router
 from orbax_safetensors._src.tools import convert_output as _output
@@ -91,14 +90,14 @@ def _restore_safetensors(
         # A checkpoint saved on devices this machine lacks (e.g. by a multi-host job) is
         # converted from this process's first device; Orbax then records that sharding.
         first = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        tree = _restoring.restore_directory(
+        tree = _standalone.restore_directory(
             src, fallback_sharding=first, include=include, exclude=exclude
         )
-        schema = _checkpoint_restore.read_metadata(src)["schema"]
+        schema = _read.read_metadata(src)["schema"]
         return tree, _pruned(schema, select), n, size
     if kind is PathKind.FILE:
-        schema, _ = _standalone.file_index(src, _router.read_header(src))
-        tree = _restoring.load_file(src, include=include, exclude=exclude)
+        schema, _ = _read.file_index(src, _router.read_header(src))
+        tree = _standalone.load_file(src, include=include, exclude=exclude)
         return tree, _pruned(schema, select), n, size
     if kind is PathKind.SAFETENSORS_DIR:
         if select is not None:

@@ -13,7 +13,7 @@ In a root, the steps checked are exactly those Orbax lists (``mngr.all_steps()``
 :func:`orbax_safetensors._src.orbax.steps.scan_steps` decides: uncommitted steps (Orbax's
 ``*.orbax-checkpoint-tmp*`` directories, and commit-file steps without ``commit_success.txt``)
 are skipped and listed in ``skipped``, never checked as complete. A committed step that lacks
-what restoring it needs (:func:`orbax_safetensors._src.orbax.steps.missing_entries`: its
+what restoring it needs (:func:`orbax_safetensors._src.catalog.completeness.missing_entries`: its
 ``_CHECKPOINT_METADATA``, an item, a metadata or data file of an item, ours or Orbax's) is
 listed in ``incomplete`` and is a problem like any other damage: Orbax lists it but cannot
 restore it, so ``ok`` is False (the command line exits with status 1). Every other step is
@@ -41,6 +41,7 @@ from typing import Any
 import jax
 from etils import epath
 
+from orbax_safetensors._src.catalog import completeness as _completeness
 from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import header as _header
@@ -56,10 +57,9 @@ from orbax_safetensors._src.core.errors import (
 )
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.orbax.steps import PathKind
-from orbax_safetensors._src.pipeline import checkpoint_restore as _checkpoint_restore
-from orbax_safetensors._src.pipeline import standalone as _standalone
-from orbax_safetensors._src.pipeline.reader import StoredTensor
-from orbax_safetensors._src.pipeline.tree_restore import wrap_key
+from orbax_safetensors._src.pipeline import read as _read
+from orbax_safetensors._src.pipeline.place import wrap_key
+from orbax_safetensors._src.pipeline.read import StoredTensor
 from orbax_safetensors._src.storage import buffers as _buffers
 from orbax_safetensors._src.storage import confine as _confine
 from orbax_safetensors._src.storage import router as _router
@@ -233,7 +233,7 @@ class _Checker:
         for s in sorted(committed, key=lambda s: s.step):
             if s.path in self.missing:
                 self.report.warnings.append(
-                    _steps.incomplete_warning(s.step, s.path, self.missing[s.path], latest)
+                    _completeness.incomplete_warning(s.step, s.path, self.missing[s.path], latest)
                 )
         return found
 
@@ -241,11 +241,11 @@ class _Checker:
         """A committed step (``listed``: its entry in its root, where known): its items (or
         the step itself, when it is an item), after checking that no part of it is missing.
         False if it holds nothing of ours."""
-        missing = _steps.missing_entries(listed or path)
+        missing = _completeness.missing_entries(listed or path)
         if missing:
             self.missing[path] = missing
             self.report.incomplete.append(str(path))
-            self.report._problem(_steps.incomplete_problem(path, missing))
+            self.report._problem(_completeness.incomplete_problem(path, missing))
             return True
         if (path / _metadata.METADATA_FILE).exists():
             self.item(path)
@@ -264,7 +264,7 @@ class _Checker:
         if header is None:
             return
         try:
-            schema, stored = _standalone.file_index(path, header)
+            schema, stored = _read.file_index(path, header)
         except SafetensorsCheckpointError as e:
             self.report._problem(str(e))
             return
@@ -293,7 +293,7 @@ class _Checker:
         metadata and checksums); a file the metadata does not list is checked on its own.
         """
         try:
-            metadata = _checkpoint_restore.read_metadata(directory)
+            metadata = _read.read_metadata(directory)
         except _READ_ERRORS as e:
             self.report._problem(_message(e, directory))
             return
@@ -312,9 +312,7 @@ class _Checker:
             elif (header := self._header(directory / filename)) is not None:
                 headers[filename] = header
         try:
-            stored = _checkpoint_restore.locate_in_directory(
-                directory, metadata, check_headers=True
-            )
+            stored = _read.locate_in_directory(directory, metadata, check_headers=True)
         except _READ_ERRORS as e:
             self.report._problem(_message(e, directory))
             return

@@ -130,7 +130,7 @@ result["export_bytes"] = report.bytes_written
 sync = ocp.CheckpointManagerOptions(enable_async_checkpointing=False)  # a direct save
 with ocp.CheckpointManager(Path(ctx.args["root"]) / "reshaped", options=sync) as mngr:
     item = V.reshape_item(last, mesh)
-    mngr.save(0, args=osf.SafetensorsSave(item, mapping=V.RESHAPE_MAPPING))
+    mngr.save(0, args=osf.SafetensorsSave(item, mapping=V.RESHAPE_MAPPING, snapshot=False))
     mngr.wait_until_finished()
 
 worker_lib.emit_result(result)

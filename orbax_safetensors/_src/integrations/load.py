@@ -1,0 +1,543 @@
+"""PyTorch / Hugging Face checkpoints into any JAX target through a :class:`KeyMapping`: an
+NNX module's variables, a pytree of arrays, or an abstract pytree of ``jax.ShapeDtypeStruct``
+s with shardings (:func:`load_pytorch`), and the tree a checkpoint implies
+(:func:`abstract_pytorch`).
+
+Each target leaf says what it wants (shape, dtype, sharding, or numpy). Every problem (keys no
+rule maps, targets nothing fills, shapes that do not fit) is found before a byte is read. Then,
+a batch of links at a time, a target sharded over several devices is read as PyTorch tensors
+sharded alike (the target's partition spec pulled back through the rule), each process
+reading the byte ranges of its own shards, and the rule runs on device; any other target is
+read whole to host, transformed in numpy and placed.
+
+Example::
+
+    params = load_pytorch(None, "hf_dir", mapping)   # {"layers": {0: {"mlp": ...}}}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from etils import epath
+
+from orbax_safetensors._src.catalog import sources as _sources
+from orbax_safetensors._src.core import dtypes as _dtypes
+from orbax_safetensors._src.core.errors import TargetMismatchError
+from orbax_safetensors._src.integrations import flax_tables as _flax_tables
+from orbax_safetensors._src.integrations import links as _links
+from orbax_safetensors._src.integrations.key_mapping import (
+    IDENTITY,
+    Chain,
+    KeyMapping,
+    MappingReport,
+    Reshape,
+    SplitHeads,
+    Transpose,
+)
+from orbax_safetensors._src.pipeline import read as _read
+from orbax_safetensors._src.storage import config as _config
+
+__all__ = ["abstract_pytorch", "load_pytorch"]
+
+
+def load_pytorch(
+    target: Any,
+    path: epath.PathLike,
+    mapping: KeyMapping,
+    *,
+    strict: bool = True,
+    variables: Any = None,
+    prefix: str = "",
+    with_report: bool = False,
+    batch_bytes: int = _sources.DEFAULT_BATCH_BYTES,
+) -> Any:
+    """Loads a PyTorch / Hugging Face safetensors checkpoint through ``mapping`` into an NNX
+    model (in place) or into any pytree (returned).
+
+    Args:
+      target: an NNX module, its ``variables`` filled in place; a pytree (dicts, Linen
+        ``params``, ``nnx.State``...) of arrays, numpy arrays or ``jax.ShapeDtypeStruct`` s,
+        named by their key paths joined with ``.``, each leaf filled in its own dtype and
+        sharding (a sharded leaf is read sharded: each process reads its own shards); or
+        None: the tree :func:`abstract_pytorch` gives, filled on the default device.
+      path: a ``.safetensors`` file, a Hugging Face directory (with or without
+        ``model.safetensors.index.json``), that index file, or an item this library wrote.
+      mapping: how PyTorch keys become the target's names (stacked and fused tensors
+        joined; a tied key the files lack reads the key it is tied to).
+      strict: raise if any key is unmapped, unexpected, missing or mis-shaped, before
+        anything is read; with ``strict=False``, load what fits and report the rest.
+      variables: with a module, the ``nnx`` filter of the variables to fill (default
+        ``(nnx.Param, nnx.BatchStat)``).
+      prefix: fill only target names starting with it, matched without it (``"params."``).
+      with_report: with a pytree, return ``(tree, report)``.
+      batch_bytes: tensor bytes read at a time.
+
+    Returns:
+      With a module, a :class:`MappingReport`; else the filled tree (and the report with
+      ``with_report``).
+
+    Raises:
+      TargetMismatchError: with ``strict``, listing every problem at once.
+
+    Example::
+
+        report = osf.load_pytorch(model, "pytorch_model.safetensors", mapping)
+        params = osf.load_pytorch(abstract_params, "hf_dir", mapping, prefix="params.")
+        params = osf.load_pytorch(None, "hf_dir", mapping)   # {"layers": {0: ...}}
+    """
+    from flax import nnx
+
+    source = _sources.open_source(_source_path(path))
+    options = LoadOptions(strict=strict, batch_bytes=batch_bytes, where=str(path))
+    if target is None:  # the tree the directory and the mapping imply
+        targets = derived_targets(source.tensors, mapping)
+        values, report = load_flat(source, targets, mapping, options)
+        tree = nested({prefix + n: v for n, v in values.items()})
+        return (tree, report) if with_report else tree
+    module = target if isinstance(target, nnx.Module) else None
+    if module is not None:
+        filt = (nnx.Param, nnx.BatchStat) if variables is None else variables
+        target = nnx.state(module, filt)
+    tree, report = load_tree(target, source, mapping, options, prefix=prefix)
+    if module is not None:
+        nnx.update(module, tree)
+        return report
+    return (tree, report) if with_report else tree
+
+
+def abstract_pytorch(
+    path: epath.PathLike,
+    mapping: KeyMapping,
+    *,
+    strict: bool = True,
+    prefix: str = "",
+    with_report: bool = False,
+) -> Any:
+    """The abstract tree a PyTorch / Hugging Face checkpoint and ``mapping`` imply, from the
+    files' headers alone: what ``load_pytorch(None, path, mapping)`` fills. Each tensor the
+    rules make is a ``jax.ShapeDtypeStruct`` of the stored dtype, in nested dicts of its
+    dotted name (with ``prefix`` in front; decimal keys as ``int`` s, as ``nnx.state`` keys
+    a list, so that ``nnx.update(model, tree)`` takes the filled tree). Give its leaves
+    shardings and pass it to :func:`load_pytorch` to read the checkpoint sharded.
+
+    Args:
+      path: as :func:`load_pytorch` takes it.
+      mapping: as :func:`load_pytorch` takes it.
+      strict: raise if a key is unmapped or a stacked or fused group is incomplete or does
+        not fit; with ``strict=False``, leave them out and report.
+      prefix: put in front of every name (e.g. ``"params."``).
+      with_report: return ``(tree, report)``.
+
+    Raises:
+      TargetMismatchError: with ``strict``, listing every problem at once.
+
+    Example::
+
+        abstract = osf.abstract_pytorch("hf_dir", mapping)
+        sharded = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                                              sharding=sharding), abstract)
+        params = osf.load_pytorch(sharded, "hf_dir", mapping)
+    """
+    source = _sources.open_source(_source_path(path))
+    targets = derived_targets(source.tensors, mapping)
+    _, report = plan_links(dict(source.tensors), targets, mapping)
+    if strict and not report.ok:
+        raise TargetMismatchError(
+            f"{path}: the checkpoint does not fit this mapping\n" + report.problems()
+        )
+    tree = nested({prefix + n: jax.ShapeDtypeStruct(t.shape, t.dtype) for n, t in targets.items()})
+    return (tree, report) if with_report else tree
+
+
+def _source_path(path: epath.PathLike) -> epath.Path:
+    # A Hugging Face index file names its directory.
+    path = epath.Path(path)
+    if path.name.endswith(".index.json") and not path.is_dir():
+        return path.parent
+    return path
+
+
+# --------------------------------------------------------------------------- loading
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What one target leaf wants: its shape and dtype, and where it goes: a numpy array
+    (``numpy``), else a ``jax.Array`` over ``sharding`` (None: the default device)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    sharding: Any = None
+    numpy: bool = False
+
+    @classmethod
+    def of(cls, leaf: Any) -> Target | None:
+        """The target a leaf describes (an array, a ``jax.ShapeDtypeStruct``, a numpy array),
+        or None for a leaf that is no tensor (left as it is)."""
+        if isinstance(leaf, (np.ndarray, np.generic)):
+            return cls(tuple(leaf.shape), np.dtype(leaf.dtype), None, True)
+        if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
+            if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+                return None  # typed PRNG keys are training state, never model weights
+            sharding = getattr(leaf, "sharding", None)
+            return cls(tuple(int(d) for d in leaf.shape), np.dtype(leaf.dtype), sharding)
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadOptions:
+    """How a load reads: ``strict`` raises on any mapping problem (else the report lists it);
+    ``batch_bytes`` of tensors held at a time; ``where`` names the source in errors;
+    ``verify``, ``io`` and ``stats`` go to the pipeline's reader."""
+
+    strict: bool = True
+    batch_bytes: int = _sources.DEFAULT_BATCH_BYTES
+    where: str = ""
+    verify: bool = True
+    io: _config.IOOptions | None = None
+    stats: _read.ReadStats | None = None
+
+
+def load_tree(
+    tree: Any,
+    source: Any,
+    mapping: KeyMapping,
+    options: LoadOptions | None = None,
+    *,
+    prefix: str = "",
+) -> tuple[Any, MappingReport]:
+    """``tree`` with its tensor leaves read from ``source`` through ``mapping`` (see
+    :func:`load_flat`), and the report. Leaves are named by their key paths joined with ``.``
+    (NNX variables by their value, kept as variables); with ``prefix`` only names starting
+    with it are filled, matched without it. Other leaves (and, with ``strict=False``, tensors
+    nothing fills) come back as given."""
+    flat, treedef = _flax_tables.tree_leaves(tree)
+    targets: dict[str, Target] = {}
+    positions: dict[str, int] = {}
+    for i, (name, _, value) in enumerate(flat):
+        target = Target.of(value) if name.startswith(prefix) else None
+        if target is not None:
+            targets[name[len(prefix) :]] = target
+            positions[name[len(prefix) :]] = i
+    values, report = load_flat(source, targets, mapping, options)
+    leaves = [leaf for _, leaf, _ in flat]
+    for name, value in values.items():
+        _, leaf, held = flat[positions[name]]
+        variable = leaf is not held  # (an nnx.Variable holds its value: kept as a variable)
+        leaves[positions[name]] = leaf.replace(value) if variable else value
+    return jax.tree_util.tree_unflatten(treedef, leaves), report
+
+
+def load_flat(
+    source: Any,
+    targets: Mapping[str, Target],
+    mapping: KeyMapping,
+    options: LoadOptions | None = None,
+) -> tuple[dict[str, Any], MappingReport]:
+    """The values of ``targets`` (by Flax name) read from ``source`` (a ``TensorSource``)
+    through ``mapping``, a batch of links at a time, and the report.
+
+    Raises:
+      TargetMismatchError: with ``strict``, listing every problem at once, before any read.
+    """
+    options = options or LoadOptions()
+    tensors, alias = _with_tied(source.tensors, mapping, targets)
+    moves, report = plan_links(tensors, targets, mapping)
+    if options.strict and not report.ok:
+        raise TargetMismatchError(
+            f"{options.where or source.path}: the checkpoint does not fit the target through this "
+            "mapping:\n" + report.problems()
+        )
+    reads = _Reads(source, alias, options)
+    values: dict[str, Any] = {}
+    sharded = isinstance(source, _sources.SafetensorsSource)
+    for group in _links.link_batches(
+        moves, lambda k: tensors[k].nbytes, options.batch_bytes, torch_side=True
+    ):
+        on_host = [
+            not (sharded and _device_path(link, [targets[n] for n in link.flax])) for link in group
+        ]
+        arrays = reads.host(sorted({k for link, h in zip(group, on_host) if h for k in link.torch}))
+        for link, host in zip(group, on_host):
+            wants = [targets[n] for n in link.flax]
+            if host:
+                outs = link.to_flax([arrays[k] for k in link.torch])
+                for name, value, want in zip(link.flax, outs, wants):
+                    values[name] = _place(value, want)
+            else:
+                shapes = [tensors[k].shape for k in link.torch]
+                read = reads.sharded(list(link.torch), _torch_shardings(link, wants, shapes))
+                values.update(zip(link.flax, _run_on_device(link, wants, read)))
+            report.moved += link.pairs()
+        del arrays
+    return values, report
+
+
+def derived_targets(
+    tensors: Mapping[str, _sources.TensorInfo], mapping: KeyMapping
+) -> dict[str, Target]:
+    """The targets ``tensors`` (by PyTorch key) and ``mapping`` imply: each Flax tensor a link
+    makes, of the link's shape and the stored dtype (promoted across the link), on the
+    default device; names the mapping ignores and links that do not fit left out."""
+    links, _ = _links.load_links(mapping, {k: t.shape for k, t in tensors.items()})
+    targets: dict[str, Target] = {}
+    for link in links:
+        infos = [tensors[k] for k in link.torch]
+        dtype = np.result_type(*(_dtypes.to_numpy(t.dtype) for t in infos))
+        try:
+            shapes = link.flax_shapes([t.shape for t in infos], dtype)
+        except ValueError:
+            continue
+        for name, shape in zip(link.flax, shapes):
+            if not mapping.flax_ignored(name):
+                targets.setdefault(name, Target(tuple(shape), np.dtype(dtype)))
+    return targets
+
+
+def nested(flat: Mapping[str, Any]) -> dict[Any, Any]:
+    """The nested dicts of dotted names ``flat``: ``{"a.0.b": x}`` -> ``{"a": {0: {"b": x}}}``
+    (a dict whose keys are all decimal has ``int`` keys, as ``nnx.state`` keys a list).
+
+    Raises:
+      ValueError: a name that is also the prefix of another (``a`` and ``a.b``).
+    """
+    tree: dict[str, Any] = {}
+    for name, value in flat.items():
+        node = tree
+        *parents, last = name.split(".")
+        for i, part in enumerate(parents):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ValueError(f"{'.'.join(parents[: i + 1])} is a tensor and holds {name}")
+            node = child
+        if last in node:
+            raise ValueError(f"{name} is a tensor and holds {sorted(node[last])[0]!r}")
+        node[last] = value
+
+    def keyed(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        numbers = all(k.isdecimal() and str(int(k)) == k for k in node)
+        return {(int(k) if numbers else k): keyed(v) for k, v in node.items()}
+
+    return keyed(tree)
+
+
+# --------------------------------------------------------------------------- planning
+
+
+def _with_tied(
+    tensors: dict[str, _sources.TensorInfo], mapping: KeyMapping, targets: Mapping[str, Any]
+) -> tuple[dict[str, _sources.TensorInfo], dict[str, str]]:
+    # A tied key the file lacks reads the key it is tied to, when the target has its variable.
+    table, alias = dict(tensors), {}
+    for key, source in mapping.tied:
+        target = mapping.to_flax(key)
+        if key in table or source not in table or target is None or target[0] not in targets:
+            continue
+        table[key] = dataclasses.replace(table[source], name=key)
+        alias[key] = source
+    return table, alias
+
+
+def plan_links(
+    tensors: dict[str, _sources.TensorInfo],
+    targets: Mapping[str, Target],
+    mapping: KeyMapping,
+) -> tuple[list[_links.Link], MappingReport]:
+    """The links filling ``targets`` from ``tensors``, and the report of every problem: keys
+    no rule maps, names the target lacks, names two keys fill, shapes that do not fit,
+    targets nothing fills."""
+    links, report = _links.load_links(mapping, {k: t.shape for k, t in tensors.items()})
+    moves: list[_links.Link] = []
+    claimed: dict[str, str] = {}
+    for link in links:
+        key = link.torch[0]
+        infos = [tensors[k] for k in link.torch]
+        described = f"{key} {infos[0].dtype}{list(infos[0].shape)}"
+        try:  # (a transform the stored tensors contradict: a config's head_dim or vocabulary)
+            dtype = _dtypes.to_numpy(infos[0].dtype)
+            got, refused = link.flax_shapes([t.shape for t in infos], dtype), None
+        except ValueError as e:
+            got, refused = [], f"{described} -> {', '.join(link.flax)}: {e}"
+        absent = [n for n in link.flax if n not in targets]
+        if absent:  # (a target derived from the files leaves refused links out)
+            if refused is not None:
+                report.mismatched.append(refused)
+            else:
+                report.unexpected += [f"{key} -> {n}" for n in absent]
+            continue
+        taken = [n for n in link.flax if n in claimed]
+        if taken:
+            report.mismatched += [f"{key} and {claimed[n]} both map to {n}" for n in taken]
+            continue
+        claimed.update(dict.fromkeys(link.flax, key))
+        want = [targets[n].shape for n in link.flax]
+        if refused is not None:
+            report.mismatched.append(refused)
+        elif got != want:
+            report.mismatched.append(
+                f"{described} becomes {', '.join(str(list(g)) for g in got)} but "
+                f"{', '.join(link.flax)} is {', '.join(str(list(w)) for w in want)}"
+            )
+        else:
+            moves.append(link)
+    report.missing = [n for n in targets if n not in claimed and not mapping.flax_ignored(n)]
+    return moves, report
+
+
+# --------------------------------------------------------------------------- shardings
+
+
+def _pull_spec(transform: Any, spec: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """The partition spec of a tensor whose ``transform.to_flax`` has partition ``spec``, or
+    None when the transform moves elements across axes (a reshape: read replicated)."""
+    if transform is IDENTITY or transform is None:
+        return spec
+    if isinstance(transform, Transpose):
+        axes = transform.axes if transform.axes is not None else tuple(reversed(range(len(spec))))
+        if len(axes) != len(spec):
+            return None
+        out: list[Any] = [None] * len(spec)
+        for j, a in enumerate(axes):
+            out[a] = spec[j]
+        return tuple(out)
+    if isinstance(transform, Chain):
+        for t in reversed(transform.transforms):
+            pulled = _pull_spec(t, spec)
+            if pulled is None:
+                return None
+            spec = pulled
+        return spec
+    return None
+
+
+def _on_device(transform: Any) -> bool:
+    # Transforms known to run on jax arrays under jit (array methods only).
+    if isinstance(transform, Chain):
+        return all(_on_device(t) for t in transform.transforms)
+    return transform is IDENTITY or isinstance(transform, (Transpose, SplitHeads, Reshape))
+
+
+def _spec(sharding: jax.sharding.NamedSharding, ndim: int) -> tuple[Any, ...]:
+    spec = tuple(sharding.spec)
+    return spec + (None,) * (ndim - len(spec))
+
+
+def _fits(mesh: Any, spec: tuple[Any, ...], shape: tuple[int, ...]) -> tuple[Any, ...]:
+    # Axes that do not divide evenly are read unsharded.
+    out = []
+    for entry, n in zip(spec, shape):
+        names = entry if isinstance(entry, tuple) else (entry,)
+        size = int(np.prod([mesh.shape[a] for a in names if a is not None]))
+        out.append(entry if n % size == 0 else None)
+    return tuple(out)
+
+
+def _torch_shardings(
+    link: _links.Link, targets: Sequence[Target], shapes: Sequence[tuple[int, ...]]
+) -> list[Any]:
+    # The sharding each PyTorch tensor of ``link`` is read with: the first target's partition
+    # spec without its stacked axes (a slot's), pulled back through the rule's transform,
+    # unsharded where the PyTorch tensor stacks.
+    first = targets[0].sharding
+    mesh = first.mesh
+    ndim = len(targets[0].shape)
+    spec = _spec(first, ndim)
+    spec = tuple(spec[a] for a in link.flax_gather.slot_axes(ndim))
+    pulled = _pull_spec(link.rule.transform_or_identity, spec)
+    out = []
+    for shape in shapes:
+        entries: tuple[Any, ...] = ()
+        if pulled is not None and len(pulled) + len(link.torch_gather.stacks) == len(shape):
+            stacked = set(link.torch_gather.stack_axes(len(shape)))
+            slot = iter(pulled)
+            entries = tuple(None if a in stacked else next(slot) for a in range(len(shape)))
+            entries = _fits(mesh, entries, shape)
+        out.append(jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*entries)))
+    return out
+
+
+def _device_path(link: _links.Link, targets: Sequence[Target]) -> bool:
+    shardings = [t.sharding for t in targets]
+    return (
+        all(not t.numpy for t in targets)
+        and all(isinstance(s, jax.sharding.NamedSharding) for s in shardings)
+        and len({id(s.mesh) for s in shardings}) == 1
+        and len(shardings[0].device_set) > 1
+        and _on_device(link.rule.transform_or_identity)
+    )
+
+
+# --------------------------------------------------------------------------- reading
+
+
+@dataclasses.dataclass
+class _Reads:
+    """How a load reads its source (a tied key as the key it is tied to): ranged, and sharded
+    where asked, from safetensors files; through ``source.read`` from any other source."""
+
+    source: Any
+    alias: dict[str, str]
+    options: LoadOptions
+
+    def host(self, keys: Sequence[str]) -> dict[str, np.ndarray]:
+        if not isinstance(self.source, _sources.SafetensorsSource):  # Orbax, Flax msgpack
+            got = self.source.read(sorted({self.alias.get(k, k) for k in keys}))
+            return {k: got[self.alias.get(k, k)] for k in keys}
+        return dict(zip(keys, self.sharded(keys, [None] * len(keys))))
+
+    def sharded(self, keys: Sequence[str], shardings: Sequence[Any]) -> list[Any]:
+        # (a sharding of None: a host numpy array)
+        stored = self.source.stored
+        requests = [
+            _read.ReadRequest(
+                stored[self.alias.get(k, k)],
+                _read.ReadKind.NUMPY if s is None else _read.ReadKind.JAX,
+                s,
+                verify=self.options.verify,
+            )
+            for k, s in zip(keys, shardings)
+        ]
+        return _read.read_tensors(requests, self.options.stats, self.options.io)
+
+
+def _place(value: np.ndarray, target: Target) -> Any:
+    value = np.asarray(value)
+    if value.dtype != target.dtype:
+        value = value.astype(target.dtype)
+    if target.numpy:
+        return value
+    if target.sharding is None:
+        return jax.device_put(value)
+    return jax.make_array_from_callback(target.shape, target.sharding, lambda i: value[i])
+
+
+def _run_on_device(link: _links.Link, targets: Sequence[Target], arrays: Sequence[Any]) -> Any:
+    dtypes = tuple(t.dtype for t in targets)
+    shardings = tuple(t.sharding for t in targets)
+    try:
+        fn = _jitted(link.anonymous(), dtypes, shardings)
+    except TypeError:  # a rule holding an unhashable transform: compiled for this link alone
+        fn = _jitted.__wrapped__(link.anonymous(), dtypes, shardings)
+    return fn(*arrays)
+
+
+@functools.lru_cache(maxsize=256)
+def _jitted(link: _links.Link, dtypes: tuple[np.dtype, ...], shardings: tuple[Any, ...]) -> Any:
+    # One compiled function per anonymous link (rule, counts, tensor counts: not its names)
+    # and target layout, shared by every link of that layout (the layers of a model that is
+    # not scanned).
+    import jax.numpy as jnp
+
+    def apply(*xs: Any) -> tuple[Any, ...]:
+        outs = link.to_flax(list(xs), xp=jnp)
+        return tuple(o.astype(d) for o, d in zip(outs, dtypes))
+
+    return jax.jit(apply, out_shardings=shardings)
