@@ -620,16 +620,13 @@ class KeyMapping:
                 return key, rule.transform_or_identity
         return None
 
-    # The mapping protocol of SafetensorsSave(mapping=) and SafetensorsRestore(mapping=): the
-    # Orbax layer calls these methods, whose work is the export's and the load's (imported
-    # when called: they build on this module).
+    # The mapping protocol of SafetensorsSave(mapping=) / SafetensorsRestore(mapping=): the
+    # work is the export's and the load's, which build on this module (imported when called).
 
     def export_plan(
         self, validated: Any, dtype: Any, hf_config: Any, *, generation_config: Any = None
     ) -> Any:
-        """The tensors and files ``SafetensorsSave(item, mapping=self)`` writes instead of
-        the item's (raises naming every name that does not fit, before Orbax creates the
-        step)."""
+        """What ``SafetensorsSave(item, mapping=self)`` writes instead of the item's."""
         from orbax_safetensors._src.integrations import export
 
         return export.export_plan(
@@ -637,8 +634,7 @@ class KeyMapping:
         )
 
     def restore(self, directory: Any, target: Any, **options: Any) -> Any:
-        """``target`` filled from the item ``SafetensorsSave(mapping=self)`` wrote in
-        ``directory`` (options: ``strict``, ``verify``, ``io``, ``stats``)."""
+        """``target`` filled from the item ``SafetensorsSave(mapping=self)`` wrote."""
         from orbax_safetensors._src.integrations import export
 
         return export.restore_item(directory, target, self, **options)
