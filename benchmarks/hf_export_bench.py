@@ -430,14 +430,14 @@ def transform_seconds(size: int, threads: int = 1) -> float:
     import ml_dtypes
     import numpy as np
 
-    from orbax_safetensors._src.core import astype as _astype
+    from orbax_safetensors._src.core import casting as _casting
 
     rng = np.random.default_rng(0)
     flat = {n: rng.random(s, dtype=np.float32) for n, s in shapes(size).items()}
 
     def one(item: tuple[str, Any]) -> None:
         n, v = item
-        _astype.astype(v.T if n.endswith(".kernel") else v, ml_dtypes.bfloat16)
+        _casting.astype(v.T if n.endswith(".kernel") else v, ml_dtypes.bfloat16)
 
     times = []
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:

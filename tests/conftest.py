@@ -21,6 +21,12 @@ os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 if ON_ACCELERATOR:
     import jax  # (JAX reads JAX_PLATFORMS once, at import: the accelerator here)
 
+    if jax.default_backend() == "cpu":  # (a CPU-only JAX first on the path: say so, not pass)
+        raise RuntimeError(
+            "OSF_TEST_PLATFORM=accelerator, but JAX finds no accelerator: "
+            f"{jax.devices()} ({jax.__file__})"
+        )
+
     # Processes the tests start (saves killed mid-write, fresh interpreters) run on CPU: one
     # process at a time may hold a TPU, and this one does. Their stderr stays clean of the TPU
     # runtime's advice on transparent huge pages, which tests of clean output would see.

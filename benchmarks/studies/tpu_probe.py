@@ -296,7 +296,7 @@ def save_case(state: Any, base: Path, rec: Recorder, reps: int) -> None:
 def _no_fresh_mmaps() -> bool:
     """``mallopt(M_MMAP_MAX, 0)`` and ``mallopt(M_TRIM_THRESHOLD, 1 << 40)`` where glibc
     has them; whether both took."""
-    from orbax_safetensors._src.storage.local import libc_function
+    from orbax_safetensors._src.storage.direct import libc_function
 
     mallopt = libc_function("mallopt", [ctypes.c_int, ctypes.c_int])
     if mallopt is None:

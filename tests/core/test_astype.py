@@ -11,41 +11,13 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from jax_casts import EDGES as _EDGES
 from jax_casts import OLD_JAX as _OLD_JAX
+from jax_casts import bits, jax_dtypes, x64
 from jax_casts import small_float as _small_float
-from jax_casts import x64
 
-from orbax_safetensors._src.core import astype as _astype
+from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import dtypes as _dtypes
-
-
-@functools.cache
-def jax_dtypes() -> list[np.dtype]:
-    """The safetensors dtypes JAX itself can hold (not float6 on any release yet)."""
-    out = []
-    for name in _dtypes.SAFETENSORS_DTYPES:
-        dt = _dtypes.to_numpy(name)
-        try:
-            np.asarray(jnp.zeros(2, dt).astype(jnp.float32))
-        except Exception:
-            continue
-        out.append(dt)
-    return out
-
-
-def bits(a: np.ndarray) -> np.ndarray:
-    a = np.ascontiguousarray(a)
-    return a.view(f"u{a.dtype.itemsize}") if a.dtype.itemsize in (1, 2, 4, 8) else a.view("u1")
-
-
-_EDGES = [
-    0.0, -0.0, 0.5, -0.5, 1.0, -1.0, 1.5, 2.5, -2.5, 3.5, 127.5, -128.5, 255.5, 300.0, -300.0,
-    32767.5, 65535.5, 65504.0, 65519.0, 65520.0, 2.0**31 - 64, 2.0**31, -(2.0**31),
-    4294967295.5, 2.0**32, 2.0**53 + 2, 2.0**63, -(2.0**63), 2.0**64, 1e10, -1e10, 3e38,
-    -3e38, 1e300, -1e300, 1 / 3, 2 / 3, 1e-8, 1e-40, -1e-40, 1e-45, 5e-324, 2.0**-126,
-    2.0**-127, 448.0, 464.0, 57344.0, 61440.0, 240.0, 6.0, 7.0, np.nan, -np.nan, np.inf,
-    -np.inf,
-]  # fmt: skip
 
 
 def sources(dt: np.dtype, rng: np.random.Generator) -> np.ndarray:
@@ -115,7 +87,7 @@ def test_cast_equals_jax_bit_for_bit(src, dst):
         pytest.skip(f"jax {jax.__version__} converts float8/float4 differently (see docs/api.md)")
     x, want_by_dst = reference(src)
     want = want_by_dst[dst]
-    got = _astype.astype(x, dst)
+    got = _casting.astype(x, dst)
     bad = np.flatnonzero(bits(got).reshape(x.size, -1) != bits(want).reshape(x.size, -1))
     old_bf16 = _OLD_JAX and (src, dst) == (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
     if old_bf16 or (src, dst) == (np.dtype(np.float64), np.dtype(np.float16)):
@@ -142,14 +114,14 @@ def test_cast_equals_jax_bit_for_bit(src, dst):
         np.resize(x, (5, 7, 300)).transpose(2, 0, 1),
     ):
         np.testing.assert_array_equal(
-            bits(_astype.astype(view, dst)), bits(_astype.astype(np.ascontiguousarray(view), dst))
+            bits(_casting.astype(view, dst)), bits(_casting.astype(np.ascontiguousarray(view), dst))
         )
 
 
 def test_issue_example():
     x = np.array([300, -1, np.nan, np.inf, 255.5, 1e10], np.float32)
-    assert _astype.astype(x, np.int8).tolist() == [127, -1, 0, 127, 127, 127]
-    assert _astype.astype(np.array([np.nan]), np.int32).tolist() == [0]
+    assert _casting.astype(x, np.int8).tolist() == [127, -1, 0, 127, 127, 127]
+    assert _casting.astype(np.array([np.nan]), np.int32).tolist() == [0]
 
 
 def test_strided_and_chunked_input():
@@ -159,16 +131,16 @@ def test_strided_and_chunked_input():
     with x64():
         want = np.asarray(jnp.asarray(view).astype(jnp.int8))
         want_bf16 = np.asarray(jnp.asarray(view).astype("bfloat16"))
-    np.testing.assert_array_equal(_astype.astype(view, np.int8), want)
+    np.testing.assert_array_equal(_casting.astype(view, np.int8), want)
     out = np.empty(view.shape, ml_dtypes.bfloat16)
-    _astype.cast_into(out, view)
+    _casting.cast_into(out, view)
     np.testing.assert_array_equal(bits(out), bits(want_bf16))
 
 
 def test_a_strided_copy_in_the_same_dtype_is_exact():
     x = np.arange(3 * 300 * 200, dtype=np.float32).reshape(3, 300, 200)
     for view in (x.transpose(0, 2, 1), x.transpose(2, 1, 0), x[:, ::-1, ::2], x[:, :0]):
-        got = _astype.astype(view, np.float32)
+        got = _casting.astype(view, np.float32)
         assert got.flags.c_contiguous
         np.testing.assert_array_equal(got, view)
 
@@ -177,7 +149,7 @@ def test_a_strided_copy_in_the_same_dtype_is_exact():
 def test_float6_follows_the_same_rules(dst):
     # JAX lacks float6; NaN and overflow follow ml_dtypes, float -> int rules are shared.
     x = np.array([1.0, 3.3, np.nan, 1e6, -0.0], np.float32)
-    got = _astype.astype(x, np.dtype(getattr(ml_dtypes, dst)))
+    got = _casting.astype(x, np.dtype(getattr(ml_dtypes, dst)))
     np.testing.assert_array_equal(bits(got), bits(x.astype(getattr(ml_dtypes, dst))))
-    back = _astype.astype(got, np.int8)
+    back = _casting.astype(got, np.int8)
     assert back[0] == 1 and back[2] == 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from orbax_safetensors._src.core.memo import ShardingMemo
+from orbax_safetensors._src.core.sharding import ShardingMemo
 
 
 def _counting(fn):

@@ -9,10 +9,14 @@ pairs only on JAX 0.10 and newer.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+
+from orbax_safetensors._src.core import dtypes
 
 OLD_JAX = tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 10)
 
@@ -44,3 +48,33 @@ def small_float(dt: np.dtype) -> bool:
 def compared(*dtypes: np.dtype) -> bool:
     """Whether a cast between these dtypes is compared with ``jnp.astype`` on this JAX."""
     return not (OLD_JAX and any(small_float(d) for d in dtypes))
+
+
+@functools.cache
+def jax_dtypes() -> list[np.dtype]:
+    """The safetensors dtypes JAX itself can hold (not float6 on any release yet)."""
+    out = []
+    for name in dtypes.SAFETENSORS_DTYPES:
+        dt = dtypes.to_numpy(name)
+        try:
+            np.asarray(jnp.zeros(2, dt).astype(jnp.float32))
+        except Exception:
+            continue
+        out.append(dt)
+    return out
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    """The bit patterns of ``a``, as unsigned integers of its width."""
+    a = np.ascontiguousarray(a)
+    return a.view(f"u{a.dtype.itemsize}") if a.dtype.itemsize in (1, 2, 4, 8) else a.view("u1")
+
+
+EDGES = [
+    0.0, -0.0, 0.5, -0.5, 1.0, -1.0, 1.5, 2.5, -2.5, 3.5, 127.5, -128.5, 255.5, 300.0, -300.0,
+    32767.5, 65535.5, 65504.0, 65519.0, 65520.0, 2.0**31 - 64, 2.0**31, -(2.0**31),
+    4294967295.5, 2.0**32, 2.0**53 + 2, 2.0**63, -(2.0**63), 2.0**64, 1e10, -1e10, 3e38,
+    -3e38, 1e300, -1e300, 1 / 3, 2 / 3, 1e-8, 1e-40, -1e-40, 1e-45, 5e-324, 2.0**-126,
+    2.0**-127, 448.0, 464.0, 57344.0, 61440.0, 240.0, 6.0, 7.0, np.nan, -np.nan, np.inf,
+    -np.inf,
+]  # fmt: skip

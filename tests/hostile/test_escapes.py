@@ -7,7 +7,7 @@ its config and tokenizer files, a step holds items copied as they are. Each forg
 such a name, or a symbolic link planted in the directory, at real files outside it that would
 read fine (an Orbax array, a safetensors file, a copy of the checkpoint's own file): every verb
 and API that reads refuses it with ``UnsafePathError`` and the one wording
-(``core/paths.escape_error``: the file holding the name, the name, the directory), the command
+(``core/metadata.escape_error``: the file holding the name, the name, the directory), the command
 line with one ``error:`` line and status 2 (``verify``: the problem listed, status 1), and a
 refused ``convert`` or ``export`` leaves nothing behind, not even the parents of its output.
 

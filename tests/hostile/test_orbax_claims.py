@@ -6,7 +6,9 @@ value, or stored as one chunk of that size; an OCDBT data file, B-tree node or m
 deleted or cut short. Every verb and API that reads an Orbax-native array (``inspect``,
 ``diff``, ``convert``, ``export`` on the command line; ``osf.convert``, ``osf.export_pytorch``,
 ``osf.load_pytorch``; ``OrbaxSource.read``, ``read_box``, ``read_sharded`` and ``restore``,
-the fallback through Orbax's own restore) refuses before allocating the claim, with one
+the fallback through Orbax's own restore; a ``CheckpointManager``'s restore of a mixed step
+whose Orbax-native item this library's handler passes to Orbax's) refuses before allocating the
+claim, with one
 ``SafetensorsCheckpointError`` naming the tensor or the missing file; the command line with
 one ``error:`` line and exit status 2, and no output left behind. ``inspect`` lists a claim
 without reading it.
@@ -79,6 +81,37 @@ def save_item(path: Path, use_ocdbt: bool, use_zarr3: bool) -> None:
     handler = ocp.PyTreeCheckpointHandler(use_ocdbt=use_ocdbt, use_zarr3=use_zarr3)
     with ocp.Checkpointer(handler) as checkpointer:
         checkpointer.save(path, args=ocp.args.PyTreeSave(tree))
+
+
+def mixed_registry() -> Any:
+    """A registry giving both items of a mixed step to this library's handler: ``ours``
+    (safetensors) and ``native`` (Orbax's ``StandardSave``, passed on to Orbax's handler)."""
+    import orbax_safetensors as osf
+
+    handler = osf.SafetensorsCheckpointHandler()
+    registry = osf.handler_registry(handler, item="native")
+    registry.add("ours", osf.SafetensorsSave, handler)
+    registry.add("ours", osf.SafetensorsRestore, handler)
+    return registry
+
+
+def save_mixed_step(root: Path) -> Path:
+    """A CheckpointManager root whose step 0 holds ``ours`` and an Orbax-native ``native``
+    (the tree of :func:`save_item`, OCDBT and zarr3 as Orbax saves by default): that item."""
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+
+    import orbax_safetensors as osf
+
+    w = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
+    tree = {"params": {"w": w, "b": jnp.ones((4,), jnp.float32)}, "step": 3}
+    args = ocp.args.Composite(
+        ours=osf.SafetensorsSave({"c": np.arange(4)}), native=ocp.args.StandardSave(tree)
+    )
+    with ocp.CheckpointManager(root, handler_registry=mixed_registry()) as mngr:
+        mngr.save(0, args=args)
+        mngr.wait_until_finished()
+    return root / "0" / "native"
 
 
 def save_maxtext(root: Path) -> Path:
@@ -189,7 +222,7 @@ CASES = [
         "ocdbt-zarr3",
         lambda p: value_file(p).unlink(),
         r"OCDBT data file ocdbt\.process_0/d/\w+ is missing: it holds the value of key "
-        r"'params\.w/c/0/0' of tensor 'params\.w'",
+        r"'params\.w/(?:c/0/0|0\.0)' of tensor 'params\.w'",  # (zarr3's key, or zarr2's)
         True,
     ),
     Case(
@@ -275,6 +308,22 @@ def _export_maxtext(item: Path, out: Path) -> Any:
     return osf.export_pytorch(item, out, mapping)
 
 
+def _manager_restore(item: Path, out: Path, args: Any = None) -> Any:
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager(item.parent.parent, handler_registry=mixed_registry()) as mngr:
+        return mngr.restore(0, args=args)
+
+
+def _manager_pytree_restore(item: Path, out: Path) -> Any:
+    import orbax.checkpoint as ocp
+
+    import orbax_safetensors as osf
+
+    args = ocp.args.Composite(ours=osf.SafetensorsRestore(), native=ocp.args.PyTreeRestore())
+    return _manager_restore(item, out, args)
+
+
 def _load_pytorch(item: Path, out: Path) -> Any:
     import orbax_safetensors as osf
 
@@ -295,6 +344,10 @@ API: dict[str, Callable[[Path, Path], Any]] = {
     # the MaxText preset on a MaxText train state, read as one process reads it
     # (integrations/export_reads.py: whole tensors, or bands of stacked layers)
     "osf.export_pytorch(maxtext-llama3)": _export_maxtext,
+    # a mixed step's Orbax-native item, restored by Orbax's handler through this library's
+    # (cases "<case>@step": the item forged inside a manager root)
+    "manager restore": _manager_restore,
+    "manager restore(PyTreeRestore)": _manager_pytree_restore,
 }
 CLI = {
     "inspect": lambda item, out: ["inspect", str(item)],
@@ -302,7 +355,10 @@ CLI = {
     "convert": lambda item, out: ["convert", "-q", str(item), str(out)],
     "export": lambda item, out: ["export", str(item), str(out), "--mapping", "{m}:mapping"],
 }
-VERBS = [verb for verb in [*CLI, *API] if "maxtext" not in verb]
+MANAGER = ("manager restore", "manager restore(PyTreeRestore)")
+VERBS = [verb for verb in [*CLI, *API] if "maxtext" not in verb and verb not in MANAGER]
+STEP = "@step"  # a case's forgery in a mixed step's Orbax-native item (Orbax's default layout)
+STEP_CASES = ("claim-ocdbt-zarr3", "claim-read-as-fill-value", "claim-in-one-chunk")
 
 
 # Every verb meets these; the others go through the verbs their failure could differ on.
@@ -323,6 +379,7 @@ def cells() -> list[tuple[str, str]]:
     for case in ("ocdbt-node-file-missing", "ocdbt-manifest-missing", "zarr-metadata-file-missing"):
         out += [(verb, case) for verb in ("inspect", "convert", "OrbaxSource.read")]
     out += [("osf.export_pytorch(maxtext-llama3)", "maxtext-chunk-missing")]
+    out += [(verb, case + STEP) for verb in MANAGER for case in (*STEP_CASES, *EVERY_VERB[1:])]
     return out
 
 
@@ -332,6 +389,7 @@ CONTROLS = [
     *((verb, "intact") for verb in ("convert", "export", "osf.export_pytorch", "osf.load_pytorch")),
     ("OrbaxSource.read_box", "claim-read-as-fill-value"),
     ("osf.export_pytorch(maxtext-llama3)", "maxtext-intact"),
+    *((verb, "intact" + STEP) for verb in MANAGER),
 ]
 
 
@@ -423,10 +481,16 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], 
         save_item(base[layout], ocdbt, zarr3)
     base["maxtext"] = save_maxtext(tmp / "base" / "maxtext")
     items = {"intact": base["ocdbt-zarr3"], "maxtext-intact": base["maxtext"]}
+    items["intact" + STEP] = save_mixed_step(tmp / "base" / "step")
     for case in CASES:
         items[case.name] = tmp / "items" / case.name
         shutil.copytree(base[case.layout], items[case.name])
         case.forge(items[case.name])
+    for name in (*STEP_CASES, *EVERY_VERB[1:]):
+        root = tmp / "roots" / name
+        shutil.copytree(tmp / "base" / "step", root)
+        items[name + STEP] = root / "0" / "native"
+        BY_NAME[name].forge(items[name + STEP])
     (tmp / f"{MAPPING_MODULE}.py").write_text(MAPPING_SOURCE)
     (tmp / "stderr").mkdir()
     pending = [*CONTROLS, *cells()]
@@ -481,7 +545,7 @@ def test_a_claim_the_files_do_not_back_is_refused_before_allocating(
 ) -> None:
     record = outcomes[(verb, case)]
     assert isinstance(record, dict), record  # (a string: the process died in this cell)
-    forged = BY_NAME[case]
+    forged = BY_NAME[case.removesuffix(STEP)]
     assert record["left"] == [], record  # no output, no temporary sibling
     if verb == "inspect" and forged.lists:  # lists the claim, reads nothing
         assert record["status"] == 0 and not record["stderr"].strip(), record

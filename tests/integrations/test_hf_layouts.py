@@ -223,7 +223,7 @@ def test_band_cast_export_is_byte_identical_to_whole_tensor_casts(tmp_dir, monke
     import ml_dtypes
     import safetensors.flax
 
-    from orbax_safetensors._src.core import astype as _astype
+    from orbax_safetensors._src.core import casting as _casting
     from orbax_safetensors._src.pipeline import pieces as _pieces
 
     rng = np.random.default_rng(3)
@@ -260,12 +260,12 @@ def test_band_cast_export_is_byte_identical_to_whole_tensor_casts(tmp_dir, monke
             got.update(safetensors.flax.load_file(str(tmp_dir / "bands" / name)))
     bf16 = ml_dtypes.bfloat16
     layers = tree["layers"]
-    want = {"embed.weight": _astype.astype(tree["embed"]["embedding"], bf16)}
+    want = {"embed.weight": _casting.astype(tree["embed"]["embedding"], bf16)}
     for i in range(3):
         for j, p in enumerate(("q_proj", "k_proj", "v_proj")):
             part = layers["qkv"]["kernel"][i, :, j * 640 : (j + 1) * 640].T
-            want[f"layers.{i}.{p}.weight"] = _astype.astype(part, bf16)
-        want[f"layers.{i}.fc.weight"] = _astype.astype(layers["fc"]["kernel"][i].T, bf16)
+            want[f"layers.{i}.{p}.weight"] = _casting.astype(part, bf16)
+        want[f"layers.{i}.fc.weight"] = _casting.astype(layers["fc"]["kernel"][i].T, bf16)
         want[f"layers.{i}.norm.weight"] = layers["norm"]["scale"][i]
     assert sorted(got) == sorted(want)
     for key, value in want.items():

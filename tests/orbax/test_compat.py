@@ -23,7 +23,7 @@ from flax import nnx
 import orbax_safetensors as osf
 from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
 from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
-from orbax_safetensors._src.core import memo as _memo
+from orbax_safetensors._src.core import sharding as _sharding
 from orbax_safetensors._src.core import tree as _tree
 
 PACKAGE = Path(osf.__file__).parent
@@ -116,17 +116,17 @@ def test_sharding_memo_gives_the_same_answers_without_the_private_key() -> None:
         f"SingleDeviceSharding._device is gone in jax {jax.__version__}: update _src/compat/jaxcompat.py"
     )
 
-    def facts(memo: _memo.ShardingMemo[Any]) -> list[Any]:
+    def facts(memo: _sharding.ShardingMemo[Any]) -> list[Any]:
         return [memo(s) for s in shardings]
 
     def fact(s: Any) -> Any:
         return (sorted(d.id for d in s.device_set), s.is_fully_addressable)
 
-    with_key = facts(_memo.ShardingMemo(fact))
+    with_key = facts(_sharding.ShardingMemo(fact))
     saved = _jaxcompat.single_device_key
     _jaxcompat.single_device_key = lambda s: None  # type: ignore[assignment]
     try:
-        without = facts(_memo.ShardingMemo(fact))
+        without = facts(_sharding.ShardingMemo(fact))
     finally:
         _jaxcompat.single_device_key = saved
     assert with_key == without == [fact(s) for s in shardings]

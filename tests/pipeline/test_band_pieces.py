@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from orbax_safetensors._src.core import astype as _astype
+from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.storage import buffers as _buffers
@@ -74,7 +74,7 @@ def test_bands_at_their_file_offsets_are_the_whole_cast(target, band_bytes, monk
             assert (data.ctypes.data - piece.offset) % 4096 == 0, name
             file_bytes[piece.offset - start : piece.offset - start + data.nbytes] = data
             lent.give_back(piece.data)
-        want = _astype.astype(value, target)
+        want = _casting.astype(value, target)
         np.testing.assert_array_equal(file_bytes, want.reshape(-1).view(np.uint8), err_msg=name)
     assert lent.fresh == 1  # one buffer, given back after each band, served every band
     # (the 1-D tensor above the capacity got fresh memory of its own, placed all the same)

@@ -5,7 +5,7 @@ One tree holds a leaf per (source, target) pair of the dtypes JAX holds, with ed
 the pooled-buffer cast; a callable policy maps each leaf to its target. ``save_file`` and a
 ``CheckpointManager`` (sync and async) store it; the stored bytes, read raw from the files,
 must equal ``np.asarray(jnp.asarray(x).astype(target))`` bit for bit. The exhaustive
-per-pair comparison is in ``test_astype.py``.
+per-pair comparison is in ``tests/core/test_astype.py``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from test_astype import _EDGES, _OLD_JAX, _small_float, bits, jax_dtypes, x64
+from jax_casts import EDGES as _EDGES
+from jax_casts import OLD_JAX as _OLD_JAX
+from jax_casts import bits, jax_dtypes, x64
+from jax_casts import small_float as _small_float
 
 import orbax_safetensors as osf
 from orbax_safetensors._src.core import dtypes as _dtypes

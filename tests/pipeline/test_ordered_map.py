@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from orbax_safetensors._src.core import astype as _astype
+from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.pipeline import pieces as _pieces
 
 
@@ -82,7 +82,7 @@ def test_casts_on_several_threads_give_the_same_bytes():
     kernels = [rng.standard_normal((300, 700), dtype=np.float32) for _ in range(8)]
 
     def cast(x: np.ndarray) -> np.ndarray:
-        return _astype.astype(x.T, ml_dtypes.bfloat16)
+        return _casting.astype(x.T, ml_dtypes.bfloat16)
 
     alone = [cast(x) for x in kernels]
     together = list(_pieces.ordered_map(cast, kernels, workers=4))

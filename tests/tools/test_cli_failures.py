@@ -284,5 +284,5 @@ def test_a_damaged_orbax_item_is_one_error_line(tmp_path):
         one_error_line(done.stderr, argv[0])
         if argv[0] == "inspect":
             assert "Orbax cannot read this item's metadata" in done.stderr
-        else:  # the file cut short is named (catalog/orbax_claims.py), not _METADATA
+        else:  # the file cut short is named, not _METADATA
             assert re.search(r"OCDBT data file d/\w+ holds 50 bytes", done.stderr), done.stderr

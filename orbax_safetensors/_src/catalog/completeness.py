@@ -1,26 +1,10 @@
-"""What a committed step lacks that restoring it needs: the one judgement of a step's
-completeness, for ``verify``, ``inspect`` and ``convert``.
+"""Whether a checkpoint's files are all there: what a committed step lacks that restoring it
+needs (:func:`missing_entries`, the one judgement for ``verify``, ``inspect`` and ``convert``;
+an OCDBT database's data files are found by the walk of its B-tree that also serves the checks
+before a read of an Orbax-native array).
 
-Orbax deletes an old step (``max_to_keep``) file by file, in directory listing order or (with
-several deletion threads) in no order, and lists the step until its directory itself is gone;
-a kill can leave any of those states. So completeness is judged file by file, against what
-Orbax's restore reads (checked against orbax-checkpoint 0.11.11 and 0.12.8 by deleting every
-file of real steps in turn: ``tests/hostile/test_half_deleted_steps.py``):
-
-- the step's ``_CHECKPOINT_METADATA``: a step without one while the root's other steps have
-  one is being deleted (that file names the items): incomplete, whatever else it holds;
-- every item it names, and what that item's restore reads: this library's item, its
-  ``orbax_safetensors.json`` and every file that lists; an Orbax PyTree item, its
-  ``_METADATA``, ``_sharding`` when it records a ``jax.Array``, ``_strings.json`` when it
-  records a string, and with OCDBT ``manifest.ocdbt`` and every data file its latest version
-  references (found with TensorStore's ``ocdbt.dump``, reading the B-tree nodes only), else
-  each array's ``.zarray`` / ``zarr.json`` and, unless the item predates Orbax's storing of
-  every chunk, each chunk file; another handler's item, one file besides the commit marker.
-
-Items present but not named (no ``_CHECKPOINT_METADATA``) are judged by what they hold. Not
-required: the commit marker (``steps.scan_steps`` checks it where it is the commit),
-``array_metadatas/``, and the per-process OCDBT manifests and the data files the merged
-manifest does not reference.
+A step is judged file by file against what Orbax's restore reads, since a kill during Orbax's
+deletion of an old step (``max_to_keep``) can leave any subset of its files.
 
 Example::
 
@@ -39,6 +23,7 @@ from etils import epath
 from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
 from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
+from orbax_safetensors._src.orbax import claims as _claims
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.orbax.steps import (
     CHECKPOINT_METADATA_FILE,
@@ -64,15 +49,25 @@ _LISTED = 4  # missing files of one kind named one by one; more are counted
 _NAMED_CHUNKS = 4096  # beyond this many missing chunk files, a grid is counted, not listed
 
 
+# What a step's restore reads (checked against orbax-checkpoint 0.11.11 and 0.12.8 by deleting
+# every file of real steps in turn: tests/hostile/test_half_deleted_steps.py):
+# - its _CHECKPOINT_METADATA, where the root's other steps have one (it names the items);
+# - every item it names: this library's, its orbax_safetensors.json and every file listed; an
+#   Orbax PyTree item's _METADATA, _sharding (a jax.Array), _strings.json (a string), and
+#   with OCDBT manifest.ocdbt and every data file its latest version references, else each
+#   array's zarr metadata and (unless the item reads missing chunks as the fill value) its
+#   chunk files; another handler's item, one file besides the commit marker.
+# Not required: the commit marker (steps.scan_steps checks it where it is the commit),
+# array_metadatas/, the per-process OCDBT manifests and the data files the merged manifest
+# does not reference. Items present but not named are judged by what they hold.
+
+
 def missing_entries(step: epath.PathLike | StepDir) -> list[str]:
     """What a committed step lacks that restoring it needs, relative to the step; empty when
-    nothing is missing. The one judgement of a step's completeness: ``verify``, ``inspect``
-    and ``convert`` ask here (see the comment above for what is required).
-
-    A step Orbax lists with entries missing cannot be restored: typically an old step whose
-    deletion by Orbax's cleanup (``max_to_keep``) was interrupted by a kill. Pass the
-    :class:`StepDir` from :func:`scan_steps` where there is one (it knows the root); a path is
-    looked up in its parent directory.
+    nothing is missing: the one judgement of a step's completeness. A step Orbax lists with
+    entries missing cannot be restored (typically an old step whose deletion by
+    ``max_to_keep`` a kill interrupted). Pass the :class:`StepDir` of ``steps.scan_steps``
+    where there is one (it knows the root); a path is looked up in its parent directory.
 
     Example::
 
@@ -113,11 +108,9 @@ def missing_entries(step: epath.PathLike | StepDir) -> list[str]:
 
 
 def _missing_in_item(item: epath.Path, prefix: str, handler: str | None, named: bool) -> list[str]:
-    """What the item directory ``item`` lacks for its restore, each as ``prefix`` + its path.
-
-    ``handler``: the class name of the handler that wrote it, None where unrecorded: then it
-    is judged by what it holds, and an item holding nothing recognisable lacks its files only
-    when ``named`` (an item of the step, or a step whose list of items is gone)."""
+    """What ``item`` lacks for its restore, each as ``prefix`` + its path. ``handler``: the
+    class name of its writer; None: judged by what it holds, and lacking its files only when
+    ``named`` (an item of the step, or a step whose list of items is gone)."""
     names = {c.name for c in item.iterdir()}
     ours = handler in _OUR_HANDLERS or _metadata.METADATA_FILE in names
     pytree = not ours and (handler in _PYTREE_HANDLERS or ORBAX_METADATA_FILE in names)
@@ -146,13 +139,13 @@ def _missing_in_our_item(item: epath.Path, prefix: str) -> list[str]:
 
 
 def _missing_in_pytree_item(item: epath.Path, names: set[str], prefix: str) -> list[str]:
-    """What an Orbax PyTree item lacks for Orbax's restore (the comment above)."""
+    """What an Orbax PyTree item lacks for Orbax's restore."""
     if ORBAX_METADATA_FILE not in names:
         return [prefix + ORBAX_METADATA_FILE]
     doc = _steps.read_json(item / ORBAX_METADATA_FILE)
     if not isinstance(doc, dict) or not isinstance(doc.get("tree_metadata"), dict):
         return []  # damaged, not deleted: Orbax's restore (and inspect) report it
-    leaves = _pytree_leaves(doc)
+    leaves = _claims.pytree_leaves(doc)
     missing = []
     kinds = set(leaves.values())
     if "jax.Array" in kinds and SHARDING_FILE not in names:
@@ -171,23 +164,6 @@ def _missing_in_pytree_item(item: epath.Path, names: set[str], prefix: str) -> l
     return missing
 
 
-def _pytree_leaves(doc: dict[str, Any]) -> dict[str, str]:
-    """The stored leaves an Orbax ``_METADATA`` records: Orbax's parameter name (its keys
-    joined with ``.``, the name of the array's directory or OCDBT key) -> its value type."""
-    tree = doc.get("tree_metadata")
-    leaves = {}
-    for entry in tree.values() if isinstance(tree, dict) else ():
-        keys = entry.get("key_metadata") if isinstance(entry, dict) else None
-        value = entry.get("value_metadata") if isinstance(entry, dict) else None
-        if not isinstance(keys, list) or not isinstance(value, dict):
-            continue
-        if value.get("skip_deserialize") is True or not isinstance(value.get("value_type"), str):
-            continue
-        name = ".".join(str(k.get("key")) for k in keys if isinstance(k, dict))
-        leaves[name] = value["value_type"]
-    return leaves
-
-
 def _orbax_ocdbt(item: epath.Path) -> bool:
     """Whether Orbax takes the item for an OCDBT one (its own test, where it has one)."""
     try:
@@ -199,88 +175,45 @@ def _orbax_ocdbt(item: epath.Path) -> bool:
 
 
 def _missing_ocdbt_files(item: epath.Path, prefix: str) -> list[str]:
-    """``manifest.ocdbt`` and the data files of the latest version of the item's OCDBT
-    database that are missing: the B+tree is walked with ``tensorstore.ocdbt.dump`` (the
-    nodes are read, the values only located), and each file a node or value lives in is
-    checked. A node that cannot be read for another reason (damage, not deletion) ends the
-    walk of its subtree: restore reports such damage."""
+    """``manifest.ocdbt`` or the data files of the item's OCDBT database that are missing
+    (a node that cannot be read for another reason ends the walk of its subtree: damage,
+    which the restore reports, not deletion)."""
     if not (item / OCDBT_MANIFEST_FILE).exists():
         return [prefix + OCDBT_MANIFEST_FILE]
-    import tensorstore as ts
+    files: dict[str, bool] = {}  # each referenced file: whether it is present
 
-    context = ts.Context()
-    spec = _orbaxcompat.array_read_spec(
-        item, "_", use_zarr3=False, use_ocdbt=True, fill_missing=False, context=context
-    )
-    # Orbax's own spec of the item's directory (local disk, gs://); where it gives none (s3://
-    # in orbax-checkpoint 0.12), TensorStore cannot open the path and nothing is walked.
-    base_spec = spec.get("kvstore", {}).get("base") if isinstance(spec, dict) else None
-    if not isinstance(base_spec, dict):
-        base_spec = {"driver": "file", "path": str(item)}
-    path = base_spec.get("path")
-    if isinstance(path, str) and not path.endswith("/"):
-        base_spec = {**base_spec, "path": path + "/"}  # a directory: its files are its keys
+    def present(ref: _claims.Ref) -> bool:
+        if ref.file not in files:
+            files[ref.file] = (item / ref.file).exists()
+        return files[ref.file]
+
     try:
-        base = ts.KvStore.open(base_spec, context=context).result()
-        manifest = ts.ocdbt.dump(base, context=context).result()
-    except (ValueError, TypeError):
+        _claims.OcdbtFiles(item, _orbax_kvstore(item)).walk(present, strict=False)
+    except SafetensorsCheckpointError:  # no readable manifest: the restore reports it
         return []
-    versions = manifest.get("versions") if isinstance(manifest, dict) else None
-    if not isinstance(versions, list) or not versions:
-        return []
-    latest = max(
-        versions, key=lambda v: v.get("generation_number", 0) if isinstance(v, dict) else 0
+    missing = sorted(f for f, there in files.items() if not there)
+    return _counted(prefix, missing, len(files), "OCDBT data files")
+
+
+def _orbax_kvstore(item: epath.Path) -> dict[str, Any]:
+    # The kvstore of the item's directory as Orbax's own spec opens it (local disk, gs://);
+    # where it gives none (s3:// in orbax-checkpoint 0.12), TensorStore cannot open the path
+    # and nothing is walked.
+    spec = _orbaxcompat.array_read_spec(
+        item, "_", use_zarr3=False, use_ocdbt=True, fill_missing=False
     )
-    files: set[str] = set()
-    missing: set[str] = set()
-    nodes = list(_locations(latest))
-    seen: set[str] = set()  # each node read once, whatever a forged tree references
-    while nodes:
-        location = nodes.pop()
-        file = _location_file(location)
-        if file is None or location in seen:
-            continue
-        seen.add(location)
-        files.add(file)
-        if not (item / file).exists():
-            missing.add(file)
-        elif location.startswith("btreenode:"):
-            try:
-                nodes.extend(_locations(ts.ocdbt.dump(base, location, context=context).result()))
-            except (ValueError, TypeError):
-                continue
-    return _counted(prefix, sorted(missing), len(files), "OCDBT data files")
-
-
-def _locations(node: Any) -> list[str]:
-    """The node and value locations (``"btreenode:..."``, ``"value:..."``) anywhere in a
-    dumped OCDBT manifest, version or node."""
-    if isinstance(node, str):
-        return [node] if node.startswith(("btreenode:", "value:")) else []
-    if isinstance(node, dict):
-        return [loc for v in node.values() for loc in _locations(v)]
-    if isinstance(node, list):
-        return [loc for v in node for loc in _locations(v)]
-    return []
-
-
-def _location_file(location: str) -> str | None:
-    """The file of an OCDBT location ``"<kind>:<base path>:<relative path>:<offset>:<length>"``,
-    relative to the database's directory; None for one that does not stay inside it."""
-    parts = location.split(":", 1)[-1].rsplit(":", 2)[0].split(":", 1)
-    if len(parts) != 2:
-        return None
-    base, relative = parts
-    file = f"{base.rstrip('/')}/{relative}" if base else relative
-    names = file.split("/")
-    if file.startswith("/") or any(n in ("", ".", "..") for n in names) or "\\" in file:
-        return None
-    return file
+    base = spec.get("kvstore", {}).get("base") if isinstance(spec, dict) else None
+    if not isinstance(base, dict):
+        base = {"driver": "file", "path": str(item)}
+    path = base.get("path")
+    if isinstance(path, str) and not path.endswith("/"):
+        base = {**base, "path": path + "/"}  # a directory: its files are its keys
+    return base
 
 
 def _missing_zarr_files(array: epath.Path, storage: ArrayStorage, prefix: str) -> list[str]:
-    """What a zarr array directory of a PyTree item (without OCDBT) lacks: its metadata file,
-    and, where Orbax stored every chunk, the chunk files of its chunk grid."""
+    """What a zarr array directory lacks: its metadata file, and, where Orbax stored every
+    chunk, the chunk files of its grid."""
     meta_name = "zarr.json" if storage.use_zarr3 else ".zarray"
     meta = _steps.read_json(array / meta_name)
     if meta is None:
@@ -302,9 +235,8 @@ def _missing_zarr_files(array: epath.Path, storage: ArrayStorage, prefix: str) -
 def _zarr_chunk_grid(
     meta: Any, zarr3: bool
 ) -> tuple[list[int], Callable[[tuple[int, ...]], str]] | None:
-    """The chunk grid of a zarr array (v2 ``.zarray`` or v3 ``zarr.json``, with the key
-    encodings Orbax writes): the number of chunks along each axis, and the key of a chunk
-    from its index; None where the metadata is not of that form."""
+    """The chunks along each axis of a zarr v2/v3 array, and a chunk's key from its index
+    (the key encodings Orbax writes); None where the metadata is not of that form."""
     if not isinstance(meta, dict) or not isinstance(meta.get("shape"), list):
         return None
     shape = meta["shape"]
@@ -350,8 +282,7 @@ def _files_under(directory: epath.Path, prefix: str = "") -> set[str]:
 
 
 def _counted(prefix: str, missing: list[str], total: int, what: str) -> list[str]:
-    """``missing`` (relative to ``prefix``) named when few; else the first few, then how many
-    more of the ``total`` ``what`` of ``prefix`` are missing."""
+    """``missing`` named when few; else the first few, then how many more are missing."""
     named = [
         prefix + m for m in missing[: len(missing) if len(missing) <= _LISTED else _LISTED - 1]
     ]
@@ -362,11 +293,8 @@ def _counted(prefix: str, missing: list[str], total: int, what: str) -> list[str
 
 
 def _unfinished_items(step: epath.Path) -> list[str]:
-    """``"<item>/"`` for each item of ``step`` present only under its temporary name
-    (``<item>.orbax-checkpoint-tmp[-<n>]``): its save never finished. Orbax < 0.12.3 lists such
-    a step on local disk (a commit-file save killed before its commit; 0.11.11 gives items
-    temporary names in both modes), and restoring it fails.
-    """
+    """``"<item>/"`` for each item of ``step`` present only under its temporary name: its
+    save never finished, yet Orbax < 0.12.3 lists such a step on local disk."""
     names = []
     for child in sorted(step.iterdir(), key=lambda p: p.name):
         name = child.name.split(TMP_SUFFIX, 1)[0]
@@ -385,13 +313,8 @@ def incomplete_problem(path: epath.PathLike, missing: Sequence[str]) -> str:
 
 
 def require_complete(step: epath.PathLike | StepDir) -> None:
-    """Raises when the committed step ``step`` lacks what restoring it needs
-    (:func:`missing_entries`): for the tools that would otherwise carry such a step on as if
-    whole (``convert``).
-
-    Raises:
-      SafetensorsCheckpointError: naming the step and what it lacks.
-    """
+    """Raises a ``SafetensorsCheckpointError`` naming what the committed ``step`` lacks, if
+    anything (for ``convert``, which would carry it on as whole)."""
     missing = missing_entries(step)
     if missing:
         path = step.path if isinstance(step, StepDir) else step
@@ -405,8 +328,8 @@ def require_complete(step: epath.PathLike | StepDir) -> None:
 def incomplete_warning(
     step: int, path: epath.PathLike, missing: Sequence[str], latest: int | None
 ) -> str:
-    """The warning line for a committed step with ``missing`` entries (``latest``: the latest
-    committed step of its root)."""
+    """The warning line for a committed step with ``missing`` entries (``latest``: its root's
+    latest committed step)."""
     what = f"step {step} is incomplete (missing {', '.join(missing)})"
     if latest is not None and step < latest:
         return (
@@ -415,3 +338,25 @@ def incomplete_warning(
             f"affected; deleting {path} clears this"
         )
     return f"{what} and is the latest step: restoring it fails; restore an earlier step"
+
+
+def missing_file(path: epath.Path) -> str | None:
+    """Why Orbax could not read the metadata of item ``path`` whose ``_METADATA`` is sound,
+    when a file it needs is missing (the OCDBT manifest or a data file, or an array's zarr
+    metadata); None when none is, or ``_METADATA`` itself is the problem."""
+    doc = _steps.read_json(path / ORBAX_METADATA_FILE)
+    if not isinstance(doc, dict) or not isinstance(doc.get("tree_metadata"), dict):
+        return None
+    storage = _steps.array_storage(path)
+    if storage.use_ocdbt:
+        try:
+            _claims.OcdbtFiles(path).check("")
+        except SafetensorsCheckpointError as e:
+            return str(e)
+        return None
+    meta = "zarr.json" if storage.use_zarr3 else ".zarray"
+    for array, value_type in _claims.pytree_leaves(doc).items():
+        plain = array and "/" not in array and "\\" not in array and array.strip(".")
+        if value_type in _TENSORSTORE_VALUES and plain and not (path / array / meta).exists():
+            return f"{path}: the zarr metadata of array {array!r} ({array}/{meta}) is missing"
+    return None

@@ -1,21 +1,10 @@
-"""Legacy Flax msgpack checkpoints, decoded safely: ``flax.serialization.to_bytes`` files
-(``flax_model.msgpack``) and ``flax.training.checkpoints`` files (``checkpoint_<step>``) written
-with Orbax checkpointing off.
-
-Flax's encoding (flax/serialization.py): a msgpack map of the state dict whose leaves are
-Python scalars, strings, None, or msgpack ext types: ``1`` an ndarray (a nested msgpack
-``(shape, dtype name, C-order bytes)``), ``2`` a Python complex (``(real, imag)``), ``3`` a numpy
-scalar (an ndarray of shape ``()``). Arrays above ``flax.serialization.MAX_CHUNK_SIZE`` bytes are
-stored as ``{"__msgpack_chunked_array__": True, "shape": {"0": ...}, "chunks": {"0": ...}}``.
-
-This reader never calls flax, pickle or anything that executes data: the ``msgpack`` package
-parses the file with its input-sized limits, only the three ext types above are accepted, a
-dtype must be a known numeric one, and each array's shape is checked against the bytes actually
-present before an array is made (a view on those bytes, no copy). The whole file is decoded at
-once: peak host memory is about twice the file size.
-
-:class:`MsgpackSource` is such a file as a table of tensors (``catalog/sources.open_source``
-opens one).
+"""Legacy Flax msgpack checkpoints (``flax.serialization.to_bytes``, ``flax.training``'s
+``checkpoint_<step>``), decoded without Flax or pickle: only the three msgpack ext types Flax
+writes are accepted (1 an ndarray ``(shape, dtype name, C-order bytes)``, 2 a Python complex,
+3 a numpy scalar), a dtype must be a known numeric one, and each array's shape is checked
+against the bytes present before a view on them is made. Arrays above Flax's
+``MAX_CHUNK_SIZE`` are joined from its chunked form. The file is decoded whole (host memory
+about twice its size); :class:`MsgpackSource` is it as a table of tensors.
 
 Example::
 
@@ -49,10 +38,9 @@ _MAX_DEPTH = 128  # nested maps; Flax state dicts are a few levels deep
 _STEP_NAME = re.compile(r"^(?:.*?_)?(\d+)$")  # checkpoint_<step>, flax's default prefix
 
 
-# The dtypes an ndarray ext may name: numeric numpy dtypes and ml_dtypes' (never object,
-# string, void or structured ones), by name. NumPy, ml_dtypes and the table are imported and
-# built on the first decode: telling a msgpack file apart (is_flax_msgpack, which `inspect`
-# asks of every file) needs none of them, and importing ml_dtypes is slow.
+# The dtypes an ndarray ext may name: numeric numpy and ml_dtypes ones (never object, string,
+# void or structured). Imported on the first decode: is_flax_msgpack, which `inspect` asks of
+# every file, needs none of them, and importing ml_dtypes is slow.
 _NUMPY_NAMES = (
     "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
     "float16", "float32", "float64", "complex64", "complex128",
@@ -91,16 +79,14 @@ class _Ext:
 
 
 def looks_like_flax_msgpack(head: bytes) -> bool:
-    """Whether a file's first bytes look like a Flax msgpack state dict (a msgpack map whose
-    first key is a string) rather than a safetensors file or another format (a pickle also
-    starts with 0x80): :func:`orbax_safetensors._src.core.sniff.sniff_bytes` decides."""
+    """Whether a file's first bytes look like a Flax msgpack state dict (``sniff_bytes``)."""
     found = _sniff.sniff_bytes(head)
     return found is not None and found.kind == _sniff.Kind.FLAX_MSGPACK
 
 
 def is_flax_msgpack(path: epath.PathLike) -> bool:
-    """Whether ``path`` is a file that looks like a Flax msgpack checkpoint (see
-    :func:`looks_like_flax_msgpack`); ``.safetensors`` files never do."""
+    """Whether ``path`` is a file that looks like a Flax msgpack checkpoint (``.safetensors``
+    files never do)."""
     path = epath.Path(path)
     if path.suffix == ".safetensors" or not path.is_file():
         return False
@@ -115,12 +101,8 @@ def step_of(path: epath.PathLike) -> int | None:
 
 
 def read_file(path: epath.PathLike) -> dict[Any, Any]:
-    """Decodes a Flax msgpack file into its state dict (chunked arrays joined).
-
-    Raises:
-      FlaxMsgpackError: naming the file (and the key, shape and dtype when one value is at
-        fault) when the file is truncated, forged, or not a Flax state dict.
-    """
+    """Decodes a Flax msgpack file into its state dict; a ``FlaxMsgpackError`` names the file
+    (and the key, shape and dtype at fault) when it is truncated, forged or no state dict."""
     path = epath.Path(path)
     return decode(_confine.read_file(path, limit=None), where=str(path))
 
@@ -250,8 +232,7 @@ _MAX_EXTENT = 2**63 - 1  # numpy's limit on (product of dimensions) * itemsize, 
 
 
 def _check_extent(shape: list[int], dtype: np.dtype, problem: str) -> None:
-    """Refuses a shape numpy cannot represent even when it holds no element (a zero-size
-    array with a dimension of 2**64 - 1), before numpy raises a bare ValueError."""
+    """Refuses a shape numpy cannot represent even with no element (a dimension of 2**64 - 1)."""
     extent = math.prod(max(d, 1) for d in shape) * dtype.itemsize
     if extent > _MAX_EXTENT:
         raise FlaxMsgpackError(
@@ -308,14 +289,13 @@ def _unchunk(node: dict[Any, Any], name: str, where: str) -> np.ndarray:
 
 
 def flatten(tree: dict[Any, Any]) -> dict[str, Any]:
-    """``flax.traverse_util.flatten_dict(tree, sep=".")``: dotted names of the non-dict leaves
-    (empty dicts are left out, as there)."""
+    """``flax.traverse_util.flatten_dict(tree, sep=".")`` (empty dicts left out, as there)."""
     return dict(_items(tree, ""))
 
 
 def select(tree: dict[Any, Any], keep: Callable[[str], bool]) -> dict[Any, Any]:
-    """``tree`` with only the leaves whose dotted names (as :func:`flatten` gives them)
-    ``keep`` accepts; dicts left empty are dropped (the root stays, maybe empty)."""
+    """``tree`` with only the leaves whose :func:`flatten` names ``keep`` accepts; dicts left
+    empty are dropped."""
 
     def walk(node: dict[Any, Any], prefix: str) -> dict[Any, Any]:
         kept: dict[Any, Any] = {}
@@ -341,11 +321,9 @@ def _items(node: dict[Any, Any], prefix: str) -> Iterator[tuple[str, Any]]:
 
 
 class MsgpackSource:
-    """A legacy Flax msgpack file as a table of tensors, decoded whole (host memory: about
-    twice the file). ``tree``: the state dict as ``flax.serialization.msgpack_restore``
-    gives it, a Python complex as a ``complex64`` scalar where that is exact (safetensors has
-    no complex128); tensors carry the names of :func:`flatten`. Python scalars, strings and
-    None are not tensors.
+    """A legacy Flax msgpack file as a table of tensors named as :func:`flatten` names them,
+    decoded whole. ``tree``: the state dict, a Python complex as a ``complex64`` scalar where
+    that is exact (safetensors has no complex128).
 
     Example::
 

@@ -1,9 +1,7 @@
 """The rows of every table of tensors (:class:`TensorInfo`), and one ``.safetensors`` file
-listed from its header alone (:func:`list_file`).
-
-A local file is listed with ``os.pread`` and ``core/`` alone (no JAX, Orbax, NumPy or
-ml_dtypes, not even the storage layer), so that ``orbax-safetensors inspect FILE`` answers at
-once; other paths (object stores, FIFOs...) are read through ``storage/router``.
+listed from its header alone (:func:`list_file`): a local file with ``os.pread`` and the core
+alone (no JAX, Orbax, NumPy, not even the storage layer), so that ``inspect FILE`` answers at
+once; other paths through the storage router.
 
 Example::
 
@@ -84,9 +82,8 @@ class FileTable:
 
 
 def cast_origins(schema: Any) -> dict[str, str]:
-    """``{tensor name: its dtype before a save-time dtype policy cast it}`` of the schema
-    document a file records; none when the schema is absent or unreadable (the tools still
-    list the tensors)."""
+    """``{tensor name: its dtype before a save-time cast}`` of a schema document; empty when
+    it is absent or unreadable (the tools still list the tensors)."""
     try:
         leaves = _schema.from_json(schema).leaves if schema is not None else {}
     except SchemaError:
@@ -102,9 +99,8 @@ def cast_origins(schema: Any) -> dict[str, str]:
 
 
 def header_facts(header: _header.Header, where: str) -> tuple[dict[str, str], dict[str, str]]:
-    """What a file's header records besides its tensors: its user metadata (``__metadata__``
-    without the entries this library reserves) and :func:`cast_origins` of its schema (none
-    where the schema is absent or not JSON)."""
+    """A header's user metadata (``__metadata__`` without this library's entries) and the
+    :func:`cast_origins` of its schema."""
     try:
         schema = _metadata.header_json(header, _metadata.SCHEMA_KEY, where)
     except SchemaError:
@@ -114,13 +110,8 @@ def header_facts(header: _header.Header, where: str) -> tuple[dict[str, str], di
 
 
 def list_file(path: epath.PathLike) -> FileTable:
-    """The tensors of the safetensors file ``path``, from its header alone.
-
-    Raises:
-      NotSafetensorsError: ``path`` is recognisably something else (see ``read_header``).
-      HeaderError: the header is malformed, inconsistent or hostile.
-      OSError: ``path`` cannot be read.
-    """
+    """The tensors of the safetensors file ``path``, from its header alone; raises
+    ``NotSafetensorsError`` (something else), ``HeaderError`` or ``OSError``."""
     path, header = _read_header(path)
     user, origins = header_facts(header, str(path))
     tensors = {
@@ -131,8 +122,8 @@ def list_file(path: epath.PathLike) -> FileTable:
 
 
 def _read_header(path: epath.PathLike) -> tuple[epath.Path | pathlib.PurePath, _header.Header]:
-    """``path`` (named as ``epath.Path`` names it) and its header: a local regular file read
-    here, anything else through ``storage/router``."""
+    """``path`` and its header: a local regular file read here, anything else through the
+    storage router."""
     name = os.fspath(path)
     if "://" not in name:
         try:

@@ -1,6 +1,8 @@
 """An Orbax-native PyTree item as a table of tensors (:class:`OrbaxSource`), read through
 TensorStore as Orbax's own restore reads it, a few stored chunks at a time, and only once the
-item's files back what a read would allocate (``catalog/orbax_claims.py``).
+item's files back what a read would allocate (the admission checks Orbax's restore through a
+manager also runs: the claimed shape, the OCDBT data files, the stored chunks, the machine's
+physical memory).
 
 Example::
 
@@ -20,13 +22,14 @@ from typing import Any
 import numpy as np
 from etils import epath
 
-from orbax_safetensors._src.catalog import orbax_claims as _orbax_claims
+from orbax_safetensors._src.catalog import completeness as _completeness
 from orbax_safetensors._src.catalog.listing import SourceKind, TensorInfo
 from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import runs as _runs
 from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
+from orbax_safetensors._src.orbax import claims as _claims
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.pipeline import place as _place
 from orbax_safetensors._src.storage import buffers as _buffers
@@ -38,30 +41,22 @@ from orbax_safetensors._src.storage import confine as _confine
 # decoded beside the box.
 READ_PIECE_BYTES = 8 << 20
 READ_PIECES_IN_FLIGHT = 2
-# Orbax's own TensorStore context for OCDBT items (ts_utils.get_ts_context): its file I/O
-# concurrency, and a cache of the B-tree nodes that find the chunks, so that the reads of one
-# tensor's boxes find them once.
-TENSORSTORE_CONTEXT = {
-    "file_io_concurrency": {"limit": 128},
-    "cache_pool#ocdbt": {"total_bytes_limit": 100_000_000},
-}
 
 
 class OrbaxSource:
     """An Orbax-native PyTree item (``StandardSave``/``PyTreeSave``, or a checkpointable of
-    Orbax v1's ``save_checkpointables``), read through TensorStore as Orbax's restore reads it.
+    Orbax v1), read through TensorStore as Orbax's restore reads it.
 
-    Tensors carry the dotted names of Orbax's own tree; Python scalars and strings are not
-    tensors. ``chunks``: each tensor's stored chunk shape, the unit of every read (a chunk is
-    compressed). :meth:`read_box` holds the box and at most ``READ_PIECES_IN_FLIGHT`` pieces
-    of ``READ_PIECE_BYTES`` decoded; arrays TensorStore cannot give as stored (typed PRNG
-    keys, an Orbax without a read spec) go through Orbax's restore. No read runs a
-    collective: any process of a job may read on its own.
+    Tensors carry the dotted names of Orbax's tree; Python scalars and strings are not
+    tensors. ``chunks``: each tensor's stored chunk shape, the unit of every read. Arrays
+    TensorStore cannot give as stored (typed PRNG keys, an Orbax without a read spec) go
+    through Orbax's restore. No read runs a collective. Listing reads no chunk; a read that
+    the item's files do not back (see the module docstring) raises a
+    ``SafetensorsCheckpointError`` naming the tensor and its claim, or the missing file.
 
-    Before a read allocates anything, the item's files must back it
-    (``orbax_claims``): the claimed shape, the OCDBT data files, the stored chunks, and the
-    machine's physical memory; else a ``SafetensorsCheckpointError`` names the tensor, its
-    claimed dtype, shape and bytes, or the missing file. Listing an item reads no chunk.
+    Example::
+
+        OrbaxSource(epath.Path("/ckpt/100/state")).read(["params.w"])   # {"params.w": array}
     """
 
     def __init__(self, path: epath.Path) -> None:
@@ -85,7 +80,7 @@ class OrbaxSource:
         self._stores: dict[str, Any] = {}  # name -> its opened TensorStore, or None
         self._context: Any = None  # (with the item's storage flags, once a tensor is opened)
         self._storage: Any = None
-        self._ocdbt: _orbax_claims.OcdbtFiles | None = None
+        self._ocdbt: _claims.OcdbtFiles | None = None
         self._complete: set[str] = set()  # tensors every stored chunk of which is present
         self._lock = threading.Lock()
 
@@ -104,8 +99,8 @@ class OrbaxSource:
         return {n: out[n] for n in names}
 
     def store(self, name: str) -> Any:
-        """The TensorStore of tensor ``name`` opened as Orbax's restore opens it (cached), or
-        None where reads of it go through Orbax's restore (see the class docstring)."""
+        """The TensorStore of tensor ``name`` as Orbax's restore opens it (cached); None where
+        reads of it go through Orbax's restore."""
         with self._lock:
             if name not in self._stores:
                 self._stores[name] = self._open(name)
@@ -119,7 +114,7 @@ class OrbaxSource:
         if info is None or not isinstance(leaf_name, str) or not leaf_name:
             return None
         if self._context is None:
-            self._context = ts.Context(TENSORSTORE_CONTEXT)
+            self._context = ts.Context(_claims.TENSORSTORE_CONTEXT)
             self._storage = _steps.array_storage(self.path)
         storage = self._storage
         _confine.inside(self.path, leaf_name, where=self.path / _steps.ORBAX_METADATA_FILE)
@@ -135,7 +130,7 @@ class OrbaxSource:
             return None
         if storage.use_ocdbt:  # (a missing data file named, before TensorStore reads it)
             if self._ocdbt is None:
-                self._ocdbt = _orbax_claims.OcdbtFiles(self.path)
+                self._ocdbt = _claims.OcdbtFiles(self.path)
             self._ocdbt.check(f"{leaf_name}/", name)
         try:
             store = ts.open(spec, open=True, context=self._context).result()
@@ -146,7 +141,7 @@ class OrbaxSource:
         zarr = f"{leaf_name}/{'zarr.json' if storage.use_zarr3 else '.zarray'}"
         if storage.use_ocdbt:
             zarr += " in the item's OCDBT database"
-        _orbax_claims.check_claim(str(self.path), name, info.shape, tuple(store.shape), zarr)
+        _claims.check_claim(str(self.path), name, info.shape, tuple(store.shape), zarr)
         if store.dtype.numpy_dtype != _dtypes.to_numpy(info.dtype):
             return None  # (not the array Orbax's metadata describes as stored: Orbax's restore)
         return store
@@ -156,35 +151,28 @@ class OrbaxSource:
         # anything, unless the item's files back them (the class docstring).
         info = self.tensors[name]
         where = str(self.path)
-        claim = _orbax_claims.describe(info.dtype, info.shape, info.nbytes)
+        claim = _claims.describe(info.dtype, info.shape, info.nbytes)
         store = self.store(name)
         chunk = self.chunks[name]
         decoded = store.chunk_layout.read_chunk.shape if store is not None else None
         if decoded is not None:  # (the chunks TensorStore decodes: the zarr metadata's)
             chunk = tuple(int(c) for c in decoded)
         if store is not None and not self._storage.fill_missing:
-            leaf_name = self.leaves[name][1].name
-            location = (
-                f"the item's OCDBT database (keys {leaf_name}/...)"
-                if self._storage.use_ocdbt
-                else str(self.path / leaf_name)
-            )
+            location = _claims.chunk_location(self.path, self.leaves[name][1].name, self._storage)
             if name not in self._complete:  # (one listing of a whole tensor, not one a box)
                 whole = _runs.whole_index(info.shape)
                 try:
-                    _orbax_claims.check_stored(where, name, store, whole, claim, chunk, location)
+                    _claims.check_stored(where, name, store, whole, claim, chunk, location)
                     self._complete.add(name)
                 except SafetensorsCheckpointError:  # a box of the chunks present still reads
                     for box in boxes:
-                        _orbax_claims.check_stored(where, name, store, box, claim, chunk, location)
-        _orbax_claims.check_allocation(
-            where, name, info.dtype, info.shape, boxes=boxes, chunk=chunk
-        )
+                        _claims.check_stored(where, name, store, box, claim, chunk, location)
+        read = sum(_dtypes.nbytes(info.dtype, [s.stop - s.start for s in box]) for box in boxes)
+        _claims.check_allocation(where, name, info.dtype, info.shape, read=read, chunk=chunk)
 
     def read_box(self, name: str, box: Sequence[slice]) -> np.ndarray:
-        """The values of ``box`` (a slice per axis, steps of 1) of tensor ``name``, in its
-        stored dtype, in a new 64-byte aligned C-contiguous array, read a few whole stored
-        chunks at a time (:func:`chunk_pieces`).
+        """The values of ``box`` (a slice per axis, steps of 1) of tensor ``name`` in its stored
+        dtype, in a new 64-byte aligned array, read a few whole stored chunks at a time.
 
         Example::
 
@@ -217,11 +205,8 @@ class OrbaxSource:
         return out
 
     def restore(self, names: Sequence[str], *, as_jax: bool = False) -> dict[str, Any]:
-        """The leaves ``names`` as Orbax restores them (scalars, strings, arrays).
-
-        With ``as_jax``, arrays saved as ``jax.Array`` come back as single-device jax arrays
-        (typed PRNG keys keep their type); otherwise every array is a host numpy array.
-        """
+        """The leaves ``names`` as Orbax restores them: arrays as host numpy arrays, or with
+        ``as_jax`` those saved as ``jax.Array`` as single-device ones (PRNG keys stay keys)."""
         import jax
         import orbax.checkpoint as ocp
 
@@ -240,10 +225,8 @@ class OrbaxSource:
         return self._restore(names, restore_args)
 
     def read_sharded(self, names: Sequence[str], shardings: Mapping[str, Any]) -> dict[str, Any]:
-        """The arrays ``names`` as global ``jax.Array`` s laid out by ``shardings`` (a
-        ``jax.sharding.Sharding`` by name), in their stored dtype: each process reads each
-        distinct box of its devices once (:meth:`read_box`), placed without a copy where the
-        devices share host memory (CPU).
+        """The arrays ``names`` as global ``jax.Array`` s laid out by ``shardings`` (by name),
+        in their stored dtype: each process reads each distinct box of its devices once.
 
         Example::
 
@@ -333,10 +316,9 @@ class OrbaxSource:
 def chunk_pieces(
     box: Sequence[slice], chunk: Sequence[int], itemsize: int, max_bytes: int
 ) -> list[tuple[slice, ...]]:
-    """``box`` (slices with explicit bounds) cut at the boundaries of stored chunks of
-    ``chunk`` into pieces of at most ``max_bytes`` where a chunk is not larger: along the
-    first axis the box crosses chunks on, consecutive chunks grouped up to ``max_bytes``;
-    a group of one chunk still larger is cut the same way along the next axes.
+    """``box`` (explicit bounds) cut at stored chunk boundaries into pieces of at most
+    ``max_bytes`` where a chunk is not larger: along the first axis it crosses chunks on,
+    consecutive chunks grouped; a group still larger is cut the same way along the next axes.
 
     Example::
 
@@ -381,19 +363,18 @@ def _orbax_metadata_tree(path: epath.Path) -> Any:
     except Exception as error:  # Orbax raises many types on a damaged file
         # (ValueError/TypeError/KeyError on bad JSON, AttributeError on JSON of another shape)
         raise SafetensorsCheckpointError(
-            _orbax_claims.missing_file(path) or f"{problem}: {error}"
+            _completeness.missing_file(path) or f"{problem}: {error}"
         ) from error
     meta = getattr(meta, "item_metadata", meta)
     tree = getattr(meta, "tree", meta)
     if tree is None:  # (Orbax returns no tree when it cannot read the arrays' own metadata)
-        raise SafetensorsCheckpointError(_orbax_claims.missing_file(path) or problem)
+        raise SafetensorsCheckpointError(_completeness.missing_file(path) or problem)
     return tree
 
 
 def chunk_shape(leaf: Any, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The shape of the chunks an Orbax metadata leaf's array is stored in (its read unit:
-    a multi-process save stores each device's shard as one), or ``shape`` (one chunk) when
-    the metadata does not say."""
+    """The chunk shape of an Orbax metadata leaf's stored array (a multi-process save stores
+    each device's shard as one), or ``shape`` where the metadata does not say."""
     chunk = getattr(getattr(leaf, "storage", None), "chunk_shape", None)
     if chunk is None or len(chunk) != len(shape) or any(int(c) < 1 for c in chunk):
         return shape
@@ -417,9 +398,8 @@ def select_leaves(
     *,
     named: bool = False,
 ) -> Any:
-    """A copy of ``tree`` keeping only the leaves named in ``wanted`` (mapped through ``fn``;
-    with ``named``, through ``fn(name, leaf)``): dicts drop other keys, lists keep their
-    length with None in unwanted places."""
+    """``tree`` with only the leaves named in ``wanted``, mapped through ``fn`` (``named``:
+    ``fn(name, leaf)``); lists keep their length with None in unwanted places."""
     from jax.tree_util import DictKey, SequenceKey
 
     def walk(node: Any, path: tuple[Any, ...]) -> tuple[bool, Any]:

@@ -1,13 +1,9 @@
-"""Any checkpoint as a table of tensors that reads a batch at a time.
-
-Every tool and loader sees what it reads as a :class:`TensorSource`: :class:`TensorInfo` rows
-by dotted name, and ``read(names)``, which returns host numpy arrays of those tensors only.
-:func:`open_source` opens any path: it classifies the path once, descends from a root to a step
-and from a step to its item of tensors, and opens that item with the one reader of its kind:
-:class:`SafetensorsSource` (a ``.safetensors`` file, this library's item, a Hugging Face
-directory), :class:`OrbaxSource` (an Orbax-native PyTree item) or ``MsgpackSource`` (a legacy
-Flax msgpack file). Every file a checkpoint names is checked to lie inside it, and a local file
-is never opened if it is a FIFO or another special file.
+"""Any checkpoint as a table of tensors that reads a batch at a time (:class:`TensorSource`:
+:class:`TensorInfo` rows by dotted name, and ``read(names)`` giving host numpy arrays).
+:func:`open_source` classifies a path once, descends from a root to a step and from a step to
+its item, and opens the item with the one reader of its kind: :class:`SafetensorsSource` (a
+``.safetensors`` file, this library's item, a Hugging Face directory), :class:`OrbaxSource`
+or ``MsgpackSource`` (a legacy Flax msgpack file).
 
 Example::
 
@@ -72,14 +68,14 @@ def open_source(
     path: epath.PathLike, *, step: int | None = None, item: str | None = None, latest: bool = False
 ) -> TensorSource:
     """Opens the tensors ``path`` names: a ``.safetensors`` or Flax msgpack file, a checkpoint
-    item, a directory of safetensors files, an Orbax-native item, or a step directory with one
-    item of tensors (``item``: the item of a step with several). A CheckpointManager root
-    opens its committed step ``step``, or with ``latest`` its latest one.
+    item, a directory of safetensors files, an Orbax-native item, or a step's item of tensors
+    (``item``: which, where it has several); a CheckpointManager root's committed ``step``, or
+    with ``latest`` its latest one. Every file the checkpoint names is checked to lie inside
+    it; a local FIFO or other special file is never opened.
 
     Raises:
-      SafetensorsCheckpointError: ``path`` holds no tensors; a step with several items of
-        tensors and no ``item``; a root without ``step`` or ``latest``; ``step`` or ``item``
-        that ``path`` does not have.
+      SafetensorsCheckpointError: no tensors there; a step of several items without ``item``;
+        a root without ``step`` or ``latest``; a ``step`` or ``item`` it does not have.
       FileNotFoundError: ``path`` does not exist.
 
     Example::
@@ -88,6 +84,23 @@ def open_source(
     """
     path, kind = _resolve(epath.Path(path), step, item, latest)
     return _READERS[kind](path)
+
+
+def open_items(path: epath.PathLike) -> dict[str, TensorSource]:
+    """The tables of every item of tensors ``path`` names: a step directory's by item name,
+    anything else as ``{"": open_source(path)}``.
+
+    Example::
+
+        open_items("/ckpt/100").keys()   # dict_keys(['native', 'state'])
+    """
+    path = epath.Path(path)
+    if _steps.classify(path) is not PathKind.STEP:
+        return {"": open_source(path)}
+    items = {n: k for n, k in _steps.list_items(path).items() if k in _steps.TENSOR_KINDS}
+    if not items:
+        raise _steps.not_a_checkpoint(path)
+    return {name: _READERS[kind](path / name) for name, kind in items.items()}
 
 
 def _resolve(
@@ -141,9 +154,9 @@ def _resolve(
 
 
 class SafetensorsSource:
-    """Tensors stored in safetensors files: one file, one of our items, or an HF directory;
-    ``stored``: where each tensor's bytes lie, with its checksum where one is recorded;
-    ``origins``: each cast tensor's dtype before the cast (``listing.cast_origins``)."""
+    """Tensors in safetensors files (one file, one of our items, or an HF directory);
+    ``stored``: where each one's bytes lie, with its checksum where recorded; ``origins``:
+    each cast tensor's dtype before the cast."""
 
     def __init__(
         self,
@@ -199,7 +212,7 @@ def _open_item(path: epath.Path) -> SafetensorsSource:
 def _open_safetensors_dir(path: epath.Path) -> SafetensorsSource:
     # The files the Hugging Face index lists (each tensor in the file it names), else every
     # ``*.safetensors`` file; each with the checksums it records, if any.
-    index = _read_index(path)
+    index = read_index(path)
     if index is None:
         where, weight_map, metadata = path, None, {}
         names = [p.name for p in _steps.safetensors_files(path)]
@@ -230,8 +243,9 @@ def _open_safetensors_dir(path: epath.Path) -> SafetensorsSource:
     return SafetensorsSource(path, SourceKind.SAFETENSORS_DIR, stored, metadata)
 
 
-def _read_index(path: epath.Path) -> tuple[epath.Path, dict[str, Any]] | None:
-    # The Hugging Face index of a safetensors directory (its path and document), or None.
+def read_index(path: epath.Path) -> tuple[epath.Path, dict[str, Any]] | None:
+    """The Hugging Face index of the directory ``path`` (its path and document, its
+    ``weight_map`` a dict of file names), or None; ``HeaderError`` when it is malformed."""
     if not (path / _plan.INDEX_FILE_NAME).exists():
         return None
     index = _confine.inside(path, _plan.INDEX_FILE_NAME)

@@ -1,24 +1,19 @@
 """Every private or version-dependent JAX and flax name the package touches, in one place.
 
-The supported stacks (``pyproject.toml``; jax 0.6 to 0.10, flax 0.11 to 0.12) differ in what
-they offer, and a few speed-ups need names JAX keeps private. Each such name is looked up here,
-once, behind a guard, with a public fallback that gives the same results;
-``tests/test_compat.py`` checks every fallback against the fast path on every stack CI tests.
-Outside ``orbax_safetensors._src.compat`` (this module and :mod:`.orbaxcompat`, for Orbax's
-names), nothing in the package imports ``jax._src`` or reads another library's private
-attribute.
+The supported stacks (jax 0.6 to 0.10, flax 0.11 to 0.12) differ in what they offer, and a few
+speed-ups need names JAX keeps private. Each is looked up here, behind a guard, with a fallback
+that gives the same results (``tests/orbax/test_compat.py`` checks each on every CI stack):
 
-| what | name | since / status | fallback |
+| what | name | status | fallback |
 |---|---|---|---|
-| :func:`flatten_one_level_with_keys` | ``jax.tree_util.flatten_one_level_with_keys`` | public since jax 0.10.2 | ``tree_flatten_with_path`` with an ``is_leaf`` that stops one level down |
-| :func:`batched_device_put` | ``jax._src.interpreters.pxla.batched_device_put``, ``jax._src.core.ShapedArray`` | private | ``jax.device_put`` (``None`` here) |
-| :func:`single_device_key` | ``SingleDeviceSharding._device`` | private | the sharding itself as a dict key (``None`` here) |
-| :func:`nnx_list` | ``flax.nnx.List`` | public since flax 0.12 (needed there for lists of modules) | a plain ``list`` (what flax 0.11 takes) |
-| :func:`distributed_kv`, :func:`require_distributed_kv` | ``jax._src.distributed.global_state.client`` and its :data:`KV_METHODS` (every supported jaxlib, 0.6.0 on, has them) | private | none for an object-store save by several processes: it raises, naming what is missing (:func:`require_distributed_kv`); :mod:`.multihost` uses device collectives |
-| :mod:`.multihost`'s barriers and broadcasts | the client's ``wait_at_barrier`` (with :func:`distributed_kv`) | private (the client) | device collectives as ``multihost_utils``', waited for on every local device |
-| :func:`global_mesh_kept`, :func:`plain_set_mesh` | ``jax.sharding.set_mesh`` | a plain setter returning the previous mesh on jax 0.7, a context manager from 0.8 on, absent before | nothing to guard (no call on other versions) |
-| :func:`device_holds` | whether XLA takes an ml_dtypes dtype (float6 types: not on jax 0.10's CPU) | differs by version | probed once per dtype by a one-element ``jax.device_put`` |
-| :func:`is_nnx_internal_attr` | ``Module._pytree__state`` (flax 0.12), ``Module._object__state`` (flax 0.11): an empty pytree child of every Module | private | none needed: a flax without them has no such child |
+| :func:`flatten_one_level_with_keys` | ``jax.tree_util.flatten_one_level_with_keys`` | public since jax 0.10.2 | ``tree_flatten_with_path`` stopped one level down |
+| :func:`batched_device_put` | ``pxla.batched_device_put``, ``core.ShapedArray`` | private | ``jax.device_put`` |
+| :func:`single_device_key` | ``SingleDeviceSharding._device`` | private | the sharding itself as the key |
+| :func:`nnx_list`, :func:`nnx_variable_types`, :func:`nnx_value` | ``nnx.List``, ``nnx.VariableState``, ``Variable.get_value`` | flax 0.12 / 0.11 | what flax 0.11 takes |
+| :func:`distributed_kv` | ``jax._src.distributed.global_state.client`` (every jaxlib from 0.6.0 has its key-value store and ``wait_at_barrier``) | private | none: a RuntimeError naming what is missing |
+| :func:`global_mesh_kept` | ``jax.sharding.set_mesh`` | a plain setter on jax 0.6 and 0.7, a context manager from 0.8 | nothing to guard elsewhere |
+| :func:`device_holds` | whether XLA takes an ml_dtypes dtype | float6: not on jax 0.10's CPU | probed once per dtype |
+| :func:`is_nnx_internal_attr` | ``Module._pytree__state`` (flax 0.12), ``_object__state`` (0.11) | private | none needed |
 
 Example::
 
@@ -65,9 +60,8 @@ def flatten_one_level_with_keys(x: Any) -> list[tuple[KeyEntry, Any]]:
 
 
 def nnx_list(items: list[Any]) -> Any:
-    """``nnx.List(items)`` where flax has it (0.12+, which requires it for a list of modules
-    held by a module), else the plain list flax 0.11 takes. The state's names are the same.
-    """
+    """``nnx.List(items)`` on flax 0.12+ (required there for a module's list of modules), else
+    the plain list flax 0.11 takes; the state's names are the same."""
     from flax import nnx  # imported here: flax.nnx takes seconds to import
 
     make = getattr(nnx, "List", None)
@@ -78,12 +72,8 @@ def nnx_list(items: list[Any]) -> Any:
 
 
 def nnx_variable_types() -> tuple[type, ...]:
-    """The classes an ``nnx.State`` holds its leaves in: ``nnx.Variable``, and
-    ``nnx.VariableState`` where this flax still defines that name (flax 0.11, as an alias).
-
-    The name is looked up in ``flax.nnx``'s own namespace, never with ``getattr``: flax 0.12
-    serves it from a module ``__getattr__`` that warns (``DeprecationWarning``).
-    """
+    """The classes an ``nnx.State`` holds its leaves in: ``nnx.Variable``, and flax 0.11's
+    ``nnx.VariableState`` (looked up in ``vars(nnx)``: flax 0.12's ``getattr`` of it warns)."""
     from flax import nnx  # imported here: flax.nnx takes seconds to import
 
     state_type = vars(nnx).get("VariableState")
@@ -91,9 +81,8 @@ def nnx_variable_types() -> tuple[type, ...]:
 
 
 def nnx_value(var: Any) -> Any:
-    """The value an NNX ``Variable`` (or flax 0.11's ``VariableState``) holds: its
-    ``get_value()`` where the class defines one (flax 0.12+), else its ``value`` (flax 0.11's
-    ``VariableState`` forwards unknown attributes to the array, so ``get_value`` would fail)."""
+    """The value an NNX ``Variable`` (or flax 0.11's ``VariableState``) holds: ``get_value()``
+    where the class defines it (flax 0.12+), else ``value``."""
     get = getattr(type(var), "get_value", None)
     return var.value if get is None else get(var)
 
@@ -114,11 +103,8 @@ _NNX_INTERNAL_ATTRS = frozenset({"_pytree__state", "_object__state"})
 
 
 def is_nnx_internal_attr(name: str) -> bool:
-    """Whether ``name`` is an attribute flax.nnx gives every Module as an empty pytree child
-    (flax 0.12's ``_pytree__state``, flax 0.11's ``_object__state``): no state of the user's.
-    A saved Module restored without a target leaves it out, so the result is what
-    ``nnx.to_pure_dict`` gives.
-    """
+    """Whether ``name`` is the empty pytree child flax.nnx gives every Module (no user state;
+    a restore without a target leaves it out, as ``nnx.to_pure_dict`` does)."""
     return name in _NNX_INTERNAL_ATTRS
 
 
@@ -128,10 +114,8 @@ DirectPut = Callable[[Any, Any, Any], jax.Array]
 
 
 def batched_device_put() -> DirectPut | None:
-    """The entry ``jax.device_put`` ends in for numpy inputs, as ``put(x, sharding, device)``
-    (one numpy array onto one device of ``sharding``), or None when this JAX lacks it: callers
-    then use ``jax.device_put``, which gives the same array. See ``pipeline.place``.
-    """
+    """``put(x, sharding, device)``: the entry ``jax.device_put`` ends in for one numpy array
+    onto one device of ``sharding``; None when this JAX lacks it (use ``jax.device_put``)."""
     try:  # jax 0.6-0.10 keep both here; guarded so that a move only costs speed
         from jax._src import core
         from jax._src.interpreters import pxla
@@ -161,12 +145,8 @@ def batched_device_put() -> DirectPut | None:
 
 
 def single_device_key(sharding: Any) -> Any:
-    """A cheap hashable key equal for equal ``SingleDeviceSharding``s, or None.
-
-    ``SingleDeviceSharding.__hash__``/``__eq__`` run in Python; its private ``_device`` plus
-    the memory kind identify it for a fraction of that. None (no such attribute, or not a
-    ``SingleDeviceSharding``): use the sharding itself as the key, which gives the same answers.
-    """
+    """A cheap hashable key equal for equal ``SingleDeviceSharding``s (whose ``__hash__`` and
+    ``__eq__`` run in Python), or None: then the sharding itself is the key."""
     if type(sharding) is not jax.sharding.SingleDeviceSharding:
         return None
     device = getattr(sharding, "_device", None)
@@ -176,10 +156,8 @@ def single_device_key(sharding: Any) -> Any:
 # -- jax._src.distributed.global_state.client (private) --------------------------------------
 
 
+# What callers use of the key-value store (string keys and values).
 KV_METHODS = ("key_value_set", "blocking_key_value_get", "key_value_try_get", "key_value_delete")
-"""What callers use of the key-value store: ``key_value_set(key, value)``,
-``blocking_key_value_get(key, timeout_in_ms)`` (waits until another process set the key),
-``key_value_try_get(key)`` and ``key_value_delete(prefix)`` (strings)."""
 
 
 def _distributed_client() -> Any:
@@ -211,9 +189,8 @@ def kv_missing(client: Any) -> str | None:
 
 
 def distributed_kv() -> Any:
-    """The key-value store of ``jax.distributed`` (the coordination service every process of a
-    job is connected to; see :data:`KV_METHODS`), or None when the job is not distributed or
-    this JAX hides it."""
+    """The key-value store of ``jax.distributed``'s coordination service (see
+    :data:`KV_METHODS`), or None when the job is not distributed or this JAX hides it."""
     client = _distributed_client()
     return None if kv_missing(client) else client
 
@@ -234,13 +211,7 @@ def require_distributed_kv(purpose: str) -> Any:
 
 
 def distributed_kv_try_get(client: Any, key: str) -> str | None:
-    """The value of ``key`` in the key-value store ``client`` (:func:`distributed_kv`), or None
-    if it is not set. Errors other than a missing key propagate.
-
-    Example::
-
-        failed = distributed_kv_try_get(distributed_kv(), "osf/ckpt/1/failed")
-    """
+    """The value of ``key`` in the key-value store ``client``, or None if it is not set."""
     try:
         return str(client.key_value_try_get(key))
     except Exception as error:
@@ -250,13 +221,7 @@ def distributed_kv_try_get(client: Any, key: str) -> str | None:
 
 
 def distributed_kv_delete(client: Any, directory: str) -> None:
-    """Deletes every key under ``directory`` + ``/`` (and ``directory`` itself) from the
-    key-value store ``client``.
-
-    Example::
-
-        distributed_kv_delete(distributed_kv(), "osf/gs://b/ckpt/1/default/1")
-    """
+    """Deletes ``directory`` and every key under ``directory/`` from the store ``client``."""
     client.key_value_delete(directory)
 
 
@@ -264,8 +229,8 @@ def distributed_kv_delete(client: Any, directory: str) -> None:
 
 
 def plain_set_mesh() -> Callable[[Any], Any] | None:
-    """``jax.sharding.set_mesh`` where it is a plain setter returning the previous mesh (jax
-    0.7), else None (absent before, a context manager class from jax 0.8 on)."""
+    """``jax.sharding.set_mesh`` where it is a plain setter returning the previous mesh (jax 0.6
+    and 0.7), else None (a context manager class from jax 0.8 on)."""
     set_mesh = getattr(jax.sharding, "set_mesh", None)
     return None if set_mesh is None or isinstance(set_mesh, type) else set_mesh
 
@@ -274,11 +239,10 @@ def plain_set_mesh() -> Callable[[Any], Any] | None:
 def global_mesh_kept() -> Iterator[None]:
     """Restores this thread's global concrete mesh on exit, if the body changed it.
 
-    On jax 0.7 ``jax.sharding.set_mesh`` is a plain setter (it returns the previous mesh; a
-    context manager from jax 0.8 on), and orbax-checkpoint 0.11.40 uses it as a context manager
-    when it saves a replicated array: the call fails after setting a mesh for the whole thread,
-    and every later jit on other devices fails with "incompatible devices". Calls into Orbax's
-    own handlers run inside this guard; on other versions it does nothing.
+    orbax-checkpoint 0.11.40 uses ``set_mesh`` as a context manager when it saves a replicated
+    array; on jax 0.7, where it is a plain setter, that call fails after setting a mesh for the
+    whole thread, and every later jit on other devices fails. Calls into Orbax's own handlers
+    run inside this guard; elsewhere it does nothing.
 
     Example::
 
@@ -302,9 +266,8 @@ def global_mesh_kept() -> Iterator[None]:
 
 @functools.lru_cache(maxsize=64)
 def device_holds(dtype: np.dtype) -> bool:
-    """Whether this JAX places arrays of ``dtype`` on its devices. ml_dtypes knows types that
-    not every XLA does (the float6 types on jax 0.10's CPU: ``device_put`` raises
-    "Unknown NumPy dtype"); probed once per dtype with a one-element array.
+    """Whether this JAX places arrays of ``dtype`` on its devices (ml_dtypes knows types not
+    every XLA does); probed once per dtype with a one-element array.
 
     Example::
 

@@ -1,11 +1,9 @@
 """Every private or version-dependent Orbax name the package touches, in one place.
 
-The supported stacks (``pyproject.toml``; orbax-checkpoint 0.11.11 to 0.12) differ in what
-they offer, and one speed-up needs names Orbax keeps private. Each such name is looked up here,
-once, behind a guard, with a public fallback that gives the same results;
-``tests/test_compat.py`` checks every fallback against the fast path on every stack CI tests.
-Outside ``orbax_safetensors._src.compat`` (this module and :mod:`.jaxcompat`, for JAX's and
-flax's names), nothing in the package reads another library's private attribute.
+The supported stacks (orbax-checkpoint 0.11.11 to 0.12) differ in what they offer. Each name is
+looked up here, behind a guard, with a fallback that gives the same results
+(``tests/orbax/test_compat.py`` checks each on every CI stack); Orbax is imported by the
+functions, never with the module:
 
 | what | name | since / status | fallback |
 |---|---|---|---|
@@ -34,11 +32,8 @@ from typing import Any
 
 
 def pytree_partial_restore(item: Any, restore_args: Any) -> Any:
-    """``ocp.args.PyTreeRestore`` restoring only the leaves ``item`` holds.
-
-    Orbax versions that lack ``partial_restore`` get the same result from an empty
-    ``transforms`` dict, which restores exactly the keys of ``item``.
-    """
+    """``ocp.args.PyTreeRestore`` restoring only the leaves ``item`` holds (through an empty
+    ``transforms`` on an Orbax without ``partial_restore``)."""
     import orbax.checkpoint as ocp
 
     fields = {f.name for f in dataclasses.fields(ocp.args.PyTreeRestore)}
@@ -62,13 +57,9 @@ ORBAX_CLASS_AWARE_COMMIT = (0, 12, 3)
 
 @functools.cache
 def orbax_uses_legacy_commit_rule() -> bool:
-    """Whether the installed orbax-checkpoint is older than 0.12.3, whose ``all_steps()`` lists
-    every final-named step directory except one on gs:// without ``commit_success.txt``,
-    whatever the manager's ``temporary_path_class`` (the rule above ``_steps.StepDir``).
-
-    Read from the installed distribution's version (no Orbax import); False when it cannot be
-    read: the current rule.
-    """
+    """Whether the installed orbax-checkpoint (its distribution's version: no import) is older
+    than 0.12.3, whose ``all_steps()`` lists every final-named step directory except one on
+    gs:// without ``commit_success.txt``, whatever the manager's ``temporary_path_class``."""
     try:
         text = importlib.metadata.version("orbax-checkpoint")
     except importlib.metadata.PackageNotFoundError:
@@ -148,12 +139,9 @@ class V1LoadingOptions:
 
 
 def v1_loading_options() -> V1LoadingOptions:
-    """The loading options of the active v1 ``ocp.Context`` (or Orbax's defaults outside one).
-
-    Orbax's own v1 handlers read the active context with ``get_context()``, which the v1 API
-    does not export: this reads it from Orbax's private module, fenced: if that module or the
-    option fields move, the defaults apply (``readable=False``; tested on every stack).
-    """
+    """The loading options of the active v1 ``ocp.Context`` (Orbax's defaults outside one),
+    read as Orbax's own handlers read them, from a private module the v1 API does not export;
+    if it moves, the defaults apply with ``readable=False``."""
     try:
         from orbax.checkpoint.experimental.v1._src.context import context as v1_context
 
@@ -170,12 +158,9 @@ def replace_named_handler(
     registry: Any, name: str, handler_type: type, secondary_typestrs: list[str]
 ) -> None:
     """Makes ``handler_type`` the handler of checkpointable ``name`` in a v1 registry that may
-    hold another one for that name (Orbax's global registry gives ``"state"`` to its
-    ``PyTreeHandler``, and its public ``add`` refuses a second entry for a name).
-
-    Drops the old entry from the registry's private entry list; a registry without one raises
-    a ``ValueError`` saying to register per context instead.
-    """
+    hold another (the global one gives ``"state"`` to ``PyTreeHandler``, and ``add`` refuses a
+    second entry) by dropping the old entry from its private list; a ``ValueError`` saying to
+    register per context where there is no such list."""
     entries = getattr(registry, "_registry", None)
     if registry.has(name):
         if not isinstance(entries, list):
@@ -201,11 +186,9 @@ def array_read_spec(
     context: Any = None,
 ) -> dict[str, Any] | None:
     """The TensorStore spec (JSON) with which Orbax's restore opens the array ``name`` of the
-    item ``directory`` (an ``epath.Path``; ``context``: the ``tensorstore.Context`` it will
-    be opened in), built by Orbax's own
-    ``ocp.type_handlers.get_json_tspec_read``; None when this orbax-checkpoint's helper or its
-    ``ParamInfo`` do not take these fields: the caller then reads through Orbax's restore,
-    which gives the same values (``tests/orbax/test_compat.py`` compares them on every stack).
+    item ``directory`` (an ``epath.Path``; ``context``: its ``tensorstore.Context``), built by
+    ``ocp.type_handlers.get_json_tspec_read``; None where that helper or its ``ParamInfo`` take
+    other fields (then read through Orbax's restore: the same values).
 
     Example::
 

@@ -1,9 +1,9 @@
-"""CRC32C checksums that can be computed in pieces, by many processes, and merged.
+"""CRC32C checksums computed in pieces, by many processes, and merged.
 
-CRC32C runs at memory speed with the CPU's CRC instructions (the ``crc32c`` package; figures in
-docs/performance.md) and, unlike xxh3 or SHA-256, is *combinable*: ``crc(A + B)`` follows from ``crc(A)``,
-``crc(B)`` and ``len(B)``. So each process checksums the byte runs it writes and one process
-merges them into a whole-tensor checksum without seeing any data.
+CRC32C runs at memory speed with the CPU's CRC instructions and, unlike xxh3 or SHA-256, is
+*combinable*: ``crc(A + B)`` follows from ``crc(A)``, ``crc(B)`` and ``len(B)``. So each process
+checksums the byte runs it writes, and the metadata's writer merges them into whole-tensor
+checksums without seeing any data.
 
 Example::
 
@@ -95,13 +95,7 @@ def combine_runs(runs: Iterable[tuple[int, int, int]], total: int) -> int:
 
 def share(runs: Iterable[tuple[int, int, int]], total: int) -> int:
     """One writer's share of the CRC of ``[0, total)``, from the ``(offset, length, crc)`` runs
-    it wrote; XOR-ing the shares of writers whose runs tile ``[0, total)`` exactly once gives the
-    whole range's CRC.
-
-    CRC is linear: ``crc(P1 + ... + Pk)`` is the XOR over pieces of ``crc(Pi)`` shifted past the
-    bytes that follow ``Pi``. So each process folds its own (strided, interleaved) runs into one
-    value, and merging thousands of processes is one XOR per process and tensor, not one
-    combine per run.
+    it wrote: XOR-ing the shares of writers whose runs tile ``[0, total)`` gives its CRC.
 
     Example::
 
@@ -113,6 +107,9 @@ def share(runs: Iterable[tuple[int, int, int]], total: int) -> int:
     """
     if isinstance(runs, list) and len(runs) == 1 and runs[0][0] == 0 and runs[0][1] == total:
         return runs[0][2]  # the whole range in one run (the common case): its own CRC
+    # CRC is linear: crc(P1 + ... + Pk) is the XOR of each crc(Pi) shifted past the bytes after
+    # it, so a process folds its own (strided) runs into one value, and merging thousands of
+    # processes is one XOR per process and tensor.
     acc, end = 0, None
     for offset, length, crc in sorted(runs):
         # Horner's rule: shift what we have past the gap and this run, then add this run.

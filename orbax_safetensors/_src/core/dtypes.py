@@ -1,7 +1,5 @@
 """Safetensors dtype names <-> numpy dtypes (via ml_dtypes), sizes and sub-byte packing.
 
-Knows nothing of pytrees or files beyond the dtype vocabulary of the safetensors format.
-
 Example::
 
     >>> to_numpy("BF16")
@@ -23,11 +21,9 @@ from orbax_safetensors._src.core.errors import UnsupportedLeafError
 if TYPE_CHECKING:
     import numpy as np
 
-# The safetensors dtype vocabulary (see the reference Rust `Dtype` enum): each name with the
-# numpy (or ml_dtypes) type that holds one element, by name, and the element's width on disk
-# in bits. NumPy, ml_dtypes and the types are imported on first use (:func:`_numpy_table`),
-# not with the module: reading a header, listing a file's tensors and the command line's start
-# need only the names and widths, and importing ml_dtypes is slow.
+# The safetensors dtype vocabulary (the reference Rust `Dtype` enum): each name with the numpy
+# (or ml_dtypes) type of one element and its width on disk in bits. NumPy and ml_dtypes are
+# imported on first use: reading a header and the command line's start need only these.
 _TYPES: dict[str, tuple[str, int]] = {
     "BOOL": ("bool", 8),
     "U8": ("uint8", 8),
@@ -61,7 +57,7 @@ _CHUNK = 1 << 16  # elements per sub-byte packing step; a multiple of 8, so step
 
 @functools.cache
 def _numpy_table() -> tuple[dict[str, np.dtype], dict[np.dtype, str]]:
-    """``({name: numpy dtype}, {numpy dtype: name})``, built once, on first use."""
+    # ({name: numpy dtype}, {numpy dtype: name}), built on first use.
     import ml_dtypes
     import numpy as np
 
@@ -122,11 +118,8 @@ def num_elements(shape: Sequence[int]) -> int:
 
 
 def nbytes(name: str, shape: Sequence[int]) -> int:
-    """Bytes that a tensor of this dtype and shape occupies on disk.
-
-    Sub-byte dtypes are bit-packed; a tensor whose bits are not a whole number of bytes
-    cannot be stored and raises ``UnsupportedLeafError``.
-    """
+    """Bytes a tensor of this dtype and shape occupies on disk (sub-byte dtypes bit-packed;
+    ``UnsupportedLeafError`` when its bits are not a whole number of bytes)."""
     n = 1
     for d in shape:  # num_elements, inline: this runs several times per tensor of every save
         n *= int(d)
@@ -143,12 +136,9 @@ def nbytes(name: str, shape: Sequence[int]) -> int:
 
 
 def pack(values: np.ndarray, name: str) -> np.ndarray:
-    """The on-disk bytes of ``values`` (C order) as a flat uint8 array.
-
-    Whole-byte dtypes are a zero-copy view. Sub-byte dtypes (F4, F6_*) are packed as a
-    little-endian bit stream: element 0 in the lowest bits of byte 0, as PyTorch's
-    ``float4_e2m1fn_x2`` and the safetensors reference do.
-    """
+    """The on-disk bytes of ``values`` (C order) as a flat uint8 array: a view for whole-byte
+    dtypes; sub-byte ones packed little-endian (element 0 in the lowest bits of byte 0, as
+    PyTorch's ``float4_e2m1fn_x2`` and the safetensors reference do)."""
     import numpy as np
 
     width = bits(name)

@@ -1,9 +1,7 @@
 """The library's exceptions: one hierarchy under :class:`SafetensorsCheckpointError`, every
-class a ``ValueError``. :class:`MetadataError` is also a ``TypeError``, and ``ObjectStoreError``
-(``orbax_safetensors._src.storage.objstore.calls``) is also an ``OSError``, so code that
-catches the built-in class still does.
-
-Messages name the offending key, file, shape and dtype, and say what was expected.
+class a ``ValueError`` (:class:`MetadataError` also a ``TypeError``, ``osf.ObjectStoreError``
+also an ``OSError``). Messages name the offending key, file, shape and dtype, and say what was
+expected.
 
 Example::
 
@@ -22,17 +20,35 @@ from typing import Any
 
 
 class SafetensorsCheckpointError(ValueError):
-    """Base class of every error raised by orbax_safetensors about data or files."""
+    """Base class of every error raised by orbax_safetensors about data or files.
+
+    Example::
+
+        try:
+            tree = osf.load_file(path)
+        except osf.SafetensorsCheckpointError as e:
+            print(e)  # names the file, key and numbers involved, and what was expected
+    """
 
 
 class HeaderError(SafetensorsCheckpointError):
-    """A ``.safetensors`` file's header is malformed, inconsistent or hostile."""
+    """A ``.safetensors`` file's header is malformed, inconsistent or hostile.
+
+    Example: ``osf.read_header(path)`` of a truncated file raises it, naming the file."""
 
 
 class NotSafetensorsError(HeaderError):
     """The path is not a safetensors file but something recognisable (a Flax msgpack
     checkpoint, a pickle, a zip, an Orbax directory...); the message says what and what to
-    run instead. ``found`` holds the finding (``kind``, ``description``, ``suggestion``)."""
+    run instead.
+
+    Example::
+
+        try:
+            osf.read_header("flax_model.msgpack")
+        except osf.NotSafetensorsError as e:
+            e.found.kind, e.found.suggestion   # 'flax-msgpack', 'Convert it: ...'
+    """
 
     def __init__(self, message: str, found: Any = None) -> None:
         super().__init__(message)
@@ -40,27 +56,35 @@ class NotSafetensorsError(HeaderError):
 
 
 class SchemaError(SafetensorsCheckpointError):
-    """The JSON tree schema stored with a checkpoint is malformed or inconsistent."""
+    """The JSON tree schema stored with a checkpoint is malformed or inconsistent.
+
+    Example: ``osf.load_file(path)`` of a file whose schema names an unknown kind raises it."""
 
 
 class UnsafePathError(SafetensorsCheckpointError):
-    """A path the input leads to is refused before anything is read from it: a name read from
-    a checkpoint or a directory (an item's metadata, an index, a listing) that leads outside
-    the directory holding it (an absolute name, ``..``, another URL scheme, a symbolic link out
-    of it), or a file that is not a regular file (a FIFO, device, socket or directory where a
-    file is read: opening a FIFO for reading would block)."""
+    """A path refused before anything is read from it: a name read from a checkpoint that
+    leads outside the directory holding it (absolute, ``..``, a URL, a symbolic link out of
+    it), or a file that is not a regular file (a FIFO, device, socket or directory).
+
+    Example: an index naming ``../other.safetensors`` raises it before anything is read."""
 
 
 class UnsupportedLeafError(SafetensorsCheckpointError):
-    """A pytree leaf (or its dtype) cannot be stored; nothing was written."""
+    """A pytree leaf (or its dtype) cannot be stored; nothing was written.
+
+    Example: ``osf.save_file({"f": print}, path)`` raises it, naming the leaf ``f``."""
 
 
 class DeletedArrayError(UnsupportedLeafError):
-    """A ``jax.Array`` leaf has been deleted (donated); nothing was written."""
+    """A ``jax.Array`` leaf has been deleted (donated); nothing was written.
+
+    Example: saving ``state`` after ``jax.jit(step, donate_argnums=0)(state)`` raises it."""
 
 
 class MetadataError(SafetensorsCheckpointError, TypeError):
-    """User metadata of a checkpoint directory is not JSON-serialisable."""
+    """User metadata of a checkpoint directory is not JSON-serialisable.
+
+    Example: ``SafetensorsSave(state, metadata={"when": datetime.now()})`` raises it."""
 
 
 class MismatchKind(enum.Enum):
@@ -101,11 +125,16 @@ class Mismatch:
 
 
 class TargetMismatchError(SafetensorsCheckpointError):
-    """The restore target disagrees with the checkpoint (keys, shapes, dtypes).
+    """The restore target disagrees with the checkpoint (keys, shapes, dtypes); the message
+    lists every disagreement at once, and ``mismatches`` each as a :class:`Mismatch` (empty for
+    errors about no one key, such as an include pattern that matches nothing).
 
-    ``mismatches`` lists each disagreement as a :class:`Mismatch` (empty for errors that are
-    not about one key, such as an include pattern that matches nothing); the message words
-    them in the vocabulary of the API the restore came through.
+    Example::
+
+        try:
+            osf.load_file("model.safetensors", target)
+        except osf.TargetMismatchError as e:
+            missing = [m.key for m in e.mismatches if m.kind.value == "missing"]
     """
 
     def __init__(self, message: str, mismatches: Iterable[Mismatch] = ()) -> None:
@@ -114,10 +143,13 @@ class TargetMismatchError(SafetensorsCheckpointError):
 
 
 class IntegrityError(SafetensorsCheckpointError):
-    """Stored bytes do not match their recorded checksum."""
+    """Stored bytes do not match their recorded checksum.
+
+    Example: ``osf.load_file(path)`` of a file with a flipped bit raises it, naming the tensor."""
 
 
 class ConfigError(SafetensorsCheckpointError):
-    """A model config's value that shapes a tensor (a Hugging Face ``config.json``'s
-    ``vocab_size``, heads, ``head_dim``...) is impossible: not a positive whole number, or
-    not dividing what it must divide. The message names the key and the value."""
+    """A model config's value that shapes a tensor (``vocab_size``, heads, ``head_dim``...) is
+    impossible: not a positive whole number, or not dividing what it must divide.
+
+    Example: a preset reading a ``config.json`` whose ``num_attention_heads`` is 0 raises it."""

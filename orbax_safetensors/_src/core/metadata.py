@@ -1,6 +1,7 @@
-"""The metadata a checkpoint carries, and the names it is stored under: the directory's
-``orbax_safetensors.json`` document (built, checked, parsed, checksums merged in) and the
-standalone file's ``__metadata__`` keys. Pure: the callers read and write the bytes.
+"""The metadata a checkpoint carries: the directory's ``orbax_safetensors.json`` document
+(built, checked, parsed, checksums merged in), the standalone file's ``__metadata__`` keys, and
+the rule for file names read from a checkpoint (relative paths below their directory). Pure:
+the callers read and write the bytes; ``storage/confine.py`` adds what the filesystem knows.
 
 Example::
 
@@ -18,13 +19,13 @@ from typing import Any
 from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import header as _header
-from orbax_safetensors._src.core import paths as _paths
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import sharding as _sharding
 from orbax_safetensors._src.core.errors import (
     IntegrityError,
     MetadataError,
     SchemaError,
+    UnsafePathError,
     UnsupportedLeafError,
 )
 from orbax_safetensors._version import __version__
@@ -43,7 +44,6 @@ HEADER_METADATA = {"format": "flax"}  # every header's __metadata__, as safetens
 
 SCHEMA_KEY = "orbax_safetensors.tree"
 CHECKSUM_KEY = "orbax_safetensors.crc32c"
-FORMAT_KEY = "format"
 RESERVED_KEYS = (SCHEMA_KEY, CHECKSUM_KEY)
 
 
@@ -102,6 +102,38 @@ def is_plain_filename(name: object) -> bool:
     )
 
 
+def escape_problem(name: object) -> str | None:
+    """What makes ``name`` (read from a checkpoint) no relative path below its directory
+    (``"an absolute path"``, ``"a '..' part"``...), or None when it is one.
+
+    Example::
+
+        escape_problem("/etc/passwd")   # 'an absolute path'
+    """
+    if not isinstance(name, str) or not name:
+        return "not a file name"
+    if "\0" in name:
+        return "a NUL character"
+    if "://" in name:
+        return "a URL"
+    if name.startswith(("/", "\\")):
+        return "an absolute path"
+    if ".." in name.replace("\\", "/").split("/"):
+        return "a '..' part"
+    return None
+
+
+def escape_error(where: object, name: object, root: object, detail: str = "") -> UnsafePathError:
+    """The one error for a name read from ``where`` (the file that holds it) that leads outside
+    ``root`` (the directory that holds it); ``detail`` says how."""
+    return UnsafePathError(
+        f"{where}: names {name!r}, which leads outside {root}"
+        + (f" ({detail})" if detail else "")
+        + "; a name read from a checkpoint must stay inside the directory that holds it (no "
+        "absolute path, '..', URL or symbolic link out of it)"
+    )
+
+
 def check_user_metadata(user_metadata: Mapping[str, Any] | None) -> None:
     """Raises MetadataError (a TypeError) when ``user_metadata`` is not JSON-serialisable."""
     try:
@@ -119,11 +151,9 @@ def build_metadata(
 ) -> dict[str, Any]:
     """The metadata document of a checkpoint directory, less checksums (:func:`add_checksums`).
 
-    Each tensor's ``data_offsets`` (as in its file's header) and each file's ``file_layout``
-    (``data_start``, ``size``) let a restore find every tensor without reading any header.
-    ``shardings`` maps each tensor to :func:`.sharding.sharding_to_json`'s description or None;
-    their device ids go into the document's ``device_meshes`` table, once per distinct list;
-    a single device's id into the tensor's ``device``.
+    Each tensor's ``data_offsets`` and each file's ``file_layout`` let a restore find every
+    tensor without reading a header. ``shardings``: each tensor's
+    :func:`.sharding.sharding_to_json` description or None.
     """
     shardings, devices = _sharding.split_devices(shardings)
     shardings, device_meshes = _sharding.intern_device_ids(shardings)
@@ -185,11 +215,8 @@ def parse_metadata(raw: bytes, where: object) -> dict[str, Any]:
 
 
 def validate_entries(doc: Mapping[str, Any], where: object) -> None:
-    """Checks every field of a metadata document that a restore relies on (the one validator
-    restore and ``verify`` share, run by :func:`parse_metadata`): the file list, each tensor's
-    dtype, shape, file, checksum, device and sharding, the ``device_meshes`` table and the
-    user metadata. The schema is checked by ``tree.validate_schema``, the files' headers
-    against these entries when they are read.
+    """Checks every field of a metadata document a restore relies on (the one validator restore
+    and ``verify`` share); the schema is checked by ``tree.validate_schema``.
 
     Raises:
       SchemaError: naming the tensor and the field.
@@ -200,9 +227,9 @@ def validate_entries(doc: Mapping[str, Any], where: object) -> None:
     """
     files = doc["files"]
     for filename in files:
-        escape = _paths.escape_problem(filename)
+        escape = escape_problem(filename)
         if escape is not None and isinstance(filename, str) and filename:
-            raise _paths.escape_error(where, filename, str(where).rpartition("/")[0], escape)
+            raise escape_error(where, filename, str(where).rpartition("/")[0], escape)
         if not is_plain_filename(filename):
             raise SchemaError(f"{where}: lists an invalid file name {filename!r}")
     meshes = doc.get("device_meshes")
@@ -221,9 +248,8 @@ def validate_entries(doc: Mapping[str, Any], where: object) -> None:
 
 
 def has_layout(doc: Mapping[str, Any]) -> bool:
-    """Whether a checked metadata document places every tensor itself (``file_layout`` and
-    each tensor's ``data_offsets``), so that a restore reads no header; False for checkpoints
-    written before these fields existed."""
+    """Whether a checked metadata document places every tensor itself (``file_layout``, each
+    tensor's ``data_offsets``); False for checkpoints written before these fields."""
     return doc.get("file_layout") is not None
 
 
@@ -320,8 +346,8 @@ def _validate_tensor(
 def add_checksums(
     metadata: dict[str, Any], shares: Sequence[dict[str, Any]], where: object
 ) -> None:
-    """Merges every process's checksum share into ``metadata`` (each tensor's ``crc32c``), when
-    there are shares and every one has checksums.
+    """Merges every process's checksum share into ``metadata`` (each tensor's ``crc32c``) when
+    every share has checksums.
 
     Raises:
       IntegrityError: the processes did not write every byte of a tensor exactly once.

@@ -74,11 +74,9 @@ def assign_names(paths: list[tuple[KeyEntry, ...]]) -> list[str]:
 
 
 def dedupe_names(names: list[str], paths: list[tuple[KeyEntry, ...]]) -> list[str]:
-    """``names`` (the joined ``paths``) with the colliding ones suffixed, in place and returned.
-
-    The paths of a colliding group are sorted; the first keeps the plain name, the others get
-    ``~1``, ``~2``... skipping names used elsewhere. ``__metadata__`` is always suffixed.
-    """
+    """``names`` (the joined ``paths``) with colliding ones suffixed, in place: the paths of a
+    group sorted, the first keeps the name, the others get ``~1``, ``~2``... (skipping names
+    used elsewhere); ``__metadata__`` is always suffixed."""
     if len(set(names)) == len(names) and _header.METADATA_KEY not in names:
         return names  # the common case: nothing collides
     groups: dict[str, list[int]] = {}
@@ -101,8 +99,7 @@ def dedupe_names(names: list[str], paths: list[tuple[KeyEntry, ...]]) -> list[st
 
 
 def is_nnx_variable(x: object) -> bool:
-    """Whether ``x`` is a flax NNX ``Variable`` (transparent for naming when it holds one value)."""
-    # No object can be an NNX Variable unless flax.nnx was imported by the caller, so the
-    # (slow) import is never triggered from here.
+    """Whether ``x`` is a flax NNX ``Variable`` (never imports flax: an object can be one only
+    once the caller imported it)."""
     nnx = sys.modules.get("flax.nnx")
     return nnx is not None and isinstance(x, nnx.Variable)

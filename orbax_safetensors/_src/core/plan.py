@@ -1,6 +1,5 @@
 """The file plan: which tensors go in which file, at which offsets. Pure functions of names,
-global shapes and dtypes, so every process computes the same plan without talking to others
-(the byte runs each process writes or reads within a tensor are :mod:`.runs`).
+global shapes and dtypes, so every process computes the same plan without talking to others.
 
 Example::
 
@@ -24,8 +23,7 @@ DEFAULT_MAX_FILE_SIZE = 5 * 1000**3  # ~5 GB per file, as on the Hugging Face Hu
 
 
 class TensorSpec(NamedTuple):
-    """A tensor to store: its name, safetensors dtype and global shape (a named tuple: cheap
-    to create, one per tensor of every save)."""
+    """A tensor to store: its name, safetensors dtype and global shape."""
 
     name: str
     dtype: str
@@ -101,11 +99,9 @@ def _file_order(specs: list[TensorSpec]) -> list[TensorSpec]:
 def header_bound(
     name_chars: int, count: int, max_ndim: int, metadata: Mapping[str, str] | None = None
 ) -> int:
-    """An upper bound of the header bytes of any file planned from ``count`` tensors whose
-    names total ``name_chars`` characters (before collision suffixes), with at most
-    ``max_ndim`` dimensions each, without laying them out: every name fully JSON-escaped
-    (6 bytes per character) with a ``~N`` suffix, 20-digit numbers, plus the padding to the
-    data section's alignment."""
+    """An upper bound of the header bytes of any file planned from ``count`` tensors whose names
+    total ``name_chars`` characters, of at most ``max_ndim`` dimensions, without laying them
+    out (names fully JSON-escaped with a ``~N`` suffix, 20-digit numbers, the padding)."""
     meta = sum(6 * (len(k) + len(v)) + 6 for k, v in (metadata or {}).items()) + 64
     meta += _header.DATA_ALIGNMENT
     return meta + 6 * name_chars + count * (96 + 6 * 21 + 21 * max_ndim)
@@ -118,8 +114,8 @@ def plan_files(
     single_file_name: str = SINGLE_FILE_NAME,
     metadata: Mapping[str, str] | None = None,
 ) -> CheckpointPlan:
-    """Assigns tensors to files (in order, splitting at ``max_file_size`` bytes of data; a
-    tensor never spans files) and lays out each file. ``metadata`` goes into every header."""
+    """Assigns tensors to files (in order, a new file past ``max_file_size`` bytes of data; a
+    tensor never spans files) and lays out each; ``metadata`` goes into every header."""
     groups: list[list[TensorSpec]] = [[]]
     used = 0
     for s in specs:

@@ -1,8 +1,6 @@
-"""Trees back from a schema: :func:`unflatten`, the cut-down schemas of a selective restore
-(:func:`prune_schema`, :func:`selectable_names`) and restore targets (:func:`flatten_target`).
-
-Every function takes the typed :class:`~.schema.Schema` or its JSON document (which is then
-read with :func:`~.schema.from_json`); nothing here knows files or Orbax.
+"""Trees back from a schema (:func:`unflatten`), the cut-down schemas of a selective restore
+(:func:`prune_schema`) and restore targets (:func:`flatten_target`). Each takes the typed
+:class:`~.schema.Schema` or its JSON document.
 
 Example::
 
@@ -44,12 +42,10 @@ SchemaDoc = Mapping[str, Any]  # a schema's JSON document
 def validate_schema(
     schema: object, *, max_leaves: int = _schema.MAX_LEAVES
 ) -> dict[str, SchemaLeaf]:
-    """Checks a schema read from a file and returns its leaves by name
-    (``from_json(schema).leaves``).
+    """``from_json(schema).leaves``: the leaves by name of a schema read from a file.
 
     Raises:
-      SchemaError: naming the first problem (unknown version or kind, bad keys, duplicate names,
-        aliases pointing nowhere or at another alias, trees nested too deeply).
+      SchemaError: naming the first problem.
     """
     return _schema.from_json(schema, max_leaves=max_leaves).leaves  # type: ignore[return-value]
 
@@ -75,12 +71,10 @@ def unflatten(
 ) -> Any:
     """Rebuilds the stored tree; ``get(leaf)`` supplies each array leaf's value.
 
-    Custom nodes come back as dicts keyed by their field names (or lists when keyed by
-    index; None when empty, as Orbax restores them); NNX Variables as their values, and flax
-    NNX Modules without their internal empty child (as ``nnx.to_pure_dict`` gives them). Pass a
-    target to ``flatten_target`` for the original node types. ``leaves``: the full schema's
-    leaves when ``schema`` is cut down by :func:`prune_schema` (its aliases may point at leaves
-    it no longer holds); ``schema``'s own otherwise.
+    Custom nodes come back as dicts of their fields (lists when keyed by index; None when
+    empty, as Orbax restores them), NNX Variables as their values, NNX Modules as
+    ``nnx.to_pure_dict`` gives them. ``leaves``: the full schema's leaves when ``schema`` was
+    cut down by :func:`prune_schema` (its aliases may point at leaves it no longer holds).
 
     Example::
 
@@ -140,13 +134,12 @@ def prune_schema(schema: Schema, keep: Callable[[str], bool]) -> Schema | None: 
 @overload
 def prune_schema(schema: SchemaDoc, keep: Callable[[str], bool]) -> dict[str, Any] | None: ...
 def prune_schema(schema: Any, keep: Callable[[str], bool]) -> Any:
-    """``schema`` cut down to the leaves whose names ``keep`` accepts, in their saved
-    containers (None: nothing kept); a JSON document for a JSON document, typed for typed.
+    """``schema`` cut down to the leaves whose names ``keep`` accepts, in their saved containers
+    (None: nothing kept); a JSON document for a JSON document, typed for typed.
 
-    Dicts and named nodes lose the entries that hold nothing kept; lists, tuples and
-    index-keyed nodes keep their length, with None where nothing is kept, so indices still
-    name the same entries. A None leaf or an empty container is kept when ``keep`` accepts
-    its dotted path. Aliases may point at tensors that are not kept: pass the full schema's
+    Dicts and named nodes lose the entries that hold nothing kept; sequences keep their length,
+    with None where nothing is kept. A None leaf or an empty container is kept when ``keep``
+    accepts its dotted path. Aliases may point at tensors not kept: pass the full schema's
     leaves to :func:`unflatten`.
 
     Example::
@@ -230,9 +223,8 @@ def flatten_target(
 ) -> TargetLeaves:
     """Flattens a restore target with jax's own pytree rules (keeping its node types).
 
-    Leaves for which ``structural`` holds (``None`` and empty nodes taken as leaves by
-    ``is_leaf``) are named by their plain dotted path and take no part in breaking name
-    collisions, as a saved schema names them: only stored leaves get ``~N`` suffixes.
+    Leaves for which ``structural`` holds (None and empty nodes) keep their plain dotted path
+    and take no part in breaking name collisions, as a saved schema names them.
 
     Example::
 

@@ -1,5 +1,5 @@
 """Byte runs: where a shard's box lies inside a row-major tensor, and how wanted runs are
-grouped into vectored reads. Pure functions of shapes, dtypes and offsets.
+grouped into reads.
 
 Example::
 
@@ -29,9 +29,8 @@ ReadBatch = tuple[int, list[memoryview], list[int]]  # file offset, buffers, run
 
 
 def share_bytes(total: int, workers: int, *, low: int = 4 << 20, high: int = 16 << 20) -> int:
-    """How many bytes each of ``workers`` threads should take of ``total``: the even share,
-    rounded up to whole MiB (block-aligned pieces) and kept within ``[low, high]`` (below a
-    few MiB, a piece costs more in calls than a thread gains).
+    """Bytes each of ``workers`` threads should take of ``total``: the even share, rounded up to
+    whole MiB and kept within ``[low, high]`` (a smaller piece costs more than a thread gains).
 
     Example::
 
@@ -44,12 +43,10 @@ def share_bytes(total: int, workers: int, *, low: int = 4 << 20, high: int = 16 
 
 
 def piece_spans(offset: int, nbytes: int, piece: int, block: int = 4096) -> list[tuple[int, int]]:
-    """Where to cut ``nbytes`` at file ``offset`` into pieces of about ``piece`` bytes (a
-    multiple of ``block``) for several threads: ``(start, end)`` inside the run per piece,
-    every cut at a ``block``-aligned file offset (direct I/O reads each piece's whole blocks in
-    place, and a cut between blocks costs none). The first piece takes the bytes up to the
-    first aligned offset as well, the last the rest when that is under half a piece (no small
-    tail piece, which direct I/O would read buffered).
+    """Where to cut ``nbytes`` at file ``offset`` into pieces of about ``piece`` bytes for
+    several threads: ``(start, end)`` inside the run per piece, every cut at a
+    ``block``-aligned file offset (so direct I/O reads each piece's whole blocks in place), and
+    no tail piece under half a piece (which direct I/O would read buffered).
 
     Example::
 
@@ -86,16 +83,13 @@ def index_key(index: Index) -> tuple[tuple[int, int], ...]:
 
 
 def box_shape(index: Index) -> tuple[int, ...]:
+    """The shape of a normalised index's box."""
     return tuple(int(s.stop - s.start) for s in index)
 
 
 def box_runs(shape: Sequence[int], index: Index) -> tuple[np.ndarray, int]:
-    """The element runs of a box (a normalised index) inside a row-major tensor.
-
-    Returns ``(offsets, length)``: the box's elements, in row-major order of the box, are
-    ``length`` consecutive elements starting at each of ``offsets`` (ascending). One run when
-    only leading dimensions are split; equally spaced runs otherwise.
-    """
+    """``(offsets, length)``: the box (a normalised index) of a row-major tensor is ``length``
+    consecutive elements at each of ``offsets`` (ascending), in the box's row-major order."""
     shape = tuple(int(d) for d in shape)
     extents = box_shape(index)
     if any(e == 0 for e in extents):
@@ -136,13 +130,6 @@ def byte_runs(spec_dtype: str, shape: Sequence[int], index: Index) -> tuple[np.n
     return offsets * width // 8, length * width // 8
 
 
-def coalesced_reads(
-    runs: Sequence[tuple[int, np.ndarray]], max_gap: int, *, bounded: bool = False
-) -> list[tuple[int, list[memoryview]]]:
-    """:func:`coalesce_runs` without the run numbers."""
-    return [(start, bufs) for start, bufs, _ in coalesce_runs(runs, max_gap, bounded=bounded)]
-
-
 def coalesce_runs(
     runs: Sequence[tuple[int, np.ndarray]],
     max_gap: int,
@@ -151,11 +138,9 @@ def coalesce_runs(
     max_batch: int = MAX_BATCH_BYTES,
 ) -> list[ReadBatch]:
     """Wanted byte runs ``(offset, buffer)`` grouped into vectored reads: ``(file offset,
-    buffers, run numbers)`` per read, in offset order."""
-    # Sort by offset, then merge runs whose gaps are <= max_gap into one vectored read; gaps
-    # land in a shared scratch buffer (their contents are never used). With ``bounded`` a gap is
-    # only read when it is no longer than the run after it, so at most half of what is read is
-    # unwanted (column shards: narrow runs with wide gaps are read exactly, one iovec each).
+    buffers, run numbers)`` per read, in offset order; gaps up to ``max_gap`` are read into a
+    shared scratch buffer. ``bounded``: a gap only when no longer than the run after it, so at
+    most half of what is read is unwanted (column shards' narrow runs are read exactly)."""
     ordered = sorted(((o, d, i) for i, (o, d) in enumerate(runs) if d.nbytes), key=lambda r: r[0])
     scratch = np.empty(max(max_gap, 1), dtype=np.uint8).data
     batches: list[ReadBatch] = []
@@ -196,15 +181,9 @@ def coalesce_runs(
 def ranged_reads(
     runs: Sequence[tuple[int, np.ndarray]], max_gap: int, *, max_ratio: float = MAX_READ_RATIO
 ) -> list[tuple[int, list[memoryview]]]:
-    """Wanted byte runs ``(offset, buffer)`` grouped into as few contiguous ranges as any
-    grouping can use while reading at most ``max_ratio`` times the wanted bytes: ``(file
-    offset, buffers)`` per range, in offset order (gap bytes land in a shared scratch buffer).
-
-    The gaps between consecutive runs are merged smallest first while the bytes they add stay
-    within ``(max_ratio - 1) x`` the wanted bytes; a gap longer than ``max_gap`` is never
-    merged. Merging gap ``i`` saves one range and costs ``gap_i`` bytes, so taking the smallest
-    gaps first gives the fewest ranges for the budget. Guarantee: bytes read <= ``max_ratio``
-    x wanted, and ranges = 1 + the gaps left, the fewest for that byte bound.
+    """Wanted byte runs ``(offset, buffer)`` grouped into the fewest contiguous ranges that read
+    at most ``max_ratio`` times the wanted bytes: ``(file offset, buffers)`` per range, in
+    offset order (gap bytes land in a shared scratch buffer; no gap over ``max_gap``).
 
     Example::
 
@@ -212,6 +191,8 @@ def ranged_reads(
         reads = ranged_reads([(k * 16, np.empty(8, np.uint8)) for k in range(4)], 1 << 20)
         len(reads)  # 2
     """
+    # Merging a gap saves one range and costs its bytes: the smallest gaps first, within the
+    # budget, give the fewest ranges for the byte bound.
     ordered = sorted(((o, d) for o, d in runs if d.nbytes), key=lambda r: r[0])
     if not ordered:
         return []

@@ -1,14 +1,9 @@
 """The tree schema's one typed codec: JSON document <-> typed nodes, validated on the way in.
 
 The schema (``docs/format.md``) records a saved tree's containers and leaves as JSON objects
-whose ``"t"`` names their kind. Here each kind is an immutable named tuple: :class:`DictNode`,
-:class:`ListNode`, :class:`TupleNode`, :class:`CustomNode` (any other pytree node, by its key
-:class:`Entry` values), :class:`VarNode` (an NNX Variable), :data:`NONE`, and the leaves
-:class:`Tensor` (with its :class:`ArrayKind`), :class:`PrngKey`, :class:`Alias` and
-:class:`Inline` (a Python bool, int, float or str). :func:`from_json` checks a document read from
-a file (kinds, keys, names, aliases, depth, leaf count) and raises :class:`SchemaError` naming the
-first problem; :func:`to_json` writes exactly the document the format specifies, field order
-included, so files are byte-for-byte what they always were.
+whose ``"t"`` names their kind; here each kind is an immutable named tuple. :func:`from_json`
+checks a document read from a file and raises :class:`SchemaError` naming the first problem;
+:func:`to_json` writes exactly the document the format specifies, field order included.
 
 Example::
 
@@ -71,8 +66,7 @@ INLINE_KINDS = frozenset((LeafKind.BOOL, LeafKind.INT, LeafKind.FLOAT, LeafKind.
 STORED_KINDS = frozenset((LeafKind.TENSOR, LeafKind.KEY))  # leaves whose bytes are stored
 
 
-# Nodes are named tuples: immutable, and cheap to build for trees of millions of leaves. Unlike
-# plain tuples, two nodes are equal only when they are of the same kind (see _typed_eq below).
+# Nodes are named tuples (cheap for millions of leaves), equal only to nodes of their own kind.
 
 
 class Entry(NamedTuple):
@@ -110,8 +104,8 @@ class Alias(NamedTuple):
 
 
 class Inline(NamedTuple):
-    """A Python bool, int, float or str kept in the schema. ``v`` is the JSON value (a float's
-    as ``float.hex()`` text); :attr:`value` is the Python value."""
+    """A Python bool, int, float or str kept in the schema: ``v`` its JSON value (a float as
+    ``float.hex()`` text), :attr:`value` the Python value."""
 
     kind: LeafKind  # one of INLINE_KINDS
     name: str
@@ -199,8 +193,7 @@ for _cls in _NODE_TYPES:
 
 
 class SchemaLeaf(NamedTuple):
-    """A leaf of a stored tree by name, as :func:`from_json` lists them: its name, kind and
-    typed node (a named tuple: immutable, and cheap to create for trees of many leaves)."""
+    """A leaf of a stored tree by name, as :func:`from_json` lists them."""
 
     name: str
     kind: LeafKind
@@ -214,9 +207,8 @@ class SchemaLeaf(NamedTuple):
 
 
 class SchemaLeaves(dict[str, SchemaLeaf]):
-    """:func:`from_json`'s leaves by name, remembering the document (``doc``) and typed tree
-    (``tree``) they were read from: given them back with the same document, ``unflatten``
-    does not read it again."""
+    """:func:`from_json`'s leaves by name, with the document (``doc``) and typed tree (``tree``)
+    they were read from, so that ``unflatten`` does not read that document again."""
 
     __slots__ = ("doc", "tree")
     doc: object
@@ -325,16 +317,13 @@ def check_header(doc: object) -> int:
 
 
 def from_json(doc: object, *, max_leaves: int = MAX_LEAVES, check_aliases: bool = True) -> Schema:
-    """Checks a schema document read from a file and gives it typed.
-
-    ``check_aliases=False`` accepts aliases whose tensor is not in this document (a schema
-    cut down by ``prune_schema``). Hostile input cannot make it recurse past :data:`MAX_DEPTH`
-    or build more than the input holds.
+    """Checks a schema document read from a file and gives it typed; hostile input cannot make
+    it recurse past :data:`MAX_DEPTH` or build more than it holds. ``check_aliases=False``
+    accepts aliases whose tensor is not in the document (a schema cut down by ``prune_schema``).
 
     Raises:
-      SchemaError: naming the first problem (unknown version or kind, bad keys, duplicate names,
-        aliases pointing nowhere or at another alias, trees nested too deeply, more than
-        ``max_leaves`` leaves).
+      SchemaError: naming the first problem (version, kind, keys, duplicate names, aliases,
+        depth, more than ``max_leaves`` leaves).
     """
     version = check_header(doc)
     assert isinstance(doc, dict)  # (check_header raised otherwise)

@@ -1,15 +1,11 @@
 """Selecting tensors by dotted name: ``include`` / ``exclude`` glob patterns.
 
-A pattern is an ``fnmatch`` glob over the dotted names of the naming rule (``core/tree.py``),
-matched case-sensitively: ``*`` matches any run of characters, dots included, ``?`` one
-character, ``[seq]`` one of ``seq``. A pattern also selects everything beneath a name it
-matches: ``params`` selects ``params.w`` and ``params.layers.0.b``; ``layers.1`` selects
-``layers.1.w`` but not ``layers.10.w``; ``layers.*.attn`` every layer's ``attn`` subtree.
-
-A name is selected when it (or one of its dotted prefixes) matches an ``include`` pattern (no
-``include``: every name) and none matches an ``exclude`` pattern. A pattern that matches no
-name is an error naming it and a few of the names there are: a typo never selects nothing in
-silence.
+A pattern is a case-sensitive ``fnmatch`` glob over dotted names (``*`` crosses dots) that also
+selects everything beneath a name it matches: ``params`` selects ``params.layers.0.b``,
+``layers.1`` selects ``layers.1.w`` but not ``layers.10.w``. A name is selected when it (or a
+dotted prefix) matches an ``include`` pattern (no ``include``: every name) and none matches an
+``exclude`` pattern. A pattern that matches no name is an error: a typo never selects nothing
+in silence.
 
 Example::
 
@@ -58,11 +54,8 @@ def _compile(patterns: tuple[str, ...]) -> re.Pattern[str] | None:
 
 
 class Selection:
-    """Which dotted names a restore reads: see the module docstring.
-
-    Attributes:
-      include, exclude: the patterns, as tuples.
-    """
+    """Which dotted names a restore reads (see the module docstring); ``include`` and
+    ``exclude`` hold the patterns."""
 
     __slots__ = ("_exclude", "_include", "exclude", "include")
 
@@ -127,6 +120,3 @@ def _names_hint(names: Sequence[str], pattern: str) -> str:
         f"; names there look like: {', '.join(shown)}{more} (patterns are fnmatch globs over "
         "dotted names; '*' crosses dots; a pattern also selects everything beneath a name)"
     )
-
-
-__all__ = ["Patterns", "Selection"]

@@ -1,10 +1,10 @@
-"""The sharding codec: a ``NamedSharding`` as JSON (mesh axes and shape, partition spec, the
-mesh's device ids) in ``orbax_safetensors.json``, and back over this job's devices.
+"""Shardings: the codec of a ``NamedSharding`` as JSON in ``orbax_safetensors.json`` (mesh axes
+and shape, partition spec, the mesh's device ids, each distinct id list kept once in the
+document's ``device_meshes`` table) and back over this job's devices; and
+:class:`ShardingMemo`, facts about shardings worked out once per sharding.
 
-Device ids are long lists on large meshes and most tensors share a mesh, so the metadata file
-keeps each distinct list once, in a top-level ``device_meshes`` table, and a tensor's sharding
-names its index (``mesh_devices``): :func:`intern_device_ids` on save, ``device_meshes=`` of
-:func:`sharding_from_json` on restore.
+JAX is imported by the functions that take shardings, not with the module: the metadata codec
+validates sharding JSON for tools that never start JAX.
 
 Example::
 
@@ -16,17 +16,15 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from orbax_safetensors._src.core.errors import SchemaError
 
 if TYPE_CHECKING:
     import jax
 
-# JAX and NumPy are imported by the functions that build or take shardings, not with the
-# module: the metadata codec (core/metadata) validates sharding JSON for tools that never
-# start JAX.
+T = TypeVar("T")
 
 
 def named_sharding_json(
@@ -35,8 +33,7 @@ def named_sharding_json(
     spec: Iterable[Any],
     device_ids: Iterable[int] | None = None,
 ) -> dict[str, Any]:
-    """The JSON description of a named sharding from its mesh axes, mesh shape, partition spec
-    and (optionally) the ids of the mesh's devices in mesh order."""
+    """The JSON description of a named sharding (device ids, if given, in mesh order)."""
     out = [e if e is None or isinstance(e, str) else list(e) for e in spec]
     desc: dict[str, Any] = {
         "mesh_axes": list(axis_names),
@@ -49,9 +46,8 @@ def named_sharding_json(
 
 
 def sharding_to_json(sharding: Any) -> dict[str, Any] | None:
-    """A JSON description of a ``NamedSharding`` (mesh axes and shape, partition spec, device
-    ids) or of a ``SingleDeviceSharding`` (``{"device_id": id}``: stored as the tensor's
-    ``device``, see :func:`split_devices`), else None."""
+    """The JSON description of a ``NamedSharding``, ``{"device_id": id}`` for a
+    ``SingleDeviceSharding`` (see :func:`split_devices`), else None."""
     import jax
     import numpy as np
 
@@ -96,11 +92,8 @@ def intern_device_ids(
 def split_devices(
     shardings: Mapping[str, dict[str, Any] | None],
 ) -> tuple[dict[str, dict[str, Any] | None], dict[str, int]]:
-    """``shardings`` without the single-device descriptions, and those as tensor -> device id.
-
-    A single device goes into the tensor's own ``device`` field, not its ``sharding``: readers
-    that know only named shardings (this library before 0.2) ignore it.
-    """
+    """``shardings`` without the single-device descriptions, and those as tensor -> device id
+    (a tensor's own ``device`` field, which readers of named shardings only ignore)."""
     devices: dict[str, int] = {}
     out: dict[str, dict[str, Any] | None] = {}
     for name, desc in shardings.items():
@@ -118,12 +111,8 @@ def _is_int(x: object) -> bool:
 def check_sharding_json(
     desc: object, device_meshes: object = None, rank: int | None = None
 ) -> None:
-    """Checks a tensor's stored sharding description as :func:`sharding_from_json` reads it:
-    mesh axes (distinct strings) and mesh shape (sizes >= 1) of one length, a partition spec
-    of at most ``rank`` entries, each None, a mesh axis or a list of mesh axes (no axis twice),
-    and device ids (``device_ids``, or ``mesh_devices`` naming an entry of ``device_meshes``)
-    that are integers, one per device of the mesh. The metadata parser runs it on every
-    tensor, so ``verify`` and restore refuse the same descriptions.
+    """Checks a stored sharding description as :func:`sharding_from_json` reads it (the
+    metadata parser runs it on every tensor, so ``verify`` and restore refuse the same ones).
 
     Raises:
       SchemaError: naming what is malformed.
@@ -174,9 +163,8 @@ def check_sharding_json(
 
 
 def device_from_json(device_id: object) -> jax.sharding.Sharding | None:
-    """The ``SingleDeviceSharding`` of a saved device id, when that device is this process's
-    (as Orbax's ``SingleDeviceShardingMetadata`` looks it up among ``jax.local_devices()``),
-    else None."""
+    """The ``SingleDeviceSharding`` of a saved device id when that device is this process's
+    (as Orbax looks it up), else None."""
     import jax
 
     if type(device_id) is not int:
@@ -213,13 +201,10 @@ def _device_ids(
 def sharding_from_json(
     desc: Mapping[str, Any] | None, device_meshes: Sequence[Any] | None = None
 ) -> jax.sharding.Sharding | None:
-    """A ``NamedSharding`` like the saved one over this job's devices, or None if impossible.
-
-    The mesh is rebuilt from the saved device ids when the description has them (as Orbax
-    rebuilds it from its ``NamedShardingMetadata``): None unless every one of them is a device
-    of this job and, in a multi-process job, the mesh has devices of every process.
-    Descriptions without ids (older files, conversions) take ``jax.devices()`` in order when
-    their number matches the mesh size.
+    """A ``NamedSharding`` like the saved one over this job's devices, or None if impossible:
+    from the saved device ids when there are ids (None unless each is a device of this job and,
+    with several processes, the mesh has devices of every process), else ``jax.devices()`` in
+    order when their number matches the mesh size.
 
     Raises:
       SchemaError: a malformed description.
@@ -229,13 +214,9 @@ def sharding_from_json(
 
     if not desc:
         return None
-    check_sharding_json(desc, device_meshes)
-    try:
-        shape = tuple(int(d) for d in desc["mesh_shape"])
-        axes = tuple(str(a) for a in desc["mesh_axes"])
-        spec = [tuple(e) if isinstance(e, list) else e for e in desc["spec"]]
-    except (KeyError, TypeError, ValueError):
-        raise SchemaError(f"sharding {desc!r} is malformed") from None
+    check_sharding_json(desc, device_meshes)  # (so the fields below have their types)
+    shape, axes = tuple(desc["mesh_shape"]), tuple(desc["mesh_axes"])
+    spec = [tuple(e) if isinstance(e, list) else e for e in desc["spec"]]
     ids = _device_ids(desc, device_meshes)
     size = math.prod(shape)
     if ids is not None:
@@ -257,3 +238,40 @@ def sharding_from_json(
         return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
     except (TypeError, ValueError) as e:
         raise SchemaError(f"sharding {desc!r} is malformed ({e})") from None
+
+
+class ShardingMemo(Generic[T]):
+    """Memoises ``fn(sharding)`` for one pass over many arrays: a tree of 10,000 arrays often
+    has 10,000 sharding objects but a handful of distinct shardings. Looks a sharding up by
+    identity first, then by value; entries keep their sharding alive (no id is reused).
+
+    Example::
+
+        on_one_device = ShardingMemo(lambda s: len(s.device_set) == 1)
+        flags = [on_one_device(x.sharding) for x in arrays]
+    """
+
+    def __init__(self, fn: Callable[[Any], T]) -> None:
+        from orbax_safetensors._src.compat import jaxcompat
+
+        self._fn = fn
+        self._single_key = jaxcompat.single_device_key
+        self._by_id: dict[int, tuple[Any, T]] = {}
+        self._by_value: dict[Any, T] = {}
+
+    def __call__(self, sharding: Any) -> T:
+        hit = self._by_id.get(id(sharding))
+        if hit is not None:
+            return hit[1]
+        # A SingleDeviceSharding keyed on its device and memory kind skips its Python __hash__
+        # and __eq__; without that key, the sharding itself is the key (the same answers).
+        single = self._single_key(sharding)
+        key = sharding if single is None else ("single", *single)
+        try:
+            value = self._by_value[key]
+        except KeyError:
+            value = self._by_value[key] = self._fn(sharding)
+        except TypeError:  # unhashable: identity only
+            value = self._fn(sharding)
+        self._by_id[id(sharding)] = (sharding, value)
+        return value

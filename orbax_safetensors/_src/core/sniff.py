@@ -1,9 +1,9 @@
 """What a file that is not safetensors looks like, and what to run instead.
 
-Readers call :func:`sniff_bytes` with a file's first :data:`HEAD_BYTES` bytes once its
-safetensors header has failed to parse (never before: a real header's length may begin with
-any byte), and :func:`sniff_directory` with a directory's entry names; :func:`message` words
-the error. Only signatures are compared: nothing is decoded, unpickled or decompressed.
+Readers call :func:`sniff_bytes` with a file's first :data:`HEAD_BYTES` bytes once its header
+failed to parse (never before: a real header's length may begin with any byte), and
+:func:`sniff_directory` with a directory's entry names. Only signatures are compared: nothing
+is decoded, unpickled or decompressed.
 
 Example::
 
@@ -57,13 +57,8 @@ class Kind(enum.StrEnum):
 
 
 class Sniffed(NamedTuple):
-    """What a path looks like.
-
-    Attributes:
-      kind: what it is, a :class:`Kind` (a stable tag: ``flax-msgpack``, ``orbax-step``...).
-      description: what it looks like (a noun phrase: "a Flax msgpack checkpoint (...)").
-      suggestion: what to run instead (one or two sentences).
-    """
+    """What a path looks like: its :class:`Kind`, a ``description`` (a noun phrase) and a
+    ``suggestion`` of what to run instead."""
 
     kind: Kind
     description: str
@@ -86,13 +81,11 @@ DIRECTORY_KINDS = frozenset(
 
 
 def convert_command(where: str) -> str:
-    """The command converting a Flax msgpack file ``where`` into a ``.safetensors`` file
-    named after it, shell-quoted."""
+    """The shell-quoted command converting the Flax msgpack file ``where`` to safetensors."""
     return f"orbax-safetensors convert {_q(where)} {_q(_stem(where) + '.safetensors')}"
 
 
 def _q(path: str) -> str:
-    """``path`` as a shell word (quoted when it needs to be)."""
     return shlex.quote(path)
 
 
@@ -150,13 +143,8 @@ def _zip_first_name(head: bytes) -> str:
 
 
 def sniff_bytes(head: bytes, where: str = "file") -> Sniffed | None:
-    """What a file starting with ``head`` looks like, when it is a known non-safetensors
-    format; None otherwise (also for a safetensors file whose header is merely damaged).
-
-    Args:
-      head: the file's first bytes (:data:`HEAD_BYTES` of them, or the whole file if shorter).
-      where: the file's path, used in the suggested commands.
-    """
+    """What a file starting with ``head`` (its first :data:`HEAD_BYTES`) looks like when it is
+    a known non-safetensors format, else None; ``where``: its path, for the suggestions."""
     if len(head) >= 9 and head[8:9] == b"{":
         return None  # a safetensors header (8-byte length, then JSON): damaged, not foreign
     if not head:
@@ -271,12 +259,7 @@ _ORBAX_ITEM_ENTRIES = frozenset(("manifest.ocdbt", "_METADATA", "_sharding", "d"
 
 
 def sniff_directory(entries: Collection[str], where: str = "directory") -> Sniffed | None:
-    """What a directory holding the entries ``entries`` (names) looks like, or None.
-
-    Args:
-      entries: the names in the directory.
-      where: the directory's path, used in the suggested commands.
-    """
+    """What a directory holding the entry names ``entries`` looks like, or None."""
     names = set(entries)
     if "orbax_safetensors.json" in names:
         return Sniffed(
@@ -317,6 +300,3 @@ def sniff_directory(entries: Collection[str], where: str = "directory") -> Sniff
             f"orbax-safetensors inspect {_q(where)}.",
         )
     return None
-
-
-__all__ = ["DIRECTORY_KINDS", "HEAD_BYTES", "Sniffed", "message", "sniff_bytes", "sniff_directory"]

@@ -1,13 +1,10 @@
 """The pytree codec: any pytree <-> ``{dotted_name: array}`` plus a lossless JSON schema.
 
-Leaves are named by the naming rule (``core/naming.py``, a public contract): ``{"layers":
-[{"w": x}]}`` gives ``layers.0.w``. The schema (typed nodes of ``core/schema.py``, written as the
-JSON the format specifies) records the containers (dict with int or str keys, list, tuple, None,
-custom nodes by their key entries), Python scalars inline, typed PRNG keys with their impl, and
-aliases (the same array object at several leaves is stored once). It never names a class to
-import: custom node types are rebuilt only from a caller's target (``core/rebuild.py``). This
-module walks trees on save; it knows nothing of files or Orbax, and re-exports the codec's names
-its callers use (``validate_schema``, ``unflatten``, ``prune_schema``, ``flatten_target``...).
+Leaves are named by the naming rule (``core/naming.py``); the schema (``core/schema.py``)
+records containers, Python scalars inline, typed PRNG keys and aliases (an array object at
+several leaves is stored once), and never names a class to import. This module walks trees on
+save, and gives other layers the tree names they call (the rebuilding ones are
+``core/rebuild.py``'s).
 
 Example::
 
@@ -40,7 +37,6 @@ from orbax_safetensors._src.core.naming import (
     join_path,
 )
 from orbax_safetensors._src.core.rebuild import (
-    TargetLeaves,
     flatten_target,
     inline_value,
     prune_schema,
@@ -64,13 +60,29 @@ from orbax_safetensors._src.core.schema import (
     ListNode,
     Node,
     PrngKey,
-    Schema,
     SchemaLeaf,
     Tensor,
     TupleNode,
     VarNode,
     leaf_kind,
 )
+
+# Names other layers call through this module (the tree codec's one entry point).
+__all__ = [
+    "SCHEMA_FORMAT",
+    "ArrayKind",
+    "LeafKind",
+    "PrngKey",
+    "SchemaLeaf",
+    "Tensor",
+    "assign_names",
+    "flatten_target",
+    "inline_value",
+    "prune_schema",
+    "selectable_names",
+    "unflatten",
+    "validate_schema",
+]
 
 _MAX_DEPTH = _schema.MAX_DEPTH
 
@@ -92,8 +104,8 @@ def is_prng_key(x: object) -> bool:
     return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
 
 
-# The array kind of each leaf type seen (None: no array). One dict lookup per leaf instead of
-# several isinstance checks (a type's answer never changes); the few types a program uses are kept.
+# The array kind of each leaf type seen (None: no array): one dict lookup per leaf instead of
+# several isinstance checks.
 _KIND_OF_TYPE: dict[type, ArrayKind | None] = {}
 
 
@@ -123,13 +135,8 @@ _STORABLE_DTYPES: set[np.dtype[Any]] = set()
 
 @dataclasses.dataclass
 class FlatTree:
-    """A flattened pytree.
-
-    Attributes:
-      schema: the JSON-serialisable schema (format, version, tree), as files store it.
-      arrays: stored tensors by name, in flatten order; aliases appear once. Values are
-        ``jax.Array`` or ``np.ndarray``; typed PRNG keys are already replaced by their key data.
-    """
+    """A flattened pytree: ``schema``, the JSON document files store, and ``arrays``, the
+    stored tensors by name in flatten order (aliases once; PRNG keys as their key data)."""
 
     schema: dict[str, Any]
     arrays: dict[str, Any]
@@ -137,11 +144,9 @@ class FlatTree:
 
 class CapturedTree:
     """A tree :func:`capture` accepted: its structure copied, its leaves checked, its stored
-    arrays listed; :meth:`finish` names them and completes the schema.
-
-    Nothing here refers to the caller's containers, so finishing later (on another thread, after
-    the caller changed its dicts) gives the tree as it was captured. The arrays themselves are
-    the caller's: copy them (see ``pipeline.snapshots.iter_snapshots``) before they may change.
+    arrays listed; :meth:`finish` names them and completes the schema. Nothing refers to the
+    caller's containers (finishing later gives the tree as captured); the arrays are the
+    caller's own.
 
     Attributes:
       arrays: the stored arrays in order (aliases once; typed PRNG keys as their key data).
@@ -184,9 +189,8 @@ class CapturedTree:
         return [leaf_kind(self._leaves[i]) for i in self._stored]
 
     def finish(self, cast_from: Sequence[str | None] | None = None) -> FlatTree:
-        """The named schema and arrays. ``cast_from``: for each stored array, the safetensors
-        dtype it had before a save-time cast (None: stored as it is). Calling it again gives an
-        equal FlatTree."""
+        """The named schema and arrays; ``cast_from``: each stored array's safetensors dtype
+        before a save-time cast (None: not cast)."""
         leaves, stored = self._leaves, self._stored
         names = dedupe_names([leaf.name for leaf in leaves], self._paths)
         final: dict[int, Leaf] = {}  # id(captured leaf) -> its named (or cast) leaf
@@ -392,44 +396,3 @@ def _encode_entry(entry: KeyEntry) -> Entry:
     if isinstance(entry, FlattenedIndexKey):
         return Entry(EntryKind.IDX, entry.key)
     raise UnsupportedLeafError(f"unsupported pytree key entry {entry!r}")
-
-
-__all__ = [
-    "NONE",
-    "ROOT_NAME",
-    "SCHEMA_FORMAT",
-    "SCHEMA_VERSION",
-    "Alias",
-    "ArrayKind",
-    "CapturedTree",
-    "CustomNode",
-    "DictNode",
-    "Entry",
-    "EntryKind",
-    "FlatTree",
-    "Inline",
-    "KeyEntry",
-    "LeafKind",
-    "ListNode",
-    "PrngKey",
-    "Schema",
-    "SchemaLeaf",
-    "TargetLeaves",
-    "Tensor",
-    "TupleNode",
-    "VarNode",
-    "array_kind",
-    "assign_names",
-    "capture",
-    "deleted_message",
-    "flatten",
-    "flatten_target",
-    "inline_value",
-    "is_nnx_variable",
-    "is_prng_key",
-    "join_path",
-    "prune_schema",
-    "selectable_names",
-    "unflatten",
-    "validate_schema",
-]

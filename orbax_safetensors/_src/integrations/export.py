@@ -18,7 +18,6 @@ import numpy as np
 from etils import epath
 
 from orbax_safetensors._src.catalog import sources as _sources
-from orbax_safetensors._src.core import astype as _astype
 from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import plan as _plan
@@ -402,7 +401,7 @@ class _LinkOutputs:
             a, b = self.merges[link.flax[k]]
             data = _lora.merge_lora_block(data, box, wholes[a], wholes[b], self.scale, shapes[k])
         if cast is not None and data.dtype != cast:
-            data = _astype.astype(data, cast)
+            data = _casting.astype(data, cast)
         pieces = _links.shard_boxes(link, k, box, data, shapes)
         return [(link.torch[j], b, v) for j, b, v in pieces if link.torch[j] in self.written]
 

@@ -30,6 +30,7 @@ from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.orbax import args as _args
+from orbax_safetensors._src.orbax import claims as _claims
 from orbax_safetensors._src.orbax import object_storage as _object_storage
 from orbax_safetensors._src.orbax import restoring as _restoring
 from orbax_safetensors._src.orbax import steps as _steps
@@ -446,10 +447,12 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
     def restore(self, directory: epath.Path, args: SafetensorsRestore | Any = None) -> Any:
         """Restores the tree; see :class:`SafetensorsRestore` for the target forms. An
         Orbax-native item (``StandardSave`` / ``PyTreeSave`` in the same root) is restored
-        through Orbax's own handler, with the same arguments."""
+        through Orbax's own handler, with the same arguments, once its files back the shapes
+        it claims (else a ``SafetensorsCheckpointError`` names the array)."""
         native = _steps.item_kind(epath.Path(directory)) is _steps.PathKind.ORBAX
         if native:  # (Orbax reads the names its _METADATA records: kept inside the item)
             _steps.check_orbax_item(directory)
+            _claims.admit_restore(directory)  # (Orbax allocates whatever the metadata claims)
         kind = _args.orbax_kind(args)
         if kind is not None:  # Orbax's StandardRestore / PyTreeRestore, in a mixed root
             if native:

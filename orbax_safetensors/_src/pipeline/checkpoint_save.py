@@ -41,7 +41,6 @@ from etils import epath
 
 from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import checksum as _checksum
-from orbax_safetensors._src.core import memo as _memo
 from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import relayout as _core_relayout
@@ -292,7 +291,7 @@ def plan_tree(
     # Headers depend only on names, dtypes and shapes: identical on every process.
     plan = _plan.plan_files(ordered, max_file_size=layout.max_file_size, metadata=header_metadata)
     # trees of many arrays share a few shardings
-    described = _memo.ShardingMemo(_sharding.sharding_to_json)
+    described = _sharding.ShardingMemo(_sharding.sharding_to_json)
     shardings = {}
     for s in specs:
         x = flat.arrays[s.name]

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from orbax_safetensors._src.core import astype as _astype
+from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import header as _header
@@ -74,7 +74,7 @@ def tensor_pieces(
     pieces: list[_interface.Piece] = []
     for index, host in copies:
         if _to_lay_out(host, stored):
-            host = _astype.astype(host, stored)
+            host = _casting.astype(host, stored)
         raw = _dtypes.pack(host, entry.dtype)
         if index is None or _runs.is_whole(index, entry.shape):  # e.g. a replica's first copy
             pieces.append(_interface.Piece(base, raw, (name, 0)))
@@ -160,7 +160,7 @@ def band_piece(
     offset = start * stored.itemsize * _dtypes.num_elements(value.shape[1:])
     at = base + offset
     out = buffers.take(part.size * stored.itemsize, file_offset=at)
-    _astype.cast_into(out.view(stored).reshape(part.shape), part)
+    _casting.cast_into(out.view(stored).reshape(part.shape), part)
     piece = _interface.Piece(at, out, (name, offset))
     return file_index, [piece]
 

@@ -28,7 +28,6 @@ from etils import epath
 
 from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
 from orbax_safetensors._src.core import dtypes as _dtypes
-from orbax_safetensors._src.core import memo as _memo
 from orbax_safetensors._src.core import runs as _runs
 from orbax_safetensors._src.core import sharding as _sharding
 from orbax_safetensors._src.core.errors import SchemaError, TargetMismatchError
@@ -94,7 +93,7 @@ def put(values: Sequence[np.ndarray], targets: Sequence[Any]) -> list[jax.Array]
     slow: list[int] = []
     # Per target: its one-device (sharding, device), or None (equal targets may share the
     # first one's sharding object).
-    singles = _memo.ShardingMemo(_single_device_sharding)
+    singles = _sharding.ShardingMemo(_single_device_sharding)
     for i, (x, target) in enumerate(zip(values, targets, strict=True)):
         if direct is None or type(x) is not np.ndarray or x.dtype in _CANONICALISED:
             slow.append(i)
@@ -284,7 +283,7 @@ def staged(requests: Sequence[Any]) -> list[bool] | None:
     (an accelerator's memory, not CPU memory that ``device_put`` shares). None when none is."""
     if MODE == "never":
         return None
-    copies = _memo.ShardingMemo(_copies) if MODE == "auto" else (lambda _: True)
+    copies = _sharding.ShardingMemo(_copies) if MODE == "auto" else (lambda _: True)
     default = None
     out: list[bool] = []
     for req in requests:

@@ -32,9 +32,9 @@ from etils import epath
 from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import header as _header
-from orbax_safetensors._src.core import memo as _memo
 from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import runs as _runs
+from orbax_safetensors._src.core import sharding as _sharding
 from orbax_safetensors._src.core.errors import (
     HeaderError,
     IntegrityError,
@@ -426,7 +426,7 @@ def _read_tensors(
     requests: Sequence[ReadRequest], stats: ReadStats | None, io: _config.IOOptions | None
 ) -> list[Any]:
     arena = _buffers.BufferArena()
-    single_device = _memo.ShardingMemo(_place.on_one_device)  # a few shardings, many tensors
+    single_device = _sharding.ShardingMemo(_place.on_one_device)  # a few shardings, many tensors
     with _Files(io, stats) as files:
         staged = _place.staged(requests)
         if staged is None:
@@ -447,7 +447,7 @@ def _read_staged(
     staged: list[bool],
     ring: _buffers.StagingRing,
     arena: _buffers.BufferArena,
-    single_device: _memo.ShardingMemo[bool],
+    single_device: _sharding.ShardingMemo[bool],
     files: _Files,
 ) -> list[Any]:
     """Reads in waves through ``ring`` (``staged[i]``: request i's whole tensor goes through

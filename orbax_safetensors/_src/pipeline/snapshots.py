@@ -23,10 +23,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from orbax_safetensors._src.core import astype as _astype
+from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import dtypes as _dtypes
-from orbax_safetensors._src.core import memo as _memo
 from orbax_safetensors._src.core import runs as _runs
+from orbax_safetensors._src.core import sharding as _sharding
 from orbax_safetensors._src.pipeline import relayout as _relayout
 from orbax_safetensors._src.pipeline import snapshots as _snapshots
 from orbax_safetensors._src.storage import buffers as _buffers
@@ -89,14 +89,14 @@ def host_views(arrays: Iterable[Any]) -> bool:
 
         host_views([np.zeros(3), jnp.zeros(3)])   # True on CPU
     """
-    placement = _memo.ShardingMemo(_placement)
+    placement = _sharding.ShardingMemo(_placement)
     return all(not isinstance(x, jax.Array) or placement(x.sharding)[1] for x in arrays)
 
 
 def owned_tensors(arrays: Iterable[tuple[Any, Any]], is_primary: bool) -> list[_Owned]:
     # ``arrays``: (key, array) pairs; the key labels the tensor (its name, or an index).
     owned: list[_Owned] = []
-    placement = _memo.ShardingMemo(_placement)  # trees of many arrays share a few shardings
+    placement = _sharding.ShardingMemo(_placement)  # trees of many arrays share a few shardings
     multi_process = jax.process_count() > 1
     for name, x in arrays:
         if not isinstance(x, jax.Array):
@@ -144,9 +144,9 @@ def _cast(host: np.ndarray, dtype: np.dtype, buffers: _buffers.BufferArena | Non
     # buffers (see _SMALL_COPY).
     nbytes = host.size * dtype.itemsize
     if buffers is None or nbytes < _SMALL_COPY:
-        return _astype.astype(host, dtype)
+        return _casting.astype(host, dtype)
     out = buffers.empty(nbytes).view(dtype).reshape(host.shape)
-    _astype.cast_into(out, host)
+    _casting.cast_into(out, host)
     return out
 
 

@@ -1,7 +1,9 @@
-"""64-byte-aligned host buffers: reads land in them (aligned destinations copy several times
-faster and let ``jax.device_put(..., may_alias=True)`` share the buffer instead of copying it).
-A large buffer for bytes at a known file offset sits at an address congruent to that offset
-modulo 4 KiB, so direct I/O can fill its whole blocks in place (:mod:`.direct`).
+"""Host buffers: 64-byte aligned (aligned copies are faster, and ``jax.device_put(...,
+may_alias=True)`` can share them), a large one for the bytes at a known file offset congruent
+to it modulo 4 KiB (so direct I/O fills its whole blocks in place); and reused where a job
+repeats, since first touching fresh memory is slow on virtual machines: across saves
+(:class:`HostBufferPool`), for an export's bands (:class:`LentBuffers`), as a restore's ring
+(:class:`StagingRing`).
 
 Example::
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,11 +28,8 @@ _PAGE = 4096  # the block direct I/O aligns to (:data:`.direct.BLOCK`)
 def aligned_empty(
     nbytes: int, alignment: int = ALIGNMENT, *, file_offset: int | None = None
 ) -> np.ndarray:
-    """An uninitialised flat uint8 array of ``nbytes`` whose data is ``alignment``-aligned.
-
-    With ``file_offset`` (a multiple of ``alignment``), the address is congruent to it modulo
-    4 KiB instead (still ``alignment``-aligned): the buffer for the bytes at that offset.
-    """
+    """An uninitialised flat uint8 array of ``nbytes``, ``alignment``-aligned, or congruent to
+    ``file_offset`` (a multiple of ``alignment``) modulo 4 KiB when given."""
     if file_offset is not None and file_offset % alignment == 0:
         alignment, phase = max(alignment, _PAGE), file_offset % _PAGE
     else:
@@ -50,10 +49,23 @@ def data_address(data: Any) -> int:
     return int(np.frombuffer(data, np.uint8).ctypes.data) if len(data) else 0
 
 
+def slice_views(views: Sequence[memoryview], start: int, stop: int) -> list[memoryview]:
+    """The bytes ``[start, stop)`` of the concatenation of ``views``, as views (no copy)."""
+    out: list[memoryview] = []
+    pos = 0
+    for view in views:
+        end = pos + len(view)
+        if end > start and pos < stop:
+            out.append(view[max(start, pos) - pos : min(stop, end) - pos])
+        pos = end
+        if pos >= stop:
+            break
+    return out
+
+
 class BufferArena:
-    """64-byte-aligned buffers; small ones are carved from shared slabs, so 10,000 small
-    tensors cost a few allocations instead of 10,000. A slab lives while any of its buffers
-    does (zero-copy ``jax.Array``s included).
+    """Aligned buffers, small ones carved from shared slabs (10,000 small tensors cost a few
+    allocations); a slab lives while any of its buffers does.
 
     Example::
 
@@ -68,9 +80,7 @@ class BufferArena:
         self._used = 0
 
     def empty(self, nbytes: int, *, file_offset: int | None = None) -> np.ndarray:
-        """An uninitialised flat uint8 array of ``nbytes``, ``ALIGNMENT``-aligned; a large
-        one for the bytes at ``file_offset`` is placed for direct I/O (see
-        :func:`aligned_empty`)."""
+        """An uninitialised flat uint8 array of ``nbytes`` (see :func:`aligned_empty`)."""
         if nbytes > self._SLAB // 8:
             return aligned_empty(nbytes, file_offset=file_offset)
         start = -(-self._used // ALIGNMENT) * ALIGNMENT
@@ -81,16 +91,10 @@ class BufferArena:
 
 
 class HostBufferPool:
-    """Large host buffers kept from one save to the next.
-
-    An async save copies this process's shards to host before ``save()`` returns. Into fresh
-    memory, every page of that copy is first allocated and faulted in by the copy itself, which
-    costs about as much again as copying; buffers reused from the previous save are already
-    mapped. Each save takes an :meth:`arena`, whose large buffers (above
-    ``BufferArena._SLAB // 8``) come from the pool when one of the same capacity is free, and
-    gives it back with :meth:`release` once its writes are done. Buffers of the previous save
-    that this one did not take are dropped then: between saves the pool holds one save's large
-    host copies (``idle_bytes``), never more. Thread-safe.
+    """Large host buffers kept from one save to the next (an async save's host copy lands in
+    pages already mapped). Each save takes an :meth:`arena` and gives it back with
+    :meth:`release` once its writes are done; between saves the pool holds at most one save's
+    large buffers (``idle_bytes``). Thread-safe.
 
     Example::
 
@@ -113,8 +117,8 @@ class HostBufferPool:
         return PooledArena(self)
 
     def take(self, nbytes: int) -> np.ndarray:
-        """A buffer of at least ``nbytes`` (a free one of the same rounded capacity, else a new
-        one), ``ALIGNMENT``-aligned; the caller gives it back through :meth:`release`."""
+        """An aligned buffer of at least ``nbytes``: a free one of the same rounded capacity,
+        else a new one."""
         capacity = -(-nbytes // self._GRANULE) * self._GRANULE
         with self._lock:
             free = self._free.get(capacity)
@@ -123,9 +127,8 @@ class HostBufferPool:
         return aligned_empty(capacity)
 
     def release(self, arena: PooledArena) -> None:
-        """Makes ``arena``'s large buffers the free ones (drops any left from earlier saves).
-
-        Call it only when nothing reads them any more (the save's writes are done)."""
+        """Makes ``arena``'s large buffers the free ones (dropping those of earlier saves), once
+        nothing reads them any more."""
         taken, arena.taken = arena.taken, []
         with self._lock:
             self._free = {}
@@ -164,15 +167,10 @@ class PooledArena(BufferArena):
 
 class LentBuffers:
     """Host buffers of one fixed capacity, lent out and given back, for a job that fills and
-    writes many same-sized blocks (an export's cast bands): a block filled into a buffer given
-    back by an earlier write is already mapped, where a fresh one would first be faulted in
-    page by page (on a virtual machine that costs more than the cast that fills the block;
-    docs/performance.md). Requests above the capacity get fresh memory. Thread-safe.
-
-    With ``file_offset``, the block sits at an address congruent to it modulo 4 KiB, so a
-    direct-I/O writer sends its whole blocks from it with no staging copy (``storage/local``).
-    The lender gives a buffer back only once nothing reads it any more (its write's
-    ``result()`` returned, on a writer that keeps no reference beyond it: a local file's).
+    writes many same-sized blocks (an export's cast bands), so each block lands in memory
+    already mapped. Larger requests get fresh memory. With ``file_offset`` a block is placed
+    for direct I/O (no staging copy). Give a buffer back only once nothing reads it (its
+    write's ``result()`` returned). Thread-safe.
 
     Example::
 
@@ -191,8 +189,8 @@ class LentBuffers:
         self.fresh = 0  # buffers of this capacity allocated (not reused)
 
     def take(self, nbytes: int, *, file_offset: int | None = None) -> np.ndarray:
-        """``nbytes`` of a free buffer (else a new one), page-aligned, or congruent to
-        ``file_offset`` modulo 4 KiB when given."""
+        """``nbytes`` of a free buffer (else a new one), page-aligned or placed for
+        ``file_offset``."""
         if nbytes > self.capacity:
             return self._placed(np.empty(nbytes + _PAGE, np.uint8), nbytes, file_offset)
         with self._lock:
@@ -213,8 +211,8 @@ class LentBuffers:
         return _at_phase(buffer, nbytes, _PAGE, 0 if file_offset is None else file_offset % _PAGE)
 
     def give_back(self, data: Any) -> None:
-        """Makes the buffer of ``data`` (a :meth:`take` result, or a view or memoryview from
-        its start) free again; anything else is ignored."""
+        """Makes the buffer of ``data`` (a :meth:`take` result or a view from its start) free
+        again; anything else is ignored."""
         address = data_address(data) if len(data) else -1
         with self._lock:
             buffer = self._lent.pop(address, None)
@@ -224,19 +222,13 @@ class LentBuffers:
 
 class StagingRing:
     """One host buffer used as a ring for transfers that copy out of it (a restore onto an
-    accelerator, whose ``device_put`` copies the host bytes to the device and then no longer
-    needs them): reads land in the ring, their transfers run while the next reads fill the
-    space after them, and space is taken again once the transfers out of it are done.
+    accelerator): reads land in the ring while the transfers of earlier reads run, and space is
+    taken again once the transfers out of it are done, so a state of any size is read with the
+    ring's pages faulted once.
 
-    Why: on a machine where first touching fresh memory is slow (a virtual machine or a gVisor
-    sandbox fault every new page through the hypervisor), reading a whole state into fresh
-    buffers costs far more than reading it into memory already mapped; a ring of a few hundred
-    MiB serves a state of any size with its pages faulted once (docs/performance.md, "TPU").
-
-    Space is taken with :meth:`take` and handed over in groups with :meth:`hold`: ``wait``
-    blocks until every transfer out of the group's space is done. :meth:`take` calls the
-    oldest groups' ``wait`` first when it needs their space. Not thread-safe: one restore
-    uses a ring at a time (:meth:`drain` before giving it to another).
+    Space is taken with :meth:`take` and handed over in groups with :meth:`hold` (``wait``
+    returns once the group's transfers are done; :meth:`take` calls the oldest groups' first
+    when it needs their space). Not thread-safe: one restore at a time (:meth:`drain` between).
 
     Example::
 
@@ -261,11 +253,8 @@ class StagingRing:
         return nbytes + _PAGE <= self.capacity
 
     def take(self, nbytes: int, *, file_offset: int | None = None) -> np.ndarray:
-        """``nbytes`` of the ring, 64-byte aligned (congruent to ``file_offset`` modulo 4 KiB
-        when that is a multiple of 64, as :func:`aligned_empty` places it), once the transfers
-        that still read that space are done.
-
-        Raises ``ValueError`` if ``nbytes`` does not fit (see :meth:`fits`)."""
+        """``nbytes`` of the ring, placed as :func:`aligned_empty` places it, once the transfers
+        still reading that space are done; ``ValueError`` if it does not :meth:`fit <fits>`."""
         if not self.fits(nbytes):
             raise ValueError(f"{nbytes} bytes do not fit a staging ring of {self.capacity}")
         placed = file_offset is not None and file_offset % ALIGNMENT == 0
@@ -294,8 +283,7 @@ class StagingRing:
         return start + (phase - start) % _PAGE if placed else start
 
     def hold(self, wait: Callable[[], Any]) -> None:
-        """The space taken since the last hold stays in use until ``wait()`` has returned
-        (called at most once per piece of space, by a later :meth:`take` or :meth:`drain`)."""
+        """The space taken since the last hold stays in use until ``wait()`` has returned."""
         for start, end in self._segments:
             self._held.append((start, end, wait))
         self._segments = []

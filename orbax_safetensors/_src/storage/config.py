@@ -1,20 +1,9 @@
 """I/O configuration: :class:`IOOptions` (direct I/O mode, object-store tuning, request
-tracing), passed explicitly to ``save_file`` / ``load_file``, the Orbax handler and the
-storage engines; the environment only gives documented defaults.
-
-This is the only module of the package that reads environment variables, and it reads them
-when a value left unset is needed (never at import, never kept):
-
-- ``OSF_DIRECT_IO``: the default ``direct_io`` (``auto`` when unset);
-- ``OSF_OBJSTORE_<FIELD>`` (e.g. ``OSF_OBJSTORE_MAX_IN_FLIGHT=32``): a default field of
-  ``object_store``;
-- ``OSF_OBJSTORE_TRACE=1``: the default ``trace``;
-- the cloud SDKs' own variables (``AWS_*``, ``STORAGE_EMULATOR_HOST``...), read through
-  :func:`env_var` by the object-store clients, which follow what boto3 and
-  google-cloud-storage read.
-
-An explicit field always wins over the environment. :func:`set_object_store_options`
-(deprecated) changes this process's default object-store options.
+tracing), passed explicitly to ``save_file`` / ``load_file``, the Orbax handler and the storage
+engines. The only module that reads environment variables (``OSF_DIRECT_IO``,
+``OSF_OBJSTORE_<FIELD>``, ``OSF_OBJSTORE_TRACE``, and the cloud SDKs' own through
+:func:`env_var`), when a field left unset is needed: never at import, never kept. An explicit
+field always wins.
 
 Example::
 
@@ -40,25 +29,22 @@ TRACE_ENV = "OSF_OBJSTORE_TRACE"
 
 @dataclasses.dataclass(frozen=True)
 class ObjectStoreOptions:
-    """Tuning for the object-storage engines (defaults suit a real bucket and the test servers).
-
-    Pass it as ``IOOptions(object_store=...)``; a field's default can also be set for a whole
-    job through ``OSF_OBJSTORE_<FIELD>`` (e.g. ``OSF_OBJSTORE_MAX_IN_FLIGHT=32``).
+    """Tuning for the object-storage engines, passed as ``IOOptions(object_store=...)``; a
+    field's default can be set for a job through ``OSF_OBJSTORE_<FIELD>``.
 
     Attributes:
       max_in_flight: HTTP requests one reader or writer runs at once (its thread pool size).
       part_size: target bytes per uploaded part / staged object / copied part.
       max_request_bytes: largest ranged GET; longer coalesced reads are split.
-      max_gap: the longest gap between wanted runs that a ranged read may span (the gap is read
-        and dropped); gaps are merged smallest first while a read stays within 1.5x the wanted
-        bytes.
+      max_gap: the longest gap between wanted runs one ranged read may span (reads stay within
+        1.5x the wanted bytes).
       max_attempts: tries per request (1 = no retry) on transient failures.
       backoff_initial: first retry delay in seconds; doubles per try, with jitter.
       backoff_max: longest retry delay in seconds.
       connect_timeout: seconds to open a connection.
       read_timeout: seconds without data before a request counts as failed (and is retried).
-      gcs_min_object: GCS, a save by several processes: a process's contiguous range shorter
-        than this is no object of its own (its bytes go into a loose bundle).
+      gcs_min_object: GCS, a save by several processes: a process's range shorter than this
+        is no object of its own.
 
     Example::
 
@@ -118,7 +104,7 @@ class IOOptions:
 
 
 def env_var(name: str) -> str | None:
-    """The environment variable ``name`` (the package's one reader of the environment)."""
+    """The environment variable ``name`` (the package's one reader of it)."""
     return os.environ.get(name)
 
 
@@ -148,8 +134,8 @@ def _direct_io_from_env() -> str:
 
 
 def default_object_store_options() -> ObjectStoreOptions:
-    """The object-store options used where none are given: those of the deprecated
-    :func:`set_object_store_options`, else ``OSF_OBJSTORE_<FIELD>`` over the defaults."""
+    """The object-store options where none are given: the deprecated
+    :func:`set_object_store_options`', else ``OSF_OBJSTORE_<FIELD>`` over the defaults."""
     if _store_defaults is not None:
         return _store_defaults
     kwargs: dict[str, Any] = {}
@@ -165,11 +151,8 @@ def default_object_store_options() -> ObjectStoreOptions:
 
 
 def set_object_store_options(**changes: Any) -> ObjectStoreOptions:
-    """Deprecated: pass ``osf.IOOptions(object_store=osf.ObjectStoreOptions(...))`` to
-    ``save_file`` / ``load_file`` / the handler instead.
-
-    Changes this process's default object-store options (used where none are given) and
-    returns the previous defaults.
+    """Deprecated: pass ``osf.IOOptions(object_store=osf.ObjectStoreOptions(...))`` instead.
+    Changes this process's default object-store options; returns the previous ones.
 
     Example::
 

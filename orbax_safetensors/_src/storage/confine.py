@@ -1,25 +1,12 @@
 """Reads stay inside what the caller named, and never block on a special file.
 
-A checkpoint names the files it is read from: an Orbax-native item's ``_METADATA`` names each
-array (TensorStore reads ``<item>/<name>``), a Hugging Face index maps tensors to files, this
-library's metadata lists its files, a model directory holds its config and tokenizer files. A
-forged name could lead anywhere: ``/home/user/secret`` (a path joined to an absolute one is
-that one), ``../other``, ``gs://bucket/key``, or a symbolic link planted in the directory.
-
-- :func:`inside` is the one way a path is built from such a name: it refuses, with one
-  wording, a name that is not a relative path below the directory (``core/paths.py``:
-  absolute, with a ``..`` part, a URL, NUL) and, on a local filesystem, one that symbolic
-  links lead out of the directory. Links that stay inside are followed, and so are those from a Hugging Face hub
-  cache snapshot (``models--ORG--NAME/snapshots/<rev>/``) into its own repository's
-  ``blobs/``, which is how that cache stores every file.
-- :func:`check_tree` applies the same rule to every entry of a directory that another library
-  reads on its own (an Orbax-native item, read by Orbax and TensorStore), and refuses the
-  special files in it.
-- :func:`open_regular` is the one way a local file is opened for reading: without blocking
-  (``O_NONBLOCK``: opening a FIFO for reading otherwise waits for a writer), and only when
-  ``fstat`` says it is a regular file; a FIFO, device, socket or directory is refused.
-  :func:`read_file` reads a whole file (or its first bytes) through it, :func:`copy_file`
-  copies one; ranged reads (``local.LocalReader``) open through it too.
+A checkpoint names the files it is read from (an Orbax item's ``_METADATA``, a Hugging Face
+index, this library's metadata), and a forged name could lead anywhere: ``/home/user/secret``,
+``../other``, ``gs://bucket/key`` or a planted symbolic link. :func:`inside` is the one way a path
+is built from such a name; :func:`check_tree` applies its rule to a directory another library
+reads on its own; :func:`open_regular` is the one way a local file is opened for reading (a
+FIFO, device, socket or directory is refused, never waited on), and :func:`read_file` and
+:func:`copy_file` read through it.
 
 Example::
 
@@ -34,7 +21,7 @@ import stat
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from orbax_safetensors._src.core import paths as _paths
+from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError, UnsafePathError
 
 if TYPE_CHECKING:  # (etils is imported where a path is built: listing one file needs none)
@@ -53,15 +40,13 @@ def is_local(path: epath.PathLike) -> bool:
 
 
 def inside(root: epath.PathLike, name: str, *, where: object = None) -> epath.Path:
-    """``root / name`` for a ``name`` read from the checkpoint or directory ``root`` (held
-    by the file ``where``; default ``root`` itself, for a name found by listing it), once
-    checked to stay inside ``root``.
+    """``root / name`` for a ``name`` read from ``root`` (held by the file ``where``; default
+    ``root``), once checked to stay inside ``root``.
 
-    Refused: a name that is empty, not a string, absolute, holds a ``..`` part, a URL
-    (``scheme://``) or NUL; on a local filesystem, a path that symbolic links (of ``root`` /
-    ``name``, followed to the end, a missing target included) lead out of ``root``'s real
-    path, unless ``root`` lies in a Hugging Face hub cache snapshot and the link leads into
-    that repository's ``blobs/``. Whether the path exists is not checked.
+    Refused: a name that is empty, absolute, holds a ``..`` part, a URL or NUL; on a local
+    filesystem, one that symbolic links (followed to the end) lead out of ``root``'s real path,
+    unless ``root`` is in a Hugging Face hub cache snapshot and the link leads into that
+    repository's ``blobs/`` (how that cache stores every file). Existence is not checked.
 
     Raises:
       UnsafePathError: naming ``where``, ``name`` and ``root``.
@@ -73,14 +58,14 @@ def inside(root: epath.PathLike, name: str, *, where: object = None) -> epath.Pa
     from etils import epath
 
     where = root if where is None else where
-    problem = _paths.escape_problem(name)
+    problem = _metadata.escape_problem(name)
     if problem is not None:
-        raise _paths.escape_error(where, name, root, problem)
+        raise _metadata.escape_error(where, name, root, problem)
     path = epath.Path(root) / name
     if is_local(path):
         real = os.path.realpath(os.fspath(path))
         if not _within_tree(real, os.path.realpath(os.fspath(root))):
-            raise _paths.escape_error(where, name, root, f"a symbolic link to {real}")
+            raise _metadata.escape_error(where, name, root, f"a symbolic link to {real}")
     return path
 
 
@@ -97,8 +82,8 @@ def _within_tree(real: str, real_root: str) -> bool:
 
 
 def hub_blobs(real_root: str) -> str | None:
-    """The ``blobs`` directory of the Hugging Face hub cache repository whose snapshot
-    ``real_root`` (a real path) is or lies in, else None.
+    """The ``blobs`` directory of the hub cache repository whose snapshot ``real_root`` (a real
+    path) is or lies in, else None.
 
     Example::
 
@@ -134,7 +119,7 @@ def not_regular_error(path: object, mode: int) -> UnsafePathError:
 
 def open_regular(path: epath.PathLike) -> tuple[int, os.stat_result]:
     """Opens the local file ``path`` for reading and returns ``(fd, its fstat)``: without
-    blocking (a FIFO opened for reading waits for a writer), and only a regular file.
+    blocking (``O_NONBLOCK``: a FIFO would wait for a writer), and only a regular file.
 
     Raises:
       UnsafePathError: ``path`` is a FIFO, device, socket or directory (the fd is closed).
@@ -167,12 +152,10 @@ _COPY_CHUNK = 64 << 20
 def read_file(
     path: epath.PathLike, *, limit: int | None = MAX_SMALL_FILE_BYTES, head: int | None = None
 ) -> bytes:
-    """The content of the file ``path``: every file this library reads whole (a config, an
-    index, a metadata document, a tokenizer file) is read here. A local file is opened by
-    :func:`open_regular` (a FIFO or another special file: refused, never waited on) and its
-    size checked against ``limit`` (None: none) before a byte is read, so memory follows the
-    real size; other paths (object storage) are read through ``etils.epath``, up to ``limit``.
-    With ``head``, only the first ``head`` bytes are read (no limit applies).
+    """The content of the file ``path`` (every file this library reads whole is read here): a
+    local one through :func:`open_regular`, its size checked against ``limit`` (None: none)
+    before a byte is read; others through ``etils.epath``, up to ``limit``. ``head``: only the
+    first ``head`` bytes (no limit applies).
 
     Raises:
       UnsafePathError: a FIFO, device, socket or directory.
@@ -229,11 +212,9 @@ def _open_for_reading(path: epath.PathLike) -> Any:
 
 
 def check_tree(root: epath.PathLike, *, where: object = None) -> None:
-    """Refuses a local directory tree that a reader not under this library's control
-    (Orbax, TensorStore) would read out of, or block in: every symbolic link in it must lead
-    inside ``root`` (the rule of :func:`inside`) to a directory or regular file, and every
-    other entry be a directory or a regular file. Object storage holds neither links nor
-    special files: nothing to check there.
+    """Refuses a local directory tree another reader (Orbax, TensorStore) would read out of or
+    block in: every symbolic link must lead inside ``root`` (the rule of :func:`inside`), and
+    every entry be a directory or a regular file. Object storage holds neither.
 
     Raises:
       UnsafePathError: naming the entry (``where``: what holds the tree, default ``root``).
@@ -247,7 +228,7 @@ def check_tree(root: epath.PathLike, *, where: object = None) -> None:
             real = os.path.realpath(entry.path)
             if not _within_tree(real, real_root):
                 name = os.path.relpath(entry.path, os.fspath(root))
-                raise _paths.escape_error(where, name, root, f"a symbolic link to {real}")
+                raise _metadata.escape_error(where, name, root, f"a symbolic link to {real}")
             try:
                 mode = os.stat(real).st_mode
             except OSError:

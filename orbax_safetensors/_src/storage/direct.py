@@ -1,40 +1,18 @@
-"""Direct I/O: cold local reads, and durable local writes, through ``O_DIRECT``.
+"""Direct I/O: cold local reads and durable local writes through ``O_DIRECT``, whose offsets,
+lengths and buffer addresses must be aligned to the device's block (:data:`BLOCK`).
 
-A cold buffered read goes disk -> page cache -> the caller's buffer, one readahead window at a
-time; ``O_DIRECT`` moves the blocks straight into the caller's buffer with many requests in
-flight, which is where a device's sequential read bandwidth is reached. It needs file offsets,
-lengths and buffer addresses aligned to the device's block: new files start their data on a
-4 KiB boundary and readers allocate each large buffer at an address congruent to its file
-offset modulo 4 KiB (:func:`.buffers.aligned_empty`), so the blocks inside a tensor are read
-in place. The bytes before the first and after the last whole block of a run (and any run that
-is small, misaligned as in files from other writers, or whose buffer is not congruent) are read
-buffered, as before.
+``IOOptions(direct_io=...)`` (default ``OSF_DIRECT_IO``): ``auto`` reads direct the chunks of
+large aligned runs that are mostly not in the page cache, and writes durable files direct;
+``never`` is always buffered; ``always`` is direct for every large aligned run (measurements,
+tests). A filesystem that refuses ``O_DIRECT`` is read and written buffered; only Linux has it.
 
-When it is used (``IOOptions(direct_io=...)``, default ``OSF_DIRECT_IO``; see
-:mod:`orbax_safetensors._src.storage.config`):
-
-- ``auto`` (the default): for each chunk of a large aligned run whose pages are mostly *not* in
-  the page cache (``cachestat``, or ``mincore`` on kernels before 6.5). Warm data (just saved,
-  or read before) is copied from the page cache, which is faster than reading it from the
-  device again; cold data goes direct. Direct reads also leave nothing in the page cache, so a
-  restore holds nothing beyond its arrays (the price: restoring the same cold file twice reads
-  the device twice). Where the page cache cannot be inspected (the kernel reports other users'
-  files only to their owner or a writer), reads stay buffered.
-- ``never``: always buffered.
-- ``always``: direct for every large aligned run, cached or not (for measurements and tests).
-
-A filesystem that refuses ``O_DIRECT`` (on open or on a read: ``EINVAL``) is read buffered;
-only Linux has ``O_DIRECT`` here. Object stores never get here.
-
-Durable writes (every local save: the file is fsynced before it counts) go direct in ``auto``
-and ``always`` mode: a buffered write of a GiB first dirties a GiB of page cache (evicting what
-the job had cached) and costs the kernel's copy into it (more CPU time than a direct save;
-docs/performance.md has the figures). Where a host caches the disk (VMs), buffered writes with early writeback can be
-faster: docs/performance.md has both measured. The writer copies each block-aligned
-stretch into an aligned staging buffer (:func:`staging_buffer`) and writes it with
-:func:`write_direct`; the partial blocks at either end of a stretch are written buffered.
-A saved file therefore leaves nothing in the page cache (its first restore is cold).
-``never`` writes buffered.
+Why: a cold buffered read goes disk -> page cache -> buffer one readahead window at a time,
+where direct reads keep many requests in flight (the device's bandwidth) and leave nothing in
+the page cache; warm data is faster copied from the cache, hence ``auto``. A buffered durable
+write first dirties as much page cache as it writes (evicting the job's) and costs the kernel's
+copy. Readers place each large buffer congruent to its file offset modulo :data:`BLOCK`
+(``buffers.aligned_empty``), so a tensor's whole blocks are read in place; partial end blocks,
+small or misaligned runs go buffered.
 
 Example::
 
@@ -50,7 +28,7 @@ import mmap
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -69,8 +47,7 @@ _UNSUPPORTED = {errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}
 
 
 def mode(value: str | None) -> str:
-    """The direct I/O mode ``value`` (``IOOptions.direct_io``), checked; None: the default
-    (``OSF_DIRECT_IO``, else ``auto``: see :mod:`..config`).
+    """The direct I/O mode ``value``, checked; None: the default (``OSF_DIRECT_IO``, else auto).
 
     Raises:
       ValueError: for a value other than ``auto``, ``never``, ``always``.
@@ -97,10 +74,9 @@ class Split(NamedTuple):
 def split_runs(
     runs: Sequence[tuple[int, np.ndarray]], cached: Callable[[int, int], bool] | None
 ) -> Split:
-    """Splits ``(offset, dest)`` runs: the whole 4 KiB blocks of each large run whose buffer
-    is congruent to its offset modulo 4 KiB go direct, in chunks of at most
-    :data:`CHUNK_BYTES`, unless ``cached(offset, nbytes)`` says a chunk is in the page cache;
-    everything else is buffered. Runs read whole stay whole (no empty parts)."""
+    """Splits ``(offset, dest)`` runs: the whole blocks of each large run whose buffer is
+    congruent to its offset modulo :data:`BLOCK` go direct in chunks of at most
+    :data:`CHUNK_BYTES`, unless ``cached(offset, nbytes)``; the rest is buffered."""
     buffered: list[tuple[int, np.ndarray, int]] = []
     direct: list[tuple[int, memoryview, int]] = []
     for i, (offset, dest) in enumerate(runs):
@@ -141,10 +117,8 @@ _CACHESTAT = 451  # the syscall's number on every architecture (added after the 
 
 
 def _load_libc() -> ctypes.CDLL | None:
-    # cachestat(2) (Linux 6.5+) counts a file range's pages in the page cache in one call;
-    # mincore(2) (older kernels) answers page by page, slow on large files (figures in
-    # docs/performance.md). Python's os and mmap modules bind neither, hence ctypes.
-    # Elsewhere: the cache is unknown (reads stay buffered).
+    # cachestat(2) (Linux 6.5+) counts a range's cached pages in one call; mincore(2) (older
+    # kernels) answers page by page. Python binds neither, hence ctypes.
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -156,11 +130,25 @@ def _load_libc() -> ctypes.CDLL | None:
 _libc = _load_libc()
 
 
+def libc_function(name: str, argtypes: list[Any]) -> Any | None:
+    """The C library's function ``name`` taking ``argtypes`` and returning an int (errno kept),
+    or None where this platform has none (Linux only).
+
+    Example::
+
+        renameat2 = libc_function("renameat2", [c_int, c_char_p, c_int, c_char_p, c_uint])
+    """
+    fn = None if _libc is None else getattr(_libc, name, None)
+    if fn is not None:
+        fn.argtypes = argtypes
+        fn.restype = ctypes.c_int
+    return fn
+
+
 def page_cache_probe(fd: int, path: str, st: os.stat_result) -> Callable[[int, int], bool] | None:
     """``cached(offset, nbytes)``: whether at least half of that range of the open file is in
-    the page cache; None when this process cannot tell (no ``cachestat`` or ``mincore``, or
-    the kernel hides other users' page cache: since Linux 5.0 ``mincore`` and later
-    ``cachestat`` report it only to the file's owner, a user who may write it, or root)."""
+    the page cache; None when this process cannot tell (the kernel reports it only to the
+    file's owner, a user who may write it, or root)."""
     if _libc is None:
         return None
     if _cachestat(fd, 0, 1) is not None:
@@ -195,9 +183,8 @@ def _cachestat(fd: int, offset: int, nbytes: int) -> int | None:
 
 
 def resident_pages(fd: int, size: int) -> np.ndarray | None:
-    """One byte per page of the file's first ``size`` bytes, nonzero where the page is in the
-    page cache (``mincore``); None when that cannot be known. Maps the file (no page is read
-    or faulted)."""
+    """One byte per page of the file's first ``size`` bytes, nonzero where the page is cached
+    (``mincore`` on a mapping: no page is read); None when that cannot be known."""
     if _libc is None or size <= 0:
         return None
     try:
@@ -207,9 +194,8 @@ def resident_pages(fd: int, size: int) -> np.ndarray | None:
     view = np.frombuffer(m, np.uint8)
     try:
         vec = np.zeros(-(-size // mmap.PAGESIZE), np.uint8)
-        mincore = _libc.mincore
-        mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        if mincore(view.ctypes.data, size, vec.ctypes.data) != 0:
+        mincore = libc_function("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p])
+        if mincore is None or mincore(view.ctypes.data, size, vec.ctypes.data) != 0:
             return None
         return vec & 1
     finally:
@@ -218,9 +204,8 @@ def resident_pages(fd: int, size: int) -> np.ndarray | None:
 
 
 def open_direct(path: str, like: os.stat_result, *, write: bool = False) -> int | None:
-    """An ``O_DIRECT`` descriptor of ``path`` (``O_WRONLY`` if ``write``, else ``O_RDONLY``) if
-    the filesystem allows it and it is still the file ``like`` describes (not replaced since);
-    None otherwise."""
+    """An ``O_DIRECT`` descriptor of ``path`` (for writing if ``write``) if the filesystem allows
+    it and it is still the file ``like`` describes; None otherwise."""
     if not _O_DIRECT:
         return None
     flags = os.O_WRONLY if write else os.O_RDONLY | os.O_NONBLOCK
@@ -267,15 +252,13 @@ def _transfer_all(
 
 
 def write_direct(fd: int, offset: int, view: memoryview) -> int:
-    """Writes ``view`` (page-aligned address, whole blocks) at ``offset`` through the
-    ``O_DIRECT`` descriptor ``fd``; returns how many bytes were written: fewer than asked when
-    the filesystem refuses this write or writes short (the caller writes the rest buffered).
-    Other errors (disk full, quota) are raised."""
+    """Writes ``view`` (aligned, whole blocks) at ``offset`` through the ``O_DIRECT`` descriptor
+    ``fd``; the bytes written: fewer when the filesystem refuses or writes short (the caller
+    writes the rest buffered). Other errors (disk full) are raised."""
     return _transfer_all(os.pwritev, fd, offset, view)
 
 
 def read_direct(fd: int, offset: int, view: memoryview) -> int:
     """Reads into ``view`` (aligned, whole blocks) at ``offset`` through the ``O_DIRECT``
-    descriptor ``fd``; returns how many bytes were read: fewer than asked on a short read or
-    when the filesystem refuses this read (the caller reads the rest buffered)."""
+    descriptor ``fd``; the bytes read: fewer on a short read or a refusal."""
     return _transfer_all(os.preadv, fd, offset, view)

@@ -1,5 +1,6 @@
 """What every storage engine writes and returns: pieces (bytes at a file offset), write
-results, and the writer protocol :func:`.router.open_writer` hands out.
+results, and the writer protocol ``router.open_writer`` hands out (a module of its own: the
+engines and the router all use it).
 
 Example::
 
@@ -33,12 +34,9 @@ WriteResult = list[tuple[object, int, int]]  # (tag, nbytes, crc32c or 0) per pi
 
 
 class PendingWrite(Protocol):
-    """A write under way (see :meth:`Writer.submit`)."""
+    """A write under way: ``result()`` waits for it (its error raised)."""
 
-    def result(self) -> WriteResult:
-        """Waits for the write; returns ``(tag, nbytes, crc32c or 0)`` per piece, in offset
-        order, or raises the write's error."""
-        ...
+    def result(self) -> WriteResult: ...
 
 
 class Writer(Protocol):
@@ -47,12 +45,12 @@ class Writer(Protocol):
     path: str
 
     def write(self, pieces: Sequence[Piece], *, checksums: bool = False) -> WriteResult:
-        """Writes each piece at its offset; returns ``(tag, nbytes, crc32c or 0)`` per piece."""
+        """Writes each piece at its offset; ``(tag, nbytes, crc32c or 0)`` per piece, in offset
+        order."""
         ...
 
     def submit(self, pieces: Sequence[Piece], *, checksums: bool = False) -> PendingWrite:
-        """Starts writing the pieces and returns at once; the pieces' buffers must stay
-        untouched until the returned write's ``result()``."""
+        """Starts writing; the pieces' buffers stay untouched until ``result()`` returns."""
         ...
 
 

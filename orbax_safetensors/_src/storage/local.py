@@ -1,11 +1,8 @@
-"""The local engine: positional, vectored writes and reads of many byte runs into/out of
-files on a local (POSIX) filesystem.
-
-Hand-written because this is the performance-critical path: writes go straight from each
-shard's host buffer to its offsets with ``pwritev`` (no whole-file buffer, several processes
-can fill one pre-sized file), and reads land in 64-byte-aligned buffers with ``preadv``.
-Small gaps between wanted runs are read into a scratch buffer so one syscall serves many runs
-(:func:`orbax_safetensors._src.core.runs.coalesce_runs`).
+"""The local engine: positional, vectored writes and reads of many byte runs of files on a
+local (POSIX) filesystem, from a few threads. Writes go straight from each shard's host buffer
+to its offsets with ``pwritev`` (several processes can fill one pre-sized file); reads land in
+aligned buffers with ``preadv``, small gaps read into a scratch buffer so one call serves
+many runs; large aligned runs may go through ``O_DIRECT`` (:mod:`.direct`).
 
 Example::
 
@@ -22,7 +19,6 @@ import dataclasses
 import functools
 import os
 import queue
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -62,33 +58,11 @@ def _pwritev_all(fd: int, bufs: list[memoryview], offset: int) -> None:
     _vectored_all(os.pwritev, fd, bufs, offset, lambda at: OSError(f"pwritev stalled at {at}"))
 
 
-def libc_function(name: str, argtypes: list[Any]) -> Any | None:
-    """The C library's function ``name`` taking ``argtypes`` and returning an int (errno
-    kept), or None where this C library has none.
-
-    Example::
-
-        fsync = libc_function("fsync", [ctypes.c_int])
-    """
-    try:
-        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = argtypes
-    fn.restype = ctypes.c_int
-    return fn
-
-
 def _load_sync_file_range() -> Callable[[int, int, int], None] | None:
-    # Linux's sync_file_range(SYNC_FILE_RANGE_WRITE) starts writeback of a range without
-    # waiting for it. Calling it on each range as soon as it is written lets the disk work
-    # while later ranges are still being copied into the page cache, so the final fsync has
-    # little left to do (and the writer is not throttled for holding a GiB of dirty pages;
-    # docs/performance.md, "Figures behind the code"). Python's os module has no binding,
-    # hence ctypes; elsewhere this is a no-op.
-    if not sys.platform.startswith("linux"):
-        return None
-    fn = libc_function(
+    # Linux's sync_file_range(SYNC_FILE_RANGE_WRITE) starts writeback of a range without waiting:
+    # called on each range as it is written, the disk works while later ranges are copied, the
+    # final fsync has little left to do, and the writer is not throttled for its dirty pages.
+    fn = _direct.libc_function(
         "sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     )
     if fn is None:
@@ -172,17 +146,6 @@ def _placed_apart(views: Sequence[memoryview], offset: int) -> list[tuple[int, l
     return runs
 
 
-def _cut_views(views: Sequence[memoryview], lo: int, hi: int) -> list[memoryview]:
-    # The bytes [lo, hi) of the concatenation of ``views``, as views of them (no copy).
-    out, at = [], 0
-    for v in views:
-        a, b = max(lo - at, 0), min(hi - at, len(v))
-        if a < b:
-            out.append(v[a:b])
-        at += len(v)
-    return out
-
-
 def _piece_results(
     ordered: Sequence[_interface.Piece],
     results: Sequence[list[tuple[int, int, int, int]]],
@@ -212,13 +175,8 @@ class _PendingUnits:
 
 
 class LocalWriter:
-    """Writes pieces with ``pwritev`` from a small thread pool; CRC32C on the way.
-
-    A durable writer (``sync``) writes the whole 4 KiB blocks of each large unit through
-    ``O_DIRECT`` (see :mod:`.direct`: ``OSF_DIRECT_IO``), staged through one aligned buffer per
-    thread; partial blocks, small units and filesystems that refuse direct I/O are written
-    buffered, with writeback started at once.
-    """
+    """Writes pieces with ``pwritev`` from a small thread pool, CRC32C on the way; a durable
+    writer (``sync``) sends the whole blocks of large units through ``O_DIRECT``."""
 
     def __init__(
         self,
@@ -286,9 +244,9 @@ class LocalWriter:
         first, last = _direct.block_span(offset, nbytes)
         if last - first >= _direct.MIN_BYTES and self._direct_descriptor() is not None:
             # Partial blocks at either end buffered, the blocks between direct.
-            self._write_buffered(_cut_views(views, 0, first - offset), offset)
-            self._write_buffered(_cut_views(views, last - offset, nbytes), last)
-            self._write_direct(_cut_views(views, first - offset, last - offset), first)
+            self._write_buffered(_buffers.slice_views(views, 0, first - offset), offset)
+            self._write_buffered(_buffers.slice_views(views, last - offset, nbytes), last)
+            self._write_direct(_buffers.slice_views(views, first - offset, last - offset), first)
         else:
             self._write_buffered(views, offset)
 
@@ -346,35 +304,23 @@ class LocalWriter:
     def write(
         self, pieces: Sequence[_interface.Piece], *, checksums: bool = False
     ) -> _interface.WriteResult:
-        ordered = sorted(pieces, key=lambda p: p.offset)
-        units = _write_units(ordered)
-        if len(units) > 1 and self._threads > 1:
-            return self._submit_units(ordered, units, checksums).result()
-        return self._write_here(ordered, units, checksums)  # small: no thread hop
+        return self._start(pieces, checksums, hop=False).result()
 
     def submit(
         self, pieces: Sequence[_interface.Piece], *, checksums: bool = False
     ) -> _interface.PendingWrite:
+        return self._start(pieces, checksums, hop=True)
+
+    def _start(
+        self, pieces: Sequence[_interface.Piece], checksums: bool, *, hop: bool
+    ) -> _interface.PendingWrite:
+        # On the pool's threads, or here (one thread; or one unit of a write that waits: no
+        # thread hop for a small write).
         ordered = sorted(pieces, key=lambda p: p.offset)
         units = _write_units(ordered)
-        if self._threads <= 1:
-            return _interface.Done(self._write_here(ordered, units, checksums))
-        return self._submit_units(ordered, units, checksums)
-
-    def _write_here(
-        self,
-        ordered: Sequence[_interface.Piece],
-        units: list[list[tuple[int, int, memoryview]]],
-        checksums: bool,
-    ) -> _interface.WriteResult:
-        return _piece_results(ordered, [self._run(ordered, u, checksums) for u in units], checksums)
-
-    def _submit_units(
-        self,
-        ordered: Sequence[_interface.Piece],
-        units: list[list[tuple[int, int, memoryview]]],
-        checksums: bool,
-    ) -> _interface.PendingWrite:
+        if self._threads <= 1 or (not hop and len(units) <= 1):
+            crcs = [self._run(ordered, u, checksums) for u in units]
+            return _interface.Done(_piece_results(ordered, crcs, checksums))
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(self._threads)
         futures = [self._pool.submit(self._run, ordered, u, checksums) for u in units]

@@ -1,25 +1,16 @@
 """Writing a directory that may already exist, so that no reader ever follows a stale file.
 
-Saving a 3-file tree and then a 1-file tree into the same directory must not leave the first
-save's ``model-0000i-of-00003.safetensors`` and ``model.safetensors.index.json`` behind: a
-reader that follows the index (transformers does) would get the old weights. Every writer of
-a directory goes through :func:`replacing_directory`:
+Every writer of a directory goes through :func:`replacing_directory`: locally the new content
+is written into a hidden sibling and swapped in (one atomic exchange on Linux); on object
+storage the writer's own objects of the old content are deleted first, index and metadata
+before shards. Files the writer does not own (``config.json``, a tokenizer...) are kept.
 
-- **local filesystems**: the new content is written into a fresh hidden sibling directory,
-  then swapped in. On Linux the swap is one ``renameat2(RENAME_EXCHANGE)`` of the two
-  directories: a reader sees the old directory or the new one, never a mix, and a crash leaves
-  one of them complete at the path (the other under its hidden ``.NAME.old-*`` name). Where
-  the exchange is unavailable, the old directory is renamed aside and the new one into place:
-  two renames, between which the path briefly does not exist. A failed write removes the
-  sibling and leaves the old directory untouched.
-- **object storage** (``s3://``, ``gs://``), which has no rename: the writer's own objects
-  of the old content (``*.safetensors``, the index, ``orbax_safetensors*.json``) are deleted,
-  the index and metadata first, before the new content is written into the path. A crash
-  then leaves an incomplete checkpoint without metadata (restore and ``verify`` refuse it),
-  never an index or metadata naming old shards.
-
-Files the writer does not own (``config.json``, a tokenizer...) are kept: copied into the new
-directory locally, left in place on object storage.
+Why: saving a 3-file tree and then a 1-file tree into one directory must not leave the first
+save's shards and index behind for a reader that follows the index (transformers does). The
+local exchange (``renameat2(RENAME_EXCHANGE)``) shows a reader the old directory or the new one,
+never a mix, and a crash leaves one complete at the path; where it is unavailable, two renames
+leave the path briefly absent. On object storage a crash leaves a checkpoint without metadata
+(refused by restore and ``verify``), never an index naming old shards.
 
 Example::
 
@@ -38,7 +29,7 @@ from collections.abc import Iterator
 
 from etils import epath
 
-from orbax_safetensors._src.storage import local as _local
+from orbax_safetensors._src.storage import direct as _direct
 from orbax_safetensors._src.storage import router as _router
 
 _INDEX_SUFFIX = ".safetensors.index.json"
@@ -58,9 +49,8 @@ def owned(name: str) -> bool:
 
 @contextlib.contextmanager
 def made_parents(path: epath.PathLike) -> Iterator[None]:
-    """Creates the missing parent directories of ``path`` for the block; if the block raises,
-    removes those it created (deepest first, each only while empty), so a failed write leaves
-    nothing behind, not even the directories it would have written into.
+    """Creates the missing parent directories of ``path`` for the block, and removes those it
+    created (while empty) if the block raises: a failed write leaves nothing behind.
 
     Example::
 
@@ -88,7 +78,7 @@ def made_parents(path: epath.PathLike) -> Iterator[None]:
 @contextlib.contextmanager
 def replacing_directory(directory: epath.PathLike) -> Iterator[epath.Path]:
     """Yields where to write the new content of ``directory``; on a normal exit that content
-    replaces the directory's checkpoint files (see the module docstring)."""
+    replaces the directory's checkpoint files."""
     directory = epath.Path(directory)
     if not _router.is_local(directory):
         remove_owned(directory)
@@ -108,8 +98,8 @@ def replacing_directory(directory: epath.PathLike) -> Iterator[epath.Path]:
 
 
 def staging_path(directory: epath.PathLike, token: str) -> epath.Path:
-    """The hidden sibling of a local ``directory`` into which its new content is written
-    (several processes writing one directory agree on ``token`` first).
+    """The hidden sibling of a local ``directory`` its new content is written into (several
+    processes agree on ``token`` first).
 
     Example::
 
@@ -156,7 +146,7 @@ def _copy(src: epath.Path, dst: epath.Path) -> None:
 def _exchange(a: epath.Path, b: epath.Path) -> bool:
     """Atomically exchanges two paths (Linux ``renameat2``); False where unavailable."""
     c_int, c_path = ctypes.c_int, ctypes.c_char_p
-    renameat2 = _local.libc_function("renameat2", [c_int, c_path, c_int, c_path, ctypes.c_uint])
+    renameat2 = _direct.libc_function("renameat2", [c_int, c_path, c_int, c_path, ctypes.c_uint])
     if renameat2 is None:
         return False
     rc = renameat2(
@@ -167,9 +157,8 @@ def _exchange(a: epath.Path, b: epath.Path) -> bool:
 
 
 def remove_owned(directory: epath.Path) -> None:
-    """Object storage: deletes the old checkpoint's own objects of ``directory`` (see
-    :func:`owned`), those that name others (index, metadata) first, so that no interrupted
-    state has an index or metadata naming a missing or old shard. Other objects are kept.
+    """Object storage: deletes the old checkpoint's own objects of ``directory``, index and
+    metadata first (no interrupted state names a missing or old shard); keeps the others.
 
     Example::
 

@@ -1,6 +1,7 @@
 """The only entry point for I/O by path: local files (:mod:`.local`), URLs whose scheme has a
 registered :class:`Provider` (``s3://`` and ``gs://``: :mod:`.objstore`), and other
-``etils.epath`` backends (:mod:`.stream`).
+``etils.epath`` backends (written as one stream once every byte is in hand, read through a
+seekable file object: :class:`BufferedWriter`, :class:`StreamReader`).
 
 Example::
 
@@ -15,29 +16,31 @@ import contextlib
 import functools
 import os
 import stat
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol
 
+import numpy as np
 from etils import epath
 
+from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import header as _header
+from orbax_safetensors._src.core import runs as _runs
 from orbax_safetensors._src.core import sniff as _sniff
 from orbax_safetensors._src.core.errors import HeaderError, NotSafetensorsError, UnsafePathError
 from orbax_safetensors._src.storage import config as _config
 from orbax_safetensors._src.storage import confine as _confine
 from orbax_safetensors._src.storage import interface as _interface
 from orbax_safetensors._src.storage import local as _local
-from orbax_safetensors._src.storage import stream as _stream
 
 
 class Provider(Protocol):
     """What serves the paths of one URL scheme (an object store): ranged readers, whole-file
-    writes, and the two checkpoint hooks around a save by several processes."""
+    writes, and the hooks around a save by several processes (the functions of the same names
+    below; an optional ``abandon_directory``). ``io`` is resolved in every method."""
 
     def open_reader(self, url: str, io: _config.IOOptions) -> Any:
-        """A reader with ``size``, ``pread``, ``read_runs`` and ``close`` (see
-        :func:`open_reader`); ``io`` is resolved (:func:`.config.resolve`) in every method."""
+        """A reader with ``size``, ``pread``, ``read_runs`` and ``close``."""
         ...
 
     def write_file(
@@ -53,23 +56,107 @@ class Provider(Protocol):
         *,
         is_primary: bool,
         io: _config.IOOptions,
+    ) -> None: ...
+
+    def finish_directory(self, directory: str, io: _config.IOOptions) -> None: ...
+
+    def finalize_directory(self, directory: str, io: _config.IOOptions) -> None: ...
+
+
+Flush = Callable[[str, Sequence[_interface.Piece], int], None]
+
+
+class BufferedWriter:
+    """Collects pieces for a path written whole on close (object storage, other epath
+    backends): ``flush(path, pieces in offset order, size)`` writes them."""
+
+    def __init__(self, path: str, size: int, flush: Flush) -> None:
+        self.path = path
+        self.size = size
+        self._flush = flush
+        self._pieces: list[_interface.Piece] = []
+
+    def write(
+        self, pieces: Sequence[_interface.Piece], *, checksums: bool = False
+    ) -> _interface.WriteResult:
+        self._pieces.extend(pieces)
+        return [
+            (p.tag, p.data.nbytes, _checksum.crc32c(p.data) if checksums else 0) for p in pieces
+        ]
+
+    def submit(
+        self, pieces: Sequence[_interface.Piece], *, checksums: bool = False
+    ) -> _interface.PendingWrite:
+        return _interface.Done(self.write(pieces, checksums=checksums))
+
+    def close(self, sync: bool) -> None:
+        ordered = sorted(self._pieces, key=lambda p: p.offset)
+        self._pieces = []
+        self._flush(self.path, ordered, self.size)
+
+
+def write_stream(path: str, ordered: Sequence[_interface.Piece], size: int) -> None:
+    """Writes ``ordered`` (every byte of the file, in offset order) as one stream to ``path``."""
+    target = epath.Path(path)
+    expected = 0
+    with target.open("wb") as f:
+        for p in ordered:
+            if p.offset != expected:
+                raise ValueError(
+                    f"{target}: a streamed write needs every byte (gap at offset {expected})"
+                )
+            f.write(p.data.data)
+            expected += p.data.nbytes
+    if expected != size:
+        raise ValueError(f"{target}: streamed {expected} bytes, expected {size}")
+
+
+class StreamReader:
+    """Ranged reads through a seekable file object (other epath backends)."""
+
+    def __init__(self, path: epath.PathLike) -> None:
+        self.path = epath.Path(path)
+        self._f = self.path.open("rb")
+        self._f.seek(0, os.SEEK_END)
+        self.size = self._f.tell()
+        self.bytes_read = 0
+        self.requests = 0
+
+    def close(self) -> None:
+        self._f.close()
+
+    def pread(self, offset: int, nbytes: int) -> bytes:
+        self._f.seek(offset)
+        return self._f.read(max(0, min(nbytes, self.size - offset)))
+
+    def read_runs(
+        self,
+        runs: Sequence[tuple[int, np.ndarray]],
+        max_gap: int = _runs.DEFAULT_MAX_GAP,
+        on_run: Callable[[int], None] | None = None,
     ) -> None:
-        """See :func:`prepare_directory`."""
-        ...
-
-    def finish_directory(self, directory: str, io: _config.IOOptions) -> None:
-        """See :func:`finish_files`."""
-        ...
-
-    def finalize_directory(self, directory: str, io: _config.IOOptions) -> None:
-        """See :func:`finalize_files`."""
-        ...
+        for i, (offset, dest) in sorted(enumerate(runs), key=lambda r: r[1][0]):
+            if offset + dest.nbytes > self.size:
+                raise EOFError(
+                    f"{self.path}: needs bytes up to {offset + dest.nbytes}, file has {self.size}"
+                )
+            self._f.seek(offset)
+            self.requests += 1
+            self.bytes_read += dest.nbytes
+            view = dest.data
+            got = 0
+            while got < dest.nbytes:
+                n = self._f.readinto(view[got:])
+                if not n:
+                    raise EOFError(f"{self.path}: unexpected end of file at {offset + got}")
+                got += n
+            if on_run is not None:
+                on_run(i)
 
 
 _PROVIDERS: dict[str, Provider] = {}
-# The object stores served by objstore/engine, which is imported by the first path of one of
-# these schemes: local reads (a tool listing a file) never load the object-store engine and
-# the multi-process machinery (JAX) it uses.
+# Served by objstore/engine, imported by the first path of one of these schemes: local reads
+# never load the object-store engine and the JAX it uses.
 _BUILT_IN = {"s3": "S3", "gs": "GCS"}
 
 
@@ -91,10 +178,8 @@ def provider_for(path: epath.PathLike) -> Provider | None:
 
 
 def is_regular_file(path: epath.PathLike) -> bool:
-    """Whether ``path`` is an existing regular file (not a directory, FIFO or device).
-
-    ``epath.Path.is_file`` is true for a FIFO, and opening one for reading blocks.
-    """
+    """Whether ``path`` is an existing regular file (``epath.Path.is_file`` is true for a FIFO,
+    whose opening for reading blocks)."""
     if not is_local(path):
         return epath.Path(path).is_file()
     try:
@@ -123,12 +208,10 @@ def open_writer(
 ) -> Iterator[_interface.Writer]:
     """Opens a file of final size ``size`` for positional writes; durable (fsync) on exit.
 
-    Local files are opened without truncation (unless ``truncate``) so several processes can
-    fill disjoint ranges of one file; each sets the same final size. Non-local paths are
-    written as one sequential stream when the block exits, so the pieces must tile
-    ``[0, size)`` exactly. If the block raises, nothing more is written or synced. ``io``:
-    the direct I/O mode and object-store options (None: the defaults, see :mod:`.config`).
-    ``threads``: a local file's write threads (None: ``local.WRITE_THREADS``).
+    Local files are not truncated (unless ``truncate``), so several processes can fill
+    disjoint ranges of one file. Other paths are written whole when the block exits (the pieces
+    must tile ``[0, size)``, or a multi-process save must be prepared). If the block raises,
+    nothing more is written or synced. ``io``: None for the defaults.
 
     Example::
 
@@ -136,7 +219,7 @@ def open_writer(
             crcs = w.write([Piece(len(header), data, "t")], checksums=True)
             w.write([header_piece(header)])  # Piece, header_piece: see .interface
     """
-    writer: _local.LocalWriter | _stream.BufferedWriter
+    writer: _local.LocalWriter | BufferedWriter
     provider = provider_for(path)
     resolved = _config.resolve(io)
     if is_local(path):
@@ -145,10 +228,10 @@ def open_writer(
             os.fspath(path), size, truncate, threads, sync, direct_io=resolved.direct_io
         )
     elif provider is not None:
-        flush = functools.partial(_flush_to, provider, resolved)
-        writer = _stream.BufferedWriter(os.fspath(path), size, flush=flush)
+        flush = functools.partial(provider.write_file, io=resolved)
+        writer = BufferedWriter(os.fspath(path), size, flush=flush)
     else:
-        writer = _stream.BufferedWriter(os.fspath(path), size, flush=_stream.write_stream)
+        writer = BufferedWriter(os.fspath(path), size, flush=write_stream)
     try:
         yield writer
     except BaseException:
@@ -156,16 +239,6 @@ def open_writer(
             writer.close(sync=False)
         raise
     writer.close(sync)
-
-
-def _flush_to(
-    provider: Provider,
-    io: _config.IOOptions,
-    url: str,
-    pieces: Sequence[_interface.Piece],
-    size: int,
-) -> None:
-    provider.write_file(url, pieces, size, io)
 
 
 def write_file(
@@ -178,11 +251,8 @@ def write_file(
     sync: bool = True,
     io: _config.IOOptions | None = None,
 ) -> list[tuple[object, int, int]]:
-    """Writes ``pieces`` into the file at ``path`` and sets its size to ``size``.
-
-    See :func:`open_writer`. Returns ``(tag, nbytes, crc32c)`` for every piece written, in
-    offset order (crc32c 0 unless ``checksums``).
-    """
+    """Writes ``pieces`` into the file at ``path`` of size ``size`` (see :func:`open_writer`);
+    ``(tag, nbytes, crc32c or 0)`` per piece, in offset order."""
     with open_writer(path, size=size, truncate=truncate, sync=sync, io=io) as w:
         return w.write(pieces, checksums=checksums)
 
@@ -199,8 +269,7 @@ def fsync_dir(path: epath.PathLike) -> None:
 
 
 # Threads of a local read: at least 4 (several reads in flight keep a disk's queue full), up to
-# 8 on machines with the cores (reads from the page cache are memory copies, which scale with
-# threads: docs/performance.md, "TPU").
+# 8 with the cores (reads from the page cache are memory copies, which scale with threads).
 READ_THREADS = max(4, min(8, os.cpu_count() or 1))
 
 
@@ -211,9 +280,9 @@ def open_reader(
     threads: int | None = None,
     io: _config.IOOptions | None = None,
 ) -> Iterator[Any]:
-    """Opens ``path`` for ranged reads: fd-level locally, the scheme's provider (HTTP range
-    requests on S3 and GCS: :class:`.objstore.common.ObjectReader`), a seekable stream
-    elsewhere. ``io``: the direct I/O mode and object-store options (None: the defaults)."""
+    """Opens ``path`` for ranged reads (``size``, ``pread``, ``read_runs``): fd-level locally,
+    HTTP range requests on object stores, a seekable stream elsewhere; ``io``: None for the
+    defaults."""
     reader: Any
     provider = provider_for(path)
     if is_local(path):
@@ -222,7 +291,7 @@ def open_reader(
     elif provider is not None:
         reader = provider.open_reader(os.fspath(path), _config.resolve(io))
     else:
-        reader = _stream.StreamReader(path)
+        reader = StreamReader(path)
     try:
         yield reader
     finally:
@@ -236,13 +305,9 @@ def prepare_directory(
     is_primary: bool,
     io: _config.IOOptions | None = None,
 ) -> None:
-    """Main-thread step of every process before a checkpoint's files are written, in the same
-    order on every process.
-
-    On object storage in a multi-process job it registers the directory for a save by several
-    processes (see :func:`.objstore.engine.prepare_directory`; a RuntimeError names what is
-    missing when the job has no ``jax.distributed`` key-value store); elsewhere it does nothing.
-    """
+    """Every process, on its main thread, in the same order, before a checkpoint's files are
+    written: registers a save by several processes on object storage (a RuntimeError names
+    what is missing without ``jax.distributed``'s key-value store); nothing elsewhere."""
     provider = provider_for(directory)
     if provider is not None:
         provider.prepare_directory(
@@ -252,9 +317,7 @@ def prepare_directory(
 
 def finish_files(directory: epath.PathLike, io: _config.IOOptions | None = None) -> None:
     """Every process, after it wrote all its files of a checkpoint directory: on object
-    storage in a multi-process save, uploads this process's share of the plan (its bytes, the
-    parts it builds; see :mod:`.objstore.engine`). Local files need nothing.
-    """
+    storage, in a save by several processes, sends this process's share; nothing locally."""
     provider = provider_for(directory)
     if provider is not None:
         provider.finish_directory(os.fspath(directory), _config.resolve(io))
@@ -263,13 +326,9 @@ def finish_files(directory: epath.PathLike, io: _config.IOOptions | None = None)
 def abandon_files(
     directory: epath.PathLike, error: BaseException, io: _config.IOOptions | None = None
 ) -> None:
-    """This process's save into ``directory`` failed before or after its
-    :func:`finish_files`: on object storage in a multi-process save, tells the other processes
-    (they fail at once instead of waiting for this one) and removes what the save uploaded
-    (the primary, once every process is done). Never raises: the save's error matters more.
-    A provider without ``abandon_directory`` (one registered by :func:`register_scheme`) and
-    local files need nothing.
-    """
+    """This process's save into ``directory`` failed: on object storage, in a save by several
+    processes, tells the others and (the primary) removes what the save uploaded. Never
+    raises: the save's error matters more."""
     provider = provider_for(directory)
     hook = getattr(provider, "abandon_directory", None)
     if hook is not None:
@@ -278,11 +337,8 @@ def abandon_files(
 
 
 def finalize_files(directory: epath.PathLike, io: _config.IOOptions | None = None) -> None:
-    """Commits files that several processes wrote in parts (object storage; the primary,
-    once, after every process finished): see :func:`.objstore.engine.finalize_directory`.
-
-    Local files need nothing: every process wrote its bytes in place.
-    """
+    """The primary, once every process finished: commits files several processes wrote on
+    object storage; nothing locally (every process wrote its bytes in place)."""
     provider = provider_for(directory)
     if provider is not None:
         provider.finalize_directory(os.fspath(directory), _config.resolve(io))
@@ -292,10 +348,14 @@ def read_header(path: epath.PathLike, io: _config.IOOptions | None = None) -> _h
     """Reads and validates the header of a ``.safetensors`` file (no tensor bytes are read).
 
     Raises:
-      NotSafetensorsError: ``path`` is something else that has a recognisable signature (a
-        Flax msgpack checkpoint, a pickle, a zip, an Orbax directory...: ``core/sniff.py``);
-        the message says what it looks like and what to run.
+      NotSafetensorsError: ``path`` is recognisably something else (a Flax msgpack checkpoint,
+        a pickle, a zip, an Orbax directory...); the message says what to run instead.
       HeaderError: the header is malformed, inconsistent or hostile.
+
+    Example::
+
+        header = osf.read_header("model.safetensors")
+        header.tensors["w"].shape, header.metadata
     """
     path = epath.Path(path)
     try:

@@ -60,49 +60,38 @@ def _verify_cmd(args: argparse.Namespace) -> int:
     all is well; status 2 (one error line) when PATH is no checkpoint of this library (an
     empty or other directory, another handler's Orbax item, an Orbax-native checkpoint, a
     file whose header cannot be read)."""
-    from orbax_safetensors._src.tools.terminal import counted
+    import dataclasses
+
+    from orbax_safetensors._src.tools.inspection import counted
     from orbax_safetensors._src.tools.verify import verify  # imported only when used
 
     report = verify(args.path)
     if args.json:
-        doc = {
-            "path": args.path,
-            "ok": report.ok,
-            "problems": list(report.problems),
-            "files": report.files,
-            "tensors": report.tensors,
-            "bytes": report.bytes,
-            "unverified": list(getattr(report, "unverified", [])),
-            "skipped": list(getattr(report, "skipped", [])),
-            "incomplete": list(getattr(report, "incomplete", [])),
-            "warnings": list(getattr(report, "warnings", [])),
-        }
+        doc = {"path": args.path, **dataclasses.asdict(report)}
         print(json.dumps(doc, indent=1))
-    elif report.ok:
+        return EXIT_OK if report.ok else EXIT_DIFFERENT
+    if report.ok:
         checked = (counted(report.files, "file"), counted(report.tensors, "tensor"))
         print(f"{args.path}: OK ({', '.join(checked)}, {counted(report.bytes, 'byte')} checked)")
     else:
         print(f"{args.path}: DAMAGED ({counted(len(report.problems), 'problem')})")
         for problem in report.problems:
             print(f"  {problem}")
-    if not args.json:
-        unverified = getattr(report, "unverified", [])
-        if unverified:
-            has = "has" if len(unverified) == 1 else "have"
-            print(
-                f"  {counted(len(unverified), 'tensor')} {has} no recorded checksum "
-                "(headers checked only)"
-            )
-        for skipped in getattr(report, "skipped", []):
-            print(f"  skipped uncommitted {skipped}")
-        for warning in getattr(report, "warnings", []):
-            print(f"  warning: {warning}")
+    if report.unverified:
+        has = "has" if len(report.unverified) == 1 else "have"
+        print(
+            f"  {counted(len(report.unverified), 'tensor')} {has} no recorded checksum "
+            "(headers checked only)"
+        )
+    for skipped in report.skipped:
+        print(f"  skipped uncommitted {skipped}")
+    for warning in report.warnings:
+        print(f"  warning: {warning}")
     return EXIT_OK if report.ok else EXIT_DIFFERENT
 
 
 def _keywords(args: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
-    """The options ``names`` as keyword arguments: each option's name is the keyword of the
-    function its subcommand calls."""
+    """The options ``names`` as the keyword arguments of the function a subcommand calls."""
     return {name: getattr(args, name) for name in names}
 
 
@@ -122,10 +111,8 @@ def parse_size(text: str) -> int:
 
 def dtype_policy(values: Sequence[str] | None) -> Any:
     """The dtype policy of ``--dtype`` values: one ``DTYPE`` (every floating-point tensor), or
-    ``PATTERN=DTYPE`` entries in order (first match wins; ``keep`` keeps a dtype).
-
-    Raises:
-      ValueError: naming the value that is neither, or a DTYPE that is no dtype.
+    ``PATTERN=DTYPE`` entries, first match wins (``keep`` keeps a dtype); ValueError naming a
+    value that is neither.
 
     Example::
 
@@ -161,8 +148,6 @@ def _convert_cmd(args: argparse.Namespace) -> int:
     must not exist (or be empty); it appears only once complete."""
     from orbax_safetensors._src.tools import convert as _convert
     from orbax_safetensors._src.tools import inspection as _inspection
-    from orbax_safetensors._src.tools.convert_output import Direction
-    from orbax_safetensors._src.tools.terminal import counted
 
     try:
         policy = dtype_policy(args.dtype)
@@ -178,10 +163,12 @@ def _convert_cmd(args: argparse.Namespace) -> int:
         dtype=policy,
         **_keywords(args, passed),
     )
-    target = "safetensors" if summary.direction is Direction.SAFETENSORS else "Orbax-native"
+    target = (
+        "safetensors" if summary.direction is _convert.Direction.SAFETENSORS else "Orbax-native"
+    )
     items = ", ".join(i or "(item)" for i in summary.items) or "-"
     print(
-        f"converted {counted(summary.tensors, 'tensor')} "
+        f"converted {_inspection.counted(summary.tensors, 'tensor')} "
         f"({_inspection.human_bytes(summary.bytes)}) to "
         f"{target} in {args.dst}; items: {items}"
         + (f"; copied unchanged: {', '.join(summary.copied)}" if summary.copied else "")
@@ -286,8 +273,7 @@ _HELP = {  # the help of an option where a subcommand gives none
 
 
 def _add_options(parser: argparse.ArgumentParser, **helps: str | None) -> None:
-    """Adds the shared options named (see ``_OPTIONS``), in order, each with its help text
-    (None: the option's usual one)."""
+    """Adds the options named (``_OPTIONS``), in order, each with its help (None: ``_HELP``'s)."""
     for name, text in helps.items():
         flags, settings = _OPTIONS[name]
         parser.add_argument(*flags, **settings, help=text or _HELP[name])
@@ -300,9 +286,8 @@ def _command(
     summary: str,
     **positionals: str,
 ) -> argparse.ArgumentParser:
-    """The subcommand ``name`` run by ``func``: ``summary`` is its line in the top-level
-    help, ``func``'s docstring its description (argparse refills the text); ``positionals``:
-    its positional arguments in order, each with its help."""
+    """The subcommand ``name`` run by ``func`` (its docstring: the description), with
+    ``summary`` in the top-level help and ``positionals`` (name: help) in order."""
     parser: argparse.ArgumentParser = sub.add_parser(name, help=summary, description=func.__doc__)
     parser.set_defaults(func=func, command_parser=parser)
     for dest, help_text in positionals.items():
@@ -410,10 +395,9 @@ _LISTED = 10  # entries of a list shown in an error line; the rest are counted
 
 
 def one_line(message: object) -> str:
-    """A possibly multi-line error message as one line: each list (indented lines under a line
-    that introduces them) joined with commas (semicolons when its entries hold commas or
-    colons) and at most ``_LISTED`` entries shown, the lists of several headings separated by
-    semicolons.
+    """A multi-line error message as one line: each list (indented lines under the line that
+    introduces it) joined with commas (semicolons when its entries hold commas or colons), at
+    most ``_LISTED`` entries shown, lists of several headings separated by semicolons.
 
     Example::
 
@@ -466,8 +450,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _quiet_stdout() -> None:
-    """After the reader of stdout went away (``| head``): point stdout at /dev/null so the
-    interpreter's final flush does not print a BrokenPipeError."""
+    """Points stdout at /dev/null once its reader went away (``| head``), so the interpreter's
+    final flush prints no BrokenPipeError."""
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
@@ -476,26 +460,20 @@ def _quiet_stdout() -> None:
         pass
 
 
-def _closed_loop_callback(unraisable: Any) -> bool:
-    """Whether an unraisable exception is tensorstore calling back into the event loop Orbax
-    already closed after a failed read (``RuntimeError('Event loop is closed')``)."""
-    error = unraisable.exc_value
-    return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
-
-
 _QUIET_HOOKS: list[Any] = []  # the hook installed by _quiet_closed_loop_callbacks
 
 
 def _quiet_closed_loop_callbacks() -> None:
-    """Installs (once) an unraisable-exception hook that drops :func:`_closed_loop_callback`
-    reports, which Python would print as a traceback, possibly after the command's own
-    ``error:`` line; every other report goes to the previous hook."""
+    """Installs (once) an unraisable-exception hook that drops tensorstore's calls back into
+    the event loop Orbax closed after a failed read (``RuntimeError('Event loop is closed')``),
+    which Python would print as a traceback after the command's ``error:`` line."""
     previous = sys.unraisablehook
     if previous in _QUIET_HOOKS:
         return
 
     def hook(unraisable: Any) -> None:
-        if not _closed_loop_callback(unraisable):
+        error = unraisable.exc_value
+        if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
             previous(unraisable)
 
     _QUIET_HOOKS.append(hook)
@@ -506,9 +484,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit status.
 
     Every failure is one ``orbax-safetensors COMMAND: error: ...`` line on stderr and exit
-    status 2 (no traceback): bad usage, unreadable or forged input, an existing destination,
-    any exception a command raises. Orbax's absl log messages are silenced while it runs. A closed output pipe (``... | head``) ends the command
-    quietly (no message) with exit status 2; Ctrl-C prints ``error: interrupted``, status 130.
+    status 2, never a traceback; Orbax's log messages are silenced while it runs. A closed
+    output pipe (``... | head``) ends the command quietly with status 2; Ctrl-C prints
+    ``error: interrupted``, status 130.
 
     Example::
 
@@ -546,8 +524,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _describe(error: Exception) -> str:
-    """The message of ``error``; an exception not from this library (or the OS) also names
-    its type, as it is likely a bug to report."""
+    """The message of ``error``, naming its type when it is neither this library's nor the
+    OS's (likely a bug to report)."""
     from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
 
     if isinstance(error, OSError) and error.filename is not None and error.strerror:

@@ -1,25 +1,21 @@
-"""Converting between Orbax-native checkpoints and safetensors checkpoints, both ways, for an
-item, a step or a CheckpointManager root; and legacy Flax msgpack files to safetensors.
-
-- Orbax-native -> safetensors: ``from_orbax`` (streamed a batch at a time; an ``nnx.State``
-  gets ``nnx.state(model)``'s names, see ``nnx_values``);
-- safetensors -> Orbax-native: ``to_orbax`` (restored whole, saved by Orbax; NNX Variables as
-  Orbax stores them, recorded so a round trip is the identity);
-- legacy Flax msgpack -> safetensors: ``from_msgpack``.
-
-Steps convert every tensor item (other items, such as JSON, are copied) and name the new
-handlers in ``_CHECKPOINT_METADATA``; roots convert every step. Output appears atomically: it
-is written under a temporary sibling name and renamed when complete (``convert_output``).
+"""``convert``: Orbax-native checkpoints to safetensors and back, for an item, a step or a
+CheckpointManager root; legacy Flax msgpack files to safetensors. A step converts every item
+of tensors and copies the others (e.g. JSON items); a root converts every committed step.
+Output is written under a temporary sibling name and renamed once complete.
 
 Example::
 
-    convert("/old/orbax/100", "/new/safetensors/100")     # a step, Orbax -> safetensors
+    convert("/old/orbax/100", "/new/safetensors/100")          # a step, Orbax -> safetensors
     convert("/new/safetensors/100/default", "/back/default")   # and back
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import json
+import uuid
+from collections.abc import Callable
 from typing import Any
 
 from etils import epath
@@ -32,40 +28,105 @@ from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
 from orbax_safetensors._src.orbax import steps as _steps
+from orbax_safetensors._src.orbax import v0 as _v0
 from orbax_safetensors._src.orbax.steps import PathKind
+from orbax_safetensors._src.pipeline import standalone as _standalone
 from orbax_safetensors._src.storage import confine as _confine
-from orbax_safetensors._src.tools import from_orbax as _from_orbax
-from orbax_safetensors._src.tools import to_orbax as _to_orbax
-from orbax_safetensors._src.tools.convert_output import TO_ORBAX as _TO_ORBAX
-from orbax_safetensors._src.tools.convert_output import TO_SAFETENSORS as _TO_SAFETENSORS
-from orbax_safetensors._src.tools.convert_output import ConvertSummary, Direction, atomic, copy_tree
-from orbax_safetensors._src.tools.from_msgpack import flax_msgpack_to_safetensors
-from orbax_safetensors._src.tools.from_orbax import orbax_item_to_safetensors
-from orbax_safetensors._src.tools.to_orbax import safetensors_item_to_orbax
+from orbax_safetensors._src.storage import replace as _replace
+from orbax_safetensors._src.tools import convert_items as _items
+from orbax_safetensors._src.tools.inspection import progress_bar
 
-__all__ = [
-    "ConvertSummary",
-    "convert",
-    "flax_msgpack_to_safetensors",
-    "orbax_item_to_safetensors",
-    "safetensors_item_to_orbax",
-]
+__all__ = ["ConvertSummary", "Direction", "convert"]
 
 
-# --------------------------------------------------------------------------- steps and roots
+class Direction(enum.StrEnum):
+    """Which way a conversion goes (string-valued: summaries and messages show the value)."""
+
+    SAFETENSORS = "safetensors"  # Orbax-native (or Flax msgpack) -> safetensors
+    ORBAX = "orbax"  # safetensors -> Orbax-native
+
+
+@dataclasses.dataclass
+class ConvertSummary:
+    """What a conversion did.
+
+    Attributes:
+      direction: ``"safetensors"`` (Orbax -> safetensors) or ``"orbax"`` (the reverse).
+      items: converted item directories (relative to the destination; ``""`` for an item).
+      copied: items copied unchanged (e.g. Orbax JSON items of a step).
+      tensors: tensors converted.
+      bytes: tensor bytes converted.
+
+    Example::
+
+        summary = convert("/orbax/100", "/st/100")
+        summary.items, summary.tensors   # (['default'], 12)
+    """
+
+    direction: Direction
+    items: list[str] = dataclasses.field(default_factory=list)
+    copied: list[str] = dataclasses.field(default_factory=list)
+    tensors: int = 0
+    bytes: int = 0
+
+
+# ------------------------------------------------------------------ output that appears whole
+
+
+def _refuse_existing(dst: epath.Path) -> None:
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise FileExistsError(f"{dst} already exists; choose a new destination")
+
+
+def atomic(dst: epath.PathLike, write: Callable[[epath.Path], ConvertSummary]) -> ConvertSummary:
+    """Runs ``write`` into a temporary sibling of ``dst`` (which must not exist, or be an empty
+    directory) and renames it to ``dst``; on failure removes it, and the parent directories
+    made for it, so ``dst`` never appears half written."""
+    dst = epath.Path(dst)
+    _refuse_existing(dst)
+    tmp = dst.parent / f".{dst.name}.converting-{uuid.uuid4().hex[:8]}"
+    with _replace.made_parents(dst):
+        try:
+            summary = write(tmp)
+            if dst.exists():
+                dst.rmdir()  # the empty directory checked above
+            tmp.rename(dst)
+        except BaseException:
+            if tmp.is_dir():
+                tmp.rmtree()
+            elif tmp.exists():
+                tmp.unlink()
+            raise
+    return summary
+
+
+def _copy_tree(root: epath.Path, name: str, dst: epath.Path) -> None:
+    """Copies the entry ``name`` of ``root`` (kept unchanged by a conversion) to ``dst``, every
+    path checked to lie inside ``root`` and every file read as the library reads files (a
+    link out of ``root`` or a FIFO is refused)."""
+    src = _confine.inside(root, name)
+    if src.is_dir():
+        dst.mkdir(parents=True, exist_ok=True)
+        for child in src.iterdir():
+            _copy_tree(root, f"{name}/{child.name}", dst / child.name)
+    else:
+        _confine.copy_file(src, dst)
+
+
+# ------------------------------------------------------------------ items, steps and roots
 
 
 def _direction_of(path: epath.Path, kind: PathKind) -> Direction:
     if kind is PathKind.ORBAX:
-        return _TO_SAFETENSORS
+        return Direction.SAFETENSORS
     if kind in (PathKind.ITEM, PathKind.FILE, PathKind.SAFETENSORS_DIR):
-        return _TO_ORBAX
+        return Direction.ORBAX
     if kind is PathKind.STEP:
         kinds = set(_steps.list_items(path).values())
         if PathKind.ORBAX in kinds:
-            return _TO_SAFETENSORS
+            return Direction.SAFETENSORS
         if kinds & {PathKind.ITEM, PathKind.SAFETENSORS_DIR}:
-            return _TO_ORBAX
+            return Direction.ORBAX
         raise _steps.not_a_checkpoint(path)
     if kind is PathKind.ROOT:
         steps = _steps.list_steps(path)
@@ -79,8 +140,7 @@ def _direction_of(path: epath.Path, kind: PathKind) -> Direction:
 
 
 def _refuse_incomplete_steps(src: epath.Path, kind: PathKind) -> None:
-    """Refuses a root with a committed step, or a step, that lacks what restoring it needs: a
-    conversion would carry it on as a complete checkpoint."""
+    # A committed step that lacks what restoring it needs would be carried on as complete.
     if kind is PathKind.ROOT:
         for step in _steps.scan_steps(src):
             if step.committed:
@@ -89,57 +149,124 @@ def _refuse_incomplete_steps(src: epath.Path, kind: PathKind) -> None:
         _completeness.require_complete(entry)
 
 
+def _write_item(
+    src: epath.Path, dst: epath.Path, direction: Direction, options: dict[str, Any]
+) -> tuple[int, int, str]:
+    """Converts the item ``src`` into ``dst``: its tensors, bytes and the typestr of the
+    handler that reads it back (for a step's ``_CHECKPOINT_METADATA``)."""
+    o = options
+    if direction is Direction.SAFETENSORS:
+        n, size = _items.to_safetensors_item(
+            src, dst, o["unwrap_values"], o["max_file_size"], o["batch_bytes"], o["progress"],
+            o["select"], o["dtype"],
+        )  # fmt: skip
+        return n, size, _steps.HANDLER_TYPESTR
+    return _items.to_orbax_item(src, dst, o["progress"], o["wrap_values"], o["select"])
+
+
 def _convert_step(
-    src: epath.Path,
-    dst: epath.Path,
-    direction: Direction,
-    options: dict[str, Any],
-    wrap_values: bool | None = None,
+    src: epath.Path, dst: epath.Path, direction: Direction, options: dict[str, Any]
 ) -> ConvertSummary:
     summary = ConvertSummary(direction)
     dst.mkdir(parents=True, exist_ok=True)
-    source_kind = PathKind.ORBAX if direction == _TO_SAFETENSORS else None
+    converted = (
+        {PathKind.ORBAX}
+        if direction is Direction.SAFETENSORS
+        else {PathKind.ITEM, PathKind.SAFETENSORS_DIR}
+    )
     handlers: dict[str, str] = {}
     for name, kind in _steps.list_items(src).items():
-        converts = (
-            kind == source_kind
-            if source_kind
-            else kind in (PathKind.ITEM, PathKind.SAFETENSORS_DIR)
-        )
-        if not converts:
-            copy_tree(src, name, dst / name)
+        if kind not in converted:
+            _copy_tree(src, name, dst / name)
             summary.copied.append(name)
             continue
-        if direction == _TO_SAFETENSORS:
-            item_summary = _from_orbax.write_item(src / name, dst / name, **options)
-            handlers[name] = _to_orbax.item_handler_typestr(direction)
-        else:
-            item_summary, handlers[name] = _to_orbax.write_item(
-                src / name,
-                dst / name,
-                options.get("progress"),
-                wrap_values,
-                options.get("select"),
-            )
+        n, size, handlers[name] = _write_item(src / name, dst / name, direction, options)
         summary.items.append(name)
-        summary.tensors += item_summary.tensors
-        summary.bytes += item_summary.bytes
+        summary.tensors += n
+        summary.bytes += size
     for entry in src.iterdir():
         if not entry.is_dir() and entry.name != _steps.CHECKPOINT_METADATA_FILE:
-            copy_tree(src, entry.name, dst / entry.name)
-    _write_step_metadata(src, dst, handlers)
+            _copy_tree(src, entry.name, dst / entry.name)
+    path = _confine.inside(src, _steps.CHECKPOINT_METADATA_FILE)
+    if path.exists():  # the step's record of its items, naming the new handlers
+        doc = json.loads(_confine.read_file(path))
+        if isinstance(doc.get("item_handlers"), dict):
+            doc["item_handlers"].update(handlers)
+        (dst / _steps.CHECKPOINT_METADATA_FILE).write_text(json.dumps(doc))
     return summary
 
 
-def _write_step_metadata(src: epath.Path, dst: epath.Path, handlers: dict[str, str]) -> None:
-    path = _confine.inside(src, _steps.CHECKPOINT_METADATA_FILE)
-    if not path.exists():
-        return
-    doc = json.loads(_confine.read_file(path))
-    item_handlers = doc.get("item_handlers")
-    if isinstance(item_handlers, dict):
-        item_handlers.update(handlers)
-    (dst / _steps.CHECKPOINT_METADATA_FILE).write_text(json.dumps(doc))
+def _convert_root(
+    src: epath.Path, tmp: epath.Path, direction: Direction, options: dict[str, Any]
+) -> ConvertSummary:
+    total = ConvertSummary(direction)
+    tmp.mkdir(parents=True, exist_ok=True)
+    for _, step in _steps.list_steps(src):
+        if _steps.classify(step) is not PathKind.STEP:
+            raise SafetensorsCheckpointError(
+                f"{step}: a step that is not a directory of items cannot be converted "
+                "as part of a root; convert it as an item"
+            )
+        step_summary = _convert_step(step, tmp / step.name, direction, options)
+        total.items += [f"{step.name}/{i}" for i in step_summary.items]
+        total.copied += [f"{step.name}/{i}" for i in step_summary.copied]
+        total.tensors += step_summary.tensors
+        total.bytes += step_summary.bytes
+    return total
+
+
+# ------------------------------------------------------------------ legacy Flax msgpack
+
+
+def _from_msgpack(
+    src: epath.Path,
+    dst: epath.Path,
+    step: int | None,
+    max_file_size: int | None,
+    progress: bool | None,
+    select: _select.Selection | None,
+    dtype: _casting.Policy | None,
+) -> ConvertSummary:
+    """A Flax msgpack file, decoded whole (and checked) before anything is written, as one
+    ``.safetensors`` file or as step ``step`` of a new CheckpointManager root ``dst``."""
+    as_file = dst.suffix == ".safetensors"
+    step = step if step is not None else _flax_msgpack.step_of(src)
+    if not as_file and step is None:
+        raise SafetensorsCheckpointError(
+            f"{src}: no step in its name (checkpoint_<step>); pass --step (step=) or a "
+            "destination ending in .safetensors"
+        )
+    if dst.exists() and (as_file or any(dst.iterdir())):
+        raise FileExistsError(f"{dst} already exists; choose a new destination")
+    source = _flax_msgpack.MsgpackSource(src)
+    tree, tensors = source.tree, source.tensors
+    if select is not None:
+        select.check(_flax_msgpack.flatten(tree), str(src))
+        tree = _flax_msgpack.select(tree, select.selects)
+        tensors = {n: t for n, t in tensors.items() if select.selects(n)}
+    size = sum(t.nbytes for t in tensors.values())
+    items = [] if as_file else [f"{step}/default"]
+    summary = ConvertSummary(Direction.SAFETENSORS, items, [], len(tensors), size)
+
+    def write(tmp: epath.Path) -> ConvertSummary:
+        if as_file:
+            _standalone.save_file(tree, tmp, {"converted_from": "flax-msgpack"}, dtype=dtype)
+            return summary
+        import orbax.checkpoint as ocp
+
+        options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
+        handler = _v0.SafetensorsCheckpointHandler(max_file_size=max_file_size)
+        with ocp.CheckpointManager(
+            _steps.absolute(tmp), item_handlers=handler, options=options
+        ) as mngr:
+            mngr.save(step, args=_v0.SafetensorsSave(tree, dtype=dtype))
+            mngr.wait_until_finished()
+        return summary
+
+    with progress_bar(size, f"convert {src.name}", progress) as bar:
+        atomic(dst, write)
+        bar.update(size)
+    return summary
 
 
 def convert(
@@ -160,37 +287,29 @@ def convert(
     """Converts ``src`` (an item, step or CheckpointManager root) into ``dst``.
 
     Args:
-      src: an Orbax-native item/step/root (converted to safetensors), a safetensors
-        item/file/step/root (converted to Orbax-native), or a legacy Flax msgpack file
-        (``flax.serialization.to_bytes``, ``flax.training.checkpoints``' ``checkpoint_<step>``;
-        converted to safetensors, decoded whole: host memory about twice the file).
-      dst: where to write the same kind of thing (must not exist, or be empty). For a Flax
-        msgpack file: a ``.safetensors`` file, or a directory that becomes a CheckpointManager
-        root holding the step.
+      src: an Orbax-native item, step or root (to safetensors, streamed a batch at a time); a
+        safetensors item, file, step or root (to Orbax-native); or a legacy Flax msgpack file
+        (``flax.serialization.to_bytes``, ``checkpoint_<step>``; to safetensors, decoded
+        whole: host memory about twice the file).
+      dst: what to write (must not exist, or be empty); for a Flax msgpack file, a
+        ``.safetensors`` file or a directory that becomes a root holding the step.
       to: ``"safetensors"`` or ``"orbax"``; None picks it from what ``src`` holds.
-      unwrap_values: Orbax -> safetensors: None (default) collapses the ``{"value": x}``
-        dicts (Orbax's form of ``nnx.Variable``) of an item that stores an ``nnx.State``
-        (every leaf so wrapped) or whose Variables ``convert`` recorded, so names match
-        ``nnx.state(model)`` here and a round trip is the identity; True collapses every
-        such dict; False none (Orbax's own names, ``...kernel.value``).
+      unwrap_values: to safetensors: None collapses the ``{"value": x}`` dicts (Orbax's form
+        of ``nnx.Variable``) of an ``nnx.State`` or of Variables ``convert`` recorded, so
+        names match ``nnx.state(model)`` and a round trip is the identity; True every such
+        dict; False none.
       max_file_size: split safetensors output into files of at most this many bytes.
-      batch_bytes: tensor bytes held in memory at once (Orbax -> safetensors).
-      progress: False: no progress bar; True or None: a bar on stderr when it is a terminal.
-      wrap_values: safetensors -> Orbax: None wraps each leaf saved as an ``nnx.Variable``
-        (also those collapsed by ``unwrap_values``) in a ``{"value": x}`` dict, as Orbax
-        stores it, so ``StandardCheckpointer().restore(path, abstract nnx.State)`` works;
-        True wraps every leaf (for files that record no Variables); False none.
-      step: the step of a Flax msgpack file written into a directory (default: from the
-        ``checkpoint_<step>`` file name).
-      include: convert only the tensors (and Python values) these globs over dotted names
-        select, as in ``osf.load_file``, in their saved containers; only their bytes are
-        read. In a step or root they apply to every converted item, and a pattern matching
-        no name of an item raises ``TargetMismatchError`` before DST appears.
+      batch_bytes: tensor bytes held in memory at once (to safetensors).
+      progress: False: no progress bar; else a bar on stderr when it is a terminal.
+      wrap_values: to Orbax: None wraps each leaf saved as an ``nnx.Variable`` in a
+        ``{"value": x}`` dict, as Orbax stores it; True every leaf; False none.
+      step: the step of a Flax msgpack file written to a directory (default: from its name).
+      include: globs over dotted names, as in ``osf.load_file``: convert only what they
+        select (only those bytes are read); a pattern matching no name of an item raises
+        ``TargetMismatchError`` before ``dst`` appears.
       exclude: do not convert what these globs select (same rule).
-      dtype: store the tensors in another dtype (to safetensors only): a save-time dtype
-        policy as in ``osf.save_file`` (one dtype for every floating-point tensor, glob
-        patterns over dotted names, or a callable); cast a batch at a time, each tensor's
-        original dtype recorded.
+      dtype: store tensors in another dtype (to safetensors only), a save-time dtype policy as
+        in ``osf.save_file``, cast a batch at a time; each original dtype is recorded.
 
     Returns:
       A :class:`ConvertSummary`.
@@ -199,38 +318,30 @@ def convert(
 
         convert("/orbax_ckpts", "/st_ckpts")        # every step of a CheckpointManager root
         convert("/flax_ckpts/checkpoint_3", "/st_ckpts")   # a root holding step 3
-        convert("flax_model.msgpack", "model.safetensors")
-        convert("/orbax/100", "/st-bf16/100", dtype="bfloat16")   # bf16 export
+        convert("/orbax/100", "/st-bf16/100", dtype="bfloat16")
     """
     select = _select.Selection.of(include, exclude)
-    src = epath.Path(src)
+    src, dst = epath.Path(src), epath.Path(dst)
     policy = _casting.parse_policy(dtype)  # before anything is written
     if _flax_msgpack.is_flax_msgpack(src):
-        if to == _TO_ORBAX:
+        if to == Direction.ORBAX:
             raise SafetensorsCheckpointError(
                 f"{src} is a Flax msgpack file; it converts to safetensors only"
             )
-        return flax_msgpack_to_safetensors(
-            src,
-            dst,
-            step=step,
-            max_file_size=max_file_size,
-            progress=progress,
-            select=select,
-            dtype=policy,
-        )
+        return _from_msgpack(src, dst, step, max_file_size, progress, select, policy)
     kind = _steps.classify(src)
     _refuse_incomplete_steps(src, kind)
     if to and to not in tuple(Direction):
         raise SafetensorsCheckpointError(f"to must be 'safetensors' or 'orbax', not {to!r}")
     direction = Direction(to) if to else _direction_of(src, kind)
-    if policy is not None and direction != _TO_SAFETENSORS:
+    if policy is not None and direction is not Direction.SAFETENSORS:
         raise SafetensorsCheckpointError(
             f"{policy.describe()}: a dtype policy applies to conversions to safetensors; "
             f"{src} converts to Orbax-native (restore it, cast, and save with Orbax instead)"
         )
     options: dict[str, Any] = {
         "unwrap_values": unwrap_values,
+        "wrap_values": wrap_values,
         "max_file_size": max_file_size,
         "batch_bytes": batch_bytes,
         "progress": progress,
@@ -247,30 +358,14 @@ def convert(
             raise SafetensorsCheckpointError(
                 f"{src} is {kind.noun}; it cannot be converted to {direction}"
             )
-        if direction == _TO_SAFETENSORS:
-            return orbax_item_to_safetensors(src, dst, **options)
-        return safetensors_item_to_orbax(
-            src, dst, wrap_values=wrap_values, progress=progress, select=select
-        )
+
+        def write_item(tmp: epath.Path) -> ConvertSummary:
+            n, size, _ = _write_item(src, tmp, direction, options)
+            return ConvertSummary(direction, [""], [], n, size)
+
+        return atomic(dst, write_item)
     if kind is PathKind.STEP:
-        return atomic(dst, lambda tmp: _convert_step(src, tmp, direction, options, wrap_values))
+        return atomic(dst, lambda tmp: _convert_step(src, tmp, direction, options))
     if kind is PathKind.ROOT:
-
-        def write_root(tmp: epath.Path) -> ConvertSummary:
-            total = ConvertSummary(direction)
-            tmp.mkdir(parents=True, exist_ok=True)
-            for _, step in _steps.list_steps(src):
-                if _steps.classify(step) is not PathKind.STEP:
-                    raise SafetensorsCheckpointError(
-                        f"{step}: a step that is not a directory of items cannot be converted "
-                        "as part of a root; convert it as an item"
-                    )
-                step_summary = _convert_step(step, tmp / step.name, direction, options, wrap_values)
-                total.items += [f"{step.name}/{i}" for i in step_summary.items]
-                total.copied += [f"{step.name}/{i}" for i in step_summary.copied]
-                total.tensors += step_summary.tensors
-                total.bytes += step_summary.bytes
-            return total
-
-        return atomic(dst, write_root)
+        return atomic(dst, lambda tmp: _convert_root(src, tmp, direction, options))
     raise _steps.not_a_checkpoint(src)

@@ -19,7 +19,7 @@ from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.orbax import v0 as _v0
 from orbax_safetensors._src.pipeline import read as _read
-from orbax_safetensors._src.tools import terminal as _terminal
+from orbax_safetensors._src.tools.inspection import stderr_is_terminal
 
 DEFAULT_STEPS = 300
 SAVE_EVERY = 50
@@ -123,7 +123,7 @@ def run_training(directory: str, start_fresh: bool, total_steps: int, crash_at: 
         initial=start,
         total=total_steps,
         file=sys.stderr,
-        disable=not _terminal.stderr_is_terminal(),  # a bar only on a terminal, never in piped output
+        disable=not stderr_is_terminal(),  # a bar only on a terminal, never in piped output
         mininterval=0.5,
     )
     loss = float("nan")

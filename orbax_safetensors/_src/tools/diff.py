@@ -1,6 +1,6 @@
-"""``orbax-safetensors diff``: which tensors two checkpoints (of any kind) share, and how far
-apart their values are, read a batch at a time and compared a bounded chunk at a time:
-bitwise by default (integers exactly, floats by their bits), or within a :class:`Tolerance`.
+"""``orbax-safetensors diff``: which tensors two checkpoints of any kind share and how far apart
+their values are, read a batch at a time and compared a bounded chunk at a time: bitwise by
+default, or within a :class:`Tolerance`.
 
 Example::
 
@@ -22,11 +22,8 @@ from orbax_safetensors._src.catalog import orbax_source as _orbax_source
 from orbax_safetensors._src.catalog import sources as _sources
 from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
-from orbax_safetensors._src.orbax import steps as _steps
-from orbax_safetensors._src.orbax.steps import PathKind
-from orbax_safetensors._src.tools import from_orbax as _from_orbax
-from orbax_safetensors._src.tools import nnx_values as _nnx_values
-from orbax_safetensors._src.tools.terminal import counted
+from orbax_safetensors._src.tools import convert_items as _convert_items
+from orbax_safetensors._src.tools.inspection import counted
 
 
 @dataclasses.dataclass
@@ -98,8 +95,7 @@ class DiffReport:
 
 
 class _Renamed:
-    """A source whose tensors carry other names (an Orbax ``nnx.State`` under the names
-    ``convert`` gives it)."""
+    """A source under other names (an Orbax ``nnx.State`` under the names ``convert`` gives)."""
 
     def __init__(self, source: _sources.TensorSource, names: dict[str, str]) -> None:
         self.path, self.kind, self.metadata = source.path, source.kind, source.metadata
@@ -114,24 +110,14 @@ class _Renamed:
         return {n: values[self.original[n]] for n in names}
 
 
-def _open(path: epath.Path) -> _sources.TensorSource:
-    source = _sources.open_source(path)
-    if isinstance(source, _orbax_source.OrbaxSource):
-        collapse = _from_orbax.unwrapped_paths(source, None)
-        if collapse:
-            leaves = {n: _nnx_values.raw_path(kp) for n, (kp, _) in source.leaves.items()}
-            return _Renamed(source, _nnx_values.renamed(leaves, collapse))
-    return source
-
-
-def _sources_of(path: epath.Path) -> dict[str, _sources.TensorSource]:
-    kind = _steps.classify(path)
-    if kind is PathKind.STEP:
-        items = [n for n, k in _steps.list_items(path).items() if k in _steps.TENSOR_KINDS]
-        if not items:
-            raise _steps.not_a_checkpoint(path)
-        return {n: _open(path / n) for n in items}
-    return {"": _open(path)}
+def _sources_of(path: epath.PathLike) -> dict[str, _sources.TensorSource]:
+    out: dict[str, _sources.TensorSource] = {}
+    for item, source in _sources.open_items(path).items():
+        names = None
+        if isinstance(source, _orbax_source.OrbaxSource):
+            names = _convert_items.converted_names(source)
+        out[item] = _Renamed(source, names) if names else source
+    return out
 
 
 def _dtype_shape(t: _sources.TensorInfo) -> str:
@@ -145,13 +131,10 @@ _CHUNK = 1 << 22  # elements compared at a time (bounded memory whatever the ten
 class Tolerance:
     """When two values of one tensor count as equal (``diff --atol/--rtol``).
 
-    Without a tolerance (both None) values are equal only when their bytes are: integers
-    exactly, floats bitwise (``-0.0`` differs from ``0.0``; NaNs are equal only with the same
-    bits). With one, a floating-point or complex pair is equal when
-    ``|a - b| <= atol + rtol * |b|`` (computed in float64 / complex128), NaN equals NaN
-    whatever the payload, and an infinity equals only the same infinity; an integer or bool
-    pair is equal when the exact difference ``|a - b|`` is at most ``atol`` (``rtol`` does not
-    apply to integers).
+    Without a tolerance values are equal only when their bits are (``-0.0 != 0.0``). With one,
+    floats (and complex) are equal when ``|a - b| <= atol + rtol * |b|`` (in float64 /
+    complex128), any NaN equals any NaN and an infinity only the same infinity; integers and
+    bools when the exact ``|a - b|`` is at most ``atol``.
 
     Example::
 
@@ -177,9 +160,9 @@ class Tolerance:
 
 @dataclasses.dataclass(frozen=True)
 class Comparison:
-    """How two same-shaped arrays compare: ``equal`` under the tolerance, how many elements
-    differ (under it), and the largest ``|a - b|`` (exact for integers; ``inf`` for a NaN
-    against a number or opposite infinities; 0 when only the bits differ)."""
+    """How two same-shaped arrays compare under a tolerance: ``equal``, how many elements
+    differ, and the largest ``|a - b|`` (exact for integers; ``inf`` for NaN against a number
+    or opposite infinities; 0 when only the bits differ)."""
 
     equal: bool
     differing: int
@@ -191,7 +174,7 @@ def _is_integer(dtype: np.dtype) -> bool:
 
 
 def _int_abs_difference(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """``|a - b|`` of two integer arrays of one dtype, exact, as unsigned of the same width."""
+    """``|a - b|`` of two integer arrays of one dtype, exact, as unsigned of their width."""
     if a.dtype == np.bool_:
         return (a != b).astype(np.uint8)
     unsigned = np.dtype(f"u{a.dtype.itemsize}")
@@ -266,9 +249,9 @@ def _bits_differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def max_abs_difference(a: np.ndarray, b: np.ndarray) -> float:
-    """The largest ``|a - b|`` (0.0 for equal values, ``-0.0`` and ``0.0`` included; NaN
-    equals NaN; a NaN against a number, or infinities of opposite sign, give ``inf``).
-    Integers of one dtype are subtracted exactly; other dtypes through float64."""
+    """The largest ``|a - b|`` (0.0 for equal values, ``-0.0`` and ``0.0`` included, and NaN
+    against NaN; ``inf`` for NaN against a number or opposite infinities): integers of one
+    dtype exactly, other dtypes through float64."""
     if a.shape != b.shape:
         raise ValueError(f"shapes differ: {a.shape} vs {b.shape}")
     if a.dtype == b.dtype and _is_integer(a.dtype):
@@ -300,18 +283,12 @@ def diff_paths(
 ) -> DiffReport:
     """Compares the tensors of two checkpoints (files, items, Orbax items or steps).
 
-    Steps are compared item by item (names read ``item/name``); a step with a single tensor
-    item compares with a single item or file. Values are read a batch at a time.
-    ``include`` / ``exclude`` (globs over dotted names, as in ``osf.load_file``) limit the
-    comparison to the tensors they select (in every item); only those are read. A pattern
-    that matches no tensor on either side raises ``TargetMismatchError``.
-
-    Without ``atol``/``rtol`` values compare bitwise (integers exactly, ``-0.0 != 0.0``,
-    NaNs equal only with the same bits); with either, as :class:`Tolerance` says (floats
-    within ``atol + rtol * |b|``, any NaN equal to any NaN; integers within ``atol``, exactly).
-    An Orbax-native item that stores an ``nnx.State`` (each leaf a ``{"value": x}`` dict) is
-    compared under the names ``convert`` gives it (``layers.0.kernel``, not
-    ``layers.0.kernel.value``), so a checkpoint equals its converted copy.
+    Steps compare item by item (names read ``item/name``); a step with one item of tensors
+    compares with an item or file. Values are read a batch at a time and compare bitwise, or
+    within :class:`Tolerance` ``(atol, rtol)``. ``include`` / ``exclude`` (globs over dotted
+    names, as in ``osf.load_file``) limit what is compared and read; a pattern matching no
+    tensor on either side raises ``TargetMismatchError``. An Orbax ``nnx.State`` compares
+    under the names ``convert`` gives it, so a checkpoint equals its converted copy.
 
     Example::
 
@@ -320,7 +297,7 @@ def diff_paths(
     """
     tolerance = Tolerance.of(atol, rtol)
     select = _select.Selection.of(include, exclude)
-    sa, sb = _sources_of(epath.Path(a)), _sources_of(epath.Path(b))
+    sa, sb = _sources_of(a), _sources_of(b)
     if select is not None:
         everywhere = [n for s in (*sa.values(), *sb.values()) for n in s.tensors]
         select.check(dict.fromkeys(everywhere), f"{a} or {b}")

@@ -1,25 +1,12 @@
-"""``orbax-safetensors export``: a checkpoint (or a file, an item, a step) as a Hugging Face
-model directory, through a preset or user key mapping.
-
-``--mapping`` is a preset name (``osf.hf.PRESETS``: ``llama``, ``mistral``, ``qwen2``, ``qwen3``,
-``phi3``, ``gemma3``, ``mixtral``, ``qwen2-moe``, ``qwen3-moe``, ``gpt2``, ``tunix-llama3``,
-``tunix-qwen3``; with a config whose ``tie_word_embeddings`` is true, the preset ties
-``lm_head`` to the embedding; the Tunix presets take their ``head_dim`` from it; the MaxText
-presets ``maxtext-*`` need it and read heads, ``head_dim`` and the vocabulary from it, and
-take scanned and unscanned checkpoints alike) or
-``module:attr`` naming a :class:`KeyMapping` (or a function of no arguments returning one),
-imported like ``python -c 'import module'`` from the current directory. ``--lora-scale X``
-sets its ``KeyMapping.lora_scale``: the scale of the LoRA adapters merged (qwix's
-``alpha / rank``, as Tunix applies them).
-
-``--hf-config`` is a ``config.json``, or a model directory: its ``config.json``,
-``generation_config.json`` and tokenizer files are written to the export
-(``integrations/model_files.py``).
+"""``orbax-safetensors export``'s options: ``--hf-config`` (a ``config.json``, or a model
+directory whose config, generation config and tokenizer files are copied), and ``--mapping``,
+a preset name (``osf.hf.PRESETS``; a preset's sizes and ``tie_word_embeddings`` come from the
+config) or ``module:attr`` naming an ``osf.KeyMapping`` (or a function of no arguments that
+returns one), imported like ``python -c 'import module'`` from the current directory.
 
 Example::
 
     orbax-safetensors export /ckpt out/ --mapping llama --hf-config config.json --item state
-    orbax-safetensors export /ckpt out/ --mapping qwen3-moe --hf-config Qwen3-30B-A3B/
 """
 
 from __future__ import annotations
@@ -37,15 +24,11 @@ from orbax_safetensors._src.integrations import model_files as _model_files
 from orbax_safetensors._src.integrations import presets as _presets
 from orbax_safetensors._src.integrations.key_mapping import KeyMapping, MappingReport
 from orbax_safetensors._src.tools import inspection as _inspection
-from orbax_safetensors._src.tools.terminal import counted
 
 
 def read_hf_config(path: str | None) -> dict[str, Any] | None:
-    """The ``config.json`` at ``path`` (a file, or a directory holding one), or None.
-
-    Raises:
-      ValueError: when it is missing or not a JSON object.
-    """
+    """The ``config.json`` at ``path`` (a file, or a directory holding one), or None;
+    ValueError when it is missing or not a JSON object."""
     if path is None:
         return None
     p = epath.Path(path)
@@ -59,13 +42,12 @@ def read_hf_config(path: str | None) -> dict[str, Any] | None:
 def resolve_mapping(
     spec: str, hf_config: dict[str, Any] | None = None, lora_scale: float | None = None
 ) -> KeyMapping:
-    """The mapping ``spec`` names: a preset, or ``module:attr``; with ``lora_scale``
-    (``--lora-scale``), that mapping with that ``KeyMapping.lora_scale``.
+    """The mapping ``spec`` names (a preset, or ``module:attr``), with ``lora_scale`` as its
+    ``KeyMapping.lora_scale`` when given.
 
     Raises:
-      ValueError: an unknown preset, a module that does not import, an attribute that is not
-        a KeyMapping.
-      ConfigError: a size of ``hf_config`` that a preset reads and that is impossible.
+      ValueError: an unknown preset, a module that does not import, no KeyMapping there.
+      ConfigError: an impossible size in ``hf_config`` that a preset reads.
     """
     mapping = _named_mapping(spec, hf_config)
     if lora_scale is None:
@@ -140,6 +122,6 @@ def summary(out: str, report: MappingReport) -> str:
     files = sorted(p for p in epath.Path(out).iterdir() if p.is_file())
     size = sum(p.stat().length for p in files if p.suffix == ".safetensors")
     return (
-        f"exported {counted(len(report.moved), 'tensor')} ({_inspection.human_bytes(size)}) to "
+        f"exported {_inspection.counted(len(report.moved), 'tensor')} ({_inspection.human_bytes(size)}) to "
         f"{out}: " + ", ".join(p.name for p in files)
     )

@@ -1,5 +1,6 @@
 """``orbax-safetensors inspect``: what a path holds (files, items, steps of a root), as a
-JSON-able report and as text.
+JSON-able report and as text; and the words of every tool's output (counts, sizes, progress
+bars, shown on a terminal only).
 
 Example::
 
@@ -10,6 +11,7 @@ Example::
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +25,6 @@ from orbax_safetensors._src.core import sniff as _sniff
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.orbax.steps import PathKind
-from orbax_safetensors._src.tools.terminal import counted
 
 if TYPE_CHECKING:
     from orbax_safetensors._src.catalog.sources import TensorSource
@@ -33,20 +34,16 @@ if TYPE_CHECKING:
 _UNREADABLE = (ValueError, OSError, EOFError)
 
 
-def _file_size(path: epath.Path) -> int:
+def _disk_bytes(path: epath.Path) -> int:
+    if path.is_dir():
+        return sum(_disk_bytes(p) for p in path.iterdir())
     st = path.stat()
     return int(getattr(st, "st_size", getattr(st, "length", 0)))
 
 
-def _disk_bytes(path: epath.Path) -> int:
-    if not path.is_dir():
-        return _file_size(path)
-    return sum(_disk_bytes(p) for p in path.iterdir())
-
-
 class _Filter:
-    """The tensors a report lists (all, or those ``include`` / ``exclude`` select), and every
-    name seen, to check the patterns against once the report is built."""
+    """The tensors a report lists (those ``select`` selects), and every name seen, to check
+    the patterns against once the report is built."""
 
     def __init__(self, select: _select.Selection | None) -> None:
         self.select = select
@@ -62,11 +59,11 @@ class _Filter:
 _ALL = _Filter(None)
 
 
-def _open(path: epath.Path) -> TensorSource | _listing.FileTable:
-    """The table of what ``path`` holds. A safetensors file is listed from its header (no JAX,
-    no Orbax: ``inspect FILE`` answers at once); anything else is opened by
-    ``catalog/sources``, imported here, when first needed."""
-    if _steps.classify(path) is PathKind.FILE and not _flax_msgpack.is_flax_msgpack(path):
+def _open(path: epath.Path, kind: PathKind | None = None) -> TensorSource | _listing.FileTable:
+    """The table of what ``path`` (of ``kind``, a directory when None) holds: a safetensors
+    file from its header alone, so that ``inspect FILE`` imports no JAX and no Orbax; anything
+    else through ``catalog.sources``, imported when first needed."""
+    if kind is PathKind.FILE and not _flax_msgpack.is_flax_msgpack(path):
         return _listing.list_file(path)
     from orbax_safetensors._src.catalog import sources
 
@@ -106,8 +103,7 @@ def _step_report(path: epath.Path, keep: _Filter = _ALL) -> dict[str, Any]:
 
 
 def _incomplete_step_report(path: epath.Path, missing: list[str]) -> dict[str, Any]:
-    """The report of a step directory named directly that Orbax lists with parts missing:
-    its items by name, no tensors (as a root lists such a step)."""
+    """A step named directly that Orbax lists with parts missing: its items, no tensors."""
     return {
         "path": str(path),
         "kind": "step",
@@ -189,17 +185,15 @@ def inspect_path(
     include: _select.Patterns = None,
     exclude: _select.Patterns = None,
 ) -> dict[str, Any]:
-    """A JSON-able description of ``path`` (see the module docstring for the kinds).
+    """A JSON-able description of a file, item, step or CheckpointManager root.
 
-    For a root: the committed steps (those ``mngr.all_steps()`` lists) with their items, tensor
-    counts, tensor bytes and bytes on disk, each with a ``status`` (``ok``; ``incomplete`` when
-    entries are missing, ``unreadable`` when a file is damaged, both with a ``problem``), the
-    uncommitted step directories (``uncommitted``, with the reason) and ``warnings``. A step
-    directory named directly that lacks what restoring it needs: ``status`` ``incomplete``,
-    ``missing``, its item names and no tensors (nothing else is read).
-    Otherwise every tensor's name, dtype, shape, bytes and file, with totals. ``include`` /
-    ``exclude`` (globs over dotted names, as in ``osf.load_file``) limit the tensors listed
-    and counted; a pattern matching no tensor raises ``TargetMismatchError``.
+    For a root: the steps ``mngr.all_steps()`` lists, with their items, tensors, tensor bytes,
+    bytes on disk and ``status`` (``ok``; ``incomplete`` or ``unreadable``, with a
+    ``problem``), the ``uncommitted`` step directories and ``warnings``. A step named directly
+    that lacks what its restore needs: ``status`` ``incomplete`` and ``missing``, nothing
+    read. Otherwise every tensor's name, dtype, shape, bytes and file, with totals.
+    ``include`` / ``exclude`` (globs over dotted names, as in ``osf.load_file``) limit the
+    tensors listed; a pattern matching no tensor raises ``TargetMismatchError``.
 
     Example::
 
@@ -235,7 +229,39 @@ def _report(path: epath.Path, keep: _Filter) -> dict[str, Any]:
         return report
     if kind is PathKind.OTHER:
         raise _steps.not_a_checkpoint(path)
-    return _source_report(_open(path), keep)
+    return _source_report(_open(path, kind), keep)
+
+
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and ``noun`` in agreement: ``'1 file'``, ``'2 files'`` (``plural`` where adding an
+    s is wrong)."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
+def stderr_is_terminal() -> bool:
+    """Whether ``sys.stderr`` is a terminal (False when it is missing or closed)."""
+    try:
+        return sys.stderr is not None and sys.stderr.isatty()
+    except (AttributeError, ValueError, OSError):  # no isatty, or a closed stream
+        return False
+
+
+def progress_bar(total: int, desc: str, progress: bool | None) -> Any:
+    """A tqdm bar of bytes on stderr, shown only when stderr is a terminal (never mixed into
+    piped or redirected output) and ``progress`` is not False."""
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        file=sys.stderr,
+        disable=progress is False or not stderr_is_terminal(),
+        mininterval=0.5,
+        leave=False,
+    )
 
 
 def human_bytes(n: float) -> str:

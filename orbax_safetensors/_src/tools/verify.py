@@ -1,26 +1,7 @@
-"""Checking whole checkpoints without building arrays: ``verify(path) -> VerifyReport``.
-
-``verify`` validates every header, schema and metadata file exactly as a restore would, then
-streams every tensor's bytes through CRC32C in bounded chunks (16 MiB by default, the CRC
-continued from chunk to chunk) and compares the result with the recorded checksum. No array is
-built and memory stays at one chunk, whatever the checkpoint's size.
-
-It accepts a ``.safetensors`` file (a file of a checkpoint directory is checked against that
-directory's metadata and checksums), a checkpoint directory (``orbax_safetensors.json``
-inside), an Orbax step directory (item directories inside) or a ``CheckpointManager`` root.
-
-In a root, the steps checked are exactly those Orbax lists (``mngr.all_steps()``), as
-:func:`orbax_safetensors._src.orbax.steps.scan_steps` decides: uncommitted steps (Orbax's
-``*.orbax-checkpoint-tmp*`` directories, and commit-file steps without ``commit_success.txt``)
-are skipped and listed in ``skipped``, never checked as complete. A committed step that lacks
-what restoring it needs (:func:`orbax_safetensors._src.catalog.completeness.missing_entries`: its
-``_CHECKPOINT_METADATA``, an item, a metadata or data file of an item, ours or Orbax's) is
-listed in ``incomplete`` and is a problem like any other damage: Orbax lists it but cannot
-restore it, so ``ok`` is False (the command line exits with status 1). Every other step is
-still checked. When such a step is older than the latest one, ``warnings`` says so: most likely
-a crash interrupted Orbax's deletion of that old step (``max_to_keep``), and the latest step is
-unaffected. A step directory named directly is judged as its root judges it; one that is not
-committed is a problem too (and is not checked).
+"""``verify``: every header, schema, metadata file and CRC32C checksum of a checkpoint, checked
+as a restore would check them, without building arrays (the bytes are streamed through CRC32C
+a bounded chunk at a time). In a CheckpointManager root, exactly the steps Orbax lists are
+checked; a committed step with parts missing is damage like any other.
 
 Example::
 
@@ -33,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -42,6 +22,7 @@ import jax
 from etils import epath
 
 from orbax_safetensors._src.catalog import completeness as _completeness
+from orbax_safetensors._src.catalog import sources as _sources
 from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import header as _header
@@ -80,11 +61,17 @@ class VerifyReport:
       files: safetensors files whose headers were read and validated.
       tensors: tensors whose headers were validated (checksummed or not).
       bytes: tensor bytes read and checksummed.
-      unverified: tensors without a recorded checksum (``file: tensor``); their headers are
-        valid but their bytes cannot be checked. Not a problem: plain safetensors files have none.
-      skipped: uncommitted steps (and Orbax temporary directories) that were not examined.
+      unverified: tensors without a recorded checksum (``file: tensor``), not a problem:
+        plain safetensors files have none.
+      skipped: uncommitted steps (and Orbax temporary directories), not examined.
       incomplete: committed steps with entries missing (each is also in ``problems``).
       warnings: what the problems probably mean (e.g. an old step half-deleted by a crash).
+
+    Example::
+
+        report = verify("/ckpt")
+        if not report.ok:
+            print("\n".join(report.problems))
     """
 
     ok: bool = True
@@ -104,26 +91,27 @@ class VerifyReport:
 
 
 def verify(path: epath.PathLike, *, chunk_bytes: int = CHUNK_BYTES) -> VerifyReport:
-    """Checks a file, checkpoint directory, step directory or CheckpointManager root.
+    """Checks a ``.safetensors`` file, checkpoint item, step or CheckpointManager root.
 
-    Args:
-      path: what to check (see the module docstring).
-      chunk_bytes: bytes read (and held in memory) at a time while checksumming.
+    Every header, schema and metadata file is validated as a restore validates it, and every
+    tensor's bytes are compared with their recorded CRC32C, ``chunk_bytes`` held in memory at
+    a time; no array is built. A file of a checkpoint item is checked against that item's
+    metadata. In a root, the steps Orbax lists are checked: uncommitted ones are skipped
+    (``skipped``), and a committed step lacking what its restore needs is ``incomplete`` and
+    a problem (a warning says when it is most likely an old step half-deleted by a kill). A
+    step named directly is judged as its root judges it.
 
     Returns:
-      A :class:`VerifyReport`; ``report.ok`` is False when any header, schema or metadata is
-      malformed or any tensor's bytes do not match their CRC32C.
+      A :class:`VerifyReport`; ``report.ok`` is False when anything is malformed, missing or
+      does not match its checksum.
 
     Raises:
-      FileNotFoundError: when ``path`` does not exist.
-      NotSafetensorsError: when ``path`` is not a checkpoint this function checks: a file
-        that is recognisably something else (a Flax msgpack checkpoint, a pickle, a zip...), an
-        empty directory or one that holds no checkpoint, an Orbax item written by another
-        handler, an Orbax-native checkpoint (no checksums to check); the message says what it
-        is and what to run.
-      HeaderError: when ``path`` is a single ``.safetensors`` file whose header cannot be read
-        (truncated or forged): nothing identifies it as a checkpoint to check. A damaged file
-        of a checkpoint directory is a problem of the report instead.
+      FileNotFoundError: ``path`` does not exist.
+      NotSafetensorsError: ``path`` is no checkpoint this function checks (something else, an
+        empty or other directory, another handler's item, an Orbax-native checkpoint, which
+        records no checksums); the message says what it is and what to run.
+      HeaderError: ``path`` is one ``.safetensors`` file whose header cannot be read (a damaged
+        file of a checkpoint item is a problem of the report instead).
 
     Example::
 
@@ -166,8 +154,8 @@ def verify(path: epath.PathLike, *, chunk_bytes: int = CHUNK_BYTES) -> VerifyRep
 
 
 def _unverifiable(path: epath.Path) -> NotSafetensorsError:
-    """The error for a directory that holds nothing :func:`verify` checks: Orbax-native items
-    (which record no checksums), or no checkpoint at all."""
+    """The error for a directory holding nothing :func:`verify` checks: Orbax-native items (no
+    checksums), or no checkpoint at all."""
     kind = _steps.classify(path)
     orbax = kind is PathKind.ORBAX or (
         kind is PathKind.STEP and PathKind.ORBAX in _steps.list_items(path).values()
@@ -198,11 +186,8 @@ class _Checker:
     # ----------------------------------------------------------------- walking
 
     def tree(self, path: epath.Path, depth: int) -> bool:
-        """A manager root (depth 0) or step directory: checks what it holds; False if nothing.
-
-        The committed steps of a root are checked as steps (:meth:`step`), its uncommitted
-        ones skipped; other directories and files are checked for what they hold.
-        """
+        """A root (depth 0: its committed steps checked as steps, uncommitted ones skipped) or
+        a step directory: checks what it holds; False if nothing."""
         steps: dict[str, _steps.StepDir] = {}
         if depth == 0 and not (path / _steps.CHECKPOINT_METADATA_FILE).exists():
             steps = {s.path.name: s for s in _steps.scan_steps(path)}
@@ -238,9 +223,8 @@ class _Checker:
         return found
 
     def step(self, path: epath.Path, depth: int = 1, listed: _steps.StepDir | None = None) -> bool:
-        """A committed step (``listed``: its entry in its root, where known): its items (or
-        the step itself, when it is an item), after checking that no part of it is missing.
-        False if it holds nothing of ours."""
+        """A committed step (``listed``: its entry in its root): that no part is missing, then
+        its items (or itself, an item). False if it holds nothing of ours."""
         missing = _completeness.missing_entries(listed or path)
         if missing:
             self.missing[path] = missing
@@ -255,11 +239,8 @@ class _Checker:
     # ----------------------------------------------------------------- one file
 
     def file(self, path: epath.Path, unreadable_raises: bool = False) -> None:
-        """A standalone ``.safetensors`` file (schema and checksums in its ``__metadata__``).
-
-        With ``unreadable_raises``, a file whose header cannot be read (something else, such as
-        a msgpack checkpoint or a pickle, or a truncated or forged file) raises instead of
-        being a problem: the file named on its own is then no checkpoint to check."""
+        """A standalone ``.safetensors`` file; with ``unreadable_raises`` (the file named on its
+        own), an unreadable header raises instead of being a problem."""
         header = self._header(path, unreadable_raises)
         if header is None:
             return
@@ -287,11 +268,8 @@ class _Checker:
     # ----------------------------------------------------------------- one directory
 
     def item(self, directory: epath.Path, only: str | None = None) -> None:
-        """A checkpoint directory: metadata file, every file's header, index, schema, bytes.
-
-        With ``only``, just that file of the directory (checked against the directory's
-        metadata and checksums); a file the metadata does not list is checked on its own.
-        """
+        """A checkpoint item: metadata, every file's header, index, schema and bytes; with
+        ``only``, that one file (on its own where the metadata does not list it)."""
         try:
             metadata = _read.read_metadata(directory)
         except _READ_ERRORS as e:
@@ -329,24 +307,19 @@ class _Checker:
         self._stream(stored)
 
     def _index(self, directory: epath.Path, metadata: Mapping[str, Any]) -> None:
-        path = directory / _plan.INDEX_FILE_NAME
-        if not path.exists():
-            return
         try:
-            raw = _confine.read_file(_confine.inside(directory, _plan.INDEX_FILE_NAME))
+            index = _sources.read_index(directory)
         except _READ_ERRORS as e:
-            self.report._problem(_message(e, path))
+            self.report._problem(_message(e, directory / _plan.INDEX_FILE_NAME))
             return
-        try:
-            weight_map = json.loads(raw).get("weight_map")
-        except (ValueError, AttributeError, RecursionError) as e:
-            self.report._problem(f"{path}: unreadable index ({type(e).__name__}: {e})")
+        if index is None:
             return
+        path, weight_map = index[0], index[1]["weight_map"]
         expected = {n: t.get("file") for n, t in metadata["tensors"].items() if isinstance(t, dict)}
         if weight_map != expected:
             wrong = sorted(
-                set(expected).symmetric_difference(weight_map or {})
-                | {n for n in expected if (weight_map or {}).get(n) != expected[n]}
+                set(expected).symmetric_difference(weight_map)
+                | {n for n in expected if weight_map.get(n) != expected[n]}
             )
             self.report._problem(
                 f"{path}: weight_map disagrees with {_metadata.METADATA_FILE} for tensors "

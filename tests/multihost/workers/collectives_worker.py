@@ -19,11 +19,12 @@ flat = NamedSharding(Mesh(np.array(jax.devices()), ("d",)), P("d"))
 whole = np.arange(8 * len(jax.devices()), dtype=np.float32)
 ok = True
 for i in range(ctx.args["n"]):
-    mine = np.arange(8, dtype=np.uint8) + i % 7 if primary else np.zeros(8, np.uint8)
-    got = multihost.broadcast_one_to_all(mine, is_source=primary)
+    mine = (np.arange(8, dtype=np.uint8) + i % 7).tobytes() if primary else None
+    got = np.frombuffer(multihost.broadcast_bytes(mine, is_source=primary), np.uint8)
     ok &= bool(np.array_equal(got, np.arange(8) + i % 7))
     # (right after, a broadcast of another size: the pattern gloo aborted on)
-    ok &= int(multihost.broadcast_one_to_all(np.uint32(i), is_source=primary)) == i
+    four = i.to_bytes(4, "little") if primary else None
+    ok &= int.from_bytes(multihost.broadcast_bytes(four, is_source=primary), "little") == i
     text = multihost.broadcast_bytes(b"x" * (i % 13) if primary else None, is_source=primary)
     ok &= text == b"x" * (i % 13)
     multihost.barrier(f"collectives.{i}")

@@ -1,7 +1,6 @@
-"""Requests to object storage: :func:`call` (bounded retries on transient failures, the
-final error wrapped as :class:`ObjectStoreError`), :func:`run_all`, which runs a batch of
-requests on the process-wide pool, and this process's counters (:class:`ObjectStoreStats`,
-read with :func:`object_store_stats`, added to with :func:`count`).
+"""Requests to object storage: :func:`call` (bounded retries on transient failures, the final
+error an :class:`ObjectStoreError`), :func:`run_all` (a batch on the process-wide pool), and
+this process's counters (:func:`object_store_stats`).
 
 Example::
 
@@ -28,13 +27,11 @@ _T = TypeVar("_T")
 
 @dataclasses.dataclass
 class ObjectStoreStats:
-    """Requests and bytes this process sent to object storage (cumulative, all threads).
-
-    ``bytes_fetched`` counts every byte requested by ranged GETs (coalesced gaps included);
-    ``bytes_uploaded`` every byte sent in PUTs and parts (``put_requests`` counts both,
-    ``multipart_parts`` the S3 UploadPart requests among them); ``bytes_copied`` bytes copied
-    server-side; ``bytes_reassembled`` the bytes of other processes this process downloaded to
-    build the part windows of a multi-process save it was given.
+    """Requests and bytes this process sent to object storage (cumulative, all threads):
+    ``bytes_fetched`` every byte ranged GETs asked for (gaps included), ``bytes_uploaded``
+    every byte of PUTs and parts (``multipart_parts``: S3 UploadPart requests among
+    ``put_requests``), ``bytes_reassembled`` other processes' bytes downloaded to build the
+    windows of a save by several processes.
 
     Example::
 
@@ -101,10 +98,8 @@ def count(**increments: int) -> None:
 
 
 class ObjectStoreError(SafetensorsCheckpointError, OSError):
-    """A request to object storage failed for good (after retries, or not retryable).
-
-    A :class:`SafetensorsCheckpointError` and an ``OSError`` (``str``, ``args`` and ``errno``
-    as for a plain ``OSError(message)``).
+    """A request to object storage failed for good (after retries, or not retryable); also an
+    ``OSError`` (``str``, ``args``, ``errno`` as for ``OSError(message)``).
 
     Attributes:
       url: the object (or prefix) concerned.
@@ -141,6 +136,7 @@ def describe_error(error: BaseException) -> str:
 
 
 def http_status(error: BaseException) -> int | None:
+    """The HTTP status a client's error carries (botocore's or google's), or None."""
     response = getattr(error, "response", None)
     if isinstance(response, dict):  # botocore ClientError
         code = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
@@ -188,7 +184,7 @@ def _is_transient(error: BaseException) -> bool:
 
 
 def _trace(message: str) -> None:
-    """One line per request on stderr (``IOOptions(trace=True)``; a debugging aid)."""
+    # One line per request on stderr (IOOptions(trace=True)).
     import sys
 
     print(
@@ -206,8 +202,9 @@ def call(
     *,
     trace: bool = False,
 ) -> _T:
-    """Runs ``fn`` with up to ``options.max_attempts`` tries on transient failures; wraps
-    final errors; ``trace`` prints one line per request and retry on stderr."""
+    """``fn()``, tried up to ``options.max_attempts`` times on transient failures (backoff with
+    jitter); a missing object raises FileNotFoundError, any other final error an
+    :class:`ObjectStoreError`; ``trace`` prints each request and retry on stderr."""
     attempt = 0
     while True:
         attempt += 1
@@ -247,11 +244,8 @@ _pool_lock = threading.Lock()  # guards _executor
 
 
 def _shared_pool(n: int) -> concurrent.futures.ThreadPoolExecutor:
-    """The process-wide pool for object-storage requests (``max_in_flight`` threads).
-
-    One pool bounds the requests in flight across every reader and writer of the process, and
-    its long-lived threads keep their HTTP connections (and GCS clients) between calls.
-    """
+    # One pool bounds the requests in flight across every reader and writer of the process;
+    # its long-lived threads keep their HTTP connections (and GCS clients) between calls.
     global _executor
     with _pool_lock:
         if _executor is None or _executor[0] != n:
@@ -267,13 +261,9 @@ def _mark_worker() -> None:
 
 
 def run_all(jobs: Sequence[Callable[[], _T]], max_in_flight: int) -> list[_T]:
-    """Runs ``jobs`` on the shared pool (``max_in_flight`` threads) and returns their results
-    in order.
-
-    Jobs started from inside a pool thread run inline (a nested fan-out must not wait for pool
-    threads it occupies). The first failure is re-raised after the others were cancelled or
-    finished, so no request outlives the call.
-    """
+    """The results of ``jobs`` run on the shared pool, in order; jobs started from a pool
+    thread run inline (a nested fan-out must not wait for threads it occupies). The first
+    failure is raised once the others are cancelled or finished."""
     if len(jobs) <= 1 or getattr(_worker, "active", False):
         return [job() for job in jobs]
     pool = _shared_pool(max_in_flight)
@@ -286,14 +276,8 @@ def run_all(jobs: Sequence[Callable[[], _T]], max_in_flight: int) -> list[_T]:
 
 
 class Configured:
-    """What an object-store client is configured with: its :class:`ObjectStoreOptions` and
-    whether requests are traced; :meth:`call` and :meth:`run_all` apply them.
-
-    Example::
-
-        store = S3Store(ObjectStoreOptions(max_attempts=8))
-        size = store.call(url, "HEAD", lambda: store.size(bucket, key))
-    """
+    """A client's :class:`ObjectStoreOptions` and tracing, applied by :meth:`call` and
+    :meth:`run_all`."""
 
     def __init__(
         self, options: _config.ObjectStoreOptions | None = None, trace: bool = False
@@ -302,9 +286,7 @@ class Configured:
         self.trace = trace
 
     def call(self, url: str, operation: str, fn: Callable[[], _T]) -> _T:
-        """:func:`call` with this client's options."""
         return call(url, operation, fn, self.options, trace=self.trace)
 
     def run_all(self, jobs: Sequence[Callable[[], _T]]) -> list[_T]:
-        """:func:`run_all` with this client's ``max_in_flight``."""
         return run_all(jobs, self.options.max_in_flight)

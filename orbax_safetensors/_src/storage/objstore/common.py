@@ -1,7 +1,6 @@
-"""What every object-store provider shares: URLs, the :class:`Store` protocol of a
-provider's client, ranged reads (:class:`ObjectReader`), bytes as lists of memoryviews without
-copies (upload bodies :class:`ViewsReader`, download sinks :class:`ViewsWriter`, this process's
-contiguous bytes of a file :class:`Segment`), and the hidden prefix of temporary objects.
+"""What every object-store provider shares: URLs, the :class:`Store` protocol of a client,
+ranged reads (:class:`ObjectReader`), bytes as lists of memoryviews without copies, and the
+hidden prefix of temporary objects.
 
 Example::
 
@@ -24,6 +23,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from orbax_safetensors._src.core import runs as _runs
+from orbax_safetensors._src.storage import buffers as _buffers
 from orbax_safetensors._src.storage import config as _config
 from orbax_safetensors._src.storage import interface as _interface
 
@@ -32,8 +32,8 @@ _HEAD_PREFETCH = 64 * 1024  # first GET of a file: enough for most safetensors h
 
 
 def split_url(url: str) -> tuple[str, str, str]:
-    """``(scheme, bucket, key)`` of an ``s3://`` or ``gs://`` URL (the key without slashes at
-    either end); ValueError for any other URL."""
+    """``(scheme, bucket, key)`` of an ``s3://`` or ``gs://`` URL (key stripped of slashes);
+    ValueError for any other URL."""
     scheme, _, rest = os.fspath(url).partition("://")
     bucket, _, key = rest.partition("/")
     if scheme not in ("s3", "gs") or not bucket:
@@ -42,8 +42,7 @@ def split_url(url: str) -> tuple[str, str, str]:
 
 
 def missing_client(scheme: str, package: str, extra: str, error: ImportError) -> ImportError:
-    """The ImportError to raise when a provider's client library is missing: it names the
-    ``pip install 'orbax-safetensors[<extra>]'`` that brings it."""
+    """The ImportError for a missing client library, naming the ``pip install`` that brings it."""
     return ImportError(
         f"{scheme}:// paths need {package}, which is not installed here ({error}); "
         f"install it with: pip install 'orbax-safetensors[{extra}]'",
@@ -96,7 +95,7 @@ class ViewsReader(io.RawIOBase):
         return done
 
     def read(self, size: int | None = -1) -> bytes:
-        """Up to ``size`` bytes, copied once (``bytes`` of one view, or a join of several)."""
+        """Up to ``size`` bytes, copied once."""
         if size is None or size < 0:
             size = self._size - self._pos
         stop = min(self._pos + size, self._size)
@@ -144,26 +143,9 @@ class ViewsWriter(io.RawIOBase):
         return done
 
 
-def slice_views(views: Sequence[memoryview], start: int, stop: int) -> list[memoryview]:
-    """The bytes ``[start, stop)`` of the concatenation of ``views``, as views."""
-    out: list[memoryview] = []
-    pos = 0
-    for view in views:
-        end = pos + len(view)
-        if end > start and pos < stop:
-            out.append(view[max(start, pos) - pos : min(stop, end) - pos])
-        pos = end
-        if pos >= stop:
-            break
-    return out
-
-
 def even_chunks(total: int, target: int) -> list[tuple[int, int]]:
-    """Splits ``[0, total)`` into the fewest near-equal chunks of at most ``target`` bytes.
-
-    Every chunk is at least ``min(total, target // 2)`` bytes long, so with ``target >= 2 * m``
-    and ``total >= m`` every chunk is >= ``m`` (S3's minimum part size).
-    """
+    """``[0, total)`` in the fewest near-equal chunks of at most ``target`` bytes, each at least
+    ``min(total, target // 2)`` (so with ``target >= 2 * m`` none is under S3's minimum ``m``)."""
     if total <= 0:
         return []
     n = max(1, -(-total // target))
@@ -174,12 +156,12 @@ def even_chunks(total: int, target: int) -> list[tuple[int, int]]:
 def split_request(
     start: int, bufs: Sequence[memoryview], limit: int
 ) -> list[tuple[int, list[memoryview]]]:
-    """The request that fills ``bufs`` from object offset ``start``, as ``(start, views)``
-    requests of at most ``limit`` bytes each."""
+    """The request filling ``bufs`` from object offset ``start``, as ``(start, views)`` requests
+    of at most ``limit`` bytes."""
     total = sum(len(b) for b in bufs)
     if total <= limit:
         return [(start, list(bufs))]
-    return [(start + a, slice_views(bufs, a, b)) for a, b in even_chunks(total, limit)]
+    return [(start + a, _buffers.slice_views(bufs, a, b)) for a, b in even_chunks(total, limit)]
 
 
 @dataclasses.dataclass
@@ -196,12 +178,11 @@ class Segment:
 
     def slice(self, a: int, b: int) -> list[memoryview]:
         """Views of absolute file bytes ``[a, b)`` (inside this segment)."""
-        return slice_views(self.views, a - self.start, b - self.start)
+        return _buffers.slice_views(self.views, a - self.start, b - self.start)
 
 
 def segments_of(pieces: Sequence[_interface.Piece]) -> list[Segment]:
-    """The bytes of ``pieces`` as contiguous segments in offset order (touching pieces
-    joined, empty ones dropped); ValueError if two pieces overlap."""
+    """The bytes of ``pieces`` as contiguous segments in offset order; ValueError on overlap."""
     out: list[Segment] = []
     for p in sorted(pieces, key=lambda p: p.offset):
         n = int(p.data.nbytes)
@@ -222,33 +203,27 @@ _T = TypeVar("_T")
 
 
 class Store(Protocol):
-    """The requests every provider's client answers (``S3Store``, ``GcsStore``), given the
-    bucket and key of an object. Every method sends its requests once (no retries: callers
-    wrap them in :meth:`call`) and counts them (:func:`.calls.count`)."""
+    """The requests every provider's client answers (``S3Store``, ``GcsStore``), by bucket and
+    key. Each method sends its requests once and counts them; callers retry through
+    :meth:`call` (:func:`.calls.call`, as :meth:`run_all` is :func:`.calls.run_all`)."""
 
     scheme: str  # the URL scheme, e.g. "s3"
-    options: _config.ObjectStoreOptions  # see .calls.Configured
+    options: _config.ObjectStoreOptions
     trace: bool
 
-    def call(self, url: str, operation: str, fn: Callable[[], _T]) -> _T:
-        """:func:`.calls.call` with this store's options."""
-        ...
+    def call(self, url: str, operation: str, fn: Callable[[], _T]) -> _T: ...
 
-    def run_all(self, jobs: Sequence[Callable[[], _T]]) -> list[_T]:
-        """:func:`.calls.run_all` with this store's ``max_in_flight``."""
-        ...
+    def run_all(self, jobs: Sequence[Callable[[], _T]]) -> list[_T]: ...
 
     def size(self, bucket: str, key: str) -> int:
-        """The object's size (FileNotFoundError-like client error when it is missing)."""
+        """The object's size (a not-found error when it is missing)."""
         ...
 
     def get_into(
         self, bucket: str, key: str, start: int, views: Sequence[memoryview]
     ) -> int | None:
-        """Fills ``views`` with the bytes from ``start``; returns the object size if known.
-
-        Raises EOFError when the object ends before the views are full.
-        """
+        """Fills ``views`` with the bytes from ``start``; the object size if known; EOFError
+        when the object ends first."""
         ...
 
     def get_upto(self, bucket: str, key: str, start: int, n: int) -> tuple[bytes, int | None]:
@@ -269,11 +244,8 @@ class Store(Protocol):
 
 
 class ObjectReader:
-    """Random-access reads of one object through HTTP range requests.
-
-    The reader interface ``router.open_reader`` hands out: ``size``, ``pread``, ``read_runs``, and
-    the counters ``bytes_read`` (bytes requested, coalesced gaps included) and ``requests``.
-    """
+    """Random-access reads of one object through HTTP range requests (``size``, ``pread``,
+    ``read_runs``; counters ``bytes_read``, gaps included, and ``requests``)."""
 
     def __init__(self, store: Store, url: str) -> None:
         self.path = os.fspath(url)
@@ -343,14 +315,9 @@ class ObjectReader:
         max_gap: int | None = None,
         on_run: Callable[[int], None] | None = None,
     ) -> None:
-        """Fills each ``(offset, dest)`` with the object's bytes at ``offset`` (dest flat uint8).
-
-        Runs share a request as far as the bytes read stay within
-        ``core.runs.MAX_READ_RATIO`` x the bytes wanted (smallest gaps first, none longer than
-        ``max_gap``: :func:`.runs.ranged_reads`); requests are at most
-        ``max_request_bytes`` long and at most ``max_in_flight`` run at once. ``on_run(i)`` is
-        called for every run once all are in place.
-        """
+        """Fills each ``(offset, dest)`` with the object's bytes at ``offset``, in the fewest
+        ranged GETs that read at most 1.5x the bytes wanted (``runs.ranged_reads``), each at
+        most ``max_request_bytes``; ``on_run(i)`` for every run once all are in place."""
         self._read_runs(runs, max_gap)
         if on_run is not None:
             for i in range(len(runs)):
@@ -389,8 +356,8 @@ def existing_size(store: Store, bucket: str, key: str) -> int | None:
 
 
 def delete_quietly(store: Store, bucket: str, keys: Sequence[str]) -> None:
-    """Deletes temporary objects (with retries); a final failure leaves them behind rather
-    than hiding the error that brought us here."""
+    """Deletes temporary objects (with retries); a failure leaves them rather than hiding the
+    error that brought us here."""
     keys = list(dict.fromkeys(keys))
     if keys:
         with contextlib.suppress(Exception):

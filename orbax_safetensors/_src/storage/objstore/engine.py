@@ -1,12 +1,9 @@
-"""The provider-neutral write flow of object storage and the providers the router registers
-(:data:`S3`, :data:`GCS`): a file one process holds whole is written directly; a save by several
-processes of a ``jax.distributed`` job is registered by :func:`prepare_directory` (every
-process), run by :func:`finish_directory` (every process: :func:`.spread.execute`, then the
-primary waits for everyone and persists the commit record) and committed by
-:func:`finalize_directory` (the primary, possibly on a fresh driver). A failed save is
-removed: nothing is left that a reader could take for a checkpoint file. A job of several
-processes without the key-value store is refused in :func:`prepare_directory`, before any
-upload, with an error naming what is missing.
+"""The provider-neutral write flow of object storage, and the providers the router registers
+(:data:`S3`, :data:`GCS`). A file one process holds whole is written directly; a save by several
+processes is registered (:func:`prepare_directory`, every process; refused without the
+key-value store), run (:func:`finish_directory`, every process; then the primary persists the
+commit record) and committed (:func:`finalize_directory`, the primary, maybe on a fresh
+driver). A failed save is removed: nothing is left a reader could take for a checkpoint file.
 
 Example::
 
@@ -46,13 +43,9 @@ _counts: dict[str, int] = {}  # saves registered per directory (the same on ever
 
 
 def write_file(store: _Store, url: str, pieces: Sequence[_interface.Piece], size: int) -> None:
-    """Writes this process's ``pieces`` of the ``size``-byte file at ``url``.
-
-    In a save :func:`prepare_directory` registered, the pieces are kept for
-    :func:`finish_directory`. Otherwise they must tile ``[0, size)``, and the final object is
-    written directly (it appears whole or not at all); ValueError naming the missing bytes if
-    they do not.
-    """
+    """Writes this process's ``pieces`` of the ``size``-byte file at ``url``: kept for
+    :func:`finish_directory` in a registered save, else written directly (whole or not at all;
+    ValueError naming the bytes held unless they tile ``[0, size)``)."""
     url = os.fspath(url)
     segments = _common.segments_of(pieces)
     if segments and segments[-1].end > size:
@@ -78,10 +71,8 @@ def write_file(store: _Store, url: str, pieces: Sequence[_interface.Piece], size
 def prepare_directory(
     directory: str, files: Sequence[tuple[str, int]], *, is_primary: bool
 ) -> None:
-    """Main-thread step of every process before a save of ``files`` into ``directory``, in the
-    same order on every process: in a job of several processes, registers the directory, so
-    that :func:`write_file` keeps this process's pieces for :func:`finish_directory`. Nothing
-    for one process.
+    """Every process, before a save of ``files`` into ``directory``, in the same order: with
+    several processes, registers the directory (:func:`write_file` then keeps the pieces).
 
     Raises:
       RuntimeError: several processes, and ``jax.distributed``'s key-value store is missing
@@ -105,14 +96,10 @@ def prepare_directory(
 
 
 def finish_directory(store: _Store, directory: str) -> None:
-    """Every process, once it wrote all its files of ``directory``: its part of the save
-    (:func:`.spread.execute`); nothing unless :func:`prepare_directory` registered it.
-
-    A process that fails tells the others (they raise instead of waiting for it). The primary
-    waits until every process is done, then persists the commit record, or, if any process
-    failed, removes everything the save wrote and aborts its uploads, and raises naming the
-    first failure; then it deletes the save's keys.
-    """
+    """Every process, once it wrote its files of a registered ``directory``: its part of the
+    save (:func:`.spread.execute`). A failing process tells the others. The primary waits for
+    every process, then persists the commit record, or removes what the save wrote and raises
+    naming the first failure."""
     directory = os.fspath(directory).rstrip("/")
     with _lock:
         save = _saves.pop(directory, None)
@@ -164,11 +151,9 @@ def finish_directory(store: _Store, directory: str) -> None:
 
 
 def abandon_directory(store: _Store, directory: str, error: BaseException) -> None:
-    """This process's save of ``directory`` failed outside :func:`finish_directory` (a host
-    copy, a write before it, or the primary's files after it): tells the other processes (they
-    raise instead of waiting for this one) and, on the primary, removes what the save wrote once
-    every process is done (or, after :func:`finish_directory`, aborts the uploads the kept
-    commit record holds). Nothing if no save of ``directory`` was registered."""
+    """This process's save of ``directory`` failed outside :func:`finish_directory`: tells the
+    other processes and, on the primary, removes what the save wrote once every process is
+    done (after :func:`finish_directory`, aborts the uploads its kept record holds)."""
     directory = os.fspath(directory).rstrip("/")
     with _lock:
         save = _saves.pop(directory, None)
@@ -193,7 +178,7 @@ def abandon_directory(store: _Store, directory: str, error: BaseException) -> No
 
 
 def _abort_mine(store: _Store, directory: str, outcome: _spread.Outcome) -> None:
-    """Aborts the uploads this process created and did not complete (its save failed)."""
+    # Aborts the uploads this process created and did not complete (its save failed).
     if isinstance(store, _s3.S3Store):
         _, bucket, base = _common.split_url(directory)
         for name, upload_id in outcome.upload_ids.items():
@@ -202,8 +187,8 @@ def _abort_mine(store: _Store, directory: str, outcome: _spread.Outcome) -> None
 
 
 def _created_uploads(kv: _spread.SaveKeys, outcome: _spread.Outcome) -> dict[str, str]:
-    """The primary, once every process is done with a failed save: every multipart upload
-    a finisher created (its own, and those the others published), to abort."""
+    # The primary, once every process is done with a failed save: every multipart upload a
+    # finisher created (its own, and those the others published), to abort.
     ids = dict(outcome.upload_ids)
     plan = outcome.plan
     if plan is not None and plan.kind is _up.StoreKind.S3:
@@ -232,11 +217,9 @@ def record_key(directory: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class CommitRecord:
     """What committing a save by several processes needs, per file several processes wrote,
-    persisted as ``<directory>/.osf-parts/spread.json`` by the primary once every process
-    finished: ``{"name", "size"}`` for a file its finisher completed during the save (what
-    :func:`finish_directory` writes); S3 ``{"name", "size", "parts", "upload_id"}`` or GCS
-    ``{"name", "size", "level", "sources"}`` (the composites ``spread.compose_key(file, level,
-    g)`` for ``g < sources``) for one still to complete (:func:`.spread.commit_file`).
+    persisted as ``<directory>/.osf-parts/spread.json``: ``{"name", "size"}`` for a file
+    completed during the save; S3 ``{..., "parts", "upload_id"}`` or GCS ``{..., "level",
+    "sources"}`` for one still to complete (:func:`.spread.commit_file`).
 
     Example::
 
@@ -249,9 +232,7 @@ class CommitRecord:
 
     @classmethod
     def of_plan(cls, plan: _up.UploadPlan) -> CommitRecord:
-        """The record of a save that ran ``plan``: every file's finisher completed its upload
-        or composed its top level during the save, so each file several processes wrote is
-        listed as ``{"name", "size"}``, with nothing left to complete."""
+        """The record of a save that ran ``plan`` (every file completed during the save)."""
         files = [
             {"name": f.name, "size": f.size}
             for f in plan.files
@@ -280,8 +261,8 @@ _kept: dict[str, CommitRecord] = {}  # the primary's records, until its finalize
 
 
 def _write_record(store: _Store, directory: str, record: CommitRecord) -> None:
-    """Persists ``record`` (the primary, once every process finished) and keeps it for
-    :func:`finalize_directory`."""
+    # Persists ``record`` (the primary, once every process finished) and keeps it for
+    # finalize_directory.
     bucket, _ = _base(directory)
     key, data = record_key(directory), [memoryview(record.to_json().encode())]
     store.call(
@@ -297,11 +278,9 @@ def _write_record(store: _Store, directory: str, record: CommitRecord) -> None:
 
 
 def finalize_directory(store: _Store, directory: str) -> None:
-    """The primary's last step of a save into ``directory``, once every process finished
-    (possibly on a driver that did not run the save): commits a save by several processes
-    from its record (kept in memory, else read from the store), i.e. completes what the record
-    still lists, then deletes the record. Without a record (a save by one process) it deletes
-    what a save killed mid-way left under the directory's hidden prefix, if anything."""
+    """The primary's last step of a save into ``directory`` (maybe on a driver that did not run
+    it): completes what its commit record lists (kept in memory, else read from the store) and
+    deletes the record; without one, deletes what a save killed mid-way left behind."""
     directory = os.fspath(directory).rstrip("/")
     bucket, base = _base(directory)
     staged = f"{directory}/{_common.STAGING_DIR}/"
@@ -347,10 +326,8 @@ def discard(
     store: _Store, directory: str, names: Sequence[str], upload_ids: Mapping[str, str]
 ) -> None:
     """Removes what a failed save of the files ``names`` wrote in ``directory`` (the primary,
-    once no process writes for it any more): aborts the multipart uploads ``upload_ids``,
-    deletes the files already written whole or composed (``names`` and any ``.safetensors``
-    object of the item directory) and every staged object. Best effort: a failure leaves
-    objects behind rather than hiding the save's error."""
+    once no process writes any more): aborts ``upload_ids``, deletes the files written and
+    every staged object. Best effort: the save's error matters more."""
     bucket, base = _base(directory)
     if isinstance(store, _s3.S3Store):
         for name, upload_id in upload_ids.items():
@@ -373,31 +350,24 @@ def discard(
 
 
 class ObjectStoreProvider:
-    """One object store as a :class:`orbax_safetensors._src.storage.router.Provider`: the
-    router hands it every path of its URL scheme, with the I/O options of the call.
-
-    Example::
-
-        S3.write_file("s3://bucket/w.safetensors", pieces, size, config.resolve(None))
-    """
+    """One object store as a ``router.Provider``: the functions above, with the client for
+    the call's I/O options."""
 
     def __init__(self, make_store: Callable[[_config.ObjectStoreOptions, bool], _Store]) -> None:
         self._make_store = make_store
 
     @functools.lru_cache(maxsize=16)  # noqa: B019 (two module-level providers, kept for good)
     def store(self, io: _config.IOOptions) -> _Store:
-        """The client for ``io`` (resolved: see :func:`.config.resolve`); one per options."""
+        """The client for (resolved) ``io``, one per options."""
         assert io.object_store is not None and io.trace is not None
         return self._make_store(io.object_store, io.trace)
 
     def open_reader(self, url: str, io: _config.IOOptions) -> _common.ObjectReader:
-        """A ranged reader of the object at ``url``."""
         return _common.ObjectReader(self.store(io), url)
 
     def write_file(
         self, url: str, pieces: Sequence[_interface.Piece], size: int, io: _config.IOOptions
     ) -> None:
-        """See :func:`write_file`."""
         write_file(self.store(io), url, pieces, size)
 
     def prepare_directory(
@@ -408,21 +378,17 @@ class ObjectStoreProvider:
         is_primary: bool,
         io: _config.IOOptions,
     ) -> None:
-        """See :func:`prepare_directory`."""
         prepare_directory(directory, files, is_primary=is_primary)
 
     def finish_directory(self, directory: str, io: _config.IOOptions) -> None:
-        """See :func:`finish_directory`."""
         finish_directory(self.store(io), directory)
 
     def abandon_directory(
         self, directory: str, error: BaseException, io: _config.IOOptions
     ) -> None:
-        """See :func:`abandon_directory`."""
         abandon_directory(self.store(io), directory, error)
 
     def finalize_directory(self, directory: str, io: _config.IOOptions) -> None:
-        """See :func:`finalize_directory`."""
         finalize_directory(self.store(io), directory)
 
 

@@ -25,7 +25,7 @@ GCS_MAX_COMPOSE = 32
 
 
 def _import_gcs() -> Any:
-    """``google.cloud.storage``, or an ImportError naming the ``[gcs]`` extra."""
+    # google.cloud.storage, or an ImportError naming the [gcs] extra.
     try:
         from google.cloud import storage
     except ImportError as error:
@@ -75,8 +75,8 @@ class GcsStore(_calls.Configured):
         return int(blob.size)
 
     def _download(self, bucket: str, key: str, start: int, n: int, sink: Any) -> bool:
-        """Streams up to ``n`` bytes from ``start`` into the file ``sink`` (one GET, without the
-        client's own retries and checksums); False if the object has no byte at ``start``."""
+        # Streams up to n bytes from start into the file sink (one GET, without the client's
+        # own retries and checksums); False if the object has no byte at start.
         _calls.count(get_requests=1, bytes_fetched=n)
         try:
             self._blob(bucket, key).download_to_file(
@@ -98,10 +98,6 @@ class GcsStore(_calls.Configured):
     def get_into(
         self, bucket: str, key: str, start: int, views: Sequence[memoryview]
     ) -> int | None:
-        """Fills ``views`` with the bytes from ``start``; returns None (the size is not known).
-
-        Raises EOFError when the object ends before the views are full.
-        """
         n = sum(len(v) for v in views)
         sink = _common.ViewsWriter(views)
         if not self._download(bucket, key, start, n, sink):
@@ -114,7 +110,6 @@ class GcsStore(_calls.Configured):
         return None
 
     def get_upto(self, bucket: str, key: str, start: int, n: int) -> tuple[bytes, int | None]:
-        """Up to ``n`` bytes from ``start`` (fewer at the end) and the object size if known."""
         sink = io.BytesIO()
         if not self._download(bucket, key, start, n, sink):
             return b"", None
@@ -172,8 +167,8 @@ def write_composed(
     seg: _common.Segment,
     chunks: Sequence[tuple[int, int]],
 ) -> None:
-    """Writes the whole object ``key`` from ``seg``: one staged object per chunk (in parallel),
-    composed into ``key``; the staged and intermediate objects are deleted afterwards."""
+    """Writes the object ``key`` from ``seg``: one staged object per chunk (in parallel),
+    composed into ``key``, then deleted."""
     prefix, _ = _common.staging_prefix(key)
     token = uuid.uuid4().hex[:12]
     names = [f"{prefix}w-{token}-{i:05d}" for i in range(len(chunks))]
@@ -195,10 +190,8 @@ def write_composed(
 def compose_tree(
     store: GcsStore, url: str, bucket: str, key: str, names: Sequence[str], tmp_prefix: str
 ) -> list[str]:
-    """Composes ``names`` (in order) into ``key``, <= 32 sources per call, in a tree.
-
-    Returns the intermediate objects created (the caller deletes them).
-    """
+    """Composes ``names`` (in order) into ``key``, 32 sources per call at most, in a tree; the
+    intermediate objects created (for the caller to delete)."""
     level = 0
     created: list[str] = []
     names = list(names)

@@ -35,7 +35,7 @@ def _fsspec_conf(protocol: str) -> dict[str, Any]:
 
 
 def _import_boto3() -> tuple[Any, Any]:
-    """``(boto3, botocore.config.Config)``, or an ImportError naming the ``[s3]`` extra."""
+    # (boto3, botocore.config.Config), or an ImportError naming the [s3] extra.
     try:
         import boto3
         from botocore.config import Config
@@ -103,8 +103,8 @@ class S3Store(_calls.Configured):
         return int(self.client().head_object(Bucket=bucket, Key=key)["ContentLength"])
 
     def _get_range(self, bucket: str, key: str, start: int, n: int) -> Any:
-        """The GetObject response for up to ``n`` bytes from ``start`` (its ``Body`` not read
-        yet); None if the object has no byte at ``start``."""
+        # The GetObject response for up to n bytes from start (its Body not read yet); None if
+        # the object has no byte at start.
         _calls.count(get_requests=1, bytes_fetched=n)
         try:
             return self.client().get_object(
@@ -118,10 +118,6 @@ class S3Store(_calls.Configured):
     def get_into(
         self, bucket: str, key: str, start: int, views: Sequence[memoryview]
     ) -> int | None:
-        """Fills ``views`` with the bytes from ``start``; returns the object size if known.
-
-        Raises EOFError when the object ends before the views are full.
-        """
         n = sum(len(v) for v in views)
         response = self._get_range(bucket, key, start, n)
         if response is None:
@@ -146,7 +142,6 @@ class S3Store(_calls.Configured):
         return total
 
     def get_upto(self, bucket: str, key: str, start: int, n: int) -> tuple[bytes, int | None]:
-        """Up to ``n`` bytes from ``start`` (fewer at the end) and the object size if known."""
         response = self._get_range(bucket, key, start, n)
         if response is None:
             return b"", None
@@ -253,8 +248,8 @@ def write_multipart(
     seg: _common.Segment,
     chunks: Sequence[tuple[int, int]],
 ) -> None:
-    """Writes the whole object ``key`` from ``seg`` as a multipart upload, one part per chunk
-    (in parallel); the upload is aborted if any request fails."""
+    """Writes the object ``key`` from ``seg`` as a multipart upload, one part per chunk (in
+    parallel), aborted if any request fails."""
     upload_id = store.call(url, "CreateMultipartUpload", lambda: store.create_upload(bucket, key))
     try:
 

@@ -1,15 +1,10 @@
-"""One process's part of a save by several processes on S3 or GCS (:mod:`.upload_plan`), run
-over the key-value store of ``jax.distributed``.
-
-Every process publishes which bytes of which file it holds and reads everyone else's
-(:class:`SaveKeys`), computes the same plan, and sends its own requests phase by phase
-(:func:`execute`): the multipart uploads of the files it finishes (S3; their UploadIds
-published), its own bytes (files it owns whole, pure windows, its loose bundles: ``own``), the
-windows it builds from the others' loose bundles (``built``), then the uploads it completes
-(S3) or the compose levels it was given (GCS), and the deletion of what it wrote once no one
-reads it. A process that fails sets ``failed``; every wait for another process's step raises
-as soon as it sees that (or after :data:`WAIT_SECONDS`), naming the process and step. The
-engine (:mod:`.engine`) registers saves, runs :func:`execute` on every process and commits.
+"""One process's part of a save by several processes on S3 or GCS, over ``jax.distributed``'s
+key-value store: every process publishes which bytes of which file it holds, computes the same
+plan (:mod:`.upload_plan`) and sends its own requests phase by phase (:func:`execute`): the
+uploads of the files it finishes (S3), its own bytes (``own``), the windows it builds from the
+others' loose bundles (``built``), the uploads it completes (S3) or compose levels it was given
+(GCS), and the deletion of what it wrote once no one reads it. A failing process sets
+``failed``; every wait raises as soon as it sees that, naming the process and step.
 ``docs/object-storage.md`` tells the protocol step by step.
 
 Example::
@@ -72,20 +67,17 @@ _last: list[tuple[_up.UploadPlan, int]] = []  # the last plan this process execu
 
 
 def last_plan() -> tuple[_up.UploadPlan, int] | None:
-    """The plan of the last spread save this process finished and its own process index (to
-    compare what it sent, :func:`.calls.object_store_stats`, with what the plan says)."""
+    """The plan of the last spread save this process finished, and its process index (for
+    tests and benchmarks to compare what it sent with the plan)."""
     with _lock:
         return _last[-1] if _last else None
 
 
 class SaveKeys:
-    """The steps of one save in the key-value store: every key lives under ``prefix``
-    (``osf/<directory>/<n>``, ``n`` counting the saves of that directory in this job), is set
-    once, and is deleted by the primary once every process is done (:meth:`delete`).
-
-    Every process sets ``done/<p>`` last, failed or not; the primary waits for all of them
-    (:meth:`wait_done`) before it commits or cleans up, so no process still writes when it
-    decides.
+    """The steps of one save in the key-value store, under ``prefix`` (``osf/<directory>/<n>``,
+    ``n`` counting the saves of that directory in this job), each set once. Every process sets
+    ``done/<p>`` last, failed or not; the primary waits for them all (:meth:`wait_done`) before
+    it commits or cleans up, then deletes the keys.
 
     Example::
 
@@ -105,9 +97,8 @@ class SaveKeys:
         self.client.key_value_set(f"{self.prefix}/{key}", value)
 
     def get(self, key: str, what: str, *, watch_failed: bool = True) -> str:
-        """The value of ``key`` once a process set it. Raises an ObjectStoreError naming
-        ``what`` after :data:`WAIT_SECONDS`, or as soon as another process reported its failure
-        (``watch_failed``)."""
+        """The value of ``key`` once a process set it; an ObjectStoreError naming ``what`` after
+        :data:`WAIT_SECONDS`, or once another process reported its failure (``watch_failed``)."""
         full = f"{self.prefix}/{key}"
         deadline = time.monotonic() + WAIT_SECONDS
         while True:
@@ -152,9 +143,8 @@ class SaveKeys:
             self.set(FAILED, f"process {process}: {_calls.describe_error(error)}")
 
     def wait_done(self, count: int, me: int) -> list[int]:
-        """The primary, after its own ``done``: waits until every process set ``done/<p>``
-        (at most :data:`WAIT_SECONDS` each); returns the processes that failed or never
-        answered."""
+        """The primary, after its own ``done``: waits for every process's ``done/<p>``; the
+        processes that failed or never answered."""
         failed = []
         for p in range(count):
             if p == me:
@@ -167,8 +157,7 @@ class SaveKeys:
         return failed
 
     def delete(self) -> None:
-        """Removes every key of this save (the primary, once every process is done; no process
-        reads them any more)."""
+        """Removes every key of this save (the primary, once every process is done)."""
         with contextlib.suppress(Exception):  # best effort: the save's outcome matters more
             _jaxcompat.distributed_kv_delete(self.client, self.prefix)
 
@@ -186,8 +175,8 @@ def compose_key(key: str, level: int, group: int) -> str:
 
 
 def write_whole(store: Store, url: str, bucket: str, key: str, seg: _common.Segment) -> None:
-    """Writes the object ``key`` from ``seg``, which holds all of its bytes: one PUT up to
-    ``part_size``, else a multipart upload (S3) or a parallel composite upload (GCS)."""
+    """Writes the object ``key`` from ``seg`` (all of its bytes): one PUT up to ``part_size``,
+    else a multipart (S3) or parallel composite (GCS) upload."""
     options = store.options
     if seg.size <= options.part_size:
         store.call(url, f"PUT {seg.size} bytes", lambda: store.put(bucket, key, seg.views))
@@ -200,11 +189,9 @@ def write_whole(store: Store, url: str, bucket: str, key: str, seg: _common.Segm
 
 
 def commit_file(store: Store, directory: str, bucket: str, base: str, f: Mapping[str, Any]) -> None:
-    """Completes one file several processes wrote, as its finisher does during the save or a
-    commit record lists it: S3, lists the parts of upload ``f["upload_id"]`` and completes it (an error naming the file and the parts never uploaded unless all
-    ``f["parts"]`` are there); GCS, composes ``f["sources"]`` composites of level
-    ``f["level"]`` into the file and deletes them. Nothing for an entry without either (a file
-    its finisher completed during the save).
+    """Completes one file several processes wrote, as a commit record lists it: S3, completes
+    upload ``f["upload_id"]`` (an error naming the parts never uploaded); GCS, composes the
+    ``f["sources"]`` composites of level ``f["level"]`` into the file and deletes them.
 
     Example::
 
@@ -242,7 +229,7 @@ def commit_file(store: Store, directory: str, bucket: str, base: str, f: Mapping
 
 
 def _slices(segments: Sequence[_common.Segment], a: int, b: int) -> list[memoryview]:
-    """Views of this process's bytes within ``[a, b)``, in offset order."""
+    # Views of this process's bytes within [a, b), in offset order.
     out: list[memoryview] = []
     for s in segments:
         if s.end > a and s.start < b:
@@ -251,7 +238,7 @@ def _slices(segments: Sequence[_common.Segment], a: int, b: int) -> list[memoryv
 
 
 def _peer_ranges(f: _up.FileOwners, a: int, b: int) -> dict[int, list[tuple[int, int]]]:
-    """Each owner's ranges within ``[a, b)`` of the file, in offset order."""
+    # Each owner's ranges within [a, b) of the file, in offset order.
     stops = f.stops()
     lo = int(np.searchsorted(stops, a, "right"))
     hi = int(np.searchsorted(f.starts, b, "left"))
@@ -264,10 +251,8 @@ def _peer_ranges(f: _up.FileOwners, a: int, b: int) -> dict[int, list[tuple[int,
 
 
 def execute(store: Store, directory: str, save: Save, kv: SaveKeys, outcome: Outcome) -> None:
-    """This process's requests of the save of ``directory`` (see the module docstring), from
-    the exchange of byte ranges to the deletion of what it wrote; every process calls it once
-    it wrote its files. ``outcome`` records the plan and the uploads created here as it goes
-    (for the clean-up of a failed save)."""
+    """This process's requests of the save of ``directory`` (see the module docstring), once it
+    wrote its files; ``outcome`` records the plan and the uploads created (for a clean-up)."""
     me, s3 = save.process, isinstance(store, _s3.S3Store)
     mine = {name: [[s.start, s.end] for s in segs] for name, segs in save.written.items()}
     kv.set(f"seg/{me}", json.dumps(mine))
@@ -320,24 +305,23 @@ def execute(store: Store, directory: str, save: Save, kv: SaveKeys, outcome: Out
         _last[:] = [(plan, me)]
 
 
+@dataclasses.dataclass
 class _Run:
     """The requests of one process for one save."""
 
-    def __init__(
-        self,
-        store: Store,
-        directory: str,
-        bucket: str,
-        base: str,
-        plan: _up.UploadPlan,
-        owners: list[_up.FileOwners],
-        save: Save,
-        kv: SaveKeys,
-        ids: dict[str, str],
-    ) -> None:
-        self.store, self.directory, self.bucket, self.base = store, directory, bucket, base
-        self.plan, self.owners, self.save, self.kv, self.ids = plan, owners, save, kv, ids
-        self.me = save.process
+    store: Store
+    directory: str
+    bucket: str
+    base: str
+    plan: _up.UploadPlan
+    owners: list[_up.FileOwners]
+    save: Save
+    kv: SaveKeys
+    ids: dict[str, str]
+
+    @property
+    def me(self) -> int:
+        return self.save.process
 
     def loose_key(self, process: int, bundle: int) -> str:
         return f"{self.base}{_common.STAGING_DIR}/{LOOSE_DIR}/{process:06d}-{bundle:06d}"
@@ -360,7 +344,7 @@ class _Run:
             store.call(url, f"PUT window {obj}", lambda: store.put(bucket, obj, views))
 
     def upload_id(self, index: int) -> str:
-        """S3: the UploadId of file ``index``, from its finisher (through the key-value store)."""
+        """S3: the UploadId of file ``index``, from its finisher."""
         name = self.plan.files[index].name
         if name not in self.ids:
             finisher = int(self.plan.files[index].top)
@@ -370,7 +354,7 @@ class _Run:
         return self.ids[name]
 
     def _ready_keys(self, f: _up.FileUpload) -> list[str]:
-        """The key announcing each window of ``f`` uploaded (its writer's ``own`` or ``built``)."""
+        # The key announcing each window of f uploaded (its writer's own or built).
         return [
             f"own/{p}" if pure else f"built/{p}"
             for p, pure in zip(f.writer.tolist(), f.pure.tolist())
@@ -378,8 +362,7 @@ class _Run:
 
     def complete(self, completed: set[str]) -> None:
         """S3: completes the uploads of the files this process finishes, once every part's
-        writer announced it (``ListParts`` gives the ETags; a missing part fails naming it);
-        adds each file's name to ``completed``."""
+        writer announced it; adds each file's name to ``completed``."""
         store = self.store
         assert isinstance(store, _s3.S3Store)
         for f in self.plan.files:
@@ -513,8 +496,8 @@ class _Run:
                 self.kv.set(f"top/{index}")
 
     def _delete_composed(self, store: _gcs.GcsStore) -> None:
-        """GCS: the window objects and composites this process wrote, once the compose that
-        used them is done (the top level's: once its finisher announced ``top``)."""
+        # GCS: deletes the window objects and composites this process wrote, once the compose
+        # that used them is done (the top level's: once its finisher announced top).
         fan_in = self.plan.limits.compose_fan_in
         for index, f in enumerate(self.plan.files):
             if f.whole_owner >= 0 or f.windows <= 1:
@@ -550,8 +533,7 @@ class _Run:
                 )
 
     def cleanup(self) -> None:
-        """Deletes this process's loose bundles once every builder reading them is done, and
-        (GCS) its window objects and composites once they were composed."""
+        """Deletes what this process wrote once no one reads it any more."""
         if isinstance(self.store, _gcs.GcsStore):
             self._delete_composed(self.store)
         plan = self.plan

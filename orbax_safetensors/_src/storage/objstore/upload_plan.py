@@ -1,35 +1,16 @@
-"""The object-store upload plan of a save by several processes: which windows each process
-uploads or builds, and the bytes it moves. Pure and deterministic (no I/O, no JAX): every process computes
-the same plan from global facts (the files' sizes and every process's bytes of each file, which
-``core.plan`` gives every process), so no process has to be told what to build.
+"""The plan of a save by several processes on object storage: which windows (S3 parts, GCS
+objects) each process uploads or builds, and the bytes it moves. Pure and deterministic: every
+process computes the same plan from global facts (the files' sizes and every process's bytes of
+each), so no process is told what to do.
 
-A file written by one process is written whole by it (one PUT, or one multipart upload or
-compose of its own chunks). A file several processes own bytes of is cut into **windows**
-(:func:`_windows`), each one S3 part or one GCS object:
-
-* a window inside one process's range is **pure**: its owner uploads it directly (S3
-  ``UploadPart``, GCS staged object);
-* any other window is **mixed**: it is assigned to one of its owners, its **builder**: the one
-  it adds least to, counting what that owner moves already (its bytes, and the windows it
-  builds, a request weighing as 2 MiB moved). That is the owner of most of the window's bytes, but
-  for ties and owners loaded already: building is spread over the processes (the primary,
-  an owner of every file's header, starts with a handicap of one request per file). The
-  other owners upload their bytes of it in their **loose** objects (one stream per process,
-  cut into bundles of about ``part_size``, across files); the builder downloads exactly those
-  bytes (one ranged GET per other owner), adds its own bytes (never uploaded separately) and
-  uploads the window (S3 ``UploadPart``, GCS filler object);
-* GCS: the window objects of a file are composed in a tree of at most ``compose_fan_in``
-  sources per call; the levels below the top are composed by the processes that wrote their
-  sources (the least loaded of a group's writers); every object is deleted by the process that
-  wrote it once it was composed;
-* each file of several windows has a **finisher**, the least loaded of the writers of its top
-  level's sources (S3: of its parts): on S3 it creates the file's multipart upload before anyone
-  writes and completes it once every part is uploaded; on GCS it composes the top level. So the
-  primary sends no request per file: it only commits the save. Each process deletes its own
-  loose objects once every builder that reads them is done.
-
-On S3 every window but a file's last is >= the minimum part (5 MiB, or more for files over
-about 48 GiB) and a file has at most 10,000 windows; on GCS a compose joins at most 32 objects.
+A file one process owns is written whole by it. Another is cut into windows: a **pure** window,
+inside one owner's range, is uploaded by that owner; a **mixed** one is built by the owner it
+adds least to (counting what each moves already, a request weighing as 2 MiB moved), from the
+other owners' **loose** bundles (one ranged GET per owner). GCS composes a file's objects in a
+tree spread over their writers; each file's **finisher** (the least loaded writer of its top
+level) creates and completes the S3 upload or composes the GCS top, so the primary only commits.
+On S3 every window but a file's last is at least the minimum part, at most 10,000 per file; on
+GCS a compose joins at most 32 objects.
 
 Example::
 
@@ -69,7 +50,7 @@ class StoreKind(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class UploadLimits:
-    """The sizes a plan obeys (see :class:`ObjectStoreOptions` and the providers' limits)."""
+    """The sizes a plan obeys (the store's options and the providers' limits)."""
 
     part_size: int = 64 * MiB
     gcs_min_object: int = 1 * MiB
@@ -178,12 +159,10 @@ def _even_bounds(a: int, b: int, target: int) -> list[int]:
 
 
 def _capped(seg_starts: np.ndarray, bounds: list[int], b: int, floor: int) -> list[int]:
-    """``bounds`` (mixed window starts over ``[bounds[0], b)``), or, where one of them would
-    hold more than ``MAX_WINDOW_OWNERS`` owners' ranges, windows cut where the next range would
-    exceed it (each window still >= ``floor`` bytes, no longer than the even ones): the owners
-    of a stretch are often unevenly dense (a joined group of many tiny ranges beside larger
-    ones), so an even cut gives a few windows of hundreds of owners, and their builders one GET
-    per owner."""
+    """``bounds`` (mixed window starts over ``[bounds[0], b)``), or, where one would hold more
+    than ``MAX_WINDOW_OWNERS`` owners' ranges, windows cut before the range that would exceed
+    it (each still >= ``floor`` bytes, no longer than the even ones): owners are often unevenly
+    dense, and each costs the builder one GET."""
     edges = np.array([*bounds, b], np.int64)
     first = np.searchsorted(seg_starts, edges[:-1], "right")
     last = np.searchsorted(seg_starts, edges[1:], "left")
@@ -208,15 +187,11 @@ def _capped(seg_starts: np.ndarray, bounds: list[int], b: int, floor: int) -> li
 def _windows(
     kind: StoreKind, limits: UploadLimits, f: FileOwners, mixed_target: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``(window starts, owner of each pure window or -1)`` of a file with several owners.
-
-    Ranges long enough (S3: 2 x the minimum part; GCS: ``gcs_min_object``) are cut into pure
-    windows of <= ``part_size``; the bytes between them into mixed windows of about
-    ``mixed_target``. A run of short ranges under the minimum (S3 part, GCS object) borrows the
-    missing bytes from the long range after it (on GCS, takes it whole if it is under twice the
-    minimum): on S3 every window but the file's last is >= the minimum; on GCS a file's header
-    (written by the primary) is no object of its own, which would cost the primary two requests
-    (PUT, DELETE) per file.
+    """``(window starts, owner of each pure window or -1)`` of a file with several owners: long
+    ranges in pure windows of <= ``part_size``, the bytes between in mixed windows of about
+    ``mixed_target``. A short run under the minimum borrows from the long range after it (on
+    GCS, takes it whole if under twice the minimum), so no S3 part but the last is under the
+    minimum, and a GCS file's header is no object of its own (two requests of the primary's).
     """
     s3 = kind is StoreKind.S3
     m = limits.min_part(f.size) if s3 else limits.gcs_min_object
@@ -277,9 +252,8 @@ def _compose_levels(
     writer: np.ndarray, fan_in: int, load: np.ndarray, tasks: np.ndarray
 ) -> list[list[tuple[int, int]]]:
     """The compose tree below the top of a file whose window objects ``writer`` wrote: per
-    level, ``(composer, sources)`` of each group of <= ``fan_in`` consecutive objects; the
-    composer is the group's writer given fewest such tasks so far, then the least loaded
-    (``tasks``, ``load``, updated)."""
+    level, ``(composer, sources)`` of each group of <= ``fan_in`` objects, the composer the
+    group's writer with fewest tasks, then least load (both updated)."""
     levels: list[list[tuple[int, int]]] = []
     writers = writer.tolist()
     while len(writers) > fan_in:
@@ -302,8 +276,8 @@ def plan_uploads(
     num_processes: int,
     primary: int = 0,
 ) -> UploadPlan:
-    """The upload plan of a save of ``files`` by ``num_processes`` processes (see the module
-    docstring); ``files`` lists every file with every process's bytes of it.
+    """The upload plan of a save of ``files`` (every file with every process's bytes of it) by
+    ``num_processes`` processes.
 
     Example::
 
