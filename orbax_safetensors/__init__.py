@@ -51,6 +51,7 @@ if TYPE_CHECKING:
         TensorEntry,
     )
     from orbax_safetensors._src.integrations.export import export_pytorch
+    from orbax_safetensors._src.integrations.hf_import import import_pytorch
     from orbax_safetensors._src.integrations.key_mapping import (
         Chain,
         KeyMapping,
@@ -137,6 +138,7 @@ _LAZY: dict[str, str] = {
     "VocabRows": "integrations.transforms",
     "abstract_pytorch": "integrations.load",
     "export_pytorch": "integrations.export",
+    "import_pytorch": "integrations.hf_import",
     "load_pytorch": "integrations.load",
     "manager_options_for": "orbax.object_storage",
     "SafetensorsCheckpointHandler": "orbax.v0",
@@ -270,6 +272,7 @@ __all__ = [
     "export_pytorch",
     "handler_registry",
     "hf",
+    "import_pytorch",
     "load_file",
     "load_metadata",
     "load_model",

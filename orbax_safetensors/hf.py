@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from orbax_safetensors._src.integrations import presets
 from orbax_safetensors._src.integrations.export import export_pytorch
+from orbax_safetensors._src.integrations.hf_import import import_pytorch
 from orbax_safetensors._src.integrations.key_mapping import (
     Chain,
     KeyMapping,
@@ -59,6 +60,7 @@ __all__ = [
     "VocabRows",
     "abstract_pytorch",
     "export_pytorch",
+    "import_pytorch",
     "load_pytorch",
     "preset_mapping",
     "presets",

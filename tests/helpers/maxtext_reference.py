@@ -27,20 +27,27 @@ ENV = "OSF_MAXTEXT_WHEEL"
 UTILS = "maxtext/checkpoint_conversion/utils/"
 
 
-@functools.lru_cache(maxsize=4)
-def _load(name: str) -> types.ModuleType | None:
+def source(member: str) -> tuple[str, str] | None:
+    """The text and the path of ``member`` (``maxtext/...py``) of the wheel (or unzipped copy)
+    ``OSF_MAXTEXT_WHEEL`` names; None when it names none."""
     where = os.environ.get(ENV)
     if not where:
         return None
-    path, member = Path(where), f"{UTILS}{name}.py"
+    path = Path(where)
     if path.is_dir():
-        source = (path / member).read_text()
-    else:
-        with zipfile.ZipFile(path) as wheel:
-            source = wheel.read(member).decode()
+        return (path / member).read_text(), f"{path}/{member}"
+    with zipfile.ZipFile(path) as wheel:
+        return wheel.read(member).decode(), f"{path}/{member}"
+
+
+@functools.lru_cache(maxsize=4)
+def _load(name: str) -> types.ModuleType | None:
+    found = source(f"{UTILS}{name}.py")
+    if found is None:
+        return None
     module = types.ModuleType(f"maxtext_{name}")
-    module.__file__ = f"{path}/{member}"
-    exec(compile(source, module.__file__, "exec"), module.__dict__)  # (MaxText's own file)
+    module.__file__ = found[1]
+    exec(compile(found[0], module.__file__, "exec"), module.__dict__)  # (MaxText's own file)
     return module
 
 

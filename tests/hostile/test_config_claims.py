@@ -102,16 +102,26 @@ def params() -> dict:
     return {"params": {"params": mc.llama_params(DIMS)}}
 
 
+def _served_manager(tmp) -> ocp.CheckpointManager:
+    """The manager of ``tmp/served``: item ``hf``, saved with a mapping (``saved``)."""
+    item = {"hf": osf.SafetensorsCheckpointHandler()}
+    return ocp.CheckpointManager(tmp / "served", item_names=("hf",), item_handlers=item)
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """A checkpoint of MaxText-layout parameters (a real CheckpointManager, item ``state``)
-    and the Hugging Face directory exported from it with the good config."""
+    """A checkpoint of MaxText-layout parameters (a real CheckpointManager, item ``state``),
+    the Hugging Face directory exported from it with the good config, and a manager root
+    whose item ``hf`` holds it in that layout (``SafetensorsSave(mapping=)``)."""
     tmp = tmp_path_factory.mktemp("claims")
     with state_manager(tmp / "ckpt") as mngr:
         mngr.save(1, args=ocp.args.Composite(state=osf.SafetensorsSave(params())))
         mngr.wait_until_finished()
     good = osf.preset_mapping(PRESET, hf_config=GOOD)
     assert osf.export_pytorch(params(), tmp / "hf", good, hf_config=GOOD).ok
+    with _served_manager(tmp) as mngr:  # the Hugging Face layout as a manager's item
+        mngr.save(1, args=ocp.args.Composite(hf=osf.SafetensorsSave(params(), mapping=good)))
+        mngr.wait_until_finished()
     jax.devices()  # (outside the measured regions)
     return tmp
 
@@ -189,6 +199,18 @@ def test_load_refuses(name, target, saved):
     with refused(name) as e:
         mapping = osf.preset_mapping(PRESET, hf_config=bad_config(name))
         osf.load_pytorch(abstract if target == "train-state" else None, saved / "hf", mapping)
+    says(name, str(e.value))
+
+
+@pytest.mark.parametrize("name", LOADED)
+def test_manager_restore_refuses(name, saved):
+    # SafetensorsRestore(target, mapping=) through a real CheckpointManager: the mapping a
+    # bad config builds is refused against the stored tensors, as load_pytorch refuses it.
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params())
+    with _served_manager(saved) as mngr, refused(name) as e:
+        mapping = osf.preset_mapping(PRESET, hf_config=bad_config(name))
+        restore = osf.SafetensorsRestore(abstract, mapping=mapping)
+        mngr.restore(1, args=ocp.args.Composite(hf=restore))
     says(name, str(e.value))
 
 

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+import traced_memory
 
 import orbax_safetensors as osf
 from orbax_safetensors import cli
@@ -345,3 +346,116 @@ def test_a_forged_chunk_grid_is_counted_not_enumerated(
     assert chunks > 1  # the array is stored in several chunks
     [entry] = _completeness.missing_entries(step)
     assert entry == f"{expected - chunks} of the {expected} chunk files of native/w/"
+
+
+def test_verify_and_inspect_judge_a_forged_claim_without_reading_it(
+    roots: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``verify`` and ``inspect`` of a root whose Orbax-native array claims 2**40 rows (issue
+    46, class 4): they read no array of an Orbax-native item; the claim's chunk files are
+    counted (not listed, not read, nothing the claim sizes allocated), the step reported
+    incomplete (exit status 1; ``inspect``: INCOMPLETE, exit 0). ``verify`` of the forged item
+    named on its own refuses it: an Orbax-native item records no checksums (exit status 2)."""
+    root = tmp_path / "run"
+    shutil.copytree(roots["ours+zarr"], root)
+    item = root / str(STEP) / "native"
+    meta = json.loads((item / "w" / "zarr.json").read_text())
+    meta["shape"] = [2**40, 64]
+    (item / "w" / "zarr.json").write_text(json.dumps(meta))
+    report = osf.verify(root)  # (imports and caches outside the measure)
+    peak = traced_memory.traced_peak(lambda: osf.verify(root))
+    assert peak < 8 << 20, peak
+    assert report.incomplete == [str(root / str(STEP))], report.problems
+    assert any("chunk files of native/w/" in p for p in report.problems), report.problems
+    code, out, _ = _cli(capsys, "verify", root)
+    assert code == 1 and "DAMAGED" in out and "chunk files of native/w/" in out, out
+    code, out, _ = _cli(capsys, "inspect", root)
+    assert code == 0 and any(
+        line.split()[:1] == [str(STEP)] and line.endswith("INCOMPLETE") for line in out.splitlines()
+    ), out
+    code, out, err = _cli(capsys, "verify", item)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Orbax" in lines[0], (code, out, err)
+
+
+# --------------------------------------------------------------------------- the other readers
+
+# Each reader of a step's tensors, given step 1 of the root (the path a user names): how it
+# is called and, for the command line, its argv ((root, step, out) -> argv).
+_MAPPING = osf.KeyMapping([osf.Rule("{k:.*}", "{k}")])  # every name as it is
+_MAPPING_MODULE = "half_deleted_names"
+_CLI_READERS: dict[str, Callable[[Path, Path, Path], list[Any]]] = {
+    "diff": lambda root, step, out: ["diff", step, root / str(STEP + 1)],
+    "export": lambda root, step, out: [
+        *("export", root, out, "--step", STEP, "--item", "ours"),
+        *("--mapping", f"{_MAPPING_MODULE}:mapping"),
+    ],
+    "convert": lambda root, step, out: ["convert", "-q", step, out],
+}
+_API_READERS: dict[str, Callable[[Path, Path], Any]] = {
+    "osf.convert": lambda step, out: osf.convert(step, out, progress=False),
+    "osf.export_pytorch": lambda step, out: osf.export_pytorch(step, out, _MAPPING, item="ours"),
+    "osf.load_pytorch": lambda step, out: osf.load_pytorch(None, step, _MAPPING),
+}
+
+
+@pytest.mark.parametrize(
+    "deleted",
+    [
+        "_CHECKPOINT_METADATA",
+        "ours/model.safetensors",
+        "ours/orbax_safetensors.json",
+        "native/manifest.ocdbt",
+        "native",
+    ],
+)
+def test_every_reader_of_a_step_refuses_a_half_deleted_one(
+    deleted: str,
+    roots: dict[str, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``diff``, ``export``, ``convert`` (command line and API) and ``load_pytorch`` of a step
+    Orbax lists with a part gone (one state of each kind: the step's metadata, a file of this
+    library's item, an Orbax item's manifest, a whole item) refuse it, as restore does and as
+    ``verify`` reports it: one ``error:`` line naming the step and what it lacks, exit status
+    2, nothing written. They ask the judgement the exhaustive test above holds to restore
+    (``catalog/completeness.refuse_incomplete``, through ``catalog/sources.open_source``)."""
+    root = tmp_path / "run"
+    shutil.copytree(roots["ours+standard"], root, copy_function=os.link)
+    step = root / str(STEP)
+    _delete(step, [deleted])
+    # The reference: restore fails (without _CHECKPOINT_METADATA, Orbax may still restore the
+    # items left; the step is being deleted all the same, and verify reports it so).
+    failed = _restore_error(root, CONFIGS["ours+standard"][1])
+    assert failed is not None or deleted == "_CHECKPOINT_METADATA"
+    assert str(step) in osf.verify(root).incomplete
+    expected = f"{step}: incomplete step, missing {deleted}{'/' if deleted == 'native' else ''}"
+    (tmp_path / f"{_MAPPING_MODULE}.py").write_text(
+        "import orbax_safetensors as osf\nmapping = osf.KeyMapping([osf.Rule('{k:.*}', '{k}')])\n"
+    )
+    monkeypatch.chdir(tmp_path)  # (export --mapping imports the module from here)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    wrong = {}
+    for verb, argv in _CLI_READERS.items():
+        out = tmp_path / verb / "deep" / "out"
+        code, stdout, err = _cli(capsys, *argv(root, step, out))
+        lines = err.strip().splitlines()
+        if not (
+            code == 2
+            and len(lines) == 1
+            and lines[0].startswith(f"orbax-safetensors {verb}: error: {expected}")
+            and not (tmp_path / verb).exists()
+        ):
+            wrong[verb] = f"exit {code}: {stdout[-200:]} {err[-300:]}"
+    for verb, call in _API_READERS.items():
+        out = tmp_path / verb / "deep" / "out"
+        try:
+            call(step, out)
+        except osf.SafetensorsCheckpointError as e:
+            if not str(e).startswith(expected) or (tmp_path / verb).exists():
+                wrong[verb] = str(e)[:300]
+        else:
+            wrong[verb] = "read it"
+    assert not wrong, json.dumps(wrong, indent=1)

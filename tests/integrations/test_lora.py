@@ -98,9 +98,34 @@ def test_layouts_of_tunix_qwix_adapters_and_refusals():
     assert lora.layout((6, 5, 7), (30, 2), (2, 7)).rows == (6, 5)
     assert lora.layout((3, 24, 40), (24, 8), (8, 40)).shared == 1  # served alike by 3 layers
     with pytest.raises(ValueError, match=r"\[4, 3\] and \[3, 8\] against the kernel \[8, 4, 4\]"):
-        lora.layout((8, 4, 4), (4, 3), (3, 8))  # contracted axis not first: no layout
+        lora.layout((8, 4, 4), (4, 3), (3, 8))  # no split of the kernel: no layout
+    # Tunix's Gemma (N, D, H) under qwix: the rows among the columns; a square kernel's
+    # adapters are rows first (flax's and qwix's linear layouts)
+    assert lora.layout((4, 32, 8), (32, 3), (3, 4, 8)).order == (1, 0, 2)
+    assert lora.layout((32, 32), (32, 3), (3, 32)).rows_at == (0,)
+    with pytest.raises(ValueError, match="ambiguous"):  # a query whose D is its head size
+        lora.layout((3, 2, 2), (2, 4), (4, 3, 2))
     with pytest.raises(ValueError, match="ambiguous"):  # 2 stacked layers or none, rank 2
         lora.layout((2, 2, 2, 3), (2, 2, 2), (2, 2, 3))
+
+
+@pytest.mark.parametrize(
+    ("kernel", "a", "b", "delta"),
+    [
+        ((4, 32, 8), (32, 3), (3, 4, 8), "dr,rnh->ndh"),  # Tunix Gemma's q_einsum
+        ((2, 2, 32, 8), (32, 3), (3, 2, 2, 8), "dr,rckh->ckdh"),  # kv_einsum: one pair
+        ((3, 4, 32, 8), (32, 2), (2, 3, 4, 8), "dr,rsnh->sndh"),  # qkv_einsum
+    ],
+)
+def test_qwix_adapters_among_the_columns_merge_as_their_einsum(kernel, a, b, delta):
+    rng = np.random.default_rng(5)
+    w, fa, fb = (rng.standard_normal(s).astype(np.float32) for s in (kernel, a, b))
+    whole = lora.merge_lora(w, fa, fb, 0.37)
+    want = w + 0.37 * np.einsum(delta, fa.astype(np.float64), fb.astype(np.float64))
+    np.testing.assert_allclose(whole, want, rtol=1e-5, atol=1e-5)
+    for box in _boxes(kernel, rng):
+        block = lora.merge_lora_block(w[box], box, fa, fb, 0.37, kernel)
+        assert block.tobytes() == whole[box].tobytes(), box
 
 
 def test_adapter_pairs_by_name():

@@ -6,13 +6,16 @@ Tunix's own classes), and flax's ``nnx.LoRA(base_module=...)`` on Tunix's. Adapt
 trained to non-zero values; transformers' ``from_pretrained`` of the export computes the LoRA
 model's logits, and the files equal a merge this test computes itself (and Tunix's own merged
 saver's output). A Tunix Qwen 3 goes out from memory, from a checkpoint restored bit-exact
-through the manager, as a servable item and through the command line, the same bytes.
+through the manager, as a servable item and through the command line, the same bytes; Tunix's
+Gemma family (heads-first ``q_einsum``, one adapter pair on ``kv_einsum``) and Qwen 2 (issue 48)
+from memory, from a checkpoint and through the command line.
 
 qwix and Tunix are installed without their dependencies (``.ci/run``); the tests that need
 them skip naming why where they are absent."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import hf_models
@@ -88,11 +91,16 @@ def tunix_model(modules, kind, config, seed=1):
     return model
 
 
-def tunix_logits(model):
+def tunix_inputs():
+    """A Tunix model's inputs for :data:`IDS`: ``(tokens, positions, cache, attention mask)``."""
     b, t = IDS.shape
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-    return model(jnp.asarray(IDS), positions, None, mask)[0]
+    return jnp.asarray(IDS), positions, None, mask
+
+
+def tunix_logits(model):
+    return model(*tunix_inputs())[0]
 
 
 def port_logits(model):
@@ -109,10 +117,10 @@ def hf_logits(directory):
         return model.eval()(torch.from_numpy(IDS)).logits.float().numpy()
 
 
-def with_qwix(qwix, model, rank, alpha, *inputs, **kw_inputs):
+def with_qwix(qwix, model, rank, alpha, *inputs, module_path=PROJECTIONS, **kw_inputs):
     """``model`` with qwix's LoRA of ``rank`` and ``alpha`` on its projections (Tunix's
     recipe: ``qwix.apply_lora_to_model``), its adapters created."""
-    provider = qwix.LoraProvider(module_path=PROJECTIONS, rank=rank, alpha=alpha)
+    provider = qwix.LoraProvider(module_path=module_path, rank=rank, alpha=alpha)
     return qwix.apply_lora_to_model(model, provider, *inputs, rngs=nnx.Rngs(3), **kw_inputs)
 
 
@@ -315,3 +323,81 @@ def test_flax_lora_wrapper_on_tunix_layers_exports_with_the_tunix_presets(tmp_di
         np.testing.assert_allclose(
             hf_logits(tmp_dir / kind), np.asarray(tunix_logits(model)), rtol=2e-5, atol=2e-5
         )
+
+
+# --------------------------------------------------------------------------- Gemma, Qwen 2
+
+
+def random_adapters(model, seed):
+    """``model``'s LoRA adapters made random, from numpy (no compile per shape): non-zero, as
+    trained ones are, so that a merge that dropped them would show. (Tunix's tiny models,
+    ``tunix_models.tiny``, have random kernels and their norms alike, as Gemma 4's pre-MoE
+    norm must be: see test_tunix.py.)"""
+    rng = np.random.default_rng(seed)
+    for _, var in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):
+        value = var.get_value()
+        var.set_value(jnp.asarray(0.1 * rng.standard_normal(value.shape), value.dtype))
+
+
+@pytest.mark.parametrize(
+    "case, rank, alpha",
+    [("gemma", 3, 6.0), ("gemma3", 4, 8.0), ("qwen2", 3, 6.0), ("gemma4", 2, 4.0)],
+)  # fmt: skip
+def test_qwix_lora_on_tunix_gemma_and_qwen2_from_memory_checkpoint_and_cli(
+    tmp_dir, qwix, tunix, case, rank, alpha
+):
+    """qwix's LoRA on every projection, Gemma's heads-first einsums too (``q_einsum``'s
+    adapters ``(embed, r)`` and ``(r, heads, head_dim)``, ``kv_einsum``'s one pair for keys
+    and values together, ``b`` ``(r, 2, kv_heads, head_dim)``), merged on export:
+    ``from_pretrained`` gives the LoRA model's logits; a CheckpointManager step of it exported
+    from Python and by the command line, the same bytes."""
+    config, model, mapping = tunix_models.tiny(case, seed=7)
+    # (qwix runs the model once, eagerly: on the logits' inputs, whose operations it compiles)
+    inputs = tunix_inputs()
+    lora_model = with_qwix(qwix, model, rank, alpha, *inputs, module_path=".*(_proj|_einsum)")
+    random_adapters(lora_model, seed=7)
+    params = flat_params(lora_model)
+    adapters = sorted(n for n in params if n.endswith(("_lora_a", "_lora_b")))
+    if case != "qwen2":  # (layer 0: 4 heads, 2 key/value heads of 8, embed 32)
+        attn = "layers.0.attn."
+        assert params[attn + "q_einsum.w"].shape == (4, 32, 8)
+        assert params[attn + "q_einsum.w_lora_a"].shape == (32, rank)
+        assert params[attn + "q_einsum.w_lora_b"].shape == (rank, 4, 8)
+        assert params[attn + "kv_einsum.w"].shape == (2, 2, 32, 8)
+        assert params[attn + "kv_einsum.w_lora_a"].shape == (32, rank)
+        assert params[attn + "kv_einsum.w_lora_b"].shape == (rank, 2, 2, 8)
+    scaled = dataclasses.replace(mapping, lora_scale=alpha / rank)
+    report = osf.export_pytorch(lora_model, tmp_dir / "memory", scaled, hf_config=config)
+    assert report.ok, report.problems()
+    assert sorted(a for a, _ in report.merged) == adapters
+    want = np.asarray(tunix_logits(lora_model))
+    hf_models.assert_outputs_close(hf_logits(tmp_dir / "memory"), want, rtol=2e-5, atol=2e-5)
+
+    with ocp.CheckpointManager(tmp_dir / "ckpt") as mngr:
+        mngr.save(1, args=ocp.args.Composite(model=osf.SafetensorsSave(nnx.state(lora_model))))
+        mngr.wait_until_finished()
+    memory = (tmp_dir / "memory" / "model.safetensors").read_bytes()
+    assert osf.export_pytorch(tmp_dir / "ckpt", tmp_dir / "step", scaled, hf_config=config).ok
+    assert (tmp_dir / "step" / "model.safetensors").read_bytes() == memory
+    config.save_pretrained(tmp_dir / "config")
+    argv = ["export", tmp_dir / "ckpt", tmp_dir / "cli", "--mapping", "tunix-" + case,
+            "--hf-config", tmp_dir / "config", "--lora-scale", alpha / rank]  # fmt: skip
+    assert cli.main([str(a) for a in argv]) == 0
+    assert (tmp_dir / "cli" / "model.safetensors").read_bytes() == memory
+
+
+@pytest.mark.parametrize("case", ["gemma", "gemma3", "qwen2", "gemma4"])
+def test_flax_lora_wrapper_on_tunix_gemma_and_qwen2(tmp_dir, tunix, case):
+    """flax's ``nnx.LoRA(base_module=...)`` on the MLP of Tunix's Gemma and Qwen 2 models:
+    merged on export, ``from_pretrained`` gives the model's logits."""
+    config, model, mapping = tunix_models.tiny(case, seed=8)
+    for layer in model.layers:
+        down = layer.mlp.down_proj
+        layer.mlp.down_proj = nnx.LoRA(64, 2, 32, base_module=down, rngs=nnx.Rngs(4))
+    random_adapters(model, seed=8)
+    report = osf.export_pytorch(model, tmp_dir / "hf", mapping, hf_config=config)
+    assert report.ok, report.problems()
+    assert len(report.merged) == 2 * len(model.layers)
+    hf_models.assert_outputs_close(
+        hf_logits(tmp_dir / "hf"), np.asarray(tunix_logits(model)), rtol=2e-5, atol=2e-5
+    )

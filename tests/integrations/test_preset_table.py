@@ -23,6 +23,10 @@ CONFIG = {  # a tiny Qwen 3 config, as a dict
     "hidden_size": 32,
     "vocab_size": 96,
 }
+GEMMA4 = {  # a tiny Gemma 4 text config, its one global layer with a key for a value
+    **CONFIG, "model_type": "gemma4_text", "num_hidden_layers": 2, "attention_k_eq_v": True,
+    "layer_types": ["sliding_attention", "full_attention"], "num_global_key_value_heads": 1,
+}  # fmt: skip
 # The keywords a call for each group gives
 KWARGS = {
     "generic": {"tie_word_embeddings": True, "lora_scale": 2.0},
@@ -46,9 +50,10 @@ def config_for(name):
 def test_each_name_calls_its_factory(name):
     factory = osf.hf.PRESETS[name]
     assert getattr(getattr(osf.hf.presets, group(factory)), factory.__name__) is factory
-    kwargs = dict(KWARGS[group(factory)])
-    if group(factory) == "maxtext":
-        kwargs["hf_config"] = config_for(name)
+    takes = inspect.signature(factory).parameters
+    kwargs = {k: v for k, v in KWARGS[group(factory)].items() if k in takes}
+    if "hf_config" in takes:
+        kwargs["hf_config"] = GEMMA4 if name == "tunix-gemma4" else config_for(name)
     mapping = osf.hf.preset_mapping(name, **kwargs)
     assert mapping == factory(**kwargs) and mapping.lora_scale == 2.0
     assert osf.preset_mapping is osf.hf.preset_mapping
@@ -105,6 +110,16 @@ def test_the_command_line_gives_each_preset_what_it_takes_from_the_config():
         hf_export.resolve_mapping("maxtext-qwen3", None)
     with pytest.raises(ValueError, match="'tunix-llama3' needs --hf-config with head_dim"):
         hf_export.resolve_mapping("tunix-llama3", {"vocab_size": 96})
+    # Gemma 3's head_dim from a multimodal config's text_config; Gemma 4 built of its config
+    nested = {"model_type": "gemma3", "text_config": CONFIG}
+    assert hf_export.resolve_mapping("tunix-gemma3", nested) == osf.hf.presets.tunix.gemma3(
+        head_dim=8
+    )
+    gemma4 = hf_export.resolve_mapping("tunix-gemma4", GEMMA4)
+    assert gemma4 == osf.hf.presets.tunix.gemma4(GEMMA4)
+    assert gemma4.to_flax("model.layers.1.self_attn.k_proj.weight")[0] == "layers.1.attn.k_einsum.w"
+    with pytest.raises(ValueError, match="'tunix-gemma4' needs a Hugging Face Gemma 4 config"):
+        osf.hf.presets.tunix.gemma4({**GEMMA4, "layer_types": None})
 
 
 def documents(factory, param):

@@ -1,10 +1,16 @@
-"""The ``tunix-llama3`` and ``tunix-qwen3`` presets against Tunix's own model classes
-(``google-tunix``) and transformers' real ones, tiny configs, both directions: a Hugging Face
-directory (``save_pretrained``) loads into the Tunix model with the same logits; a Tunix model
-exports to a directory that ``from_pretrained`` loads (no missing or unexpected keys) with the
-same logits. Float32; tied embeddings where Tunix's config has them; Qwen 3 MoE too."""
+"""The ``tunix-*`` presets against Tunix's own model classes (``google-tunix``) and
+transformers' real ones, tiny configs, both directions: a Hugging Face directory
+(``save_pretrained``) loads into the Tunix model with the same logits; a Tunix model exports to
+a directory that ``from_pretrained`` loads (no missing or unexpected keys) with the same
+logits. Float32; tied embeddings where Tunix's config has them; Qwen 3 MoE too; Qwen 2 and the
+Gemma family (Gemma 2 as Tunix's ``gemma``, Gemma 3, Gemma 4 with its global layers' own heads,
+a key for a value, per-layer inputs, MoE and KV-shared layers), whose exports load back
+bit for bit and which Tunix's own loaders (``models/<family>/params_safetensors.py``) read into
+the same parameters."""
 
 from __future__ import annotations
+
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -95,12 +101,16 @@ def tunix_model(kind, config, seed=1):
     return LLAMA3.Llama3(cfg, rngs=nnx.Rngs(seed))
 
 
-def tunix_logits(model):
+def forward(model):
     b, t = IDS.shape
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
     logits, _ = model(jnp.asarray(IDS), positions, None, mask)
-    return np.asarray(logits, np.float32)
+    return logits
+
+
+def tunix_logits(model):
+    return np.asarray(forward(model), np.float32)
 
 
 def hf_logits(model):
@@ -227,3 +237,100 @@ def test_tunix_checkpoint_exported_by_the_command_line(tmp_dir, capsys):
     assert cli.main([str(a) for a in [*argv, "--hf-config", tmp_dir / "config"]]) == 0
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_dir / "hf").eval()
     hf_models.assert_outputs_close(hf_logits(hf), tunix_logits(model), rtol=0, atol=ATOL)
+
+
+# --------------------------------------------------------------------------- Gemma, Qwen 2
+
+
+def randomize_all(model, seed):
+    """Every weight random, norms around one, except Gemma 4's pre-MoE norm: Tunix 0.1.7
+    routes the experts from the hidden state after it, transformers from the one before it
+    (each normalised), which agree only where that norm's weights are all alike. (From numpy:
+    nothing compiles per shape.)"""
+    rng = np.random.default_rng(seed)
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        value = var.get_value()
+        noise = 0.1 * rng.standard_normal(value.shape)
+        if "moe_pre_ffw_norm" in path:
+            noise = np.ones(value.shape)
+        elif any("norm" in str(p) for p in path) or "skip_scale" in path:
+            noise = 1.0 + noise
+        var.set_value(jnp.asarray(noise, value.dtype))
+
+
+def jit_logits(model):
+    """:func:`tunix_logits` compiled once (run eagerly, each operation compiles alone)."""
+    return np.asarray(_jit_forward(model), np.float32)
+
+
+_jit_forward = nnx.jit(forward)
+
+
+@pytest.mark.parametrize("case", tunix_models.TINY)
+def test_gemma_and_qwen2_export_to_transformers_and_load_back(tmp_dir, case):
+    """A Tunix model exports to a directory that ``from_pretrained`` loads with its logits;
+    what that transformers model's ``save_pretrained`` writes loads into a fresh Tunix model
+    (the same logits) whose export is the export's files, bit for bit; Tunix's own loader
+    reads the export into the model's parameters."""
+    config, model, mapping = tunix_models.tiny(case, seed=2)
+    randomize_all(model, seed=2)
+    report = osf.export_pytorch(model, tmp_dir / "hf", mapping, hf_config=config)
+    assert report.ok, report.problems()
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_dir / "hf", output_loading_info=True
+    )
+    assert not any(info.values()), info
+    want = jit_logits(model)
+    assert np.abs(want).max() > 0.1
+    hf_models.assert_outputs_close(hf_logits(hf.eval()), want, rtol=0, atol=1e-5)
+
+    hf.save_pretrained(tmp_dir / "saved")  # (transformers' own files)
+    _, fresh, _ = tunix_models.tiny(case, seed=3)
+    assert osf.load_pytorch(fresh, tmp_dir / "saved", mapping).ok
+    hf_models.assert_outputs_close(jit_logits(fresh), want, rtol=0, atol=1e-5)
+    osf.export_pytorch(fresh, tmp_dir / "back", mapping, hf_config=config)
+    for name in ("hf", "back"):
+        files = sorted((tmp_dir / name).glob("*.safetensors"))
+        assert len(files) == 1
+    original, back = (osf.load_file(tmp_dir / n / "model.safetensors") for n in ("hf", "back"))
+    assert sorted(original) == sorted(back)
+    for key in original:
+        np.testing.assert_array_equal(np.asarray(back[key]), np.asarray(original[key]), key)
+    assert_tunix_reads(case, model, mapping, config, tmp_dir / "hf")
+
+
+# Tunix 0.1.7's own readers of Hugging Face files, the reference of the presets' names
+TUNIX_LOADERS = {
+    "gemma": "gemma.params_safetensors",
+    "gemma3": "gemma3.params_safetensors",
+    "qwen2": "qwen2.params",
+    "gemma4": "gemma4.params_safetensors",
+}
+
+
+def assert_tunix_reads(case, model, mapping, config, directory):
+    """Tunix's own loader (``create_model_from_safe_tensors``) reads the export into a model
+    whose every parameter equals ``model``'s, bit for bit. Tunix's Gemma 4 loader reads only
+    ``Gemma4ForConditionalGeneration``'s names (``model.language_model.*``), which the preset
+    reads too: that check exports in those names (the preset's rules for them put first)."""
+    family = case.split("-")[0]
+    if case == "gemma4-shared":  # (Tunix 0.1.7 wants a k_norm in every layer, which
+        return  # transformers 5's KV-shared layers do not have)
+    try:
+        loader = importlib.import_module("tunix.models." + TUNIX_LOADERS[family])
+    except ImportError as e:
+        pytest.skip(f"Tunix's own loader does not import here: {e}")
+    if family == "gemma4":
+        rules = sorted(mapping.rules, key=lambda r: not r.torch.startswith("model.language_model."))
+        mapping = osf.KeyMapping(
+            rules, ignore_torch=mapping.ignore_torch, ignore_flax=mapping.ignore_flax
+        )
+        directory = directory.parent / "for_tunix"
+        assert osf.export_pytorch(model, directory, mapping, hf_config=config).ok
+    read = loader.create_model_from_safe_tensors(str(directory), model.config)
+    want = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    got = dict(nnx.to_flat_state(nnx.state(read, nnx.Param)))
+    assert sorted(got) == sorted(want)
+    for path, var in want.items():
+        value = np.asarray(var.get_value())
+        np.testing.assert_array_equal(np.asarray(got[path].get_value()), value, str(path))

@@ -6,7 +6,9 @@ the machine's transfer and file limits on an accelerator (docs/performance.md, "
 every row of its report. ``benchmarks/cli_startup_bench.py`` times the command line's start
 (docs/performance.md, "Command-line start"); its ``--smoke`` run must time every case and find
 that neither ``--help`` nor ``inspect`` of a file imports JAX, Orbax, Flax, ml_dtypes or NumPy.
-``benchmarks/studies/tpu_probe.py`` runs its variants, and ``benchmarks/plot.py`` reads the
+``benchmarks/maxtext_import_bench.py`` (docs/performance.md, "Hugging Face to MaxText") runs
+at a tiny size, ours beside MaxText's conversion (with its wheel), the checkpoints
+bit-identical. ``benchmarks/studies/tpu_probe.py`` runs its variants, and ``benchmarks/plot.py`` reads the
 figures the page quotes.
 """
 
@@ -115,6 +117,22 @@ def test_cli_startup_bench_smoke_run(tmp_path: Path):
         assert row["runs"] == 3 and 0 < row["min_s"] <= row["median_s"] <= row["max_s"]
     for command in ("import orbax_safetensors", "--help", "inspect FILE"):
         assert result["imports"][command]["heavy_imported"] == [], command
+
+
+def test_maxtext_import_bench_smoke_run(tmp_path: Path):
+    out = tmp_path / "import.json"
+    done = run_benchmark(
+        "maxtext_import_bench.py", "--size", "1M", "--rounds", "1", "--procs", "1",
+        "--json", str(out), "--dir", str(tmp_path),
+    )  # fmt: skip
+    doc = json.loads(out.read_text())
+    methods = {(r["method"], r["n"]) for r in doc["rows"]}
+    wheel = bool(os.environ.get("OSF_MAXTEXT_WHEEL"))
+    assert methods == ({("maxtext", 1)} if wheel else set()) | {("ours", 1)}
+    assert doc["same"] is True if wheel else doc["same"] == "not checked"
+    assert all(r["seconds"] > 0 and len(r["peaks"]) == r["n"] for r in doc["rows"])
+    assert "| ours | 1 |" in done.stdout
+    assert list(tmp_path.glob("osf-maxtext-import-bench-*")) == []
 
 
 def test_plot_draws_the_recorded_figures(tmp_path: Path):

@@ -153,7 +153,7 @@ print(sorted(hf.__all__))
 HF_NAMES = {
     *("KeyMapping", "Rule", "MappingReport", "Transform", "Transpose", "SplitHeads", "Reshape"),
     *("Chain", "Scale", "RopeInterleave", "VocabRows", "Offset"),
-    *("preset_mapping", "PRESETS", "presets", "load_pytorch", "export_pytorch"),
+    *("preset_mapping", "PRESETS", "presets", "load_pytorch", "export_pytorch", "import_pytorch"),
     "abstract_pytorch",
 }
 

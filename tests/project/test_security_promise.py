@@ -98,6 +98,55 @@ def test_every_read_path_names_its_bit_flip_tests() -> None:
         assert read in paths, f"no row for {read}"
 
 
+# The columns of the matrix of *Hostile input by verb*.
+_VERBS = [
+    "`inspect`", "`verify`", "`diff`", "`convert`", "`export` (CLI)", "`load_file`",
+    "`load_pytorch`", "`export_pytorch`", "manager restore",
+]  # fmt: skip
+_CODE = re.compile(r"\b([A-Z]\d+)\b")
+
+
+def _table(header: str) -> list[list[str]]:
+    """The cells of the table of docs/security.md whose header row starts with ``header``."""
+    text = DOC.read_text()
+    match = re.search(rf"^({re.escape(header)}[^\n]*)\n\|[-|]+\|\n(.*?)\n\n", text, re.M | re.S)
+    assert match, f"docs/security.md has no table {header!r}"
+    rows = [match.group(1), *match.group(2).splitlines()]
+    return [[c.strip() for c in row.strip().strip("|").split(" | ")] for row in rows]
+
+
+@pytest.mark.main_env_only("a static scan of the docs and sources")
+def test_the_attack_matrix_names_a_test_or_a_reason_in_every_cell() -> None:
+    """Rows the five attack classes of issue 46, columns every verb and API that reads; each
+    cell names tests from the legend (which must exist) or says ``n/a: why``."""
+    header, *rows = _table("| Attack class |")
+    assert header[1:] == _VERBS, header
+    assert [r[0][:2] for r in rows] == ["1.", "2.", "3.", "4.", "5."], [r[0] for r in rows]
+    _, *legend_rows = _table("| Code | Test |")
+    legend = dict((code, ref) for code, ref in legend_rows)
+    used = set()
+    for row in rows:
+        assert len(row) == len(_VERBS) + 1, row
+        for verb, cell in zip(_VERBS, row[1:]):
+            codes = _CODE.findall(cell)
+            where = f"{row[0][:2]} {verb}: {cell!r}"
+            if cell.startswith("n/a"):
+                assert re.match(r"n/a: \w", cell) and not codes, where
+                continue
+            assert codes, where
+            unknown = set(codes) - set(legend)
+            assert not unknown, f"{where}: not in the legend: {unknown}"
+            used.update(codes)
+    assert used == set(legend), f"legend codes no cell uses: {set(legend) - used}"
+    for code, ref in legend.items():
+        found = _REF.fullmatch(ref)
+        assert found, f"{code}: {ref}"
+        file, name = found.groups()
+        path = ROOT / file
+        assert path.is_file(), f"{code}: {file}"
+        assert name.startswith("test_") and name in _functions(path), f"{code}: {file}::{name}"
+
+
 _FORBIDDEN_CALLS = {"eval", "exec", "__import__", "compile"}
 _FORBIDDEN_MODULES = {"pickle", "cPickle", "dill", "cloudpickle", "importlib", "marshal", "shelve"}
 # The imports by name: `orbax-safetensors export --mapping module:attr` imports the module its

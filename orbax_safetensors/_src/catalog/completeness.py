@@ -1,7 +1,8 @@
 """Whether a checkpoint's files are all there: what a committed step lacks that restoring it
-needs (:func:`missing_entries`, the one judgement for ``verify``, ``inspect`` and ``convert``;
-an OCDBT database's data files are found by the walk of its B-tree that also serves the checks
-before a read of an Orbax-native array).
+needs (:func:`missing_entries`, the one judgement for ``verify``, ``inspect`` and, through
+:func:`refuse_incomplete`, every tool that reads a step's tensors; an OCDBT database's data
+files are found by the walk of its B-tree that also serves the checks before a read of an
+Orbax-native array).
 
 A step is judged file by file against what Orbax's restore reads, since a kill during Orbax's
 deletion of an old step (``max_to_keep``) can leave any subset of its files.
@@ -323,6 +324,20 @@ def require_complete(step: epath.PathLike | StepDir) -> None:
             "Orbax's cleanup (max_to_keep) was deleting it: delete it, or name the other steps "
             "one by one"
         )
+
+
+def refuse_incomplete(path: epath.PathLike) -> None:
+    """Raises when ``path`` names a committed step (as its root lists it, or on its own) that
+    lacks what restoring it needs: every tool that reads a step's tensors (``convert``,
+    ``diff``, ``export``, ``load_pytorch``: ``catalog/sources.open_source`` and ``open_items``) would
+    otherwise read what is left as if it were the checkpoint. Anything else passes.
+
+    Raises:
+      SafetensorsCheckpointError: naming the step and what it lacks (:func:`require_complete`).
+    """
+    entry = _steps.step_entry(path)
+    if entry is not None and entry.committed:
+        require_complete(entry)
 
 
 def incomplete_warning(

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import numpy as np
 from etils import epath
 
+from orbax_safetensors._src.catalog import completeness as _completeness
 from orbax_safetensors._src.catalog import flax_msgpack as _flax_msgpack
 from orbax_safetensors._src.catalog import listing as _listing
 from orbax_safetensors._src.catalog.listing import SourceKind, TensorInfo
@@ -97,6 +98,7 @@ def open_items(path: epath.PathLike) -> dict[str, TensorSource]:
     path = epath.Path(path)
     if _steps.classify(path) is not PathKind.STEP:
         return {"": open_source(path)}
+    _completeness.refuse_incomplete(path)  # (as open_source does)
     items = {n: k for n, k in _steps.list_items(path).items() if k in _steps.TENSOR_KINDS}
     if not items:
         raise _steps.not_a_checkpoint(path)
@@ -125,6 +127,8 @@ def _resolve(
         raise SafetensorsCheckpointError(
             f"{path} is {kind.noun}, not a CheckpointManager root: step= does not apply"
         )
+    if kind is not PathKind.ROOT:  # a step Orbax lists with parts gone is no checkpoint
+        _completeness.refuse_incomplete(path)
     if kind is PathKind.STEP:
         items = _steps.list_items(path)
         tensors = [n for n, k in items.items() if k in _steps.TENSOR_KINDS]

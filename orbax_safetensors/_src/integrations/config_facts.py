@@ -271,7 +271,8 @@ class _Claims:
         self.vocab, self.hidden = f.vocab_size(), f.size("hidden_size")
         plain = f.doc.get("model_type") in _PLAIN_ATTENTION | {None}
         self.attention = f.attention() if plain else None
-        self.width = f.width("intermediate_size")
+        # (Gemma 4's use_double_wide_mlp: its KV-shared layers' MLPs twice as wide)
+        self.width = None if f.flag("use_double_wide_mlp") else f.width("intermediate_size")
         moe = f.width("moe_intermediate_size")
         self.expert_key = None if moe is None else "moe_intermediate_size"
         self.expert_width = self.width if moe is None else moe

@@ -664,6 +664,8 @@ class MappingReport:
         their value differs from the key they are tied to.
       bytes_written: tensor data bytes this process wrote (an export; in a multi-process
         export, its own share).
+      bytes_read: tensor data bytes this process read from safetensors files (a load or an
+        import; in a multi-process job, its own share: ``ReadStats.bytes_read``).
 
     Example::
 
@@ -681,6 +683,7 @@ class MappingReport:
     merged: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     refused: list[str] = dataclasses.field(default_factory=list)
     untied: list[str] = dataclasses.field(default_factory=list)
+    bytes_read: int = 0
 
     @property
     def ok(self) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -40,6 +41,7 @@ from orbax_safetensors._src.integrations.key_mapping import (
     SplitHeads,
     Transpose,
 )
+from orbax_safetensors._src.integrations.transforms import Offset, RopeInterleave, Scale, VocabRows
 from orbax_safetensors._src.pipeline import read as _read
 from orbax_safetensors._src.storage import config as _config
 
@@ -93,7 +95,7 @@ def load_pytorch(
     """
     from flax import nnx
 
-    source = _sources.open_source(_source_path(path))
+    source = _sources.open_source(source_path(path))
     options = LoadOptions(strict=strict, batch_bytes=batch_bytes, where=str(path))
     if target is None:  # the tree the directory and the mapping imply
         targets = derived_targets(source.tensors, mapping)
@@ -144,7 +146,7 @@ def abstract_pytorch(
                                                               sharding=sharding), abstract)
         params = osf.load_pytorch(sharded, "hf_dir", mapping)
     """
-    source = _sources.open_source(_source_path(path))
+    source = _sources.open_source(source_path(path))
     targets = derived_targets(source.tensors, mapping)
     _, report = plan_links(dict(source.tensors), targets, mapping)
     if strict and not report.ok:
@@ -155,8 +157,8 @@ def abstract_pytorch(
     return (tree, report) if with_report else tree
 
 
-def _source_path(path: epath.PathLike) -> epath.Path:
-    # A Hugging Face index file names its directory.
+def source_path(path: epath.PathLike) -> epath.Path:
+    """``path`` as ``open_source`` takes it: a Hugging Face index file names its directory."""
     path = epath.Path(path)
     if path.name.endswith(".index.json") and not path.is_dir():
         return path.parent
@@ -254,6 +256,8 @@ def load_flat(
             f"{options.where or source.path}: the checkpoint does not fit the target through this "
             "mapping:\n" + report.problems()
         )
+    stats = options.stats if options.stats is not None else _read.ReadStats()
+    options = dataclasses.replace(options, stats=stats)  # (counted for the report)
     reads = _Reads(source, alias, options)
     values: dict[str, Any] = {}
     sharded = isinstance(source, _sources.SafetensorsSource)
@@ -271,11 +275,10 @@ def load_flat(
                 for name, value, want in zip(link.flax, outs, wants):
                     values[name] = _place(value, want)
             else:
-                shapes = [tensors[k].shape for k in link.torch]
-                read = reads.sharded(list(link.torch), _torch_shardings(link, wants, shapes))
-                values.update(zip(link.flax, _run_on_device(link, wants, read)))
+                values.update(zip(link.flax, _devices_fill(link, wants, tensors, reads, options)))
             report.moved += link.pairs()
         del arrays
+    report.bytes_read = stats.bytes_read
     return values, report
 
 
@@ -395,11 +398,22 @@ def plan_links(
 # --------------------------------------------------------------------------- shardings
 
 
+# Transforms that keep every axis where it is (values scaled or shifted, rows padded or cut,
+# features permuted within an axis): a partition spec passes through them unchanged.
+_IN_PLACE = (Scale, Offset, VocabRows, RopeInterleave)
+
+
 def _pull_spec(transform: Any, spec: tuple[Any, ...]) -> tuple[Any, ...] | None:
     """The partition spec of a tensor whose ``transform.to_flax`` has partition ``spec``, or
-    None when the transform moves elements across axes (a reshape: read replicated)."""
-    if transform is IDENTITY or transform is None:
+    None when the transform moves elements across axes (a reshape: read replicated). A split
+    of heads pulls back to its heads' partition (contiguous blocks of whole heads), unsharded
+    where the head's own axis is split."""
+    if transform is IDENTITY or transform is None or isinstance(transform, _IN_PLACE):
         return spec
+    if isinstance(transform, SplitHeads):
+        axis = transform.axis % (len(spec) - 1)
+        heads, dim = spec[axis], spec[axis + 1]
+        return (*spec[:axis], heads if dim is None else None, *spec[axis + 2 :])
     if isinstance(transform, Transpose):
         axes = transform.axes if transform.axes is not None else tuple(reversed(range(len(spec))))
         if len(axes) != len(spec):
@@ -419,10 +433,13 @@ def _pull_spec(transform: Any, spec: tuple[Any, ...]) -> tuple[Any, ...] | None:
 
 
 def _on_device(transform: Any) -> bool:
-    # Transforms known to run on jax arrays under jit (array methods only).
+    # Transforms known to run on jax arrays under jit (array methods only; ``transforms.py``'s
+    # take jax arrays, as an export on the devices applies them).
     if isinstance(transform, Chain):
         return all(_on_device(t) for t in transform.transforms)
-    return transform is IDENTITY or isinstance(transform, (Transpose, SplitHeads, Reshape))
+    return transform is IDENTITY or isinstance(
+        transform, (Transpose, SplitHeads, Reshape, *_IN_PLACE)
+    )
 
 
 def _spec(sharding: jax.sharding.NamedSharding, ndim: int) -> tuple[Any, ...]:
@@ -462,6 +479,50 @@ def _torch_shardings(
             entries = _fits(mesh, entries, shape)
         out.append(jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*entries)))
     return out
+
+
+def spread(
+    links: Sequence[_links.Link],
+    targets: Mapping[str, Target],
+    tensors: Mapping[str, _sources.TensorInfo],
+    mesh: jax.sharding.Mesh,
+) -> dict[str, Target]:
+    """``targets`` split over every device of ``mesh`` (a one-axis mesh), each on the axis that
+    has its link's PyTorch tensors read in the largest pieces: their first axis where the
+    transform lets a split pull back to it (each process then reads its own rows), else a
+    later one; a tensor no split pulls back through (a reshape, a split of stacked layers only)
+    on its largest axis the devices divide, read whole; one they divide nowhere replicated."""
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    out = {n: dataclasses.replace(t, sharding=replicated) for n, t in targets.items()}
+    count, name = mesh.size, mesh.axis_names[0]
+    for link in links:
+        wants = [out[n] for n in link.flax]
+        shapes = [tensors[k].shape for k in link.torch]
+        best: tuple[tuple[float, int], list[Target]] | None = None
+        for axis in range(len(wants[0].shape) if count > 1 else 0):
+            if any(len(w.shape) <= axis or w.shape[axis] % count for w in wants):
+                continue
+            spec = jax.sharding.PartitionSpec(*[None] * axis, name)
+            trial = [
+                dataclasses.replace(w, sharding=jax.sharding.NamedSharding(mesh, spec))
+                for w in wants
+            ]
+            reads = (
+                _torch_shardings(link, trial, shapes)
+                if _on_device(link.rule.transform_or_identity)
+                else []
+            )
+            first = min((_split_axis(s) for s in reads), default=math.inf)
+            rank = (first, -wants[0].shape[axis])
+            if best is None or rank < best[0]:
+                best = (rank, trial)
+        if best is not None:
+            out.update(zip(link.flax, best[1]))
+    return out
+
+
+def _split_axis(sharding: jax.sharding.NamedSharding) -> float:
+    return next((a for a, e in enumerate(sharding.spec) if e is not None), math.inf)
 
 
 def _device_path(link: _links.Link, targets: Sequence[Target]) -> bool:
@@ -527,6 +588,79 @@ def _run_on_device(link: _links.Link, targets: Sequence[Target], arrays: Sequenc
     except TypeError:  # a rule holding an unhashable transform: compiled for this link alone
         fn = _jitted.__wrapped__(link.anonymous(), dtypes, shardings)
     return fn(*arrays)
+
+
+def _devices_fill(
+    link: _links.Link,
+    wants: Sequence[Target],
+    tensors: Mapping[str, _sources.TensorInfo],
+    reads: _Reads,
+    options: LoadOptions,
+) -> list[Any]:
+    # The Flax tensors of ``link``, computed on the devices from its PyTorch tensors read
+    # sharded. A stacked link larger than the batch goes a band of its values at a time (its
+    # longest stack not split over the devices), each band written in place into the whole
+    # tensors: the host holds a band's reads, not the link's.
+    band = _band(link, wants, tensors, options.batch_bytes)
+    if band is None:
+        shapes = [tensors[k].shape for k in link.torch]
+        read = reads.sharded(list(link.torch), _torch_shardings(link, wants, shapes))
+        return list(_run_on_device(link, wants, read))
+    name, axis, count, size = band
+    outs = [_zeros(w.shape, w.dtype, w.sharding)() for w in wants]
+    for start in range(0, count, size):
+        stop = min(start + size, count)
+        part = link.band(name, start, stop)
+        sized = [
+            dataclasses.replace(w, shape=(*w.shape[:axis], stop - start, *w.shape[axis + 1 :]))
+            for w in wants
+        ]
+        shapes = [tensors[k].shape for k in part.torch]
+        read = reads.sharded(list(part.torch), _torch_shardings(part, sized, shapes))
+        got = _run_on_device(part, sized, read)
+        outs = [_update(w.sharding, axis)(o, g, start) for w, o, g in zip(wants, outs, got)]
+    return outs
+
+
+def _band(
+    link: _links.Link,
+    wants: Sequence[Target],
+    tensors: Mapping[str, _sources.TensorInfo],
+    batch_bytes: int,
+) -> tuple[str, int, int, int] | None:
+    # (placeholder, its axis, its count, values a band) of a link to fill band by band
+    total = sum(tensors[k].nbytes for k in link.torch)
+    if total <= batch_bytes:
+        return None
+    ndim = len(wants[0].shape)
+    spec = _spec(wants[0].sharding, ndim)
+    stacks = [
+        (count, name, axis)
+        for (name, _, count), axis in zip(
+            link.flax_gather.stacks, link.flax_gather.stack_axes(ndim)
+        )
+        if spec[axis] is None and count > 1
+    ]
+    if not stacks:
+        return None
+    count, name, axis = max(stacks)
+    return name, axis, count, max(1, batch_bytes * count // total)
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros(shape: tuple[int, ...], dtype: np.dtype, sharding: Any) -> Any:
+    import jax.numpy as jnp
+
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=64)
+def _update(sharding: Any, axis: int) -> Any:
+    # ``whole`` with ``band`` written at ``start`` along ``axis``, in place (donated)
+    def update(whole: Any, band: Any, start: Any) -> Any:
+        return jax.lax.dynamic_update_slice_in_dim(whole, band, start, axis)
+
+    return jax.jit(update, donate_argnums=0, out_shardings=sharding)
 
 
 @functools.lru_cache(maxsize=256)

@@ -12,13 +12,17 @@ Adapters are found by name, next to their kernel:
   ``W``: ``kernel_lora_a`` on linear layers, ``w_lora_a`` on Tunix's einsum layers.
 
 Shapes: ``lora_a`` is ``(*lead, *rows, r)``, ``lora_b`` ``(*lead, r, *cols)`` and the kernel
-``(*shared, *lead, *rows, *cols)``: ``lead`` axes (stacked layers) the three share,
-``shared`` kernel axes the adapters serve alike, and the kernel's rows and columns, which an
-adapter may hold flattened (qwix's linear adapters are ``(in, r)`` and ``(r, out)`` of the
-products). That is every layout flax makes, and qwix's for kernels whose contracted axes come
-first (Tunix's query/key/value ``(D, N, H)``: adapters ``(D, r)`` and ``(r, N, H)``; its
-output ``(N, H, D)``: ``(N, H, r)`` and ``(r, D)``). A kernel whose adapters fit no such
-layout, or fit it two ways, is an error naming them.
+``(*shared, *lead, ...)``: ``lead`` axes (stacked layers) the three share, ``shared`` kernel
+axes the adapters serve alike, then the kernel's rows and columns, each in its adapter's
+order, which an adapter may hold flattened (qwix's linear adapters are ``(in, r)`` and
+``(r, out)`` of the products). Rows come first (every flax layout; qwix's on Tunix's
+query/key/value ``(D, N, H)``: adapters ``(D, r)`` and ``(r, N, H)``; on its output
+``(N, H, D)``: ``(N, H, r)`` and ``(r, D)``) or, where that fits no way, among the columns:
+qwix's rule for an einsum (``a`` takes the kernel's axes the input shares, ``b`` the
+others), as on Tunix's Gemma, whose query ``(N, D, H)`` has adapters ``(D, r)`` and
+``(r, N, H)``, and whose keys and values together ``(2, K, D, H)`` have one pair ``(D, r)``
+and ``(r, 2, K, H)``. A kernel whose adapters fit no such layout, or
+fit two that compute differently, is an error naming them.
 
 The merge is ``kernel + a @ b * scale`` in the kernel's dtype (:func:`merge_lora`). The scale
 is ``KeyMapping.lora_scale``: flax's LoRA applies none (1.0); qwix multiplies by
@@ -36,6 +40,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -98,22 +103,33 @@ def find_pairs(names: Iterable[str]) -> list[Pair]:
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """How adapters lie against a kernel of ``shape``: its first ``shared`` axes are served
-    alike, the next ``lead`` are the adapters' own leading axes, then ``split`` axes of rows
-    (``lora_a``'s) and the rest columns (``lora_b``'s)."""
+    alike, the next ``lead`` are the adapters' own leading axes; of the rest, the axes
+    ``rows_at`` are the rows (``lora_a``'s) and the others, in order, the columns
+    (``lora_b``'s)."""
 
     shape: Shape
     shared: int
     lead: int
-    split: int
+    rows_at: tuple[int, ...]
+
+    @property
+    def cols_at(self) -> tuple[int, ...]:
+        start = self.shared + self.lead
+        return tuple(i for i in range(start, len(self.shape)) if i not in self.rows_at)
 
     @property
     def rows(self) -> Shape:
-        start = self.shared + self.lead
-        return self.shape[start : start + self.split]
+        return tuple(self.shape[i] for i in self.rows_at)
 
     @property
     def cols(self) -> Shape:
-        return self.shape[self.shared + self.lead + self.split :]
+        return tuple(self.shape[i] for i in self.cols_at)
+
+    @property
+    def order(self) -> tuple[int, ...]:
+        """The kernel's axes with the rows before the columns (a transpose; the identity
+        where they already are)."""
+        return (*range(self.shared + self.lead), *self.rows_at, *self.cols_at)
 
 
 def _holds(kernel_axes: Shape, adapter_axes: Shape) -> bool:
@@ -121,6 +137,18 @@ def _holds(kernel_axes: Shape, adapter_axes: Shape) -> bool:
     return tuple(adapter_axes) == tuple(kernel_axes) or (
         len(adapter_axes) == 1 and adapter_axes[0] == math.prod(kernel_axes)
     )
+
+
+# Row axes may interleave with the columns (qwix's adapters of an einsum whose contracted
+# axis is not the kernel's first) in kernels of at most this many axes; past it, only rows
+# then columns are tried (the splits to try grow as 2 ** axes).
+_INTERLEAVED_AXES = 8
+
+
+def _row_sets(n: int) -> Iterable[tuple[int, ...]]:
+    if n > _INTERLEAVED_AXES:
+        return (tuple(range(k)) for k in range(1, n))
+    return (s for k in range(1, n) for s in itertools.combinations(range(n), k))
 
 
 def layout(kernel: Sequence[int], a: Sequence[int], b: Sequence[int]) -> Layout:
@@ -132,11 +160,13 @@ def layout(kernel: Sequence[int], a: Sequence[int], b: Sequence[int]) -> Layout:
 
     Example::
 
-        layout((32, 4, 8), (32, 2), (2, 4, 8))     # Layout(shared=0, lead=0, split=1)
+        layout((32, 4, 8), (32, 2), (2, 4, 8))     # rows (32,), columns (4, 8)
         layout((4, 8, 32), (4, 8, 2), (2, 32))     # rows (4, 8), columns (32,)
+        layout((4, 32, 8), (32, 2), (2, 4, 8))     # rows (32,), columns (4, 8): Gemma's query
     """
     kernel, a, b = tuple(map(int, kernel)), tuple(map(int, a)), tuple(map(int, b))
-    fits: dict[tuple[int, int], Layout] = {}
+    # rows then columns (every flax layout, qwix's linear ones) before rows among the columns
+    tiers: tuple[dict[tuple[int, ...], Layout], ...] = ({}, {})
     for lead in range(min(len(a), len(b)) - 1):
         if a[:lead] != b[:lead] or a[-1] != b[lead]:
             continue
@@ -144,17 +174,21 @@ def layout(kernel: Sequence[int], a: Sequence[int], b: Sequence[int]) -> Layout:
         for shared in range(len(kernel) - lead - 1):
             if kernel[shared : shared + lead] != a[:lead]:
                 continue
-            rest = kernel[shared + lead :]
-            for split in range(1, len(rest)):
-                if _holds(rest[:split], a_rows) and _holds(rest[split:], b_cols):
-                    fits.setdefault((shared, lead), Layout(kernel, shared, lead, split))
+            start = shared + lead
+            for rows in _row_sets(len(kernel) - start):
+                lay = Layout(kernel, shared, lead, tuple(start + i for i in rows))
+                if _holds(lay.rows, a_rows) and _holds(lay.cols, b_cols):
+                    # (fits whose rows differ only by axes of size 1 compute alike)
+                    key = (shared, lead, *(i for i in lay.rows_at if kernel[i] != 1))
+                    tiers[rows != tuple(range(len(rows)))].setdefault(key, lay)
+    fits = tiers[0] or tiers[1]
     if len(fits) == 1:
         return next(iter(fits.values()))
     what = f"LoRA adapters {list(a)} and {list(b)} against the kernel {list(kernel)}"
     if not fits:
         raise ValueError(
             f"{what}: no layout fits (lora_a (*lead, *rows, rank), lora_b (*lead, rank, "
-            "*cols), the kernel (*lead, *rows, *cols))"
+            "*cols), the kernel (*lead, rows and cols in any order, each in its adapter's))"
         )
     raise ValueError(f"{what}: several layouts fit ({sorted(fits)}), the merge is ambiguous")
 
@@ -218,23 +252,25 @@ def merge_lora_block(
         merge_lora_block(kernel[2:4], (slice(2, 4), slice(0, 3)), a, b, 0.5, kernel.shape)
     """
     lay = layout(kernel_shape, a.shape, b.shape)
-    box = tuple(box)
-    start = lay.shared + lay.lead
+    order = lay.order  # (the rows before the columns: merged so, then put back)
+    block, box = block.transpose(order), tuple(tuple(box)[i] for i in order)
+    start, split = lay.shared + lay.lead, len(lay.rows_at)
     lead_box = box[lay.shared : start]
-    row_box, col_box = box[start : start + lay.split], box[start + lay.split :]
+    row_box, col_box = box[start : start + split], box[start + split :]
     r = int(a.shape[-1])
     # the rows of a and the columns of b the block needs, each side's axes as the kernel's
     rows = a.reshape(*a.shape[: lay.lead], *lay.rows, r)[(*lead_box, *row_box, slice(None))]
     cols = b.reshape(*b.shape[: lay.lead], r, *lay.cols)[(*lead_box, slice(None), *col_box)]
-    m = math.prod(block.shape[start : start + lay.split])
-    n = math.prod(block.shape[start + lay.split :])
+    m = math.prod(block.shape[start : start + split])
+    n = math.prod(block.shape[start + split :])
     merged = _merge_rows_cols(
         block.reshape(*block.shape[:start], m, n),
         rows.reshape(*rows.shape[: lay.lead], m, r),
         cols.reshape(*cols.shape[: lay.lead], r, n),
         scale,
     )
-    return merged.reshape(block.shape)
+    merged = merged.reshape(block.shape).transpose(np.argsort(order))
+    return np.ascontiguousarray(merged)
 
 
 # --------------------------------------------------------------------------- an export's plan

@@ -66,6 +66,11 @@ def load_model(
         does not fit the model (with ``strict=False`` unexpected keys are skipped and missing
         ones keep the model's values).
       IntegrityError: a tensor's bytes do not match their checksum (naming it and the file).
+
+    Example::
+
+        model = MLP(rngs=nnx.Rngs(0))   # any instance of the saved module's class
+        osf.load_model(model, "mlp-bf16.safetensors")
     """
     from flax import nnx
 

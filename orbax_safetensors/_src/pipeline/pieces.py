@@ -41,6 +41,13 @@ class WriteStats:
       header_bytes: header bytes written (the primary only).
       ranges: ``(file name, offset, nbytes)`` of the tensor data written, adjacent runs merged;
         across all processes of a save they tile every file's data section exactly once.
+
+    Example::
+
+        handler = osf.SafetensorsCheckpointHandler()
+        mngr = ocp.CheckpointManager(root, item_handlers=handler)
+        mngr.save(step, args=osf.SafetensorsSave(state)); mngr.wait_until_finished()
+        handler.last_write_stats.bytes_written   # this process's tensor bytes
     """
 
     bytes_written: int = 0

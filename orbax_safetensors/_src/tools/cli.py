@@ -8,6 +8,7 @@ Example::
     orbax-safetensors convert /orbax/100 /st/100    # Orbax-native step -> safetensors (or back)
     orbax-safetensors diff /st/100/state /st/200/state
     orbax-safetensors export /ckpt /hf --mapping llama --hf-config config.json --item state
+    orbax-safetensors import /hf /ckpt --mapping maxtext-llama3  # MaxText: /ckpt/0/items
     orbax-safetensors demo /tmp/demo
 """
 
@@ -207,6 +208,53 @@ def _export_cmd(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _import_cmd(args: argparse.Namespace) -> int:
+    """Writes the Hugging Face model directory HFDIR (its config.json and safetensors files) as
+    step --step of the Orbax checkpoint CKPTDIR, the train state MaxText's to_maxtext saves
+    ({"step", "params", "opt_state": {}} in the item "items", OCDBT and zarr3,
+    custom_metadata {"scan_layers": ...}): MaxText reads it with
+    load_parameters_path=CKPTDIR/<step>/items. Tensors are read a batch at a time onto the
+    devices, split over all of them, transformed there, and saved by Orbax. With
+    --distributed, run it on every host of the job: each process reads and writes only its
+    share. CKPTDIR/<step> must not exist."""
+    from orbax_safetensors._src.integrations import hf_import as _hf_import
+    from orbax_safetensors._src.tools import hf_export as _hf_export
+    from orbax_safetensors._src.tools import inspection as _inspection
+
+    try:
+        policy = dtype_policy(args.dtype)
+        named = (
+            args.mapping if ":" not in args.mapping else _hf_export.resolve_mapping(args.mapping)
+        )
+        mapping, scan_layers = _hf_import.resolve(
+            named, args.hfdir, args.scan_layers, args.vocab_size
+        )
+    except ValueError as e:
+        _error_line("orbax-safetensors import", e)
+        return EXIT_ERROR
+    if args.distributed:
+        import jax
+
+        if not jax.distributed.is_initialized():
+            jax.distributed.initialize()  # (the cluster's: Cloud TPU, GKE, SLURM, Open MPI)
+    step = 0 if args.step is None else args.step
+    report = _hf_import.import_pytorch(
+        args.hfdir,
+        args.ckptdir,
+        mapping,
+        step=step,
+        dtype=policy,
+        scan_layers=scan_layers,
+        batch_bytes=args.batch_size,
+    )
+    items = f"{str(args.ckptdir).rstrip('/')}/{step}/items"
+    print(
+        f"imported {len(report.moved)} tensors to {items} (this process read "
+        f"{_inspection.human_bytes(report.bytes_read)}); MaxText: load_parameters_path={items}"
+    )
+    return EXIT_OK
+
+
 def _diff_cmd(args: argparse.Namespace) -> int:
     """Lists tensors missing on either side, differing in shape or dtype, or differing in
     value (with the max abs difference). A and B may be files, items, Orbax-native items or
@@ -264,6 +312,12 @@ _OPTIONS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "dir": (("dir",), {"nargs": "?", "default": None}),
     "steps": (("--steps",), {"type": int, "default": 300}),
     "lora_scale": (("--lora-scale",), {"type": float, "default": None, "metavar": "X"}),
+    "scan_layers": (
+        ("--scan-layers",),
+        {"action": argparse.BooleanOptionalAction, "default": None},
+    ),
+    "vocab_size": (("--vocab-size",), {"type": int, "default": None, "metavar": "N"}),
+    "distributed": (("--distributed",), {"action": "store_true"}),
 }
 _HELP = {  # the help of an option where a subcommand gives none
     "path": "file, item, step or root directory",
@@ -355,7 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
         export,
         mapping="a preset (llama, mistral, qwen2, qwen3, phi3, gemma3, mixtral, qwen2-moe, "
         "qwen3-moe, gpt2: NNX ports named as Hugging Face names its modules; tunix-llama3, "
-        "tunix-qwen3) or module:attr naming an osf.KeyMapping (or a function returning one)",
+        "tunix-qwen2, tunix-qwen3, tunix-gemma, tunix-gemma3, tunix-gemma4: Tunix's models; "
+        "maxtext-*: MaxText's train states) or module:attr naming an osf.KeyMapping (or a "
+        "function returning one)",
         hf_config="the model's config.json, or its directory (config.json, "
         "generation_config.json and tokenizer files written to OUT)",
         dtype="stored dtype: one DTYPE (e.g. bfloat16) for every floating-point tensor, or "
@@ -367,6 +423,35 @@ def build_parser() -> argparse.ArgumentParser:
         batch_size=None,
         lora_scale="the scale of the LoRA adapters merged into their kernels: alpha / rank "
         "for qwix's (Tunix's LoRA; needed there), default 1.0 for flax's nnx.LoRA",
+    )
+
+    imports = _command(
+        sub,
+        "import",
+        _import_cmd,
+        "write a Hugging Face model directory as a MaxText checkpoint",
+        hfdir="the Hugging Face model directory (config.json, *.safetensors)",
+        ckptdir="the Orbax checkpoint directory (its step --step is written)",
+    )
+    _add_options(
+        imports,
+        mapping="a MaxText preset (maxtext-llama3, maxtext-mistral, maxtext-mixtral, "
+        "maxtext-qwen3, maxtext-qwen3-moe, maxtext-qwen2, maxtext-gemma2, maxtext-gemma3, "
+        "maxtext-deepseek3), built from HFDIR's config.json, or module:attr naming an "
+        "osf.KeyMapping (or a function returning one)",
+        step="the step written (default 0)",
+        scan_layers="MaxText's scan_layers: the layers stacked (default, as MaxText) or one "
+        "subtree each (--no-scan-layers); recorded in the checkpoint, which MaxText checks",
+        vocab_size="the MaxText model's vocabulary when padded past the config's (e.g. 256128 "
+        "for Gemma 2): the embedding gets zero rows",
+        dtype="stored dtype: one DTYPE (e.g. bfloat16, or float32: MaxText's weight_dtype) "
+        "for every floating-point tensor, or PATTERN=DTYPE entries over MaxText's dotted "
+        "names; cast after the preset's transforms (default: as HFDIR stores them)",
+        batch_size="tensor bytes read at a time, and Orbax's copies to the host at a time "
+        "(default 256MiB)",
+        distributed="join the job's other processes first (jax.distributed.initialize(), "
+        "which finds Cloud TPU, GKE, SLURM and Open MPI jobs; elsewhere set "
+        "JAX_COORDINATOR_ADDRESS): run the command on every host",
     )
 
     diff = _command(sub, "diff", _diff_cmd, "compare the tensors of two checkpoints")

@@ -145,8 +145,8 @@ def _refuse_incomplete_steps(src: epath.Path, kind: PathKind) -> None:
         for step in _steps.scan_steps(src):
             if step.committed:
                 _completeness.require_complete(step)
-    elif (entry := _steps.step_entry(src)) is not None and entry.committed:
-        _completeness.require_complete(entry)
+    else:
+        _completeness.refuse_incomplete(src)
 
 
 def _write_item(

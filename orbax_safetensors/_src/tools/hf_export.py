@@ -73,8 +73,8 @@ def _named_mapping(spec: str, hf_config: dict[str, Any] | None) -> KeyMapping:
         if "tie_word_embeddings" in takes:  # absent: the preset's default (GPT-2's: tied)
             tie = takes["tie_word_embeddings"].default
             kwargs["tie_word_embeddings"] = facts.flag("tie_word_embeddings", tie)
-        if "head_dim" in takes:
-            kwargs["head_dim"] = facts.head_dim()
+        if "head_dim" in takes:  # (a multimodal config's: its text_config's)
+            kwargs["head_dim"] = facts.language_model().head_dim()
             if kwargs["head_dim"] is None:
                 raise ValueError(
                     f"--mapping {spec!r} needs --hf-config with head_dim (or hidden_size and "

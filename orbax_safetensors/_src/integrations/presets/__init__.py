@@ -5,7 +5,8 @@ one table of names.
 - ``generic``: NNX ports that keep Hugging Face's module names (``"llama"``, ``"mistral"``,
   ``"qwen2"``, ``"qwen3"``, ``"phi3"``, ``"gemma3"``, ``"mixtral"``, ``"qwen2-moe"``,
   ``"qwen3-moe"``, ``"gpt2"``);
-- ``tunix``: Tunix's NNX models (``"tunix-llama3"``, ``"tunix-qwen3"``);
+- ``tunix``: Tunix's NNX models (``"tunix-llama3"``, ``"tunix-qwen2"``, ``"tunix-qwen3"``,
+  ``"tunix-gemma"``, ``"tunix-gemma3"``, ``"tunix-gemma4"``);
 - ``maxtext``: MaxText's train states (``"maxtext-llama3"``, ``"maxtext-mistral"``,
   ``"maxtext-mixtral"``, ``"maxtext-qwen3"``, ``"maxtext-qwen3-moe"``, ``"maxtext-qwen2"``,
   ``"maxtext-gemma2"``, ``"maxtext-gemma3"``, ``"maxtext-deepseek3"``).
@@ -40,9 +41,9 @@ def preset_mapping(name: str, **kwargs: Any) -> KeyMapping:
 
     Each preset takes its own keyword arguments, documented by its factory
     (``osf.hf.PRESETS[name]``): ``tie_word_embeddings=`` for the NNX ports and Tunix,
-    ``head_dim=`` for Tunix, ``hf_config=`` (required), ``scan_layers=`` and ``vocab_size=``
-    for MaxText, ``lora_scale=`` for every preset. A keyword given as None or False reads as
-    not given, so one call can serve several presets.
+    ``head_dim=`` for Tunix (``hf_config=`` for Tunix's Gemma 4), ``hf_config=`` (required),
+    ``scan_layers=`` and ``vocab_size=`` for MaxText, ``lora_scale=`` for every preset. A
+    keyword given as None or False reads as not given, so one call can serve several presets.
 
     Raises:
       ValueError: an unknown name; a required keyword missing, or one the preset does not

@@ -1,11 +1,18 @@
-"""Presets for Tunix's NNX models (``google-tunix``: ``tunix.models.llama3.model.Llama3``,
-``tunix.models.qwen3.model.Qwen3``), with the names and layouts of Tunix's own ``params.py``,
-both ways.
+"""Presets for Tunix's NNX models (``google-tunix`` 0.1.7: ``tunix.models.<family>.model``),
+with the names and layouts of Tunix's own ``params.py`` / ``params_safetensors.py``, both ways:
+``tunix-llama3``, ``tunix-qwen2``, ``tunix-qwen3`` and the Gemma family, ``tunix-gemma``
+(Tunix's ``gemma``, read from Hugging Face's Gemma 2), ``tunix-gemma3`` and ``tunix-gemma4``.
 
-Tunix keeps its attention projections per head: the query, key and value kernels are
-``(embed, heads, head_dim)``, the output kernel ``(heads, head_dim, embed)``; so the presets
-split and merge the heads after the transpose and need ``head_dim`` (one rule then fits the
-query heads and the fewer key/value heads).
+Tunix keeps its attention projections per head. LLaMA's and Qwen's query, key and value
+kernels are ``(embed, heads, head_dim)``, the output kernel ``(heads, head_dim, embed)``;
+Gemma's are heads first, ``q_einsum`` ``(heads, embed, head_dim)``, the keys and values stacked
+in one ``kv_einsum`` ``(2, kv_heads, embed, head_dim)`` (``qkv_einsum`` ``(3, heads, embed,
+head_dim)`` where there are as many key/value heads as heads), the output
+``attn_vec_einsum`` ``(heads, head_dim, embed)``. So the presets split and merge the heads after
+the transpose and need ``head_dim`` (one rule then fits the query heads and the fewer
+key/value heads; Gemma 4, whose global layers have heads of another size, reads its config).
+Gemma's norms are stored as ``w`` and applied as ``1 + w``, as in Hugging Face: no offset.
+Tunix's Gemma computes its logits from the embedding: no ``lm_head``.
 
 Example::
 
@@ -15,8 +22,12 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
+from collections.abc import Callable
+from typing import Any
 
+from orbax_safetensors._src.integrations.config_facts import ConfigFacts
 from orbax_safetensors._src.integrations.key_mapping import (
     Chain,
     KeyMapping,
@@ -26,6 +37,11 @@ from orbax_safetensors._src.integrations.key_mapping import (
 )
 
 _HF_LAYER = "model.layers.{i}"
+_MLP = Rule(
+    _HF_LAYER + ".mlp.{p:gate_proj|up_proj|down_proj}.weight",
+    "layers.{i}.mlp.{p}.kernel",
+    Transpose(),
+)
 
 # Qwen 3 MoE (Tunix's MoELayer): the experts' projections stacked on axis 0, (experts, in, out)
 _MOE = [
@@ -93,6 +109,36 @@ def qwen3(
     return _mapping("tunix-qwen3", head_dim, _MOE, tie_word_embeddings, lora_scale)
 
 
+def qwen2(
+    *, head_dim: int, tie_word_embeddings: bool = False, lora_scale: float | None = None
+) -> KeyMapping:
+    """The preset ``"tunix-qwen2"``: Tunix's ``Qwen2`` (Qwen 2 and 2.5).
+
+    :func:`llama3`'s layout, plus the query, key and value biases, flat as Hugging Face's:
+    ``layers.{i}.attn.{q,k,v}_bias`` ``(heads * head_dim,)``.
+
+    Its keyword arguments are :func:`llama3`'s.
+
+    Raises:
+      ValueError: ``head_dim`` not a positive whole number.
+
+    Example::
+
+        mapping = osf.hf.presets.tunix.qwen2(head_dim=128, tie_word_embeddings=True)
+        mapping.to_flax("model.layers.0.self_attn.k_proj.bias")[0]  # "layers.0.attn.k_bias"
+    """
+    bias = Rule(_HF_LAYER + ".self_attn.{p:q|k|v}_proj.bias", "layers.{i}.attn.{p}_bias")
+    return _mapping("tunix-qwen2", head_dim, [bias], tie_word_embeddings, lora_scale)
+
+
+def _head_dim(name: str, head_dim: Any) -> int:
+    if isinstance(head_dim, bool) or not isinstance(head_dim, numbers.Integral) or head_dim <= 0:
+        raise ValueError(
+            f"preset {name!r} needs head_dim= (the Tunix ModelConfig's head_dim), got {head_dim!r}"
+        )
+    return int(head_dim)
+
+
 def _mapping(
     name: str,
     head_dim: int,
@@ -100,12 +146,8 @@ def _mapping(
     tie_word_embeddings: bool,
     lora_scale: float | None,
 ) -> KeyMapping:
-    # Tunix's llama3/params.py and qwen3/params.py, both ways.
-    if isinstance(head_dim, bool) or not isinstance(head_dim, numbers.Integral) or head_dim <= 0:
-        raise ValueError(
-            f"preset {name!r} needs head_dim= (the Tunix ModelConfig's head_dim), got {head_dim!r}"
-        )
-    heads = int(head_dim)
+    # Tunix's llama3/params.py, qwen2/params.py and qwen3/params.py, both ways.
+    heads = _head_dim(name, head_dim)
     layer = _HF_LAYER
     rules = [
         Rule("model.embed_tokens.weight", "embedder.input_embedding"),
@@ -120,11 +162,7 @@ def _mapping(
             Chain(Transpose(), SplitHeads(head_dim=heads, axis=0)),
         ),
         Rule(layer + ".self_attn.{n:q_norm|k_norm}.weight", "layers.{i}.attn.{n}.w"),
-        Rule(
-            layer + ".mlp.{p:gate_proj|up_proj|down_proj}.weight",
-            "layers.{i}.mlp.{p}.kernel",
-            Transpose(),
-        ),
+        _MLP,
         Rule(layer + ".{n:input_layernorm|post_attention_layernorm}.weight", "layers.{i}.{n}.w"),
         Rule("model.norm.weight", "final_norm.w"),
         Rule("lm_head.weight", "lm_head.w", Transpose()),
@@ -134,5 +172,242 @@ def _mapping(
     return KeyMapping(rules, tied=tied, lora_scale=lora_scale)
 
 
+# --------------------------------------------------------------------------- Gemma
+
+
+def _heads_first(**split: int) -> Chain:
+    # Hugging Face's (heads * head_dim, embed) <-> Tunix's einsum kernel (heads, embed, head_dim)
+    return Chain(Transpose(), SplitHeads(axis=-1, **split), Transpose((1, 0, 2)))
+
+
+def _stacked(layer: str, parts: str, kernel: str, **split: int) -> Rule:
+    # Hugging Face's projections ``parts`` stacked on axis 0 of one Tunix kernel (kv_einsum)
+    proj = f"{layer}.self_attn.{{p:{parts}}}.weight"
+    return Rule(proj, f"layers.{{i}}.attn.{kernel}.w", _heads_first(**split), stacked={"p": 0})
+
+
+def _gemma_rules(post_attention: str, **split: int) -> list[Rule]:
+    # a Gemma layer's, its attention's heads split as ``split`` (Gemma 2 has no q/k norms)
+    attn, layer = _HF_LAYER + ".self_attn.", _HF_LAYER + "."
+    norms = {
+        "input_layernorm": "pre_attention_norm",
+        "post_attention_layernorm": post_attention,
+        "pre_feedforward_layernorm": "pre_ffw_norm",
+        "post_feedforward_layernorm": "post_ffw_norm",
+    }
+    return [
+        Rule(attn + "q_proj.weight", "layers.{i}.attn.q_einsum.w", _heads_first(**split)),
+        Rule(attn + "o_proj.weight", "layers.{i}.attn.attn_vec_einsum.w",
+             Chain(Transpose(), SplitHeads(axis=0, **split))),
+        Rule(attn + "q_norm.weight", "layers.{i}.attn._query_norm.scale"),
+        Rule(attn + "k_norm.weight", "layers.{i}.attn._key_norm.scale"),
+        *(Rule(f"{layer}{hf}.weight", f"layers.{{i}}.{t}.scale") for hf, t in norms.items()),
+        _MLP,
+    ]  # fmt: skip
+
+
+def _gemma_mapping(prefixes: tuple[str, ...], layers: list[Rule], **kwargs: Any) -> KeyMapping:
+    # Rules of Hugging Face's ``model.`` names, read under each of ``prefixes`` (an export
+    # writes the first's); no lm_head: Tunix's Gemma computes its logits from the embedding.
+    base = [
+        Rule("model.embed_tokens.weight", "embedder.input_embedding"),
+        Rule("model.norm.weight", "final_norm.scale"),
+        *layers,
+    ]
+    rules = [
+        dataclasses.replace(r, torch=prefix + r.torch.removeprefix("model."))
+        for prefix in prefixes
+        for r in base
+    ]
+    ignore = [r"(?:language_model\.)?lm_head\.weight", *kwargs.pop("ignore_torch", ())]
+    return KeyMapping(rules, ignore_torch=ignore, **kwargs)
+
+
+def _gemma(name: str, head_dim: int, fused_qkv: bool, post_attention: str) -> list[Rule]:
+    # q_einsum and kv_einsum, or qkv_einsum: an export maps either; a load fills the one
+    # ``fused_qkv`` puts first (the first rule matching a Hugging Face key wins).
+    split = {"head_dim": _head_dim(name, head_dim)}
+    kv = _stacked(_HF_LAYER, "k_proj|v_proj", "kv_einsum", **split)
+    qkv = _stacked(_HF_LAYER, "q_proj|k_proj|v_proj", "qkv_einsum", **split)
+    rules = _gemma_rules(post_attention, **split)
+    return [qkv, *rules, kv] if fused_qkv else [*rules, kv, qkv]
+
+
+def gemma(*, head_dim: int, fused_qkv: bool = False, lora_scale: float | None = None) -> KeyMapping:
+    """The preset ``"tunix-gemma"``: Tunix's ``Gemma``, whose loader reads Hugging Face's
+    Gemma 2 (``Gemma2ForCausalLM``).
+
+    The JAX layout: ``embedder.input_embedding``; ``layers.{i}.attn.q_einsum.w`` ``(heads,
+    embed, head_dim)``, ``kv_einsum.w`` ``(2, kv_heads, embed, head_dim)`` (or
+    ``qkv_einsum.w`` ``(3, heads, embed, head_dim)``), ``attn_vec_einsum.w`` ``(heads,
+    head_dim, embed)``; ``layers.{i}.mlp.{gate,up,down}_proj.kernel``; the norms' ``.scale``:
+    ``pre_attention_norm``, ``post_attn_norm``, ``pre_ffw_norm``, ``post_ffw_norm``,
+    ``final_norm``. No ``lm_head`` (a file's is the embedding's copy, left out).
+
+    Args:
+      head_dim: the attention head size (Tunix's and Hugging Face's ``head_dim``).
+      fused_qkv: a load fills ``qkv_einsum`` (Tunix's layout where ``num_kv_heads ==
+        num_heads``); an export maps either layout.
+      lora_scale: as :func:`llama3`'s.
+
+    Raises:
+      ValueError: ``head_dim`` not a positive whole number.
+
+    Example::
+
+        mapping = osf.hf.presets.tunix.gemma(head_dim=256, lora_scale=16 / 8)
+        mapping.to_torch("layers.3.post_attn_norm.scale")[0]
+        # "model.layers.3.post_attention_layernorm.weight"
+    """
+    rules = _gemma("tunix-gemma", head_dim, fused_qkv, "post_attn_norm")
+    return _gemma_mapping(("model.",), rules, lora_scale=lora_scale)
+
+
+def gemma3(
+    *, head_dim: int, fused_qkv: bool = False, lora_scale: float | None = None
+) -> KeyMapping:
+    """The preset ``"tunix-gemma3"``: Tunix's ``Gemma3``, its text model.
+
+    :func:`gemma`'s layout with the post-attention norm ``post_attention_norm`` and the
+    query and key norms ``layers.{i}.attn._query_norm.scale`` / ``_key_norm.scale``. An
+    export writes ``Gemma3ForCausalLM``'s names (``model.*``); a load also reads a
+    multimodal checkpoint's (``language_model.model.*``: the hub's), its vision tower left
+    out (Tunix's ``vision_encoder`` is not mapped).
+
+    Its keyword arguments are :func:`gemma`'s.
+
+    Example::
+
+        mapping = osf.hf.presets.tunix.gemma3(head_dim=256)
+        mapping.to_flax("language_model.model.layers.0.self_attn.q_norm.weight")[0]
+        # "layers.0.attn._query_norm.scale"
+    """
+    rules = _gemma("tunix-gemma3", head_dim, fused_qkv, "post_attention_norm")
+    vision = r"(?:model\.)?(?:vision_tower|multi_modal_projector)\..*"
+    return _gemma_mapping(
+        ("model.", "language_model.model."), rules, ignore_torch=[vision], lora_scale=lora_scale
+    )
+
+
+def gemma4(hf_config: Any, *, lora_scale: float | None = None) -> KeyMapping:
+    """The preset ``"tunix-gemma4"``: Tunix's ``Gemma4``, built from the Hugging Face config
+    (``gemma4_text``, or ``gemma4``'s ``text_config``): its global layers
+    (``full_attention``) have other heads (``global_head_dim``, the key/value heads of
+    ``per_layer_config`` or ``num_global_key_value_heads``).
+
+    :func:`gemma3`'s layout, and where Tunix and Hugging Face differ:
+
+    - global layers with ``attention_k_eq_v`` have a key and no value projection: Tunix's
+      ``attn.k_einsum.w`` ``(kv_heads, embed, head_dim)``;
+    - the last ``num_kv_shared_layers`` layers reuse earlier layers' keys and values (no
+      ``k_proj``, ``v_proj``, ``k_norm``): Tunix's unused ``kv_einsum`` and ``_key_norm``
+      there are neither exported nor loaded;
+    - an export writes ``Gemma4ForCausalLM``'s names (``model.*``); a load also reads
+      ``Gemma4ForConditionalGeneration``'s (``model.language_model.*``, the only ones
+      Tunix's loader reads), its vision and audio towers left out.
+
+    Also: ``layer_scalar`` as ``layers.{i}.skip_scale``; the per-layer inputs
+    (``embed_tokens_per_layer`` ``(vocab, layers * dim)`` as
+    ``embedder.per_layer_input_embedding`` ``(vocab, layers, dim)``, ...); the MoE block
+    (``router.proj`` as ``moe.router_logits``, the experts' ``gate_up_proj`` ``(experts,
+    2 * width, embed)`` as ``moe.gating_einsum`` ``(experts, 2, width, embed)``, ...).
+
+    Args:
+      hf_config: the model's Hugging Face config (a transformers config, a dict, a
+        ``config.json`` or a directory holding one).
+      lora_scale: as :func:`llama3`'s.
+
+    Raises:
+      ValueError: a config without heads, ``head_dim`` or its layers' ``layer_types``.
+      ConfigError: an impossible size, naming the key.
+
+    Example::
+
+        mapping = osf.hf.presets.tunix.gemma4("/models/gemma-4-E2B")
+        mapping.to_torch("layers.0.skip_scale")[0]   # "model.layers.0.layer_scalar"
+    """
+    c = ConfigFacts.of(hf_config).language_model()
+    attention, layers = c.attention(), c.count("num_hidden_layers")
+    types = c.doc.get("layer_types")
+    if attention is None or not isinstance(types, (list, tuple)) or len(types) != layers:
+        raise ValueError(
+            "preset 'tunix-gemma4' needs a Hugging Face Gemma 4 config with "
+            "num_attention_heads, head_dim, num_hidden_layers and its layer_types; got keys "
+            f"{sorted(c.doc)}"
+        )
+    heads, kv, _ = attention
+    k_eq_v = c.flag("attention_k_eq_v")
+    # the layers by their key and value kernels: (a key for both, key/value heads)
+    kinds: dict[tuple[bool, int], list[str]] = {}
+    for i, kind in enumerate(types):
+        full = kind == "full_attention"
+        kinds.setdefault((k_eq_v and full, _kv_heads(c, i, full, k_eq_v) or kv), []).append(str(i))
+    rules = _gemma_rules("post_attention_norm", heads=heads) + _gemma4_extra(len(types))
+    for (k_only, kv_heads), listed in kinds.items():
+        layer = f"model.layers.{{i:{'|'.join(listed)}}}"
+        key = Rule(f"{layer}.self_attn.k_proj.weight", "layers.{i}.attn.k_einsum.w",
+                   _heads_first(heads=kv_heads))  # fmt: skip
+        rules.append(
+            key if k_only else _stacked(layer, "k_proj|v_proj", "kv_einsum", heads=kv_heads)
+        )
+    shared = range(len(types) - (c.count("num_kv_shared_layers") or 0), len(types))
+    unused = [rf"layers\.{i}\.attn\.(?:kv?_einsum\.w|_key_norm\.scale)" for i in shared]
+    return _gemma_mapping(
+        ("model.", "model.language_model."),
+        rules,
+        ignore_torch=[r"model\.(?:vision_tower|embed_vision|audio_tower|embed_audio)\..*"],
+        ignore_flax=unused,
+        lora_scale=lora_scale,
+    )
+
+
+def _kv_heads(c: ConfigFacts, layer: int, full: bool, k_eq_v: bool) -> int | None:
+    # A global layer's key/value heads where they are not the others': transformers 5 keeps
+    # them in per_layer_config, the hub's configs as num_global_key_value_heads (which
+    # transformers reads only with attention_k_eq_v).
+    if not full:
+        return None
+    per_layer = c.doc.get("per_layer_config")
+    if isinstance(per_layer, dict) and isinstance(per_layer.get(str(layer)), dict):
+        where = f"{c.prefix}per_layer_config.{layer}."
+        return ConfigFacts(per_layer[str(layer)], c.where, where).size("num_key_value_heads")
+    return c.size("num_global_key_value_heads") if k_eq_v else None
+
+
+def _gemma4_extra(layers: int) -> list[Rule]:
+    # Gemma 4's layer scalar, per-layer inputs and MoE block (Tunix's gemma4 loader's names)
+    layer, to = _HF_LAYER, "layers.{i}."
+    per_layer = SplitHeads(heads=layers, axis=-1)  # (.., layers * dim) <-> (.., layers, dim)
+    norms = {
+        "pre_feedforward_layernorm_2": "moe_pre_ffw_norm",
+        "post_feedforward_layernorm_1": "dense_post_ffw_norm",
+        "post_feedforward_layernorm_2": "moe_post_ffw_norm",
+        "post_per_layer_input_norm": "post_per_layer_input_norm",
+    }
+    return [
+        Rule(layer + ".layer_scalar", to + "skip_scale"),
+        *(Rule(f"{layer}.{hf}.weight", f"{to}{t}.scale") for hf, t in norms.items()),
+        Rule("model.embed_tokens_per_layer.weight", "embedder.per_layer_input_embedding",
+             per_layer),
+        Rule("model.per_layer_model_projection.weight", "embedder.per_layer_model_projection.w",
+             Chain(Transpose(), per_layer)),
+        Rule("model.per_layer_projection_norm.weight", "embedder.per_layer_projection_norm.scale"),
+        Rule(layer + ".{p:per_layer_input_gate|per_layer_projection}.weight", to + "{p}.w",
+             Transpose()),
+        Rule(layer + ".router.proj.weight", to + "moe.router_logits", Transpose()),
+        Rule(layer + ".router.scale", to + "moe.router_scale"),
+        Rule(layer + ".router.per_expert_scale", to + "moe.per_expert_scale"),
+        Rule(layer + ".experts.gate_up_proj", to + "moe.gating_einsum", SplitHeads(heads=2, axis=1)),
+        Rule(layer + ".experts.down_proj", to + "moe.linear", Transpose((0, 2, 1))),
+    ]  # fmt: skip
+
+
 # The preset names of this group: a Tunix model family is one more line here.
-PRESETS = {"tunix-llama3": llama3, "tunix-qwen3": qwen3}
+PRESETS: dict[str, Callable[..., KeyMapping]] = {
+    "tunix-llama3": llama3,
+    "tunix-qwen2": qwen2,
+    "tunix-qwen3": qwen3,
+    "tunix-gemma": gemma,
+    "tunix-gemma3": gemma3,
+    "tunix-gemma4": gemma4,
+}

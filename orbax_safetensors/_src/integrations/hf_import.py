@@ -1,0 +1,227 @@
+"""A Hugging Face checkpoint as an Orbax checkpoint of a MaxText train state
+(:func:`import_pytorch`): what MaxText's ``to_maxtext`` writes, without holding the model on
+one host.
+
+The tree the mapping makes of the files (``load.abstract_pytorch``'s) is split over every
+device of the job (``load.spread``: each tensor on the axis that lets each process read its
+own rows of the Hugging Face tensors), filled by ``load.load_flat`` a batch of tensors at a
+time (each process reads the byte ranges of its own shards; the transforms run on the
+devices), then saved by Orbax v1 as MaxText 0.2.5 saves a train state:
+``ocp.training.Checkpointer(directory).save_checkpointables(step, {"items": {"step",
+"params", "opt_state": {}}}, custom_metadata={"scan_layers": ...})``, OCDBT and zarr3, each
+process writing its own shards, and Orbax's copies of the arrays to the host bounded by the
+batch (``MemoryOptions.transfer_concurrent_bytes``).
+
+Example::
+
+    osf.import_pytorch("/models/Llama-3.1-8B", "/ckpt/llama", "maxtext-llama3")
+    # MaxText: load_parameters_path=/ckpt/llama/0/items
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from etils import epath
+
+from orbax_safetensors._src.catalog import sources as _sources
+from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
+from orbax_safetensors._src.core import casting as _casting
+from orbax_safetensors._src.core.errors import ConfigError, SafetensorsCheckpointError
+from orbax_safetensors._src.integrations import load as _load
+from orbax_safetensors._src.integrations import model_files as _model_files
+from orbax_safetensors._src.integrations import presets as _presets
+from orbax_safetensors._src.integrations.config_facts import ConfigFacts
+from orbax_safetensors._src.integrations.key_mapping import KeyMapping, MappingReport
+from orbax_safetensors._src.storage import replace as _replace
+
+__all__ = ["import_pytorch"]
+
+ITEM = "items"  # the checkpointable MaxText keeps its train state in
+_TMP = ".orbax-checkpoint-tmp"  # Orbax's suffix of a step directory being written
+
+
+def import_pytorch(
+    path: epath.PathLike,
+    directory: epath.PathLike,
+    mapping: KeyMapping | str,
+    *,
+    step: int = 0,
+    dtype: _casting.DtypePolicy | None = None,
+    scan_layers: bool | None = None,
+    vocab_size: int | None = None,
+    batch_bytes: int = _sources.DEFAULT_BATCH_BYTES,
+) -> MappingReport:
+    """Writes a Hugging Face checkpoint as step ``step`` of the Orbax checkpoint ``directory``
+    in the layout MaxText 0.2.5's ``to_maxtext`` saves and its ``load_parameters_path``
+    reads (``directory/<step>/items``): the checkpointable ``items`` holding ``{"step": step,
+    **tree, "opt_state": {}}`` (``tree``: the mapping's, ``{"params": {"params": ...}}``, plus
+    DeepSeek's ``MoEBiasVar``), ``custom_metadata`` ``{"scan_layers": ...}``, OCDBT and zarr3.
+
+    Run it on every process of a ``jax.distributed`` job with the same arguments: every tensor
+    is split over all devices, each process reads only the byte ranges of its own shards,
+    ``batch_bytes`` at a time, and writes only them; host memory follows the batch. A failure
+    leaves nothing behind (neither the step nor directories the call created).
+
+    Args:
+      path: a Hugging Face model directory (or a ``.safetensors`` file, or its index).
+      directory: the checkpoint's root; its step ``step`` must not exist.
+      mapping: a MaxText preset's name (``"maxtext-llama3"``..., built from ``path``'s
+        ``config.json`` with ``scan_layers``, default True, and ``vocab_size``, the MaxText
+        vocabulary where it pads past the config's), or a :class:`KeyMapping`.
+      step: the step directory and the state's ``step``.
+      dtype: a dtype policy over the tree's dotted names, as ``export_pytorch`` takes it
+        (``"bfloat16"``: every floating-point tensor), applied after the transforms.
+      scan_layers: recorded in ``custom_metadata`` (MaxText checks it against its config).
+      vocab_size: with a preset's name, MaxText's vocabulary (the embedding gets zero rows).
+      batch_bytes: tensor bytes read at a time, and the bound of Orbax's host copies.
+
+    Returns:
+      The :class:`MappingReport` of the load (``bytes_read``: this process's).
+
+    Raises:
+      SafetensorsCheckpointError: hostile or unfitting input, before anything is written (a
+        key no rule maps, a config contradicting the tensors, a path outside ``path``), or
+        an existing step; ImportError: an orbax-checkpoint without ``v1.training``.
+
+    Example::
+
+        osf.import_pytorch("/models/Qwen2.5-7B", "gs://bucket/qwen", "maxtext-qwen2")
+        # MaxText: load_parameters_path=gs://bucket/qwen/0/items
+    """
+    v1 = _training_orbax()
+    mapping, scan_layers = resolve(mapping, path, scan_layers, vocab_size)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a whole number >= 0, got {step!r}")
+    root = epath.Path(directory)
+    if (root / str(step)).exists():
+        raise SafetensorsCheckpointError(
+            f"{root / str(step)}: step {step} exists already (remove it or give another step)"
+        )
+    # A failure leaves nothing behind: the directories this call created, and Orbax's
+    # temporary step directory, are removed (storage/replace.made_parents).
+    with _replace.made_parents(root / str(step)):
+        try:
+            return _write(v1, path, root, mapping, step, dtype, scan_layers, batch_bytes)
+        except BaseException:
+            if jax.process_index() == 0:
+                _remove_step(root, step)
+            raise
+
+
+def _write(
+    v1: Any,
+    path: epath.PathLike,
+    root: epath.Path,
+    mapping: KeyMapping,
+    step: int,
+    dtype: _casting.DtypePolicy | None,
+    scan_layers: bool | None,
+    batch_bytes: int,
+) -> MappingReport:
+    source = _sources.open_source(_load.source_path(path))
+    _check_config(source)
+    targets = _cast(_load.derived_targets(source.tensors, mapping), _casting.parse_policy(dtype))
+    links, _ = _load.plan_links(dict(source.tensors), targets, mapping)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("devices",))
+    targets = _load.spread(links, targets, source.tensors, mesh)
+    options = _load.LoadOptions(batch_bytes=batch_bytes, where=str(path))
+    values, report = _load.load_flat(source, targets, mapping, options)
+    tree = _load.nested(values)
+    clash = sorted({"step", "opt_state"} & set(tree))
+    if clash:
+        raise ValueError(f"the mapping makes {clash[0]!r}, which a train state holds itself")
+    state = {"step": step, **tree, "opt_state": {}}
+    metadata = None if scan_layers is None else {"scan_layers": bool(scan_layers)}
+    # (Orbax refuses a device's shard as large as its bounds or larger)
+    largest = max((s.data.nbytes for v in values.values() for s in v.addressable_shards), default=0)
+    context = _context(v1, max(batch_bytes, largest + 1))
+    with v1.training.Checkpointer(root, context=context) as checkpointer:
+        checkpointer.save_checkpointables(step, {ITEM: state}, custom_metadata=metadata, force=True)
+    return report
+
+
+def _check_config(source: _sources.TensorSource) -> None:
+    # The sizes the directory's config.json claims (which the presets are built of) against
+    # its tensors (config_facts.py): a forged vocab_size or layer count is refused, not
+    # written into MaxText's layout.
+    config = epath.Path(source.path) / _model_files.CONFIG_FILE_NAME
+    if not epath.Path(source.path).is_dir() or not config.exists():
+        return
+    facts = ConfigFacts.of(config).validated()
+    problems = facts.tensor_problems({k: tuple(t.shape) for k, t in source.tensors.items()})
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def _remove_step(root: epath.Path, step: int) -> None:
+    # Step ``step`` did not exist before the call: what is there now under its name is ours.
+    if not root.exists():
+        return
+    for child in root.iterdir():
+        if child.name == str(step) or child.name.startswith(f"{step}{_TMP}"):
+            if child.is_dir():
+                child.rmtree(missing_ok=True)
+            else:
+                child.unlink(missing_ok=True)
+
+
+def resolve(
+    mapping: KeyMapping | str, path: epath.PathLike, scan_layers: bool | None, vocab_size: Any
+) -> tuple[KeyMapping, bool | None]:
+    """The mapping and ``scan_layers`` :func:`import_pytorch` takes ``mapping`` (a MaxText
+    preset's name or a :class:`KeyMapping`) and ``scan_layers`` for.
+
+    Raises:
+      ValueError: a name that is no MaxText preset's; what the preset refuses of the config.
+    """
+    if not isinstance(mapping, str):
+        return mapping, scan_layers
+    if mapping not in _presets.PRESETS or not mapping.startswith("maxtext-"):
+        names = ", ".join(n for n in _presets.PRESETS if n.startswith("maxtext-"))
+        raise ValueError(f"mapping {mapping!r}: not a MaxText preset ({names}) nor module:attr")
+    scan_layers = True if scan_layers is None else scan_layers
+    built = _presets.preset_mapping(
+        mapping, hf_config=path, scan_layers=scan_layers, vocab_size=vocab_size
+    )
+    return built, scan_layers
+
+
+def _training_orbax() -> Any:
+    v1 = _orbaxcompat.orbax_v1("osf.import_pytorch")
+    if not hasattr(getattr(v1, "training", None), "Checkpointer"):
+        raise ImportError(
+            "osf.import_pytorch needs orbax-checkpoint's orbax.checkpoint.v1.training."
+            f"Checkpointer (>= {_orbaxcompat.ORBAX_V1_TESTED}), which MaxText 0.2.5 saves with"
+        )
+    return v1
+
+
+def _cast(targets: Mapping[str, _load.Target], policy: Any) -> dict[str, _load.Target]:
+    names = list(targets)
+    dtypes = _casting.resolve(
+        policy,
+        names,
+        [t.dtype for t in targets.values()],
+        [t.shape for t in targets.values()],
+        [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in targets.values()],
+    )
+    return {
+        n: t if d is None else _load.Target(t.shape, d)
+        for (n, t), d in zip(targets.items(), dtypes)
+    }
+
+
+def _context(v1: Any, batch_bytes: int) -> Any:
+    # MaxText's storage (OCDBT, zarr3). Orbax's copies of the arrays to the host and its
+    # writes under way, a batch at a time each: unbounded, a save holds them all at once
+    # (OCDBT keeps every write's encoded bytes until its commit).
+    context = v1.Context()
+    context.array.saving.use_ocdbt = True
+    context.array.saving.use_zarr3 = True
+    context.memory.transfer_concurrent_bytes = int(batch_bytes)
+    context.memory.write_concurrent_bytes = int(batch_bytes)
+    return context
