@@ -40,9 +40,9 @@ if str(HERE.parent) not in sys.path:
     sys.path.insert(0, str(HERE.parent))
 
 from benchmarks.scale_model import MODELS, Mesh, model_specs  # noqa: E402
-from orbax_safetensors._src.core import groups as _groups  # noqa: E402
 from orbax_safetensors._src.core import metadata as _metadata  # noqa: E402
 from orbax_safetensors._src.core import plan as _plan  # noqa: E402
+from orbax_safetensors._src.core import relayout as _relayout  # noqa: E402
 from orbax_safetensors._src.storage.objstore import upload_plan as _up  # noqa: E402
 
 sys.path.insert(0, str(HERE.parent / "tests" / "helpers"))
@@ -66,7 +66,7 @@ def ownership(
     *,
     relayout: bool,
     primary: int = 0,
-    groups: list[_groups.ConcatGroup] | None = None,
+    groups: list[_relayout.ConcatGroup] | None = None,
 ) -> tuple[list[_up.FileOwners], np.ndarray]:
     """Every file's owners (headers by the primary) and each process's in-place write runs;
     the members of ``groups`` (positions in ``specs``) as the save's joined row blocks."""
@@ -102,7 +102,7 @@ def ownership(
 
 
 def grouped_owners(
-    specs: list[_plan.TensorSpec], mesh: Mesh, groups: list[_groups.ConcatGroup]
+    specs: list[_plan.TensorSpec], mesh: Mesh, groups: list[_relayout.ConcatGroup]
 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Each group member's ``(tensor-relative starts, owners)``: the joined rows spread over
     the mesh's devices in order (process ``p`` holds devices ``p * devices`` onwards)."""
@@ -147,16 +147,16 @@ def plan_save(
 ) -> tuple[_plan.CheckpointPlan, list[_up.FileOwners], np.ndarray]:
     """What every process of a save of ``specs`` plans: the file plan, each file's owners,
     each process's in-place write runs. ``joined`` (object storage): the save joins
-    ``core.groups``' groups on the devices (every tensor is a ``jax.Array`` sharded by
+    ``core.relayout``' groups on the devices (every tensor is a ``jax.Array`` sharded by
     ``partition`` on ``mesh``, so its key is its shape, dtype and partition) and places their
     members next to each other in the files, as the real save does. ``metadata``: each
     header's ``__metadata__``."""
-    groups: list[_groups.ConcatGroup] = []
+    groups: list[_relayout.ConcatGroup] = []
     ordered = specs
     if joined and mesh.processes > 1:
         keys = [(s.shape, s.dtype, partition[: len(s.shape)]) for s in specs]
-        ordered = [specs[i] for i in _groups.file_order(keys)]
-        groups = _groups.concat_groups(
+        ordered = [specs[i] for i in _relayout.file_order(keys)]
+        groups = _relayout.concat_groups(
             [s.shape for s in specs],
             [s.dtype for s in specs],
             keys,

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
         Header,
         TensorEntry,
     )
+    from orbax_safetensors._src.integrations.export import export_pytorch
     from orbax_safetensors._src.integrations.hf_import import import_pytorch
     from orbax_safetensors._src.integrations.key_mapping import (
         Chain,
@@ -67,7 +68,6 @@ if TYPE_CHECKING:
         save_model,
     )
     from orbax_safetensors._src.integrations.presets import preset_mapping
-    from orbax_safetensors._src.integrations.pytorch import export_pytorch
     from orbax_safetensors._src.integrations.transforms import (
         Offset,
         RopeInterleave,
@@ -137,7 +137,7 @@ _LAZY: dict[str, str] = {
     "Scale": "integrations.transforms",
     "VocabRows": "integrations.transforms",
     "abstract_pytorch": "integrations.load",
-    "export_pytorch": "integrations.pytorch",
+    "export_pytorch": "integrations.export",
     "import_pytorch": "integrations.hf_import",
     "load_pytorch": "integrations.load",
     "manager_options_for": "orbax.object_storage",
@@ -167,9 +167,6 @@ _LAZY: dict[str, str] = {
     "VerifyReport": "tools.verify",
     "verify": "tools.verify",
 }
-# Modules whose names make key mappings: using them also imports ``integrations/publish``,
-# which registers ``KeyMapping`` with the Orbax args (``SafetensorsSave(..., mapping=)``).
-_REGISTERS_MAPPINGS = ("integrations.key_mapping", "integrations.presets")
 
 
 def __getattr__(name: str) -> Any:
@@ -179,8 +176,6 @@ def __getattr__(name: str) -> Any:
     if module_name == name:  # a sub-namespace: the module is the value
         return importlib.import_module(f"{__name__}.{name}")
     module = importlib.import_module(f"{__name__}._src.{module_name}")
-    if module_name in _REGISTERS_MAPPINGS:
-        importlib.import_module(f"{__name__}._src.integrations.publish")
     value = getattr(module, name)
     globals()[name] = value  # later uses are plain attribute reads
     return value

@@ -23,9 +23,7 @@ Example::
 from __future__ import annotations
 
 from orbax_safetensors._src.integrations import presets
-
-# Importing publish registers KeyMapping with the Orbax args, for SafetensorsSave(mapping=).
-from orbax_safetensors._src.integrations import publish as _publish  # noqa: F401
+from orbax_safetensors._src.integrations.export import export_pytorch
 from orbax_safetensors._src.integrations.hf_import import import_pytorch
 from orbax_safetensors._src.integrations.key_mapping import (
     Chain,
@@ -39,7 +37,6 @@ from orbax_safetensors._src.integrations.key_mapping import (
 )
 from orbax_safetensors._src.integrations.load import abstract_pytorch, load_pytorch
 from orbax_safetensors._src.integrations.presets import PRESETS, preset_mapping
-from orbax_safetensors._src.integrations.pytorch import export_pytorch
 from orbax_safetensors._src.integrations.transforms import (
     Offset,
     RopeInterleave,

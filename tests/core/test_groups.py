@@ -1,4 +1,4 @@
-"""``core.groups``: which tensors a save to object storage joins on the devices, where their
+"""``core.relayout``'s groups: which tensors a save to object storage joins on the devices, where their
 members sit in the files and which rows of a group each process writes (pure functions of
 global facts, shared by the save and ``benchmarks/scale_sim.py``)."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from orbax_safetensors._src.core import groups as _groups
 from orbax_safetensors._src.core import plan as _plan
+from orbax_safetensors._src.core import relayout as _groups
 
 MiB = 1 << 20
 

@@ -5,11 +5,9 @@ tests/objstore/test_objstore_relayout.py)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from orbax_safetensors._src.core import relayout as _relayout
-from orbax_safetensors._src.core import sharding as _sharding
 
 layout_of = _relayout.row_block_layout
 
@@ -75,17 +73,3 @@ def test_a_mesh_that_leaves_out_a_process_is_not_re_laid_out() -> None:
 def test_mesh_processes_must_match_the_mesh_axes() -> None:
     with pytest.raises(ValueError, match="mesh_processes has 1 dimensions"):
         layout_of((512, 64), "F32", (None, "data"), ("data", "model"), [0, 1])
-
-
-def test_the_json_form_agrees_with_the_mesh_form() -> None:
-    desc = _sharding.named_sharding_json(
-        ["data", "model"], [2, 2], ["model", "data"], device_ids=[0, 1, 2048, 2049]
-    )
-    owner = {0: 0, 1: 0, 2048: 1, 2049: 1}
-    got = _relayout.row_block_layout_of_json(desc, (256, 1024), "BF16", owner, process_count=2)
-    want = layout_of((256, 1024), "BF16", ("model", "data"), ("data", "model"), [[0, 0], [1, 1]])
-    assert got == want and got is not None
-    assert _relayout.row_block_layout_of_json(None, (256, 1024), "BF16", owner) is None
-    no_ids = _sharding.named_sharding_json(["data"], [2], [None, "data"])
-    assert _relayout.row_block_layout_of_json(no_ids, (256, 1024), "BF16", owner) is None
-    assert np.array_equal(np.array(want.blocks[1]), [[128, 256]])

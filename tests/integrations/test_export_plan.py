@@ -1,4 +1,4 @@
-"""The per-shard export arithmetic (``integrations/export_plan``): cutting a Flax tensor into
+"""The per-shard export arithmetic (``integrations/links``): cutting a Flax tensor into
 boxes, mapping each box on its own and assembling the PyTorch tensors gives exactly what
 ``Link.to_torch`` gives for the whole tensor; transforms that are not axis permutations are
 recognised and computed on the devices instead. One process, no files."""
@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import orbax_safetensors as osf
-from orbax_safetensors._src.integrations import export_plan, links, lora
+from orbax_safetensors._src.integrations import links, lora
+from orbax_safetensors._src.pipeline import relayout
 
 RNG = np.random.default_rng(0)
 
@@ -70,11 +71,11 @@ def test_boxes_mapped_alone_assemble_the_whole_export(rule, shapes):
     link = _link(rule, shapes)
     arrays = [RNG.standard_normal(s).astype(np.float32) for s in shapes]
     want = link.to_torch(arrays)
-    assert export_plan.commutes(link, shapes)
+    assert links.commutes(link, shapes)
     got = [np.full(w.shape, np.nan, np.float32) for w in want]
     for k, x in enumerate(arrays):
         for box in _boxes(x.shape, [3] * x.ndim):
-            for j, tbox, values in export_plan.shard_boxes(link, k, box, x[box], shapes):
+            for j, tbox, values in links.shard_boxes(link, k, box, x[box], shapes):
                 assert np.isnan(got[j][tbox]).all(), "a byte written twice"
                 got[j][tbox] = values
     for g, w in zip(got, want):
@@ -104,26 +105,24 @@ def test_device_value_matches_host_transform(rule, shapes):
     arrays = [RNG.standard_normal(s).astype(np.float32) for s in shapes]
     want = link.to_torch(arrays)
     for j, w in enumerate(want):
-        got = jax.jit(lambda a, j=j: export_plan.device_value(link, a, j))(arrays)
+        got = jax.jit(lambda a, j=j: links.device_value(link, a, j))(arrays)
         np.testing.assert_array_equal(np.asarray(got), w)
 
 
 def test_only_axis_permutations_commute():
-    assert export_plan.axis_permutation(osf.Transpose(), 3) == (2, 1, 0)
-    assert export_plan.axis_permutation(osf.Transpose((2, 0, 1)), 3) == (1, 2, 0)
-    assert export_plan.axis_permutation(osf.SplitHeads(2), 2) is None
-    assert (
-        export_plan.axis_permutation(osf.Chain(osf.Transpose(), osf.Reshape((4,), (4,))), 1) is None
-    )
+    assert links.axis_permutation(osf.Transpose(), 3) == (2, 1, 0)
+    assert links.axis_permutation(osf.Transpose((2, 0, 1)), 3) == (1, 2, 0)
+    assert links.axis_permutation(osf.SplitHeads(2), 2) is None
+    assert links.axis_permutation(osf.Chain(osf.Transpose(), osf.Reshape((4,), (4,))), 1) is None
     link = _link(
         osf.Rule("q.weight", "w", osf.Chain(osf.Transpose(), osf.SplitHeads(2, -1))), [(6, 2, 4)]
     )
-    assert not export_plan.commutes(link, [(6, 2, 4)])
+    assert not links.commutes(link, [(6, 2, 4)])
 
 
 def test_spread_sharding_splits_the_first_divisible_axis():
     n = len(jax.devices())
-    spec = export_plan.spread_sharding((3, 4 * n)).spec
+    spec = relayout.spread_sharding((3, 4 * n)).spec
     assert tuple(spec) == ((None, "devices") if n > 1 else ("devices",))
 
 

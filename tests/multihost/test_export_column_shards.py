@@ -1,7 +1,7 @@
 """Kernels sharded along their input axis, exported by 2 real processes: each PyTorch weight's
 share would be a column stripe of short runs, so it is re-laid out on the devices into row
 blocks (one collective, cast first for bfloat16; with a small batch, a band of rows at a time:
-``sharded_export.relaid_rows``): the files are byte-identical to a
+``relayout.relaid_rows``): the files are byte-identical to a
 one-process export, and each process writes its own half of the tensor bytes."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import pytest
 
 import orbax_safetensors as osf
 from multihost.launcher import run_workers
-from orbax_safetensors._src.integrations import sharded_export
+from orbax_safetensors._src.pipeline import export
 
 
 @pytest.mark.parametrize("dtype", ["keep", "bfloat16"])
 def test_column_shards_are_re_laid_out_into_row_blocks(tmp_path: Path, dtype: str) -> None:
-    rows, cols = 64, 2 * sharded_export.MANY_RUNS  # torch weight (cols, rows): one run per row
+    rows, cols = 64, 2 * export.MANY_RUNS  # torch weight (cols, rows): one run per row
     out = tmp_path / "hf"
     args = {"out": str(out), "dtype": dtype, "rows": rows, "cols": cols}
     if dtype == "bfloat16":  # a small batch: each weight re-laid out in 8 bands of rows

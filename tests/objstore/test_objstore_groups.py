@@ -1,7 +1,7 @@
 """Issue 27 point 1 at scale, measured at N = 2, 4 and 8 (slow): a state of many same-shape tensors whose
 pieces are far smaller than an upload window (row- and column-sharded), saved to S3 and GCS by
 real ``jax.distributed`` processes. The save joins same-shape tensors on the devices
-(``core.groups``, ``pipeline.groups``), so each process uploads one contiguous range of each
+(``core.relayout``, ``pipeline.relayout``), so each process uploads one contiguous range of each
 group: its windows are its own (the bytes in mixed windows, most of the state for the same
 save without joining, at most half of that here), each process moves at most 1.25 x its
 share + 2 windows + metadata and sends at most 2x the mean requests, the simulation

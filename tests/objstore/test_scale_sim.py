@@ -80,7 +80,7 @@ def test_small_jobs_are_balanced(store: str, sharding: str) -> None:
 @pytest.mark.parametrize("sharding", ["fsdp,tp", "tp,fsdp"])
 def test_targets_at_1024_processes(store: str, sharding: str) -> None:
     """Points 1 and 5 at 1,024 processes: the save joins same-shape tensors on the devices
-    (``core.groups``), so each process moves about its share."""
+    (``core.relayout``), so each process moves about its share."""
     r = scale_sim.simulate(1024, "llama3-70b", store, sharding)
     up, req = r["per_process_upload_bytes"], r["per_process_requests"]
     share = r["checkpoint_bytes"] / 1024

@@ -159,7 +159,7 @@ HF_NAMES = {
 
 
 def test_a_key_mapping_from_the_package_works_with_the_orbax_args() -> None:
-    """Using a mapping name registers KeyMapping with the Orbax args (integrations/publish)."""
+    """A KeyMapping from the package works as the Orbax args' mapping= (its protocol methods)."""
     code = """
 import numpy as np
 import orbax_safetensors as osf

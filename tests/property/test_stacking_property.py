@@ -11,7 +11,7 @@ differ), plus a plain placeholder that makes one or two links. Each example:
 - loads them with ``load_pytorch(None, ...)`` (the target derived from the headers) and checks
   every JAX tensor against an independent, element-by-element reconstruction;
 - exports the tree and checks every tensor of the export is the original, byte for byte;
-- maps the JAX tensors shard by shard over a random grid of boxes (``export_plan.shard_boxes``,
+- maps the JAX tensors shard by shard over a random grid of boxes (``links.shard_boxes``,
   what a multi-process export writes) and checks the pieces tile each PyTorch tensor exactly,
   and computes each PyTorch tensor with ``jax.numpy`` under ``jit`` (the devices' re-layout).
 """
@@ -35,7 +35,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import orbax_safetensors as osf
-from orbax_safetensors._src.integrations import export_plan, links
+from orbax_safetensors._src.integrations import links
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -305,9 +305,7 @@ def test_shards_mapped_alone_tile_the_export_and_the_devices_agree(layout: Layou
         shapes = [a.shape for a in arrays]
         want = link.to_torch(arrays)
         on_devices = jax.jit(
-            lambda xs, link=link: [
-                export_plan.device_value(link, xs, j) for j in range(len(link.torch))
-            ]
+            lambda xs, link=link: [links.device_value(link, xs, j) for j in range(len(link.torch))]
         )
         for j, (key, device) in enumerate(zip(link.torch, on_devices(arrays))):
             assert want[j].tobytes() == hf[key].tobytes(), key
@@ -315,13 +313,13 @@ def test_shards_mapped_alone_tile_the_export_and_the_devices_agree(layout: Layou
         back = jax.jit(lambda ts, link=link: link.to_flax(ts, xp=jnp))([hf[k] for k in link.torch])
         for name, value in zip(link.flax, back):
             assert np.asarray(value).tobytes() == flax[name].tobytes(), name
-        if not export_plan.commutes(link, shapes):
+        if not links.commutes(link, shapes):
             continue
         seen = [np.zeros(w.shape, np.int8) for w in want]
         got = [np.zeros_like(w) for w in want]
         for k, x in enumerate(arrays):
             for box in _grid(x.shape, rng):
-                for j, tbox, values in export_plan.shard_boxes(link, k, box, x[box], shapes):
+                for j, tbox, values in links.shard_boxes(link, k, box, x[box], shapes):
                     seen[j][tbox] += 1
                     got[j][tbox] = values
         for j, w in enumerate(want):

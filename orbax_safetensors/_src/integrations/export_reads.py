@@ -1,50 +1,15 @@
-"""What each process of an export reads from a checkpoint, decided from global facts only
-(shapes, stored chunks, rules), so that every process decides alike.
+"""What each process of an export reads of a checkpoint, decided from global facts only
+(shapes, stored chunks, rules), so that every process decides alike, and the reads
+themselves (docs/architecture.md, "One export, followed through", says why).
 
-A tensor is either **read sharded**: every process reads its boxes of it under a sharding
-over every device of the job (then written as sharded arrays are: ``sharded_export``), or
-part of a link **read whole** by one process, its owner, which reads the link's tensors
-whole and writes every piece of them, or part of a link **read in bands** (below). What a
-source can read sharded:
-
-- safetensors files (``chunks`` None): any box, as byte ranges; each tensor is split over the
-  devices along the axis that becomes the PyTorch tensors' rows
-  (``export_plan.spread_sharding``);
-- an Orbax-native item (``chunks``: each tensor's stored chunk shape): a box of whole chunks
-  only (a chunk is compressed: part of one costs all of it). A tensor is split along an axis
-  where every process's box is made of whole chunks: over every device, else over the
-  processes (each process's devices then share one box, read once), the rows' axis first;
-  a multi-process save stores each device's shard as one chunk, so such an axis exists for
-  the checkpoints of a sharded training job. A tensor with none (one chunk: a
-  one-process save of a small or replicated array) is read whole;
-- a source with no sharded reads (Flax msgpack) reads every link whole.
-
-Links read whole (and those that merge LoRA adapters, which read the adapters beside the
-kernel, or hold a dtype the devices would change: float64 without ``jax_enable_x64``) go
-to owners largest first, each to the process with the fewest bytes so far: each
-process reads and writes about its share, plus at most the largest such link.
-
-**Bands** (:func:`plan_bands`, an Orbax-native item): a stacked link (MaxText's scanned
-layers, ``(emb, L, heads, head_dim)``; experts, ``(experts, L, emb, mlp)``) is read a band
-of slots at a time where its stored chunks allow it (in one process, only one larger than the
-budget, half the export's ``batch_bytes``): a range of one Flax-side stacked placeholder's
-values, cut at the stored chunks' boundaries along its axis in every Flax tensor of the link,
-each process its own even share of the chunks; the process computes the band's PyTorch
-tensors on the host alone (``Link.band``: any rule, one slot at a time) and writes them,
-then drops the band. A band holds at most the budget, or one chunk along that axis where a
-chunk is larger; no collective runs, and every process reads and writes its share of the
-link. Where no stacked axis has chunk boundaries that split evenly over the processes (a
-training job's FSDP save: each chunk is a device's shard of every layer), the link is read as
-above, a process's whole share at once: a band of layers would read (and decompress) each
-chunk once per band.
-
-:func:`read_units` lists what one process reads, in order: batches of links of at most the
-budget, and the bands of a banded link one by one, each with the bytes the process holds for
-it; ``sharded_export.read_ahead`` reads one ahead while both fit in ``batch_bytes``. So what a
-process holds of the source is at most ``batch_bytes``, except where the checkpoint's chunks
-do not let a link be cut: a band one chunk thick larger than the budget, a link read sharded
-(this process's whole share of it) or read whole (by its owner) larger than the budget; such
-a unit is read with nothing ahead of it.
+A tensor is **read sharded** (each process its boxes under a sharding over every device:
+byte ranges of safetensors files, split along the axis that becomes the PyTorch rows; whole
+chunks of an Orbax-native item, split along an axis where every process's box is whole
+chunks), or part of a link **read whole** by one process, its owner (links largest first,
+each to the least loaded process; LoRA kernels, dtypes the devices would change, a source
+without sharded reads), or part of a stacked link of an Orbax-native item **read in bands**
+of layers cut at the chunks' boundaries, each process its own (:func:`plan_bands`).
+:func:`read_units` lists one process's reads in order, as the export engine's units.
 
 Example::
 
@@ -58,16 +23,23 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from orbax_safetensors._src.catalog import sources as _sources
 from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
 from orbax_safetensors._src.core import dtypes as _dtypes
-from orbax_safetensors._src.integrations import export_plan as _export_plan
+from orbax_safetensors._src.core import runs as _runs
+from orbax_safetensors._src.integrations import flax_tables as _flax_tables
+from orbax_safetensors._src.integrations import links as _links
 from orbax_safetensors._src.integrations.links import Link
+from orbax_safetensors._src.pipeline import export as _export
+from orbax_safetensors._src.pipeline import read as _read
+from orbax_safetensors._src.pipeline import relayout as _relayout
 
 Shape = tuple[int, ...]
 Box = tuple[slice, ...]
@@ -128,19 +100,19 @@ def plan_reads(
     shardings: dict[str, Any] = {}
     read_whole: list[Link] = []
     bands: dict[str, Bands] = {}
-    if sharded and chunks is not None and budget is not None:
+    if chunks is not None and budget is not None:
         bands = plan_bands(links, infos, chunks, processes=processes, budget=budget, whole=whole)
     for link in links:
         if link.flax[0] in bands:
             continue
         shapes = [tuple(infos[n].shape) for n in link.flax]
-        first = _export_plan.row_axis(link, shapes)
+        first = _links.row_axis(link, shapes)
         got = {}
         exact = all(device_exact(infos[n].dtype) for n in link.flax)
         if sharded and exact and not any(n in whole for n in link.flax):
             for n, shape in zip(link.flax, shapes):
                 if chunks is None:
-                    got[n] = _export_plan.spread_sharding(shape, first)
+                    got[n] = _relayout.spread_sharding(shape, first)
                 else:
                     got[n] = chunk_aligned_sharding(shape, chunks.get(n, shape), first)
         if got and all(s is not None for s in got.values()):
@@ -208,41 +180,23 @@ def plan_bands(
     return out
 
 
-@dataclasses.dataclass(frozen=True)
-class ReadUnit:
-    """One read of a process's share of an export, in :func:`read_units`' order.
-
-    Attributes:
-      links: the links written from it: a batch of the job's links, or one band of a banded
-        link (``Link.band``).
-      names: the Flax names it reads.
-      boxes: for a band, the box of each name read; None: each name as the plan reads it
-        (sharded, or whole by its owner).
-      nbytes: the bytes this process holds for it.
-      done: the job's links whose pieces are all out once it is written.
-    """
-
-    links: tuple[Link, ...]
-    names: tuple[str, ...]
-    boxes: Mapping[str, Box] | None
-    nbytes: int
-    done: tuple[Link, ...]
-
-
 def read_units(
     links: Sequence[Link],
     infos: Mapping[str, Any],
     reads: ReadPlan,
     process: int,
     budget: int,
-    held: Any,
-) -> list[ReadUnit]:
-    """What process ``process`` reads of ``links``, in order: the links not banded in batches
-    of at most ``budget`` bytes of Flax tensors (a larger link alone; ``held(name)``: the
-    bytes this process holds of one of them, as ``reads`` reads it), and each band of a
-    banded link as a unit of its own (``reads.bands``: this process's bands only, none when
-    it has none). Every process lists the units of the links not banded alike."""
-    out: list[ReadUnit] = []
+    held: Callable[[str], int],
+    group_of: Callable[[Link], _export.ExportGroup],
+    read: Callable[[tuple[str, ...], Mapping[str, Box] | None], dict[str, Any]],
+) -> list[_export.Unit]:
+    """What process ``process`` reads of ``links``, in order, as the export engine's units:
+    the links not banded in batches of at most ``budget`` bytes of Flax tensors (a larger
+    link alone; every process lists them alike), and each of this process's bands of a
+    banded link. ``held(name)``: the bytes it holds of a tensor read as ``reads`` reads it;
+    ``group_of(link)``: a link's group (a band's too); ``read(names, boxes)``: the values
+    (``boxes``: a band's box of each name, else None)."""
+    out: list[_export.Unit] = []
     group: list[Link] = []
     used = 0
 
@@ -250,8 +204,9 @@ def read_units(
         nonlocal group, used
         if group:
             names = tuple(sorted({n for link in group for n in link.flax}))
-            nbytes = sum(int(held(n)) for n in names)
-            out.append(ReadUnit(tuple(group), names, None, nbytes, tuple(group)))
+            groups = tuple(group_of(link) for link in group)
+            unit = functools.partial(read, names, None)
+            out.append(_export.Unit(groups, unit, sum(int(held(n)) for n in names), groups))
         group, used = [], 0
 
     for link in links:
@@ -267,16 +222,17 @@ def read_units(
         shapes = [tuple(int(d) for d in infos[n].shape) for n in link.flax]
         mine = bands.of_process[process]
         if not mine:
-            out.append(ReadUnit((), (), {}, 0, (link,)))
+            out.append(_export.Unit((), dict, 0, (group_of(link),)))
         for i, band in enumerate(mine):
             boxes = dict(zip(link.flax, bands.boxes(link, shapes, band)))
             nbytes = sum(
                 _dtypes.nbytes(infos[n].dtype, tuple(s.stop - s.start for s in boxes[n]))
                 for n in link.flax
             )
-            done = (link,) if i == len(mine) - 1 else ()
-            band_link = link.band(bands.placeholder, *band)
-            out.append(ReadUnit((band_link,), link.flax, boxes, nbytes, done))
+            done = (group_of(link),) if i == len(mine) - 1 else ()
+            band_group = group_of(link.band(bands.placeholder, *band))
+            unit = functools.partial(read, link.flax, boxes)
+            out.append(_export.Unit((band_group,), unit, nbytes, done))
     flush()
     return out
 
@@ -344,3 +300,90 @@ def _process_grid(devices: Sequence[Any]) -> Any:
     if len({len(r) for r in rows}) != 1:
         return None
     return np.array(rows)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def table_reads(
+    table: _flax_tables.FlaxTable,
+    links: Sequence[Link],
+    *,
+    processes: int,
+    whole: Collection[str],
+    budget: int,
+) -> ReadPlan:
+    """What each of ``processes`` reads of ``table``'s ``links``: in memory, every process
+    its own values; of a checkpoint, :func:`plan_reads` (one process reads every link whole,
+    a stacked link of an Orbax-native item larger than ``budget`` in bands)."""
+    if table.source is None:
+        return ReadPlan({}, {})
+    source, prefix = table.source, table.prefix
+    chunks = None
+    if isinstance(source, _sources.OrbaxSource):
+        chunks = {n: source.chunks[prefix + n] for n in table.infos}
+    sharded = processes > 1 and isinstance(
+        source, (_sources.SafetensorsSource, _sources.OrbaxSource)
+    )
+    return plan_reads(
+        links, table.infos, chunks=chunks, processes=processes, whole=whole, sharded=sharded,
+        budget=budget,
+    )  # fmt: skip
+
+
+def held(table: _flax_tables.FlaxTable, reads: ReadPlan, me: int) -> Any:
+    """``held(name)``: the bytes process ``me`` holds of a Flax tensor read as ``reads``
+    plans: its devices' distinct boxes of one read sharded, the whole tensor if it reads it
+    whole (in memory: every process), else none."""
+
+    def nbytes(name: str) -> int:
+        info = table.infos[name]
+        sharding = reads.shardings.get(name)
+        if sharding is None:
+            mine = table.source is None or reads.owners.get(name) == me
+            return int(info.nbytes) if mine else 0
+        boxes = {
+            tuple((s.start, s.stop) for s in _runs.normalize_index(index, info.shape))
+            for index in sharding.addressable_devices_indices_map(info.shape).values()
+        }
+        return sum(_dtypes.nbytes(info.dtype, tuple(b - a for a, b in box)) for box in boxes)
+
+    return nbytes
+
+
+def read(
+    table: _flax_tables.FlaxTable,
+    reads: ReadPlan,
+    me: int,
+    host: bool,
+    names: Sequence[str],
+    boxes: Mapping[str, Box] | None,
+) -> dict[str, Any]:
+    """Process ``me``'s values of ``names`` (no collective: a reading thread's): a band's
+    ``boxes`` as host arrays (``OrbaxSource.read_box``); global arrays of those read sharded;
+    host arrays of those it reads whole (in memory: the values, made host arrays with
+    ``host``); None for the others'."""
+    if table.source is None:
+        return table.read(names) if host else {n: table.values[n] for n in names}
+    source, prefix = table.source, table.prefix
+    if boxes is not None:
+        return {n: source.read_box(prefix + n, boxes[n]) for n in names}
+    sharded = [n for n in names if n in reads.shardings]
+    mine = [n for n in names if reads.owners.get(n) == me]
+    out: dict[str, Any] = dict.fromkeys(names)
+    if sharded and isinstance(source, _sources.OrbaxSource):
+        got = source.read_sharded(
+            [prefix + n for n in sharded], {prefix + n: reads.shardings[n] for n in sharded}
+        )
+        out.update({n: got[prefix + n] for n in sharded})
+    elif sharded:
+        requests = [
+            _read.ReadRequest(
+                source.stored[prefix + n], kind=_read.ReadKind.JAX, sharding=reads.shardings[n]
+            )
+            for n in sharded
+        ]
+        out.update(zip(sharded, _read.read_tensors(requests)))
+    if mine:
+        out.update(table.read(mine))
+    return out

@@ -31,7 +31,6 @@ from typing import Any
 
 import numpy as np
 
-from orbax_safetensors._src.integrations import export_plan as _export_plan
 from orbax_safetensors._src.integrations import links as _links
 from orbax_safetensors._src.integrations.config_facts import ConfigFacts
 from orbax_safetensors._src.integrations.key_mapping import KeyMapping, Rule
@@ -72,7 +71,7 @@ def tie_differences(
 
 def _torch_value(link: _links.Link, arrays: list[Any], j: int) -> Any:
     if any(not isinstance(a, np.ndarray) for a in arrays):
-        return _export_plan.device_value(link, arrays, j)  # (jax.numpy: sharded arrays too)
+        return _links.device_value(link, arrays, j)  # (jax.numpy: sharded arrays too)
     return link.to_torch(arrays)[j]
 
 

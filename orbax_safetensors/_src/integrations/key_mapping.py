@@ -1,7 +1,7 @@
 """The vocabulary of a PyTorch <-> Flax key mapping: :class:`Rule` s (a PyTorch key pattern,
 a Flax name pattern, an optional :class:`Transform`), their :class:`KeyMapping`, and the
-:class:`MappingReport` a load or export gives back. ``integrations/pytorch.py`` moves tensors
-with them.
+:class:`MappingReport` a load or export gives back. ``load_pytorch`` and
+``export_pytorch`` move tensors with them.
 
 - patterns are literal dotted names with placeholders: ``{i}`` matches one name component
   (``[^.]+``), ``{i:REGEX}`` matches ``REGEX`` (declared once, on either side, it holds on
@@ -619,6 +619,25 @@ class KeyMapping:
             if key is not None:
                 return key, rule.transform_or_identity
         return None
+
+    # The mapping protocol of SafetensorsSave(mapping=) / SafetensorsRestore(mapping=): the
+    # work is the export's and the load's, which build on this module (imported when called).
+
+    def export_plan(
+        self, validated: Any, dtype: Any, hf_config: Any, *, generation_config: Any = None
+    ) -> Any:
+        """What ``SafetensorsSave(item, mapping=self)`` writes instead of the item's."""
+        from orbax_safetensors._src.integrations import export
+
+        return export.export_plan(
+            self, validated, dtype, hf_config, generation_config=generation_config
+        )
+
+    def restore(self, directory: Any, target: Any, **options: Any) -> Any:
+        """``target`` filled from the item ``SafetensorsSave(mapping=self)`` wrote."""
+        from orbax_safetensors._src.integrations import export
+
+        return export.restore_item(directory, target, self, **options)
 
 
 # --------------------------------------------------------------------------- reports

@@ -6,8 +6,9 @@ one to one for a plain rule; else the tensors of each side that the rule's ``sta
 PyTorch tensors, L * X of them with experts, P parts of a fused projection, or the reverse,
 and several tensors on both sides (separate stacked Flax projections from fused per-layer
 PyTorch ones). Links carry the shape arithmetic (checked before any byte moves) and the tensor
-arithmetic (host numpy arrays or ``jax.numpy``, one link or one tensor at a time).
-The LoRA adapters an export folds into their kernels are ``lora.py``'s.
+arithmetic (host numpy arrays or ``jax.numpy``, one link or one tensor at a time), and that
+of one shard: where the transform permutes axes, a box of a Flax tensor maps to boxes of its
+PyTorch tensors on its own (:func:`shard_boxes`). LoRA merges are ``lora.py``'s.
 
 Example::
 
@@ -24,10 +25,18 @@ from typing import Any
 
 import numpy as np
 
-from orbax_safetensors._src.integrations.key_mapping import KeyMapping, MappingReport, Rule
+from orbax_safetensors._src.integrations.key_mapping import (
+    IDENTITY,
+    Chain,
+    KeyMapping,
+    MappingReport,
+    Rule,
+    Transpose,
+)
 from orbax_safetensors._src.integrations.stacking import Gather
 
 Shape = tuple[int, ...]
+Box = tuple[slice, ...]
 
 
 def _probe_shape(fn: Any, shape: Shape, dtype: Any) -> Shape:
@@ -353,3 +362,94 @@ def _group_link(
     if flax_side:
         return Link(rule, tuple(here), others, ordered)
     return Link(rule, others, tuple(here), ordered)
+
+
+# --------------------------------------------------------------------------- one shard at a time
+
+
+def axis_permutation(transform: Any, ndim: int) -> tuple[int, ...] | None:
+    """``perm`` such that ``transform.to_torch(x) == np.transpose(x, perm)`` for every ``x``
+    of ``ndim`` dimensions (PyTorch axis ``d`` is Flax axis ``perm[d]``), or None when the
+    transform is not a pure axis permutation."""
+    if transform is None or transform is IDENTITY:
+        return tuple(range(ndim))
+    if isinstance(transform, Transpose):
+        if transform.axes is None:
+            return tuple(reversed(range(ndim)))
+        if len(transform.axes) != ndim:
+            return None
+        return tuple(int(a) for a in np.argsort(transform.axes))
+    if isinstance(transform, Chain):
+        perm = tuple(range(ndim))
+        for t in reversed(transform.transforms):  # to_torch applies them last to first
+            step = axis_permutation(t, ndim)
+            if step is None:
+                return None
+            perm = tuple(perm[q] for q in step)
+        return perm
+    return None
+
+
+def _permutation(link: Link, flax_shapes: Sequence[Shape]) -> tuple[int, ...] | None:
+    ndim = len(flax_shapes[0]) - len(link.flax_gather.stacks)  # (a slot's dimensions)
+    return axis_permutation(link.rule.transform, ndim)
+
+
+def commutes(link: Link, flax_shapes: Sequence[Shape]) -> bool:
+    """Whether ``link`` (of Flax tensors of ``flax_shapes``) maps each shard on its own."""
+    ndim = len(flax_shapes[0]) - len(link.flax_gather.stacks)
+    return ndim > 0 and _permutation(link, flax_shapes) is not None
+
+
+def shard_boxes(
+    link: Link, k: int, box: Box, data: np.ndarray, flax_shapes: Sequence[Shape]
+) -> list[tuple[int, Box, np.ndarray]]:
+    """``(j, box, values)``: the pieces of ``link.torch[j]`` that the shard ``(box, data)`` of
+    ``link.flax[k]`` holds: cut into the slots it holds, each permuted and placed. Needs
+    :func:`commutes`.
+
+    Example::
+
+        shard_boxes(link, 0, (slice(0, 4), slice(0, 8)), data, [(8, 8)])
+        # [(0, (slice(0, 8), slice(0, 4)), data.T)]
+    """
+    perm = _permutation(link, flax_shapes)
+    if perm is None:
+        raise ValueError(f"{link.flax[k]}: its transform does not map shards on their own")
+    box = tuple(box)
+    if link.rule.one_to_one:
+        return [(0, *_permuted(box, data, perm))]
+    torch_shapes = _torch_shapes(link, tuple(tuple(s) for s in flax_shapes))
+    out: list[tuple[int, Box, np.ndarray]] = []
+    for j, piece_box, values in link.flax_gather.cut(box, data, tuple(flax_shapes[k])):
+        piece_box, values = _permuted(piece_box, values, perm)
+        out.append((j, *link.torch_gather.place(k, piece_box, values, torch_shapes[j])))
+    return out
+
+
+def _permuted(box: Box, data: np.ndarray, perm: tuple[int, ...]) -> tuple[Box, np.ndarray]:
+    if perm == tuple(range(len(perm))):
+        return box, data
+    return tuple(box[p] for p in perm), np.transpose(data, perm)
+
+
+@functools.lru_cache(maxsize=256)
+def _torch_shapes(link: Link, flax_shapes: tuple[Shape, ...]) -> list[Shape]:
+    # (every shard of a link asks: probed once; a commuting transform is hashable)
+    return link.torch_shapes(flax_shapes, np.uint8)
+
+
+def row_axis(link: Link, flax_shapes: Sequence[Shape]) -> int:
+    """The axis of ``link``'s Flax tensors that becomes a PyTorch slot's first axis (0 when
+    the link does not commute): split there, a process's share is one byte range per slot."""
+    perm = _permutation(link, flax_shapes)
+    if perm is None or not commutes(link, flax_shapes):
+        return 0
+    return link.flax_gather.slot_axes(len(flax_shapes[0]))[perm[0]]
+
+
+def device_value(link: Link, arrays: Sequence[Any], j: int) -> Any:
+    """``link.torch[j]`` of the Flax ``arrays`` with ``jax.numpy`` (traceable)."""
+    import jax
+
+    return link.value(arrays, j, to_torch=True, xp=jax.numpy)

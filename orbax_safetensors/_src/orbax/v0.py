@@ -31,12 +31,11 @@ from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.orbax import args as _args
 from orbax_safetensors._src.orbax import claims as _claims
-from orbax_safetensors._src.orbax import mappings as _mappings
 from orbax_safetensors._src.orbax import object_storage as _object_storage
 from orbax_safetensors._src.orbax import restoring as _restoring
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
-from orbax_safetensors._src.pipeline import export_plan as _export_plan
+from orbax_safetensors._src.pipeline import export as _export_engine
 from orbax_safetensors._src.pipeline import gcpause as _gcpause
 from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.pipeline import read as _read
@@ -128,10 +127,9 @@ class SafetensorsSave(ocp.args.CheckpointArgs):
             )
             return
         # The policy names the item's tensors; the export plan applies it to their outputs.
-        hooks = _mappings.hooks_for(self.mapping)
+        mapping = _export_engine.check_mapping(self.mapping)
         self._validated = _checkpoint_save.validate_save(item, self.custom_metadata)
-        self._export = hooks.export_plan(
-            self.mapping,
+        self._export = mapping.export_plan(
             self._validated,
             self.dtype,
             self.hf_config,
@@ -144,7 +142,7 @@ class SafetensorsSave(ocp.args.CheckpointArgs):
         return self._validated  # type: ignore[no-any-return]
 
     @property
-    def export_plan(self) -> _export_plan.ExportPlan | None:
+    def export_plan(self) -> _export_engine.ExportPlan | None:
         """With ``mapping``: the tensors the save writes instead of the item's."""
         return self._export  # type: ignore[no-any-return]
 
@@ -219,7 +217,7 @@ class SafetensorsRestore(ocp.args.CheckpointArgs):
     def __post_init__(self) -> None:
         _select.Selection.of(self.include, self.exclude)  # a bad pattern fails here
         if self.mapping is not None:
-            _mappings.hooks_for(self.mapping)  # an unknown mapping type fails here
+            _export_engine.check_mapping(self.mapping)  # an unknown mapping type fails here
             unused = [
                 n
                 for n, v in (
@@ -472,10 +470,9 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         stats = ReadStats()
         io = args.io_options if args.io_options is not None else self._io
         if args.mapping is not None:  # a Hugging Face directory, read into the JAX layout
-            result = _mappings.hooks_for(args.mapping).restore(
+            result = _export_engine.check_mapping(args.mapping).restore(
                 epath.Path(directory),
                 args.item,
-                args.mapping,
                 strict=not args.partial_restore,
                 verify=self._verify,
                 io=io,

@@ -34,9 +34,9 @@ from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
 from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import errors as _errors
 from orbax_safetensors._src.orbax import args as _args
-from orbax_safetensors._src.orbax import mappings as _mappings
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.orbax import v0 as _v0
+from orbax_safetensors._src.pipeline import export as _export
 from orbax_safetensors._src.pipeline import save_job as _save_job
 from orbax_safetensors._src.pipeline.restore_options import Words
 
@@ -117,7 +117,7 @@ class SafetensorsHandler:
         self._v0 = handler if handler is not None else _v0.SafetensorsCheckpointHandler()
         self._dtype = _casting.parse_policy(dtype)
         if mapping is not None:
-            _mappings.hooks_for(mapping)  # an unknown mapping type fails here
+            _export.check_mapping(mapping)  # an unknown mapping type fails here
         else:
             for name, value in (("hf_config", hf_config), ("generation_config", generation_config)):
                 if value is not None:

@@ -41,17 +41,17 @@ from etils import epath
 
 from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import checksum as _checksum
-from orbax_safetensors._src.core import groups as _core_groups
 from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import plan as _plan
+from orbax_safetensors._src.core import relayout as _core_relayout
 from orbax_safetensors._src.core import sharding as _sharding
 from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import (
     DeletedArrayError,
 )
 from orbax_safetensors._src.pipeline import gcpause as _gcpause
-from orbax_safetensors._src.pipeline import groups as _groups
 from orbax_safetensors._src.pipeline import pieces as _pieces
+from orbax_safetensors._src.pipeline import relayout as _relayout
 from orbax_safetensors._src.pipeline import snapshots as _snapshots
 from orbax_safetensors._src.storage import config as _config
 from orbax_safetensors._src.storage import interface as _interface
@@ -281,13 +281,13 @@ def plan_tree(
     """The file plan of ``validated`` (each header's ``__metadata__`` is
     ``header_metadata``), the metadata document (less checksums) and each tensor's stored
     size. ``grouped`` (a save to object storage): in a multi-process job the tensors a save
-    joins on the devices (``pipeline.groups``) are placed next to each other in the files."""
+    joins on the devices (``relayout.join``) are placed next to each other in the files."""
     flat, specs = validated.flat, validated.specs
     multi_process = jax.process_count() > 1
     ordered = specs
     if grouped and multi_process:
-        keys = [_groups.group_key(flat.arrays[s.name], s.dtype) for s in specs]
-        ordered = [specs[i] for i in _core_groups.file_order(keys)]
+        keys = [_relayout.group_key(flat.arrays[s.name], s.dtype) for s in specs]
+        ordered = [specs[i] for i in _core_relayout.file_order(keys)]
     # Headers depend only on names, dtypes and shapes: identical on every process.
     plan = _plan.plan_files(ordered, max_file_size=layout.max_file_size, metadata=header_metadata)
     # trees of many arrays share a few shardings

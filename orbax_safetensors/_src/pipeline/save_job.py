@@ -49,7 +49,7 @@ from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
-from orbax_safetensors._src.pipeline import export_plan as _export_plan
+from orbax_safetensors._src.pipeline import export_item as _export_item
 from orbax_safetensors._src.pipeline import gcpause as _gcpause
 from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.pipeline import snapshots as _snapshots
@@ -137,9 +137,9 @@ class SaveJob:
         the previous save) and go back to once written; None: fresh buffers.
       io: how files are written (direct I/O mode, object-store options; None: the defaults,
         see ``storage/config.IOOptions``).
-      export: write these tensors instead of the tree's (``export_plan.ExportPlan``: a Hugging
+      export: write these tensors instead of the tree's (``export.ExportPlan``: a Hugging
         Face model directory), computed from the snapshot on the writer's thread; with several
-        processes each writes only its own bytes (``export_plan.sharded_pieces``), on a
+        processes each writes only its own bytes (``export_item.prepare``), on a
         shared file system or, through the spread uploads of any save, on object storage.
 
       device_snapshot: ``SNAPSHOT`` on an accelerator: :meth:`snapshot` copies the owned
@@ -160,7 +160,7 @@ class SaveJob:
         processes: Processes | None = None,
         host_buffers: _buffers.HostBufferPool | None = None,
         io: _config.IOOptions | None = None,
-        export: _export_plan.ExportPlan | None = None,
+        export: _export_item.ExportPlan | None = None,
         device_snapshot: bool = True,
     ) -> None:
         self.directory = epath.Path(directory)
@@ -221,7 +221,7 @@ class SaveJob:
         try:
             snaps: Any
             if self.export is not None and self.processes.count > 1:  # (device steps first)
-                snaps = _export_plan.snapshot_items(
+                snaps = _export_item.snapshot_items(
                     validated, self.export, self.processes.is_primary, self._arena
                 )
             elif (later := self._device_snapshot(validated)) is not None:
@@ -414,7 +414,7 @@ class SaveJob:
     def _plan(self, validated: _checkpoint_save.ValidatedTree) -> _checkpoint_save.PreparedSave:
         is_primary, index = self.processes.is_primary, self.processes.index
         if self.export is not None:
-            return _export_plan.prepare(
+            return _export_item.prepare(
                 validated,
                 self.export,
                 self._queue,

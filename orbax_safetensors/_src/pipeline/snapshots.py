@@ -27,7 +27,6 @@ from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import runs as _runs
 from orbax_safetensors._src.core import sharding as _sharding
-from orbax_safetensors._src.pipeline import groups as _groups
 from orbax_safetensors._src.pipeline import relayout as _relayout
 from orbax_safetensors._src.pipeline import snapshots as _snapshots
 from orbax_safetensors._src.storage import buffers as _buffers
@@ -183,8 +182,8 @@ def iter_snapshots(
     ``row_blocks`` (a save to object storage): the tensors ``relayout.row_block_sharding``
     names are first moved to row blocks on the devices, one at a time, and their copies are
     this process's row blocks (contiguous bytes of the file); see :func:`iter_relaid`. In a
-    multi-process job the tensors ``groups.array_groups`` joins are joined first, group by
-    group (``pipeline.groups``), and their copies are this process's rows of each group.
+    multi-process job the tensors ``relayout.array_groups`` joins are joined first, group by
+    group (``relayout.join``), and their copies are this process's rows of each group.
     """
     buffers = buffers if buffers is not None else _buffers.BufferArena()
     if row_blocks:
@@ -278,7 +277,7 @@ def iter_relaid(
     and the moved array deleted before the next: the extra device memory is one tensor's
     share of this process at a time. Its copies are contiguous bytes of the file (one range
     when this process's devices are adjacent in the mesh's order) instead of a run per row.
-    The tensors ``groups.array_groups`` joins come first, with this process's rows of each
+    The tensors ``relayout.array_groups`` joins come first, with this process's rows of each
     group (possibly none: every member is yielded).
     """
     buffers = buffers if buffers is not None else _buffers.BufferArena()
@@ -295,7 +294,7 @@ def iter_relaid(
 def group_keys(
     items: list[tuple[Any, Any]], casts: Mapping[Any, np.dtype] | None
 ) -> tuple[list[tuple[int, ...]], list[str], list[Any]]:
-    """Shapes, stored dtypes and ``groups.group_key`` of ``(key, array)`` items."""
+    """Shapes, stored dtypes and ``relayout.group_key`` of ``(key, array)`` items."""
     shapes: list[tuple[int, ...]] = []
     dtypes: list[str] = []
     keys: list[Any] = []
@@ -309,7 +308,7 @@ def group_keys(
         dtype = _dtypes.from_numpy(stored if stored is not None else x.dtype, key=str(name))
         shapes.append(tuple(x.shape))
         dtypes.append(dtype)
-        keys.append(_groups.group_key(x, dtype))
+        keys.append(_relayout.group_key(x, dtype))
     return shapes, dtypes, keys
 
 
@@ -324,10 +323,10 @@ def _iter_joined(
         return set()
     shapes, dtypes, keys = group_keys(items, casts)
     done: set[Any] = set()
-    for group in _groups.array_groups(shapes, dtypes, keys):
+    for group in _relayout.array_groups(shapes, dtypes, keys):
         xs = [items[i][1] for i in group.members]
         on_cpu = any(d.platform == "cpu" for d in xs[0].sharding.device_set)
-        copies = _groups.group_copies(
+        copies = _relayout.group_copies(
             group, xs, lambda data, cpu=on_cpu: _host_array(data, cpu, buffers)
         )
         for i, member in zip(group.members, copies):

@@ -185,7 +185,7 @@ def _export_cmd(args: argparse.Namespace) -> int:
     generation_config.json and tokenizer files too), renamed and transformed by the key
     mapping, a batch of tensors at a time. Earlier model*.safetensors files in OUT are
     replaced, other files kept."""
-    from orbax_safetensors._src.integrations import pytorch as _pytorch
+    from orbax_safetensors._src.integrations import export as _export
     from orbax_safetensors._src.tools import hf_export as _hf_export
 
     try:
@@ -195,7 +195,7 @@ def _export_cmd(args: argparse.Namespace) -> int:
     except ValueError as e:
         _error_line("orbax-safetensors export", e)
         return EXIT_ERROR
-    report = _pytorch.export_pytorch(
+    report = _export.export_pytorch(
         args.src,
         args.out,
         mapping,

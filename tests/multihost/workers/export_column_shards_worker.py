@@ -1,6 +1,6 @@
 """Kernels sharded along their input axis (each process's share of the PyTorch weight is a
 column stripe: one short run per row), exported by every process: re-laid out on the devices
-into row blocks (``sharded_export.MIN_RUN_BYTES`` / ``MANY_RUNS``), cast there when the policy
+into row blocks (``export.MIN_RUN_BYTES`` / ``MANY_RUNS``), cast there when the policy
 asks for bfloat16.
 
 Args (``ctx.args``): ``out`` (a directory every process sees), ``dtype`` (``"keep"`` or
@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import orbax_safetensors as osf  # noqa: E402
-from orbax_safetensors._src.integrations import sharded_export  # noqa: E402
+from orbax_safetensors._src.pipeline import relayout  # noqa: E402
 
 args = ctx.args
 mesh = Mesh(np.array(jax.devices()), ("d",))
@@ -36,6 +36,6 @@ dtype = None if args["dtype"] == "keep" else jnp.bfloat16
 batch = {"batch_bytes": args["batch_bytes"]} if "batch_bytes" in args else {}
 report = osf.export_pytorch(tree, Path(args["out"]), mapping, dtype=dtype, **batch)
 assert report.ok, report.problems()
-relayouts = sharded_export._relayout.cache_info().currsize  # compiled re-layouts
+relayouts = relayout.compiled.cache_info().currsize  # compiled re-layouts
 worker_lib.emit_result({"bytes_written": report.bytes_written, "relayouts": relayouts})
 worker_lib.finish()

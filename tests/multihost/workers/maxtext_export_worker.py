@@ -38,7 +38,7 @@ import numpy as np  # noqa: E402
 import tensorstore as ts  # noqa: E402
 
 import orbax_safetensors as osf  # noqa: E402
-from orbax_safetensors._src.integrations import sharded_export  # noqa: E402
+from orbax_safetensors._src.pipeline import relayout  # noqa: E402
 
 
 def counters() -> dict[str, int]:
@@ -101,7 +101,7 @@ for name, spec in ctx.args["exports"].items():
         "ignored": sorted(report.ignored),
         "moved": len(report.moved),
         # compiled re-layouts so far in this process (one per link and shape, not per layer)
-        "relayouts": sharded_export._relayout.cache_info().currsize,
+        "relayouts": relayout.compiled.cache_info().currsize,
     }
 
 if "lora" in ctx.args:  # a checkpoint with LoRA adapters, merged as the links are written

@@ -1,6 +1,6 @@
 """N processes save states of many same-shape tensors, each process's piece of a tensor far
-under an upload window, to S3 and GCS; the save joins them on the devices (``core.groups``,
-``pipeline.groups``). Each process reports the engine's counters beside what the simulation
+under an upload window, to S3 and GCS; the save joins them on the devices (``core.relayout``,
+``pipeline.relayout``). Each process reports the engine's counters beside what the simulation
 (``benchmarks/scale_sim.plan_save``: no data, no JAX) plans for it, the device memory the
 joins compiled to, and checks restores onto the saved and onto another sharding.
 
@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import orbax_safetensors as osf  # noqa: E402
 from orbax_safetensors._src.core import metadata as core_metadata  # noqa: E402
 from orbax_safetensors._src.core import plan as core_plan  # noqa: E402
-from orbax_safetensors._src.pipeline import groups as pipeline_groups  # noqa: E402
+from orbax_safetensors._src.pipeline import relayout as pipeline_groups  # noqa: E402
 from orbax_safetensors._src.storage.objstore import spread  # noqa: E402
 from orbax_safetensors._src.storage.objstore import upload_plan as up  # noqa: E402
 
