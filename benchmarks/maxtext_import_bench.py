@@ -248,7 +248,7 @@ def main() -> None:
                 row = measure(method, n, base / "hf", out, config, args.timeout)
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr)
-            if r == 0 and check:
+            if r == 0 and check and len(plan) > 1:  # (one method: nothing to compare)
                 first = base / f"out_{plan[0][0]}_{plan[0][1]}"
                 same = all(same_checkpoints(base / f"out_{m}_{n}", first) for m, n in plan[1:])
             for method, n in plan:
