@@ -245,6 +245,18 @@ def has_v1_training() -> bool:
     return hasattr(checkpointer, "save_checkpointables")
 
 
+def can_import() -> bool:
+    """Whether ``osf.import_pytorch`` runs here: ``v1.training`` (:func:`has_v1_training`)
+    and the v1 API the library needs beside it (0.11.40 has ``training`` but not
+    ``ocp.v1.save``, and the import refuses it, naming the version)."""
+    from orbax_safetensors._src.compat import orbaxcompat
+
+    return has_v1_training() and orbaxcompat.has_orbax_v1()
+
+
+NO_IMPORT = "osf.import_pytorch needs orbax-checkpoint >= 0.12.8 (ocp.v1.save, v1.training)"
+
+
 def save_v1(
     root: Path | str,
     step: int,

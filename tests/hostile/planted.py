@@ -72,7 +72,9 @@ def build(base: Path) -> Sources:
     outside.mkdir(parents=True)
     save_pt(secret(), str(outside / "secret.safetensors"), metadata={"format": "pt"})
     (outside / "secret.txt").write_text('{"secret": true}\n')
-    plain_orbax = ocp.Checkpointer(ocp.StandardCheckpointHandler(use_ocdbt=False))
+    plain_orbax = ocp.Checkpointer(
+        ocp.PyTreeCheckpointHandler(use_ocdbt=False)
+    )  # (floor: no use_ocdbt on Standard)
     plain_orbax.save(outside / "secret_orbax", secret())
 
     item = base / "item"

@@ -117,10 +117,24 @@ def save_mixed_step(root: Path) -> Path:
 def save_maxtext(root: Path) -> Path:
     """A MaxText llama train state saved as MaxText's v0 releases save it, sharded over the
     devices (chunks of one device's rows): its item directory."""
+    import jax
     import maxtext_checkpoints as M
+    import orbax.checkpoint as ocp
 
     state = {"step": np.int32(7), "params": {"params": M.llama_params(M.Dims())}}
-    return M.save_v0(root, 7, M.shard_state(state, layers=True)) / M.ITEM
+    state = M.shard_state(state, layers=True)
+    if getattr(ocp, "__version__", "0.12").startswith("0.11."):
+        # Orbax 0.11's replica-parallel save of a replicated jax.Array fails on JAX 0.7 (it
+        # enters jax.sharding.set_mesh, no context manager there): those leaves go as numpy.
+        state = jax.tree.map(
+            lambda a: (
+                np.asarray(a)
+                if isinstance(a, jax.Array) and a.is_fully_replicated and len(a.devices()) > 1
+                else a
+            ),
+            state,
+        )
+    return M.save_v0(root, 7, state) / M.ITEM
 
 
 def _ocdbt(path: Path) -> Any:

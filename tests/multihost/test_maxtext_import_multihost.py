@@ -37,9 +37,7 @@ import orbax_safetensors as osf
 pytestmark = [
     pytest.mark.multihost,
     pytest.mark.timeout(420),
-    pytest.mark.skipif(
-        not maxtext_checkpoints.has_v1_training(), reason=maxtext_checkpoints.NO_V1_TRAINING
-    ),
+    pytest.mark.skipif(not maxtext_checkpoints.can_import(), reason=maxtext_checkpoints.NO_IMPORT),
 ]
 
 # A LLaMA of 64 MiB of float32 tensors, in two files

@@ -88,7 +88,7 @@ def is_flax_msgpack(path: epath.PathLike) -> bool:
     """Whether ``path`` is a file that looks like a Flax msgpack checkpoint (``.safetensors``
     files never do)."""
     path = epath.Path(path)
-    if path.suffix == ".safetensors" or not path.is_file():
+    if path.suffix == ".safetensors" or not path.exists() or path.is_dir():
         return False
     head = _confine.read_file(path, head=_sniff.HEAD_BYTES)  # (a FIFO: refused, not waited on)
     return looks_like_flax_msgpack(head)

@@ -288,8 +288,7 @@ class OcdbtFiles:
         what = f"the value of key {ref.key!r}" if ref.key is not None else "a B-tree node"
         whose = f" of tensor {name!r}" if name else ""
         if ref.file not in self._sizes:
-            path = self.path / ref.file
-            self._sizes[ref.file] = path.stat().length if path.is_file() else None
+            self._sizes[ref.file] = _file_size(self.path / ref.file)
         size = self._sizes[ref.file]
         if size is None:
             raise SafetensorsCheckpointError(
@@ -301,6 +300,15 @@ class OcdbtFiles:
                 f"places {what}{whose} at bytes [{ref.offset}, {ref.offset + ref.length})"
             )
         return True
+
+
+def _file_size(path: epath.Path) -> int | None:
+    """The size of the file ``path``; None when there is none (the stat is the test: some
+    etils releases take any path that is not a directory for a file)."""
+    try:
+        return None if path.is_dir() else int(path.stat().length)
+    except FileNotFoundError:
+        return None
 
 
 def _successor(prefix: bytes) -> bytes | None:

@@ -157,9 +157,17 @@ def array_storage(path: epath.PathLike) -> ArrayStorage:
     ocdbt = doc.get("use_ocdbt")
     return ArrayStorage(
         use_zarr3=doc.get("use_zarr3") is True,
-        use_ocdbt=ocdbt if isinstance(ocdbt, bool) else (path / OCDBT_MANIFEST_FILE).exists(),
+        use_ocdbt=ocdbt if isinstance(ocdbt, bool) else _ocdbt_files_present(path),
         fill_missing=doc.get("store_array_data_equal_to_fill_value") is not True,
     )
+
+
+def _ocdbt_files_present(path: epath.Path) -> bool:
+    # An older Orbax records no ``use_ocdbt``: as its own restore judges, an OCDBT item is one
+    # with a manifest, its own or one process's (then its own missing is damage, not zarr).
+    if (path / OCDBT_MANIFEST_FILE).exists():
+        return True
+    return any((p / OCDBT_MANIFEST_FILE).exists() for p in path.glob("ocdbt.process_*"))
 
 
 def check_orbax_item(path: epath.PathLike) -> None:

@@ -180,8 +180,9 @@ def provider_for(path: epath.PathLike) -> Provider | None:
 def is_regular_file(path: epath.PathLike) -> bool:
     """Whether ``path`` is an existing regular file (``epath.Path.is_file`` is true for a FIFO,
     whose opening for reading blocks)."""
-    if not is_local(path):
-        return epath.Path(path).is_file()
+    if not is_local(path):  # (some etils releases take a missing object for a file)
+        p = epath.Path(path)
+        return p.exists() and not p.is_dir()
     try:
         return stat.S_ISREG(os.stat(os.fspath(path)).st_mode)
     except (OSError, ValueError):
