@@ -53,14 +53,10 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 sys.path.insert(0, str(REPO))
 sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "helpers")]
 
+from benchmarks.state import parse_size  # noqa: E402
+
 WORKER = HERE / "workers" / "maxtext_import_bench_worker.py"
 FILE_BYTES = 1 << 30
-
-
-def parse_size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper()
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
 
 
 def config_for(size: int) -> dict[str, Any]:
