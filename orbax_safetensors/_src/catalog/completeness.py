@@ -31,6 +31,7 @@ from orbax_safetensors._src.orbax.steps import (
     COMMIT_SUCCESS_FILE,
     HANDLER_TYPESTR,
     OCDBT_MANIFEST_FILE,
+    OCDBT_PROCESS_PREFIX,
     ORBAX_METADATA_FILE,
     TMP_SUFFIX,
     ArrayStorage,
@@ -120,7 +121,7 @@ def _missing_in_item(item: epath.Path, prefix: str, handler: str | None, named: 
     if handler is None and not ours and not pytree:  # unrecorded: by what is left
         ours = any(n.endswith(".safetensors") for n in names)
         pytree = not ours and any(
-            n in _ORBAX_ITEM_ENTRIES or n.startswith("ocdbt.process_") for n in names
+            n in _ORBAX_ITEM_ENTRIES or n.startswith(OCDBT_PROCESS_PREFIX) for n in names
         )
     if ours:
         return _missing_in_our_item(item, prefix)
@@ -158,7 +159,7 @@ def _missing_in_pytree_item(item: epath.Path, names: set[str], prefix: str) -> l
     storage = _steps.array_storage(item)
     # An OCDBT item names no array directory; Orbax before 0.12 records no use_ocdbt, and
     # tells OCDBT by manifest.ocdbt alone, which a deletion may have taken first.
-    ocdbt_entries = {n for n in names if n.startswith("ocdbt.process_")} | ({"d"} - set(leaves))
+    ocdbt_entries = {n for n in names if n.startswith(OCDBT_PROCESS_PREFIX)} | ({"d"} - set(leaves))
     if storage.use_ocdbt or _orbax_ocdbt(item) or ocdbt_entries & names:
         return missing + _missing_ocdbt_files(item, prefix)
     for name, kind in sorted(leaves.items()):

@@ -129,6 +129,7 @@ def item_kind(path: epath.Path) -> PathKind:
 
 
 OCDBT_MANIFEST_FILE = "manifest.ocdbt"  # an item whose arrays live in one OCDBT store
+OCDBT_PROCESS_PREFIX = "ocdbt.process_"  # a process's own OCDBT database: <prefix><i>/
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +168,7 @@ def _ocdbt_files_present(path: epath.Path) -> bool:
     # with a manifest, its own or one process's (then its own missing is damage, not zarr).
     if (path / OCDBT_MANIFEST_FILE).exists():
         return True
-    return any((p / OCDBT_MANIFEST_FILE).exists() for p in path.glob("ocdbt.process_*"))
+    return any((p / OCDBT_MANIFEST_FILE).exists() for p in path.glob(f"{OCDBT_PROCESS_PREFIX}*"))
 
 
 def check_orbax_item(path: epath.PathLike) -> None:
