@@ -100,7 +100,7 @@ if TYPE_CHECKING:
         ObjectStoreOptions,
         set_object_store_options,
     )
-    from orbax_safetensors._src.storage.objstore.calls import (
+    from orbax_safetensors._src.storage.objstore.common import (
         ObjectStoreError,
         ObjectStoreStats,
         object_store_stats,
@@ -156,11 +156,11 @@ _LAZY: dict[str, str] = {
     "save_directory": "pipeline.standalone",
     "save_file": "pipeline.standalone",
     "IOOptions": "storage.config",
-    "ObjectStoreError": "storage.objstore.calls",
+    "ObjectStoreError": "storage.objstore.common",
     "ObjectStoreOptions": "storage.config",
     "set_object_store_options": "storage.config",
-    "ObjectStoreStats": "storage.objstore.calls",
-    "object_store_stats": "storage.objstore.calls",
+    "ObjectStoreStats": "storage.objstore.common",
+    "object_store_stats": "storage.objstore.common",
     "read_header": "storage.router",
     "ConvertSummary": "tools.convert",
     "convert": "tools.convert",

@@ -1,15 +1,8 @@
-"""Host buffers: 64-byte aligned (aligned copies are faster, and ``jax.device_put(...,
-may_alias=True)`` can share them), a large one for the bytes at a known file offset congruent
-to it modulo 4 KiB (so direct I/O fills its whole blocks in place); and reused where a job
-repeats, since first touching fresh memory is slow on virtual machines: across saves
-(:class:`HostBufferPool`), for an export's bands (:class:`LentBuffers`), as a restore's ring
-(:class:`StagingRing`).
-
-Example::
-
-    buf = aligned_empty(1024)
-    arena = BufferArena()
-    a, b = arena.empty(1024), arena.empty(4096)   # both inside one 4 MiB slab
+"""Host buffers: 64-byte aligned (``jax.device_put(..., may_alias=True)`` can share them),
+large ones congruent to their file offset modulo 4 KiB (direct I/O fills their whole blocks in
+place), and reused where a job repeats, since first touching fresh memory is slow on virtual
+machines: across saves (:class:`HostBufferPool`), for an export's bands (:class:`LentBuffers`),
+as a restore's ring (:class:`StagingRing`).
 """
 
 from __future__ import annotations
@@ -64,14 +57,8 @@ def slice_views(views: Sequence[memoryview], start: int, stop: int) -> list[memo
 
 
 class BufferArena:
-    """Aligned buffers, small ones carved from shared slabs (10,000 small tensors cost a few
-    allocations); a slab lives while any of its buffers does.
-
-    Example::
-
-        arena = BufferArena()
-        a, b = arena.empty(1024), arena.empty(4096)   # both inside one 4 MiB slab
-    """
+    """Aligned buffers, small ones carved from shared slabs (many small tensors cost a few
+    allocations); a slab lives while any of its buffers does."""
 
     _SLAB = 4 << 20
 
@@ -94,16 +81,7 @@ class HostBufferPool:
     """Large host buffers kept from one save to the next (an async save's host copy lands in
     pages already mapped). Each save takes an :meth:`arena` and gives it back with
     :meth:`release` once its writes are done; between saves the pool holds at most one save's
-    large buffers (``idle_bytes``). Thread-safe.
-
-    Example::
-
-        pool = HostBufferPool()
-        arena = pool.arena()
-        a = arena.empty(8 << 20)     # fresh
-        pool.release(arena)          # after a's bytes are written
-        b = pool.arena().empty(8 << 20)   # a's memory again
-    """
+    large buffers. Thread-safe."""
 
     # Capacities are rounded up to whole pages, so that a slightly smaller tensor reuses too.
     _GRANULE = 4096
@@ -113,12 +91,10 @@ class HostBufferPool:
         self._free: dict[int, list[np.ndarray]] = {}
 
     def arena(self) -> PooledArena:
-        """A :class:`BufferArena` for one save, drawing its large buffers from the pool."""
         return PooledArena(self)
 
     def take(self, nbytes: int) -> np.ndarray:
-        """An aligned buffer of at least ``nbytes``: a free one of the same rounded capacity,
-        else a new one."""
+        """An aligned buffer of at least ``nbytes`` (a free one of that rounded capacity)."""
         capacity = -(-nbytes // self._GRANULE) * self._GRANULE
         with self._lock:
             free = self._free.get(capacity)
@@ -136,20 +112,17 @@ class HostBufferPool:
                 self._free.setdefault(buffer.nbytes, []).append(buffer)
 
     def clear(self) -> None:
-        """Frees every idle buffer."""
         with self._lock:
             self._free = {}
 
     @property
     def idle_bytes(self) -> int:
-        """Bytes held for the next save."""
         with self._lock:
             return sum(b.nbytes for buffers in self._free.values() for b in buffers)
 
 
 class PooledArena(BufferArena):
-    """A :class:`BufferArena` whose large buffers come from (and go back to) a
-    :class:`HostBufferPool`; small ones are carved from slabs as usual."""
+    """A :class:`BufferArena` whose large buffers come from a :class:`HostBufferPool`."""
 
     def __init__(self, pool: HostBufferPool) -> None:
         super().__init__()
@@ -157,7 +130,6 @@ class PooledArena(BufferArena):
         self.taken: list[np.ndarray] = []
 
     def empty(self, nbytes: int, **kwargs: Any) -> np.ndarray:
-        """As :meth:`BufferArena.empty`; a large buffer is the pool's."""
         if nbytes <= self._SLAB // 8:
             return super().empty(nbytes, **kwargs)
         buffer = self._pool.take(nbytes)
@@ -170,15 +142,7 @@ class LentBuffers:
     writes many same-sized blocks (an export's cast bands), so each block lands in memory
     already mapped. Larger requests get fresh memory. With ``file_offset`` a block is placed
     for direct I/O (no staging copy). Give a buffer back only once nothing reads it (its
-    write's ``result()`` returned). Thread-safe.
-
-    Example::
-
-        lent = LentBuffers(8 << 20)
-        a = lent.take(1 << 20)      # a fresh buffer's first MiB
-        lent.give_back(a)           # after a's bytes are written
-        b = lent.take(8 << 20)      # the same memory again
-    """
+    write's ``result()`` returned). Thread-safe."""
 
     def __init__(self, capacity: int, max_idle: int = 64) -> None:
         self.capacity = capacity
@@ -229,13 +193,6 @@ class StagingRing:
     Space is taken with :meth:`take` and handed over in groups with :meth:`hold` (``wait``
     returns once the group's transfers are done; :meth:`take` calls the oldest groups' first
     when it needs their space). Not thread-safe: one restore at a time (:meth:`drain` between).
-
-    Example::
-
-        ring = StagingRing(64 << 20)
-        buf = ring.take(1 << 20)          # read into buf, start its transfer...
-        ring.hold(lambda: array.block_until_ready())
-        ring.drain()                      # every transfer done: the ring is free
     """
 
     def __init__(self, capacity: int) -> None:
@@ -248,8 +205,7 @@ class StagingRing:
         self._held: collections.deque[tuple[int, int, Callable[[], Any]]] = collections.deque()
         self.waits = 0  # how many times a take waited for a transfer
 
-    def fits(self, nbytes: int) -> bool:
-        """Whether a buffer of ``nbytes`` (placed for any file offset) fits in the ring."""
+    def fits(self, nbytes: int) -> bool:  # (placed for any file offset)
         return nbytes + _PAGE <= self.capacity
 
     def take(self, nbytes: int, *, file_offset: int | None = None) -> np.ndarray:

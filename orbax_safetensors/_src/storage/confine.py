@@ -1,17 +1,10 @@
 """Reads stay inside what the caller named, and never block on a special file.
 
-A checkpoint names the files it is read from (an Orbax item's ``_METADATA``, a Hugging Face
-index, this library's metadata), and a forged name could lead anywhere: ``/home/user/secret``,
-``../other``, ``gs://bucket/key`` or a planted symbolic link. :func:`inside` is the one way a path
-is built from such a name; :func:`check_tree` applies its rule to a directory another library
-reads on its own; :func:`open_regular` is the one way a local file is opened for reading (a
-FIFO, device, socket or directory is refused, never waited on), and :func:`read_file` and
-:func:`copy_file` read through it.
-
-Example::
-
-    path = inside(item, "params.w", where=item / "_METADATA")   # item/params.w
-    inside(item, "/etc/passwd", where=item / "_METADATA")        # UnsafePathError
+A checkpoint names the files it is read from, and a forged name could lead anywhere (an
+absolute path, ``../other``, a URL, a planted symbolic link). :func:`inside` is the one way a
+path is built from such a name; :func:`check_tree` applies its rule to a directory another
+library reads on its own; :func:`open_regular` is the one way a local file is opened for reading
+(a FIFO, device, socket or directory is refused, never waited on).
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""The local engine: positional, vectored writes and reads of many byte runs of files on a
-local (POSIX) filesystem, from a few threads. Writes go straight from each shard's host buffer
-to its offsets with ``pwritev`` (several processes can fill one pre-sized file); reads land in
-aligned buffers with ``preadv``, small gaps read into a scratch buffer so one call serves
-many runs; large aligned runs may go through ``O_DIRECT`` (:mod:`.direct`).
-
-Example::
-
-    reader = LocalReader(path, threads=4)
-    reader.read_runs([(reader.size - 1024, buf)])
-    reader.close()
+"""The local engine: positional, vectored writes (``pwritev``, several processes can fill one
+pre-sized file) and reads (``preadv`` into aligned buffers, small gaps read into scratch so one
+call serves many runs) of many byte runs, from a few threads; large aligned runs may go
+through ``O_DIRECT`` (:mod:`.direct`).
 """
 
 from __future__ import annotations
@@ -191,7 +184,7 @@ class LocalWriter:
         self.path = path
         self.size = size
         self._sync = sync
-        mode = _direct.mode(direct_io) if _direct.available() else "never"
+        mode = _direct.mode(direct_io)
         flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if truncate else 0)
         self._fd = self._call(os.open, path, flags, 0o644)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -345,7 +338,7 @@ class LocalReader:
         self._fd, self._stat = _confine.open_regular(self.path)  # (a FIFO: refused, not waited on)
         self.size = self._stat.st_size
         self._threads = threads
-        self._direct_mode = _direct.mode(direct_io) if _direct.available() else "never"
+        self._direct_mode = _direct.mode(direct_io)
         self._direct_fd: int | None = None  # opened on the first direct read
         self._direct_refused = False  # the filesystem refused O_DIRECT: read buffered
         self._cache_probe: Any = _UNPROBED  # auto mode: which ranges are in the page cache

@@ -4,19 +4,6 @@ Every writer of a directory goes through :func:`replacing_directory`: locally th
 is written into a hidden sibling and swapped in (one atomic exchange on Linux); on object
 storage the writer's own objects of the old content are deleted first, index and metadata
 before shards. Files the writer does not own (``config.json``, a tokenizer...) are kept.
-
-Why: saving a 3-file tree and then a 1-file tree into one directory must not leave the first
-save's shards and index behind for a reader that follows the index (transformers does). The
-local exchange (``renameat2(RENAME_EXCHANGE)``) shows a reader the old directory or the new one,
-never a mix, and a crash leaves one complete at the path; where it is unavailable, two renames
-leave the path briefly absent. On object storage a crash leaves a checkpoint without metadata
-(refused by restore and ``verify``), never an index naming old shards.
-
-Example::
-
-    with replacing_directory("/ckpt/hf") as tmp:
-        write_everything_into(tmp)
-    # /ckpt/hf now holds exactly what was written (plus the files it kept)
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """The only entry point for I/O by path: local files (:mod:`.local`), URLs whose scheme has a
-registered :class:`Provider` (``s3://`` and ``gs://``: :mod:`.objstore`), and other
+registered :class:`Provider` (``s3://``, ``gs://``: :mod:`.objstore`), and other
 ``etils.epath`` backends (written as one stream once every byte is in hand, read through a
-seekable file object: :class:`BufferedWriter`, :class:`StreamReader`).
-
-Example::
-
-    buf = buffers.aligned_empty(1024)
-    with open_reader(path) as r:
-        r.read_runs([(r.size - 1024, buf)])
+seekable file object).
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """The provider-neutral write flow of object storage, and the providers the router registers
 (:data:`S3`, :data:`GCS`). A file one process holds whole is written directly; a save by several
-processes is registered (:func:`prepare_directory`, every process; refused without the
-key-value store), run (:func:`finish_directory`, every process; then the primary persists the
-commit record) and committed (:func:`finalize_directory`, the primary, maybe on a fresh
-driver). A failed save is removed: nothing is left a reader could take for a checkpoint file.
-
-Example::
-
-    S3.write_file("s3://bucket/w.safetensors", [interface.header_piece(header), *pieces], size, io)
-    with contextlib.closing(GCS.open_reader("gs://bucket/w.safetensors", io)) as reader:
-        head = reader.pread(0, 8)
+processes is registered (:func:`prepare_directory`, every process), run
+(:func:`finish_directory`, every process; then the primary persists the commit record) and
+committed (:func:`finalize_directory`, the primary, maybe on a fresh driver). A failed save is
+removed: nothing is left a reader could take for a checkpoint file.
 """
 
 from __future__ import annotations
@@ -25,7 +19,6 @@ from typing import Any
 from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
 from orbax_safetensors._src.storage import config as _config
 from orbax_safetensors._src.storage import interface as _interface
-from orbax_safetensors._src.storage.objstore import calls as _calls
 from orbax_safetensors._src.storage.objstore import common as _common
 from orbax_safetensors._src.storage.objstore import gcs as _gcs
 from orbax_safetensors._src.storage.objstore import s3 as _s3
@@ -135,7 +128,7 @@ def finish_directory(store: _Store, directory: str) -> None:
             reason = first or f"processes {failed} did not finish"
             own, error = (
                 error,
-                _calls.ObjectStoreError(
+                _common.ObjectStoreError(
                     directory, "the save", 1, RuntimeError(f"the save failed on {reason}")
                 ),
             )
@@ -252,7 +245,7 @@ class CommitRecord:
                 raise ValueError(f"format {doc.get('format')!r}, kind {doc.get('kind')!r}")
             return cls(str(doc["kind"]), tuple(dict(f) for f in doc["files"]))
         except (ValueError, TypeError, KeyError, AttributeError) as error:
-            raise _calls.ObjectStoreError(
+            raise _common.ObjectStoreError(
                 url, "reading the spread save's record", 1, error
             ) from error
 
@@ -307,7 +300,7 @@ def finalize_directory(store: _Store, directory: str) -> None:
             )
         return
     if record.kind != store.scheme:
-        raise _calls.ObjectStoreError(
+        raise _common.ObjectStoreError(
             url, "finalize", 1, RuntimeError(f"a record of a {record.kind}:// save")
         )
     try:

@@ -1,17 +1,8 @@
 """One process's part of a save by several processes on S3 or GCS, over ``jax.distributed``'s
 key-value store: every process publishes which bytes of which file it holds, computes the same
-plan (:mod:`.upload_plan`) and sends its own requests phase by phase (:func:`execute`): the
-uploads of the files it finishes (S3), its own bytes (``own``), the windows it builds from the
-others' loose bundles (``built``), the uploads it completes (S3) or compose levels it was given
-(GCS), and the deletion of what it wrote once no one reads it. A failing process sets
-``failed``; every wait raises as soon as it sees that, naming the process and step.
-``docs/object-storage.md`` tells the protocol step by step.
-
-Example::
-
-    keys = SaveKeys("osf/gs://b/ckpt/1/default/1", "gs://b/ckpt/1/default")
-    execute(store, "gs://b/ckpt/1/default", save, keys, Outcome())  # every process
-    plan, me = last_plan()
+plan (:mod:`.upload_plan`) and sends its own requests phase by phase (:func:`execute`). A
+failing process sets ``failed``; every wait raises as soon as it sees that, naming the process
+and step. ``docs/object-storage.md`` tells the protocol step by step.
 """
 
 from __future__ import annotations
@@ -28,7 +19,6 @@ from typing import Any
 import numpy as np
 
 from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
-from orbax_safetensors._src.storage.objstore import calls as _calls
 from orbax_safetensors._src.storage.objstore import common as _common
 from orbax_safetensors._src.storage.objstore import gcs as _gcs
 from orbax_safetensors._src.storage.objstore import s3 as _s3
@@ -111,14 +101,14 @@ class SaveKeys:
                 if watch_failed:
                     failed = self.failure()
                     if failed is not None:
-                        raise _calls.ObjectStoreError(
+                        raise _common.ObjectStoreError(
                             self.directory,
                             f"waiting for {what}",
                             1,
                             RuntimeError(f"the save failed on {failed}"),
                         ) from None
                 if time.monotonic() >= deadline:
-                    raise _calls.ObjectStoreError(
+                    raise _common.ObjectStoreError(
                         self.directory, f"waiting {WAIT_SECONDS:.0f} s for {what}", 1, error
                     ) from error
         self.seen.add(key)
@@ -140,7 +130,7 @@ class SaveKeys:
     def fail(self, process: int, error: BaseException) -> None:
         """Reports this process's failure to the others (the first report stays)."""
         with contextlib.suppress(Exception):  # set already by another process
-            self.set(FAILED, f"process {process}: {_calls.describe_error(error)}")
+            self.set(FAILED, f"process {process}: {_common.describe_error(error)}")
 
     def wait_done(self, count: int, me: int) -> list[int]:
         """The primary, after its own ``done``: waits for every process's ``done/<p>``; the
@@ -152,7 +142,7 @@ class SaveKeys:
             try:
                 if self.get(f"done/{p}", f"process {p} to finish", watch_failed=False) != "ok":
                     failed.append(p)
-            except _calls.ObjectStoreError:
+            except _common.ObjectStoreError:
                 failed.append(p)
         return failed
 
@@ -164,14 +154,12 @@ class SaveKeys:
 
 def window_key(key: str, w: int) -> str:
     """The staged object of window ``w`` of the object ``key`` (GCS)."""
-    prefix, _ = _common.staging_prefix(key)
-    return f"{prefix}w-{w:06d}"
+    return f"{_common.staging_prefix(key)}w-{w:06d}"
 
 
 def compose_key(key: str, level: int, group: int) -> str:
     """The composite of group ``group`` of compose level ``level`` of the object ``key``."""
-    prefix, _ = _common.staging_prefix(key)
-    return f"{prefix}c{level}-{group:06d}"
+    return f"{_common.staging_prefix(key)}c{level}-{group:06d}"
 
 
 def write_whole(store: Store, url: str, bucket: str, key: str, seg: _common.Segment) -> None:
@@ -209,7 +197,7 @@ def commit_file(store: Store, directory: str, bucket: str, base: str, f: Mapping
         numbers = sorted(n for n, _ in parts)
         if numbers != list(range(1, count + 1)):
             missing = sorted(set(range(1, count + 1)) - set(numbers))
-            raise _calls.ObjectStoreError(
+            raise _common.ObjectStoreError(
                 url, "finalize", 1, RuntimeError(f"parts {missing[:10]} were never uploaded")
             )
         _s3.complete(store, url, bucket, key, upload_id, parts, int(f["size"]))
@@ -269,7 +257,7 @@ def execute(store: Store, directory: str, save: Save, kv: SaveKeys, outcome: Out
             ranges = {p: [(a, b) for a, b in d.get(name, [])] for p, d in docs.items()}
             owners.append(_up.FileOwners.from_segments(name, size, ranges))
         except ValueError as error:
-            raise _calls.ObjectStoreError(
+            raise _common.ObjectStoreError(
                 f"{directory}/{name}", "planning the upload", 1, error
             ) from error
     kind = _up.StoreKind.S3 if s3 else _up.StoreKind.GCS
@@ -439,7 +427,7 @@ class _Run:
             obj = self.loose_key(peer, int(plan.item_bundle[i]))
             start = int(plan.item_offset[i])
             jobs.append(self._get_job(obj, start, views))
-        _calls.count(bytes_reassembled=sum(int(n) for n in plan.item_bytes[reads]))
+        _common.count(bytes_reassembled=sum(int(n) for n in plan.item_bytes[reads]))
         self.store.run_all(jobs)
         self._put_window(index, w, [out])
 

@@ -1,23 +1,14 @@
 """The plan of a save by several processes on object storage: which windows (S3 parts, GCS
 objects) each process uploads or builds, and the bytes it moves. Pure and deterministic: every
-process computes the same plan from global facts (the files' sizes and every process's bytes of
-each), so no process is told what to do.
+process computes the same plan from the files' sizes and every process's bytes of each.
 
 A file one process owns is written whole by it. Another is cut into windows: a **pure** window,
 inside one owner's range, is uploaded by that owner; a **mixed** one is built by the owner it
-adds least to (counting what each moves already, a request weighing as 2 MiB moved), from the
-other owners' **loose** bundles (one ranged GET per owner). GCS composes a file's objects in a
-tree spread over their writers; each file's **finisher** (the least loaded writer of its top
-level) creates and completes the S3 upload or composes the GCS top, so the primary only commits.
-On S3 every window but a file's last is at least the minimum part, at most 10,000 per file; on
-GCS a compose joins at most 32 objects.
-
-Example::
-
-    owners = [FileOwners.from_segments("model.safetensors", 100 << 20,
-                                       {0: [(0, 60 << 20)], 1: [(60 << 20, 100 << 20)]})]
-    plan = plan_uploads(StoreKind.S3, UploadLimits(), owners, num_processes=2)
-    plan.files[0].writer                         # who uploads each window
+adds least to (a request weighing as 2 MiB moved), from the other owners' **loose** bundles
+(one ranged GET per owner). GCS composes a file's objects in a tree spread over their writers;
+each file's **finisher** creates and completes the S3 upload or composes the GCS top, so the
+primary only commits. S3: every window but a file's last at least the minimum part, at most
+10,000 per file; GCS: at most 32 objects per compose.
 """
 
 from __future__ import annotations
