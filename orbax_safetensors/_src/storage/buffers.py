@@ -2,12 +2,15 @@
 large ones congruent to their file offset modulo 4 KiB (direct I/O fills their whole blocks in
 place), and reused where a job repeats, since first touching fresh memory is slow on virtual
 machines: across saves (:class:`HostBufferPool`), for an export's bands (:class:`LentBuffers`),
-as a restore's ring (:class:`StagingRing`).
+as a restore's ring (:class:`StagingRing`); and file objects over lists of memoryviews (an
+upload's body, a download's sink: no copy).
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
+import io
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -54,6 +57,97 @@ def slice_views(views: Sequence[memoryview], start: int, stop: int) -> list[memo
         if pos >= stop:
             break
     return out
+
+
+class ViewsReader(io.RawIOBase):
+    """A seekable, read-only file over a list of memoryviews (an upload body, no copy)."""
+
+    def __init__(self, views: Sequence[memoryview]) -> None:
+        self._views = [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views]
+        self._starts = [0]
+        for v in self._views:
+            self._starts.append(self._starts[-1] + len(v))
+        self._size = self._starts[-1]
+        self._pos = 0
+        self._i = 0  # index of the view holding byte ``_pos`` (sequential reads skip search)
+
+    def __len__(self) -> int:
+        return self._size
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        self._i = max(0, bisect.bisect_right(self._starts, self._pos) - 1)
+        return self._pos
+
+    def _take(self, n: int) -> list[memoryview]:
+        # Views of the next ``n`` bytes (fewer at the end), the position moved past them.
+        stop = min(self._pos + n, self._size)
+        chunks = []
+        while self._pos < stop:
+            while self._starts[self._i + 1] <= self._pos:
+                self._i += 1
+            start = self._pos - self._starts[self._i]
+            k = min(stop - self._pos, len(self._views[self._i]) - start)
+            chunks.append(self._views[self._i][start : start + k])
+            self._pos += k
+        return chunks
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        done = 0
+        for chunk in self._take(len(out)):
+            out[done : done + len(chunk)] = chunk
+            done += len(chunk)
+        return done
+
+    def read(self, size: int | None = -1) -> bytes:  # (copied once)
+        if size is None or size < 0:
+            size = self._size - self._pos
+        chunks = self._take(size)
+        return chunks[0].tobytes() if len(chunks) == 1 else b"".join(chunks)
+
+    def readall(self) -> bytes:
+        return self.read(-1)
+
+
+class ViewsWriter(io.RawIOBase):
+    """A write-only file that fills a list of memoryviews in order (a download sink)."""
+
+    def __init__(self, views: Sequence[memoryview]) -> None:
+        self._views = list(views)
+        self._i = 0
+        self._off = 0
+        self.written = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        src = memoryview(data).cast("B")
+        done = 0
+        while done < len(src):
+            if self._i >= len(self._views):
+                raise EOFError("object storage returned more bytes than requested")
+            view = self._views[self._i]
+            n = min(len(src) - done, len(view) - self._off)
+            view[self._off : self._off + n] = src[done : done + n]
+            done += n
+            self._off += n
+            if self._off == len(view):
+                self._i += 1
+                self._off = 0
+        self.written += done
+        return done
 
 
 class BufferArena:
@@ -156,23 +250,18 @@ class LentBuffers:
         """``nbytes`` of a free buffer (else a new one), page-aligned or placed for
         ``file_offset``."""
         if nbytes > self.capacity:
-            return self._placed(np.empty(nbytes + _PAGE, np.uint8), nbytes, file_offset)
+            fresh = np.empty(nbytes + _PAGE, np.uint8)
+            return _at_phase(fresh, nbytes, _PAGE, (file_offset or 0) % _PAGE)
         with self._lock:
             buffer = self._free.pop() if self._free else None
             if buffer is None:
                 self.fresh += 1
         if buffer is None:  # a page to spare for the phase
             buffer = np.empty(self.capacity + _PAGE, np.uint8)
-        view = self._placed(buffer, nbytes, file_offset)
+        view = _at_phase(buffer, nbytes, _PAGE, (file_offset or 0) % _PAGE)
         with self._lock:
             self._lent[view.ctypes.data] = buffer
         return view
-
-    @staticmethod
-    def _placed(buffer: np.ndarray, nbytes: int, file_offset: int | None) -> np.ndarray:
-        # ``nbytes`` of ``buffer`` (``nbytes`` plus a page at least) from the address congruent
-        # to ``file_offset`` modulo a page (page-aligned without it).
-        return _at_phase(buffer, nbytes, _PAGE, 0 if file_offset is None else file_offset % _PAGE)
 
     def give_back(self, data: Any) -> None:
         """Makes the buffer of ``data`` (a :meth:`take` result or a view from its start) free

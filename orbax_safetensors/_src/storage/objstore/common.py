@@ -1,24 +1,21 @@
-"""What every object-store provider shares: requests with bounded retries (:func:`call`,
-:func:`run_all`, the final error an :class:`ObjectStoreError`), this process's counters
+"""What every object-store provider shares: requests with bounded retries on a shared pool
+(:class:`Configured`, the final error an :class:`ObjectStoreError`), this process's counters
 (:func:`object_store_stats`), URLs, the :class:`Store` protocol of a client, ranged reads
-(:class:`ObjectReader`), bytes as lists of memoryviews without copies, and the hidden prefix of
-temporary objects.
+(:class:`ObjectReader`), byte segments, and the hidden prefix of temporary objects.
 """
 
 from __future__ import annotations
 
-import bisect
 import concurrent.futures
 import contextlib
 import dataclasses
 import functools
-import io
 import os
 import random
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 
@@ -299,6 +296,12 @@ def split_url(url: str) -> tuple[str, str, str]:
     return scheme, bucket, key.strip("/")
 
 
+def split_directory(directory: str) -> tuple[str, str]:
+    """``(bucket, key prefix)`` of a directory URL: the prefix ends with ``/`` unless empty."""
+    _, bucket, key = split_url(directory)
+    return bucket, f"{key}/" if key else ""
+
+
 def missing_client(scheme: str, package: str, extra: str, error: ImportError) -> ImportError:
     """The ImportError for a missing client library, naming the ``pip install`` that brings it."""
     return ImportError(
@@ -306,98 +309,6 @@ def missing_client(scheme: str, package: str, extra: str, error: ImportError) ->
         f"install it with: pip install 'orbax-safetensors[{extra}]'",
         name=error.name,
     )
-
-
-class ViewsReader(io.RawIOBase):
-    """A seekable, read-only file over a list of memoryviews (an upload body, no copy)."""
-
-    def __init__(self, views: Sequence[memoryview]) -> None:
-        self._views = [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views]
-        self._starts = [0]
-        for v in self._views:
-            self._starts.append(self._starts[-1] + len(v))
-        self._size = self._starts[-1]
-        self._pos = 0
-        self._i = 0  # index of the view holding byte ``_pos`` (sequential reads skip search)
-
-    def __len__(self) -> int:
-        return self._size
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = max(0, base + offset)
-        self._i = max(0, bisect.bisect_right(self._starts, self._pos) - 1)
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        out = memoryview(buffer).cast("B")
-        done = 0
-        while done < len(out) and self._pos < self._size:
-            while self._starts[self._i + 1] <= self._pos:
-                self._i += 1
-            view = self._views[self._i]
-            start = self._pos - self._starts[self._i]
-            n = min(len(out) - done, len(view) - start)
-            out[done : done + n] = view[start : start + n]
-            done += n
-            self._pos += n
-        return done
-
-    def read(self, size: int | None = -1) -> bytes:  # (copied once)
-        if size is None or size < 0:
-            size = self._size - self._pos
-        stop = min(self._pos + size, self._size)
-        chunks = []
-        while self._pos < stop:
-            while self._starts[self._i + 1] <= self._pos:
-                self._i += 1
-            start = self._pos - self._starts[self._i]
-            n = min(stop - self._pos, len(self._views[self._i]) - start)
-            chunks.append(self._views[self._i][start : start + n])
-            self._pos += n
-        return chunks[0].tobytes() if len(chunks) == 1 else b"".join(chunks)
-
-    def readall(self) -> bytes:
-        return self.read(-1)
-
-
-class ViewsWriter(io.RawIOBase):
-    """A write-only file that fills a list of memoryviews in order (a download sink)."""
-
-    def __init__(self, views: Sequence[memoryview]) -> None:
-        self._views = list(views)
-        self._i = 0
-        self._off = 0
-        self.written = 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        src = memoryview(data).cast("B")
-        done = 0
-        while done < len(src):
-            if self._i >= len(self._views):
-                raise EOFError("object storage returned more bytes than requested")
-            view = self._views[self._i]
-            n = min(len(src) - done, len(view) - self._off)
-            view[self._off : self._off + n] = src[done : done + n]
-            done += n
-            self._off += n
-            if self._off == len(view):
-                self._i += 1
-                self._off = 0
-        self.written += done
-        return done
 
 
 def even_chunks(total: int, target: int) -> list[tuple[int, int]]:

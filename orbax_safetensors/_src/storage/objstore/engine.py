@@ -106,7 +106,10 @@ def finish_directory(store: _Store, directory: str) -> None:
     except BaseException as e:
         error = e
         kv.fail(me, e)
-        _abort_mine(store, directory, outcome)
+        ids = outcome.upload_ids
+        _abort_uploads(
+            store, directory, {n: u for n, u in ids.items() if n not in outcome.completed}
+        )
     try:
         kv.set(f"done/{me}", "ok" if error is None else "failed")
     except Exception as e:  # the coordination service is gone: the job is failing anyway
@@ -153,8 +156,8 @@ def abandon_directory(store: _Store, directory: str, error: BaseException) -> No
         record = _kept.pop(directory, None) if save is None else None
     if save is None:
         if record is not None:
-            ids = {str(f["name"]): str(f["upload_id"]) for f in record.files if "upload_id" in f}
-            discard(store, directory, [str(f["name"]) for f in record.files], ids)
+            names = [str(f["name"]) for f in record.files]
+            discard(store, directory, names, _upload_ids(record))
         return
     kv = _spread.SaveKeys(save.key, directory)
     kv.fail(save.process, error)
@@ -170,13 +173,12 @@ def abandon_directory(store: _Store, directory: str, error: BaseException) -> No
             kv.delete()
 
 
-def _abort_mine(store: _Store, directory: str, outcome: _spread.Outcome) -> None:
-    # Aborts the uploads this process created and did not complete (its save failed).
+def _abort_uploads(store: _Store, directory: str, upload_ids: Mapping[str, str]) -> None:
+    # S3: aborts the multipart uploads ``upload_ids`` (file name -> UploadId) of ``directory``.
     if isinstance(store, _s3.S3Store):
-        _, bucket, base = _common.split_url(directory)
-        for name, upload_id in outcome.upload_ids.items():
-            if name not in outcome.completed:
-                store.abort_upload(bucket, f"{base}/{name}" if base else name, upload_id)
+        bucket, base = _common.split_directory(directory)
+        for name, upload_id in upload_ids.items():
+            store.abort_upload(bucket, base + name, upload_id)
 
 
 def _created_uploads(kv: _spread.SaveKeys, outcome: _spread.Outcome) -> dict[str, str]:
@@ -196,14 +198,9 @@ def _created_uploads(kv: _spread.SaveKeys, outcome: _spread.Outcome) -> dict[str
     return ids
 
 
-def _base(directory: str) -> tuple[str, str]:
-    _, bucket, key = _common.split_url(directory)
-    return bucket, f"{key}/" if key else ""
-
-
 def record_key(directory: str) -> str:
     """The object key of the commit record of the save of ``directory``."""
-    _, base = _base(directory)
+    _, base = _common.split_directory(directory)
     return f"{base}{_common.STAGING_DIR}/{RECORD_NAME}"
 
 
@@ -212,20 +209,13 @@ class CommitRecord:
     """What committing a save by several processes needs, per file several processes wrote,
     persisted as ``<directory>/.osf-parts/spread.json``: ``{"name", "size"}`` for a file
     completed during the save; S3 ``{..., "parts", "upload_id"}`` or GCS ``{..., "level",
-    "sources"}`` for one still to complete (:func:`.spread.commit_file`).
-
-    Example::
-
-        record = CommitRecord("gs", ({"name": "model.safetensors", "size": 1 << 20},))
-        assert CommitRecord.from_json("gs://b/r.json", record.to_json()) == record
-    """
+    "sources"}`` for one still to complete (:func:`.spread.commit_file`)."""
 
     kind: str  # "s3" or "gs"
     files: tuple[Mapping[str, Any], ...]
 
     @classmethod
-    def of_plan(cls, plan: _up.UploadPlan) -> CommitRecord:
-        """The record of a save that ran ``plan`` (every file completed during the save)."""
+    def of_plan(cls, plan: _up.UploadPlan) -> CommitRecord:  # (every file completed)
         files = [
             {"name": f.name, "size": f.size}
             for f in plan.files
@@ -250,13 +240,17 @@ class CommitRecord:
             ) from error
 
 
+def _upload_ids(record: CommitRecord) -> dict[str, str]:
+    return {str(f["name"]): str(f["upload_id"]) for f in record.files if "upload_id" in f}
+
+
 _kept: dict[str, CommitRecord] = {}  # the primary's records, until its finalize
 
 
 def _write_record(store: _Store, directory: str, record: CommitRecord) -> None:
     # Persists ``record`` (the primary, once every process finished) and keeps it for
     # finalize_directory.
-    bucket, _ = _base(directory)
+    bucket, _ = _common.split_directory(directory)
     key, data = record_key(directory), [memoryview(record.to_json().encode())]
     store.call(
         f"{directory}/{_common.STAGING_DIR}/{RECORD_NAME}",
@@ -275,7 +269,7 @@ def finalize_directory(store: _Store, directory: str) -> None:
     it): completes what its commit record lists (kept in memory, else read from the store) and
     deletes the record; without one, deletes what a save killed mid-way left behind."""
     directory = os.fspath(directory).rstrip("/")
-    bucket, base = _base(directory)
+    bucket, base = _common.split_directory(directory)
     staged = f"{directory}/{_common.STAGING_DIR}/"
     listing = store.call(
         staged, "LIST parts", lambda: store.list(bucket, f"{base}{_common.STAGING_DIR}/")
@@ -306,11 +300,8 @@ def finalize_directory(store: _Store, directory: str) -> None:
     try:
         for f in record.files:
             _spread.commit_file(store, directory, bucket, base, f)
-    except BaseException:
-        if isinstance(store, _s3.S3Store):
-            for f in record.files:
-                if "upload_id" in f:  # (not one its finisher completed)
-                    store.abort_upload(bucket, base + f["name"], f["upload_id"])
+    except BaseException:  # (a file listed with an upload_id: not one its finisher completed)
+        _abort_uploads(store, directory, _upload_ids(record))
         raise
     store.call(url, "DELETE commit record", functools.partial(store.delete, bucket, [key]))
 
@@ -321,10 +312,8 @@ def discard(
     """Removes what a failed save of the files ``names`` wrote in ``directory`` (the primary,
     once no process writes any more): aborts ``upload_ids``, deletes the files written and
     every staged object. Best effort: the save's error matters more."""
-    bucket, base = _base(directory)
-    if isinstance(store, _s3.S3Store):
-        for name, upload_id in upload_ids.items():
-            store.abort_upload(bucket, base + name, upload_id)
+    bucket, base = _common.split_directory(directory)
+    _abort_uploads(store, directory, upload_ids)
     try:
         listing = store.call(
             f"{directory}/", "LIST (clean-up)", functools.partial(store.list, bucket, base)
@@ -343,15 +332,15 @@ def discard(
 
 
 class ObjectStoreProvider:
-    """One object store as a ``router.Provider``: the functions above, with the client for
-    the call's I/O options."""
+    """One object store as ``storage.router`` serves it (readers, writes, the hooks of a save
+    by several processes): the functions above, with the client for the call's resolved I/O
+    options, one per options."""
 
     def __init__(self, make_store: Callable[[_config.ObjectStoreOptions, bool], _Store]) -> None:
         self._make_store = make_store
 
     @functools.lru_cache(maxsize=16)  # noqa: B019 (two module-level providers, kept for good)
     def store(self, io: _config.IOOptions) -> _Store:
-        """The client for (resolved) ``io``, one per options."""
         assert io.object_store is not None and io.trace is not None
         return self._make_store(io.object_store, io.trace)
 

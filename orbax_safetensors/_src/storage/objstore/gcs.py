@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from orbax_safetensors._src.storage import buffers as _buffers
 from orbax_safetensors._src.storage import config as _config
 from orbax_safetensors._src.storage.objstore import common as _common
 
@@ -93,7 +94,7 @@ class GcsStore(_common.Configured):
         self, bucket: str, key: str, start: int, views: Sequence[memoryview]
     ) -> int | None:
         n = sum(len(v) for v in views)
-        sink = _common.ViewsWriter(views)
+        sink = _buffers.ViewsWriter(views)
         if not self._download(bucket, key, start, n, sink):
             raise EOFError(f"gs://{bucket}/{key}: no bytes at offset {start}")
         if sink.written < n:
@@ -111,7 +112,7 @@ class GcsStore(_common.Configured):
         return data, (start + len(data) if len(data) < n else None)
 
     def put(self, bucket: str, key: str, views: Sequence[memoryview]) -> None:
-        body = _common.ViewsReader(views)
+        body = _buffers.ViewsReader(views)
         _common.count(put_requests=1, bytes_uploaded=len(body))
         self._blob(bucket, key).upload_from_file(
             body,
@@ -181,6 +182,15 @@ def write_composed(
         _common.delete_quietly(store, bucket, names + created)
 
 
+def compose_into(store: GcsStore, url: str, bucket: str, target: str, sources: list[str]) -> None:
+    """Composes the objects ``sources`` (in order) into ``target``: one request, retried."""
+    store.call(
+        url,
+        f"compose {len(sources)} objects into {target}",
+        functools.partial(store.compose, bucket, target, sources),
+    )
+
+
 def compose_tree(
     store: GcsStore, url: str, bucket: str, key: str, names: Sequence[str], tmp_prefix: str
 ) -> list[str]:
@@ -193,16 +203,13 @@ def compose_tree(
         groups = [names[i : i + GCS_MAX_COMPOSE] for i in range(0, len(names), GCS_MAX_COMPOSE)]
         targets = [f"{tmp_prefix}-{level}-{i:05d}" for i in range(len(groups))]
         created += targets
-
-        def compose(target: str, group: list[str]) -> None:
-            store.call(
-                url,
-                f"compose {len(group)} objects into {target}",
-                lambda: store.compose(bucket, target, group),
-            )
-
-        store.run_all([functools.partial(compose, t, g) for t, g in zip(targets, groups)])
+        store.run_all(
+            [
+                functools.partial(compose_into, store, url, bucket, t, g)
+                for t, g in zip(targets, groups)
+            ]
+        )
         names = targets
         level += 1
-    store.call(url, f"compose {len(names)} objects", lambda: store.compose(bucket, key, names))
+    compose_into(store, url, bucket, key, names)
     return created

@@ -12,6 +12,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from orbax_safetensors._src.storage import buffers as _buffers
 from orbax_safetensors._src.storage import config as _config
 from orbax_safetensors._src.storage.objstore import common as _common
 
@@ -148,7 +149,7 @@ class S3Store(_common.Configured):
 
     # writes
     def put(self, bucket: str, key: str, views: Sequence[memoryview]) -> None:
-        body = _common.ViewsReader(views)
+        body = _buffers.ViewsReader(views)
         _common.count(put_requests=1, bytes_uploaded=len(body))
         self.client().put_object(Bucket=bucket, Key=key, Body=body, ContentLength=len(body))
 
@@ -184,7 +185,7 @@ class S3Store(_common.Configured):
     def upload_part(
         self, bucket: str, key: str, upload_id: str, number: int, views: Sequence[memoryview]
     ) -> str:
-        body = _common.ViewsReader(views)
+        body = _buffers.ViewsReader(views)
         _common.count(put_requests=1, bytes_uploaded=len(body), multipart_parts=1)
         response = self.client().upload_part(
             Bucket=bucket,

@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from orbax_safetensors._src.storage import config as _config
+from orbax_safetensors._src.storage.objstore import common as _common
 from orbax_safetensors._src.storage.objstore.gcs import GCS_MAX_COMPOSE
 from orbax_safetensors._src.storage.objstore.s3 import S3_MAX_PARTS
 
@@ -143,12 +144,6 @@ class UploadPlan:
     item_offset: np.ndarray  # offset of the item in its bundle
 
 
-def _even_bounds(a: int, b: int, target: int) -> list[int]:
-    """Starts of the fewest near-equal chunks of ``[a, b)`` of at most ``target`` bytes."""
-    n = max(1, -(-(b - a) // target))
-    return [a + (b - a) * k // n for k in range(n)]
-
-
 def _capped(seg_starts: np.ndarray, bounds: list[int], b: int, floor: int) -> list[int]:
     """``bounds`` (mixed window starts over ``[bounds[0], b)``), or, where one would hold more
     than ``MAX_WINDOW_OWNERS`` owners' ranges, windows cut before the range that would exceed
@@ -193,7 +188,7 @@ def _windows(
     pure: list[int] = []
 
     def add(a: int, b: int, target: int, owner: int) -> None:
-        bounds = _even_bounds(a, b, target)
+        bounds = [a + start for start, _ in _common.even_chunks(b - a, target)]
         if owner < 0:
             bounds = _capped(f.starts, bounds, b, m)
         starts.extend(bounds)
@@ -268,13 +263,7 @@ def plan_uploads(
     primary: int = 0,
 ) -> UploadPlan:
     """The upload plan of a save of ``files`` (every file with every process's bytes of it) by
-    ``num_processes`` processes.
-
-    Example::
-
-        plan = plan_uploads(StoreKind.GCS, UploadLimits(), owners, num_processes=4)
-        plan.files[0].writer
-    """
+    ``num_processes`` processes."""
     n = num_processes
     total = sum(f.size for f in files)
     low = 2 * (limits.s3_min_part if kind is StoreKind.S3 else limits.gcs_min_object)
