@@ -58,16 +58,9 @@ class ObjectStoreStats:
     bytes_reassembled: int = 0
 
     @property
-    def requests(self) -> int:  # (retries included)
-        return (
-            self.get_requests
-            + self.put_requests
-            + self.copy_requests
-            + self.compose_requests
-            + self.head_requests
-            + self.list_requests
-            + self.delete_requests
-            + self.other_requests
+    def requests(self) -> int:  # every ``*_requests`` field (retries included)
+        return sum(
+            getattr(self, f.name) for f in dataclasses.fields(self) if f.name.endswith("_requests")
         )
 
 
