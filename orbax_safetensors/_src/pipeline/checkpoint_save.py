@@ -49,7 +49,6 @@ from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import (
     DeletedArrayError,
 )
-from orbax_safetensors._src.pipeline import gcpause as _gcpause
 from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.pipeline import relayout as _relayout
 from orbax_safetensors._src.pipeline import snapshots as _snapshots
@@ -114,7 +113,7 @@ class ValidatedTree:
         )
 
 
-@_gcpause.paused
+@_pieces.gc_paused()
 def validate_save(
     tree: Any,
     user_metadata: Mapping[str, Any] | None = None,

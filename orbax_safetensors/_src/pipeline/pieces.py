@@ -1,21 +1,22 @@
-"""From host copies to write pieces: each shard's box as byte runs at offsets in the planned files.
-
-A shard's box inside the global row-major tensor becomes byte runs (``core.runs``), and each run
-a :class:`~orbax_safetensors._src.storage.interface.Piece` at its file offset, ready for the byte
-movers. Per-tensor CRC32C shares are computed from the same pieces.
+"""From host copies to write pieces: each shard's box as byte runs (``core.runs``), each run a
+``storage.interface.Piece`` at its file offset; per-tensor CRC32C from the same pieces. Also the
+bulk-work helpers of the pipeline: :func:`ordered_map` (casts on several threads) and
+:func:`gc_paused` (the cyclic GC held off while a caller waits for a save or restore).
 
 Example::
 
-    plan = _plan.plan_files(_plan.tensor_specs(flat.arrays), max_file_size=None)
-    pieces = host_pieces(plan, flat.arrays, copy=False)   # {file index: [Piece, ...]}
+    for file_index, pieces in iter_host_pieces(plan, flat.arrays, copy=False): ...
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
+import gc
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
@@ -109,7 +110,6 @@ def _to_lay_out(host: np.ndarray, stored: np.dtype) -> bool:
     return host.dtype != stored or not host.flags.c_contiguous
 
 
-FilePieces = tuple[int, list[_interface.Piece]]  # (file index, pieces)
 BAND_BYTES = 8 << 20  # one band of a tensor cast into a reused buffer (band_piece)
 BAND_MIN_BYTES = 1 << 20  # tensors below this are cast whole (tensor_pieces)
 # Bands written at once: 2 to 4 exported faster than 8 or 16, whose extra buffers are fresh
@@ -273,21 +273,6 @@ def iter_host_pieces(
         del copies, current  # (written by now: not held while the next tensor is copied)
 
 
-def host_pieces(
-    plan: _plan.CheckpointPlan,
-    arrays: Mapping[str, Any],
-    *,
-    copy: bool,
-    is_primary: bool = True,
-) -> dict[int, list[_interface.Piece]]:
-    """All of :func:`iter_host_pieces` at once, grouped by file index."""
-    out: dict[int, list[_interface.Piece]] = {}
-    stream = iter_host_pieces(plan, arrays, copy=copy, is_primary=is_primary, copies_ahead=None)
-    for file_index, pieces in stream:
-        out.setdefault(file_index, []).extend(pieces)
-    return out
-
-
 def tensor_checksums(
     records: list[tuple[object, int, int]], sizes: Mapping[str, int]
 ) -> dict[str, int]:
@@ -301,3 +286,36 @@ def tensor_checksums(
         name, offset = tag  # type: ignore[misc]
         by_tensor[str(name)].append((int(offset), nbytes, crc))  # type: ignore[has-type]
     return {name: _checksum.combine_runs(runs, sizes[name]) for name, runs in by_tensor.items()}
+
+
+# A tree of many tensors allocates many small objects and frees few: each burst triggers
+# collections that rescan every live object, and nothing a save or restore builds is cyclic
+# garbage. The pause is process-wide, so it is held only while the caller's thread waits for
+# the work (never by an async save's background write); pauses nest and overlap (a count under
+# a lock): the collector comes back on when the last ends, if it was on when the first began.
+_gc_lock = threading.Lock()
+_gc_depth = 0  # pauses in force, over all threads
+_gc_reenable = False  # whether the first of them found the collector enabled
+gc_pause_enabled = True  # False: pauses do nothing (benchmarks/studies/gc_pause_bench.py)
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Disables the cyclic garbage collector inside the block, or around each call of a
+    function decorated ``@gc_paused()`` (see the comment above)."""
+    global _gc_depth, _gc_reenable
+    if not gc_pause_enabled:
+        yield
+        return
+    with _gc_lock:
+        if _gc_depth == 0:
+            _gc_reenable = gc.isenabled()
+            gc.disable()
+        _gc_depth += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_depth -= 1
+            if _gc_depth == 0 and _gc_reenable:
+                gc.enable()

@@ -41,7 +41,7 @@ from orbax_safetensors._src.core.errors import (
     SchemaError,
     UnsafePathError,
 )
-from orbax_safetensors._src.pipeline import gcpause as _gcpause
+from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.pipeline import place as _place
 from orbax_safetensors._src.pipeline import relayout as _relayout
 from orbax_safetensors._src.storage import buffers as _buffers
@@ -356,7 +356,7 @@ def locate_in_file(
     return out
 
 
-@_gcpause.paused
+@_pieces.gc_paused()
 def file_index(
     path: epath.Path,
     header: _header.Header,

@@ -50,7 +50,6 @@ from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
 from orbax_safetensors._src.pipeline import export_item as _export_item
-from orbax_safetensors._src.pipeline import gcpause as _gcpause
 from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.pipeline import snapshots as _snapshots
 from orbax_safetensors._src.storage import buffers as _buffers
@@ -322,7 +321,7 @@ class SaveJob:
             if self.mode is SaveMode.DIRECT:
                 # The caller waits for this write: the cyclic GC may pause for it. An async
                 # save's write outlives save(): it never pauses the GC.
-                with _gcpause.gc_paused():
+                with _pieces.gc_paused():
                     share = self._write()
             else:
                 share = self._write()

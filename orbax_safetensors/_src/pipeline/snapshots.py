@@ -28,7 +28,6 @@ from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import runs as _runs
 from orbax_safetensors._src.core import sharding as _sharding
 from orbax_safetensors._src.pipeline import relayout as _relayout
-from orbax_safetensors._src.pipeline import snapshots as _snapshots
 from orbax_safetensors._src.storage import buffers as _buffers
 
 
@@ -496,7 +495,7 @@ def start_copies(owned: list[_Owned]) -> None:
 
 
 class SnapshotQueue:
-    """Hands host snapshots ``(index, copies)`` (see :func:`_snapshots.iter_snapshots`) from the
+    """Hands host snapshots ``(index, copies)`` (see :func:`iter_snapshots`) from the
     thread that copies them to the thread that plans and writes them, so that writing a large
     state starts before its last tensor is copied.
 
@@ -506,7 +505,7 @@ class SnapshotQueue:
         writer = threading.Thread(target=lambda: write_process_share(
             PreparedSave.from_snapshots(v, queue, SaveLayout()), directory))
         writer.start()
-        for item in _snapshots.iter_snapshots(enumerate(v.captured.arrays)):
+        for item in iter_snapshots(enumerate(v.captured.arrays)):
             queue.put(item)
         queue.close()
     """
@@ -526,13 +525,13 @@ class SnapshotQueue:
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._group: list[tuple[int, _snapshots.HostCopies]] = []
+        self._group: list[tuple[int, HostCopies]] = []
         self._group_bytes = 0
         self._first = True
         self._started = threading.Event()
         self._done = False
 
-    def put(self, item: tuple[int, _snapshots.HostCopies]) -> None:
+    def put(self, item: tuple[int, HostCopies]) -> None:
         self._group.append(item)
         copies = item[1]
         self._group_bytes += (
@@ -575,7 +574,7 @@ class SnapshotQueue:
         """Blocks until the first group, the end or a failure is queued; False on timeout."""
         return self._started.wait(timeout)
 
-    def __iter__(self) -> Iterator[tuple[int, _snapshots.HostCopies]]:
+    def __iter__(self) -> Iterator[tuple[int, HostCopies]]:
         while (group := self._queue.get()) is not self._END:
             if isinstance(group, BaseException):
                 raise RuntimeError("copying the checkpoint's arrays to host failed") from group

@@ -29,7 +29,7 @@ from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
-from orbax_safetensors._src.pipeline import gcpause as _gcpause
+from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.pipeline import place as _place
 from orbax_safetensors._src.pipeline import read as _read
 from orbax_safetensors._src.pipeline import save_job as _save_job
@@ -43,7 +43,7 @@ from orbax_safetensors._src.storage import router as _router
 # --------------------------------------------------------------------------- one file
 
 
-@_gcpause.paused
+@_pieces.gc_paused()
 def save_file(
     tree: Any,
     path: epath.PathLike,
@@ -204,7 +204,7 @@ def load_metadata(path: epath.PathLike) -> dict[str, str]:
 # --------------------------------------------------------------------------- a directory
 
 
-@_gcpause.paused
+@_pieces.gc_paused()
 def save_directory(
     tree: Any,
     directory: epath.PathLike,
@@ -278,7 +278,7 @@ def restore_directory(
     return restore_checkpoint(directory, options, stats=stats)
 
 
-@_gcpause.paused
+@_pieces.gc_paused()
 def restore_checkpoint(
     directory: epath.PathLike,
     options: RestoreOptions | None = None,
