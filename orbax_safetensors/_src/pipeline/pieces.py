@@ -73,11 +73,8 @@ class WriteStats:
 def tensor_pieces(
     plan: _plan.CheckpointPlan, name: str, copies: _snapshots.HostCopies
 ) -> tuple[int, list[_interface.Piece]]:
-    """``(file index, pieces)`` writing a tensor's host ``copies`` where ``plan`` puts them.
-
-    Each piece's tag is ``(tensor name, offset inside the tensor)``. A copy whose dtype is not
-    the planned one (a save under a dtype policy) is cast here, one shard at a time.
-    """
+    """``(file index, pieces)`` writing a tensor's host ``copies`` where ``plan`` puts them
+    (cast to the planned dtype shard by shard); each tag is ``(name, offset in the tensor)``."""
     file_index, base, entry, stored = _placement(plan, name)
     pieces: list[_interface.Piece] = []
     for index, host in copies:
@@ -112,16 +109,14 @@ def _to_lay_out(host: np.ndarray, stored: np.dtype) -> bool:
 
 BAND_BYTES = 8 << 20  # one band of a tensor cast into a reused buffer (band_piece)
 BAND_MIN_BYTES = 1 << 20  # tensors below this are cast whole (tensor_pieces)
-# Bands written at once: 2 to 4 exported faster than 8 or 16, whose extra buffers are fresh
-# memory faulted in (docs/performance.md, "Hugging Face export"); 4 leave a faster device
-# room for a deeper queue.
+# Bands written at once: more bands are fresh memory faulted in, and were slower; 4 leave a
+# faster device room for a deeper queue.
 BANDS_IN_FLIGHT = 4
 
 
 def cast_in_bands(plan: _plan.CheckpointPlan, name: str, value: np.ndarray) -> bool:
-    """Whether ``value`` is worth casting band by band (:func:`band_piece`) as tensor ``name``
-    of ``plan``: a cast or a re-layout to make, a whole-byte planned dtype, at least
-    ``BAND_MIN_BYTES`` written."""
+    """Whether ``value`` is worth casting band by band (:func:`band_piece`): a cast or
+    re-layout to make, a whole-byte planned dtype, at least ``BAND_MIN_BYTES`` written."""
     _, _, entry, stored = _placement(plan, name)
     if _dtypes.bits(entry.dtype) % 8 or entry.nbytes < BAND_MIN_BYTES:
         return False
@@ -130,12 +125,7 @@ def cast_in_bands(plan: _plan.CheckpointPlan, name: str, value: np.ndarray) -> b
 
 def band_rows(shape: tuple[int, ...], itemsize: int, band_bytes: int) -> list[tuple[int, int]]:
     """Row ranges ``[start, stop)`` along axis 0 cutting a tensor of ``shape`` into bands of
-    at most ``band_bytes`` (at least one row each; a 0- or 1-D tensor is one band).
-
-    Example::
-
-        band_rows((1000, 1024), 2, 1 << 20)   # [(0, 512), (512, 1000)]
-    """
+    at most ``band_bytes`` (at least one row each; a 0- or 1-D tensor is one band)."""
     if len(shape) < 2 or not shape[0]:
         return [(0, int(shape[0]) if shape else 1)]
     rows = int(shape[0])
@@ -151,16 +141,10 @@ def band_piece(
     rows: tuple[int, int],
     buffers: _buffers.LentBuffers,
 ) -> tuple[int, list[_interface.Piece]]:
-    """``(file index, [piece])``: rows ``[start, stop)`` of the host tensor ``value`` (any
-    layout, e.g. a transposed view) cast to ``name``'s planned whole-byte dtype straight into
-    a buffer of ``buffers`` (``core/astype.cast_into``) placed for direct I/O at their file
-    offset (``LentBuffers.take``). The caller gives the buffer back
-    (``buffers.give_back(piece.data)``) once the piece is written.
-
-    Cutting a tensor into bands, each cast into a buffer reused band after band, keeps an
-    export's host memory to the bands in flight and its pages mapped once: casting each tensor
-    whole into fresh memory faulted in (and zeroed) every page of the output.
-    """
+    """``(file index, [piece])``: rows ``rows`` of the host tensor ``value`` (any layout)
+    cast to ``name``'s planned dtype straight into a buffer of ``buffers``, which the caller
+    gives back once the piece is written. (Bands cast into reused buffers keep an export's
+    host memory to the bands in flight, its pages faulted in once.)"""
     file_index, base, _, stored = _placement(plan, name)
     start, stop = rows
     part = value[start:stop] if value.ndim else value
@@ -186,16 +170,9 @@ DRAIN = object()  # an item of ordered_map's: every item before it done before o
 def ordered_map(
     fn: Callable[[_T], _R], items: Iterable[Any], workers: int = TRANSFORM_THREADS
 ) -> Iterator[_R]:
-    """``fn`` of each item, in order, computed by up to ``workers`` threads at once (at most
-    ``workers`` results held ahead of the caller). ``items`` is consumed on the caller's
-    thread; an item that is :data:`DRAIN` is not mapped: the results of every item before it
-    are yielded before the next item is taken (what they hold is then the caller's alone).
-
-    Example::
-
-        for file_index, pieces in ordered_map(cast, tensors):
-            ...
-    """
+    """``fn`` of each item, in order, by up to ``workers`` threads (at most ``workers``
+    results ahead of the caller; ``items`` consumed on the caller's thread). A :data:`DRAIN`
+    item is not mapped: every result before it is yielded before the next item is taken."""
     if workers <= 1:
         yield from (fn(item) for item in items if item is not DRAIN)
         return
@@ -226,21 +203,12 @@ def iter_host_pieces(
     copies_ahead: int | None = 1,
     ready: Mapping[str, _snapshots.HostCopies] | None = None,
 ) -> Iterator[tuple[int, list[_interface.Piece]]]:
-    """The byte pieces this process writes, one tensor at a time: ``(file index, pieces)``.
+    """``(file index, pieces)`` this process writes of ``arrays``, one tensor at a time.
 
-    Args:
-      plan: the checkpoint's file plan.
-      arrays: stored tensors by name (``jax.Array`` or numpy).
-      copy: copy host data into buffers we own (needed when writing happens after return).
-      is_primary: whether this process writes host-local leaves (see :func:`is_host_local`).
-      copies_ahead: start device-to-host copies this many tensors ahead of the one yielded
-        (``None``: all at once, fastest when everything is copied before writing). With 1, a
-        consumer that writes each tensor before asking for the next holds about one tensor in
-        host memory at a time (on accelerators; on CPU, uncopied pieces are views).
-      ready: host copies made beforehand, by tensor name (e.g. row blocks,
-        ``snapshots.iter_relaid``): written instead of those arrays' shards.
-
-    Each piece's tag is ``(tensor name, offset inside the tensor)``.
+    ``copy``: into buffers we own (for writes after return). ``is_primary``: this process
+    writes host-local leaves. ``copies_ahead``: device-to-host copies started this many
+    tensors ahead (None: all at once); with 1, a consumer writing each tensor before the next
+    holds about one tensor in host memory. ``ready``: host copies made beforehand, by name.
     """
     items: Any = arrays.items()
     if ready:
@@ -276,11 +244,8 @@ def iter_host_pieces(
 def tensor_checksums(
     records: list[tuple[object, int, int]], sizes: Mapping[str, int]
 ) -> dict[str, int]:
-    """Whole-tensor CRC32C from per-piece ``((name, offset), nbytes, crc)`` records.
-
-    Raises:
-      ValueError: when the pieces of a tensor do not tile it exactly.
-    """
+    """Whole-tensor CRC32C from per-piece ``((name, offset), nbytes, crc)`` records; a
+    ``ValueError`` when the pieces of a tensor do not tile it exactly."""
     by_tensor: dict[str, list[tuple[int, int, int]]] = {name: [] for name in sizes}
     for tag, nbytes, crc in records:
         name, offset = tag  # type: ignore[misc]
