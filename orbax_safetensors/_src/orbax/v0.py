@@ -439,7 +439,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
             return
         job = self._pending.pop(directory)
         if job is None:  # not saved through this handler: the draft and shares are on disk
-            _save_job.finalize_from_disk(directory, self._io)
+            _checkpoint_save.finalize(directory, io=self._io)
         else:
             job.finalize()
 

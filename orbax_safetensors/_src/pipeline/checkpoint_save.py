@@ -172,9 +172,7 @@ class PreparedSave:
                 casts=validated.snapshot_casts(),
             )
             ready = {names[i]: copies for i, copies in relaid}
-        pieces = _pieces.iter_host_pieces(
-            plan, flat.arrays, copy=False, is_primary=is_primary, copies_ahead=1, ready=ready
-        )
+        pieces = _pieces.iter_host_pieces(plan, flat.arrays, is_primary=is_primary, ready=ready)
         # Where the pieces are host views (CPU, numpy), writes under way hold no memory of
         # their own; where each is a fresh copy off an accelerator, they would hold up to
         # IN_FLIGHT_BYTES of copies (a small state whole): one batch is written at a time

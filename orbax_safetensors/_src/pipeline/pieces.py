@@ -5,7 +5,7 @@ bulk-work helpers of the pipeline: :func:`ordered_map` (casts on several threads
 
 Example::
 
-    for file_index, pieces in iter_host_pieces(plan, flat.arrays, copy=False): ...
+    for file_index, pieces in iter_host_pieces(plan, flat.arrays): ...
 """
 
 from __future__ import annotations
@@ -198,43 +198,35 @@ def iter_host_pieces(
     plan: _plan.CheckpointPlan,
     arrays: Mapping[str, Any],
     *,
-    copy: bool,
     is_primary: bool = True,
-    copies_ahead: int | None = 1,
     ready: Mapping[str, _snapshots.HostCopies] | None = None,
 ) -> Iterator[tuple[int, list[_interface.Piece]]]:
-    """``(file index, pieces)`` this process writes of ``arrays``, one tensor at a time.
-
-    ``copy``: into buffers we own (for writes after return). ``is_primary``: this process
-    writes host-local leaves. ``copies_ahead``: device-to-host copies started this many
-    tensors ahead (None: all at once); with 1, a consumer writing each tensor before the next
-    holds about one tensor in host memory. ``ready``: host copies made beforehand, by name.
-    """
+    """``(file index, pieces)`` this process writes of ``arrays``, one tensor at a time, its
+    host data viewed (or copied off an accelerator) as the consumer reaches it, the next
+    tensor's transfer started ahead: a consumer writing each before the next holds about one
+    tensor in host memory. ``is_primary``: this process writes host-local leaves. ``ready``:
+    host copies made beforehand, by name."""
     items: Any = arrays.items()
     if ready:
         for name, copies in ready.items():
             yield tensor_pieces(plan, name, copies)
         items = [(name, x) for name, x in items if name not in ready]
     owned = _snapshots.owned_tensors(items, is_primary)
-    buffers = _buffers.BufferArena() if copy else None
     started = 0
-    ahead = len(owned) if copies_ahead is None else copies_ahead
-    # A few tensors at a time (copies_ahead), accelerator data is copied from device copies
+    # One tensor ahead, accelerator data is copied from device copies
     # (snapshots.detached), each freed once on the host: JAX would otherwise keep every host
     # copy cached on the caller's arrays, the whole state in host memory after the save.
     window: dict[int, Any] = {}
     for k, item in enumerate(owned):
-        if started < len(owned):  # keep copies started `ahead` tensors past this one
-            until = min(len(owned), k + 1 + ahead)
-            batch = owned[started:until]
-            if copies_ahead is not None:
-                batch = _snapshots.detached(batch)
-                window.update(zip(range(started, until), batch))
+        if started < len(owned):  # keep copies started one tensor past this one
+            until = min(len(owned), k + 2)
+            batch = _snapshots.detached(owned[started:until])
+            window.update(zip(range(started, until), batch))
             _snapshots.start_copies(batch)
             started = until
         current = window.pop(k, item)
         stored = _dtypes.to_numpy(plan.locate(item[0])[1].dtype)
-        copies = _snapshots.host_copies(current, buffers, stored)
+        copies = _snapshots.host_copies(current, None, stored)
         if current is not item:
             _snapshots.delete_device_copies([current])
         yield tensor_pieces(plan, item[0], copies)

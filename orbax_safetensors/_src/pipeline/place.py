@@ -27,14 +27,10 @@ from orbax_safetensors._src.storage import buffers as _buffers
 
 # --------------------------------------------------------------------------- put
 
-# ``jax.device_put`` of a numpy array spends most of its time in Python (building the abstract
-# value several times over, sharding checks meant for resharding jax.Arrays) before XLA's C++
-# transfer; restoring many small tensors, that Python was most of the restore. A numpy array
-# bound for one addressable device therefore takes the entry ``jax.device_put`` itself ends in
-# for numpy inputs (the same transfer, the same zero-copy aliasing of 64-byte aligned buffers
-# on CPU, committed as ``device_put`` commits), looked up in ``compat/jaxcompat``. Anything else
-# (several devices, 64-bit dtypes JAX may canonicalise, a JAX without that entry) goes through
-# ``jax.device_put``.
+# ``jax.device_put`` of a numpy array spends most of its time in Python before the transfer: a
+# numpy array bound for one addressable device takes the entry ``device_put`` itself ends in
+# (``compat/jaxcompat``: the same transfer, aliasing and commit). Anything else (several
+# devices, 64-bit dtypes JAX may canonicalise, a JAX without that entry) goes through it.
 
 
 def _load_direct_put() -> _jaxcompat.DirectPut | None:
@@ -237,20 +233,17 @@ def place_read(requests: Sequence[Any], buffers: Sequence[HostBuffers]) -> list[
 
 # --------------------------------------------------------------------------- staging
 
-# On an accelerator ``jax.device_put`` copies host bytes and is then done with them: a restore
-# reads each large tensor into a ring, starts its transfer, and reads into that space again
-# once the transfer is done. The ring is kept between restores so that its pages are faulted in
-# once per process, not once per restore (first-touch faults are the slow part of reading into
-# fresh memory on virtual machines: docs/performance.md, "TPU"). On CPU the placed array *is*
-# the host buffer, so nothing is staged there.
+# On an accelerator ``jax.device_put`` copies host bytes: large tensors are read into a ring
+# whose space is reused once their transfers are done, and kept between restores so that its
+# pages are faulted in once per process. On CPU the placed array *is* the host buffer: nothing
+# is staged.
 
 # Tensors of at least this many bytes go through the ring; smaller ones are carved from the
 # arena's slabs (few allocations, and the ring's page placement would waste more than they hold).
 STAGE_MIN_BYTES = 1 << 20
 # The ring's size (grown to hold the largest staged tensor), and how many waves of reads share
-# it: a wave of at most a quarter of the ring is read while the three before it transfer.
-# Smaller waves or fewer of them left the transfers idle between waves on a TPU v5e
-# (docs/performance.md, "TPU"); pages are faulted in only as far as a restore reaches.
+# it: a wave of at most a quarter of the ring is read while the three before it transfer
+# (smaller or fewer waves left the transfers idle between waves).
 RING_BYTES = 512 << 20
 WAVES_IN_FLIGHT = 4
 _PAGE = 4096

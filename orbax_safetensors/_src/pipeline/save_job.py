@@ -458,7 +458,7 @@ class FileSaveJob:
         records: _interface.WriteResult = []
         batch: list[_interface.Piece] = []
         held = 0
-        for _, pieces in _pieces.iter_host_pieces(plan, flat.arrays, copy=False):
+        for _, pieces in _pieces.iter_host_pieces(plan, flat.arrays):
             batch.extend(pieces)
             held += sum(p.data.nbytes for p in pieces)
             if held >= _WRITE_BATCH_BYTES:
@@ -490,12 +490,6 @@ class FileSaveJob:
     def _remove_tmp(self) -> None:
         if self._tmp is not None and self._tmp.exists():
             self._tmp.unlink()
-
-
-def finalize_from_disk(directory: epath.PathLike, io: _config.IOOptions | None = None) -> None:
-    """Finalizes a save whose job this process does not hold (its draft and checksum shares
-    were persisted: a save by several processes, finalized by a fresh driver)."""
-    _checkpoint_save.finalize(directory, io=io)
 
 
 class PendingSaves:
