@@ -27,18 +27,16 @@ from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import schema as _schema
 from orbax_safetensors._src.core.errors import DeletedArrayError, UnsupportedLeafError
-from orbax_safetensors._src.core.naming import (
+from orbax_safetensors._src.core.rebuild import (
     ROOT_NAME,
     KeyEntry,
     assign_names,
     dedupe_names,
     entry_text,
-    is_nnx_variable,
-    join_path,
-)
-from orbax_safetensors._src.core.rebuild import (
     flatten_target,
     inline_value,
+    is_nnx_variable,
+    join_path,
     prune_schema,
     selectable_names,
     unflatten,
@@ -78,6 +76,7 @@ __all__ = [
     "assign_names",
     "flatten_target",
     "inline_value",
+    "join_path",
     "prune_schema",
     "selectable_names",
     "unflatten",
