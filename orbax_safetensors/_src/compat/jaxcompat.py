@@ -4,10 +4,6 @@ and broadcasts between the processes of a job, in one place.
 Each private or version-dependent name is looked up behind a guard with a fallback that gives
 the same results (``tests/orbax/test_compat.py`` checks each on every supported stack, jax 0.6
 to 0.10 and flax 0.11 to 0.12).
-
-Example::
-
-    children = flatten_one_level_with_keys(optax_state)  # [(key entry, child), ...]
 """
 
 from __future__ import annotations

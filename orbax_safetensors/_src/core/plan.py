@@ -1,10 +1,5 @@
 """The file plan: which tensors go in which file, at which offsets. Pure functions of names,
 global shapes and dtypes, so every process computes the same plan without talking to others.
-
-Example::
-
-    plan = plan_files([TensorSpec("w", "F32", (4, 6))], max_file_size=None)
-    plan.files[0].filename                       # 'model.safetensors'
 """
 
 from __future__ import annotations

@@ -5,12 +5,6 @@ document's ``device_meshes`` table) and back over this job's devices; and
 
 JAX is imported by the functions that take shardings, not with the module: the metadata codec
 validates sharding JSON for tools that never start JAX.
-
-Example::
-
-    desc = sharding_to_json(x.sharding)
-    # {"mesh_axes": ["d"], "mesh_shape": [8], "spec": ["d", None], "device_ids": [0, ..., 7]}
-    sharding = sharding_from_json(desc)  # None when this job's devices cannot form that mesh
 """
 
 from __future__ import annotations
@@ -116,10 +110,6 @@ def check_sharding_json(
 
     Raises:
       SchemaError: naming what is malformed.
-
-    Example::
-
-        check_sharding_json({"mesh_axes": ["d"], "mesh_shape": [8], "spec": ["d"]}, rank=1)
     """
     if desc is None:
         return
@@ -244,11 +234,6 @@ class ShardingMemo(Generic[T]):
     """Memoises ``fn(sharding)`` for one pass over many arrays: a tree of 10,000 arrays often
     has 10,000 sharding objects but a handful of distinct shardings. Looks a sharding up by
     identity first, then by value; entries keep their sharding alive (no id is reused).
-
-    Example::
-
-        on_one_device = ShardingMemo(lambda s: len(s.device_set) == 1)
-        flags = [on_one_device(x.sharding) for x in arrays]
     """
 
     def __init__(self, fn: Callable[[Any], T]) -> None:

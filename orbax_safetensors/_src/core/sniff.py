@@ -4,14 +4,6 @@ Readers call :func:`sniff_bytes` with a file's first :data:`HEAD_BYTES` bytes on
 failed to parse (never before: a real header's length may begin with any byte), and
 :func:`sniff_directory` with a directory's entry names. Only signatures are compared: nothing
 is decoded, unpickled or decompressed.
-
-Example::
-
-    found = sniff_bytes(head, where="checkpoint_3")
-    if found is not None:
-        raise NotSafetensorsError(message("checkpoint_3", found), found)
-    found.kind        # "flax-msgpack"
-    found.suggestion  # "convert it: orbax-safetensors convert checkpoint_3 checkpoint_3.safetensors ..."
 """
 
 from __future__ import annotations

@@ -5,12 +5,6 @@ records containers, Python scalars inline, typed PRNG keys and aliases (an array
 several leaves is stored once), and never names a class to import. This module walks trees on
 save, and gives other layers the tree names they call (the rebuilding ones are
 ``core/rebuild.py``'s).
-
-Example::
-
-    flat = flatten({"layers": [{"w": np.ones(2)}], "step": 3})
-    flat.arrays            # {"layers.0.w": array([1., 1.])}
-    unflatten(flat.schema, lambda leaf: flat.arrays[leaf.tensor_name])
 """
 
 from __future__ import annotations
