@@ -3,16 +3,7 @@
 The supported stacks (orbax-checkpoint 0.11.11 to 0.12) differ in what they offer. Each name is
 looked up here, behind a guard, with a fallback that gives the same results
 (``tests/orbax/test_compat.py`` checks each on every CI stack); Orbax is imported by the
-functions, never with the module:
-
-| what | name | since / status | fallback |
-|---|---|---|---|
-| :func:`pytree_partial_restore` | ``PyTreeRestore(partial_restore=True)`` | public, newer than orbax-checkpoint 0.11.11 | ``PyTreeRestore(transforms={})``, which restores only what ``item`` holds |
-| :func:`orbax_uses_legacy_commit_rule` | which steps ``CheckpointManager.all_steps()`` lists | changed in orbax-checkpoint 0.12.3 | the installed version decides (``importlib.metadata``) |
-| :func:`replace_named_handler` | a v1 registry's entry list (``_registry``) | private | ``AlreadyExistsError`` explained: register per context instead |
-| :func:`v1_loading_options` | the active v1 ``Context`` (``experimental.v1._src.context.context.get_context``) | private (v1 exports no getter) | Orbax's defaults, marked ``readable=False``: a mismatch raises, never a silent change |
-| :func:`orbax_v1` | ``orbax.checkpoint.v1`` with ``save`` / ``save_async`` / ``load`` | public in orbax-checkpoint 0.12.8 (absent in 0.11.11; partial in 0.11.40) | none: an ``ImportError`` naming the version needed |
-| :func:`array_read_spec` | ``ocp.type_handlers.ParamInfo`` / ``get_json_tspec_read`` (the TensorStore spec Orbax's restore opens an array with) | public, their fields and home changed across 0.11-0.12 | None: the array is read through Orbax's restore (the same values; whole boxes only) |
+functions, never with the module.
 """
 
 from __future__ import annotations

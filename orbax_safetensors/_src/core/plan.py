@@ -135,11 +135,6 @@ def plan_files(
     return CheckpointPlan(files, file_of)
 
 
-def tensor_specs(arrays: Mapping[str, Any]) -> list[TensorSpec]:
-    """The stored dtype and global shape of every array, in order."""
-    return specs_of((name, a.dtype, a.shape) for name, a in arrays.items())
-
-
 def specs_of(entries: Iterable[tuple[str, Any, Sequence[int]]]) -> list[TensorSpec]:
     """Tensor specs from ``(name, numpy dtype, shape)``.
 

@@ -2,16 +2,6 @@
 read, and what each process then holds. Pure functions of global facts (shapes, dtypes,
 partition specs, the process of each device), so every process, and a planner simulating any
 number of them (``benchmarks/scale_sim.py``), gets the same answer without talking.
-
-- **Row blocks** (:func:`row_block_layout`): a sharding whose across-process axis cuts a later
-  dimension gives every process a byte run per row: on object storage a staged range or a
-  ranged read per row. In row blocks (device ``k`` of the mesh holds the ``k``-th block of
-  rows) a process's share is one range per run of adjacent devices.
-- **Concatenated groups** (:func:`concat_groups`): at a thousand processes a process's bytes
-  of a tensor are under the 5 MiB an S3 part needs. Tensors of one shape, stored dtype and
-  sharding sit next to each other in the file (:func:`file_order`) and are joined on the
-  devices, in row blocks, so that each process writes one range of the group.
-- **Even bands** (:func:`even_rows`): how many rows an export re-lays out at a time.
 """
 
 from __future__ import annotations
@@ -205,6 +195,8 @@ def file_order(keys: Sequence[Hashable | None]) -> list[int]:
     return [j for item in order for j in (item if isinstance(item, list) else [item])]
 
 
+# At a thousand processes a process's bytes of one tensor fall under the 5 MiB an S3 part needs:
+# joined, tensors of one sharding give each process one range of a group.
 def concat_groups(
     shapes: Sequence[Sequence[int]],
     dtypes: Sequence[str],

@@ -74,11 +74,7 @@ DIRECTORY_KINDS = frozenset(
 
 def convert_command(where: str) -> str:
     """The shell-quoted command converting the Flax msgpack file ``where`` to safetensors."""
-    return f"orbax-safetensors convert {_q(where)} {_q(_stem(where) + '.safetensors')}"
-
-
-def _q(path: str) -> str:
-    return shlex.quote(path)
+    return f"orbax-safetensors convert {shlex.quote(where)} {shlex.quote(_stem(where) + '.safetensors')}"
 
 
 def _stem(where: str) -> str:
@@ -260,7 +256,7 @@ def sniff_directory(entries: Collection[str], where: str = "directory") -> Sniff
             "Restore it with osf.restore_directory(path) or a CheckpointManager with "
             "osf.SafetensorsRestore; load_file reads one .safetensors file.",
         )
-    convert = f"orbax-safetensors convert {_q(where)} {_q(_stem(where) + '-safetensors')}"
+    convert = f"orbax-safetensors convert {shlex.quote(where)} {shlex.quote(_stem(where) + '-safetensors')}"
     if names & _ORBAX_ITEM_ENTRIES or any(n.startswith("ocdbt.process_") for n in names):
         return Sniffed(
             Kind.ORBAX_ITEM,
@@ -281,7 +277,7 @@ def sniff_directory(entries: Collection[str], where: str = "directory") -> Sniff
         return Sniffed(
             Kind.ORBAX_ROOT,
             f"a CheckpointManager root (steps {shown})",
-            f"orbax-safetensors inspect {_q(where)} lists its steps; restore one through "
+            f"orbax-safetensors inspect {shlex.quote(where)} lists its steps; restore one through "
             f"ocp.CheckpointManager, or convert them all: {convert}.",
         )
     if "model.safetensors.index.json" in names or any(n.endswith(".safetensors") for n in names):
@@ -289,6 +285,6 @@ def sniff_directory(entries: Collection[str], where: str = "directory") -> Sniff
             Kind.SAFETENSORS_DIR,
             "a directory of safetensors files",
             "Load one of its .safetensors files, or see it whole with "
-            f"orbax-safetensors inspect {_q(where)}.",
+            f"orbax-safetensors inspect {shlex.quote(where)}.",
         )
     return None

@@ -1,10 +1,9 @@
 """The pytree codec: any pytree <-> ``{dotted_name: array}`` plus a lossless JSON schema.
 
-Leaves are named by the naming rule (``core/naming.py``); the schema (``core/schema.py``)
+Leaves are named by the naming rule (``core/rebuild.py``); the schema (``core/schema.py``)
 records containers, Python scalars inline, typed PRNG keys and aliases (an array object at
 several leaves is stored once), and never names a class to import. This module walks trees on
-save, and gives other layers the tree names they call (the rebuilding ones are
-``core/rebuild.py``'s).
+save, and re-exports the names other layers call.
 """
 
 from __future__ import annotations
