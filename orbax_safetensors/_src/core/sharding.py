@@ -98,10 +98,6 @@ def split_devices(
     return out, devices
 
 
-def _is_int(x: object) -> bool:
-    return type(x) is int
-
-
 def check_sharding_json(
     desc: object, device_meshes: object = None, rank: int | None = None
 ) -> None:
@@ -116,7 +112,7 @@ def check_sharding_json(
     if not isinstance(desc, dict) or not desc:
         raise SchemaError(f"sharding {desc!r} is malformed (not a mesh description)")
     shape, axes, spec = desc.get("mesh_shape"), desc.get("mesh_axes"), desc.get("spec")
-    if not (isinstance(shape, list) and shape and all(_is_int(d) and d >= 1 for d in shape)):
+    if not (isinstance(shape, list) and shape and all(type(d) is int and d >= 1 for d in shape)):
         raise SchemaError(f"sharding {desc!r} is malformed (mesh_shape is not a list of sizes)")
     if not (
         isinstance(axes, list)
