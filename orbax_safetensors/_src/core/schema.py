@@ -228,14 +228,10 @@ def node_to_json(node: Node, swap: Mapping[int, Leaf] | None = None) -> dict[str
         node = swap.get(id(node), node)  # type: ignore[arg-type]
         t = type(node)
     if t is Tensor:
-        if node.cast_from is None:  # type: ignore[union-attr]
-            return {"t": "tensor", "array": node.array.value, "name": node.name}  # type: ignore[union-attr]
-        return {
-            "t": "tensor",
-            "array": node.array.value,  # type: ignore[union-attr]
-            "name": node.name,  # type: ignore[union-attr]
-            "cast_from": node.cast_from,  # type: ignore[union-attr]
-        }
+        tensor = {"t": "tensor", "array": node.array.value, "name": node.name}  # type: ignore[union-attr]
+        if node.cast_from is not None:  # type: ignore[union-attr]
+            tensor["cast_from"] = node.cast_from  # type: ignore[union-attr]
+        return tensor
     if t is DictNode:
         return {
             "t": "dict",

@@ -207,12 +207,8 @@ class CapturedTree:
 
 
 def flatten(tree: Any) -> FlatTree:
-    """Flattens ``tree`` into dotted names and a lossless schema: ``capture(tree).finish()``.
-
-    Raises:
-      UnsupportedLeafError: naming the first leaf that cannot be stored (before any I/O).
-      DeletedArrayError (a ValueError): naming a ``jax.Array`` that has been deleted (donated).
-    """
+    """Flattens ``tree`` into dotted names and a lossless schema: ``capture(tree).finish()``
+    (raising as :func:`capture` does)."""
     return capture(tree).finish()
 
 
