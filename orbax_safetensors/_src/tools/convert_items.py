@@ -275,7 +275,7 @@ def to_safetensors_item(
                         value = jax.random.key_data(value)
                     arrays[ours] = np.asarray(value)
                 del values
-                yield from _pieces.iter_host_pieces(plan, arrays, copy=False)
+                yield from _pieces.iter_host_pieces(plan, arrays)
                 bar.update(sum(a.nbytes for a in arrays.values()))
                 del arrays
 
