@@ -319,8 +319,7 @@ def _command(
     summary: str,
     **positionals: str,
 ) -> argparse.ArgumentParser:
-    """The subcommand ``name`` run by ``func`` (its docstring: the description), with
-    ``summary`` in the top-level help and ``positionals`` (name: help) in order."""
+    """The verb ``name``, described by ``func``'s docstring, with ``positionals`` (name: help)."""
     parser: argparse.ArgumentParser = sub.add_parser(name, help=summary, description=func.__doc__)
     parser.set_defaults(func=func, command_parser=parser)
     for dest, help_text in positionals.items():
