@@ -115,13 +115,6 @@ def resolve_mapping(
       ValueError: an unknown preset, a module that does not import, no KeyMapping there.
       ConfigError: an impossible size in ``hf_config`` that a preset reads.
     """
-    mapping = _named_mapping(spec, hf_config)
-    if lora_scale is None:
-        return mapping
-    return dataclasses.replace(mapping, lora_scale=lora_scale)
-
-
-def _named_mapping(spec: str, hf_config: dict[str, Any] | None) -> KeyMapping:
     if ":" not in spec:
         if spec not in PRESETS:
             raise ValueError(
@@ -146,7 +139,7 @@ def _named_mapping(spec: str, hf_config: dict[str, Any] | None) -> KeyMapping:
                     f"--mapping {spec!r} needs --hf-config with head_dim (or hidden_size and "
                     "num_attention_heads)"
                 )
-        return preset_mapping(spec, **kwargs)
+        return preset_mapping(spec, lora_scale=lora_scale, **kwargs)
     module_name, _, attr = spec.partition(":")
     added = "" not in sys.path and "." not in sys.path
     if added:
@@ -170,7 +163,7 @@ def _named_mapping(spec: str, hf_config: dict[str, Any] | None) -> KeyMapping:
             f"--mapping {spec!r} names an object of type {type(value).__name__}, not an "
             "osf.KeyMapping"
         )
-    return value
+    return value if lora_scale is None else dataclasses.replace(value, lora_scale=lora_scale)
 
 
 def _takes_no_arguments(fn: Any) -> bool:
