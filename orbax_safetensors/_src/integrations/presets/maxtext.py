@@ -1,11 +1,8 @@
-"""Presets for MaxText's train states (``maxtext-llama3``, ``maxtext-mistral``,
-``maxtext-mixtral``, ``maxtext-qwen3``, ``maxtext-qwen3-moe``, ``maxtext-qwen2``,
-``maxtext-gemma2``, ``maxtext-gemma3``, ``maxtext-deepseek3``), each built from the model's
-Hugging Face config.
-
-The facts are those of MaxText 0.2.5's own conversion (``checkpoint_conversion/utils/
-param_mapping.py``: its name mappings and value hooks), so that an export writes the tensors
-its ``to_huggingface.py`` writes. Parameters sit under ``params.params``; scanned layers
+"""Presets for MaxText's train states (``maxtext-llama3``, ``-mistral``, ``-mixtral``,
+``-qwen3``, ``-qwen3-moe``, ``-qwen2``, ``-gemma2``, ``-gemma3``, ``-deepseek3``), each built
+from the model's Hugging Face config. The facts are those of MaxText 0.2.5's own conversion
+(``checkpoint_conversion/utils/param_mapping.py``), so that an export writes the tensors its
+``to_huggingface.py`` writes. Parameters sit under ``params.params``; scanned layers
 (``decoder.layers``) hold the layers on axis 1, unscanned ones are ``decoder.layers_{i}``.
 A new family is one :func:`_preset` call, which enters it in :data:`PRESETS`.
 """
@@ -14,8 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import ml_dtypes
 import numpy as np
@@ -67,12 +64,26 @@ class _Family:
     # how the layers sit: "plain", "pairs" (Gemma 2), "six" (Gemma 3), "dense_moe" (DeepSeek)
     layout: str = "plain"
 
+    def norm(self) -> Offset | None:
+        return Offset(1.0) if self.offset else None
+
+
+class MaxTextPreset(Protocol):  # what every MaxText preset takes (see llama3)
+    def __call__(
+        self,
+        hf_config: Any,
+        *,
+        scan_layers: bool | None = None,
+        vocab_size: int | None = None,
+        lora_scale: float | None = None,
+    ) -> KeyMapping: ...
+
 
 # The preset names of this group, each entered by its _preset call.
-PRESETS: dict[str, Callable[..., KeyMapping]] = {}
+PRESETS: dict[str, MaxTextPreset] = {}
 
 
-def _preset(family: _Family, doc: str) -> Callable[..., KeyMapping]:
+def _preset(family: _Family, doc: str) -> MaxTextPreset:
     """The factory of ``family``'s preset (``maxtext-qwen3-moe``: ``qwen3_moe``), entered in
     :data:`PRESETS`; every family takes the same arguments, documented by :func:`llama3`."""
 
@@ -284,7 +295,7 @@ def _mapping(
         Rule(
             lm + "embed_tokens.weight", _ROOT + "token_embedder.embedding", dims.embedding(padded)
         ),
-        Rule(lm + "norm.weight", _ROOT + "decoder.decoder_norm.scale", _offset(family)),
+        Rule(lm + "norm.weight", _ROOT + "decoder.decoder_norm.scale", family.norm()),
         *layers,
         *_vision(dims.vision),
     ]
@@ -327,10 +338,6 @@ def _padded(vocab_size: Any) -> int:
     if not whole or vocab_size <= 0:
         raise ValueError(f"vocab_size= must be a positive whole number, got {vocab_size!r}")
     return int(vocab_size)
-
-
-def _offset(family: _Family) -> Offset | None:
-    return Offset(1.0) if family.offset else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -485,7 +492,7 @@ def _placed(placements: list[_Placement]) -> list[Rule]:
 def _layer(family: _Family, dims: _Dims, sub: str = "", dense: bool = False) -> list[_Entry]:
     """The tensors of one decoder layer (``sub``: Gemma 2's ``_local`` or ``_global``
     sub-block; ``dense``: a DeepSeek dense layer)."""
-    att, offset = f"self_attention{sub}.", _offset(family)
+    att, offset = f"self_attention{sub}.", family.norm()
     entries = _mla(dims, att) if family.layout == "dense_moe" else _attention(family, dims, att)
     entries += [(f"{h}.weight", f"{m}{sub}.scale", offset) for h, m in family.norms]
     t = Transpose()
@@ -526,8 +533,8 @@ def _attention(family: _Family, dims: _Dims, att: str) -> list[_Entry]:
             entries.append((f"self_attn.{p}_proj.bias", f"{att}{m}.bias", bias))
     if family.qk_norm:
         entries += [
-            ("self_attn.q_norm.weight", att + "query_norm.scale", _offset(family)),
-            ("self_attn.k_norm.weight", att + "key_norm.scale", _offset(family)),
+            ("self_attn.q_norm.weight", att + "query_norm.scale", family.norm()),
+            ("self_attn.k_norm.weight", att + "key_norm.scale", family.norm()),
         ]
     return entries
 
