@@ -51,27 +51,27 @@ if TYPE_CHECKING:
         TensorEntry,
     )
     from orbax_safetensors._src.integrations.export import export_pytorch
-    from orbax_safetensors._src.integrations.hf_import import import_pytorch
-    from orbax_safetensors._src.integrations.key_mapping import (
-        Chain,
-        KeyMapping,
-        MappingReport,
-        Reshape,
-        Rule,
-        SplitHeads,
-        Transform,
-        Transpose,
-    )
-    from orbax_safetensors._src.integrations.load import abstract_pytorch, load_pytorch
-    from orbax_safetensors._src.integrations.nnx import (
+    from orbax_safetensors._src.integrations.flax_tables import (
         load_model,
         save_model,
     )
+    from orbax_safetensors._src.integrations.hf_import import import_pytorch
+    from orbax_safetensors._src.integrations.key_mapping import (
+        KeyMapping,
+        MappingReport,
+        Rule,
+    )
+    from orbax_safetensors._src.integrations.load import abstract_pytorch, load_pytorch
     from orbax_safetensors._src.integrations.presets import preset_mapping
     from orbax_safetensors._src.integrations.transforms import (
+        Chain,
         Offset,
+        Reshape,
         RopeInterleave,
         Scale,
+        SplitHeads,
+        Transform,
+        Transpose,
         VocabRows,
     )
     from orbax_safetensors._src.orbax.object_storage import manager_options_for
@@ -121,20 +121,20 @@ _LAZY: dict[str, str] = {
     "hf": "hf",
     "Header": "core.header",
     "TensorEntry": "core.header",
-    "Chain": "integrations.key_mapping",
     "KeyMapping": "integrations.key_mapping",
     "MappingReport": "integrations.key_mapping",
-    "Reshape": "integrations.key_mapping",
     "Rule": "integrations.key_mapping",
-    "SplitHeads": "integrations.key_mapping",
-    "Transform": "integrations.key_mapping",
-    "Transpose": "integrations.key_mapping",
-    "load_model": "integrations.nnx",
-    "save_model": "integrations.nnx",
+    "load_model": "integrations.flax_tables",
+    "save_model": "integrations.flax_tables",
     "preset_mapping": "integrations.presets",
+    "Chain": "integrations.transforms",
     "Offset": "integrations.transforms",
+    "Reshape": "integrations.transforms",
     "RopeInterleave": "integrations.transforms",
     "Scale": "integrations.transforms",
+    "SplitHeads": "integrations.transforms",
+    "Transform": "integrations.transforms",
+    "Transpose": "integrations.transforms",
     "VocabRows": "integrations.transforms",
     "abstract_pytorch": "integrations.load",
     "export_pytorch": "integrations.export",

@@ -189,16 +189,6 @@ def _rows(key: str, heads: int, kv: int) -> int | None:
     return heads if module in _QUERY else kv if module in _KEY_VALUE else None
 
 
-def attention_sizes(hf_config: Any) -> tuple[int, int, int] | None:
-    """``(heads, key/value heads, head_dim)`` of a transformers config (or its dict, or its
-    ``config.json``; a nested ``text_config`` too), or None when it names no heads.
-
-    Raises:
-      ConfigError: an impossible value (``config_facts.ConfigFacts.attention``)."""
-    found = _attention(hf_config)
-    return None if found is None else found[0]
-
-
 # A nested text_config's heads are the language model's: its keys name one of these (a vision
 # tower's projections have heads of their own).
 _TEXT_MODULES = frozenset({"language_model", "text_model"})

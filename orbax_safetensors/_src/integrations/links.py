@@ -12,7 +12,7 @@ PyTorch tensors on its own (:func:`shard_boxes`). LoRA merges are ``lora.py``'s.
 
 Example::
 
-    links, report = export_links(mapping, {"layers.mlp.kernel": (4, 8, 16)})
+    links, report = find_links(mapping, {"layers.mlp.kernel": (4, 8, 16)}, flax_side=True)
     links[0].torch      # ('layers.0.mlp.weight', ..., 'layers.3.mlp.weight')
 """
 
@@ -25,15 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from orbax_safetensors._src.integrations.key_mapping import (
-    IDENTITY,
-    Chain,
-    KeyMapping,
-    MappingReport,
-    Rule,
-    Transpose,
-)
+from orbax_safetensors._src.integrations.key_mapping import KeyMapping, MappingReport, Rule
 from orbax_safetensors._src.integrations.stacking import Gather
+from orbax_safetensors._src.integrations.transforms import IDENTITY, Chain, Transpose
 
 Shape = tuple[int, ...]
 Box = tuple[slice, ...]
@@ -228,31 +222,17 @@ def _matched(
             report.unmapped.append(name)
 
 
-def export_links(
-    mapping: KeyMapping, shapes: Mapping[str, Shape]
-) -> tuple[list[Link], MappingReport]:
-    """The links exporting Flax tensors of ``shapes`` (by name); the report lists the names
-    ignored and unmapped, and tensors a link needs that are absent or do not agree on a
-    stack's length (``mismatched``)."""
-    return _links(mapping, shapes, flax_side=True)
-
-
-def load_links(
-    mapping: KeyMapping, shapes: Mapping[str, Shape]
-) -> tuple[list[Link], MappingReport]:
-    """The links loading PyTorch tensors of ``shapes`` (by key); the report lists the keys
-    ignored and unmapped, and tensors a link needs that are absent or do not agree on a
-    stack's length (``mismatched``)."""
-    return _links(mapping, shapes, flax_side=False)
-
-
-def _links(
+def find_links(
     mapping: KeyMapping, shapes: Mapping[str, Shape], *, flax_side: bool
 ) -> tuple[list[Link], MappingReport]:
-    # The tensors of this side (Flax names if ``flax_side``, else PyTorch keys) that one rule
-    # gathers into the same tensors of the other side form one group: same rule, same values
-    # of the plain placeholders. Each is one slot of the other side's gather (its values of
-    # the collective placeholders of this side's pattern).
+    """The links of the tensors of ``shapes`` (Flax names for an export, ``flax_side``; else
+    PyTorch keys for a load); the report lists the names ignored and unmapped, and tensors
+    a link needs that are absent or do not agree on a stack's length (``mismatched``).
+
+    Tensors of this side that one rule gathers into the same tensors of the other side
+    (same rule, same values of the plain placeholders) form one link, each one slot of the
+    other side's gather.
+    """
     report = MappingReport()
     order: list[Link | tuple[int, tuple[tuple[str, str], ...]]] = []
     groups: dict[tuple[int, tuple[tuple[str, str], ...]], dict[tuple[int, ...], str]] = {}
