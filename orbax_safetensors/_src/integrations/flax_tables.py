@@ -1,21 +1,8 @@
-"""Flax trees as tables of tensors by dotted name: what an export reads from (an NNX module,
-any pytree of arrays, or a checkpoint path, plus a batch reader), and ``save_model`` /
-``load_model``, an NNX module's whole state in one ``.safetensors`` file, mirroring
-``safetensors.torch``.
-
-- an ``nnx.Module``: its variables selected by an ``nnx`` filter (default ``nnx.Param`` and
-  ``nnx.BatchStat``; ``nnx.LoRAParam`` is an ``nnx.Param``);
-- a pytree (dicts, lists, Linen ``params``, ``nnx.State``, ``TrainState.params``): its array
-  leaves, named by their key paths joined with ``.`` (``nnx.Variable`` leaves by their value;
-  RNG state and typed PRNG keys left out);
-- a path: a ``.safetensors`` file, a checkpoint item, a plain safetensors directory, an
-  Orbax-native item, a step directory (``item=`` picks one of several items) or a
-  CheckpointManager root (its latest committed step, or ``step=``).
-
-Example::
-
-    table = flax_table({"params": {"w": jnp.ones((2, 3))}})
-    table.infos["params.w"].shape        # (2, 3)
+"""Flax trees as tables of tensors by dotted name: what an export reads from
+(:func:`flax_table`: an NNX module, a pytree of arrays or a checkpoint path, plus a batch
+reader), the names of a tree's leaves and back (:func:`tree_leaves`, :func:`nested`), and
+``save_model`` / ``load_model``: an NNX module's whole state in one ``.safetensors`` file,
+mirroring ``safetensors.torch``.
 """
 
 from __future__ import annotations
@@ -156,8 +143,12 @@ def flax_table(
     step: int | None = None,
     item: str | None = None,
 ) -> FlaxTable:
-    """The tensors of ``source`` by Flax name (see the module docstring); with ``prefix``, only
-    names starting with it, without it.
+    """The tensors of ``source`` by Flax name; with ``prefix``, only names starting with it,
+    without it. ``source`` is an ``nnx.Module`` (its variables of the ``variables`` filter,
+    default ``nnx.Param`` and ``nnx.BatchStat``), a pytree (its array leaves named by key path;
+    ``nnx.Variable`` s by their value; RNG state and typed PRNG keys left out), or a path (a
+    file, an item, a plain directory, an Orbax-native item, a step directory with ``item=``, a
+    CheckpointManager root with ``step=`` or its latest committed step).
 
     Raises:
       SafetensorsCheckpointError: a path that holds no tensors, or no ``step`` or ``item``

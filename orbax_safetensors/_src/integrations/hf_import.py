@@ -1,16 +1,7 @@
 """A Hugging Face checkpoint as an Orbax checkpoint of a MaxText train state
-(:func:`import_pytorch`): what MaxText's ``to_maxtext`` writes, without holding the model on
-one host.
-
-The tree the mapping makes of the files (``load.abstract_pytorch``'s) is split over every
-device of the job (each tensor on the axis that lets each process read its own rows of the
-Hugging Face tensors), filled by ``load.load_flat`` a batch of tensors at a
-time (each process reads the byte ranges of its own shards; the transforms run on the
-devices), then saved by Orbax v1 as MaxText 0.2.5 saves a train state:
-``ocp.training.Checkpointer(directory).save_checkpointables(step, {"items": {"step",
-"params", "opt_state": {}}}, custom_metadata={"scan_layers": ...})``, OCDBT and zarr3, each
-process writing its own shards, and Orbax's copies of the arrays to the host bounded by the
-batch (``MemoryOptions.transfer_concurrent_bytes``).
+(:func:`import_pytorch`), as MaxText's ``to_maxtext`` writes it, without holding the model on
+one host: the tree the mapping implies, split over every device, filled by ``load.load_flat``
+(each process reading its own shards) and saved by Orbax v1.
 
 Example::
 

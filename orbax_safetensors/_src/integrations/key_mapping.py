@@ -62,9 +62,17 @@ def _fill(pattern: str, values: dict[str, str]) -> str:
     return _PLACEHOLDER.sub(lambda m: values[m.group(1)], pattern)
 
 
-def _alternatives(regex: str | None, where: str) -> tuple[str, ...]:
+def _listed(regex: str | None) -> tuple[str, ...] | None:
+    # The literal alternatives a placeholder's regex lists (``gate|up``), else None.
     parts = tuple((regex or "").split("|"))
     if not regex or any(not p or re.escape(p) != p for p in parts):
+        return None
+    return parts
+
+
+def _alternatives(regex: str | None, where: str) -> tuple[str, ...]:
+    parts = _listed(regex)
+    if parts is None:
         raise ValueError(
             f"{where}: a fused placeholder lists its parts in order as literal alternatives, "
             "e.g. {p:q_proj|k_proj|v_proj}"
@@ -245,11 +253,7 @@ class Rule:
     def stack_values(self, name: str) -> tuple[str, ...] | None:
         """The values stacking placeholder ``name`` stacks, in order, when it lists them
         (``{p:gate|up}``); None when it counts ``0..n-1``."""
-        regex = dict(self._regexes).get(name)
-        parts = tuple((regex or "").split("|"))
-        if not regex or any(not p or re.escape(p) != p for p in parts):
-            return None
-        return parts
+        return _listed(dict(self._regexes).get(name))
 
     def value_index(self, name: str, value: str) -> int | None:
         """The position of ``value`` along collective placeholder ``name`` (a fused part, a

@@ -1,14 +1,8 @@
 """A key mapping applied to a table of names: the :class:`Link` s of a load or an export.
-
-A link ties one or more Flax tensors to one or more PyTorch tensors through one :class:`Rule`:
-one to one for a plain rule; else the tensors of each side that the rule's ``stacked`` and
-``fused`` placeholders gather (``stacking.Gather``): one scanned Flax tensor to its L layers'
-PyTorch tensors, L * X of them with experts, P parts of a fused projection, or the reverse,
-and several tensors on both sides (separate stacked Flax projections from fused per-layer
-PyTorch ones). Links carry the shape arithmetic (checked before any byte moves) and the tensor
-arithmetic (host numpy arrays or ``jax.numpy``, one link or one tensor at a time), and that
-of one shard: where the transform permutes axes, a box of a Flax tensor maps to boxes of its
-PyTorch tensors on its own (:func:`shard_boxes`). LoRA merges are ``lora.py``'s.
+A link ties one or more Flax tensors to one or more PyTorch tensors through one :class:`Rule`
+(one to one, or the tensors its ``stacked``/``fused`` placeholders gather: ``stacking.Gather``)
+and carries their shape arithmetic (checked before any byte moves), their tensor arithmetic
+(numpy or ``jax.numpy``) and that of one shard (:func:`shard_boxes`).
 
 Example::
 
@@ -158,18 +152,10 @@ class Link:
             raise ValueError(f"{self._where()}: {e}") from None
 
     def band(self, placeholder: str, start: int, stop: int) -> Link:
-        """This link restricted to the values ``[start, stop)`` of ``placeholder``, one of the
-        Flax side's stacked placeholders: its Flax tensors are then the band of the whole ones
-        along that stack (``x[..., start:stop, ...]`` on its axis), its PyTorch tensors those
-        of the slots in the band, in the same order. An export of a stacked tensor a band of
-        layers at a time writes each band's PyTorch tensors from it alone.
-
-        Example::
-
-            link.counts                                   # (("i", 32),)
-            band = link.band("i", 8, 16)                  # layers 8-15
-            band.torch[0] == link.torch[8]                # True
-        """
+        """This link restricted to the values ``[start, stop)`` of ``placeholder`` (a Flax-side
+        stack): its Flax tensors are the band of the whole ones along that stack, its PyTorch
+        tensors those of the slots in the band, in order (``link.band("i", 8, 16).torch[0]``
+        is ``link.torch[8]``)."""
         stacks = [name for name, _, _ in self.flax_gather.stacks]
         if placeholder not in stacks:
             raise ValueError(f"{self._where()}: no Flax-side stack {{{placeholder}}} to band")
