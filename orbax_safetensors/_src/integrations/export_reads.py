@@ -65,11 +65,6 @@ class ReadPlan:
     owners: Mapping[str, int]
     bands: Mapping[str, Bands] = dataclasses.field(default_factory=dict)
 
-    def writer(self, link: Link, default: int) -> int:
-        """The process that writes ``link``'s host values: its owner if it is read whole,
-        else ``default``."""
-        return self.owners.get(link.flax[0], default)
-
 
 def plan_reads(
     links: Sequence[Link],
