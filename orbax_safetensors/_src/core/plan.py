@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import header as _header
@@ -15,6 +15,7 @@ from orbax_safetensors._src.core import header as _header
 SINGLE_FILE_NAME = "model.safetensors"
 INDEX_FILE_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_FILE_SIZE = 5 * 1000**3  # ~5 GB per file, as on the Hugging Face Hub
+_T = TypeVar("_T")
 
 
 class TensorSpec(NamedTuple):
@@ -102,6 +103,23 @@ def header_bound(
     return meta + 6 * name_chars + count * (96 + 6 * 21 + 21 * max_ndim)
 
 
+def batched(
+    items: Iterable[_T], nbytes: Callable[[_T], int], max_bytes: int | None
+) -> list[list[_T]]:
+    """``items`` in order, in runs of at most ``max_bytes`` of ``nbytes`` (None: one run); an
+    item larger than that is a run alone. The same items give every process the same runs."""
+    out: list[list[_T]] = []
+    used = 0
+    for item in items:
+        size = nbytes(item)
+        if not out or (max_bytes is not None and used + size > max_bytes):
+            out.append([])
+            used = 0
+        out[-1].append(item)
+        used += size
+    return out
+
+
 def plan_files(
     specs: Sequence[TensorSpec],
     *,
@@ -111,15 +129,7 @@ def plan_files(
 ) -> CheckpointPlan:
     """Assigns tensors to files (in order, a new file past ``max_file_size`` bytes of data; a
     tensor never spans files) and lays out each; ``metadata`` goes into every header."""
-    groups: list[list[TensorSpec]] = [[]]
-    used = 0
-    for s in specs:
-        size = s.nbytes
-        if max_file_size is not None and groups[-1] and used + size > max_file_size:
-            groups.append([])
-            used = 0
-        groups[-1].append(s)
-        used += size
+    groups = batched(specs, lambda s: s.nbytes, max_file_size) or [[]]
     n = len(groups)
     files: list[FilePlan] = []
     file_of: dict[str, int] = {}

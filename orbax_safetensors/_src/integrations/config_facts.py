@@ -2,13 +2,6 @@
 tensors: :class:`ConfigFacts` reads every value that shapes a tensor (a positive whole number,
 key/value heads dividing the heads...; else :class:`ConfigError` naming the key and value)
 and checks an export's planned tensors against it (:meth:`ConfigFacts.tensor_problems`).
-
-Example::
-
-    facts = ConfigFacts.of({"num_attention_heads": 4, "hidden_size": 32, "vocab_size": 96})
-    facts.attention()                                   # (4, 4, 8)
-    facts.tensor_problems({"model.embed_tokens.weight": (48, 32)})
-    # ["hf_config: vocab_size 96, but model.embed_tokens.weight [48, 32] has 48 rows"]
 """
 
 from __future__ import annotations

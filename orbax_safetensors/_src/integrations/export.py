@@ -349,12 +349,9 @@ def _group(
     adapters = tuple(n for name in link.flax if name in merges for n in merges[name])
     flax_shapes = None if shapes is None else [tuple(shapes[n]) for n in link.flax]
     out = _LinkOutputs(link, written, merges, scale, (*link.flax, *adapters), flax_shapes)
-    if flax_shapes is None:
-        return _export.ExportGroup(out.sources, out.outputs, out.apply, adapters)
-    per_shard = out.per_shard if commutes else None
-    return _export.ExportGroup(
-        out.sources, out.outputs, out.apply, adapters, per_shard, out.on_devices
-    )
+    on_devices = None if flax_shapes is None else out.on_devices
+    per_shard = out.per_shard if commutes and flax_shapes is not None else None
+    return _export.ExportGroup(out.sources, out.outputs, out.apply, adapters, per_shard, on_devices)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,11 +2,6 @@
 (shapes, stored chunks, rules) so that every process decides alike: a tensor read sharded,
 read whole by its owner, or read in bands of layers (:func:`plan_reads`,
 :func:`plan_bands`), and the reads themselves (:func:`read_units`, as the engine's units).
-
-Example::
-
-    reads = plan_reads(links, infos, chunks={"w": (8, 64)}, processes=2)
-    reads.owners.get("norm")      # the process that reads the norm whole
 """
 
 from __future__ import annotations
@@ -120,21 +115,14 @@ def plan_bands(
     the first stacked placeholder whose axis has chunk boundaries (``chunks``: each Flax
     tensor's stored chunk shape) that split it evenly over the ``processes``; each band of
     whole chunks of at most ``budget`` bytes where a chunk is not larger. Links with a name in
-    ``whole`` (LoRA kernels) are not banded.
-
-    Example::
-
-        # (emb, layers, mlp) = (256, 16, 1024) float32, stored in chunks of 2 layers
-        plan_bands([link], infos, {"w": (256, 2, 1024)}, processes=2, budget=4 << 20)
-        # {"w": Bands("i", (((0, 4), (4, 8)), ((8, 12), (12, 16))))}
-    """
+    ``whole`` (LoRA kernels) are not banded."""
     out: dict[str, Bands] = {}
     for link in links:
         stacks = link.flax_gather.stacks
         if not stacks or any(n in whole or n not in chunks for n in link.flax):
             continue
         shapes = [tuple(int(d) for d in infos[n].shape) for n in link.flax]
-        total = sum(int(infos[n].nbytes) for n in link.flax)
+        total = _flax_bytes(link, infos)
         if processes == 1 and total <= budget:  # it fits a band: read as the others are
             continue
         for placeholder, axis, count in stacks:
@@ -196,7 +184,7 @@ def read_units(
     for link in links:
         bands = reads.bands.get(link.flax[0])
         if bands is None:
-            size = sum(int(infos[n].nbytes) for n in link.flax)
+            size = _flax_bytes(link, infos)
             if group and used + size > budget:
                 flush()
             group.append(link)
@@ -221,6 +209,10 @@ def read_units(
     return out
 
 
+def _flax_bytes(link: Link, infos: Mapping[str, Any]) -> int:
+    return sum(int(infos[n].nbytes) for n in link.flax)
+
+
 def device_exact(dtype: str) -> bool:
     """Whether arrays of the safetensors ``dtype`` go onto this JAX's devices unchanged (not
     float64 or int64 canonicalised to 32 bits without ``jax_enable_x64``, not an ml_dtypes
@@ -241,7 +233,7 @@ def balanced_owners(
     index)."""
     load = [0] * max(1, processes)
     owners: dict[str, int] = {}
-    size = {id(link): sum(int(infos[n].nbytes) for n in link.flax) for link in links}
+    size = {id(link): _flax_bytes(link, infos) for link in links}
     for link in sorted(links, key=lambda link: -size[id(link)]):  # (a stable sort)
         p = load.index(min(load))
         load[p] += size[id(link)]

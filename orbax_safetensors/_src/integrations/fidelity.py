@@ -2,11 +2,6 @@
 values differ (:func:`tie_differences`, written untied with a warning: :func:`warn_untied`)
 and fused query/key/value splits that contradict the config's heads
 (:func:`fused_config_problems`).
-
-Example::
-
-    differ = tie_differences(mapping, links, table.read)   # {"lm_head.weight": (..., 0.3)}
-    warn_untied(differ, with_config=True)
 """
 
 from __future__ import annotations
@@ -22,7 +17,7 @@ import numpy as np
 
 from orbax_safetensors._src.integrations import links as _links
 from orbax_safetensors._src.integrations.config_facts import ConfigFacts
-from orbax_safetensors._src.integrations.key_mapping import KeyMapping, Rule
+from orbax_safetensors._src.integrations.key_mapping import KeyMapping
 
 Shape = tuple[int, ...]
 
@@ -137,10 +132,6 @@ def _probe(fn: Any, shape: Shape, dtype: Any) -> Shape:
     return tuple(int(d) for d in np.shape(fn(np.broadcast_to(np.zeros((), dtype), shape))))
 
 
-def _rule_name(rule: Rule) -> str:
-    return f"rule {rule.torch!r} -> {rule.flax!r}"
-
-
 def _joins_torch_parts(link: _links.Link) -> bool:
     # Whether the link's Flax tensors each join a fused rule's parts held apart in PyTorch.
     rule = link.rule
@@ -157,13 +148,6 @@ def _part_keys(link: _links.Link) -> list[str]:
         if part is not None:
             first.setdefault(part, key)
     return [first[p] for p in rule.parts if p in first]
-
-
-def _slot_shape(rule: Rule, flax_shape: Shape) -> Shape:
-    # A Flax tensor's shape without the axes it stacks PyTorch tensors on.
-    gathered = rule.gathered_by(flax=True)
-    axes = {a % len(flax_shape) for n, a in rule.stacked or () if n in gathered and flax_shape}
-    return tuple(d for i, d in enumerate(flax_shape) if i not in axes)
 
 
 # The rows each attention projection's PyTorch weight (out, in) and bias (out,) has, by its
@@ -228,7 +212,7 @@ def fused_config_problems(
             link, torch_shapes, flax_shapes[name], dtype_of(name), heads, kv, head_dim
         )
         out[id(rule)] = (
-            f"{_rule_name(rule)} splits {name} {list(flax_shapes[name])} into "
+            f"rule {rule.torch!r} -> {rule.flax!r} splits {name} {list(flax_shapes[name])} into "
             f"{'sizes=' + str(rule.sizes) if rule.sizes else 'equal parts'}: {key} "
             f"{list(shape)}, but the config's {heads} heads, {kv} key/value heads of head_dim "
             f"{head_dim} make it {want} rows"
@@ -260,7 +244,7 @@ def _fitting_sizes(
         except ValueError:
             return None
         sizes.append(part[rule.axis % len(part)])
-    layer = _slot_shape(rule, flax_shape)
+    layer = [flax_shape[a] for a in link.flax_gather.slot_axes(len(flax_shape))]
     if not layer or sum(sizes) != layer[rule.axis % len(layer)]:
         return None
     return tuple(sizes)

@@ -196,10 +196,6 @@ def training_state(infos: Mapping[str, _sources.TensorInfo]) -> list[str]:
     ``{"step", "params", "opt_state"}``), every name under ``opt_state`` and ``step`` when
     it is a 0-d integer. Other top-level entries (MaxText's ``nnx_aux``) go through the
     mapping as parameters do.
-
-    Example::
-
-        training_state(flax_table("/ckpt/7/items").infos)  # ["opt_state.0.count", ..., "step"]
     """
     tops = {n.split(".", 1)[0] for n in infos}
     if TRAIN_STATE_PARAMS not in tops:

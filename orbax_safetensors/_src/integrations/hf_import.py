@@ -2,11 +2,6 @@
 (:func:`import_pytorch`), as MaxText's ``to_maxtext`` writes it, without holding the model on
 one host: the tree the mapping implies, split over every device, filled by ``load.load_flat``
 (each process reading its own shards) and saved by Orbax v1.
-
-Example::
-
-    osf.import_pytorch("/models/Llama-3.1-8B", "/ckpt/llama", "maxtext-llama3")
-    # MaxText: load_parameters_path=/ckpt/llama/0/items
 """
 
 from __future__ import annotations

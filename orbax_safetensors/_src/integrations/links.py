@@ -3,11 +3,6 @@ A link ties one or more Flax tensors to one or more PyTorch tensors through one 
 (one to one, or the tensors its ``stacked``/``fused`` placeholders gather: ``stacking.Gather``)
 and carries their shape arithmetic (checked before any byte moves), their tensor arithmetic
 (numpy or ``jax.numpy``) and that of one shard (:func:`shard_boxes`).
-
-Example::
-
-    links, report = find_links(mapping, {"layers.mlp.kernel": (4, 8, 16)}, flax_side=True)
-    links[0].torch      # ('layers.0.mlp.weight', ..., 'layers.3.mlp.weight')
 """
 
 from __future__ import annotations
@@ -373,11 +368,6 @@ def shard_boxes(
     """``(j, box, values)``: the pieces of ``link.torch[j]`` that the shard ``(box, data)`` of
     ``link.flax[k]`` holds: cut into the slots it holds, each permuted and placed. Needs
     :func:`commutes`.
-
-    Example::
-
-        shard_boxes(link, 0, (slice(0, 4), slice(0, 8)), data, [(8, 8)])
-        # [(0, (slice(0, 8), slice(0, 4)), data.T)]
     """
     perm = _permutation(link, flax_shapes)
     if perm is None:

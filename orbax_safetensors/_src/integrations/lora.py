@@ -3,12 +3,6 @@ kernel (flax's ``nnx.LoRALinear`` and ``nnx.LoRA(base_module=...)``, qwix's ``W_
 ``W_lora_b`` next to ``W``), how their shapes lie against it (:func:`layout`), and the merge
 ``kernel + a @ b * scale`` in the kernel's dtype, of the whole kernel or of one block of a
 sharded one, bit-identical (:func:`merge_lora`, :func:`merge_lora_block`).
-
-Example::
-
-    found = plan({"q.w": (8, 2, 4), "q.w_lora_a": (8, 3), "q.w_lora_b": (3, 2, 4)},
-                 KeyMapping([], lora_scale=2.0), MappingReport())
-    found.merges          # {"q.w": ("q.w_lora_a", "q.w_lora_b")}
 """
 
 from __future__ import annotations
@@ -196,11 +190,6 @@ def merge_lora(kernel: np.ndarray, a: np.ndarray, b: np.ndarray, scale: float) -
 
     Raises:
       ValueError: adapters that do not fit the kernel (see :func:`layout`).
-
-    Example::
-
-        merge_lora(np.zeros((4, 3)), np.ones((4, 2)), np.ones((2, 3)), 0.5)  # all 1.0
-        merge_lora(np.zeros((8, 2, 4)), np.ones((8, 3)), np.ones((3, 2, 4)), 2.0)  # qwix
     """
     whole = tuple(slice(0, int(n)) for n in kernel.shape)
     return merge_lora_block(kernel, whole, a, b, scale, kernel.shape)
@@ -220,10 +209,6 @@ def merge_lora_block(
 
     Raises:
       ValueError: adapters that do not fit the kernel (see :func:`layout`).
-
-    Example::
-
-        merge_lora_block(kernel[2:4], (slice(2, 4), slice(0, 3)), a, b, 0.5, kernel.shape)
     """
     lay = layout(kernel_shape, a.shape, b.shape)
     order = lay.order  # (the rows before the columns: merged so, then put back)

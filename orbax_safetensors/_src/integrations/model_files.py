@@ -3,11 +3,6 @@
 ``save_pretrained`` would write them, from ``hf_config`` (a transformers config, a dict, a
 ``config.json`` or a model directory). Every file is returned as bytes, written with the
 weights so that a reader never sees a directory half written.
-
-Example::
-
-    files = model_files("Qwen3-0.6B", ["BF16"], cast=True)   # a model directory
-    sorted(files)   # ['config.json', 'generation_config.json', 'tokenizer.json', ...]
 """
 
 from __future__ import annotations
@@ -67,11 +62,6 @@ def model_files(
       TypeError: ``hf_config`` or ``generation_config`` of another type.
       ValueError: a path that does not exist, a directory without ``config.json``, a file that
         is not a JSON object; naming the path.
-
-    Example::
-
-        model_files(transformers.LlamaConfig(...), ["F32"], cast=False)
-        # {"config.json": b"...", "generation_config.json": b"..."}
     """
     files: dict[str, bytes] = {}
     directory = _directory(hf_config)
@@ -106,10 +96,6 @@ def untied_config(doc: dict[str, Any]) -> dict[str, Any]:
 def tokenizer_files(directory: epath.PathLike) -> dict[str, bytes]:
     """The tokenizer's files in ``directory`` (:data:`TOKENIZER_FILES` and
     ``additional_chat_templates/*.jinja``), by their names relative to it.
-
-    Example::
-
-        tokenizer_files("Qwen3-0.6B")   # {"tokenizer.json": b"...", "vocab.json": ..., ...}
     """
     directory = epath.Path(directory)
     names = list(TOKENIZER_FILES)
@@ -125,10 +111,6 @@ def read_json(path: epath.PathLike, what: str = "hf_config") -> dict[str, Any]:
 
     Raises:
       ValueError: a missing file, or one that is not a JSON object.
-
-    Example::
-
-        read_json("hf/config.json")   # {"model_type": "llama", ...}
     """
     p = epath.Path(path)
     if not p.exists():

@@ -2,12 +2,6 @@
 Each stacked placeholder is an axis of its own; the fused one is a run of parts joined along
 ``axis`` (stacked axes left out). A *slot* is one combination of gathered values (one layer
 of one expert, one part), written as positions: the stacked indices, then the part.
-
-Example::
-
-    experts = Gather(stacks=(("e", 0, 4), ("i", 1, 2)))    # (experts, layers, emb, mlp)
-    x = np.zeros((4, 2, 8, 16))
-    experts.take(x, (3, 1)).shape                            # (8, 16): expert 3 of layer 1
 """
 
 from __future__ import annotations

@@ -4,10 +4,6 @@ models that store their weights other than as Hugging Face does (:class:`Scale`,
 :class:`RopeInterleave`, :class:`VocabRows`, :class:`Offset`). Each has ``to_flax`` (towards
 the JAX side) and ``to_torch`` (towards Hugging Face), runs on numpy and on jax arrays (an
 export on the devices applies it) and keeps the tensor's dtype.
-
-Example::
-
-    Chain(Transpose(), SplitHeads(head_dim=128), RopeInterleave(), Scale.attention_query(128))
 """
 
 from __future__ import annotations
@@ -265,11 +261,6 @@ def padding_problem(rows: int, claimed: int, what: str) -> str | None:
     names the claim: ``"vocab_size 96"``): a claim that is not positive, or one farther from
     the rows than a padding goes (:data:`PADDING_ROWS`, and a quarter of the larger); None
     when it can.
-
-    Example::
-
-        padding_problem(96, 128, "vocab_size 128")   # None: a padding
-        padding_problem(96, 48, "vocab_size 48")     # "vocab_size 48 and ... differ by 48: ..."
     """
     if claimed <= 0:
         return f"{what} is not a positive number of rows"

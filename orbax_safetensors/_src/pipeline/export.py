@@ -3,13 +3,6 @@ beside them) written through ``checkpoint_save``'s writer by one process or seve
 on the :class:`Route` global facts give it. :func:`write` reads a :class:`Unit` at a time, one
 ahead, and owns the destination's life; ``export_item`` feeds a save job's snapshots through the
 same groups (docs/architecture.md, "One export, followed through").
-
-Example::
-
-    plan = ExportPlan((TensorSpec("w.weight", "F32", (3, 2)),),
-                      (ExportGroup(("w",), ("w.weight",), lambda xs: [xs[0].T]),))
-    write("/tmp/hf", plan, [Unit(plan.groups, lambda: {"w": w}, w.nbytes, plan.groups)],
-          batch_bytes=256 << 20)
 """
 
 from __future__ import annotations
@@ -487,8 +480,10 @@ def _write_objects(
                 ahead.setdefault(item[0], []).append(item)
 
     stats = _pieces.WriteStats()
+    spread = batch_bytes * jax.process_count()  # (a group of consecutive files)
+    file_groups = _plan.batched(range(len(plan.files)), lambda i: plan.files[i].size, spread)
     try:
-        for g, members in enumerate(_file_groups(plan, batch_bytes * jax.process_count())):
+        for g, members in enumerate(file_groups):
             parts = [plan.files[i] for i in members]
             sizes = [(f.filename, f.size) for f in parts]
             _router.prepare_directory(directory, sizes, is_primary=primary)  # every process
@@ -516,16 +511,3 @@ def _write_objects(
         _checkpoint_save.write_small_files(directory, files)
     _barrier("done")
     return stats
-
-
-def _file_groups(plan: _plan.CheckpointPlan, max_bytes: int) -> list[list[int]]:
-    # The file indices in groups of consecutive files of at most max_bytes (a larger one alone).
-    groups: list[list[int]] = []
-    size = 0
-    for i, f in enumerate(plan.files):
-        if not groups or size + f.size > max_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(i)
-        size += f.size
-    return groups
