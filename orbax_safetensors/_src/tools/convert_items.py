@@ -1,13 +1,7 @@
 """One item converted either way: an Orbax-native PyTree item into this library's item (streamed
 a batch of tensors at a time), or a safetensors item, file or directory into an Orbax-native
-item (restored whole, saved by Orbax); and the names an ``nnx.State`` gets on each side.
-
-Orbax stores an ``nnx.Variable`` as a ``{"value": x}`` dict and records nothing NNX-specific,
-so ``StandardSave(nnx.state(model))`` names a leaf ``layers.0.kernel.value``. Converting to
-safetensors collapses those dicts (``unwrap``: None, the default) when the item records which
-leaves were Variables (an item this module wrote, in its Orbax ``custom_metadata``), else when
-every leaf is so wrapped (an ``nnx.State``); True collapses every such dict, False none.
-Converting back wraps the leaves recorded as Variables again, so a round trip is the identity.
+item (restored whole, saved by Orbax); and the names an ``nnx.State`` gets on each side
+(Orbax stores an ``nnx.Variable`` as a ``{"value": x}`` dict: see :func:`unwrapped_paths`).
 """
 
 from __future__ import annotations
@@ -109,8 +103,9 @@ def _leaf_paths(source: _orbax_source.OrbaxSource) -> dict[str, Path]:
 
 
 def unwrapped_paths(source: _orbax_source.OrbaxSource, unwrap: bool | None) -> set[Path]:
-    """The paths of the ``{"value": x}`` dicts of ``source``'s tree to collapse (``unwrap``:
-    see the module docstring)."""
+    """The paths of the ``{"value": x}`` dicts of ``source``'s tree to collapse: with ``unwrap``
+    None, those of the leaves the item records as Variables (an item :func:`to_orbax_item`
+    wrote), else all when every leaf is so wrapped (an ``nnx.State``); True all; False none."""
     if unwrap is False:
         return set()
     leaves = _leaf_paths(source)

@@ -180,16 +180,10 @@ def inspect_path(
     include: _select.Patterns = None,
     exclude: _select.Patterns = None,
 ) -> dict[str, Any]:
-    """A JSON-able description of a file, item, step or CheckpointManager root.
-
-    For a root: the steps ``mngr.all_steps()`` lists, with their items, tensors, tensor bytes,
-    bytes on disk and ``status`` (``ok``; ``incomplete`` or ``unreadable``, with a
-    ``problem``), the ``uncommitted`` step directories and ``warnings``. A step named directly
-    that lacks what its restore needs: ``status`` ``incomplete`` and ``missing``, nothing
-    read. Otherwise every tensor's name, dtype, shape, bytes and file, with totals.
-    ``include`` / ``exclude`` (globs over dotted names, as in ``osf.load_file``) limit the
-    tensors listed; a pattern matching no tensor raises ``TargetMismatchError``.
-    """
+    """A JSON-able description of a file, item, step or root (its steps ``mngr.all_steps()``
+    lists, each with a ``status``: ``ok``, ``incomplete`` or ``unreadable``; its uncommitted
+    ones). ``include`` / ``exclude`` as in ``osf.load_file`` (TargetMismatchError if one
+    matches nothing)."""
     keep = _Filter(_select.Selection.of(include, exclude))
     report = _report(epath.Path(path), keep)
     if keep.select is not None:

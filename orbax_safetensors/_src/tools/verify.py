@@ -2,12 +2,6 @@
 as a restore would check them, without building arrays (the bytes are streamed through CRC32C
 a bounded chunk at a time). In a CheckpointManager root, exactly the steps Orbax lists are
 checked; a committed step with parts missing is damage like any other.
-
-Example::
-
-    report = osf.verify("/ckpts")
-    if not report.ok:
-        print("\\n".join(report.problems))   # each names the file and the tensor
 """
 
 from __future__ import annotations
