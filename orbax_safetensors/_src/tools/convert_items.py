@@ -206,17 +206,14 @@ def to_safetensors_item(
     item ``src``, a batch of tensors in memory at a time; returns its tensors and bytes."""
     source = _orbax_source.OrbaxSource(src)
     collapse = unwrapped_paths(source, unwrap_values)
-    saved_tree = source.tree
+    saved_tree, wanted = source.tree, set(source.leaves)
     if select is not None:
         select.check(source.leaves, str(src))
         wanted = {n for n in source.leaves if select.selects(n)}
         saved_tree = _orbax_source.select_leaves(
             source.tree, wanted, source.name_of_path(), lambda leaf: leaf
         )
-    inline_names = [n for n in source.leaves if n not in source.tensors]
-    if select is not None:
-        inline_names = [n for n in inline_names if select.selects(n)]
-    inline = source.restore(inline_names)
+    inline = source.restore([n for n in source.leaves if n in wanted and n not in source.tensors])
     orbax_name_of: dict[int, str] = {}
 
     def skeleton(keys: dict[str, str], unwrap: bool = True) -> Any:
