@@ -74,7 +74,7 @@ if TYPE_CHECKING:
         Scale,
         VocabRows,
     )
-    from orbax_safetensors._src.orbax.object_storage import manager_options_for
+    from orbax_safetensors._src.orbax.steps import manager_options_for
     from orbax_safetensors._src.orbax.v0 import (
         SafetensorsCheckpointHandler,
         SafetensorsRestore,
@@ -140,7 +140,7 @@ _LAZY: dict[str, str] = {
     "export_pytorch": "integrations.export",
     "import_pytorch": "integrations.hf_import",
     "load_pytorch": "integrations.load",
-    "manager_options_for": "orbax.object_storage",
+    "manager_options_for": "orbax.steps",
     "SafetensorsCheckpointHandler": "orbax.v0",
     "SafetensorsRestore": "orbax.v0",
     "SafetensorsSave": "orbax.v0",

@@ -31,7 +31,6 @@ from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.orbax import args as _args
 from orbax_safetensors._src.orbax import claims as _claims
-from orbax_safetensors._src.orbax import object_storage as _object_storage
 from orbax_safetensors._src.orbax import restoring as _restoring
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
@@ -279,7 +278,7 @@ def start_save(
 
         futures = start_save(handler.new_job(directory, args, SaveMode.SNAPSHOT))
     """
-    _object_storage.refuse_renaming_commit(job.directory)  # S3: a save Orbax would rename
+    _steps.refuse_renaming_commit(job.directory)  # S3: a save Orbax would rename
     job.start()
 
     async def write() -> None:
@@ -427,7 +426,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
             return
         job = self._job(directory, args, _save_job.SaveMode.DIRECT)
         try:
-            _object_storage.refuse_renaming_commit(job.directory)
+            _steps.refuse_renaming_commit(job.directory)
             job.start()
             job.write()
         except BaseException:

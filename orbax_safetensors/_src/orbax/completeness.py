@@ -1,8 +1,8 @@
 """Whether a checkpoint's files are all there: what a committed step lacks that restoring it
-needs (:func:`missing_entries`, the one judgement for ``verify``, ``inspect`` and, through
-:func:`refuse_incomplete`, every tool that reads a step's tensors; an OCDBT database's data
-files are found by the walk of its B-tree that also serves the checks before a read of an
-Orbax-native array).
+needs (:func:`missing_entries`, the one judgement for ``verify``, ``inspect`` and every tool
+that reads a step's tensors). Above ``steps`` and ``claims``: an OCDBT database's data files
+are found by the walk of its B-tree that also serves the checks before a read of an
+Orbax-native array.
 
 A step is judged file by file against what Orbax's restore reads, since a kill during Orbax's
 deletion of an old step (``max_to_keep``) can leave any subset of its files.
