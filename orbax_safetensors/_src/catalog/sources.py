@@ -4,12 +4,6 @@
 its item, and opens the item with the one reader of its kind: :class:`SafetensorsSource` (a
 ``.safetensors`` file, this library's item, a Hugging Face directory), :class:`OrbaxSource`
 or ``MsgpackSource`` (a legacy Flax msgpack file).
-
-Example::
-
-    source = open_source("/ckpt/100/state")
-    source.tensors["params.w"].shape        # (512, 512)
-    arrays = source.read(["params.w"])      # {"params.w": np.ndarray}
 """
 
 from __future__ import annotations
@@ -78,10 +72,6 @@ def open_source(
       SafetensorsCheckpointError: no tensors there; a step of several items without ``item``;
         a root without ``step`` or ``latest``; a ``step`` or ``item`` it does not have.
       FileNotFoundError: ``path`` does not exist.
-
-    Example::
-
-        open_source("/ckpt", latest=True, item="state").tensors   # {"params.w": TensorInfo}
     """
     path, kind = _resolve(epath.Path(path), step, item, latest)
     return _READERS[kind](path)
@@ -90,10 +80,6 @@ def open_source(
 def open_items(path: epath.PathLike) -> dict[str, TensorSource]:
     """The tables of every item of tensors ``path`` names: a step directory's by item name,
     anything else as ``{"": open_source(path)}``.
-
-    Example::
-
-        open_items("/ckpt/100").keys()   # dict_keys(['native', 'state'])
     """
     path = epath.Path(path)
     if _steps.classify(path) is not PathKind.STEP:

@@ -7,12 +7,6 @@
 - :class:`OrbaxRouter`, :func:`registry_for`: Orbax's own args (``StandardSave`` /
   ``StandardRestore``, ``PyTreeSave`` / ``PyTreeRestore``) in a root that also holds
   safetensors steps go to Orbax's own handlers.
-
-Example::
-
-    item = apply_save_args(item, save_args)
-    if orbax_kind(args) is not None:
-        return router.async_save(directory, args)   # an Orbax-native step
 """
 
 from __future__ import annotations
@@ -171,11 +165,6 @@ class TreeMetadata:
 
     Maps over like the tree itself (``jax.tree.map(f, meta)``), and indexes like its top
     level (``meta["params"]``); ``meta.tree`` is the plain tree.
-
-    Example::
-
-        meta = mngr.item_metadata(step)
-        meta.tree["params"]["w"].shape, meta.custom_metadata
     """
 
     def __init__(self, *, tree: Any, custom_metadata: Any = None, use_zarr3: bool = False):
@@ -326,12 +315,6 @@ class OrbaxRouter:
     """Orbax's own handlers, made when first needed, and which of them saved each item
     directory still to finalize. Thread-safe: one router serves any number of items and
     concurrent saves (each directory is one save).
-
-    Example::
-
-        router = OrbaxRouter()
-        coroutine = router.async_save(directory, ocp.args.StandardSave(state))
-        router.finalize(directory)   # True: Orbax's handler saved it
     """
 
     def __init__(self) -> None:

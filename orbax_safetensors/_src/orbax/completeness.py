@@ -6,10 +6,6 @@ Orbax-native array.
 
 A step is judged file by file against what Orbax's restore reads, since a kill during Orbax's
 deletion of an old step (``max_to_keep``) can leave any subset of its files.
-
-Example::
-
-    missing_entries("/ckpt/100")   # ['_CHECKPOINT_METADATA', 'state/model.safetensors']
 """
 
 from __future__ import annotations
@@ -71,10 +67,6 @@ def missing_entries(step: epath.PathLike | StepDir) -> list[str]:
     entries missing cannot be restored (typically an old step whose deletion by
     ``max_to_keep`` a kill interrupted). Pass the :class:`StepDir` of ``steps.scan_steps``
     where there is one (it knows the root); a path is looked up in its parent directory.
-
-    Example::
-
-        missing_entries("/ckpt/100")   # ['_CHECKPOINT_METADATA', 'state/model.safetensors']
     """
     listed = step if isinstance(step, StepDir) else None
     path = step.path if isinstance(step, StepDir) else epath.Path(step)
@@ -330,14 +322,9 @@ def require_complete(step: epath.PathLike | StepDir) -> None:
 
 
 def refuse_incomplete(path: epath.PathLike) -> None:
-    """Raises when ``path`` names a committed step (as its root lists it, or on its own) that
-    lacks what restoring it needs: every tool that reads a step's tensors (``convert``,
-    ``diff``, ``export``, ``load_pytorch``: ``catalog/sources.open_source`` and ``open_items``) would
-    otherwise read what is left as if it were the checkpoint. Anything else passes.
-
-    Raises:
-      SafetensorsCheckpointError: naming the step and what it lacks (:func:`require_complete`).
-    """
+    """Raises (as :func:`require_complete`) when ``path`` names a committed step, as its root
+    lists it or on its own, that lacks what restoring it needs; anything else passes. A tool
+    that reads a step's tensors calls it first: what is left is not the checkpoint."""
     entry = _steps.step_entry(path)
     if entry is not None and entry.committed:
         require_complete(entry)

@@ -5,11 +5,6 @@ become one :class:`.restore_options.RestoreOptions` (Orbax's leaves themselves a
 by :func:`.restore_options.neutral_leaves`, which the standalone ``load_file`` shares), and the
 pipeline's structured mismatch errors are worded in the option names of the API the caller came
 through. An Orbax-native item is restored by Orbax's own handler, with the same meanings.
-
-Example::
-
-    options = restore_options(args, verify=True)
-    tree = restore_checkpoint(path, options)
 """
 
 from __future__ import annotations

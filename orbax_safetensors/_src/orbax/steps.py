@@ -3,11 +3,6 @@ library, plain safetensors files, an Orbax-native item, a step, a root) and whic
 root Orbax lists as committed: the one owner of step listing and committedness (what a
 committed step lacks: ``orbax/completeness``), and of how a step commits on object storage
 (:func:`manager_options_for`). Importing it imports no Orbax.
-
-Example::
-
-    classify("/ckpt")                 # PathKind.ROOT
-    [step for step, _ in list_steps("/ckpt")]   # the committed steps, as Orbax lists them
 """
 
 from __future__ import annotations
@@ -183,10 +178,6 @@ def check_orbax_item(path: epath.PathLike) -> None:
 
     Raises:
       UnsafePathError: naming ``_METADATA``, the name and the item.
-
-    Example::
-
-        check_orbax_item("/ckpt/100/state")   # before ocp.PyTreeCheckpointHandler().restore
     """
     path = epath.Path(path)
     where = path / ORBAX_METADATA_FILE
@@ -200,11 +191,6 @@ def orbax_array_names(doc: Any) -> list[str]:
     """The name of each leaf an Orbax ``_METADATA`` document records, as Orbax joins it
     (its keys, ``str`` of each, joined by ``.``: ``tree_utils.param_name_from_keypath``);
     entries that are not so shaped are skipped (Orbax refuses them itself).
-
-    Example::
-
-        orbax_array_names({"tree_metadata": {"('a', 'b')": {"key_metadata": [
-            {"key": "a", "key_type": 2}, {"key": "b", "key_type": 2}]}}})   # ['a.b']
     """
     tree = doc.get("tree_metadata") if isinstance(doc, dict) else None
     names = []
@@ -219,10 +205,6 @@ def item_handler(path: epath.PathLike) -> str | None:
     """The class name of the Orbax handler that wrote the item ``path``, as Orbax records it:
     in the item's own ``_CHECKPOINT_METADATA`` (a checkpoint of one item, ``ocp.Checkpointer``)
     or in its step's (``item_handlers`` by item name); None where neither names one.
-
-    Example::
-
-        item_handler("/ckpt/200/meta")     # 'JsonCheckpointHandler'
     """
     path = epath.Path(path)
     handler = _recorded_handlers(path)
@@ -247,12 +229,6 @@ def _other_handler(handler: object) -> bool:
 def not_a_checkpoint(path: epath.PathLike) -> NotSafetensorsError:
     """The error for an existing directory that holds no checkpoint of tensors, saying what it
     holds instead: the one wording every tool uses for it.
-
-    Example::
-
-        raise not_a_checkpoint("/ckpt/200/meta")
-        # /ckpt/200/meta: an Orbax item written by JsonCheckpointHandler, not a checkpoint of
-        # tensors
     """
     path = epath.Path(path)
     handler = item_handler(path)
@@ -332,10 +308,6 @@ def scan_steps(root: epath.PathLike) -> list[StepDir]:
     """Every step directory of a CheckpointManager root, committed or not (the rule above),
     sorted by step; temporary directories of unfinished saves and what a deletion of a step
     leaves (:func:`_step_candidates`) included.
-
-    Example::
-
-        [(s.step, s.committed) for s in scan_steps("/ckpt")]   # [(100, True), (200, False)]
     """
     candidates = _step_candidates(epath.Path(root))
     recorded = _recorded(candidates)

@@ -273,10 +273,6 @@ def start_save(
     copies, which the writer writes as they come. If a copy fails, the job is aborted and the
     future waited for before the error propagates: nothing of the step is left writing.
     ``on_failure`` runs if the background write fails.
-
-    Example::
-
-        futures = start_save(handler.new_job(directory, args, SaveMode.SNAPSHOT))
     """
     _steps.refuse_renaming_commit(job.directory)  # S3: a save Orbax would rename
     job.start()
