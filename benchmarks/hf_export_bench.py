@@ -60,18 +60,13 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 sys.path.insert(0, str(REPO))
 
 from benchmarks import procfs  # noqa: E402
-from benchmarks.state import unflatten, write_results  # noqa: E402
+from benchmarks.jobs import mib  # noqa: E402
+from benchmarks.state import parse_size, unflatten, write_results  # noqa: E402
 from orbax_safetensors._src.pipeline import pieces as _pieces  # noqa: E402
 
 _MARKER = "@@HF_EXPORT@@"
 E, F, HEAD_DIM = 1024, 2816, 64
 METHODS = ("ours", "gather", "transformers")
-
-
-def parse_size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper()
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
 
 
 def dims(size: int) -> tuple[int, int]:
@@ -448,10 +443,6 @@ def transform_seconds(size: int, threads: int = 1) -> float:
     return statistics.median(times)
 
 
-def _mib(n: float) -> str:
-    return f"{n / (1 << 20):,.0f} MiB"
-
-
 @dataclasses.dataclass
 class Limits:
     """What the machine allows, in seconds: the device's write of the output and read of the
@@ -478,8 +469,8 @@ class Limits:
 def report(rows: list[dict[str, Any]], state_bytes: int, out_bytes: int, limits: Limits) -> str:
     fio = limits.write
     lines = [
-        f"bf16 Hugging Face export of a {_mib(state_bytes)} float32 LLaMA-shaped state "
-        f"({_mib(out_bytes)} written) from its checkpoint or from memory; medians; time until "
+        f"bf16 Hugging Face export of a {mib(state_bytes)} float32 LLaMA-shaped state "
+        f"({mib(out_bytes)} written) from its checkpoint or from memory; medians; time until "
         "fsynced",
         "",
         "| source | N | method | s | peak extra host memory (max per process) | vs ours: time | "
@@ -508,7 +499,7 @@ def report(rows: list[dict[str, Any]], state_bytes: int, out_bytes: int, limits:
             dev = f"{fio / t:.2f}" if fio else "n/a"
             of_bound = f"{bound / t:.2f}" if bound else "n/a"
             lines.append(
-                f"| {source} | {n} | {m} | {t:.2f} | {_mib(mem)} | {t / ours_t:.2f} | "
+                f"| {source} | {n} | {m} | {t:.2f} | {mib(mem)} | {t / ours_t:.2f} | "
                 f"{mem / max(ours_m, 1):.2f} | {dev} | {of_bound} |"
             )
         sp = [r["save_pretrained_s"] for r in by["transformers"] if "save_pretrained_s" in r]
@@ -521,9 +512,9 @@ def report(rows: list[dict[str, Any]], state_bytes: int, out_bytes: int, limits:
     if fio and limits.read:
         lines.append(
             f"device (fio, the faster of direct and buffered, medians of 5): sequential write "
-            f"of {_mib(out_bytes)} with end_fsync=1: "
+            f"of {mib(out_bytes)} with end_fsync=1: "
             f"{fio:.2f} s ({out_bytes / fio / 1e6:,.0f} MB/s); cold read of "
-            f"{_mib(state_bytes)}: {limits.read:.2f} s ({state_bytes / limits.read / 1e6:,.0f} "
+            f"{mib(state_bytes)}: {limits.read:.2f} s ({state_bytes / limits.read / 1e6:,.0f} "
             "MB/s)"
             + (
                 f"; both at once (two fio jobs, the read of a checkpoint and the write of its "
@@ -617,7 +608,7 @@ def main() -> None:
         ckpt = work / "ckpt"
         state_bytes = write_checkpoint(size, ckpt)
         out_bytes = state_bytes // 2
-        print(f"checkpoint: {_mib(state_bytes)} in {ckpt}", file=sys.stderr)
+        print(f"checkpoint: {mib(state_bytes)} in {ckpt}", file=sys.stderr)
         for rnd in range(args.rounds):
             for source in [x for x in args.sources.split(",") if x]:
                 for n in [int(p) for p in args.procs.split(",") if p]:

@@ -42,9 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -59,14 +57,11 @@ sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "helpers")]
 
 import maxtext_checkpoints as M  # noqa: E402
 
+from benchmarks.jobs import job_row, launch, median_table, mib  # noqa: E402
+from benchmarks.state import parse_size  # noqa: E402
+
 WORKER = HERE / "workers" / "maxtext_export_bench_worker.py"
 STEP = 7
-
-
-def parse_size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper()
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
 
 
 def bench_dims(size: int, multiple: int = 1) -> M.Dims:
@@ -96,38 +91,13 @@ def _param_bytes(d: M.Dims) -> int:
     return total
 
 
-def _launch(n: int, args: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
-    from multihost.launcher import run_workers
-
-    results = run_workers(WORKER, n, devices_per_process=2, args=args, timeout=timeout)
-    return [r.result for r in sorted(results, key=lambda r: r.process_id)]
-
-
 def measure(
     method: str, n: int, base: Path, dims: M.Dims, out: Path, timeout: float, mapping: str
 ) -> dict:
     """One launch of ``method`` on ``n`` processes: seconds, peak memory, load average."""
-    load = os.getloadavg()[0]
-    args = {
-        "action": method,
-        "root": str(base / "ckpt"),
-        "step": STEP,
-        "out": str(out),
-        "dims": vars(dims),
-        "mapping": mapping,
-    }
-    per = _launch(n, args, timeout)
-    peaks = [p["peak_extra"] for p in per]
-    return {
-        "method": method,
-        "n": n,
-        "seconds": max(p["seconds"] for p in per),
-        "peak_max": max(peaks),
-        "peak_sum": sum(peaks),
-        "peaks": peaks,
-        "bytes_written": [p.get("bytes_written", 0) for p in per],
-        "load": round(load, 2),
-    }
+    args = {"root": str(base / "ckpt"), "step": STEP, "out": str(out), "dims": vars(dims)}
+    args["mapping"] = mapping
+    return job_row(WORKER, method, n, args, timeout, per_process=("bytes_written",))
 
 
 def same_files(a: Path, b: Path) -> bool:
@@ -138,30 +108,15 @@ def same_files(a: Path, b: Path) -> bool:
     return all((a / n).read_bytes() == (b / n).read_bytes() for n in names)
 
 
-def _mib(n: float) -> str:
-    return f"{n / (1 << 20):,.0f} MiB"
-
-
 def report(rows: list[dict[str, Any]], dims: M.Dims, ckpt_bytes: int, same: bool) -> str:
     params = _param_bytes(dims)
     lines = [
-        f"MaxText-layout checkpoint: {_mib(ckpt_bytes)} on disk, parameters {_mib(params)} "
+        f"MaxText-layout checkpoint: {mib(ckpt_bytes)} on disk, parameters {mib(params)} "
         f"float32 ({dims.layers} layers, E={dims.embed}, V={dims.vocab}); export to bfloat16 "
-        f"({_mib(params / 2)}). All outputs byte-identical: {same}.",
+        f"({mib(params / 2)}). All outputs byte-identical: {same}.",
         "",
-        "| method | processes | seconds (median) | peak host memory, largest process | "
-        "peak, all processes | load average |",
-        "|---|---|---|---|---|---|",
     ]
-    keys = sorted({(r["method"], r["n"]) for r in rows}, key=lambda k: (k[0] != "whole", k[1]))
-    for method, n in keys:
-        runs = [r for r in rows if (r["method"], r["n"]) == (method, n)]
-        sec = statistics.median(r["seconds"] for r in runs)
-        peak = statistics.median(r["peak_max"] for r in runs)
-        total = statistics.median(r["peak_sum"] for r in runs)
-        loads = ", ".join(f"{r['load']:.1f}" for r in runs)
-        lines.append(f"| {method} | {n} | {sec:.2f} | {_mib(peak)} | {_mib(total)} | {loads} |")
-    return "\n".join(lines)
+    return "\n".join(lines + median_table(rows, "whole"))
 
 
 def main() -> None:
@@ -192,9 +147,9 @@ def main() -> None:
         if layers:  # (chunks of one layer of the largest stacked kernel)
             layer = max(4 * math.prod(s) // dims.layers for s in M.llama_shapes(dims).values())
             save.update(layout="layers", chunk_bytes=layer)
-        _launch(args.save_procs, save, args.timeout)
+        launch(WORKER, args.save_procs, save, args.timeout)
         ckpt_bytes = sum(f.stat().st_size for f in (base / "ckpt").rglob("*") if f.is_file())
-        print(f"saved {_mib(ckpt_bytes)} in {time.monotonic() - t0:.0f} s", file=sys.stderr)
+        print(f"saved {mib(ckpt_bytes)} in {time.monotonic() - t0:.0f} s", file=sys.stderr)
         plan = [("whole", 1)] + [("ours", n) for n in procs]
         rows: list[dict[str, Any]] = []
         same = True

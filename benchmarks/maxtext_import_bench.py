@@ -40,7 +40,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -53,6 +52,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 sys.path.insert(0, str(REPO))
 sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "helpers")]
 
+from benchmarks.jobs import job_row, median_table, mib  # noqa: E402
 from benchmarks.state import parse_size  # noqa: E402
 
 WORKER = HERE / "workers" / "maxtext_import_bench_worker.py"
@@ -129,29 +129,10 @@ def write_model(hf: Path, config: dict[str, Any]) -> int:
     return _bytes(table)
 
 
-def _launch(n: int, args: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
-    from multihost.launcher import run_workers
-
-    results = run_workers(WORKER, n, devices_per_process=2, args=args, timeout=timeout)
-    return [r.result for r in sorted(results, key=lambda r: r.process_id)]
-
-
 def measure(method: str, n: int, hf: Path, out: Path, config: dict, timeout: float) -> dict:
     """One launch of ``method`` on ``n`` processes: seconds, peak memory, bytes read."""
-    load = os.getloadavg()[0]
-    args = {"action": method, "hf": str(hf), "out": str(out), "config": config}
-    per = _launch(n, args, timeout)
-    peaks = [p["peak_extra"] for p in per]
-    return {
-        "method": method,
-        "n": n,
-        "seconds": max(p["seconds"] for p in per),
-        "peak_max": max(peaks),
-        "peak_sum": sum(peaks),
-        "peaks": peaks,
-        "rchar": [p["rchar"] for p in per],
-        "load": round(load, 2),
-    }
+    args = {"hf": str(hf), "out": str(out), "config": config}
+    return job_row(WORKER, method, n, args, timeout, per_process=("rchar",))
 
 
 def restored(root: Path) -> dict[str, Any]:
@@ -178,33 +159,15 @@ def same_checkpoints(a: Path, b: Path) -> bool:
     )
 
 
-def _mib(n: float) -> str:
-    return f"{n / (1 << 20):,.0f} MiB"
-
-
 def report(rows: list[dict[str, Any]], config: dict, model_bytes: int, same: Any) -> str:
     lines = [
-        f"Hugging Face LLaMA: {_mib(model_bytes)} bfloat16 ({config['num_hidden_layers']} "
+        f"Hugging Face LLaMA: {mib(model_bytes)} bfloat16 ({config['num_hidden_layers']} "
         f"layers, E={config['hidden_size']}, V={config['vocab_size']}) -> a scanned bfloat16 "
         f"MaxText checkpoint. Checkpoints bit-identical: {same}.",
         "",
-        "| method | processes | seconds (median) | peak host memory, largest process | "
-        "peak, all processes | bytes read, largest process | load average |",
-        "|---|---|---|---|---|---|---|",
     ]
-    keys = sorted({(r["method"], r["n"]) for r in rows}, key=lambda k: (k[0] != "maxtext", k[1]))
-    for method, n in keys:
-        runs = [r for r in rows if (r["method"], r["n"]) == (method, n)]
-        sec = statistics.median(r["seconds"] for r in runs)
-        peak = statistics.median(r["peak_max"] for r in runs)
-        total = statistics.median(r["peak_sum"] for r in runs)
-        read = statistics.median(max(r["rchar"]) for r in runs)
-        loads = ", ".join(f"{r['load']:.1f}" for r in runs)
-        lines.append(
-            f"| {method} | {n} | {sec:.2f} | {_mib(peak)} | {_mib(total)} | {_mib(read)} | "
-            f"{loads} |"
-        )
-    return "\n".join(lines)
+    read = ("bytes read, largest process", lambda r: max(r["rchar"]))
+    return "\n".join(lines + median_table(rows, "maxtext", [read]))
 
 
 def main() -> None:
@@ -235,7 +198,7 @@ def main() -> None:
     try:
         t0 = time.monotonic()
         model_bytes = write_model(base / "hf", config)
-        print(f"wrote {_mib(model_bytes)} in {time.monotonic() - t0:.0f} s", file=sys.stderr)
+        print(f"wrote {mib(model_bytes)} in {time.monotonic() - t0:.0f} s", file=sys.stderr)
         rows: list[dict[str, Any]] = []
         same: Any = "not checked"
         for r in range(args.rounds):
