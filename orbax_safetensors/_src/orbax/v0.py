@@ -31,7 +31,6 @@ from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.orbax import args as _args
 from orbax_safetensors._src.orbax import claims as _claims
-from orbax_safetensors._src.orbax import restoring as _restoring
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
 from orbax_safetensors._src.pipeline import export as _export_engine
@@ -452,10 +451,10 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         if kind is not None:  # Orbax's StandardRestore / PyTreeRestore, in a mixed root
             if native:
                 return self._routing.handler(kind).restore(directory, args=args)
-            args = SafetensorsRestore(**_restoring.from_orbax_restore(args))
+            args = SafetensorsRestore(**_args.from_orbax_restore(args))
         args = args or SafetensorsRestore()
         if native:
-            return _restoring.restore_orbax_native(directory, args, self._routing.handler)
+            return _args.restore_orbax_native(directory, args, self._routing.handler)
         return self.restore_safetensors(directory, args)
 
     def restore_safetensors(
@@ -475,11 +474,11 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
             )
             self.last_read_stats = stats
             return result
-        result = _restoring.restore_safetensors(
+        result = _args.restore_safetensors(
             directory,
             args,
             verify=self._verify,
-            words=words or _restoring.v0_words(args),
+            words=words or _args.v0_words(args),
             stats=stats,
             io=io,
         )
