@@ -1,4 +1,4 @@
-"""``compat.multihost``'s barriers, broadcasts and gathers, back to back in 2 real processes of
+"""``compat.jaxcompat``'s barriers, broadcasts and gathers, back to back in 2 real processes of
 2 CPU devices each: the values are right and no process aborts (jax 0.6's gloo did, with
 ``jax.experimental.multihost_utils``'s, when one local device ran behind the other)."""
 

@@ -310,7 +310,7 @@ def test_every_supported_jaxlib_client_has_the_key_value_store() -> None:
 
     client = extension.DistributedRuntimeClient
     assert _jaxcompat.kv_missing(client) is None, _jaxcompat.kv_missing(client)
-    assert hasattr(client, "wait_at_barrier")  # (compat/multihost's barriers)
+    assert hasattr(client, "wait_at_barrier")  # (compat/jaxcompat's barriers)
 
     class OldClient:
         def key_value_set(self, key: str, value: str) -> None: ...

@@ -1,34 +1,23 @@
-"""Every private or version-dependent JAX and flax name the package touches, in one place.
+"""Every private or version-dependent JAX and flax name the package touches, and the barriers
+and broadcasts between the processes of a job, in one place.
 
-The supported stacks (jax 0.6 to 0.10, flax 0.11 to 0.12) differ in what they offer, and a few
-speed-ups need names JAX keeps private. Each is looked up here, behind a guard, with a fallback
-that gives the same results (``tests/orbax/test_compat.py`` checks each on every CI stack):
-
-| what | name | status | fallback |
-|---|---|---|---|
-| :func:`flatten_one_level_with_keys` | ``jax.tree_util.flatten_one_level_with_keys`` | public since jax 0.10.2 | ``tree_flatten_with_path`` stopped one level down |
-| :func:`batched_device_put` | ``pxla.batched_device_put``, ``core.ShapedArray`` | private | ``jax.device_put`` |
-| :func:`single_device_key` | ``SingleDeviceSharding._device`` | private | the sharding itself as the key |
-| :func:`nnx_list`, :func:`nnx_variable_types`, :func:`nnx_value` | ``nnx.List``, ``nnx.VariableState``, ``Variable.get_value`` | flax 0.12 / 0.11 | what flax 0.11 takes |
-| :func:`distributed_kv` | ``jax._src.distributed.global_state.client`` (every jaxlib from 0.6.0 has its key-value store and ``wait_at_barrier``) | private | none: a RuntimeError naming what is missing |
-| :func:`global_mesh_kept` | ``jax.sharding.set_mesh`` | a plain setter on jax 0.6 and 0.7, a context manager from 0.8 | nothing to guard elsewhere |
-| :func:`device_holds` | whether XLA takes an ml_dtypes dtype | float6: not on jax 0.10's CPU | probed once per dtype |
-| :func:`is_nnx_internal_attr` | ``Module._pytree__state`` (flax 0.12), ``_object__state`` (0.11) | private | none needed |
-
-Example::
-
-    children = flatten_one_level_with_keys(optax_state)  # [(key entry, child), ...]
+Each private or version-dependent name is looked up behind a guard with a fallback that gives
+the same results (``tests/orbax/test_compat.py`` checks each on every supported stack, jax 0.6
+to 0.10 and flax 0.11 to 0.12).
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import functools
+import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 from jax.tree_util import KeyEntry
 
 # -- jax.tree_util.flatten_one_level_with_keys (public since jax 0.10.2) --------------------
@@ -45,18 +34,13 @@ def flatten_one_level_with_keys_fallback(x: Any) -> list[tuple[KeyEntry, Any]]:
 
 
 def flatten_one_level_with_keys(x: Any) -> list[tuple[KeyEntry, Any]]:
-    """The children of pytree node ``x`` with their key entries; ValueError for a leaf.
-
-    Example::
-
-        flatten_one_level_with_keys({"a": 1})  # [(DictKey(key='a'), 1)]
-    """
+    """The children of pytree node ``x`` with their key entries; ValueError for a leaf."""
     if _ONE_LEVEL is None:
         return flatten_one_level_with_keys_fallback(x)
     return list(_ONE_LEVEL(x)[0])
 
 
-# -- flax.nnx.List (public since flax 0.12) ---------------------------------------------------
+# -- flax.nnx names (nnx.List, Variable.get_value since flax 0.12) ------------------------------
 
 
 def nnx_list(items: list[Any]) -> Any:
@@ -66,9 +50,6 @@ def nnx_list(items: list[Any]) -> Any:
 
     make = getattr(nnx, "List", None)
     return list(items) if make is None else make(items)
-
-
-# -- flax.nnx variable values (Variable.get_value since flax 0.12) -----------------------------
 
 
 def nnx_variable_types() -> tuple[type, ...]:
@@ -81,8 +62,7 @@ def nnx_variable_types() -> tuple[type, ...]:
 
 
 def nnx_value(var: Any) -> Any:
-    """The value an NNX ``Variable`` (or flax 0.11's ``VariableState``) holds: ``get_value()``
-    where the class defines it (flax 0.12+), else ``value``."""
+    """The value an NNX ``Variable`` (or flax 0.11's ``VariableState``) holds."""
     get = getattr(type(var), "get_value", None)
     return var.value if get is None else get(var)
 
@@ -95,8 +75,6 @@ def nnx_is_lora_param(var: Any) -> bool:
     kind = type(var) if isinstance(var, nnx.Variable) else getattr(var, "type", None)
     return isinstance(kind, type) and issubclass(kind, nnx.LoRAParam)
 
-
-# -- flax.nnx's internal Module attributes (private) ------------------------------------------
 
 # flax 0.12 names it _pytree__state; flax 0.11 (flax/nnx/object.py, ObjectState) _object__state.
 _NNX_INTERNAL_ATTRS = frozenset({"_pytree__state", "_object__state"})
@@ -153,8 +131,7 @@ def single_device_key(sharding: Any) -> Any:
     return None if device is None else (device, sharding.memory_kind)
 
 
-# -- jax._src.distributed.global_state.client (private) --------------------------------------
-
+# -- jax._src.distributed.global_state.client (private; no fallback) -------------------------
 
 # What callers use of the key-value store (string keys and values).
 KV_METHODS = ("key_value_set", "blocking_key_value_get", "key_value_try_get", "key_value_delete")
@@ -170,12 +147,7 @@ def _distributed_client() -> Any:
 
 def kv_missing(client: Any) -> str | None:
     """Why ``client`` (``jax.distributed``'s, None before ``jax.distributed.initialize``) cannot
-    serve as the key-value store, or None if it can.
-
-    Example::
-
-        assert kv_missing(None).startswith("jax.distributed is not initialized")
-    """
+    serve as the key-value store, or None if it can."""
     if client is None:
         return (
             "jax.distributed is not initialized (call jax.distributed.initialize() in every "
@@ -189,20 +161,15 @@ def kv_missing(client: Any) -> str | None:
 
 
 def distributed_kv() -> Any:
-    """The key-value store of ``jax.distributed``'s coordination service (see
-    :data:`KV_METHODS`), or None when the job is not distributed or this JAX hides it."""
+    """The key-value store of ``jax.distributed``'s coordination service, or None when the job
+    is not distributed or this JAX hides it."""
     client = _distributed_client()
     return None if kv_missing(client) else client
 
 
 def require_distributed_kv(purpose: str) -> Any:
     """:func:`distributed_kv`, or a RuntimeError saying that ``purpose`` needs it and what is
-    missing.
-
-    Example::
-
-        client = require_distributed_kv("a save to gs://b/ckpt/1/default by 4 processes")
-    """
+    missing."""
     client = _distributed_client()
     reason = kv_missing(client)
     if reason:
@@ -225,7 +192,95 @@ def distributed_kv_delete(client: Any, directory: str) -> None:
     client.key_value_delete(directory)
 
 
-# -- jax.sharding.set_mesh (a plain setter on jax 0.7) ----------------------------------------
+# -- barriers, broadcasts and gathers between the processes of a job --------------------------
+
+# These go through the coordination service (its barrier and key-value store), never a device
+# collective: ``jax.experimental.multihost_utils`` reads a collective's result from one local
+# device while the others may still run it, and jax 0.6's gloo then aborts the process on the
+# next collective. Every process calls them at the same point of its main thread, in order.
+
+# How long a process waits for the others: an export's "written" barrier waits for the slowest
+# writer of the job (three times Orbax's default barrier timeout).
+TIMEOUT_S = 3600
+_KEY_PREFIX = "orbax_safetensors/multihost"
+# The n-th call has the same number on every process (the keys of its barrier and value).
+_calls = itertools.count()
+# Values this process set since the last barrier: once every process passed it, all read them.
+_set_keys: list[str] = []
+
+
+def _client() -> Any:
+    return require_distributed_kv("a barrier or broadcast between processes")
+
+
+def barrier(name: str) -> None:
+    """Waits until every process has called ``barrier(name)`` (up to :data:`TIMEOUT_S`).
+
+    Raises:
+      AssertionError: another process called a barrier of another name at this point.
+      RuntimeError: (from JAX) the others did not come in time, or one of them failed.
+    """
+    if jax.process_count() == 1:
+        return
+    client, n = _client(), next(_calls)
+    # The primary's name, as a broadcast value: a process at another barrier says so.
+    primary = jax.process_index() == 0
+    theirs = _exchange(client, n, name.encode() if primary else None, is_source=primary)
+    if theirs != name.encode():
+        raise AssertionError(
+            f"barrier name mismatch: this process is at {name!r}, the primary at "
+            f"{theirs.decode(errors='replace')!r}"
+        )
+    client.wait_at_barrier(f"{_KEY_PREFIX}/{n}/{name}", TIMEOUT_S * 1000)
+    for key in _set_keys:
+        distributed_kv_delete(client, key)
+    _set_keys.clear()
+
+
+def broadcast_bytes(data: bytes | None, *, is_source: bool) -> bytes:
+    """``data`` of the one process where ``is_source`` is True (others pass None), returned on
+    every process. One process alone returns ``data``."""
+    if is_source and data is None:
+        raise ValueError("broadcast_bytes: the source process passes the bytes")
+    if jax.process_count() == 1:
+        assert data is not None
+        return data
+    return _exchange(_client(), next(_calls), data, is_source=is_source)
+
+
+def _exchange(client: Any, n: int, data: bytes | None, *, is_source: bool) -> bytes:
+    # The source's ``data`` under the n-th call's key (text: what every jaxlib's client takes).
+    key = f"{_KEY_PREFIX}/{n}/value"
+    if is_source:
+        assert data is not None
+        client.key_value_set(key, base64.b64encode(data).decode("ascii"))
+        _set_keys.append(key)
+        return data
+    return base64.b64decode(client.blocking_key_value_get(key, TIMEOUT_S * 1000))
+
+
+def process_allgather(x: jax.Array) -> np.ndarray:
+    """The whole of ``x`` (a ``jax.Array`` sharded over several processes) on the host of every
+    process: a collective, for small arrays."""
+    devices = sorted(x.sharding.device_set, key=lambda d: int(d.id))  # type: ignore[attr-defined]
+    replicated = NamedSharding(
+        jax.sharding.Mesh(np.array(devices, dtype=object), ("all",)), PartitionSpec()
+    )
+    out = _replicate(replicated)(x)
+    out.block_until_ready()  # every local device, not only the one read below
+    return np.asarray(out.addressable_data(0))
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+@functools.lru_cache(maxsize=64)
+def _replicate(sharding: NamedSharding) -> Any:
+    return jax.jit(_identity, out_shardings=sharding)
+
+
+# -- jax.sharding.set_mesh (a plain setter on jax 0.6 and 0.7) ---------------------------------
 
 
 def plain_set_mesh() -> Callable[[Any], Any] | None:
@@ -243,11 +298,6 @@ def global_mesh_kept() -> Iterator[None]:
     array; on jax 0.7, where it is a plain setter, that call fails after setting a mesh for the
     whole thread, and every later jit on other devices fails. Calls into Orbax's own handlers
     run inside this guard; elsewhere it does nothing.
-
-    Example::
-
-        with global_mesh_kept():
-            orbax_handler.save(directory, args=args)
     """
     set_mesh = plain_set_mesh()
     if set_mesh is None:
@@ -267,12 +317,7 @@ def global_mesh_kept() -> Iterator[None]:
 @functools.lru_cache(maxsize=64)
 def device_holds(dtype: np.dtype) -> bool:
     """Whether this JAX places arrays of ``dtype`` on its devices (ml_dtypes knows types not
-    every XLA does); probed once per dtype with a one-element array.
-
-    Example::
-
-        device_holds(np.dtype(ml_dtypes.float6_e2m3fn))   # False on jax 0.10.2's CPU
-    """
+    every XLA does, e.g. float6 on jax 0.10's CPU); probed once per dtype."""
     if dtype.kind in "biufc":  # numpy's own types: always (64-bit ones canonicalised)
         return True
     try:

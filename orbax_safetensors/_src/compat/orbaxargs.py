@@ -7,11 +7,6 @@ restore pipeline lies below the Orbax layer and must not import Orbax (lint cont
 an object exists only once its maker imported Orbax, so the lookup is exact, imports nothing and
 needs no registration. (A translation hook installed by the Orbax layer, the other way, would
 hold only after that layer is imported, which a caller of ``load_file`` alone never does.)
-
-Example::
-
-    if is_restore_args(leaf):
-        request = LeafRequest(**restore_args_request(leaf))  # build given by its value
 """
 
 from __future__ import annotations
@@ -45,10 +40,6 @@ def restore_args_request(arg: Any) -> dict[str, Any]:
 
     Raises:
       ValueError: Orbax's sharding metadata that this job's devices cannot reproduce.
-
-    Example::
-
-        restore_args_request(ocp.RestoreArgs(restore_type=np.ndarray))  # {"build": "numpy", ...}
     """
     shape = getattr(arg, "global_shape", None)
     shape = tuple(shape) if shape is not None else None

@@ -3,21 +3,7 @@
 The supported stacks (orbax-checkpoint 0.11.11 to 0.12) differ in what they offer. Each name is
 looked up here, behind a guard, with a fallback that gives the same results
 (``tests/orbax/test_compat.py`` checks each on every CI stack); Orbax is imported by the
-functions, never with the module:
-
-| what | name | since / status | fallback |
-|---|---|---|---|
-| :func:`pytree_partial_restore` | ``PyTreeRestore(partial_restore=True)`` | public, newer than orbax-checkpoint 0.11.11 | ``PyTreeRestore(transforms={})``, which restores only what ``item`` holds |
-| :func:`orbax_uses_legacy_commit_rule` | which steps ``CheckpointManager.all_steps()`` lists | changed in orbax-checkpoint 0.12.3 | the installed version decides (``importlib.metadata``) |
-| :func:`replace_named_handler` | a v1 registry's entry list (``_registry``) | private | ``AlreadyExistsError`` explained: register per context instead |
-| :func:`v1_loading_options` | the active v1 ``Context`` (``experimental.v1._src.context.context.get_context``) | private (v1 exports no getter) | Orbax's defaults, marked ``readable=False``: a mismatch raises, never a silent change |
-| :func:`orbax_v1` | ``orbax.checkpoint.v1`` with ``save`` / ``save_async`` / ``load`` | public in orbax-checkpoint 0.12.8 (absent in 0.11.11; partial in 0.11.40) | none: an ``ImportError`` naming the version needed |
-| :func:`array_read_spec` | ``ocp.type_handlers.ParamInfo`` / ``get_json_tspec_read`` (the TensorStore spec Orbax's restore opens an array with) | public, their fields and home changed across 0.11-0.12 | None: the array is read through Orbax's restore (the same values; whole boxes only) |
-
-Example::
-
-    if has_orbax_v1():
-        osf.register_handler()
+functions, never with the module.
 """
 
 from __future__ import annotations
@@ -79,10 +65,6 @@ ORBAX_V1_NAMES = ("save", "save_async", "load", "handlers")
 def orbax_v1(what: str = "the Orbax v1 API") -> Any:
     """The ``orbax.checkpoint.v1`` module, or an ``ImportError`` saying which version ``what``
     needs when the installed orbax-checkpoint lacks it (or one of :data:`ORBAX_V1_NAMES`).
-
-    Example::
-
-        ocp_v1 = orbax_v1("osf.SafetensorsHandler")
     """
     try:
         installed = importlib.metadata.version("orbax-checkpoint")
@@ -108,13 +90,7 @@ def orbax_v1(what: str = "the Orbax v1 API") -> Any:
 
 
 def has_orbax_v1() -> bool:
-    """Whether the installed orbax-checkpoint has the v1 API :func:`orbax_v1` gives.
-
-    Example::
-
-        if has_orbax_v1():
-            osf.register_handler()
-    """
+    """Whether the installed orbax-checkpoint has the v1 API :func:`orbax_v1` gives."""
     try:
         orbax_v1()
     except ImportError:
@@ -189,12 +165,6 @@ def array_read_spec(
     item ``directory`` (an ``epath.Path``; ``context``: its ``tensorstore.Context``), built by
     ``ocp.type_handlers.get_json_tspec_read``; None where that helper or its ``ParamInfo`` take
     other fields (then read through Orbax's restore: the same values).
-
-    Example::
-
-        spec = array_read_spec(item, "params.w", use_zarr3=True, use_ocdbt=True,
-                               fill_missing=False)
-        tensorstore.open(spec).result()[0:8].read().result()
     """
     try:
         import orbax.checkpoint as ocp

@@ -2,22 +2,10 @@
 and leaf), and the cast itself in numpy, bit for bit as XLA casts on CPU (:func:`astype`).
 
 A policy (the ``dtype=`` argument of ``save_file``, ``SafetensorsSave``, ``save_model`` and
-``convert``) is one of:
-
-- one dtype: every floating-point array is stored in it; ``None`` or ``"keep"``: none is cast;
-- a mapping of glob patterns (``fnmatch``, over dotted names) to a dtype or ``None`` /
-  ``"keep"``; the first pattern that matches wins, a name no pattern matches keeps its dtype;
-- a callable ``(dotted_name, leaf) -> dtype | None | "keep"``.
-
-:func:`parse_policy` checks a policy before anything is written; :func:`resolve` gives each
-tensor's stored dtype; the schema records a cast tensor's original dtype under
-:data:`CAST_FROM`. Pure: the pipeline casts tensor by tensor as it writes.
-
-Example::
-
-    policy = parse_policy({"*.kernel": "bfloat16", "*": None})
-    resolve(policy, ["l.kernel", "l.bias"], [np.dtype("float32")] * 2, [(2, 2), (2,)], [x, b])
-    # [dtype(bfloat16), None]
+``convert``) is one dtype (every floating-point array; ``None`` or ``"keep"``: none), a mapping
+of ``fnmatch`` globs over dotted names to a dtype or ``None`` / ``"keep"`` (the first match
+wins; no match keeps the dtype), or a callable ``(dotted_name, leaf) -> dtype | None | "keep"``.
+Pure: the pipeline casts tensor by tensor as it writes.
 """
 
 from __future__ import annotations
@@ -34,10 +22,6 @@ from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import UnsupportedLeafError
-
-# The schema key of a cast tensor's node holding its dtype before the cast (a safetensors
-# dtype string). Absent on tensors stored in their own dtype and in files written before it.
-CAST_FROM = "cast_from"
 
 # What a dtype may be given as: a numpy / ml_dtypes / jax.numpy dtype or scalar type, a numpy
 # name ("bfloat16", "float16") or a safetensors name ("BF16").
@@ -99,7 +83,7 @@ def _is_dtype_like(value: object) -> bool:
 
 
 def parse_policy(policy: DtypePolicy | Policy | None) -> Policy | None:
-    """Checks a dtype policy (see the module docstring); None for no policy.
+    """Checks a dtype policy before anything is written; None for no policy.
 
     Raises:
       ValueError: naming the pattern or value that is not a dtype, a single dtype that is not
@@ -157,13 +141,8 @@ def resolve(
     *,
     keys: frozenset[int] = frozenset(),
 ) -> list[np.dtype | None]:
-    """The dtype each tensor is stored in, or None where it keeps its own.
-
-    Args:
-      policy: :func:`parse_policy`'s result.
-      names, dtypes, shapes: each stored tensor's dotted name, dtype and shape.
-      leaves: each stored tensor's value (passed to a callable policy).
-      keys: positions of typed PRNG keys (their key data is never cast).
+    """The dtype each tensor (by name, dtype, shape and value) is stored in, or None where it
+    keeps its own; ``keys``: positions of typed PRNG keys (their key data is never cast).
 
     Raises:
       UnsupportedLeafError: naming the tensor when a callable returns no dtype, or a cast asks
@@ -233,9 +212,9 @@ def stored_specs(
 def apply_policy(
     captured: _tree.CapturedTree, policy: Policy | None
 ) -> tuple[_tree.FlatTree, list[np.dtype | None]]:
-    """Names ``captured`` (:meth:`~.tree.CapturedTree.finish`) and resolves ``policy`` over its
-    stored arrays: ``(flat tree, stored dtype or None for each of flat.arrays)``. Each cast
-    tensor's schema node records its original dtype under :data:`CAST_FROM`.
+    """Names ``captured`` and resolves ``policy`` over its stored arrays: ``(flat tree, stored
+    dtype or None for each of flat.arrays)``; each cast tensor's schema node records its
+    original dtype.
 
     Raises:
       UnsupportedLeafError: see :func:`resolve`.
@@ -294,11 +273,6 @@ def astype(x: np.ndarray, dtype: np.dtype | type) -> np.ndarray:
 
     ``tests/core/test_astype.py`` compares every pair of safetensors dtypes with JAX, bit for
     bit; float6 types, which JAX lacks, follow ml_dtypes under the same rules.
-
-    Example::
-
-        astype(np.array([300, -1, np.nan, np.inf, 255.5, 1e10], np.float32), np.int8)
-        # array([ 127,   -1,    0,  127,  127,  127], dtype=int8)
     """
     x = np.asarray(x)
     out = np.empty(x.shape, np.dtype(dtype))

@@ -1,14 +1,4 @@
-"""Safetensors dtype names <-> numpy dtypes (via ml_dtypes), sizes and sub-byte packing.
-
-Example::
-
-    >>> to_numpy("BF16")
-    dtype(bfloat16)
-    >>> from_numpy(np.dtype("float32"))
-    'F32'
-    >>> nbytes("F4", (3, 2))
-    3
-"""
+"""Safetensors dtype names <-> numpy dtypes (via ml_dtypes), sizes and sub-byte packing."""
 
 from __future__ import annotations
 

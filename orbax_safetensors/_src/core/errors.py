@@ -2,13 +2,6 @@
 class a ``ValueError`` (:class:`MetadataError` also a ``TypeError``, ``osf.ObjectStoreError``
 also an ``OSError``). Messages name the offending key, file, shape and dtype, and say what was
 expected.
-
-Example::
-
-    try:
-        osf.load_file("model.safetensors", target)
-    except osf.TargetMismatchError as e:
-        print(e)  # lists every missing, unexpected and mis-shaped key at once
 """
 
 from __future__ import annotations
@@ -109,11 +102,6 @@ class Mismatch:
       saved, wanted: what the checkpoint holds and what the target asks (a shape, a
         structure's description), where that applies.
       resizable: a shape mismatch that padding or truncating would resolve.
-
-    Example::
-
-        Mismatch("w", MismatchKind.SHAPE, "checkpoint has shape (8,) (F32), target wants (10,)",
-                 saved=(8,), wanted=(10,), resizable=True)
     """
 
     key: str

@@ -5,12 +5,6 @@ maps each tensor name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (o
 to the data section) plus an optional ``"__metadata__"`` of ``str -> str``. Written by hand, not
 through the ``safetensors`` package: writers lay out every offset before any byte is written
 (several processes fill one file), and readers validate headers read through ranged I/O.
-
-Example::
-
-    header, entries = build_header([("w", "F32", (2, 3))], {"format": "flax"})
-    parsed = parse_header(header[:8], lambda n: header[8 : 8 + n], len(header) + 24)
-    assert parsed.tensors["w"].nbytes == 24
 """
 
 from __future__ import annotations

@@ -2,12 +2,6 @@
 (built, checked, parsed, checksums merged in), the standalone file's ``__metadata__`` keys, and
 the rule for file names read from a checkpoint (relative paths below their directory). Pure:
 the callers read and write the bytes; ``storage/confine.py`` adds what the filesystem knows.
-
-Example::
-
-    doc = build_metadata(plan, specs, flat.schema, shardings, {"step": 10})
-    add_checksums(doc, shares, directory)  # every process's checksum share, merged
-    json.dumps(doc)                        # the content of METADATA_FILE
 """
 
 from __future__ import annotations
@@ -105,10 +99,6 @@ def is_plain_filename(name: object) -> bool:
 def escape_problem(name: object) -> str | None:
     """What makes ``name`` (read from a checkpoint) no relative path below its directory
     (``"an absolute path"``, ``"a '..' part"``...), or None when it is one.
-
-    Example::
-
-        escape_problem("/etc/passwd")   # 'an absolute path'
     """
     if not isinstance(name, str) or not name:
         return "not a file name"
@@ -220,10 +210,6 @@ def validate_entries(doc: Mapping[str, Any], where: object) -> None:
 
     Raises:
       SchemaError: naming the tensor and the field.
-
-    Example::
-
-        validate_entries(json.loads(raw), "ckpt/orbax_safetensors.json")
     """
     files = doc["files"]
     for filename in files:

@@ -1,10 +1,5 @@
 """The file plan: which tensors go in which file, at which offsets. Pure functions of names,
 global shapes and dtypes, so every process computes the same plan without talking to others.
-
-Example::
-
-    plan = plan_files([TensorSpec("w", "F32", (4, 6))], max_file_size=None)
-    plan.files[0].filename                       # 'model.safetensors'
 """
 
 from __future__ import annotations
@@ -138,11 +133,6 @@ def plan_files(
         for s in group:
             file_of[s.name] = i
     return CheckpointPlan(files, file_of)
-
-
-def tensor_specs(arrays: Mapping[str, Any]) -> list[TensorSpec]:
-    """The stored dtype and global shape of every array, in order."""
-    return specs_of((name, a.dtype, a.shape) for name, a in arrays.items())
 
 
 def specs_of(entries: Iterable[tuple[str, Any, Sequence[int]]]) -> list[TensorSpec]:

@@ -1,24 +1,25 @@
-"""Trees back from a schema (:func:`unflatten`), the cut-down schemas of a selective restore
-(:func:`prune_schema`) and restore targets (:func:`flatten_target`). Each takes the typed
-:class:`~.schema.Schema` or its JSON document.
+"""The naming rule, and trees back from a schema.
 
-Example::
-
-    schema = from_json(doc)
-    tree = unflatten(schema, lambda leaf: arrays[leaf.tensor_name])
+The naming rule (a public contract): a leaf's name joins its key path with ``.`` (a dict key as
+text, a sequence index in decimal, an attribute or namedtuple field by name); a tree that is a
+single leaf is named ``value``; NNX ``Variable`` wrappers are transparent; names that collide
+once joined get a ``~N`` suffix, chosen the same way on save and on load. From a schema (typed
+or its JSON document) this module rebuilds trees (:func:`unflatten`), cuts the schemas of a
+selective restore (:func:`prune_schema`) and flattens restore targets (:func:`flatten_target`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+import sys
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, overload
 
 import jax
-from jax.tree_util import GetAttrKey
+from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
-from orbax_safetensors._src.core import naming as _naming
+from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.core import schema as _schema
 from orbax_safetensors._src.core.errors import SchemaError
 from orbax_safetensors._src.core.schema import (
@@ -35,6 +36,85 @@ from orbax_safetensors._src.core.schema import (
     TupleNode,
     VarNode,
 )
+
+ROOT_NAME = "value"  # the name of a tree that is a single leaf
+
+KeyEntry = Any  # DictKey | SequenceKey | GetAttrKey | FlattenedIndexKey
+
+
+def entry_text(entry: KeyEntry) -> str:
+    """A key entry's text in a dotted name (``DictKey("w")`` gives ``w``, ``SequenceKey(0)``
+    gives ``0``)."""
+    if isinstance(entry, DictKey):
+        return str(entry.key)
+    if isinstance(entry, SequenceKey):
+        return str(entry.idx)
+    if isinstance(entry, GetAttrKey):
+        return entry.name
+    if isinstance(entry, FlattenedIndexKey):
+        return str(entry.key)
+    return str(entry)
+
+
+def _entry_order(entry: KeyEntry) -> tuple[int, int, int, str]:
+    # A total order over key entries of mixed kinds, used only to break name collisions.
+    if isinstance(entry, DictKey):
+        k = entry.key
+        if isinstance(k, int) and not isinstance(k, bool):
+            return (0, 0, k, "")
+        return (0, 1, 0, f"{type(k).__name__}:{k}")
+    if isinstance(entry, SequenceKey):
+        return (1, 0, entry.idx, "")
+    if isinstance(entry, GetAttrKey):
+        return (2, 0, 0, entry.name)
+    if isinstance(entry, FlattenedIndexKey):
+        return (3, 0, entry.key, "")
+    return (4, 0, 0, str(entry))
+
+
+def join_path(path: Iterable[KeyEntry]) -> str:
+    """The dotted name of a key path, without collision suffixes (``layers.0.w``)."""
+    text = ".".join(entry_text(e) for e in path)
+    return text if text else ROOT_NAME
+
+
+def assign_names(paths: list[tuple[KeyEntry, ...]]) -> list[str]:
+    """Unique dotted names for ``paths``; colliding ones get ``~1``, ``~2``... deterministically."""
+    names = [".".join([entry_text(e) for e in p]) or ROOT_NAME for p in paths]  # join_path
+    return dedupe_names(names, paths)
+
+
+def dedupe_names(names: list[str], paths: list[tuple[KeyEntry, ...]]) -> list[str]:
+    """``names`` (the joined ``paths``) with colliding ones suffixed, in place: the paths of a
+    group sorted, the first keeps the name, the others get ``~1``, ``~2``... (skipping names
+    used elsewhere); ``__metadata__`` is always suffixed."""
+    if len(set(names)) == len(names) and _header.METADATA_KEY not in names:
+        return names  # the common case: nothing collides
+    groups: dict[str, list[int]] = {}
+    for i, n in enumerate(names):
+        groups.setdefault(n, []).append(i)
+    taken = set(names)
+    for base, idx in groups.items():
+        reserved = base == _header.METADATA_KEY  # the header's metadata slot: always suffixed
+        if len(idx) < 2 and not reserved:
+            continue
+        idx.sort(key=lambda i: [_entry_order(e) for e in paths[i]])
+        suffix = 0
+        for i in idx if reserved else idx[1:]:
+            suffix += 1
+            while f"{base}~{suffix}" in taken:
+                suffix += 1
+            names[i] = f"{base}~{suffix}"
+            taken.add(names[i])
+    return names
+
+
+def is_nnx_variable(x: object) -> bool:
+    """Whether ``x`` is a flax NNX ``Variable`` (never imports flax: an object can be one only
+    once the caller imported it)."""
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(x, nnx.Variable)
+
 
 SchemaDoc = Mapping[str, Any]  # a schema's JSON document
 
@@ -75,10 +155,6 @@ def unflatten(
     empty, as Orbax restores them), NNX Variables as their values, NNX Modules as
     ``nnx.to_pure_dict`` gives them. ``leaves``: the full schema's leaves when ``schema`` was
     cut down by :func:`prune_schema` (its aliases may point at leaves it no longer holds).
-
-    Example::
-
-        unflatten(schema, lambda leaf: arrays[leaf.tensor_name])
     """
     tree: Node
     by_name: Mapping[str, SchemaLeaf]
@@ -141,10 +217,6 @@ def prune_schema(schema: Any, keep: Callable[[str], bool]) -> Any:
     with None where nothing is kept. A None leaf or an empty container is kept when ``keep``
     accepts its dotted path. Aliases may point at tensors not kept: pass the full schema's
     leaves to :func:`unflatten`.
-
-    Example::
-
-        pruned = prune_schema(schema, lambda name: name.startswith("params."))
     """
     typed = _typed(schema, check_aliases=False)
     tree = _prune(typed.tree, None, keep)
@@ -171,7 +243,7 @@ def _prune(node: Node, name: str | None, keep: Callable[[str], bool]) -> Node | 
             for t_, c in zip(texts, node.children)  # type: ignore[union-attr]
         ]
         if all(k is None for k in kids):
-            return node if not kids and keep(name or _naming.ROOT_NAME) else None
+            return node if not kids and keep(name or ROOT_NAME) else None
         if isinstance(node, (ListNode, TupleNode)) or (
             isinstance(node, CustomNode) and node.indexed
         ):
@@ -186,7 +258,7 @@ def _prune(node: Node, name: str | None, keep: Callable[[str], bool]) -> Node | 
         inner = _prune(node.child, name, keep)  # type: ignore[union-attr]
         return None if inner is None else VarNode(inner)
     if t is NoneNode:
-        return node if keep(name or _naming.ROOT_NAME) else None
+        return node if keep(name or ROOT_NAME) else None
     return node if keep(node.name) else None  # type: ignore[union-attr]
 
 
@@ -225,20 +297,14 @@ def flatten_target(
 
     Leaves for which ``structural`` holds (None and empty nodes) keep their plain dotted path
     and take no part in breaking name collisions, as a saved schema names them.
-
-    Example::
-
-        flat = flatten_target({"w": jnp.zeros(2)})
-        flat.names                        # ["w"]
-        flat.rebuild([np.ones(2)])        # {"w": array([1., 1.])}
     """
-    is_variable = _naming.is_nnx_variable
+    is_variable = is_nnx_variable
 
     def outer_leaf(x: Any) -> bool:
         return is_variable(x) or (is_leaf is not None and is_leaf(x))
 
     outer, _ = jax.tree_util.tree_flatten_with_path(target, is_leaf=outer_leaf)
-    paths: list[tuple[_naming.KeyEntry, ...]] = []
+    paths: list[tuple[KeyEntry, ...]] = []
     leaves: list[Any] = []
     for path, x in outer:
         if is_variable(x):
@@ -256,11 +322,11 @@ def flatten_target(
     ):  # pragma: no cover - guards a jax behaviour change
         raise SchemaError("internal: target leaf count differs between flattening passes")
     if structural is None:
-        names = _naming.assign_names(paths)
+        names = assign_names(paths)
     else:
-        names = [_naming.join_path(p) for p in paths]
+        names = [join_path(p) for p in paths]
         stored = [i for i, x in enumerate(leaves) if not structural(x)]
-        deduped = _naming.dedupe_names([names[i] for i in stored], [paths[i] for i in stored])
+        deduped = dedupe_names([names[i] for i in stored], [paths[i] for i in stored])
         for i, name in zip(stored, deduped):
             names[i] = name
     return TargetLeaves(

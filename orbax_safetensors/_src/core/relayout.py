@@ -2,22 +2,6 @@
 read, and what each process then holds. Pure functions of global facts (shapes, dtypes,
 partition specs, the process of each device), so every process, and a planner simulating any
 number of them (``benchmarks/scale_sim.py``), gets the same answer without talking.
-
-- **Row blocks** (:func:`row_block_layout`): a sharding whose across-process axis cuts a later
-  dimension gives every process a byte run per row: on object storage a staged range or a
-  ranged read per row. In row blocks (device ``k`` of the mesh holds the ``k``-th block of
-  rows) a process's share is one range per run of adjacent devices.
-- **Concatenated groups** (:func:`concat_groups`): at a thousand processes a process's bytes
-  of a tensor are under the 5 MiB an S3 part needs. Tensors of one shape, stored dtype and
-  sharding sit next to each other in the file (:func:`file_order`) and are joined on the
-  devices, in row blocks, so that each process writes one range of the group.
-- **Even bands** (:func:`even_rows`): how many rows an export re-lays out at a time.
-
-Example::
-
-    layout = row_block_layout((512, 4096), "F32", (None, "data"), ("data",), [0, 1])
-    layout.byte_ranges(1)                     # ((4194304, 4194304),)
-    concat_groups([(64, 8)] * 4, ["F32"] * 4, ["s", "s", None, "s"], 2, 4)[0].members  # (0, 1, 3)
 """
 
 from __future__ import annotations
@@ -96,11 +80,6 @@ def row_block_layout(
     first, the dimensions before it hold more than :data:`ROW_BLOCK_MIN_RUNS` elements, and
     the rows divide evenly among the devices on whole bytes (the mesh spanning
     ``process_count`` processes, when given).
-
-    Example::
-
-        row_block_layout((512, 4096), "F32", (None, "data"), ("data",), [0, 1])  # layout
-        row_block_layout((512, 4096), "F32", ("data", None), ("data",), [0, 1])  # None
     """
     shape = tuple(int(d) for d in shape)
     procs = np.asarray(mesh_processes, dtype=np.int64)
@@ -216,6 +195,8 @@ def file_order(keys: Sequence[Hashable | None]) -> list[int]:
     return [j for item in order for j in (item if isinstance(item, list) else [item])]
 
 
+# At a thousand processes a process's bytes of one tensor fall under the 5 MiB an S3 part needs:
+# joined, tensors of one sharding give each process one range of a group.
 def concat_groups(
     shapes: Sequence[Sequence[int]],
     dtypes: Sequence[str],
@@ -230,10 +211,6 @@ def concat_groups(
     :data:`WHOLE_KEY_BYTES` (under :data:`WHOLE_BELOW_RUN` per process) make groups of at most
     :data:`WHOLE_GROUP_BYTES` each written whole by one process (the last one first: the
     primary has the commit to do). A lone tensor, a scalar or a sub-byte dtype makes none.
-
-    Example::
-
-        concat_groups([(8192, 8192)] * 80, ["BF16"] * 80, ["q"] * 80, 1024, 8192)
     """
     by_key: dict[Hashable, list[int]] = {}
     for i, k in enumerate(keys):
@@ -281,10 +258,6 @@ def even_rows(total: int, most: int, devices: int) -> int:
     """At most ``most`` rows of ``total`` that divide it (one band shape: one compiled
     re-layout): the largest multiple of ``devices`` that does (each band split over every
     device by its rows), else the largest divisor.
-
-    Example::
-
-        even_rows(96, 40, 8)    # 32
     """
     if most >= total:
         return total

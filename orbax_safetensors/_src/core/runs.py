@@ -1,10 +1,5 @@
 """Byte runs: where a shard's box lies inside a row-major tensor, and how wanted runs are
 grouped into reads.
-
-Example::
-
-    offsets, run = box_runs((4, 6), (slice(0, 4), slice(3, 6)))
-    # 4 runs of 3 elements each, at element offsets [3, 9, 15, 21]
 """
 
 from __future__ import annotations
@@ -31,11 +26,6 @@ ReadBatch = tuple[int, list[memoryview], list[int]]  # file offset, buffers, run
 def share_bytes(total: int, workers: int, *, low: int = 4 << 20, high: int = 16 << 20) -> int:
     """Bytes each of ``workers`` threads should take of ``total``: the even share, rounded up to
     whole MiB and kept within ``[low, high]`` (a smaller piece costs more than a thread gains).
-
-    Example::
-
-        share_bytes(64 << 20, 8)   # 8 MiB: a 64 MiB read on 8 threads
-        share_bytes(2 << 30, 8)    # 16 MiB: large reads in pieces of at most 16 MiB
     """
     mib = 1 << 20
     share = -(-max(total, 1) // max(workers, 1))
@@ -47,10 +37,6 @@ def piece_spans(offset: int, nbytes: int, piece: int, block: int = 4096) -> list
     several threads: ``(start, end)`` inside the run per piece, every cut at a
     ``block``-aligned file offset (so direct I/O reads each piece's whole blocks in place), and
     no tail piece under half a piece (which direct I/O would read buffered).
-
-    Example::
-
-        piece_spans(100, 10 << 20, 4 << 20)   # [(0, 4198300), (4198300, 10485760)]
     """
     if nbytes <= piece:
         return [(0, nbytes)]
@@ -184,12 +170,6 @@ def ranged_reads(
     """Wanted byte runs ``(offset, buffer)`` grouped into the fewest contiguous ranges that read
     at most ``max_ratio`` times the wanted bytes: ``(file offset, buffers)`` per range, in
     offset order (gap bytes land in a shared scratch buffer; no gap over ``max_gap``).
-
-    Example::
-
-        # 4 runs of 8 bytes, 8-byte gaps: wanted 32, budget 16 bytes = two gaps merged
-        reads = ranged_reads([(k * 16, np.empty(8, np.uint8)) for k in range(4)], 1 << 20)
-        len(reads)  # 2
     """
     # Merging a gap saves one range and costs its bytes: the smallest gaps first, within the
     # budget, give the fewest ranges for the byte bound.

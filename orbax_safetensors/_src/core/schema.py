@@ -4,13 +4,6 @@ The schema (``docs/format.md``) records a saved tree's containers and leaves as 
 whose ``"t"`` names their kind; here each kind is an immutable named tuple. :func:`from_json`
 checks a document read from a file and raises :class:`SchemaError` naming the first problem;
 :func:`to_json` writes exactly the document the format specifies, field order included.
-
-Example::
-
-    schema = from_json({"format": SCHEMA_FORMAT, "version": 1,
-                        "tree": {"t": "tensor", "array": "numpy", "name": "value"}})
-    schema.tree                  # Tensor(name='value', array=<ArrayKind.NUMPY: 'numpy'>)
-    to_json(schema)["tree"]      # {"t": "tensor", "array": "numpy", "name": "value"}
 """
 
 from __future__ import annotations
@@ -165,12 +158,7 @@ _KIND_OF = {Tensor: _TENSOR, PrngKey: _KEY, Alias: _REF}  # an Inline holds its 
 
 
 def leaf_kind(leaf: Leaf) -> LeafKind:
-    """A leaf node's kind (its ``"t"``).
-
-    Example::
-
-        leaf_kind(PrngKey("rng", "threefry2x32"))   # LeafKind.KEY
-    """
+    """A leaf node's kind (its ``"t"``)."""
     return leaf.kind if type(leaf) is Inline else _KIND_OF[type(leaf)]  # type: ignore[union-attr]
 
 
@@ -240,14 +228,10 @@ def node_to_json(node: Node, swap: Mapping[int, Leaf] | None = None) -> dict[str
         node = swap.get(id(node), node)  # type: ignore[arg-type]
         t = type(node)
     if t is Tensor:
-        if node.cast_from is None:  # type: ignore[union-attr]
-            return {"t": "tensor", "array": node.array.value, "name": node.name}  # type: ignore[union-attr]
-        return {
-            "t": "tensor",
-            "array": node.array.value,  # type: ignore[union-attr]
-            "name": node.name,  # type: ignore[union-attr]
-            "cast_from": node.cast_from,  # type: ignore[union-attr]
-        }
+        tensor = {"t": "tensor", "array": node.array.value, "name": node.name}  # type: ignore[union-attr]
+        if node.cast_from is not None:  # type: ignore[union-attr]
+            tensor["cast_from"] = node.cast_from  # type: ignore[union-attr]
+        return tensor
     if t is DictNode:
         return {
             "t": "dict",

@@ -6,13 +6,6 @@ selects everything beneath a name it matches: ``params`` selects ``params.layers
 dotted prefix) matches an ``include`` pattern (no ``include``: every name) and none matches an
 ``exclude`` pattern. A pattern that matches no name is an error: a typo never selects nothing
 in silence.
-
-Example::
-
-    sel = Selection.of(include="layers.*.attn", exclude="*.bias")
-    sel.selects("layers.0.attn.kernel")   # True
-    sel.selects("layers.0.attn.bias")     # False
-    sel.check(["layers.0.attn.kernel", "head.w"])   # raises if a pattern matches nothing
 """
 
 from __future__ import annotations

@@ -5,12 +5,6 @@ document's ``device_meshes`` table) and back over this job's devices; and
 
 JAX is imported by the functions that take shardings, not with the module: the metadata codec
 validates sharding JSON for tools that never start JAX.
-
-Example::
-
-    desc = sharding_to_json(x.sharding)
-    # {"mesh_axes": ["d"], "mesh_shape": [8], "spec": ["d", None], "device_ids": [0, ..., 7]}
-    sharding = sharding_from_json(desc)  # None when this job's devices cannot form that mesh
 """
 
 from __future__ import annotations
@@ -104,10 +98,6 @@ def split_devices(
     return out, devices
 
 
-def _is_int(x: object) -> bool:
-    return type(x) is int
-
-
 def check_sharding_json(
     desc: object, device_meshes: object = None, rank: int | None = None
 ) -> None:
@@ -116,17 +106,13 @@ def check_sharding_json(
 
     Raises:
       SchemaError: naming what is malformed.
-
-    Example::
-
-        check_sharding_json({"mesh_axes": ["d"], "mesh_shape": [8], "spec": ["d"]}, rank=1)
     """
     if desc is None:
         return
     if not isinstance(desc, dict) or not desc:
         raise SchemaError(f"sharding {desc!r} is malformed (not a mesh description)")
     shape, axes, spec = desc.get("mesh_shape"), desc.get("mesh_axes"), desc.get("spec")
-    if not (isinstance(shape, list) and shape and all(_is_int(d) and d >= 1 for d in shape)):
+    if not (isinstance(shape, list) and shape and all(type(d) is int and d >= 1 for d in shape)):
         raise SchemaError(f"sharding {desc!r} is malformed (mesh_shape is not a list of sizes)")
     if not (
         isinstance(axes, list)
@@ -244,11 +230,6 @@ class ShardingMemo(Generic[T]):
     """Memoises ``fn(sharding)`` for one pass over many arrays: a tree of 10,000 arrays often
     has 10,000 sharding objects but a handful of distinct shardings. Looks a sharding up by
     identity first, then by value; entries keep their sharding alive (no id is reused).
-
-    Example::
-
-        on_one_device = ShardingMemo(lambda s: len(s.device_set) == 1)
-        flags = [on_one_device(x.sharding) for x in arrays]
     """
 
     def __init__(self, fn: Callable[[Any], T]) -> None:

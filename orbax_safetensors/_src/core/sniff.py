@@ -4,14 +4,6 @@ Readers call :func:`sniff_bytes` with a file's first :data:`HEAD_BYTES` bytes on
 failed to parse (never before: a real header's length may begin with any byte), and
 :func:`sniff_directory` with a directory's entry names. Only signatures are compared: nothing
 is decoded, unpickled or decompressed.
-
-Example::
-
-    found = sniff_bytes(head, where="checkpoint_3")
-    if found is not None:
-        raise NotSafetensorsError(message("checkpoint_3", found), found)
-    found.kind        # "flax-msgpack"
-    found.suggestion  # "convert it: orbax-safetensors convert checkpoint_3 checkpoint_3.safetensors ..."
 """
 
 from __future__ import annotations
@@ -82,11 +74,7 @@ DIRECTORY_KINDS = frozenset(
 
 def convert_command(where: str) -> str:
     """The shell-quoted command converting the Flax msgpack file ``where`` to safetensors."""
-    return f"orbax-safetensors convert {_q(where)} {_q(_stem(where) + '.safetensors')}"
-
-
-def _q(path: str) -> str:
-    return shlex.quote(path)
+    return f"orbax-safetensors convert {shlex.quote(where)} {shlex.quote(_stem(where) + '.safetensors')}"
 
 
 def _stem(where: str) -> str:
@@ -268,7 +256,7 @@ def sniff_directory(entries: Collection[str], where: str = "directory") -> Sniff
             "Restore it with osf.restore_directory(path) or a CheckpointManager with "
             "osf.SafetensorsRestore; load_file reads one .safetensors file.",
         )
-    convert = f"orbax-safetensors convert {_q(where)} {_q(_stem(where) + '-safetensors')}"
+    convert = f"orbax-safetensors convert {shlex.quote(where)} {shlex.quote(_stem(where) + '-safetensors')}"
     if names & _ORBAX_ITEM_ENTRIES or any(n.startswith("ocdbt.process_") for n in names):
         return Sniffed(
             Kind.ORBAX_ITEM,
@@ -289,7 +277,7 @@ def sniff_directory(entries: Collection[str], where: str = "directory") -> Sniff
         return Sniffed(
             Kind.ORBAX_ROOT,
             f"a CheckpointManager root (steps {shown})",
-            f"orbax-safetensors inspect {_q(where)} lists its steps; restore one through "
+            f"orbax-safetensors inspect {shlex.quote(where)} lists its steps; restore one through "
             f"ocp.CheckpointManager, or convert them all: {convert}.",
         )
     if "model.safetensors.index.json" in names or any(n.endswith(".safetensors") for n in names):
@@ -297,6 +285,6 @@ def sniff_directory(entries: Collection[str], where: str = "directory") -> Sniff
             Kind.SAFETENSORS_DIR,
             "a directory of safetensors files",
             "Load one of its .safetensors files, or see it whole with "
-            f"orbax-safetensors inspect {_q(where)}.",
+            f"orbax-safetensors inspect {shlex.quote(where)}.",
         )
     return None

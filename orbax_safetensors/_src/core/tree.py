@@ -1,16 +1,9 @@
 """The pytree codec: any pytree <-> ``{dotted_name: array}`` plus a lossless JSON schema.
 
-Leaves are named by the naming rule (``core/naming.py``); the schema (``core/schema.py``)
+Leaves are named by the naming rule (``core/rebuild.py``); the schema (``core/schema.py``)
 records containers, Python scalars inline, typed PRNG keys and aliases (an array object at
 several leaves is stored once), and never names a class to import. This module walks trees on
-save, and gives other layers the tree names they call (the rebuilding ones are
-``core/rebuild.py``'s).
-
-Example::
-
-    flat = flatten({"layers": [{"w": np.ones(2)}], "step": 3})
-    flat.arrays            # {"layers.0.w": array([1., 1.])}
-    unflatten(flat.schema, lambda leaf: flat.arrays[leaf.tensor_name])
+save, and re-exports the names other layers call.
 """
 
 from __future__ import annotations
@@ -27,18 +20,16 @@ from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import schema as _schema
 from orbax_safetensors._src.core.errors import DeletedArrayError, UnsupportedLeafError
-from orbax_safetensors._src.core.naming import (
+from orbax_safetensors._src.core.rebuild import (
     ROOT_NAME,
     KeyEntry,
     assign_names,
     dedupe_names,
     entry_text,
-    is_nnx_variable,
-    join_path,
-)
-from orbax_safetensors._src.core.rebuild import (
     flatten_target,
     inline_value,
+    is_nnx_variable,
+    join_path,
     prune_schema,
     selectable_names,
     unflatten,
@@ -78,6 +69,7 @@ __all__ = [
     "assign_names",
     "flatten_target",
     "inline_value",
+    "join_path",
     "prune_schema",
     "selectable_names",
     "unflatten",
@@ -215,12 +207,8 @@ class CapturedTree:
 
 
 def flatten(tree: Any) -> FlatTree:
-    """Flattens ``tree`` into dotted names and a lossless schema: ``capture(tree).finish()``.
-
-    Raises:
-      UnsupportedLeafError: naming the first leaf that cannot be stored (before any I/O).
-      DeletedArrayError (a ValueError): naming a ``jax.Array`` that has been deleted (donated).
-    """
+    """Flattens ``tree`` into dotted names and a lossless schema: ``capture(tree).finish()``
+    (raising as :func:`capture` does)."""
     return capture(tree).finish()
 
 

@@ -29,7 +29,7 @@ from etils import epath
 
 from orbax_safetensors._src.catalog import sources as _sources
 from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
-from orbax_safetensors._src.core import naming as _naming
+from orbax_safetensors._src.core import tree as _tree
 
 
 @dataclasses.dataclass
@@ -81,7 +81,7 @@ def tree_leaves(tree: Any) -> tuple[list[tuple[str, Any, Any]], Any]:
     out = []
     for path, leaf in flat:
         value = _jaxcompat.nnx_value(leaf) if isinstance(leaf, variables) else leaf
-        out.append((_naming.join_path(path), leaf, None if isinstance(leaf, rng_state) else value))
+        out.append((_tree.join_path(path), leaf, None if isinstance(leaf, rng_state) else value))
     return out, treedef
 
 

@@ -31,7 +31,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from orbax_safetensors._src.compat import multihost as _multihost
+from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import runs as _runs
@@ -264,7 +264,7 @@ def _shifted(index: Any, start: int) -> Any:
 def gathered(x: Any) -> np.ndarray:
     """``x`` whole on the host of every process (a collective when ``x`` is sharded over
     processes: for small arrays, such as LoRA adapters)."""
-    return _multihost.process_allgather(x) if is_global(x) else np.asarray(x)
+    return _jaxcompat.process_allgather(x) if is_global(x) else np.asarray(x)
 
 
 # --------------------------------------------------------------------------- units
@@ -368,7 +368,7 @@ def _item_pieces(plan: _plan.CheckpointPlan, lent: _buffers.LentBuffers | None, 
 
 
 def _barrier(name: str) -> None:
-    _multihost.barrier(f"orbax_safetensors.export.{name}")
+    _jaxcompat.barrier(f"orbax_safetensors.export.{name}")
 
 
 def write(
@@ -438,7 +438,7 @@ def _destination(directory: epath.Path, one: bool, primary: bool) -> Iterator[ep
             f"{directory}: a multi-process export writes to a file system every process "
             "sees (local or network POSIX), s3:// or gs://; export to one of them and copy"
         )
-    token = _multihost.broadcast_bytes(
+    token = _jaxcompat.broadcast_bytes(
         uuid.uuid4().bytes[:8] if primary else None, is_source=primary
     )
     tmp = _replace.staging_path(directory, token.hex())  # (the primary's name, broadcast)

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from orbax_safetensors._src.compat import multihost as _multihost
+from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
 from orbax_safetensors._src.pipeline import export as _export
@@ -57,7 +57,7 @@ def _device_items(
     wholes: dict[str, np.ndarray] = {}
     for name in dict.fromkeys(n for g in export.groups for n in g.whole):
         x = arrays[name]  # (copied: the caller may donate its arrays after save())
-        wholes[name] = _multihost.process_allgather(x) if _export.is_global(x) else np.array(x)
+        wholes[name] = _jaxcompat.process_allgather(x) if _export.is_global(x) else np.array(x)
         yield (WHOLE, name), [(None, wholes[name])]
     for group in export.groups:
         if _export.route(export, group, arrays, False) is Route.DEVICES:

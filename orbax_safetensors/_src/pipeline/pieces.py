@@ -6,7 +6,7 @@ movers. Per-tensor CRC32C shares are computed from the same pieces.
 
 Example::
 
-    plan = _plan.plan_files(_plan.tensor_specs(flat.arrays), max_file_size=None)
+    plan = _plan.plan_files(_casting.stored_specs(flat.arrays, casts), max_file_size=None)
     pieces = host_pieces(plan, flat.arrays, copy=False)   # {file index: [Piece, ...]}
 """
 
