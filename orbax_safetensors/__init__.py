@@ -46,34 +46,8 @@ from orbax_safetensors._version import __version__
 
 if TYPE_CHECKING:
     from orbax_safetensors import hf
-    from orbax_safetensors._src.core.header import (
-        Header,
-        TensorEntry,
-    )
-    from orbax_safetensors._src.integrations.export import export_pytorch
-    from orbax_safetensors._src.integrations.hf_import import import_pytorch
-    from orbax_safetensors._src.integrations.key_mapping import (
-        Chain,
-        KeyMapping,
-        MappingReport,
-        Reshape,
-        Rule,
-        SplitHeads,
-        Transform,
-        Transpose,
-    )
-    from orbax_safetensors._src.integrations.load import abstract_pytorch, load_pytorch
-    from orbax_safetensors._src.integrations.nnx import (
-        load_model,
-        save_model,
-    )
-    from orbax_safetensors._src.integrations.presets import preset_mapping
-    from orbax_safetensors._src.integrations.transforms import (
-        Offset,
-        RopeInterleave,
-        Scale,
-        VocabRows,
-    )
+    from orbax_safetensors._src.core.header import Header, TensorEntry
+    from orbax_safetensors._src.integrations.nnx import load_model, save_model
     from orbax_safetensors._src.orbax.steps import manager_options_for
     from orbax_safetensors._src.orbax.v0 import (
         SafetensorsCheckpointHandler,
@@ -81,11 +55,7 @@ if TYPE_CHECKING:
         SafetensorsSave,
         handler_registry,
     )
-    from orbax_safetensors._src.orbax.v1 import (
-        SafetensorsHandler,
-        local_registry,
-        register_handler,
-    )
+    from orbax_safetensors._src.orbax.v1 import SafetensorsHandler, local_registry, register_handler
     from orbax_safetensors._src.pipeline.pieces import WriteStats
     from orbax_safetensors._src.pipeline.read import ReadStats
     from orbax_safetensors._src.pipeline.standalone import (
@@ -106,66 +76,75 @@ if TYPE_CHECKING:
         object_store_stats,
     )
     from orbax_safetensors._src.storage.router import read_header
-    from orbax_safetensors._src.tools.convert import (
-        ConvertSummary,
-        convert,
-    )
-    from orbax_safetensors._src.tools.verify import (
-        VerifyReport,
-        verify,
+    from orbax_safetensors._src.tools.convert import ConvertSummary, convert
+    from orbax_safetensors._src.tools.verify import VerifyReport, verify
+    from orbax_safetensors.hf import (  # osf.hf's names, each also at the top level
+        Chain,
+        KeyMapping,
+        MappingReport,
+        Offset,
+        Reshape,
+        RopeInterleave,
+        Rule,
+        Scale,
+        SplitHeads,
+        Transform,
+        Transpose,
+        VocabRows,
+        abstract_pytorch,
+        export_pytorch,
+        import_pytorch,
+        load_pytorch,
+        preset_mapping,
     )
 
 # Each public name (errors and version apart) -> the module under ``orbax_safetensors._src``
 # that defines it; a sub-namespace of the package maps to its own name (``osf.hf``).
 _LAZY: dict[str, str] = {
-    "hf": "hf",
-    "Header": "core.header",
-    "TensorEntry": "core.header",
-    "Chain": "integrations.key_mapping",
-    "KeyMapping": "integrations.key_mapping",
-    "MappingReport": "integrations.key_mapping",
-    "Reshape": "integrations.key_mapping",
-    "Rule": "integrations.key_mapping",
-    "SplitHeads": "integrations.key_mapping",
-    "Transform": "integrations.key_mapping",
-    "Transpose": "integrations.key_mapping",
-    "load_model": "integrations.nnx",
-    "save_model": "integrations.nnx",
-    "preset_mapping": "integrations.presets",
-    "Offset": "integrations.transforms",
-    "RopeInterleave": "integrations.transforms",
-    "Scale": "integrations.transforms",
-    "VocabRows": "integrations.transforms",
-    "abstract_pytorch": "integrations.load",
-    "export_pytorch": "integrations.export",
-    "import_pytorch": "integrations.hf_import",
-    "load_pytorch": "integrations.load",
-    "manager_options_for": "orbax.steps",
-    "SafetensorsCheckpointHandler": "orbax.v0",
-    "SafetensorsRestore": "orbax.v0",
-    "SafetensorsSave": "orbax.v0",
-    "handler_registry": "orbax.v0",
-    "SafetensorsHandler": "orbax.v1",
-    "local_registry": "orbax.v1",
-    "register_handler": "orbax.v1",
-    "WriteStats": "pipeline.pieces",
-    "ReadStats": "pipeline.read",
-    "load_file": "pipeline.standalone",
-    "load_metadata": "pipeline.standalone",
-    "restore_directory": "pipeline.standalone",
-    "save_directory": "pipeline.standalone",
-    "save_file": "pipeline.standalone",
-    "IOOptions": "storage.config",
-    "ObjectStoreError": "storage.objstore.calls",
-    "ObjectStoreOptions": "storage.config",
-    "set_object_store_options": "storage.config",
-    "ObjectStoreStats": "storage.objstore.calls",
-    "object_store_stats": "storage.objstore.calls",
-    "read_header": "storage.router",
-    "ConvertSummary": "tools.convert",
-    "convert": "tools.convert",
-    "VerifyReport": "tools.verify",
-    "verify": "tools.verify",
+    name: module
+    for module, names in {
+        "hf": ("hf",),
+        "core.header": ("Header", "TensorEntry"),
+        "integrations.key_mapping": (
+            "Chain",
+            "KeyMapping",
+            "MappingReport",
+            "Reshape",
+            "Rule",
+            "SplitHeads",
+            "Transform",
+            "Transpose",
+        ),
+        "integrations.transforms": ("Offset", "RopeInterleave", "Scale", "VocabRows"),
+        "integrations.nnx": ("load_model", "save_model"),
+        "integrations.presets": ("preset_mapping",),
+        "integrations.load": ("abstract_pytorch", "load_pytorch"),
+        "integrations.export": ("export_pytorch",),
+        "integrations.hf_import": ("import_pytorch",),
+        "orbax.steps": ("manager_options_for",),
+        "orbax.v0": (
+            "SafetensorsCheckpointHandler",
+            "SafetensorsRestore",
+            "SafetensorsSave",
+            "handler_registry",
+        ),
+        "orbax.v1": ("SafetensorsHandler", "local_registry", "register_handler"),
+        "pipeline.pieces": ("WriteStats",),
+        "pipeline.read": ("ReadStats",),
+        "pipeline.standalone": (
+            "load_file",
+            "load_metadata",
+            "restore_directory",
+            "save_directory",
+            "save_file",
+        ),
+        "storage.config": ("IOOptions", "ObjectStoreOptions", "set_object_store_options"),
+        "storage.objstore.calls": ("ObjectStoreError", "ObjectStoreStats", "object_store_stats"),
+        "storage.router": ("read_header",),
+        "tools.convert": ("ConvertSummary", "convert"),
+        "tools.verify": ("VerifyReport", "verify"),
+    }.items()
+    for name in names
 }
 
 

@@ -2,8 +2,8 @@
 
 ``orbax_safetensors`` pauses Python's cyclic GC only while the caller's thread waits for it
 (``save_file``, ``load_file``, restores, the host copies inside an async ``save()``, a
-synchronous save's write; see ``orbax_safetensors/_src/pipeline/gcpause.py``). This runs the same operations
-on a tree of many small tensors with the pause on and off (``_gcpause.enabled``), interleaved
+synchronous save's write; see ``orbax_safetensors/_src/pipeline/pieces.py`` (``gc_paused``)). This runs the same operations
+on a tree of many small tensors with the pause on and off (``_pieces.gc_pause_enabled``), interleaved
 round by round in one process, and prints medians and the ratio off / on. The tree lives
 alongside a heap of long-lived objects, as a training job's does, since each collection rescans
 the live objects.
@@ -31,7 +31,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 import orbax_safetensors as osf
-from orbax_safetensors._src.pipeline import gcpause as _gcpause
+from orbax_safetensors._src.pipeline import pieces as _pieces
 
 
 def _tree(count: int) -> dict[str, dict[str, jax.Array]]:
@@ -86,7 +86,7 @@ def main() -> None:
 
     for round_index in range(args.rounds + 1):  # round 0 warms up, not recorded
         for on in (True, False) if round_index % 2 else (False, True):
-            _gcpause.enabled = on
+            _pieces.gc_pause_enabled = on
             results = {
                 "save_file": _timed(lambda: osf.save_file(tree, path)),
                 "load_file": _timed(lambda: osf.load_file(path)),
@@ -101,7 +101,7 @@ def main() -> None:
             if round_index:
                 for name, seconds in results.items():
                     record(name, on, seconds)
-    _gcpause.enabled = True
+    _pieces.gc_pause_enabled = True
     sync_mngr.close()
     async_mngr.close()
     shutil.rmtree(work)

@@ -35,7 +35,7 @@ from orbax_safetensors._src.integrations.key_mapping import KeyMapping, MappingR
 from orbax_safetensors._src.integrations.links import Link
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
 from orbax_safetensors._src.pipeline import export as _export
-from orbax_safetensors._src.pipeline import gcpause as _gcpause
+from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.pipeline import read as _read
 from orbax_safetensors._src.pipeline import relayout as _relayout
 from orbax_safetensors._src.storage import config as _config
@@ -44,7 +44,7 @@ HEADER_METADATA = {"format": "pt"}  # what transformers and safetensors.torch wr
 Shape = tuple[int, ...]
 
 
-@_gcpause.paused  # (the caller waits: see pipeline/gcpause.py)
+@_pieces.gc_paused()  # (the caller waits: see pipeline/pieces.gc_paused)
 def export_pytorch(
     source: Any,
     directory: epath.PathLike,

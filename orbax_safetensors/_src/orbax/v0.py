@@ -34,7 +34,6 @@ from orbax_safetensors._src.orbax import claims as _claims
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
 from orbax_safetensors._src.pipeline import export as _export_engine
-from orbax_safetensors._src.pipeline import gcpause as _gcpause
 from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.pipeline import read as _read
 from orbax_safetensors._src.pipeline import restore_plan as _restore_plan
@@ -261,7 +260,7 @@ class SafetensorsRestore(ocp.args.CheckpointArgs):
 # --------------------------------------------------------------------------- running a job
 
 
-@_gcpause.paused  # (the caller's thread only: what outlives save() is never paused)
+@_pieces.gc_paused()  # (the caller's thread only: what outlives save() is never paused)
 def start_save(
     job: _save_job.SaveJob, *, on_failure: Callable[[], None] | None = None
 ) -> list[ocp_future.Future]:
@@ -412,7 +411,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
             self._pending.add(job)
         return job
 
-    @_gcpause.paused
+    @_pieces.gc_paused()
     def save(self, directory: epath.Path, args: SafetensorsSave | Any) -> None:
         """Synchronous save (``ocp.Checkpointer``): writes straight from the arrays."""
         if _args.orbax_kind(args) is not None:  # Orbax's own args, in a mixed root
@@ -434,7 +433,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
             return
         job = self._pending.pop(directory)
         if job is None:  # not saved through this handler: the draft and shares are on disk
-            _save_job.finalize_from_disk(directory, self._io)
+            _checkpoint_save.finalize(directory, io=self._io)
         else:
             job.finalize()
 

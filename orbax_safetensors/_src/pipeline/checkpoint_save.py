@@ -1,20 +1,8 @@
-"""Saving a checkpoint directory: standard safetensors files + one JSON metadata file, written
-by one process or by many at once. Orbax-free: the Orbax handler is thin glue over this module.
-
-Layout of a checkpoint directory::
-
-    model.safetensors                      # or model-00001-of-0000N.safetensors + ...
-    model.safetensors.index.json           # only when split into several files (HF convention)
-    orbax_safetensors.json                 # schema, versions, per-tensor dtype/shape/file,
-                                           # saved sharding, CRC32C, user metadata
-
-The steps of a save, which ``pipeline.save_job.SaveJob`` puts in order for every driver:
-:func:`validate_save` (the caller's thread), :class:`PreparedSave` (every process; plans, and
-writes either the arrays as the writer reaches them or host copies made beforehand),
-:func:`write_process_share` (every process; its own byte ranges, plus headers and index on the
-primary; a small per-process checksum file, which a single-process save keeps in memory
-instead) and :func:`finalize` (one process, after all wrote; merges checksums into the
-metadata file).
+"""The steps of saving a checkpoint directory (safetensors files, their index when split, and
+``orbax_safetensors.json``), by one process or many, which ``save_job.SaveJob`` puts in order:
+:func:`validate_save`, :class:`PreparedSave`, :func:`write_process_share` (each process its own
+byte ranges; the primary also headers and index) and :func:`finalize` (one process: checksums
+merged into the metadata file).
 
 Example::
 
@@ -49,7 +37,6 @@ from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import (
     DeletedArrayError,
 )
-from orbax_safetensors._src.pipeline import gcpause as _gcpause
 from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.pipeline import relayout as _relayout
 from orbax_safetensors._src.pipeline import snapshots as _snapshots
@@ -60,14 +47,9 @@ from orbax_safetensors._src.storage import router as _router
 
 class ValidatedTree:
     """A tree :func:`validate_save` accepted: captured (structure copied, leaves checked), and
-    named (``flat``, each stored tensor's ``specs``) when first asked, on whatever thread asks.
-
-    An async save copies ``captured.arrays`` in the call and leaves naming and planning to its
-    writer thread; the specs come from the dtypes and shapes read at capture. Under a dtype
-    policy the tree is named at once (the policy matches dotted names): ``casts`` then gives
-    the stored dtype of each of ``captured.arrays`` (None: kept), and ``specs`` the stored
-    dtypes.
-    """
+    named (``flat``, ``specs``) when first asked, on whatever thread asks (an async save's
+    writer). Under a dtype policy it is named at once: ``casts`` gives the stored dtype of each
+    of ``captured.arrays`` (None: kept)."""
 
     def __init__(
         self,
@@ -97,8 +79,8 @@ class ValidatedTree:
         return _plan.specs_of(zip(self.flat.arrays, dtypes, c.shapes))
 
     def snapshot_casts(self) -> dict[int, np.dtype] | None:
-        """The stored dtype of each cast array by its position in ``captured.arrays`` (the
-        keys :func:`_snapshots.iter_snapshots` is given), or None when nothing is cast."""
+        """The stored dtype of each cast array by its position in ``captured.arrays``, or None
+        when nothing is cast."""
         if self.casts is None:
             return None
         return {i: w for i, w in enumerate(self.casts) if w is not None}
@@ -114,18 +96,15 @@ class ValidatedTree:
         )
 
 
-@_gcpause.paused
+@_pieces.gc_paused()
 def validate_save(
     tree: Any,
     user_metadata: Mapping[str, Any] | None = None,
     *,
     dtype: _casting.DtypePolicy | None = None,
 ) -> ValidatedTree:
-    """Checks that ``tree``, ``user_metadata`` and the dtype policy ``dtype`` (see
-    ``core.casting``) can be saved, before any I/O is scheduled.
-
-    The result is what every later step of a save takes (:class:`PreparedSave`,
-    ``pipeline.save_job.SaveJob``).
+    """Checks that ``tree``, ``user_metadata`` and the dtype policy ``dtype`` can be saved,
+    before any I/O is scheduled.
 
     Raises:
       UnsupportedLeafError: naming the first leaf (or dtype) that cannot be stored.
@@ -154,13 +133,8 @@ IN_FLIGHT_BYTES = 64 << 20  # writes under way at most, by default (write_proces
 
 @dataclasses.dataclass
 class PreparedSave:
-    """Everything a process needs to write its bytes of the checkpoint.
-
-    ``pieces`` yields ``(file index, pieces)`` one tensor at a time. Build one with
-    :meth:`direct` (each tensor viewed when the writer reaches it: the caller's arrays must
-    stay untouched until the write returns) or :meth:`from_snapshots` (host copies made
-    beforehand; the arrays may be donated by then).
-    """
+    """Everything a process needs to write its bytes of the checkpoint; ``pieces`` yields
+    ``(file index, pieces)`` one tensor at a time."""
 
     plan: _plan.CheckpointPlan
     pieces: Iterable[tuple[int, list[_interface.Piece]]]
@@ -169,11 +143,8 @@ class PreparedSave:
     is_primary: bool
     process_index: int
     checksums: bool
-    # More files, written by the primary (write_small_files)
-    files: Mapping[str, str | bytes] = dataclasses.field(default_factory=dict)
-    # Bytes of earlier pieces still being written while the next are produced (see
-    # write_process_share): the host copies a direct save holds beside the tensor at hand.
-    max_in_flight: int = IN_FLIGHT_BYTES
+    files: Mapping[str, str | bytes] = dataclasses.field(default_factory=dict)  # (the primary)
+    max_in_flight: int = IN_FLIGHT_BYTES  # see write_process_share
 
     @classmethod
     def direct(
@@ -186,18 +157,9 @@ class PreparedSave:
         row_blocks: bool = False,
     ) -> PreparedSave:
         """Plans ``validated``'s files; ``pieces`` views (or casts) each tensor as the writer
-        reaches it, so host memory holds about one tensor beyond the writes under way.
-
-        ``row_blocks`` (a save to object storage; call on the main thread of every process):
-        the tensors whose across-process axis cuts a later dimension are moved to row blocks
-        on the devices and copied to host now, one at a time (``snapshots.iter_relaid``);
-        host memory then also holds this process's share of those tensors until written.
-
-        Example::
-
-            prepared = PreparedSave.direct(validate_save(tree), SaveLayout())
-            write_process_share(prepared, directory, persist_share=False)
-        """
+        reaches it: the caller's arrays must stay untouched until the write returns.
+        ``row_blocks`` (object storage; every process, on its main thread): the tensors
+        ``snapshots.iter_relaid`` moves are moved and copied to host now."""
         plan, metadata, sizes = plan_tree(validated, layout, grouped=row_blocks)
         flat = validated.flat
         check_not_deleted(flat.arrays.items())
@@ -210,9 +172,7 @@ class PreparedSave:
                 casts=validated.snapshot_casts(),
             )
             ready = {names[i]: copies for i, copies in relaid}
-        pieces = _pieces.iter_host_pieces(
-            plan, flat.arrays, copy=False, is_primary=is_primary, copies_ahead=1, ready=ready
-        )
+        pieces = _pieces.iter_host_pieces(plan, flat.arrays, is_primary=is_primary, ready=ready)
         # Where the pieces are host views (CPU, numpy), writes under way hold no memory of
         # their own; where each is a fresh copy off an accelerator, they would hold up to
         # IN_FLIGHT_BYTES of copies (a small state whole): one batch is written at a time
@@ -240,10 +200,9 @@ class PreparedSave:
         process_index: int = 0,
         row_blocks: bool = False,
     ) -> PreparedSave:
-        """Plans ``validated``'s files; ``pieces`` writes ``snapshots``, this process's host
-        copies from :func:`_snapshots.iter_snapshots` over ``enumerate(validated.captured.
-        arrays)`` (or a :class:`SnapshotQueue` it fills), and never reads the arrays' data.
-        ``row_blocks``: as given to ``iter_snapshots`` (the file order of joined groups)."""
+        """Plans ``validated``'s files; ``pieces`` writes ``snapshots`` (``snapshots.
+        iter_snapshots`` over ``enumerate(validated.captured.arrays)``, or a queue it fills)
+        and never reads the arrays. ``row_blocks``: as given to ``iter_snapshots``."""
         plan, metadata, sizes = plan_tree(validated, layout, grouped=row_blocks)
         names = list(validated.flat.arrays)  # snapshots are keyed by position in captured.arrays
         pieces = (_pieces.tensor_pieces(plan, names[i], copies) for i, copies in snapshots)
@@ -252,16 +211,10 @@ class PreparedSave:
 
 @dataclasses.dataclass(frozen=True)
 class SaveLayout:
-    """How a checkpoint directory's files are laid out.
+    """How a checkpoint directory's files are laid out."""
 
-    Attributes:
-      max_file_size: split the tensors into files of at most this many bytes of data (None:
-        one file).
-      checksums: compute every tensor's CRC32C while writing.
-    """
-
-    max_file_size: int | None = _plan.DEFAULT_MAX_FILE_SIZE
-    checksums: bool = True
+    max_file_size: int | None = _plan.DEFAULT_MAX_FILE_SIZE  # bytes of data per file; None: one
+    checksums: bool = True  # every tensor's CRC32C, computed while writing
 
     def __post_init__(self) -> None:
         if self.max_file_size is not None and self.max_file_size <= 0:
@@ -278,10 +231,9 @@ def plan_tree(
     *,
     grouped: bool = False,
 ) -> tuple[_plan.CheckpointPlan, dict[str, Any], dict[str, int]]:
-    """The file plan of ``validated`` (each header's ``__metadata__`` is
-    ``header_metadata``), the metadata document (less checksums) and each tensor's stored
-    size. ``grouped`` (a save to object storage): in a multi-process job the tensors a save
-    joins on the devices (``relayout.join``) are placed next to each other in the files."""
+    """The file plan of ``validated``, the metadata document (less checksums) and each
+    tensor's stored size. ``grouped`` (object storage, several processes): the tensors a save
+    joins on the devices are placed next to each other in the files."""
     flat, specs = validated.flat, validated.specs
     multi_process = jax.process_count() > 1
     ordered = specs
@@ -349,21 +301,15 @@ def write_process_share(
     index: bool = True,
     written: Callable[[list[_interface.Piece]], None] | None = None,
 ) -> dict[str, Any]:
-    """Writes this process's bytes (and, on the primary, headers, index and metadata draft).
+    """Writes this process's bytes (the primary: headers, index and metadata draft too), each
+    file made durable at the end; ``stats`` records the byte ranges written. Returns this
+    process's checksum share for :func:`finalize`.
 
-    Tensors are written as ``prepared.pieces`` yields them, each file opened when first needed
-    and made durable at the end. ``stats``, when given, records the byte ranges written.
-
-    Returns this process's checksum share (what :func:`finalize` merges). With
-    ``persist_share=False`` neither the share nor the metadata draft is written to disk: the
-    caller hands both to :func:`finalize` itself (a single-process save; saves the JSON round
-    trip of two documents with an entry per tensor). ``max_in_flight`` bounds the bytes of
-    earlier pieces still being written while the next are produced (their host copies stay
-    alive until then), the part-filled batch of small tensors included (at most 8 MiB);
-    default ``prepared.max_in_flight``.
-    ``index=False``: no index, whatever the number of files (a plan of some of the files of a
-    directory whose index the caller writes). ``written(pieces)`` is called with each batch
-    of pieces once its write has ended (their buffers may then be reused).
+    ``persist_share=False``: neither the share nor the draft goes to disk (the caller hands
+    both to :func:`finalize`). ``max_in_flight``: bytes of earlier pieces still being written
+    while the next are produced, the part-filled batch included (default
+    ``prepared.max_in_flight``). ``index=False``: no index file. ``written(pieces)`` is called
+    with each batch once written (their buffers may then be reused).
     """
     directory = epath.Path(directory)
     plan = prepared.plan
@@ -451,13 +397,8 @@ def write_process_share(
 
 
 def write_small_files(directory: epath.PathLike, files: Mapping[str, str | bytes]) -> None:
-    """Writes ``files`` (``{name relative to directory: text (UTF-8) or bytes}``) into
-    ``directory``, making the folders a name has (``additional_chat_templates/x.jinja``).
-
-    Example::
-
-        write_small_files(out, {"config.json": text, "tokenizer.model": data})
-    """
+    """Writes ``files`` (``{relative name: text (UTF-8) or bytes}``) into ``directory``,
+    making the folders a name has."""
     directory = epath.Path(directory)
     for name, content in files.items():
         path = directory / name
@@ -478,10 +419,8 @@ def write_unchecksummed(
     stats: _pieces.WriteStats | None = None,
     written: Callable[[list[_interface.Piece]], None] | None = None,
 ) -> _pieces.WriteStats:
-    """This process's ``pieces`` of ``plan``'s files, with headers (and, with ``index``, the
-    index) on the primary, written by :func:`write_process_share` with no checksums and no
-    metadata file (an export's files); returns what this process wrote, added to ``stats``
-    when given. ``written``: see :func:`write_process_share`."""
+    """Writes this process's ``pieces`` of ``plan``'s files (an export's: no checksums, no
+    metadata file) by :func:`write_process_share`; returns what it wrote, added to ``stats``."""
     stats = _pieces.WriteStats() if stats is None else stats
     prepared = PreparedSave(
         plan=plan,
@@ -510,13 +449,9 @@ def finalize(
     shares: Sequence[dict[str, Any]] = (),
     io: _config.IOOptions | None = None,
 ) -> None:
-    """Merges every process's checksum share into the metadata file (run once, after all wrote).
-
-    ``draft_metadata`` is the draft's content when this process wrote it (``PreparedSave.
-    metadata``): it spares reading back and parsing the draft; it is
-    required when the draft was not persisted. ``shares`` are checksum shares held in memory (as
-    :func:`write_process_share` returns them unpersisted), merged with those found on disk.
-    """
+    """Merges every process's checksum share into the metadata file (once, after all wrote).
+    ``draft_metadata``: the draft held in memory (required when it was not persisted);
+    ``shares``: shares held in memory, merged with those found on disk."""
     directory = epath.Path(directory)
     _router.finalize_files(directory, io)  # object storage: join what several processes staged
     draft = directory / _metadata.DRAFT_FILE

@@ -1,11 +1,8 @@
-"""The export engine: an :class:`ExportPlan` (tensors computed from a tree's tensors, small
-files beside them, naming no mapping type) written through one writer (``checkpoint_save``)
-by one process or several, each writing only its own bytes: each :class:`ExportGroup` takes
-the :class:`Route` that global facts give it. :func:`write` reads the values a :class:`Unit`
-at a time, one ahead on a thread, and owns the destination's life (a directory replaced
-whole, a staging directory swapped in, object storage a group of files at a time); a save
-job's snapshots feed the same groups into a checkpoint item (``export_item``).
-docs/architecture.md, "One export, followed through", says why.
+"""The export engine: an :class:`ExportPlan` (tensors computed from a tree's tensors, small files
+beside them) written through ``checkpoint_save``'s writer by one process or several, each group
+on the :class:`Route` global facts give it. :func:`write` reads a :class:`Unit` at a time, one
+ahead, and owns the destination's life; ``export_item`` feeds a save job's snapshots through the
+same groups (docs/architecture.md, "One export, followed through").
 
 Example::
 
@@ -113,8 +110,7 @@ class ExportPlan:
 class ExportMapping(Protocol):
     """What ``SafetensorsSave(mapping=)`` and ``SafetensorsRestore(mapping=)`` take:
     ``export_plan`` raises naming every tensor that does not fit, before Orbax creates the
-    step; ``restore`` fills ``target`` from the item (``strict``, ``verify``, ``io``,
-    ``stats``; ``strict=False``: target leaves nothing maps to come back as given)."""
+    step; ``restore`` fills ``target`` from the item."""
 
     def export_plan(
         self, validated: Any, dtype: Any, hf_config: Any, *, generation_config: Any = None
@@ -151,9 +147,8 @@ def is_global(x: Any) -> bool:
 
 def route(export: ExportPlan, group: ExportGroup, values: Mapping[str, Any], runs: bool) -> Route:
     """``group``'s :class:`Route` over ``values``; with ``runs``, shards that would be many
-    short byte runs of the outputs go to the devices (a save's snapshot keeps the devices'
-    work off the caller's line: without). Raises ``ValueError`` naming a group of sharded
-    sources with neither way to share it."""
+    short byte runs go to the devices. A ``ValueError`` names a group of sharded sources with
+    neither way to share it."""
     sharded = [is_global(values[n]) for n in group.sources if n not in group.whole]
     if not any(sharded):
         return Route.HOST
@@ -213,9 +208,8 @@ def shard_pieces(
     copies: _snapshots.HostCopies,
     wholes: Mapping[str, np.ndarray],
 ) -> Iterator[Pieces]:
-    """The pieces of each host shard of ``group``'s source ``k`` (``copies``), mapped on its
-    own by ``per_shard`` and cast first: a transposed shard then moves in the stored dtype,
-    and the cast reads memory in order."""
+    """The pieces of each host shard of ``group``'s source ``k``, mapped alone by
+    ``per_shard``, cast first (a transposed shard then moves in the stored dtype)."""
     assert group.per_shard is not None
     stored = _stored(export, group)
     for index, host in copies:
@@ -232,9 +226,8 @@ def device_copies(
     band_bytes: int | None,
     buffers: _buffers.BufferArena | None,
 ) -> Iterator[tuple[str, _snapshots.HostCopies]]:
-    """``group``'s outputs re-laid-out on the devices from ``values`` (collectives: every
-    process alike), a band at a time, this process's shards of each copied to host (into
-    ``buffers``: copies it owns; else maybe views) before the next."""
+    """``group``'s outputs re-laid-out on the devices (collectives: every process alike), a
+    band at a time, this process's shards copied to host (into ``buffers``) before the next."""
     assert group.on_devices is not None
     arrays = [values[n] for n in group.sources]
     for out, start, value in group.on_devices(arrays, wholes, _stored(export, group), band_bytes):
@@ -272,10 +265,9 @@ def gathered(x: Any) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class Unit:
-    """One read: ``read()`` gives this process's values of the ``groups``' sources (host
-    arrays, global ``jax.Array`` s, None for another process's; no collective: it runs on a
-    reading thread), which hold ``nbytes`` here; ``done``: the plan's groups complete once
-    this unit is written."""
+    """One read: ``read()`` gives this process's values of the ``groups``' sources (None for
+    another process's; no collective: it runs on a thread), ``nbytes`` of them; ``done``:
+    the groups complete once this unit is written."""
 
     groups: tuple[ExportGroup, ...]
     read: Callable[[], dict[str, Any]]
@@ -380,11 +372,10 @@ def write(
     max_file_size: int | None = _plan.DEFAULT_MAX_FILE_SIZE,
     host_writes: bool = True,
 ) -> _pieces.WriteStats:
-    """Writes ``export``'s files into ``directory`` from ``units`` (every process of the job
-    alike), then its index and small files; returns what this process wrote. Earlier model
-    files are replaced, other files kept. ``host_writes``: this process writes the ``HOST``
-    groups whose values it reads (else the primary alone does). Several processes need a
-    file system every one of them sees, or ``s3://`` / ``gs://`` (else ``ValueError``)."""
+    """Writes ``export``'s files into ``directory`` from ``units`` (every process alike), then
+    its index and small files, replacing earlier model files; returns what this process wrote.
+    ``host_writes``: this process writes the ``HOST`` groups it reads (else the primary does).
+    Several processes need a file system all see, or ``s3://`` / ``gs://`` (else ``ValueError``)."""
     directory = epath.Path(directory)
     meta = dict(export.header_metadata)
     plan = _plan.plan_files(list(export.outputs), max_file_size=max_file_size, metadata=meta)

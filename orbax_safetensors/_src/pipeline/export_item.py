@@ -1,13 +1,6 @@
 """An export plan written as a checkpoint item (``SafetensorsSave(item, mapping=...)``): the
-engine's groups fed from a save job's host snapshots (:func:`snapshot_items`: several
-processes make the collectives first, on the caller's thread; one process takes the save's
-ordinary snapshot) and mapped on its writer thread (:func:`prepare`), with checksums and
-metadata as any save.
-
-Example::
-
-    prepared = prepare(validated, plan, snapshot_items(validated, plan, True, arena), layout,
-                       multi_process=True)
+engine's groups fed from a save job's host snapshots (:func:`snapshot_items`) and mapped on its
+writer thread (:func:`prepare`), with checksums and metadata as any save.
 """
 
 from __future__ import annotations
@@ -170,12 +163,10 @@ def prepare(
     process_index: int = 0,
     multi_process: bool = False,
 ) -> _checkpoint_save.PreparedSave:
-    """The ``PreparedSave`` writing ``export``'s outputs from ``validated``'s arrays as a
-    checkpoint item (checksums and metadata as any save's), this process's bytes: from
-    ``snapshots`` (one process: host copies by position in ``validated.captured.arrays``;
-    several: as :func:`snapshot_items` gives them), or with None (a direct save: call on the
-    caller's thread of every process alike) from the arrays, the device steps made now and
-    each source read as the writer reaches it."""
+    """The ``PreparedSave`` of this process's bytes of ``export``'s outputs as a checkpoint
+    item: from ``snapshots`` (one process: by position in ``validated.captured.arrays``;
+    several: from :func:`snapshot_items`), or with None (a direct save: every process, on
+    the caller's thread) from the arrays, the device steps made now."""
     outputs = _checkpoint_save.validate_save(export.probe_tree(), validated.user_metadata)
     plan, metadata, sizes = _checkpoint_save.plan_tree(outputs, layout, export.header_metadata)
     arrays = validated.flat.arrays

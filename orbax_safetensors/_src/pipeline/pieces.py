@@ -1,21 +1,22 @@
-"""From host copies to write pieces: each shard's box as byte runs at offsets in the planned files.
-
-A shard's box inside the global row-major tensor becomes byte runs (``core.runs``), and each run
-a :class:`~orbax_safetensors._src.storage.interface.Piece` at its file offset, ready for the byte
-movers. Per-tensor CRC32C shares are computed from the same pieces.
+"""From host copies to write pieces: each shard's box as byte runs (``core.runs``), each run a
+``storage.interface.Piece`` at its file offset; per-tensor CRC32C from the same pieces. Also the
+bulk-work helpers of the pipeline: :func:`ordered_map` (casts on several threads) and
+:func:`gc_paused` (the cyclic GC held off while a caller waits for a save or restore).
 
 Example::
 
-    plan = _plan.plan_files(_casting.stored_specs(flat.arrays, casts), max_file_size=None)
-    pieces = host_pieces(plan, flat.arrays, copy=False)   # {file index: [Piece, ...]}
+    for file_index, pieces in iter_host_pieces(plan, flat.arrays): ...
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
+import gc
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
@@ -72,11 +73,8 @@ class WriteStats:
 def tensor_pieces(
     plan: _plan.CheckpointPlan, name: str, copies: _snapshots.HostCopies
 ) -> tuple[int, list[_interface.Piece]]:
-    """``(file index, pieces)`` writing a tensor's host ``copies`` where ``plan`` puts them.
-
-    Each piece's tag is ``(tensor name, offset inside the tensor)``. A copy whose dtype is not
-    the planned one (a save under a dtype policy) is cast here, one shard at a time.
-    """
+    """``(file index, pieces)`` writing a tensor's host ``copies`` where ``plan`` puts them
+    (cast to the planned dtype shard by shard); each tag is ``(name, offset in the tensor)``."""
     file_index, base, entry, stored = _placement(plan, name)
     pieces: list[_interface.Piece] = []
     for index, host in copies:
@@ -109,19 +107,16 @@ def _to_lay_out(host: np.ndarray, stored: np.dtype) -> bool:
     return host.dtype != stored or not host.flags.c_contiguous
 
 
-FilePieces = tuple[int, list[_interface.Piece]]  # (file index, pieces)
 BAND_BYTES = 8 << 20  # one band of a tensor cast into a reused buffer (band_piece)
 BAND_MIN_BYTES = 1 << 20  # tensors below this are cast whole (tensor_pieces)
-# Bands written at once: 2 to 4 exported faster than 8 or 16, whose extra buffers are fresh
-# memory faulted in (docs/performance.md, "Hugging Face export"); 4 leave a faster device
-# room for a deeper queue.
+# Bands written at once: more bands are fresh memory faulted in, and were slower; 4 leave a
+# faster device room for a deeper queue.
 BANDS_IN_FLIGHT = 4
 
 
 def cast_in_bands(plan: _plan.CheckpointPlan, name: str, value: np.ndarray) -> bool:
-    """Whether ``value`` is worth casting band by band (:func:`band_piece`) as tensor ``name``
-    of ``plan``: a cast or a re-layout to make, a whole-byte planned dtype, at least
-    ``BAND_MIN_BYTES`` written."""
+    """Whether ``value`` is worth casting band by band (:func:`band_piece`): a cast or
+    re-layout to make, a whole-byte planned dtype, at least ``BAND_MIN_BYTES`` written."""
     _, _, entry, stored = _placement(plan, name)
     if _dtypes.bits(entry.dtype) % 8 or entry.nbytes < BAND_MIN_BYTES:
         return False
@@ -130,12 +125,7 @@ def cast_in_bands(plan: _plan.CheckpointPlan, name: str, value: np.ndarray) -> b
 
 def band_rows(shape: tuple[int, ...], itemsize: int, band_bytes: int) -> list[tuple[int, int]]:
     """Row ranges ``[start, stop)`` along axis 0 cutting a tensor of ``shape`` into bands of
-    at most ``band_bytes`` (at least one row each; a 0- or 1-D tensor is one band).
-
-    Example::
-
-        band_rows((1000, 1024), 2, 1 << 20)   # [(0, 512), (512, 1000)]
-    """
+    at most ``band_bytes`` (at least one row each; a 0- or 1-D tensor is one band)."""
     if len(shape) < 2 or not shape[0]:
         return [(0, int(shape[0]) if shape else 1)]
     rows = int(shape[0])
@@ -151,16 +141,10 @@ def band_piece(
     rows: tuple[int, int],
     buffers: _buffers.LentBuffers,
 ) -> tuple[int, list[_interface.Piece]]:
-    """``(file index, [piece])``: rows ``[start, stop)`` of the host tensor ``value`` (any
-    layout, e.g. a transposed view) cast to ``name``'s planned whole-byte dtype straight into
-    a buffer of ``buffers`` (``core/astype.cast_into``) placed for direct I/O at their file
-    offset (``LentBuffers.take``). The caller gives the buffer back
-    (``buffers.give_back(piece.data)``) once the piece is written.
-
-    Cutting a tensor into bands, each cast into a buffer reused band after band, keeps an
-    export's host memory to the bands in flight and its pages mapped once: casting each tensor
-    whole into fresh memory faulted in (and zeroed) every page of the output.
-    """
+    """``(file index, [piece])``: rows ``rows`` of the host tensor ``value`` (any layout)
+    cast to ``name``'s planned dtype straight into a buffer of ``buffers``, which the caller
+    gives back once the piece is written. (Bands cast into reused buffers keep an export's
+    host memory to the bands in flight, its pages faulted in once.)"""
     file_index, base, _, stored = _placement(plan, name)
     start, stop = rows
     part = value[start:stop] if value.ndim else value
@@ -186,16 +170,9 @@ DRAIN = object()  # an item of ordered_map's: every item before it done before o
 def ordered_map(
     fn: Callable[[_T], _R], items: Iterable[Any], workers: int = TRANSFORM_THREADS
 ) -> Iterator[_R]:
-    """``fn`` of each item, in order, computed by up to ``workers`` threads at once (at most
-    ``workers`` results held ahead of the caller). ``items`` is consumed on the caller's
-    thread; an item that is :data:`DRAIN` is not mapped: the results of every item before it
-    are yielded before the next item is taken (what they hold is then the caller's alone).
-
-    Example::
-
-        for file_index, pieces in ordered_map(cast, tensors):
-            ...
-    """
+    """``fn`` of each item, in order, by up to ``workers`` threads (at most ``workers``
+    results ahead of the caller; ``items`` consumed on the caller's thread). A :data:`DRAIN`
+    item is not mapped: every result before it is yielded before the next item is taken."""
     if workers <= 1:
         yield from (fn(item) for item in items if item is not DRAIN)
         return
@@ -221,83 +198,81 @@ def iter_host_pieces(
     plan: _plan.CheckpointPlan,
     arrays: Mapping[str, Any],
     *,
-    copy: bool,
     is_primary: bool = True,
-    copies_ahead: int | None = 1,
     ready: Mapping[str, _snapshots.HostCopies] | None = None,
 ) -> Iterator[tuple[int, list[_interface.Piece]]]:
-    """The byte pieces this process writes, one tensor at a time: ``(file index, pieces)``.
-
-    Args:
-      plan: the checkpoint's file plan.
-      arrays: stored tensors by name (``jax.Array`` or numpy).
-      copy: copy host data into buffers we own (needed when writing happens after return).
-      is_primary: whether this process writes host-local leaves (see :func:`is_host_local`).
-      copies_ahead: start device-to-host copies this many tensors ahead of the one yielded
-        (``None``: all at once, fastest when everything is copied before writing). With 1, a
-        consumer that writes each tensor before asking for the next holds about one tensor in
-        host memory at a time (on accelerators; on CPU, uncopied pieces are views).
-      ready: host copies made beforehand, by tensor name (e.g. row blocks,
-        ``snapshots.iter_relaid``): written instead of those arrays' shards.
-
-    Each piece's tag is ``(tensor name, offset inside the tensor)``.
-    """
+    """``(file index, pieces)`` this process writes of ``arrays``, one tensor at a time, its
+    host data viewed (or copied off an accelerator) as the consumer reaches it, the next
+    tensor's transfer started ahead: a consumer writing each before the next holds about one
+    tensor in host memory. ``is_primary``: this process writes host-local leaves. ``ready``:
+    host copies made beforehand, by name."""
     items: Any = arrays.items()
     if ready:
         for name, copies in ready.items():
             yield tensor_pieces(plan, name, copies)
         items = [(name, x) for name, x in items if name not in ready]
     owned = _snapshots.owned_tensors(items, is_primary)
-    buffers = _buffers.BufferArena() if copy else None
     started = 0
-    ahead = len(owned) if copies_ahead is None else copies_ahead
-    # A few tensors at a time (copies_ahead), accelerator data is copied from device copies
+    # One tensor ahead, accelerator data is copied from device copies
     # (snapshots.detached), each freed once on the host: JAX would otherwise keep every host
     # copy cached on the caller's arrays, the whole state in host memory after the save.
     window: dict[int, Any] = {}
     for k, item in enumerate(owned):
-        if started < len(owned):  # keep copies started `ahead` tensors past this one
-            until = min(len(owned), k + 1 + ahead)
-            batch = owned[started:until]
-            if copies_ahead is not None:
-                batch = _snapshots.detached(batch)
-                window.update(zip(range(started, until), batch))
+        if started < len(owned):  # keep copies started one tensor past this one
+            until = min(len(owned), k + 2)
+            batch = _snapshots.detached(owned[started:until])
+            window.update(zip(range(started, until), batch))
             _snapshots.start_copies(batch)
             started = until
         current = window.pop(k, item)
         stored = _dtypes.to_numpy(plan.locate(item[0])[1].dtype)
-        copies = _snapshots.host_copies(current, buffers, stored)
+        copies = _snapshots.host_copies(current, None, stored)
         if current is not item:
             _snapshots.delete_device_copies([current])
         yield tensor_pieces(plan, item[0], copies)
         del copies, current  # (written by now: not held while the next tensor is copied)
 
 
-def host_pieces(
-    plan: _plan.CheckpointPlan,
-    arrays: Mapping[str, Any],
-    *,
-    copy: bool,
-    is_primary: bool = True,
-) -> dict[int, list[_interface.Piece]]:
-    """All of :func:`iter_host_pieces` at once, grouped by file index."""
-    out: dict[int, list[_interface.Piece]] = {}
-    stream = iter_host_pieces(plan, arrays, copy=copy, is_primary=is_primary, copies_ahead=None)
-    for file_index, pieces in stream:
-        out.setdefault(file_index, []).extend(pieces)
-    return out
-
-
 def tensor_checksums(
     records: list[tuple[object, int, int]], sizes: Mapping[str, int]
 ) -> dict[str, int]:
-    """Whole-tensor CRC32C from per-piece ``((name, offset), nbytes, crc)`` records.
-
-    Raises:
-      ValueError: when the pieces of a tensor do not tile it exactly.
-    """
+    """Whole-tensor CRC32C from per-piece ``((name, offset), nbytes, crc)`` records; a
+    ``ValueError`` when the pieces of a tensor do not tile it exactly."""
     by_tensor: dict[str, list[tuple[int, int, int]]] = {name: [] for name in sizes}
     for tag, nbytes, crc in records:
         name, offset = tag  # type: ignore[misc]
         by_tensor[str(name)].append((int(offset), nbytes, crc))  # type: ignore[has-type]
     return {name: _checksum.combine_runs(runs, sizes[name]) for name, runs in by_tensor.items()}
+
+
+# A tree of many tensors allocates many small objects and frees few: each burst triggers
+# collections that rescan every live object, and nothing a save or restore builds is cyclic
+# garbage. The pause is process-wide, so it is held only while the caller's thread waits for
+# the work (never by an async save's background write); pauses nest and overlap (a count under
+# a lock): the collector comes back on when the last ends, if it was on when the first began.
+_gc_lock = threading.Lock()
+_gc_depth = 0  # pauses in force, over all threads
+_gc_reenable = False  # whether the first of them found the collector enabled
+gc_pause_enabled = True  # False: pauses do nothing (benchmarks/studies/gc_pause_bench.py)
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Disables the cyclic garbage collector inside the block, or around each call of a
+    function decorated ``@gc_paused()`` (see the comment above)."""
+    global _gc_depth, _gc_reenable
+    if not gc_pause_enabled:
+        yield
+        return
+    with _gc_lock:
+        if _gc_depth == 0:
+            _gc_reenable = gc.isenabled()
+            gc.disable()
+        _gc_depth += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_depth -= 1
+            if _gc_depth == 0 and _gc_reenable:
+                gc.enable()

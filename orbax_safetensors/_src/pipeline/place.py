@@ -1,16 +1,8 @@
-"""Host buffers onto devices, and the target's values finished around them.
-
-:func:`host_buffers` says which boxes of a tensor this process's devices need (the buffers
-``read`` fills), :func:`place_read` puts the filled buffers on the devices through :func:`put`
-(many arrays in one call, zero-copy where XLA allows it). On an accelerator large tensors are
-read into a staging ring (:func:`staged`, :func:`ring_for`) reused once their transfers are
-done, so host memory stays at the ring's size whatever the state's. :func:`saved_shardings`
-says where an array saved as a ``jax.Array`` goes when the target names no sharding, and
-:func:`finished` makes the values read into the target's leaves as their plans say.
-
-Example::
-
-    arrays = put([np.ones(4, np.float32)], [jax.local_devices()[0]])
+"""Host buffers onto devices, and the target's values finished around them: which boxes this
+process's devices need (:func:`host_buffers`), placing the filled buffers (:func:`place_read`,
+through :func:`put`), the staging ring of accelerator restores (:func:`staged`,
+:func:`ring_for`), saved shardings (:func:`saved_shardings`) and the leaves' final values
+(:func:`finished`).
 """
 
 from __future__ import annotations
@@ -35,14 +27,10 @@ from orbax_safetensors._src.storage import buffers as _buffers
 
 # --------------------------------------------------------------------------- put
 
-# ``jax.device_put`` of a numpy array spends most of its time in Python (building the abstract
-# value several times over, sharding checks meant for resharding jax.Arrays) before XLA's C++
-# transfer; restoring many small tensors, that Python was most of the restore. A numpy array
-# bound for one addressable device therefore takes the entry ``jax.device_put`` itself ends in
-# for numpy inputs (the same transfer, the same zero-copy aliasing of 64-byte aligned buffers
-# on CPU, committed as ``device_put`` commits), looked up in ``compat/jaxcompat``. Anything else
-# (several devices, 64-bit dtypes JAX may canonicalise, a JAX without that entry) goes through
-# ``jax.device_put``.
+# ``jax.device_put`` of a numpy array spends most of its time in Python before the transfer: a
+# numpy array bound for one addressable device takes the entry ``device_put`` itself ends in
+# (``compat/jaxcompat``: the same transfer, aliasing and commit). Anything else (several
+# devices, 64-bit dtypes JAX may canonicalise, a JAX without that entry) goes through it.
 
 
 def _load_direct_put() -> _jaxcompat.DirectPut | None:
@@ -79,12 +67,8 @@ def _single_device_sharding(target: Any) -> tuple[jax.sharding.Sharding, Any] | 
 
 
 def put(values: Sequence[np.ndarray], targets: Sequence[Any]) -> list[jax.Array]:
-    """``jax.device_put(values, targets, may_alias=True)``, faster for many small arrays.
-
-    Args:
-      values: host arrays; the results may share their memory (do not write to them after).
-      targets: a ``jax.Device`` or ``jax.sharding.Sharding`` for each value.
-    """
+    """``jax.device_put(values, targets, may_alias=True)``, faster for many small arrays; the
+    results may share the host arrays' memory (do not write to them after)."""
     global _direct_put
     if _direct_put is False:
         _direct_put = _load_direct_put()
@@ -116,10 +100,9 @@ _ALIASES: dict[tuple[str, str | None], bool] = {}
 
 
 def aliases_host(device: Any, memory_kind: str | None = None) -> bool:
-    """Whether ``jax.device_put`` of a 64-byte aligned numpy array onto ``device`` (its memory
-    of ``memory_kind``; None: the default) shares the host buffer rather than copying it: True
-    on CPU, False on accelerators. Probed once per platform and memory kind with a small array;
-    a probe that fails answers True (the caller then keeps every buffer it placed)."""
+    """Whether ``jax.device_put`` of a 64-byte aligned numpy array onto ``device`` (memory
+    ``memory_kind``) shares the host buffer (CPU) rather than copying it. Probed once per
+    platform and kind; a failed probe answers True (the caller keeps every buffer placed)."""
     key = (device.platform, memory_kind)
     known = _ALIASES.get(key)
     if known is None:
@@ -168,10 +151,9 @@ def on_one_device(sharding: jax.sharding.Sharding) -> bool:
 def host_buffers(
     req: Any, whole: Callable[[Any], np.ndarray], one_device: Callable[[Any], bool]
 ) -> HostBuffers:
-    """The host buffers a read request (``read.ReadRequest``) is read into: the boxes this
-    process's devices need (``sharding.addressable_devices_indices_map``), each distinct box
-    once, or ``whole(req)`` (an arena's buffer, or a staging ring's) when this process needs
-    every byte; ``one_device``: :func:`on_one_device`, memoised by the caller."""
+    """The host buffers a ``read.ReadRequest`` is read into: each distinct box this process's
+    devices need, or ``whole(req)`` when it needs every byte; ``one_device``:
+    :func:`on_one_device`, memoised by the caller."""
     shape = req.stored.shape
     if req.kind != "jax" or req.sharding is None or one_device(req.sharding):
         return HostBuffers(whole(req), [], None)
@@ -208,9 +190,8 @@ def _shard_targets(sharding: Any, devices: list[Any]) -> list[Any]:
 
 
 def place_read(requests: Sequence[Any], buffers: Sequence[HostBuffers]) -> list[Any]:
-    """The values of read requests (``read.ReadRequest``) from their filled ``buffers``: host
-    arrays as asked (cast to the request's dtype), or ``jax.Array``s assembled from their
-    shards, every placement in one :func:`put`."""
+    """The values of read requests from their filled ``buffers`` (host arrays, or
+    ``jax.Array``s assembled from their shards), every placement in one :func:`put`."""
     results: list[Any] = [None] * len(requests)
     default = jax.local_devices()[0]  # jax.devices()[0] may belong to another process
     # values[k] goes to targets[k]. Per request placed: (request, first k, shards to assemble
@@ -252,20 +233,17 @@ def place_read(requests: Sequence[Any], buffers: Sequence[HostBuffers]) -> list[
 
 # --------------------------------------------------------------------------- staging
 
-# On an accelerator ``jax.device_put`` copies host bytes and is then done with them: a restore
-# reads each large tensor into a ring, starts its transfer, and reads into that space again
-# once the transfer is done. The ring is kept between restores so that its pages are faulted in
-# once per process, not once per restore (first-touch faults are the slow part of reading into
-# fresh memory on virtual machines: docs/performance.md, "TPU"). On CPU the placed array *is*
-# the host buffer, so nothing is staged there.
+# On an accelerator ``jax.device_put`` copies host bytes: large tensors are read into a ring
+# whose space is reused once their transfers are done, and kept between restores so that its
+# pages are faulted in once per process. On CPU the placed array *is* the host buffer: nothing
+# is staged.
 
 # Tensors of at least this many bytes go through the ring; smaller ones are carved from the
 # arena's slabs (few allocations, and the ring's page placement would waste more than they hold).
 STAGE_MIN_BYTES = 1 << 20
 # The ring's size (grown to hold the largest staged tensor), and how many waves of reads share
-# it: a wave of at most a quarter of the ring is read while the three before it transfer.
-# Smaller waves or fewer of them left the transfers idle between waves on a TPU v5e
-# (docs/performance.md, "TPU"); pages are faulted in only as far as a restore reaches.
+# it: a wave of at most a quarter of the ring is read while the three before it transfer
+# (smaller or fewer waves left the transfers idle between waves).
 RING_BYTES = 512 << 20
 WAVES_IN_FLIGHT = 4
 _PAGE = 4096
@@ -278,9 +256,8 @@ MODE = "auto"
 
 
 def staged(requests: Sequence[Any]) -> list[bool] | None:
-    """Per read request, whether its whole tensor is read through a staging ring: a
-    ``jax.Array`` of at least :data:`STAGE_MIN_BYTES` whose placement copies the host bytes
-    (an accelerator's memory, not CPU memory that ``device_put`` shares). None when none is."""
+    """Per read request, whether it is read through a staging ring: a ``jax.Array`` of at
+    least :data:`STAGE_MIN_BYTES` whose placement copies the host bytes. None when none is."""
     if MODE == "never":
         return None
     copies = _sharding.ShardingMemo(_copies) if MODE == "auto" else (lambda _: True)
@@ -307,8 +284,7 @@ def _copies(sharding: jax.sharding.Sharding) -> bool:
 
 
 def off_the_ring(value: Any) -> Any:
-    """``value`` (placed from ring memory) as an array that does not share the ring's memory:
-    itself where its placement copied, else a device copy (``MODE = "always"`` on CPU)."""
+    """``value`` (placed from ring memory) as an array not sharing the ring's memory."""
     if not isinstance(value, jax.Array):
         return value
     kind = getattr(value.sharding, "memory_kind", None)
@@ -318,8 +294,7 @@ def off_the_ring(value: Any) -> Any:
 
 
 class _Rings:
-    """Rings kept between restores: one idle ring (a restore takes it, or a new one when it
-    needs more room or another restore holds it) so that its pages stay faulted in."""
+    """The one idle ring kept between restores, so that its pages stay faulted in."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -352,9 +327,8 @@ RINGS = _Rings()
 
 @contextlib.contextmanager
 def ring_for(requests: Sequence[Any], staged: list[bool]) -> Iterator[_buffers.StagingRing]:
-    """A staging ring large enough for every staged tensor of ``requests`` (at least
-    :data:`RING_BYTES`); drained (every transfer out of it done) before it is kept for the
-    next restore, also when the restore fails."""
+    """A staging ring for the staged tensors of ``requests`` (at least :data:`RING_BYTES`),
+    drained before it is kept for the next restore, also when the restore fails."""
     largest = max(r.stored.nbytes for r, s in zip(requests, staged) if s)
     ring = RINGS.take(max(RING_BYTES, largest + 2 * _PAGE))
     try:
@@ -378,10 +352,9 @@ def saved_shardings(
     metadata: Mapping[str, Any],
     fallback_sharding: jax.sharding.Sharding | None = None,
 ) -> Callable[[str], Any] | None:
-    """Each tensor's saved sharding over this job's devices, by tensor name (None for a tensor
-    saved without one); None when no tensor has one. For a sharding this job's devices cannot
-    reproduce the function gives ``fallback_sharding``, or raises ``TargetMismatchError``
-    without one."""
+    """A tensor name -> its saved sharding over this job's devices (None: saved without one),
+    or ``fallback_sharding`` where these devices cannot rebuild it, else a
+    ``TargetMismatchError``; None when no tensor has one."""
     tensors = metadata["tensors"]
     if not any(
         isinstance(info, dict) and (info.get("sharding") or "device" in info)
@@ -523,10 +496,8 @@ def typed_key(name: str, data: Any, impl: str, sharding: Any = None) -> Any:
 
 
 def wrap_key(name: str, data: Any, impl: str) -> Any:
-    """``jax.random.wrap_key_data`` for a stored key, raising ``SchemaError`` on forged data.
-
-    Works on ``jax.ShapeDtypeStruct`` inside ``jax.eval_shape`` too (checks without reading).
-    """
+    """``jax.random.wrap_key_data`` for a stored key (also of a ``ShapeDtypeStruct`` inside
+    ``jax.eval_shape``), raising ``SchemaError`` on forged data."""
     try:
         return jax.random.wrap_key_data(data, impl=impl)
     except (TypeError, ValueError) as e:
@@ -539,12 +510,7 @@ def wrap_key(name: str, data: Any, impl: str) -> Any:
 
 def pad_or_truncate(value: Any, shape: tuple[int, ...], to_jax: bool, sharding: Any = None) -> Any:
     """``value`` (a host array) cut to ``shape`` and padded with zeros, as Orbax's
-    ``strict=False`` restores; a ``jax.Array`` on ``sharding`` when ``to_jax``.
-
-    Example::
-
-        pad_or_truncate(np.ones(3), (5,), to_jax=False)   # array([1., 1., 1., 0., 0.])
-    """
+    ``strict=False`` restores; a ``jax.Array`` on ``sharding`` when ``to_jax``."""
     host = np.asarray(value)
     out = np.zeros(shape, host.dtype)
     common = tuple(slice(0, min(a, b)) for a, b in zip(shape, host.shape))

@@ -1,11 +1,7 @@
-"""Where stored tensors lie, and reading their bytes into host buffers.
-
-:func:`read_metadata`, :func:`locate_in_directory` (a checkpoint directory: from its metadata
-alone when that records the layout, else from the files' headers, cross-checked) and
-:func:`file_index` (one ``.safetensors`` file) give each tensor as a :class:`StoredTensor`.
-:func:`read_tensors` reads the byte runs each request's devices need (``place.host_buffers``),
-all runs of one file in one batched, gap-coalescing read, checks each tensor read whole against
-its CRC32C as its parts arrive, and hands the buffers to ``place``.
+"""Where stored tensors lie (:class:`StoredTensor`: :func:`locate_in_directory`,
+:func:`file_index`), and reading their bytes (:func:`read_tensors`: the runs each request's
+devices need, one batched, gap-coalescing read per file, each tensor read whole checked against
+its CRC32C as its parts arrive) into host buffers that ``place`` puts on the devices.
 
 Example::
 
@@ -41,7 +37,7 @@ from orbax_safetensors._src.core.errors import (
     SchemaError,
     UnsafePathError,
 )
-from orbax_safetensors._src.pipeline import gcpause as _gcpause
+from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.pipeline import place as _place
 from orbax_safetensors._src.pipeline import relayout as _relayout
 from orbax_safetensors._src.storage import buffers as _buffers
@@ -51,8 +47,7 @@ from orbax_safetensors._src.storage import router as _router
 
 
 class StoredTensor(NamedTuple):
-    """Where a tensor's bytes are: file, absolute offset, dtype, shape, optional checksum (a
-    named tuple, as :class:`ReadRequest`: immutable and cheap, one per tensor of a restore)."""
+    """Where a tensor's bytes are: file, absolute offset, dtype, shape, optional checksum."""
 
     name: str
     path: epath.Path
@@ -75,21 +70,13 @@ class ReadKind(enum.StrEnum):
 
 
 class ReadRequest(NamedTuple):
-    """One tensor to materialise.
-
-    Attributes:
-      stored: where its bytes are.
-      kind: a :class:`ReadKind`.
-      sharding: for ``"jax"``: where to place it (None: the default device).
-      dtype: cast to this dtype after reading (None: keep the stored dtype).
-      verify: check the CRC32C when the whole tensor is read.
-    """
+    """One tensor to materialise."""
 
     stored: StoredTensor
     kind: ReadKind = ReadKind.JAX
-    sharding: jax.sharding.Sharding | None = None
-    dtype: np.dtype | None = None
-    verify: bool = True
+    sharding: jax.sharding.Sharding | None = None  # for JAX (None: the default device)
+    dtype: np.dtype | None = None  # cast to it after reading (None: the stored dtype)
+    verify: bool = True  # check the CRC32C when the whole tensor is read
 
 
 @dataclasses.dataclass
@@ -128,8 +115,7 @@ class ReadStats:
 
 
 def read_metadata(directory: epath.PathLike, *, stats: ReadStats | None = None) -> dict[str, Any]:
-    """Reads and checks the metadata file of a checkpoint directory (its size is added to
-    ``stats.metadata_bytes``)."""
+    """Reads and checks the metadata file of a checkpoint directory."""
     path = _confine.inside(directory, _metadata.METADATA_FILE)
     if not path.exists():
         raise FileNotFoundError(
@@ -149,19 +135,12 @@ def locate_in_directory(
     stats: ReadStats | None = None,
     io: _config.IOOptions | None = None,
 ) -> dict[str, StoredTensor]:
-    """Every tensor of a checkpoint directory: where its bytes lie, dtype, shape, checksum.
+    """Every tensor of a checkpoint directory as a :class:`StoredTensor`.
 
-    When the metadata places every tensor itself (``file_layout`` and each tensor's
-    ``data_offsets``), no header is read: a restore by N processes reads the metadata file and
-    the tensor bytes it needs, nothing that grows with N. Local files must then have the
-    recorded sizes. Older checkpoints, or ``check_headers=True`` (``verify``), read each file's
-    header once and cross-check it against the metadata; ``stats`` counts the header bytes
-    read; ``io``: the I/O options of the header reads.
-
-    Example::
-
-        stored = locate_in_directory(path, read_metadata(path))
-        stored["params.w"].offset  # where its bytes start in stored["params.w"].path
+    When the metadata places every tensor itself (``file_layout``), no header is read (a
+    restore by N processes reads nothing that grows with N) and local files must have the
+    recorded sizes; else, or with ``check_headers``, each file's header is read once and
+    cross-checked against the metadata.
     """
     directory = epath.Path(directory)
     layout = metadata.get("file_layout") if _metadata.has_layout(metadata) else None
@@ -228,19 +207,14 @@ def _crc(where: object, name: str, text: object) -> int:
 def locate_in_directory_file(
     path: epath.PathLike, header: _header.Header
 ) -> dict[str, StoredTensor] | None:
-    """The tensors of ``path``, one file of a checkpoint directory, placed by ``header`` (its
-    own, read and checked), with the checksums the directory's metadata records; None when no
-    metadata file beside ``path`` lists it. Metadata that cannot be read, or that describes the
-    file otherwise than its header does, is an error, never a reason to read it unchecked.
+    """The tensors of ``path``, one file of a checkpoint directory, placed by its ``header``,
+    with the checksums the directory's metadata records; None when no metadata beside ``path``
+    lists it. Metadata that cannot be read or disagrees with the header is an error, never a
+    reason to read the file unchecked.
 
     Raises:
       SchemaError, HeaderError: the metadata is malformed, or disagrees with ``header``.
       UnsafePathError: it is a special file, or a symbolic link out of the directory.
-
-    Example::
-
-        stored = locate_in_directory_file(path, osf.read_header(path))
-        stored["params.w"].crc32c  # the CRC32C orbax_safetensors.json records
     """
     path = epath.Path(path)
     directory = path.parent
@@ -356,7 +330,7 @@ def locate_in_file(
     return out
 
 
-@_gcpause.paused
+@_pieces.gc_paused()
 def file_index(
     path: epath.Path,
     header: _header.Header,
@@ -364,18 +338,12 @@ def file_index(
     strict: bool = True,
     directory_checksums: bool = False,
 ) -> tuple[Any, dict[str, StoredTensor]]:
-    """The schema (``None`` if the file has none, or when not ``strict``) and where each tensor
-    of a standalone file lies, with its checksum when the file records one.
+    """The schema (None if the file has none, or when not ``strict``) and the tensors of a
+    standalone file, with their checksums when it records them.
 
-    ``strict=False`` skips the schema and ignores a checksum entry that is not an object (for
-    tools that list any safetensors file); the schema is parsed first, so the first error a
-    strict caller sees is the schema's. ``directory_checksums``: a file that records no
-    checksums of its own but that a checkpoint directory's metadata lists takes the checksums
-    that metadata records (:func:`locate_in_directory_file`); its own always win.
-
-    Example::
-
-        schema, stored = file_index(path, osf.read_header(path))
+    ``strict=False`` (tools listing any safetensors file) skips the schema and a checksum entry
+    that is not an object. ``directory_checksums``: a file without checksums of its own takes
+    those its checkpoint directory's metadata records (:func:`locate_in_directory_file`).
     """
     schema = _metadata.header_json(header, _metadata.SCHEMA_KEY, str(path)) if strict else None
     crcs = _metadata.header_json(header, _metadata.CHECKSUM_KEY, str(path))
@@ -450,9 +418,8 @@ def _read_staged(
     single_device: _sharding.ShardingMemo[bool],
     files: _Files,
 ) -> list[Any]:
-    """Reads in waves through ``ring`` (``staged[i]``: request i's whole tensor goes through
-    it): a wave is read, its transfers to the devices start, and the next wave is read while
-    they run; ring space is taken again once the transfers out of it are done."""
+    # Reads in waves through ``ring`` (``staged[i]``: request i goes through it): the next
+    # wave is read while the transfers of those before run; ring space is reused once they end.
     results: list[Any] = [None] * len(requests)
 
     def whole(req: ReadRequest, stage: bool) -> np.ndarray:
@@ -495,8 +462,7 @@ def _read_staged(
 
 
 class _Files(contextlib.ExitStack):
-    """The files of one read, each opened once (a staged read reads each in several waves);
-    ``read`` fills buffers from them and counts into ``stats``."""
+    """The files of one read, each opened once; ``read`` fills buffers and counts ``stats``."""
 
     def __init__(self, io: _config.IOOptions | None, stats: ReadStats | None) -> None:
         super().__init__()
@@ -544,8 +510,7 @@ class _Files(contextlib.ExitStack):
 
 class _TensorCheck:
     """The CRC32C check of one tensor read whole, in parts: each part's CRC is taken by the
-    thread that read it, while its bytes are still in that CPU's cache (so the checks of a few
-    large tensors run on every reading thread), and the last part in combines them."""
+    thread that read it, while its bytes are in that CPU's cache; the last part combines."""
 
     def __init__(self, req: ReadRequest, parts: int) -> None:
         self.req = req
@@ -575,8 +540,8 @@ class _TensorCheck:
 def _checked_runs(
     file_runs: list[tuple[int, np.ndarray, ReadRequest | None]],
 ) -> tuple[list[tuple[int, np.ndarray]], Callable[[int], None] | None]:
-    """A file's runs for ``read_runs``, each checked tensor cut into parts of an even share of
-    the file's bytes per reading thread, and the ``on_run`` that checks them."""
+    # A file's runs for read_runs, each checked tensor cut into parts of an even share of the
+    # file's bytes per reading thread, and the on_run that checks them.
     if all(req is None for _, _, req in file_runs):
         return [(offset, buf) for offset, buf, _ in file_runs], None
     part = _runs.share_bytes(sum(buf.nbytes for _, buf, _ in file_runs), _router.READ_THREADS)

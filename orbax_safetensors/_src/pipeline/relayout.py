@@ -1,15 +1,7 @@
-"""Every device re-layout: one jitted function with the target sharding as ``out_shardings``,
-a collective that every process reaches in the same order (each decides from the same global
-facts: ``core.relayout``, on its main thread): :func:`move` (a tensor to row blocks for
-object-storage I/O), :func:`join` (a group of tensors concatenated in row blocks, for a
-multi-process object-storage save) and :func:`relaid_rows` (an export's output computed on
-the devices and spread over the job, a band of rows at a time where it can be).
-
-Example::
-
-    rows = row_block_sharding(x.sharding, x.shape, "F32")
-    if rows is not None:
-        y = move(x, rows)       # every process, same order
+"""Every device re-layout: a jitted function with the target sharding as ``out_shardings``, a
+collective every process reaches in the same order (each decides from the same global facts,
+``core.relayout``): :func:`move` (to row blocks for object-storage I/O), :func:`join` (a group
+concatenated in row blocks) and :func:`relaid_rows` (an export's output computed on the devices).
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
-"""What a restore is asked, in neutral terms: one frozen :class:`RestoreOptions` value from the
-API adapters (``load_file``, ``restore_directory``, the Orbax handlers) to
-:func:`.restore_plan.restore_tree`, and the wording of its mismatch errors (:class:`Words`).
-
-Target leaves: ``jax.Array``, ``jax.ShapeDtypeStruct``, numpy arrays and scalars, Python scalars
-and strings (each asking for its own kind of value), ``None`` and empty nodes (nothing to read:
-returned as given), :class:`LeafRequest` (what to build, spelled out), :class:`Skip` (read
-nothing, return a value), and Orbax's restore args and ``...`` (:func:`neutral_target`
-translates them into the last two).
-
-Example::
-
-    options = RestoreOptions(target=abstract, keys=Keys.PARTIAL, pad_or_truncate=True)
-    tree = restore_tree(schema, stored, options)
+"""What a restore is asked, in neutral terms: one frozen :class:`RestoreOptions` from the API
+adapters to ``restore_plan.restore_tree``, and the wording of its mismatch errors
+(:class:`Words`). Target leaves: arrays, ``ShapeDtypeStruct``s, numpy and Python scalars and
+strings (each asking for its own kind), ``None`` and empty nodes (returned as given),
+:class:`LeafRequest`, :class:`Skip`; Orbax's restore args and ``...`` are translated into the
+last two (:func:`neutral_target`).
 """
 
 from __future__ import annotations
@@ -45,33 +37,18 @@ class Build(enum.Enum):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class LeafRequest:
-    """A target leaf spelled out.
-
-    Attributes:
-      build: what kind of value to build.
-      shape, dtype: what the stored tensor must have (None: whatever it has), and the dtype
-        to cast to.
-      sharding: where a ``jax.Array`` goes (None: the saved sharding).
-      pytype: the Python type for ``Build.PYTHON``.
-      needs_sharding: a ``jax.Array`` asked for explicitly: one saved host-local (numpy) has
-        no sharding to fall back to, so that is an error without ``sharding``.
-      pad_or_truncate: a stored shape of the same rank that differs from ``shape`` is cut and
-        zero-padded to it (for this leaf, whatever the restore's own setting).
-      given: what a partial restore returns when the checkpoint lacks this key.
-
-    Example::
-
-        LeafRequest(Build.NUMPY, dtype=np.dtype("float16"))
-    """
+    """A target leaf spelled out: what to build, the shape the stored tensor must have and the
+    dtype to cast to (None: as stored), where a ``jax.Array`` goes (None: the saved sharding)."""
 
     build: Build = Build.SAVED
     shape: tuple[int, ...] | None = None
     dtype: np.dtype | None = None
     sharding: Any = None
-    pytype: type | None = None
+    pytype: type | None = None  # for Build.PYTHON
+    # A jax.Array asked for explicitly: one saved host-local has no sharding to fall back to.
     needs_sharding: bool = False
-    pad_or_truncate: bool = False
-    given: Any = None
+    pad_or_truncate: bool = False  # this leaf, whatever the restore's own setting
+    given: Any = None  # what a partial restore returns when the checkpoint lacks this key
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -93,29 +70,15 @@ class Keys(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class RestoreOptions:
-    """Everything a restore is asked, in one value.
+    """Everything a restore is asked, in one value."""
 
-    Attributes:
-      target: None (the saved tree) or a pytree of target leaves (see the module docstring).
-      keys: how keys in one of target and checkpoint only are treated (:class:`Keys`).
-      pad_or_truncate: a stored array whose shape differs from the target's (same rank) is cut
-        and zero-padded to it; otherwise that is an error.
-      select: read only the names it selects (None: every name).
-      verify: check each tensor read whole against its CRC32C.
-      fallback_sharding: where an array goes whose saved sharding this job's devices cannot
-        rebuild and whose target gives none (None: that is an error).
-      io: how files are read (None: the defaults, see :class:`~orbax_safetensors.IOOptions`).
-
-    Example::
-
-        RestoreOptions(target=abstract, select=Selection.of("params.*", None))
-    """
-
-    target: Any = None
+    target: Any = None  # None (the saved tree) or a pytree of target leaves
     keys: Keys = Keys.EXACT
-    pad_or_truncate: bool = False
-    select: _select.Selection | None = None
-    verify: bool = True
+    pad_or_truncate: bool = False  # a stored array of another shape (same rank) cut and padded
+    select: _select.Selection | None = None  # None: every name
+    verify: bool = True  # each tensor read whole checked against its CRC32C
+    # Where an array goes whose saved sharding these devices cannot rebuild and whose target
+    # gives none (None: an error).
     fallback_sharding: jax.sharding.Sharding | None = None
     io: _config.IOOptions | None = None
 
@@ -131,9 +94,7 @@ class RestoreOptions:
         fallback_sharding: jax.sharding.Sharding | None = None,
         io: _config.IOOptions | None = None,
     ) -> RestoreOptions:
-        """The options of ``load_file`` / ``restore_directory``: Orbax's target leaves
-        translated (:func:`neutral_target`), ``strict`` governing keys (the safetensors and
-        PyTorch meaning)."""
+        """The options of ``load_file`` / ``restore_directory`` (``strict`` governs keys)."""
         return cls(
             neutral_target(target),
             keys=Keys.EXACT if strict else Keys.LENIENT,
@@ -150,13 +111,9 @@ class RestoreOptions:
 def neutral_leaves(
     names: Sequence[str], leaves: Sequence[Any], givens: Sequence[Any] | None = None
 ) -> list[Any]:
-    """``leaves`` with Orbax's translated: its restore args into :class:`LeafRequest`
-    (``givens[i]``, else the args themselves, what a partial restore returns where the key is
-    not saved), ``...`` (Orbax's placeholder) into :class:`Skip`.
-
-    Raises:
-      TargetMismatchError: naming every leaf whose sharding metadata cannot be rebuilt here.
-    """
+    """``leaves`` with Orbax's restore args made :class:`LeafRequest` (given back as
+    ``givens[i]``, else the args) and ``...`` made :class:`Skip`; a ``TargetMismatchError``
+    names every leaf whose sharding metadata cannot be rebuilt here."""
     out: list[Any] = []
     problems: list[Mismatch] = []
     for i, (name, x) in enumerate(zip(names, leaves)):
@@ -195,18 +152,11 @@ def neutral_target(target: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Words:
-    """How an API tells its caller to resolve mismatches, in its own option names.
+    """How an API tells its caller to resolve mismatches, in its own option names."""
 
-    Attributes:
-      keys: appended to the list of keys in the checkpoint but not the target (and to
-        structure mismatches): what to pass to restore only the target's keys.
-      missing: appended to the list of target keys the checkpoint lacks.
-      shape: appended to a shape mismatch that padding or truncating would resolve.
-    """
-
-    keys: str = ""
-    missing: str = ""
-    shape: str = ""
+    keys: str = ""  # after keys the target lacks and structure mismatches
+    missing: str = ""  # after target keys the checkpoint lacks
+    shape: str = ""  # after a shape mismatch that padding or truncating would resolve
 
 
 STANDALONE_WORDS = Words(keys="pass strict=False to skip them")
@@ -215,14 +165,7 @@ _LIMIT = 50  # keys listed per line
 
 
 def mismatch_message(mismatches: Sequence[Mismatch], words: Words = STANDALONE_WORDS) -> str:
-    """The message of a :class:`TargetMismatchError` listing ``mismatches`` in ``words``.
-
-    Example::
-
-        mismatch_message([Mismatch("ghost", MismatchKind.MISSING)])
-        # 'the checkpoint does not match the restore target:\\n  missing from the
-        # checkpoint (1): ghost'
-    """
+    """The message of a :class:`TargetMismatchError` listing ``mismatches`` in ``words``."""
     missing = [m.key for m in mismatches if m.kind is MismatchKind.MISSING]
     unexpected = [m.key for m in mismatches if m.kind is MismatchKind.UNEXPECTED]
     parts = ["the checkpoint does not match the restore target:"]

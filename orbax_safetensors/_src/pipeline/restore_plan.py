@@ -1,18 +1,9 @@
-"""What each target leaf needs from the stored tensors, and the restore that follows.
-
-:func:`restore_tree`: without a target the stored schema gives back the saved containers. With
-one, every target leaf is matched to a stored leaf by its dotted name and planned (a
-``place.Plan``); every problem (missing, unexpected, mis-shaped keys, a leaf against a subtree)
-is collected as a :class:`~.core.errors.Mismatch` and raised at once in one
-``TargetMismatchError``. Then the distinct reads run and the tree is rebuilt around the values.
-Structure, as Orbax's handlers compare it: ``None`` and empty nodes in the target stand for a
-saved leaf, ``None`` or empty node (nothing read, returned as given); against a saved subtree,
-or where the checkpoint has nothing, they are a mismatch unless keys are not exact. A target
-leaf where ``None`` or an empty node was saved comes back as None.
-
-Example::
-
-    tree = restore_tree(schema, stored, RestoreOptions(target=abstract, keys=Keys.PARTIAL))
+"""The restore plan: :func:`restore_tree` matches every target leaf to a stored leaf by its
+dotted name and plans it (a ``place.Plan``), collects every problem into one
+``TargetMismatchError``, runs the distinct reads and rebuilds the tree. Structure as Orbax's
+handlers compare it: ``None`` and empty nodes in the target stand for a saved leaf, ``None`` or
+empty node (returned as given); against a saved subtree, or where the checkpoint has nothing,
+they are a mismatch unless keys are not exact.
 """
 
 from __future__ import annotations
@@ -261,22 +252,15 @@ def restore_tree(
     saved_sharding: SavedSharding | None = None,
 ) -> Any:
     """Rebuilds a tree from ``stored`` tensors as ``options`` asks (None: the saved tree,
-    everything read, checksums verified).
-
-    Args:
-      schema: the stored tree schema, or None for a plain safetensors file (a flat dict).
-      stored: every stored tensor by name.
-      options: without a target the selected leaves come back in their saved containers
-        (dicts lose unselected entries, lists keep their length with None in unselected
-        places); with one, the selection is among the target's leaves, and an unselected
-        target leaf comes back as given, nothing read for it.
-      stats: accumulates bytes read and needed.
-      saved_sharding: where to place a leaf saved as a ``jax.Array`` when the target gives no
-        sharding; None: this process's first device.
+    checksums verified). ``schema``: None for a plain safetensors file (a flat dict back).
+    Without a target the selected leaves come back in their saved containers (lists keep their
+    length, None where unselected); with one, an unselected target leaf comes back as given.
+    ``saved_sharding``: where a leaf saved as a ``jax.Array`` goes when the target gives no
+    sharding (None: this process's first device).
 
     Raises:
-      TargetMismatchError: listing every mismatch (``.mismatches``), worded for the
-        standalone API (an adapter rewords it with :func:`reworded`).
+      TargetMismatchError: listing every mismatch, worded for the standalone API (adapters
+        reword it with ``restore_options.reworded``).
     """
     options = options or RestoreOptions()
     typed: _schema.Schema | None = None

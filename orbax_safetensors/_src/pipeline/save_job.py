@@ -1,23 +1,9 @@
 """One save as one object: validate -> snapshot -> plan -> write -> finalize.
 
-A :class:`SaveJob` holds everything one save of one checkpoint directory needs, from the
-caller's call to the primary's finalize: the validated tree, how the caller's arrays are treated
-(:class:`SaveMode`), the host buffers of its snapshot, its file plan, and what its finalize merges
-(the metadata draft and, in a one-process job, the checksum share, both kept in memory). Drivers
-hold no state of their own per save: the Orbax handlers (through ``orbax/v0.start_save``) and
-:func:`.standalone.save_directory` each build a job and call its steps where their protocol puts them, so one
-driver serves any number of saves at once.
-
-The steps, and the thread each runs on:
-
-- :meth:`SaveJob.start` (the caller's): plans now when the plan must come first (a direct save,
-  object storage, a header that may be too large) and prepares the directory.
-- :meth:`SaveJob.snapshot` (the caller's, ``SNAPSHOT`` only): copies this process's owned shards
-  to host; once it returns the caller may donate or overwrite its arrays. If a copy fails the
-  job is aborted before this raises: no thread writes for it any more and nothing it wrote stays.
-- :meth:`SaveJob.write` (a writer thread, or the caller's): plans if not yet planned, writes
-  this process's bytes, keeps what :meth:`SaveJob.finalize` needs.
-- :meth:`SaveJob.finalize` (one process, after every process wrote).
+A :class:`SaveJob` holds all one save of a checkpoint directory needs, from the caller's call to
+the primary's finalize; drivers (the Orbax handlers, ``standalone.save_directory``) keep no state
+per save, only build jobs and call their steps where their protocol puts them.
+:class:`FileSaveJob` is its one-file sibling (``save_file``).
 
 Example::
 
@@ -50,7 +36,6 @@ from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
 from orbax_safetensors._src.pipeline import export_item as _export_item
-from orbax_safetensors._src.pipeline import gcpause as _gcpause
 from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.pipeline import snapshots as _snapshots
 from orbax_safetensors._src.storage import buffers as _buffers
@@ -65,29 +50,15 @@ _PLAN_DELAY_SECONDS = 0.03
 
 
 class SaveMode(enum.Enum):
-    """How a save treats the caller's arrays.
+    """How a save treats the caller's arrays."""
 
-    ``DIRECT``: the caller waits for the write (a synchronous save, :func:`.standalone.save_directory`):
-    each tensor is written straight from its array (zero-copy on CPU; one tensor at a time in
-    host memory on accelerators), cast as it is written under a dtype policy.
-
-    ``SNAPSHOT``: the caller goes on once :meth:`SaveJob.snapshot` returns (an async save): this
-    process's owned shards are copied to host on the caller's thread (cast bytes under a dtype
-    policy), and the writer writes the copies while later ones are still being made.
-    """
-
-    DIRECT = "direct"
-    SNAPSHOT = "snapshot"
+    DIRECT = "direct"  # the caller waits for the write: each tensor written from its array
+    SNAPSHOT = "snapshot"  # the caller goes on once snapshot() made this process's host copies
 
 
 @dataclasses.dataclass(frozen=True)
 class Processes:
-    """The processes of a save: this one (``index``), how many (``count``), which finalizes.
-
-    Example::
-
-        Processes.of_jax(primary=0)   # from jax.process_index() / jax.process_count()
-    """
+    """The processes of a save: this one (``index``), how many (``count``), which finalizes."""
 
     index: int = 0
     count: int = 1
@@ -123,31 +94,14 @@ class _State(enum.Enum):
 
 
 class SaveJob:
-    """One save of ``validated`` into ``directory`` by this process; see the module docstring.
+    """One save of ``validated`` (from ``validate_save``) into ``directory`` (which must exist
+    when :meth:`write` runs) by this process.
 
-    Args:
-      validated: the tree, from ``checkpoint_save.validate_save`` (with its user metadata and
-        dtype policy).
-      directory: the checkpoint directory (it must exist when :meth:`write` runs).
-      mode: :class:`SaveMode`.
-      layout: file size limit and checksums (``checkpoint_save.SaveLayout``; default its
-        defaults).
-      processes: this save's processes (default: one).
-      host_buffers: a pool the ``SNAPSHOT`` copies draw their large buffers from (reused from
-        the previous save) and go back to once written; None: fresh buffers.
-      io: how files are written (direct I/O mode, object-store options; None: the defaults,
-        see ``storage/config.IOOptions``).
-      export: write these tensors instead of the tree's (``export.ExportPlan``: a Hugging
-        Face model directory), computed from the snapshot on the writer's thread; with several
-        processes each writes only its own bytes (``export_item.prepare``), on a
-        shared file system or, through the spread uploads of any save, on object storage.
-
-      device_snapshot: ``SNAPSHOT`` on an accelerator: :meth:`snapshot` copies the owned
-        shards on their devices (when every device has room for them) and returns; their
-        device-to-host copies run on another thread (``snapshots.device_copies``). False: the
-        host copies are made before :meth:`snapshot` returns.
-
-    After :meth:`write`, ``stats`` holds the byte ranges this process wrote.
+    ``host_buffers``: the pool a ``SNAPSHOT``'s large copies draw from and go back to once
+    written (None: fresh buffers). ``export``: write this plan's tensors instead of the tree's
+    (``export_item.prepare``). ``device_snapshot``: on an accelerator, :meth:`snapshot` may copy
+    on the devices and leave the host copies to a thread (``snapshots.device_copies``). After
+    :meth:`write`, ``stats`` holds the byte ranges this process wrote.
     """
 
     def __init__(
@@ -193,10 +147,9 @@ class SaveJob:
     # -- the caller's thread ------------------------------------------------------------------
 
     def start(self) -> None:
-        """Plans now, on the caller's thread, when the plan must come first: a direct save writes
-        straight from the arrays; object storage starts its uploads here (every process, before
-        any write); a header that may exceed the safetensors cap fails here, not in the
-        background. Otherwise the writer plans, off the caller's thread."""
+        """On the caller's thread: plans now when the plan must come first (a direct save;
+        object storage, whose uploads start on every process before any write; a header that
+        may exceed the cap fails here, not in the background), else leaves it to the writer."""
         validated = self._require_validated()
         if (
             self.mode is SaveMode.DIRECT
@@ -210,11 +163,9 @@ class SaveJob:
             )
 
     def snapshot(self) -> None:
-        """``SNAPSHOT``: copies this process's owned shards to host (no-op for ``DIRECT``).
-
-        Raises (after :meth:`abort`) what the copy raised, or a ``DeletedArrayError`` naming an
-        array donated since the tree was validated.
-        """
+        """``SNAPSHOT``: copies this process's owned shards to host (no-op for ``DIRECT``); the
+        caller may then donate its arrays. Raises (after :meth:`abort`) what the copy raised,
+        or a ``DeletedArrayError`` naming an array donated since the tree was validated."""
         if self._queue is None:
             return
         validated = self._require_validated()
@@ -308,10 +259,9 @@ class SaveJob:
     # -- the writer's thread ------------------------------------------------------------------
 
     def write(self) -> None:
-        """Writes this process's bytes (and on the primary headers, index and, with several
-        processes, the metadata draft); keeps what :meth:`finalize` needs. Returns at once,
-        writing nothing, if the job was aborted before; ends without error, its files removed,
-        if it is aborted meanwhile (whoever aborted it reports the error)."""
+        """Writes this process's bytes (the primary: headers, index, the draft too). Returns at
+        once if the job was aborted before; if aborted meanwhile, removes what it wrote and ends
+        without error (whoever aborted it reports the error)."""
         with self._lock:
             if self._state is _State.ABORTED:
                 return
@@ -322,7 +272,7 @@ class SaveJob:
             if self.mode is SaveMode.DIRECT:
                 # The caller waits for this write: the cyclic GC may pause for it. An async
                 # save's write outlives save(): it never pauses the GC.
-                with _gcpause.gc_paused():
+                with _pieces.gc_paused():
                     share = self._write()
             else:
                 share = self._write()
@@ -401,7 +351,7 @@ class SaveJob:
 
     def finalize(self) -> None:
         """Merges every process's checksum share into the metadata file (one process, after
-        all wrote): this process's draft and share from memory, the others' from disk."""
+        all wrote)."""
         with self._lock:
             if self._state is not _State.WRITTEN:
                 raise RuntimeError(f"{self!r}: finalize needs a written save")
@@ -454,27 +404,9 @@ _WRITE_BATCH_BYTES = 64 << 20
 
 
 class FileSaveJob:
-    """One save of ``validated`` as ONE ``.safetensors`` file at ``path`` (``save_file``): the
-    single-file sibling of :class:`SaveJob`, with the same steps (a ``DIRECT`` save by one
-    process), where the schema and the checksums go into the header's ``__metadata__``.
-
-    - :meth:`start` plans the file, checksums as fixed-width placeholders (so the header's
-      length, hence every offset, is known before any byte is written);
-    - :meth:`write` writes the data, checksummed as written, a batch of tensors at a time (cast
-      or copied bytes are held for one batch only), then the header with the real checksums,
-      into a temporary file beside ``path`` (on ``s3://`` and ``gs://``: the object itself,
-      which appears only once complete);
-    - :meth:`finalize` renames the temporary file onto ``path`` and makes the rename durable.
-
-    A step that fails removes the temporary file: nothing half-written is ever at ``path``.
-
-    Example::
-
-        job = FileSaveJob(validate_save(params), "/tmp/w.safetensors")
-        job.start()
-        job.write()
-        job.finalize()
-    """
+    """One save of ``validated`` as one ``.safetensors`` file at ``path`` by one process, the
+    schema and checksums in its header; the steps of a ``DIRECT`` :class:`SaveJob`. A failing
+    step removes the temporary file: nothing half-written is ever at ``path``."""
 
     def __init__(
         self,
@@ -497,12 +429,14 @@ class FileSaveJob:
         return f"FileSaveJob({str(self.path)!r})"
 
     def start(self) -> None:
-        """Plans the file (with placeholder checksums of the final width)."""
+        """Plans the file with placeholder checksums of the final width, so every offset is
+        known before any byte is written."""
         placeholder = {s.name: _checksum.to_hex(0) for s in self._validated.specs}
         self._plan = self._plan_file(placeholder)
 
     def write(self) -> None:
-        """Writes the data, then the header holding its checksums (see the class docstring)."""
+        """Writes the data, then the header holding its checksums, into a temporary file beside
+        ``path`` (an object store: the object itself, which appears only once complete)."""
         plan = self._plan
         if plan is None:
             raise RuntimeError(f"{self!r}: write needs start first")
@@ -524,7 +458,7 @@ class FileSaveJob:
         records: _interface.WriteResult = []
         batch: list[_interface.Piece] = []
         held = 0
-        for _, pieces in _pieces.iter_host_pieces(plan, flat.arrays, copy=False):
+        for _, pieces in _pieces.iter_host_pieces(plan, flat.arrays):
             batch.extend(pieces)
             held += sum(p.data.nbytes for p in pieces)
             if held >= _WRITE_BATCH_BYTES:
@@ -558,29 +492,16 @@ class FileSaveJob:
             self._tmp.unlink()
 
 
-def finalize_from_disk(directory: epath.PathLike, io: _config.IOOptions | None = None) -> None:
-    """Finalizes a save whose job this process does not hold (its draft and checksum shares
-    were persisted: a save by several processes, finalized by a fresh driver)."""
-    _checkpoint_save.finalize(directory, io=io)
-
-
 class PendingSaves:
     """Written save jobs awaiting their finalize, by directory: how a driver that finalizes a
-    directory (Orbax's handler protocol) finds its save's job. Thread-safe; a driver holds one
-    for any number of concurrent saves.
-
-    Example::
-
-        pending.add(job)                       # when the save starts (on the primary)
-        pending.pop(directory).finalize()      # after every process wrote
-    """
+    directory (Orbax's handler protocol) finds its save's job. Thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._jobs: dict[str, SaveJob] = {}
 
     def add(self, job: SaveJob) -> None:
-        """Registers ``job`` for its directory (replacing an earlier job's, which failed)."""
+        """Registers ``job`` for its directory (replacing an earlier, failed job's)."""
         with self._lock:
             self._jobs[str(job.directory)] = job
 

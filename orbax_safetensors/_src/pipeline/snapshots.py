@@ -1,10 +1,6 @@
-"""Host copies of the shards this process owns, and the queue that hands them to the writer.
-
-Each process takes the shards of each ``jax.Array`` it holds with ``replica_id == 0`` (so every
-byte is written exactly once across processes, and no process ever materialises data it does not
-own) and copies them to host memory: all at once before an async ``save()`` returns, or tensor by
-tensor as the writer reaches them (:class:`SnapshotQueue`). Host-local leaves (numpy arrays) are
-written by the primary process.
+"""Host copies of the shards this process owns (``replica_id == 0``: every byte written once
+across processes, none materialised by a process that does not own it; host-local leaves by the
+primary), and the :class:`SnapshotQueue` that hands them to the writer.
 
 Example::
 
@@ -28,15 +24,11 @@ from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import runs as _runs
 from orbax_safetensors._src.core import sharding as _sharding
 from orbax_safetensors._src.pipeline import relayout as _relayout
-from orbax_safetensors._src.pipeline import snapshots as _snapshots
 from orbax_safetensors._src.storage import buffers as _buffers
 
 
 def owned_shards(x: jax.Array) -> list[tuple[_runs.Index, jax.Array]]:
-    """The shards of ``x`` this process writes: the addressable ones with ``replica_id == 0``.
-
-    (:func:`iter_host_pieces` writes an array held whole by one local device without asking.)
-    """
+    """The shards of ``x`` this process writes: the addressable ones with ``replica_id == 0``."""
     return [
         (_runs.normalize_index(s.index, x.shape), s.data)
         for s in x.addressable_shards
@@ -45,12 +37,9 @@ def owned_shards(x: jax.Array) -> list[tuple[_runs.Index, jax.Array]]:
 
 
 def is_host_local(x: Any, multi_process: bool | None = None) -> bool:
-    """Whether ``x`` is host-local data, written by the primary process alone: a numpy array, or
-    (in a multi-process job) a ``jax.Array`` whose every shard is on this process, so that each
-    process holds its own copy (Orbax refuses to save these; we treat them like numpy leaves).
-
-    ``multi_process`` is ``jax.process_count() > 1``, for callers asking about many arrays.
-    """
+    """Whether ``x`` is host-local data, written by the primary alone: a numpy array, or in a
+    multi-process job (``multi_process``, default from JAX) a fully addressable ``jax.Array``
+    (each process holds its own copy; Orbax refuses to save these)."""
     if not isinstance(x, jax.Array):
         return True
     if multi_process is None:
@@ -82,13 +71,7 @@ HostCopies = list[tuple[_runs.Index | None, np.ndarray]]
 
 def host_views(arrays: Iterable[Any]) -> bool:
     """Whether the host data of every array of ``arrays`` is a view of memory it already
-    holds (numpy, or a ``jax.Array`` on CPU devices), so that writing it needs no copy; False
-    when one lives on an accelerator, whose host data is a fresh copy.
-
-    Example::
-
-        host_views([np.zeros(3), jnp.zeros(3)])   # True on CPU
-    """
+    holds (numpy, or a ``jax.Array`` on CPU), so that writing it needs no copy."""
     placement = _sharding.ShardingMemo(_placement)
     return all(not isinstance(x, jax.Array) or placement(x.sharding)[1] for x in arrays)
 
@@ -169,22 +152,11 @@ def iter_snapshots(
     buffers: _buffers.BufferArena | None = None,
     row_blocks: bool = False,
 ) -> Iterator[tuple[Any, HostCopies]]:
-    """Host copies of the bytes this process writes, one tensor at a time: ``(key, copies)``
-    for each ``(key, array)`` of ``arrays`` this process writes any of. ``casts`` maps keys
-    to the dtype their array is stored in (a dtype policy): those copies hold the cast bytes.
-
-    Needs no file plan, so an async save can copy first and plan on its writer thread. Once
-    the iteration ends the caller may donate, overwrite or delete its arrays; turn the copies
-    into write pieces with :func:`tensor_pieces`. ``buffers`` is where the copies go (e.g. a
-    :class:`~orbax_safetensors._src.storage.buffers.PooledArena` reusing the previous save's
-    memory); default a fresh arena.
-
-    ``row_blocks`` (a save to object storage): the tensors ``relayout.row_block_sharding``
-    names are first moved to row blocks on the devices, one at a time, and their copies are
-    this process's row blocks (contiguous bytes of the file); see :func:`iter_relaid`. In a
-    multi-process job the tensors ``relayout.array_groups`` joins are joined first, group by
-    group (``relayout.join``), and their copies are this process's rows of each group.
-    """
+    """``(key, copies)`` for each ``(key, array)`` of ``arrays`` this process writes any of,
+    one tensor at a time, into ``buffers`` (default a fresh arena); no file plan needed. Once
+    the iteration ends the caller may donate its arrays. ``casts``: key -> stored dtype (the
+    copies hold the cast bytes). ``row_blocks`` (object storage): as :func:`iter_relaid`, the
+    moved tensors' copies are this process's row blocks, joined groups first."""
     buffers = buffers if buffers is not None else _buffers.BufferArena()
     if row_blocks:
         items = list(arrays)
@@ -203,11 +175,9 @@ def iter_owned(
     moved: Mapping[Any, jax.sharding.Sharding] | None = None,
     delete: bool = False,
 ) -> Iterator[tuple[Any, HostCopies]]:
-    """Host copies of ``owned`` tensors (:func:`owned_tensors`), as :func:`iter_snapshots`
-    yields them; ``moved``: the tensors to re-lay out first (row blocks); ``delete``: each
-    array is deleted once its host copies are made (they are this save's own device copies,
-    :func:`device_copies`), and their transfers are started :data:`COPIES_AHEAD_BYTES` ahead
-    rather than all at once (a dtype policy's uncast host copies stay few)."""
+    """Host copies of ``owned`` tensors, as :func:`iter_snapshots` yields them; ``moved``: the
+    tensors to re-lay out first; ``delete``: each array (this save's own device copy) is
+    deleted once copied, transfers started :data:`COPIES_AHEAD_BYTES` ahead."""
     if delete:
         ahead = _CopiesAhead(owned)
     else:
@@ -270,15 +240,12 @@ def iter_relaid(
     buffers: _buffers.BufferArena | None = None,
 ) -> Iterator[tuple[Any, HostCopies]]:
     """Host copies of this process's row blocks of the tensors of ``arrays`` that a save to
-    object storage re-lays out (``relayout.row_block_sharding``), and of those only.
+    object storage re-lays out (``relayout.row_block_sharding``), and of those only; the
+    groups ``relayout.array_groups`` joins come first (every member yielded, maybe empty).
 
-    Each such tensor is moved to row blocks on the devices (a jitted identity: a collective,
-    so every process must iterate this on its main thread, in the same order), copied to host
-    and the moved array deleted before the next: the extra device memory is one tensor's
-    share of this process at a time. Its copies are contiguous bytes of the file (one range
-    when this process's devices are adjacent in the mesh's order) instead of a run per row.
-    The tensors ``relayout.array_groups`` joins come first, with this process's rows of each
-    group (possibly none: every member is yielded).
+    Each is moved on the devices (a collective: every process iterates this on its main
+    thread, in the same order) and the moved array deleted before the next, so the extra
+    device memory is one tensor's share at a time.
     """
     buffers = buffers if buffers is not None else _buffers.BufferArena()
     items = list(arrays)
@@ -381,15 +348,11 @@ DEVICE_COPIES = "auto"
 
 
 def device_copies(owned: list[_Owned]) -> tuple[list[_Owned], list[_Owned]] | None:
-    """``owned`` split into (tensors to copy to host now, device copies of the others), the
-    copies made on the devices, one program per device: the shards this process owns on an
-    accelerator, where every device has room for its copies (``memory_stats``) beside
-    :data:`_DEVICE_HEADROOM`. None when nothing is on an accelerator or a device lacks room.
-
-    An async save takes such a copy instead of the host copy: the copy is made on the device in
-    milliseconds, the caller may then donate or overwrite its arrays, and the device-to-host
-    copies run on another thread while training goes on (docs/performance.md, "TPU"). Each
-    shard is copied on its own device, so no program spans processes."""
+    """``owned`` split into (tensors to copy to host now, device copies of the others): the
+    shards on an accelerator copied on their own devices (one program per device, none
+    spanning processes), so an async save returns while the host copies run on a thread.
+    None when nothing is on an accelerator or a device lacks room (``memory_stats`` less
+    :data:`_DEVICE_HEADROOM`)."""
     later = [o for o in owned if _on_accelerator(o)]
     if not later:
         return None
@@ -408,10 +371,9 @@ def device_copies(owned: list[_Owned]) -> tuple[list[_Owned], list[_Owned]] | No
 
 
 def detached(owned: list[_Owned]) -> list[_Owned]:
-    """``owned`` with the data of its accelerator tensors copied on their devices: their host
-    copies are then cached on these copies (freed with :func:`delete_device_copies`), not on
-    the caller's arrays, which JAX would keep a host copy of for as long as they live. Where a
-    copy fails (no device memory for it), the tensor is kept as it is."""
+    """``owned`` with its accelerator tensors copied on their devices, so that JAX caches their
+    host copies on these (freed by :func:`delete_device_copies`), not on the caller's arrays
+    for as long as they live. Where no device memory is left, the tensor is kept as it is."""
     later = [o for o in owned if _on_accelerator(o) and not o[3]]  # (never CPU: host views)
     if not later:
         return owned
@@ -496,20 +458,8 @@ def start_copies(owned: list[_Owned]) -> None:
 
 
 class SnapshotQueue:
-    """Hands host snapshots ``(index, copies)`` (see :func:`_snapshots.iter_snapshots`) from the
-    thread that copies them to the thread that plans and writes them, so that writing a large
-    state starts before its last tensor is copied.
-
-    Example::
-
-        queue = SnapshotQueue()
-        writer = threading.Thread(target=lambda: write_process_share(
-            PreparedSave.from_snapshots(v, queue, SaveLayout()), directory))
-        writer.start()
-        for item in _snapshots.iter_snapshots(enumerate(v.captured.arrays)):
-            queue.put(item)
-        queue.close()
-    """
+    """Hands host snapshots ``(index, copies)`` from the thread that copies them to the one
+    that plans and writes them, so a large state starts writing before its last copy."""
 
     _END = object()
     # Items are handed over in groups of up to this many bytes or items: waking the writer
@@ -517,22 +467,21 @@ class SnapshotQueue:
     _GROUP_BYTES = 4 << 20
     _GROUP_ITEMS = 256
     # The first group, on which the writer plans (Python work per tensor), waits for 16 MiB
-    # of at most 256 tensors, else for 64 MiB, else for the end: a state of large tensors
-    # starts writing after a few milliseconds of copying, and a small state of many tensors is
-    # planned after the copy loop rather than against it for the GIL (docs/performance.md,
-    # "Figures behind the code", has what the first group's size did to a save).
+    # of at most 256 tensors, else for 64 MiB, else for the end: large tensors start writing
+    # soon, and a small state of many tensors is planned after the copy loop rather than
+    # against it for the GIL.
     _FIRST_GROUP_BYTES = 16 << 20
     _FIRST_GROUP_MAX_BYTES = 64 << 20
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._group: list[tuple[int, _snapshots.HostCopies]] = []
+        self._group: list[tuple[int, HostCopies]] = []
         self._group_bytes = 0
         self._first = True
         self._started = threading.Event()
         self._done = False
 
-    def put(self, item: tuple[int, _snapshots.HostCopies]) -> None:
+    def put(self, item: tuple[int, HostCopies]) -> None:
         self._group.append(item)
         copies = item[1]
         self._group_bytes += (
@@ -575,7 +524,7 @@ class SnapshotQueue:
         """Blocks until the first group, the end or a failure is queued; False on timeout."""
         return self._started.wait(timeout)
 
-    def __iter__(self) -> Iterator[tuple[int, _snapshots.HostCopies]]:
+    def __iter__(self) -> Iterator[tuple[int, HostCopies]]:
         while (group := self._queue.get()) is not self._END:
             if isinstance(group, BaseException):
                 raise RuntimeError("copying the checkpoint's arrays to host failed") from group

@@ -1,17 +1,8 @@
-"""The standalone verbs: a pytree to and from one ``.safetensors`` file (:func:`save_file`,
-:func:`load_file`) or one checkpoint directory (:func:`save_directory`,
-:func:`restore_directory`), no Orbax needed; and the two restores the Orbax handlers call with
-a :class:`.RestoreOptions` (:func:`load_with_options`, :func:`restore_checkpoint`).
-
-A file keeps the tree schema and per-tensor CRC32C checksums in its ``__metadata__``, so it
-round-trips alone, while every safetensors reader sees plain tensors under dotted names.
-
-Example::
-
-    import orbax_safetensors as osf
-    osf.save_file({"params": params, "step": 10}, "/tmp/ckpt.safetensors")
-    tree = osf.load_file("/tmp/ckpt.safetensors")                 # same containers back
-    tree = osf.load_file("/tmp/ckpt.safetensors", target=abstract)  # target's node types
+"""The standalone verbs, no Orbax needed: a pytree to and from one ``.safetensors`` file
+(:func:`save_file`, :func:`load_file`: the schema and CRC32Cs ride in its ``__metadata__``) or
+one checkpoint directory (:func:`save_directory`, :func:`restore_directory`); and the two
+restores the Orbax handlers call with a ``RestoreOptions`` (:func:`load_with_options`,
+:func:`restore_checkpoint`).
 """
 
 from __future__ import annotations
@@ -29,7 +20,7 @@ from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
-from orbax_safetensors._src.pipeline import gcpause as _gcpause
+from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.pipeline import place as _place
 from orbax_safetensors._src.pipeline import read as _read
 from orbax_safetensors._src.pipeline import save_job as _save_job
@@ -43,7 +34,7 @@ from orbax_safetensors._src.storage import router as _router
 # --------------------------------------------------------------------------- one file
 
 
-@_gcpause.paused
+@_pieces.gc_paused()
 def save_file(
     tree: Any,
     path: epath.PathLike,
@@ -52,25 +43,20 @@ def save_file(
     dtype: _casting.DtypePolicy | None = None,
     io_options: _config.IOOptions | None = None,
 ) -> None:
-    """Saves a pytree as one ``.safetensors`` file.
-
-    The file appears atomically (written beside ``path`` under a temporary name, made durable,
-    then renamed; on ``s3://`` and ``gs://`` the object itself appears only once complete), so
-    a crash never leaves a half-written file at ``path``.
+    """Saves a pytree as one ``.safetensors`` file, atomically: a crash never leaves a
+    half-written file at ``path`` (local files are renamed into place; an ``s3://`` or
+    ``gs://`` object appears only once complete).
 
     Args:
       tree: any pytree of arrays (``jax.Array``, numpy), Python scalars, strings and None.
       path: the file to write (any ``etils.epath`` path, including ``s3://`` and ``gs://``).
       metadata: extra ``str -> str`` entries for the header's ``__metadata__``.
-      dtype: store tensors in another dtype (e.g. bf16 weights from an f32 state): one dtype
-        (applied to floating-point arrays only), a mapping of glob patterns over dotted names
-        to a dtype or None (keep; the first matching pattern wins, unmatched names keep
-        theirs), or a callable ``(dotted_name, leaf) -> dtype | None``. Each tensor is cast
-        as it is written, never as a cast copy of the whole tree; the schema records each
-        cast tensor's original dtype. ``load_file`` without a target gives the stored dtype,
-        with a target the target's.
-      io_options: how the file is written (:class:`~orbax_safetensors.IOOptions`: direct
-        I/O mode, object-store options, tracing); None: the defaults (environment).
+      dtype: store tensors in another dtype: one dtype (floating-point arrays only), a
+        mapping of glob patterns over dotted names to a dtype or None (keep; the first match
+        wins), or a callable ``(dotted_name, leaf) -> dtype | None``. Each tensor is cast as
+        it is written; the schema records its original dtype.
+      io_options: how the file is written (:class:`~orbax_safetensors.IOOptions`); None: the
+        defaults.
 
     Raises:
       UnsupportedLeafError: for a leaf or dtype that cannot be stored, before anything is written.
@@ -105,34 +91,26 @@ def load_file(
     Args:
       path: a file written by :func:`save_file`, or any safetensors file (then the result is a
         flat ``{name: array}`` dict).
-      target: optional pytree saying what to build: leaves may be ``jax.Array``, numpy arrays,
-        ``jax.ShapeDtypeStruct`` (placed with its sharding; without one, a leaf saved as numpy
-        comes back as numpy of the struct's dtype, as Orbax's ``StandardRestore`` gives it),
+      target: optional pytree saying what to build, whose node types the result has: leaves
+        may be ``jax.Array``, numpy arrays, ``jax.ShapeDtypeStruct`` (placed with its
+        sharding; without one, a leaf saved as numpy comes back as numpy, as in Orbax),
         Python scalars, Orbax ``RestoreArgs``, or ``None`` / ``...`` / empty nodes to skip a
-        leaf; the result has the target's node types (TrainState, namedtuples,
-        ``nnx.State``...). Only the tensors the target asks for are read.
-      strict: with a target, missing or unexpected keys (and ``None`` or an empty node where
-        the file has a subtree) raise one error listing all of them; with ``strict=False``
-        unexpected keys and skipped subtrees are skipped, and missing keys keep the target's
-        (concrete) value.
-      include: glob patterns (a string or a sequence) over dotted names, as ``fnmatch`` reads
-        them (``*`` crosses dots); a pattern also selects all beneath a name it matches
-        (``params`` selects ``params.w``), and one matching no name raises
-        ``TargetMismatchError``. Only the selected tensors are read: without a target in their
-        saved containers (lists keep their length, None where nothing is selected), with one
-        an unselected target leaf comes back as given. None: every name.
+        leaf. Only the tensors the target asks for are read.
+      strict: with a target, missing or unexpected keys raise one error listing all of them;
+        ``strict=False`` skips unexpected keys, and missing keys keep the target's value.
+      include: glob patterns over dotted names (``*`` crosses dots; ``params`` also selects
+        ``params.w``; a pattern matching nothing raises ``TargetMismatchError``): only the
+        selected tensors are read. None: every name.
       exclude: glob patterns of names not to read, by the same rule (after ``include``).
       verify: check each tensor read whole against its CRC32C: the file's own, or for a file
-        of a checkpoint directory (a CheckpointManager item's ``model.safetensors``) the one
-        the directory's ``orbax_safetensors.json`` records, which must then describe the file
-        exactly as its header does. False: nothing is checked, no directory metadata read.
+        of a checkpoint directory the one its ``orbax_safetensors.json`` records.
       io_options: how the file is read (:class:`~orbax_safetensors.IOOptions`; None: default).
 
     Raises:
-      HeaderError, SchemaError: the file is damaged or hostile, or (with ``verify``) the
-        metadata of the checkpoint directory it belongs to is, or disagrees with it.
-      TargetMismatchError: the target disagrees with the file (names every key at once;
-        ``.mismatches`` lists them as records).
+      HeaderError, SchemaError: the file (or, with ``verify``, its directory's metadata) is
+        damaged or hostile, or they disagree.
+      TargetMismatchError: the target disagrees with the file (every key at once;
+        ``.mismatches`` lists them).
       IntegrityError: a tensor's bytes do not match their checksum.
 
     Example::
@@ -147,14 +125,7 @@ def load_file(
 
 
 def load_with_options(path: epath.PathLike, options: RestoreOptions) -> Any:
-    """Loads a ``.safetensors`` file as ``options`` asks; with ``options.verify``, a file of a
-    checkpoint directory is checked against the checksums its directory records. Raises as
-    :func:`load_file` does.
-
-    Example::
-
-        tree = load_with_options("w.safetensors", RestoreOptions(target=abstract))
-    """
+    """Loads a ``.safetensors`` file as ``options`` asks; raises as :func:`load_file` does."""
     path = epath.Path(path)
     # The header and the tensors (and a checkpoint directory's metadata) are read through
     # separate opens: if save_file (or save_directory) replaces the file in between, the reads
@@ -204,7 +175,7 @@ def load_metadata(path: epath.PathLike) -> dict[str, str]:
 # --------------------------------------------------------------------------- a directory
 
 
-@_gcpause.paused
+@_pieces.gc_paused()
 def save_directory(
     tree: Any,
     directory: epath.PathLike,
@@ -214,10 +185,9 @@ def save_directory(
     dtype: _casting.DtypePolicy | None = None,
     io_options: _config.IOOptions | None = None,
 ) -> None:
-    """Saves ``tree`` as a checkpoint directory from one process (no Orbax involved);
-    ``dtype`` is a dtype policy (see :func:`save_file`), applied tensor by tensor as it writes;
-    ``io_options`` the I/O options (see :func:`save_file`). An existing directory's checkpoint
-    files are replaced whole: a reader never meets old and new files mixed.
+    """Saves ``tree`` as a checkpoint directory from one process, without Orbax; ``dtype`` and
+    ``io_options`` as in :func:`save_file`. An existing directory's checkpoint files are
+    replaced whole: a reader never meets old and new files mixed.
 
     Example::
 
@@ -247,20 +217,15 @@ def restore_directory(
     exclude: _select.Patterns = None,
     io_options: _config.IOOptions | None = None,
 ) -> Any:
-    """Restores a checkpoint directory (an item directory of a step, or one that
+    """Restores a checkpoint directory (a step's item directory, or one that
     :func:`save_directory` wrote), without Orbax's manager.
 
     ``target``, ``strict``, ``include``, ``exclude``, ``verify`` and ``io_options`` are as in
-    :func:`load_file` (``strict`` governs keys); only the selected tensors' bytes are read.
-    ``stats`` (a ``ReadStats``) accumulates the bytes read and needed.
-
-    As Orbax's handlers do, arrays saved as ``jax.Array`` without a sharding in the target (no
-    target at all, ``jax.ShapeDtypeStruct`` or ``ArrayRestoreArgs`` without one,
-    ``RestoreArgs()``) are placed with their saved sharding, rebuilt over the saved devices
-    when this job has them all; otherwise on ``fallback_sharding`` (as Orbax's
-    ``StandardRestore(fallback_sharding=...)``) if given, else a ``TargetMismatchError`` asks
-    for a target sharding (Orbax: "Topology mismatch"). Arrays saved host-local come back on
-    this process's first device.
+    :func:`load_file`; ``stats`` (a ``ReadStats``) accumulates the bytes read and needed. As in
+    Orbax, an array saved as ``jax.Array`` whose target gives no sharding goes on its saved
+    sharding when this job has those devices, else on ``fallback_sharding``, else a
+    ``TargetMismatchError`` asks for a target sharding. Host-local arrays come back on this
+    process's first device.
 
     Example::
 
@@ -278,7 +243,7 @@ def restore_directory(
     return restore_checkpoint(directory, options, stats=stats)
 
 
-@_gcpause.paused
+@_pieces.gc_paused()
 def restore_checkpoint(
     directory: epath.PathLike,
     options: RestoreOptions | None = None,
@@ -286,12 +251,7 @@ def restore_checkpoint(
     stats: ReadStats | None = None,
 ) -> Any:
     """Restores a checkpoint directory as ``options`` asks; placement as in
-    :func:`restore_directory` (``options.fallback_sharding``).
-
-    Example::
-
-        tree = restore_checkpoint(path, RestoreOptions(target=abstract, keys=Keys.PARTIAL))
-    """
+    :func:`restore_directory`."""
     options = options or RestoreOptions()
     directory = epath.Path(directory)
     metadata = _read.read_metadata(directory, stats=stats)

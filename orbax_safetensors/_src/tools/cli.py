@@ -63,31 +63,13 @@ def _verify_cmd(args: argparse.Namespace) -> int:
     file whose header cannot be read)."""
     import dataclasses
 
-    from orbax_safetensors._src.tools.inspection import counted
     from orbax_safetensors._src.tools.verify import verify  # imported only when used
 
     report = verify(args.path)
     if args.json:
-        doc = {"path": args.path, **dataclasses.asdict(report)}
-        print(json.dumps(doc, indent=1))
-        return EXIT_OK if report.ok else EXIT_DIFFERENT
-    if report.ok:
-        checked = (counted(report.files, "file"), counted(report.tensors, "tensor"))
-        print(f"{args.path}: OK ({', '.join(checked)}, {counted(report.bytes, 'byte')} checked)")
+        print(json.dumps({"path": args.path, **dataclasses.asdict(report)}, indent=1))
     else:
-        print(f"{args.path}: DAMAGED ({counted(len(report.problems), 'problem')})")
-        for problem in report.problems:
-            print(f"  {problem}")
-    if report.unverified:
-        has = "has" if len(report.unverified) == 1 else "have"
-        print(
-            f"  {counted(len(report.unverified), 'tensor')} {has} no recorded checksum "
-            "(headers checked only)"
-        )
-    for skipped in report.skipped:
-        print(f"  skipped uncommitted {skipped}")
-    for warning in report.warnings:
-        print(f"  warning: {warning}")
+        print(report.format(args.path))
     return EXIT_OK if report.ok else EXIT_DIFFERENT
 
 
@@ -113,13 +95,8 @@ def parse_size(text: str) -> int:
 def dtype_policy(values: Sequence[str] | None) -> Any:
     """The dtype policy of ``--dtype`` values: one ``DTYPE`` (every floating-point tensor), or
     ``PATTERN=DTYPE`` entries, first match wins (``keep`` keeps a dtype); ValueError naming a
-    value that is neither.
-
-    Example::
-
-        dtype_policy(["bfloat16"])                           # 'bfloat16'
-        dtype_policy(["*norm*=keep", "*=bfloat16"])          # {'*norm*': None, '*': 'bfloat16'}
-    """
+    value that is neither (``["*norm*=keep", "*=bfloat16"]``: ``{'*norm*': None, '*':
+    'bfloat16'}``)."""
     from orbax_safetensors._src.core import casting as _casting
 
     if not values:
@@ -185,13 +162,16 @@ def _export_cmd(args: argparse.Namespace) -> int:
     generation_config.json and tokenizer files too), renamed and transformed by the key
     mapping, a batch of tensors at a time. Earlier model*.safetensors files in OUT are
     replaced, other files kept."""
+    from etils import epath
+
     from orbax_safetensors._src.integrations import export as _export
-    from orbax_safetensors._src.tools import hf_export as _hf_export
+    from orbax_safetensors._src.integrations import presets as _presets
+    from orbax_safetensors._src.tools import inspection as _inspection
 
     try:
         policy = dtype_policy(args.dtype)
-        config = _hf_export.read_hf_config(args.hf_config)
-        mapping = _hf_export.resolve_mapping(args.mapping, config, args.lora_scale)
+        config = _presets.read_hf_config(args.hf_config)
+        mapping = _presets.resolve_mapping(args.mapping, config, args.lora_scale)
     except ValueError as e:
         _error_line("orbax-safetensors export", e)
         return EXIT_ERROR
@@ -204,7 +184,12 @@ def _export_cmd(args: argparse.Namespace) -> int:
         batch_bytes=args.batch_size,
         **_keywords(args, ("max_file_size", "step", "item")),
     )
-    print(_hf_export.summary(args.out, report))
+    files = sorted(p for p in epath.Path(args.out).iterdir() if p.is_file())
+    size = sum(p.stat().length for p in files if p.suffix == ".safetensors")
+    print(
+        f"exported {_inspection.counted(len(report.moved), 'tensor')} "
+        f"({_inspection.human_bytes(size)}) to {args.out}: " + ", ".join(p.name for p in files)
+    )
     return EXIT_OK
 
 
@@ -218,14 +203,12 @@ def _import_cmd(args: argparse.Namespace) -> int:
     --distributed, run it on every host of the job: each process reads and writes only its
     share. CKPTDIR/<step> must not exist."""
     from orbax_safetensors._src.integrations import hf_import as _hf_import
-    from orbax_safetensors._src.tools import hf_export as _hf_export
+    from orbax_safetensors._src.integrations import presets as _presets
     from orbax_safetensors._src.tools import inspection as _inspection
 
     try:
         policy = dtype_policy(args.dtype)
-        named = (
-            args.mapping if ":" not in args.mapping else _hf_export.resolve_mapping(args.mapping)
-        )
+        named = args.mapping if ":" not in args.mapping else _presets.resolve_mapping(args.mapping)
         mapping, scan_layers = _hf_import.resolve(
             named, args.hfdir, args.scan_layers, args.vocab_size
         )
@@ -284,21 +267,16 @@ def _add_selection(parser: argparse.ArgumentParser, verb: str) -> None:
     )
 
 
-# Every option of the subcommands, by name: its flags and settings (help apart).
+_TRISTATE = {"action": argparse.BooleanOptionalAction, "default": None}  # --x, --no-x or neither
+# Every option of the verbs, by name: its flags and settings (help apart).
 _OPTIONS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "path": (("path",), {}),
     "json": (("--json",), {"action": "store_true"}),
     "include": (("--include",), {"action": "append", "metavar": "GLOB"}),
     "exclude": (("--exclude",), {"action": "append", "metavar": "GLOB"}),
     "to": (("--to",), {"choices": ("safetensors", "orbax"), "default": None}),
-    "unwrap_values": (
-        ("--unwrap-values",),
-        {"action": argparse.BooleanOptionalAction, "default": None},
-    ),
-    "wrap_values": (
-        ("--wrap-values",),
-        {"action": argparse.BooleanOptionalAction, "default": None},
-    ),
+    "unwrap_values": (("--unwrap-values",), _TRISTATE),
+    "wrap_values": (("--wrap-values",), _TRISTATE),
     "mapping": (("--mapping",), {"required": True, "metavar": "NAME | module:attr"}),
     "hf_config": (("--hf-config",), {"metavar": "FILE"}),
     "step": (("--step",), {"type": int, "default": None}),
@@ -312,17 +290,18 @@ _OPTIONS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "dir": (("dir",), {"nargs": "?", "default": None}),
     "steps": (("--steps",), {"type": int, "default": 300}),
     "lora_scale": (("--lora-scale",), {"type": float, "default": None, "metavar": "X"}),
-    "scan_layers": (
-        ("--scan-layers",),
-        {"action": argparse.BooleanOptionalAction, "default": None},
-    ),
+    "scan_layers": (("--scan-layers",), _TRISTATE),
     "vocab_size": (("--vocab-size",), {"type": int, "default": None, "metavar": "N"}),
     "distributed": (("--distributed",), {"action": "store_true"}),
 }
-_HELP = {  # the help of an option where a subcommand gives none
+_HELP = {  # the help of an option that means the same in every verb (a verb gives the others')
     "path": "file, item, step or root directory",
     "json": "print machine-readable JSON",
+    "max_file_size": "split the output into files of at most this size (default 5GB)",
     "batch_size": "tensor bytes held in memory at once (default 256MiB)",
+    "dtype": "stored dtype: one DTYPE (e.g. bfloat16) for every floating-point tensor, or "
+    "PATTERN=DTYPE entries over dotted names, repeated, first match wins ('*norm*=keep' keeps a "
+    "dtype)",
 }
 
 
@@ -340,8 +319,7 @@ def _command(
     summary: str,
     **positionals: str,
 ) -> argparse.ArgumentParser:
-    """The subcommand ``name`` run by ``func`` (its docstring: the description), with
-    ``summary`` in the top-level help and ``positionals`` (name: help) in order."""
+    """The verb ``name``, described by ``func``'s docstring, with ``positionals`` (name: help)."""
     parser: argparse.ArgumentParser = sub.add_parser(name, help=summary, description=func.__doc__)
     parser.set_defaults(func=func, command_parser=parser)
     for dest, help_text in positionals.items():
@@ -387,12 +365,10 @@ def build_parser() -> argparse.ArgumentParser:
         "leaves saved as nnx.Variable; --wrap-values: every leaf; --no-wrap-values: none",
         step="Flax msgpack source: the step of the CheckpointManager root written to DST "
         "(default: from the checkpoint_<step> file name)",
-        max_file_size="split safetensors output into files of at most this size (default 5GB)",
+        max_file_size=None,
         batch_size=None,
-        dtype="store tensors in another dtype (to safetensors only), cast a batch at a time: "
-        "one DTYPE (e.g. bfloat16) for every floating-point tensor, or PATTERN=DTYPE "
-        "entries over dotted names, repeated, first match wins ('*norm*=keep' keeps a dtype); "
-        "the metadata records each tensor's original dtype",
+        dtype=f"{_HELP['dtype']}; to safetensors only, cast a batch at a time, the metadata recording "
+        "each tensor's original dtype",
         quiet="no progress bar",
     )
     _add_selection(convert, "convert")
@@ -414,12 +390,10 @@ def build_parser() -> argparse.ArgumentParser:
         "function returning one)",
         hf_config="the model's config.json, or its directory (config.json, "
         "generation_config.json and tokenizer files written to OUT)",
-        dtype="stored dtype: one DTYPE (e.g. bfloat16) for every floating-point tensor, or "
-        "PATTERN=DTYPE entries over the checkpoint's dotted names, repeated, first match wins "
-        "('*norm*=keep' keeps a dtype)",
+        dtype=None,
         step="with a root: the step (default: the latest)",
         item="with a step of several items: the item to export",
-        max_file_size="split into shards of at most this size (default 5GB)",
+        max_file_size=None,
         batch_size=None,
         lora_scale="the scale of the LoRA adapters merged into their kernels: alpha / rank "
         "for qwix's (Tunix's LoRA; needed there), default 1.0 for flax's nnx.LoRA",
@@ -444,9 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
         "subtree each (--no-scan-layers); recorded in the checkpoint, which MaxText checks",
         vocab_size="the MaxText model's vocabulary when padded past the config's (e.g. 256128 "
         "for Gemma 2): the embedding gets zero rows",
-        dtype="stored dtype: one DTYPE (e.g. bfloat16, or float32: MaxText's weight_dtype) "
-        "for every floating-point tensor, or PATTERN=DTYPE entries over MaxText's dotted "
-        "names; cast after the preset's transforms (default: as HFDIR stores them)",
+        dtype=f"{_HELP['dtype']} (float32: MaxText's weight_dtype); cast after the preset's transforms "
+        "(default: as HFDIR stores them)",
         batch_size="tensor bytes read at a time, and Orbax's copies to the host at a time "
         "(default 256MiB)",
         distributed="join the job's other processes first (jax.distributed.initialize(), "
@@ -482,13 +455,7 @@ _LISTED = 10  # entries of a list shown in an error line; the rest are counted
 def one_line(message: object) -> str:
     """A multi-line error message as one line: each list (indented lines under the line that
     introduces it) joined with commas (semicolons when its entries hold commas or colons), at
-    most ``_LISTED`` entries shown, lists of several headings separated by semicolons.
-
-    Example::
-
-        one_line("cannot export:\nno rule maps these keys (2):\n  params.w\n  params.b")
-        # 'cannot export: no rule maps these keys (2): params.w, params.b'
-    """
+    most ``_LISTED`` entries shown, lists of several headings separated by semicolons."""
     pieces: list[str] = []
     entries: list[str] = []
 

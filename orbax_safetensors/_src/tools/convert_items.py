@@ -8,10 +8,6 @@ safetensors collapses those dicts (``unwrap``: None, the default) when the item 
 leaves were Variables (an item this module wrote, in its Orbax ``custom_metadata``), else when
 every leaf is so wrapped (an ``nnx.State``); True collapses every such dict, False none.
 Converting back wraps the leaves recorded as Variables again, so a round trip is the identity.
-
-Example::
-
-    tensors, nbytes = to_safetensors_item(epath.Path("/orbax/100/default"), tmp, None, ...)
 """
 
 from __future__ import annotations
@@ -275,7 +271,7 @@ def to_safetensors_item(
                         value = jax.random.key_data(value)
                     arrays[ours] = np.asarray(value)
                 del values
-                yield from _pieces.iter_host_pieces(plan, arrays, copy=False)
+                yield from _pieces.iter_host_pieces(plan, arrays)
                 bar.update(sum(a.nbytes for a in arrays.values()))
                 del arrays
 

@@ -215,10 +215,6 @@ def _report(directory: str) -> None:
     )
 
 
-if __name__ == "__main__":
-    if len(sys.argv) >= 2 and sys.argv[1] == "train":
-        run_training(
-            sys.argv[2], start_fresh=True, total_steps=int(sys.argv[3]), crash_at=int(sys.argv[4])
-        )
-    else:
-        sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else None))
+if __name__ == "__main__":  # the training run main() starts, and kills, in a child process
+    _, _, directory, steps, crash_at = sys.argv
+    run_training(directory, start_fresh=True, total_steps=int(steps), crash_at=int(crash_at))

@@ -1,11 +1,6 @@
 """``orbax-safetensors diff``: which tensors two checkpoints of any kind share and how far apart
 their values are, read a batch at a time and compared a bounded chunk at a time: bitwise by
 default, or within a :class:`Tolerance`.
-
-Example::
-
-    report = diff_paths("/ckpt/100/state", "model.safetensors")
-    report.identical                        # True when names, dtypes, shapes and bytes agree
 """
 
 from __future__ import annotations
@@ -135,11 +130,6 @@ class Tolerance:
     floats (and complex) are equal when ``|a - b| <= atol + rtol * |b|`` (in float64 /
     complex128), any NaN equals any NaN and an infinity only the same infinity; integers and
     bools when the exact ``|a - b|`` is at most ``atol``.
-
-    Example::
-
-        Tolerance.of(None, None).bitwise      # True
-        Tolerance.of(1e-6, None).bitwise      # False
     """
 
     atol: float = 0.0
@@ -194,14 +184,8 @@ def _float_abs_difference(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def compare_arrays(a: np.ndarray, b: np.ndarray, tolerance: Tolerance | None = None) -> Comparison:
-    """Compares two arrays of one shape and dtype, a bounded chunk of elements at a time.
-
-    Example::
-
-        compare_arrays(np.array([0.0]), np.array([-0.0])).equal               # False (bits)
-        compare_arrays(np.array([2**53], np.int64), np.array([2**53 + 1], np.int64))
-        # Comparison(equal=False, differing=1, max_abs_difference=1)
-    """
+    """Compares two arrays of one shape and dtype, a bounded chunk of elements at a time
+    (integers exactly: ``2**53`` and ``2**53 + 1`` differ by 1)."""
     tolerance = tolerance or Tolerance()
     if a.shape != b.shape or a.dtype != b.dtype:
         raise ValueError(
@@ -289,11 +273,6 @@ def diff_paths(
     names, as in ``osf.load_file``) limit what is compared and read; a pattern matching no
     tensor on either side raises ``TargetMismatchError``. An Orbax ``nnx.State`` compares
     under the names ``convert`` gives it, so a checkpoint equals its converted copy.
-
-    Example::
-
-        report = diff_paths("run1/100/state", "run2/100/state")
-        report.identical, report.values    # (False, [("params.w", 0.5)])
     """
     tolerance = Tolerance.of(atol, rtol)
     select = _select.Selection.of(include, exclude)

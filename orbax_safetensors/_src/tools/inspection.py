@@ -1,11 +1,6 @@
 """``orbax-safetensors inspect``: what a path holds (files, items, steps of a root), as a
 JSON-able report and as text; and the words of every tool's output (counts, sizes, progress
 bars, shown on a terminal only).
-
-Example::
-
-    report = inspect_path("/ckpt")          # JSON-able dict: the steps and their sizes
-    print(format_report(report))
 """
 
 from __future__ import annotations
@@ -194,11 +189,6 @@ def inspect_path(
     read. Otherwise every tensor's name, dtype, shape, bytes and file, with totals.
     ``include`` / ``exclude`` (globs over dotted names, as in ``osf.load_file``) limit the
     tensors listed; a pattern matching no tensor raises ``TargetMismatchError``.
-
-    Example::
-
-        report = inspect_path("/ckpt")
-        [s["step"] for s in report["steps"]]     # [100, 200]
     """
     keep = _Filter(_select.Selection.of(include, exclude))
     report = _report(epath.Path(path), keep)

@@ -44,6 +44,7 @@ from orbax_safetensors._src.pipeline.read import StoredTensor
 from orbax_safetensors._src.storage import buffers as _buffers
 from orbax_safetensors._src.storage import confine as _confine
 from orbax_safetensors._src.storage import router as _router
+from orbax_safetensors._src.tools.inspection import counted
 
 CHUNK_BYTES = 16 << 20
 # What a damaged or hostile checkpoint may raise while being read: our errors (ValueError
@@ -88,6 +89,24 @@ class VerifyReport:
         if message not in self.problems:
             self.problems.append(message)
         self.ok = False
+
+    def format(self, path: object) -> str:
+        """The report ``orbax-safetensors verify`` prints for ``path``."""
+        if self.ok:
+            checked = (counted(self.files, "file"), counted(self.tensors, "tensor"))
+            lines = [f"{path}: OK ({', '.join(checked)}, {counted(self.bytes, 'byte')} checked)"]
+        else:
+            lines = [f"{path}: DAMAGED ({counted(len(self.problems), 'problem')})"]
+            lines += [f"  {problem}" for problem in self.problems]
+        if self.unverified:
+            has = "has" if len(self.unverified) == 1 else "have"
+            lines.append(
+                f"  {counted(len(self.unverified), 'tensor')} {has} no recorded checksum "
+                "(headers checked only)"
+            )
+        lines += [f"  skipped uncommitted {skipped}" for skipped in self.skipped]
+        lines += [f"  warning: {warning}" for warning in self.warnings]
+        return "\n".join(lines)
 
 
 def verify(path: epath.PathLike, *, chunk_bytes: int = CHUNK_BYTES) -> VerifyReport:

@@ -1,13 +1,7 @@
 """Presets for NNX ports that keep Hugging Face's module names (``nnx.Linear`` for
 ``nn.Linear``, ``nnx.Embed``, ``nnx.RMSNorm`` / ``nnx.LayerNorm``): a Hugging Face key
 ``model.layers.3.mlp.up_proj.weight`` is the JAX name ``model.layers.3.mlp.up_proj.kernel``,
-transposed. The reference models of the test suite are such ports
-(``tests/helpers/hf_models.py``).
-
-Example::
-
-    mapping = dense(tie_word_embeddings=config.tie_word_embeddings)
-    osf.export_pytorch(model, "/tmp/hf", mapping, hf_config=config)
+transposed.
 """
 
 from __future__ import annotations
@@ -69,13 +63,9 @@ _MIXTRAL_MOE = [
 
 def dense(*, tie_word_embeddings: bool = False, lora_scale: float | None = None) -> KeyMapping:
     """The presets ``"llama"``, ``"mistral"``, ``"qwen2"``, ``"qwen3"``, ``"phi3"`` and
-    ``"gemma3"`` (Gemma 3's text model, ``Gemma3ForCausalLM``): one set of rules, which fits
-    any causal LM whose port keeps Hugging Face's names.
-
-    The JAX layout: ``model.embed_tokens.embedding``; every ``*_proj`` (Phi-3's fused
-    ``qkv_proj`` and ``gate_up_proj`` as Phi-3 has them) and ``lm_head`` as ``.kernel``
-    ``(in, out)``, a projection's bias (Qwen 2) as ``.bias``; every ``*norm`` (Qwen 3's and
-    Gemma 3's ``q_norm``/``k_norm``, Gemma 3's feed-forward norms) as ``.scale``.
+    ``"gemma3"`` (``Gemma3ForCausalLM``): one set of rules for any causal LM whose port keeps
+    Hugging Face's names: ``model.embed_tokens.embedding``; every ``*_proj`` and ``lm_head``
+    as ``.kernel`` ``(in, out)``, their biases as ``.bias``; every ``*norm`` as ``.scale``.
 
     Args:
       tie_word_embeddings: the Hugging Face config's (Gemma 3 ties by default): a directory
@@ -94,12 +84,10 @@ def dense(*, tie_word_embeddings: bool = False, lora_scale: float | None = None)
 
 
 def mixtral(*, tie_word_embeddings: bool = False, lora_scale: float | None = None) -> KeyMapping:
-    """The preset ``"mixtral"``: :func:`dense`'s rules, and Mixtral's router and experts
-    from the names its files hold (``block_sparse_moe.experts.{e}.w1``/``w3``/``w2``, gate, up,
-    down) to ``model.layers.{i}.mlp.experts.{gate,up,down}_proj`` ``(experts, in, out)``, the
-    router ``model.layers.{i}.mlp.gate.kernel`` ``(embed, experts)``.
-
-    Its keyword arguments are :func:`dense`'s.
+    """The preset ``"mixtral"``: :func:`dense`'s rules, and Mixtral's experts
+    (``block_sparse_moe.experts.{e}.w1``/``w3``/``w2``) stacked as
+    ``model.layers.{i}.mlp.experts.{gate,up,down}_proj`` ``(experts, in, out)``, its router as
+    ``model.layers.{i}.mlp.gate.kernel``. Its keyword arguments are :func:`dense`'s.
 
     Example::
 
@@ -111,11 +99,8 @@ def mixtral(*, tie_word_embeddings: bool = False, lora_scale: float | None = Non
 
 def qwen_moe(*, tie_word_embeddings: bool = False, lora_scale: float | None = None) -> KeyMapping:
     """The presets ``"qwen2-moe"`` and ``"qwen3-moe"``: :func:`dense`'s rules, and the experts
-    ``mlp.experts.{e}.{gate,up,down}_proj.weight`` stacked as
-    ``model.layers.{i}.mlp.experts.{gate,up,down}_proj`` ``(experts, in, out)``, the router
-    ``model.layers.{i}.mlp.gate.kernel`` and Qwen 2 MoE's shared expert gate
-    ``mlp.shared_expert_gate.kernel`` (its shared expert is dense).
-
+    stacked as ``model.layers.{i}.mlp.experts.{gate,up,down}_proj`` ``(experts, in, out)``,
+    the router ``mlp.gate.kernel`` and Qwen 2 MoE's ``mlp.shared_expert_gate.kernel``.
     Its keyword arguments are :func:`dense`'s.
 
     Example::

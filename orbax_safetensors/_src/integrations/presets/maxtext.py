@@ -1,45 +1,10 @@
-"""Presets for MaxText's train states and checkpoints: ``maxtext-llama3``,
-``maxtext-mistral``, ``maxtext-mixtral``, ``maxtext-qwen3``, ``maxtext-qwen3-moe``,
-``maxtext-qwen2``, ``maxtext-gemma2``, ``maxtext-gemma3`` and ``maxtext-deepseek3``, each
-built from the model's Hugging Face config (heads, head_dim, vocabulary, tied embeddings,
-layers).
-
-The facts are those of MaxText's own conversion (``maxtext`` 0.2.5,
-``checkpoint_conversion/utils/param_mapping.py``: the ``*_MAXTEXT_TO_HF_PARAM_MAPPING`` names,
-the ``*_PARAM_HOOK_FN`` value hooks), so that an export writes the tensors its
-``to_huggingface.py`` writes:
-
-- a train state's parameters sit under ``params.params`` (``{"step", "params": {"params":
-  {"decoder", "token_embedder"}}, "opt_state"}``); the optimizer state and the step are left out;
-- scanned layers (``decoder.layers.*``) hold the layers on axis 1: query ``(emb, L, heads,
-  head_dim)``, key/value ``(emb, L, kv_heads, head_dim)``, out ``(heads, L, head_dim, emb)``,
-  norms ``(emb, L)``, ``wi_0``/``wi_1`` ``(emb, L, mlp)``, ``wo`` ``(mlp, L, emb)``; MoE gate
-  ``(emb, L, experts)``, experts ``(experts, L, emb, mlp)`` (``wo``: ``(experts, L, mlp, emb)``);
-  unscanned layers are ``decoder.layers_{i}``, the same tensors without ``L``;
-- ``token_embedder.embedding`` ``(vocab, emb)``, ``decoder.logits_dense.kernel`` ``(emb, vocab)``
-  (none with tied embeddings), ``decoder.decoder_norm.scale``;
-- LLaMA 3 (MaxText's LLaMA 3.1 entry): the query and key projections interleaved for RoPE and
-  the query scaled by ``1 / sqrt(head_dim)`` (``Scale``, float32); Mistral and Mixtral: the
-  query scaled; Qwen 3: neither (it has q/k norms); Qwen 2.5: q/k/v biases ``(heads,
-  head_dim)``;
-- Gemma 2: MaxText's layer ``j`` holds Hugging Face's ``2j`` (``*_local``) and ``2j + 1``
-  (``*_global``), the query scaled; Gemma 2 and 3: norms stored ``1 + w`` (``Offset``), the
-  embedding times ``sqrt(hidden_size)`` (float32; Gemma 3: bfloat16); Gemma 3 scanned as six
-  interleaved stacks ``decoder.layers.layers_{i % 6}`` and the rest unscanned
-  (``decoder.layers_remainder.layers_{r}``), with its vision encoder;
-- DeepSeek V3: the dense and the MoE layers in two stacks (``decoder.dense_layers``,
-  ``decoder.moe_layers``), multi-head latent attention, shared experts, the router's bias in
-  the ``MoEBiasVar`` collection;
-- a vocabulary padded past the config's is cut to it on export (and padded back on a load into
-  a tree of ``vocab_size`` rows).
-
-A new MaxText family is a :class:`_Family` (what its layers hold), a factory, and a line in
-:data:`PRESETS`.
-
-Example::
-
-    mapping = llama3("/models/Llama-3.1-8B")
-    osf.export_pytorch("/ckpt/1000/items", "/tmp/hf", mapping, hf_config=config)
+"""Presets for MaxText's train states (``maxtext-llama3``, ``-mistral``, ``-mixtral``,
+``-qwen3``, ``-qwen3-moe``, ``-qwen2``, ``-gemma2``, ``-gemma3``, ``-deepseek3``), each built
+from the model's Hugging Face config. The facts are those of MaxText 0.2.5's own conversion
+(``checkpoint_conversion/utils/param_mapping.py``), so that an export writes the tensors its
+``to_huggingface.py`` writes. Parameters sit under ``params.params``; scanned layers
+(``decoder.layers``) hold the layers on axis 1, unscanned ones are ``decoder.layers_{i}``.
+A new family is one :func:`_preset` call, which enters it in :data:`PRESETS`.
 """
 
 from __future__ import annotations
@@ -47,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import ml_dtypes
 import numpy as np
@@ -99,46 +64,47 @@ class _Family:
     # how the layers sit: "plain", "pairs" (Gemma 2), "six" (Gemma 3), "dense_moe" (DeepSeek)
     layout: str = "plain"
 
-
-_LLAMA3 = _Family("maxtext-llama3", "llama", rope_interleave=True, scale_query=True)
-_MISTRAL = _Family("maxtext-mistral", "mistral", scale_query=True)
-_MIXTRAL = _Family(
-    "maxtext-mixtral",
-    "mixtral",
-    scale_query=True,
-    moe=("block_sparse_moe.", "MoeBlock_0.", ("w1", "w3", "w2")),
-)
-_QWEN3 = _Family("maxtext-qwen3", "qwen3", qk_norm=True)
-_QWEN3_MOE = _Family(
-    "maxtext-qwen3-moe",
-    "qwen3_moe",
-    qk_norm=True,
-    moe=("mlp.", "moe_block.", ("gate_proj", "up_proj", "down_proj")),
-)
-_QWEN2 = _Family("maxtext-qwen2", "qwen2", qkv_bias=True)
-_GEMMA2 = _Family(
-    "maxtext-gemma2", "gemma2", scale_query=True, norms=_GEMMA_NORMS, offset=True,
-    embedding_scale=np.float32, layout="pairs",
-)  # fmt: skip
-_GEMMA3 = _Family(
-    "maxtext-gemma3", ("gemma3", "gemma3_text"), qk_norm=True, norms=_GEMMA_NORMS, offset=True,
-    embedding_scale=ml_dtypes.bfloat16, layout="six",
-)  # fmt: skip
-_DEEPSEEK3 = _Family(
-    "maxtext-deepseek3",
-    "deepseek_v3",
-    moe=("mlp.", _BLOCK + "MoeBlock_0.", ("gate_proj", "up_proj", "down_proj")),
-    layout="dense_moe",
-)
+    def norm(self) -> Offset | None:
+        return Offset(1.0) if self.offset else None
 
 
-def llama3(
-    hf_config: Any,
-    *,
-    scan_layers: bool | None = None,
-    vocab_size: int | None = None,
-    lora_scale: float | None = None,
-) -> KeyMapping:
+class MaxTextPreset(Protocol):  # what every MaxText preset takes (see llama3)
+    def __call__(
+        self,
+        hf_config: Any,
+        *,
+        scan_layers: bool | None = None,
+        vocab_size: int | None = None,
+        lora_scale: float | None = None,
+    ) -> KeyMapping: ...
+
+
+# The preset names of this group, each entered by its _preset call.
+PRESETS: dict[str, MaxTextPreset] = {}
+
+
+def _preset(family: _Family, doc: str) -> MaxTextPreset:
+    """The factory of ``family``'s preset (``maxtext-qwen3-moe``: ``qwen3_moe``), entered in
+    :data:`PRESETS`; every family takes the same arguments, documented by :func:`llama3`."""
+
+    def factory(
+        hf_config: Any,
+        *,
+        scan_layers: bool | None = None,
+        vocab_size: int | None = None,
+        lora_scale: float | None = None,
+    ) -> KeyMapping:
+        return _mapping(family, hf_config, scan_layers, vocab_size, lora_scale)
+
+    name = family.preset.removeprefix("maxtext-").replace("-", "_")
+    factory.__name__ = factory.__qualname__ = name
+    factory.__doc__ = doc
+    PRESETS[family.preset] = factory
+    return factory
+
+
+llama3 = _preset(
+    _Family("maxtext-llama3", "llama", rope_interleave=True, scale_query=True),
     """The preset ``"maxtext-llama3"``: MaxText's LLaMA 3 (3.1), for a ``llama`` config. The
     query and key are interleaved for RoPE and the query scaled by ``1 / sqrt(head_dim)``,
     as MaxText's conversion hooks do.
@@ -168,183 +134,138 @@ def llama3(
 
         mapping = osf.hf.presets.maxtext.llama3("/models/Llama-3.1-8B", scan_layers=False)
         osf.export_pytorch("/ckpt/1000/items", "/tmp/hf", mapping)
-    """
-    return _mapping(_LLAMA3, hf_config, scan_layers, vocab_size, lora_scale)
-
-
-def mistral(
-    hf_config: Any,
-    *,
-    scan_layers: bool | None = None,
-    vocab_size: int | None = None,
-    lora_scale: float | None = None,
-) -> KeyMapping:
+    """,
+)
+mistral = _preset(
+    _Family("maxtext-mistral", "mistral", scale_query=True),
     """The preset ``"maxtext-mistral"``: MaxText's Mistral, for a ``mistral`` config; the
-    query scaled by ``1 / sqrt(head_dim)``.
-
-    Its arguments are :func:`llama3`'s.
+    query scaled by ``1 / sqrt(head_dim)``. Its arguments are :func:`llama3`'s.
 
     Example::
 
         mapping = osf.hf.presets.maxtext.mistral("/models/Mistral-7B-v0.3")
-    """
-    return _mapping(_MISTRAL, hf_config, scan_layers, vocab_size, lora_scale)
-
-
-def mixtral(
-    hf_config: Any,
-    *,
-    scan_layers: bool | None = None,
-    vocab_size: int | None = None,
-    lora_scale: float | None = None,
-) -> KeyMapping:
+    """,
+)
+mixtral = _preset(
+    _Family(
+        "maxtext-mixtral",
+        "mixtral",
+        scale_query=True,
+        moe=("block_sparse_moe.", "MoeBlock_0.", ("w1", "w3", "w2")),
+    ),
     """The preset ``"maxtext-mixtral"``: MaxText's Mixtral, for a ``mixtral`` config; the
     query scaled by ``1 / sqrt(head_dim)``, the experts of ``MoeBlock_0`` (``wi_0``, ``wi_1``,
     ``wo``: ``(experts, L, emb, mlp)``) as the files' ``block_sparse_moe.experts.{e}.w1``,
-    ``w3``, ``w2``.
-
-    Its arguments are :func:`llama3`'s.
+    ``w3``, ``w2``. Its arguments are :func:`llama3`'s.
 
     Example::
 
         mapping = osf.hf.presets.maxtext.mixtral("/models/Mixtral-8x7B-v0.1")
-    """
-    return _mapping(_MIXTRAL, hf_config, scan_layers, vocab_size, lora_scale)
-
-
-def qwen3(
-    hf_config: Any,
-    *,
-    scan_layers: bool | None = None,
-    vocab_size: int | None = None,
-    lora_scale: float | None = None,
-) -> KeyMapping:
+    """,
+)
+qwen3 = _preset(
+    _Family("maxtext-qwen3", "qwen3", qk_norm=True),
     """The preset ``"maxtext-qwen3"``: MaxText's Qwen 3, for a ``qwen3`` config, with its
-    ``query_norm`` and ``key_norm``; no value changes.
-
-    Its arguments are :func:`llama3`'s.
+    ``query_norm`` and ``key_norm``; no value changes. Its arguments are :func:`llama3`'s.
 
     Example::
 
         mapping = osf.hf.presets.maxtext.qwen3("/models/Qwen3-0.6B")
-    """
-    return _mapping(_QWEN3, hf_config, scan_layers, vocab_size, lora_scale)
-
-
-def qwen3_moe(
-    hf_config: Any,
-    *,
-    scan_layers: bool | None = None,
-    vocab_size: int | None = None,
-    lora_scale: float | None = None,
-) -> KeyMapping:
+    """,
+)
+qwen3_moe = _preset(
+    _Family(
+        "maxtext-qwen3-moe",
+        "qwen3_moe",
+        qk_norm=True,
+        moe=("mlp.", "moe_block.", ("gate_proj", "up_proj", "down_proj")),
+    ),
     """The preset ``"maxtext-qwen3-moe"``: MaxText's Qwen 3 MoE, for a ``qwen3_moe`` config;
     :func:`qwen3`'s layers with the experts of ``moe_block`` as the files'
-    ``mlp.experts.{e}.{gate,up,down}_proj``.
-
-    Its arguments are :func:`llama3`'s.
+    ``mlp.experts.{e}.{gate,up,down}_proj``. Its arguments are :func:`llama3`'s.
 
     Example::
 
         mapping = osf.hf.presets.maxtext.qwen3_moe("/models/Qwen3-30B-A3B")
-    """
-    return _mapping(_QWEN3_MOE, hf_config, scan_layers, vocab_size, lora_scale)
-
-
-def qwen2(
-    hf_config: Any,
-    *,
-    scan_layers: bool | None = None,
-    vocab_size: int | None = None,
-    lora_scale: float | None = None,
-) -> KeyMapping:
+    """,
+)
+qwen2 = _preset(
+    _Family("maxtext-qwen2", "qwen2", qkv_bias=True),
     """The preset ``"maxtext-qwen2"``: MaxText's Qwen 2.5, for a ``qwen2`` config: Qwen 3's
     layers without q/k norms, with the q/k/v biases ``(heads, head_dim)`` (scanned ``(heads,
-    L, head_dim)``); no value changes.
-
-    Its arguments are :func:`llama3`'s.
+    L, head_dim)``); no value changes. Its arguments are :func:`llama3`'s.
 
     Example::
 
         mapping = osf.hf.presets.maxtext.qwen2("/models/Qwen2.5-7B")
-    """
-    return _mapping(_QWEN2, hf_config, scan_layers, vocab_size, lora_scale)
-
-
-def gemma2(
-    hf_config: Any,
-    *,
-    scan_layers: bool | None = None,
-    vocab_size: int | None = None,
-    lora_scale: float | None = None,
-) -> KeyMapping:
+    """,
+)
+gemma2 = _preset(
+    _Family(
+        "maxtext-gemma2",
+        "gemma2",
+        scale_query=True,
+        norms=_GEMMA_NORMS,
+        offset=True,
+        embedding_scale=np.float32,
+        layout="pairs",
+    ),
     """The preset ``"maxtext-gemma2"``: MaxText's Gemma 2, for a ``gemma2`` config (an even
     ``num_hidden_layers``). MaxText's layer ``j`` holds Hugging Face's layers ``2j``
     (``self_attention_local``, ``mlp_local``, ``*_norm_local``) and ``2j + 1`` (``*_global``);
-    its norms are ``1 + w``, its query times ``1 / sqrt(head_dim)``, its embedding times
-    float32 ``sqrt(hidden_size)`` (divided on export by multiplying with the float32
-    reciprocal, as MaxText's hooks compute); tied, no ``logits_dense``.
-
-    Its arguments are :func:`llama3`'s (MaxText pads the vocabulary to 256,128:
-    ``vocab_size=256128`` for a load).
+    norms ``1 + w``, the query scaled, the embedding times float32 ``sqrt(hidden_size)``; tied.
+    Its arguments are :func:`llama3`'s (MaxText's vocabulary: ``vocab_size=256128``).
 
     Example::
 
         mapping = osf.hf.presets.maxtext.gemma2("/models/gemma-2-9b", vocab_size=256128)
-    """
-    return _mapping(_GEMMA2, hf_config, scan_layers, vocab_size, lora_scale)
-
-
-def gemma3(
-    hf_config: Any,
-    *,
-    scan_layers: bool | None = None,
-    vocab_size: int | None = None,
-    lora_scale: float | None = None,
-) -> KeyMapping:
+    """,
+)
+gemma3 = _preset(
+    _Family(
+        "maxtext-gemma3",
+        ("gemma3", "gemma3_text"),
+        qk_norm=True,
+        norms=_GEMMA_NORMS,
+        offset=True,
+        embedding_scale=ml_dtypes.bfloat16,
+        layout="six",
+    ),
     """The preset ``"maxtext-gemma3"``: MaxText's Gemma 3, for a ``gemma3`` config
     (``Gemma3ForConditionalGeneration``, with its vision encoder and projector) or a
     ``gemma3_text`` one (the language model alone). Scanned, MaxText holds layer ``i`` at
     position ``i // 6`` of ``decoder.layers.layers_{i % 6}`` and the layers past the last
     multiple of six as ``decoder.layers_remainder.layers_{r}``; norms (q/k norms too) are
     ``1 + w``, the embedding times bfloat16 ``sqrt(hidden_size)``; the query is not scaled.
-    An export writes the names every reader loads (``language_model.model.*``,
-    ``vision_tower.vision_model.*``, ``multi_modal_projector.*``); a load reads those of
-    transformers 4 and 5 too (``model.language_model.*``, ``vision_tower.*``...).
-
-    Its arguments are :func:`llama3`'s (MaxText's vocabulary is 262,144).
+    An export writes the names every reader loads (``language_model.model.*``...); a load
+    reads transformers 5's too. Its arguments are :func:`llama3`'s (MaxText's vocabulary is
+    262,144).
 
     Example::
 
         mapping = osf.hf.presets.maxtext.gemma3("/models/gemma-3-4b-it", vocab_size=262144)
-    """
-    return _mapping(_GEMMA3, hf_config, scan_layers, vocab_size, lora_scale)
-
-
-def deepseek3(
-    hf_config: Any,
-    *,
-    scan_layers: bool | None = None,
-    vocab_size: int | None = None,
-    lora_scale: float | None = None,
-) -> KeyMapping:
+    """,
+)
+deepseek3 = _preset(
+    _Family(
+        "maxtext-deepseek3",
+        "deepseek_v3",
+        moe=("mlp.", _BLOCK + "MoeBlock_0.", ("gate_proj", "up_proj", "down_proj")),
+        layout="dense_moe",
+    ),
     """The preset ``"maxtext-deepseek3"``: MaxText's DeepSeek V3, for a ``deepseek_v3``
     config: the first ``first_k_dense_replace`` layers in ``decoder.dense_layers``, the others
-    in ``decoder.moe_layers``; the latent attention's ``wq_a``, ``q_norm``, ``wq_b``,
-    ``wkv_a``, ``kv_norm``, ``wkv_b``, ``out``; ``DeepSeekMoeBlock_0``'s ``shared_experts`` and
-    ``MoeBlock_0`` (router ``gate.kernel``, experts ``(experts, L, emb, mlp)``); the router's
-    ``e_score_correction_bias`` where MaxText 0.2.5 keeps it, ``params.MoEBiasVar.decoder.
-    moe_layers...gate.bias`` (scanned ``(L, experts)``; an export also reads it from
-    ``params.params``, scanned ``(experts, L)``). No value changes; a file's multi-token
-    prediction layers (past ``num_hidden_layers``) are left out.
-
+    in ``decoder.moe_layers``, with the latent attention, ``DeepSeekMoeBlock_0``'s shared
+    experts and ``MoeBlock_0``, and the router's ``e_score_correction_bias`` where MaxText
+    0.2.5 keeps it (``params.MoEBiasVar``; an export also reads it from ``params.params``).
+    No value changes; a file's multi-token prediction layers are left out.
     Its arguments are :func:`llama3`'s.
 
     Example::
 
         mapping = osf.hf.presets.maxtext.deepseek3("/models/DeepSeek-V3", scan_layers=True)
-    """
-    return _mapping(_DEEPSEEK3, hf_config, scan_layers, vocab_size, lora_scale)
+    """,
+)
 
 
 def _mapping(
@@ -374,7 +295,7 @@ def _mapping(
         Rule(
             lm + "embed_tokens.weight", _ROOT + "token_embedder.embedding", dims.embedding(padded)
         ),
-        Rule(lm + "norm.weight", _ROOT + "decoder.decoder_norm.scale", _offset(family)),
+        Rule(lm + "norm.weight", _ROOT + "decoder.decoder_norm.scale", family.norm()),
         *layers,
         *_vision(dims.vision),
     ]
@@ -419,16 +340,10 @@ def _padded(vocab_size: Any) -> int:
     return int(vocab_size)
 
 
-def _offset(family: _Family) -> Offset | None:
-    return Offset(1.0) if family.offset else None
-
-
 @dataclasses.dataclass(frozen=True)
 class _Dims:
-    """What the rules need of a config: heads (None: not given), key/value heads, head_dim,
-    the vocabulary, tied embeddings; the layers (where a layout needs them), DeepSeek's dense
-    and multi-token prediction layers, the embedding's scale, Gemma 3's vision heads and
-    width; read through ``ConfigFacts`` (validated)."""
+    """What the rules need of a config (read through ``ConfigFacts``, so validated); heads
+    None where the config gives none, ``layers`` 0 where the layout needs none."""
 
     heads: int | None
     kv_heads: int | None
@@ -577,7 +492,7 @@ def _placed(placements: list[_Placement]) -> list[Rule]:
 def _layer(family: _Family, dims: _Dims, sub: str = "", dense: bool = False) -> list[_Entry]:
     """The tensors of one decoder layer (``sub``: Gemma 2's ``_local`` or ``_global``
     sub-block; ``dense``: a DeepSeek dense layer)."""
-    att, offset = f"self_attention{sub}.", _offset(family)
+    att, offset = f"self_attention{sub}.", family.norm()
     entries = _mla(dims, att) if family.layout == "dense_moe" else _attention(family, dims, att)
     entries += [(f"{h}.weight", f"{m}{sub}.scale", offset) for h, m in family.norms]
     t = Transpose()
@@ -618,8 +533,8 @@ def _attention(family: _Family, dims: _Dims, att: str) -> list[_Entry]:
             entries.append((f"self_attn.{p}_proj.bias", f"{att}{m}.bias", bias))
     if family.qk_norm:
         entries += [
-            ("self_attn.q_norm.weight", att + "query_norm.scale", _offset(family)),
-            ("self_attn.k_norm.weight", att + "key_norm.scale", _offset(family)),
+            ("self_attn.q_norm.weight", att + "query_norm.scale", family.norm()),
+            ("self_attn.k_norm.weight", att + "key_norm.scale", family.norm()),
         ]
     return entries
 
@@ -683,17 +598,3 @@ def _vision(sizes: tuple[int, ...] | None) -> list[Rule]:
         (hf + "encoder.layers.{i}.", mt + "Transformer.encoderblock_{i}.", None, block),
         ("multi_modal_projector.", _ROOT + "vision_encoder.VisionEmbedder_0.", None, projector),
     ])  # fmt: skip
-
-
-# The preset names of this group.
-PRESETS = {
-    "maxtext-llama3": llama3,
-    "maxtext-mistral": mistral,
-    "maxtext-mixtral": mixtral,
-    "maxtext-qwen3": qwen3,
-    "maxtext-qwen3-moe": qwen3_moe,
-    "maxtext-qwen2": qwen2,
-    "maxtext-gemma2": gemma2,
-    "maxtext-gemma3": gemma3,
-    "maxtext-deepseek3": deepseek3,
-}

@@ -1,23 +1,12 @@
-"""Presets for Tunix's NNX models (``google-tunix`` 0.1.7: ``tunix.models.<family>.model``),
-with the names and layouts of Tunix's own ``params.py`` / ``params_safetensors.py``, both ways:
-``tunix-llama3``, ``tunix-qwen2``, ``tunix-qwen3`` and the Gemma family, ``tunix-gemma``
-(Tunix's ``gemma``, read from Hugging Face's Gemma 2), ``tunix-gemma3`` and ``tunix-gemma4``.
+"""Presets for Tunix's NNX models (``google-tunix`` 0.1.7), with the names and layouts of
+Tunix's own ``params.py`` / ``params_safetensors.py``, both ways: ``tunix-llama3``,
+``tunix-qwen2``, ``tunix-qwen3``, ``tunix-gemma`` (read from Hugging Face's Gemma 2),
+``tunix-gemma3`` and ``tunix-gemma4``.
 
-Tunix keeps its attention projections per head. LLaMA's and Qwen's query, key and value
-kernels are ``(embed, heads, head_dim)``, the output kernel ``(heads, head_dim, embed)``;
-Gemma's are heads first, ``q_einsum`` ``(heads, embed, head_dim)``, the keys and values stacked
-in one ``kv_einsum`` ``(2, kv_heads, embed, head_dim)`` (``qkv_einsum`` ``(3, heads, embed,
-head_dim)`` where there are as many key/value heads as heads), the output
-``attn_vec_einsum`` ``(heads, head_dim, embed)``. So the presets split and merge the heads after
-the transpose and need ``head_dim`` (one rule then fits the query heads and the fewer
-key/value heads; Gemma 4, whose global layers have heads of another size, reads its config).
-Gemma's norms are stored as ``w`` and applied as ``1 + w``, as in Hugging Face: no offset.
-Tunix's Gemma computes its logits from the embedding: no ``lm_head``.
-
-Example::
-
-    mapping = llama3(head_dim=model.config.head_dim)
-    osf.load_pytorch(model, "Llama-3.2-1B", mapping)
+Tunix keeps its attention projections per head (LLaMA's and Qwen's ``(embed, heads,
+head_dim)``, Gemma's heads first, its keys and values stacked in one ``kv_einsum``), so the
+presets split and merge the heads and need ``head_dim``: one rule then fits the query heads and
+the fewer key/value heads. Gemma's norms are ``w``, applied as ``1 + w`` as in Hugging Face.
 """
 
 from __future__ import annotations
@@ -58,22 +47,17 @@ _MOE = [
 def llama3(
     *, head_dim: int, tie_word_embeddings: bool = False, lora_scale: float | None = None
 ) -> KeyMapping:
-    """The preset ``"tunix-llama3"``: Tunix's ``Llama3``.
-
-    The JAX layout: ``embedder.input_embedding``; ``layers.{i}.attn.{q,k,v}_proj.w``
-    ``(embed, heads, head_dim)`` and ``layers.{i}.attn.o_proj.w`` ``(heads, head_dim,
-    embed)``; ``layers.{i}.mlp.{gate,up,down}_proj.kernel``; every norm as ``.w``
-    (``input_layernorm``, ``post_attention_layernorm``, ``final_norm``); ``lm_head.w``
-    (absent with Tunix's tied embeddings).
+    """The preset ``"tunix-llama3"``: Tunix's ``Llama3``: ``layers.{i}.attn.{q,k,v}_proj.w``
+    ``(embed, heads, head_dim)``, ``o_proj.w`` ``(heads, head_dim, embed)``, every norm as
+    ``.w``, ``lm_head.w``.
 
     Args:
-      head_dim: the attention head size (Tunix's ``ModelConfig.head_dim``; Hugging Face's
-        ``head_dim``, or ``hidden_size // num_attention_heads``).
+      head_dim: the attention head size (Tunix's ``ModelConfig.head_dim``).
       tie_word_embeddings: Tunix's ``use_tied_embedding``: a directory without
         ``lm_head.weight`` loads a model's head from the embedding, and an export writes none
         while they are equal.
-      lora_scale: the scale of qwix's LoRA adapters merged on export (``alpha / rank``, as
-        Tunix applies them: rank 4, alpha 8 give 2.0); see ``KeyMapping.lora_scale``.
+      lora_scale: the scale of qwix's LoRA adapters merged on export (``alpha / rank``: rank
+        4, alpha 8 give 2.0).
 
     Raises:
       ValueError: ``head_dim`` not a positive whole number.
@@ -89,16 +73,10 @@ def llama3(
 def qwen3(
     *, head_dim: int, tie_word_embeddings: bool = False, lora_scale: float | None = None
 ) -> KeyMapping:
-    """The preset ``"tunix-qwen3"``: Tunix's ``Qwen3``, dense and MoE.
-
-    :func:`llama3`'s layout, plus Qwen 3's ``layers.{i}.attn.{q,k}_norm.w``, and Qwen 3
-    MoE's experts ``mlp.experts.{e}.*_proj.weight`` stacked as ``layers.{i}.mlp.*_proj``
-    ``(experts, in, out)``, the router ``mlp.gate.weight`` as ``layers.{i}.mlp.router.kernel``.
-
-    Its keyword arguments are :func:`llama3`'s.
-
-    Raises:
-      ValueError: ``head_dim`` not a positive whole number.
+    """The preset ``"tunix-qwen3"``: Tunix's ``Qwen3``, dense and MoE: :func:`llama3`'s
+    layout, plus ``layers.{i}.attn.{q,k}_norm.w``, the experts stacked as
+    ``layers.{i}.mlp.*_proj`` ``(experts, in, out)`` and the router as
+    ``layers.{i}.mlp.router.kernel``. Its keyword arguments are :func:`llama3`'s.
 
     Example::
 
@@ -112,15 +90,9 @@ def qwen3(
 def qwen2(
     *, head_dim: int, tie_word_embeddings: bool = False, lora_scale: float | None = None
 ) -> KeyMapping:
-    """The preset ``"tunix-qwen2"``: Tunix's ``Qwen2`` (Qwen 2 and 2.5).
-
-    :func:`llama3`'s layout, plus the query, key and value biases, flat as Hugging Face's:
-    ``layers.{i}.attn.{q,k,v}_bias`` ``(heads * head_dim,)``.
-
-    Its keyword arguments are :func:`llama3`'s.
-
-    Raises:
-      ValueError: ``head_dim`` not a positive whole number.
+    """The preset ``"tunix-qwen2"``: Tunix's ``Qwen2`` (Qwen 2 and 2.5): :func:`llama3`'s
+    layout, plus the q/k/v biases, flat: ``layers.{i}.attn.{q,k,v}_bias`` ``(heads *
+    head_dim,)``. Its keyword arguments are :func:`llama3`'s.
 
     Example::
 
@@ -234,15 +206,11 @@ def _gemma(name: str, head_dim: int, fused_qkv: bool, post_attention: str) -> li
 
 
 def gemma(*, head_dim: int, fused_qkv: bool = False, lora_scale: float | None = None) -> KeyMapping:
-    """The preset ``"tunix-gemma"``: Tunix's ``Gemma``, whose loader reads Hugging Face's
-    Gemma 2 (``Gemma2ForCausalLM``).
-
-    The JAX layout: ``embedder.input_embedding``; ``layers.{i}.attn.q_einsum.w`` ``(heads,
-    embed, head_dim)``, ``kv_einsum.w`` ``(2, kv_heads, embed, head_dim)`` (or
-    ``qkv_einsum.w`` ``(3, heads, embed, head_dim)``), ``attn_vec_einsum.w`` ``(heads,
-    head_dim, embed)``; ``layers.{i}.mlp.{gate,up,down}_proj.kernel``; the norms' ``.scale``:
-    ``pre_attention_norm``, ``post_attn_norm``, ``pre_ffw_norm``, ``post_ffw_norm``,
-    ``final_norm``. No ``lm_head`` (a file's is the embedding's copy, left out).
+    """The preset ``"tunix-gemma"``: Tunix's ``Gemma``, read from Hugging Face's Gemma 2:
+    ``layers.{i}.attn.q_einsum.w`` ``(heads, embed, head_dim)``, ``kv_einsum.w`` ``(2,
+    kv_heads, embed, head_dim)`` (or ``qkv_einsum.w`` ``(3, heads, embed, head_dim)``),
+    ``attn_vec_einsum.w`` ``(heads, head_dim, embed)``, the norms' ``.scale``; no ``lm_head``
+    (Tunix's logits come from the embedding).
 
     Args:
       head_dim: the attention head size (Tunix's and Hugging Face's ``head_dim``).
@@ -266,14 +234,10 @@ def gemma(*, head_dim: int, fused_qkv: bool = False, lora_scale: float | None = 
 def gemma3(
     *, head_dim: int, fused_qkv: bool = False, lora_scale: float | None = None
 ) -> KeyMapping:
-    """The preset ``"tunix-gemma3"``: Tunix's ``Gemma3``, its text model.
-
-    :func:`gemma`'s layout with the post-attention norm ``post_attention_norm`` and the
-    query and key norms ``layers.{i}.attn._query_norm.scale`` / ``_key_norm.scale``. An
-    export writes ``Gemma3ForCausalLM``'s names (``model.*``); a load also reads a
-    multimodal checkpoint's (``language_model.model.*``: the hub's), its vision tower left
-    out (Tunix's ``vision_encoder`` is not mapped).
-
+    """The preset ``"tunix-gemma3"``: Tunix's ``Gemma3``, its text model: :func:`gemma`'s
+    layout with ``post_attention_norm`` and the q/k norms ``attn._query_norm.scale`` /
+    ``_key_norm.scale``. An export writes ``Gemma3ForCausalLM``'s names; a load also reads a
+    multimodal checkpoint's (``language_model.model.*``), its vision tower left out.
     Its keyword arguments are :func:`gemma`'s.
 
     Example::
@@ -291,26 +255,16 @@ def gemma3(
 
 def gemma4(hf_config: Any, *, lora_scale: float | None = None) -> KeyMapping:
     """The preset ``"tunix-gemma4"``: Tunix's ``Gemma4``, built from the Hugging Face config
-    (``gemma4_text``, or ``gemma4``'s ``text_config``): its global layers
-    (``full_attention``) have other heads (``global_head_dim``, the key/value heads of
-    ``per_layer_config`` or ``num_global_key_value_heads``).
+    (``gemma4_text``, or ``gemma4``'s ``text_config``), whose global layers have other heads.
+    :func:`gemma3`'s layout, and:
 
-    :func:`gemma3`'s layout, and where Tunix and Hugging Face differ:
-
-    - global layers with ``attention_k_eq_v`` have a key and no value projection: Tunix's
-      ``attn.k_einsum.w`` ``(kv_heads, embed, head_dim)``;
-    - the last ``num_kv_shared_layers`` layers reuse earlier layers' keys and values (no
-      ``k_proj``, ``v_proj``, ``k_norm``): Tunix's unused ``kv_einsum`` and ``_key_norm``
-      there are neither exported nor loaded;
-    - an export writes ``Gemma4ForCausalLM``'s names (``model.*``); a load also reads
-      ``Gemma4ForConditionalGeneration``'s (``model.language_model.*``, the only ones
-      Tunix's loader reads), its vision and audio towers left out.
-
-    Also: ``layer_scalar`` as ``layers.{i}.skip_scale``; the per-layer inputs
-    (``embed_tokens_per_layer`` ``(vocab, layers * dim)`` as
-    ``embedder.per_layer_input_embedding`` ``(vocab, layers, dim)``, ...); the MoE block
-    (``router.proj`` as ``moe.router_logits``, the experts' ``gate_up_proj`` ``(experts,
-    2 * width, embed)`` as ``moe.gating_einsum`` ``(experts, 2, width, embed)``, ...).
+    - global layers with ``attention_k_eq_v`` have a key and no value: ``attn.k_einsum.w``;
+    - the last ``num_kv_shared_layers`` layers reuse earlier keys and values: their unused
+      ``kv_einsum`` and ``_key_norm`` are neither exported nor loaded;
+    - an export writes ``Gemma4ForCausalLM``'s names; a load also reads
+      ``Gemma4ForConditionalGeneration``'s, its vision and audio towers left out;
+    - ``layer_scalar`` as ``skip_scale``, the per-layer inputs and the MoE block under
+      Tunix's gemma4 loader's names.
 
     Args:
       hf_config: the model's Hugging Face config (a transformers config, a dict, a
