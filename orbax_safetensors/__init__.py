@@ -47,7 +47,7 @@ from orbax_safetensors._version import __version__
 if TYPE_CHECKING:
     from orbax_safetensors import hf
     from orbax_safetensors._src.core.header import Header, TensorEntry
-    from orbax_safetensors._src.integrations.nnx import load_model, save_model
+    from orbax_safetensors._src.integrations.flax_tables import load_model, save_model
     from orbax_safetensors._src.orbax.steps import manager_options_for
     from orbax_safetensors._src.orbax.v0 import (
         SafetensorsCheckpointHandler,
@@ -70,7 +70,7 @@ if TYPE_CHECKING:
         ObjectStoreOptions,
         set_object_store_options,
     )
-    from orbax_safetensors._src.storage.objstore.calls import (
+    from orbax_safetensors._src.storage.objstore.common import (
         ObjectStoreError,
         ObjectStoreStats,
         object_store_stats,
@@ -105,18 +105,19 @@ _LAZY: dict[str, str] = {
     for module, names in {
         "hf": ("hf",),
         "core.header": ("Header", "TensorEntry"),
-        "integrations.key_mapping": (
+        "integrations.key_mapping": ("KeyMapping", "MappingReport", "Rule"),
+        "integrations.transforms": (
             "Chain",
-            "KeyMapping",
-            "MappingReport",
+            "Offset",
             "Reshape",
-            "Rule",
+            "RopeInterleave",
+            "Scale",
             "SplitHeads",
             "Transform",
             "Transpose",
+            "VocabRows",
         ),
-        "integrations.transforms": ("Offset", "RopeInterleave", "Scale", "VocabRows"),
-        "integrations.nnx": ("load_model", "save_model"),
+        "integrations.flax_tables": ("load_model", "save_model"),
         "integrations.presets": ("preset_mapping",),
         "integrations.load": ("abstract_pytorch", "load_pytorch"),
         "integrations.export": ("export_pytorch",),
@@ -139,7 +140,7 @@ _LAZY: dict[str, str] = {
             "save_file",
         ),
         "storage.config": ("IOOptions", "ObjectStoreOptions", "set_object_store_options"),
-        "storage.objstore.calls": ("ObjectStoreError", "ObjectStoreStats", "object_store_stats"),
+        "storage.objstore.common": ("ObjectStoreError", "ObjectStoreStats", "object_store_stats"),
         "storage.router": ("read_header",),
         "tools.convert": ("ConvertSummary", "convert"),
         "tools.verify": ("VerifyReport", "verify"),

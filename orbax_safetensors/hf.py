@@ -25,22 +25,18 @@ from __future__ import annotations
 from orbax_safetensors._src.integrations import presets
 from orbax_safetensors._src.integrations.export import export_pytorch
 from orbax_safetensors._src.integrations.hf_import import import_pytorch
-from orbax_safetensors._src.integrations.key_mapping import (
-    Chain,
-    KeyMapping,
-    MappingReport,
-    Reshape,
-    Rule,
-    SplitHeads,
-    Transform,
-    Transpose,
-)
+from orbax_safetensors._src.integrations.key_mapping import KeyMapping, MappingReport, Rule
 from orbax_safetensors._src.integrations.load import abstract_pytorch, load_pytorch
 from orbax_safetensors._src.integrations.presets import PRESETS, preset_mapping
 from orbax_safetensors._src.integrations.transforms import (
+    Chain,
     Offset,
+    Reshape,
     RopeInterleave,
     Scale,
+    SplitHeads,
+    Transform,
+    Transpose,
     VocabRows,
 )
 

@@ -23,7 +23,7 @@ def _link(rule, shapes):
     # several Flax tensors: the fused parts' names, or "{e}" counting (a stack of Flax tensors)
     parts = rule.parts or [str(e) for e in range(len(shapes))] if len(shapes) > 1 else ["w"]
     names = {(f"{p}.kernel" if len(shapes) > 1 else p): s for p, s in zip(parts, shapes)}
-    found, report = links.export_links(osf.KeyMapping([rule]), names)
+    found, report = links.find_links(osf.KeyMapping([rule]), names, flax_side=True)
     assert report.ok and len(found) == 1, report.problems()
     return found[0]
 

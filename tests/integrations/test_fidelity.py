@@ -25,6 +25,7 @@ from flax import nnx
 
 import orbax_safetensors as osf
 from orbax_safetensors._src.integrations import fidelity, model_files
+from orbax_safetensors._src.integrations.config_facts import ConfigFacts
 
 transformers = pytest.importorskip("transformers", minversion="5", reason="needs transformers>=5")
 torch = pytest.importorskip("torch")
@@ -185,11 +186,14 @@ def test_a_fused_split_that_does_not_fit_is_an_error_naming_the_rule(tmp_dir):
 
 
 def test_attention_sizes_of_configs():
-    assert fidelity.attention_sizes(gqa_config()) == (4, 1, 16)
-    assert fidelity.attention_sizes({"num_attention_heads": 8, "hidden_size": 64}) == (8, 8, 8)
+    def sizes(config):
+        return ConfigFacts.of(config).language_model().attention()
+
+    assert sizes(gqa_config()) == (4, 1, 16)
+    assert sizes({"num_attention_heads": 8, "hidden_size": 64}) == (8, 8, 8)
     nested = {"text_config": {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32}}
-    assert fidelity.attention_sizes(nested) == (8, 4, 32)
-    assert fidelity.attention_sizes({"model_type": "x"}) is None
+    assert sizes(nested) == (8, 4, 32)
+    assert sizes({"model_type": "x"}) is None
 
 
 def test_a_nested_text_config_checks_the_language_models_projections_only():
@@ -203,7 +207,7 @@ def test_a_nested_text_config_checks_the_language_models_projections_only():
         ]
     )  # fmt: skip
     shapes = {"lm.qkv": (64, 96), "vis.qkv": (64, 96)}  # split in equal parts of 32
-    found, report = links.export_links(mapping, shapes)
+    found, report = links.find_links(mapping, shapes, flax_side=True)
     assert report.ok
     torch_shapes = {
         k: s for link in found for k, s in zip(link.torch, link.torch_shapes([shapes[link.flax[0]]], np.float32))

@@ -146,7 +146,7 @@ def test_fused_per_layer_tensors_into_separate_stacked_jax_tensors(tmp_dir):
                      stacked={"i": 1}, fused="p", axis=0),
         ]
     )  # fmt: skip
-    found, report = links.load_links(mapping, {k: v.shape for k, v in hf.items()})
+    found, report = links.find_links(mapping, {k: v.shape for k, v in hf.items()}, flax_side=False)
     assert report.ok and [len(x.flax) for x in found] == [3, 2]
     assert [len(x.torch) for x in found] == [L, L]
     tree = osf.load_pytorch(None, tmp_dir / "hf", mapping)["layers"]

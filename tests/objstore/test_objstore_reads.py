@@ -25,7 +25,7 @@ from orbax_safetensors._src.pipeline import standalone as _standalone
 from orbax_safetensors._src.pipeline.read import ReadStats
 from orbax_safetensors._src.storage import buffers as _buffers
 from orbax_safetensors._src.storage import router as _router
-from orbax_safetensors._src.storage.objstore import calls as _calls
+from orbax_safetensors._src.storage.objstore import common as _common
 
 try:  # tests/ without __init__.py: pytest puts tests/ itself on sys.path.
     from objstore import servers
@@ -106,7 +106,7 @@ def test_a_forged_layout_past_the_object_end_fails_clearly(store) -> None:
         layout["size"] += 4096
 
     rewrite_metadata(directory, forge)
-    with pytest.raises((SafetensorsCheckpointError, EOFError, _calls.ObjectStoreError)) as info:
+    with pytest.raises((SafetensorsCheckpointError, EOFError, _common.ObjectStoreError)) as info:
         osf.restore_directory(directory)
     assert "model.safetensors" in str(info.value)
 

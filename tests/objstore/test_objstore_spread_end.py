@@ -31,7 +31,7 @@ from objstore.buckets import download, list_keys, pending_uploads
 from objstore.faultproxy import FaultProxy
 from objstore.trees import MiB
 from orbax_safetensors._src.storage import config as _config
-from orbax_safetensors._src.storage.objstore import calls as _calls
+from orbax_safetensors._src.storage.objstore import common as _common
 from orbax_safetensors._src.storage.objstore import engine as _engine
 from orbax_safetensors._src.storage.objstore import spread as _spread
 
@@ -95,7 +95,7 @@ def test_a_record_the_store_contradicts_fails_clearly(store) -> None:
     record = _engine.CommitRecord("s3" if server.kind == "s3" else "gs", files)
     data = [memoryview(record.to_json().encode())]
     st.put(name_of(bucket), _engine.record_key(directory), data)
-    with pytest.raises(_calls.ObjectStoreError) as info:
+    with pytest.raises(_common.ObjectStoreError) as info:
         _engine.finalize_directory(st, directory)
     assert name in str(info.value)
     if server.kind == "s3":

@@ -295,8 +295,8 @@ def _grid(shape: tuple[int, ...], rng: np.random.Generator) -> list[tuple[slice,
 def test_shards_mapped_alone_tile_the_export_and_the_devices_agree(layout: Layout) -> None:
     hf = _hf_tensors(layout)
     flax = _expected_flax(layout, hf)
-    found, report = links.export_links(
-        osf.KeyMapping([layout.rule()]), {k: v.shape for k, v in flax.items()}
+    found, report = links.find_links(
+        osf.KeyMapping([layout.rule()]), {k: v.shape for k, v in flax.items()}, flax_side=True
     )
     assert report.ok, report.problems()
     rng = np.random.default_rng(layout.seed)

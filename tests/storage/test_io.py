@@ -36,7 +36,8 @@ def test_write_file_checksums_every_piece_and_writes_every_byte(
     pieces = _pieces(sizes)
     header = _interface.header_piece(b"H" * 16)
     size = 16 + sum(sizes)
-    records = _router.write_file(tmp_path / "f", [*reversed(pieces), header], size=size)
+    with _router.open_writer(tmp_path / "f", size=size) as w:
+        records = w.write([*reversed(pieces), header], checksums=True)
     by_tag = {tag: (n, crc) for tag, n, crc in records}
     for p in pieces:
         assert by_tag[p.tag] == (p.data.nbytes, crc32c.crc32c(p.data)), p.tag

@@ -1,28 +1,7 @@
 """The sizes a Hugging Face config claims, read in one place and never believed over the
-tensors.
-
-A config (``hf_config`` of ``osf.export_pytorch``, ``SafetensorsSave``, the MaxText presets;
-the CLI's ``--hf-config``) is input like any other: a wrong or forged ``vocab_size`` must not
-cut rows off an embedding, nor make an export allocate what it claims. Every value of it that
-shapes a tensor is read through :class:`ConfigFacts`, and checked twice:
-
-- when read: a size the transforms are built of (``vocab_size``, ``num_attention_heads``,
-  ``num_key_value_heads``, ``head_dim``, ``hidden_size``) is a positive whole number (not a
-  bool, a float or a string), key/value heads divide the heads, and heads divide
-  ``hidden_size`` where ``head_dim`` is derived from it; a count only compared with the
-  tensors (``num_hidden_layers``, ``intermediate_size``, ``moe_intermediate_size``,
-  ``num_local_experts`` / ``num_experts``) is a whole number, not negative (zero is a claim
-  like another: an MoE count of a dense model's config shapes nothing); else
-  :class:`ConfigError` names the key and the value;
-- against the tensors, where they are first known and before anything is read or allocated:
-  the transforms a preset builds of these values (``SplitHeads`` with the heads and
-  ``head_dim``, ``VocabRows`` with the vocabulary, ``transforms.py``) refuse a stored shape
-  they contradict in the shape arithmetic every load and export plans with; and an export's
-  planned Hugging Face tensors are checked against the config that becomes its
-  ``config.json`` (:meth:`ConfigFacts.tensor_problems`): embedding and head rows against
-  ``vocab_size``, attention projections against heads times ``head_dim``, MLP and expert
-  widths, the layers' and the experts' numbers. Each problem names the key, the number the
-  config claims and the number the tensors give.
+tensors: :class:`ConfigFacts` reads every value that shapes a tensor (a positive whole number,
+key/value heads dividing the heads...; else :class:`ConfigError` naming the key and value)
+and checks an export's planned tensors against it (:meth:`ConfigFacts.tensor_problems`).
 
 Example::
 
@@ -94,12 +73,7 @@ class ConfigFacts:
     @classmethod
     def of(cls, hf_config: Any) -> ConfigFacts:
         """The facts of ``hf_config``: a transformers config, a dict, a ``config.json`` or a
-        directory holding one.
-
-        Raises:
-          ValueError: a path without a JSON object config (naming it).
-          TypeError: anything else.
-        """
+        directory holding one (``ValueError`` for a path without one; ``TypeError`` else)."""
         if isinstance(hf_config, ConfigFacts):
             return hf_config
         doc, where = _config_doc(hf_config)
@@ -116,24 +90,16 @@ class ConfigFacts:
     # ---- values, each validated as it is read
 
     def size(self, key: str) -> int | None:
-        """``key``'s value as a positive whole number; None where it is absent or null.
-
-        Raises:
-          ConfigError: any other value (zero, negative, a bool, a float, a string), naming
-            the key and the value.
-        """
+        """``key``'s value as a positive whole number; None where absent or null;
+        ``ConfigError`` naming the key and value for any other value."""
         value = self._whole(key)
         if value is not None and value <= 0:
             raise ConfigError(f"{self.where}: {self.prefix}{key} is {value}, not positive")
         return value
 
     def count(self, key: str) -> int | None:
-        """``key``'s value as a whole number, zero allowed; None where it is absent or null.
-
-        Raises:
-          ConfigError: any other value (negative, a bool, a float, a string), naming the key
-            and the value.
-        """
+        """``key``'s value as a whole number, zero allowed; None where absent or null;
+        ``ConfigError`` naming the key and value for any other value."""
         value = self._whole(key)
         if value is not None and value < 0:
             raise ConfigError(f"{self.where}: {self.prefix}{key} is {value}, negative")
@@ -148,11 +114,8 @@ class ConfigFacts:
         return int(value)
 
     def flag(self, key: str, default: bool = False) -> bool:
-        """``key``'s value as a bool (``default`` where absent or null).
-
-        Raises:
-          ConfigError: another value, naming the key.
-        """
+        """``key``'s value as a bool (``default`` where absent or null); ``ConfigError``
+        naming the key for another value."""
         value = self.doc.get(key)
         if value is None:
             return default
@@ -166,11 +129,7 @@ class ConfigFacts:
 
     def head_dim(self) -> int | None:
         """``head_dim``, or ``hidden_size / num_attention_heads`` where it is absent; None
-        where neither is given.
-
-        Raises:
-          ConfigError: an impossible value, or heads that do not divide ``hidden_size``.
-        """
+        where neither is given; ``ConfigError`` where heads do not divide ``hidden_size``."""
         given = self.size("head_dim")
         if given is not None:
             return given
@@ -185,13 +144,9 @@ class ConfigFacts:
         return hidden // heads
 
     def attention(self) -> tuple[int, int, int] | None:
-        """``(heads, key/value heads, head_dim)``: ``num_attention_heads``,
-        ``num_key_value_heads`` (default: the heads), :meth:`head_dim`; None where the
-        config names no heads or no ``head_dim`` can be had.
-
-        Raises:
-          ConfigError: an impossible value, key/value heads that do not divide the heads.
-        """
+        """``(heads, key/value heads, head_dim)`` (key/value heads default to the heads);
+        None where the config names no heads or no ``head_dim`` can be had; ``ConfigError``
+        where key/value heads do not divide the heads."""
         heads = self.size("num_attention_heads")
         if heads is None:
             return None

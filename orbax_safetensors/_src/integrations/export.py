@@ -300,7 +300,7 @@ def mapped_links(
     skip: Collection[str] = (),
     renamed: Mapping[str, str] | None = None,
 ) -> tuple[list[Link], MappingReport]:
-    """``links.export_links`` over the Flax tensors of ``shapes`` but ``skip``, each matched
+    """``links.find_links`` over the Flax tensors of ``shapes`` but ``skip``, each matched
     by the name ``renamed`` gives it (a module a LoRA wrapper wraps: ``lora.LoraPlan``); the
     links and the report name them as ``shapes`` does."""
     renamed = renamed or {}
@@ -315,7 +315,7 @@ def mapped_links(
             clashes.append(f"{original[seen]} and {n} are both exported as {seen}")
             continue
         named[seen], original[seen] = shape, n
-    links, found = _links.export_links(mapping, named)
+    links, found = _links.find_links(mapping, named, flax_side=True)
     back = [dataclasses.replace(link, flax=tuple(original[n] for n in link.flax)) for link in links]
     found.ignored = [original.get(n, n) for n in found.ignored]
     found.unmapped = [original.get(n, n) for n in found.unmapped]

@@ -1,23 +1,12 @@
 """What each process of an export reads of a checkpoint, decided from global facts only
-(shapes, stored chunks, rules), so that every process decides alike, and the reads
-themselves (docs/architecture.md, "One export, followed through", says why).
-
-A tensor is **read sharded** (each process its boxes under a sharding over every device:
-byte ranges of safetensors files, split along the axis that becomes the PyTorch rows; whole
-chunks of an Orbax-native item, split along an axis where every process's box is whole
-chunks), or part of a link **read whole** by one process, its owner (links largest first,
-each to the least loaded process; LoRA kernels, dtypes the devices would change, a source
-without sharded reads), or part of a stacked link of an Orbax-native item **read in bands**
-of layers cut at the chunks' boundaries, each process its own (:func:`plan_bands`).
-:func:`read_units` lists one process's reads in order, as the export engine's units.
+(shapes, stored chunks, rules) so that every process decides alike: a tensor read sharded,
+read whole by its owner, or read in bands of layers (:func:`plan_reads`,
+:func:`plan_bands`), and the reads themselves (:func:`read_units`, as the engine's units).
 
 Example::
 
     reads = plan_reads(links, infos, chunks={"w": (8, 64)}, processes=2)
-    reads.shardings["w"]          # split over the devices along a whole-chunk axis
     reads.owners.get("norm")      # the process that reads the norm whole
-    bands = plan_bands(links, infos, chunks, processes=2, budget=64 << 20)
-    bands["layers.w"].of_process[1]   # ((16, 24), (24, 32)): process 1's bands of layers
 """
 
 from __future__ import annotations
@@ -75,11 +64,6 @@ class ReadPlan:
     shardings: Mapping[str, Any]
     owners: Mapping[str, int]
     bands: Mapping[str, Bands] = dataclasses.field(default_factory=dict)
-
-    def writer(self, link: Link, default: int) -> int:
-        """The process that writes ``link``'s host values: its owner if it is read whole,
-        else ``default``."""
-        return self.owners.get(link.flax[0], default)
 
 
 def plan_reads(

@@ -1,18 +1,7 @@
-"""What keeps an export (and a load) from changing what the model computes, silently.
-
-- Tied keys. ``KeyMapping.tied`` says that a PyTorch key (``lm_head.weight``) is another one
-  (``model.embed_tokens.weight``), so an export leaves it out and the reader ties it back. A
-  model that holds both with different values (a head fine-tuned apart from its embedding)
-  would then be served with its embedding as its head. :func:`tie_differences` finds such
-  keys; the export writes them all the same (``MappingReport.untied``), sets
-  ``tie_word_embeddings: false`` in ``config.json`` (``model_files.untied_config``) and warns
-  (:func:`warn_untied`), naming each key and its largest difference.
-- Fused splits. A rule ``fused=`` with its parts on the PyTorch side splits one Flax tensor
-  into its parts, in ``sizes=`` or in equal parts. Parts that would not split back as they
-  were joined are refused by the shape arithmetic itself (``stacking.Gather``, on load and
-  on export); on export, with a config, the query/key/value parts are also checked against
-  the heads, key/value heads and head_dim it names (:func:`fused_config_problems`). Either
-  problem names the rule and the ``sizes=`` that fits.
+"""What keeps an export from changing what the model computes, silently: tied keys whose
+values differ (:func:`tie_differences`, written untied with a warning: :func:`warn_untied`)
+and fused query/key/value splits that contradict the config's heads
+(:func:`fused_config_problems`).
 
 Example::
 
@@ -187,16 +176,6 @@ def _rows(key: str, heads: int, kv: int) -> int | None:
     # the heads of the attention projection a PyTorch key names (None: not one)
     module = key.rsplit(".", 2)[-2] if "." in key else ""
     return heads if module in _QUERY else kv if module in _KEY_VALUE else None
-
-
-def attention_sizes(hf_config: Any) -> tuple[int, int, int] | None:
-    """``(heads, key/value heads, head_dim)`` of a transformers config (or its dict, or its
-    ``config.json``; a nested ``text_config`` too), or None when it names no heads.
-
-    Raises:
-      ConfigError: an impossible value (``config_facts.ConfigFacts.attention``)."""
-    found = _attention(hf_config)
-    return None if found is None else found[0]
 
 
 # A nested text_config's heads are the language model's: its keys name one of these (a vision

@@ -1,20 +1,8 @@
-"""What an export reads from: an NNX module, any pytree of arrays, or a checkpoint path, as a
-table of tensors by dotted Flax name plus a batch reader.
-
-- an ``nnx.Module``: its variables selected by an ``nnx`` filter (default ``nnx.Param`` and
-  ``nnx.BatchStat``; ``nnx.LoRAParam`` is an ``nnx.Param``);
-- a pytree (dicts, lists, Linen ``params``, ``nnx.State``, ``TrainState.params``): its array
-  leaves, named by their key paths joined with ``.`` (``nnx.Variable`` leaves by their value;
-  RNG state and typed PRNG keys left out);
-- a path: a ``.safetensors`` file, a checkpoint item, a plain safetensors directory, an
-  Orbax-native item, a step directory (``item=`` picks one of several items) or a
-  CheckpointManager root (its latest committed step, or ``step=``).
-
-Example::
-
-    table = flax_table({"params": {"w": jnp.ones((2, 3))}})
-    table.infos["params.w"].shape        # (2, 3)
-    table.read(["params.w"])             # {"params.w": np.ndarray}
+"""Flax trees as tables of tensors by dotted name: what an export reads from
+(:func:`flax_table`: an NNX module, a pytree of arrays or a checkpoint path, plus a batch
+reader), the names of a tree's leaves and back (:func:`tree_leaves`, :func:`nested`), and
+``save_model`` / ``load_model``: an NNX module's whole state in one ``.safetensors`` file,
+mirroring ``safetensors.torch``.
 """
 
 from __future__ import annotations
@@ -22,14 +10,19 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from etils import epath
 
+if TYPE_CHECKING:  # flax.nnx is slow to import: only when these helpers run
+    from flax import nnx
+
 from orbax_safetensors._src.catalog import sources as _sources
 from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
 from orbax_safetensors._src.core import tree as _tree
+from orbax_safetensors._src.core.casting import DtypePolicy
+from orbax_safetensors._src.pipeline.standalone import load_file, save_file
 
 
 @dataclasses.dataclass
@@ -85,6 +78,31 @@ def tree_leaves(tree: Any) -> tuple[list[tuple[str, Any, Any]], Any]:
     return out, treedef
 
 
+def nested(flat: Mapping[str, Any]) -> dict[Any, Any]:
+    """The nested dicts of dotted names ``flat``: ``{"a.0.b": x}`` -> ``{"a": {0: {"b": x}}}``
+    (all-decimal keys as ``int`` s); ``ValueError`` for a name that prefixes another."""
+    tree: dict[str, Any] = {}
+    for name, value in flat.items():
+        node = tree
+        *parents, last = name.split(".")
+        for i, part in enumerate(parents):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ValueError(f"{'.'.join(parents[: i + 1])} is a tensor and holds {name}")
+            node = child
+        if last in node:
+            raise ValueError(f"{name} is a tensor and holds {sorted(node[last])[0]!r}")
+        node[last] = value
+
+    def keyed(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        numbers = all(k.isdecimal() and str(int(k)) == k for k in node)
+        return {(int(k) if numbers else k): keyed(v) for k, v in node.items()}
+
+    return keyed(tree)
+
+
 def _tree_values(tree: Any, lora_params: set[str] | None = None) -> dict[str, Any]:
     import jax
 
@@ -125,8 +143,12 @@ def flax_table(
     step: int | None = None,
     item: str | None = None,
 ) -> FlaxTable:
-    """The tensors of ``source`` by Flax name (see the module docstring); with ``prefix``, only
-    names starting with it, without it.
+    """The tensors of ``source`` by Flax name; with ``prefix``, only names starting with it,
+    without it. ``source`` is an ``nnx.Module`` (its variables of the ``variables`` filter,
+    default ``nnx.Param`` and ``nnx.BatchStat``), a pytree (its array leaves named by key path;
+    ``nnx.Variable`` s by their value; RNG state and typed PRNG keys left out), or a path (a
+    file, an item, a plain directory, an Orbax-native item, a step directory with ``item=``, a
+    CheckpointManager root with ``step=`` or its latest committed step).
 
     Raises:
       SafetensorsCheckpointError: a path that holds no tensors, or no ``step`` or ``item``
@@ -194,3 +216,57 @@ def _is_nnx_module(source: Any) -> bool:
     # Only an imported flax.nnx makes modules: a path or a pytree need not import it.
     nnx = sys.modules.get("flax.nnx")
     return nnx is not None and isinstance(source, nnx.Module)
+
+
+def save_model(
+    model: nnx.Module,
+    path: epath.PathLike,
+    metadata: Mapping[str, str] | None = None,
+    *,
+    dtype: DtypePolicy | None = None,
+) -> None:
+    """Saves every variable of an ``nnx.Module`` to one ``.safetensors`` file.
+
+    Args:
+      model: the module (its current state is saved; the module is not changed).
+      path: the file to write.
+      metadata: extra ``str -> str`` header metadata.
+      dtype: a dtype policy, as in ``save_file`` (e.g. ``jnp.bfloat16`` for bf16 weights of an
+        f32 model); ``load_model`` gives each variable the model's dtype back.
+
+    Example::
+
+        osf.save_model(model, "mlp-bf16.safetensors", dtype=jnp.bfloat16)
+    """
+    from flax import nnx
+
+    save_file(nnx.state(model), path, metadata, dtype=dtype)
+
+
+def load_model(
+    model: nnx.Module, path: epath.PathLike, strict: bool = True, *, verify: bool = True
+) -> nnx.Module:
+    """Loads a file written by :func:`save_model` into ``model`` in place (and returns it).
+
+    Each variable keeps its dtype, sharding and place in the module graph; shared variables
+    stay shared. With ``verify`` (the default) every tensor is checked against its CRC32C as
+    :func:`load_file` checks it (one file of a checkpoint directory against the checksums its
+    directory records).
+
+    Raises:
+      TargetMismatchError: naming every missing, unexpected or mis-shaped key when the file
+        does not fit the model (with ``strict=False`` unexpected keys are skipped and missing
+        ones keep the model's values).
+      IntegrityError: a tensor's bytes do not match their checksum (naming it and the file).
+
+    Example::
+
+        model = MLP(rngs=nnx.Rngs(0))   # any instance of the saved module's class
+        osf.load_model(model, "mlp-bf16.safetensors")
+    """
+    from flax import nnx
+
+    state = nnx.state(model)
+    restored = load_file(path, target=state, strict=strict, verify=verify)
+    nnx.update(model, restored)
+    return model

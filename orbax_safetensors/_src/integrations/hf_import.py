@@ -1,16 +1,7 @@
 """A Hugging Face checkpoint as an Orbax checkpoint of a MaxText train state
-(:func:`import_pytorch`): what MaxText's ``to_maxtext`` writes, without holding the model on
-one host.
-
-The tree the mapping makes of the files (``load.abstract_pytorch``'s) is split over every
-device of the job (``load.spread``: each tensor on the axis that lets each process read its
-own rows of the Hugging Face tensors), filled by ``load.load_flat`` a batch of tensors at a
-time (each process reads the byte ranges of its own shards; the transforms run on the
-devices), then saved by Orbax v1 as MaxText 0.2.5 saves a train state:
-``ocp.training.Checkpointer(directory).save_checkpointables(step, {"items": {"step",
-"params", "opt_state": {}}}, custom_metadata={"scan_layers": ...})``, OCDBT and zarr3, each
-process writing its own shards, and Orbax's copies of the arrays to the host bounded by the
-batch (``MemoryOptions.transfer_concurrent_bytes``).
+(:func:`import_pytorch`), as MaxText's ``to_maxtext`` writes it, without holding the model on
+one host: the tree the mapping implies, split over every device, filled by ``load.load_flat``
+(each process reading its own shards) and saved by Orbax v1.
 
 Example::
 
@@ -20,7 +11,9 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -31,6 +24,8 @@ from orbax_safetensors._src.catalog import sources as _sources
 from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
 from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core.errors import ConfigError, SafetensorsCheckpointError
+from orbax_safetensors._src.integrations import flax_tables as _flax_tables
+from orbax_safetensors._src.integrations import links as _links
 from orbax_safetensors._src.integrations import load as _load
 from orbax_safetensors._src.integrations import model_files as _model_files
 from orbax_safetensors._src.integrations import presets as _presets
@@ -127,10 +122,10 @@ def _write(
     targets = _cast(_load.derived_targets(source.tensors, mapping), _casting.parse_policy(dtype))
     links, _ = _load.plan_links(dict(source.tensors), targets, mapping)
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("devices",))
-    targets = _load.spread(links, targets, source.tensors, mesh)
+    targets = _spread(links, targets, source.tensors, mesh)
     options = _load.LoadOptions(batch_bytes=batch_bytes, where=str(path))
     values, report = _load.load_flat(source, targets, mapping, options)
-    tree = _load.nested(values)
+    tree = _flax_tables.nested(values)
     clash = sorted({"step", "opt_state"} & set(tree))
     if clash:
         raise ValueError(f"the mapping makes {clash[0]!r}, which a train state holds itself")
@@ -142,6 +137,50 @@ def _write(
     with v1.training.Checkpointer(root, context=context) as checkpointer:
         checkpointer.save_checkpointables(step, {ITEM: state}, custom_metadata=metadata, force=True)
     return report
+
+
+def _spread(
+    links: Sequence[_links.Link],
+    targets: Mapping[str, _load.Target],
+    tensors: Mapping[str, _sources.TensorInfo],
+    mesh: jax.sharding.Mesh,
+) -> dict[str, _load.Target]:
+    """``targets`` split over every device of ``mesh`` (a one-axis mesh), each on the axis that
+    has its link's PyTorch tensors read in the largest pieces: their first axis where the
+    transform lets a split pull back to it (each process then reads its own rows), else a
+    later one; a tensor no split pulls back through (a reshape, a split of stacked layers only)
+    on its largest axis the devices divide, read whole; one they divide nowhere replicated."""
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    out = {n: dataclasses.replace(t, sharding=replicated) for n, t in targets.items()}
+    count, name = mesh.size, mesh.axis_names[0]
+    for link in links:
+        wants = [out[n] for n in link.flax]
+        shapes = [tensors[k].shape for k in link.torch]
+        best: tuple[tuple[float, int], list[_load.Target]] | None = None
+        for axis in range(len(wants[0].shape) if count > 1 else 0):
+            if any(len(w.shape) <= axis or w.shape[axis] % count for w in wants):
+                continue
+            spec = jax.sharding.PartitionSpec(*[None] * axis, name)
+            trial = [
+                dataclasses.replace(w, sharding=jax.sharding.NamedSharding(mesh, spec))
+                for w in wants
+            ]
+            reads = (
+                _load.torch_shardings(link, trial, shapes)
+                if _load.on_device(link.rule.transform_or_identity)
+                else []
+            )
+            first = min((_split_axis(s) for s in reads), default=math.inf)
+            rank = (first, -wants[0].shape[axis])
+            if best is None or rank < best[0]:
+                best = (rank, trial)
+        if best is not None:
+            out.update(zip(link.flax, best[1]))
+    return out
+
+
+def _split_axis(sharding: jax.sharding.NamedSharding) -> float:
+    return next((a for a, e in enumerate(sharding.spec) if e is not None), math.inf)
 
 
 def _check_config(source: _sources.TensorSource) -> None:

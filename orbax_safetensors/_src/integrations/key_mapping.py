@@ -1,31 +1,9 @@
-"""The vocabulary of a PyTorch <-> Flax key mapping: :class:`Rule` s (a PyTorch key pattern,
-a Flax name pattern, an optional :class:`Transform`), their :class:`KeyMapping`, and the
-:class:`MappingReport` a load or export gives back. ``load_pytorch`` and
-``export_pytorch`` move tensors with them.
-
-- patterns are literal dotted names with placeholders: ``{i}`` matches one name component
-  (``[^.]+``), ``{i:REGEX}`` matches ``REGEX`` (declared once, on either side, it holds on
-  both); both sides use the same placeholders, so every rule works in both directions;
-- ``stacked="i"``: one Flax tensor ``[L, ...]`` is the L PyTorch tensors ``i = 0..L-1``
-  (scanned layers); ``stacked={"e": 0, "i": 1}``: several placeholders, each on any axis,
-  and a placeholder of the Flax side only stacks on the PyTorch side; ``fused="p"`` with
-  ``{p:a|b|c}`` on one side: one tensor of the other side is the parts joined along ``axis``
-  (fused QKV, gate/up); ``stacking.py`` says how a tensor holds its slices, ``links.py``
-  groups tensors and applies them;
-- transforms have a ``to_flax`` and a ``to_torch`` side: :class:`Transpose` (``nn.Linear``
-  weight ``(out, in)`` -> Flax kernel ``(in, out)``), :class:`SplitHeads` (``(heads * dim)``
-  -> ``(heads, dim)`` for attention projections), :class:`Reshape` and :class:`Chain`;
-- a :class:`KeyMapping` adds keys left out, tied keys and the LoRA merge scale.
-
-The first rule that matches a key wins.
-
-Example::
-
-    mapping = KeyMapping([
-        Rule("embed.weight", "embed.embedding"),
-        *Rule.linear("layers.{i}.attn.q_proj", "layers.{i}.attn.query", heads=4),
-    ], ignore_torch=[r".*\\.num_batches_tracked"])
-    mapping.to_flax("layers.0.attn.q_proj.weight")   # ("layers.0.attn.query.kernel", ...)
+"""The vocabulary of a PyTorch <-> Flax key mapping: a :class:`Rule` (a PyTorch key pattern, a
+Flax name pattern, a transform from ``transforms.py``; ``stacked``/``fused`` placeholders
+gather several tensors into one), a :class:`KeyMapping` (ordered rules, the first match wins,
+plus keys left out, tied keys and the LoRA scale) and the :class:`MappingReport` a load or an
+export gives back. ``links.py`` applies rules to a table of names; ``stacking.py`` says how one
+tensor holds the slices of another.
 """
 
 from __future__ import annotations
@@ -35,177 +13,19 @@ import functools
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
+from orbax_safetensors._src.integrations.transforms import (
+    IDENTITY,
+    Chain,
+    SplitHeads,
+    Transform,
+    Transpose,
+)
+
 _PLACEHOLDER = re.compile(r"\{(\w+)(?::([^{}]+))?\}")
-
-
-# --------------------------------------------------------------------------- transforms
-
-
-class Transform(Protocol):
-    """A reversible tensor transform: ``to_flax(to_torch(x))`` gives ``x`` back.
-
-    Example::
-
-        @dataclasses.dataclass(frozen=True)
-        class Negate:  # a Transform of your own, for a Rule
-            def to_flax(self, x): return -x
-            def to_torch(self, x): return -x
-    """
-
-    def to_flax(self, x: np.ndarray) -> np.ndarray:
-        """The PyTorch tensor ``x`` as the Flax variable wants it."""
-        ...
-
-    def to_torch(self, x: np.ndarray) -> np.ndarray:
-        """The Flax value ``x`` as PyTorch stores it."""
-        ...
-
-
-@dataclasses.dataclass(frozen=True)
-class Transpose:
-    """Permutes axes: ``Transpose()`` reverses them (``nn.Linear`` weight ``(out, in)`` ->
-    kernel ``(in, out)``); ``Transpose((2, 3, 1, 0))`` turns a ``Conv2d`` weight
-    ``(out, in, kh, kw)`` into an NNX ``Conv`` kernel ``(kh, kw, in, out)``.
-
-    Example::
-
-        Rule("{p:.*_proj}.weight", "{p}.kernel", Transpose())
-    """
-
-    axes: tuple[int, ...] | None = None
-
-    def to_flax(self, x: np.ndarray) -> np.ndarray:
-        return np.transpose(x, self.axes)
-
-    def to_torch(self, x: np.ndarray) -> np.ndarray:
-        if self.axes is None:
-            return np.transpose(x)
-        return np.transpose(x, np.argsort(self.axes))
-
-
-@dataclasses.dataclass(frozen=True)
-class SplitHeads:
-    """Splits axis ``axis`` of size ``heads * dim`` into ``(heads, dim)`` (and merges it back
-    for PyTorch), as NNX ``MultiHeadAttention`` stores its projections: query/key/value kernels
-    ``(features, heads, dim)`` and biases ``(heads, dim)``, the output kernel
-    ``(heads, dim, features)``. Give the number of ``heads``, the ``head_dim`` (one rule
-    then fits query heads and fewer key/value heads alike, e.g. Tunix's
-    ``(embed, heads, head_dim)`` attention kernels), or both (the axis must then be exactly
-    that many heads of that size). A tensor they do not fit is refused both ways (a
-    ``ValueError`` naming the axis and the sizes): a merge checks the heads and head size it
-    is given, so a wrong ``head_dim`` never merges silently.
-
-    Example::
-
-        SplitHeads(4, -1).to_flax(np.zeros((6, 12))).shape          # (6, 4, 3)
-        SplitHeads(head_dim=3, axis=0).to_flax(np.zeros((12, 6))).shape   # (4, 3, 6)
-    """
-
-    heads: int | None = None
-    axis: int = -1
-    head_dim: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.heads is None and self.head_dim is None:
-            raise ValueError("SplitHeads takes heads=, head_dim= or both")
-        for name in ("heads", "head_dim"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or int(value) != value or value <= 0):
-                raise ValueError(
-                    f"SplitHeads: {name} must be a positive whole number, got {value!r}"
-                )
-
-    def _sizes(self) -> str:
-        if self.heads is None:
-            return f"heads of head_dim {self.head_dim}"
-        return f"{self.heads} heads" + (
-            "" if self.head_dim is None else f" of head_dim {self.head_dim}"
-        )
-
-    def to_flax(self, x: np.ndarray) -> np.ndarray:
-        axis = self.axis % x.ndim
-        size = int(x.shape[axis])
-        if self.head_dim is not None:
-            dim = int(self.head_dim)
-            heads = size // dim if self.heads is None else int(self.heads)
-        else:
-            heads = int(self.heads or 0)
-            dim = size // heads
-        if heads * dim != size or not dim:
-            raise ValueError(f"axis {axis} of size {size} does not split into {self._sizes()}")
-        return x.reshape(*x.shape[:axis], heads, dim, *x.shape[axis + 1 :])
-
-    def to_torch(self, x: np.ndarray) -> np.ndarray:
-        axis = self.axis % (x.ndim - 1)
-        heads, dim = int(x.shape[axis]), int(x.shape[axis + 1])
-        if (self.heads is not None and heads != self.heads) or (
-            self.head_dim is not None and dim != self.head_dim
-        ):
-            raise ValueError(
-                f"axes {axis} and {axis + 1} hold {heads} heads of head_dim {dim}, not "
-                f"{self._sizes()}"
-            )
-        return x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2 :])
-
-
-@dataclasses.dataclass(frozen=True)
-class Reshape:
-    """Reshapes between two fixed shapes (``-1`` allowed on either side).
-
-    Example::
-
-        Reshape(flax_shape=(4, 8, 32), torch_shape=(32, 32)).to_flax(w).shape  # (4, 8, 32)
-    """
-
-    flax_shape: tuple[int, ...]
-    torch_shape: tuple[int, ...]
-
-    def to_flax(self, x: np.ndarray) -> np.ndarray:
-        return x.reshape(self.flax_shape)
-
-    def to_torch(self, x: np.ndarray) -> np.ndarray:
-        return x.reshape(self.torch_shape)
-
-
-@dataclasses.dataclass(frozen=True)
-class Chain:
-    """Several transforms: applied in order towards Flax, in reverse order towards PyTorch.
-
-    Example::
-
-        Chain(Transpose(), SplitHeads(head_dim=64))  # (heads * 64, emb) -> (emb, heads, 64)
-    """
-
-    transforms: tuple[Any, ...]
-
-    def __init__(self, *transforms: Transform) -> None:
-        object.__setattr__(self, "transforms", tuple(transforms))
-
-    def to_flax(self, x: np.ndarray) -> np.ndarray:
-        for t in self.transforms:
-            x = t.to_flax(x)
-        return x
-
-    def to_torch(self, x: np.ndarray) -> np.ndarray:
-        for t in reversed(self.transforms):
-            x = t.to_torch(x)
-        return x
-
-
-@dataclasses.dataclass(frozen=True)
-class _Identity:
-    def to_flax(self, x: np.ndarray) -> np.ndarray:
-        return x
-
-    def to_torch(self, x: np.ndarray) -> np.ndarray:
-        return x
-
-
-IDENTITY = _Identity()
 
 
 # --------------------------------------------------------------------------- rules
@@ -242,9 +62,17 @@ def _fill(pattern: str, values: dict[str, str]) -> str:
     return _PLACEHOLDER.sub(lambda m: values[m.group(1)], pattern)
 
 
-def _alternatives(regex: str | None, where: str) -> tuple[str, ...]:
+def _listed(regex: str | None) -> tuple[str, ...] | None:
+    # The literal alternatives a placeholder's regex lists (``gate|up``), else None.
     parts = tuple((regex or "").split("|"))
     if not regex or any(not p or re.escape(p) != p for p in parts):
+        return None
+    return parts
+
+
+def _alternatives(regex: str | None, where: str) -> tuple[str, ...]:
+    parts = _listed(regex)
+    if parts is None:
         raise ValueError(
             f"{where}: a fused placeholder lists its parts in order as literal alternatives, "
             "e.g. {p:q_proj|k_proj|v_proj}"
@@ -425,11 +253,7 @@ class Rule:
     def stack_values(self, name: str) -> tuple[str, ...] | None:
         """The values stacking placeholder ``name`` stacks, in order, when it lists them
         (``{p:gate|up}``); None when it counts ``0..n-1``."""
-        regex = dict(self._regexes).get(name)
-        parts = tuple((regex or "").split("|"))
-        if not regex or any(not p or re.escape(p) != p for p in parts):
-            return None
-        return parts
+        return _listed(dict(self._regexes).get(name))
 
     def value_index(self, name: str, value: str) -> int | None:
         """The position of ``value`` along collective placeholder ``name`` (a fused part, a

@@ -1,18 +1,12 @@
 """A key mapping applied to a table of names: the :class:`Link` s of a load or an export.
-
-A link ties one or more Flax tensors to one or more PyTorch tensors through one :class:`Rule`:
-one to one for a plain rule; else the tensors of each side that the rule's ``stacked`` and
-``fused`` placeholders gather (``stacking.Gather``): one scanned Flax tensor to its L layers'
-PyTorch tensors, L * X of them with experts, P parts of a fused projection, or the reverse,
-and several tensors on both sides (separate stacked Flax projections from fused per-layer
-PyTorch ones). Links carry the shape arithmetic (checked before any byte moves) and the tensor
-arithmetic (host numpy arrays or ``jax.numpy``, one link or one tensor at a time), and that
-of one shard: where the transform permutes axes, a box of a Flax tensor maps to boxes of its
-PyTorch tensors on its own (:func:`shard_boxes`). LoRA merges are ``lora.py``'s.
+A link ties one or more Flax tensors to one or more PyTorch tensors through one :class:`Rule`
+(one to one, or the tensors its ``stacked``/``fused`` placeholders gather: ``stacking.Gather``)
+and carries their shape arithmetic (checked before any byte moves), their tensor arithmetic
+(numpy or ``jax.numpy``) and that of one shard (:func:`shard_boxes`).
 
 Example::
 
-    links, report = export_links(mapping, {"layers.mlp.kernel": (4, 8, 16)})
+    links, report = find_links(mapping, {"layers.mlp.kernel": (4, 8, 16)}, flax_side=True)
     links[0].torch      # ('layers.0.mlp.weight', ..., 'layers.3.mlp.weight')
 """
 
@@ -25,15 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from orbax_safetensors._src.integrations.key_mapping import (
-    IDENTITY,
-    Chain,
-    KeyMapping,
-    MappingReport,
-    Rule,
-    Transpose,
-)
+from orbax_safetensors._src.integrations.key_mapping import KeyMapping, MappingReport, Rule
 from orbax_safetensors._src.integrations.stacking import Gather
+from orbax_safetensors._src.integrations.transforms import IDENTITY, Chain, Transpose
 
 Shape = tuple[int, ...]
 Box = tuple[slice, ...]
@@ -164,18 +152,10 @@ class Link:
             raise ValueError(f"{self._where()}: {e}") from None
 
     def band(self, placeholder: str, start: int, stop: int) -> Link:
-        """This link restricted to the values ``[start, stop)`` of ``placeholder``, one of the
-        Flax side's stacked placeholders: its Flax tensors are then the band of the whole ones
-        along that stack (``x[..., start:stop, ...]`` on its axis), its PyTorch tensors those
-        of the slots in the band, in the same order. An export of a stacked tensor a band of
-        layers at a time writes each band's PyTorch tensors from it alone.
-
-        Example::
-
-            link.counts                                   # (("i", 32),)
-            band = link.band("i", 8, 16)                  # layers 8-15
-            band.torch[0] == link.torch[8]                # True
-        """
+        """This link restricted to the values ``[start, stop)`` of ``placeholder`` (a Flax-side
+        stack): its Flax tensors are the band of the whole ones along that stack, its PyTorch
+        tensors those of the slots in the band, in order (``link.band("i", 8, 16).torch[0]``
+        is ``link.torch[8]``)."""
         stacks = [name for name, _, _ in self.flax_gather.stacks]
         if placeholder not in stacks:
             raise ValueError(f"{self._where()}: no Flax-side stack {{{placeholder}}} to band")
@@ -228,31 +208,17 @@ def _matched(
             report.unmapped.append(name)
 
 
-def export_links(
-    mapping: KeyMapping, shapes: Mapping[str, Shape]
-) -> tuple[list[Link], MappingReport]:
-    """The links exporting Flax tensors of ``shapes`` (by name); the report lists the names
-    ignored and unmapped, and tensors a link needs that are absent or do not agree on a
-    stack's length (``mismatched``)."""
-    return _links(mapping, shapes, flax_side=True)
-
-
-def load_links(
-    mapping: KeyMapping, shapes: Mapping[str, Shape]
-) -> tuple[list[Link], MappingReport]:
-    """The links loading PyTorch tensors of ``shapes`` (by key); the report lists the keys
-    ignored and unmapped, and tensors a link needs that are absent or do not agree on a
-    stack's length (``mismatched``)."""
-    return _links(mapping, shapes, flax_side=False)
-
-
-def _links(
+def find_links(
     mapping: KeyMapping, shapes: Mapping[str, Shape], *, flax_side: bool
 ) -> tuple[list[Link], MappingReport]:
-    # The tensors of this side (Flax names if ``flax_side``, else PyTorch keys) that one rule
-    # gathers into the same tensors of the other side form one group: same rule, same values
-    # of the plain placeholders. Each is one slot of the other side's gather (its values of
-    # the collective placeholders of this side's pattern).
+    """The links of the tensors of ``shapes`` (Flax names for an export, ``flax_side``; else
+    PyTorch keys for a load); the report lists the names ignored and unmapped, and tensors
+    a link needs that are absent or do not agree on a stack's length (``mismatched``).
+
+    Tensors of this side that one rule gathers into the same tensors of the other side
+    (same rule, same values of the plain placeholders) form one link, each one slot of the
+    other side's gather.
+    """
     report = MappingReport()
     order: list[Link | tuple[int, tuple[tuple[str, str], ...]]] = []
     groups: dict[tuple[int, tuple[tuple[str, str], ...]], dict[tuple[int, ...], str]] = {}

@@ -1,25 +1,16 @@
-"""PyTorch / Hugging Face checkpoints into any JAX target through a :class:`KeyMapping`: an
-NNX module's variables, a pytree of arrays, or an abstract pytree of ``jax.ShapeDtypeStruct``
-s with shardings (:func:`load_pytorch`), and the tree a checkpoint implies
-(:func:`abstract_pytorch`).
+"""PyTorch / Hugging Face checkpoints into any JAX target through a :class:`KeyMapping`
+(:func:`load_pytorch`), and the tree a checkpoint implies (:func:`abstract_pytorch`).
 
-Each target leaf says what it wants (shape, dtype, sharding, or numpy). Every problem (keys no
-rule maps, targets nothing fills, shapes that do not fit) is found before a byte is read. Then,
-a batch of links at a time, a target sharded over several devices is read as PyTorch tensors
-sharded alike (the target's partition spec pulled back through the rule), each process
-reading the byte ranges of its own shards, and the rule runs on device; any other target is
-read whole to host, transformed in numpy and placed.
-
-Example::
-
-    params = load_pytorch(None, "hf_dir", mapping)   # {"layers": {0: {"mlp": ...}}}
+Every problem is found before a byte is read. Then, a batch of links at a time, a target
+sharded over several devices is read as PyTorch tensors sharded alike (its partition spec
+pulled back through the rule) and the rule runs on the devices; any other target is read
+whole to host, transformed in numpy and placed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -32,16 +23,18 @@ from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core.errors import TargetMismatchError
 from orbax_safetensors._src.integrations import flax_tables as _flax_tables
 from orbax_safetensors._src.integrations import links as _links
-from orbax_safetensors._src.integrations.key_mapping import (
+from orbax_safetensors._src.integrations.key_mapping import KeyMapping, MappingReport
+from orbax_safetensors._src.integrations.transforms import (
     IDENTITY,
     Chain,
-    KeyMapping,
-    MappingReport,
+    Offset,
     Reshape,
+    RopeInterleave,
+    Scale,
     SplitHeads,
     Transpose,
+    VocabRows,
 )
-from orbax_safetensors._src.integrations.transforms import Offset, RopeInterleave, Scale, VocabRows
 from orbax_safetensors._src.pipeline import read as _read
 from orbax_safetensors._src.storage import config as _config
 
@@ -63,15 +56,13 @@ def load_pytorch(
     model (in place) or into any pytree (returned).
 
     Args:
-      target: an NNX module, its ``variables`` filled in place; a pytree (dicts, Linen
-        ``params``, ``nnx.State``...) of arrays, numpy arrays or ``jax.ShapeDtypeStruct`` s,
-        named by their key paths joined with ``.``, each leaf filled in its own dtype and
-        sharding (a sharded leaf is read sharded: each process reads its own shards); or
-        None: the tree :func:`abstract_pytorch` gives, filled on the default device.
-      path: a ``.safetensors`` file, a Hugging Face directory (with or without
-        ``model.safetensors.index.json``), that index file, or an item this library wrote.
-      mapping: how PyTorch keys become the target's names (stacked and fused tensors
-        joined; a tied key the files lack reads the key it is tied to).
+      target: an NNX module, its ``variables`` filled in place; a pytree of arrays, numpy
+        arrays or ``jax.ShapeDtypeStruct`` s named by their key paths joined with ``.``,
+        each leaf filled in its own dtype and sharding (each process reads its own shards);
+        or None: the tree :func:`abstract_pytorch` gives, on the default device.
+      path: a ``.safetensors`` file, a Hugging Face directory, its index file, or an item
+        this library wrote.
+      mapping: how PyTorch keys become the target's names.
       strict: raise if any key is unmapped, unexpected, missing or mis-shaped, before
         anything is read; with ``strict=False``, load what fits and report the rest.
       variables: with a module, the ``nnx`` filter of the variables to fill (default
@@ -81,8 +72,8 @@ def load_pytorch(
       batch_bytes: tensor bytes read at a time.
 
     Returns:
-      With a module, a :class:`MappingReport`; else the filled tree (and the report with
-      ``with_report``).
+      With a module, a :class:`MappingReport`; else the filled tree (``with_report``: and the
+      report).
 
     Raises:
       TargetMismatchError: with ``strict``, listing every problem at once.
@@ -100,7 +91,7 @@ def load_pytorch(
     if target is None:  # the tree the directory and the mapping imply
         targets = derived_targets(source.tensors, mapping)
         values, report = load_flat(source, targets, mapping, options)
-        tree = nested({prefix + n: v for n, v in values.items()})
+        tree = _flax_tables.nested({prefix + n: v for n, v in values.items()})
         return (tree, report) if with_report else tree
     module = target if isinstance(target, nnx.Module) else None
     if module is not None:
@@ -122,10 +113,8 @@ def abstract_pytorch(
     with_report: bool = False,
 ) -> Any:
     """The abstract tree a PyTorch / Hugging Face checkpoint and ``mapping`` imply, from the
-    files' headers alone: what ``load_pytorch(None, path, mapping)`` fills. Each tensor the
-    rules make is a ``jax.ShapeDtypeStruct`` of the stored dtype, in nested dicts of its
-    dotted name (with ``prefix`` in front; decimal keys as ``int`` s, as ``nnx.state`` keys
-    a list, so that ``nnx.update(model, tree)`` takes the filled tree). Give its leaves
+    files' headers alone: ``jax.ShapeDtypeStruct`` s of the stored dtypes in nested dicts of
+    their dotted names (decimal keys as ``int`` s, as ``nnx.state`` has them). Give its leaves
     shardings and pass it to :func:`load_pytorch` to read the checkpoint sharded.
 
     Args:
@@ -153,7 +142,9 @@ def abstract_pytorch(
         raise TargetMismatchError(
             f"{path}: the checkpoint does not fit this mapping\n" + report.problems()
         )
-    tree = nested({prefix + n: jax.ShapeDtypeStruct(t.shape, t.dtype) for n, t in targets.items()})
+    tree = _flax_tables.nested(
+        {prefix + n: jax.ShapeDtypeStruct(t.shape, t.dtype) for n, t in targets.items()}
+    )
     return (tree, report) if with_report else tree
 
 
@@ -180,8 +171,7 @@ class Target:
 
     @classmethod
     def of(cls, leaf: Any) -> Target | None:
-        """The target a leaf describes (an array, a ``jax.ShapeDtypeStruct``, a numpy array),
-        or None for a leaf that is no tensor (left as it is)."""
+        """The target a leaf describes, or None for a leaf that is no tensor."""
         if isinstance(leaf, (np.ndarray, np.generic)):
             return cls(tuple(leaf.shape), np.dtype(leaf.dtype), None, True)
         if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
@@ -195,8 +185,7 @@ class Target:
 @dataclasses.dataclass(frozen=True)
 class LoadOptions:
     """How a load reads: ``strict`` raises on any mapping problem (else the report lists it);
-    ``batch_bytes`` of tensors held at a time; ``where`` names the source in errors;
-    ``verify``, ``io`` and ``stats`` go to the pipeline's reader."""
+    ``where`` names the source in errors; ``verify``, ``io``, ``stats``: the pipeline's."""
 
     strict: bool = True
     batch_bytes: int = _sources.DEFAULT_BATCH_BYTES
@@ -214,11 +203,9 @@ def load_tree(
     *,
     prefix: str = "",
 ) -> tuple[Any, MappingReport]:
-    """``tree`` with its tensor leaves read from ``source`` through ``mapping`` (see
-    :func:`load_flat`), and the report. Leaves are named by their key paths joined with ``.``
-    (NNX variables by their value, kept as variables); with ``prefix`` only names starting
-    with it are filled, matched without it. Other leaves (and, with ``strict=False``, tensors
-    nothing fills) come back as given."""
+    """``tree`` with its tensor leaves (named by dotted key path; with ``prefix``, only those
+    under it, matched without it) read from ``source`` through ``mapping``, and the report;
+    NNX variables stay variables, other leaves come back as given."""
     flat, treedef = _flax_tables.tree_leaves(tree)
     targets: dict[str, Target] = {}
     positions: dict[str, int] = {}
@@ -243,11 +230,8 @@ def load_flat(
     options: LoadOptions | None = None,
 ) -> tuple[dict[str, Any], MappingReport]:
     """The values of ``targets`` (by Flax name) read from ``source`` (a ``TensorSource``)
-    through ``mapping``, a batch of links at a time, and the report.
-
-    Raises:
-      TargetMismatchError: with ``strict``, listing every problem at once, before any read.
-    """
+    through ``mapping``, a batch of links at a time, and the report. Raises
+    ``TargetMismatchError`` (with ``strict``) listing every problem, before any read."""
     options = options or LoadOptions()
     tensors, alias = _with_tied(source.tensors, mapping, targets)
     moves, report = plan_links(tensors, targets, mapping)
@@ -286,9 +270,9 @@ def derived_targets(
     tensors: Mapping[str, _sources.TensorInfo], mapping: KeyMapping
 ) -> dict[str, Target]:
     """The targets ``tensors`` (by PyTorch key) and ``mapping`` imply: each Flax tensor a link
-    makes, of the link's shape and the stored dtype (promoted across the link), on the
-    default device; names the mapping ignores and links that do not fit left out."""
-    links, _ = _links.load_links(mapping, {k: t.shape for k, t in tensors.items()})
+    makes, in the stored dtype (promoted across the link); ignored names and links that do
+    not fit left out."""
+    links, _ = _links.find_links(mapping, {k: t.shape for k, t in tensors.items()}, flax_side=False)
     targets: dict[str, Target] = {}
     for link in links:
         infos = [tensors[k] for k in link.torch]
@@ -301,35 +285,6 @@ def derived_targets(
             if not mapping.flax_ignored(name):
                 targets.setdefault(name, Target(tuple(shape), np.dtype(dtype)))
     return targets
-
-
-def nested(flat: Mapping[str, Any]) -> dict[Any, Any]:
-    """The nested dicts of dotted names ``flat``: ``{"a.0.b": x}`` -> ``{"a": {0: {"b": x}}}``
-    (a dict whose keys are all decimal has ``int`` keys, as ``nnx.state`` keys a list).
-
-    Raises:
-      ValueError: a name that is also the prefix of another (``a`` and ``a.b``).
-    """
-    tree: dict[str, Any] = {}
-    for name, value in flat.items():
-        node = tree
-        *parents, last = name.split(".")
-        for i, part in enumerate(parents):
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ValueError(f"{'.'.join(parents[: i + 1])} is a tensor and holds {name}")
-            node = child
-        if last in node:
-            raise ValueError(f"{name} is a tensor and holds {sorted(node[last])[0]!r}")
-        node[last] = value
-
-    def keyed(node: Any) -> Any:
-        if not isinstance(node, dict):
-            return node
-        numbers = all(k.isdecimal() and str(int(k)) == k for k in node)
-        return {(int(k) if numbers else k): keyed(v) for k, v in node.items()}
-
-    return keyed(tree)
 
 
 # --------------------------------------------------------------------------- planning
@@ -354,10 +309,10 @@ def plan_links(
     targets: Mapping[str, Target],
     mapping: KeyMapping,
 ) -> tuple[list[_links.Link], MappingReport]:
-    """The links filling ``targets`` from ``tensors``, and the report of every problem: keys
-    no rule maps, names the target lacks, names two keys fill, shapes that do not fit,
-    targets nothing fills."""
-    links, report = _links.load_links(mapping, {k: t.shape for k, t in tensors.items()})
+    """The links filling ``targets`` from ``tensors``, and the report of every problem."""
+    links, report = _links.find_links(
+        mapping, {k: t.shape for k, t in tensors.items()}, flax_side=False
+    )
     moves: list[_links.Link] = []
     claimed: dict[str, str] = {}
     for link in links:
@@ -406,8 +361,7 @@ _IN_PLACE = (Scale, Offset, VocabRows, RopeInterleave)
 def _pull_spec(transform: Any, spec: tuple[Any, ...]) -> tuple[Any, ...] | None:
     """The partition spec of a tensor whose ``transform.to_flax`` has partition ``spec``, or
     None when the transform moves elements across axes (a reshape: read replicated). A split
-    of heads pulls back to its heads' partition (contiguous blocks of whole heads), unsharded
-    where the head's own axis is split."""
+    of heads pulls back to its heads' partition, unsharded where the head's own axis is split."""
     if transform is IDENTITY or transform is None or isinstance(transform, _IN_PLACE):
         return spec
     if isinstance(transform, SplitHeads):
@@ -432,11 +386,10 @@ def _pull_spec(transform: Any, spec: tuple[Any, ...]) -> tuple[Any, ...] | None:
     return None
 
 
-def _on_device(transform: Any) -> bool:
-    # Transforms known to run on jax arrays under jit (array methods only; ``transforms.py``'s
-    # take jax arrays, as an export on the devices applies them).
+def on_device(transform: Any) -> bool:
+    """Whether ``transform`` is known to run on jax arrays under ``jit``."""
     if isinstance(transform, Chain):
-        return all(_on_device(t) for t in transform.transforms)
+        return all(on_device(t) for t in transform.transforms)
     return transform is IDENTITY or isinstance(
         transform, (Transpose, SplitHeads, Reshape, *_IN_PLACE)
     )
@@ -457,12 +410,12 @@ def _fits(mesh: Any, spec: tuple[Any, ...], shape: tuple[int, ...]) -> tuple[Any
     return tuple(out)
 
 
-def _torch_shardings(
+def torch_shardings(
     link: _links.Link, targets: Sequence[Target], shapes: Sequence[tuple[int, ...]]
 ) -> list[Any]:
-    # The sharding each PyTorch tensor of ``link`` is read with: the first target's partition
-    # spec without its stacked axes (a slot's), pulled back through the rule's transform,
-    # unsharded where the PyTorch tensor stacks.
+    """The sharding each PyTorch tensor of ``link`` (of ``shapes``) is read with: the first
+    target's partition spec without its stacked axes, pulled back through the rule's
+    transform, unsharded where the PyTorch tensor stacks."""
     first = targets[0].sharding
     mesh = first.mesh
     ndim = len(targets[0].shape)
@@ -481,50 +434,6 @@ def _torch_shardings(
     return out
 
 
-def spread(
-    links: Sequence[_links.Link],
-    targets: Mapping[str, Target],
-    tensors: Mapping[str, _sources.TensorInfo],
-    mesh: jax.sharding.Mesh,
-) -> dict[str, Target]:
-    """``targets`` split over every device of ``mesh`` (a one-axis mesh), each on the axis that
-    has its link's PyTorch tensors read in the largest pieces: their first axis where the
-    transform lets a split pull back to it (each process then reads its own rows), else a
-    later one; a tensor no split pulls back through (a reshape, a split of stacked layers only)
-    on its largest axis the devices divide, read whole; one they divide nowhere replicated."""
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    out = {n: dataclasses.replace(t, sharding=replicated) for n, t in targets.items()}
-    count, name = mesh.size, mesh.axis_names[0]
-    for link in links:
-        wants = [out[n] for n in link.flax]
-        shapes = [tensors[k].shape for k in link.torch]
-        best: tuple[tuple[float, int], list[Target]] | None = None
-        for axis in range(len(wants[0].shape) if count > 1 else 0):
-            if any(len(w.shape) <= axis or w.shape[axis] % count for w in wants):
-                continue
-            spec = jax.sharding.PartitionSpec(*[None] * axis, name)
-            trial = [
-                dataclasses.replace(w, sharding=jax.sharding.NamedSharding(mesh, spec))
-                for w in wants
-            ]
-            reads = (
-                _torch_shardings(link, trial, shapes)
-                if _on_device(link.rule.transform_or_identity)
-                else []
-            )
-            first = min((_split_axis(s) for s in reads), default=math.inf)
-            rank = (first, -wants[0].shape[axis])
-            if best is None or rank < best[0]:
-                best = (rank, trial)
-        if best is not None:
-            out.update(zip(link.flax, best[1]))
-    return out
-
-
-def _split_axis(sharding: jax.sharding.NamedSharding) -> float:
-    return next((a for a, e in enumerate(sharding.spec) if e is not None), math.inf)
-
-
 def _device_path(link: _links.Link, targets: Sequence[Target]) -> bool:
     shardings = [t.sharding for t in targets]
     return (
@@ -532,7 +441,7 @@ def _device_path(link: _links.Link, targets: Sequence[Target]) -> bool:
         and all(isinstance(s, jax.sharding.NamedSharding) for s in shardings)
         and len({id(s.mesh) for s in shardings}) == 1
         and len(shardings[0].device_set) > 1
-        and _on_device(link.rule.transform_or_identity)
+        and on_device(link.rule.transform_or_identity)
     )
 
 
@@ -541,8 +450,8 @@ def _device_path(link: _links.Link, targets: Sequence[Target]) -> bool:
 
 @dataclasses.dataclass
 class _Reads:
-    """How a load reads its source (a tied key as the key it is tied to): ranged, and sharded
-    where asked, from safetensors files; through ``source.read`` from any other source."""
+    """A load's reads of ``source`` (a tied key as its ``alias``): ranged, and sharded where
+    asked, from safetensors files; through ``source.read`` from any other source."""
 
     source: Any
     alias: dict[str, str]
@@ -598,13 +507,12 @@ def _devices_fill(
     options: LoadOptions,
 ) -> list[Any]:
     # The Flax tensors of ``link``, computed on the devices from its PyTorch tensors read
-    # sharded. A stacked link larger than the batch goes a band of its values at a time (its
-    # longest stack not split over the devices), each band written in place into the whole
-    # tensors: the host holds a band's reads, not the link's.
+    # sharded. A stacked link larger than the batch goes a band of its longest unsplit stack
+    # at a time, written in place: the host holds a band's reads, not the link's.
     band = _band(link, wants, tensors, options.batch_bytes)
     if band is None:
         shapes = [tensors[k].shape for k in link.torch]
-        read = reads.sharded(list(link.torch), _torch_shardings(link, wants, shapes))
+        read = reads.sharded(list(link.torch), torch_shardings(link, wants, shapes))
         return list(_run_on_device(link, wants, read))
     name, axis, count, size = band
     outs = [_zeros(w.shape, w.dtype, w.sharding)() for w in wants]
@@ -616,7 +524,7 @@ def _devices_fill(
             for w in wants
         ]
         shapes = [tensors[k].shape for k in part.torch]
-        read = reads.sharded(list(part.torch), _torch_shardings(part, sized, shapes))
+        read = reads.sharded(list(part.torch), torch_shardings(part, sized, shapes))
         got = _run_on_device(part, sized, read)
         outs = [_update(w.sharding, axis)(o, g, start) for w, o, g in zip(wants, outs, got)]
     return outs
@@ -665,9 +573,8 @@ def _update(sharding: Any, axis: int) -> Any:
 
 @functools.lru_cache(maxsize=256)
 def _jitted(link: _links.Link, dtypes: tuple[np.dtype, ...], shardings: tuple[Any, ...]) -> Any:
-    # One compiled function per anonymous link (rule, counts, tensor counts: not its names)
-    # and target layout, shared by every link of that layout (the layers of a model that is
-    # not scanned).
+    # One compiled function per anonymous link and target layout, shared by every link of
+    # that layout (the layers of a model that is not scanned).
     import jax.numpy as jnp
 
     def apply(*xs: Any) -> tuple[Any, ...]:

@@ -1,40 +1,14 @@
 """LoRA adapters merged into their kernels on export: which tensors are adapters of which
-kernel, how their shapes lie against it, and the merge (of the whole kernel, or of one block
-of a sharded kernel, bit-identical).
-
-Adapters are found by name, next to their kernel:
-
-- flax's ``nnx.LoRALinear``: ``P.lora.lora_a`` / ``P.lora.lora_b`` next to ``P.kernel``;
-- flax's ``nnx.LoRA(base_module=...)``: ``P.lora_a`` / ``P.lora_b`` next to
-  ``P.base_module.kernel`` (or ``.w``); the wrapper exports as the module it wraps, so the
-  mapping sees ``P.base_module.X`` as ``P.X``;
-- qwix's ``LoraProvider`` (the LoRA Tunix applies): ``W_lora_a`` / ``W_lora_b`` next to
-  ``W``: ``kernel_lora_a`` on linear layers, ``w_lora_a`` on Tunix's einsum layers.
-
-Shapes: ``lora_a`` is ``(*lead, *rows, r)``, ``lora_b`` ``(*lead, r, *cols)`` and the kernel
-``(*shared, *lead, ...)``: ``lead`` axes (stacked layers) the three share, ``shared`` kernel
-axes the adapters serve alike, then the kernel's rows and columns, each in its adapter's
-order, which an adapter may hold flattened (qwix's linear adapters are ``(in, r)`` and
-``(r, out)`` of the products). Rows come first (every flax layout; qwix's on Tunix's
-query/key/value ``(D, N, H)``: adapters ``(D, r)`` and ``(r, N, H)``; on its output
-``(N, H, D)``: ``(N, H, r)`` and ``(r, D)``) or, where that fits no way, among the columns:
-qwix's rule for an einsum (``a`` takes the kernel's axes the input shares, ``b`` the
-others), as on Tunix's Gemma, whose query ``(N, D, H)`` has adapters ``(D, r)`` and
-``(r, N, H)``, and whose keys and values together ``(2, K, D, H)`` have one pair ``(D, r)``
-and ``(r, 2, K, H)``. A kernel whose adapters fit no such layout, or
-fit two that compute differently, is an error naming them.
-
-The merge is ``kernel + a @ b * scale`` in the kernel's dtype (:func:`merge_lora`). The scale
-is ``KeyMapping.lora_scale``: flax's LoRA applies none (1.0); qwix multiplies by
-``alpha / rank`` on the forward pass, which its tensors do not record, so qwix adapters need
-the scale given (:func:`plan` refuses them without).
+kernel (flax's ``nnx.LoRALinear`` and ``nnx.LoRA(base_module=...)``, qwix's ``W_lora_a`` /
+``W_lora_b`` next to ``W``), how their shapes lie against it (:func:`layout`), and the merge
+``kernel + a @ b * scale`` in the kernel's dtype, of the whole kernel or of one block of a
+sharded one, bit-identical (:func:`merge_lora`, :func:`merge_lora_block`).
 
 Example::
 
     found = plan({"q.w": (8, 2, 4), "q.w_lora_a": (8, 3), "q.w_lora_b": (3, 2, 4)},
                  KeyMapping([], lora_scale=2.0), MappingReport())
     found.merges          # {"q.w": ("q.w_lora_a", "q.w_lora_b")}
-    merge_lora(kernel, a, b, 2.0)
 """
 
 from __future__ import annotations

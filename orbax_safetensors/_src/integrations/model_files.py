@@ -1,28 +1,8 @@
-"""The small files of a Hugging Face model directory, beside the weights an export writes:
+"""The small files of a Hugging Face model directory beside the weights an export writes:
 ``config.json``, ``generation_config.json`` and the tokenizer's files, as
-``model.save_pretrained`` and ``tokenizer.save_pretrained`` would write them.
-
-``hf_config`` (of ``osf.export_pytorch``, ``SafetensorsSave``, the CLI's ``--hf-config``) is
-one of:
-
-- a transformers config object: ``config.json`` is its ``to_json_string(use_diff=True)``, the
-  keys that differ from transformers' defaults, as ``save_pretrained`` writes it;
-- a dict: written as given;
-- a path: a ``config.json`` file (read as a dict), or a model directory holding one, whose
-  ``generation_config.json`` and tokenizer files (:data:`TOKENIZER_FILES`, and the chat
-  templates of ``additional_chat_templates/``) are copied too, byte for byte; nothing else of
-  it (weights, unknown files) is.
-
-As ``save_pretrained`` does, ``config.json`` names the causal-LM class (``architectures``)
-when the config names none and transformers knows one for its ``model_type``, and its
-``dtype`` is the stored floating-point dtype when unset or when a dtype policy changed what is
-stored. ``generation_config.json`` comes from ``generation_config=`` (a ``GenerationConfig``, a
-dict or a path) if given, else from the ``hf_config`` directory if it holds one, else, for a
-model type transformers generates with, from the model config
-(``GenerationConfig.from_model_config``, what ``save_pretrained`` writes for it).
-
-Every file is returned as bytes and written with the weights (into the export's staging
-directory, or the step's item directory), so a reader never sees a directory half written.
+``save_pretrained`` would write them, from ``hf_config`` (a transformers config, a dict, a
+``config.json`` or a model directory). Every file is returned as bytes, written with the
+weights so that a reader never sees a directory half written.
 
 Example::
 
@@ -77,8 +57,8 @@ def model_files(
     generation_config: Any = None,
     untie: bool = False,
 ) -> dict[str, bytes]:
-    """``{file name: content}`` of the small files an export writes (see the module
-    docstring); ``dtypes`` are the stored safetensors dtypes of the tensors, ``cast`` whether a
+    """``{file name: content}`` of the small files an export writes (``config.json``,
+    ``generation_config.json``, the tokenizer's); ``dtypes`` are the stored safetensors dtypes of the tensors, ``cast`` whether a
     dtype policy changed them; ``untie``: tied keys were written all the same (a head that
     differs from its embedding: ``fidelity.tie_differences``), so ``config.json`` says
     ``tie_word_embeddings: false``. Empty when both configs are None.
@@ -140,13 +120,6 @@ def tokenizer_files(directory: epath.PathLike) -> dict[str, bytes]:
     return {name: _confine.read_file(path) for name, path in found.items() if path.exists()}
 
 
-def directory_file(directory: epath.PathLike, name: str) -> epath.Path:
-    """The file ``name`` of the model directory ``directory``, checked to lie inside it
-    (symbolic links included: ``storage/confine.py``; a Hugging Face hub cache snapshot's
-    links into its own ``blobs/`` do)."""
-    return _confine.inside(directory, name)
-
-
 def read_json(path: epath.PathLike, what: str = "hf_config") -> dict[str, Any]:
     """The JSON object in the file ``path`` (``what`` names the argument in errors).
 
@@ -203,7 +176,7 @@ def _config_doc(hf_config: Any, directory: epath.Path | None) -> tuple[dict[str,
     if hf_config is None:
         return None, None
     if directory is not None:
-        config = directory_file(directory, CONFIG_FILE_NAME)
+        config = _confine.inside(directory, CONFIG_FILE_NAME)
         if not config.exists():
             raise ValueError(f"hf_config {directory}: a directory without {CONFIG_FILE_NAME}")
         return read_json(config), None
@@ -260,7 +233,7 @@ def _generation_config(given: Any, directory: epath.Path | None, model_config: A
         if _is_path(given):
             p = epath.Path(given)
             if p.is_dir():
-                p = directory_file(p, GENERATION_CONFIG_FILE_NAME)
+                p = _confine.inside(p, GENERATION_CONFIG_FILE_NAME)
             return _json_bytes(read_json(p, "generation_config"))
         if isinstance(given, dict):
             return _json_bytes(given)
@@ -270,7 +243,7 @@ def _generation_config(given: Any, directory: epath.Path | None, model_config: A
             "generation_config must be a transformers GenerationConfig, a dict or a path, not "
             f"{type(given).__name__}"
         )
-    stored = None if directory is None else directory_file(directory, GENERATION_CONFIG_FILE_NAME)
+    stored = None if directory is None else _confine.inside(directory, GENERATION_CONFIG_FILE_NAME)
     if stored is not None and stored.exists():
         return _confine.read_file(stored)
     if model_config is None:

@@ -1,24 +1,13 @@
 """How one tensor holds several tensors of the other side of a rule: a :class:`Gather`.
-
-A rule's collective placeholders (``stacked``, ``fused``) each sit in one side's pattern; the
-tensor of the other side *gathers* their values. A stacked placeholder is an axis of its own
-(``(name, axis, count)``: its values in order); the fused one is a run of parts joined along
-``axis`` of the tensor with its stacked axes left out. A gathered tensor is laid out so: per
-combination of stacked values, the parts joined along ``axis`` (a *slice*); the slices then
-stacked, each stacked axis at its place in the whole tensor.
-
-A *slot* is one combination of gathered values (one layer of one expert, one projection),
-written as their positions: the stacked indices in ``stacks`` order, then the part if fused.
-:meth:`Gather.take` cuts a slot out of a whole tensor, :meth:`Gather.assemble` joins slots
-into one; :meth:`Gather.slot_shapes` and :meth:`Gather.whole_shape` do the same for shapes,
-:meth:`Gather.cut` and :meth:`Gather.place` for the boxes of a shard (a multi-process export).
+Each stacked placeholder is an axis of its own; the fused one is a run of parts joined along
+``axis`` (stacked axes left out). A *slot* is one combination of gathered values (one layer
+of one expert, one part), written as positions: the stacked indices, then the part.
 
 Example::
 
     experts = Gather(stacks=(("e", 0, 4), ("i", 1, 2)))    # (experts, layers, emb, mlp)
     x = np.zeros((4, 2, 8, 16))
     experts.take(x, (3, 1)).shape                            # (8, 16): expert 3 of layer 1
-    experts.assemble([experts.take(x, s) for s in experts.slots]).shape   # (4, 2, 8, 16)
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
-"""Value transforms beyond re-layout, for models that store their weights other than as Hugging
-Face does: a factor folded into a weight (:class:`Scale`), the two RoPE conventions
-(:class:`RopeInterleave`), a vocabulary padded past the tokenizer's (:class:`VocabRows`) and a
-norm stored as an offset from one (:class:`Offset`). Each is a :class:`Transform` (``to_flax``
-towards the JAX side, ``to_torch`` towards Hugging Face), runs on numpy arrays (and on
-jax arrays, as an export on the devices applies it) and keeps the
-tensor's dtype; the MaxText presets (``presets/maxtext.py``) are built of them.
+"""The tensor transforms a :class:`Rule` applies to one slice: re-layouts (:class:`Transpose`,
+:class:`SplitHeads`, :class:`Reshape`, :class:`Chain` of several) and value transforms for
+models that store their weights other than as Hugging Face does (:class:`Scale`,
+:class:`RopeInterleave`, :class:`VocabRows`, :class:`Offset`). Each has ``to_flax`` (towards
+the JAX side) and ``to_torch`` (towards Hugging Face), runs on numpy and on jax arrays (an
+export on the devices applies it) and keeps the tensor's dtype.
 
 Example::
 
@@ -15,9 +14,172 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
+
+
+class Transform(Protocol):
+    """A reversible tensor transform: ``to_flax(to_torch(x))`` gives ``x`` back.
+
+    Example::
+
+        @dataclasses.dataclass(frozen=True)
+        class Negate:  # a Transform of your own, for a Rule
+            def to_flax(self, x): return -x
+            def to_torch(self, x): return -x
+    """
+
+    def to_flax(self, x: np.ndarray) -> np.ndarray:
+        """The PyTorch tensor ``x`` as the Flax variable wants it."""
+        ...
+
+    def to_torch(self, x: np.ndarray) -> np.ndarray:
+        """The Flax value ``x`` as PyTorch stores it."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Transpose:
+    """Permutes axes: ``Transpose()`` reverses them (``nn.Linear`` weight ``(out, in)`` ->
+    kernel ``(in, out)``); ``Transpose((2, 3, 1, 0))`` turns a ``Conv2d`` weight
+    ``(out, in, kh, kw)`` into an NNX ``Conv`` kernel ``(kh, kw, in, out)``.
+
+    Example::
+
+        Rule("{p:.*_proj}.weight", "{p}.kernel", Transpose())
+    """
+
+    axes: tuple[int, ...] | None = None
+
+    def to_flax(self, x: np.ndarray) -> np.ndarray:
+        return np.transpose(x, self.axes)
+
+    def to_torch(self, x: np.ndarray) -> np.ndarray:
+        if self.axes is None:
+            return np.transpose(x)
+        return np.transpose(x, np.argsort(self.axes))
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitHeads:
+    """Splits axis ``axis`` of size ``heads * dim`` into ``(heads, dim)`` (and merges it back
+    for PyTorch), as NNX ``MultiHeadAttention`` stores its projections: query/key/value kernels
+    ``(features, heads, dim)`` and biases ``(heads, dim)``, the output kernel
+    ``(heads, dim, features)``. Give the number of ``heads``, the ``head_dim`` (one rule
+    then fits query heads and fewer key/value heads alike, e.g. Tunix's
+    ``(embed, heads, head_dim)`` attention kernels), or both (the axis must then be exactly
+    that many heads of that size). A tensor they do not fit is refused both ways (a
+    ``ValueError`` naming the axis and the sizes): a merge checks the heads and head size it
+    is given, so a wrong ``head_dim`` never merges silently.
+
+    Example::
+
+        SplitHeads(4, -1).to_flax(np.zeros((6, 12))).shape          # (6, 4, 3)
+        SplitHeads(head_dim=3, axis=0).to_flax(np.zeros((12, 6))).shape   # (4, 3, 6)
+    """
+
+    heads: int | None = None
+    axis: int = -1
+    head_dim: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.heads is None and self.head_dim is None:
+            raise ValueError("SplitHeads takes heads=, head_dim= or both")
+        for name in ("heads", "head_dim"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or int(value) != value or value <= 0):
+                raise ValueError(
+                    f"SplitHeads: {name} must be a positive whole number, got {value!r}"
+                )
+
+    def _sizes(self) -> str:
+        if self.heads is None:
+            return f"heads of head_dim {self.head_dim}"
+        return f"{self.heads} heads" + (
+            "" if self.head_dim is None else f" of head_dim {self.head_dim}"
+        )
+
+    def to_flax(self, x: np.ndarray) -> np.ndarray:
+        axis = self.axis % x.ndim
+        size = int(x.shape[axis])
+        if self.head_dim is not None:
+            dim = int(self.head_dim)
+            heads = size // dim if self.heads is None else int(self.heads)
+        else:
+            heads = int(self.heads or 0)
+            dim = size // heads
+        if heads * dim != size or not dim:
+            raise ValueError(f"axis {axis} of size {size} does not split into {self._sizes()}")
+        return x.reshape(*x.shape[:axis], heads, dim, *x.shape[axis + 1 :])
+
+    def to_torch(self, x: np.ndarray) -> np.ndarray:
+        axis = self.axis % (x.ndim - 1)
+        heads, dim = int(x.shape[axis]), int(x.shape[axis + 1])
+        if (self.heads is not None and heads != self.heads) or (
+            self.head_dim is not None and dim != self.head_dim
+        ):
+            raise ValueError(
+                f"axes {axis} and {axis + 1} hold {heads} heads of head_dim {dim}, not "
+                f"{self._sizes()}"
+            )
+        return x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2 :])
+
+
+@dataclasses.dataclass(frozen=True)
+class Reshape:
+    """Reshapes between two fixed shapes (``-1`` allowed on either side).
+
+    Example::
+
+        Reshape(flax_shape=(4, 8, 32), torch_shape=(32, 32)).to_flax(w).shape  # (4, 8, 32)
+    """
+
+    flax_shape: tuple[int, ...]
+    torch_shape: tuple[int, ...]
+
+    def to_flax(self, x: np.ndarray) -> np.ndarray:
+        return x.reshape(self.flax_shape)
+
+    def to_torch(self, x: np.ndarray) -> np.ndarray:
+        return x.reshape(self.torch_shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Chain:
+    """Several transforms: applied in order towards Flax, in reverse order towards PyTorch.
+
+    Example::
+
+        Chain(Transpose(), SplitHeads(head_dim=64))  # (heads * 64, emb) -> (emb, heads, 64)
+    """
+
+    transforms: tuple[Any, ...]
+
+    def __init__(self, *transforms: Transform) -> None:
+        object.__setattr__(self, "transforms", tuple(transforms))
+
+    def to_flax(self, x: np.ndarray) -> np.ndarray:
+        for t in self.transforms:
+            x = t.to_flax(x)
+        return x
+
+    def to_torch(self, x: np.ndarray) -> np.ndarray:
+        for t in reversed(self.transforms):
+            x = t.to_torch(x)
+        return x
+
+
+@dataclasses.dataclass(frozen=True)
+class _Identity:
+    def to_flax(self, x: np.ndarray) -> np.ndarray:
+        return x
+
+    def to_torch(self, x: np.ndarray) -> np.ndarray:
+        return x
+
+
+IDENTITY = _Identity()
 
 
 @dataclasses.dataclass(frozen=True)

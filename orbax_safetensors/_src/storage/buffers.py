@@ -1,20 +1,16 @@
-"""Host buffers: 64-byte aligned (aligned copies are faster, and ``jax.device_put(...,
-may_alias=True)`` can share them), a large one for the bytes at a known file offset congruent
-to it modulo 4 KiB (so direct I/O fills its whole blocks in place); and reused where a job
-repeats, since first touching fresh memory is slow on virtual machines: across saves
-(:class:`HostBufferPool`), for an export's bands (:class:`LentBuffers`), as a restore's ring
-(:class:`StagingRing`).
-
-Example::
-
-    buf = aligned_empty(1024)
-    arena = BufferArena()
-    a, b = arena.empty(1024), arena.empty(4096)   # both inside one 4 MiB slab
+"""Host buffers: 64-byte aligned (``jax.device_put(..., may_alias=True)`` can share them),
+large ones congruent to their file offset modulo 4 KiB (direct I/O fills their whole blocks in
+place), and reused where a job repeats, since first touching fresh memory is slow on virtual
+machines: across saves (:class:`HostBufferPool`), for an export's bands (:class:`LentBuffers`),
+as a restore's ring (:class:`StagingRing`); and file objects over lists of memoryviews (an
+upload's body, a download's sink: no copy).
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
+import io
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -63,15 +59,100 @@ def slice_views(views: Sequence[memoryview], start: int, stop: int) -> list[memo
     return out
 
 
+class ViewsReader(io.RawIOBase):
+    """A seekable, read-only file over a list of memoryviews (an upload body, no copy)."""
+
+    def __init__(self, views: Sequence[memoryview]) -> None:
+        self._views = [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views]
+        self._starts = [0]
+        for v in self._views:
+            self._starts.append(self._starts[-1] + len(v))
+        self._size = self._starts[-1]
+        self._pos = 0
+        self._i = 0  # index of the view holding byte ``_pos`` (sequential reads skip search)
+
+    def __len__(self) -> int:
+        return self._size
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        self._i = max(0, bisect.bisect_right(self._starts, self._pos) - 1)
+        return self._pos
+
+    def _take(self, n: int) -> list[memoryview]:
+        # Views of the next ``n`` bytes (fewer at the end), the position moved past them.
+        stop = min(self._pos + n, self._size)
+        chunks = []
+        while self._pos < stop:
+            while self._starts[self._i + 1] <= self._pos:
+                self._i += 1
+            start = self._pos - self._starts[self._i]
+            k = min(stop - self._pos, len(self._views[self._i]) - start)
+            chunks.append(self._views[self._i][start : start + k])
+            self._pos += k
+        return chunks
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        done = 0
+        for chunk in self._take(len(out)):
+            out[done : done + len(chunk)] = chunk
+            done += len(chunk)
+        return done
+
+    def read(self, size: int | None = -1) -> bytes:  # (copied once)
+        if size is None or size < 0:
+            size = self._size - self._pos
+        chunks = self._take(size)
+        return chunks[0].tobytes() if len(chunks) == 1 else b"".join(chunks)
+
+    def readall(self) -> bytes:
+        return self.read(-1)
+
+
+class ViewsWriter(io.RawIOBase):
+    """A write-only file that fills a list of memoryviews in order (a download sink)."""
+
+    def __init__(self, views: Sequence[memoryview]) -> None:
+        self._views = list(views)
+        self._i = 0
+        self._off = 0
+        self.written = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        src = memoryview(data).cast("B")
+        done = 0
+        while done < len(src):
+            if self._i >= len(self._views):
+                raise EOFError("object storage returned more bytes than requested")
+            view = self._views[self._i]
+            n = min(len(src) - done, len(view) - self._off)
+            view[self._off : self._off + n] = src[done : done + n]
+            done += n
+            self._off += n
+            if self._off == len(view):
+                self._i += 1
+                self._off = 0
+        self.written += done
+        return done
+
+
 class BufferArena:
-    """Aligned buffers, small ones carved from shared slabs (10,000 small tensors cost a few
-    allocations); a slab lives while any of its buffers does.
-
-    Example::
-
-        arena = BufferArena()
-        a, b = arena.empty(1024), arena.empty(4096)   # both inside one 4 MiB slab
-    """
+    """Aligned buffers, small ones carved from shared slabs (many small tensors cost a few
+    allocations); a slab lives while any of its buffers does."""
 
     _SLAB = 4 << 20
 
@@ -94,16 +175,7 @@ class HostBufferPool:
     """Large host buffers kept from one save to the next (an async save's host copy lands in
     pages already mapped). Each save takes an :meth:`arena` and gives it back with
     :meth:`release` once its writes are done; between saves the pool holds at most one save's
-    large buffers (``idle_bytes``). Thread-safe.
-
-    Example::
-
-        pool = HostBufferPool()
-        arena = pool.arena()
-        a = arena.empty(8 << 20)     # fresh
-        pool.release(arena)          # after a's bytes are written
-        b = pool.arena().empty(8 << 20)   # a's memory again
-    """
+    large buffers. Thread-safe."""
 
     # Capacities are rounded up to whole pages, so that a slightly smaller tensor reuses too.
     _GRANULE = 4096
@@ -113,12 +185,10 @@ class HostBufferPool:
         self._free: dict[int, list[np.ndarray]] = {}
 
     def arena(self) -> PooledArena:
-        """A :class:`BufferArena` for one save, drawing its large buffers from the pool."""
         return PooledArena(self)
 
     def take(self, nbytes: int) -> np.ndarray:
-        """An aligned buffer of at least ``nbytes``: a free one of the same rounded capacity,
-        else a new one."""
+        """An aligned buffer of at least ``nbytes`` (a free one of that rounded capacity)."""
         capacity = -(-nbytes // self._GRANULE) * self._GRANULE
         with self._lock:
             free = self._free.get(capacity)
@@ -136,20 +206,17 @@ class HostBufferPool:
                 self._free.setdefault(buffer.nbytes, []).append(buffer)
 
     def clear(self) -> None:
-        """Frees every idle buffer."""
         with self._lock:
             self._free = {}
 
     @property
     def idle_bytes(self) -> int:
-        """Bytes held for the next save."""
         with self._lock:
             return sum(b.nbytes for buffers in self._free.values() for b in buffers)
 
 
 class PooledArena(BufferArena):
-    """A :class:`BufferArena` whose large buffers come from (and go back to) a
-    :class:`HostBufferPool`; small ones are carved from slabs as usual."""
+    """A :class:`BufferArena` whose large buffers come from a :class:`HostBufferPool`."""
 
     def __init__(self, pool: HostBufferPool) -> None:
         super().__init__()
@@ -157,7 +224,6 @@ class PooledArena(BufferArena):
         self.taken: list[np.ndarray] = []
 
     def empty(self, nbytes: int, **kwargs: Any) -> np.ndarray:
-        """As :meth:`BufferArena.empty`; a large buffer is the pool's."""
         if nbytes <= self._SLAB // 8:
             return super().empty(nbytes, **kwargs)
         buffer = self._pool.take(nbytes)
@@ -170,15 +236,7 @@ class LentBuffers:
     writes many same-sized blocks (an export's cast bands), so each block lands in memory
     already mapped. Larger requests get fresh memory. With ``file_offset`` a block is placed
     for direct I/O (no staging copy). Give a buffer back only once nothing reads it (its
-    write's ``result()`` returned). Thread-safe.
-
-    Example::
-
-        lent = LentBuffers(8 << 20)
-        a = lent.take(1 << 20)      # a fresh buffer's first MiB
-        lent.give_back(a)           # after a's bytes are written
-        b = lent.take(8 << 20)      # the same memory again
-    """
+    write's ``result()`` returned). Thread-safe."""
 
     def __init__(self, capacity: int, max_idle: int = 64) -> None:
         self.capacity = capacity
@@ -192,23 +250,18 @@ class LentBuffers:
         """``nbytes`` of a free buffer (else a new one), page-aligned or placed for
         ``file_offset``."""
         if nbytes > self.capacity:
-            return self._placed(np.empty(nbytes + _PAGE, np.uint8), nbytes, file_offset)
+            fresh = np.empty(nbytes + _PAGE, np.uint8)
+            return _at_phase(fresh, nbytes, _PAGE, (file_offset or 0) % _PAGE)
         with self._lock:
             buffer = self._free.pop() if self._free else None
             if buffer is None:
                 self.fresh += 1
         if buffer is None:  # a page to spare for the phase
             buffer = np.empty(self.capacity + _PAGE, np.uint8)
-        view = self._placed(buffer, nbytes, file_offset)
+        view = _at_phase(buffer, nbytes, _PAGE, (file_offset or 0) % _PAGE)
         with self._lock:
             self._lent[view.ctypes.data] = buffer
         return view
-
-    @staticmethod
-    def _placed(buffer: np.ndarray, nbytes: int, file_offset: int | None) -> np.ndarray:
-        # ``nbytes`` of ``buffer`` (``nbytes`` plus a page at least) from the address congruent
-        # to ``file_offset`` modulo a page (page-aligned without it).
-        return _at_phase(buffer, nbytes, _PAGE, 0 if file_offset is None else file_offset % _PAGE)
 
     def give_back(self, data: Any) -> None:
         """Makes the buffer of ``data`` (a :meth:`take` result or a view from its start) free
@@ -229,13 +282,6 @@ class StagingRing:
     Space is taken with :meth:`take` and handed over in groups with :meth:`hold` (``wait``
     returns once the group's transfers are done; :meth:`take` calls the oldest groups' first
     when it needs their space). Not thread-safe: one restore at a time (:meth:`drain` between).
-
-    Example::
-
-        ring = StagingRing(64 << 20)
-        buf = ring.take(1 << 20)          # read into buf, start its transfer...
-        ring.hold(lambda: array.block_until_ready())
-        ring.drain()                      # every transfer done: the ring is free
     """
 
     def __init__(self, capacity: int) -> None:
@@ -248,8 +294,7 @@ class StagingRing:
         self._held: collections.deque[tuple[int, int, Callable[[], Any]]] = collections.deque()
         self.waits = 0  # how many times a take waited for a transfer
 
-    def fits(self, nbytes: int) -> bool:
-        """Whether a buffer of ``nbytes`` (placed for any file offset) fits in the ring."""
+    def fits(self, nbytes: int) -> bool:  # (placed for any file offset)
         return nbytes + _PAGE <= self.capacity
 
     def take(self, nbytes: int, *, file_offset: int | None = None) -> np.ndarray:

@@ -1,14 +1,8 @@
 """I/O configuration: :class:`IOOptions` (direct I/O mode, object-store tuning, request
-tracing), passed explicitly to ``save_file`` / ``load_file``, the Orbax handler and the storage
-engines. The only module that reads environment variables (``OSF_DIRECT_IO``,
-``OSF_OBJSTORE_<FIELD>``, ``OSF_OBJSTORE_TRACE``, and the cloud SDKs' own through
-:func:`env_var`), when a field left unset is needed: never at import, never kept. An explicit
-field always wins.
-
-Example::
-
-    io = IOOptions(direct_io="never", object_store=ObjectStoreOptions(max_in_flight=32))
-    resolve(io).trace   # False unless OSF_OBJSTORE_TRACE=1
+tracing), passed explicitly to every storage engine. The only module that reads environment
+variables (``OSF_DIRECT_IO``, ``OSF_OBJSTORE_<FIELD>``, ``OSF_OBJSTORE_TRACE``, the cloud SDKs'
+through :func:`env_var`), when a field left unset is needed: never at import, never kept. An
+explicit field always wins.
 """
 
 from __future__ import annotations  # keeps dataclass field types strings (_store_from_env)
@@ -93,10 +87,8 @@ class IOOptions:
     trace: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.direct_io is not None and self.direct_io not in DIRECT_IO_MODES:
-            raise ValueError(
-                f"direct_io={self.direct_io!r}: expected one of {', '.join(DIRECT_IO_MODES)}"
-            )
+        if self.direct_io is not None:
+            direct_io_mode(self.direct_io)
         if self.object_store is not None and not isinstance(self.object_store, ObjectStoreOptions):
             raise TypeError(
                 f"object_store={self.object_store!r}: expected an osf.ObjectStoreOptions"
@@ -106,6 +98,20 @@ class IOOptions:
 def env_var(name: str) -> str | None:
     """The environment variable ``name`` (the package's one reader of it)."""
     return os.environ.get(name)
+
+
+def direct_io_mode(value: str | None) -> str:
+    """The direct I/O mode ``value``, checked; None: ``OSF_DIRECT_IO``'s, else ``"auto"``.
+
+    Raises:
+      ValueError: naming the argument or the variable, for a value not in ``DIRECT_IO_MODES``.
+    """
+    name = "direct_io"
+    if value is None:
+        name, value = DIRECT_IO_ENV, (env_var(DIRECT_IO_ENV) or "auto").strip().lower() or "auto"
+    if value not in DIRECT_IO_MODES:
+        raise ValueError(f"{name}={value!r}: expected one of {', '.join(DIRECT_IO_MODES)}")
+    return value
 
 
 # The deprecated set_object_store_options' value: this process's default object-store
@@ -120,22 +126,15 @@ def resolve(io: IOOptions | None) -> IOOptions:
       ValueError: naming the variable, for a malformed environment default.
     """
     io = io if io is not None else IOOptions()
-    direct_io = io.direct_io if io.direct_io is not None else _direct_io_from_env()
+    direct_io = direct_io_mode(io.direct_io)
     store = io.object_store if io.object_store is not None else default_object_store_options()
     trace = io.trace if io.trace is not None else env_var(TRACE_ENV) == "1"
     return IOOptions(direct_io=direct_io, object_store=store, trace=trace)
 
 
-def _direct_io_from_env() -> str:
-    value = (env_var(DIRECT_IO_ENV) or "auto").strip().lower() or "auto"
-    if value not in DIRECT_IO_MODES:
-        raise ValueError(f"{DIRECT_IO_ENV}={value!r}: expected one of {', '.join(DIRECT_IO_MODES)}")
-    return value
-
-
 def default_object_store_options() -> ObjectStoreOptions:
-    """The object-store options where none are given: the deprecated
-    :func:`set_object_store_options`', else ``OSF_OBJSTORE_<FIELD>`` over the defaults."""
+    """The object-store options where none are given: those the deprecated
+    :func:`set_object_store_options` set, else ``OSF_OBJSTORE_<FIELD>`` over the defaults."""
     if _store_defaults is not None:
         return _store_defaults
     kwargs: dict[str, Any] = {}

@@ -1,17 +1,10 @@
 """Reads stay inside what the caller named, and never block on a special file.
 
-A checkpoint names the files it is read from (an Orbax item's ``_METADATA``, a Hugging Face
-index, this library's metadata), and a forged name could lead anywhere: ``/home/user/secret``,
-``../other``, ``gs://bucket/key`` or a planted symbolic link. :func:`inside` is the one way a path
-is built from such a name; :func:`check_tree` applies its rule to a directory another library
-reads on its own; :func:`open_regular` is the one way a local file is opened for reading (a
-FIFO, device, socket or directory is refused, never waited on), and :func:`read_file` and
-:func:`copy_file` read through it.
-
-Example::
-
-    path = inside(item, "params.w", where=item / "_METADATA")   # item/params.w
-    inside(item, "/etc/passwd", where=item / "_METADATA")        # UnsafePathError
+A checkpoint names the files it is read from, and a forged name could lead anywhere (an
+absolute path, ``../other``, a URL, a planted symbolic link). :func:`inside` is the one way a
+path is built from such a name; :func:`check_tree` applies its rule to a directory another
+library reads on its own; :func:`open_regular` is the one way a local file is opened for reading
+(a FIFO, device, socket or directory is refused, never waited on).
 """
 
 from __future__ import annotations
@@ -50,10 +43,6 @@ def inside(root: epath.PathLike, name: str, *, where: object = None) -> epath.Pa
 
     Raises:
       UnsafePathError: naming ``where``, ``name`` and ``root``.
-
-    Example::
-
-        inside("/ckpt/1/state", "model.safetensors", where="/ckpt/1/state/orbax_safetensors.json")
     """
     from etils import epath
 
@@ -83,13 +72,7 @@ def _within_tree(real: str, real_root: str) -> bool:
 
 def hub_blobs(real_root: str) -> str | None:
     """The ``blobs`` directory of the hub cache repository whose snapshot ``real_root`` (a real
-    path) is or lies in, else None.
-
-    Example::
-
-        hub_blobs("/hf/hub/models--Qwen--Qwen3-0.6B/snapshots/c1899de")
-        # '/hf/hub/models--Qwen--Qwen3-0.6B/blobs'
-    """
+    path) is or lies in (``.../models--org--name/snapshots/<rev>``), else None."""
     parts = real_root.rstrip(os.sep).split(os.sep)
     for i in range(len(parts) - 1, 1, -1):
         if parts[i - 1] == _HUB_SNAPSHOTS and parts[i - 2].startswith(_HUB_REPO_PREFIXES):
@@ -124,14 +107,6 @@ def open_regular(path: epath.PathLike) -> tuple[int, os.stat_result]:
     Raises:
       UnsafePathError: ``path`` is a FIFO, device, socket or directory (the fd is closed).
       OSError: it cannot be opened (missing, permissions).
-
-    Example::
-
-        fd, st = open_regular("model.safetensors")
-        try:
-            data = os.pread(fd, st.st_size, 0)
-        finally:
-            os.close(fd)
     """
     fd = os.open(os.fspath(path), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
@@ -152,35 +127,25 @@ _COPY_CHUNK = 64 << 20
 def read_file(
     path: epath.PathLike, *, limit: int | None = MAX_SMALL_FILE_BYTES, head: int | None = None
 ) -> bytes:
-    """The content of the file ``path`` (every file this library reads whole is read here): a
-    local one through :func:`open_regular`, its size checked against ``limit`` (None: none)
-    before a byte is read; others through ``etils.epath``, up to ``limit``. ``head``: only the
-    first ``head`` bytes (no limit applies).
+    """The content of the file ``path`` (every file this library reads whole is read here),
+    opened as :func:`copy_file` opens it; a local file's size is checked against ``limit``
+    (None: none) before a byte is read. ``head``: only the first ``head`` bytes (no limit).
 
     Raises:
       UnsafePathError: a FIFO, device, socket or directory.
       SafetensorsCheckpointError: larger than ``limit`` bytes.
       OSError: it cannot be read (missing, permissions).
-
-    Example::
-
-        doc = json.loads(read_file("hf/config.json"))
     """
-    if is_local(path):
-        fd, st = open_regular(path)
-        with os.fdopen(fd, "rb", buffering=0) as f:  # (closes fd)
-            if head is not None:
-                return f.read(head)
-            if limit is not None and st.st_size > limit:
-                raise _too_large(path, st.st_size, limit)
-            data = f.read()  # (one buffer of the size fstat gave, grown if the file grew)
-    else:
-        from etils import epath
-
-        with epath.Path(path).open("rb") as f:
-            if head is not None:
-                return f.read(head)
-            data = f.read() if limit is None else f.read(limit + 1)
+    local = is_local(path)
+    with _open_for_reading(path) as f:
+        if head is not None:
+            return f.read(head)
+        if local and limit is not None:
+            size = os.fstat(f.fileno()).st_size
+            if size > limit:
+                raise _too_large(path, size, limit)
+        # (locally one buffer of the size fstat gives, grown if the file grew)
+        data = f.read() if local or limit is None else f.read(limit + 1)
     if limit is not None and len(data) > limit:  # (grown since its size was read)
         raise _too_large(path, len(data), limit)
     return data
@@ -194,7 +159,7 @@ def _too_large(path: object, size: int, limit: int) -> SafetensorsCheckpointErro
 
 def copy_file(src: epath.PathLike, dst: epath.PathLike) -> None:
     """Copies the file ``src`` to ``dst`` (created or replaced), a chunk at a time; ``src`` is
-    opened as :func:`read_file` opens it (a FIFO is refused, not waited on), before ``dst``."""
+    opened first, locally through :func:`open_regular` (a FIFO is refused, not waited on)."""
     from etils import epath
 
     with _open_for_reading(src) as f, epath.Path(dst).open("wb") as out:
@@ -204,10 +169,10 @@ def copy_file(src: epath.PathLike, dst: epath.PathLike) -> None:
 
 def _open_for_reading(path: epath.PathLike) -> Any:
     # A binary file object of ``path``: a local one opened by open_regular, others by epath.
-    from etils import epath
-
     if is_local(path):
         return os.fdopen(open_regular(path)[0], "rb", buffering=0)
+    from etils import epath
+
     return epath.Path(path).open("rb")
 
 

@@ -1,23 +1,8 @@
 """Direct I/O: cold local reads and durable local writes through ``O_DIRECT``, whose offsets,
 lengths and buffer addresses must be aligned to the device's block (:data:`BLOCK`).
-
-``IOOptions(direct_io=...)`` (default ``OSF_DIRECT_IO``): ``auto`` reads direct the chunks of
-large aligned runs that are mostly not in the page cache, and writes durable files direct;
-``never`` is always buffered; ``always`` is direct for every large aligned run (measurements,
-tests). A filesystem that refuses ``O_DIRECT`` is read and written buffered; only Linux has it.
-
-Why: a cold buffered read goes disk -> page cache -> buffer one readahead window at a time,
-where direct reads keep many requests in flight (the device's bandwidth) and leave nothing in
-the page cache; warm data is faster copied from the cache, hence ``auto``. A buffered durable
-write first dirties as much page cache as it writes (evicting the job's) and costs the kernel's
-copy. Readers place each large buffer congruent to its file offset modulo :data:`BLOCK`
-(``buffers.aligned_empty``), so a tensor's whole blocks are read in place; partial end blocks,
-small or misaligned runs go buffered.
-
-Example::
-
-    plan = split_runs(runs, cached=None)   # runs: (file offset, flat uint8 buffer)
-    plan.direct                             # [(offset, view, run number)], 4 KiB-aligned
+``IOOptions(direct_io=...)``: ``auto`` reads direct the chunks of large aligned runs mostly not
+in the page cache and writes durable files direct; ``never``; ``always`` (every large aligned
+run). A filesystem that refuses ``O_DIRECT`` is read and written buffered; only Linux has it.
 """
 
 from __future__ import annotations
@@ -39,28 +24,18 @@ BLOCK = 4096  # alignment of offsets, lengths and addresses of direct reads
 # transfer waits for the device, and below this the per-call cost dominates.
 MIN_BYTES = 1 << 20
 CHUNK_BYTES = 16 << 20  # one direct read: large enough to keep the device's queue full
-ENV = _config.DIRECT_IO_ENV
-MODES = _config.DIRECT_IO_MODES
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux only
 # Errors that mean "this file or filesystem does not do direct I/O": read it buffered instead.
 _UNSUPPORTED = {errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}
 
 
 def mode(value: str | None) -> str:
-    """The direct I/O mode ``value``, checked; None: the default (``OSF_DIRECT_IO``, else auto).
-
-    Raises:
-      ValueError: for a value other than ``auto``, ``never``, ``always``.
-    """
-    if value is None:
-        return _config.resolve(None).direct_io or "auto"
-    if value not in MODES:
-        raise ValueError(f"direct_io={value!r}: expected one of {', '.join(MODES)}")
-    return value
+    """The direct I/O mode ``value``, checked (None: the environment's); ``"never"`` where
+    this platform has no ``O_DIRECT``."""
+    return _config.direct_io_mode(value) if _O_DIRECT else "never"
 
 
 def available() -> bool:
-    """Whether this platform has ``O_DIRECT``."""
     return bool(_O_DIRECT)
 
 
@@ -132,12 +107,7 @@ _libc = _load_libc()
 
 def libc_function(name: str, argtypes: list[Any]) -> Any | None:
     """The C library's function ``name`` taking ``argtypes`` and returning an int (errno kept),
-    or None where this platform has none (Linux only).
-
-    Example::
-
-        renameat2 = libc_function("renameat2", [c_int, c_char_p, c_int, c_char_p, c_uint])
-    """
+    or None where this platform has none (Linux only)."""
     fn = None if _libc is None else getattr(_libc, name, None)
     if fn is not None:
         fn.argtypes = argtypes

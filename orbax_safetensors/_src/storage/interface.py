@@ -1,10 +1,5 @@
 """What every storage engine writes and returns: pieces (bytes at a file offset), write
-results, and the writer protocol ``router.open_writer`` hands out (a module of its own: the
-engines and the router all use it).
-
-Example::
-
-    pieces = [header_piece(header), Piece(len(header), data, tag="w")]
+results, and the writer protocol ``router.open_writer`` hands out.
 """
 
 from __future__ import annotations
@@ -45,8 +40,7 @@ class Writer(Protocol):
     path: str
 
     def write(self, pieces: Sequence[Piece], *, checksums: bool = False) -> WriteResult:
-        """Writes each piece at its offset; ``(tag, nbytes, crc32c or 0)`` per piece, in offset
-        order."""
+        """Writes each piece at its offset; the results in offset order."""
         ...
 
     def submit(self, pieces: Sequence[Piece], *, checksums: bool = False) -> PendingWrite:

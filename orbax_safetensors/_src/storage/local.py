@@ -1,14 +1,7 @@
-"""The local engine: positional, vectored writes and reads of many byte runs of files on a
-local (POSIX) filesystem, from a few threads. Writes go straight from each shard's host buffer
-to its offsets with ``pwritev`` (several processes can fill one pre-sized file); reads land in
-aligned buffers with ``preadv``, small gaps read into a scratch buffer so one call serves
-many runs; large aligned runs may go through ``O_DIRECT`` (:mod:`.direct`).
-
-Example::
-
-    reader = LocalReader(path, threads=4)
-    reader.read_runs([(reader.size - 1024, buf)])
-    reader.close()
+"""The local engine: positional, vectored writes (``pwritev``, several processes can fill one
+pre-sized file) and reads (``preadv`` into aligned buffers, small gaps read into scratch so one
+call serves many runs) of many byte runs, from a few threads; large aligned runs may go
+through ``O_DIRECT`` (:mod:`.direct`).
 """
 
 from __future__ import annotations
@@ -54,27 +47,13 @@ def _vectored_all(
             bufs[0] = bufs[0][moved:]
 
 
-def _pwritev_all(fd: int, bufs: list[memoryview], offset: int) -> None:
-    _vectored_all(os.pwritev, fd, bufs, offset, lambda at: OSError(f"pwritev stalled at {at}"))
-
-
-def _load_sync_file_range() -> Callable[[int, int, int], None] | None:
-    # Linux's sync_file_range(SYNC_FILE_RANGE_WRITE) starts writeback of a range without waiting:
-    # called on each range as it is written, the disk works while later ranges are copied, the
-    # final fsync has little left to do, and the writer is not throttled for its dirty pages.
-    fn = _direct.libc_function(
-        "sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    )
-    if fn is None:
-        return None
-
-    def start_writeback(fd: int, offset: int, nbytes: int) -> None:
-        fn(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE; a failure only loses the head start
-
-    return start_writeback
-
-
-_start_writeback = _load_sync_file_range()
+# Linux's sync_file_range(SYNC_FILE_RANGE_WRITE) starts writeback of a range without waiting:
+# called on each range as it is written, the disk works while later ranges are copied, the
+# final fsync has little left to do, and the writer is not throttled for its dirty pages.
+_sync_file_range = _direct.libc_function(
+    "sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+)
+_SYNC_FILE_RANGE_WRITE = 2
 
 # Work unit of a local write: up to this many bytes (or _runs.IOV_MAX pieces) per pwritev, each
 # checksummed just before it is written, so the CRC of one unit overlaps the write of another.
@@ -83,13 +62,15 @@ WRITE_THREADS = 2
 DIRECT_WRITE_THREADS = 4  # at least this many threads when writing through O_DIRECT
 
 
+def _pwritev_all(fd: int, bufs: list[memoryview], offset: int) -> None:
+    _vectored_all(os.pwritev, fd, bufs, offset, lambda at: OSError(f"pwritev stalled at {at}"))
+
+
 def _write_units(pieces: Sequence[_interface.Piece]) -> list[list[tuple[int, int, memoryview]]]:
     # (piece number, start inside the piece, bytes), in file order: at most _WRITE_UNIT_BYTES
-    # / _runs.IOV_MAX entries per unit, which may hold several runs apart (many small strided
-    # pieces, as a column shard's rows, are one task of the pool, not one each). Large pieces
-    # are cut where the file offset is a multiple of _WRITE_UNIT_BYTES, so the units of a
-    # large tensor are whole 4 KiB blocks (written direct, see LocalWriter) except at the
-    # tensor's two ends.
+    # / _runs.IOV_MAX entries per unit, which may hold several runs apart (a column shard's
+    # rows are one task of the pool, not one each). Large pieces are cut at file offsets that
+    # are multiples of _WRITE_UNIT_BYTES: whole 4 KiB blocks (written direct) but at the ends.
     units: list[list[tuple[int, int, memoryview]]] = []
     unit: list[tuple[int, int, memoryview]] = []
     size = 0
@@ -191,7 +172,7 @@ class LocalWriter:
         self.path = path
         self.size = size
         self._sync = sync
-        mode = _direct.mode(direct_io) if _direct.available() else "never"
+        mode = _direct.mode(direct_io)
         flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if truncate else 0)
         self._fd = self._call(os.open, path, flags, 0o644)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -254,8 +235,9 @@ class LocalWriter:
         if not views:
             return
         self._call(_pwritev_all, self._fd, views, offset)
-        if self._sync and _start_writeback is not None:
-            _start_writeback(self._fd, offset, sum(len(v) for v in views))
+        if self._sync and _sync_file_range is not None:  # (a failure only loses the head start)
+            n = sum(len(v) for v in views)
+            _sync_file_range(self._fd, offset, n, _SYNC_FILE_RANGE_WRITE)
 
     def _direct_descriptor(self) -> int | None:
         if not self._direct_wanted:
@@ -345,7 +327,7 @@ class LocalReader:
         self._fd, self._stat = _confine.open_regular(self.path)  # (a FIFO: refused, not waited on)
         self.size = self._stat.st_size
         self._threads = threads
-        self._direct_mode = _direct.mode(direct_io) if _direct.available() else "never"
+        self._direct_mode = _direct.mode(direct_io)
         self._direct_fd: int | None = None  # opened on the first direct read
         self._direct_refused = False  # the filesystem refused O_DIRECT: read buffered
         self._cache_probe: Any = _UNPROBED  # auto mode: which ranges are in the page cache
@@ -517,10 +499,9 @@ class LocalReader:
 def _split_runs(
     runs: Sequence[tuple[int, np.ndarray]], piece: int, on_run: Callable[[int], None] | None
 ) -> tuple[Sequence[tuple[int, np.ndarray]], Callable[[int], None] | None]:
-    """``runs`` with those over ``piece`` bytes cut into pieces of about ``piece`` bytes
-    (``runs.piece_spans``), and an ``on_run`` for the pieces that calls the given one with a
-    run's number once all of its pieces are in place (from whichever thread read the last).
-    Empty runs are left out of the pieces (the caller reports them)."""
+    """``runs`` with those over ``piece`` bytes cut into pieces of about that size, and an
+    ``on_run`` for the pieces that calls the given one once all of a run's pieces are in place.
+    Empty runs are left out (the caller reports them)."""
     if all(d.nbytes <= piece for _, d in runs):
         return runs, on_run
     pieces: list[tuple[int, np.ndarray]] = []
@@ -542,8 +523,8 @@ def _split_runs(
 def _once_all_parts_in(
     parts: list[int], on_run: Callable[[int], None] | None
 ) -> Callable[[int], None]:
-    """``done(i)``, to call as each of the ``parts[i]`` parts of run ``i`` is in place (from
-    any thread): calls ``on_run(i)`` once the last one is. Counts down ``parts``."""
+    """``done(i)``, to call (from any thread) as each of the ``parts[i]`` parts of run ``i`` is
+    in place: calls ``on_run(i)`` once the last one is."""
     lock = threading.Lock()
 
     def done(i: int) -> None:

@@ -4,19 +4,6 @@ Every writer of a directory goes through :func:`replacing_directory`: locally th
 is written into a hidden sibling and swapped in (one atomic exchange on Linux); on object
 storage the writer's own objects of the old content are deleted first, index and metadata
 before shards. Files the writer does not own (``config.json``, a tokenizer...) are kept.
-
-Why: saving a 3-file tree and then a 1-file tree into one directory must not leave the first
-save's shards and index behind for a reader that follows the index (transformers does). The
-local exchange (``renameat2(RENAME_EXCHANGE)``) shows a reader the old directory or the new one,
-never a mix, and a crash leaves one complete at the path; where it is unavailable, two renames
-leave the path briefly absent. On object storage a crash leaves a checkpoint without metadata
-(refused by restore and ``verify``), never an index naming old shards.
-
-Example::
-
-    with replacing_directory("/ckpt/hf") as tmp:
-        write_everything_into(tmp)
-    # /ckpt/hf now holds exactly what was written (plus the files it kept)
 """
 
 from __future__ import annotations
@@ -50,13 +37,7 @@ def owned(name: str) -> bool:
 @contextlib.contextmanager
 def made_parents(path: epath.PathLike) -> Iterator[None]:
     """Creates the missing parent directories of ``path`` for the block, and removes those it
-    created (while empty) if the block raises: a failed write leaves nothing behind.
-
-    Example::
-
-        with made_parents("/out/new/ckpt"):   # /out/new created, removed if the write fails
-            write_into(staging_sibling_of("/out/new/ckpt"))
-    """
+    created (while empty) if the block raises: a failed write leaves nothing behind."""
     parent = epath.Path(path).parent
     created = []
     while not parent.exists() and parent != parent.parent:
@@ -98,13 +79,8 @@ def replacing_directory(directory: epath.PathLike) -> Iterator[epath.Path]:
 
 
 def staging_path(directory: epath.PathLike, token: str) -> epath.Path:
-    """The hidden sibling of a local ``directory`` its new content is written into (several
-    processes agree on ``token`` first).
-
-    Example::
-
-        tmp = staging_path("/out/hf", "3f9a0c1e")   # /out/.hf.writing-3f9a0c1e
-    """
+    """The hidden sibling of a local ``directory`` its new content is written into
+    (``/out/.hf.writing-<token>`` for ``/out/hf``; several processes agree on ``token``)."""
     directory = epath.Path(directory)
     return directory.parent / f".{directory.name}.writing-{token}"
 
@@ -158,12 +134,7 @@ def _exchange(a: epath.Path, b: epath.Path) -> bool:
 
 def remove_owned(directory: epath.Path) -> None:
     """Object storage: deletes the old checkpoint's own objects of ``directory``, index and
-    metadata first (no interrupted state names a missing or old shard); keeps the others.
-
-    Example::
-
-        remove_owned(epath.Path("gs://bucket/hf"))   # before several processes write it
-    """
+    metadata first (no interrupted state names a missing or old shard); keeps the others."""
     if not directory.exists():
         return
     children = [c for c in directory.iterdir() if owned(c.name)]

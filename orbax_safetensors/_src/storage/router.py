@@ -1,13 +1,6 @@
-"""The only entry point for I/O by path: local files (:mod:`.local`), URLs whose scheme has a
-registered :class:`Provider` (``s3://`` and ``gs://``: :mod:`.objstore`), and other
-``etils.epath`` backends (written as one stream once every byte is in hand, read through a
-seekable file object: :class:`BufferedWriter`, :class:`StreamReader`).
-
-Example::
-
-    buf = buffers.aligned_empty(1024)
-    with open_reader(path) as r:
-        r.read_runs([(r.size - 1024, buf)])
+"""The only entry point for I/O by path: local files (:mod:`.local`), object stores
+(``s3://``, ``gs://``: :mod:`.objstore`), and other ``etils.epath`` backends (written as one
+stream once every byte is in hand, read through a seekable file object).
 """
 
 from __future__ import annotations
@@ -18,7 +11,7 @@ import os
 import stat
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from etils import epath
@@ -33,42 +26,16 @@ from orbax_safetensors._src.storage import confine as _confine
 from orbax_safetensors._src.storage import interface as _interface
 from orbax_safetensors._src.storage import local as _local
 
-
-class Provider(Protocol):
-    """What serves the paths of one URL scheme (an object store): ranged readers, whole-file
-    writes, and the hooks around a save by several processes (the functions of the same names
-    below; an optional ``abandon_directory``). ``io`` is resolved in every method."""
-
-    def open_reader(self, url: str, io: _config.IOOptions) -> Any:
-        """A reader with ``size``, ``pread``, ``read_runs`` and ``close``."""
-        ...
-
-    def write_file(
-        self, url: str, pieces: Sequence[_interface.Piece], size: int, io: _config.IOOptions
-    ) -> None:
-        """Writes this process's ``pieces`` of the ``size``-byte file at ``url``."""
-        ...
-
-    def prepare_directory(
-        self,
-        directory: str,
-        files: Sequence[tuple[str, int]],
-        *,
-        is_primary: bool,
-        io: _config.IOOptions,
-    ) -> None: ...
-
-    def finish_directory(self, directory: str, io: _config.IOOptions) -> None: ...
-
-    def finalize_directory(self, directory: str, io: _config.IOOptions) -> None: ...
+if TYPE_CHECKING:
+    from orbax_safetensors._src.storage.objstore.engine import ObjectStoreProvider
 
 
 Flush = Callable[[str, Sequence[_interface.Piece], int], None]
 
 
 class BufferedWriter:
-    """Collects pieces for a path written whole on close (object storage, other epath
-    backends): ``flush(path, pieces in offset order, size)`` writes them."""
+    """Collects pieces for a path written whole on close by ``flush(path, pieces in offset
+    order, size)`` (object storage, other epath backends)."""
 
     def __init__(self, path: str, size: int, flush: Flush) -> None:
         self.path = path
@@ -154,32 +121,25 @@ class StreamReader:
                 on_run(i)
 
 
-_PROVIDERS: dict[str, Provider] = {}
-# Served by objstore/engine, imported by the first path of one of these schemes: local reads
-# never load the object-store engine and the JAX it uses.
-_BUILT_IN = {"s3": "S3", "gs": "GCS"}
+# The object stores, by URL scheme: their providers in objstore/engine.
+_PROVIDERS = {"s3": "S3", "gs": "GCS"}
 
 
-def register_scheme(scheme: str, provider: Provider) -> None:
-    """Serves every ``<scheme>://`` path through ``provider`` from now on (in this process)."""
-    _PROVIDERS[scheme] = provider
-
-
-def provider_for(path: epath.PathLike) -> Provider | None:
-    """The provider registered for ``path``'s URL scheme (case-sensitive), or None."""
+def provider_for(path: epath.PathLike) -> ObjectStoreProvider | None:
+    """The object store serving ``path``'s URL scheme (case-sensitive), or None."""
     scheme, sep, _ = os.fspath(path).partition("://")
-    if not sep:
+    if not sep or scheme not in _PROVIDERS:
         return None
-    if scheme not in _PROVIDERS and scheme in _BUILT_IN:
-        from orbax_safetensors._src.storage.objstore import engine
+    # Imported by the first such path: local I/O never loads the engine and the JAX it uses.
+    from orbax_safetensors._src.storage.objstore import engine
 
-        _PROVIDERS.setdefault(scheme, getattr(engine, _BUILT_IN[scheme]))
-    return _PROVIDERS.get(scheme)
+    provider: ObjectStoreProvider = getattr(engine, _PROVIDERS[scheme])
+    return provider
 
 
 def is_regular_file(path: epath.PathLike) -> bool:
     """Whether ``path`` is an existing regular file (``epath.Path.is_file`` is true for a FIFO,
-    whose opening for reading blocks)."""
+    whose opening blocks)."""
     if not is_local(path):  # (some etils releases take a missing object for a file)
         p = epath.Path(path)
         return p.exists() and not p.is_dir()
@@ -193,7 +153,7 @@ is_local = _confine.is_local  # (on a local filesystem fd-level I/O is used)
 
 
 def is_object_url(path: epath.PathLike) -> bool:
-    """Whether ``path`` is served by a registered :class:`Provider` (``s3://``, ``gs://``)."""
+    """Whether ``path`` is served by an object store (``s3://``, ``gs://``)."""
     return provider_for(path) is not None
 
 
@@ -212,13 +172,7 @@ def open_writer(
     Local files are not truncated (unless ``truncate``), so several processes can fill
     disjoint ranges of one file. Other paths are written whole when the block exits (the pieces
     must tile ``[0, size)``, or a multi-process save must be prepared). If the block raises,
-    nothing more is written or synced. ``io``: None for the defaults.
-
-    Example::
-
-        with open_writer(path, size=len(header) + data.nbytes, truncate=True) as w:
-            crcs = w.write([Piece(len(header), data, "t")], checksums=True)
-            w.write([header_piece(header)])  # Piece, header_piece: see .interface
+    nothing more is written or synced.
     """
     writer: _local.LocalWriter | BufferedWriter
     provider = provider_for(path)
@@ -240,22 +194,6 @@ def open_writer(
             writer.close(sync=False)
         raise
     writer.close(sync)
-
-
-def write_file(
-    path: epath.PathLike,
-    pieces: Sequence[_interface.Piece],
-    *,
-    size: int,
-    checksums: bool = True,
-    truncate: bool = False,
-    sync: bool = True,
-    io: _config.IOOptions | None = None,
-) -> list[tuple[object, int, int]]:
-    """Writes ``pieces`` into the file at ``path`` of size ``size`` (see :func:`open_writer`);
-    ``(tag, nbytes, crc32c or 0)`` per piece, in offset order."""
-    with open_writer(path, size=size, truncate=truncate, sync=sync, io=io) as w:
-        return w.write(pieces, checksums=checksums)
 
 
 def fsync_dir(path: epath.PathLike) -> None:
@@ -282,8 +220,7 @@ def open_reader(
     io: _config.IOOptions | None = None,
 ) -> Iterator[Any]:
     """Opens ``path`` for ranged reads (``size``, ``pread``, ``read_runs``): fd-level locally,
-    HTTP range requests on object stores, a seekable stream elsewhere; ``io``: None for the
-    defaults."""
+    HTTP range requests on object stores, a seekable stream elsewhere."""
     reader: Any
     provider = provider_for(path)
     if is_local(path):
@@ -331,10 +268,9 @@ def abandon_files(
     processes, tells the others and (the primary) removes what the save uploaded. Never
     raises: the save's error matters more."""
     provider = provider_for(directory)
-    hook = getattr(provider, "abandon_directory", None)
-    if hook is not None:
+    if provider is not None:
         with contextlib.suppress(Exception):
-            hook(os.fspath(directory), error, _config.resolve(io))
+            provider.abandon_directory(os.fspath(directory), error, _config.resolve(io))
 
 
 def finalize_files(directory: epath.PathLike, io: _config.IOOptions | None = None) -> None:

@@ -36,6 +36,7 @@ from orbax_safetensors._src.integrations import model_files as _model_files
 from orbax_safetensors._src.integrations.config_facts import ConfigFacts
 from orbax_safetensors._src.integrations.key_mapping import KeyMapping
 from orbax_safetensors._src.integrations.presets import generic, maxtext, tunix
+from orbax_safetensors._src.storage import confine as _confine
 
 PRESETS: Mapping[str, Callable[..., KeyMapping]] = types.MappingProxyType(
     {**generic.PRESETS, **tunix.PRESETS, **maxtext.PRESETS}
@@ -99,7 +100,7 @@ def read_hf_config(path: str | None) -> dict[str, Any] | None:
     if not p.exists():
         raise ValueError(f"--hf-config {path}: no such file or directory")
     if p.is_dir():
-        p = _model_files.directory_file(p, _model_files.CONFIG_FILE_NAME)
+        p = _confine.inside(p, _model_files.CONFIG_FILE_NAME)
     return _model_files.read_json(p, "--hf-config")
 
 

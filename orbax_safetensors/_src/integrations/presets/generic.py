@@ -6,7 +6,8 @@ transposed.
 
 from __future__ import annotations
 
-from orbax_safetensors._src.integrations.key_mapping import KeyMapping, Rule, Transpose
+from orbax_safetensors._src.integrations.key_mapping import KeyMapping, Rule
+from orbax_safetensors._src.integrations.transforms import Transpose
 
 # A tied head: a directory without lm_head.weight loads the model's head from the embedding,
 # and an export writes none while the head equals the embedding.

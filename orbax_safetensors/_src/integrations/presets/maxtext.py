@@ -19,15 +19,17 @@ import numpy as np
 
 from orbax_safetensors._src.core.errors import ConfigError
 from orbax_safetensors._src.integrations.config_facts import ConfigFacts
-from orbax_safetensors._src.integrations.key_mapping import (
+from orbax_safetensors._src.integrations.key_mapping import KeyMapping, Rule
+from orbax_safetensors._src.integrations.transforms import (
     Chain,
-    KeyMapping,
+    Offset,
     Reshape,
-    Rule,
+    RopeInterleave,
+    Scale,
     SplitHeads,
     Transpose,
+    VocabRows,
 )
-from orbax_safetensors._src.integrations.transforms import Offset, RopeInterleave, Scale, VocabRows
 
 # Where a train state keeps its parameters: state.params = {"params": {decoder, token_embedder}}
 _ROOT = "params.params."

@@ -17,13 +17,8 @@ from collections.abc import Callable
 from typing import Any
 
 from orbax_safetensors._src.integrations.config_facts import ConfigFacts
-from orbax_safetensors._src.integrations.key_mapping import (
-    Chain,
-    KeyMapping,
-    Rule,
-    SplitHeads,
-    Transpose,
-)
+from orbax_safetensors._src.integrations.key_mapping import KeyMapping, Rule
+from orbax_safetensors._src.integrations.transforms import Chain, SplitHeads, Transpose
 
 _HF_LAYER = "model.layers.{i}"
 _MLP = Rule(

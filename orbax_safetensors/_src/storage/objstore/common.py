@@ -1,31 +1,279 @@
-"""What every object-store provider shares: URLs, the :class:`Store` protocol of a client,
-ranged reads (:class:`ObjectReader`), bytes as lists of memoryviews without copies, and the
-hidden prefix of temporary objects.
-
-Example::
-
-    reader = ObjectReader(s3.S3Store(), "s3://bucket/ckpt/model.safetensors")
-    head = reader.pread(0, 8)
-    assert ViewsReader([memoryview(b"abc"), memoryview(b"de")]).read() == b"abcde"
+"""What every object-store provider shares: requests with bounded retries on a shared pool
+(:class:`Configured`, the final error an :class:`ObjectStoreError`), this process's counters
+(:func:`object_store_stats`), URLs, the :class:`Store` protocol of a client, ranged reads
+(:class:`ObjectReader`), byte segments, and the hidden prefix of temporary objects.
 """
 
 from __future__ import annotations
 
-import bisect
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
-import io
 import os
+import random
+import threading
+import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 
 from orbax_safetensors._src.core import runs as _runs
+from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
 from orbax_safetensors._src.storage import buffers as _buffers
 from orbax_safetensors._src.storage import config as _config
 from orbax_safetensors._src.storage import interface as _interface
+
+_T = TypeVar("_T")
+
+
+@dataclasses.dataclass
+class ObjectStoreStats:
+    """Requests and bytes this process sent to object storage (cumulative, all threads):
+    ``bytes_fetched`` every byte ranged GETs asked for (gaps included), ``bytes_uploaded``
+    every byte of PUTs and parts (``multipart_parts``: S3 UploadPart requests among
+    ``put_requests``), ``bytes_reassembled`` other processes' bytes downloaded to build the
+    windows of a save by several processes.
+
+    Example::
+
+        before = osf.object_store_stats()
+        print(before.requests, before.bytes_uploaded)
+    """
+
+    get_requests: int = 0
+    bytes_fetched: int = 0
+    put_requests: int = 0
+    bytes_uploaded: int = 0
+    multipart_parts: int = 0
+    copy_requests: int = 0
+    bytes_copied: int = 0
+    compose_requests: int = 0
+    head_requests: int = 0
+    list_requests: int = 0
+    delete_requests: int = 0
+    other_requests: int = 0
+    retries: int = 0
+    bytes_reassembled: int = 0
+
+    @property
+    def requests(self) -> int:  # every ``*_requests`` field (retries included)
+        return sum(
+            getattr(self, f.name) for f in dataclasses.fields(self) if f.name.endswith("_requests")
+        )
+
+
+_stats = ObjectStoreStats()
+_stats_lock = threading.Lock()  # guards _stats
+
+
+def object_store_stats(reset: bool = False) -> ObjectStoreStats:
+    """A snapshot of this process's object-storage counters; ``reset`` zeroes them after.
+
+    Example::
+
+        osf.object_store_stats(reset=True)
+        osf.load_file("gs://bucket/w.safetensors", target=small_target)
+        print(osf.object_store_stats().bytes_fetched)
+    """
+    global _stats
+    with _stats_lock:
+        snapshot = dataclasses.replace(_stats)
+        if reset:
+            _stats = ObjectStoreStats()
+    return snapshot
+
+
+def count(**increments: int) -> None:
+    """Adds ``increments`` to this process's counters (thread-safe)."""
+    with _stats_lock:
+        for name, value in increments.items():
+            setattr(_stats, name, getattr(_stats, name) + value)
+
+
+class ObjectStoreError(SafetensorsCheckpointError, OSError):
+    """A request to object storage failed for good (after retries, or not retryable); also an
+    ``OSError`` (``str``, ``args``, ``errno`` as for ``OSError(message)``).
+
+    Attributes:
+      url: the object (or prefix) concerned.
+      operation: what was attempted, e.g. ``"GET bytes 0-65535"``.
+      attempts: tries made.
+
+    Example::
+
+        try:
+            osf.load_file("s3://bucket/w.safetensors")
+        except osf.ObjectStoreError as error:
+            print(error.url, error.operation, error.attempts)
+    """
+
+    def __init__(self, url: str, operation: str, attempts: int, cause: BaseException) -> None:
+        tries = f" after {attempts} attempts" if attempts > 1 else ""
+        super().__init__(f"{url}: {operation} failed{tries}: {describe_error(cause)}")
+        self.url = url
+        self.operation = operation
+        self.attempts = attempts
+
+
+def describe_error(error: BaseException) -> str:
+    """``error``'s type, HTTP status when it has one, and message (cut at 300 characters)."""
+    status = http_status(error)
+    text = str(error).strip() or type(error).__name__
+    if len(text) > 300:
+        text = text[:300] + "..."
+    return (
+        f"{type(error).__name__} (HTTP {status}): {text}"
+        if status
+        else f"{type(error).__name__}: {text}"
+    )
+
+
+def http_status(error: BaseException) -> int | None:
+    """The HTTP status a client's error carries (botocore's or google's), or None."""
+    response = getattr(error, "response", None)
+    if isinstance(response, dict):  # botocore ClientError
+        code = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return int(code) if code else None
+    code = getattr(error, "code", None)  # google.api_core GoogleAPICallError
+    if isinstance(code, int):
+        return code
+    status = getattr(response, "status_code", None)
+    return int(status) if isinstance(status, int) else None
+
+
+_TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
+_TRANSIENT_S3_CODES = {"RequestTimeout", "SlowDown", "InternalError", "ServiceUnavailable"}
+
+
+def _is_transient(error: BaseException) -> bool:
+    if isinstance(error, (ConnectionError, TimeoutError)):
+        return True
+    status = http_status(error)
+    if status in _TRANSIENT_STATUS:
+        return True
+    response = getattr(error, "response", None)
+    if isinstance(response, dict) and response.get("Error", {}).get("Code") in _TRANSIENT_S3_CODES:
+        return True
+    names = {cls.__name__ for cls in type(error).__mro__}
+    transient_names = {
+        # botocore
+        "EndpointConnectionError",
+        "ConnectionClosedError",
+        "ReadTimeoutError",
+        "ConnectTimeoutError",
+        "ResponseStreamingError",
+        "IncompleteReadError",
+        "HTTPClientError",
+        # requests / urllib3 / google
+        "ChunkedEncodingError",
+        "ProtocolError",
+        "TransportError",
+        "DataCorruption",
+    }
+    if names & transient_names:
+        return True
+    from_requests = type(error).__module__.startswith("requests")
+    return from_requests and bool(names & {"ConnectionError", "Timeout"})
+
+
+def _trace(message: str) -> None:
+    # One line per request on stderr (IOOptions(trace=True)).
+    import sys
+
+    print(
+        f"[osf-objstore {time.time():.3f} {threading.current_thread().name}] {message}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def is_not_found(error: BaseException) -> bool:
+    """A missing object (not a missing bucket or multipart upload)."""
+    response = getattr(error, "response", None)
+    code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+    if code:
+        return code in ("NoSuchKey", "404", "NotFound")
+    return http_status(error) == 404
+
+
+_executor: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
+_worker = threading.local()
+_pool_lock = threading.Lock()  # guards _executor
+
+
+def _shared_pool(n: int) -> concurrent.futures.ThreadPoolExecutor:
+    # One pool bounds the requests in flight across every reader and writer of the process;
+    # its long-lived threads keep their HTTP connections (and GCS clients) between calls.
+    global _executor
+    with _pool_lock:
+        if _executor is None or _executor[0] != n:
+            pool = concurrent.futures.ThreadPoolExecutor(
+                n, thread_name_prefix="osf-objstore", initializer=_mark_worker
+            )
+            _executor = (n, pool)
+        return _executor[1]
+
+
+def _mark_worker() -> None:
+    _worker.active = True
+
+
+class Configured:
+    """The base of a provider's client: its :class:`ObjectStoreOptions` and tracing, applied to
+    every request it sends through :meth:`call` and :meth:`run_all`."""
+
+    def __init__(
+        self, options: _config.ObjectStoreOptions | None = None, trace: bool = False
+    ) -> None:
+        self.options = options if options is not None else _config.ObjectStoreOptions()
+        self.trace = trace
+
+    def call(self, url: str, operation: str, fn: Callable[[], _T]) -> _T:
+        """``fn()``, tried up to ``max_attempts`` times on transient failures (backoff with
+        jitter); a missing object raises FileNotFoundError, any other final error an
+        :class:`ObjectStoreError`."""
+        options, trace = self.options, self.trace
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                if not trace:
+                    return fn()
+                start = time.perf_counter()
+                result = fn()
+                _trace(f"{time.perf_counter() - start:8.3f}s {operation} {url}")
+                return result
+            except (FileNotFoundError, EOFError, ObjectStoreError, ImportError):
+                raise
+            except Exception as error:
+                if is_not_found(error):
+                    raise FileNotFoundError(f"{url}: no such object ({operation})") from error
+                if not _is_transient(error) or attempt >= options.max_attempts:
+                    raise ObjectStoreError(url, operation, attempt, error) from error
+                count(retries=1)
+                if trace:
+                    _trace(
+                        f"retry after attempt {attempt}: {operation} {url}: {describe_error(error)}"
+                    )
+                delay = min(options.backoff_max, options.backoff_initial * 2 ** (attempt - 1))
+                time.sleep(delay * (0.5 + random.random() / 2))
+
+    def run_all(self, jobs: Sequence[Callable[[], _T]]) -> list[_T]:
+        """The results of ``jobs`` run on the shared pool, in order; jobs started from a pool
+        thread run inline (a nested fan-out must not wait for threads it occupies). The first
+        failure is raised once the others are cancelled or finished."""
+        if len(jobs) <= 1 or getattr(_worker, "active", False):
+            return [job() for job in jobs]
+        pool = _shared_pool(self.options.max_in_flight)
+        futures = [pool.submit(job) for job in jobs]
+        concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+        for f in futures:
+            f.cancel()
+        concurrent.futures.wait(futures)
+        return [f.result() for f in futures]
+
 
 STAGING_DIR = ".osf-parts"
 _HEAD_PREFETCH = 64 * 1024  # first GET of a file: enough for most safetensors headers
@@ -41,6 +289,12 @@ def split_url(url: str) -> tuple[str, str, str]:
     return scheme, bucket, key.strip("/")
 
 
+def split_directory(directory: str) -> tuple[str, str]:
+    """``(bucket, key prefix)`` of a directory URL: the prefix ends with ``/`` unless empty."""
+    _, bucket, key = split_url(directory)
+    return bucket, f"{key}/" if key else ""
+
+
 def missing_client(scheme: str, package: str, extra: str, error: ImportError) -> ImportError:
     """The ImportError for a missing client library, naming the ``pip install`` that brings it."""
     return ImportError(
@@ -48,99 +302,6 @@ def missing_client(scheme: str, package: str, extra: str, error: ImportError) ->
         f"install it with: pip install 'orbax-safetensors[{extra}]'",
         name=error.name,
     )
-
-
-class ViewsReader(io.RawIOBase):
-    """A seekable, read-only file over a list of memoryviews (an upload body, no copy)."""
-
-    def __init__(self, views: Sequence[memoryview]) -> None:
-        self._views = [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views]
-        self._starts = [0]
-        for v in self._views:
-            self._starts.append(self._starts[-1] + len(v))
-        self._size = self._starts[-1]
-        self._pos = 0
-        self._i = 0  # index of the view holding byte ``_pos`` (sequential reads skip search)
-
-    def __len__(self) -> int:
-        return self._size
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = max(0, base + offset)
-        self._i = max(0, bisect.bisect_right(self._starts, self._pos) - 1)
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        out = memoryview(buffer).cast("B")
-        done = 0
-        while done < len(out) and self._pos < self._size:
-            while self._starts[self._i + 1] <= self._pos:
-                self._i += 1
-            view = self._views[self._i]
-            start = self._pos - self._starts[self._i]
-            n = min(len(out) - done, len(view) - start)
-            out[done : done + n] = view[start : start + n]
-            done += n
-            self._pos += n
-        return done
-
-    def read(self, size: int | None = -1) -> bytes:
-        """Up to ``size`` bytes, copied once."""
-        if size is None or size < 0:
-            size = self._size - self._pos
-        stop = min(self._pos + size, self._size)
-        chunks = []
-        while self._pos < stop:
-            while self._starts[self._i + 1] <= self._pos:
-                self._i += 1
-            start = self._pos - self._starts[self._i]
-            n = min(stop - self._pos, len(self._views[self._i]) - start)
-            chunks.append(self._views[self._i][start : start + n])
-            self._pos += n
-        return chunks[0].tobytes() if len(chunks) == 1 else b"".join(chunks)
-
-    def readall(self) -> bytes:
-        return self.read(-1)
-
-
-class ViewsWriter(io.RawIOBase):
-    """A write-only file that fills a list of memoryviews in order (a download sink)."""
-
-    def __init__(self, views: Sequence[memoryview]) -> None:
-        self._views = list(views)
-        self._i = 0
-        self._off = 0
-        self.written = 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        src = memoryview(data).cast("B")
-        done = 0
-        while done < len(src):
-            if self._i >= len(self._views):
-                raise EOFError("object storage returned more bytes than requested")
-            view = self._views[self._i]
-            n = min(len(src) - done, len(view) - self._off)
-            view[self._off : self._off + n] = src[done : done + n]
-            done += n
-            self._off += n
-            if self._off == len(view):
-                self._i += 1
-                self._off = 0
-        self.written += done
-        return done
 
 
 def even_chunks(total: int, target: int) -> list[tuple[int, int]]:
@@ -199,13 +360,9 @@ def segments_of(pieces: Sequence[_interface.Piece]) -> list[Segment]:
     return out
 
 
-_T = TypeVar("_T")
-
-
 class Store(Protocol):
-    """The requests every provider's client answers (``S3Store``, ``GcsStore``), by bucket and
-    key. Each method sends its requests once and counts them; callers retry through
-    :meth:`call` (:func:`.calls.call`, as :meth:`run_all` is :func:`.calls.run_all`)."""
+    """The requests every provider's client answers, by bucket and key. Each method sends its
+    requests once and counts them; callers retry through :meth:`call` (:class:`Configured`)."""
 
     scheme: str  # the URL scheme, e.g. "s3"
     options: _config.ObjectStoreOptions
@@ -215,9 +372,7 @@ class Store(Protocol):
 
     def run_all(self, jobs: Sequence[Callable[[], _T]]) -> list[_T]: ...
 
-    def size(self, bucket: str, key: str) -> int:
-        """The object's size (a not-found error when it is missing)."""
-        ...
+    def size(self, bucket: str, key: str) -> int: ...
 
     def get_into(
         self, bucket: str, key: str, start: int, views: Sequence[memoryview]
@@ -230,13 +385,9 @@ class Store(Protocol):
         """Up to ``n`` bytes from ``start`` (fewer at the end) and the object size if known."""
         ...
 
-    def put(self, bucket: str, key: str, views: Sequence[memoryview]) -> None:
-        """Writes the object ``key`` from the concatenation of ``views``."""
-        ...
+    def put(self, bucket: str, key: str, views: Sequence[memoryview]) -> None: ...
 
-    def delete(self, bucket: str, keys: Sequence[str]) -> None:
-        """Deletes the objects ``keys``."""
-        ...
+    def delete(self, bucket: str, keys: Sequence[str]) -> None: ...
 
     def list(self, bucket: str, prefix: str) -> dict[str, int]:
         """Every object under ``prefix``, with its size."""
@@ -265,7 +416,7 @@ class ObjectReader:
         return self._size
 
     def close(self) -> None:
-        """Nothing to release: requests hold no state between calls."""
+        pass  # requests hold no state between calls
 
     def _get(self, start: int, views: Sequence[memoryview]) -> int | None:
         n = sum(len(v) for v in views)
@@ -318,33 +469,28 @@ class ObjectReader:
         """Fills each ``(offset, dest)`` with the object's bytes at ``offset``, in the fewest
         ranged GETs that read at most 1.5x the bytes wanted (``runs.ranged_reads``), each at
         most ``max_request_bytes``; ``on_run(i)`` for every run once all are in place."""
-        self._read_runs(runs, max_gap)
+        options = self._store.options
+        max_gap = options.max_gap if max_gap is None else max_gap
+        wanted = [(o, d) for o, d in runs if d.nbytes]
+        if wanted:
+            end = max(o + d.nbytes for o, d in wanted)
+            if self._size is not None and end > self._size:
+                raise EOFError(f"{self.path}: needs bytes up to {end}, file has {self._size}")
+            requests: list[tuple[int, list[memoryview]]] = []
+            for start, bufs in _runs.ranged_reads(wanted, max_gap):
+                requests.extend(split_request(start, bufs, options.max_request_bytes))
+            self.requests += len(requests)
+            self.bytes_read += sum(len(v) for _, views in requests for v in views)
+            self._store.run_all([functools.partial(self._get, s, v) for s, v in requests])
         if on_run is not None:
             for i in range(len(runs)):
                 on_run(i)
 
-    def _read_runs(self, runs: Sequence[tuple[int, np.ndarray]], max_gap: int | None) -> None:
-        options = self._store.options
-        max_gap = options.max_gap if max_gap is None else max_gap
-        wanted = [(o, d) for o, d in runs if d.nbytes]
-        if not wanted:
-            return
-        end = max(o + d.nbytes for o, d in wanted)
-        if self._size is not None and end > self._size:
-            raise EOFError(f"{self.path}: needs bytes up to {end}, file has {self._size}")
-        requests: list[tuple[int, list[memoryview]]] = []
-        for start, bufs in _runs.ranged_reads(wanted, max_gap):
-            requests.extend(split_request(start, bufs, options.max_request_bytes))
-        self.requests += len(requests)
-        self.bytes_read += sum(len(v) for _, views in requests for v in views)
-        self._store.run_all([functools.partial(self._get, s, v) for s, v in requests])
 
-
-def staging_prefix(key: str) -> tuple[str, str]:
-    """(hidden prefix of a file's staged objects, file name) for object ``key``."""
+def staging_prefix(key: str) -> str:
+    """The hidden prefix of the staged objects of the object ``key``."""
     directory, _, name = key.rpartition("/")
-    prefix = f"{directory}/{STAGING_DIR}/{name}/" if directory else f"{STAGING_DIR}/{name}/"
-    return prefix, name
+    return f"{directory}/{STAGING_DIR}/{name}/" if directory else f"{STAGING_DIR}/{name}/"
 
 
 def existing_size(store: Store, bucket: str, key: str) -> int | None:

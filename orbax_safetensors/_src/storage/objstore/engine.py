@@ -1,15 +1,9 @@
 """The provider-neutral write flow of object storage, and the providers the router registers
 (:data:`S3`, :data:`GCS`). A file one process holds whole is written directly; a save by several
-processes is registered (:func:`prepare_directory`, every process; refused without the
-key-value store), run (:func:`finish_directory`, every process; then the primary persists the
-commit record) and committed (:func:`finalize_directory`, the primary, maybe on a fresh
-driver). A failed save is removed: nothing is left a reader could take for a checkpoint file.
-
-Example::
-
-    S3.write_file("s3://bucket/w.safetensors", [interface.header_piece(header), *pieces], size, io)
-    with contextlib.closing(GCS.open_reader("gs://bucket/w.safetensors", io)) as reader:
-        head = reader.pread(0, 8)
+processes is registered (:func:`prepare_directory`, every process), run
+(:func:`finish_directory`, every process; then the primary persists the commit record) and
+committed (:func:`finalize_directory`, the primary, maybe on a fresh driver). A failed save is
+removed: nothing is left a reader could take for a checkpoint file.
 """
 
 from __future__ import annotations
@@ -25,7 +19,6 @@ from typing import Any
 from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
 from orbax_safetensors._src.storage import config as _config
 from orbax_safetensors._src.storage import interface as _interface
-from orbax_safetensors._src.storage.objstore import calls as _calls
 from orbax_safetensors._src.storage.objstore import common as _common
 from orbax_safetensors._src.storage.objstore import gcs as _gcs
 from orbax_safetensors._src.storage.objstore import s3 as _s3
@@ -113,7 +106,10 @@ def finish_directory(store: _Store, directory: str) -> None:
     except BaseException as e:
         error = e
         kv.fail(me, e)
-        _abort_mine(store, directory, outcome)
+        ids = outcome.upload_ids
+        _abort_uploads(
+            store, directory, {n: u for n, u in ids.items() if n not in outcome.completed}
+        )
     try:
         kv.set(f"done/{me}", "ok" if error is None else "failed")
     except Exception as e:  # the coordination service is gone: the job is failing anyway
@@ -135,7 +131,7 @@ def finish_directory(store: _Store, directory: str) -> None:
             reason = first or f"processes {failed} did not finish"
             own, error = (
                 error,
-                _calls.ObjectStoreError(
+                _common.ObjectStoreError(
                     directory, "the save", 1, RuntimeError(f"the save failed on {reason}")
                 ),
             )
@@ -160,8 +156,8 @@ def abandon_directory(store: _Store, directory: str, error: BaseException) -> No
         record = _kept.pop(directory, None) if save is None else None
     if save is None:
         if record is not None:
-            ids = {str(f["name"]): str(f["upload_id"]) for f in record.files if "upload_id" in f}
-            discard(store, directory, [str(f["name"]) for f in record.files], ids)
+            names = [str(f["name"]) for f in record.files]
+            discard(store, directory, names, _upload_ids(record))
         return
     kv = _spread.SaveKeys(save.key, directory)
     kv.fail(save.process, error)
@@ -177,13 +173,12 @@ def abandon_directory(store: _Store, directory: str, error: BaseException) -> No
             kv.delete()
 
 
-def _abort_mine(store: _Store, directory: str, outcome: _spread.Outcome) -> None:
-    # Aborts the uploads this process created and did not complete (its save failed).
+def _abort_uploads(store: _Store, directory: str, upload_ids: Mapping[str, str]) -> None:
+    # S3: aborts the multipart uploads ``upload_ids`` (file name -> UploadId) of ``directory``.
     if isinstance(store, _s3.S3Store):
-        _, bucket, base = _common.split_url(directory)
-        for name, upload_id in outcome.upload_ids.items():
-            if name not in outcome.completed:
-                store.abort_upload(bucket, f"{base}/{name}" if base else name, upload_id)
+        bucket, base = _common.split_directory(directory)
+        for name, upload_id in upload_ids.items():
+            store.abort_upload(bucket, base + name, upload_id)
 
 
 def _created_uploads(kv: _spread.SaveKeys, outcome: _spread.Outcome) -> dict[str, str]:
@@ -203,14 +198,9 @@ def _created_uploads(kv: _spread.SaveKeys, outcome: _spread.Outcome) -> dict[str
     return ids
 
 
-def _base(directory: str) -> tuple[str, str]:
-    _, bucket, key = _common.split_url(directory)
-    return bucket, f"{key}/" if key else ""
-
-
 def record_key(directory: str) -> str:
     """The object key of the commit record of the save of ``directory``."""
-    _, base = _base(directory)
+    _, base = _common.split_directory(directory)
     return f"{base}{_common.STAGING_DIR}/{RECORD_NAME}"
 
 
@@ -219,20 +209,13 @@ class CommitRecord:
     """What committing a save by several processes needs, per file several processes wrote,
     persisted as ``<directory>/.osf-parts/spread.json``: ``{"name", "size"}`` for a file
     completed during the save; S3 ``{..., "parts", "upload_id"}`` or GCS ``{..., "level",
-    "sources"}`` for one still to complete (:func:`.spread.commit_file`).
-
-    Example::
-
-        record = CommitRecord("gs", ({"name": "model.safetensors", "size": 1 << 20},))
-        assert CommitRecord.from_json("gs://b/r.json", record.to_json()) == record
-    """
+    "sources"}`` for one still to complete (:func:`.spread.commit_file`)."""
 
     kind: str  # "s3" or "gs"
     files: tuple[Mapping[str, Any], ...]
 
     @classmethod
-    def of_plan(cls, plan: _up.UploadPlan) -> CommitRecord:
-        """The record of a save that ran ``plan`` (every file completed during the save)."""
+    def of_plan(cls, plan: _up.UploadPlan) -> CommitRecord:  # (every file completed)
         files = [
             {"name": f.name, "size": f.size}
             for f in plan.files
@@ -252,9 +235,13 @@ class CommitRecord:
                 raise ValueError(f"format {doc.get('format')!r}, kind {doc.get('kind')!r}")
             return cls(str(doc["kind"]), tuple(dict(f) for f in doc["files"]))
         except (ValueError, TypeError, KeyError, AttributeError) as error:
-            raise _calls.ObjectStoreError(
+            raise _common.ObjectStoreError(
                 url, "reading the spread save's record", 1, error
             ) from error
+
+
+def _upload_ids(record: CommitRecord) -> dict[str, str]:
+    return {str(f["name"]): str(f["upload_id"]) for f in record.files if "upload_id" in f}
 
 
 _kept: dict[str, CommitRecord] = {}  # the primary's records, until its finalize
@@ -263,7 +250,7 @@ _kept: dict[str, CommitRecord] = {}  # the primary's records, until its finalize
 def _write_record(store: _Store, directory: str, record: CommitRecord) -> None:
     # Persists ``record`` (the primary, once every process finished) and keeps it for
     # finalize_directory.
-    bucket, _ = _base(directory)
+    bucket, _ = _common.split_directory(directory)
     key, data = record_key(directory), [memoryview(record.to_json().encode())]
     store.call(
         f"{directory}/{_common.STAGING_DIR}/{RECORD_NAME}",
@@ -282,7 +269,7 @@ def finalize_directory(store: _Store, directory: str) -> None:
     it): completes what its commit record lists (kept in memory, else read from the store) and
     deletes the record; without one, deletes what a save killed mid-way left behind."""
     directory = os.fspath(directory).rstrip("/")
-    bucket, base = _base(directory)
+    bucket, base = _common.split_directory(directory)
     staged = f"{directory}/{_common.STAGING_DIR}/"
     listing = store.call(
         staged, "LIST parts", lambda: store.list(bucket, f"{base}{_common.STAGING_DIR}/")
@@ -307,17 +294,14 @@ def finalize_directory(store: _Store, directory: str) -> None:
             )
         return
     if record.kind != store.scheme:
-        raise _calls.ObjectStoreError(
+        raise _common.ObjectStoreError(
             url, "finalize", 1, RuntimeError(f"a record of a {record.kind}:// save")
         )
     try:
         for f in record.files:
             _spread.commit_file(store, directory, bucket, base, f)
-    except BaseException:
-        if isinstance(store, _s3.S3Store):
-            for f in record.files:
-                if "upload_id" in f:  # (not one its finisher completed)
-                    store.abort_upload(bucket, base + f["name"], f["upload_id"])
+    except BaseException:  # (a file listed with an upload_id: not one its finisher completed)
+        _abort_uploads(store, directory, _upload_ids(record))
         raise
     store.call(url, "DELETE commit record", functools.partial(store.delete, bucket, [key]))
 
@@ -328,10 +312,8 @@ def discard(
     """Removes what a failed save of the files ``names`` wrote in ``directory`` (the primary,
     once no process writes any more): aborts ``upload_ids``, deletes the files written and
     every staged object. Best effort: the save's error matters more."""
-    bucket, base = _base(directory)
-    if isinstance(store, _s3.S3Store):
-        for name, upload_id in upload_ids.items():
-            store.abort_upload(bucket, base + name, upload_id)
+    bucket, base = _common.split_directory(directory)
+    _abort_uploads(store, directory, upload_ids)
     try:
         listing = store.call(
             f"{directory}/", "LIST (clean-up)", functools.partial(store.list, bucket, base)
@@ -350,15 +332,15 @@ def discard(
 
 
 class ObjectStoreProvider:
-    """One object store as a ``router.Provider``: the functions above, with the client for
-    the call's I/O options."""
+    """One object store as ``storage.router`` serves it (readers, writes, the hooks of a save
+    by several processes): the functions above, with the client for the call's resolved I/O
+    options, one per options."""
 
     def __init__(self, make_store: Callable[[_config.ObjectStoreOptions, bool], _Store]) -> None:
         self._make_store = make_store
 
     @functools.lru_cache(maxsize=16)  # noqa: B019 (two module-level providers, kept for good)
     def store(self, io: _config.IOOptions) -> _Store:
-        """The client for (resolved) ``io``, one per options."""
         assert io.object_store is not None and io.trace is not None
         return self._make_store(io.object_store, io.trace)
 

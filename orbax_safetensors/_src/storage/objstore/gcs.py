@@ -1,10 +1,5 @@
 """Google Cloud Storage through google-cloud-storage: the client (:class:`GcsStore`) and
 parallel composite uploads (:func:`write_composed`, composed by :func:`compose_tree`).
-
-Example::
-
-    store = GcsStore()
-    compose_tree(store, url, "bucket", "ckpt/model.safetensors", names, "ckpt/.osf-parts/tmp")
 """
 
 from __future__ import annotations
@@ -17,8 +12,8 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from orbax_safetensors._src.storage import buffers as _buffers
 from orbax_safetensors._src.storage import config as _config
-from orbax_safetensors._src.storage.objstore import calls as _calls
 from orbax_safetensors._src.storage.objstore import common as _common
 
 GCS_MAX_COMPOSE = 32
@@ -33,7 +28,7 @@ def _import_gcs() -> Any:
     return storage
 
 
-class GcsStore(_calls.Configured):
+class GcsStore(_common.Configured):
     """Google Cloud Storage through google-cloud-storage: one client per thread."""
 
     scheme = "gs"
@@ -68,7 +63,7 @@ class GcsStore(_calls.Configured):
         return (options.connect_timeout, options.read_timeout)
 
     def size(self, bucket: str, key: str) -> int:
-        _calls.count(head_requests=1)
+        _common.count(head_requests=1)
         blob = self.client().bucket(bucket).get_blob(key, retry=None, timeout=self._timeout())
         if blob is None:
             raise FileNotFoundError(f"gs://{bucket}/{key}: no such object")
@@ -77,7 +72,7 @@ class GcsStore(_calls.Configured):
     def _download(self, bucket: str, key: str, start: int, n: int, sink: Any) -> bool:
         # Streams up to n bytes from start into the file sink (one GET, without the client's
         # own retries and checksums); False if the object has no byte at start.
-        _calls.count(get_requests=1, bytes_fetched=n)
+        _common.count(get_requests=1, bytes_fetched=n)
         try:
             self._blob(bucket, key).download_to_file(
                 sink,
@@ -90,7 +85,7 @@ class GcsStore(_calls.Configured):
                 single_shot_download=True,
             )
         except Exception as error:
-            if _calls.http_status(error) == 416:
+            if _common.http_status(error) == 416:
                 return False
             raise
         return True
@@ -99,7 +94,7 @@ class GcsStore(_calls.Configured):
         self, bucket: str, key: str, start: int, views: Sequence[memoryview]
     ) -> int | None:
         n = sum(len(v) for v in views)
-        sink = _common.ViewsWriter(views)
+        sink = _buffers.ViewsWriter(views)
         if not self._download(bucket, key, start, n, sink):
             raise EOFError(f"gs://{bucket}/{key}: no bytes at offset {start}")
         if sink.written < n:
@@ -117,8 +112,8 @@ class GcsStore(_calls.Configured):
         return data, (start + len(data) if len(data) < n else None)
 
     def put(self, bucket: str, key: str, views: Sequence[memoryview]) -> None:
-        body = _common.ViewsReader(views)
-        _calls.count(put_requests=1, bytes_uploaded=len(body))
+        body = _buffers.ViewsReader(views)
+        _common.count(put_requests=1, bytes_uploaded=len(body))
         self._blob(bucket, key).upload_from_file(
             body,
             size=len(body),
@@ -132,7 +127,7 @@ class GcsStore(_calls.Configured):
         from google.api_core import exceptions
 
         for key in keys:
-            _calls.count(delete_requests=1)
+            _common.count(delete_requests=1)
             with contextlib.suppress(exceptions.NotFound):
                 self._blob(bucket, key).delete(retry=None, timeout=self._timeout())
 
@@ -144,7 +139,7 @@ class GcsStore(_calls.Configured):
             .pages
         )
         for page in pages:
-            _calls.count(list_requests=1)
+            _common.count(list_requests=1)
             for blob in page:
                 out[blob.name] = int(blob.size)
         return out
@@ -152,7 +147,7 @@ class GcsStore(_calls.Configured):
     def compose(self, bucket: str, key: str, sources: Sequence[str]) -> None:
         if not 1 <= len(sources) <= GCS_MAX_COMPOSE:
             raise ValueError(f"compose takes 1..{GCS_MAX_COMPOSE} sources, got {len(sources)}")
-        _calls.count(compose_requests=1)
+        _common.count(compose_requests=1)
         b = self.client().bucket(bucket)
         blob = b.blob(key)
         blob.content_type = "application/octet-stream"
@@ -169,7 +164,7 @@ def write_composed(
 ) -> None:
     """Writes the object ``key`` from ``seg``: one staged object per chunk (in parallel),
     composed into ``key``, then deleted."""
-    prefix, _ = _common.staging_prefix(key)
+    prefix = _common.staging_prefix(key)
     token = uuid.uuid4().hex[:12]
     names = [f"{prefix}w-{token}-{i:05d}" for i in range(len(chunks))]
     created: list[str] = []
@@ -187,6 +182,15 @@ def write_composed(
         _common.delete_quietly(store, bucket, names + created)
 
 
+def compose_into(store: GcsStore, url: str, bucket: str, target: str, sources: list[str]) -> None:
+    """Composes the objects ``sources`` (in order) into ``target``: one request, retried."""
+    store.call(
+        url,
+        f"compose {len(sources)} objects into {target}",
+        functools.partial(store.compose, bucket, target, sources),
+    )
+
+
 def compose_tree(
     store: GcsStore, url: str, bucket: str, key: str, names: Sequence[str], tmp_prefix: str
 ) -> list[str]:
@@ -199,16 +203,13 @@ def compose_tree(
         groups = [names[i : i + GCS_MAX_COMPOSE] for i in range(0, len(names), GCS_MAX_COMPOSE)]
         targets = [f"{tmp_prefix}-{level}-{i:05d}" for i in range(len(groups))]
         created += targets
-
-        def compose(target: str, group: list[str]) -> None:
-            store.call(
-                url,
-                f"compose {len(group)} objects into {target}",
-                lambda: store.compose(bucket, target, group),
-            )
-
-        store.run_all([functools.partial(compose, t, g) for t, g in zip(targets, groups)])
+        store.run_all(
+            [
+                functools.partial(compose_into, store, url, bucket, t, g)
+                for t, g in zip(targets, groups)
+            ]
+        )
         names = targets
         level += 1
-    store.call(url, f"compose {len(names)} objects", lambda: store.compose(bucket, key, names))
+    compose_into(store, url, bucket, key, names)
     return created

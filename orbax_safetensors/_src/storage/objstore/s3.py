@@ -1,10 +1,5 @@
 """Amazon S3 (and S3-compatible servers) through boto3: the client (:class:`S3Store`) and
 multipart uploads (:func:`write_multipart`, :func:`complete`).
-
-Example::
-
-    store = S3Store()
-    write_multipart(store, url, bucket, key, segment, chunks)
 """
 
 from __future__ import annotations
@@ -17,8 +12,8 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from orbax_safetensors._src.storage import buffers as _buffers
 from orbax_safetensors._src.storage import config as _config
-from orbax_safetensors._src.storage.objstore import calls as _calls
 from orbax_safetensors._src.storage.objstore import common as _common
 
 S3_MAX_PARTS = 10_000
@@ -44,7 +39,7 @@ def _import_boto3() -> tuple[Any, Any]:
     return boto3, Config
 
 
-class S3Store(_calls.Configured):
+class S3Store(_common.Configured):
     """S3 (or an S3-compatible server) through boto3: one thread-safe client per configuration."""
 
     scheme = "s3"
@@ -99,19 +94,19 @@ class S3Store(_calls.Configured):
 
     # reads
     def size(self, bucket: str, key: str) -> int:
-        _calls.count(head_requests=1)
+        _common.count(head_requests=1)
         return int(self.client().head_object(Bucket=bucket, Key=key)["ContentLength"])
 
     def _get_range(self, bucket: str, key: str, start: int, n: int) -> Any:
         # The GetObject response for up to n bytes from start (its Body not read yet); None if
         # the object has no byte at start.
-        _calls.count(get_requests=1, bytes_fetched=n)
+        _common.count(get_requests=1, bytes_fetched=n)
         try:
             return self.client().get_object(
                 Bucket=bucket, Key=key, Range=f"bytes={start}-{start + n - 1}"
             )
         except Exception as error:
-            if _calls.http_status(error) == 416:
+            if _common.http_status(error) == 416:
                 return None
             raise
 
@@ -154,14 +149,14 @@ class S3Store(_calls.Configured):
 
     # writes
     def put(self, bucket: str, key: str, views: Sequence[memoryview]) -> None:
-        body = _common.ViewsReader(views)
-        _calls.count(put_requests=1, bytes_uploaded=len(body))
+        body = _buffers.ViewsReader(views)
+        _common.count(put_requests=1, bytes_uploaded=len(body))
         self.client().put_object(Bucket=bucket, Key=key, Body=body, ContentLength=len(body))
 
     def delete(self, bucket: str, keys: Sequence[str]) -> None:
         for k in range(0, len(keys), 1000):
             batch = keys[k : k + 1000]
-            _calls.count(delete_requests=1)
+            _common.count(delete_requests=1)
             response = self.client().delete_objects(
                 Bucket=bucket, Delete={"Objects": [{"Key": x} for x in batch], "Quiet": True}
             )
@@ -173,7 +168,7 @@ class S3Store(_calls.Configured):
         out: dict[str, int] = {}
         token: str | None = None
         while True:
-            _calls.count(list_requests=1)
+            _common.count(list_requests=1)
             kwargs = {"ContinuationToken": token} if token else {}
             page = self.client().list_objects_v2(Bucket=bucket, Prefix=prefix, **kwargs)
             for item in page.get("Contents", []):
@@ -184,14 +179,14 @@ class S3Store(_calls.Configured):
 
     # multipart
     def create_upload(self, bucket: str, key: str) -> str:
-        _calls.count(other_requests=1)
+        _common.count(other_requests=1)
         return str(self.client().create_multipart_upload(Bucket=bucket, Key=key)["UploadId"])
 
     def upload_part(
         self, bucket: str, key: str, upload_id: str, number: int, views: Sequence[memoryview]
     ) -> str:
-        body = _common.ViewsReader(views)
-        _calls.count(put_requests=1, bytes_uploaded=len(body), multipart_parts=1)
+        body = _buffers.ViewsReader(views)
+        _common.count(put_requests=1, bytes_uploaded=len(body), multipart_parts=1)
         response = self.client().upload_part(
             Bucket=bucket,
             Key=key,
@@ -205,7 +200,7 @@ class S3Store(_calls.Configured):
     def complete_upload(
         self, bucket: str, key: str, upload_id: str, parts: Sequence[tuple[int, str]]
     ) -> None:
-        _calls.count(other_requests=1)
+        _common.count(other_requests=1)
         self.client().complete_multipart_upload(
             Bucket=bucket,
             Key=key,
@@ -218,7 +213,7 @@ class S3Store(_calls.Configured):
         out: builtins.list[tuple[int, str]] = []
         marker = 0
         while True:
-            _calls.count(list_requests=1)
+            _common.count(list_requests=1)
             page = self.client().list_parts(
                 Bucket=bucket, Key=key, UploadId=upload_id, PartNumberMarker=marker
             )
@@ -228,7 +223,7 @@ class S3Store(_calls.Configured):
             marker = int(page["NextPartNumberMarker"])
 
     def abort_upload(self, bucket: str, key: str, upload_id: str) -> None:
-        _calls.count(other_requests=1)
+        _common.count(other_requests=1)
         with contextlib.suppress(Exception):
             self.client().abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)
 

@@ -1,17 +1,8 @@
 """One process's part of a save by several processes on S3 or GCS, over ``jax.distributed``'s
 key-value store: every process publishes which bytes of which file it holds, computes the same
-plan (:mod:`.upload_plan`) and sends its own requests phase by phase (:func:`execute`): the
-uploads of the files it finishes (S3), its own bytes (``own``), the windows it builds from the
-others' loose bundles (``built``), the uploads it completes (S3) or compose levels it was given
-(GCS), and the deletion of what it wrote once no one reads it. A failing process sets
-``failed``; every wait raises as soon as it sees that, naming the process and step.
-``docs/object-storage.md`` tells the protocol step by step.
-
-Example::
-
-    keys = SaveKeys("osf/gs://b/ckpt/1/default/1", "gs://b/ckpt/1/default")
-    execute(store, "gs://b/ckpt/1/default", save, keys, Outcome())  # every process
-    plan, me = last_plan()
+plan (:mod:`.upload_plan`) and sends its own requests phase by phase (:func:`execute`). A
+failing process sets ``failed``; every wait raises as soon as it sees that, naming the process
+and step. ``docs/object-storage.md`` tells the protocol step by step.
 """
 
 from __future__ import annotations
@@ -28,7 +19,6 @@ from typing import Any
 import numpy as np
 
 from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
-from orbax_safetensors._src.storage.objstore import calls as _calls
 from orbax_safetensors._src.storage.objstore import common as _common
 from orbax_safetensors._src.storage.objstore import gcs as _gcs
 from orbax_safetensors._src.storage.objstore import s3 as _s3
@@ -67,8 +57,8 @@ _last: list[tuple[_up.UploadPlan, int]] = []  # the last plan this process execu
 
 
 def last_plan() -> tuple[_up.UploadPlan, int] | None:
-    """The plan of the last spread save this process finished, and its process index (for
-    tests and benchmarks to compare what it sent with the plan)."""
+    """The plan of the last spread save this process finished, and its process index (tests
+    compare what it sent with the plan)."""
     with _lock:
         return _last[-1] if _last else None
 
@@ -77,14 +67,7 @@ class SaveKeys:
     """The steps of one save in the key-value store, under ``prefix`` (``osf/<directory>/<n>``,
     ``n`` counting the saves of that directory in this job), each set once. Every process sets
     ``done/<p>`` last, failed or not; the primary waits for them all (:meth:`wait_done`) before
-    it commits or cleans up, then deletes the keys.
-
-    Example::
-
-        keys = SaveKeys("osf/gs://b/ckpt/1/default/1", "gs://b/ckpt/1/default")
-        keys.set("own/0")
-        keys.wait("own/1", "process 1 to upload its own bytes")
-    """
+    it commits or cleans up, then deletes the keys."""
 
     def __init__(self, prefix: str, directory: str) -> None:
         self.client: Any = _jaxcompat.require_distributed_kv(f"a save to {directory}")
@@ -92,8 +75,7 @@ class SaveKeys:
         self.directory = directory
         self.seen: set[str] = set()
 
-    def set(self, key: str, value: str = "1") -> None:
-        """Sets ``key`` (once per save)."""
+    def set(self, key: str, value: str = "1") -> None:  # (once per save)
         self.client.key_value_set(f"{self.prefix}/{key}", value)
 
     def get(self, key: str, what: str, *, watch_failed: bool = True) -> str:
@@ -111,14 +93,14 @@ class SaveKeys:
                 if watch_failed:
                     failed = self.failure()
                     if failed is not None:
-                        raise _calls.ObjectStoreError(
+                        raise _common.ObjectStoreError(
                             self.directory,
                             f"waiting for {what}",
                             1,
                             RuntimeError(f"the save failed on {failed}"),
                         ) from None
                 if time.monotonic() >= deadline:
-                    raise _calls.ObjectStoreError(
+                    raise _common.ObjectStoreError(
                         self.directory, f"waiting {WAIT_SECONDS:.0f} s for {what}", 1, error
                     ) from error
         self.seen.add(key)
@@ -133,14 +115,13 @@ class SaveKeys:
         """The value of ``key`` if a process set it, else None (without waiting)."""
         return _jaxcompat.distributed_kv_try_get(self.client, f"{self.prefix}/{key}")
 
-    def failure(self) -> str | None:
-        """What the first failing process reported, or None."""
+    def failure(self) -> str | None:  # (what the first failing process reported)
         return _jaxcompat.distributed_kv_try_get(self.client, f"{self.prefix}/{FAILED}")
 
     def fail(self, process: int, error: BaseException) -> None:
         """Reports this process's failure to the others (the first report stays)."""
         with contextlib.suppress(Exception):  # set already by another process
-            self.set(FAILED, f"process {process}: {_calls.describe_error(error)}")
+            self.set(FAILED, f"process {process}: {_common.describe_error(error)}")
 
     def wait_done(self, count: int, me: int) -> list[int]:
         """The primary, after its own ``done``: waits for every process's ``done/<p>``; the
@@ -152,26 +133,23 @@ class SaveKeys:
             try:
                 if self.get(f"done/{p}", f"process {p} to finish", watch_failed=False) != "ok":
                     failed.append(p)
-            except _calls.ObjectStoreError:
+            except _common.ObjectStoreError:
                 failed.append(p)
         return failed
 
-    def delete(self) -> None:
-        """Removes every key of this save (the primary, once every process is done)."""
+    def delete(self) -> None:  # (the primary, once every process is done)
         with contextlib.suppress(Exception):  # best effort: the save's outcome matters more
             _jaxcompat.distributed_kv_delete(self.client, self.prefix)
 
 
 def window_key(key: str, w: int) -> str:
     """The staged object of window ``w`` of the object ``key`` (GCS)."""
-    prefix, _ = _common.staging_prefix(key)
-    return f"{prefix}w-{w:06d}"
+    return f"{_common.staging_prefix(key)}w-{w:06d}"
 
 
 def compose_key(key: str, level: int, group: int) -> str:
     """The composite of group ``group`` of compose level ``level`` of the object ``key``."""
-    prefix, _ = _common.staging_prefix(key)
-    return f"{prefix}c{level}-{group:06d}"
+    return f"{_common.staging_prefix(key)}c{level}-{group:06d}"
 
 
 def write_whole(store: Store, url: str, bucket: str, key: str, seg: _common.Segment) -> None:
@@ -191,13 +169,7 @@ def write_whole(store: Store, url: str, bucket: str, key: str, seg: _common.Segm
 def commit_file(store: Store, directory: str, bucket: str, base: str, f: Mapping[str, Any]) -> None:
     """Completes one file several processes wrote, as a commit record lists it: S3, completes
     upload ``f["upload_id"]`` (an error naming the parts never uploaded); GCS, composes the
-    ``f["sources"]`` composites of level ``f["level"]`` into the file and deletes them.
-
-    Example::
-
-        commit_file(store, "s3://b/ckpt/1/default", "b", "ckpt/1/default/",
-                    {"name": "model.safetensors", "size": n, "parts": 3, "upload_id": uid})
-    """
+    ``f["sources"]`` composites of level ``f["level"]`` into the file and deletes them."""
     if "upload_id" not in f and "level" not in f:
         return
     url, key = f"{directory}/{f['name']}", base + f["name"]
@@ -209,18 +181,14 @@ def commit_file(store: Store, directory: str, bucket: str, base: str, f: Mapping
         numbers = sorted(n for n, _ in parts)
         if numbers != list(range(1, count + 1)):
             missing = sorted(set(range(1, count + 1)) - set(numbers))
-            raise _calls.ObjectStoreError(
+            raise _common.ObjectStoreError(
                 url, "finalize", 1, RuntimeError(f"parts {missing[:10]} were never uploaded")
             )
         _s3.complete(store, url, bucket, key, upload_id, parts, int(f["size"]))
         return
     level, count = int(f["level"]), int(f["sources"])
     sources = [compose_key(key, level, g) for g in range(count)]
-    store.call(
-        url,
-        f"compose {len(sources)} objects into {key}",
-        functools.partial(store.compose, bucket, key, sources),
-    )
+    _gcs.compose_into(store, url, bucket, key, sources)
     store.call(
         url,
         f"DELETE {len(sources)} composed objects",
@@ -269,14 +237,13 @@ def execute(store: Store, directory: str, save: Save, kv: SaveKeys, outcome: Out
             ranges = {p: [(a, b) for a, b in d.get(name, [])] for p, d in docs.items()}
             owners.append(_up.FileOwners.from_segments(name, size, ranges))
         except ValueError as error:
-            raise _calls.ObjectStoreError(
+            raise _common.ObjectStoreError(
                 f"{directory}/{name}", "planning the upload", 1, error
             ) from error
     kind = _up.StoreKind.S3 if s3 else _up.StoreKind.GCS
     limits = _up.UploadLimits.of(store.options)
     plan = outcome.plan = _up.plan_uploads(kind, limits, owners, save.count, primary)
-    _, bucket, base = _common.split_url(directory)
-    base = f"{base}/" if base else ""
+    bucket, base = _common.split_directory(directory)
     ids = outcome.upload_ids
     if s3:
         assert isinstance(store, _s3.S3Store)
@@ -343,8 +310,7 @@ class _Run:
             obj = window_key(key, w)
             store.call(url, f"PUT window {obj}", lambda: store.put(bucket, obj, views))
 
-    def upload_id(self, index: int) -> str:
-        """S3: the UploadId of file ``index``, from its finisher."""
+    def upload_id(self, index: int) -> str:  # S3: the UploadId of file ``index``
         name = self.plan.files[index].name
         if name not in self.ids:
             finisher = int(self.plan.files[index].top)
@@ -379,8 +345,7 @@ class _Run:
             commit_file(store, self.directory, self.bucket, self.base, entry)
             completed.add(f.name)
 
-    def own(self) -> None:
-        """Files this process owns whole, its pure windows, its loose bundles."""
+    def own(self) -> None:  # files this process owns whole, its pure windows, loose bundles
         jobs: list[Any] = []
         written = self.save.written
         for index, f in enumerate(self.plan.files):
@@ -439,7 +404,7 @@ class _Run:
             obj = self.loose_key(peer, int(plan.item_bundle[i]))
             start = int(plan.item_offset[i])
             jobs.append(self._get_job(obj, start, views))
-        _calls.count(bytes_reassembled=sum(int(n) for n in plan.item_bytes[reads]))
+        _common.count(bytes_reassembled=sum(int(n) for n in plan.item_bytes[reads]))
         self.store.run_all(jobs)
         self._put_window(index, w, [out])
 
@@ -453,8 +418,7 @@ class _Run:
             functools.partial(store.get_into, bucket, obj, start, views),
         )
 
-    def build(self) -> None:
-        """The mixed windows this process builds."""
+    def build(self) -> None:  # the mixed windows this process builds
         jobs = []
         for index, f in enumerate(self.plan.files):
             if f.whole_owner < 0:
@@ -462,8 +426,7 @@ class _Run:
                     jobs.append(functools.partial(self._build, index, w))
         self.store.run_all(jobs)
 
-    def compose(self) -> None:
-        """GCS: the compose subtrees this process was given, level by level."""
+    def compose(self) -> None:  # GCS: the compose subtrees this process was given, by level
         store = self.store
         assert isinstance(store, _gcs.GcsStore)
         fan_in = self.plan.limits.compose_fan_in
@@ -482,7 +445,7 @@ class _Run:
                         for k in ready[g * fan_in : (g + 1) * fan_in]:
                             self.kv.wait(k, f"{k} (sources of {target})")
                         url = f"{self.directory}/{f.name}"
-                        _compose(store, url, self.bucket, target, sources)
+                        _gcs.compose_into(store, url, self.bucket, target, sources)
                     targets.append(target)
                     done.append(f"c/{index}/{level}/{composer}")
                 if any(c == self.me for c, _ in groups):
@@ -492,7 +455,7 @@ class _Run:
                 for k in sorted(set(ready)):
                     self.kv.wait(k, f"{k} (sources of {key})")
                 url = f"{self.directory}/{f.name}"
-                _compose(store, url, self.bucket, key, names)
+                _gcs.compose_into(store, url, self.bucket, key, names)
                 self.kv.set(f"top/{index}")
 
     def _delete_composed(self, store: _gcs.GcsStore) -> None:
@@ -532,8 +495,7 @@ class _Run:
                     functools.partial(store.delete, self.bucket, doomed),
                 )
 
-    def cleanup(self) -> None:
-        """Deletes what this process wrote once no one reads it any more."""
+    def cleanup(self) -> None:  # deletes what this process wrote once no one reads it
         if isinstance(self.store, _gcs.GcsStore):
             self._delete_composed(self.store)
         plan = self.plan
@@ -551,11 +513,3 @@ class _Run:
             f"DELETE {len(keys)} loose bundles",
             lambda: store.delete(bucket, keys),
         )
-
-
-def _compose(store: _gcs.GcsStore, url: str, bucket: str, target: str, sources: list[str]) -> None:
-    store.call(
-        url,
-        f"compose {len(sources)} objects into {target}",
-        functools.partial(store.compose, bucket, target, sources),
-    )

@@ -1,23 +1,14 @@
 """The plan of a save by several processes on object storage: which windows (S3 parts, GCS
 objects) each process uploads or builds, and the bytes it moves. Pure and deterministic: every
-process computes the same plan from global facts (the files' sizes and every process's bytes of
-each), so no process is told what to do.
+process computes the same plan from the files' sizes and every process's bytes of each.
 
 A file one process owns is written whole by it. Another is cut into windows: a **pure** window,
 inside one owner's range, is uploaded by that owner; a **mixed** one is built by the owner it
-adds least to (counting what each moves already, a request weighing as 2 MiB moved), from the
-other owners' **loose** bundles (one ranged GET per owner). GCS composes a file's objects in a
-tree spread over their writers; each file's **finisher** (the least loaded writer of its top
-level) creates and completes the S3 upload or composes the GCS top, so the primary only commits.
-On S3 every window but a file's last is at least the minimum part, at most 10,000 per file; on
-GCS a compose joins at most 32 objects.
-
-Example::
-
-    owners = [FileOwners.from_segments("model.safetensors", 100 << 20,
-                                       {0: [(0, 60 << 20)], 1: [(60 << 20, 100 << 20)]})]
-    plan = plan_uploads(StoreKind.S3, UploadLimits(), owners, num_processes=2)
-    plan.files[0].writer                         # who uploads each window
+adds least to (a request weighing as 2 MiB moved), from the other owners' **loose** bundles
+(one ranged GET per owner). GCS composes a file's objects in a tree spread over their writers;
+each file's **finisher** creates and completes the S3 upload or composes the GCS top, so the
+primary only commits. S3: every window but a file's last at least the minimum part, at most
+10,000 per file; GCS: at most 32 objects per compose.
 """
 
 from __future__ import annotations
@@ -29,6 +20,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from orbax_safetensors._src.storage import config as _config
+from orbax_safetensors._src.storage.objstore import common as _common
 from orbax_safetensors._src.storage.objstore.gcs import GCS_MAX_COMPOSE
 from orbax_safetensors._src.storage.objstore.s3 import S3_MAX_PARTS
 
@@ -152,12 +144,6 @@ class UploadPlan:
     item_offset: np.ndarray  # offset of the item in its bundle
 
 
-def _even_bounds(a: int, b: int, target: int) -> list[int]:
-    """Starts of the fewest near-equal chunks of ``[a, b)`` of at most ``target`` bytes."""
-    n = max(1, -(-(b - a) // target))
-    return [a + (b - a) * k // n for k in range(n)]
-
-
 def _capped(seg_starts: np.ndarray, bounds: list[int], b: int, floor: int) -> list[int]:
     """``bounds`` (mixed window starts over ``[bounds[0], b)``), or, where one would hold more
     than ``MAX_WINDOW_OWNERS`` owners' ranges, windows cut before the range that would exceed
@@ -202,7 +188,7 @@ def _windows(
     pure: list[int] = []
 
     def add(a: int, b: int, target: int, owner: int) -> None:
-        bounds = _even_bounds(a, b, target)
+        bounds = [a + start for start, _ in _common.even_chunks(b - a, target)]
         if owner < 0:
             bounds = _capped(f.starts, bounds, b, m)
         starts.extend(bounds)
@@ -277,13 +263,7 @@ def plan_uploads(
     primary: int = 0,
 ) -> UploadPlan:
     """The upload plan of a save of ``files`` (every file with every process's bytes of it) by
-    ``num_processes`` processes.
-
-    Example::
-
-        plan = plan_uploads(StoreKind.GCS, UploadLimits(), owners, num_processes=4)
-        plan.files[0].writer
-    """
+    ``num_processes`` processes."""
     n = num_processes
     total = sum(f.size for f in files)
     low = 2 * (limits.s3_min_part if kind is StoreKind.S3 else limits.gcs_min_object)
