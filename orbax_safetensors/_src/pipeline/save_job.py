@@ -4,16 +4,6 @@ A :class:`SaveJob` holds all one save of a checkpoint directory needs, from the 
 the primary's finalize; drivers (the Orbax handlers, ``standalone.save_directory``) keep no state
 per save, only build jobs and call their steps where their protocol puts them.
 :func:`write_file` is the one-file save (``save_file``).
-
-Example::
-
-    job = SaveJob(validate_save(state), "/tmp/ckpt", mode=SaveMode.SNAPSHOT)
-    job.start()
-    writer = threading.Thread(target=job.write)
-    writer.start()
-    job.snapshot()       # state may be donated from here on
-    writer.join()
-    job.finalize()
 """
 
 from __future__ import annotations
