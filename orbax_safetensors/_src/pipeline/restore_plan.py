@@ -249,12 +249,6 @@ class _Loader:
     def run(self) -> list[Any]:
         return read_tensors(self.requests, self.stats, self.options.io)
 
-    def finish(self, leaf: _tree.SchemaLeaf, value: Any, sharding: Any = None) -> Any:
-        original = self.leaves.get(leaf.tensor_name, leaf).node
-        if type(original) is _schema.PrngKey:
-            return _place.typed_key(leaf.name, value, original.impl, sharding)
-        return value
-
 
 def restore_tree(
     schema: Mapping[str, Any] | None,
@@ -327,7 +321,10 @@ def _restore_saved(schema: _schema.Schema | None, loader: _Loader) -> Any:
     def get(leaf: _tree.SchemaLeaf) -> Any:
         slot = slots[leaf.name]
         if slot not in finished:  # aliases share one object
-            finished[slot] = loader.finish(leaf, values[slot], shardings.get(leaf.name))
+            value, node = values[slot], leaves.get(leaf.tensor_name, leaf).node
+            if type(node) is _schema.PrngKey:
+                value = _place.typed_key(leaf.name, value, node.impl, shardings.get(leaf.name))
+            finished[slot] = value
         return finished[slot]
 
     if schema is None:
