@@ -20,13 +20,13 @@ from typing import Any
 
 from etils import epath
 
-from orbax_safetensors._src.catalog import completeness as _completeness
 from orbax_safetensors._src.catalog import flax_msgpack as _flax_msgpack
 from orbax_safetensors._src.catalog import sources as _sources
 from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
+from orbax_safetensors._src.orbax import completeness as _completeness
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.orbax import v0 as _v0
 from orbax_safetensors._src.orbax.steps import PathKind

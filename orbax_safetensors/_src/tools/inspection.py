@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 from etils import epath
 
-from orbax_safetensors._src.catalog import completeness as _completeness
 from orbax_safetensors._src.catalog import flax_msgpack as _flax_msgpack
 from orbax_safetensors._src.catalog import listing as _listing
 from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.core import sniff as _sniff
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
+from orbax_safetensors._src.orbax import completeness as _completeness
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.orbax.steps import PathKind
 

@@ -21,7 +21,6 @@ from typing import Any
 import jax
 from etils import epath
 
-from orbax_safetensors._src.catalog import completeness as _completeness
 from orbax_safetensors._src.catalog import sources as _sources
 from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import dtypes as _dtypes
@@ -36,6 +35,7 @@ from orbax_safetensors._src.core.errors import (
     SafetensorsCheckpointError,
     SchemaError,
 )
+from orbax_safetensors._src.orbax import completeness as _completeness
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.orbax.steps import PathKind
 from orbax_safetensors._src.pipeline import read as _read
