@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from orbax_safetensors import hf
     from orbax_safetensors._src.core.header import Header, TensorEntry
     from orbax_safetensors._src.integrations.flax_tables import load_model, save_model
-    from orbax_safetensors._src.orbax.object_storage import manager_options_for
+    from orbax_safetensors._src.orbax.steps import manager_options_for
     from orbax_safetensors._src.orbax.v0 import (
         SafetensorsCheckpointHandler,
         SafetensorsRestore,
@@ -122,7 +122,7 @@ _LAZY: dict[str, str] = {
         "integrations.load": ("abstract_pytorch", "load_pytorch"),
         "integrations.export": ("export_pytorch",),
         "integrations.hf_import": ("import_pytorch",),
-        "orbax.object_storage": ("manager_options_for",),
+        "orbax.steps": ("manager_options_for",),
         "orbax.v0": (
             "SafetensorsCheckpointHandler",
             "SafetensorsRestore",

@@ -39,7 +39,7 @@ import traced_memory
 
 import orbax_safetensors as osf
 from orbax_safetensors import cli
-from orbax_safetensors._src.catalog import completeness as _completeness
+from orbax_safetensors._src.orbax import completeness as _completeness
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.tools import inspection
 
@@ -421,7 +421,7 @@ def test_every_reader_of_a_step_refuses_a_half_deleted_one(
     library's item, an Orbax item's manifest, a whole item) refuse it, as restore does and as
     ``verify`` reports it: one ``error:`` line naming the step and what it lacks, exit status
     2, nothing written. They ask the judgement the exhaustive test above holds to restore
-    (``catalog/completeness.refuse_incomplete``, through ``catalog/sources.open_source``)."""
+    (``orbax/completeness.refuse_incomplete``, through ``catalog/sources.open_source``)."""
     root = tmp_path / "run"
     shutil.copytree(roots["ours+standard"], root, copy_function=os.link)
     step = root / str(STEP)

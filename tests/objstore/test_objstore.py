@@ -24,7 +24,7 @@ import orbax_safetensors as osf
 # tests/ is on sys.path (as for tests/conftest.py).
 from objstore.buckets import download, list_keys, pending_uploads, upload
 from objstore.trees import MiB, as_comparable, check_tree, official_tensors, sample_tree
-from orbax_safetensors._src.orbax import object_storage as _object_storage
+from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.storage import config as _config
 from orbax_safetensors._src.storage.interface import Piece
 from orbax_safetensors._src.storage.objstore import engine as _engine
@@ -123,7 +123,7 @@ def test_manager_options_for() -> None:
 )
 def test_rename_commit_on_s3_is_refused_naming_the_fix(directory: str) -> None:
     with pytest.raises(osf.SafetensorsCheckpointError, match=r"osf\.manager_options_for"):
-        _object_storage.check_commit_scheme(directory)
+        _steps.check_commit_scheme(directory)
 
 
 @pytest.mark.parametrize(
@@ -136,7 +136,7 @@ def test_rename_commit_on_s3_is_refused_naming_the_fix(directory: str) -> None:
     ],
 )
 def test_commit_file_and_other_stores_pass_the_check(directory: str) -> None:
-    _object_storage.check_commit_scheme(directory)
+    _steps.check_commit_scheme(directory)
 
 
 _DEFAULT_OPTIONS_CHILD = textwrap.dedent(
@@ -284,10 +284,9 @@ def test_a_partly_held_file_outside_a_prepared_save_is_refused(url: str) -> None
     """One process holding part of a file, with no save by several processes prepared for its
     directory: refused before any request (nothing joins ranges later), naming its bytes."""
     pieces = [Piece(0, np.zeros(10, np.uint8)), Piece(50, np.zeros(5, np.uint8))]
-    provider = _engine.S3 if url.startswith("s3") else _engine.GCS
     osf.object_store_stats(reset=True)
     with pytest.raises(
         ValueError, match=r"w\.safetensors: this process holds bytes 0-9, 50-54 of 100"
     ):
-        provider.write_file(url, pieces, 100, _config.resolve(None))
+        _engine.write_file(_engine.store_for(url, _config.resolve(None)), url, pieces, 100)
     assert osf.object_store_stats().requests == 0

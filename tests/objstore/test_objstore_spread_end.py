@@ -43,8 +43,8 @@ STATE = {  # as in tests/multihost/workers/objstore_spread_end_worker.py
 
 
 def _store(kind: str):  # this library's client of the test server
-    provider = _engine.S3 if kind == "s3" else _engine.GCS
-    return provider.store(_config.resolve(None))
+    scheme = "s3" if kind == "s3" else "gs"
+    return _engine.store_for(f"{scheme}://bucket", _config.resolve(None))
 
 
 def _data(n: int, seed: int) -> bytes:

@@ -376,29 +376,26 @@ def test_save_directory_is_a_direct_job(tmp_path: Path) -> None:
     _assert_checksummed(tmp_path / "d")
 
 
-def test_save_file_is_a_file_save_job(tmp_path: Path) -> None:
-    """``osf.save_file`` is ``FileSaveJob``'s steps: driven by hand they write the same bytes
-    (data, then the header with the checksums); nothing is at the path before ``finalize``."""
+def test_save_file_is_write_file(tmp_path: Path) -> None:
+    """``osf.save_file`` is ``save_job.write_file``: called by hand it writes the same bytes
+    (data, then the header with the checksums) and leaves no temporary file; a failing write
+    leaves nothing at the path."""
     state = {**_state(4), "step": 7}
     policy = {"w": jnp.bfloat16}
     osf.save_file(state, tmp_path / "a.safetensors", {"k": "v"}, dtype=policy)
     validated = _checkpoint_save.validate_save(state, dtype=policy)
-    job = _save_job.FileSaveJob(validated, tmp_path / "b.safetensors", metadata={"k": "v"})
-    with pytest.raises(RuntimeError, match="start first"):
-        job.write()
-    job.start()
-    job.write()
-    written = [p.name for p in tmp_path.iterdir()]
-    assert "b.safetensors" not in written and any(
-        n.startswith(".b.safetensors.tmp-") for n in written
-    )
-    job.finalize()
+    _save_job.write_file(validated, tmp_path / "b.safetensors", metadata={"k": "v"})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors", "b.safetensors"]
     data = (tmp_path / "b.safetensors").read_bytes()
     assert data == (tmp_path / "a.safetensors").read_bytes()
     _assert_same(
         osf.load_file(tmp_path / "b.safetensors"), {**state, "w": state["w"].astype(jnp.bfloat16)}
     )
+    doomed = _checkpoint_save.validate_save({"x": jnp.ones((64, 64))})
+    doomed.captured.arrays[0].delete()  # (donated after validation: the write raises)
+    with pytest.raises(RuntimeError, match="deleted"):
+        _save_job.write_file(doomed, tmp_path / "c.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors", "b.safetensors"]
 
 
 def test_a_process_whose_save_raised_exits_cleanly(tmp_path: Path) -> None:

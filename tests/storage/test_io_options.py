@@ -195,7 +195,7 @@ def test_object_store_options_reach_the_requests(s3_bucket: str) -> None:
     from orbax_safetensors._src.storage.objstore import engine as _engine
 
     io = _config.resolve(osf.IOOptions(object_store=osf.ObjectStoreOptions(max_attempts=1)))
-    store = _engine.S3.store(io)
+    store = _engine.store_for("s3://bucket", io)
     assert store.options.max_attempts == 1 and store.trace is False
     path = epath.Path(s3_bucket) / "w.safetensors"
     osf.save_file({"x": np.ones(3)}, path, io_options=io)

@@ -5,11 +5,6 @@ writes are accepted (1 an ndarray ``(shape, dtype name, C-order bytes)``, 2 a Py
 against the bytes present before a view on them is made. Arrays above Flax's
 ``MAX_CHUNK_SIZE`` are joined from its chunked form. The file is decoded whole (host memory
 about twice its size); :class:`MsgpackSource` is it as a table of tensors.
-
-Example::
-
-    tree = read_file("flax_model.msgpack")   # the state dict, as flax.serialization gives it
-    flat = flatten(tree)                     # {"params.Dense_0.kernel": np.ndarray, ...}
 """
 
 from __future__ import annotations
@@ -324,10 +319,6 @@ class MsgpackSource:
     """A legacy Flax msgpack file as a table of tensors named as :func:`flatten` names them,
     decoded whole. ``tree``: the state dict, a Python complex as a ``complex64`` scalar where
     that is exact (safetensors has no complex128).
-
-    Example::
-
-        MsgpackSource(epath.Path("flax_model.msgpack")).tensors   # {"params.w": TensorInfo}
     """
 
     def __init__(self, path: epath.Path) -> None:

@@ -2,11 +2,6 @@
 listed from its header alone (:func:`list_file`): a local file with ``os.pread`` and the core
 alone (no JAX, Orbax, NumPy, not even the storage layer), so that ``inspect FILE`` answers at
 once; other paths through the storage router.
-
-Example::
-
-    table = list_file("model.safetensors")
-    table.tensors["params.w"].shape        # (512, 512)
 """
 
 from __future__ import annotations

@@ -3,11 +3,6 @@ TensorStore as Orbax's own restore reads it, a few stored chunks at a time, and 
 item's files back what a read would allocate (the admission checks Orbax's restore through a
 manager also runs: the claimed shape, the OCDBT data files, the stored chunks, the machine's
 physical memory).
-
-Example::
-
-    source = OrbaxSource(epath.Path("/ckpt/100/state"))
-    source.read_box("params.w", (slice(0, 8), slice(0, 64)))   # rows 0-7, as stored
 """
 
 from __future__ import annotations
@@ -22,7 +17,6 @@ from typing import Any
 import numpy as np
 from etils import epath
 
-from orbax_safetensors._src.catalog import completeness as _completeness
 from orbax_safetensors._src.catalog.listing import SourceKind, TensorInfo
 from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
 from orbax_safetensors._src.core import dtypes as _dtypes
@@ -30,6 +24,7 @@ from orbax_safetensors._src.core import runs as _runs
 from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
 from orbax_safetensors._src.orbax import claims as _claims
+from orbax_safetensors._src.orbax import completeness as _completeness
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.pipeline import place as _place
 from orbax_safetensors._src.storage import buffers as _buffers
@@ -53,10 +48,6 @@ class OrbaxSource:
     through Orbax's restore. No read runs a collective. Listing reads no chunk; a read that
     the item's files do not back (see the module docstring) raises a
     ``SafetensorsCheckpointError`` naming the tensor and its claim, or the missing file.
-
-    Example::
-
-        OrbaxSource(epath.Path("/ckpt/100/state")).read(["params.w"])   # {"params.w": array}
     """
 
     def __init__(self, path: epath.Path) -> None:
@@ -173,10 +164,6 @@ class OrbaxSource:
     def read_box(self, name: str, box: Sequence[slice]) -> np.ndarray:
         """The values of ``box`` (a slice per axis, steps of 1) of tensor ``name`` in its stored
         dtype, in a new 64-byte aligned array, read a few whole stored chunks at a time.
-
-        Example::
-
-            source.read_box("params.w", (slice(0, 8), slice(0, 64)))   # rows 0-7
         """
         import tensorstore as ts
 
@@ -227,11 +214,6 @@ class OrbaxSource:
     def read_sharded(self, names: Sequence[str], shardings: Mapping[str, Any]) -> dict[str, Any]:
         """The arrays ``names`` as global ``jax.Array`` s laid out by ``shardings`` (by name),
         in their stored dtype: each process reads each distinct box of its devices once.
-
-        Example::
-
-            spec = NamedSharding(mesh, PartitionSpec("model"))
-            source.read_sharded(["params.w"], {"params.w": spec})["params.w"].sharding
         """
         import jax
         import orbax.checkpoint as ocp
@@ -319,11 +301,6 @@ def chunk_pieces(
     """``box`` (explicit bounds) cut at stored chunk boundaries into pieces of at most
     ``max_bytes`` where a chunk is not larger: along the first axis it crosses chunks on,
     consecutive chunks grouped; a group still larger is cut the same way along the next axes.
-
-    Example::
-
-        chunk_pieces((slice(0, 8), slice(0, 4)), (2, 4), 4, 64)
-        # [(slice(0, 4), slice(0, 4)), (slice(4, 8), slice(0, 4))]
     """
 
     def nbytes(b: Sequence[slice]) -> int:

@@ -4,12 +4,6 @@
 its item, and opens the item with the one reader of its kind: :class:`SafetensorsSource` (a
 ``.safetensors`` file, this library's item, a Hugging Face directory), :class:`OrbaxSource`
 or ``MsgpackSource`` (a legacy Flax msgpack file).
-
-Example::
-
-    source = open_source("/ckpt/100/state")
-    source.tensors["params.w"].shape        # (512, 512)
-    arrays = source.read(["params.w"])      # {"params.w": np.ndarray}
 """
 
 from __future__ import annotations
@@ -21,13 +15,13 @@ from typing import Any, Protocol
 import numpy as np
 from etils import epath
 
-from orbax_safetensors._src.catalog import completeness as _completeness
 from orbax_safetensors._src.catalog import flax_msgpack as _flax_msgpack
 from orbax_safetensors._src.catalog import listing as _listing
 from orbax_safetensors._src.catalog.listing import SourceKind, TensorInfo
 from orbax_safetensors._src.catalog.orbax_source import OrbaxSource
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core.errors import HeaderError, SafetensorsCheckpointError
+from orbax_safetensors._src.orbax import completeness as _completeness
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.orbax.steps import PathKind
 from orbax_safetensors._src.pipeline import read as _read
@@ -78,10 +72,6 @@ def open_source(
       SafetensorsCheckpointError: no tensors there; a step of several items without ``item``;
         a root without ``step`` or ``latest``; a ``step`` or ``item`` it does not have.
       FileNotFoundError: ``path`` does not exist.
-
-    Example::
-
-        open_source("/ckpt", latest=True, item="state").tensors   # {"params.w": TensorInfo}
     """
     path, kind = _resolve(epath.Path(path), step, item, latest)
     return _READERS[kind](path)
@@ -90,10 +80,6 @@ def open_source(
 def open_items(path: epath.PathLike) -> dict[str, TensorSource]:
     """The tables of every item of tensors ``path`` names: a step directory's by item name,
     anything else as ``{"": open_source(path)}``.
-
-    Example::
-
-        open_items("/ckpt/100").keys()   # dict_keys(['native', 'state'])
     """
     path = epath.Path(path)
     if _steps.classify(path) is not PathKind.STEP:
@@ -127,34 +113,47 @@ def _resolve(
         raise SafetensorsCheckpointError(
             f"{path} is {kind.noun}, not a CheckpointManager root: step= does not apply"
         )
-    if kind is not PathKind.ROOT:  # a step Orbax lists with parts gone is no checkpoint
-        _completeness.refuse_incomplete(path)
-    if kind is PathKind.STEP:
-        items = _steps.list_items(path)
-        tensors = [n for n, k in items.items() if k in _steps.TENSOR_KINDS]
-        if item is not None and item not in tensors:
-            raise SafetensorsCheckpointError(
-                f"{path}: no tensor item {item!r} (items: {', '.join(items) or '-'})"
-            )
-        if item is None and not tensors:
-            raise _steps.not_a_checkpoint(path)
-        if item is None and len(tensors) > 1:
-            raise SafetensorsCheckpointError(
-                f"{path}: a step with {len(tensors)} items of tensors ({', '.join(tensors)}); "
-                "name one item directory"
-            )
-        name = tensors[0] if item is None else item
-        return path / name, items[name]
-    if item is not None:
-        raise SafetensorsCheckpointError(f"{path} is {kind.noun}, not a step: item= does not apply")
     if kind is PathKind.ROOT:
+        if item is not None:
+            raise SafetensorsCheckpointError(
+                f"{path} is {kind.noun}, not a step: item= does not apply"
+            )
         listed = ", ".join(str(s) for s, _ in _steps.list_steps(path)[-5:]) or "none committed"
         raise SafetensorsCheckpointError(
             f"{path}: a CheckpointManager root (steps: {listed}); name one step or item directory"
         )
-    if kind not in _steps.TENSOR_KINDS:
-        raise _steps.not_a_checkpoint(path)
-    return path, kind
+    entry = _steps.step_entry(path)
+    # The item chosen, or the error saying why there is none; an incomplete step is refused
+    # first (a step Orbax lists with parts gone is no checkpoint).
+    chosen: tuple[epath.Path, PathKind] | SafetensorsCheckpointError = (path, kind)
+    if kind is PathKind.STEP:
+        items = _steps.list_items(path)
+        tensors = [n for n, k in items.items() if k in _steps.TENSOR_KINDS]
+        if item is not None and item not in tensors:
+            chosen = SafetensorsCheckpointError(
+                f"{path}: no tensor item {item!r} (items: {', '.join(items) or '-'})"
+            )
+        elif item is None and not tensors:
+            chosen = _steps.not_a_checkpoint(path)
+        elif item is None and len(tensors) > 1:
+            chosen = SafetensorsCheckpointError(
+                f"{path}: a step with {len(tensors)} items of tensors ({', '.join(tensors)}); "
+                "name one item directory"
+            )
+        else:
+            name = tensors[0] if item is None else item
+            chosen = path / name, items[name]
+    elif item is not None:
+        chosen = SafetensorsCheckpointError(
+            f"{path} is {kind.noun}, not a step: item= does not apply"
+        )
+    elif kind not in _steps.TENSOR_KINDS:
+        chosen = _steps.not_a_checkpoint(path)
+    if entry is not None and entry.committed:
+        _completeness.require_complete(entry)
+    if isinstance(chosen, SafetensorsCheckpointError):
+        raise chosen
+    return chosen
 
 
 class SafetensorsSource:

@@ -6,13 +6,10 @@
 - :class:`TreeMetadata`: what the handler's ``metadata`` returns, shaped like Orbax's;
 - :class:`OrbaxRouter`, :func:`registry_for`: Orbax's own args (``StandardSave`` /
   ``StandardRestore``, ``PyTreeSave`` / ``PyTreeRestore``) in a root that also holds
-  safetensors steps go to Orbax's own handlers.
-
-Example::
-
-    item = apply_save_args(item, save_args)
-    if orbax_kind(args) is not None:
-        return router.async_save(directory, args)   # an Orbax-native step
+  safetensors steps go to Orbax's own handlers;
+- :func:`restore_options`, :func:`restore_safetensors`, :func:`restore_orbax_native`: a
+  restore's args (Orbax's ``strict``, ``partial_restore``, ``restore_args``) as the pipeline's
+  neutral options, its mismatch errors worded in the caller's API (:data:`V0_WORDS`).
 """
 
 from __future__ import annotations
@@ -20,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import threading
-from collections.abc import Coroutine, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -30,8 +27,23 @@ from etils import epath
 from jax.tree_util import DictKey, GetAttrKey, SequenceKey
 
 from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
+from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
+from orbax_safetensors._src.compat.orbaxargs import is_restore_args
+from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.core import tree as _tree
-from orbax_safetensors._src.orbax import restoring as _restoring
+from orbax_safetensors._src.core.errors import TargetMismatchError
+from orbax_safetensors._src.pipeline import standalone as _standalone
+from orbax_safetensors._src.pipeline.read import ReadStats
+from orbax_safetensors._src.pipeline.restore_options import (
+    Keys,
+    RestoreOptions,
+    Skip,
+    Words,
+    neutral_leaves,
+    neutral_target,
+    reworded,
+)
+from orbax_safetensors._src.storage import config as _config
 
 REGISTRY_HINT = (
     "an item that also takes Orbax's StandardSave/PyTreeSave args needs "
@@ -65,7 +77,7 @@ def tree_summary(tree: Any) -> str:
     """``<dict: 12 leaves, 3.4 MiB>``: a pytree described without printing its arrays."""
     if tree is None:
         return "None"
-    leaves = jax.tree_util.tree_leaves(tree, is_leaf=_restoring.is_restore_args)
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=is_restore_args)
     total = sum(_leaf_bytes(x) for x in leaves)
     count = f"{len(leaves)} leaf" if len(leaves) == 1 else f"{len(leaves)} leaves"
     return f"<{type(tree).__name__}: {count}, {_human_bytes(total)}>"
@@ -171,11 +183,6 @@ class TreeMetadata:
 
     Maps over like the tree itself (``jax.tree.map(f, meta)``), and indexes like its top
     level (``meta["params"]``); ``meta.tree`` is the plain tree.
-
-    Example::
-
-        meta = mngr.item_metadata(step)
-        meta.tree["params"]["w"].shape, meta.custom_metadata
     """
 
     def __init__(self, *, tree: Any, custom_metadata: Any = None, use_zarr3: bool = False):
@@ -326,12 +333,6 @@ class OrbaxRouter:
     """Orbax's own handlers, made when first needed, and which of them saved each item
     directory still to finalize. Thread-safe: one router serves any number of items and
     concurrent saves (each directory is one save).
-
-    Example::
-
-        router = OrbaxRouter()
-        coroutine = router.async_save(directory, ocp.args.StandardSave(state))
-        router.finalize(directory)   # True: Orbax's handler saved it
     """
 
     def __init__(self) -> None:
@@ -408,3 +409,190 @@ def registry_for(handler: Any, item: str, own_args: Iterable[type]) -> Any:
     for args_type in (*own_args, *ORBAX_ARGS):
         registry.add(item, args_type, handler)
     return registry
+
+
+# --------------------------------------------------------------------------- restoring
+
+
+def is_placeholder(x: object) -> bool:
+    """Whether ``x`` is Orbax's ``PLACEHOLDER`` (a leaf to leave unread)."""
+    return x is ocp.PLACEHOLDER
+
+
+def merge_restore_args(item: Any, restore_args: Any, *, partial_restore: bool) -> Any:
+    """The neutral restore target of ``SafetensorsRestore(item, restore_args=...)``.
+
+    As Orbax's ``PyTreeRestore``: the tree (and its node types) is ``item``'s, each leaf is
+    the ``restore_args`` leaf of the same key. An ``ArrayRestoreArgs`` (with its ``strict``
+    left True) takes ``item``'s shape and dtype where it names none; its sharding is its own
+    (none: as the saved tree would be restored). A ``PLACEHOLDER`` in ``item`` stays one
+    whatever ``restore_args`` says there (Orbax keeps it). ``restore_args`` keys that ``item``
+    lacks are an error, or dropped with ``partial_restore``.
+
+    Raises:
+      TargetMismatchError: naming the keys in one of the two trees only.
+    """
+    if restore_args is None:
+        return neutral_target(item)
+    if item is None:
+        return neutral_target(restore_args)
+    flat = _tree.flatten_target(item, is_leaf=is_restore_args)
+    args = _tree.flatten_target(restore_args, is_leaf=is_restore_args)
+    by_name = dict(zip(args.names, args.leaves))
+    lacking = [
+        n for n, x in zip(flat.names, flat.leaves) if n not in by_name and not is_placeholder(x)
+    ]
+    extra = [] if partial_restore else sorted(set(by_name) - set(flat.names))
+    if lacking or extra:
+        parts = ["restore_args does not match item:"]
+        if lacking:
+            parts.append(
+                f"  in item but not restore_args ({len(lacking)}): {', '.join(lacking[:50])}"
+            )
+        if extra:
+            parts.append(
+                f"  in restore_args but not item ({len(extra)}): {', '.join(extra[:50])} "
+                "(pass partial_restore=True to restore only item's keys)"
+            )
+        raise TargetMismatchError("\n".join(parts))  # (about the args: worded here)
+    leaves: list[Any] = []
+    givens: list[Any] = []
+    for name, x in zip(flat.names, flat.leaves):
+        arg = by_name.get(name)
+        if is_placeholder(x):  # Orbax keeps the placeholder, whatever restore_args says
+            leaves.append(Skip(x))
+        elif is_restore_args(arg):
+            leaves.append(_merge_leaf(x, arg))
+        else:
+            leaves.append(x if arg is None else arg)
+        givens.append(x if is_restore_args(arg) and not is_placeholder(x) else None)
+    return flat.rebuild(neutral_leaves(flat.names, leaves, givens))
+
+
+def _merge_leaf(item_leaf: Any, arg: Any) -> Any:
+    # Orbax fills an ArrayRestoreArgs's shape and dtype from the item when it is strict
+    # (orbax-checkpoint >= 0.11.40; 0.11.11 restored the saved shape and dtype).
+    if not getattr(arg, "strict", True) or not hasattr(arg, "global_shape"):
+        return arg
+    shape, dtype = getattr(item_leaf, "shape", None), getattr(item_leaf, "dtype", None)
+    if shape is None or dtype is None or _tree.is_prng_key(item_leaf):
+        return arg
+    updates: dict[str, Any] = {}
+    if arg.global_shape is None and getattr(arg, "shape", None) is None:
+        updates["global_shape"] = tuple(shape)
+    if arg.dtype is None:
+        updates["dtype"] = dtype
+    return dataclasses.replace(arg, **updates) if updates else arg
+
+
+# How a v0 restore (SafetensorsRestore, or Orbax's own args) tells its caller what to pass.
+V0_WORDS = Words(
+    keys="pass partial_restore=True to restore only the target's keys",
+    missing="pass partial_restore=True to return them as given",
+    shape="pass strict=False to pad or truncate it, as Orbax's StandardRestore does",
+)
+V0_WORDS_STRICT_FALSE = dataclasses.replace(
+    V0_WORDS,
+    keys=(
+        "pass partial_restore=True to restore only the target's keys; strict=False pads or "
+        "truncates shapes, as in Orbax's StandardRestore, and no longer skips keys"
+    ),
+)
+
+
+def v0_words(args: Any) -> Words:
+    """The mismatch wording for ``SafetensorsRestore`` ``args``."""
+    return V0_WORDS_STRICT_FALSE if not args.strict else V0_WORDS
+
+
+def restore_options(
+    args: Any, *, verify: bool, io: _config.IOOptions | None = None
+) -> RestoreOptions:
+    """The neutral options of a ``SafetensorsRestore``: ``strict`` governs shapes (as in
+    ``StandardRestore``), ``partial_restore`` keys (as in ``PyTreeRestore``); ``io``: the
+    handler's I/O options."""
+    target = merge_restore_args(args.item, args.restore_args, partial_restore=args.partial_restore)
+    return RestoreOptions(
+        target,
+        keys=Keys.PARTIAL if args.partial_restore else Keys.EXACT,
+        pad_or_truncate=not args.strict,
+        select=_select.Selection.of(args.include, args.exclude),
+        verify=verify,
+        fallback_sharding=args.fallback_sharding,
+        io=io,
+    )
+
+
+def restore_safetensors(
+    directory: epath.Path,
+    args: Any,
+    *,
+    verify: bool,
+    words: Words,
+    stats: ReadStats,
+    io: _config.IOOptions | None = None,
+) -> Any:
+    """Restores a safetensors item as ``SafetensorsRestore`` ``args`` ask; a mismatch error
+    is worded in ``words``."""
+    try:
+        options = restore_options(args, verify=verify, io=io)
+        return _standalone.restore_checkpoint(directory, options, stats=stats)
+    except TargetMismatchError as e:
+        raise reworded(e, words) from None
+
+
+def from_orbax_restore(args: Any) -> dict[str, Any]:
+    """``SafetensorsRestore``'s fields for Orbax's ``StandardRestore`` / ``PyTreeRestore``
+    on a safetensors item. ``PyTreeRestore(item)`` without ``restore_args`` restores every
+    leaf as saved (``RestoreArgs()`` for each, as Orbax fills them in): ``item``'s leaves
+    only say where."""
+    if isinstance(args, ocp.args.StandardRestore):
+        return {"item": args.item, "strict": args.strict}
+    if getattr(args, "transforms", None) is not None or getattr(args, "legacy_transform_fn", None):
+        raise ValueError(
+            "PyTreeRestore(transforms=...) cannot restore a safetensors step: restore the tree "
+            "and transform it, or use SafetensorsRestore(item, partial_restore=True)"
+        )
+    restore_args = args.restore_args
+    if restore_args is None and args.item is not None:
+        restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(), args.item)
+    return {
+        "item": args.item,
+        "restore_args": restore_args,
+        "partial_restore": bool(getattr(args, "partial_restore", False)),
+    }
+
+
+def restore_orbax_native(
+    directory: epath.Path, args: Any, orbax_handler: Callable[[str], Any]
+) -> Any:
+    """An Orbax-native item restored by Orbax's handler, with ``SafetensorsRestore``
+    ``args``'s meanings: its ``StandardRestore`` (``item``, ``strict``) or, given
+    ``restore_args`` or ``partial_restore``, its ``PyTreeRestore``."""
+    if args.include is not None or args.exclude is not None:
+        raise ValueError(
+            f"{directory}: an Orbax-native item; include/exclude select within "
+            "safetensors items only: pass the keys to restore as the item with "
+            "partial_restore=True, or convert the step (orbax-safetensors convert)"
+        )
+    if args.restore_args is None and not args.partial_restore:
+        return orbax_handler("standard").restore(
+            directory, args=ocp.args.StandardRestore(args.item, strict=args.strict)
+        )
+    restore_args = args.restore_args
+    if restore_args is None:
+        item = args.item
+        restore_args = (
+            ocp.checkpoint_utils.construct_restore_args(item) if item is not None else None
+        )
+    if not args.strict and restore_args is not None:
+        restore_args = jax.tree.map(
+            lambda a: dataclasses.replace(a, strict=False) if hasattr(a, "strict") else a,
+            restore_args,
+            is_leaf=is_restore_args,
+        )
+    if args.partial_restore:
+        pytree_args = _orbaxcompat.pytree_partial_restore(args.item, restore_args)
+    else:
+        pytree_args = ocp.args.PyTreeRestore(args.item, restore_args=restore_args)
+    return orbax_handler("pytree").restore(directory, args=pytree_args)

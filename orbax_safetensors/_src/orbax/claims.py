@@ -9,10 +9,6 @@ Before a read allocates an array: Orbax's metadata and the zarr metadata claim t
 (:class:`OcdbtFiles`); unless the item reads missing chunks as the fill value, every stored
 chunk the read needs exists (:func:`check_stored`); and the read fits the machine's physical
 memory (:func:`check_allocation`). :func:`admit_restore` applies them to a whole item.
-
-Example::
-
-    admit_restore(epath.Path("/ckpt/100/native"))   # raises naming a claim the files lack
 """
 
 from __future__ import annotations
@@ -153,11 +149,6 @@ class OcdbtFiles:
     ``ocdbt.dump`` (nodes read, values only located). ``kvstore``: the spec of the item's
     directory (default: its URL). Nodes and file sizes are kept, so the tensors of one item
     share the walk's reads.
-
-    Example::
-
-        files = OcdbtFiles(epath.Path("/ckpt/100/state"))
-        files.check("params.w/", "params.w")   # raises naming a missing or short data file
     """
 
     def __init__(self, path: epath.Path, kvstore: Any = None) -> None:
@@ -345,10 +336,6 @@ def admit_restore(path: epath.PathLike) -> None:
     Raises:
       SafetensorsCheckpointError: naming the item, the array, its claimed dtype, shape and
         bytes, and the missing chunks or file or the memory it exceeds.
-
-    Example::
-
-        admit_restore("/ckpt/100/native")   # then Orbax's handler restores it
     """
     import jax
     import tensorstore as ts

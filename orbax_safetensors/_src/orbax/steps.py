@@ -1,16 +1,13 @@
 """Orbax's directory conventions: what a path is (:func:`classify`: a file, an item of this
 library, plain safetensors files, an Orbax-native item, a step, a root) and which steps of a
 root Orbax lists as committed: the one owner of step listing and committedness (what a
-committed step lacks: ``catalog/completeness``). Importing it imports no Orbax.
-
-Example::
-
-    classify("/ckpt")                 # PathKind.ROOT
-    [step for step, _ in list_steps("/ckpt")]   # the committed steps, as Orbax lists them
+committed step lacks: ``orbax/completeness``), and of how a step commits on object storage
+(:func:`manager_options_for`). Importing it imports no Orbax.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import json
@@ -25,6 +22,7 @@ from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core.errors import (
     NotSafetensorsError,
+    SafetensorsCheckpointError,
     UnsafePathError,
 )
 from orbax_safetensors._src.storage import confine as _confine
@@ -180,10 +178,6 @@ def check_orbax_item(path: epath.PathLike) -> None:
 
     Raises:
       UnsafePathError: naming ``_METADATA``, the name and the item.
-
-    Example::
-
-        check_orbax_item("/ckpt/100/state")   # before ocp.PyTreeCheckpointHandler().restore
     """
     path = epath.Path(path)
     where = path / ORBAX_METADATA_FILE
@@ -197,11 +191,6 @@ def orbax_array_names(doc: Any) -> list[str]:
     """The name of each leaf an Orbax ``_METADATA`` document records, as Orbax joins it
     (its keys, ``str`` of each, joined by ``.``: ``tree_utils.param_name_from_keypath``);
     entries that are not so shaped are skipped (Orbax refuses them itself).
-
-    Example::
-
-        orbax_array_names({"tree_metadata": {"('a', 'b')": {"key_metadata": [
-            {"key": "a", "key_type": 2}, {"key": "b", "key_type": 2}]}}})   # ['a.b']
     """
     tree = doc.get("tree_metadata") if isinstance(doc, dict) else None
     names = []
@@ -216,10 +205,6 @@ def item_handler(path: epath.PathLike) -> str | None:
     """The class name of the Orbax handler that wrote the item ``path``, as Orbax records it:
     in the item's own ``_CHECKPOINT_METADATA`` (a checkpoint of one item, ``ocp.Checkpointer``)
     or in its step's (``item_handlers`` by item name); None where neither names one.
-
-    Example::
-
-        item_handler("/ckpt/200/meta")     # 'JsonCheckpointHandler'
     """
     path = epath.Path(path)
     handler = _recorded_handlers(path)
@@ -244,12 +229,6 @@ def _other_handler(handler: object) -> bool:
 def not_a_checkpoint(path: epath.PathLike) -> NotSafetensorsError:
     """The error for an existing directory that holds no checkpoint of tensors, saying what it
     holds instead: the one wording every tool uses for it.
-
-    Example::
-
-        raise not_a_checkpoint("/ckpt/200/meta")
-        # /ckpt/200/meta: an Orbax item written by JsonCheckpointHandler, not a checkpoint of
-        # tensors
     """
     path = epath.Path(path)
     handler = item_handler(path)
@@ -315,7 +294,7 @@ class StepDir:
       reason: why it is not committed (``""`` when it is).
       siblings_recorded: whether Orbax wrote ``_CHECKPOINT_METADATA`` in another step
         directory of the root: then this step lacking one is a step being deleted
-        (``catalog/completeness``).
+        (``orbax/completeness``).
     """
 
     step: int
@@ -329,10 +308,6 @@ def scan_steps(root: epath.PathLike) -> list[StepDir]:
     """Every step directory of a CheckpointManager root, committed or not (the rule above),
     sorted by step; temporary directories of unfinished saves and what a deletion of a step
     leaves (:func:`_step_candidates`) included.
-
-    Example::
-
-        [(s.step, s.committed) for s in scan_steps("/ckpt")]   # [(100, True), (200, False)]
     """
     candidates = _step_candidates(epath.Path(root))
     recorded = _recorded(candidates)
@@ -520,3 +495,77 @@ def list_steps(root: epath.PathLike) -> list[tuple[int, epath.Path]]:
     """The committed steps of a CheckpointManager root, as ``(step number, path)``, sorted: the
     steps ``mngr.all_steps()`` lists (see :func:`scan_steps`)."""
     return [(s.step, s.path) for s in scan_steps(root) if s.committed]
+
+
+# ------------------------------------------------------------ Orbax's commit on object storage
+
+
+def check_commit_scheme(directory: str) -> None:
+    """Raises if Orbax will commit the save into ``directory`` by renaming it on ``s3://``:
+    S3 has no rename, so the save would upload everything and then fail in Orbax's background
+    commit. Orbax's default ``AtomicRenameTemporaryPath`` writes into a temporary name
+    (``<step>.orbax-checkpoint-tmp``, or such an item directory) and renames it;
+    ``CommitFileTemporaryPath`` writes ``<root>/<step>/<item>`` in place."""
+    directory = os.fspath(directory).rstrip("/")
+    if not directory.startswith("s3://"):
+        return
+    parts = directory.split("/")
+    flagged = [i for i in range(max(3, len(parts) - 2), len(parts)) if TMP_SUFFIX in parts[i]]
+    if not flagged:
+        return
+    root = "/".join(parts[: flagged[0]])
+    raise SafetensorsCheckpointError(
+        f"{directory}: Orbax is saving this step into a temporary directory that it renames "
+        "when done (its default AtomicRenameTemporaryPath), and S3 cannot rename: the commit "
+        "would fail after every upload. Create the manager with "
+        f"ocp.CheckpointManager({root!r}, options=osf.manager_options_for({root!r}, ...)) "
+        "(for an ocp.Checkpointer: temporary_path_class="
+        "ocp.path.atomicity.CommitFileTemporaryPath). No tensor data was uploaded."
+    )
+
+
+def wait_for_orbax_directories(timeout: float = 60.0) -> None:
+    """Waits (at most ``timeout`` seconds) until Orbax has created this save's directories,
+    for the same signals the handler's own writes wait for."""
+    # Orbax creates them in a background thread before it calls the handler. A save() that
+    # raises before they exist leaves that thread racing close(), which shuts down the executor
+    # it writes the step metadata with; it then dies before signalling, and a thread waiting
+    # for its signal keeps the process from exiting until Orbax's coordination timeout.
+    from orbax.checkpoint import future as ocp_future
+
+    async def nothing() -> None:
+        return None
+
+    with contextlib.suppress(Exception):  # best effort: the caller's error matters more
+        ocp_future.CommitFutureAwaitingContractedSignals(
+            nothing(), name="osf_refused_save", timeout_secs=int(timeout)
+        ).result(timeout=timeout)
+
+
+def refuse_renaming_commit(directory: Any) -> None:
+    """Raises (see :func:`check_commit_scheme`) if Orbax would commit a save into ``directory``
+    by renaming it on ``s3://``, after letting Orbax create this save's directories."""
+    try:
+        check_commit_scheme(directory)  # the same answer on every process
+    except SafetensorsCheckpointError:
+        wait_for_orbax_directories()
+        raise
+
+
+def manager_options_for(path: Any, **kwargs: Any) -> Any:
+    """``ocp.CheckpointManagerOptions(**kwargs)`` that work for ``path``'s storage.
+
+    On ``s3://`` Orbax's default atomic rename does not work; a step is committed instead by
+    writing ``commit_success.txt`` last (``CommitFileTemporaryPath``, Orbax's default on
+    ``gs://``), and a step without it is never listed. Other paths keep Orbax's defaults.
+
+    Example::
+
+        options = osf.manager_options_for("s3://bucket/run", max_to_keep=3)
+        mngr = ocp.CheckpointManager("s3://bucket/run", options=options)
+    """
+    import orbax.checkpoint as ocp
+
+    if os.fspath(path).startswith("s3://") and "temporary_path_class" not in kwargs:
+        kwargs["temporary_path_class"] = ocp.path.atomicity.CommitFileTemporaryPath
+    return ocp.CheckpointManagerOptions(**kwargs)

@@ -31,8 +31,6 @@ from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.orbax import args as _args
 from orbax_safetensors._src.orbax import claims as _claims
-from orbax_safetensors._src.orbax import object_storage as _object_storage
-from orbax_safetensors._src.orbax import restoring as _restoring
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
 from orbax_safetensors._src.pipeline import export as _export_engine
@@ -273,12 +271,8 @@ def start_save(
     copies, which the writer writes as they come. If a copy fails, the job is aborted and the
     future waited for before the error propagates: nothing of the step is left writing.
     ``on_failure`` runs if the background write fails.
-
-    Example::
-
-        futures = start_save(handler.new_job(directory, args, SaveMode.SNAPSHOT))
     """
-    _object_storage.refuse_renaming_commit(job.directory)  # S3: a save Orbax would rename
+    _steps.refuse_renaming_commit(job.directory)  # S3: a save Orbax would rename
     job.start()
 
     async def write() -> None:
@@ -426,7 +420,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
             return
         job = self._job(directory, args, _save_job.SaveMode.DIRECT)
         try:
-            _object_storage.refuse_renaming_commit(job.directory)
+            _steps.refuse_renaming_commit(job.directory)
             job.start()
             job.write()
         except BaseException:
@@ -456,10 +450,10 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         if kind is not None:  # Orbax's StandardRestore / PyTreeRestore, in a mixed root
             if native:
                 return self._routing.handler(kind).restore(directory, args=args)
-            args = SafetensorsRestore(**_restoring.from_orbax_restore(args))
+            args = SafetensorsRestore(**_args.from_orbax_restore(args))
         args = args or SafetensorsRestore()
         if native:
-            return _restoring.restore_orbax_native(directory, args, self._routing.handler)
+            return _args.restore_orbax_native(directory, args, self._routing.handler)
         return self.restore_safetensors(directory, args)
 
     def restore_safetensors(
@@ -479,11 +473,11 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
             )
             self.last_read_stats = stats
             return result
-        result = _restoring.restore_safetensors(
+        result = _args.restore_safetensors(
             directory,
             args,
             verify=self._verify,
-            words=words or _restoring.v0_words(args),
+            words=words or _args.v0_words(args),
             stats=stats,
             io=io,
         )

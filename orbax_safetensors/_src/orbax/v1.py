@@ -6,15 +6,6 @@ checksums, multi-host writes and reads): what v1 adds is the ordering Orbax's v0
 on the primary, wait again. Needs orbax-checkpoint's v1 API (0.12.8); on an older Orbax the
 module imports, and the handler and :func:`register_handler` raise an ``ImportError`` naming
 the version.
-
-Example::
-
-    from orbax.checkpoint import v1 as ocp
-    import orbax_safetensors as osf
-
-    osf.register_handler()  # global: every pytree saved through ocp.save is safetensors
-    ocp.save(path, state)
-    state = ocp.load(path, abstract_state)
 """
 
 from __future__ import annotations

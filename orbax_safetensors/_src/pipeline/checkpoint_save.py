@@ -3,13 +3,6 @@
 :func:`validate_save`, :class:`PreparedSave`, :func:`write_process_share` (each process its own
 byte ranges; the primary also headers and index) and :func:`finalize` (one process: checksums
 merged into the metadata file).
-
-Example::
-
-    validated = validate_save(state)
-    prepared = PreparedSave.direct(validated, SaveLayout())
-    share = write_process_share(prepared, "/tmp/ckpt", persist_share=False)
-    finalize("/tmp/ckpt", prepared.metadata, [share])
 """
 
 from __future__ import annotations

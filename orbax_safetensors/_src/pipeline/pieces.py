@@ -2,10 +2,6 @@
 ``storage.interface.Piece`` at its file offset; per-tensor CRC32C from the same pieces. Also the
 bulk-work helpers of the pipeline: :func:`ordered_map` (casts on several threads) and
 :func:`gc_paused` (the cyclic GC held off while a caller waits for a save or restore).
-
-Example::
-
-    for file_index, pieces in iter_host_pieces(plan, flat.arrays): ...
 """
 
 from __future__ import annotations

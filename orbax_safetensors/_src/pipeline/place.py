@@ -285,10 +285,7 @@ def _copies(sharding: jax.sharding.Sharding) -> bool:
 
 def off_the_ring(value: Any) -> Any:
     """``value`` (placed from ring memory) as an array not sharing the ring's memory."""
-    if not isinstance(value, jax.Array):
-        return value
-    kind = getattr(value.sharding, "memory_kind", None)
-    if any(aliases_host(d, kind) for d in value.sharding.addressable_devices):
+    if isinstance(value, jax.Array) and not _copies(value.sharding):
         return value.copy()
     return value
 

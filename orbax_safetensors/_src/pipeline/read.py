@@ -2,11 +2,6 @@
 :func:`file_index`), and reading their bytes (:func:`read_tensors`: the runs each request's
 devices need, one batched, gap-coalescing read per file, each tensor read whole checked against
 its CRC32C as its parts arrive) into host buffers that ``place`` puts on the devices.
-
-Example::
-
-    stored = locate_in_directory(path, read_metadata(path))
-    value, = read_tensors([ReadRequest(stored["params.w"], ReadKind.NUMPY)])
 """
 
 from __future__ import annotations

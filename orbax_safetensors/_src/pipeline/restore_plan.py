@@ -19,7 +19,6 @@ from etils import epath
 from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import schema as _schema
-from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import (
     Mismatch,
@@ -200,7 +199,8 @@ def _target_leaf(x: object) -> bool:
 
 
 class _Loader:
-    """The read requests of one restore, each distinct one once; a plan holds its slot."""
+    """What one restore reads from (saved leaves, stored tensors, options, saved shardings)
+    and its read requests, each distinct one once; a plan holds its slot."""
 
     def __init__(
         self,
@@ -208,8 +208,10 @@ class _Loader:
         stored: Mapping[str, StoredTensor],
         options: RestoreOptions,
         stats: ReadStats | None,
+        saved_sharding: SavedSharding | None,
     ) -> None:
         self.leaves, self.stored, self.options, self.stats = leaves, stored, options, stats
+        self.saved_sharding = saved_sharding
         self.requests: list[ReadRequest] = []
         self.slots: dict[tuple, int] = {}
 
@@ -233,14 +235,19 @@ class _Loader:
             self.requests.append(request)
         return index
 
+    def saved_on(self, original: _tree.SchemaLeaf, stored: StoredTensor) -> Any:
+        # Where ``original``, saved as a jax.Array, goes when the target gives no sharding
+        # (None: the default device); raises TargetMismatchError where these devices cannot
+        # rebuild its saved sharding.
+        if self.saved_sharding is None:
+            return None
+        sharding = self.saved_sharding(original.name)
+        if original.kind is _KEY:  # saved: the key data's sharding
+            sharding = _place.key_sharding(sharding, len(stored.shape) - 1)
+        return sharding
+
     def run(self) -> list[Any]:
         return read_tensors(self.requests, self.stats, self.options.io)
-
-    def finish(self, leaf: _tree.SchemaLeaf, value: Any, sharding: Any = None) -> Any:
-        original = self.leaves.get(leaf.tensor_name, leaf).node
-        if type(original) is _schema.PrngKey:
-            return _place.typed_key(leaf.name, value, original.impl, sharding)
-        return value
 
 
 def restore_tree(
@@ -277,20 +284,15 @@ def restore_tree(
             n: _tree.SchemaLeaf(n, _tree.LeafKind.TENSOR, _tree.Tensor(n, _tree.ArrayKind.JAX))
             for n in stored
         }
-    loader = _Loader(leaves, stored, options, stats)
+    loader = _Loader(leaves, stored, options, stats, saved_sharding)
     if options.target is None:
-        return _restore_saved(typed, leaves, loader, saved_sharding, options.select)
-    return _Targeted(typed, leaves, loader, saved_sharding, options).restore()
+        return _restore_saved(typed, loader)
+    return _Targeted(typed, loader).restore()
 
 
-def _restore_saved(
-    schema: _schema.Schema | None,
-    leaves: Mapping[str, _tree.SchemaLeaf],
-    loader: _Loader,
-    saved_sharding: SavedSharding | None,
-    select: _select.Selection | None,
-) -> Any:
+def _restore_saved(schema: _schema.Schema | None, loader: _Loader) -> Any:
     # The saved tree (or a flat dict without a schema), its selected leaves only.
+    leaves, select = loader.leaves, loader.options.select
     slots: dict[str, int] = {}
     shardings: dict[str, Any] = {}
     wanted: Mapping[str, _tree.SchemaLeaf] = leaves
@@ -310,11 +312,8 @@ def _restore_saved(
             ):  # (a dtype JAX lacks, as float6 on some versions: numpy, with ml_dtypes' type)
                 kind = ReadKind.NUMPY
             sharding = None
-            if kind is ReadKind.JAX and saved_sharding is not None:
-                sharding = saved_sharding(original.name)
-                if original.kind is _KEY:  # saved: the key data's sharding
-                    sharding = _place.key_sharding(sharding, len(loader.stored_for(leaf).shape) - 1)
-                shardings[leaf.name] = sharding
+            if kind is ReadKind.JAX:
+                sharding = shardings[leaf.name] = loader.saved_on(original, loader.stored_for(leaf))
             slots[leaf.name] = loader.request(leaf, kind, sharding, None)
     values = loader.run()
     finished: dict[int, Any] = {}
@@ -322,7 +321,10 @@ def _restore_saved(
     def get(leaf: _tree.SchemaLeaf) -> Any:
         slot = slots[leaf.name]
         if slot not in finished:  # aliases share one object
-            finished[slot] = loader.finish(leaf, values[slot], shardings.get(leaf.name))
+            value, node = values[slot], leaves.get(leaf.tensor_name, leaf).node
+            if type(node) is _schema.PrngKey:
+                value = _place.typed_key(leaf.name, value, node.impl, shardings.get(leaf.name))
+            finished[slot] = value
         return finished[slot]
 
     if schema is None:
@@ -334,16 +336,8 @@ class _Targeted:
     """One targeted restore: plans every target leaf, collects the mismatches, reads, and
     rebuilds the target's tree."""
 
-    def __init__(
-        self,
-        schema: _schema.Schema | None,
-        leaves: Mapping[str, _tree.SchemaLeaf],
-        loader: _Loader,
-        saved_sharding: SavedSharding | None,
-        options: RestoreOptions,
-    ) -> None:
-        self.leaves, self.loader, self.options = leaves, loader, options
-        self.saved_sharding = saved_sharding
+    def __init__(self, schema: _schema.Schema | None, loader: _Loader) -> None:
+        self.leaves, self.loader, self.options = loader.leaves, loader, loader.options
         # The saved None leaves and empty nodes (flax NNX's internal child of each Module
         # aside: no state of the user's), which the target must match too.
         self.empties: frozenset[str] = frozenset()
@@ -351,7 +345,8 @@ class _Targeted:
             self.empties = frozenset(
                 n
                 for n in _tree.selectable_names(schema)
-                if n not in leaves and not _jaxcompat.is_nnx_internal_attr(n.rsplit(".", 1)[-1])
+                if n not in self.leaves
+                and not _jaxcompat.is_nnx_internal_attr(n.rsplit(".", 1)[-1])
             )
         self._prefixes: set[str] | None = None
         self.mismatches: list[Mismatch] = []
@@ -435,7 +430,7 @@ class _Targeted:
         self, name: str, want: LeafRequest | _Key, saved: _tree.SchemaLeaf
     ) -> Plan | Mismatch:
         # How one stored tensor fills a target leaf, or the mismatch that prevents it.
-        leaves, loader, saved_sharding = self.leaves, self.loader, self.saved_sharding
+        leaves, loader = self.leaves, self.loader
         pad = self.options.pad_or_truncate
         if isinstance(want, LeafRequest) and want.build is Build.STR:
             return _kind(name, "target leaf of type str cannot receive a tensor")
@@ -500,13 +495,11 @@ class _Targeted:
             if saved_kind is not _schema.ArrayKind.JAX:
                 if isinstance(want, LeafRequest) and want.needs_sharding:
                     return _kind(name, _host_local("a numpy array"))
-            elif saved_sharding is not None:
+            else:
                 try:
-                    sharding = saved_sharding(original.name)
+                    sharding = loader.saved_on(original, stored)
                 except TargetMismatchError as e:
                     return Mismatch(name, MismatchKind.SHARDING, str(e))
-                if is_key:  # saved: the key data's sharding
-                    sharding = _place.key_sharding(sharding, len(stored_shape) - 1)
         if typed_key or dtype == _dtypes.to_numpy(stored.dtype):
             dtype = None
         if resize_to is not None:

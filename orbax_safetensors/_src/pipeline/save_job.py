@@ -3,17 +3,7 @@
 A :class:`SaveJob` holds all one save of a checkpoint directory needs, from the caller's call to
 the primary's finalize; drivers (the Orbax handlers, ``standalone.save_directory``) keep no state
 per save, only build jobs and call their steps where their protocol puts them.
-:class:`FileSaveJob` is its one-file sibling (``save_file``).
-
-Example::
-
-    job = SaveJob(validate_save(state), "/tmp/ckpt", mode=SaveMode.SNAPSHOT)
-    job.start()
-    writer = threading.Thread(target=job.write)
-    writer.start()
-    job.snapshot()       # state may be donated from here on
-    writer.join()
-    job.finalize()
+:func:`write_file` is the one-file save (``save_file``).
 """
 
 from __future__ import annotations
@@ -398,98 +388,81 @@ class SaveJob:
         return validated
 
 
-# Tensor bytes a FileSaveJob hands to the writer at once: large enough for parallel writes,
+# Tensor bytes save_file hands to the writer at once: large enough for parallel writes,
 # small enough that cast or device-copied bytes stay a bounded extra.
 _WRITE_BATCH_BYTES = 64 << 20
 
 
-class FileSaveJob:
-    """One save of ``validated`` as one ``.safetensors`` file at ``path`` by one process, the
-    schema and checksums in its header; the steps of a ``DIRECT`` :class:`SaveJob`. A failing
-    step removes the temporary file: nothing half-written is ever at ``path``."""
+def write_file(
+    validated: _checkpoint_save.ValidatedTree,
+    path: epath.PathLike,
+    *,
+    metadata: Mapping[str, str] | None = None,
+    io: _config.IOOptions | None = None,
+) -> None:
+    """Writes ``validated`` as one ``.safetensors`` file at ``path`` by one process, the schema
+    and checksums in its header: into a temporary file beside ``path``, renamed into place and
+    its directory synced (an object store: the object itself, which appears only once
+    complete). A failure removes the temporary file: nothing half-written is ever at ``path``."""
+    path = epath.Path(path)
+    tmp = None
+    if not _router.is_object_url(path):
+        tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
+    # Planned with placeholder checksums of the final width: every offset is known before any
+    # byte is written.
+    plan = _file_plan(validated, metadata, {s.name: _checksum.to_hex(0) for s in validated.specs})
+    try:
+        with _router.open_writer(
+            tmp if tmp is not None else path,
+            size=plan.files[0].size,
+            truncate=tmp is not None,
+            io=io,
+        ) as w:
+            _write_file(w, plan, validated, metadata)
+        if tmp is not None:
+            tmp.replace(path)
+    except BaseException:
+        if tmp is not None and tmp.exists():
+            tmp.unlink()
+        raise
+    if tmp is not None:
+        _router.fsync_dir(path.parent)
 
-    def __init__(
-        self,
-        validated: _checkpoint_save.ValidatedTree,
-        path: epath.PathLike,
-        *,
-        metadata: Mapping[str, str] | None = None,
-        io: _config.IOOptions | None = None,
-    ) -> None:
-        self.path = path = epath.Path(path)
-        self.io = io
-        self._validated = validated
-        self._metadata = metadata
-        self._plan: _plan.CheckpointPlan | None = None
-        self._tmp: epath.Path | None = None
-        if not _router.is_object_url(path):
-            self._tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
 
-    def __repr__(self) -> str:
-        return f"FileSaveJob({str(self.path)!r})"
+def _write_file(
+    w: _interface.Writer,
+    plan: _plan.CheckpointPlan,
+    validated: _checkpoint_save.ValidatedTree,
+    metadata: Mapping[str, str] | None,
+) -> None:
+    # Data first, checksummed as written, a batch of tensors at a time (cast or copied
+    # bytes are held for one batch only); then the header, which holds the CRCs.
+    records: _interface.WriteResult = []
+    batch: list[_interface.Piece] = []
+    held = 0
+    for _, pieces in _pieces.iter_host_pieces(plan, validated.flat.arrays):
+        batch.extend(pieces)
+        held += sum(p.data.nbytes for p in pieces)
+        if held >= _WRITE_BATCH_BYTES:
+            records += w.write(batch, checksums=True)
+            batch, held = [], 0
+    records += w.write(batch, checksums=True)
+    del batch
+    crcs = _pieces.tensor_checksums(records, {s.name: s.nbytes for s in validated.specs})
+    checksums = {n: _checksum.to_hex(c) for n, c in crcs.items()}
+    final = _file_plan(validated, metadata, checksums).files[0]
+    if final.data_start != plan.files[0].data_start:
+        raise AssertionError("internal: header length changed after checksumming")
+    w.write([_interface.header_piece(final.header)])
 
-    def start(self) -> None:
-        """Plans the file with placeholder checksums of the final width, so every offset is
-        known before any byte is written."""
-        placeholder = {s.name: _checksum.to_hex(0) for s in self._validated.specs}
-        self._plan = self._plan_file(placeholder)
 
-    def write(self) -> None:
-        """Writes the data, then the header holding its checksums, into a temporary file beside
-        ``path`` (an object store: the object itself, which appears only once complete)."""
-        plan = self._plan
-        if plan is None:
-            raise RuntimeError(f"{self!r}: write needs start first")
-        target = self._tmp if self._tmp is not None else self.path  # an object: written whole
-        size = plan.files[0].size
-        try:
-            with _router.open_writer(
-                target, size=size, truncate=self._tmp is not None, io=self.io
-            ) as w:
-                self._write(w, plan)
-        except BaseException:
-            self._remove_tmp()
-            raise
-
-    def _write(self, w: _interface.Writer, plan: _plan.CheckpointPlan) -> None:
-        # Data first, checksummed as written, a batch of tensors at a time (cast or copied
-        # bytes are held for one batch only); then the header, which holds the CRCs.
-        flat, specs = self._validated.flat, self._validated.specs
-        records: _interface.WriteResult = []
-        batch: list[_interface.Piece] = []
-        held = 0
-        for _, pieces in _pieces.iter_host_pieces(plan, flat.arrays):
-            batch.extend(pieces)
-            held += sum(p.data.nbytes for p in pieces)
-            if held >= _WRITE_BATCH_BYTES:
-                records += w.write(batch, checksums=True)
-                batch, held = [], 0
-        records += w.write(batch, checksums=True)
-        del batch
-        crcs = _pieces.tensor_checksums(records, {s.name: s.nbytes for s in specs})
-        final = self._plan_file({n: _checksum.to_hex(c) for n, c in crcs.items()}).files[0]
-        if final.data_start != plan.files[0].data_start:
-            raise AssertionError("internal: header length changed after checksumming")
-        w.write([_interface.header_piece(final.header)])
-
-    def finalize(self) -> None:
-        """Renames the written file onto ``path`` and syncs its directory (local files)."""
-        if self._tmp is None:
-            return  # an object store's object appeared whole when its writer closed
-        try:
-            self._tmp.replace(self.path)
-        except BaseException:
-            self._remove_tmp()
-            raise
-        _router.fsync_dir(self.path.parent)
-
-    def _plan_file(self, checksums: Mapping[str, str]) -> _plan.CheckpointPlan:
-        meta = _metadata.file_metadata(self._validated.flat.schema, checksums, self._metadata)
-        return _plan.plan_files(self._validated.specs, max_file_size=None, metadata=meta)
-
-    def _remove_tmp(self) -> None:
-        if self._tmp is not None and self._tmp.exists():
-            self._tmp.unlink()
+def _file_plan(
+    validated: _checkpoint_save.ValidatedTree,
+    metadata: Mapping[str, str] | None,
+    checksums: Mapping[str, str],
+) -> _plan.CheckpointPlan:
+    meta = _metadata.file_metadata(validated.flat.schema, checksums, metadata)
+    return _plan.plan_files(validated.specs, max_file_size=None, metadata=meta)
 
 
 class PendingSaves:

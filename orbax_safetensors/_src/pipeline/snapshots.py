@@ -1,11 +1,6 @@
 """Host copies of the shards this process owns (``replica_id == 0``: every byte written once
 across processes, none materialised by a process that does not own it; host-local leaves by the
 primary), and the :class:`SnapshotQueue` that hands them to the writer.
-
-Example::
-
-    for name, copies in iter_snapshots(flat.arrays, is_primary=True):
-        ...   # copies: [(index within the global tensor, host ndarray), ...]
 """
 
 from __future__ import annotations
@@ -237,7 +232,6 @@ def iter_relaid(
     *,
     is_primary: bool = True,
     casts: Mapping[Any, np.dtype] | None = None,
-    buffers: _buffers.BufferArena | None = None,
 ) -> Iterator[tuple[Any, HostCopies]]:
     """Host copies of this process's row blocks of the tensors of ``arrays`` that a save to
     object storage re-lays out (``relayout.row_block_sharding``), and of those only; the
@@ -247,15 +241,13 @@ def iter_relaid(
     thread, in the same order) and the moved array deleted before the next, so the extra
     device memory is one tensor's share at a time.
     """
-    buffers = buffers if buffers is not None else _buffers.BufferArena()
+    buffers = _buffers.BufferArena()
     items = list(arrays)
     joined = yield from _iter_joined(items, casts, buffers)
     owned = owned_tensors([item for item in items if item[0] not in joined], is_primary)
-    for item in owned:
-        target = _row_block_targets([item], casts).get(item[0])
-        if target is not None:
-            dtype = casts.get(item[0]) if casts else None
-            yield item[0], _relaid_copies(item, target, buffers, dtype)
+    moved = _row_block_targets(owned, casts)
+    relaid = [item for item in owned if item[0] in moved]
+    yield from iter_owned(relaid, casts=casts, buffers=buffers, moved=moved)
 
 
 def group_keys(

@@ -1,8 +1,7 @@
 """The standalone verbs, no Orbax needed: a pytree to and from one ``.safetensors`` file
 (:func:`save_file`, :func:`load_file`: the schema and CRC32Cs ride in its ``__metadata__``) or
-one checkpoint directory (:func:`save_directory`, :func:`restore_directory`); and the two
-restores the Orbax handlers call with a ``RestoreOptions`` (:func:`load_with_options`,
-:func:`restore_checkpoint`).
+one checkpoint directory (:func:`save_directory`, :func:`restore_directory`; the Orbax handlers
+call :func:`restore_checkpoint` with a ``RestoreOptions``).
 """
 
 from __future__ import annotations
@@ -70,10 +69,7 @@ def save_file(
         osf.save_file(params, "w16.safetensors", dtype={"*.norm.*": None, "*": "bfloat16"})
     """
     validated = _checkpoint_save.validate_save(tree, dtype=dtype)  # before any I/O
-    job = _save_job.FileSaveJob(validated, path, metadata=metadata, io=io_options)
-    job.start()
-    job.write()
-    job.finalize()
+    _save_job.write_file(validated, path, metadata=metadata, io=io_options)
 
 
 def load_file(
@@ -121,11 +117,6 @@ def load_file(
     options = RestoreOptions.standalone(
         target, strict=strict, include=include, exclude=exclude, verify=verify, io=io_options
     )
-    return load_with_options(path, options)
-
-
-def load_with_options(path: epath.PathLike, options: RestoreOptions) -> Any:
-    """Loads a ``.safetensors`` file as ``options`` asks; raises as :func:`load_file` does."""
     path = epath.Path(path)
     # The header and the tensors (and a checkpoint directory's metadata) are read through
     # separate opens: if save_file (or save_directory) replaces the file in between, the reads

@@ -152,18 +152,26 @@ class ViewsWriter(io.RawIOBase):
 
 class BufferArena:
     """Aligned buffers, small ones carved from shared slabs (many small tensors cost a few
-    allocations); a slab lives while any of its buffers does."""
+    allocations); a slab lives while any of its buffers does. Large ones come from ``pool``
+    when given (:meth:`HostBufferPool.arena`), kept in :attr:`taken` for its release."""
 
     _SLAB = 4 << 20
 
-    def __init__(self) -> None:
+    def __init__(self, pool: HostBufferPool | None = None) -> None:
         self._slab: np.ndarray | None = None
         self._used = 0
+        self._pool = pool
+        self.taken: list[np.ndarray] = []
 
     def empty(self, nbytes: int, *, file_offset: int | None = None) -> np.ndarray:
-        """An uninitialised flat uint8 array of ``nbytes`` (see :func:`aligned_empty`)."""
+        """An uninitialised flat uint8 array of ``nbytes`` (see :func:`aligned_empty`; a pooled
+        large buffer is 64-byte aligned, whatever ``file_offset``)."""
         if nbytes > self._SLAB // 8:
-            return aligned_empty(nbytes, file_offset=file_offset)
+            if self._pool is None:
+                return aligned_empty(nbytes, file_offset=file_offset)
+            buffer = self._pool.take(nbytes)
+            self.taken.append(buffer)
+            return buffer[:nbytes]
         start = -(-self._used // ALIGNMENT) * ALIGNMENT
         if self._slab is None or start + nbytes > self._slab.nbytes:
             self._slab, start = aligned_empty(self._SLAB), 0
@@ -184,8 +192,8 @@ class HostBufferPool:
         self._lock = threading.Lock()
         self._free: dict[int, list[np.ndarray]] = {}
 
-    def arena(self) -> PooledArena:
-        return PooledArena(self)
+    def arena(self) -> BufferArena:
+        return BufferArena(self)
 
     def take(self, nbytes: int) -> np.ndarray:
         """An aligned buffer of at least ``nbytes`` (a free one of that rounded capacity)."""
@@ -196,7 +204,7 @@ class HostBufferPool:
                 return free.pop()
         return aligned_empty(capacity)
 
-    def release(self, arena: PooledArena) -> None:
+    def release(self, arena: BufferArena) -> None:
         """Makes ``arena``'s large buffers the free ones (dropping those of earlier saves), once
         nothing reads them any more."""
         taken, arena.taken = arena.taken, []
@@ -213,22 +221,6 @@ class HostBufferPool:
     def idle_bytes(self) -> int:
         with self._lock:
             return sum(b.nbytes for buffers in self._free.values() for b in buffers)
-
-
-class PooledArena(BufferArena):
-    """A :class:`BufferArena` whose large buffers come from a :class:`HostBufferPool`."""
-
-    def __init__(self, pool: HostBufferPool) -> None:
-        super().__init__()
-        self._pool = pool
-        self.taken: list[np.ndarray] = []
-
-    def empty(self, nbytes: int, **kwargs: Any) -> np.ndarray:
-        if nbytes <= self._SLAB // 8:
-            return super().empty(nbytes, **kwargs)
-        buffer = self._pool.take(nbytes)
-        self.taken.append(buffer)
-        return buffer[:nbytes]
 
 
 class LentBuffers:

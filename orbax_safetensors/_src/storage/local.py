@@ -374,10 +374,7 @@ class LocalReader:
             return
         # Runs read in several parts: run i is in place once its last part is.
         owners = [i for _, _, i in split.buffered]
-        parts = [0] * len(runs)
-        for i in owners + [i for _, _, i in split.direct]:
-            parts[i] += 1
-        part_done = _once_all_parts_in(parts, on_run)
+        part_done = _once_all_parts_in(owners + [i for _, _, i in split.direct], len(runs), on_run)
 
         self.requests += len(split.direct)
         self.bytes_read += sum(len(v) for _, v, _ in split.direct)
@@ -506,25 +503,26 @@ def _split_runs(
         return runs, on_run
     pieces: list[tuple[int, np.ndarray]] = []
     owner: list[int] = []
-    parts = [0] * len(runs)
     for i, (offset, dest) in enumerate(runs):
         if not dest.nbytes:
             continue
         for start, end in _runs.piece_spans(offset, dest.nbytes, piece):
             pieces.append((offset + start, dest[start:end]))
             owner.append(i)
-            parts[i] += 1
     if on_run is None:
         return pieces, None
-    run_done = _once_all_parts_in(parts, on_run)
+    run_done = _once_all_parts_in(owner, len(runs), on_run)
     return pieces, lambda k: run_done(owner[k])
 
 
 def _once_all_parts_in(
-    parts: list[int], on_run: Callable[[int], None] | None
+    owners: Sequence[int], runs: int, on_run: Callable[[int], None] | None
 ) -> Callable[[int], None]:
-    """``done(i)``, to call (from any thread) as each of the ``parts[i]`` parts of run ``i`` is
-    in place: calls ``on_run(i)`` once the last one is."""
+    """``done(i)``, to call (from any thread) as each part of run ``i`` is in place (``owners``:
+    the run of each part): calls ``on_run(i)`` once the last one is."""
+    parts = [0] * runs
+    for i in owners:
+        parts[i] += 1
     lock = threading.Lock()
 
     def done(i: int) -> None:

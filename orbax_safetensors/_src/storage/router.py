@@ -11,7 +11,8 @@ import os
 import stat
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from types import ModuleType
+from typing import Any
 
 import numpy as np
 from etils import epath
@@ -25,10 +26,6 @@ from orbax_safetensors._src.storage import config as _config
 from orbax_safetensors._src.storage import confine as _confine
 from orbax_safetensors._src.storage import interface as _interface
 from orbax_safetensors._src.storage import local as _local
-
-if TYPE_CHECKING:
-    from orbax_safetensors._src.storage.objstore.engine import ObjectStoreProvider
-
 
 Flush = Callable[[str, Sequence[_interface.Piece], int], None]
 
@@ -121,20 +118,19 @@ class StreamReader:
                 on_run(i)
 
 
-# The object stores, by URL scheme: their providers in objstore/engine.
-_PROVIDERS = {"s3": "S3", "gs": "GCS"}
+# The object stores' URL schemes: their clients in objstore/engine._CLIENTS.
+_OBJECT_SCHEMES = frozenset(("s3", "gs"))
 
 
-def provider_for(path: epath.PathLike) -> ObjectStoreProvider | None:
-    """The object store serving ``path``'s URL scheme (case-sensitive), or None."""
-    scheme, sep, _ = os.fspath(path).partition("://")
-    if not sep or scheme not in _PROVIDERS:
+def _objstore(path: epath.PathLike) -> ModuleType | None:
+    """objstore's engine when an object store serves ``path``'s URL scheme (case-sensitive),
+    else None."""
+    if not is_object_url(path):
         return None
     # Imported by the first such path: local I/O never loads the engine and the JAX it uses.
     from orbax_safetensors._src.storage.objstore import engine
 
-    provider: ObjectStoreProvider = getattr(engine, _PROVIDERS[scheme])
-    return provider
+    return engine
 
 
 def is_regular_file(path: epath.PathLike) -> bool:
@@ -154,7 +150,8 @@ is_local = _confine.is_local  # (on a local filesystem fd-level I/O is used)
 
 def is_object_url(path: epath.PathLike) -> bool:
     """Whether ``path`` is served by an object store (``s3://``, ``gs://``)."""
-    return provider_for(path) is not None
+    scheme, sep, _ = os.fspath(path).partition("://")
+    return bool(sep) and scheme in _OBJECT_SCHEMES
 
 
 @contextmanager
@@ -175,15 +172,15 @@ def open_writer(
     nothing more is written or synced.
     """
     writer: _local.LocalWriter | BufferedWriter
-    provider = provider_for(path)
+    engine = _objstore(path)
     resolved = _config.resolve(io)
     if is_local(path):
         threads = _local.WRITE_THREADS if threads is None else threads
         writer = _local.LocalWriter(
             os.fspath(path), size, truncate, threads, sync, direct_io=resolved.direct_io
         )
-    elif provider is not None:
-        flush = functools.partial(provider.write_file, io=resolved)
+    elif engine is not None:
+        flush = functools.partial(engine.write_file, engine.store_for(os.fspath(path), resolved))
         writer = BufferedWriter(os.fspath(path), size, flush=flush)
     else:
         writer = BufferedWriter(os.fspath(path), size, flush=write_stream)
@@ -222,12 +219,12 @@ def open_reader(
     """Opens ``path`` for ranged reads (``size``, ``pread``, ``read_runs``): fd-level locally,
     HTTP range requests on object stores, a seekable stream elsewhere."""
     reader: Any
-    provider = provider_for(path)
+    engine = _objstore(path)
     if is_local(path):
         threads = READ_THREADS if threads is None else threads
         reader = _local.LocalReader(path, threads, direct_io=_config.resolve(io).direct_io)
-    elif provider is not None:
-        reader = provider.open_reader(os.fspath(path), _config.resolve(io))
+    elif engine is not None:
+        reader = engine.open_reader(os.fspath(path), _config.resolve(io))
     else:
         reader = StreamReader(path)
     try:
@@ -246,19 +243,18 @@ def prepare_directory(
     """Every process, on its main thread, in the same order, before a checkpoint's files are
     written: registers a save by several processes on object storage (a RuntimeError names
     what is missing without ``jax.distributed``'s key-value store); nothing elsewhere."""
-    provider = provider_for(directory)
-    if provider is not None:
-        provider.prepare_directory(
-            os.fspath(directory), files, is_primary=is_primary, io=_config.resolve(io)
-        )
+    engine = _objstore(directory)
+    if engine is not None:
+        engine.prepare_directory(os.fspath(directory), files, is_primary=is_primary)
 
 
 def finish_files(directory: epath.PathLike, io: _config.IOOptions | None = None) -> None:
     """Every process, after it wrote all its files of a checkpoint directory: on object
     storage, in a save by several processes, sends this process's share; nothing locally."""
-    provider = provider_for(directory)
-    if provider is not None:
-        provider.finish_directory(os.fspath(directory), _config.resolve(io))
+    engine = _objstore(directory)
+    if engine is not None:
+        url = os.fspath(directory)
+        engine.finish_directory(engine.store_for(url, _config.resolve(io)), url)
 
 
 def abandon_files(
@@ -267,18 +263,20 @@ def abandon_files(
     """This process's save into ``directory`` failed: on object storage, in a save by several
     processes, tells the others and (the primary) removes what the save uploaded. Never
     raises: the save's error matters more."""
-    provider = provider_for(directory)
-    if provider is not None:
+    engine = _objstore(directory)
+    if engine is not None:
+        url = os.fspath(directory)
         with contextlib.suppress(Exception):
-            provider.abandon_directory(os.fspath(directory), error, _config.resolve(io))
+            engine.abandon_directory(engine.store_for(url, _config.resolve(io)), url, error)
 
 
 def finalize_files(directory: epath.PathLike, io: _config.IOOptions | None = None) -> None:
     """The primary, once every process finished: commits files several processes wrote on
     object storage; nothing locally (every process wrote its bytes in place)."""
-    provider = provider_for(directory)
-    if provider is not None:
-        provider.finalize_directory(os.fspath(directory), _config.resolve(io))
+    engine = _objstore(directory)
+    if engine is not None:
+        url = os.fspath(directory)
+        engine.finalize_directory(engine.store_for(url, _config.resolve(io)), url)
 
 
 def read_header(path: epath.PathLike, io: _config.IOOptions | None = None) -> _header.Header:

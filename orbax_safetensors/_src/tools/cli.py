@@ -37,6 +37,11 @@ def _demo(args: argparse.Namespace) -> int:
     return demo.main(args.dir, steps=args.steps)
 
 
+def _show(args: argparse.Namespace, doc: Any, as_text: Callable[[], str]) -> None:
+    """Prints a verb's report: ``doc`` as JSON with ``--json``, else ``as_text()``."""
+    print(json.dumps(doc, indent=1, default=str) if args.json else as_text())
+
+
 def _inspect_cmd(args: argparse.Namespace) -> int:
     """Prints a table of tensors (name, dtype, shape, bytes, file) with totals. PATH may be
     a .safetensors file, a checkpoint item directory, a plain safetensors directory (Hugging
@@ -46,10 +51,7 @@ def _inspect_cmd(args: argparse.Namespace) -> int:
     from orbax_safetensors._src.tools import inspection as _inspection
 
     report = _inspection.inspect_path(args.path, include=args.include, exclude=args.exclude)
-    if args.json:
-        print(json.dumps(report, indent=1, default=str))
-    else:
-        print(_inspection.format_report(report))
+    _show(args, report, lambda: _inspection.format_report(report))
     return EXIT_OK
 
 
@@ -66,10 +68,8 @@ def _verify_cmd(args: argparse.Namespace) -> int:
     from orbax_safetensors._src.tools.verify import verify  # imported only when used
 
     report = verify(args.path)
-    if args.json:
-        print(json.dumps({"path": args.path, **dataclasses.asdict(report)}, indent=1))
-    else:
-        print(report.format(args.path))
+    doc = {"path": args.path, **dataclasses.asdict(report)}
+    _show(args, doc, lambda: report.format(args.path))
     return EXIT_OK if report.ok else EXIT_DIFFERENT
 
 
@@ -248,10 +248,7 @@ def _diff_cmd(args: argparse.Namespace) -> int:
     report = _diff.diff_paths(
         args.a, args.b, **_keywords(args, ("atol", "rtol", "include", "exclude"))
     )
-    if args.json:
-        print(json.dumps(report.to_json(), indent=1))
-    else:
-        print(report.format())
+    _show(args, report.to_json(), report.format)
     return EXIT_OK if report.identical else EXIT_DIFFERENT
 
 

@@ -2,11 +2,6 @@
 CheckpointManager root; legacy Flax msgpack files to safetensors. A step converts every item
 of tensors and copies the others (e.g. JSON items); a root converts every committed step.
 Output is written under a temporary sibling name and renamed once complete.
-
-Example::
-
-    convert("/old/orbax/100", "/new/safetensors/100")          # a step, Orbax -> safetensors
-    convert("/new/safetensors/100/default", "/back/default")   # and back
 """
 
 from __future__ import annotations
@@ -16,17 +11,16 @@ import enum
 import json
 import uuid
 from collections.abc import Callable
-from typing import Any
 
 from etils import epath
 
-from orbax_safetensors._src.catalog import completeness as _completeness
 from orbax_safetensors._src.catalog import flax_msgpack as _flax_msgpack
 from orbax_safetensors._src.catalog import sources as _sources
 from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
+from orbax_safetensors._src.orbax import completeness as _completeness
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.orbax import v0 as _v0
 from orbax_safetensors._src.orbax.steps import PathKind
@@ -116,18 +110,14 @@ def _copy_tree(root: epath.Path, name: str, dst: epath.Path) -> None:
 # ------------------------------------------------------------------ items, steps and roots
 
 
+# The kinds of item each direction converts (a step's other items are copied).
+_CONVERTED = {
+    Direction.SAFETENSORS: frozenset({PathKind.ORBAX}),
+    Direction.ORBAX: frozenset({PathKind.ITEM, PathKind.FILE, PathKind.SAFETENSORS_DIR}),
+}
+
+
 def _direction_of(path: epath.Path, kind: PathKind) -> Direction:
-    if kind is PathKind.ORBAX:
-        return Direction.SAFETENSORS
-    if kind in (PathKind.ITEM, PathKind.FILE, PathKind.SAFETENSORS_DIR):
-        return Direction.ORBAX
-    if kind is PathKind.STEP:
-        kinds = set(_steps.list_items(path).values())
-        if PathKind.ORBAX in kinds:
-            return Direction.SAFETENSORS
-        if kinds & {PathKind.ITEM, PathKind.SAFETENSORS_DIR}:
-            return Direction.ORBAX
-        raise _steps.not_a_checkpoint(path)
     if kind is PathKind.ROOT:
         steps = _steps.list_steps(path)
         if not steps:
@@ -136,6 +126,10 @@ def _direction_of(path: epath.Path, kind: PathKind) -> Direction:
             )
         step = steps[-1][1]
         return _direction_of(step, _steps.classify(step))
+    kinds = set(_steps.list_items(path).values()) if kind is PathKind.STEP else {kind}
+    for direction, converted in _CONVERTED.items():  # an Orbax item first
+        if kinds & converted:
+            return direction
     raise _steps.not_a_checkpoint(path)
 
 
@@ -149,39 +143,29 @@ def _refuse_incomplete_steps(src: epath.Path, kind: PathKind) -> None:
         _completeness.refuse_incomplete(src)
 
 
-def _write_item(
-    src: epath.Path, dst: epath.Path, direction: Direction, options: dict[str, Any]
-) -> tuple[int, int, str]:
-    """Converts the item ``src`` into ``dst``: its tensors, bytes and the typestr of the
-    handler that reads it back (for a step's ``_CHECKPOINT_METADATA``)."""
-    o = options
-    if direction is Direction.SAFETENSORS:
-        n, size = _items.to_safetensors_item(
-            src, dst, o["unwrap_values"], o["max_file_size"], o["batch_bytes"], o["progress"],
-            o["select"], o["dtype"],
-        )  # fmt: skip
-        return n, size, _steps.HANDLER_TYPESTR
-    return _items.to_orbax_item(src, dst, o["progress"], o["wrap_values"], o["select"])
+# Converts one item, ``(src, dst)`` -> its tensors, bytes and the typestr of the handler that
+# reads it back (for a step's ``_CHECKPOINT_METADATA``).
+_ItemWriter = Callable[[epath.Path, epath.Path], tuple[int, int, str]]
 
 
 def _convert_step(
-    src: epath.Path, dst: epath.Path, direction: Direction, options: dict[str, Any]
+    src: epath.Path,
+    dst: epath.Path,
+    write_item: _ItemWriter,
+    summary: ConvertSummary,
+    prefix: str = "",
 ) -> ConvertSummary:
-    summary = ConvertSummary(direction)
+    """Converts the step ``src`` into ``dst``, adding to ``summary`` (item names after
+    ``prefix``): its items of tensors converted, every other entry copied."""
     dst.mkdir(parents=True, exist_ok=True)
-    converted = (
-        {PathKind.ORBAX}
-        if direction is Direction.SAFETENSORS
-        else {PathKind.ITEM, PathKind.SAFETENSORS_DIR}
-    )
     handlers: dict[str, str] = {}
     for name, kind in _steps.list_items(src).items():
-        if kind not in converted:
+        if kind not in _CONVERTED[summary.direction]:
             _copy_tree(src, name, dst / name)
-            summary.copied.append(name)
+            summary.copied.append(prefix + name)
             continue
-        n, size, handlers[name] = _write_item(src / name, dst / name, direction, options)
-        summary.items.append(name)
+        n, size, handlers[name] = write_item(src / name, dst / name)
+        summary.items.append(prefix + name)
         summary.tensors += n
         summary.bytes += size
     for entry in src.iterdir():
@@ -197,9 +181,8 @@ def _convert_step(
 
 
 def _convert_root(
-    src: epath.Path, tmp: epath.Path, direction: Direction, options: dict[str, Any]
+    src: epath.Path, tmp: epath.Path, write_item: _ItemWriter, summary: ConvertSummary
 ) -> ConvertSummary:
-    total = ConvertSummary(direction)
     tmp.mkdir(parents=True, exist_ok=True)
     for _, step in _steps.list_steps(src):
         if _steps.classify(step) is not PathKind.STEP:
@@ -207,12 +190,8 @@ def _convert_root(
                 f"{step}: a step that is not a directory of items cannot be converted "
                 "as part of a root; convert it as an item"
             )
-        step_summary = _convert_step(step, tmp / step.name, direction, options)
-        total.items += [f"{step.name}/{i}" for i in step_summary.items]
-        total.copied += [f"{step.name}/{i}" for i in step_summary.copied]
-        total.tensors += step_summary.tensors
-        total.bytes += step_summary.bytes
-    return total
+        _convert_step(step, tmp / step.name, write_item, summary, prefix=f"{step.name}/")
+    return summary
 
 
 # ------------------------------------------------------------------ legacy Flax msgpack
@@ -339,33 +318,32 @@ def convert(
             f"{policy.describe()}: a dtype policy applies to conversions to safetensors; "
             f"{src} converts to Orbax-native (restore it, cast, and save with Orbax instead)"
         )
-    options: dict[str, Any] = {
-        "unwrap_values": unwrap_values,
-        "wrap_values": wrap_values,
-        "max_file_size": max_file_size,
-        "batch_bytes": batch_bytes,
-        "progress": progress,
-        "select": select,
-        "dtype": policy,
-    }
+
+    def write_item(item: epath.Path, out: epath.Path) -> tuple[int, int, str]:
+        if direction is Direction.SAFETENSORS:
+            n, size = _items.to_safetensors_item(
+                item, out, unwrap_values, max_file_size, batch_bytes, progress, select, policy
+            )
+            return n, size, _steps.HANDLER_TYPESTR
+        return _items.to_orbax_item(item, out, progress, wrap_values, select)
+
     if kind in _steps.TENSOR_KINDS:
-        expected = (
-            (PathKind.ORBAX,)
-            if direction is Direction.SAFETENSORS
-            else (PathKind.ITEM, PathKind.FILE, PathKind.SAFETENSORS_DIR)
-        )
-        if kind not in expected:
+        if kind not in _CONVERTED[direction]:
             raise SafetensorsCheckpointError(
                 f"{src} is {kind.noun}; it cannot be converted to {direction}"
             )
 
-        def write_item(tmp: epath.Path) -> ConvertSummary:
-            n, size, _ = _write_item(src, tmp, direction, options)
+        def write_one(tmp: epath.Path) -> ConvertSummary:
+            n, size, _ = write_item(src, tmp)
             return ConvertSummary(direction, [""], [], n, size)
 
-        return atomic(dst, write_item)
+        return atomic(dst, write_one)
     if kind is PathKind.STEP:
-        return atomic(dst, lambda tmp: _convert_step(src, tmp, direction, options))
+        return atomic(
+            dst, lambda tmp: _convert_step(src, tmp, write_item, ConvertSummary(direction))
+        )
     if kind is PathKind.ROOT:
-        return atomic(dst, lambda tmp: _convert_root(src, tmp, direction, options))
+        return atomic(
+            dst, lambda tmp: _convert_root(src, tmp, write_item, ConvertSummary(direction))
+        )
     raise _steps.not_a_checkpoint(src)

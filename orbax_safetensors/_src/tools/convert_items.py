@@ -1,13 +1,7 @@
 """One item converted either way: an Orbax-native PyTree item into this library's item (streamed
 a batch of tensors at a time), or a safetensors item, file or directory into an Orbax-native
-item (restored whole, saved by Orbax); and the names an ``nnx.State`` gets on each side.
-
-Orbax stores an ``nnx.Variable`` as a ``{"value": x}`` dict and records nothing NNX-specific,
-so ``StandardSave(nnx.state(model))`` names a leaf ``layers.0.kernel.value``. Converting to
-safetensors collapses those dicts (``unwrap``: None, the default) when the item records which
-leaves were Variables (an item this module wrote, in its Orbax ``custom_metadata``), else when
-every leaf is so wrapped (an ``nnx.State``); True collapses every such dict, False none.
-Converting back wraps the leaves recorded as Variables again, so a round trip is the identity.
+item (restored whole, saved by Orbax); and the names an ``nnx.State`` gets on each side
+(Orbax stores an ``nnx.Variable`` as a ``{"value": x}`` dict: see :func:`unwrapped_paths`).
 """
 
 from __future__ import annotations
@@ -109,8 +103,9 @@ def _leaf_paths(source: _orbax_source.OrbaxSource) -> dict[str, Path]:
 
 
 def unwrapped_paths(source: _orbax_source.OrbaxSource, unwrap: bool | None) -> set[Path]:
-    """The paths of the ``{"value": x}`` dicts of ``source``'s tree to collapse (``unwrap``:
-    see the module docstring)."""
+    """The paths of the ``{"value": x}`` dicts of ``source``'s tree to collapse: with ``unwrap``
+    None, those of the leaves the item records as Variables (an item :func:`to_orbax_item`
+    wrote), else all when every leaf is so wrapped (an ``nnx.State``); True all; False none."""
     if unwrap is False:
         return set()
     leaves = _leaf_paths(source)
@@ -211,17 +206,14 @@ def to_safetensors_item(
     item ``src``, a batch of tensors in memory at a time; returns its tensors and bytes."""
     source = _orbax_source.OrbaxSource(src)
     collapse = unwrapped_paths(source, unwrap_values)
-    saved_tree = source.tree
+    saved_tree, wanted = source.tree, set(source.leaves)
     if select is not None:
         select.check(source.leaves, str(src))
         wanted = {n for n in source.leaves if select.selects(n)}
         saved_tree = _orbax_source.select_leaves(
             source.tree, wanted, source.name_of_path(), lambda leaf: leaf
         )
-    inline_names = [n for n in source.leaves if n not in source.tensors]
-    if select is not None:
-        inline_names = [n for n in inline_names if select.selects(n)]
-    inline = source.restore(inline_names)
+    inline = source.restore([n for n in source.leaves if n in wanted and n not in source.tensors])
     orbax_name_of: dict[int, str] = {}
 
     def skeleton(keys: dict[str, str], unwrap: bool = True) -> Any:

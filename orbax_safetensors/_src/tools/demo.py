@@ -74,13 +74,6 @@ def _train_step_fn() -> Any:
     return train_step
 
 
-def _manager(directory: str) -> Any:
-    import orbax.checkpoint as ocp
-
-    options = ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=True)
-    return ocp.CheckpointManager(directory, options=options)
-
-
 def _note(text: str) -> None:
     """A line on stdout that does not break the progress bar (on stderr, if shown)."""
     from tqdm import tqdm
@@ -97,7 +90,8 @@ def run_training(directory: str, start_fresh: bool, total_steps: int, crash_at: 
 
     model, optimizer = _model_and_optimizer(seed=0)
     train_step = _train_step_fn()
-    mngr = _manager(directory)
+    options = ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=True)
+    mngr = ocp.CheckpointManager(directory, options=options)
     start = 0
     latest = None if start_fresh else mngr.latest_step()
     if latest is not None:

@@ -204,15 +204,13 @@ def compare_arrays(a: np.ndarray, b: np.ndarray, tolerance: Tolerance | None = N
         if integer:
             d = _int_abs_difference(ca, cb)
             worst = max(worst, int(d.max()))
-            if tolerance.bitwise:
-                differing += int(np.count_nonzero(bits_differ))
-            else:
-                differing += int(np.count_nonzero(d > math.floor(tolerance.atol)))
-            continue
-        d = _float_abs_difference(ca, cb)
-        worst = max(worst, float(d.max()))
+        else:
+            d = _float_abs_difference(ca, cb)
+            worst = max(worst, float(d.max()))
         if tolerance.bitwise:
             differing += int(np.count_nonzero(bits_differ))
+        elif integer:
+            differing += int(np.count_nonzero(d > math.floor(tolerance.atol)))
         else:
             bound: Any = tolerance.atol
             if tolerance.rtol:
@@ -265,15 +263,11 @@ def diff_paths(
     include: _select.Patterns = None,
     exclude: _select.Patterns = None,
 ) -> DiffReport:
-    """Compares the tensors of two checkpoints (files, items, Orbax items or steps).
-
-    Steps compare item by item (names read ``item/name``); a step with one item of tensors
-    compares with an item or file. Values are read a batch at a time and compare bitwise, or
-    within :class:`Tolerance` ``(atol, rtol)``. ``include`` / ``exclude`` (globs over dotted
-    names, as in ``osf.load_file``) limit what is compared and read; a pattern matching no
-    tensor on either side raises ``TargetMismatchError``. An Orbax ``nnx.State`` compares
-    under the names ``convert`` gives it, so a checkpoint equals its converted copy.
-    """
+    """Compares two checkpoints (files, items or steps: item by item, names ``item/name``, or
+    by tensor names when each side has one item), a batch at a time, bitwise or within
+    :class:`Tolerance`; an Orbax ``nnx.State`` under the names ``convert`` gives it.
+    ``include`` / ``exclude`` as in ``osf.load_file`` (TargetMismatchError if one matches
+    nothing on either side)."""
     tolerance = Tolerance.of(atol, rtol)
     select = _select.Selection.of(include, exclude)
     sa, sb = _sources_of(a), _sources_of(b)
@@ -286,20 +280,15 @@ def diff_paths(
             return source.tensors
         return {n: t for n, t in source.tensors.items() if select.selects(n)}
 
-    if len(sa) == 1 and len(sb) == 1:
-        pairs = [("", next(iter(sa.values())), next(iter(sb.values())))]
-        only_items_a: list[str] = []
-        only_items_b: list[str] = []
-    else:
-        pairs = [(f"{n}/", sa[n], sb[n]) for n in sa if n in sb]
-        only_items_a = [n for n in sa if n not in sb]
-        only_items_b = [n for n in sb if n not in sa]
+    if len(sa) == 1 and len(sb) == 1:  # one item each (of any names): compared by tensor names
+        sa, sb = {"": next(iter(sa.values()))}, {"": next(iter(sb.values()))}
     report = DiffReport()
-    for n in only_items_a:
-        report.only_a += [f"{n}/{t}" for t in tensors(sa[n])]
-    for n in only_items_b:
-        report.only_b += [f"{n}/{t}" for t in tensors(sb[n])]
-    for prefix, x, y in pairs:
+    for item in [i for i in sa if i not in sb]:
+        report.only_a += [f"{item}/{t}" for t in tensors(sa[item])]
+    for item in [i for i in sb if i not in sa]:
+        report.only_b += [f"{item}/{t}" for t in tensors(sb[item])]
+    for item in [i for i in sa if i in sb]:
+        prefix, x, y = f"{item}/" if item else "", sa[item], sb[item]
         tx, ty = tensors(x), tensors(y)
         report.only_a += [prefix + n for n in tx if n not in ty]
         report.only_b += [prefix + n for n in ty if n not in tx]

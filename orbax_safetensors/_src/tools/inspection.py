@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 from etils import epath
 
-from orbax_safetensors._src.catalog import completeness as _completeness
 from orbax_safetensors._src.catalog import flax_msgpack as _flax_msgpack
 from orbax_safetensors._src.catalog import listing as _listing
 from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.core import sniff as _sniff
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
+from orbax_safetensors._src.orbax import completeness as _completeness
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.orbax.steps import PathKind
 
@@ -180,16 +180,10 @@ def inspect_path(
     include: _select.Patterns = None,
     exclude: _select.Patterns = None,
 ) -> dict[str, Any]:
-    """A JSON-able description of a file, item, step or CheckpointManager root.
-
-    For a root: the steps ``mngr.all_steps()`` lists, with their items, tensors, tensor bytes,
-    bytes on disk and ``status`` (``ok``; ``incomplete`` or ``unreadable``, with a
-    ``problem``), the ``uncommitted`` step directories and ``warnings``. A step named directly
-    that lacks what its restore needs: ``status`` ``incomplete`` and ``missing``, nothing
-    read. Otherwise every tensor's name, dtype, shape, bytes and file, with totals.
-    ``include`` / ``exclude`` (globs over dotted names, as in ``osf.load_file``) limit the
-    tensors listed; a pattern matching no tensor raises ``TargetMismatchError``.
-    """
+    """A JSON-able description of a file, item, step or root (its steps ``mngr.all_steps()``
+    lists, each with a ``status``: ``ok``, ``incomplete`` or ``unreadable``; its uncommitted
+    ones). ``include`` / ``exclude`` as in ``osf.load_file`` (TargetMismatchError if one
+    matches nothing)."""
     keep = _Filter(_select.Selection.of(include, exclude))
     report = _report(epath.Path(path), keep)
     if keep.select is not None:

@@ -2,12 +2,6 @@
 as a restore would check them, without building arrays (the bytes are streamed through CRC32C
 a bounded chunk at a time). In a CheckpointManager root, exactly the steps Orbax lists are
 checked; a committed step with parts missing is damage like any other.
-
-Example::
-
-    report = osf.verify("/ckpts")
-    if not report.ok:
-        print("\\n".join(report.problems))   # each names the file and the tensor
 """
 
 from __future__ import annotations
@@ -21,7 +15,6 @@ from typing import Any
 import jax
 from etils import epath
 
-from orbax_safetensors._src.catalog import completeness as _completeness
 from orbax_safetensors._src.catalog import sources as _sources
 from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import dtypes as _dtypes
@@ -36,6 +29,7 @@ from orbax_safetensors._src.core.errors import (
     SafetensorsCheckpointError,
     SchemaError,
 )
+from orbax_safetensors._src.orbax import completeness as _completeness
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.orbax.steps import PathKind
 from orbax_safetensors._src.pipeline import read as _read

@@ -1,5 +1,5 @@
-"""The provider-neutral write flow of object storage, and the providers the router registers
-(:data:`S3`, :data:`GCS`). A file one process holds whole is written directly; a save by several
+"""The provider-neutral write flow of object storage, and its clients by URL scheme
+(:func:`store_for`). A file one process holds whole is written directly; a save by several
 processes is registered (:func:`prepare_directory`, every process), run
 (:func:`finish_directory`, every process; then the primary persists the commit record) and
 committed (:func:`finalize_directory`, the primary, maybe on a fresh driver). A failed save is
@@ -331,48 +331,25 @@ def discard(
     _common.delete_quietly(store, bucket, doomed)
 
 
-class ObjectStoreProvider:
-    """One object store as ``storage.router`` serves it (readers, writes, the hooks of a save
-    by several processes): the functions above, with the client for the call's resolved I/O
-    options, one per options."""
-
-    def __init__(self, make_store: Callable[[_config.ObjectStoreOptions, bool], _Store]) -> None:
-        self._make_store = make_store
-
-    @functools.lru_cache(maxsize=16)  # noqa: B019 (two module-level providers, kept for good)
-    def store(self, io: _config.IOOptions) -> _Store:
-        assert io.object_store is not None and io.trace is not None
-        return self._make_store(io.object_store, io.trace)
-
-    def open_reader(self, url: str, io: _config.IOOptions) -> _common.ObjectReader:
-        return _common.ObjectReader(self.store(io), url)
-
-    def write_file(
-        self, url: str, pieces: Sequence[_interface.Piece], size: int, io: _config.IOOptions
-    ) -> None:
-        write_file(self.store(io), url, pieces, size)
-
-    def prepare_directory(
-        self,
-        directory: str,
-        files: Sequence[tuple[str, int]],
-        *,
-        is_primary: bool,
-        io: _config.IOOptions,
-    ) -> None:
-        prepare_directory(directory, files, is_primary=is_primary)
-
-    def finish_directory(self, directory: str, io: _config.IOOptions) -> None:
-        finish_directory(self.store(io), directory)
-
-    def abandon_directory(
-        self, directory: str, error: BaseException, io: _config.IOOptions
-    ) -> None:
-        abandon_directory(self.store(io), directory, error)
-
-    def finalize_directory(self, directory: str, io: _config.IOOptions) -> None:
-        finalize_directory(self.store(io), directory)
+# The client of each object store, by URL scheme (``storage.router`` serves these schemes).
+_CLIENTS: dict[str, Callable[[_config.ObjectStoreOptions, bool], _Store]] = {
+    "s3": _s3.S3Store,
+    "gs": _gcs.GcsStore,
+}
 
 
-S3 = ObjectStoreProvider(_s3.S3Store)
-GCS = ObjectStoreProvider(_gcs.GcsStore)
+def store_for(url: str, io: _config.IOOptions) -> _Store:
+    """The client of the object store serving ``url`` with the resolved I/O options ``io``
+    (one per scheme and options, kept: its connections are reused)."""
+    return _client(os.fspath(url).partition("://")[0], io)
+
+
+@functools.lru_cache(maxsize=32)
+def _client(scheme: str, io: _config.IOOptions) -> _Store:
+    assert io.object_store is not None and io.trace is not None
+    return _CLIENTS[scheme](io.object_store, io.trace)
+
+
+def open_reader(url: str, io: _config.IOOptions) -> _common.ObjectReader:
+    """Ranged reads of the object ``url`` (see :func:`store_for`)."""
+    return _common.ObjectReader(store_for(url, io), url)

@@ -1,15 +1,11 @@
 """Whether a checkpoint's files are all there: what a committed step lacks that restoring it
-needs (:func:`missing_entries`, the one judgement for ``verify``, ``inspect`` and, through
-:func:`refuse_incomplete`, every tool that reads a step's tensors; an OCDBT database's data
-files are found by the walk of its B-tree that also serves the checks before a read of an
-Orbax-native array).
+needs (:func:`missing_entries`, the one judgement for ``verify``, ``inspect`` and every tool
+that reads a step's tensors). Above ``steps`` and ``claims``: an OCDBT database's data files
+are found by the walk of its B-tree that also serves the checks before a read of an
+Orbax-native array.
 
 A step is judged file by file against what Orbax's restore reads, since a kill during Orbax's
 deletion of an old step (``max_to_keep``) can leave any subset of its files.
-
-Example::
-
-    missing_entries("/ckpt/100")   # ['_CHECKPOINT_METADATA', 'state/model.safetensors']
 """
 
 from __future__ import annotations
@@ -26,25 +22,19 @@ from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
 from orbax_safetensors._src.orbax import claims as _claims
 from orbax_safetensors._src.orbax import steps as _steps
-from orbax_safetensors._src.orbax.steps import (
-    CHECKPOINT_METADATA_FILE,
-    COMMIT_SUCCESS_FILE,
-    HANDLER_TYPESTR,
-    OCDBT_MANIFEST_FILE,
-    OCDBT_PROCESS_PREFIX,
-    ORBAX_METADATA_FILE,
-    TMP_SUFFIX,
-    ArrayStorage,
-    PathKind,
-    StepDir,
-)
 
 # This library's handlers by class name: v0's, and v1's (orbax/v1.HANDLER_TYPESTR).
-_OUR_HANDLERS = frozenset((HANDLER_TYPESTR.rsplit(".", 1)[-1], "SafetensorsHandler"))
+_OUR_HANDLERS = frozenset((_steps.HANDLER_TYPESTR.rsplit(".", 1)[-1], "SafetensorsHandler"))
 _PYTREE_HANDLERS = frozenset(
     ("StandardCheckpointHandler", "PyTreeCheckpointHandler", "PyTreeHandler")
 )
-_ORBAX_ITEM_ENTRIES = ("_sharding", "_strings.json", "d", "array_metadatas", OCDBT_MANIFEST_FILE)
+_ORBAX_ITEM_ENTRIES = (
+    "_sharding",
+    "_strings.json",
+    "d",
+    "array_metadatas",
+    _steps.OCDBT_MANIFEST_FILE,
+)
 SHARDING_FILE = "_sharding"
 STRINGS_FILE = "_strings.json"
 _TENSORSTORE_VALUES = frozenset(("jax.Array", "np.ndarray", "scalar"))
@@ -65,28 +55,24 @@ _NAMED_CHUNKS = 4096  # beyond this many missing chunk files, a grid is counted,
 # does not reference. Items present but not named are judged by what they hold.
 
 
-def missing_entries(step: epath.PathLike | StepDir) -> list[str]:
+def missing_entries(step: epath.PathLike | _steps.StepDir) -> list[str]:
     """What a committed step lacks that restoring it needs, relative to the step; empty when
     nothing is missing: the one judgement of a step's completeness. A step Orbax lists with
     entries missing cannot be restored (typically an old step whose deletion by
-    ``max_to_keep`` a kill interrupted). Pass the :class:`StepDir` of ``steps.scan_steps``
+    ``max_to_keep`` a kill interrupted). Pass the ``StepDir`` of ``steps.scan_steps``
     where there is one (it knows the root); a path is looked up in its parent directory.
-
-    Example::
-
-        missing_entries("/ckpt/100")   # ['_CHECKPOINT_METADATA', 'state/model.safetensors']
     """
-    listed = step if isinstance(step, StepDir) else None
-    path = step.path if isinstance(step, StepDir) else epath.Path(step)
+    listed = step if isinstance(step, _steps.StepDir) else None
+    path = step.path if isinstance(step, _steps.StepDir) else epath.Path(step)
     missing: list[str] = []
-    recorded = (path / CHECKPOINT_METADATA_FILE).exists()
+    recorded = (path / _steps.CHECKPOINT_METADATA_FILE).exists()
     if not recorded:
         listed = listed or _steps.listed_step(path)
         if listed is not None and listed.siblings_recorded:
-            missing.append(CHECKPOINT_METADATA_FILE)
-    doc = _steps.read_json(path / CHECKPOINT_METADATA_FILE) if recorded else None
+            missing.append(_steps.CHECKPOINT_METADATA_FILE)
+    doc = _steps.read_json(path / _steps.CHECKPOINT_METADATA_FILE) if recorded else None
     handlers = doc.get("item_handlers") if isinstance(doc, dict) else None
-    if handlers == HANDLER_TYPESTR or (path / _metadata.METADATA_FILE).exists():
+    if handlers == _steps.HANDLER_TYPESTR or (path / _metadata.METADATA_FILE).exists():
         return missing + _missing_in_our_item(path, "")  # a step that is one item
     if isinstance(handlers, str):  # one item of another handler (ocp.Checkpointer)
         return missing + _missing_in_item(path, "", handlers.rsplit(".", 1)[-1], True)
@@ -105,7 +91,12 @@ def missing_entries(step: epath.PathLike | StepDir) -> list[str]:
         missing += _missing_in_item(path / name, f"{name}/", handler, name in named or not recorded)
     if _orbaxcompat.orbax_uses_legacy_commit_rule():
         missing.extend(n for n in _unfinished_items(path) if n not in missing)
-    if not named and not present and not missing and _steps.item_kind(path) is PathKind.OTHER:
+    if (
+        not named
+        and not present
+        and not missing
+        and _steps.item_kind(path) is _steps.PathKind.OTHER
+    ):
         # (a directory that holds tensors itself is a step that is one item, read as it is)
         missing.append("every item (the step directory holds none)")
     return missing
@@ -117,17 +108,17 @@ def _missing_in_item(item: epath.Path, prefix: str, handler: str | None, named: 
     ``named`` (an item of the step, or a step whose list of items is gone)."""
     names = {c.name for c in item.iterdir()}
     ours = handler in _OUR_HANDLERS or _metadata.METADATA_FILE in names
-    pytree = not ours and (handler in _PYTREE_HANDLERS or ORBAX_METADATA_FILE in names)
+    pytree = not ours and (handler in _PYTREE_HANDLERS or _steps.ORBAX_METADATA_FILE in names)
     if handler is None and not ours and not pytree:  # unrecorded: by what is left
         ours = any(n.endswith(".safetensors") for n in names)
         pytree = not ours and any(
-            n in _ORBAX_ITEM_ENTRIES or n.startswith(OCDBT_PROCESS_PREFIX) for n in names
+            n in _ORBAX_ITEM_ENTRIES or n.startswith(_steps.OCDBT_PROCESS_PREFIX) for n in names
         )
     if ours:
         return _missing_in_our_item(item, prefix)
     if pytree:
         return _missing_in_pytree_item(item, names, prefix)
-    if named and not names - {COMMIT_SUCCESS_FILE}:
+    if named and not names - {_steps.COMMIT_SUCCESS_FILE}:
         return [f"the files of {prefix}"]  # an item of another handler, emptied
     return []
 
@@ -144,9 +135,9 @@ def _missing_in_our_item(item: epath.Path, prefix: str) -> list[str]:
 
 def _missing_in_pytree_item(item: epath.Path, names: set[str], prefix: str) -> list[str]:
     """What an Orbax PyTree item lacks for Orbax's restore."""
-    if ORBAX_METADATA_FILE not in names:
-        return [prefix + ORBAX_METADATA_FILE]
-    doc = _steps.read_json(item / ORBAX_METADATA_FILE)
+    if _steps.ORBAX_METADATA_FILE not in names:
+        return [prefix + _steps.ORBAX_METADATA_FILE]
+    doc = _steps.read_json(item / _steps.ORBAX_METADATA_FILE)
     if not isinstance(doc, dict) or not isinstance(doc.get("tree_metadata"), dict):
         return []  # damaged, not deleted: Orbax's restore (and inspect) report it
     leaves = _claims.pytree_leaves(doc)
@@ -159,7 +150,9 @@ def _missing_in_pytree_item(item: epath.Path, names: set[str], prefix: str) -> l
     storage = _steps.array_storage(item)
     # An OCDBT item names no array directory; Orbax before 0.12 records no use_ocdbt, and
     # tells OCDBT by manifest.ocdbt alone, which a deletion may have taken first.
-    ocdbt_entries = {n for n in names if n.startswith(OCDBT_PROCESS_PREFIX)} | ({"d"} - set(leaves))
+    ocdbt_entries = {n for n in names if n.startswith(_steps.OCDBT_PROCESS_PREFIX)} | (
+        {"d"} - set(leaves)
+    )
     if storage.use_ocdbt or _orbax_ocdbt(item) or ocdbt_entries & names:
         return missing + _missing_ocdbt_files(item, prefix)
     for name, kind in sorted(leaves.items()):
@@ -175,15 +168,15 @@ def _orbax_ocdbt(item: epath.Path) -> bool:
 
         return bool(ocp.type_handlers.is_ocdbt_checkpoint(item))
     except (ImportError, AttributeError):
-        return (item / OCDBT_MANIFEST_FILE).exists()
+        return (item / _steps.OCDBT_MANIFEST_FILE).exists()
 
 
 def _missing_ocdbt_files(item: epath.Path, prefix: str) -> list[str]:
     """``manifest.ocdbt`` or the data files of the item's OCDBT database that are missing
     (a node that cannot be read for another reason ends the walk of its subtree: damage,
     which the restore reports, not deletion)."""
-    if not (item / OCDBT_MANIFEST_FILE).exists():
-        return [prefix + OCDBT_MANIFEST_FILE]
+    if not (item / _steps.OCDBT_MANIFEST_FILE).exists():
+        return [prefix + _steps.OCDBT_MANIFEST_FILE]
     files: dict[str, bool] = {}  # each referenced file: whether it is present
 
     def present(ref: _claims.Ref) -> bool:
@@ -215,7 +208,7 @@ def _orbax_kvstore(item: epath.Path) -> dict[str, Any]:
     return base
 
 
-def _missing_zarr_files(array: epath.Path, storage: ArrayStorage, prefix: str) -> list[str]:
+def _missing_zarr_files(array: epath.Path, storage: _steps.ArrayStorage, prefix: str) -> list[str]:
     """What a zarr array directory lacks: its metadata file, and, where Orbax stored every
     chunk, the chunk files of its grid."""
     meta_name = "zarr.json" if storage.use_zarr3 else ".zarray"
@@ -301,7 +294,7 @@ def _unfinished_items(step: epath.Path) -> list[str]:
     save never finished, yet Orbax < 0.12.3 lists such a step on local disk."""
     names = []
     for child in sorted(step.iterdir(), key=lambda p: p.name):
-        name = child.name.split(TMP_SUFFIX, 1)[0]
+        name = child.name.split(_steps.TMP_SUFFIX, 1)[0]
         unfinished = name != child.name and _steps.is_child_name(name) and child.is_dir()
         if unfinished and not (step / name).is_dir():
             names.append(f"{name}/")
@@ -316,12 +309,12 @@ def incomplete_problem(path: epath.PathLike, missing: Sequence[str]) -> str:
     )
 
 
-def require_complete(step: epath.PathLike | StepDir) -> None:
+def require_complete(step: epath.PathLike | _steps.StepDir) -> None:
     """Raises a ``SafetensorsCheckpointError`` naming what the committed ``step`` lacks, if
     anything (for ``convert``, which would carry it on as whole)."""
     missing = missing_entries(step)
     if missing:
-        path = step.path if isinstance(step, StepDir) else step
+        path = step.path if isinstance(step, _steps.StepDir) else step
         raise SafetensorsCheckpointError(
             f"{incomplete_problem(path, missing)}; most likely the process was killed while "
             "Orbax's cleanup (max_to_keep) was deleting it: delete it, or name the other steps "
@@ -330,14 +323,9 @@ def require_complete(step: epath.PathLike | StepDir) -> None:
 
 
 def refuse_incomplete(path: epath.PathLike) -> None:
-    """Raises when ``path`` names a committed step (as its root lists it, or on its own) that
-    lacks what restoring it needs: every tool that reads a step's tensors (``convert``,
-    ``diff``, ``export``, ``load_pytorch``: ``catalog/sources.open_source`` and ``open_items``) would
-    otherwise read what is left as if it were the checkpoint. Anything else passes.
-
-    Raises:
-      SafetensorsCheckpointError: naming the step and what it lacks (:func:`require_complete`).
-    """
+    """Raises (as :func:`require_complete`) when ``path`` names a committed step, as its root
+    lists it or on its own, that lacks what restoring it needs; anything else passes. A tool
+    that reads a step's tensors calls it first: what is left is not the checkpoint."""
     entry = _steps.step_entry(path)
     if entry is not None and entry.committed:
         require_complete(entry)
@@ -362,7 +350,7 @@ def missing_file(path: epath.Path) -> str | None:
     """Why Orbax could not read the metadata of item ``path`` whose ``_METADATA`` is sound,
     when a file it needs is missing (the OCDBT manifest or a data file, or an array's zarr
     metadata); None when none is, or ``_METADATA`` itself is the problem."""
-    doc = _steps.read_json(path / ORBAX_METADATA_FILE)
+    doc = _steps.read_json(path / _steps.ORBAX_METADATA_FILE)
     if not isinstance(doc, dict) or not isinstance(doc.get("tree_metadata"), dict):
         return None
     storage = _steps.array_storage(path)
