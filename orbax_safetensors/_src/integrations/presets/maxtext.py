@@ -292,7 +292,10 @@ def _mapping(
     for scanned in (True, False):
         if scan_layers in (None, scanned):
             layers += _placed(_layers(family, dims, lm + "layers.", scanned))
-    padded = None if vocab_size is None else _padded(vocab_size)
+    whole = isinstance(vocab_size, numbers.Integral) and not isinstance(vocab_size, bool)
+    if vocab_size is not None and (not whole or vocab_size <= 0):
+        raise ValueError(f"vocab_size= must be a positive whole number, got {vocab_size!r}")
+    padded = None if vocab_size is None else int(vocab_size)
     rules = [
         Rule(
             lm + "embed_tokens.weight", _ROOT + "token_embedder.embedding", dims.embedding(padded)
@@ -333,13 +336,6 @@ _ALIASES = (
     ),
     ("multi_modal_projector.", ("model.multi_modal_projector.",)),
 )
-
-
-def _padded(vocab_size: Any) -> int:
-    whole = isinstance(vocab_size, numbers.Integral) and not isinstance(vocab_size, bool)
-    if not whole or vocab_size <= 0:
-        raise ValueError(f"vocab_size= must be a positive whole number, got {vocab_size!r}")
-    return int(vocab_size)
 
 
 @dataclasses.dataclass(frozen=True)
