@@ -13,7 +13,7 @@ import re
 import pytest
 
 import orbax_safetensors as osf
-from orbax_safetensors._src.integrations import presets
+from orbax_safetensors._src.tools import mapping_flags
 
 CONFIG = {  # a tiny Qwen 3 config, as a dict
     "model_type": "qwen3",
@@ -92,30 +92,30 @@ def test_a_keyword_the_preset_does_not_take_is_refused_naming_what_it_takes():
 
 
 def test_the_command_line_gives_each_preset_what_it_takes_from_the_config():
-    assert presets.resolve_mapping("gpt2", None) == osf.hf.presets.generic.gpt2()
-    assert presets.resolve_mapping("gpt2", {"tie_word_embeddings": False}) == (
+    assert mapping_flags.resolve_mapping("gpt2", None) == osf.hf.presets.generic.gpt2()
+    assert mapping_flags.resolve_mapping("gpt2", {"tie_word_embeddings": False}) == (
         osf.hf.presets.generic.gpt2(tie_word_embeddings=False)
     )
     tied = {**CONFIG, "tie_word_embeddings": True}
-    assert presets.resolve_mapping("qwen3", tied) == osf.hf.presets.generic.dense(
+    assert mapping_flags.resolve_mapping("qwen3", tied) == osf.hf.presets.generic.dense(
         tie_word_embeddings=True
     )
-    assert presets.resolve_mapping("tunix-qwen3", tied, lora_scale=2.0) == (
+    assert mapping_flags.resolve_mapping("tunix-qwen3", tied, lora_scale=2.0) == (
         osf.hf.presets.tunix.qwen3(head_dim=8, tie_word_embeddings=True, lora_scale=2.0)
     )
-    assert presets.resolve_mapping("maxtext-qwen3", CONFIG) == (
+    assert mapping_flags.resolve_mapping("maxtext-qwen3", CONFIG) == (
         osf.hf.presets.maxtext.qwen3(CONFIG)
     )
     with pytest.raises(ValueError, match="'maxtext-qwen3' needs --hf-config"):
-        presets.resolve_mapping("maxtext-qwen3", None)
+        mapping_flags.resolve_mapping("maxtext-qwen3", None)
     with pytest.raises(ValueError, match="'tunix-llama3' needs --hf-config with head_dim"):
-        presets.resolve_mapping("tunix-llama3", {"vocab_size": 96})
+        mapping_flags.resolve_mapping("tunix-llama3", {"vocab_size": 96})
     # Gemma 3's head_dim from a multimodal config's text_config; Gemma 4 built of its config
     nested = {"model_type": "gemma3", "text_config": CONFIG}
-    assert presets.resolve_mapping("tunix-gemma3", nested) == osf.hf.presets.tunix.gemma3(
+    assert mapping_flags.resolve_mapping("tunix-gemma3", nested) == osf.hf.presets.tunix.gemma3(
         head_dim=8
     )
-    gemma4 = presets.resolve_mapping("tunix-gemma4", GEMMA4)
+    gemma4 = mapping_flags.resolve_mapping("tunix-gemma4", GEMMA4)
     assert gemma4 == osf.hf.presets.tunix.gemma4(GEMMA4)
     assert gemma4.to_flax("model.layers.1.self_attn.k_proj.weight")[0] == "layers.1.attn.k_einsum.w"
     with pytest.raises(ValueError, match="'tunix-gemma4' needs a Hugging Face Gemma 4 config"):

@@ -150,11 +150,11 @@ def test_the_attack_matrix_names_a_test_or_a_reason_in_every_cell() -> None:
 _FORBIDDEN_CALLS = {"eval", "exec", "__import__", "compile"}
 _FORBIDDEN_MODULES = {"pickle", "cPickle", "dill", "cloudpickle", "importlib", "marshal", "shelve"}
 # The imports by name: `orbax-safetensors export --mapping module:attr` imports the module its
-# user names on the command line (as `python -m` does; presets/__init__.py reads --mapping), and
+# user names on the command line (as `python -m` does; tools/mapping_flags.py reads --mapping), and
 # the package's root imports each public name's module, from its own constant table (_LAZY),
 # when the name is first used; nothing read from a file is.
 _IMPORTS_BY_NAME = {
-    "orbax_safetensors/_src/integrations/presets/__init__.py",
+    "orbax_safetensors/_src/tools/mapping_flags.py",
     "orbax_safetensors/__init__.py",
 }
 

@@ -165,13 +165,13 @@ def _export_cmd(args: argparse.Namespace) -> int:
     from etils import epath
 
     from orbax_safetensors._src.integrations import export as _export
-    from orbax_safetensors._src.integrations import presets as _presets
     from orbax_safetensors._src.tools import inspection as _inspection
+    from orbax_safetensors._src.tools import mapping_flags as _mapping_flags
 
     try:
         policy = dtype_policy(args.dtype)
-        config = _presets.read_hf_config(args.hf_config)
-        mapping = _presets.resolve_mapping(args.mapping, config, args.lora_scale)
+        config = _mapping_flags.read_hf_config(args.hf_config)
+        mapping = _mapping_flags.resolve_mapping(args.mapping, config, args.lora_scale)
     except ValueError as e:
         _error_line("orbax-safetensors export", e)
         return EXIT_ERROR
@@ -203,12 +203,16 @@ def _import_cmd(args: argparse.Namespace) -> int:
     --distributed, run it on every host of the job: each process reads and writes only its
     share. CKPTDIR/<step> must not exist."""
     from orbax_safetensors._src.integrations import hf_import as _hf_import
-    from orbax_safetensors._src.integrations import presets as _presets
     from orbax_safetensors._src.tools import inspection as _inspection
+    from orbax_safetensors._src.tools import mapping_flags as _mapping_flags
 
     try:
         policy = dtype_policy(args.dtype)
-        named = args.mapping if ":" not in args.mapping else _presets.resolve_mapping(args.mapping)
+        named = (
+            args.mapping
+            if ":" not in args.mapping
+            else _mapping_flags.resolve_mapping(args.mapping)
+        )
         mapping, scan_layers = _hf_import.resolve(
             named, args.hfdir, args.scan_layers, args.vocab_size
         )
