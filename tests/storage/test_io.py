@@ -75,3 +75,12 @@ def test_submitted_writes_run_together_and_report_like_write(tmp_path: Path) -> 
         assert records == [(p.tag, p.data.nbytes, crc32c.crc32c(p.data)) for p in batch]
     data = (tmp_path / "f").read_bytes()
     assert data == b"H" * 16 + b"".join(p.data.tobytes() for p in pieces)
+
+
+def test_every_object_store_scheme_the_router_routes_has_a_client():
+    # The router keeps its own set of schemes so that local I/O never imports the object-store
+    # engine; the two lists must name the same schemes.
+    from orbax_safetensors._src.storage.objstore import engine as _engine
+
+    assert set(_engine._CLIENTS) == set(_router._OBJECT_SCHEMES)
+    assert all(_router.is_object_url(f"{scheme}://bucket/key") for scheme in _engine._CLIENTS)
