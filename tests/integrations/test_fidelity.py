@@ -210,7 +210,7 @@ def test_a_nested_text_config_checks_the_language_models_projections_only():
     found, report = links.find_links(mapping, shapes, flax_side=True)
     assert report.ok
     torch_shapes = {
-        k: s for link in found for k, s in zip(link.torch, link.torch_shapes([shapes[link.flax[0]]], np.float32))
+        k: s for link in found for k, s in zip(link.torch, link.shapes([shapes[link.flax[0]]], np.float32, to_torch=True))
     }  # fmt: skip
     config = {"text_config": {"num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16}}
     problems = fidelity.fused_config_problems(

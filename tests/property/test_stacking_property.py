@@ -303,14 +303,16 @@ def test_shards_mapped_alone_tile_the_export_and_the_devices_agree(layout: Layou
     for link in found:
         arrays = [flax[n] for n in link.flax]
         shapes = [a.shape for a in arrays]
-        want = link.to_torch(arrays)
+        want = link.values(arrays, to_torch=True)
         on_devices = jax.jit(
             lambda xs, link=link: [links.device_value(link, xs, j) for j in range(len(link.torch))]
         )
         for j, (key, device) in enumerate(zip(link.torch, on_devices(arrays))):
             assert want[j].tobytes() == hf[key].tobytes(), key
             assert np.asarray(device).tobytes() == hf[key].tobytes(), key
-        back = jax.jit(lambda ts, link=link: link.to_flax(ts, xp=jnp))([hf[k] for k in link.torch])
+        back = jax.jit(lambda ts, link=link: link.values(ts, to_torch=False, xp=jnp))(
+            [hf[k] for k in link.torch]
+        )
         for name, value in zip(link.flax, back):
             assert np.asarray(value).tobytes() == flax[name].tobytes(), name
         if not links.commutes(link, shapes):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -106,18 +106,12 @@ def export_pytorch(
     )
     state = set(_flax_tables.training_state(table.infos))  # (optimizer state, step counter)
     report.ignored += [n for n in table.infos if n in state]
-    shapes = {n: t.shape for n, t in table.infos.items() if n not in state}
-    lora = _lora.plan(shapes, mapping, report, table.lora_params)
-    infos = {n: t for n, t in table.infos.items() if n in shapes and n not in lora.skip}
-    plan, links = compile_plan(
+    plan, links, lora = compile_plan(
         mapping,
-        {n: t.shape for n, t in infos.items()},
-        {n: t.dtype for n, t in infos.items()},
-        {n: table.values.get(n, t) for n, t in infos.items()},
-        _casting.parse_policy(dtype),
+        table,
+        dtype,
         report,
-        lora=lora,
-        tie_values=functools.partial(_tie_values, table, lora),
+        skip=state,
         hf_config=hf_config,
         generation_config=generation_config,
         where=f"cannot export to {directory} through this mapping",
@@ -151,19 +145,11 @@ def export_plan(
       TargetMismatchError: every name that does not fit, all at once.
       ValueError: qwix LoRA adapters and no ``KeyMapping.lora_scale``.
     """
-    arrays = validated.flat.arrays
-    shapes = {n: tuple(int(d) for d in a.shape) for n, a in arrays.items()}
-    report = MappingReport()
-    lora = _lora.plan(shapes, mapping, report)
-    plan, _ = compile_plan(
+    plan, _, _ = compile_plan(
         mapping,
-        shapes,
-        {n: _dtypes.from_numpy(np.dtype(a.dtype), key=n) for n, a in arrays.items()},
-        arrays,
-        _casting.parse_policy(dtype),
-        report,
-        lora=lora,
-        tie_values=lambda names: {n: _merged_value(arrays, n, lora) for n in names},
+        _flax_tables.in_memory(validated.flat.arrays, "(item)"),
+        dtype,
+        MappingReport(),
         hf_config=hf_config,
         generation_config=generation_config,
         where="SafetensorsSave(mapping=...): the item does not fit this mapping",
@@ -196,31 +182,32 @@ def restore_item(
 
 def compile_plan(
     mapping: KeyMapping,
-    shapes: Mapping[str, Shape],
-    held: Mapping[str, str],
-    values: Mapping[str, Any],
-    policy: _casting.Policy | None,
+    table: _flax_tables.FlaxTable,
+    dtype: _casting.DtypePolicy | None,
     report: MappingReport,
     *,
-    lora: _lora.LoraPlan,
-    tie_values: Callable[[Sequence[str]], Mapping[str, Any]],
+    skip: Collection[str] = (),
     hf_config: Any,
     generation_config: Any,
     where: str,
     strict: bool = True,
     show_stored: bool = False,
-) -> tuple[_export.ExportPlan, list[Link]]:
-    """The plan of the Flax tensors of ``shapes`` (``held``: their safetensors dtypes;
-    ``values``: what a callable ``policy`` sees) through ``mapping``, and the links it writes
-    (see the module docstring); problems go to ``report`` (a shape mismatch names the held
-    dtype, or the stored one with ``show_stored``).
+) -> tuple[_export.ExportPlan, list[Link], _lora.LoraPlan]:
+    """The plan of ``table``'s tensors but ``skip`` through ``mapping``, the links it writes
+    and its LoRA merges (see the module docstring); problems go to ``report`` (a shape
+    mismatch names the held dtype, or the stored one with ``show_stored``).
 
     Raises:
       ConfigError: a size of ``hf_config`` that is impossible (before any tensor is read).
       TargetMismatchError: with ``strict``, ``where`` and every problem.
+      ValueError: qwix LoRA adapters and no ``KeyMapping.lora_scale``.
     """
+    every = {n: t.shape for n, t in table.infos.items() if n not in skip}
+    lora = _lora.plan(every, mapping, report, table.lora_params)
+    shapes = {n: s for n, s in every.items() if n not in lora.skip}
+    held = {n: table.infos[n].dtype for n in shapes}
     # 1, 2. match and link
-    links, found = mapped_links(mapping, shapes, skip=lora.skip, renamed=lora.renamed)
+    links, found = mapped_links(mapping, shapes, renamed=lora.renamed)
     report.ignored += found.ignored
     report.unmapped += found.unmapped
     report.mismatched += found.mismatched
@@ -228,9 +215,10 @@ def compile_plan(
     # a Flax shard on its own
     names = list(shapes)
     numpy_dtypes = {n: _dtypes.to_numpy(held[n]) for n in names}
+    policy = _casting.parse_policy(dtype)
     casts = _casting.resolve(
         policy, names, list(numpy_dtypes.values()), [shapes[n] for n in names],
-        [values.get(n) for n in names],
+        [table.values.get(n, table.infos[n]) for n in names],
     )  # fmt: skip
     stored = {
         n: held[n] if c is None else _dtypes.from_numpy(c, key=n) for n, c in zip(names, casts)
@@ -247,13 +235,14 @@ def compile_plan(
         taken.update(dict.fromkeys(link.torch, first))
         flax_shapes = [shapes[n] for n in link.flax]
         try:
-            torch_shapes = link.torch_shapes(flax_shapes, numpy_dtypes[first])
+            torch_shapes = link.shapes(flax_shapes, numpy_dtypes[first], to_torch=True)
             shaped.append((link, torch_shapes, _links.commutes(link, flax_shapes)))
         except ValueError as e:
             described = f"{first} {shown[first]}{list(shapes[first])}"
             report.mismatched.append(f"{described} -> {link.torch[0]}: {e}")
     # 4. check: the config's sizes (before a tied tensor is read), the ties, what is written
     facts = None if hf_config is None else ConfigFacts.of(hf_config).validated()
+    tie_values = functools.partial(_tie_values, table, lora)
     untied = _fidelity.tie_differences(mapping, links, tie_values) if mapping.tied else {}
     tied = dict(_fidelity.untied(mapping, list(untied)).tied)
     specs: list[_plan.TensorSpec] = []
@@ -288,19 +277,18 @@ def compile_plan(
         generation_config=generation_config,
         untie=bool(untied),
     )
-    summary = f"KeyMapping: {len(shapes)} tensors -> {len(specs)} Hugging Face tensors"
+    summary = f"KeyMapping: {len(every)} tensors -> {len(specs)} Hugging Face tensors"
     plan = _export.ExportPlan(tuple(specs), tuple(groups), HEADER_METADATA, files, summary)
-    return plan, kept
+    return plan, kept, lora
 
 
 def mapped_links(
     mapping: KeyMapping,
     shapes: Mapping[str, Shape],
     *,
-    skip: Collection[str] = (),
     renamed: Mapping[str, str] | None = None,
 ) -> tuple[list[Link], MappingReport]:
-    """``links.find_links`` over the Flax tensors of ``shapes`` but ``skip``, each matched
+    """``links.find_links`` over the Flax tensors of ``shapes``, each matched
     by the name ``renamed`` gives it (a module a LoRA wrapper wraps: ``lora.LoraPlan``); the
     links and the report name them as ``shapes`` does."""
     renamed = renamed or {}
@@ -308,8 +296,6 @@ def mapped_links(
     original: dict[str, str] = {}
     clashes = []
     for n, shape in shapes.items():
-        if n in skip:
-            continue
         seen = renamed.get(n, n)
         if seen in original:
             clashes.append(f"{original[seen]} and {n} are both exported as {seen}")
@@ -467,9 +453,8 @@ def _tie_values(
 ) -> Mapping[str, Any]:
     # The Flax tensors ``names`` as the export writes them, LoRA merged (in memory: the
     # arrays as they are, sharded too)
-    if table.source is None:
-        return {n: _merged_value(table.values, n, lora) for n in names}
-    got = table.read([*names, *(a for n in names if n in lora.merges for a in lora.merges[n])])
+    adapters = [a for n in names if n in lora.merges for a in lora.merges[n]]
+    got = table.values if table.source is None else table.read([*names, *adapters])
     return {n: _merged_value(got, n, lora) for n in names}
 
 
@@ -486,25 +471,12 @@ def _units(
     """The engine's units of ``links`` (``plan``'s groups) as this process reads them:
     batches of half ``batch_bytes`` of Flax tensors, a band of a stacked link at a time, the
     LoRA adapters beside their kernel."""
-    me, processes = jax.process_index(), jax.process_count()
     budget = max(1, batch_bytes // 2)
-    reads = _export_reads.table_reads(
-        table, links, processes=processes, whole=lora.merges, budget=budget
-    )
-    owners = dict(reads.owners)  # (an adapter is read by its kernel's reader)
-    for kernel, pair in lora.merges.items():
-        if kernel in owners:
-            owners.update(dict.fromkeys(pair, owners[kernel]))
-    reads = dataclasses.replace(reads, owners=owners)
+    reads = _export_reads.table_reads(table, links, merges=lora.merges, budget=budget)
     by_link = {id(link): group for link, group in zip(links, plan.groups)}
     sizes = {s.name: tuple(s.shape) for s in plan.outputs}
 
     def group_of(link: Link) -> _export.ExportGroup:  # (a band's: computed on the host)
         return by_link.get(id(link)) or _group(link, sizes, None, None)
 
-    def read(names: tuple[str, ...], boxes: Any) -> dict[str, Any]:
-        adapters = [a for n in names if n in lora.merges for a in lora.merges[n]]
-        return _export_reads.read(table, reads, me, processes == 1, [*names, *adapters], boxes)
-
-    held = _export_reads.held(table, reads, me)
-    return _export_reads.read_units(links, table.infos, reads, me, budget, held, group_of, read)
+    return reads.units(links, budget, group_of)

@@ -1,7 +1,7 @@
 """What each process of an export reads of a checkpoint, decided from global facts only
 (shapes, stored chunks, rules) so that every process decides alike: a tensor read sharded,
 read whole by its owner, or read in bands of layers (:func:`plan_reads`,
-:func:`plan_bands`), and the reads themselves (:func:`read_units`, as the engine's units).
+:func:`plan_bands`), and the reads themselves (:meth:`TableReads.units`, as the engine's units).
 """
 
 from __future__ import annotations
@@ -152,63 +152,6 @@ def plan_bands(
     return out
 
 
-def read_units(
-    links: Sequence[Link],
-    infos: Mapping[str, Any],
-    reads: ReadPlan,
-    process: int,
-    budget: int,
-    held: Callable[[str], int],
-    group_of: Callable[[Link], _export.ExportGroup],
-    read: Callable[[tuple[str, ...], Mapping[str, Box] | None], dict[str, Any]],
-) -> list[_export.Unit]:
-    """What process ``process`` reads of ``links``, in order, as the export engine's units:
-    the links not banded in batches of at most ``budget`` bytes of Flax tensors (a larger
-    link alone; every process lists them alike), and each of this process's bands of a
-    banded link. ``held(name)``: the bytes it holds of a tensor read as ``reads`` reads it;
-    ``group_of(link)``: a link's group (a band's too); ``read(names, boxes)``: the values
-    (``boxes``: a band's box of each name, else None)."""
-    out: list[_export.Unit] = []
-    group: list[Link] = []
-    used = 0
-
-    def flush() -> None:
-        nonlocal group, used
-        if group:
-            names = tuple(sorted({n for link in group for n in link.flax}))
-            groups = tuple(group_of(link) for link in group)
-            unit = functools.partial(read, names, None)
-            out.append(_export.Unit(groups, unit, sum(int(held(n)) for n in names), groups))
-        group, used = [], 0
-
-    for link in links:
-        bands = reads.bands.get(link.flax[0])
-        if bands is None:
-            size = _flax_bytes(link, infos)
-            if group and used + size > budget:
-                flush()
-            group.append(link)
-            used += size
-            continue
-        flush()
-        shapes = [tuple(int(d) for d in infos[n].shape) for n in link.flax]
-        mine = bands.of_process[process]
-        if not mine:
-            out.append(_export.Unit((), dict, 0, (group_of(link),)))
-        for i, band in enumerate(mine):
-            boxes = dict(zip(link.flax, bands.boxes(link, shapes, band)))
-            nbytes = sum(
-                _dtypes.nbytes(infos[n].dtype, tuple(s.stop - s.start for s in boxes[n]))
-                for n in link.flax
-            )
-            done = (group_of(link),) if i == len(mine) - 1 else ()
-            band_group = group_of(link.band(bands.placeholder, *band))
-            unit = functools.partial(read, link.flax, boxes)
-            out.append(_export.Unit((band_group,), unit, nbytes, done))
-    flush()
-    return out
-
-
 def _flax_bytes(link: Link, infos: Mapping[str, Any]) -> int:
     return sum(int(infos[n].nbytes) for n in link.flax)
 
@@ -281,42 +224,25 @@ def _process_grid(devices: Sequence[Any]) -> Any:
 # --------------------------------------------------------------------------- reading
 
 
-def table_reads(
-    table: _flax_tables.FlaxTable,
-    links: Sequence[Link],
-    *,
-    processes: int,
-    whole: Collection[str],
-    budget: int,
-) -> ReadPlan:
-    """What each of ``processes`` reads of ``table``'s ``links``: in memory, every process
-    its own values; of a checkpoint, :func:`plan_reads` (one process reads every link whole,
-    a stacked link of an Orbax-native item larger than ``budget`` in bands)."""
-    if table.source is None:
-        return ReadPlan({}, {})
-    source, prefix = table.source, table.prefix
-    chunks = None
-    if isinstance(source, _sources.OrbaxSource):
-        chunks = {n: source.chunks[prefix + n] for n in table.infos}
-    sharded = processes > 1 and isinstance(
-        source, (_sources.SafetensorsSource, _sources.OrbaxSource)
-    )
-    return plan_reads(
-        links, table.infos, chunks=chunks, processes=processes, whole=whole, sharded=sharded,
-        budget=budget,
-    )  # fmt: skip
+@dataclasses.dataclass(frozen=True)
+class TableReads:
+    """What process ``me`` reads of ``table`` as ``plan`` plans (``host``: a lone process's
+    in-memory values made host arrays), each LoRA kernel of ``merges`` with its adapters."""
 
+    table: _flax_tables.FlaxTable
+    plan: ReadPlan
+    me: int
+    host: bool
+    merges: Mapping[str, tuple[str, str]]
 
-def held(table: _flax_tables.FlaxTable, reads: ReadPlan, me: int) -> Any:
-    """``held(name)``: the bytes process ``me`` holds of a Flax tensor read as ``reads``
-    plans: its devices' distinct boxes of one read sharded, the whole tensor if it reads it
-    whole (in memory: every process), else none."""
-
-    def nbytes(name: str) -> int:
-        info = table.infos[name]
-        sharding = reads.shardings.get(name)
+    def held(self, name: str) -> int:
+        """The bytes this process holds of Flax tensor ``name``: its devices' distinct boxes
+        of one read sharded, the whole tensor if it reads it whole (in memory: every
+        process), else none."""
+        info = self.table.infos[name]
+        sharding = self.plan.shardings.get(name)
         if sharding is None:
-            mine = table.source is None or reads.owners.get(name) == me
+            mine = self.table.source is None or self.plan.owners.get(name) == self.me
             return int(info.nbytes) if mine else 0
         boxes = {
             tuple((s.start, s.stop) for s in _runs.normalize_index(index, info.shape))
@@ -324,42 +250,117 @@ def held(table: _flax_tables.FlaxTable, reads: ReadPlan, me: int) -> Any:
         }
         return sum(_dtypes.nbytes(info.dtype, tuple(b - a for a, b in box)) for box in boxes)
 
-    return nbytes
-
-
-def read(
-    table: _flax_tables.FlaxTable,
-    reads: ReadPlan,
-    me: int,
-    host: bool,
-    names: Sequence[str],
-    boxes: Mapping[str, Box] | None,
-) -> dict[str, Any]:
-    """Process ``me``'s values of ``names`` (no collective: a reading thread's): a band's
-    ``boxes`` as host arrays (``OrbaxSource.read_box``); global arrays of those read sharded;
-    host arrays of those it reads whole (in memory: the values, made host arrays with
-    ``host``); None for the others'."""
-    if table.source is None:
-        return table.read(names) if host else {n: table.values[n] for n in names}
-    source, prefix = table.source, table.prefix
-    if boxes is not None:
-        return {n: source.read_box(prefix + n, boxes[n]) for n in names}
-    sharded = [n for n in names if n in reads.shardings]
-    mine = [n for n in names if reads.owners.get(n) == me]
-    out: dict[str, Any] = dict.fromkeys(names)
-    if sharded and isinstance(source, _sources.OrbaxSource):
-        got = source.read_sharded(
-            [prefix + n for n in sharded], {prefix + n: reads.shardings[n] for n in sharded}
-        )
-        out.update({n: got[prefix + n] for n in sharded})
-    elif sharded:
-        requests = [
-            _read.ReadRequest(
-                source.stored[prefix + n], kind=_read.ReadKind.JAX, sharding=reads.shardings[n]
+    def read(self, names: Sequence[str], boxes: Mapping[str, Box] | None) -> dict[str, Any]:
+        """This process's values of ``names`` and their LoRA adapters (no collective: a
+        reading thread's): a band's ``boxes`` as host arrays (``OrbaxSource.read_box``);
+        global arrays of those read sharded; host arrays of those it reads whole (in memory:
+        the values, host arrays with ``host``); None for the others'."""
+        table, plan = self.table, self.plan
+        names = [*names, *(a for n in names if n in self.merges for a in self.merges[n])]
+        if table.source is None:
+            return table.read(names) if self.host else {n: table.values[n] for n in names}
+        source, prefix = table.source, table.prefix
+        if boxes is not None:
+            return {n: source.read_box(prefix + n, boxes[n]) for n in names}
+        sharded = [n for n in names if n in plan.shardings]
+        mine = [n for n in names if plan.owners.get(n) == self.me]
+        out: dict[str, Any] = dict.fromkeys(names)
+        if sharded and isinstance(source, _sources.OrbaxSource):
+            got = source.read_sharded(
+                [prefix + n for n in sharded], {prefix + n: plan.shardings[n] for n in sharded}
             )
-            for n in sharded
-        ]
-        out.update(zip(sharded, _read.read_tensors(requests)))
-    if mine:
-        out.update(table.read(mine))
-    return out
+            out.update({n: got[prefix + n] for n in sharded})
+        elif sharded:
+            requests = [
+                _read.ReadRequest(
+                    source.stored[prefix + n], kind=_read.ReadKind.JAX, sharding=plan.shardings[n]
+                )
+                for n in sharded
+            ]
+            out.update(zip(sharded, _read.read_tensors(requests)))
+        if mine:
+            out.update(table.read(mine))
+        return out
+
+    def units(
+        self, links: Sequence[Link], budget: int, group_of: Callable[[Link], _export.ExportGroup]
+    ) -> list[_export.Unit]:
+        """What this process reads of ``links``, in order, as the export engine's units: the
+        links not banded in batches of at most ``budget`` bytes of Flax tensors (a larger link
+        alone; every process lists them alike), and each of this process's bands of a banded
+        link; ``group_of(link)``: a link's group (a band's too)."""
+        infos, read, held = self.table.infos, self.read, self.held
+        out: list[_export.Unit] = []
+        group: list[Link] = []
+        used = 0
+
+        def flush() -> None:
+            nonlocal group, used
+            if group:
+                names = tuple(sorted({n for link in group for n in link.flax}))
+                groups = tuple(group_of(link) for link in group)
+                unit = functools.partial(read, names, None)
+                out.append(_export.Unit(groups, unit, sum(int(held(n)) for n in names), groups))
+            group, used = [], 0
+
+        for link in links:
+            bands = self.plan.bands.get(link.flax[0])
+            if bands is None:
+                size = _flax_bytes(link, infos)
+                if group and used + size > budget:
+                    flush()
+                group.append(link)
+                used += size
+                continue
+            flush()
+            shapes = [tuple(int(d) for d in infos[n].shape) for n in link.flax]
+            mine = bands.of_process[self.me]
+            if not mine:
+                out.append(_export.Unit((), dict, 0, (group_of(link),)))
+            for i, band in enumerate(mine):
+                boxes = dict(zip(link.flax, bands.boxes(link, shapes, band)))
+                nbytes = sum(
+                    _dtypes.nbytes(infos[n].dtype, tuple(s.stop - s.start for s in boxes[n]))
+                    for n in link.flax
+                )
+                done = (group_of(link),) if i == len(mine) - 1 else ()
+                band_group = group_of(link.band(bands.placeholder, *band))
+                unit = functools.partial(read, link.flax, boxes)
+                out.append(_export.Unit((band_group,), unit, nbytes, done))
+        flush()
+        return out
+
+
+def table_reads(
+    table: _flax_tables.FlaxTable,
+    links: Sequence[Link],
+    *,
+    merges: Mapping[str, tuple[str, str]],
+    budget: int,
+) -> TableReads:
+    """What this process reads of ``table``'s ``links``: in memory, its own values; of a
+    checkpoint, :func:`plan_reads` (one process reads every link whole, a stacked link of an
+    Orbax-native item larger than ``budget`` in bands), the LoRA kernels of ``merges`` whole
+    and their adapters by the kernel's reader."""
+    import jax
+
+    me, processes = jax.process_index(), jax.process_count()
+    source, prefix = table.source, table.prefix
+    plan = ReadPlan({}, {})
+    if source is not None:
+        chunks = None
+        if isinstance(source, _sources.OrbaxSource):
+            chunks = {n: source.chunks[prefix + n] for n in table.infos}
+        sharded = processes > 1 and isinstance(
+            source, (_sources.SafetensorsSource, _sources.OrbaxSource)
+        )
+        plan = plan_reads(
+            links, table.infos, chunks=chunks, processes=processes, whole=merges,
+            sharded=sharded, budget=budget,
+        )  # fmt: skip
+        owners = dict(plan.owners)  # (an adapter is read by its kernel's reader)
+        for kernel, pair in merges.items():
+            if kernel in owners:
+                owners.update(dict.fromkeys(pair, owners[kernel]))
+        plan = dataclasses.replace(plan, owners=owners)
+    return TableReads(table, plan, me, processes == 1, merges)

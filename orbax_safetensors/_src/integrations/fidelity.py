@@ -56,7 +56,7 @@ def tie_differences(
 def _torch_value(link: _links.Link, arrays: list[Any], j: int) -> Any:
     if any(not isinstance(a, np.ndarray) for a in arrays):
         return _links.device_value(link, arrays, j)  # (jax.numpy: sharded arrays too)
-    return link.to_torch(arrays)[j]
+    return link.value(arrays, j, to_torch=True)
 
 
 def _largest_difference(x: Any, y: Any) -> float:
@@ -143,7 +143,7 @@ def _part_keys(link: _links.Link) -> list[str]:
     rule = link.rule
     first: dict[str, str] = {}
     for key in link.torch:
-        groups = rule.torch_groups(key) or {}
+        groups = rule.groups(key, flax=False) or {}
         part = groups.get(rule.fused or "")
         if part is not None:
             first.setdefault(part, key)

@@ -46,9 +46,10 @@ def _is_path(source: Any) -> bool:
     return isinstance(source, (str, epath.PathLikeCls)) or hasattr(source, "__fspath__")
 
 
-def _in_memory(
+def in_memory(
     values: dict[str, Any], where: str, lora_params: frozenset[str] = frozenset()
 ) -> FlaxTable:
+    """The table of arrays ``values`` by name (``where``: how reports name their source)."""
     infos = {n: _sources.TensorInfo.of(n, x, where) for n, x in values.items()}
 
     def read(names: Sequence[str]) -> dict[str, np.ndarray]:
@@ -182,7 +183,7 @@ def flax_table(
         values = {n[len(prefix) :]: v for n, v in values.items() if n.startswith(prefix)}
         lora_params = {n[len(prefix) :] for n in lora_params if n.startswith(prefix)}
     where = "(model)" if _is_nnx_module(source) else "(pytree)"
-    return _in_memory(values, where, frozenset(lora_params))
+    return in_memory(values, where, frozenset(lora_params))
 
 
 TRAIN_STATE_PARAMS = "params"

@@ -179,7 +179,7 @@ class Rule:
                 )
         object.__setattr__(self, "_regexes", tuple(sorted(declared.items())))
         object.__setattr__(self, "stacked", _stack_axes(self.stacked, where))
-        torch_names, flax_names = set(self._torch_re[1]), set(self._flax_re[1])
+        torch_names, flax_names = set(self._pattern(False)[1]), set(self._pattern(True)[1])
         for name in self.stacked_names:
             if (name in torch_names) == (name in flax_names):
                 raise ValueError(
@@ -219,13 +219,8 @@ class Rule:
         if self.sizes is not None:
             object.__setattr__(self, "sizes", tuple(int(n) for n in self.sizes))
 
-    @property
-    def _torch_re(self) -> tuple[re.Pattern[str], list[str]]:
-        return _compile(self.torch, self._regexes)
-
-    @property
-    def _flax_re(self) -> tuple[re.Pattern[str], list[str]]:
-        return _compile(self.flax, self._regexes)
+    def _pattern(self, flax: bool) -> tuple[re.Pattern[str], list[str]]:
+        return _compile(self.flax if flax else self.torch, self._regexes)
 
     @property
     def parts(self) -> tuple[str, ...]:
@@ -247,7 +242,7 @@ class Rule:
     def gathered_by(self, *, flax: bool) -> frozenset[str]:
         """The collective placeholders a tensor of the Flax side (``flax``) or the PyTorch
         side gathers: those of the other side's pattern only."""
-        other = self._torch_re[1] if flax else self._flax_re[1]
+        other = self._pattern(not flax)[1]
         return frozenset(n for n in self.collective if n in other)
 
     def stack_values(self, name: str) -> tuple[str, ...] | None:
@@ -273,40 +268,33 @@ class Rule:
         """Whether one PyTorch key is one Flax name (no ``stacked``, no ``fused``)."""
         return self.stacked is None and self.fused is None
 
-    def torch_groups(self, key: str) -> dict[str, str] | None:
-        """The placeholder values of PyTorch ``key``, or None if the rule does not apply."""
-        m = self._torch_re[0].fullmatch(key)
+    def groups(self, name: str, *, flax: bool) -> dict[str, str] | None:
+        """The placeholder values of Flax name (``flax``) or PyTorch key ``name``, or None if
+        the rule does not apply."""
+        m = self._pattern(flax)[0].fullmatch(name)
         return None if m is None else m.groupdict()
 
-    def flax_groups(self, name: str) -> dict[str, str] | None:
-        """The placeholder values of Flax ``name``, or None if the rule does not apply."""
-        m = self._flax_re[0].fullmatch(name)
-        return None if m is None else m.groupdict()
-
-    def torch_key(self, values: dict[str, str]) -> str:
-        """The PyTorch key for placeholder ``values``."""
-        return _fill(self.torch, values)
-
-    def flax_name(self, values: dict[str, str]) -> str:
-        """The Flax name for placeholder ``values``."""
-        return _fill(self.flax, values)
+    def fill(self, values: dict[str, str], *, flax: bool) -> str:
+        """The Flax name (``flax``) or the PyTorch key for placeholder ``values``."""
+        return _fill(self.flax if flax else self.torch, values)
 
     def match_torch(self, key: str) -> str | None:
         """The Flax name for PyTorch ``key``, or None if the rule does not apply (with
         ``stacked``/``fused``: the tensor holding ``key``'s values, or the first of the
         Flax tensors ``key`` holds)."""
-        values = self.torch_groups(key)
-        if values is None:
-            return None
-        return _fill(self.flax, self._first_values(values))
+        return self.match(key, flax=False)
 
     def match_flax(self, name: str) -> str | None:
         """The PyTorch key for Flax ``name``, or None if the rule does not apply (with
         ``stacked``/``fused``: the first of the keys ``name`` holds, or the key holding it)."""
-        values = self.flax_groups(name)
+        return self.match(name, flax=True)
+
+    def match(self, name: str, *, flax: bool) -> str | None:
+        """:meth:`match_flax` of Flax name (``flax``) ``name``, else :meth:`match_torch`."""
+        values = self.groups(name, flax=flax)
         if values is None:
             return None
-        return _fill(self.torch, self._first_values(values))
+        return self.fill(self._first_values(values), flax=not flax)
 
     def _first_values(self, values: dict[str, str]) -> dict[str, str]:
         # ``values`` with each collective placeholder they lack at its first value.

@@ -89,14 +89,6 @@ class Link:
 
     # ---- shapes and values: each slot transformed on its own, taken out and put together
 
-    def torch_shapes(self, shapes: Sequence[Shape], dtype: Any) -> list[Shape]:
-        """The PyTorch shapes of Flax tensors of ``shapes`` (see :meth:`shapes`)."""
-        return self.shapes(shapes, dtype, to_torch=True)
-
-    def flax_shapes(self, shapes: Sequence[Shape], dtype: Any) -> list[Shape]:
-        """The Flax shapes of PyTorch tensors of ``shapes`` (see :meth:`shapes`)."""
-        return self.shapes(shapes, dtype, to_torch=False)
-
     def _sides(self, to_torch: bool) -> tuple[Gather, Gather, Any]:
         t = self.rule.transform_or_identity
         if to_torch:
@@ -120,18 +112,10 @@ class Link:
         except ValueError as e:
             raise ValueError(f"{self._where()}: {e}") from None
 
-    def to_torch(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """The PyTorch tensors of the Flax ``arrays``."""
-        return self.values(arrays, to_torch=True)
-
-    def to_flax(self, arrays: Sequence[Any], xp: Any = np) -> list[Any]:
-        """The Flax tensors of the PyTorch ``arrays``; ``xp``: the array module the joins and
-        splits use (``jax.numpy`` to run on device, under ``jit``)."""
-        return self.values(arrays, to_torch=False, xp=xp)
-
     def values(self, arrays: Sequence[Any], *, to_torch: bool, xp: Any = np) -> list[Any]:
         """The tensors on the PyTorch side (``to_torch``) or the Flax side of the other side's
-        ``arrays`` (host numpy arrays, as :meth:`shapes` has them; or ``xp`` arrays)."""
+        ``arrays`` (host numpy arrays, as :meth:`shapes` has them; or ``xp`` arrays: ``jax.numpy``
+        to run on device, under ``jit``)."""
         n = len(self.torch if to_torch else self.flax)
         return [self.value(arrays, j, to_torch=to_torch, xp=xp) for j in range(n)]
 
@@ -195,7 +179,7 @@ def _matched(
             report.ignored.append(name)
             continue
         for r, rule in enumerate(mapping.rules):
-            values = rule.flax_groups(name) if flax_side else rule.torch_groups(name)
+            values = rule.groups(name, flax=flax_side)
             if values is not None:
                 yield name, r, rule, values
                 break
@@ -219,7 +203,7 @@ def find_links(
     groups: dict[tuple[int, tuple[tuple[str, str], ...]], dict[tuple[int, ...], str]] = {}
     for name, r, rule, values in _matched(mapping, shapes, report, flax_side=flax_side):
         if rule.one_to_one:
-            other = rule.torch_key(values) if flax_side else rule.flax_name(values)
+            other = rule.fill(values, flax=not flax_side)
             pair = ((name,), (other,)) if flax_side else ((other,), (name,))
             order.append(Link(rule, *pair))
             continue
@@ -272,15 +256,14 @@ def _group_link(
         if n != rule.fused:
             listed = rule.stack_values(n)
             counts[n] = len(listed) if listed else 1 + max(s[position] for s in held)
-    fill = rule.flax_name if flax_side else rule.torch_key
-    fill_other = rule.torch_key if flax_side else rule.flax_name
     first = next(iter(held.values()))
-    joined = rule.match_flax(first) if flax_side else rule.match_torch(first)
+    joined = rule.match(first, flax=flax_side)
     mine_gather = gather_of(rule, counts, flax=not flax_side)
     total = mine_gather.size
     if total > len(held):  # (every slot held is one of the total: indices below the counts)
         lacking = next(s for s in map(mine_gather.slot_at, range(total)) if s not in held)
-        missing = fill({**plain, **{n: rule.value_at(n, i) for n, i in zip(mine, lacking)}})
+        lacking_values = {n: rule.value_at(n, i) for n, i in zip(mine, lacking)}
+        missing = rule.fill({**plain, **lacking_values}, flax=flax_side)
         report.mismatched.append(
             f"{joined} joins {total} tensors but {total - len(held)} are absent (e.g. {missing})"
         )
@@ -316,7 +299,9 @@ def _group_link(
         )
         return None
     others = tuple(
-        fill_other({**plain, **{n: rule.value_at(n, i) for n, i in zip(theirs, slot)}})
+        rule.fill(
+            {**plain, **{n: rule.value_at(n, i) for n, i in zip(theirs, slot)}}, flax=not flax_side
+        )
         for slot in theirs_gather.slots
     )
     ordered = tuple((n, counts[n]) for n in rule.stacked_names)
@@ -392,7 +377,7 @@ def _permuted(box: Box, data: np.ndarray, perm: tuple[int, ...]) -> tuple[Box, n
 @functools.lru_cache(maxsize=256)
 def _torch_shapes(link: Link, flax_shapes: tuple[Shape, ...]) -> list[Shape]:
     # (every shard of a link asks: probed once; a commuting transform is hashable)
-    return link.torch_shapes(flax_shapes, np.uint8)
+    return link.shapes(flax_shapes, np.uint8, to_torch=True)
 
 
 def row_axis(link: Link, flax_shapes: Sequence[Shape]) -> int:

@@ -255,7 +255,7 @@ def load_flat(
         for link, host in zip(group, on_host):
             wants = [targets[n] for n in link.flax]
             if host:
-                outs = link.to_flax([arrays[k] for k in link.torch])
+                outs = link.values([arrays[k] for k in link.torch], to_torch=False)
                 for name, value, want in zip(link.flax, outs, wants):
                     values[name] = _place(value, want)
             else:
@@ -278,7 +278,7 @@ def derived_targets(
         infos = [tensors[k] for k in link.torch]
         dtype = np.result_type(*(_dtypes.to_numpy(t.dtype) for t in infos))
         try:
-            shapes = link.flax_shapes([t.shape for t in infos], dtype)
+            shapes = link.shapes([t.shape for t in infos], dtype, to_torch=False)
         except ValueError:
             continue
         for name, shape in zip(link.flax, shapes):
@@ -321,7 +321,7 @@ def plan_links(
         described = f"{key} {infos[0].dtype}{list(infos[0].shape)}"
         try:  # (a transform the stored tensors contradict: a config's head_dim or vocabulary)
             dtype = _dtypes.to_numpy(infos[0].dtype)
-            got, refused = link.flax_shapes([t.shape for t in infos], dtype), None
+            got, refused = link.shapes([t.shape for t in infos], dtype, to_torch=False), None
         except ValueError as e:
             got, refused = [], f"{described} -> {', '.join(link.flax)}: {e}"
         absent = [n for n in link.flax if n not in targets]
@@ -578,7 +578,7 @@ def _jitted(link: _links.Link, dtypes: tuple[np.dtype, ...], shardings: tuple[An
     import jax.numpy as jnp
 
     def apply(*xs: Any) -> tuple[Any, ...]:
-        outs = link.to_flax(list(xs), xp=jnp)
+        outs = link.values(list(xs), to_torch=False, xp=jnp)
         return tuple(o.astype(d) for o, d in zip(outs, dtypes))
 
     return jax.jit(apply, out_shardings=shardings)
