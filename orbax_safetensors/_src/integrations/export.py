@@ -206,11 +206,23 @@ def compile_plan(
     lora = _lora.plan(every, mapping, report, table.lora_params)
     shapes = {n: s for n, s in every.items() if n not in lora.skip}
     held = {n: table.infos[n].dtype for n in shapes}
-    # 1, 2. match and link
-    links, found = mapped_links(mapping, shapes, renamed=lora.renamed)
-    report.ignored += found.ignored
-    report.unmapped += found.unmapped
-    report.mismatched += found.mismatched
+    # 1, 2. match and link, a module a LoRA wrapper wraps by its own name (lora.renamed)
+    original: dict[str, str] = {}
+    clashes = []
+    for n in shapes:
+        seen = lora.renamed.get(n, n)
+        if seen in original:
+            clashes.append(f"{original[seen]} and {n} are both exported as {seen}")
+        else:
+            original[seen] = n
+    named = {seen: shapes[n] for seen, n in original.items()}
+    links, found = _links.find_links(mapping, named, flax_side=True)
+    links = [
+        dataclasses.replace(link, flax=tuple(original[n] for n in link.flax)) for link in links
+    ]
+    report.ignored += [original[n] for n in found.ignored]
+    report.unmapped += [original[n] for n in found.unmapped]
+    report.mismatched += found.mismatched + clashes
     # 3. stack or split: each link's PyTorch shapes in the stored dtypes, and whether it maps
     # a Flax shard on its own
     names = list(shapes)
@@ -280,33 +292,6 @@ def compile_plan(
     summary = f"KeyMapping: {len(every)} tensors -> {len(specs)} Hugging Face tensors"
     plan = _export.ExportPlan(tuple(specs), tuple(groups), HEADER_METADATA, files, summary)
     return plan, kept, lora
-
-
-def mapped_links(
-    mapping: KeyMapping,
-    shapes: Mapping[str, Shape],
-    *,
-    renamed: Mapping[str, str] | None = None,
-) -> tuple[list[Link], MappingReport]:
-    """``links.find_links`` over the Flax tensors of ``shapes``, each matched
-    by the name ``renamed`` gives it (a module a LoRA wrapper wraps: ``lora.LoraPlan``); the
-    links and the report name them as ``shapes`` does."""
-    renamed = renamed or {}
-    named: dict[str, Shape] = {}
-    original: dict[str, str] = {}
-    clashes = []
-    for n, shape in shapes.items():
-        seen = renamed.get(n, n)
-        if seen in original:
-            clashes.append(f"{original[seen]} and {n} are both exported as {seen}")
-            continue
-        named[seen], original[seen] = shape, n
-    links, found = _links.find_links(mapping, named, flax_side=True)
-    back = [dataclasses.replace(link, flax=tuple(original[n] for n in link.flax)) for link in links]
-    found.ignored = [original.get(n, n) for n in found.ignored]
-    found.unmapped = [original.get(n, n) for n in found.unmapped]
-    found.mismatched += clashes
-    return back, found
 
 
 @dataclasses.dataclass(frozen=True)

@@ -353,6 +353,22 @@ class Rule:
         return [Rule(f"{torch}.weight", f"{flax}.embedding")]
 
 
+def aliased(rules: Sequence[Rule], aliases: Iterable[tuple[str, Sequence[str]]]) -> list[Rule]:
+    """``rules``, then each rule whose PyTorch pattern starts with a prefix of ``aliases``
+    (``(prefix, its other spellings)``) under each other spelling: a load reads every
+    spelling, an export writes the first (the first rule matching wins)."""
+    return [
+        *rules,
+        *(
+            dataclasses.replace(r, torch=alias + r.torch[len(prefix) :])
+            for prefix, others in aliases
+            for r in rules
+            if r.torch.startswith(prefix)
+            for alias in others
+        ),
+    ]
+
+
 @dataclasses.dataclass(frozen=True)
 class KeyMapping:
     """An ordered list of rules plus keys deliberately left out.

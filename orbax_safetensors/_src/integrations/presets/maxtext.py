@@ -19,7 +19,7 @@ import numpy as np
 
 from orbax_safetensors._src.core.errors import ConfigError
 from orbax_safetensors._src.integrations.config_facts import ConfigFacts
-from orbax_safetensors._src.integrations.key_mapping import KeyMapping, Rule
+from orbax_safetensors._src.integrations.key_mapping import KeyMapping, Rule, aliased
 from orbax_safetensors._src.integrations.transforms import (
     Chain,
     Offset,
@@ -309,13 +309,7 @@ def _mapping(
         rules.append(Rule("lm_head.weight", _ROOT + "decoder.logits_dense.kernel", head))
     # A load also reads the names of transformers 4 and 5 for a multimodal Gemma 3's parts;
     # an export writes the first (what the published checkpoints hold)
-    rules += [
-        dataclasses.replace(r, torch=alias + r.torch[len(name) :])
-        for name, aliases in _ALIASES
-        for r in list(rules)
-        if r.torch.startswith(name)
-        for alias in aliases
-    ]
+    rules = aliased(rules, _ALIASES)
     extra = [str(dims.layers + k) for k in range(dims.extra)]  # DeepSeek's multi-token layers
     return KeyMapping(
         rules,

@@ -11,13 +11,12 @@ the fewer key/value heads. Gemma's norms are ``w``, applied as ``1 + w`` as in H
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
 from collections.abc import Callable
 from typing import Any
 
 from orbax_safetensors._src.integrations.config_facts import ConfigFacts
-from orbax_safetensors._src.integrations.key_mapping import KeyMapping, Rule
+from orbax_safetensors._src.integrations.key_mapping import KeyMapping, Rule, aliased
 from orbax_safetensors._src.integrations.transforms import Chain, SplitHeads, Transpose
 
 _HF_LAYER = "model.layers.{i}"
@@ -173,19 +172,15 @@ def _gemma_rules(post_attention: str, **split: int) -> list[Rule]:
     ]  # fmt: skip
 
 
-def _gemma_mapping(prefixes: tuple[str, ...], layers: list[Rule], **kwargs: Any) -> KeyMapping:
-    # Rules of Hugging Face's ``model.`` names, read under each of ``prefixes`` (an export
-    # writes the first's); no lm_head: Tunix's Gemma computes its logits from the embedding.
+def _gemma_mapping(aliases: tuple[str, ...], layers: list[Rule], **kwargs: Any) -> KeyMapping:
+    # Rules of Hugging Face's ``model.`` names, read under each of ``aliases`` too (an export
+    # writes ``model.``'s); no lm_head: Tunix's Gemma computes its logits from the embedding.
     base = [
         Rule("model.embed_tokens.weight", "embedder.input_embedding"),
         Rule("model.norm.weight", "final_norm.scale"),
         *layers,
     ]
-    rules = [
-        dataclasses.replace(r, torch=prefix + r.torch.removeprefix("model."))
-        for prefix in prefixes
-        for r in base
-    ]
+    rules = aliased(base, [("model.", aliases)])
     ignore = [r"(?:language_model\.)?lm_head\.weight", *kwargs.pop("ignore_torch", ())]
     return KeyMapping(rules, ignore_torch=ignore, **kwargs)
 
@@ -223,7 +218,7 @@ def gemma(*, head_dim: int, fused_qkv: bool = False, lora_scale: float | None = 
         # "model.layers.3.post_attention_layernorm.weight"
     """
     rules = _gemma("tunix-gemma", head_dim, fused_qkv, "post_attn_norm")
-    return _gemma_mapping(("model.",), rules, lora_scale=lora_scale)
+    return _gemma_mapping((), rules, lora_scale=lora_scale)
 
 
 def gemma3(
@@ -244,7 +239,7 @@ def gemma3(
     rules = _gemma("tunix-gemma3", head_dim, fused_qkv, "post_attention_norm")
     vision = r"(?:model\.)?(?:vision_tower|multi_modal_projector)\..*"
     return _gemma_mapping(
-        ("model.", "language_model.model."), rules, ignore_torch=[vision], lora_scale=lora_scale
+        ("language_model.model.",), rules, ignore_torch=[vision], lora_scale=lora_scale
     )
 
 
@@ -302,7 +297,7 @@ def gemma4(hf_config: Any, *, lora_scale: float | None = None) -> KeyMapping:
     shared = range(len(types) - (c.count("num_kv_shared_layers") or 0), len(types))
     unused = [rf"layers\.{i}\.attn\.(?:kv?_einsum\.w|_key_norm\.scale)" for i in shared]
     return _gemma_mapping(
-        ("model.", "model.language_model."),
+        ("model.language_model.",),
         rules,
         ignore_torch=[r"model\.(?:vision_tower|embed_vision|audio_tower|embed_audio)\..*"],
         ignore_flax=unused,
