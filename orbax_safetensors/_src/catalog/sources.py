@@ -44,21 +44,6 @@ class TensorSource(Protocol):
         ...
 
 
-def batches(
-    infos: Sequence[TensorInfo], max_bytes: int = DEFAULT_BATCH_BYTES
-) -> list[list[TensorInfo]]:
-    """Groups tensors into batches of at most ``max_bytes`` (a larger tensor goes alone)."""
-    out: list[list[TensorInfo]] = []
-    used = 0
-    for t in infos:
-        if not out or (out[-1] and used + t.nbytes > max_bytes):
-            out.append([])
-            used = 0
-        out[-1].append(t)
-        used += t.nbytes
-    return out
-
-
 def open_source(
     path: epath.PathLike, *, step: int | None = None, item: str | None = None, latest: bool = False
 ) -> TensorSource:

@@ -243,9 +243,8 @@ def to_safetensors_item(
     plan = _plan.plan_files(specs, max_file_size=max_file_size, metadata=_metadata.HEADER_METADATA)
     sizes = {s.name: s.nbytes for s in specs}
     key_impls: dict[str, str] = {}
-    groups = _sources.batches(
-        [source.tensors[to_orbax[s.name]] for s in specs], max_bytes=batch_bytes
-    ) or [[]]
+    infos = [source.tensors[to_orbax[s.name]] for s in specs]
+    groups = _plan.batched(infos, lambda t: t.nbytes, batch_bytes) or [[]]
     from_orbax = {v: k for k, v in to_orbax.items()}
     total = sum(sizes.values())
     dst.mkdir(parents=True, exist_ok=True)
