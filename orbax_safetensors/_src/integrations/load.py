@@ -362,20 +362,15 @@ def _pull_spec(transform: Any, spec: tuple[Any, ...]) -> tuple[Any, ...] | None:
     """The partition spec of a tensor whose ``transform.to_flax`` has partition ``spec``, or
     None when the transform moves elements across axes (a reshape: read replicated). A split
     of heads pulls back to its heads' partition, unsharded where the head's own axis is split."""
-    if transform is IDENTITY or transform is None or isinstance(transform, _IN_PLACE):
+    perm = _links.axis_permutation(transform, len(spec))  # (PyTorch axis d is Flax axis perm[d])
+    if perm is not None:
+        return tuple(spec[p] for p in perm)
+    if isinstance(transform, _IN_PLACE):
         return spec
     if isinstance(transform, SplitHeads):
         axis = transform.axis % (len(spec) - 1)
         heads, dim = spec[axis], spec[axis + 1]
         return (*spec[:axis], heads if dim is None else None, *spec[axis + 2 :])
-    if isinstance(transform, Transpose):
-        axes = transform.axes if transform.axes is not None else tuple(reversed(range(len(spec))))
-        if len(axes) != len(spec):
-            return None
-        out: list[Any] = [None] * len(spec)
-        for j, a in enumerate(axes):
-            out[a] = spec[j]
-        return tuple(out)
     if isinstance(transform, Chain):
         for t in reversed(transform.transforms):
             pulled = _pull_spec(t, spec)
