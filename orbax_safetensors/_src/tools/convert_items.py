@@ -210,9 +210,7 @@ def to_safetensors_item(
     if select is not None:
         select.check(source.leaves, str(src))
         wanted = {n for n in source.leaves if select.selects(n)}
-        saved_tree = _orbax_source.select_leaves(
-            source.tree, wanted, source.name_of_path(), lambda leaf: leaf
-        )
+        saved_tree = source.select(wanted, lambda name, leaf: leaf)
     inline = source.restore([n for n in source.leaves if n in wanted and n not in source.tensors])
     orbax_name_of: dict[int, str] = {}
 
