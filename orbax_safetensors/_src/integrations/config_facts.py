@@ -37,18 +37,6 @@ _INTO = frozenset({"gate_proj", "up_proj", "w1", "w3"})  # (out, in): out is the
 _EXPERT_COUNTS = ("num_local_experts", "num_experts")  # Mixtral's, Qwen MoE's
 
 
-def _config_doc(hf_config: Any) -> tuple[Mapping[str, Any], str]:
-    # The config as a mapping of its keys (a transformers config: all of them, defaults
-    # included, as the model it builds has them), and how messages name it.
-    if isinstance(hf_config, Mapping):
-        return hf_config, "hf_config"
-    doc = _model_files.config_keys(hf_config)
-    if not isinstance(hf_config, (str, os.PathLike)):
-        return doc or {}, "hf_config"
-    path = epath.Path(hf_config)
-    return doc or {}, f"hf_config {path / _model_files.CONFIG_FILE_NAME if path.is_dir() else path}"
-
-
 @dataclasses.dataclass(frozen=True)
 class ConfigFacts:
     """The keys of a Hugging Face config (``doc``), read as validated sizes.
@@ -67,10 +55,18 @@ class ConfigFacts:
     def of(cls, hf_config: Any) -> ConfigFacts:
         """The facts of ``hf_config``: a transformers config, a dict, a ``config.json`` or a
         directory holding one (``ValueError`` for a path without one; ``TypeError`` else)."""
+        # A transformers config gives all its keys, defaults included, as the model it builds
+        # has them; messages name a path's config.json.
         if isinstance(hf_config, ConfigFacts):
             return hf_config
-        doc, where = _config_doc(hf_config)
-        return cls(doc, where)
+        if isinstance(hf_config, Mapping):
+            return cls(hf_config)
+        doc = _model_files.config_keys(hf_config) or {}
+        if not isinstance(hf_config, (str, os.PathLike)):
+            return cls(doc)
+        path = epath.Path(hf_config)
+        config = path / _model_files.CONFIG_FILE_NAME if path.is_dir() else path
+        return cls(doc, f"hf_config {config}")
 
     def language_model(self) -> ConfigFacts:
         """These facts, or those of a nested ``text_config`` (a multimodal model's language
