@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -242,7 +242,7 @@ def load_flat(
         )
     stats = options.stats if options.stats is not None else _read.ReadStats()
     options = dataclasses.replace(options, stats=stats)  # (counted for the report)
-    reads = _Reads(source, alias, options)
+    read = functools.partial(_read_keys, source, alias, options)
     values: dict[str, Any] = {}
     sharded = isinstance(source, _sources.SafetensorsSource)
     for group in _links.link_batches(
@@ -251,7 +251,8 @@ def load_flat(
         on_host = [
             not (sharded and _device_path(link, [targets[n] for n in link.flax])) for link in group
         ]
-        arrays = reads.host(sorted({k for link, h in zip(group, on_host) if h for k in link.torch}))
+        keys = sorted({k for link, h in zip(group, on_host) if h for k in link.torch})
+        arrays = dict(zip(keys, read(keys)))
         for link, host in zip(group, on_host):
             wants = [targets[n] for n in link.flax]
             if host:
@@ -259,7 +260,7 @@ def load_flat(
                 for name, value, want in zip(link.flax, outs, wants):
                     values[name] = _place(value, want)
             else:
-                values.update(zip(link.flax, _devices_fill(link, wants, tensors, reads, options)))
+                values.update(zip(link.flax, _devices_fill(link, wants, tensors, read, options)))
             report.moved += link.pairs()
         del arrays
     report.bytes_read = stats.bytes_read
@@ -443,34 +444,30 @@ def _device_path(link: _links.Link, targets: Sequence[Target]) -> bool:
 # --------------------------------------------------------------------------- reading
 
 
-@dataclasses.dataclass
-class _Reads:
-    """A load's reads of ``source`` (a tied key as its ``alias``): ranged, and sharded where
-    asked, from safetensors files; through ``source.read`` from any other source."""
-
-    source: Any
-    alias: dict[str, str]
-    options: LoadOptions
-
-    def host(self, keys: Sequence[str]) -> dict[str, np.ndarray]:
-        if not isinstance(self.source, _sources.SafetensorsSource):  # Orbax, Flax msgpack
-            got = self.source.read(sorted({self.alias.get(k, k) for k in keys}))
-            return {k: got[self.alias.get(k, k)] for k in keys}
-        return dict(zip(keys, self.sharded(keys, [None] * len(keys))))
-
-    def sharded(self, keys: Sequence[str], shardings: Sequence[Any]) -> list[Any]:
-        # (a sharding of None: a host numpy array)
-        stored = self.source.stored
-        requests = [
-            _read.ReadRequest(
-                stored[self.alias.get(k, k)],
-                _read.ReadKind.NUMPY if s is None else _read.ReadKind.JAX,
-                s,
-                verify=self.options.verify,
-            )
-            for k, s in zip(keys, shardings)
-        ]
-        return _read.read_tensors(requests, self.options.stats, self.options.io)
+def _read_keys(
+    source: Any,
+    alias: Mapping[str, str],
+    options: LoadOptions,
+    keys: Sequence[str],
+    shardings: Sequence[Any] | None = None,
+) -> list[Any]:
+    """``keys`` of ``source`` (a tied key read as its ``alias``), each a host numpy array or,
+    with a sharding, a ``jax.Array``: ranged reads from safetensors files; any other source
+    (Orbax, Flax msgpack) through ``source.read``, on the host."""
+    names = [alias.get(k, k) for k in keys]
+    if not isinstance(source, _sources.SafetensorsSource):
+        got = source.read(sorted(set(names)))
+        return [got[n] for n in names]
+    requests = [
+        _read.ReadRequest(
+            source.stored[n],
+            _read.ReadKind.NUMPY if s is None else _read.ReadKind.JAX,
+            s,
+            verify=options.verify,
+        )
+        for n, s in zip(names, shardings or [None] * len(names))
+    ]
+    return _read.read_tensors(requests, options.stats, options.io)
 
 
 def _place(value: np.ndarray, target: Target) -> Any:
@@ -498,7 +495,7 @@ def _devices_fill(
     link: _links.Link,
     wants: Sequence[Target],
     tensors: Mapping[str, _sources.TensorInfo],
-    reads: _Reads,
+    read: Callable[..., list[Any]],
     options: LoadOptions,
 ) -> list[Any]:
     # The Flax tensors of ``link``, computed on the devices from its PyTorch tensors read
@@ -507,8 +504,8 @@ def _devices_fill(
     band = _band(link, wants, tensors, options.batch_bytes)
     if band is None:
         shapes = [tensors[k].shape for k in link.torch]
-        read = reads.sharded(list(link.torch), torch_shardings(link, wants, shapes))
-        return list(_run_on_device(link, wants, read))
+        got = read(list(link.torch), torch_shardings(link, wants, shapes))
+        return list(_run_on_device(link, wants, got))
     name, axis, count, size = band
     outs = [_zeros(w.shape, w.dtype, w.sharding)() for w in wants]
     for start in range(0, count, size):
@@ -519,8 +516,8 @@ def _devices_fill(
             for w in wants
         ]
         shapes = [tensors[k].shape for k in part.torch]
-        read = reads.sharded(list(part.torch), torch_shardings(part, sized, shapes))
-        got = _run_on_device(part, sized, read)
+        pieces = read(list(part.torch), torch_shardings(part, sized, shapes))
+        got = _run_on_device(part, sized, pieces)
         outs = [_update(w.sharding, axis)(o, g, start) for w, o, g in zip(wants, outs, got)]
     return outs
 
