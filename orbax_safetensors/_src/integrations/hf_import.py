@@ -26,12 +26,12 @@ from orbax_safetensors._src.integrations import model_files as _model_files
 from orbax_safetensors._src.integrations import presets as _presets
 from orbax_safetensors._src.integrations.config_facts import ConfigFacts
 from orbax_safetensors._src.integrations.key_mapping import KeyMapping, MappingReport
+from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.storage import replace as _replace
 
 __all__ = ["import_pytorch"]
 
 ITEM = "items"  # the checkpointable MaxText keeps its train state in
-_TMP = ".orbax-checkpoint-tmp"  # Orbax's suffix of a step directory being written
 
 
 def import_pytorch(
@@ -196,7 +196,7 @@ def _remove_step(root: epath.Path, step: int) -> None:
     if not root.exists():
         return
     for child in root.iterdir():
-        if child.name == str(step) or child.name.startswith(f"{step}{_TMP}"):
+        if child.name == str(step) or child.name.startswith(f"{step}{_steps.TMP_SUFFIX}"):
             if child.is_dir():
                 child.rmtree(missing_ok=True)
             else:
