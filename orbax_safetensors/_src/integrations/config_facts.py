@@ -81,25 +81,22 @@ class ConfigFacts:
     def size(self, key: str) -> int | None:
         """``key``'s value as a positive whole number; None where absent or null;
         ``ConfigError`` naming the key and value for any other value."""
-        value = self._whole(key)
-        if value is not None and value <= 0:
-            raise ConfigError(f"{self.where}: {self.prefix}{key} is {value}, not positive")
-        return value
+        return self._whole(key, 1, "not positive")
 
     def count(self, key: str) -> int | None:
         """``key``'s value as a whole number, zero allowed; None where absent or null;
         ``ConfigError`` naming the key and value for any other value."""
-        value = self._whole(key)
-        if value is not None and value < 0:
-            raise ConfigError(f"{self.where}: {self.prefix}{key} is {value}, negative")
-        return value
+        return self._whole(key, 0, "negative")
 
-    def _whole(self, key: str) -> int | None:
+    def _whole(self, key: str, least: int, below: str) -> int | None:
+        # (``below``: what a value under ``least`` is called in the error)
         value = self.doc.get(key)
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise ConfigError(f"{self.where}: {self.prefix}{key} is {value!r}, not a whole number")
+        if value < least:
+            raise ConfigError(f"{self.where}: {self.prefix}{key} is {value}, {below}")
         return int(value)
 
     def flag(self, key: str, default: bool = False) -> bool:
