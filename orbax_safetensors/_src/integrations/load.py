@@ -199,7 +199,7 @@ def load_tree(
     tree: Any,
     source: Any,
     mapping: KeyMapping,
-    options: LoadOptions | None = None,
+    options: LoadOptions,
     *,
     prefix: str = "",
 ) -> tuple[Any, MappingReport]:
@@ -227,12 +227,11 @@ def load_flat(
     source: Any,
     targets: Mapping[str, Target],
     mapping: KeyMapping,
-    options: LoadOptions | None = None,
+    options: LoadOptions,
 ) -> tuple[dict[str, Any], MappingReport]:
     """The values of ``targets`` (by Flax name) read from ``source`` (a ``TensorSource``)
     through ``mapping``, a batch of links at a time, and the report. Raises
     ``TargetMismatchError`` (with ``strict``) listing every problem, before any read."""
-    options = options or LoadOptions()
     tensors, alias = _with_tied(source.tensors, mapping, targets)
     moves, report = plan_links(tensors, targets, mapping)
     if options.strict and not report.ok:
