@@ -6,7 +6,6 @@ and fused query/key/value splits that contradict the config's heads
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import warnings
@@ -91,15 +90,6 @@ def _device_gap() -> Any:
     import jax.numpy as jnp
 
     return jax.jit(lambda x, y: _gap(jnp, jnp.asarray(x), jnp.asarray(y)))
-
-
-def untied(mapping: KeyMapping, keys: Sequence[str]) -> KeyMapping:
-    """``mapping`` without the ties of ``keys`` (written, then)."""
-    if not keys:
-        return mapping
-    return dataclasses.replace(
-        mapping, tied=tuple((k, s) for k, s in mapping.tied if k not in keys)
-    )
 
 
 def warn_untied(differences: Mapping[str, tuple[str, float]], *, with_config: bool) -> None:
