@@ -109,10 +109,6 @@ class ConfigFacts:
             raise ConfigError(f"{self.where}: {self.prefix}{key} is {value!r}, not true or false")
         return value
 
-    def vocab_size(self) -> int | None:
-        """``vocab_size`` (see :meth:`size`)."""
-        return self.size("vocab_size")
-
     def head_dim(self) -> int | None:
         """``head_dim``, or ``hidden_size / num_attention_heads`` where it is absent; None
         where neither is given; ``ConfigError`` where heads do not divide ``hidden_size``."""
@@ -209,7 +205,7 @@ class _Claims:
         # Every size the checks compare, read (and validated) before any tensor is looked at.
         self.facts = f = facts
         self.found: dict[str, tuple[str, int]] = {}
-        self.vocab, self.hidden = f.vocab_size(), f.size("hidden_size")
+        self.vocab, self.hidden = f.size("vocab_size"), f.size("hidden_size")
         plain = f.doc.get("model_type") in _PLAIN_ATTENTION | {None}
         self.attention = f.attention() if plain else None
         # (Gemma 4's use_double_wide_mlp: its KV-shared layers' MLPs twice as wide)
