@@ -173,7 +173,12 @@ def _convert_step(
             _copy_tree(src, entry.name, dst / entry.name)
     path = _confine.inside(src, _steps.CHECKPOINT_METADATA_FILE)
     if path.exists():  # the step's record of its items, naming the new handlers
-        doc = json.loads(_confine.read_file(path))
+        doc = _steps.read_json(path)
+        if not isinstance(doc, dict):
+            raise SafetensorsCheckpointError(
+                f"{path}: not a JSON object (the step's record of its items, which the "
+                "converted step must name its new handlers in); the step cannot be converted"
+            )
         if isinstance(doc.get("item_handlers"), dict):
             doc["item_handlers"].update(handlers)
         (dst / _steps.CHECKPOINT_METADATA_FILE).write_text(json.dumps(doc))
