@@ -7,7 +7,6 @@ item (restored whole, saved by Orbax); and the names an ``nnx.State`` gets on ea
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -32,7 +31,6 @@ from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
 from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.pipeline import read as _read
 from orbax_safetensors._src.pipeline import standalone as _standalone
-from orbax_safetensors._src.storage import confine as _confine
 from orbax_safetensors._src.storage import router as _router
 from orbax_safetensors._src.tools.inspection import progress_bar
 
@@ -62,11 +60,7 @@ def raw_path(keypath: Iterable[Any]) -> Path:
 def _recorded_variables(item: Any) -> list[str] | None:
     """The dotted Orbax names of the Variable leaves recorded in an Orbax item's custom
     metadata (:func:`to_orbax_item` records them), or None (an item Orbax wrote itself)."""
-    path = _steps.absolute(item) / _steps.ORBAX_METADATA_FILE
-    try:
-        doc = json.loads(_confine.read_file(path))
-    except (OSError, ValueError, RecursionError):
-        return None
+    doc = _steps.read_json(epath.Path(item) / _steps.ORBAX_METADATA_FILE)
     custom = doc.get("custom_metadata") if isinstance(doc, dict) else None
     record = custom.get(RECORD_KEY) if isinstance(custom, dict) else None
     names = record.get(VARIABLES_KEY) if isinstance(record, dict) else None
@@ -210,9 +204,7 @@ def to_safetensors_item(
     if select is not None:
         select.check(source.leaves, str(src))
         wanted = {n for n in source.leaves if select.selects(n)}
-        saved_tree = _orbax_source.select_leaves(
-            source.tree, wanted, source.name_of_path(), lambda leaf: leaf
-        )
+        saved_tree = source.select(wanted, lambda name, leaf: leaf)
     inline = source.restore([n for n in source.leaves if n in wanted and n not in source.tensors])
     orbax_name_of: dict[int, str] = {}
 
@@ -243,9 +235,8 @@ def to_safetensors_item(
     plan = _plan.plan_files(specs, max_file_size=max_file_size, metadata=_metadata.HEADER_METADATA)
     sizes = {s.name: s.nbytes for s in specs}
     key_impls: dict[str, str] = {}
-    groups = _sources.batches(
-        [source.tensors[to_orbax[s.name]] for s in specs], max_bytes=batch_bytes
-    ) or [[]]
+    infos = [source.tensors[to_orbax[s.name]] for s in specs]
+    groups = _plan.batched(infos, lambda t: t.nbytes, batch_bytes) or [[]]
     from_orbax = {v: k for k, v in to_orbax.items()}
     total = sum(sizes.values())
     dst.mkdir(parents=True, exist_ok=True)

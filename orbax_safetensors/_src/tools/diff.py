@@ -15,6 +15,7 @@ from etils import epath
 
 from orbax_safetensors._src.catalog import orbax_source as _orbax_source
 from orbax_safetensors._src.catalog import sources as _sources
+from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
 from orbax_safetensors._src.tools import convert_items as _convert_items
@@ -70,18 +71,14 @@ class DiffReport:
 
     def format(self) -> str:
         lines = []
-        if self.only_a:
-            lines.append(f"only in A ({len(self.only_a)}):")
-            lines += [f"  {n}" for n in self.only_a]
-        if self.only_b:
-            lines.append(f"only in B ({len(self.only_b)}):")
-            lines += [f"  {n}" for n in self.only_b]
-        if self.mismatched:
-            lines.append(f"shape or dtype differs ({len(self.mismatched)}):")
-            lines += [f"  {n}: {a} vs {b}" for n, a, b in self.mismatched]
-        if self.values:
-            lines.append(f"values differ ({len(self.values)}):")
-            lines += [f"  {n}: {self._value_line(n, d)}" for n, d in self.values]
+        for title, entries in (
+            ("only in A", self.only_a),
+            ("only in B", self.only_b),
+            ("shape or dtype differs", [f"{n}: {a} vs {b}" for n, a, b in self.mismatched]),
+            ("values differ", [f"{n}: {self._value_line(n, d)}" for n, d in self.values]),
+        ):
+            if entries:
+                lines += [f"{title} ({len(entries)}):", *(f"  {e}" for e in entries)]
         lines.append(
             f"{counted(self.same, 'tensor')} equal; "
             + ("checkpoints are identical" if self.identical else "checkpoints differ")
@@ -300,7 +297,7 @@ def diff_paths(
                 report.mismatched.append((prefix + t.name, _dtype_shape(t), _dtype_shape(u)))
             else:
                 comparable.append(t)
-        for group in _sources.batches(comparable, max_bytes=batch_bytes):
+        for group in _plan.batched(comparable, lambda t: t.nbytes, batch_bytes):
             names = [t.name for t in group]
             va, vb = x.read(names), y.read(names)
             for t in group:
