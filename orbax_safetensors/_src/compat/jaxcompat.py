@@ -187,11 +187,6 @@ def distributed_kv_try_get(client: Any, key: str) -> str | None:
         raise
 
 
-def distributed_kv_delete(client: Any, directory: str) -> None:
-    """Deletes ``directory`` and every key under ``directory/`` from the store ``client``."""
-    client.key_value_delete(directory)
-
-
 # -- barriers, broadcasts and gathers between the processes of a job --------------------------
 
 # These go through the coordination service (its barrier and key-value store), never a device
@@ -233,7 +228,7 @@ def barrier(name: str) -> None:
         )
     client.wait_at_barrier(f"{_KEY_PREFIX}/{n}/{name}", TIMEOUT_S * 1000)
     for key in _set_keys:
-        distributed_kv_delete(client, key)
+        client.key_value_delete(key)
     _set_keys.clear()
 
 

@@ -100,15 +100,16 @@ def split_devices(
 
 def check_sharding_json(
     desc: object, device_meshes: object = None, rank: int | None = None
-) -> None:
+) -> Sequence[Any] | None:
     """Checks a stored sharding description as :func:`sharding_from_json` reads it (the
-    metadata parser runs it on every tensor, so ``verify`` and restore refuse the same ones).
+    metadata parser runs it on every tensor, so ``verify`` and restore refuse the same ones);
+    its device ids, one per mesh device, if it lists them.
 
     Raises:
       SchemaError: naming what is malformed.
     """
     if desc is None:
-        return
+        return None
     if not isinstance(desc, dict) or not desc:
         raise SchemaError(f"sharding {desc!r} is malformed (not a mesh description)")
     shape, axes, spec = desc.get("mesh_shape"), desc.get("mesh_axes"), desc.get("spec")
@@ -146,6 +147,7 @@ def check_sharding_json(
             f"sharding {desc!r} is malformed ({len(ids)} device ids for a mesh of "
             f"{math.prod(shape)} devices)"
         )
+    return ids
 
 
 def device_from_json(device_id: object) -> jax.sharding.Sharding | None:
@@ -200,14 +202,13 @@ def sharding_from_json(
 
     if not desc:
         return None
-    check_sharding_json(desc, device_meshes)  # (so the fields below have their types)
+    ids = check_sharding_json(desc, device_meshes)  # (so the fields below have their types)
     shape, axes = tuple(desc["mesh_shape"]), tuple(desc["mesh_axes"])
     spec = [tuple(e) if isinstance(e, list) else e for e in desc["spec"]]
-    ids = _device_ids(desc, device_meshes)
     size = math.prod(shape)
-    if ids is not None:
+    if ids is not None:  # (as many as the mesh has devices)
         by_id = {d.id: d for d in jax.devices()}
-        if len(ids) != size or any(i not in by_id for i in ids):
+        if any(i not in by_id for i in ids):
             return None
         devices = [by_id[i] for i in ids]
         count = jax.process_count()

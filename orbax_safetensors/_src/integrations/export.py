@@ -256,7 +256,7 @@ def compile_plan(
     facts = None if hf_config is None else ConfigFacts.of(hf_config).validated()
     tie_values = functools.partial(_tie_values, table, lora)
     untied = _fidelity.tie_differences(mapping, links, tie_values) if mapping.tied else {}
-    tied = dict(_fidelity.untied(mapping, list(untied)).tied)
+    tied = {key: to for key, to in mapping.tied if key not in untied}  # (the ties kept)
     specs: list[_plan.TensorSpec] = []
     kept: list[Link] = []
     commuting: set[int] = set()

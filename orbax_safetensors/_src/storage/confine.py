@@ -136,16 +136,14 @@ def read_file(
       SafetensorsCheckpointError: larger than ``limit`` bytes.
       OSError: it cannot be read (missing, permissions).
     """
-    local = is_local(path)
-    with _open_for_reading(path) as f:
+    f, size = _open_for_reading(path)
+    with f:
         if head is not None:
             return f.read(head)
-        if local and limit is not None:
-            size = os.fstat(f.fileno()).st_size
-            if size > limit:
-                raise _too_large(path, size, limit)
+        if size is not None and limit is not None and size > limit:
+            raise _too_large(path, size, limit)
         # (locally one buffer of the size fstat gives, grown if the file grew)
-        data = f.read() if local or limit is None else f.read(limit + 1)
+        data = f.read() if size is not None or limit is None else f.read(limit + 1)
     if limit is not None and len(data) > limit:  # (grown since its size was read)
         raise _too_large(path, len(data), limit)
     return data
@@ -162,18 +160,20 @@ def copy_file(src: epath.PathLike, dst: epath.PathLike) -> None:
     opened first, locally through :func:`open_regular` (a FIFO is refused, not waited on)."""
     from etils import epath
 
-    with _open_for_reading(src) as f, epath.Path(dst).open("wb") as out:
+    with _open_for_reading(src)[0] as f, epath.Path(dst).open("wb") as out:
         while chunk := f.read(_COPY_CHUNK):
             out.write(chunk)
 
 
-def _open_for_reading(path: epath.PathLike) -> Any:
-    # A binary file object of ``path``: a local one opened by open_regular, others by epath.
+def _open_for_reading(path: epath.PathLike) -> tuple[Any, int | None]:
+    # A binary file object of ``path`` and, locally, its size: a local one opened by
+    # open_regular (whose fstat gives the size), others by epath (size None).
     if is_local(path):
-        return os.fdopen(open_regular(path)[0], "rb", buffering=0)
+        fd, st = open_regular(path)
+        return os.fdopen(fd, "rb", buffering=0), st.st_size
     from etils import epath
 
-    return epath.Path(path).open("rb")
+    return epath.Path(path).open("rb"), None
 
 
 def check_tree(root: epath.PathLike, *, where: object = None) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 import stat
 from collections.abc import Callable, Iterator, Sequence
@@ -299,25 +300,18 @@ def read_header(path: epath.PathLike, io: _config.IOOptions | None = None) -> _h
     except NotSafetensorsError:
         raise
     except (HeaderError, UnsafePathError, OSError):
-        found = (
-            _sniff.sniff_directory(_entry_names(path), str(path)) if _is_directory(path) else None
-        )
+        names = _entry_names(path)
+        found = None if names is None else _sniff.sniff_directory(names, str(path))
         if found is None:
             raise
     raise NotSafetensorsError(_sniff.message(str(path), found), found) from None
 
 
-def _is_directory(path: epath.Path) -> bool:
+def _entry_names(path: epath.Path) -> list[str] | None:
+    # The first 10,000 entry names of the directory ``path``; None when it is none.
     try:
-        return path.is_dir()
+        if not path.is_dir():
+            return None
     except OSError:
-        return False
-
-
-def _entry_names(path: epath.Path, limit: int = 10_000) -> list[str]:
-    names = []
-    for child in path.iterdir():
-        names.append(child.name)
-        if len(names) >= limit:
-            break
-    return names
+        return None
+    return [child.name for child in itertools.islice(path.iterdir(), 10_000)]

@@ -1,7 +1,7 @@
-"""What every object-store provider shares: requests with bounded retries on a shared pool
-(:class:`Configured`, the final error an :class:`ObjectStoreError`), this process's counters
-(:func:`object_store_stats`), URLs, the :class:`Store` protocol of a client, ranged reads
-(:class:`ObjectReader`), byte segments, and the hidden prefix of temporary objects.
+"""What every object-store provider shares: the base of its client (:class:`Store`: requests
+with bounded retries on a shared pool, the final error an :class:`ObjectStoreError`), this
+process's counters (:func:`object_store_stats`), URLs, ranged reads (:class:`ObjectReader`),
+byte segments, and the hidden prefix of temporary objects.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -220,9 +220,12 @@ def _mark_worker() -> None:
     _worker.active = True
 
 
-class Configured:
-    """The base of a provider's client: its :class:`ObjectStoreOptions` and tracing, applied to
-    every request it sends through :meth:`call` and :meth:`run_all`."""
+class Store:
+    """The base of a provider's client: the requests it answers by bucket and key (each sent
+    once and counted), retried through :meth:`call` and fanned out by :meth:`run_all` under its
+    :class:`ObjectStoreOptions` and tracing."""
+
+    scheme: str  # the URL scheme, e.g. "s3"
 
     def __init__(
         self, options: _config.ObjectStoreOptions | None = None, trace: bool = False
@@ -230,8 +233,8 @@ class Configured:
         self.options = options if options is not None else _config.ObjectStoreOptions()
         self.trace = trace
 
-    def call(self, url: str, operation: str, fn: Callable[[], _T]) -> _T:
-        """``fn()``, tried up to ``max_attempts`` times on transient failures (backoff with
+    def call(self, url: str, operation: str, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)``, tried up to ``max_attempts`` times on transient failures (backoff with
         jitter); a missing object raises FileNotFoundError, any other final error an
         :class:`ObjectStoreError`."""
         options, trace = self.options, self.trace
@@ -240,9 +243,9 @@ class Configured:
             attempt += 1
             try:
                 if not trace:
-                    return fn()
+                    return fn(*args)
                 start = time.perf_counter()
-                result = fn()
+                result = fn(*args)
                 _trace(f"{time.perf_counter() - start:8.3f}s {operation} {url}")
                 return result
             except (FileNotFoundError, EOFError, ObjectStoreError, ImportError):
@@ -273,6 +276,30 @@ class Configured:
             f.cancel()
         concurrent.futures.wait(futures)
         return [f.result() for f in futures]
+
+    def size(self, bucket: str, key: str) -> int:
+        raise NotImplementedError
+
+    def get_into(
+        self, bucket: str, key: str, start: int, views: Sequence[memoryview]
+    ) -> int | None:
+        """Fills ``views`` with the bytes from ``start``; the object size if known; EOFError
+        when the object ends first."""
+        raise NotImplementedError
+
+    def get_upto(self, bucket: str, key: str, start: int, n: int) -> tuple[bytes, int | None]:
+        """Up to ``n`` bytes from ``start`` (fewer at the end) and the object size if known."""
+        raise NotImplementedError
+
+    def put(self, bucket: str, key: str, views: Sequence[memoryview]) -> None:
+        raise NotImplementedError
+
+    def delete(self, bucket: str, keys: Sequence[str]) -> None:
+        raise NotImplementedError
+
+    def list(self, bucket: str, prefix: str) -> dict[str, int]:
+        """Every object under ``prefix``, with its size."""
+        raise NotImplementedError
 
 
 STAGING_DIR = ".osf-parts"
@@ -360,40 +387,6 @@ def segments_of(pieces: Sequence[_interface.Piece]) -> list[Segment]:
     return out
 
 
-class Store(Protocol):
-    """The requests every provider's client answers, by bucket and key. Each method sends its
-    requests once and counts them; callers retry through :meth:`call` (:class:`Configured`)."""
-
-    scheme: str  # the URL scheme, e.g. "s3"
-    options: _config.ObjectStoreOptions
-    trace: bool
-
-    def call(self, url: str, operation: str, fn: Callable[[], _T]) -> _T: ...
-
-    def run_all(self, jobs: Sequence[Callable[[], _T]]) -> list[_T]: ...
-
-    def size(self, bucket: str, key: str) -> int: ...
-
-    def get_into(
-        self, bucket: str, key: str, start: int, views: Sequence[memoryview]
-    ) -> int | None:
-        """Fills ``views`` with the bytes from ``start``; the object size if known; EOFError
-        when the object ends first."""
-        ...
-
-    def get_upto(self, bucket: str, key: str, start: int, n: int) -> tuple[bytes, int | None]:
-        """Up to ``n`` bytes from ``start`` (fewer at the end) and the object size if known."""
-        ...
-
-    def put(self, bucket: str, key: str, views: Sequence[memoryview]) -> None: ...
-
-    def delete(self, bucket: str, keys: Sequence[str]) -> None: ...
-
-    def list(self, bucket: str, prefix: str) -> dict[str, int]:
-        """Every object under ``prefix``, with its size."""
-        ...
-
-
 class ObjectReader:
     """Random-access reads of one object through HTTP range requests (``size``, ``pread``,
     ``read_runs``; counters ``bytes_read``, gaps included, and ``requests``)."""
@@ -411,7 +404,7 @@ class ObjectReader:
     def size(self) -> int:
         if self._size is None:
             self._size = self._store.call(
-                self.path, "HEAD", lambda: self._store.size(self._bucket, self._key)
+                self.path, "HEAD", self._store.size, self._bucket, self._key
             )
         return self._size
 

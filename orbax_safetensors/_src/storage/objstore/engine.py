@@ -188,7 +188,7 @@ def _created_uploads(kv: _spread.SaveKeys, outcome: _spread.Outcome) -> dict[str
     plan = outcome.plan
     if plan is not None and plan.kind is _up.StoreKind.S3:
         for index, f in enumerate(plan.files):
-            if f.whole_owner < 0 and f.windows > 1 and f.name not in ids:
+            if f.top >= 0 and f.name not in ids:
                 try:
                     upload_id = kv.try_get(f"up/{index}")
                 except Exception:  # the coordination service is gone: the job fails anyway
@@ -216,12 +216,8 @@ class CommitRecord:
 
     @classmethod
     def of_plan(cls, plan: _up.UploadPlan) -> CommitRecord:  # (every file completed)
-        files = [
-            {"name": f.name, "size": f.size}
-            for f in plan.files
-            if f.whole_owner < 0 and f.windows > 1
-        ]
-        return cls(plan.kind.value, tuple(files))
+        files = tuple({"name": f.name, "size": f.size} for f in plan.files if f.top >= 0)
+        return cls(plan.kind.value, files)
 
     def to_json(self) -> str:
         return json.dumps({"format": _FORMAT, "kind": self.kind, "files": list(self.files)})
@@ -271,18 +267,14 @@ def finalize_directory(store: _Store, directory: str) -> None:
     directory = os.fspath(directory).rstrip("/")
     bucket, base = _common.split_directory(directory)
     staged = f"{directory}/{_common.STAGING_DIR}/"
-    listing = store.call(
-        staged, "LIST parts", lambda: store.list(bucket, f"{base}{_common.STAGING_DIR}/")
-    )
+    listing = store.call(staged, "LIST parts", store.list, bucket, f"{base}{_common.STAGING_DIR}/")
     with _lock:
         record = _kept.pop(directory, None)
     key = record_key(directory)
     url = f"{staged}{RECORD_NAME}"
     if record is None and key in listing:
         data, _ = store.call(
-            url,
-            "GET commit record",
-            functools.partial(store.get_upto, bucket, key, 0, listing[key] + 1),
+            url, "GET commit record", store.get_upto, bucket, key, 0, listing[key] + 1
         )
         record = CommitRecord.from_json(url, data)
     if record is None:
@@ -303,7 +295,7 @@ def finalize_directory(store: _Store, directory: str) -> None:
     except BaseException:  # (a file listed with an upload_id: not one its finisher completed)
         _abort_uploads(store, directory, _upload_ids(record))
         raise
-    store.call(url, "DELETE commit record", functools.partial(store.delete, bucket, [key]))
+    store.call(url, "DELETE commit record", store.delete, bucket, [key])
 
 
 def discard(
@@ -315,9 +307,7 @@ def discard(
     bucket, base = _common.split_directory(directory)
     _abort_uploads(store, directory, upload_ids)
     try:
-        listing = store.call(
-            f"{directory}/", "LIST (clean-up)", functools.partial(store.list, bucket, base)
-        )
+        listing = store.call(f"{directory}/", "LIST (clean-up)", store.list, bucket, base)
     except Exception:
         return
     staged = f"{base}{_common.STAGING_DIR}/"

@@ -1,5 +1,5 @@
 """Google Cloud Storage through google-cloud-storage: the client (:class:`GcsStore`) and
-parallel composite uploads (:func:`write_composed`, composed by :func:`compose_tree`).
+parallel composite uploads (:func:`write_composed`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def _import_gcs() -> Any:
     return storage
 
 
-class GcsStore(_common.Configured):
+class GcsStore(_common.Store):
     """Google Cloud Storage through google-cloud-storage: one client per thread."""
 
     scheme = "gs"
@@ -163,53 +163,33 @@ def write_composed(
     chunks: Sequence[tuple[int, int]],
 ) -> None:
     """Writes the object ``key`` from ``seg``: one staged object per chunk (in parallel),
-    composed into ``key``, then deleted."""
+    composed into ``key`` (32 sources per call at most, in a tree), then deleted."""
     prefix = _common.staging_prefix(key)
     token = uuid.uuid4().hex[:12]
     names = [f"{prefix}w-{token}-{i:05d}" for i in range(len(chunks))]
-    created: list[str] = []
+    doomed = list(names)
     try:
 
         def put(name: str, a: int, b: int) -> None:
-            store.call(
-                url, f"PUT part object {name}", lambda: store.put(bucket, name, seg.slice(a, b))
-            )
+            store.call(url, f"PUT part object {name}", store.put, bucket, name, seg.slice(a, b))
 
         store.run_all([functools.partial(put, n, a, b) for n, (a, b) in zip(names, chunks)])
-        created = list(names)
-        created += compose_tree(store, url, bucket, key, names, f"{prefix}c-{token}")
+        level, tree = 0, list[str]()  # tree: the intermediate composites
+        while len(names) > GCS_MAX_COMPOSE:
+            groups = [names[i : i + GCS_MAX_COMPOSE] for i in range(0, len(names), GCS_MAX_COMPOSE)]
+            names = [f"{prefix}c-{token}-{level}-{i:05d}" for i in range(len(groups))]
+            tree += names
+            compose = functools.partial(compose_into, store, url, bucket)
+            store.run_all([functools.partial(compose, t, g) for t, g in zip(names, groups)])
+            level += 1
+        compose_into(store, url, bucket, key, names)
+        doomed += tree
     finally:
-        _common.delete_quietly(store, bucket, names + created)
+        _common.delete_quietly(store, bucket, doomed)
 
 
 def compose_into(store: GcsStore, url: str, bucket: str, target: str, sources: list[str]) -> None:
     """Composes the objects ``sources`` (in order) into ``target``: one request, retried."""
     store.call(
-        url,
-        f"compose {len(sources)} objects into {target}",
-        functools.partial(store.compose, bucket, target, sources),
+        url, f"compose {len(sources)} objects into {target}", store.compose, bucket, target, sources
     )
-
-
-def compose_tree(
-    store: GcsStore, url: str, bucket: str, key: str, names: Sequence[str], tmp_prefix: str
-) -> list[str]:
-    """Composes ``names`` (in order) into ``key``, 32 sources per call at most, in a tree; the
-    intermediate objects created (for the caller to delete)."""
-    level = 0
-    created: list[str] = []
-    names = list(names)
-    while len(names) > GCS_MAX_COMPOSE:
-        groups = [names[i : i + GCS_MAX_COMPOSE] for i in range(0, len(names), GCS_MAX_COMPOSE)]
-        targets = [f"{tmp_prefix}-{level}-{i:05d}" for i in range(len(groups))]
-        created += targets
-        store.run_all(
-            [
-                functools.partial(compose_into, store, url, bucket, t, g)
-                for t, g in zip(targets, groups)
-            ]
-        )
-        names = targets
-        level += 1
-    compose_into(store, url, bucket, key, names)
-    return created

@@ -39,7 +39,7 @@ def _import_boto3() -> tuple[Any, Any]:
     return boto3, Config
 
 
-class S3Store(_common.Configured):
+class S3Store(_common.Store):
     """S3 (or an S3-compatible server) through boto3: one thread-safe client per configuration."""
 
     scheme = "s3"
@@ -245,7 +245,7 @@ def write_multipart(
 ) -> None:
     """Writes the object ``key`` from ``seg`` as a multipart upload, one part per chunk (in
     parallel), aborted if any request fails."""
-    upload_id = store.call(url, "CreateMultipartUpload", lambda: store.create_upload(bucket, key))
+    upload_id = store.call(url, "CreateMultipartUpload", store.create_upload, bucket, key)
     try:
 
         def upload(n: int, a: int, b: int) -> tuple[int, str]:

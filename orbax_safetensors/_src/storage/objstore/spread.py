@@ -139,7 +139,7 @@ class SaveKeys:
 
     def delete(self) -> None:  # (the primary, once every process is done)
         with contextlib.suppress(Exception):  # best effort: the save's outcome matters more
-            _jaxcompat.distributed_kv_delete(self.client, self.prefix)
+            self.client.key_value_delete(self.prefix)  # (and every key under prefix/)
 
 
 def window_key(key: str, w: int) -> str:
@@ -157,7 +157,7 @@ def write_whole(store: Store, url: str, bucket: str, key: str, seg: _common.Segm
     else a multipart (S3) or parallel composite (GCS) upload."""
     options = store.options
     if seg.size <= options.part_size:
-        store.call(url, f"PUT {seg.size} bytes", lambda: store.put(bucket, key, seg.views))
+        store.call(url, f"PUT {seg.size} bytes", store.put, bucket, key, seg.views)
         return
     chunks = _common.even_chunks(seg.size, options.part_size)
     if isinstance(store, _s3.S3Store):
@@ -175,9 +175,7 @@ def commit_file(store: Store, directory: str, bucket: str, base: str, f: Mapping
     url, key = f"{directory}/{f['name']}", base + f["name"]
     if isinstance(store, _s3.S3Store):
         upload_id, count = str(f["upload_id"]), int(f["parts"])
-        parts = store.call(
-            url, "ListParts", functools.partial(store.list_parts, bucket, key, upload_id)
-        )
+        parts = store.call(url, "ListParts", store.list_parts, bucket, key, upload_id)
         numbers = sorted(n for n, _ in parts)
         if numbers != list(range(1, count + 1)):
             missing = sorted(set(range(1, count + 1)) - set(numbers))
@@ -189,11 +187,7 @@ def commit_file(store: Store, directory: str, bucket: str, base: str, f: Mapping
     level, count = int(f["level"]), int(f["sources"])
     sources = [compose_key(key, level, g) for g in range(count)]
     _gcs.compose_into(store, url, bucket, key, sources)
-    store.call(
-        url,
-        f"DELETE {len(sources)} composed objects",
-        functools.partial(store.delete, bucket, sources),
-    )
+    store.call(url, f"DELETE {len(sources)} composed objects", store.delete, bucket, sources)
 
 
 def _slices(segments: Sequence[_common.Segment], a: int, b: int) -> list[memoryview]:
@@ -250,12 +244,10 @@ def execute(store: Store, directory: str, save: Save, kv: SaveKeys, outcome: Out
         # The uploads of the files this process finishes (the plan needs them all, and no
         # other): created before anyone writes, their ids published for the parts' writers.
         for index, f in enumerate(plan.files):
-            if f.whole_owner < 0 and f.windows > 1 and f.top == me:
+            if f.top == me:
                 url = f"{directory}/{f.name}"
                 ids[f.name] = store.call(
-                    url,
-                    "CreateMultipartUpload",
-                    functools.partial(store.create_upload, bucket, base + f.name),
+                    url, "CreateMultipartUpload", store.create_upload, bucket, base + f.name
                 )
                 kv.set(f"up/{index}", ids[f.name])
     run = _Run(store, directory, bucket, base, plan, owners, save, kv, dict(ids))
@@ -285,6 +277,8 @@ class _Run:
     save: Save
     kv: SaveKeys
     ids: dict[str, str]
+    # GCS: per file (its URL), the objects this process wrote and the key announcing their compose
+    composed: dict[str, list[tuple[str, str]]] = dataclasses.field(default_factory=dict)
 
     @property
     def me(self) -> int:
@@ -298,17 +292,15 @@ class _Run:
         url, key = f"{self.directory}/{f.name}", self.base + f.name
         store, bucket = self.store, self.bucket
         if f.windows == 1:
-            store.call(url, "PUT", lambda: store.put(bucket, key, views))
+            store.call(url, "PUT", store.put, bucket, key, views)
         elif isinstance(store, _s3.S3Store):
             upload_id = self.upload_id(index)
             store.call(
-                url,
-                f"UploadPart {w + 1}",
-                lambda: store.upload_part(bucket, key, upload_id, w + 1, views),
+                url, f"UploadPart {w + 1}", store.upload_part, bucket, key, upload_id, w + 1, views
             )
         else:
             obj = window_key(key, w)
-            store.call(url, f"PUT window {obj}", lambda: store.put(bucket, obj, views))
+            store.call(url, f"PUT window {obj}", store.put, bucket, obj, views)
 
     def upload_id(self, index: int) -> str:  # S3: the UploadId of file ``index``
         name = self.plan.files[index].name
@@ -332,7 +324,7 @@ class _Run:
         store = self.store
         assert isinstance(store, _s3.S3Store)
         for f in self.plan.files:
-            if f.whole_owner >= 0 or f.windows <= 1 or f.top != self.me:
+            if f.top != self.me:
                 continue
             for k in sorted(set(self._ready_keys(f))):
                 self.kv.wait(k, f"{k} (parts of {f.name})")
@@ -374,12 +366,11 @@ class _Run:
             )
         for bundle, views in bundles.items():
             obj = self.loose_key(self.me, bundle)
+            url = f"{self.store.scheme}://{self.bucket}/{obj}"
+            put = self.store.put
             jobs.append(
                 functools.partial(
-                    self.store.call,
-                    f"{self.store.scheme}://{self.bucket}/{obj}",
-                    "PUT loose bundle",
-                    functools.partial(self.store.put, self.bucket, obj, views),
+                    self.store.call, url, "PUT loose bundle", put, self.bucket, obj, views
                 )
             )
         self.store.run_all(jobs)
@@ -403,20 +394,15 @@ class _Run:
             views = [out[x - a : y - a] for x, y in ranges[peer]]
             obj = self.loose_key(peer, int(plan.item_bundle[i]))
             start = int(plan.item_offset[i])
-            jobs.append(self._get_job(obj, start, views))
+            url = f"{self.store.scheme}://{self.bucket}/{obj}"
+            what = f"GET bytes {start}-{start + sum(len(v) for v in views) - 1}"
+            get = self.store.get_into
+            jobs.append(
+                functools.partial(self.store.call, url, what, get, self.bucket, obj, start, views)
+            )
         _common.count(bytes_reassembled=sum(int(n) for n in plan.item_bytes[reads]))
         self.store.run_all(jobs)
         self._put_window(index, w, [out])
-
-    def _get_job(self, obj: str, start: int, views: list[memoryview]) -> Any:
-        n = sum(len(v) for v in views)
-        store, bucket = self.store, self.bucket
-        return functools.partial(
-            store.call,
-            f"{store.scheme}://{bucket}/{obj}",
-            f"GET bytes {start}-{start + n - 1}",
-            functools.partial(store.get_into, bucket, obj, start, views),
-        )
 
     def build(self) -> None:  # the mixed windows this process builds
         jobs = []
@@ -431,73 +417,47 @@ class _Run:
         assert isinstance(store, _gcs.GcsStore)
         fan_in = self.plan.limits.compose_fan_in
         for index, f in enumerate(self.plan.files):
-            if f.whole_owner >= 0 or f.windows <= 1:
+            if f.top < 0:
                 continue
-            key = self.base + f.name
+            key, url = self.base + f.name, f"{self.directory}/{f.name}"
             names = [window_key(key, w) for w in range(f.windows)]
-            ready = self._ready_keys(f)
+            writers, ready = f.writer.tolist(), self._ready_keys(f)
+            # The objects this process wrote, each with the key announcing the compose that
+            # used it (cleanup deletes them once it is set).
+            doomed = self.composed.setdefault(url, [])
             for level, groups in enumerate(f.compose):
                 targets, done = [], []
                 for g, (composer, _) in enumerate(groups):
                     target = compose_key(key, level, g)
-                    sources = names[g * fan_in : (g + 1) * fan_in]
+                    part = slice(g * fan_in, (g + 1) * fan_in)
                     if composer == self.me:
-                        for k in ready[g * fan_in : (g + 1) * fan_in]:
+                        for k in ready[part]:
                             self.kv.wait(k, f"{k} (sources of {target})")
-                        url = f"{self.directory}/{f.name}"
-                        _gcs.compose_into(store, url, self.bucket, target, sources)
+                        _gcs.compose_into(store, url, self.bucket, target, names[part])
+                    announced = f"c/{index}/{level}/{composer}"
+                    doomed += [
+                        (n, announced) for n, p in zip(names[part], writers[part]) if p == self.me
+                    ]
                     targets.append(target)
-                    done.append(f"c/{index}/{level}/{composer}")
+                    done.append(announced)
                 if any(c == self.me for c, _ in groups):
                     self.kv.set(f"c/{index}/{level}/{self.me}")
-                names, ready = targets, done
+                names, ready, writers = targets, done, [c for c, _ in groups]
+            doomed += [(n, f"top/{index}") for n, p in zip(names, writers) if p == self.me]
             if f.top == self.me:  # the top level: this process finishes the file
                 for k in sorted(set(ready)):
                     self.kv.wait(k, f"{k} (sources of {key})")
-                url = f"{self.directory}/{f.name}"
                 _gcs.compose_into(store, url, self.bucket, key, names)
                 self.kv.set(f"top/{index}")
 
-    def _delete_composed(self, store: _gcs.GcsStore) -> None:
-        # GCS: deletes the window objects and composites this process wrote, once the compose
-        # that used them is done (the top level's: once its finisher announced top).
-        fan_in = self.plan.limits.compose_fan_in
-        for index, f in enumerate(self.plan.files):
-            if f.whole_owner >= 0 or f.windows <= 1:
-                continue
-            key = self.base + f.name
-            levels = [[p for p, _ in groups] for groups in f.compose]
-            # (objects of one level, their writers, the key announcing their compose)
-            writers = f.writer.tolist()
-            doomed: list[str] = []
-            for level in range(len(levels) + 1):
-                names = (
-                    [window_key(key, w) for w in range(f.windows)]
-                    if level == 0
-                    else [compose_key(key, level - 1, g) for g in range(len(levels[level - 1]))]
-                )
-                for i, (name, writer) in enumerate(zip(names, writers)):
-                    if writer != self.me:
-                        continue
-                    done = (
-                        f"c/{index}/{level}/{levels[level][i // fan_in]}"
-                        if level < len(levels)
-                        else f"top/{index}"
-                    )
-                    self.kv.wait(done, f"{done} (the compose of {name})")
-                    doomed.append(name)
-                if level < len(levels):
-                    writers = levels[level]
-            if doomed:
-                store.call(
-                    f"{self.directory}/{f.name}",
-                    f"DELETE {len(doomed)} composed objects",
-                    functools.partial(store.delete, self.bucket, doomed),
-                )
-
     def cleanup(self) -> None:  # deletes what this process wrote once no one reads it
-        if isinstance(self.store, _gcs.GcsStore):
-            self._delete_composed(self.store)
+        store, bucket = self.store, self.bucket
+        for url, doomed in self.composed.items():  # GCS: once the compose using each is done
+            for name, done in doomed:
+                self.kv.wait(done, f"{done} (the compose of {name})")
+            if doomed:
+                what = f"DELETE {len(doomed)} composed objects"
+                store.call(url, what, store.delete, bucket, [name for name, _ in doomed])
         plan = self.plan
         mine = plan.item_owner == self.me
         if not mine.any():
@@ -507,7 +467,6 @@ class _Run:
         keys = [
             self.loose_key(self.me, int(k)) for k in sorted(set(plan.item_bundle[mine].tolist()))
         ]
-        store, bucket = self.store, self.bucket
         store.call(
             f"{store.scheme}://{bucket}/{keys[0]}",
             f"DELETE {len(keys)} loose bundles",

@@ -111,8 +111,9 @@ class FileUpload:
     pair_owner: np.ndarray
     pair_bytes: np.ndarray
     compose: list[list[tuple[int, int]]]  # GCS: per level below the top, (composer, sources)
-    # The file's finisher (several windows): S3, creates, lists and completes its upload; GCS,
-    # composes its top level. One of the writers of the top level's sources, least loaded.
+    # The file's finisher (-1: none, the file is one writer's or one window): S3, creates, lists
+    # and completes its upload; GCS, composes its top level. One of the writers of the top
+    # level's sources, least loaded.
     top: int = -1
 
     @property
