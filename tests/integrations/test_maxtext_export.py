@@ -233,6 +233,36 @@ def test_a_stacked_link_is_exported_a_band_of_layers_at_a_time(tmp_path):
     assert peaks[batch] <= kernel // 2, peaks
 
 
+# A llama whose embedding and head (8 MiB each, float32) are each larger than the batch
+# below, so that each is a read of its own, one after the other.
+WIDE_DIMS = M.Dims(layers=1, embed=128, heads=2, kv_heads=1, head_dim=64, mlp=256, vocab=16384)
+
+
+def test_one_process_frees_a_read_before_the_next_large_one(tmp_path):
+    from traced_memory import traced_peak
+
+    devices.take(2)
+    state = {"step": np.int32(7), "params": {"params": M.llama_params(WIDE_DIMS)}}
+    if M.has_v1_training():
+        step = M.save_v1(tmp_path / "ckpt", 7, M.shard_state(state))
+    else:
+        step = M.save_v0(tmp_path / "ckpt", 7, M.shard_state(state))
+    mapping = _llama3(WIDE_DIMS)
+    reference = tmp_path / "ref"
+    assert osf.export_pytorch(state, reference, mapping, dtype="bfloat16").ok
+    tensor = WIDE_DIMS.vocab * WIDE_DIMS.embed * 4
+    batch = tensor // 4
+    out = tmp_path / "out"
+    peak = traced_peak(
+        lambda: osf.export_pytorch(step / M.ITEM, out, mapping, dtype="bfloat16", batch_bytes=batch)
+    )
+    _same_files(out, reference)
+    # the numpy memory of a one-process export: the tensor read (the head, then the
+    # embedding, each alone), the bands being cast and written (a share of the batch), where
+    # one that keeps the head's last output while it reads the embedding holds two tensors
+    assert peak <= tensor + 2 * batch, (peak, tensor)
+
+
 def test_bands_are_whole_chunks_split_evenly_over_the_processes():
     def info(shape):
         return types.SimpleNamespace(shape=shape, dtype="F32", nbytes=4 * int(np.prod(shape)))

@@ -90,7 +90,7 @@ print(out.getvalue().replace(chr(10), ' '))
     *listing, heavy = done.stdout.splitlines()
     assert json.loads(heavy) == []
     report = json.loads("".join(listing))
-    full = _inspection._source_report(_sources.open_source(path))  # through catalog/sources
+    full = _inspection._Inspection().source(_sources.open_source(path))  # through catalog/sources
     assert report == json.loads(json.dumps(full))
     cast = {t["name"]: (t["dtype"], t.get("cast_from")) for t in report["tensors"]}
     assert cast == {"params.w": ("BF16", "F32"), "params.norm": ("F32", None)}

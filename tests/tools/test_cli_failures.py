@@ -188,6 +188,26 @@ def test_convert_to_orbax_with_a_dtype_is_one_error_line(tmp_path, capsys):
     assert not (tmp_path / "dst").exists()
 
 
+@pytest.mark.parametrize("record", ["[1]", "{not json", '"a string"'])
+@pytest.mark.parametrize("named", ["step", "root"])
+def test_convert_of_a_step_whose_record_is_not_an_object_is_one_error_line(
+    tmp_path, capsys, record, named
+):
+    import orbax.checkpoint as ocp
+
+    root = tmp_path / "root"
+    with ocp.CheckpointManager(root) as mngr:
+        tree = {"w": np.ones(3, np.float32)}
+        mngr.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(tree)))
+    (root / "1" / "_CHECKPOINT_METADATA").write_text(record)
+    src = root / "1" if named == "step" else root
+    code, _, err = run(capsys, "convert", "-q", src, tmp_path / "dst")
+    assert code == 2
+    one_error_line(err, "convert")
+    assert "_CHECKPOINT_METADATA: not a JSON object" in err, err
+    assert not (tmp_path / "dst").exists()
+
+
 @pytest.mark.parametrize(
     "argv",
     [

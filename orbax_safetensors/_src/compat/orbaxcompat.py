@@ -14,6 +14,15 @@ import importlib.metadata
 import re
 from typing import Any
 
+
+def _installed_orbax() -> str:
+    """The installed orbax-checkpoint's version, read without importing it ("unknown": none)."""
+    try:
+        return importlib.metadata.version("orbax-checkpoint")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover (a required dependency)
+        return "unknown"
+
+
 # -- PyTreeRestore(partial_restore=True) (newer than orbax-checkpoint 0.11.11) ----------------
 
 
@@ -46,11 +55,7 @@ def orbax_uses_legacy_commit_rule() -> bool:
     """Whether the installed orbax-checkpoint (its distribution's version: no import) is older
     than 0.12.3, whose ``all_steps()`` lists every final-named step directory except one on
     gs:// without ``commit_success.txt``, whatever the manager's ``temporary_path_class``."""
-    try:
-        text = importlib.metadata.version("orbax-checkpoint")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    m = re.match(r"(\d+)\.(\d+)\.(\d+)", text)
+    m = re.match(r"(\d+)\.(\d+)\.(\d+)", _installed_orbax())
     return m is not None and tuple(int(g) for g in m.groups()) < ORBAX_CLASS_AWARE_COMMIT
 
 
@@ -66,10 +71,7 @@ def orbax_v1(what: str = "the Orbax v1 API") -> Any:
     """The ``orbax.checkpoint.v1`` module, or an ``ImportError`` saying which version ``what``
     needs when the installed orbax-checkpoint lacks it (or one of :data:`ORBAX_V1_NAMES`).
     """
-    try:
-        installed = importlib.metadata.version("orbax-checkpoint")
-    except importlib.metadata.PackageNotFoundError:  # pragma: no cover (a required dependency)
-        installed = "unknown"
+    installed = _installed_orbax()
     try:
         from orbax.checkpoint import v1
     except ImportError as e:

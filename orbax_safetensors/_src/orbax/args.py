@@ -4,20 +4,19 @@
   without a safetensors meaning raise;
 - :func:`tree_summary`, :func:`args_repr`, :func:`with_registry_hint`: what args print;
 - :class:`TreeMetadata`: what the handler's ``metadata`` returns, shaped like Orbax's;
-- :class:`OrbaxRouter`, :func:`registry_for`: Orbax's own args (``StandardSave`` /
+- :class:`OrbaxRouter`, :data:`ORBAX_HANDLERS`: Orbax's own args (``StandardSave`` /
   ``StandardRestore``, ``PyTreeSave`` / ``PyTreeRestore``) in a root that also holds
   safetensors steps go to Orbax's own handlers;
-- :func:`restore_options`, :func:`restore_safetensors`, :func:`restore_orbax_native`: a
-  restore's args (Orbax's ``strict``, ``partial_restore``, ``restore_args``) as the pipeline's
-  neutral options, its mismatch errors worded in the caller's API (:data:`V0_WORDS`).
+- :func:`restore_options`, :func:`restore_orbax_native`: a restore's args (Orbax's
+  ``strict``, ``partial_restore``, ``restore_args``) as the pipeline's neutral options, its
+  mismatch errors worded in the caller's API (:data:`V0_WORDS`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import threading
-from collections.abc import Callable, Coroutine, Iterable, Iterator
+from collections.abc import Coroutine, Iterator
 from typing import Any
 
 import jax
@@ -32,8 +31,7 @@ from orbax_safetensors._src.compat.orbaxargs import is_restore_args
 from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.core import tree as _tree
 from orbax_safetensors._src.core.errors import TargetMismatchError
-from orbax_safetensors._src.pipeline import standalone as _standalone
-from orbax_safetensors._src.pipeline.read import ReadStats
+from orbax_safetensors._src.pipeline import export as _export
 from orbax_safetensors._src.pipeline.restore_options import (
     Keys,
     RestoreOptions,
@@ -41,7 +39,6 @@ from orbax_safetensors._src.pipeline.restore_options import (
     Words,
     neutral_leaves,
     neutral_target,
-    reworded,
 )
 from orbax_safetensors._src.storage import config as _config
 
@@ -139,6 +136,20 @@ def apply_save_args(item: Any, save_args: Any) -> Any:
                 f"{type(x).__name__}"
             )
     return flat.rebuild(out)
+
+
+def hf_mapping(owner: str, mapping: Any, **files: Any) -> Any:
+    """``mapping`` checked (an unknown mapping type raises), or None; without one, each of
+    ``files`` (``hf_config=``, ``generation_config=``) given raises, naming ``owner``."""
+    if mapping is not None:
+        return _export.check_mapping(mapping)
+    for name, value in files.items():
+        if value is not None:
+            raise ValueError(
+                f"{owner}: {name}= writes a file of a Hugging Face model directory, which "
+                "needs mapping= (an osf.KeyMapping)"
+            )
+    return None
 
 
 def _is_save_args(x: object) -> bool:
@@ -304,29 +315,19 @@ def tree_of_metadata(x: Any) -> Any:
 # --------------------------------------------------------------------------- Orbax's own args
 
 
-class OrbaxKind(enum.StrEnum):
-    """Which of Orbax's handlers takes an args object."""
-
-    STANDARD = "standard"  # StandardSave / StandardRestore: StandardCheckpointHandler
-    PYTREE = "pytree"  # PyTreeSave / PyTreeRestore: PyTreeCheckpointHandler
-
-
-# Orbax's args types a safetensors item also takes in a mixed root (see registry_for).
-ORBAX_ARGS = (
-    ocp.args.StandardSave,
-    ocp.args.StandardRestore,
-    ocp.args.PyTreeSave,
-    ocp.args.PyTreeRestore,
-)
+# Orbax's args types a safetensors item also takes in a mixed root (``handler_registry``), and
+# the Orbax handler of each.
+ORBAX_HANDLERS: dict[type, type] = {
+    ocp.args.StandardSave: ocp.StandardCheckpointHandler,
+    ocp.args.StandardRestore: ocp.StandardCheckpointHandler,
+    ocp.args.PyTreeSave: ocp.PyTreeCheckpointHandler,
+    ocp.args.PyTreeRestore: ocp.PyTreeCheckpointHandler,
+}
 
 
-def orbax_kind(args: object) -> OrbaxKind | None:
-    """The kind of Orbax's own args (a mixed root's), else None."""
-    if isinstance(args, (ocp.args.StandardSave, ocp.args.StandardRestore)):
-        return OrbaxKind.STANDARD
-    if isinstance(args, (ocp.args.PyTreeSave, ocp.args.PyTreeRestore)):
-        return OrbaxKind.PYTREE
-    return None
+def orbax_handler_type(args: object) -> type | None:
+    """The Orbax handler class of Orbax's own args (a mixed root's), else None."""
+    return next((h for t, h in ORBAX_HANDLERS.items() if isinstance(args, t)), None)
 
 
 class OrbaxRouter:
@@ -337,28 +338,21 @@ class OrbaxRouter:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._handlers: dict[OrbaxKind, Any] = {}
+        self._handlers: dict[type, Any] = {}
         self._saved: dict[str, Any] = {}  # item directory -> the Orbax handler that saved it
 
-    def handler(self, kind: OrbaxKind | str) -> Any:
-        """Orbax's handler for ``kind`` (made once, kept until :meth:`close`)."""
-        kind = OrbaxKind(kind)
+    def handler(self, handler_type: type) -> Any:
+        """Orbax's handler of class ``handler_type`` (made once, kept until :meth:`close`)."""
         with self._lock:
-            handler = self._handlers.get(kind)
-            if handler is None:
-                make = (
-                    ocp.StandardCheckpointHandler
-                    if kind is OrbaxKind.STANDARD
-                    else ocp.PyTreeCheckpointHandler
-                )
-                handler = self._handlers[kind] = make()
-            return handler
+            if handler_type not in self._handlers:
+                self._handlers[handler_type] = handler_type()
+            return self._handlers[handler_type]
 
     def _saving(self, directory: epath.Path, args: Any) -> Any:
-        kind = orbax_kind(args)
-        if kind is None:
+        handler_type = orbax_handler_type(args)
+        if handler_type is None:
             raise TypeError(f"not one of Orbax's args: {type(args).__name__}")
-        handler = self.handler(kind)
+        handler = self.handler(handler_type)
         with self._lock:
             self._saved[str(directory)] = handler
         return handler
@@ -399,16 +393,6 @@ async def _mesh_kept(save: Coroutine[Any, Any, Any]) -> Any:
     # 0.11.40 on jax 0.7, see jaxcompat.global_mesh_kept) is undone on the same thread.
     with _jaxcompat.global_mesh_kept():
         return await save
-
-
-def registry_for(handler: Any, item: str, own_args: Iterable[type]) -> Any:
-    """A ``CheckpointHandlerRegistry`` giving item ``item``'s ``own_args`` types and Orbax's
-    (:data:`ORBAX_ARGS`) to ``handler``: Orbax finalizes, restores without args and reads
-    metadata through one handler per item, and ours passes Orbax's args to Orbax's handlers."""
-    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-    for args_type in (*own_args, *ORBAX_ARGS):
-        registry.add(item, args_type, handler)
-    return registry
 
 
 # --------------------------------------------------------------------------- restoring
@@ -500,11 +484,6 @@ V0_WORDS_STRICT_FALSE = dataclasses.replace(
 )
 
 
-def v0_words(args: Any) -> Words:
-    """The mismatch wording for ``SafetensorsRestore`` ``args``."""
-    return V0_WORDS_STRICT_FALSE if not args.strict else V0_WORDS
-
-
 def restore_options(
     args: Any, *, verify: bool, io: _config.IOOptions | None = None
 ) -> RestoreOptions:
@@ -521,24 +500,6 @@ def restore_options(
         fallback_sharding=args.fallback_sharding,
         io=io,
     )
-
-
-def restore_safetensors(
-    directory: epath.Path,
-    args: Any,
-    *,
-    verify: bool,
-    words: Words,
-    stats: ReadStats,
-    io: _config.IOOptions | None = None,
-) -> Any:
-    """Restores a safetensors item as ``SafetensorsRestore`` ``args`` ask; a mismatch error
-    is worded in ``words``."""
-    try:
-        options = restore_options(args, verify=verify, io=io)
-        return _standalone.restore_checkpoint(directory, options, stats=stats)
-    except TargetMismatchError as e:
-        raise reworded(e, words) from None
 
 
 def from_orbax_restore(args: Any) -> dict[str, Any]:
@@ -563,9 +524,7 @@ def from_orbax_restore(args: Any) -> dict[str, Any]:
     }
 
 
-def restore_orbax_native(
-    directory: epath.Path, args: Any, orbax_handler: Callable[[str], Any]
-) -> Any:
+def restore_orbax_native(directory: epath.Path, args: Any, router: OrbaxRouter) -> Any:
     """An Orbax-native item restored by Orbax's handler, with ``SafetensorsRestore``
     ``args``'s meanings: its ``StandardRestore`` (``item``, ``strict``) or, given
     ``restore_args`` or ``partial_restore``, its ``PyTreeRestore``."""
@@ -576,7 +535,7 @@ def restore_orbax_native(
             "partial_restore=True, or convert the step (orbax-safetensors convert)"
         )
     if args.restore_args is None and not args.partial_restore:
-        return orbax_handler("standard").restore(
+        return router.handler(ocp.StandardCheckpointHandler).restore(
             directory, args=ocp.args.StandardRestore(args.item, strict=args.strict)
         )
     restore_args = args.restore_args
@@ -595,4 +554,4 @@ def restore_orbax_native(
         pytree_args = _orbaxcompat.pytree_partial_restore(args.item, restore_args)
     else:
         pytree_args = ocp.args.PyTreeRestore(args.item, restore_args=restore_args)
-    return orbax_handler("pytree").restore(directory, args=pytree_args)
+    return router.handler(ocp.PyTreeCheckpointHandler).restore(directory, args=pytree_args)

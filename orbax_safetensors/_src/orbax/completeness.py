@@ -162,13 +162,10 @@ def _missing_in_pytree_item(item: epath.Path, names: set[str], prefix: str) -> l
 
 
 def _orbax_ocdbt(item: epath.Path) -> bool:
-    """Whether Orbax takes the item for an OCDBT one (its own test, where it has one)."""
-    try:
-        import orbax.checkpoint as ocp
+    """Whether Orbax takes the item for an OCDBT one (its own test)."""
+    import orbax.checkpoint as ocp
 
-        return bool(ocp.type_handlers.is_ocdbt_checkpoint(item))
-    except (ImportError, AttributeError):
-        return (item / _steps.OCDBT_MANIFEST_FILE).exists()
+    return bool(ocp.type_handlers.is_ocdbt_checkpoint(item))
 
 
 def _missing_ocdbt_files(item: epath.Path, prefix: str) -> list[str]:

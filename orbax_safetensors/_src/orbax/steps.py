@@ -402,37 +402,27 @@ def step_entry(path: epath.PathLike) -> StepDir | None:
     """What the directory ``path``, named on its own, is as a step: its root's entry
     (:func:`listed_step`); else, for a directory Orbax wrote as a step or one holding items,
     an entry of its own (step -1 where its name holds no number); None for anything else,
-    such as one item of another handler saved by ``ocp.Checkpointer``."""
+    such as one committed item of another handler saved by ``ocp.Checkpointer``. Every tool
+    judges a path named directly by this entry."""
     path = epath.Path(path)
     if not path.is_dir():
         return None
     listed = listed_step(path)
     if listed is not None:
         return listed
-    if not (
-        TMP_SUFFIX in path.name
-        or (path / CHECKPOINT_METADATA_FILE).exists()
-        or classify(path) is PathKind.STEP
-    ):
+    saved = TMP_SUFFIX in path.name or (path / CHECKPOINT_METADATA_FILE).exists()
+    if not (saved or classify(path) is PathKind.STEP):
         return None
-    if _other_handler(_recorded_handlers(path)):
+    reason = _uncommitted(path) if saved else None
+    if reason is None and _other_handler(_recorded_handlers(path)):
         return None  # one item of another handler (ocp.Checkpointer): an item, not a step
-    reason = uncommitted_reason(path)
     m = _STEP_NAME.match(_base_name(path.name))
     return StepDir(int(m.group(2)) if m else -1, path, reason is None, reason or "")
 
 
-def uncommitted_reason(path: epath.PathLike) -> str | None:
-    """Why Orbax does not count the directory ``path`` as a committed step (the rule above
-    :class:`StepDir`); None when it does, or when ``path`` is no step Orbax saved."""
-    path = epath.Path(path)
-    if TMP_SUFFIX not in path.name and not (path / CHECKPOINT_METADATA_FILE).exists():
-        return None
-    return _uncommitted(path)
-
-
 def _uncommitted(step: epath.Path) -> str | None:
-    """:func:`uncommitted_reason` of a directory known to be a step."""
+    """Why Orbax does not count the step directory ``step`` as committed (the rule above
+    :class:`StepDir`); None when it does."""
     if TMP_SUFFIX in step.name:
         return _TMP_REASON
     if (step / COMMIT_SUCCESS_FILE).exists():
@@ -524,31 +514,27 @@ def check_commit_scheme(directory: str) -> None:
     )
 
 
-def wait_for_orbax_directories(timeout: float = 60.0) -> None:
-    """Waits (at most ``timeout`` seconds) until Orbax has created this save's directories,
-    for the same signals the handler's own writes wait for."""
-    # Orbax creates them in a background thread before it calls the handler. A save() that
-    # raises before they exist leaves that thread racing close(), which shuts down the executor
-    # it writes the step metadata with; it then dies before signalling, and a thread waiting
-    # for its signal keeps the process from exiting until Orbax's coordination timeout.
-    from orbax.checkpoint import future as ocp_future
-
-    async def nothing() -> None:
-        return None
-
-    with contextlib.suppress(Exception):  # best effort: the caller's error matters more
-        ocp_future.CommitFutureAwaitingContractedSignals(
-            nothing(), name="osf_refused_save", timeout_secs=int(timeout)
-        ).result(timeout=timeout)
-
-
 def refuse_renaming_commit(directory: Any) -> None:
     """Raises (see :func:`check_commit_scheme`) if Orbax would commit a save into ``directory``
     by renaming it on ``s3://``, after letting Orbax create this save's directories."""
     try:
         check_commit_scheme(directory)  # the same answer on every process
     except SafetensorsCheckpointError:
-        wait_for_orbax_directories()
+        # Wait (at most a minute) until Orbax has created them, for the same signals the
+        # handler's own writes wait for: Orbax creates them in a background thread before it
+        # calls the handler. A save() that raises before they exist leaves that thread racing
+        # close(), which shuts down the executor it writes the step metadata with; it then
+        # dies before signalling, and a thread waiting for its signal keeps the process from
+        # exiting until Orbax's coordination timeout.
+        from orbax.checkpoint import future as ocp_future
+
+        async def nothing() -> None:
+            return None
+
+        with contextlib.suppress(Exception):  # best effort: the caller's error matters more
+            ocp_future.CommitFutureAwaitingContractedSignals(
+                nothing(), name="osf_refused_save", timeout_secs=60
+            ).result(timeout=60)
         raise
 
 

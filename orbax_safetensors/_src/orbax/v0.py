@@ -29,6 +29,7 @@ from orbax.checkpoint import future as ocp_future
 from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import select as _select
+from orbax_safetensors._src.core.errors import TargetMismatchError
 from orbax_safetensors._src.orbax import args as _args
 from orbax_safetensors._src.orbax import claims as _claims
 from orbax_safetensors._src.orbax import steps as _steps
@@ -38,8 +39,9 @@ from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.pipeline import read as _read
 from orbax_safetensors._src.pipeline import restore_plan as _restore_plan
 from orbax_safetensors._src.pipeline import save_job as _save_job
+from orbax_safetensors._src.pipeline import standalone as _standalone
 from orbax_safetensors._src.pipeline.read import ReadStats
-from orbax_safetensors._src.pipeline.restore_options import Words
+from orbax_safetensors._src.pipeline.restore_options import Words, reworded
 from orbax_safetensors._src.storage import buffers as _buffers
 from orbax_safetensors._src.storage import config as _config
 
@@ -112,19 +114,18 @@ class SafetensorsSave(ocp.args.CheckpointArgs):
         # background step-directory creation, an error inside async_save can leave the process
         # waiting in Orbax's barriers at exit.
         item = _args.apply_save_args(self.item, self.save_args)
-        if self.mapping is None:
-            for name in ("hf_config", "generation_config"):
-                if getattr(self, name) is not None:
-                    raise ValueError(
-                        f"SafetensorsSave: {name}= writes a file of a Hugging Face model "
-                        "directory, which needs mapping= (an osf.KeyMapping)"
-                    )
+        mapping = _args.hf_mapping(
+            "SafetensorsSave",
+            self.mapping,
+            hf_config=self.hf_config,
+            generation_config=self.generation_config,
+        )
+        if mapping is None:
             self._validated = _checkpoint_save.validate_save(
                 item, self.custom_metadata, dtype=self.dtype
             )
             return
         # The policy names the item's tensors; the export plan applies it to their outputs.
-        mapping = _export_engine.check_mapping(self.mapping)
         self._validated = _checkpoint_save.validate_save(item, self.custom_metadata)
         self._export = mapping.export_plan(
             self._validated,
@@ -384,7 +385,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         """Starts the save (host copies made before it returns, unless ``snapshot=False``);
         the returned coroutine gives its commit future. A plain method, not ``async def``: the
         copies must happen in the caller's call."""
-        if _args.orbax_kind(args) is not None:  # Orbax's own args, in a mixed root
+        if _args.orbax_handler_type(args) is not None:  # Orbax's own args, in a mixed root
             self._pending.pop(directory)
             return self._routing.async_save(directory, args)
         mode = _save_job.SaveMode.SNAPSHOT if args.snapshot else _save_job.SaveMode.DIRECT
@@ -414,7 +415,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
     @_pieces.gc_paused()
     def save(self, directory: epath.Path, args: SafetensorsSave | Any) -> None:
         """Synchronous save (``ocp.Checkpointer``): writes straight from the arrays."""
-        if _args.orbax_kind(args) is not None:  # Orbax's own args, in a mixed root
+        if _args.orbax_handler_type(args) is not None:  # Orbax's own args, in a mixed root
             self._pending.pop(directory)
             self._routing.save(directory, args)
             return
@@ -446,20 +447,21 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         if native:  # (Orbax reads the names its _METADATA records: kept inside the item)
             _steps.check_orbax_item(directory)
             _claims.admit_restore(directory)  # (Orbax allocates whatever the metadata claims)
-        kind = _args.orbax_kind(args)
-        if kind is not None:  # Orbax's StandardRestore / PyTreeRestore, in a mixed root
+        orbax_handler = _args.orbax_handler_type(args)
+        if orbax_handler is not None:  # Orbax's StandardRestore / PyTreeRestore, in a mixed root
             if native:
-                return self._routing.handler(kind).restore(directory, args=args)
+                return self._routing.handler(orbax_handler).restore(directory, args=args)
             args = SafetensorsRestore(**_args.from_orbax_restore(args))
         args = args or SafetensorsRestore()
         if native:
-            return _args.restore_orbax_native(directory, args, self._routing.handler)
+            return _args.restore_orbax_native(directory, args, self._routing)
         return self.restore_safetensors(directory, args)
 
     def restore_safetensors(
         self, directory: epath.Path, args: SafetensorsRestore, *, words: Words | None = None
     ) -> Any:
-        """Restores a safetensors item; a mismatch error names the options in ``words``."""
+        """Restores a safetensors item; a mismatch error names the options in ``words``
+        (default: ``SafetensorsRestore``'s)."""
         stats = ReadStats()
         io = args.io_options if args.io_options is not None else self._io
         if args.mapping is not None:  # a Hugging Face directory, read into the JAX layout
@@ -471,16 +473,13 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
                 io=io,
                 stats=stats,
             )
-            self.last_read_stats = stats
-            return result
-        result = _args.restore_safetensors(
-            directory,
-            args,
-            verify=self._verify,
-            words=words or _args.v0_words(args),
-            stats=stats,
-            io=io,
-        )
+        else:
+            try:
+                options = _args.restore_options(args, verify=self._verify, io=io)
+                result = _standalone.restore_checkpoint(directory, options, stats=stats)
+            except TargetMismatchError as e:
+                ours = _args.V0_WORDS if args.strict else _args.V0_WORDS_STRICT_FALSE
+                raise reworded(e, words or ours) from None
         self.last_read_stats = stats
         return result
 
@@ -489,7 +488,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         (``jax.ShapeDtypeStruct`` leaves); reads no tensor bytes."""
         if _steps.item_kind(epath.Path(directory)) is _steps.PathKind.ORBAX:
             _steps.check_orbax_item(directory)
-            return self._routing.handler("pytree").metadata(directory)
+            return self._routing.handler(ocp.PyTreeCheckpointHandler).metadata(directory)
         metadata = _read.read_metadata(directory)
         return _args.TreeMetadata.build(
             _restore_plan.abstract_tree(directory, metadata),
@@ -524,9 +523,13 @@ def handler_registry(
         state = mngr.restore(mngr.latest_step())  # an Orbax-native step
         mngr.save(step + 1, args=osf.SafetensorsSave(state))
     """
-    return _args.registry_for(
-        handler or SafetensorsCheckpointHandler(), item, (SafetensorsSave, SafetensorsRestore)
-    )
+    # Orbax finalizes, restores without args and reads metadata through one handler per item;
+    # this one passes Orbax's args to Orbax's handlers.
+    handler = handler or SafetensorsCheckpointHandler()
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    for args_type in (SafetensorsSave, SafetensorsRestore, *_args.ORBAX_HANDLERS):
+        registry.add(item, args_type, handler)
+    return registry
 
 
 ocp.args.register_with_handler(SafetensorsCheckpointHandler, for_save=True)(SafetensorsSave)

@@ -27,7 +27,6 @@ from orbax_safetensors._src.core import errors as _errors
 from orbax_safetensors._src.orbax import args as _args
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.orbax import v0 as _v0
-from orbax_safetensors._src.pipeline import export as _export
 from orbax_safetensors._src.pipeline import save_job as _save_job
 from orbax_safetensors._src.pipeline.restore_options import Words
 
@@ -106,29 +105,25 @@ class SafetensorsHandler:
     ) -> None:
         _orbaxcompat.orbax_v1("orbax_safetensors.SafetensorsHandler")
         self._v0 = handler if handler is not None else _v0.SafetensorsCheckpointHandler()
-        self._dtype = _casting.parse_policy(dtype)
-        if mapping is not None:
-            _export.check_mapping(mapping)  # an unknown mapping type fails here
-        else:
-            for name, value in (("hf_config", hf_config), ("generation_config", generation_config)):
-                if value is not None:
-                    raise ValueError(
-                        f"SafetensorsHandler: {name}= writes a file of a Hugging Face model "
-                        "directory, which needs mapping= (an osf.KeyMapping)"
-                    )
-        self._mapping, self._hf_config = mapping, hf_config
-        self._generation_config = generation_config
+        policy = _casting.parse_policy(dtype)
+        _args.hf_mapping(
+            "SafetensorsHandler",
+            mapping,
+            hf_config=hf_config,
+            generation_config=generation_config,
+        )
+        # What every save passes to SafetensorsSave.
+        self._save_options = {
+            "dtype": policy,
+            "mapping": mapping,
+            "hf_config": hf_config,
+            "generation_config": generation_config,
+        }
 
     async def save(self, directory: Any, checkpointable: Any) -> Awaitable[None]:
         """Validates ``checkpointable`` and copies this process's shards to host (on the
         caller's thread); the returned awaitable writes, then finalizes on the primary."""
-        args = _v0.SafetensorsSave(
-            checkpointable,
-            dtype=self._dtype,
-            mapping=self._mapping,
-            hf_config=self._hf_config,
-            generation_config=self._generation_config,
-        )
+        args = _v0.SafetensorsSave(checkpointable, **self._save_options)
         job = self._v0.new_job(epath.Path(directory.path), args, _save_job.SaveMode.SNAPSHOT)
         commit_futures = _v0.start_save(job)
         barrier = f"orbax_safetensors_v1_save_{next(_save_counter)}"
@@ -155,14 +150,10 @@ class SafetensorsHandler:
             abstract_checkpointable,
             strict=not options.pad_or_truncate,
             partial_restore=options.partial_load,
-            mapping=self._mapping,
+            mapping=self._save_options["mapping"],
         )
-        return self._background_load(epath.Path(directory), args, _words(options))
-
-    async def _background_load(
-        self, path: epath.Path, args: _v0.SafetensorsRestore, words: Words
-    ) -> Any:
-        return await asyncio.to_thread(self._v0.restore_safetensors, path, args, words=words)
+        path = epath.Path(directory)
+        return asyncio.to_thread(self._v0.restore_safetensors, path, args, words=_words(options))
 
     async def metadata(self, directory: Any) -> Any:
         """The saved tree with ``jax.ShapeDtypeStruct`` leaves; reads no tensor bytes."""

@@ -304,33 +304,48 @@ def _unit_items(
             yield _pieces.DRAIN
         values = next(values_of)
         for group in unit.groups:
-            wholes = {n: gathered(values[n]) for n in group.whole if values[n] is not None}
-            kind = route(export, group, values, True)
-            if kind is Route.SHARDS:
-                for k, name in enumerate(group.sources):
-                    if name not in group.whole:
-                        owned = _snapshots.owned_shards(values[name])
-                        shards: _snapshots.HostCopies = [(b, np.asarray(d)) for b, d in owned]
-                        yield from shard_pieces(plan, export, group, k, shards, wholes)
-            elif kind is Route.DEVICES:
-                for out, copies in device_copies(export, group, values, wholes, band, None):
-                    yield _pieces.tensor_pieces(plan, out, copies)
-            elif host_writes and all(values[n] is not None for n in group.sources):
-                host = [wholes[n] if n in wholes else np.asarray(values[n]) for n in group.sources]
-                for out, value in zip(group.outputs, group.apply(host)):
-                    value = np.asarray(value)  # one output at a time
-                    if lent is None or not _pieces.cast_in_bands(plan, out, value):
-                        yield out, value, None
-                        continue
-                    itemsize = _dtypes.to_numpy(plan.locate(out)[1].dtype).itemsize
-                    for rows in _pieces.band_rows(value.shape, itemsize, lent.capacity):
-                        yield out, value, rows
-                del host
-            for n in group.sources:  # (nothing here holds a unit's arrays once written)
+            # (a generator of its own: nothing of a group, its last output included, outlives
+            # its items, so that a unit's arrays are freed before the next unit is read)
+            yield from _group_items(export, plan, group, values, band, host_writes, lent)
+            for n in group.sources:
                 values.pop(n, None)
             if any(g is group for g in unit.done):
                 yield group
+        del values
         yield from (g for g in unit.done if not any(g is u for u in unit.groups))
+
+
+def _group_items(
+    export: ExportPlan,
+    plan: _plan.CheckpointPlan,
+    group: ExportGroup,
+    values: Mapping[str, Any],
+    band: int,
+    host_writes: bool,
+    lent: _buffers.LentBuffers | None,
+) -> Iterator[Any]:
+    # ``group``'s write items over this unit's ``values``, on its route.
+    wholes = {n: gathered(values[n]) for n in group.whole if values[n] is not None}
+    kind = route(export, group, values, True)
+    if kind is Route.SHARDS:
+        for k, name in enumerate(group.sources):
+            if name not in group.whole:
+                owned = _snapshots.owned_shards(values[name])
+                shards: _snapshots.HostCopies = [(b, np.asarray(d)) for b, d in owned]
+                yield from shard_pieces(plan, export, group, k, shards, wholes)
+    elif kind is Route.DEVICES:
+        for out, copies in device_copies(export, group, values, wholes, band, None):
+            yield _pieces.tensor_pieces(plan, out, copies)
+    elif host_writes and all(values[n] is not None for n in group.sources):
+        host = [wholes[n] if n in wholes else np.asarray(values[n]) for n in group.sources]
+        for out, value in zip(group.outputs, group.apply(host)):
+            value = np.asarray(value)  # one output at a time
+            if lent is None or not _pieces.cast_in_bands(plan, out, value):
+                yield out, value, None
+                continue
+            itemsize = _dtypes.to_numpy(plan.locate(out)[1].dtype).itemsize
+            for rows in _pieces.band_rows(value.shape, itemsize, lent.capacity):
+                yield out, value, rows
 
 
 def _item_pieces(plan: _plan.CheckpointPlan, lent: _buffers.LentBuffers | None, item: Any) -> Any:

@@ -256,22 +256,9 @@ def _diff_cmd(args: argparse.Namespace) -> int:
     return EXIT_OK if report.identical else EXIT_DIFFERENT
 
 
-def _add_selection(parser: argparse.ArgumentParser, verb: str) -> None:
-    rule = (
-        "GLOB is an fnmatch pattern over dotted names ('*' crosses dots); it also selects "
-        "everything beneath a name it matches (params selects params.w)"
-    )
-    _add_options(
-        parser,
-        include=f"{verb} only the tensors it selects (repeatable); {rule}",
-        exclude=f"do not {verb} the tensors it selects (repeatable)",
-    )
-
-
 _TRISTATE = {"action": argparse.BooleanOptionalAction, "default": None}  # --x, --no-x or neither
 # Every option of the verbs, by name: its flags and settings (help apart).
 _OPTIONS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
-    "path": (("path",), {}),
     "json": (("--json",), {"action": "store_true"}),
     "include": (("--include",), {"action": "append", "metavar": "GLOB"}),
     "exclude": (("--exclude",), {"action": "append", "metavar": "GLOB"}),
@@ -306,26 +293,29 @@ _HELP = {  # the help of an option that means the same in every verb (a verb giv
 }
 
 
-def _add_options(parser: argparse.ArgumentParser, **helps: str | None) -> None:
-    """Adds the options named (``_OPTIONS``), in order, each with its help (None: ``_HELP``'s)."""
-    for name, text in helps.items():
-        flags, settings = _OPTIONS[name]
-        parser.add_argument(*flags, **settings, help=text or _HELP[name])
+def _selection(verb: str) -> dict[str, str]:
+    """The helps of ``--include`` and ``--exclude`` for ``verb``."""
+    rule = (
+        "GLOB is an fnmatch pattern over dotted names ('*' crosses dots); it also selects "
+        "everything beneath a name it matches (params selects params.w)"
+    )
+    return {
+        "include": f"{verb} only the tensors it selects (repeatable); {rule}",
+        "exclude": f"do not {verb} the tensors it selects (repeatable)",
+    }
 
 
-def _command(
-    sub: Any,
-    name: str,
-    func: Callable[[argparse.Namespace], int],
-    summary: str,
-    **positionals: str,
-) -> argparse.ArgumentParser:
-    """The verb ``name``, described by ``func``'s docstring, with ``positionals`` (name: help)."""
-    parser: argparse.ArgumentParser = sub.add_parser(name, help=summary, description=func.__doc__)
+def _verb(
+    sub: Any, name: str, func: Callable[[argparse.Namespace], int], summary: str, **helps: Any
+) -> None:
+    """The verb ``name``, described by ``func``'s docstring, with the arguments named, in
+    order, each with its help (None: ``_HELP``'s): an option of ``_OPTIONS``, else a
+    positional argument of that name."""
+    parser = sub.add_parser(name, help=summary, description=func.__doc__)
     parser.set_defaults(func=func, command_parser=parser)
-    for dest, help_text in positionals.items():
-        parser.add_argument(dest, help=help_text)
-    return parser
+    for dest, text in helps.items():
+        flags, settings = _OPTIONS.get(dest, ((dest,), {}))
+        parser.add_argument(*flags, **settings, help=text or _HELP[dest])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -335,26 +325,30 @@ def build_parser() -> argparse.ArgumentParser:
         description="Inspect, verify and convert safetensors checkpoints of JAX pytrees.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-
-    inspect = _command(sub, "inspect", _inspect_cmd, "list the tensors (or steps) of a checkpoint")
-    _add_options(inspect, path=None, json=None)
-    _add_selection(inspect, "list")
-
-    verify = _command(
-        sub, "verify", _verify_cmd, "check headers and checksums; exit status 1 on damage"
+    _verb(
+        sub,
+        "inspect",
+        _inspect_cmd,
+        "list the tensors (or steps) of a checkpoint",
+        path=None,
+        json=None,
+        **_selection("list"),
     )
-    _add_options(verify, path=None, json=None)
-
-    convert = _command(
+    _verb(
+        sub,
+        "verify",
+        _verify_cmd,
+        "check headers and checksums; exit status 1 on damage",
+        path=None,
+        json=None,
+    )
+    _verb(
         sub,
         "convert",
         _convert_cmd,
         "convert Orbax-native checkpoints to safetensors, or back",
         src="item, step or root to convert",
         dst="where to write the converted checkpoint",
-    )
-    _add_options(
-        convert,
         to="direction (default: from what SRC holds)",
         unwrap_values="to safetensors: collapse the {'value': x} dicts of Orbax's nnx.Variable "
         "form so names match nnx.state(model) here (layers.0.kernel rather than "
@@ -371,19 +365,15 @@ def build_parser() -> argparse.ArgumentParser:
         dtype=f"{_HELP['dtype']}; to safetensors only, cast a batch at a time, the metadata recording "
         "each tensor's original dtype",
         quiet="no progress bar",
+        **_selection("convert"),
     )
-    _add_selection(convert, "convert")
-
-    export = _command(
+    _verb(
         sub,
         "export",
         _export_cmd,
         "write a checkpoint as a Hugging Face model directory",
         src="file, item, step or root to export",
         out="the Hugging Face model directory to write",
-    )
-    _add_options(
-        export,
         mapping="a preset (llama, mistral, qwen2, qwen3, phi3, gemma3, mixtral, qwen2-moe, "
         "qwen3-moe, gpt2: NNX ports named as Hugging Face names its modules; tunix-llama3, "
         "tunix-qwen2, tunix-qwen3, tunix-gemma, tunix-gemma3, tunix-gemma4: Tunix's models; "
@@ -400,16 +390,13 @@ def build_parser() -> argparse.ArgumentParser:
         "for qwix's (Tunix's LoRA; needed there), default 1.0 for flax's nnx.LoRA",
     )
 
-    imports = _command(
+    _verb(
         sub,
         "import",
         _import_cmd,
         "write a Hugging Face model directory as a MaxText checkpoint",
         hfdir="the Hugging Face model directory (config.json, *.safetensors)",
         ckptdir="the Orbax checkpoint directory (its step --step is written)",
-    )
-    _add_options(
-        imports,
         mapping="a MaxText preset (maxtext-llama3, maxtext-mistral, maxtext-mixtral, "
         "maxtext-qwen3, maxtext-qwen3-moe, maxtext-qwen2, maxtext-gemma2, maxtext-gemma3, "
         "maxtext-deepseek3), built from HFDIR's config.json, or module:attr naming an "
@@ -428,22 +415,25 @@ def build_parser() -> argparse.ArgumentParser:
         "JAX_COORDINATOR_ADDRESS): run the command on every host",
     )
 
-    diff = _command(sub, "diff", _diff_cmd, "compare the tensors of two checkpoints")
-    diff.add_argument("a", help="first checkpoint")
-    diff.add_argument("b", help="second checkpoint")
-    _add_options(
-        diff,
+    _verb(
+        sub,
+        "diff",
+        _diff_cmd,
+        "compare the tensors of two checkpoints",
+        a="first checkpoint",
+        b="second checkpoint",
         atol="compare values with a tolerance: floats within ATOL + RTOL * |b| count as equal "
         "(any NaN equal to any NaN), integers within ATOL (exactly). Default: no tolerance, "
         "every tensor compared bitwise (-0.0 differs from 0.0)",
         rtol="relative tolerance for floating-point tensors (see --atol; not applied to integers)",
         json=None,
+        **_selection("compare"),
     )
-    _add_selection(diff, "compare")
-
-    demo = _command(sub, "demo", _demo, "train a small NNX model, checkpoint it, crash, resume")
-    _add_options(
-        demo,
+    _verb(
+        sub,
+        "demo",
+        _demo,
+        "train a small NNX model, checkpoint it, crash, resume",
         dir="checkpoint directory (default: a new temp dir)",
         steps="training steps (default 300)",
     )

@@ -117,15 +117,13 @@ _CONVERTED = {
 }
 
 
-def _direction_of(path: epath.Path, kind: PathKind) -> Direction:
-    if kind is PathKind.ROOT:
-        steps = _steps.list_steps(path)
+def _direction_of(path: epath.Path, kind: PathKind, steps: list[epath.Path]) -> Direction:
+    if kind is PathKind.ROOT:  # (``steps``: its committed steps)
         if not steps:
             raise SafetensorsCheckpointError(
                 f"{path}: a CheckpointManager root with no committed step"
             )
-        step = steps[-1][1]
-        return _direction_of(step, _steps.classify(step))
+        return _direction_of(steps[-1], _steps.classify(steps[-1]), [])
     kinds = set(_steps.list_items(path).values()) if kind is PathKind.STEP else {kind}
     for direction, converted in _CONVERTED.items():  # an Orbax item first
         if kinds & converted:
@@ -133,14 +131,16 @@ def _direction_of(path: epath.Path, kind: PathKind) -> Direction:
     raise _steps.not_a_checkpoint(path)
 
 
-def _refuse_incomplete_steps(src: epath.Path, kind: PathKind) -> None:
-    # A committed step that lacks what restoring it needs would be carried on as complete.
-    if kind is PathKind.ROOT:
-        for step in _steps.scan_steps(src):
-            if step.committed:
-                _completeness.require_complete(step)
-    else:
+def _committed_steps(src: epath.Path, kind: PathKind) -> list[epath.Path]:
+    """The committed steps of the root ``src`` (none for anything else), each complete: a
+    committed step that lacks what restoring it needs would be carried on as complete."""
+    if kind is not PathKind.ROOT:
         _completeness.refuse_incomplete(src)
+        return []
+    committed = [s for s in _steps.scan_steps(src) if s.committed]
+    for step in committed:
+        _completeness.require_complete(step)
+    return [s.path for s in committed]
 
 
 # Converts one item, ``(src, dst)`` -> its tensors, bytes and the typestr of the handler that
@@ -173,7 +173,12 @@ def _convert_step(
             _copy_tree(src, entry.name, dst / entry.name)
     path = _confine.inside(src, _steps.CHECKPOINT_METADATA_FILE)
     if path.exists():  # the step's record of its items, naming the new handlers
-        doc = json.loads(_confine.read_file(path))
+        doc = _steps.read_json(path)
+        if not isinstance(doc, dict):
+            raise SafetensorsCheckpointError(
+                f"{path}: not a JSON object (the step's record of its items, which the "
+                "converted step must name its new handlers in); the step cannot be converted"
+            )
         if isinstance(doc.get("item_handlers"), dict):
             doc["item_handlers"].update(handlers)
         (dst / _steps.CHECKPOINT_METADATA_FILE).write_text(json.dumps(doc))
@@ -181,10 +186,10 @@ def _convert_step(
 
 
 def _convert_root(
-    src: epath.Path, tmp: epath.Path, write_item: _ItemWriter, summary: ConvertSummary
+    steps: list[epath.Path], tmp: epath.Path, write_item: _ItemWriter, summary: ConvertSummary
 ) -> ConvertSummary:
     tmp.mkdir(parents=True, exist_ok=True)
-    for _, step in _steps.list_steps(src):
+    for step in steps:
         if _steps.classify(step) is not PathKind.STEP:
             raise SafetensorsCheckpointError(
                 f"{step}: a step that is not a directory of items cannot be converted "
@@ -309,10 +314,10 @@ def convert(
             )
         return _from_msgpack(src, dst, step, max_file_size, progress, select, policy)
     kind = _steps.classify(src)
-    _refuse_incomplete_steps(src, kind)
+    steps = _committed_steps(src, kind)
     if to and to not in tuple(Direction):
         raise SafetensorsCheckpointError(f"to must be 'safetensors' or 'orbax', not {to!r}")
-    direction = Direction(to) if to else _direction_of(src, kind)
+    direction = Direction(to) if to else _direction_of(src, kind, steps)
     if policy is not None and direction is not Direction.SAFETENSORS:
         raise SafetensorsCheckpointError(
             f"{policy.describe()}: a dtype policy applies to conversions to safetensors; "
@@ -344,6 +349,6 @@ def convert(
         )
     if kind is PathKind.ROOT:
         return atomic(
-            dst, lambda tmp: _convert_root(src, tmp, write_item, ConvertSummary(direction))
+            dst, lambda tmp: _convert_root(steps, tmp, write_item, ConvertSummary(direction))
         )
     raise _steps.not_a_checkpoint(src)

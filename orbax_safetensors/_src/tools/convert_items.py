@@ -7,7 +7,6 @@ item (restored whole, saved by Orbax); and the names an ``nnx.State`` gets on ea
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -32,7 +31,6 @@ from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
 from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.pipeline import read as _read
 from orbax_safetensors._src.pipeline import standalone as _standalone
-from orbax_safetensors._src.storage import confine as _confine
 from orbax_safetensors._src.storage import router as _router
 from orbax_safetensors._src.tools.inspection import progress_bar
 
@@ -62,11 +60,7 @@ def raw_path(keypath: Iterable[Any]) -> Path:
 def _recorded_variables(item: Any) -> list[str] | None:
     """The dotted Orbax names of the Variable leaves recorded in an Orbax item's custom
     metadata (:func:`to_orbax_item` records them), or None (an item Orbax wrote itself)."""
-    path = _steps.absolute(item) / _steps.ORBAX_METADATA_FILE
-    try:
-        doc = json.loads(_confine.read_file(path))
-    except (OSError, ValueError, RecursionError):
-        return None
+    doc = _steps.read_json(epath.Path(item) / _steps.ORBAX_METADATA_FILE)
     custom = doc.get("custom_metadata") if isinstance(doc, dict) else None
     record = custom.get(RECORD_KEY) if isinstance(custom, dict) else None
     names = record.get(VARIABLES_KEY) if isinstance(record, dict) else None

@@ -70,18 +70,14 @@ class DiffReport:
 
     def format(self) -> str:
         lines = []
-        if self.only_a:
-            lines.append(f"only in A ({len(self.only_a)}):")
-            lines += [f"  {n}" for n in self.only_a]
-        if self.only_b:
-            lines.append(f"only in B ({len(self.only_b)}):")
-            lines += [f"  {n}" for n in self.only_b]
-        if self.mismatched:
-            lines.append(f"shape or dtype differs ({len(self.mismatched)}):")
-            lines += [f"  {n}: {a} vs {b}" for n, a, b in self.mismatched]
-        if self.values:
-            lines.append(f"values differ ({len(self.values)}):")
-            lines += [f"  {n}: {self._value_line(n, d)}" for n, d in self.values]
+        for title, entries in (
+            ("only in A", self.only_a),
+            ("only in B", self.only_b),
+            ("shape or dtype differs", [f"{n}: {a} vs {b}" for n, a, b in self.mismatched]),
+            ("values differ", [f"{n}: {self._value_line(n, d)}" for n, d in self.values]),
+        ):
+            if entries:
+                lines += [f"{title} ({len(entries)}):", *(f"  {e}" for e in entries)]
         lines.append(
             f"{counted(self.same, 'tensor')} equal; "
             + ("checkpoints are identical" if self.identical else "checkpoints differ")

@@ -36,24 +36,6 @@ def _disk_bytes(path: epath.Path) -> int:
     return int(getattr(st, "st_size", getattr(st, "length", 0)))
 
 
-class _Filter:
-    """The tensors a report lists (those ``select`` selects), and every name seen, to check
-    the patterns against once the report is built."""
-
-    def __init__(self, select: _select.Selection | None) -> None:
-        self.select = select
-        self.seen: list[str] = []
-
-    def __call__(self, tensors: Mapping[str, _listing.TensorInfo]) -> list[_listing.TensorInfo]:
-        if self.select is None:
-            return list(tensors.values())
-        self.seen += tensors
-        return [t for n, t in tensors.items() if self.select.selects(n)]
-
-
-_ALL = _Filter(None)
-
-
 def _open(path: epath.Path, kind: PathKind | None = None) -> TensorSource | _listing.FileTable:
     """The table of what ``path`` (of ``kind``, a directory when None) holds: a safetensors
     file from its header alone, so that ``inspect FILE`` imports no JAX and no Orbax; anything
@@ -65,36 +47,128 @@ def _open(path: epath.Path, kind: PathKind | None = None) -> TensorSource | _lis
     return sources.open_source(path)
 
 
-def _source_report(
-    source: TensorSource | _listing.FileTable, keep: _Filter = _ALL
-) -> dict[str, Any]:
-    tensors = keep(source.tensors)
-    return {
-        "path": str(source.path),
-        "kind": source.kind,
-        "num_tensors": len(tensors),
-        "total_bytes": sum(t.nbytes for t in tensors),
-        "metadata": source.metadata,
-        "tensors": [t.to_json() for t in tensors],
-    }
+class _Inspection:
+    """The reports of one :func:`inspect_path`: the tensors they list (those ``select``
+    selects), and every name seen, to check the patterns against once the report is built."""
 
+    def __init__(self, select: _select.Selection | None = None) -> None:
+        self.select = select
+        self.seen: list[str] = []
 
-def _step_report(path: epath.Path, keep: _Filter = _ALL) -> dict[str, Any]:
-    items: dict[str, Any] = {}
-    other: list[str] = []
-    for name, kind in _steps.list_items(path).items():
-        if kind in _steps.TENSOR_KINDS:
-            items[name] = _source_report(_open(path / name), keep)
-        else:
-            other.append(name)
-    return {
-        "path": str(path),
-        "kind": "step",
-        "items": items,
-        "other_items": other,
-        "num_tensors": sum(i["num_tensors"] for i in items.values()),
-        "total_bytes": sum(i["total_bytes"] for i in items.values()),
-    }
+    def source(self, source: TensorSource | _listing.FileTable) -> dict[str, Any]:
+        tensors = list(source.tensors.values())
+        if self.select is not None:
+            self.seen += source.tensors
+            tensors = [t for n, t in source.tensors.items() if self.select.selects(n)]
+        return {
+            "path": str(source.path),
+            "kind": source.kind,
+            "num_tensors": len(tensors),
+            "total_bytes": sum(t.nbytes for t in tensors),
+            "metadata": source.metadata,
+            "tensors": [t.to_json() for t in tensors],
+        }
+
+    def step(self, path: epath.Path) -> dict[str, Any]:
+        items: dict[str, Any] = {}
+        other: list[str] = []
+        for name, kind in _steps.list_items(path).items():
+            if kind in _steps.TENSOR_KINDS:
+                items[name] = self.source(_open(path / name))
+            else:
+                other.append(name)
+        return {
+            "path": str(path),
+            "kind": "step",
+            "items": items,
+            "other_items": other,
+            "num_tensors": sum(i["num_tensors"] for i in items.values()),
+            "total_bytes": sum(i["total_bytes"] for i in items.values()),
+        }
+
+    def root_step(self, step: _steps.StepDir) -> dict[str, Any]:
+        """One committed step of a root report; an incomplete or unreadable step says so."""
+        entry: dict[str, Any] = {
+            "step": step.step,
+            "name": step.path.name,
+            "path": str(step.path),
+            "items": list(_steps.list_items(step.path)),
+            "num_tensors": None,
+            "tensor_bytes": None,
+            "disk_bytes": _disk_bytes(step.path),
+            "status": "ok",
+            "problem": None,
+            "missing": [],
+        }
+        missing = _completeness.missing_entries(step)
+        if missing:
+            entry["status"] = "incomplete"
+            entry["problem"] = f"missing {', '.join(missing)}"
+            entry["missing"] = missing
+            return entry
+        try:
+            if _steps.item_kind(step.path) in _steps.TENSOR_KINDS:  # a step that is an item
+                rep = self.source(_open(step.path))
+                entry["items"] = [""]
+            else:
+                rep = self.step(step.path)
+                entry["items"] = [*rep["items"], *rep["other_items"]]
+        except _UNREADABLE as e:
+            entry["status"] = "unreadable"
+            entry["problem"] = str(e)
+            return entry
+        entry["num_tensors"] = rep["num_tensors"]
+        entry["tensor_bytes"] = rep["total_bytes"]
+        return entry
+
+    def root(self, path: epath.Path) -> dict[str, Any]:
+        scanned = _steps.scan_steps(path)
+        steps = [self.root_step(s) for s in scanned if s.committed]
+        latest = steps[-1]["step"] if steps else None
+        warnings = []
+        for s in steps:
+            if s["status"] == "incomplete":
+                warnings.append(
+                    _completeness.incomplete_warning(s["step"], s["path"], s["missing"], latest)
+                )
+            elif s["status"] == "unreadable":
+                warnings.append(f"step {s['step']} cannot be read: {s['problem']}")
+        return {
+            "path": str(path),
+            "kind": "root",
+            "steps": steps,  # the steps mngr.all_steps() lists
+            "latest_step": latest,
+            "uncommitted": [
+                {"step": s.step, "name": s.path.name, "path": str(s.path), "reason": s.reason}
+                for s in scanned
+                if not s.committed
+            ],
+            "warnings": warnings,
+        }
+
+    def report(self, path: epath.Path) -> dict[str, Any]:
+        entry = _steps.step_entry(path)
+        if entry is not None and entry.committed:
+            missing = _completeness.missing_entries(entry)
+            if missing:  # a step Orbax lists whose files are partly gone: say so, read nothing
+                return _incomplete_step_report(path, missing)
+        kind = _steps.classify(path)
+        if kind is PathKind.ROOT:
+            return self.root(path)
+        if kind is PathKind.STEP:
+            reason = entry.reason if entry is not None and not entry.committed else None
+            try:
+                report = self.step(path)
+            except _UNREADABLE as e:
+                if reason is None:
+                    raise
+                raise SafetensorsCheckpointError(f"{path}: uncommitted step ({reason}): {e}") from e
+            if reason is not None:
+                report["uncommitted"] = reason
+            return report
+        if kind is PathKind.OTHER:
+            raise _steps.not_a_checkpoint(path)
+        return self.source(_open(path, kind))
 
 
 def _incomplete_step_report(path: epath.Path, missing: list[str]) -> dict[str, Any]:
@@ -112,68 +186,6 @@ def _incomplete_step_report(path: epath.Path, missing: list[str]) -> dict[str, A
     }
 
 
-def _root_step(step: _steps.StepDir, keep: _Filter = _ALL) -> dict[str, Any]:
-    """One committed step of a root report; an incomplete or unreadable step says so."""
-    entry: dict[str, Any] = {
-        "step": step.step,
-        "name": step.path.name,
-        "path": str(step.path),
-        "items": list(_steps.list_items(step.path)),
-        "num_tensors": None,
-        "tensor_bytes": None,
-        "disk_bytes": _disk_bytes(step.path),
-        "status": "ok",
-        "problem": None,
-        "missing": [],
-    }
-    missing = _completeness.missing_entries(step)
-    if missing:
-        entry["status"] = "incomplete"
-        entry["problem"] = f"missing {', '.join(missing)}"
-        entry["missing"] = missing
-        return entry
-    try:
-        if _steps.item_kind(step.path) in _steps.TENSOR_KINDS:  # a step that is itself an item
-            rep = _source_report(_open(step.path), keep)
-            entry["items"] = [""]
-        else:
-            rep = _step_report(step.path, keep)
-            entry["items"] = [*rep["items"], *rep["other_items"]]
-    except _UNREADABLE as e:
-        entry["status"] = "unreadable"
-        entry["problem"] = str(e)
-        return entry
-    entry["num_tensors"] = rep["num_tensors"]
-    entry["tensor_bytes"] = rep["total_bytes"]
-    return entry
-
-
-def _root_report(path: epath.Path, keep: _Filter = _ALL) -> dict[str, Any]:
-    scanned = _steps.scan_steps(path)
-    steps = [_root_step(s, keep) for s in scanned if s.committed]
-    latest = steps[-1]["step"] if steps else None
-    warnings = []
-    for s in steps:
-        if s["status"] == "incomplete":
-            warnings.append(
-                _completeness.incomplete_warning(s["step"], s["path"], s["missing"], latest)
-            )
-        elif s["status"] == "unreadable":
-            warnings.append(f"step {s['step']} cannot be read: {s['problem']}")
-    return {
-        "path": str(path),
-        "kind": "root",
-        "steps": steps,  # the steps mngr.all_steps() lists
-        "latest_step": latest,
-        "uncommitted": [
-            {"step": s.step, "name": s.path.name, "path": str(s.path), "reason": s.reason}
-            for s in scanned
-            if not s.committed
-        ],
-        "warnings": warnings,
-    }
-
-
 def inspect_path(
     path: epath.PathLike,
     *,
@@ -184,36 +196,11 @@ def inspect_path(
     lists, each with a ``status``: ``ok``, ``incomplete`` or ``unreadable``; its uncommitted
     ones). ``include`` / ``exclude`` as in ``osf.load_file`` (TargetMismatchError if one
     matches nothing)."""
-    keep = _Filter(_select.Selection.of(include, exclude))
-    report = _report(epath.Path(path), keep)
-    if keep.select is not None:
-        keep.select.check(keep.seen, str(path))
+    inspection = _Inspection(_select.Selection.of(include, exclude))
+    report = inspection.report(epath.Path(path))
+    if inspection.select is not None:
+        inspection.select.check(inspection.seen, str(path))
     return report
-
-
-def _report(path: epath.Path, keep: _Filter) -> dict[str, Any]:
-    entry = _steps.step_entry(path)
-    if entry is not None and entry.committed:
-        missing = _completeness.missing_entries(entry)
-        if missing:  # a step Orbax lists whose files are partly gone: say so, read nothing
-            return _incomplete_step_report(path, missing)
-    kind = _steps.classify(path)
-    if kind is PathKind.ROOT:
-        return _root_report(path, keep)
-    if kind is PathKind.STEP:
-        reason = _steps.uncommitted_reason(path)
-        try:
-            report = _step_report(path, keep)
-        except _UNREADABLE as e:
-            if reason is None:
-                raise
-            raise SafetensorsCheckpointError(f"{path}: uncommitted step ({reason}): {e}") from e
-        if reason is not None:
-            report["uncommitted"] = reason
-        return report
-    if kind is PathKind.OTHER:
-        raise _steps.not_a_checkpoint(path)
-    return _source_report(_open(path, kind), keep)
 
 
 def counted(n: int, noun: str, plural: str | None = None) -> str:

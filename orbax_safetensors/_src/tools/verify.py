@@ -139,18 +139,16 @@ def verify(path: epath.PathLike, *, chunk_bytes: int = CHUNK_BYTES) -> VerifyRep
     report = VerifyReport()
     checker = _Checker(report, chunk_bytes)
     entry = _steps.step_entry(path)
-    if entry is not None:
-        reason = None if entry.committed else entry.reason
-    else:
-        reason = _steps.uncommitted_reason(path) if path.is_dir() else None
     if not path.is_dir():
         if (path.parent / _metadata.METADATA_FILE).exists():
             checker.item(path.parent, only=path.name)  # one file of a checkpoint directory
         else:
             checker.file(path, unreadable_raises=True)
-    elif reason is not None:
+    elif entry is not None and not entry.committed:
         report.skipped.append(str(path))
-        report._problem(f"{path}: uncommitted step, not checked ({reason}); Orbax does not list it")
+        report._problem(
+            f"{path}: uncommitted step, not checked ({entry.reason}); Orbax does not list it"
+        )
     elif (path / _metadata.METADATA_FILE).exists() and entry is None:
         checker.item(path)
     elif not (
