@@ -61,10 +61,10 @@ def test_impossible_values_are_refused_when_read(changes, match):
 
 def test_sizes_read():
     facts = ConfigFacts.of(LLAMA)
-    assert facts.attention() == (4, 2, 8) and facts.vocab_size() == 96
+    assert facts.attention() == (4, 2, 8) and facts.size("vocab_size") == 96
     assert ConfigFacts({"num_attention_heads": 4, "head_dim": 16}).attention() == (4, 4, 16)
     assert ConfigFacts({"model_type": "x"}).attention() is None
-    assert ConfigFacts({"vocab_size": None}).vocab_size() is None  # (JSON null: not given)
+    assert ConfigFacts({"vocab_size": None}).size("vocab_size") is None  # (JSON null: not given)
     nested = ConfigFacts({"text_config": LLAMA}).language_model()
     assert nested.prefix == "text_config." and nested.attention() == (4, 2, 8)
     with pytest.raises(osf.ConfigError, match=r"text_config\.vocab_size is 0"):

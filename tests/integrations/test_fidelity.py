@@ -214,7 +214,7 @@ def test_a_nested_text_config_checks_the_language_models_projections_only():
     }  # fmt: skip
     config = {"text_config": {"num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16}}
     problems = fidelity.fused_config_problems(
-        found, torch_shapes, shapes, lambda n: np.float32, config
+        found, torch_shapes, shapes, lambda n: np.float32, ConfigFacts.of(config)
     )
     assert len(problems) == 1 and "'lm.qkv'" in problems[0], problems
     assert "give sizes=(64, 16, 16)" in problems[0]

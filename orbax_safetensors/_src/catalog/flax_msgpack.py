@@ -326,7 +326,6 @@ class MsgpackSource:
 
         self.path = path
         self.kind = SourceKind.FLAX_MSGPACK
-        self.step = step_of(path)
         self.tree = _exact_complex64(read_file(path), str(path))
         self.values = {
             name: np.asarray(v)

@@ -127,28 +127,16 @@ def _read_header(path: epath.PathLike) -> tuple[epath.Path | pathlib.PurePath, _
             fd = None  # the router raises the error every tool words the same way
         if fd is not None:
             local = pathlib.PurePath(name)
-            try:
-                header = _header.parse_file(_preader(fd), info.st_size, where=str(local))
-            finally:
-                os.close(fd)
+            with open(fd, "rb") as f:  # (a buffered read returns n bytes, fewer only at the end)
+
+                def pread(offset: int, nbytes: int) -> bytes:
+                    f.seek(offset)
+                    return f.read(nbytes)
+
+                header = _header.parse_file(pread, info.st_size, where=str(local))
             return local, header
     from etils import epath
 
     from orbax_safetensors._src.storage import router
 
     return epath.Path(path), router.read_header(path)
-
-
-def _preader(fd: int) -> Any:
-    """``pread(offset, n)`` of the open file ``fd``: ``n`` bytes, fewer at its end."""
-
-    def pread(offset: int, nbytes: int) -> bytes:
-        out = bytearray()
-        while len(out) < nbytes:
-            chunk = os.pread(fd, nbytes - len(out), offset + len(out))
-            if not chunk:
-                break
-            out += chunk
-        return bytes(out)
-
-    return pread

@@ -11,7 +11,7 @@ import collections
 import itertools
 import math
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -271,10 +271,8 @@ class OrbaxSource:
             if name in self.tensors:
                 whole = [_runs.whole_index(self.tensors[name].shape)]
                 self._admit(name, boxes[name] if boxes is not None else whole)
-        wanted = set(names)
-        name_of = self.name_of_path()
-        item = select_leaves(self.tree, wanted, name_of, lambda leaf: 0)
-        args = select_leaves(self.tree, wanted, name_of, restore_args, named=True)
+        item = self.select(set(names), lambda name, leaf: 0)
+        args = self.select(set(names), restore_args)
         handler = ocp.PyTreeCheckpointHandler()
         try:
             restored = handler.restore(
@@ -293,6 +291,34 @@ class OrbaxSource:
     def name_of_path(self) -> dict[tuple[Any, ...], str]:
         """Each leaf's key path in ``self.tree`` mapped to its tensor name."""
         return {keypath: name for name, (keypath, _) in self.leaves.items()}
+
+    def select(self, wanted: set[str], fn: Callable[[str, Any], Any]) -> Any:
+        """``self.tree`` with only the leaves named in ``wanted``, each as ``fn(name, leaf)``;
+        lists keep their length with None in unwanted places."""
+        from jax.tree_util import DictKey, SequenceKey
+
+        names = self.name_of_path()
+
+        def walk(node: Any, path: tuple[Any, ...]) -> tuple[bool, Any]:
+            if isinstance(node, dict):
+                out = {}
+                for k, v in node.items():
+                    keep, sub = walk(v, (*path, DictKey(k)))
+                    if keep:
+                        out[k] = sub
+                return bool(out), out
+            if isinstance(node, (list, tuple)):
+                items = [walk(v, (*path, SequenceKey(i))) for i, v in enumerate(node)]
+                seq = [sub if keep else None for keep, sub in items]
+                return any(keep for keep, _ in items), type(node)(seq)
+            if node is None:
+                return False, None
+            name = names.get(path)
+            if name not in wanted:
+                return False, None
+            return True, fn(name, node)
+
+        return walk(self.tree, ())[1]
 
 
 def chunk_pieces(
@@ -365,37 +391,3 @@ def is_orbax_array(leaf: Any) -> bool:
     return isinstance(leaf, ocp_metadata.ArrayMetadata) and not isinstance(
         leaf, ocp_metadata.ScalarMetadata
     )
-
-
-def select_leaves(
-    tree: Any,
-    wanted: set[str],
-    names: Mapping[tuple[Any, ...], str],
-    fn: Any,
-    *,
-    named: bool = False,
-) -> Any:
-    """``tree`` with only the leaves named in ``wanted``, mapped through ``fn`` (``named``:
-    ``fn(name, leaf)``); lists keep their length with None in unwanted places."""
-    from jax.tree_util import DictKey, SequenceKey
-
-    def walk(node: Any, path: tuple[Any, ...]) -> tuple[bool, Any]:
-        if isinstance(node, dict):
-            out = {}
-            for k, v in node.items():
-                keep, sub = walk(v, (*path, DictKey(k)))
-                if keep:
-                    out[k] = sub
-            return bool(out), out
-        if isinstance(node, (list, tuple)):
-            items = [walk(v, (*path, SequenceKey(i))) for i, v in enumerate(node)]
-            seq = [sub if keep else None for keep, sub in items]
-            return any(keep for keep, _ in items), type(node)(seq)
-        if node is None:
-            return False, None
-        name = names.get(path)
-        if name not in wanted:
-            return False, None
-        return True, (fn(name, node) if named else fn(node))
-
-    return walk(tree, ())[1]

@@ -44,21 +44,6 @@ class TensorSource(Protocol):
         ...
 
 
-def batches(
-    infos: Sequence[TensorInfo], max_bytes: int = DEFAULT_BATCH_BYTES
-) -> list[list[TensorInfo]]:
-    """Groups tensors into batches of at most ``max_bytes`` (a larger tensor goes alone)."""
-    out: list[list[TensorInfo]] = []
-    used = 0
-    for t in infos:
-        if not out or (out[-1] and used + t.nbytes > max_bytes):
-            out.append([])
-            used = 0
-        out[-1].append(t)
-        used += t.nbytes
-    return out
-
-
 def open_source(
     path: epath.PathLike, *, step: int | None = None, item: str | None = None, latest: bool = False
 ) -> TensorSource:
@@ -122,38 +107,31 @@ def _resolve(
         raise SafetensorsCheckpointError(
             f"{path}: a CheckpointManager root (steps: {listed}); name one step or item directory"
         )
-    entry = _steps.step_entry(path)
-    # The item chosen, or the error saying why there is none; an incomplete step is refused
-    # first (a step Orbax lists with parts gone is no checkpoint).
-    chosen: tuple[epath.Path, PathKind] | SafetensorsCheckpointError = (path, kind)
-    if kind is PathKind.STEP:
-        items = _steps.list_items(path)
-        tensors = [n for n, k in items.items() if k in _steps.TENSOR_KINDS]
-        if item is not None and item not in tensors:
-            chosen = SafetensorsCheckpointError(
-                f"{path}: no tensor item {item!r} (items: {', '.join(items) or '-'})"
+    # An incomplete step is refused first (a step Orbax lists with parts gone is no checkpoint).
+    _completeness.refuse_incomplete(path)
+    if kind is not PathKind.STEP:
+        if item is not None:
+            raise SafetensorsCheckpointError(
+                f"{path} is {kind.noun}, not a step: item= does not apply"
             )
-        elif item is None and not tensors:
-            chosen = _steps.not_a_checkpoint(path)
-        elif item is None and len(tensors) > 1:
-            chosen = SafetensorsCheckpointError(
-                f"{path}: a step with {len(tensors)} items of tensors ({', '.join(tensors)}); "
-                "name one item directory"
-            )
-        else:
-            name = tensors[0] if item is None else item
-            chosen = path / name, items[name]
-    elif item is not None:
-        chosen = SafetensorsCheckpointError(
-            f"{path} is {kind.noun}, not a step: item= does not apply"
+        if kind not in _steps.TENSOR_KINDS:
+            raise _steps.not_a_checkpoint(path)
+        return path, kind
+    items = _steps.list_items(path)
+    tensors = [n for n, k in items.items() if k in _steps.TENSOR_KINDS]
+    if item is not None and item not in tensors:
+        raise SafetensorsCheckpointError(
+            f"{path}: no tensor item {item!r} (items: {', '.join(items) or '-'})"
         )
-    elif kind not in _steps.TENSOR_KINDS:
-        chosen = _steps.not_a_checkpoint(path)
-    if entry is not None and entry.committed:
-        _completeness.require_complete(entry)
-    if isinstance(chosen, SafetensorsCheckpointError):
-        raise chosen
-    return chosen
+    if item is None and not tensors:
+        raise _steps.not_a_checkpoint(path)
+    if item is None and len(tensors) > 1:
+        raise SafetensorsCheckpointError(
+            f"{path}: a step with {len(tensors)} items of tensors ({', '.join(tensors)}); "
+            "name one item directory"
+        )
+    name = tensors[0] if item is None else item
+    return path / name, items[name]
 
 
 class SafetensorsSource:

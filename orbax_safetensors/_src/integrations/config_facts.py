@@ -37,18 +37,6 @@ _INTO = frozenset({"gate_proj", "up_proj", "w1", "w3"})  # (out, in): out is the
 _EXPERT_COUNTS = ("num_local_experts", "num_experts")  # Mixtral's, Qwen MoE's
 
 
-def _config_doc(hf_config: Any) -> tuple[Mapping[str, Any], str]:
-    # The config as a mapping of its keys (a transformers config: all of them, defaults
-    # included, as the model it builds has them), and how messages name it.
-    if isinstance(hf_config, Mapping):
-        return hf_config, "hf_config"
-    doc = _model_files.config_keys(hf_config)
-    if not isinstance(hf_config, (str, os.PathLike)):
-        return doc or {}, "hf_config"
-    path = epath.Path(hf_config)
-    return doc or {}, f"hf_config {path / _model_files.CONFIG_FILE_NAME if path.is_dir() else path}"
-
-
 @dataclasses.dataclass(frozen=True)
 class ConfigFacts:
     """The keys of a Hugging Face config (``doc``), read as validated sizes.
@@ -67,10 +55,18 @@ class ConfigFacts:
     def of(cls, hf_config: Any) -> ConfigFacts:
         """The facts of ``hf_config``: a transformers config, a dict, a ``config.json`` or a
         directory holding one (``ValueError`` for a path without one; ``TypeError`` else)."""
+        # A transformers config gives all its keys, defaults included, as the model it builds
+        # has them; messages name a path's config.json.
         if isinstance(hf_config, ConfigFacts):
             return hf_config
-        doc, where = _config_doc(hf_config)
-        return cls(doc, where)
+        if isinstance(hf_config, Mapping):
+            return cls(hf_config)
+        doc = _model_files.config_keys(hf_config) or {}
+        if not isinstance(hf_config, (str, os.PathLike)):
+            return cls(doc)
+        path = epath.Path(hf_config)
+        config = path / _model_files.CONFIG_FILE_NAME if path.is_dir() else path
+        return cls(doc, f"hf_config {config}")
 
     def language_model(self) -> ConfigFacts:
         """These facts, or those of a nested ``text_config`` (a multimodal model's language
@@ -85,25 +81,22 @@ class ConfigFacts:
     def size(self, key: str) -> int | None:
         """``key``'s value as a positive whole number; None where absent or null;
         ``ConfigError`` naming the key and value for any other value."""
-        value = self._whole(key)
-        if value is not None and value <= 0:
-            raise ConfigError(f"{self.where}: {self.prefix}{key} is {value}, not positive")
-        return value
+        return self._whole(key, 1, "not positive")
 
     def count(self, key: str) -> int | None:
         """``key``'s value as a whole number, zero allowed; None where absent or null;
         ``ConfigError`` naming the key and value for any other value."""
-        value = self._whole(key)
-        if value is not None and value < 0:
-            raise ConfigError(f"{self.where}: {self.prefix}{key} is {value}, negative")
-        return value
+        return self._whole(key, 0, "negative")
 
-    def _whole(self, key: str) -> int | None:
+    def _whole(self, key: str, least: int, below: str) -> int | None:
+        # (``below``: what a value under ``least`` is called in the error)
         value = self.doc.get(key)
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise ConfigError(f"{self.where}: {self.prefix}{key} is {value!r}, not a whole number")
+        if value < least:
+            raise ConfigError(f"{self.where}: {self.prefix}{key} is {value}, {below}")
         return int(value)
 
     def flag(self, key: str, default: bool = False) -> bool:
@@ -115,10 +108,6 @@ class ConfigFacts:
         if not isinstance(value, bool):
             raise ConfigError(f"{self.where}: {self.prefix}{key} is {value!r}, not true or false")
         return value
-
-    def vocab_size(self) -> int | None:
-        """``vocab_size`` (see :meth:`size`)."""
-        return self.size("vocab_size")
 
     def head_dim(self) -> int | None:
         """``head_dim``, or ``hidden_size / num_attention_heads`` where it is absent; None
@@ -216,7 +205,7 @@ class _Claims:
         # Every size the checks compare, read (and validated) before any tensor is looked at.
         self.facts = f = facts
         self.found: dict[str, tuple[str, int]] = {}
-        self.vocab, self.hidden = f.vocab_size(), f.size("hidden_size")
+        self.vocab, self.hidden = f.size("vocab_size"), f.size("hidden_size")
         plain = f.doc.get("model_type") in _PLAIN_ATTENTION | {None}
         self.attention = f.attention() if plain else None
         # (Gemma 4's use_double_wide_mlp: its KV-shared layers' MLPs twice as wide)

@@ -255,7 +255,7 @@ def compile_plan(
     # 4. check: the config's sizes (before a tied tensor is read), the ties, what is written
     facts = None if hf_config is None else ConfigFacts.of(hf_config).validated()
     untied = _fidelity.tie_differences(mapping, links, tie_values) if mapping.tied else {}
-    tied = dict(_fidelity.untied(mapping, list(untied)).tied)
+    tied = {key: to for key, to in mapping.tied if key not in untied}  # (the ties kept)
     specs: list[_plan.TensorSpec] = []
     kept: list[Link] = []
     commuting: set[int] = set()

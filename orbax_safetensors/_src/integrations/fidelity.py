@@ -6,7 +6,6 @@ and fused query/key/value splits that contradict the config's heads
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import warnings
@@ -93,15 +92,6 @@ def _device_gap() -> Any:
     return jax.jit(lambda x, y: _gap(jnp, jnp.asarray(x), jnp.asarray(y)))
 
 
-def untied(mapping: KeyMapping, keys: Sequence[str]) -> KeyMapping:
-    """``mapping`` without the ties of ``keys`` (written, then)."""
-    if not keys:
-        return mapping
-    return dataclasses.replace(
-        mapping, tied=tuple((k, s) for k, s in mapping.tied if k not in keys)
-    )
-
-
 def warn_untied(differences: Mapping[str, tuple[str, float]], *, with_config: bool) -> None:
     """Warns that the keys of :func:`tie_differences` are written, untied."""
     if not differences:
@@ -167,30 +157,22 @@ def _rows(key: str, heads: int, kv: int) -> int | None:
 _TEXT_MODULES = frozenset({"language_model", "text_model"})
 
 
-def _attention(hf_config: Any) -> tuple[tuple[int, int, int], bool] | None:
-    # (heads, key/value heads, head_dim) and whether they come from a nested text_config,
-    # read and validated by config_facts (an impossible value raises ConfigError)
-    if hf_config is None:
-        return None
-    facts = ConfigFacts.of(hf_config).language_model()
-    found = facts.attention()
-    return None if found is None else (found, bool(facts.prefix))
-
-
 def fused_config_problems(
     links: Sequence[_links.Link],
     torch_shapes: Mapping[str, Shape],
     flax_shapes: Mapping[str, Shape],
     dtype_of: Callable[[str], Any],
-    hf_config: Any,
+    facts: ConfigFacts | None,
 ) -> list[str]:
     """One line per rule whose fused split writes query/key/value projections of other sizes
-    than ``hf_config``'s heads, key/value heads and head_dim make (``torch_shapes``: what
-    the export writes, by key), naming the rule and the ``sizes=`` that fits."""
-    found = _attention(hf_config)
-    if found is None:
+    than the heads, key/value heads and head_dim of the config's language model make
+    (``torch_shapes``: what the export writes, by key), naming the rule and the ``sizes=``
+    that fits."""
+    model = None if facts is None else facts.language_model()
+    found = None if model is None else model.attention()
+    if model is None or found is None:
         return []
-    (heads, kv, head_dim), nested = found
+    (heads, kv, head_dim), nested = found, bool(model.prefix)
     out: dict[int, str] = {}  # (by the rule's id: a user's transform need not hash)
     for link in links:
         rule = link.rule

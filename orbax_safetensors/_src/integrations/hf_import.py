@@ -6,9 +6,10 @@ one host: the tree the mapping implies, split over every device, filled by ``loa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -26,12 +27,12 @@ from orbax_safetensors._src.integrations import model_files as _model_files
 from orbax_safetensors._src.integrations import presets as _presets
 from orbax_safetensors._src.integrations.config_facts import ConfigFacts
 from orbax_safetensors._src.integrations.key_mapping import KeyMapping, MappingReport
+from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.storage import replace as _replace
 
 __all__ = ["import_pytorch"]
 
 ITEM = "items"  # the checkpointable MaxText keeps its train state in
-_TMP = ".orbax-checkpoint-tmp"  # Orbax's suffix of a step directory being written
 
 
 def import_pytorch(
@@ -91,46 +92,34 @@ def import_pytorch(
         raise SafetensorsCheckpointError(
             f"{root / str(step)}: step {step} exists already (remove it or give another step)"
         )
-    # A failure leaves nothing behind: the directories this call created, and Orbax's
-    # temporary step directory, are removed (storage/replace.made_parents).
-    with _replace.made_parents(root / str(step)):
-        try:
-            return _write(v1, path, root, mapping, step, dtype, scan_layers, batch_bytes)
-        except BaseException:
-            if jax.process_index() == 0:
-                _remove_step(root, step)
-            raise
-
-
-def _write(
-    v1: Any,
-    path: epath.PathLike,
-    root: epath.Path,
-    mapping: KeyMapping,
-    step: int,
-    dtype: _casting.DtypePolicy | None,
-    scan_layers: bool | None,
-    batch_bytes: int,
-) -> MappingReport:
-    source = _sources.open_source(_load.source_path(path))
-    _check_config(source)
-    targets = _cast(_load.derived_targets(source.tensors, mapping), _casting.parse_policy(dtype))
-    links, _ = _load.plan_links(dict(source.tensors), targets, mapping)
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("devices",))
-    targets = _spread(links, targets, source.tensors, mesh)
-    options = _load.LoadOptions(batch_bytes=batch_bytes, where=str(path))
-    values, report = _load.load_flat(source, targets, mapping, options)
-    tree = _flax_tables.nested(values)
-    clash = sorted({"step", "opt_state"} & set(tree))
-    if clash:
-        raise ValueError(f"the mapping makes {clash[0]!r}, which a train state holds itself")
-    state = {"step": step, **tree, "opt_state": {}}
-    metadata = None if scan_layers is None else {"scan_layers": bool(scan_layers)}
-    # (Orbax refuses a device's shard as large as its bounds or larger)
-    largest = max((s.data.nbytes for v in values.values() for s in v.addressable_shards), default=0)
-    context = _context(v1, max(batch_bytes, largest + 1))
-    with v1.training.Checkpointer(root, context=context) as checkpointer:
-        checkpointer.save_checkpointables(step, {ITEM: state}, custom_metadata=metadata, force=True)
+    # A failure leaves nothing behind: the directories this call created
+    # (storage/replace.made_parents) and what Orbax began of the step.
+    with _replace.made_parents(root / str(step)), _removed_on_failure(root, step):
+        source = _sources.open_source(_load.source_path(path))
+        _check_config(source)
+        targets = _cast(
+            _load.derived_targets(source.tensors, mapping), _casting.parse_policy(dtype)
+        )
+        links, _ = _load.plan_links(dict(source.tensors), targets, mapping)
+        mesh = jax.sharding.Mesh(np.array(jax.devices()), ("devices",))
+        targets = _spread(links, targets, source.tensors, mesh)
+        options = _load.LoadOptions(batch_bytes=batch_bytes, where=str(path))
+        values, report = _load.load_flat(source, targets, mapping, options)
+        tree = _flax_tables.nested(values)
+        clash = sorted({"step", "opt_state"} & set(tree))
+        if clash:
+            raise ValueError(f"the mapping makes {clash[0]!r}, which a train state holds itself")
+        state = {"step": step, **tree, "opt_state": {}}
+        metadata = None if scan_layers is None else {"scan_layers": bool(scan_layers)}
+        # (Orbax refuses a device's shard as large as its bounds or larger)
+        largest = max(
+            (s.data.nbytes for v in values.values() for s in v.addressable_shards), default=0
+        )
+        context = _context(v1, max(batch_bytes, largest + 1))
+        with v1.training.Checkpointer(root, context=context) as checkpointer:
+            checkpointer.save_checkpointables(
+                step, {ITEM: state}, custom_metadata=metadata, force=True
+            )
     return report
 
 
@@ -191,16 +180,21 @@ def _check_config(source: _sources.TensorSource) -> None:
         raise ConfigError("; ".join(problems))
 
 
-def _remove_step(root: epath.Path, step: int) -> None:
-    # Step ``step`` did not exist before the call: what is there now under its name is ours.
-    if not root.exists():
-        return
-    for child in root.iterdir():
-        if child.name == str(step) or child.name.startswith(f"{step}{_TMP}"):
-            if child.is_dir():
-                child.rmtree(missing_ok=True)
-            else:
-                child.unlink(missing_ok=True)
+@contextlib.contextmanager
+def _removed_on_failure(root: epath.Path, step: int) -> Iterator[None]:
+    # Step ``step`` did not exist before the call: what is there under its name when the
+    # block raises is ours (the primary removes it, Orbax's temporary directory too).
+    try:
+        yield
+    except BaseException:
+        if jax.process_index() == 0 and root.exists():
+            for child in root.iterdir():
+                if child.name == str(step) or child.name.startswith(f"{step}{_steps.TMP_SUFFIX}"):
+                    if child.is_dir():
+                        child.rmtree(missing_ok=True)
+                    else:
+                        child.unlink(missing_ok=True)
+        raise
 
 
 def resolve(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -199,7 +199,7 @@ def load_tree(
     tree: Any,
     source: Any,
     mapping: KeyMapping,
-    options: LoadOptions | None = None,
+    options: LoadOptions,
     *,
     prefix: str = "",
 ) -> tuple[Any, MappingReport]:
@@ -227,12 +227,11 @@ def load_flat(
     source: Any,
     targets: Mapping[str, Target],
     mapping: KeyMapping,
-    options: LoadOptions | None = None,
+    options: LoadOptions,
 ) -> tuple[dict[str, Any], MappingReport]:
     """The values of ``targets`` (by Flax name) read from ``source`` (a ``TensorSource``)
     through ``mapping``, a batch of links at a time, and the report. Raises
     ``TargetMismatchError`` (with ``strict``) listing every problem, before any read."""
-    options = options or LoadOptions()
     tensors, alias = _with_tied(source.tensors, mapping, targets)
     moves, report = plan_links(tensors, targets, mapping)
     if options.strict and not report.ok:
@@ -242,7 +241,7 @@ def load_flat(
         )
     stats = options.stats if options.stats is not None else _read.ReadStats()
     options = dataclasses.replace(options, stats=stats)  # (counted for the report)
-    reads = _Reads(source, alias, options)
+    read = functools.partial(_read_keys, source, alias, options)
     values: dict[str, Any] = {}
     sharded = isinstance(source, _sources.SafetensorsSource)
     for group in _links.link_batches(
@@ -251,7 +250,8 @@ def load_flat(
         on_host = [
             not (sharded and _device_path(link, [targets[n] for n in link.flax])) for link in group
         ]
-        arrays = reads.host(sorted({k for link, h in zip(group, on_host) if h for k in link.torch}))
+        keys = sorted({k for link, h in zip(group, on_host) if h for k in link.torch})
+        arrays = dict(zip(keys, read(keys)))
         for link, host in zip(group, on_host):
             wants = [targets[n] for n in link.flax]
             if host:
@@ -259,7 +259,7 @@ def load_flat(
                 for name, value, want in zip(link.flax, outs, wants):
                     values[name] = _place(value, want)
             else:
-                values.update(zip(link.flax, _devices_fill(link, wants, tensors, reads, options)))
+                values.update(zip(link.flax, _devices_fill(link, wants, tensors, read, options)))
             report.moved += link.pairs()
         del arrays
     report.bytes_read = stats.bytes_read
@@ -362,20 +362,15 @@ def _pull_spec(transform: Any, spec: tuple[Any, ...]) -> tuple[Any, ...] | None:
     """The partition spec of a tensor whose ``transform.to_flax`` has partition ``spec``, or
     None when the transform moves elements across axes (a reshape: read replicated). A split
     of heads pulls back to its heads' partition, unsharded where the head's own axis is split."""
-    if transform is IDENTITY or transform is None or isinstance(transform, _IN_PLACE):
+    perm = _links.axis_permutation(transform, len(spec))  # (PyTorch axis d is Flax axis perm[d])
+    if perm is not None:
+        return tuple(spec[p] for p in perm)
+    if isinstance(transform, _IN_PLACE):
         return spec
     if isinstance(transform, SplitHeads):
         axis = transform.axis % (len(spec) - 1)
         heads, dim = spec[axis], spec[axis + 1]
         return (*spec[:axis], heads if dim is None else None, *spec[axis + 2 :])
-    if isinstance(transform, Transpose):
-        axes = transform.axes if transform.axes is not None else tuple(reversed(range(len(spec))))
-        if len(axes) != len(spec):
-            return None
-        out: list[Any] = [None] * len(spec)
-        for j, a in enumerate(axes):
-            out[a] = spec[j]
-        return tuple(out)
     if isinstance(transform, Chain):
         for t in reversed(transform.transforms):
             pulled = _pull_spec(t, spec)
@@ -448,34 +443,30 @@ def _device_path(link: _links.Link, targets: Sequence[Target]) -> bool:
 # --------------------------------------------------------------------------- reading
 
 
-@dataclasses.dataclass
-class _Reads:
-    """A load's reads of ``source`` (a tied key as its ``alias``): ranged, and sharded where
-    asked, from safetensors files; through ``source.read`` from any other source."""
-
-    source: Any
-    alias: dict[str, str]
-    options: LoadOptions
-
-    def host(self, keys: Sequence[str]) -> dict[str, np.ndarray]:
-        if not isinstance(self.source, _sources.SafetensorsSource):  # Orbax, Flax msgpack
-            got = self.source.read(sorted({self.alias.get(k, k) for k in keys}))
-            return {k: got[self.alias.get(k, k)] for k in keys}
-        return dict(zip(keys, self.sharded(keys, [None] * len(keys))))
-
-    def sharded(self, keys: Sequence[str], shardings: Sequence[Any]) -> list[Any]:
-        # (a sharding of None: a host numpy array)
-        stored = self.source.stored
-        requests = [
-            _read.ReadRequest(
-                stored[self.alias.get(k, k)],
-                _read.ReadKind.NUMPY if s is None else _read.ReadKind.JAX,
-                s,
-                verify=self.options.verify,
-            )
-            for k, s in zip(keys, shardings)
-        ]
-        return _read.read_tensors(requests, self.options.stats, self.options.io)
+def _read_keys(
+    source: Any,
+    alias: Mapping[str, str],
+    options: LoadOptions,
+    keys: Sequence[str],
+    shardings: Sequence[Any] | None = None,
+) -> list[Any]:
+    """``keys`` of ``source`` (a tied key read as its ``alias``), each a host numpy array or,
+    with a sharding, a ``jax.Array``: ranged reads from safetensors files; any other source
+    (Orbax, Flax msgpack) through ``source.read``, on the host."""
+    names = [alias.get(k, k) for k in keys]
+    if not isinstance(source, _sources.SafetensorsSource):
+        got = source.read(sorted(set(names)))
+        return [got[n] for n in names]
+    requests = [
+        _read.ReadRequest(
+            source.stored[n],
+            _read.ReadKind.NUMPY if s is None else _read.ReadKind.JAX,
+            s,
+            verify=options.verify,
+        )
+        for n, s in zip(names, shardings or [None] * len(names))
+    ]
+    return _read.read_tensors(requests, options.stats, options.io)
 
 
 def _place(value: np.ndarray, target: Target) -> Any:
@@ -503,7 +494,7 @@ def _devices_fill(
     link: _links.Link,
     wants: Sequence[Target],
     tensors: Mapping[str, _sources.TensorInfo],
-    reads: _Reads,
+    read: Callable[..., list[Any]],
     options: LoadOptions,
 ) -> list[Any]:
     # The Flax tensors of ``link``, computed on the devices from its PyTorch tensors read
@@ -512,8 +503,8 @@ def _devices_fill(
     band = _band(link, wants, tensors, options.batch_bytes)
     if band is None:
         shapes = [tensors[k].shape for k in link.torch]
-        read = reads.sharded(list(link.torch), torch_shardings(link, wants, shapes))
-        return list(_run_on_device(link, wants, read))
+        got = read(list(link.torch), torch_shardings(link, wants, shapes))
+        return list(_run_on_device(link, wants, got))
     name, axis, count, size = band
     outs = [_zeros(w.shape, w.dtype, w.sharding)() for w in wants]
     for start in range(0, count, size):
@@ -524,8 +515,8 @@ def _devices_fill(
             for w in wants
         ]
         shapes = [tensors[k].shape for k in part.torch]
-        read = reads.sharded(list(part.torch), torch_shardings(part, sized, shapes))
-        got = _run_on_device(part, sized, read)
+        pieces = read(list(part.torch), torch_shardings(part, sized, shapes))
+        got = _run_on_device(part, sized, pieces)
         outs = [_update(w.sharding, axis)(o, g, start) for w, o, g in zip(wants, outs, got)]
     return outs
 

@@ -64,8 +64,7 @@ def model_files(
         is not a JSON object; naming the path.
     """
     files: dict[str, bytes] = {}
-    directory = _directory(hf_config)
-    doc, config = _config_doc(hf_config, directory)
+    doc, config, directory = _config_doc(hf_config)
     if doc is not None:
         if untie:
             doc = untied_config(doc)
@@ -137,39 +136,32 @@ def config_keys(hf_config: Any) -> dict[str, Any] | None:
     """
     if hasattr(hf_config, "to_dict") and not isinstance(hf_config, dict):
         return dict(hf_config.to_dict())
-    return _config_doc(hf_config, _directory(hf_config))[0]
+    return _config_doc(hf_config)[0]
 
 
 def _is_path(value: Any) -> bool:
     return isinstance(value, (str, os.PathLike))
 
 
-def _directory(hf_config: Any) -> epath.Path | None:
-    if not _is_path(hf_config):
-        return None
-    p = epath.Path(hf_config)
-    if not p.exists():
-        raise ValueError(f"hf_config {p}: no such file or directory")
-    return p if p.is_dir() else None
-
-
-def _config_doc(hf_config: Any, directory: epath.Path | None) -> tuple[dict[str, Any] | None, Any]:
-    """``config.json``'s document, and the config object it came from (or None)."""
+def _config_doc(hf_config: Any) -> tuple[dict[str, Any] | None, Any, epath.Path | None]:
+    """``config.json``'s document, the config object it came from (or None), and the model
+    directory ``hf_config`` names (or None)."""
     if hf_config is None:
-        return None, None
-    if directory is not None:
-        config = _confine.inside(directory, CONFIG_FILE_NAME)
-        if not config.exists():
-            raise ValueError(f"hf_config {directory}: a directory without {CONFIG_FILE_NAME}")
-        return read_json(config), None
+        return None, None, None
     if _is_path(hf_config):
-        return read_json(hf_config), None
+        p = epath.Path(hf_config)
+        if not p.is_dir():
+            return read_json(p), None, None  # (a missing path: "no such file or directory")
+        config = _confine.inside(p, CONFIG_FILE_NAME)
+        if not config.exists():
+            raise ValueError(f"hf_config {p}: a directory without {CONFIG_FILE_NAME}")
+        return read_json(config), None, p
     if isinstance(hf_config, dict):
-        return dict(hf_config), None
+        return dict(hf_config), None, None
     if hasattr(hf_config, "to_json_string"):  # transformers: only the non-default keys
-        return json.loads(hf_config.to_json_string(use_diff=True)), hf_config
+        return json.loads(hf_config.to_json_string(use_diff=True)), hf_config, None
     if hasattr(hf_config, "to_dict"):
-        return dict(hf_config.to_dict()), hf_config
+        return dict(hf_config.to_dict()), hf_config, None
     raise TypeError(
         "hf_config must be a transformers config object, a dict or a path (a config.json or "
         f"a model directory), not {type(hf_config).__name__}"

@@ -204,9 +204,7 @@ def to_safetensors_item(
     if select is not None:
         select.check(source.leaves, str(src))
         wanted = {n for n in source.leaves if select.selects(n)}
-        saved_tree = _orbax_source.select_leaves(
-            source.tree, wanted, source.name_of_path(), lambda leaf: leaf
-        )
+        saved_tree = source.select(wanted, lambda name, leaf: leaf)
     inline = source.restore([n for n in source.leaves if n in wanted and n not in source.tensors])
     orbax_name_of: dict[int, str] = {}
 
@@ -237,9 +235,8 @@ def to_safetensors_item(
     plan = _plan.plan_files(specs, max_file_size=max_file_size, metadata=_metadata.HEADER_METADATA)
     sizes = {s.name: s.nbytes for s in specs}
     key_impls: dict[str, str] = {}
-    groups = _sources.batches(
-        [source.tensors[to_orbax[s.name]] for s in specs], max_bytes=batch_bytes
-    ) or [[]]
+    infos = [source.tensors[to_orbax[s.name]] for s in specs]
+    groups = _plan.batched(infos, lambda t: t.nbytes, batch_bytes) or [[]]
     from_orbax = {v: k for k, v in to_orbax.items()}
     total = sum(sizes.values())
     dst.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ from etils import epath
 
 from orbax_safetensors._src.catalog import orbax_source as _orbax_source
 from orbax_safetensors._src.catalog import sources as _sources
+from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
 from orbax_safetensors._src.tools import convert_items as _convert_items
@@ -296,7 +297,7 @@ def diff_paths(
                 report.mismatched.append((prefix + t.name, _dtype_shape(t), _dtype_shape(u)))
             else:
                 comparable.append(t)
-        for group in _sources.batches(comparable, max_bytes=batch_bytes):
+        for group in _plan.batched(comparable, lambda t: t.nbytes, batch_bytes):
             names = [t.name for t in group]
             va, vb = x.read(names), y.read(names)
             for t in group:

@@ -360,7 +360,7 @@ class _Dims:
         attention = config.attention()
         heads, kv = (attention[0], attention[1]) if attention else (None, None)
         head_dim = attention[2] if attention else config.size("head_dim")
-        vocab = config.vocab_size()
+        vocab = config.size("vocab_size")
         if head_dim is None or vocab is None:
             raise ValueError(
                 f"preset {name!r} needs a Hugging Face config with vocab_size and head_dim (or "
