@@ -539,9 +539,7 @@ def test_validated_tree_specs_come_from_the_capture_not_the_arrays(tmp_path):
         ("bf", "BF16", (3,)),
         ("rng", "U32", (2,)),
     ]
-    prepared = _checkpoint_save.PreparedSave.from_snapshots(
-        validated, snapshot, _checkpoint_save.SaveLayout()
-    )
+    prepared = _checkpoint_save.prepare(validated, _checkpoint_save.SaveLayout(), snapshot)
     _checkpoint_save.write_process_share(prepared, tmp_path)
     _checkpoint_save.finalize(tmp_path)
     restored = _standalone.restore_checkpoint(tmp_path)

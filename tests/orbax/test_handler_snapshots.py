@@ -97,7 +97,7 @@ def test_a_direct_save_of_fresh_host_copies_holds_a_tensor_and_the_next(
     monkeypatch.setattr(_snapshots, "host_views", lambda arrays: False)
 
     def save() -> None:
-        prepared = _checkpoint_save.PreparedSave.direct(validated, _checkpoint_save.SaveLayout())
+        prepared = _checkpoint_save.prepare(validated, _checkpoint_save.SaveLayout())
         assert prepared.max_in_flight < _checkpoint_save.IN_FLIGHT_BYTES
         _checkpoint_save.write_process_share(prepared, tmp_path, persist_share=False)
 
@@ -244,9 +244,7 @@ def test_writer_fails_when_the_copying_thread_fails(tmp_path: Path) -> None:
         queue.put(item)
     queue.fail(MemoryError("host copy failed"))
     assert queue.wait_started(timeout=0)
-    prepared = _checkpoint_save.PreparedSave.from_snapshots(
-        validated, queue, _checkpoint_save.SaveLayout()
-    )
+    prepared = _checkpoint_save.prepare(validated, _checkpoint_save.SaveLayout(), queue)
     with pytest.raises(RuntimeError, match=r"copying .* to host failed") as info:
         _checkpoint_save.write_process_share(prepared, tmp_path)
     assert isinstance(info.value.__cause__, MemoryError)
@@ -283,9 +281,7 @@ def test_snapshot_queue_hands_over_every_item_in_order_across_groups(tmp_path):
     for item in _snapshots.iter_snapshots(enumerate(validated.captured.arrays)):
         queue.put(item)
     queue.close()
-    prepared = _checkpoint_save.PreparedSave.from_snapshots(
-        validated, queue, _checkpoint_save.SaveLayout()
-    )
+    prepared = _checkpoint_save.prepare(validated, _checkpoint_save.SaveLayout(), queue)
     _checkpoint_save.write_process_share(prepared, tmp_path)
     _checkpoint_save.finalize(tmp_path)
     restored = osf.restore_directory(tmp_path)

@@ -29,6 +29,7 @@ from orbax_safetensors._src.compat import orbaxcompat
 from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
 from orbax_safetensors._src.pipeline import save_job as _save_job
+from orbax_safetensors._src.pipeline import standalone as _standalone
 
 # Tensors above BufferArena's slab threshold (512 KiB): async saves copy them into the
 # handler's reused host buffers.
@@ -377,14 +378,14 @@ def test_save_directory_is_a_direct_job(tmp_path: Path) -> None:
 
 
 def test_save_file_is_write_file(tmp_path: Path) -> None:
-    """``osf.save_file`` is ``save_job.write_file``: called by hand it writes the same bytes
+    """``osf.save_file`` is ``standalone.write_file``: called by hand it writes the same bytes
     (data, then the header with the checksums) and leaves no temporary file; a failing write
     leaves nothing at the path."""
     state = {**_state(4), "step": 7}
     policy = {"w": jnp.bfloat16}
     osf.save_file(state, tmp_path / "a.safetensors", {"k": "v"}, dtype=policy)
     validated = _checkpoint_save.validate_save(state, dtype=policy)
-    _save_job.write_file(validated, tmp_path / "b.safetensors", metadata={"k": "v"})
+    _standalone.write_file(validated, tmp_path / "b.safetensors", metadata={"k": "v"})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors", "b.safetensors"]
     data = (tmp_path / "b.safetensors").read_bytes()
     assert data == (tmp_path / "a.safetensors").read_bytes()
@@ -394,7 +395,7 @@ def test_save_file_is_write_file(tmp_path: Path) -> None:
     doomed = _checkpoint_save.validate_save({"x": jnp.ones((64, 64))})
     doomed.captured.arrays[0].delete()  # (donated after validation: the write raises)
     with pytest.raises(RuntimeError, match="deleted"):
-        _save_job.write_file(doomed, tmp_path / "c.safetensors")
+        _standalone.write_file(doomed, tmp_path / "c.safetensors")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors", "b.safetensors"]
 
 

@@ -332,7 +332,7 @@ def test_finalize_from_the_draft_in_memory_writes_what_the_file_draft_gives(
     for from_memory, part_in_memory in ((False, False), (True, False), (True, True)):
         directory = tmp_path / f"memory_{from_memory}_{part_in_memory}"
         directory.mkdir()
-        prepared = _checkpoint_save.PreparedSave.direct(
+        prepared = _checkpoint_save.prepare(
             _checkpoint_save.validate_save(tree, {"epoch": 1}), _checkpoint_save.SaveLayout()
         )
         part = _checkpoint_save.write_process_share(

@@ -41,8 +41,8 @@ from orbax_safetensors._src.storage import router as _router
 class ValidatedTree:
     """A tree :func:`validate_save` accepted: captured (structure copied, leaves checked), and
     named (``flat``, ``specs``) when first asked, on whatever thread asks (an async save's
-    writer). Under a dtype policy it is named at once: ``casts`` gives the stored dtype of each
-    of ``captured.arrays`` (None: kept)."""
+    writer). Under a dtype policy it is named at once: ``casts`` maps the position in
+    ``captured.arrays`` of each cast array to its stored dtype (None: nothing is cast)."""
 
     def __init__(
         self,
@@ -52,12 +52,11 @@ class ValidatedTree:
     ) -> None:
         self.captured = captured
         self.user_metadata = user_metadata  # checked JSON-serialisable (validate_save)
-        self.casts: list[np.dtype | None] | None = None
+        self.casts: dict[int, np.dtype] | None = None
         if policy is not None:
             flat, casts = _casting.apply_policy(captured, policy)
             self.__dict__["flat"] = flat  # the cached property, named once
-            if any(c is not None for c in casts):
-                self.casts = casts
+            self.casts = {i: w for i, w in enumerate(casts) if w is not None} or None
 
     @functools.cached_property
     def flat(self) -> _tree.FlatTree:
@@ -65,18 +64,10 @@ class ValidatedTree:
 
     @functools.cached_property
     def specs(self) -> list[_plan.TensorSpec]:
-        c = self.captured
-        dtypes = c.dtypes
+        dtypes = self.captured.dtypes
         if self.casts is not None:
-            dtypes = [d if w is None else w for d, w in zip(dtypes, self.casts)]
-        return _plan.specs_of(zip(self.flat.arrays, dtypes, c.shapes))
-
-    def snapshot_casts(self) -> dict[int, np.dtype] | None:
-        """The stored dtype of each cast array by its position in ``captured.arrays``, or None
-        when nothing is cast."""
-        if self.casts is None:
-            return None
-        return {i: w for i, w in enumerate(self.casts) if w is not None}
+            dtypes = [self.casts.get(i, d) for i, d in enumerate(dtypes)]
+        return _plan.specs_of(zip(self.flat.arrays, dtypes, self.captured.shapes))
 
     def header_bound(self) -> int:
         """:func:`_plan.header_bound` of the files this tree may be planned into."""
@@ -139,68 +130,6 @@ class PreparedSave:
     files: Mapping[str, str | bytes] = dataclasses.field(default_factory=dict)  # (the primary)
     max_in_flight: int = IN_FLIGHT_BYTES  # see write_process_share
 
-    @classmethod
-    def direct(
-        cls,
-        validated: ValidatedTree,
-        layout: SaveLayout,
-        *,
-        is_primary: bool = True,
-        process_index: int = 0,
-        row_blocks: bool = False,
-    ) -> PreparedSave:
-        """Plans ``validated``'s files; ``pieces`` views (or casts) each tensor as the writer
-        reaches it: the caller's arrays must stay untouched until the write returns.
-        ``row_blocks`` (object storage; every process, on its main thread): the tensors
-        ``snapshots.iter_relaid`` moves are moved and copied to host now."""
-        plan, metadata, sizes = plan_tree(validated, layout, grouped=row_blocks)
-        flat = validated.flat
-        check_not_deleted(flat.arrays.items())
-        ready = None
-        if row_blocks:
-            names = list(flat.arrays)  # in the order of captured.arrays
-            relaid = _snapshots.iter_relaid(
-                enumerate(validated.captured.arrays),
-                is_primary=is_primary,
-                casts=validated.snapshot_casts(),
-            )
-            ready = {names[i]: copies for i, copies in relaid}
-        pieces = _pieces.iter_host_pieces(plan, flat.arrays, is_primary=is_primary, ready=ready)
-        # Where the pieces are host views (CPU, numpy), writes under way hold no memory of
-        # their own; where each is a fresh copy off an accelerator, they would hold up to
-        # IN_FLIGHT_BYTES of copies (a small state whole): one batch is written at a time
-        # instead, while the next tensor's transfer runs.
-        views = _snapshots.host_views(flat.arrays.values())
-        return cls(
-            plan,
-            pieces,
-            metadata,
-            sizes,
-            is_primary,
-            process_index,
-            layout.checksums,
-            max_in_flight=IN_FLIGHT_BYTES if views else _BATCH_BYTES,
-        )
-
-    @classmethod
-    def from_snapshots(
-        cls,
-        validated: ValidatedTree,
-        snapshots: Iterable[tuple[int, _snapshots.HostCopies]],
-        layout: SaveLayout,
-        *,
-        is_primary: bool = True,
-        process_index: int = 0,
-        row_blocks: bool = False,
-    ) -> PreparedSave:
-        """Plans ``validated``'s files; ``pieces`` writes ``snapshots`` (``snapshots.
-        iter_snapshots`` over ``enumerate(validated.captured.arrays)``, or a queue it fills)
-        and never reads the arrays. ``row_blocks``: as given to ``iter_snapshots``."""
-        plan, metadata, sizes = plan_tree(validated, layout, grouped=row_blocks)
-        names = list(validated.flat.arrays)  # snapshots are keyed by position in captured.arrays
-        pieces = (_pieces.tensor_pieces(plan, names[i], copies) for i, copies in snapshots)
-        return cls(plan, pieces, metadata, sizes, is_primary, process_index, layout.checksums)
-
 
 @dataclasses.dataclass(frozen=True)
 class SaveLayout:
@@ -254,13 +183,67 @@ def plan_tree(
     return plan, metadata, sizes
 
 
-def _batched(
+def prepare(
+    validated: ValidatedTree,
+    layout: SaveLayout,
+    snapshots: Iterable[tuple[int, _snapshots.HostCopies]] | None = None,
+    *,
+    is_primary: bool = True,
+    process_index: int = 0,
+    row_blocks: bool = False,
+) -> PreparedSave:
+    """Plans ``validated``'s files. With ``snapshots`` (``snapshots.iter_snapshots`` over
+    ``enumerate(validated.captured.arrays)``, or a queue it fills), ``pieces`` writes them and
+    never reads the arrays; without, ``pieces`` views (or casts) each tensor as the writer
+    reaches it: the caller's arrays must stay untouched until the write returns.
+    ``row_blocks`` (object storage): as given to ``iter_snapshots``; without ``snapshots``
+    (every process, on its main thread) the tensors it moves are moved and copied now."""
+    plan, metadata, sizes = plan_tree(validated, layout, grouped=row_blocks)
+    names = list(validated.flat.arrays)  # in the order of captured.arrays
+    pieces: Iterable[tuple[int, list[_interface.Piece]]]
+    max_in_flight = IN_FLIGHT_BYTES
+    if snapshots is not None:
+        pieces = (_pieces.tensor_pieces(plan, names[i], copies) for i, copies in snapshots)
+    else:
+        arrays = validated.flat.arrays
+        check_not_deleted(arrays.items())
+        ready = None
+        if row_blocks:
+            relaid = _snapshots.iter_snapshots(
+                enumerate(validated.captured.arrays),
+                is_primary=is_primary,
+                casts=validated.casts,
+                row_blocks=True,
+                moved_only=True,
+            )
+            ready = {names[i]: copies for i, copies in relaid}
+        pieces = _pieces.iter_host_pieces(plan, arrays, is_primary=is_primary, ready=ready)
+        # Where the pieces are host views (CPU, numpy), writes under way hold no memory of
+        # their own; where each is a fresh copy off an accelerator, they would hold up to
+        # IN_FLIGHT_BYTES of copies (a small state whole): one batch is written at a time
+        # instead, while the next tensor's transfer runs.
+        if not _snapshots.host_views(arrays.values()):
+            max_in_flight = _BATCH_BYTES
+    return PreparedSave(
+        plan,
+        pieces,
+        metadata,
+        sizes,
+        is_primary,
+        process_index,
+        layout.checksums,
+        max_in_flight=max_in_flight,
+    )
+
+
+def batched(
     items: Iterable[tuple[int, list[_interface.Piece]]], max_bytes: int = _BATCH_BYTES
 ) -> Iterator[tuple[int, list[_interface.Piece]]]:
-    # Consecutive small tensors of one file go to the writer together (up to 8 MiB or 1024
-    # pieces): one vectored write and one round of bookkeeping instead of one per tensor. A
-    # full batch goes at once, before the next tensor is produced (copied or cast): what a
-    # lazy save holds beyond the writes under way is one tensor plus one part-filled batch.
+    """``(file index, pieces)`` of consecutive tensors of one file joined into batches of up
+    to ``max_bytes`` or 1024 pieces, each yielded before the next tensor is produced."""
+    # One vectored write and one round of bookkeeping instead of one per tensor. A full batch
+    # goes at once, before the next tensor is produced (copied or cast): what a lazy save
+    # holds beyond the writes under way is one tensor plus one part-filled batch.
     batch: list[_interface.Piece] = []
     batch_file, size = -1, 0
     for file_index, pieces in items:
@@ -357,7 +340,7 @@ def write_process_share(
         if prepared.is_primary:
             for i, fplan in enumerate(plan.files):
                 write(i, [_interface.header_piece(fplan.header)])
-        for file_index, pieces in _batched(prepared.pieces, batch_bytes):
+        for file_index, pieces in batched(prepared.pieces, batch_bytes):
             write(file_index, pieces, checksums=prepared.checksums)
             # (the next batch is produced without a hold on this one: a direct save of fresh
             # host copies holds the batch copied and the next transfer, once this is written)
@@ -407,30 +390,22 @@ def write_unchecksummed(
     process_index: int,
     *,
     primary: bool,
-    index: bool = True,
     max_in_flight: int = IN_FLIGHT_BYTES,
     stats: _pieces.WriteStats | None = None,
     written: Callable[[list[_interface.Piece]], None] | None = None,
 ) -> _pieces.WriteStats:
     """Writes this process's ``pieces`` of ``plan``'s files (an export's: no checksums, no
-    metadata file) by :func:`write_process_share`; returns what it wrote, added to ``stats``."""
+    metadata file, no index) by :func:`write_process_share`; returns what it wrote, added to
+    ``stats``."""
     stats = _pieces.WriteStats() if stats is None else stats
-    prepared = PreparedSave(
-        plan=plan,
-        pieces=pieces,
-        metadata={},
-        sizes={n: e.nbytes for f in plan.files for n, e in f.entries.items()},
-        is_primary=primary,
-        process_index=process_index,
-        checksums=False,
-    )
+    prepared = PreparedSave(plan, pieces, {}, {}, primary, process_index, checksums=False)
     write_process_share(
         prepared,
         directory,
         stats,
         persist_share=False,
         max_in_flight=max_in_flight,
-        index=index,
+        index=False,
         written=written,
     )
     return stats

@@ -227,13 +227,7 @@ def device_copies(
         # (done on every local device, those this process reads nothing from too, before
         # the next collective: compat.multihost says why)
         value.block_until_ready()
-        on_cpu = any(d.platform == "cpu" for d in value.sharding.device_set)
-        try:  # (on CPU a host view shares the buffer deleted below: copied into buffers)
-            owned = (out, value, _snapshots.owned_shards(value), on_cpu)
-            copies = _snapshots.host_copies(owned, buffers)
-        finally:
-            if buffers is not None:
-                value.delete()
+        copies = _snapshots.made_copies(value, buffers)
         if start:  # (a band's boxes placed in the whole output)
             copies = [(_shifted(index, start), host) for index, host in copies]
         del value
@@ -415,7 +409,6 @@ def write(
             out,
             jax.process_index(),
             primary=primary,
-            index=False,
             max_in_flight=max_in_flight,
             written=None if lent is None else functools.partial(_give_back, lent),
         )
@@ -507,7 +500,7 @@ def _write_objects(
             )
             pieces = ((j, p) for j, i in enumerate(members) for p in file_pieces(i))
             _checkpoint_save.write_unchecksummed(
-                part, pieces, directory, jax.process_index(), primary=primary, index=False,
+                part, pieces, directory, jax.process_index(), primary=primary,
                 stats=stats,
             )  # fmt: skip
             _barrier(f"group.{g}")  # (without JAX's key-value store, nothing else waits)

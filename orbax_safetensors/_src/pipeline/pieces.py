@@ -221,8 +221,7 @@ def iter_host_pieces(
             _snapshots.start_copies(batch)
             started = until
         current = window.pop(k, item)
-        stored = _dtypes.to_numpy(plan.locate(item[0])[1].dtype)
-        copies = _snapshots.host_copies(current, None, stored)
+        copies = _snapshots.host_copies(current, None)  # (tensor_pieces casts them)
         if current is not item:
             _snapshots.delete_device_copies([current])
         yield tensor_pieces(plan, item[0], copies)

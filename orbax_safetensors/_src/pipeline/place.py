@@ -364,46 +364,40 @@ def saved_shardings(
     device_meshes = metadata.get("device_meshes")
     built: dict[str, Any] = {}  # one sharding object per distinct description
 
-    def rebuilt(name: str, key: str, build: Callable[[], Any], saved_on: Callable[[], str]) -> Any:
-        if key not in built:
-            built[key] = build()
-        if built[key] is not None:
-            return built[key]
-        if fallback_sharding is not None:
-            return fallback_sharding
-        raise TargetMismatchError(
-            f"{directory}: tensor {name!r} was saved {saved_on()}; pass a restore target whose "
-            "leaves are jax.ShapeDtypeStruct with the sharding you want"
-        )
-
     def sharding_of(name: str) -> Any:
         info = tensors.get(name)
         desc = info.get("sharding") if isinstance(info, dict) else None
         if not desc:
-            if single_process and isinstance(info, dict) and "device" in info:
-                saved = info["device"]
-                return rebuilt(
-                    name,
-                    f"device {saved!r}",
-                    lambda: _sharding.device_from_json(saved),
-                    lambda: f"on device {saved}, which this process does not have",
-                )
-            return None
-        if not isinstance(desc, dict):
-            raise SchemaError(f"{directory}: tensor {name!r} has a malformed sharding {desc!r}")
-        if "device_ids" in desc:  # (long lists: kept in device_meshes by this library)
-            key = json.dumps(desc, sort_keys=True)
+            if not (single_process and isinstance(info, dict) and "device" in info):
+                return None
+            saved = info["device"]
+            key = f"device {saved!r}"
+            if key not in built:
+                built[key] = _sharding.device_from_json(saved)
         else:
-            fields = ("mesh_axes", "mesh_shape", "spec", "mesh_devices")
-            key = repr(tuple(desc.get(f) for f in fields))
-        return rebuilt(
-            name,
-            key,
-            lambda: _sharding.sharding_from_json(desc, device_meshes),
-            lambda: (
+            if not isinstance(desc, dict):
+                raise SchemaError(f"{directory}: tensor {name!r} has a malformed sharding {desc!r}")
+            if "device_ids" in desc:  # (long lists: kept in device_meshes by this library)
+                key = json.dumps(desc, sort_keys=True)
+            else:
+                fields = ("mesh_axes", "mesh_shape", "spec", "mesh_devices")
+                key = repr(tuple(desc.get(f) for f in fields))
+            if key not in built:
+                built[key] = _sharding.sharding_from_json(desc, device_meshes)
+        if built[key] is not None:
+            return built[key]
+        if fallback_sharding is not None:
+            return fallback_sharding
+        if desc:
+            where = (
                 f"with sharding {desc!r} (a mesh of {_sharding.mesh_size(desc)} devices), "
                 f"which this job's {len(jax.devices())} devices cannot reproduce"
-            ),
+            )
+        else:
+            where = f"on device {saved}, which this process does not have"
+        raise TargetMismatchError(
+            f"{directory}: tensor {name!r} was saved {where}; pass a restore target whose "
+            "leaves are jax.ShapeDtypeStruct with the sharding you want"
         )
 
     return sharding_of

@@ -1,6 +1,6 @@
 """Every device re-layout: a jitted function with the target sharding as ``out_shardings``, a
 collective every process reaches in the same order (each decides from the same global facts,
-``core.relayout``): :func:`move` (to row blocks for object-storage I/O), :func:`join` (a group
+``core.relayout``): :func:`move` (to row blocks for object-storage I/O), :func:`group_copies` (a group
 concatenated in row blocks) and :func:`relaid_rows` (an export's output computed on the devices).
 """
 
@@ -102,13 +102,9 @@ def array_groups(
     """``core.relayout.concat_groups`` of tensors keyed by :func:`group_key`, mesh by mesh;
     positions index the given lists."""
     out: list[_relayout.ConcatGroup] = []
-    meshes: dict[Any, list[int]] = {}
-    for i, k in enumerate(keys):
-        if k is not None:
-            meshes.setdefault(k[0].mesh, []).append(i)  # type: ignore[index]
-    for mesh, positions in meshes.items():
-        chosen = set(positions)
-        mesh_keys = [k if i in chosen else None for i, k in enumerate(keys)]
+    meshes = [None if k is None else k[0].mesh for k in keys]  # type: ignore[index]
+    for mesh in dict.fromkeys(m for m in meshes if m is not None):
+        mesh_keys = [k if m == mesh else None for k, m in zip(keys, meshes)]
         count = jax.process_count()
         out += _relayout.concat_groups(shapes, dtypes, mesh_keys, count, int(mesh.devices.size))
     return sorted(out, key=lambda g: g.members[0])
@@ -116,16 +112,6 @@ def array_groups(
 
 def _concat(*xs: Any) -> Any:
     return jnp.concatenate(xs, axis=0)
-
-
-def join(group: _relayout.ConcatGroup, xs: Sequence[jax.Array]) -> jax.Array:
-    """The members ``xs`` joined on the devices, in row blocks over their mesh's devices, or
-    on every device for a group written whole (a collective)."""
-    mesh = xs[0].sharding.mesh  # type: ignore[attr-defined]  # (group_key: a NamedSharding)
-    devices = np.array(list(mesh.devices.flat))
-    rows = jax.sharding.Mesh(devices[group.device_order(len(devices))], ("rows",))
-    spec = jax.sharding.PartitionSpec() if group.writer >= 0 else jax.sharding.PartitionSpec("rows")
-    return jax.jit(_concat, out_shardings=jax.sharding.NamedSharding(rows, spec))(*xs)
 
 
 Copies = list[tuple[tuple[slice, ...], np.ndarray]]
@@ -136,8 +122,14 @@ def group_copies(
 ) -> list[Copies]:
     """Each member's copies: this process's rows of the joined group, mapped back onto the
     members as boxes (a list may be empty); ``host_array(data)`` copies one device block to
-    host (the members' copies are views of it). The joined array is deleted on return."""
-    joined = join(group, xs)
+    host (the members' copies are views of it). The members are joined on the devices (a
+    collective), in row blocks over their mesh's devices, or on every device for a group
+    written whole; the joined array is deleted on return."""
+    mesh = xs[0].sharding.mesh  # type: ignore[attr-defined]  # (group_key: a NamedSharding)
+    devices = np.array(list(mesh.devices.flat))
+    rows = jax.sharding.Mesh(devices[group.device_order(len(devices))], ("rows",))
+    spec = jax.sharding.PartitionSpec() if group.writer >= 0 else jax.sharding.PartitionSpec("rows")
+    joined = jax.jit(_concat, out_shardings=jax.sharding.NamedSharding(rows, spec))(*xs)
     try:
         copies: list[Copies] = [[] for _ in xs]
         rest = tuple(slice(0, d) for d in xs[0].shape[1:])

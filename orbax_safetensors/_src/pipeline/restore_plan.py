@@ -216,12 +216,9 @@ class _Loader:
         self.slots: dict[tuple, int] = {}
 
     def stored_for(self, leaf: _tree.SchemaLeaf) -> StoredTensor:
-        name = leaf.tensor_name
-        if name not in self.stored:
-            raise SchemaError(
-                f"schema leaf {leaf.name!r} refers to tensor {name!r}, which no file holds"
-            )
-        return self.stored[name]
+        # (restore_tree checked that every stored leaf is, and from_json that every alias
+        # points at one)
+        return self.stored[leaf.tensor_name]
 
     def request(self, leaf: _tree.SchemaLeaf, kind: ReadKind, sharding: Any, dtype: Any) -> int:
         stored = self.stored_for(leaf)

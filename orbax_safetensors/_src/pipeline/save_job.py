@@ -3,7 +3,6 @@
 A :class:`SaveJob` holds all one save of a checkpoint directory needs, from the caller's call to
 the primary's finalize; drivers (the Orbax handlers, ``standalone.save_directory``) keep no state
 per save, only build jobs and call their steps where their protocol puts them.
-:func:`write_file` is the one-file save (``save_file``).
 """
 
 from __future__ import annotations
@@ -13,14 +12,11 @@ import dataclasses
 import enum
 import threading
 import time
-import uuid
-from collections.abc import Mapping
 from typing import Any
 
 import jax
 from etils import epath
 
-from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import header as _header
 from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import plan as _plan
@@ -30,7 +26,6 @@ from orbax_safetensors._src.pipeline import pieces as _pieces
 from orbax_safetensors._src.pipeline import snapshots as _snapshots
 from orbax_safetensors._src.storage import buffers as _buffers
 from orbax_safetensors._src.storage import config as _config
-from orbax_safetensors._src.storage import interface as _interface
 from orbax_safetensors._src.storage import router as _router
 
 # How long an async save's writer waits, once every host copy is made, before it plans the
@@ -178,7 +173,7 @@ class SaveJob:
                 snaps = _snapshots.iter_snapshots(
                     enumerate(validated.captured.arrays),
                     is_primary=self.processes.is_primary,
-                    casts=validated.snapshot_casts(),  # a dtype policy: copy the cast bytes
+                    casts=validated.casts,  # a dtype policy: copy the cast bytes
                     buffers=self._arena,
                     row_blocks=_router.is_object_url(self.directory),  # contiguous uploads
                 )
@@ -207,7 +202,7 @@ class SaveJob:
         now, later = split
         assert self._arena is not None or self._pool is None
         arena = self._arena if self._arena is not None else _buffers.BufferArena()
-        casts = validated.snapshot_casts()
+        casts = validated.casts
         return _snapshots.iter_owned(now, casts=casts, buffers=arena), (later, casts, arena)
 
     def _copy_later(self, rest: Any) -> None:
@@ -363,22 +358,14 @@ class SaveJob:
                 process_index=index,
                 multi_process=self.processes.count > 1,
             )
-        if self._queue is not None:
-            return _checkpoint_save.PreparedSave.from_snapshots(
-                validated,
-                self._queue,
-                self.layout,
-                is_primary=is_primary,
-                process_index=index,
-                row_blocks=_router.is_object_url(self.directory),  # joined groups' file order
-            )
         # (DIRECT: planned in start, on the caller's thread, where row blocks are moved)
-        return _checkpoint_save.PreparedSave.direct(
+        return _checkpoint_save.prepare(
             validated,
             self.layout,
+            self._queue,
             is_primary=is_primary,
             process_index=index,
-            row_blocks=_router.is_object_url(self.directory),
+            row_blocks=_router.is_object_url(self.directory),  # joined groups' file order
         )
 
     def _require_validated(self) -> _checkpoint_save.ValidatedTree:
@@ -386,83 +373,6 @@ class SaveJob:
         if validated is None:
             raise RuntimeError(f"{self!r}: the tree was already written or the save aborted")
         return validated
-
-
-# Tensor bytes save_file hands to the writer at once: large enough for parallel writes,
-# small enough that cast or device-copied bytes stay a bounded extra.
-_WRITE_BATCH_BYTES = 64 << 20
-
-
-def write_file(
-    validated: _checkpoint_save.ValidatedTree,
-    path: epath.PathLike,
-    *,
-    metadata: Mapping[str, str] | None = None,
-    io: _config.IOOptions | None = None,
-) -> None:
-    """Writes ``validated`` as one ``.safetensors`` file at ``path`` by one process, the schema
-    and checksums in its header: into a temporary file beside ``path``, renamed into place and
-    its directory synced (an object store: the object itself, which appears only once
-    complete). A failure removes the temporary file: nothing half-written is ever at ``path``."""
-    path = epath.Path(path)
-    tmp = None
-    if not _router.is_object_url(path):
-        tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
-    # Planned with placeholder checksums of the final width: every offset is known before any
-    # byte is written.
-    plan = _file_plan(validated, metadata, {s.name: _checksum.to_hex(0) for s in validated.specs})
-    try:
-        with _router.open_writer(
-            tmp if tmp is not None else path,
-            size=plan.files[0].size,
-            truncate=tmp is not None,
-            io=io,
-        ) as w:
-            _write_file(w, plan, validated, metadata)
-        if tmp is not None:
-            tmp.replace(path)
-    except BaseException:
-        if tmp is not None and tmp.exists():
-            tmp.unlink()
-        raise
-    if tmp is not None:
-        _router.fsync_dir(path.parent)
-
-
-def _write_file(
-    w: _interface.Writer,
-    plan: _plan.CheckpointPlan,
-    validated: _checkpoint_save.ValidatedTree,
-    metadata: Mapping[str, str] | None,
-) -> None:
-    # Data first, checksummed as written, a batch of tensors at a time (cast or copied
-    # bytes are held for one batch only); then the header, which holds the CRCs.
-    records: _interface.WriteResult = []
-    batch: list[_interface.Piece] = []
-    held = 0
-    for _, pieces in _pieces.iter_host_pieces(plan, validated.flat.arrays):
-        batch.extend(pieces)
-        held += sum(p.data.nbytes for p in pieces)
-        if held >= _WRITE_BATCH_BYTES:
-            records += w.write(batch, checksums=True)
-            batch, held = [], 0
-    records += w.write(batch, checksums=True)
-    del batch
-    crcs = _pieces.tensor_checksums(records, {s.name: s.nbytes for s in validated.specs})
-    checksums = {n: _checksum.to_hex(c) for n, c in crcs.items()}
-    final = _file_plan(validated, metadata, checksums).files[0]
-    if final.data_start != plan.files[0].data_start:
-        raise AssertionError("internal: header length changed after checksumming")
-    w.write([_interface.header_piece(final.header)])
-
-
-def _file_plan(
-    validated: _checkpoint_save.ValidatedTree,
-    metadata: Mapping[str, str] | None,
-    checksums: Mapping[str, str],
-) -> _plan.CheckpointPlan:
-    meta = _metadata.file_metadata(validated.flat.schema, checksums, metadata)
-    return _plan.plan_files(validated.specs, max_file_size=None, metadata=meta)
 
 
 class PendingSaves:

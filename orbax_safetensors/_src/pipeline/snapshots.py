@@ -146,12 +146,20 @@ def iter_snapshots(
     casts: Mapping[Any, np.dtype] | None = None,
     buffers: _buffers.BufferArena | None = None,
     row_blocks: bool = False,
+    moved_only: bool = False,
 ) -> Iterator[tuple[Any, HostCopies]]:
     """``(key, copies)`` for each ``(key, array)`` of ``arrays`` this process writes any of,
     one tensor at a time, into ``buffers`` (default a fresh arena); no file plan needed. Once
     the iteration ends the caller may donate its arrays. ``casts``: key -> stored dtype (the
-    copies hold the cast bytes). ``row_blocks`` (object storage): as :func:`iter_relaid`, the
-    moved tensors' copies are this process's row blocks, joined groups first."""
+    copies hold the cast bytes).
+
+    ``row_blocks`` (object storage): the tensors a save re-lays out
+    (``relayout.row_block_sharding``) are copied as this process's row blocks, the groups
+    ``relayout.array_groups`` joins first (every member yielded, maybe empty); ``moved_only``:
+    those only. Each is moved on the devices (a collective: every process iterates this on its
+    main thread, in the same order) and the moved array deleted before the next, so the extra
+    device memory is one tensor's share at a time.
+    """
     buffers = buffers if buffers is not None else _buffers.BufferArena()
     if row_blocks:
         items = list(arrays)
@@ -159,7 +167,15 @@ def iter_snapshots(
         arrays = [item for item in items if item[0] not in joined]
     owned = owned_tensors(arrays, is_primary)
     moved = _row_block_targets(owned, casts) if row_blocks else {}
+    if moved_only:
+        owned = [item for item in owned if item[0] in moved]
     yield from iter_owned(owned, casts=casts, buffers=buffers, moved=moved)
+
+
+def _device_data(item: _Owned) -> list[Any]:
+    # The arrays holding an owned tensor's data: the array itself, or its owned shards.
+    _, x, shards, _ = item
+    return [x] if shards is None else [d for _, d in shards]
 
 
 def iter_owned(
@@ -172,23 +188,31 @@ def iter_owned(
 ) -> Iterator[tuple[Any, HostCopies]]:
     """Host copies of ``owned`` tensors, as :func:`iter_snapshots` yields them; ``moved``: the
     tensors to re-lay out first; ``delete``: each array (this save's own device copy) is
-    deleted once copied, transfers started :data:`COPIES_AHEAD_BYTES` ahead."""
+    deleted once copied, transfers started :data:`COPIES_AHEAD_BYTES` ahead (at least the
+    tensor being copied)."""
     if delete:
-        ahead = _CopiesAhead(owned)
+        sizes = [sum(d.nbytes for d in _device_data(item)) for item in owned]
+        started = 0
     else:
         start_copies([o for o in owned if not moved or o[0] not in moved])  # all at once
     for k, item in enumerate(owned):
         name, x, shards, on_cpu = item
         dtype = casts.get(name) if casts else None
         if delete:
-            ahead.start(k)
+            until, budget = started, sum(sizes[k:started])
+            while until < len(owned) and (until <= k or budget < COPIES_AHEAD_BYTES):
+                budget += sizes[until]
+                until += 1
+            start_copies(owned[started:until])
+            started = max(started, until)
             copies = host_copies(item, buffers, dtype)
-            for data in [x] if shards is None else [d for _, d in shards]:
+            for data in _device_data(item):
                 data.delete()  # its bytes are on the host: free the device memory now
             yield name, copies
             continue
         if moved and name in moved:
-            yield name, _relaid_copies(item, moved[name], buffers, dtype)
+            # (moved on the devices, a collective; the moved array freed once copied)
+            yield name, made_copies(_relayout.move(x, moved[name]), buffers, dtype)
             continue
         if dtype is not None:
             yield name, host_copies(item, buffers, dtype)
@@ -206,69 +230,10 @@ def iter_owned(
 COPIES_AHEAD_BYTES = 64 << 20
 
 
-class _CopiesAhead:
-    """Starts the transfers of ``owned`` in order, :data:`COPIES_AHEAD_BYTES` ahead of the
-    tensor being copied (at least that tensor)."""
-
-    def __init__(self, owned: list[_Owned]) -> None:
-        self._owned = owned
-        self._sizes = [
-            x.nbytes if shards is None else sum(d.nbytes for _, d in shards)
-            for _, x, shards, _ in owned
-        ]
-        self._started = 0
-
-    def start(self, k: int) -> None:
-        until, budget = self._started, sum(self._sizes[k : self._started])
-        while until < len(self._owned) and (until <= k or budget < COPIES_AHEAD_BYTES):
-            budget += self._sizes[until]
-            until += 1
-        start_copies(self._owned[self._started : until])
-        self._started = max(self._started, until)
-
-
-def iter_relaid(
-    arrays: Iterable[tuple[Any, Any]],
-    *,
-    is_primary: bool = True,
-    casts: Mapping[Any, np.dtype] | None = None,
-) -> Iterator[tuple[Any, HostCopies]]:
-    """Host copies of this process's row blocks of the tensors of ``arrays`` that a save to
-    object storage re-lays out (``relayout.row_block_sharding``), and of those only; the
-    groups ``relayout.array_groups`` joins come first (every member yielded, maybe empty).
-
-    Each is moved on the devices (a collective: every process iterates this on its main
-    thread, in the same order) and the moved array deleted before the next, so the extra
-    device memory is one tensor's share at a time.
-    """
-    buffers = _buffers.BufferArena()
-    items = list(arrays)
-    joined = yield from _iter_joined(items, casts, buffers)
-    owned = owned_tensors([item for item in items if item[0] not in joined], is_primary)
-    moved = _row_block_targets(owned, casts)
-    relaid = [item for item in owned if item[0] in moved]
-    yield from iter_owned(relaid, casts=casts, buffers=buffers, moved=moved)
-
-
-def group_keys(
-    items: list[tuple[Any, Any]], casts: Mapping[Any, np.dtype] | None
-) -> tuple[list[tuple[int, ...]], list[str], list[Any]]:
-    """Shapes, stored dtypes and ``relayout.group_key`` of ``(key, array)`` items."""
-    shapes: list[tuple[int, ...]] = []
-    dtypes: list[str] = []
-    keys: list[Any] = []
-    for name, x in items:
-        stored = casts.get(name) if casts else None
-        if not isinstance(x, jax.Array):
-            shapes.append(())
-            dtypes.append("U8")
-            keys.append(None)
-            continue
-        dtype = _dtypes.from_numpy(stored if stored is not None else x.dtype, key=str(name))
-        shapes.append(tuple(x.shape))
-        dtypes.append(dtype)
-        keys.append(_relayout.group_key(x, dtype))
-    return shapes, dtypes, keys
+def _stored_dtype(name: Any, x: Any, casts: Mapping[Any, np.dtype] | None) -> str:
+    # The safetensors dtype tensor ``name`` is stored in (``casts``: key -> stored dtype).
+    stored = casts.get(name) if casts else None
+    return _dtypes.from_numpy(stored if stored is not None else x.dtype, key=str(name))
 
 
 def _iter_joined(
@@ -280,7 +245,12 @@ def _iter_joined(
     # yields its members' copies; returns the keys of the tensors joined.
     if jax.process_count() <= 1:
         return set()
-    shapes, dtypes, keys = group_keys(items, casts)
+    arrays = [x if isinstance(x, jax.Array) else None for _, x in items]
+    dtypes = [
+        "U8" if x is None else _stored_dtype(name, x, casts) for (name, _), x in zip(items, arrays)
+    ]
+    shapes = [() if x is None else tuple(x.shape) for x in arrays]
+    keys = [None if x is None else _relayout.group_key(x, d) for x, d in zip(arrays, dtypes)]
     done: set[Any] = set()
     for group in _relayout.array_groups(shapes, dtypes, keys):
         xs = [items[i][1] for i in group.members]
@@ -303,8 +273,7 @@ def _row_block_targets(
     for name, x, shards, _ in owned:
         if shards is None or not isinstance(x, jax.Array):
             continue  # written whole (one device, or host-local)
-        stored = casts.get(name) if casts else None
-        dtype = _dtypes.from_numpy(stored if stored is not None else x.dtype, key=name)
+        dtype = _stored_dtype(name, x, casts)
         key = (x.sharding, x.shape, dtype)
         if key not in seen:
             seen[key] = _relayout.row_block_sharding(x.sharding, x.shape, dtype)
@@ -314,20 +283,19 @@ def _row_block_targets(
     return out
 
 
-def _relaid_copies(
-    item: _Owned,
-    target: jax.sharding.Sharding,
-    buffers: _buffers.BufferArena,
-    dtype: np.dtype | None,
+def made_copies(
+    value: jax.Array, buffers: _buffers.BufferArena | None, dtype: np.dtype | None = None
 ) -> HostCopies:
-    # The tensor moved to ``target`` (a collective), this process's blocks copied to host
-    # (copies we own: ``buffers`` is given), the moved array freed at once.
-    name, x, _, on_cpu = item
-    moved = _relayout.move(x, target)
+    """Host copies of this process's owned shards of ``value``, an array a save or an export
+    made on the devices (cast to ``dtype`` when given); with ``buffers`` (copies we own: on CPU
+    a view would share the buffer) ``value`` is deleted at once."""
+    devices: set[Any] = value.sharding.device_set
+    on_cpu = any(d.platform == "cpu" for d in devices)
     try:
-        return host_copies((name, moved, owned_shards(moved), on_cpu), buffers, dtype)
+        return host_copies((None, value, owned_shards(value), on_cpu), buffers, dtype)
     finally:
-        moved.delete()
+        if buffers is not None:
+            value.delete()
 
 
 # The device memory an on-device snapshot leaves free on each device, besides its copies.
@@ -378,8 +346,8 @@ def detached(owned: list[_Owned]) -> list[_Owned]:
 
 def _by_device(items: list[_Owned]) -> dict[Any, list[Any]]:
     by_device: dict[Any, list[Any]] = {}
-    for _, x, shards, _ in items:
-        for data in [x] if shards is None else [d for _, d in shards]:
+    for item in items:
+        for data in _device_data(item):
             by_device.setdefault(next(iter(data.devices())), []).append(data)
     return by_device
 
@@ -400,8 +368,8 @@ def _copied(items: list[_Owned], by_device: dict[Any, list[Any]]) -> list[_Owned
 
 def delete_device_copies(copies: list[_Owned]) -> None:
     """Frees the device memory of :func:`device_copies`' copies (those not deleted yet)."""
-    for _, x, shards, _ in copies:
-        for data in [x] if shards is None else [d for _, d in shards]:
+    for item in copies:
+        for data in _device_data(item):
             if not data.is_deleted():
                 data.delete()
 
@@ -441,10 +409,10 @@ def _copy_on_device(arrays: list[jax.Array]) -> list[jax.Array]:
 def start_copies(owned: list[_Owned]) -> None:
     # Device-to-host copies of these (name, array, shards, on CPU) entries, started now so they
     # overlap what comes before them (nothing to copy on CPU).
-    for _, x, shards, on_cpu in owned:
-        if on_cpu:
+    for item in owned:
+        if item[3]:  # on CPU
             continue
-        for data in [x] if shards is None else [d for _, d in shards]:
+        for data in _device_data(item):
             if isinstance(data, jax.Array):
                 data.copy_to_host_async()
 

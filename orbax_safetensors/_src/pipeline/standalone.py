@@ -7,6 +7,7 @@ call :func:`restore_checkpoint` with a ``RestoreOptions``).
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,6 +15,7 @@ import jax
 from etils import epath
 
 from orbax_safetensors._src.core import casting as _casting
+from orbax_safetensors._src.core import checksum as _checksum
 from orbax_safetensors._src.core import metadata as _metadata
 from orbax_safetensors._src.core import plan as _plan
 from orbax_safetensors._src.core import select as _select
@@ -27,6 +29,7 @@ from orbax_safetensors._src.pipeline.read import ReadStats
 from orbax_safetensors._src.pipeline.restore_options import RestoreOptions
 from orbax_safetensors._src.pipeline.restore_plan import restore_tree
 from orbax_safetensors._src.storage import config as _config
+from orbax_safetensors._src.storage import interface as _interface
 from orbax_safetensors._src.storage import replace as _replace
 from orbax_safetensors._src.storage import router as _router
 
@@ -69,7 +72,68 @@ def save_file(
         osf.save_file(params, "w16.safetensors", dtype={"*.norm.*": None, "*": "bfloat16"})
     """
     validated = _checkpoint_save.validate_save(tree, dtype=dtype)  # before any I/O
-    _save_job.write_file(validated, path, metadata=metadata, io=io_options)
+    write_file(validated, path, metadata=metadata, io=io_options)
+
+
+def write_file(
+    validated: _checkpoint_save.ValidatedTree,
+    path: epath.PathLike,
+    *,
+    metadata: Mapping[str, str] | None = None,
+    io: _config.IOOptions | None = None,
+) -> None:
+    """Writes ``validated`` as :func:`save_file` does: into a temporary file beside ``path``,
+    renamed into place and its directory synced (an object store: the object itself, which
+    appears only once complete); a failure leaves nothing at ``path``."""
+    path = epath.Path(path)
+    tmp = None
+    if not _router.is_object_url(path):
+        tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
+    # Planned with placeholder checksums of the final width: every offset is known before any
+    # byte is written.
+    plan = _file_plan(validated, metadata, {s.name: _checksum.to_hex(0) for s in validated.specs})
+    try:
+        with _router.open_writer(
+            tmp if tmp is not None else path,
+            size=plan.files[0].size,
+            truncate=tmp is not None,
+            io=io,
+        ) as w:
+            # Data first, checksummed as written, a batch of tensors at a time (cast or copied
+            # bytes are held for one batch only); then the header, which holds the CRCs.
+            records: _interface.WriteResult = []
+            pieces = _pieces.iter_host_pieces(plan, validated.flat.arrays)
+            for _, batch in _checkpoint_save.batched(pieces, _WRITE_BATCH_BYTES):
+                records += w.write(batch, checksums=True)
+                del batch  # (not held while the next batch is produced)
+            crcs = _pieces.tensor_checksums(records, {s.name: s.nbytes for s in validated.specs})
+            checksums = {n: _checksum.to_hex(c) for n, c in crcs.items()}
+            final = _file_plan(validated, metadata, checksums).files[0]
+            if final.data_start != plan.files[0].data_start:
+                raise AssertionError("internal: header length changed after checksumming")
+            w.write([_interface.header_piece(final.header)])
+        if tmp is not None:
+            tmp.replace(path)
+    except BaseException:  # nothing half-written is ever at ``path``
+        if tmp is not None and tmp.exists():
+            tmp.unlink()
+        raise
+    if tmp is not None:
+        _router.fsync_dir(path.parent)
+
+
+# Tensor bytes save_file hands to the writer at once: large enough for parallel writes,
+# small enough that cast or device-copied bytes stay a bounded extra.
+_WRITE_BATCH_BYTES = 64 << 20
+
+
+def _file_plan(
+    validated: _checkpoint_save.ValidatedTree,
+    metadata: Mapping[str, str] | None,
+    checksums: Mapping[str, str],
+) -> _plan.CheckpointPlan:
+    meta = _metadata.file_metadata(validated.flat.schema, checksums, metadata)
+    return _plan.plan_files(validated.specs, max_file_size=None, metadata=meta)
 
 
 def load_file(
