@@ -204,7 +204,7 @@ def test_convert_of_a_step_whose_record_is_not_an_object_is_one_error_line(
     code, _, err = run(capsys, "convert", "-q", src, tmp_path / "dst")
     assert code == 2
     one_error_line(err, "convert")
-    assert "_CHECKPOINT_METADATA: not a JSON object" in err, err
+    assert "_CHECKPOINT_METADATA: unreadable or not a JSON object" in err, err
     assert not (tmp_path / "dst").exists()
 
 

@@ -176,7 +176,7 @@ def _convert_step(
         doc = _steps.read_json(path)
         if not isinstance(doc, dict):
             raise SafetensorsCheckpointError(
-                f"{path}: not a JSON object (the step's record of its items, which the "
+                f"{path}: unreadable or not a JSON object (the step's record of its items, which the "
                 "converted step must name its new handlers in); the step cannot be converted"
             )
         if isinstance(doc.get("item_handlers"), dict):
