@@ -356,6 +356,13 @@ def test_rule_patterns_work_both_ways():
     assert rule.match_torch("h.1.attn.c_proj.weight.extra") is None
     with pytest.raises(ValueError, match="same placeholders"):
         osf.Rule("a.{i}.w", "b.w")
+    # The placeholder methods of the public Rule (kept since 0.1's first API).
+    values = rule.torch_groups("h.12.attn.c_proj.weight")
+    assert values == {"i": "12", "p": "c_proj"} == rule.flax_groups("blocks.12.c_proj.kernel")
+    assert rule.flax_name(values) == "blocks.12.c_proj.kernel"
+    assert rule.torch_key(values) == "h.12.attn.c_proj.weight"
+    assert rule.torch_groups("blocks.12.c_proj.kernel") is None
+    assert rule.flax_groups("h.12.attn.c_proj.weight") is None
 
 
 @pytest.mark.parametrize(

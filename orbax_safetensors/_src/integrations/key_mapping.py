@@ -278,6 +278,22 @@ class Rule:
         """The Flax name (``flax``) or the PyTorch key for placeholder ``values``."""
         return _fill(self.flax if flax else self.torch, values)
 
+    def torch_groups(self, key: str) -> dict[str, str] | None:
+        """The placeholder values of PyTorch ``key``, or None if the rule does not apply."""
+        return self.groups(key, flax=False)
+
+    def flax_groups(self, name: str) -> dict[str, str] | None:
+        """The placeholder values of Flax ``name``, or None if the rule does not apply."""
+        return self.groups(name, flax=True)
+
+    def torch_key(self, values: dict[str, str]) -> str:
+        """The PyTorch key for placeholder ``values``."""
+        return self.fill(values, flax=False)
+
+    def flax_name(self, values: dict[str, str]) -> str:
+        """The Flax name for placeholder ``values``."""
+        return self.fill(values, flax=True)
+
     def match_torch(self, key: str) -> str | None:
         """The Flax name for PyTorch ``key``, or None if the rule does not apply (with
         ``stacked``/``fused``: the tensor holding ``key``'s values, or the first of the
