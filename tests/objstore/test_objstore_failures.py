@@ -148,3 +148,40 @@ def test_server_stopped_mid_save_raises_clear_error(kind, options, monkeypatch) 
     message = str(info.value)
     assert "w.safetensors" in message and "failed after 3 attempts" in message
     assert info.value.attempts == 3 and elapsed < 30
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["composed", "last-compose-fails"])
+def test_a_composite_upload_leaves_no_staged_object(
+    gcs_server, gcs_bucket, options, monkeypatch, fail
+):
+    """A GCS parallel composite upload of 40 staged objects composes them in a tree (32
+    sources per compose at most): the object is the bytes; and when the last compose fails for
+    good, every object it staged is deleted, the tree's intermediate composites too."""
+    from orbax_safetensors._src.storage import config as _config
+    from orbax_safetensors._src.storage.objstore import common as _common
+    from orbax_safetensors._src.storage.objstore import engine as _engine
+    from orbax_safetensors._src.storage.objstore import gcs as _gcs
+
+    options(max_attempts=2, backoff_initial=0.01)
+    bucket, prefix = split_url(gcs_bucket)
+    key = f"{prefix}/big.bin".lstrip("/")
+    data = np.random.default_rng(0).integers(0, 256, 40 * 1000, dtype=np.uint8).tobytes()
+    chunks = [(a, a + 1000) for a in range(0, len(data), 1000)]
+    seg = _common.Segment(0, [memoryview(data)], len(data))
+
+    def rule(method: str, path: str, headers: Any, seen: int) -> Any:
+        final = path.split("?")[0].endswith("/o/" + key.replace("/", "%2F") + "/compose")
+        return 503 if fail and final else None
+
+    with through_proxy(gcs_server, rule, monkeypatch):
+        st = _engine.store_for(f"gs://{bucket}", _config.resolve(None))
+        if fail:
+            with pytest.raises(_common.ObjectStoreError, match="compose 2 objects into"):
+                _gcs.write_composed(st, f"gs://{bucket}/{key}", bucket, key, seg, chunks)
+        else:
+            _gcs.write_composed(st, f"gs://{bucket}/{key}", bucket, key, seg, chunks)
+    if fail:
+        assert list_keys(gcs_server, gcs_bucket) == []
+    else:
+        assert list_keys(gcs_server, gcs_bucket) == ["big.bin"]
+        assert download(gcs_server, f"{gcs_bucket}/big.bin") == data

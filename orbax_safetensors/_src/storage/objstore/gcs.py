@@ -174,16 +174,15 @@ def write_composed(
             store.call(url, f"PUT part object {name}", store.put, bucket, name, seg.slice(a, b))
 
         store.run_all([functools.partial(put, n, a, b) for n, (a, b) in zip(names, chunks)])
-        level, tree = 0, list[str]()  # tree: the intermediate composites
+        level = 0
         while len(names) > GCS_MAX_COMPOSE:
             groups = [names[i : i + GCS_MAX_COMPOSE] for i in range(0, len(names), GCS_MAX_COMPOSE)]
             names = [f"{prefix}c-{token}-{level}-{i:05d}" for i in range(len(groups))]
-            tree += names
+            doomed += names  # the tree's intermediate composites: deleted whatever happens next
             compose = functools.partial(compose_into, store, url, bucket)
             store.run_all([functools.partial(compose, t, g) for t, g in zip(names, groups)])
             level += 1
         compose_into(store, url, bucket, key, names)
-        doomed += tree
     finally:
         _common.delete_quietly(store, bucket, doomed)
 
