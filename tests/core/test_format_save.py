@@ -139,6 +139,37 @@ def test_jax_arrays_are_accepted_with_their_dtype(tmp_path):
     assert (tensors["k"].dtype, tensors["k"].shape) == ("U32", (2,))
 
 
+def test_big_endian_numpy_arrays_keep_their_values_on_every_write_path(tmp_path):
+    # safetensors is little-endian: a ``>f4`` array (from FITS, some HDF5 files) is stored as
+    # its values in that order, as safetensors.numpy does; a tied one stays tied.
+    import orbax.checkpoint as ocp
+    import safetensors.numpy
+
+    big = np.arange(6, dtype=">f4").reshape(2, 3)
+    tree = {"w": big, "tied": big, "i": np.array([1, -2], ">i8"), "s": np.dtype(">f8").type(2.5)}
+    want = {k: np.asarray(v).astype(np.asarray(v).dtype.newbyteorder("=")) for k, v in tree.items()}
+
+    osf.save_file(tree, tmp_path / "f.safetensors")
+    official = safetensors.numpy.load_file(tmp_path / "f.safetensors")
+    restored = osf.load_file(tmp_path / "f.safetensors")
+    assert osf.read_header(tmp_path / "f.safetensors").tensors.keys() == {"w", "i", "s"}
+    assert restored["tied"] is restored["w"]
+
+    with ocp.CheckpointManager(tmp_path / "run") as manager:
+        manager.save(1, args=osf.SafetensorsSave(tree))
+        manager.wait_until_finished()
+        from_manager = manager.restore(1, args=osf.SafetensorsRestore())
+
+    mapping = osf.KeyMapping([osf.Rule("{n:\\w+}", "{n}")])
+    osf.export_pytorch({"w": big}, tmp_path / "hf", mapping)
+    exported = safetensors.numpy.load_file(tmp_path / "hf" / "model.safetensors")
+
+    for got in (official, restored, from_manager, exported):
+        for key, value in got.items():
+            assert np.asarray(value).dtype == want[key].dtype, key
+            np.testing.assert_array_equal(value, want[key])
+
+
 # --------------------------------------------------------------------------- docs/format.md
 
 

@@ -118,6 +118,21 @@ def array_kind(x: object) -> ArrayKind | None:
     return kind  # type: ignore[return-value]
 
 
+def native_byte_order(x: Any) -> Any:
+    """``x``, or a copy in the machine's byte order when ``x`` is a numpy array or scalar of
+    the other one (``>f4`` from a file format): safetensors stores little-endian bytes and
+    every writer takes an array's bytes as they are, so the values are kept by converting.
+
+    Example:
+      >>> native_byte_order(np.arange(2, dtype=">i4")).dtype
+      dtype('int32')
+    """
+    dtype = getattr(x, "dtype", None)
+    if isinstance(dtype, np.dtype) and not dtype.isnative:
+        return x.astype(dtype.newbyteorder("="))
+    return x
+
+
 # numpy dtypes of whole bytes that a tensor may have (learned as leaves pass the full check).
 _STORABLE_DTYPES: set[np.dtype[Any]] = set()
 
@@ -242,14 +257,16 @@ def capture(tree: Any) -> CapturedTree:
             node = Alias(name, "")  # ``of`` is named by finish
             aliases[len(leaves)] = first
         else:
+            first_by_id[id(x)] = len(leaves)  # the caller's object: a second path is an alias
             dtype = x.dtype
             if isinstance(dtype, np.dtype) and dtype in storable:  # _array_node's quick answer
                 node = Tensor(name, kind)
             else:
+                x = native_byte_order(x)
+                dtype = x.dtype
                 node = _array_node(x, kind, path, name)
             if kind is _JAX and x.is_deleted():
                 raise DeletedArrayError(deleted_message(join_path(path), x))
-            first_by_id[id(x)] = len(leaves)
             stored.append(len(leaves))
             if type(node) is PrngKey:
                 x = jax.random.key_data(x)  # now: the caller may donate the key array

@@ -62,7 +62,7 @@ def tree_leaves(tree: Any) -> tuple[list[tuple[str, Any, Any]], Any]:
     """``tree``'s leaves as ``(dotted name, leaf, value)``, and its treedef: an
     ``nnx.Variable`` is one leaf whose value is the array it holds, RNG state
     (``nnx.RngState``: training state, never model weights) has the value None, and any
-    other leaf is its own value."""
+    other leaf is its own value (a numpy one in the machine's byte order)."""
     import jax
 
     # A tree holds nnx variables only once flax.nnx is loaded: a plain tree need not load it.
@@ -74,7 +74,9 @@ def tree_leaves(tree: Any) -> tuple[list[tuple[str, Any, Any]], Any]:
     )
     out = []
     for path, leaf in flat:
-        value = _jaxcompat.nnx_value(leaf) if isinstance(leaf, variables) else leaf
+        value = _tree.native_byte_order(
+            _jaxcompat.nnx_value(leaf) if isinstance(leaf, variables) else leaf
+        )
         out.append((_tree.join_path(path), leaf, None if isinstance(leaf, rng_state) else value))
     return out, treedef
 
