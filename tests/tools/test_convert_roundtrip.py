@@ -241,3 +241,17 @@ def test_numpy_scalars_round_trip_beside_a_string(tmp_path):
     assert back["name"] == "run"
     assert names(tmp_path / "back") == ["f16", "flag", "u8"]
     assert _diff.diff_paths(tmp_path / "st", tmp_path / "back").identical
+
+
+def test_convert_includes_a_tied_weight_by_its_alias_name(tmp_path, capsys):
+    """An alias selected by its own name reads its tensor, as in ``load_file(include=...)``."""
+    w = np.arange(4.0, dtype=np.float32)
+    osf.save_file({"embed": w, "head": w, "bias": np.ones(2)}, tmp_path / "f.safetensors")
+    code, out, err = run(
+        capsys, "convert", "-q", "--include", "head", tmp_path / "f.safetensors", tmp_path / "o"
+    )
+    assert code == 0, err
+    assert "converted 1 tensor (16 B)" in out
+    restored = ocp.StandardCheckpointer().restore(tmp_path / "o")
+    assert list(restored) == ["head"]
+    np.testing.assert_array_equal(restored["head"], w)

@@ -314,8 +314,6 @@ def _restore_safetensors(
     schema pruned alike (None for plain safetensors files), its tensor count and bytes."""
     kind = _steps.classify(src)
     source = _sources.open_source(src)
-    infos = [t for n, t in source.tensors.items() if select is None or select.selects(n)]
-    n, size = len(infos), sum(t.nbytes for t in infos)
     include = (select.include or None) if select else None
     exclude = (select.exclude or None) if select else None
     if kind is PathKind.ITEM:
@@ -326,23 +324,33 @@ def _restore_safetensors(
             src, fallback_sharding=first, include=include, exclude=exclude
         )
         schema = _read.read_metadata(src)["schema"]
-        return tree, _pruned(schema, select), n, size
-    if kind is PathKind.FILE:
+    elif kind is PathKind.FILE:
         schema, _ = _read.file_index(src, _router.read_header(src))
         tree = _standalone.load_file(src, include=include, exclude=exclude)
-        return tree, _pruned(schema, select), n, size
-    if kind is PathKind.SAFETENSORS_DIR:
+    elif kind is PathKind.SAFETENSORS_DIR:
         if select is not None:
             select.check(source.tensors, str(src))
-        return source.read([t.name for t in infos]), None, n, size
-    raise SafetensorsCheckpointError(f"{src} is {kind.noun}, not a safetensors checkpoint")
+        schema, tree = None, None
+    else:
+        raise SafetensorsCheckpointError(f"{src} is {kind.noun}, not a safetensors checkpoint")
+    pruned = _pruned(schema, select)
+    if isinstance(pruned, _schema.Schema):  # an alias selected by its own name reads its tensor
+        names = {leaf.tensor_name for leaf in pruned.leaves.values()}
+    else:
+        names = {n for n in source.tensors if select is None or select.selects(n)}
+    infos = [t for n, t in source.tensors.items() if n in names]
+    if tree is None:
+        tree = source.read([t.name for t in infos])
+    return tree, pruned, len(infos), sum(t.nbytes for t in infos)
 
 
 def _pruned(schema: Any, select: _select.Selection | None) -> Any:
-    """``schema`` cut down to what ``select`` selects, as the selective restore cuts it."""
+    """``schema`` cut down to what ``select`` selects, as the selective restore cuts it: typed,
+    since a kept alias may point at a tensor not kept (restored by the alias's own name), which
+    the checks of a JSON document refuse."""
     if select is None or schema is None:
         return schema
-    return _tree.prune_schema(schema, select.selects)
+    return _tree.prune_schema(_schema.from_json(schema), select.selects)
 
 
 class _Name(str):
