@@ -255,3 +255,23 @@ def test_convert_includes_a_tied_weight_by_its_alias_name(tmp_path, capsys):
     restored = ocp.StandardCheckpointer().restore(tmp_path / "o")
     assert list(restored) == ["head"]
     np.testing.assert_array_equal(restored["head"], w)
+
+
+@pytest.mark.parametrize("saved", ["item", "file"])
+def test_diff_compares_a_tied_weight_with_its_orbax_copy(tmp_path, capsys, saved):
+    """A tied tensor (stored once, its other path an alias) is compared under each name: its
+    Orbax-native copy, which stores one array per path, compares equal."""
+    w = np.arange(4.0, dtype=np.float32)
+    tree = {"embed": w, "head": w}
+    src = tmp_path / ("st" if saved == "item" else "st.safetensors")
+    (osf.save_directory if saved == "item" else osf.save_file)(tree, src)
+    osf.convert(src, tmp_path / "orbax", progress=False)
+    code, out, _ = run(capsys, "diff", src, tmp_path / "orbax")
+    assert code == 0, out
+    assert "2 tensors equal; checkpoints are identical" in out
+    osf.convert(tmp_path / "orbax", tmp_path / "back", progress=False)
+    assert _diff.diff_paths(src, tmp_path / "back").identical
+    # A changed value under the alias's name is reported under that name.
+    osf.save_directory({"embed": w, "head": w + 1}, tmp_path / "untied")
+    report = _diff.diff_paths(src, tmp_path / "untied")
+    assert [n for n, _ in report.values] == ["head"] and report.same == 1
