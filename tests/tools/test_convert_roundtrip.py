@@ -275,3 +275,13 @@ def test_diff_compares_a_tied_weight_with_its_orbax_copy(tmp_path, capsys, saved
     osf.save_directory({"embed": w, "head": w + 1}, tmp_path / "untied")
     report = _diff.diff_paths(src, tmp_path / "untied")
     assert [n for n, _ in report.values] == ["head"] and report.same == 1
+
+
+def test_a_refusal_lists_a_bounded_number_of_leaves(tmp_path):
+    osf.save_directory({f"e{i:02}": np.zeros(0, np.float32) for i in range(25)}, tmp_path / "st")
+    with pytest.raises(osf.SafetensorsCheckpointError) as info:
+        osf.convert(tmp_path / "st", tmp_path / "orbax", progress=False)
+    message = str(info.value)
+    assert "'e00': float32[0] holds no elements" in message and "'e10'" not in message
+    assert message.endswith("; and 15 more")
+    assert left_over(tmp_path) == []

@@ -426,7 +426,7 @@ def _numpy_scalar_as_array(x: Any) -> Any:
 
 
 def _describe(x: Any) -> str:
-    # A leaf as the messages show it: ``float32[0,4]``, ``Python int 2**70``...
+    # A leaf as the messages show it: ``float32[0,4]``, ``Python int``.
     if isinstance(x, (np.ndarray, np.generic, jax.Array)):
         return f"{x.dtype}[{','.join(str(d) for d in np.shape(x))}]"
     return f"Python {type(x).__name__}"
@@ -453,11 +453,14 @@ def _orbax_problem(x: Any) -> str | None:
     return None
 
 
+_SHOWN = 10  # problems a refusal lists (one error line, however many leaves)
+
+
 def check_orbax_storable(tree: Any, src: epath.Path) -> None:
     """Raises unless Orbax can store every leaf of ``tree`` (read from ``src``) apart: Orbax
     names each array by its keys joined with ``"."`` (``{"a.b": x, "a": {"b": y}}`` gives both
     ``a.b``, and one value would silently replace the other), refuses zero-size arrays, and
-    writes arrays through TensorStore (no ``float6_*``, ``uint4``, ...) and ints as int64/uint64.
+    writes arrays through TensorStore (no ``float6_*``) and ints as int64/uint64.
 
     Raises:
       UnsupportedLeafError: naming every such leaf (both paths of names that collide), its dtype
@@ -482,9 +485,11 @@ def check_orbax_storable(tree: Any, src: epath.Path) -> None:
         if why is not None:
             problems.append(f"{name!r}: {why}")
     if problems:
+        more = f"; and {len(problems) - _SHOWN} more" if len(problems) > _SHOWN else ""
         raise UnsupportedLeafError(
             f"{src} cannot be converted to Orbax-native (nothing was written): "
-            + "; ".join(problems)
+            + "; ".join(problems[:_SHOWN])
+            + more
         )
 
 
@@ -499,7 +504,9 @@ def orbax_threads_joined_on_failure() -> Iterator[None]:
     except BaseException:
         for thread in threading.enumerate():
             if thread not in before and type(thread).__module__.startswith("orbax."):
-                thread.join()
+                # Thread's own join: Orbax's re-raises the thread's error in place of this one
+                # (its waits for other processes end at Orbax's coordination timeout).
+                threading.Thread.join(thread)
         raise
 
 
