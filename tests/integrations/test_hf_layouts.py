@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import devices  # (tests/ is on sys.path)
 import hf_models
 import jax
@@ -99,6 +101,20 @@ def test_stacked_layer_missing_is_reported(tmp_dir):
     mapping = osf.KeyMapping([STACKED.rules[1]])
     with pytest.raises(osf.TargetMismatchError, match="fc joins 3 tensors but 1 are absent"):
         osf.load_pytorch(Scanned(), tmp_dir / "m.safetensors", mapping, variables=nnx.Param)
+
+
+@pytest.mark.parametrize("stacked", ["i", None], ids=["stacked", "per-layer"])
+def test_a_tensor_the_last_layer_lacks_is_named(tmp_dir, stacked):
+    # (a stack counts the layers it holds: the last one missing read as a shorter stack)
+    tensors = {f"layers.{i}.{p}.weight": np.ones((6, 4), np.float32) for i in (0, 1) for p in "ab"}
+    del tensors["layers.1.b.weight"]
+    safetensors.numpy.save_file(tensors, str(tmp_dir / "m.safetensors"))
+    flax = "{p}" if stacked else "{p}_{i}"
+    mapping = osf.KeyMapping([osf.Rule("layers.{i}.{p}.weight", flax, stacked=stacked)])
+    absent = r"layers\.1\.b\.weight absent: the files hold layers\.N\.b\.weight for 1 of the 2"
+    for load in (osf.abstract_pytorch, functools.partial(osf.load_pytorch, None)):
+        with pytest.raises(osf.TargetMismatchError, match=absent):
+            load(tmp_dir / "m.safetensors", mapping)
 
 
 def test_lora_linear_exports_merged_plain_linear(tmp_dir):

@@ -232,6 +232,9 @@ def _hostile(models, tmp_path, case):
     elif case == "symlink":  # the model file a link to one out of the directory
         (d / "model.safetensors").unlink()
         (d / "model.safetensors").symlink_to(hf / "model.safetensors")
+    elif case == "last_layer":  # a tensor only the last layer lacks
+        del tensors["model.layers.1.mlp.down_proj.weight"]
+        safetensors.numpy.save_file(tensors, str(d / "model.safetensors"))
     elif case == "truncated":
         (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:-100])
     return d
@@ -244,6 +247,7 @@ HOSTILE = {
     "layers": r"config\.json: num_hidden_layers 3, but the tensors hold layers 0 to 1 \(2\)",
     "heads": r"config\.json: num_key_value_heads 2 does not divide num_attention_heads 3",
     "string": r"config\.json: num_attention_heads is '4', not a whole number",
+    "last_layer": r"model\.layers\.1\.mlp\.down_proj\.weight absent: the files hold",
     "truncated": r"model\.safetensors: tensor '.*' ends at \d+, past the \d+-byte data section",
 }  # fmt: skip
 

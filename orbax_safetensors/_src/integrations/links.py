@@ -199,9 +199,11 @@ def find_links(
     other side's gather.
     """
     report = MappingReport()
+    mapped = []
     order: list[Link | tuple[int, tuple[tuple[str, str], ...]]] = []
     groups: dict[tuple[int, tuple[tuple[str, str], ...]], dict[tuple[int, ...], str]] = {}
     for name, r, rule, values in _matched(mapping, shapes, report, flax_side=flax_side):
+        mapped.append(name)
         if rule.one_to_one:
             other = rule.fill(values, flax=not flax_side)
             pair = ((name,), (other,)) if flax_side else ((other,), (name,))
@@ -222,6 +224,8 @@ def find_links(
                 groups[key] = {}
                 order.append(key)
             groups[key][tuple(slot)] = name
+    if not flax_side:  # (a tensor a layer lacks makes no link, nor a slot of one: named here)
+        report.mismatched += absent_in_layers(mapping, mapped)
     links = []
     for entry in order:
         if isinstance(entry, Link):
@@ -232,6 +236,60 @@ def find_links(
         if link is not None:
             links.append(link)
     return links, report
+
+
+def _layer_of(key: str) -> tuple[str, int, str] | None:
+    # ``key``'s first whole-number component, a layer by Hugging Face's naming:
+    # (what comes before it, the number, what comes after it)
+    parts = key.split(".")
+    for p, part in enumerate(parts[:-1]):
+        if part.isdecimal() and len(part) < 10 and str(int(part)) == part:
+            return "".join(q + "." for q in parts[:p]), int(part), ".".join(parts[p + 1 :])
+    return None
+
+
+def _maps(mapping: KeyMapping, key: str) -> bool:
+    if mapping.torch_ignored(key):
+        return False
+    for rule in mapping.rules:
+        values = rule.groups(key, flax=False)
+        if values is not None:
+            gathered = _gathered_order(rule, flax=True)
+            if any(rule.value_index(n, values[n]) is None for n in gathered):
+                return False
+            name = rule.match_torch(key)  # (a Flax name the mapping ignores wants no value)
+            return name is not None and not mapping.flax_ignored(name)
+    return False
+
+
+def absent_in_layers(mapping: KeyMapping, keys: Iterable[str]) -> list[str]:
+    """The PyTorch keys ``mapping`` maps that a layer of ``keys`` lacks while other layers of
+    the same list hold them (``model.layers.1.mlp.down_proj.weight`` where
+    ``model.layers.0.mlp.down_proj.weight`` and ``model.layers.1.*`` are held), one problem per
+    kind of tensor. Links derived from the keys present cannot see them: a per-layer rule makes
+    no link for the missing tensor, and a stacked one counts the layers it holds (a missing
+    last layer reads as a shorter stack)."""
+    held: dict[tuple[str, str], set[int]] = {}
+    layers: dict[str, set[int]] = {}
+    for key in keys:
+        at = _layer_of(key)
+        if at is not None:
+            held.setdefault((at[0], at[2]), set()).add(at[1])
+            layers.setdefault(at[0], set()).add(at[1])
+    problems, budget = [], MAX_TENSORS  # (keys tried: bounded, whatever the files claim)
+    for (prefix, rest), have in held.items():
+        lacking = []
+        for i in sorted(layers[prefix] - have)[:budget]:
+            budget -= 1
+            if _maps(mapping, f"{prefix}{i}.{rest}"):
+                lacking.append(f"{prefix}{i}.{rest}")
+        if lacking:
+            more = f" and {len(lacking) - 3} more" if len(lacking) > 3 else ""
+            problems.append(
+                f"{', '.join(lacking[:3])}{more} absent: the files hold {prefix}N.{rest} for "
+                f"{len(have)} of the {len(layers[prefix])} layers {prefix}N they hold"
+            )
+    return problems
 
 
 # The most tensors one link makes of the other side's stacked axes: a stacked axis of a
