@@ -222,7 +222,7 @@ def _hostile(models, tmp_path, case):
     d = tmp_path / case
     d.mkdir()
     claims = {"vocab": {"vocab_size": config["vocab_size"] - 1}, "layers": {"num_hidden_layers": 3},
-              "heads": {"num_attention_heads": 3}, "string": {"num_attention_heads": "4"}}  # fmt: skip
+              "heads": {"num_attention_heads": 3}, "tied": {"tie_word_embeddings": True}, "string": {"num_attention_heads": "4"}}  # fmt: skip
     (d / "config.json").write_text(json.dumps(config | claims.get(case, {})))
     safetensors.numpy.save_file(tensors, str(d / "model.safetensors"))
     if case == "outside":  # an index naming a file out of the directory
@@ -247,6 +247,7 @@ HOSTILE = {
     "layers": r"config\.json: num_hidden_layers 3, but the tensors hold layers 0 to 1 \(2\)",
     "heads": r"config\.json: num_key_value_heads 2 does not divide num_attention_heads 3",
     "string": r"config\.json: num_attention_heads is '4', not a whole number",
+    "tied": r"lm_head\.weight \[96, 32\] differs from model\.embed_tokens\.weight \[96, 32\], though .*config\.json says tie_word_embeddings true",
     "last_layer": r"model\.layers\.1\.mlp\.down_proj\.weight absent: the files hold",
     "truncated": r"model\.safetensors: tensor '.*' ends at \d+, past the \d+-byte data section",
 }  # fmt: skip

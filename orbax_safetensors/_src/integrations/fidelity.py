@@ -43,7 +43,7 @@ def tie_differences(
             continue
         (link, j), (other, i) = where[key], where[source]
         got = values(sorted({*link.flax, *other.flax}))
-        difference = _largest_difference(
+        difference = largest_difference(
             _torch_value(link, [got[n] for n in link.flax], j),
             _torch_value(other, [got[n] for n in other.flax], i),
         )
@@ -58,10 +58,11 @@ def _torch_value(link: _links.Link, arrays: list[Any], j: int) -> Any:
     return link.value(arrays, j, to_torch=True)
 
 
-def _largest_difference(x: Any, y: Any) -> float:
-    # 0.0 for equal values (NaN equal to NaN at the same place), inf for other shapes or a
-    # NaN against a number. Host arrays are compared a block of rows at a time, device arrays
-    # in one fused reduction: no float32 copy of a whole embedding either way.
+def largest_difference(x: Any, y: Any) -> float:
+    """The largest absolute difference of ``x`` and ``y``: 0.0 for equal values (NaN equal
+    to NaN at the same place), inf for other shapes or a NaN against a number."""
+    # Host arrays are compared a block of rows at a time, device arrays in one fused
+    # reduction: no float32 copy of a whole embedding either way.
     if tuple(x.shape) != tuple(y.shape):
         return math.inf
     if not (isinstance(x, np.ndarray) and isinstance(y, np.ndarray)):
