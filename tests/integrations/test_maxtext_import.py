@@ -232,6 +232,11 @@ def _hostile(models, tmp_path, case):
     elif case == "symlink":  # the model file a link to one out of the directory
         (d / "model.safetensors").unlink()
         (d / "model.safetensors").symlink_to(hf / "model.safetensors")
+    elif case == "int_query":  # the query scale would multiply in int8
+        for i in (0, 1):
+            q = f"model.layers.{i}.self_attn.q_proj.weight"
+            tensors[q] = np.arange(tensors[q].size, dtype=np.int8).reshape(tensors[q].shape)
+        safetensors.numpy.save_file(tensors, str(d / "model.safetensors"))
     elif case == "last_layer":  # a tensor only the last layer lacks
         del tensors["model.layers.1.mlp.down_proj.weight"]
         safetensors.numpy.save_file(tensors, str(d / "model.safetensors"))
@@ -248,6 +253,7 @@ HOSTILE = {
     "heads": r"config\.json: num_key_value_heads 2 does not divide num_attention_heads 3",
     "string": r"config\.json: num_attention_heads is '4', not a whole number",
     "tied": r"lm_head\.weight \[96, 32\] differs from model\.embed_tokens\.weight \[96, 32\], though .*config\.json says tie_word_embeddings true",
+    "int_query": r"model\.layers\.0\.self_attn\.q_proj\.weight I8\[.*Scale applies to floating-point tensors, not int8",
     "last_layer": r"model\.layers\.1\.mlp\.down_proj\.weight absent: the files hold",
     "truncated": r"model\.safetensors: tensor '.*' ends at \d+, past the \d+-byte data section",
 }  # fmt: skip

@@ -70,6 +70,20 @@ def test_query_scale_refuses_a_bad_head_dim():
 # --------------------------------------------------------------------------- RoPE
 
 
+@pytest.mark.parametrize("dtype", [np.int8, np.uint16, np.bool_], ids=str)
+@pytest.mark.parametrize(
+    "transform", [Scale.attention_query(16), Offset(1.0)], ids=["scale", "offset"]
+)
+def test_value_transforms_refuse_integer_and_bool_tensors(transform, dtype):
+    # (computed in the dtype, 49 * 4 would wrap in int8 and a bool stay a bool)
+    x = np.ones(3, dtype)
+    for direction in (transform.to_flax, transform.to_torch):
+        with pytest.raises(
+            ValueError, match=f"floating-point tensors, not {np.dtype(dtype).name} ones"
+        ):
+            direction(x)
+
+
 def test_rope_interleave_by_hand():
     x = np.arange(8)
     np.testing.assert_array_equal(RopeInterleave().to_flax(x), [0, 4, 1, 5, 2, 6, 3, 7])

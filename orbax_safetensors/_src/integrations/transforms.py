@@ -211,7 +211,19 @@ class Scale:
         return _scaled(x, self.to_torch_factor)
 
 
+def _floating(x: Any, what: str) -> None:
+    # A factor or an offset applied in an integer or bool dtype rounds and wraps the values
+    # (MaxText and transformers compute in floating point): refused, as a link's planning
+    # probes the transform with the stored dtype, before a byte is read.
+    if np.dtype(x.dtype).kind in "biu":
+        raise ValueError(
+            f"{what} applies to floating-point tensors, not {np.dtype(x.dtype).name} ones "
+            "(the values would be rounded and wrap)"
+        )
+
+
 def _scaled(x: Any, factor: float) -> Any:
+    _floating(x, "Scale")
     work = np.float64 if x.dtype == np.float64 else np.float32
     return (x.astype(work) * work(factor)).astype(x.dtype)
 
@@ -346,7 +358,9 @@ class Offset:
     to_flax_offset: float
 
     def to_flax(self, x: np.ndarray) -> np.ndarray:
+        _floating(x, "Offset")
         return (x + np.asarray(self.to_flax_offset, x.dtype)).astype(x.dtype)
 
     def to_torch(self, x: np.ndarray) -> np.ndarray:
+        _floating(x, "Offset")
         return (x - np.asarray(self.to_flax_offset, x.dtype)).astype(x.dtype)
