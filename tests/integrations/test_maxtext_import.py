@@ -300,3 +300,17 @@ def test_the_command_line_writes_what_maxtext_reads(models, tmp_path, capsys):
     assert "step 2 exists already" in capsys.readouterr().err
     assert cli.main(["import", str(hf), str(tmp_path / "x"), "--mapping", "llama"]) == 2
     assert "not a MaxText preset" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+@V1
+def test_a_relative_checkpoint_directory_is_imported(models, tmp_path, monkeypatch, capsys):
+    # (Orbax refuses a relative path: the import makes it absolute, as it is typed on the CLI)
+    from orbax_safetensors._src.tools import cli
+
+    _, hf = models("llama3")
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["import", str(hf), "ckpt", "--mapping", "maxtext-llama3"]) == 0, (
+        capsys.readouterr().err
+    )
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["0"]
+    assert stored(tmp_path / "ckpt" / "0")["step"] == 0

@@ -18,7 +18,7 @@ import orbax_safetensors as osf
 from orbax_safetensors import cli
 from orbax_safetensors._src.catalog import orbax_source as _orbax_source
 from orbax_safetensors._src.catalog import sources as _sources
-from orbax_safetensors._src.tools import convert_items as _convert_items
+from orbax_safetensors._src.compat import orbaxcompat
 from orbax_safetensors._src.tools import diff as _diff
 
 
@@ -215,7 +215,7 @@ def test_a_failed_orbax_save_is_waited_for(tmp_path):
     try:
         with (
             pytest.raises(ValueError, match="zero size"),
-            _convert_items.orbax_threads_joined_on_failure(),
+            orbaxcompat.orbax_threads_joined_on_failure(),
         ):
             checkpointer.save(tmp_path / "out", args=ocp.args.StandardSave(tree))
     finally:

@@ -8,10 +8,13 @@ functions, never with the module.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib.metadata
 import re
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -185,3 +188,23 @@ def array_read_spec(
     except (ImportError, AttributeError, TypeError, ValueError):
         return None
     return dict(spec) if isinstance(spec, dict) else None
+
+
+# -- Orbax's background writes (its threads, by their classes' module) -----------------------
+
+
+@contextlib.contextmanager
+def orbax_threads_joined_on_failure() -> Iterator[None]:
+    """On an exception inside, waits for the background threads Orbax started meanwhile before
+    passing it on: a save that fails part way has started writing other arrays, which would
+    otherwise go on writing (recreating directories) after the caller removed its output."""
+    before = set(threading.enumerate())
+    try:
+        yield
+    except BaseException:
+        for thread in threading.enumerate():
+            if thread not in before and type(thread).__module__.startswith("orbax."):
+                # Thread's own join: Orbax's re-raises the thread's error in place of this one
+                # (its waits for other processes end at Orbax's coordination timeout).
+                threading.Thread.join(thread)
+        raise

@@ -87,14 +87,19 @@ def import_pytorch(
     mapping, scan_layers = resolve(mapping, path, scan_layers, vocab_size)
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a whole number >= 0, got {step!r}")
-    root = epath.Path(directory)
+    root = _steps.absolute(directory)  # (Orbax refuses a relative path)
     if (root / str(step)).exists():
         raise SafetensorsCheckpointError(
             f"{root / str(step)}: step {step} exists already (remove it or give another step)"
         )
     # A failure leaves nothing behind: the directories this call created
     # (storage/replace.made_parents) and what Orbax began of the step.
-    with _replace.made_parents(root / str(step)), _removed_on_failure(root, step):
+    # Orbax's threads still writing when a save fails are waited for before the removal.
+    with (
+        _replace.made_parents(root / str(step)),
+        _removed_on_failure(root, step),
+        _orbaxcompat.orbax_threads_joined_on_failure(),
+    ):
         source = _sources.open_source(_load.source_path(path))
         _check_config(source)
         targets = _cast(

@@ -6,9 +6,7 @@ item (restored whole, saved by Orbax); and the names an ``nnx.State`` gets on ea
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import threading
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -18,6 +16,7 @@ from etils import epath
 
 from orbax_safetensors._src.catalog import orbax_source as _orbax_source
 from orbax_safetensors._src.catalog import sources as _sources
+from orbax_safetensors._src.compat import orbaxcompat as _orbaxcompat
 from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import metadata as _metadata
@@ -493,23 +492,6 @@ def check_orbax_storable(tree: Any, src: epath.Path) -> None:
         )
 
 
-@contextlib.contextmanager
-def orbax_threads_joined_on_failure() -> Iterator[None]:
-    """On an exception inside, waits for the background threads Orbax started meanwhile before
-    passing it on: a save that fails part way has started writing other arrays, which would
-    otherwise go on writing (recreating directories) after the caller removed its output."""
-    before = set(threading.enumerate())
-    try:
-        yield
-    except BaseException:
-        for thread in threading.enumerate():
-            if thread not in before and type(thread).__module__.startswith("orbax."):
-                # Thread's own join: Orbax's re-raises the thread's error in place of this one
-                # (its waits for other processes end at Orbax's coordination timeout).
-                threading.Thread.join(thread)
-        raise
-
-
 def to_orbax_item(
     src: epath.Path,
     dst: epath.Path,
@@ -541,7 +523,7 @@ def to_orbax_item(
             args = ocp.args.StandardSave(tree, custom_metadata=custom)
         checkpointer = ocp.Checkpointer(handler)
         try:
-            with orbax_threads_joined_on_failure():
+            with _orbaxcompat.orbax_threads_joined_on_failure():
                 checkpointer.save(_steps.absolute(dst), args=args, force=True)
         finally:
             checkpointer.close()
