@@ -314,3 +314,20 @@ def test_a_relative_checkpoint_directory_is_imported(models, tmp_path, monkeypat
     )
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["0"]
     assert stored(tmp_path / "ckpt" / "0")["step"] == 0
+
+
+@V1
+def test_a_weights_or_index_file_is_imported_with_its_directorys_config(models, tmp_path):
+    # (the preset and the config check read the config.json beside the file, not the file)
+    import safetensors
+
+    _, hf = models("llama3")
+    assert osf.import_pytorch(hf / "model.safetensors", tmp_path / "ckpt", "maxtext-llama3").ok
+    d = _hostile(models, tmp_path, "layers")
+    with safetensors.safe_open(d / "model.safetensors", "np") as f:
+        index = {"weight_map": dict.fromkeys(f.keys(), "model.safetensors")}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    for name in ("model.safetensors", "model.safetensors.index.json"):
+        with pytest.raises(osf.SafetensorsCheckpointError, match=HOSTILE["layers"]):
+            osf.import_pytorch(d / name, tmp_path / "other", "maxtext-llama3")
+    assert not (tmp_path / "other").exists()

@@ -101,7 +101,7 @@ def import_pytorch(
         _orbaxcompat.orbax_threads_joined_on_failure(),
     ):
         source = _sources.open_source(_load.source_path(path))
-        _check_config(source)
+        _check_config(source, path)
         targets = _cast(
             _load.derived_targets(source.tensors, mapping), _casting.parse_policy(dtype)
         )
@@ -172,12 +172,19 @@ def _split_axis(sharding: jax.sharding.NamedSharding) -> float:
     return next((a for a, e in enumerate(sharding.spec) if e is not None), math.inf)
 
 
-def _check_config(source: _sources.TensorSource) -> None:
+def model_directory(path: epath.PathLike) -> epath.Path:
+    """The directory whose ``config.json`` describes the model at ``path``: ``path`` itself,
+    or the directory of a ``.safetensors`` file or index file given in its place."""
+    path = epath.Path(path)
+    return path if path.is_dir() else path.parent
+
+
+def _check_config(source: _sources.TensorSource, path: epath.PathLike) -> None:
     # The sizes the directory's config.json claims (which the presets are built of) against
     # its tensors (config_facts.py): a forged vocab_size or layer count is refused, not
     # written into MaxText's layout.
-    config = epath.Path(source.path) / _model_files.CONFIG_FILE_NAME
-    if not epath.Path(source.path).is_dir() or not config.exists():
+    config = model_directory(path) / _model_files.CONFIG_FILE_NAME
+    if not config.exists():
         return
     facts = ConfigFacts.of(config).validated()
     problems = facts.tensor_problems({k: tuple(t.shape) for k, t in source.tensors.items()})
@@ -218,7 +225,7 @@ def resolve(
         raise ValueError(f"mapping {mapping!r}: not a MaxText preset ({names}) nor module:attr")
     scan_layers = True if scan_layers is None else scan_layers
     built = _presets.preset_mapping(
-        mapping, hf_config=path, scan_layers=scan_layers, vocab_size=vocab_size
+        mapping, hf_config=model_directory(path), scan_layers=scan_layers, vocab_size=vocab_size
     )
     return built, scan_layers
 
