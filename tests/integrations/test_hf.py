@@ -190,6 +190,7 @@ def test_load_hand_sharded_directory_with_bf16_weights(tmp_dir):
             {k: state[k] for k in shard}, tmp_dir / name, metadata={"format": "pt"}
         )
         weight_map.update(dict.fromkeys(shard, name))
+    weight_map[shards[1][0]] = "./" + weight_map[shards[1][0]]  # (one shard, named two ways)
     (tmp_dir / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {}, "weight_map": weight_map})
     )

@@ -9,6 +9,7 @@ or ``MsgpackSource`` (a legacy Flax msgpack file).
 from __future__ import annotations
 
 import json
+import posixpath
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -203,7 +204,10 @@ def _open_safetensors_dir(path: epath.Path) -> SafetensorsSource:
         names = [p.name for p in _steps.safetensors_files(path)]
     else:
         where, doc = index
-        weight_map, metadata = doc["weight_map"], {"index": doc.get("metadata", {})}
+        # (one shard may be named two ways, "./a.safetensors" and "a.safetensors", as
+        # transformers reads them: compared and opened by one normal name)
+        weight_map = {k: posixpath.normpath(v) for k, v in doc["weight_map"].items()}
+        metadata = {"index": doc.get("metadata", {})}
         names = sorted(set(weight_map.values()))
     files = {name: _confine.inside(path, name, where=where) for name in names}
     stored: dict[str, _read.StoredTensor] = {}
