@@ -262,6 +262,11 @@ def _maps(mapping: KeyMapping, key: str) -> bool:
     return False
 
 
+# The most keys absent_in_layers tries (a real model's dense and MoE layers make a few
+# thousand): bounded, whatever kinds and layers the files make up.
+_ABSENT_TRIED = 1 << 16
+
+
 def absent_in_layers(mapping: KeyMapping, keys: Iterable[str]) -> list[str]:
     """The PyTorch keys ``mapping`` maps that a layer of ``keys`` lacks while other layers of
     the same list hold them (``model.layers.1.mlp.down_proj.weight`` where
@@ -276,8 +281,10 @@ def absent_in_layers(mapping: KeyMapping, keys: Iterable[str]) -> list[str]:
         if at is not None:
             held.setdefault((at[0], at[2]), set()).add(at[1])
             layers.setdefault(at[0], set()).add(at[1])
-    problems, budget = [], MAX_TENSORS  # (keys tried: bounded, whatever the files claim)
+    problems, budget = [], _ABSENT_TRIED
     for (prefix, rest), have in held.items():
+        if budget <= 0:
+            break
         lacking = []
         for i in sorted(layers[prefix] - have)[:budget]:
             budget -= 1
