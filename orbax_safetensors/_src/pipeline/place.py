@@ -380,7 +380,7 @@ def saved_shardings(
             if "device_ids" in desc:  # (long lists: kept in device_meshes by this library)
                 key = json.dumps(desc, sort_keys=True)
             else:
-                fields = ("mesh_axes", "mesh_shape", "spec", "mesh_devices")
+                fields = ("mesh_axes", "mesh_shape", "spec", "mesh_devices", "axis_types")
                 key = repr(tuple(desc.get(f) for f in fields))
             if key not in built:
                 built[key] = _sharding.sharding_from_json(desc, device_meshes)

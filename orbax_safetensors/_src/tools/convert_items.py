@@ -181,8 +181,12 @@ def _orbax_sharding(leaf: Any) -> dict[str, Any] | None:
     sharding = getattr(leaf, "sharding", None)
     if not isinstance(sharding, ocp_metadata.NamedShardingMetadata):
         return None
+    types = getattr(sharding, "axis_types", None)  # (recorded by orbax-checkpoint 0.11.40 on)
     return _sharding.named_sharding_json(
-        sharding.axis_names, np.asarray(sharding.shape).tolist(), sharding.partition_spec
+        sharding.axis_names,
+        np.asarray(sharding.shape).tolist(),
+        sharding.partition_spec,
+        axis_types=None if types is None else [getattr(t, "name", str(t)) for t in types],
     )
 
 
