@@ -252,6 +252,8 @@ def capture(tree: Any) -> CapturedTree:
     def array_leaf(x: Any, kind: ArrayKind, path: tuple[KeyEntry, ...], name: str) -> Leaf:
         node: Leaf
         name = name or ROOT_NAME  # ("" joins as the root's name, as join_path gives it)
+        if not name.isascii():
+            check_tensor_name(name, join_path(path))
         first = first_by_id.get(id(x))
         if first is not None and kind is not scalar:
             node = Alias(name, "")  # ``of`` is named by finish
@@ -359,6 +361,21 @@ def capture(tree: Any) -> CapturedTree:
 
     tree_node = walk(tree, (), None, 0)
     return CapturedTree(tree_node, leaves, paths, values, stored, aliases, dtypes, shapes)
+
+
+def check_tensor_name(name: str, leaf: str | None = None) -> None:
+    """Raises ``UnsupportedLeafError`` naming ``leaf`` (its path; default ``name``) when the
+    tensor name ``name`` is not valid UTF-8 (a lone surrogate, legal in a Python ``str``):
+    safetensors headers are UTF-8. Every path from a tree's leaves to tensor names calls it."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as e:
+        where = name if leaf is None else leaf
+        raise UnsupportedLeafError(
+            f"leaf {where!r} cannot be stored: its name {name!r} "
+            f"is not valid UTF-8 (character {name[e.start]!r} at {e.start}), and safetensors "
+            "stores tensor names as UTF-8"
+        ) from None
 
 
 def deleted_message(name: str, x: Any) -> str:
