@@ -159,7 +159,8 @@ def _missing_in_pytree_item(item: epath.Path, names: set[str], prefix: str) -> l
         return missing + _missing_ocdbt_files(item, prefix)
     for name, kind in sorted(leaves.items()):
         if kind in _TENSORSTORE_VALUES:
-            missing += _missing_zarr_files(item / name, storage, f"{prefix}{name}/")
+            keys = _claims.array_keys(name)  # ("" : the item's own directory)
+            missing += _missing_zarr_files(item / name, storage, prefix + keys)
     return missing
 
 
