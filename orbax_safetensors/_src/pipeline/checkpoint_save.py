@@ -178,7 +178,7 @@ def plan_tree(
             else None  # nothing to describe
         )
     user_metadata = validated.user_metadata
-    metadata = _metadata.build_metadata(plan, specs, flat.schema, shardings, user_metadata or {})
+    metadata = _metadata.build_metadata(plan, specs, flat.schema, shardings, user_metadata)
     sizes = {s.name: plan.locate(s.name)[1].nbytes for s in specs}
     return plan, metadata, sizes
 
