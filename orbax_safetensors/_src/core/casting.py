@@ -1,5 +1,6 @@
 """Save-time dtype casts: which dtype each tensor is stored in (a policy, from its dotted name
-and leaf), and the cast itself in numpy, bit for bit as XLA casts on CPU (:func:`astype`).
+and leaf), and the cast itself in numpy, bit for bit as XLA casts on CPU (:func:`astype`, which
+restore-time casts use too).
 
 A policy (the ``dtype=`` argument of ``save_file``, ``SafetensorsSave``, ``save_model`` and
 ``convert``) is one dtype (every floating-point array; ``None`` or ``"keep"``: none), a mapping
@@ -414,8 +415,13 @@ def _plain(c: np.ndarray, dst: np.dtype) -> np.ndarray:
 
 
 def _float_to_int(c: np.ndarray, dst: np.dtype) -> np.ndarray:
-    v = c.astype(_F64)
     info = np.iinfo(dst)
+    if c.dtype != _F4 and c.size:  # where every value fits: C's truncation toward zero
+        w = c if c.dtype in (_F32, _F64) else c.astype(_F32)  # (exact for narrower floats)
+        low, high = w.min(), w.max()  # (a NaN compares false: the full rules below)
+        if low > info.min - 1.0 and high < 2.0 ** (info.bits - (1 if info.min < 0 else 0)):
+            return w.astype(dst)
+    v = c.astype(_F64)
     t = np.trunc(v)
     high = t >= 2.0 ** (info.bits - (1 if info.min < 0 else 0))  # max + 1, exact in float64
     low = t < float(info.min)
