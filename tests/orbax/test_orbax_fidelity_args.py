@@ -378,7 +378,60 @@ def test_metadata_without_custom_metadata_is_none_as_in_orbax(tmp_path: Path) ->
     assert got.custom_metadata is None and want.custom_metadata is None
 
 
+@pytest.mark.parametrize("custom", [{}, {"epoch": 3}])
+def test_custom_metadata_comes_back_as_given_as_in_orbax(tmp_path: Path, custom: Any) -> None:
+    orbax_dir, ours_dir = _save_both(tmp_path, {"w": jnp.ones(2)}, custom_metadata=custom)
+    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
+        want = ckptr.metadata(orbax_dir)
+    want = getattr(want, "item_metadata", want)
+    got = osf.SafetensorsCheckpointHandler().metadata(ours_dir)
+    assert got.custom_metadata == want.custom_metadata == custom
+
+
 # --------------------------------------------------------------------------- save args
+
+
+@pytest.mark.parametrize("save", [ocp.args.StandardSave, osf.SafetensorsSave])
+def test_args_built_once_save_the_tree_as_it_is_at_each_save(tmp_path: Path, save: Any) -> None:
+    from flax import nnx
+
+    state = {"w": np.zeros(2, np.float32), "n": np.zeros(2, np.float32), "step": 0}
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    args = save(state)
+    nnx_args = save(nnx.state(model))
+    state.update(w=np.ones(2, np.float32), step=5, extra=[1.0])  # replaced and added
+    state["n"][:] = 9  # changed in place
+    got = []
+    with ocp.CheckpointManager(tmp_path / save.__name__) as mngr:
+        mngr.save(0, args=args)
+        for step in (1, 2):
+            model.kernel.value = jnp.full((2, 2), float(step))
+            mngr.save(step, args=nnx_args)
+        mngr.wait_until_finished()
+        saved = mngr.restore(0)
+        for step in (1, 2):
+            got.append(np.asarray(jax.tree.leaves(mngr.restore(step))[1]))
+    assert sorted(saved) == ["extra", "n", "step", "w"] and saved["step"] == 5
+    np.testing.assert_array_equal(saved["w"], [1, 1])
+    np.testing.assert_array_equal(saved["n"], [9, 9])
+    np.testing.assert_array_equal(got[0], np.full((2, 2), 1.0))
+    np.testing.assert_array_equal(got[1], np.full((2, 2), 2.0))
+
+
+@pytest.mark.parametrize("item", [None, {}, []])
+def test_a_missing_or_empty_item_is_refused_as_standard_save_refuses_it(
+    tmp_path: Path, item: Any
+) -> None:
+    # Orbax: "Must provide item to save." / "Found empty item." (raised inside its save, where
+    # a failing save leaves its step-creation thread waiting: not run here). A committed step
+    # holding nothing would count towards max_to_keep.
+    with ocp.CheckpointManager(tmp_path) as mngr:
+        mngr.save(0, args=osf.SafetensorsSave({"w": np.ones(2)}))
+        with pytest.raises(ValueError, match=r"empty item|provide an item"):
+            mngr.save(1, args=osf.SafetensorsSave(item))
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [0]
+    osf.SafetensorsSave({"a": {}})  # not empty as Orbax judges it: an empty node is kept
 
 
 def test_save_args_dtype_is_honoured_like_standard_save(tmp_path: Path) -> None:

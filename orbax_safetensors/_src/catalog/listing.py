@@ -76,39 +76,45 @@ class FileTable:
     kind: SourceKind = SourceKind.FILE
 
 
-def cast_origins(schema: Any) -> dict[str, str]:
-    """``{tensor name: its dtype before a save-time cast}`` of a schema document; empty when
-    it is absent or unreadable (the tools still list the tensors)."""
+def schema_facts(schema: Any) -> tuple[dict[str, str], dict[str, str]]:
+    """What the tools show of a schema document: ``{tensor name: its dtype before a save-time
+    cast}`` and ``{alias name: the tensor it points at}`` (tied weights); empty when it is
+    absent or unreadable (the tools still list the tensors)."""
     try:
         leaves = _schema.from_json(schema).leaves if schema is not None else {}
     except SchemaError:
-        return {}
+        return {}, {}
     origins = {
         name: leaf.node.cast_from
         for name, leaf in leaves.items()
         if isinstance(leaf.node, _schema.Tensor) and leaf.node.cast_from is not None
     }
+    aliases = {
+        name: leaf.tensor_name for name, leaf in leaves.items() if leaf.kind is _schema.LeafKind.REF
+    }
     if not all(_dtypes.is_known(origin) for origin in origins.values()):
-        return {}
-    return {name: str(origin) for name, origin in origins.items()}
+        origins = {}
+    return {name: str(origin) for name, origin in origins.items()}, aliases
 
 
-def header_facts(header: _header.Header, where: str) -> tuple[dict[str, str], dict[str, str]]:
+def header_facts(
+    header: _header.Header, where: str
+) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
     """A header's user metadata (``__metadata__`` without this library's entries) and the
-    :func:`cast_origins` of its schema."""
+    :func:`schema_facts` of its schema."""
     try:
         schema = _metadata.header_json(header, _metadata.SCHEMA_KEY, where)
     except SchemaError:
         schema = None
     user = {k: v for k, v in header.metadata.items() if k not in _metadata.RESERVED_KEYS}
-    return user, cast_origins(schema)
+    return user, *schema_facts(schema)
 
 
 def list_file(path: epath.PathLike) -> FileTable:
     """The tensors of the safetensors file ``path``, from its header alone; raises
     ``NotSafetensorsError`` (something else), ``HeaderError`` or ``OSError``."""
     path, header = _read_header(path)
-    user, origins = header_facts(header, str(path))
+    user, origins, _ = header_facts(header, str(path))
     tensors = {
         name: TensorInfo(name, e.dtype, e.shape, e.nbytes, path.name, origins.get(name))
         for name, e in header.tensors.items()

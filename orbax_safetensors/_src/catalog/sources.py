@@ -137,7 +137,8 @@ def _resolve(
 class SafetensorsSource:
     """Tensors in safetensors files (one file, one of our items, or an HF directory);
     ``stored``: where each one's bytes lie, with its checksum where recorded; ``origins``:
-    each cast tensor's dtype before the cast."""
+    each cast tensor's dtype before the cast; ``aliases``: the other names of a tied tensor
+    (``{alias: tensor}``, as the schema records them)."""
 
     def __init__(
         self,
@@ -146,11 +147,13 @@ class SafetensorsSource:
         stored: Mapping[str, _read.StoredTensor],
         metadata: dict[str, Any],
         origins: Mapping[str, str] | None = None,
+        aliases: Mapping[str, str] | None = None,
     ) -> None:
         self.path = path
         self.kind = kind
         self.stored = dict(stored)
         self.metadata = metadata
+        self.aliases = {a: t for a, t in (aliases or {}).items() if t in self.stored}
         base = path if path.is_dir() else path.parent
         origins = origins or {}
         self.tensors = {
@@ -179,15 +182,16 @@ def _open_file(path: epath.Path) -> TensorSource:
         return _flax_msgpack.MsgpackSource(path)
     header = _router.read_header(path)
     _, stored = _read.file_index(path, header, strict=False, directory_checksums=True)
-    user, origins = _listing.header_facts(header, str(path))
-    return SafetensorsSource(path, SourceKind.FILE, stored, user, origins)
+    user, origins, aliases = _listing.header_facts(header, str(path))
+    return SafetensorsSource(path, SourceKind.FILE, stored, user, origins, aliases)
 
 
 def _open_item(path: epath.Path) -> SafetensorsSource:
     meta = _read.read_metadata(path)
     stored = _read.locate_in_directory(path, meta)
-    user, origins = dict(meta.get("metadata") or {}), _listing.cast_origins(meta.get("schema"))
-    return SafetensorsSource(path, SourceKind.ITEM, stored, user, origins)
+    user = dict(meta.get("metadata") or {})
+    origins, aliases = _listing.schema_facts(meta.get("schema"))
+    return SafetensorsSource(path, SourceKind.ITEM, stored, user, origins, aliases)
 
 
 def _open_safetensors_dir(path: epath.Path) -> SafetensorsSource:

@@ -22,6 +22,7 @@ import dataclasses
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import future as ocp_future
@@ -48,6 +49,15 @@ from orbax_safetensors._src.storage import config as _config
 # How long a save() whose host copies failed waits for Orbax to create the step directory (its
 # writer future waits for that before it can end) before it raises.
 _ABORT_WAIT_SECONDS = 60.0
+
+
+def _flattened(item: Any) -> tuple[list[Any], Any] | None:
+    # jax's leaves and treedef of ``item``; None for a tree jax cannot flatten (dict keys of
+    # mixed types, which it cannot sort), whose args are then built again at each save.
+    try:
+        return jax.tree_util.tree_flatten(item)  # type: ignore[no-any-return]
+    except (TypeError, ValueError):
+        return None
 
 
 @dataclasses.dataclass(repr=False)
@@ -81,7 +91,8 @@ class SafetensorsSave(ocp.args.CheckpointArgs):
         handler which kind of save calls it. Under an async save the arrays must then stay
         unchanged until ``wait_until_finished()``.
 
-    Everything is validated here, before Orbax creates the step. Prints as a summary
+    Everything is validated here, before Orbax creates the step (and again by the save when
+    ``item`` changed since: the save writes the tree as it is then). Prints as a summary
     (``SafetensorsSave(item=<dict: 12 leaves, 3.4 MiB>)``), never the arrays.
 
     Example::
@@ -102,8 +113,16 @@ class SafetensorsSave(ocp.args.CheckpointArgs):
     snapshot: bool = True
     _validated: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
     _export: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    _leaves: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        # Orbax's StandardSave refuses both, so a step that holds nothing is never committed
+        # (it would count towards max_to_keep and push a real step out).
+        if self.item is None:
+            raise ValueError("SafetensorsSave: must provide an item to save (got None)")
+        self._leaves = _flattened(self.item)
+        if self._leaves is not None and not self._leaves[0] and not self.item:
+            raise ValueError(f"SafetensorsSave: found an empty item ({self.item!r})")
         if self.custom_metadata is None:
             self.custom_metadata = self.metadata
         elif self.metadata is not None and self.metadata != self.custom_metadata:
@@ -138,6 +157,20 @@ class SafetensorsSave(ocp.args.CheckpointArgs):
     def validated_tree(self) -> _checkpoint_save.ValidatedTree:
         """The tree as validated when these args were built (what the save writes)."""
         return self._validated  # type: ignore[no-any-return]
+
+    def as_at_save(self) -> SafetensorsSave:
+        """These args, or the same args built again when ``item`` has changed since they
+        were built (a leaf replaced, a key added, an ``nnx`` Variable given a new value):
+        Orbax saves the tree as it is when ``save()`` runs, so args built once and reused
+        save each step's values. An array changed in place needs no rebuild: the save reads
+        it then."""
+        now = _flattened(self.item)
+        if now is not None and self._leaves is not None:
+            (leaves, treedef), (old_leaves, old_treedef) = now, self._leaves
+            # The old leaves are held here, so no new object can share an old one's id.
+            if treedef == old_treedef and all(a is b for a, b in zip(leaves, old_leaves)):
+                return self
+        return dataclasses.replace(self)
 
     @property
     def export_plan(self) -> _export_engine.ExportPlan | None:
@@ -365,6 +398,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
     ) -> _save_job.SaveJob:
         """A ``SaveJob`` of ``args`` into ``directory`` with this handler's options (on the
         caller's thread: raises if ``primary_host`` is not a process of this job)."""
+        args = args.as_at_save()
         job = _save_job.SaveJob(
             args.validated_tree,
             directory,
@@ -492,7 +526,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         metadata = _read.read_metadata(directory)
         return _args.TreeMetadata.build(
             _restore_plan.abstract_tree(directory, metadata),
-            custom_metadata=metadata.get("metadata") or None,
+            custom_metadata=metadata.get("metadata"),  # None when none was given, as Orbax
         )
 
     def close(self) -> None:

@@ -6,7 +6,9 @@ item (restored whole, saved by Orbax); and the names an ``nnx.State`` gets on ea
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -24,7 +26,7 @@ from orbax_safetensors._src.core import schema as _schema
 from orbax_safetensors._src.core import select as _select
 from orbax_safetensors._src.core import sharding as _sharding
 from orbax_safetensors._src.core import tree as _tree
-from orbax_safetensors._src.core.errors import SafetensorsCheckpointError
+from orbax_safetensors._src.core.errors import SafetensorsCheckpointError, UnsupportedLeafError
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.orbax.steps import PathKind
 from orbax_safetensors._src.pipeline import checkpoint_save as _checkpoint_save
@@ -233,7 +235,7 @@ def to_safetensors_item(
         tree = jax.tree_util.tree_map_with_path(leaf, saved_tree)
         return _unwrap(tree, collapse) if unwrap else tree
 
-    first, casts = _casting.apply_policy(_tree.capture(skeleton({})), dtype)
+    _, first, casts = _casting.apply_policy(_tree.capture(skeleton({})), dtype)
     to_orbax = {ours: orbax_name_of[id(v)] for ours, v in first.arrays.items()}
     specs = _casting.stored_specs(first.arrays, casts)
     plan = _plan.plan_files(specs, max_file_size=max_file_size, metadata=_metadata.HEADER_METADATA)
@@ -285,7 +287,7 @@ def _safetensors_metadata(
     dtype: _casting.Policy | None,
     collapse: set[Any],
 ) -> dict[str, Any]:
-    flat, casts = _casting.apply_policy(_tree.capture(tree), dtype)
+    _, flat, casts = _casting.apply_policy(_tree.capture(tree), dtype)
     final_specs = _casting.stored_specs(flat.arrays, casts)
     if final_specs != specs:  # the same tree, keys in place of placeholders
         raise AssertionError("internal: tensor layout changed between planning and writing")
@@ -316,8 +318,6 @@ def _restore_safetensors(
     schema pruned alike (None for plain safetensors files), its tensor count and bytes."""
     kind = _steps.classify(src)
     source = _sources.open_source(src)
-    infos = [t for n, t in source.tensors.items() if select is None or select.selects(n)]
-    n, size = len(infos), sum(t.nbytes for t in infos)
     include = (select.include or None) if select else None
     exclude = (select.exclude or None) if select else None
     if kind is PathKind.ITEM:
@@ -328,23 +328,33 @@ def _restore_safetensors(
             src, fallback_sharding=first, include=include, exclude=exclude
         )
         schema = _read.read_metadata(src)["schema"]
-        return tree, _pruned(schema, select), n, size
-    if kind is PathKind.FILE:
+    elif kind is PathKind.FILE:
         schema, _ = _read.file_index(src, _router.read_header(src))
         tree = _standalone.load_file(src, include=include, exclude=exclude)
-        return tree, _pruned(schema, select), n, size
-    if kind is PathKind.SAFETENSORS_DIR:
+    elif kind is PathKind.SAFETENSORS_DIR:
         if select is not None:
             select.check(source.tensors, str(src))
-        return source.read([t.name for t in infos]), None, n, size
-    raise SafetensorsCheckpointError(f"{src} is {kind.noun}, not a safetensors checkpoint")
+        schema, tree = None, None
+    else:
+        raise SafetensorsCheckpointError(f"{src} is {kind.noun}, not a safetensors checkpoint")
+    pruned = _pruned(schema, select)
+    if isinstance(pruned, _schema.Schema):  # an alias selected by its own name reads its tensor
+        names = {leaf.tensor_name for leaf in pruned.leaves.values()}
+    else:
+        names = {n for n in source.tensors if select is None or select.selects(n)}
+    infos = [t for n, t in source.tensors.items() if n in names]
+    if tree is None:
+        tree = source.read([t.name for t in infos])
+    return tree, pruned, len(infos), sum(t.nbytes for t in infos)
 
 
 def _pruned(schema: Any, select: _select.Selection | None) -> Any:
-    """``schema`` cut down to what ``select`` selects, as the selective restore cuts it."""
+    """``schema`` cut down to what ``select`` selects, as the selective restore cuts it: typed,
+    since a kept alias may point at a tensor not kept (restored by the alias's own name), which
+    the checks of a JSON document refuse."""
     if select is None or schema is None:
         return schema
-    return _tree.prune_schema(schema, select.selects)
+    return _tree.prune_schema(_schema.from_json(schema), select.selects)
 
 
 class _Name(str):
@@ -413,6 +423,97 @@ def _wrap_variables(tree: Any, schema: Any, everything: bool) -> Any:
     return _tree.unflatten(wrapped, lambda leaf: values[leaf.name])
 
 
+def _numpy_scalar_as_array(x: Any) -> Any:
+    if isinstance(x, np.generic) and not isinstance(x, (np.str_, np.bytes_)):
+        return np.asarray(x)
+    return x
+
+
+def _describe(x: Any) -> str:
+    # A leaf as the messages show it: ``float32[0,4]``, ``Python int``.
+    if isinstance(x, (np.ndarray, np.generic, jax.Array)):
+        return f"{x.dtype}[{','.join(str(d) for d in np.shape(x))}]"
+    return f"Python {type(x).__name__}"
+
+
+def _orbax_problem(x: Any) -> str | None:
+    """Why Orbax cannot store the leaf ``x`` (None: it can)."""
+    import tensorstore as ts
+
+    if isinstance(x, bool) or not isinstance(x, (int, np.ndarray, np.generic, jax.Array)):
+        return None
+    if isinstance(x, int):
+        if np.asarray(x).dtype == object:  # as Orbax turns a Python int into an array
+            return f"Python int {x} lies outside int64 and uint64, which Orbax stores ints as"
+        return None
+    if _tree.is_prng_key(x):
+        return None
+    if x.size == 0:
+        return f"{_describe(x)} holds no elements, and Orbax refuses zero-size arrays"
+    try:
+        ts.dtype(np.dtype(x.dtype).name)
+    except ValueError:
+        return f"{_describe(x)}: TensorStore, which Orbax writes arrays with, has no {x.dtype}"
+    return None
+
+
+_SHOWN = 10  # problems a refusal lists (one error line, however many leaves)
+
+
+def check_orbax_storable(tree: Any, src: epath.Path) -> None:
+    """Raises unless Orbax can store every leaf of ``tree`` (read from ``src``) apart: Orbax
+    names each array by its keys joined with ``"."`` (``{"a.b": x, "a": {"b": y}}`` gives both
+    ``a.b``, and one value would silently replace the other), refuses zero-size arrays, and
+    writes arrays through TensorStore (no ``float6_*``) and ints as int64/uint64.
+
+    Raises:
+      UnsupportedLeafError: naming every such leaf (both paths of names that collide), its dtype
+        and shape; nothing was written.
+    """
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    seen: dict[str, tuple[Any, Any]] = {}
+    problems = []
+    for path, leaf in flat:
+        name = ".".join(str(k) for k in raw_path(path))
+        if name in seen:
+            other, first = seen[name]
+            problems.append(
+                f"the leaves at {jax.tree_util.keystr(other)} ({_describe(first)}) and "
+                f"{jax.tree_util.keystr(path)} ({_describe(leaf)}) both get the Orbax name "
+                f"{name!r} (Orbax names a leaf by its keys joined with '.'), so one would "
+                "overwrite the other; rename one of them"
+            )
+            continue
+        seen[name] = (path, leaf)
+        why = _orbax_problem(leaf)
+        if why is not None:
+            problems.append(f"{name!r}: {why}")
+    if problems:
+        more = f"; and {len(problems) - _SHOWN} more" if len(problems) > _SHOWN else ""
+        raise UnsupportedLeafError(
+            f"{src} cannot be converted to Orbax-native (nothing was written): "
+            + "; ".join(problems[:_SHOWN])
+            + more
+        )
+
+
+@contextlib.contextmanager
+def orbax_threads_joined_on_failure() -> Iterator[None]:
+    """On an exception inside, waits for the background threads Orbax started meanwhile before
+    passing it on: a save that fails part way has started writing other arrays, which would
+    otherwise go on writing (recreating directories) after the caller removed its output."""
+    before = set(threading.enumerate())
+    try:
+        yield
+    except BaseException:
+        for thread in threading.enumerate():
+            if thread not in before and type(thread).__module__.startswith("orbax."):
+                # Thread's own join: Orbax's re-raises the thread's error in place of this one
+                # (its waits for other processes end at Orbax's coordination timeout).
+                threading.Thread.join(thread)
+        raise
+
+
 def to_orbax_item(
     src: epath.Path,
     dst: epath.Path,
@@ -429,6 +530,10 @@ def to_orbax_item(
     if wrap_values is not False:
         tree = _wrap_variables(tree, schema, everything=bool(wrap_values))
     tree, variables = _variable_names(tree)
+    check_orbax_storable(tree, src)  # before Orbax writes anything
+    # A numpy scalar as the 0-d array StandardSave makes of it (PyTreeSave would store a Python
+    # scalar, or refuse np.bool_), so it comes back as one whichever handler writes the item.
+    tree = jax.tree_util.tree_map(_numpy_scalar_as_array, tree)
     # Converting back collapses exactly these.
     custom = {RECORD_KEY: {VARIABLES_KEY: sorted(variables)}}
     with progress_bar(size, f"convert {src.name}", progress) as bar:
@@ -440,7 +545,8 @@ def to_orbax_item(
             args = ocp.args.StandardSave(tree, custom_metadata=custom)
         checkpointer = ocp.Checkpointer(handler)
         try:
-            checkpointer.save(_steps.absolute(dst), args=args, force=True)
+            with orbax_threads_joined_on_failure():
+                checkpointer.save(_steps.absolute(dst), args=args, force=True)
         finally:
             checkpointer.close()
         bar.update(size)

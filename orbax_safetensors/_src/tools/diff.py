@@ -87,28 +87,34 @@ class DiffReport:
 
 
 class _Renamed:
-    """A source under other names (an Orbax ``nnx.State`` under the names ``convert`` gives)."""
+    """A source under other names: ``original`` maps each name to the source's tensor it reads
+    (an Orbax ``nnx.State`` under the names ``convert`` gives; a tied tensor under each of its
+    names, as Orbax stores it)."""
 
-    def __init__(self, source: _sources.TensorSource, names: dict[str, str]) -> None:
+    def __init__(self, source: _sources.TensorSource, original: dict[str, str]) -> None:
         self.path, self.kind, self.metadata = source.path, source.kind, source.metadata
         self.source = source
-        self.original = {names[n]: n for n in source.tensors}
+        self.original = original
         self.tensors = {
-            names[n]: dataclasses.replace(t, name=names[n]) for n, t in source.tensors.items()
+            n: dataclasses.replace(source.tensors[o], name=n) for n, o in original.items()
         }
 
     def read(self, names: Sequence[str]) -> dict[str, np.ndarray]:
-        values = self.source.read([self.original[n] for n in names])
+        values = self.source.read(list(dict.fromkeys(self.original[n] for n in names)))
         return {n: values[self.original[n]] for n in names}
 
 
 def _sources_of(path: epath.PathLike) -> dict[str, _sources.TensorSource]:
     out: dict[str, _sources.TensorSource] = {}
     for item, source in _sources.open_items(path).items():
-        names = None
+        original: dict[str, str] = {}
         if isinstance(source, _orbax_source.OrbaxSource):
             names = _convert_items.converted_names(source)
-        out[item] = _Renamed(source, names) if names else source
+            original = {names[n]: n for n in source.tensors} if names else {}
+        elif isinstance(source, _sources.SafetensorsSource) and source.aliases:
+            # Each name of a tied tensor compared (its Orbax copy stores one array per name).
+            original = {n: n for n in source.tensors} | source.aliases
+        out[item] = _Renamed(source, original) if original else source
     return out
 
 
