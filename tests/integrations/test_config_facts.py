@@ -139,3 +139,17 @@ def test_layouts_it_does_not_know_are_left_alone():
     assert ConfigFacts(dense).tensor_problems(llama_tensors()) == []
     (problem,) = ConfigFacts({**LLAMA, "intermediate_size": 0}).tensor_problems(llama_tensors())
     assert "intermediate_size 0, but model.layers.0.mlp.gate_proj.weight [64, 32] has 64" in problem
+
+
+def test_a_huge_count_is_compared_not_built():
+    # 10**12 layers or experts: compared with what the tensors hold, nothing of that size made
+    huge = 10**12
+    (problem,) = ConfigFacts({**LLAMA, "num_hidden_layers": huge}).tensor_problems(llama_tensors())
+    assert f"num_hidden_layers {huge}, but the tensors hold layers 0 to 1 (2)" in problem
+    nextn = {**LLAMA, "num_nextn_predict_layers": huge}
+    assert ConfigFacts(nextn).tensor_problems(llama_tensors(layers=3)) == []
+    for key in ("num_local_experts", "num_experts"):
+        config = {**LLAMA, "model_type": "mixtral", "num_hidden_layers": 1, key: huge}
+        tensors = {"model.layers.0.block_sparse_moe.experts.0.w1.weight": (64, 32)}
+        (problem,) = ConfigFacts(config).tensor_problems(tensors)
+        assert f"{key} {huge}, but layer 0 holds experts 0 to 0 (1)" in problem

@@ -293,12 +293,10 @@ class _Claims:
         self.claim(self.facts.prefix + "hidden_size", hidden, key, shape, 1 if into else 0)
 
     def _counts(self, layers: set[int], expert_ids: Mapping[int, set[int]]) -> None:
+        # Compared by arithmetic over what the tensors hold: nothing is sized by a claim (a
+        # config may claim 10**10 layers or experts).
         f, p, n, experts = self.facts, self.facts.prefix, self.layers, self.experts
-        if (
-            n is not None
-            and layers
-            and not set(range(n)) <= layers <= set(range(n + self.extra_layers))
-        ):
+        if n is not None and layers and not _exactly(layers, n, n + self.extra_layers):
             line = (
                 f"{f.where}: {p}num_hidden_layers {n}, but the tensors hold layers "
                 f"{_numbers(layers)} ({len(layers)})"
@@ -307,12 +305,18 @@ class _Claims:
         if experts is None:
             return
         for layer, ids in sorted(expert_ids.items()):
-            if ids != set(range(experts[1])):
+            if not _exactly(ids, experts[1], experts[1]):
                 line = (
                     f"{f.where}: {p}{experts[0]} {experts[1]}, but layer {layer} holds experts "
                     f"{_numbers(ids)} ({len(ids)})"
                 )
                 self.found.setdefault(p + experts[0] + " per layer", (line, 0))
+
+
+def _exactly(ids: set[int], least: int, most: int) -> bool:
+    """Whether ``ids`` (whole numbers >= 0) hold every number below ``least`` and none from
+    ``most`` on: counted, so that time and memory follow ``ids``, never the two bounds."""
+    return max(ids, default=-1) < most and sum(1 for i in ids if i < least) == least
 
 
 def _numbers(ids: set[int]) -> str:
