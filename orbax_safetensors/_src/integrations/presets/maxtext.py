@@ -347,6 +347,8 @@ class _Dims:
     extra: int = 0
     scale: float | None = None
     vision: tuple[int, ...] | None = None
+    # DeepSeek's latent attention: qk_nope_head_dim, qk_rope_head_dim, v_head_dim (None absent)
+    latent: tuple[int | None, ...] = (None, None, None)
 
     @classmethod
     def of(cls, family: _Family, config: ConfigFacts, top: ConfigFacts) -> _Dims:
@@ -386,8 +388,11 @@ class _Dims:
             keys = ("num_attention_heads", "hidden_size")
             vision = tuple(_needs(name, f"vision_config.{k}", facts.size(k)) for k in keys)
         extra = config.count("num_nextn_predict_layers") or 0
+        latent = tuple(
+            config.count(k) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        )
         return dataclasses.replace(
-            dims, layers=layers, dense=dense, extra=extra, scale=scale, vision=vision
+            dims, layers=layers, dense=dense, extra=extra, scale=scale, vision=vision, latent=latent
         )
 
     def embedding(self, padded: int | None) -> Any:
@@ -532,20 +537,25 @@ def _attention(family: _Family, dims: _Dims, att: str) -> list[_Entry]:
 
 
 def _mla(dims: _Dims, att: str) -> list[_Entry]:
-    """DeepSeek's multi-head latent attention (``query``: V2's, without a query LoRA)."""
+    """DeepSeek's multi-head latent attention (``query``: V2's, without a query LoRA), each
+    projection split into exactly the config's heads of its per-head size where the config
+    gives it (queries: ``qk_nope_head_dim + qk_rope_head_dim``; ``wkv_b``: ``qk_nope_head_dim
+    + v_head_dim``; ``out``: ``v_head_dim``), so that a contradicting config is refused."""
+    nope, rope, v = dims.latent
 
-    def heads(axis: int) -> Chain:
-        return Chain(Transpose(), SplitHeads(dims.heads, axis))
+    def heads(axis: int, *sizes: int | None) -> Chain:
+        size = None if None in sizes else sum(s for s in sizes if s is not None)
+        return Chain(Transpose(), SplitHeads(dims.heads, axis, size or None))
 
     return [
         ("self_attn.q_a_proj.weight", att + "wq_a.kernel", Transpose()),
         ("self_attn.q_a_layernorm.weight", att + "q_norm.scale", None),
-        ("self_attn.q_b_proj.weight", att + "wq_b.kernel", heads(-1)),
-        ("self_attn.q_proj.weight", att + "query.kernel", heads(-1)),
+        ("self_attn.q_b_proj.weight", att + "wq_b.kernel", heads(-1, nope, rope)),
+        ("self_attn.q_proj.weight", att + "query.kernel", heads(-1, nope, rope)),
         ("self_attn.kv_a_proj_with_mqa.weight", att + "wkv_a.kernel", Transpose()),
         ("self_attn.kv_a_layernorm.weight", att + "kv_norm.scale", None),
-        ("self_attn.kv_b_proj.weight", att + "wkv_b.kernel", heads(-1)),
-        ("self_attn.o_proj.weight", att + "out.kernel", heads(0)),
+        ("self_attn.kv_b_proj.weight", att + "wkv_b.kernel", heads(-1, nope, v)),
+        ("self_attn.o_proj.weight", att + "out.kernel", heads(0, v)),
     ]
 
 
