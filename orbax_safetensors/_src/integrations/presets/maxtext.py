@@ -46,6 +46,10 @@ _GEMMA_NORMS = (  # each stored 1 + w
 )
 _MLP = (("gate_proj", "wi_0"), ("up_proj", "wi_1"), ("down_proj", "wo"))
 _BLOCK = "DeepSeekMoeBlock_0."
+# The most layers a preset that names each layer (Gemma 2's pairs, Gemma 3's stacks, DeepSeek's
+# dense and MoE layers) lays out from a config: far past any published model's, and a bound on
+# what a forged num_hidden_layers makes it build before any tensor is seen.
+MOST_LAYERS = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +134,9 @@ llama3 = _preset(
     Raises:
       ValueError: a config of another model type, or without the sizes the preset needs.
       ConfigError: a size that is not a positive whole number, or that does not divide what
-        it must (key/value heads the heads, heads the hidden size), naming the key.
+        it must (key/value heads the heads, heads the hidden size), naming the key; for the
+        presets that name each layer (Gemma 2, Gemma 3, DeepSeek V3), ``num_hidden_layers``
+        past :data:`MOST_LAYERS` or ``num_nextn_predict_layers`` past ``num_hidden_layers``.
 
     Example::
 
@@ -367,6 +373,11 @@ class _Dims:
         if family.layout == "plain":
             return dims
         layers = _needs(name, "num_hidden_layers", config.size("num_hidden_layers"))
+        if layers > MOST_LAYERS:  # (each is a rule or a name of the preset's)
+            raise ConfigError(
+                f"{config.where}: {config.prefix}num_hidden_layers is {layers}, more than the "
+                f"{MOST_LAYERS} layers preset {name!r} lays out"
+            )
         dense = 0
         if family.layout == "dense_moe":
             dense = _needs(name, "first_k_dense_replace", config.count("first_k_dense_replace"))
@@ -388,6 +399,11 @@ class _Dims:
             keys = ("num_attention_heads", "hidden_size")
             vision = tuple(_needs(name, f"vision_config.{k}", facts.size(k)) for k in keys)
         extra = config.count("num_nextn_predict_layers") or 0
+        if extra > layers:  # (each is a name the preset leaves out)
+            raise ConfigError(
+                f"{config.where}: {config.prefix}num_nextn_predict_layers is {extra}, more than "
+                f"{config.prefix}num_hidden_layers {layers}"
+            )
         latent = tuple(
             config.count(k) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
         )
