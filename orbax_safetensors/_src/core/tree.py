@@ -9,7 +9,7 @@ save, and re-exports the names other layers call.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -194,6 +194,50 @@ class CapturedTree:
     def stored_kinds(self) -> list[LeafKind]:
         """Each stored array's kind (``TENSOR`` or ``KEY``), in the order of ``arrays``."""
         return [leaf_kind(self._leaves[i]) for i in self._stored]
+
+    def aliases(self) -> list[tuple[int, str, int]]:
+        """Each alias as ``(leaf index, its final dotted name, position in arrays of the array
+        it shares)``, in flatten order (names as :meth:`finish` gives them)."""
+        if not self._aliases:
+            return []
+        names = dedupe_names([leaf.name for leaf in self._leaves], self._paths)
+        position = {leaf: k for k, leaf in enumerate(self._stored)}
+        return [(i, names[i], position[j]) for i, j in sorted(self._aliases.items())]
+
+    def untie(self, retie: Mapping[int, int]) -> CapturedTree:
+        """This tree with some aliases (leaf indices from :meth:`aliases`) no longer sharing
+        their array's stored tensor: ``retie[i] == i`` stores alias ``i`` as a tensor of its
+        own (a copy of the leaf it shared, under its own name), ``retie[i] == k`` makes it an
+        alias of ``k`` (an earlier alias stored on its own). A dtype policy that casts two
+        paths of one array differently stores two tensors, as Orbax would."""
+        if not retie:
+            return self
+        leaves, values = list(self._leaves), list(self._values)
+        aliases = dict(self._aliases)
+        own = sorted(i for i, k in retie.items() if i == k)
+        untied: dict[int, Leaf] = {}
+        for i in own:
+            j = aliases.pop(i)
+            values[i] = values[j]
+            untied[id(leaves[i])] = leaves[i] = _schema.renamed(leaves[j], leaves[i].name)
+        for i, k in retie.items():
+            if i != k:
+                aliases[i] = k
+        # (leaves are matched by identity: equal leaves at other paths stay as they are)
+        tree_node = _schema.map_leaves(self._tree, lambda leaf: untied.get(id(leaf), leaf))
+        position = {leaf: k for k, leaf in enumerate(self._stored)}
+        stored = sorted([*self._stored, *own])
+        source = [position[i] if i in position else position[self._aliases[i]] for i in stored]
+        return CapturedTree(
+            tree_node,
+            leaves,
+            self._paths,
+            values,
+            stored,
+            aliases,
+            [self.dtypes[k] for k in source],
+            [self.shapes[k] for k in source],
+        )
 
     def finish(self, cast_from: Sequence[str | None] | None = None) -> FlatTree:
         """The named schema and arrays; ``cast_from``: each stored array's safetensors dtype

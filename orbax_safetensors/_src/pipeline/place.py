@@ -19,6 +19,7 @@ import numpy as np
 from etils import epath
 
 from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
+from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import runs as _runs
 from orbax_safetensors._src.core import sharding as _sharding
@@ -176,7 +177,8 @@ def host_buffers(
 def _host_value(req: Any, raw: np.ndarray, box_shape: tuple[int, ...]) -> np.ndarray:
     value = _dtypes.unpack(raw, req.stored.dtype, box_shape)
     if req.dtype is not None and value.dtype != req.dtype:
-        value = value.astype(req.dtype)
+        # jax's cast, as a save-time cast: numpy's out-of-range float -> int is the platform's
+        value = _casting.astype(value, req.dtype)
     return value
 
 

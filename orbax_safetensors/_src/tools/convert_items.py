@@ -231,7 +231,7 @@ def to_safetensors_item(
         tree = jax.tree_util.tree_map_with_path(leaf, saved_tree)
         return _unwrap(tree, collapse) if unwrap else tree
 
-    first, casts = _casting.apply_policy(_tree.capture(skeleton({})), dtype)
+    _, first, casts = _casting.apply_policy(_tree.capture(skeleton({})), dtype)
     to_orbax = {ours: orbax_name_of[id(v)] for ours, v in first.arrays.items()}
     specs = _casting.stored_specs(first.arrays, casts)
     plan = _plan.plan_files(specs, max_file_size=max_file_size, metadata=_metadata.HEADER_METADATA)
@@ -283,7 +283,7 @@ def _safetensors_metadata(
     dtype: _casting.Policy | None,
     collapse: set[Any],
 ) -> dict[str, Any]:
-    flat, casts = _casting.apply_policy(_tree.capture(tree), dtype)
+    _, flat, casts = _casting.apply_policy(_tree.capture(tree), dtype)
     final_specs = _casting.stored_specs(flat.arrays, casts)
     if final_specs != specs:  # the same tree, keys in place of placeholders
         raise AssertionError("internal: tensor layout changed between planning and writing")
