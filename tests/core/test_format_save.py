@@ -80,6 +80,7 @@ BAD_TREES = [
     ({"ok": jnp.ones(2), "q": jnp.ones(4, jnp.int4)}, "q", "int4"),
     ({"ok": np.ones(2), "f": lambda x: x}, "f", "function"),
     ({"ok": np.ones(2), (1, 2): np.ones(1)}, "(1, 2)", "only str and int keys"),
+    ({"ok": np.ones(2), "l": {"w\ud800": np.ones(2)}}, "l.w\\ud800", "not valid UTF-8"),
 ]
 
 
@@ -168,6 +169,30 @@ def test_big_endian_numpy_arrays_keep_their_values_on_every_write_path(tmp_path)
         for key, value in got.items():
             assert np.asarray(value).dtype == want[key].dtype, key
             np.testing.assert_array_equal(value, want[key])
+
+
+def test_a_tensor_name_that_is_not_utf8_is_refused_on_every_write_path(tmp_path):
+    # A lone surrogate in a dict key (legal in a Python str) cannot name a tensor: refused
+    # naming the leaf before any I/O (SafetensorsSave: before Orbax creates the step), as
+    # save_file does (BAD_TREES). The same character in a string value or an inline leaf's key
+    # is JSON text: it round-trips.
+    import orbax.checkpoint as ocp
+
+    bad = {"layers": {"w\ud800": np.ones(2, np.float32)}}
+    match = r"'layers\.w\\ud800'.*not valid UTF-8"
+    with pytest.raises(osf.UnsupportedLeafError, match=match):
+        osf.SafetensorsSave(bad)
+    mapping = osf.KeyMapping([osf.Rule("{n:.*}", "{n}")])
+    with pytest.raises(osf.UnsupportedLeafError, match=match):
+        osf.export_pytorch(bad, tmp_path / "hf", mapping)
+    assert list(tmp_path.iterdir()) == []
+
+    tree = {"note": "x\ud800", "n\ud800": 3, "w": np.ones(2, np.float32)}
+    with ocp.CheckpointManager(tmp_path / "run") as manager:
+        manager.save(1, args=osf.SafetensorsSave(tree))
+        manager.wait_until_finished()
+        got = manager.restore(1, args=osf.SafetensorsRestore())
+    assert got["note"] == "x\ud800" and got["n\ud800"] == 3
 
 
 # --------------------------------------------------------------------------- docs/format.md

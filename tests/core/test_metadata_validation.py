@@ -86,6 +86,11 @@ SHARDING_FORGERIES = {
         lambda d: d.update(device_meshes=[[0, 1]]),
         "2 device ids for a mesh of 1 devices",
     ),
+    "unknown axis type": (lambda d: _sharding(d).update(axis_types=["Hidden"]), "axis_types"),
+    "axis types count": (
+        lambda d: _sharding(d).update(axis_types=["Explicit", "Auto"]),
+        "axis_types",
+    ),
 }
 
 

@@ -74,6 +74,12 @@ BAD = {
         MISMATCH,
         [r"num_hidden_layers 3", r"layers 0 to 1 \(2\)"],
     ),
+    # a count is compared by arithmetic, never built as a set of the claimed size
+    "layers-huge": (
+        {"num_hidden_layers": HUGE},
+        MISMATCH,
+        [rf"num_hidden_layers {HUGE}", r"layers 0 to 1 \(2\)"],
+    ),
     "width-contradicts": (
         {"intermediate_size": 128},
         MISMATCH,
@@ -81,7 +87,7 @@ BAD = {
     ),
 }
 # What a load reads of the config: the vocabulary, heads and head_dim (the rest shapes nothing)
-LOADED = [n for n in BAD if n not in ("layers-contradict", "width-contradicts")]
+LOADED = [n for n in BAD if n not in ("layers-contradict", "layers-huge", "width-contradicts")]
 
 
 def bad_config(name: str) -> dict:

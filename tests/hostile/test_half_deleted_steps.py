@@ -459,3 +459,29 @@ def test_every_reader_of_a_step_refuses_a_half_deleted_one(
         else:
             wrong[verb] = "read it"
     assert not wrong, json.dumps(wrong, indent=1)
+
+
+@pytest.mark.parametrize(
+    "tree", [{"name": "run-ü", "note": None}, {"a": None, "b": {}}], ids=["strings", "no leaves"]
+)
+def test_an_orbax_item_without_arrays_is_complete(
+    tree: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An Orbax item holding no array (strings, None, empty containers) has no OCDBT or zarr
+    files; Orbax restores it, and no tool calls it incomplete (convert writes such items)."""
+    root = tmp_path / "run"
+    with ocp.CheckpointManager(root) as mngr:
+        mngr.save(STEP, args=ocp.args.PyTreeSave(tree))
+        mngr.wait_until_finished()
+        want = mngr.restore(STEP, args=ocp.args.PyTreeRestore())
+    step = root / str(STEP)
+    assert _completeness.missing_entries(step) == []
+    assert [s["status"] for s in inspection.inspect_path(root)["steps"]] == ["ok"]
+    code, out, err = _cli(capsys, "inspect", step)
+    assert code == 0 and "INCOMPLETE" not in out, out + err
+    code, _, err = _cli(capsys, "convert", root, tmp_path / "converted", "-q")
+    assert code == 0, err
+    assert osf.restore_directory(tmp_path / "converted" / str(STEP) / "default") == want
+    if "name" in tree:  # what it does need is still required
+        (step / "default" / "_strings.json").unlink()
+        assert _completeness.missing_entries(step) == ["default/_strings.json"]

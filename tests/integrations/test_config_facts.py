@@ -139,3 +139,54 @@ def test_layouts_it_does_not_know_are_left_alone():
     assert ConfigFacts(dense).tensor_problems(llama_tensors()) == []
     (problem,) = ConfigFacts({**LLAMA, "intermediate_size": 0}).tensor_problems(llama_tensors())
     assert "intermediate_size 0, but model.layers.0.mlp.gate_proj.weight [64, 32] has 64" in problem
+
+
+def test_a_huge_count_is_compared_not_built():
+    # 10**12 layers or experts: compared with what the tensors hold, nothing of that size made
+    huge = 10**12
+    (problem,) = ConfigFacts({**LLAMA, "num_hidden_layers": huge}).tensor_problems(llama_tensors())
+    assert f"num_hidden_layers {huge}, but the tensors hold layers 0 to 1 (2)" in problem
+    nextn = {**LLAMA, "num_nextn_predict_layers": huge}
+    assert ConfigFacts(nextn).tensor_problems(llama_tensors(layers=3)) == []
+    for key in ("num_local_experts", "num_experts"):
+        config = {**LLAMA, "model_type": "mixtral", "num_hidden_layers": 1, key: huge}
+        tensors = {"model.layers.0.block_sparse_moe.experts.0.w1.weight": (64, 32)}
+        (problem,) = ConfigFacts(config).tensor_problems(tensors)
+        assert f"{key} {huge}, but layer 0 holds experts 0 to 0 (1)" in problem
+
+
+def test_deepseek_latent_attention_and_routed_experts():
+    # transformers' DeepseekV3Attention: 4 heads, q_lora_rank 12, kv_lora_rank 8, qk_nope 6,
+    # qk_rope 4, v 5; 2 routed experts
+    config = {"model_type": "deepseek_v3", "vocab_size": 96, "hidden_size": 32,
+              "num_attention_heads": 4, "q_lora_rank": 12, "kv_lora_rank": 8,
+              "qk_nope_head_dim": 6, "qk_rope_head_dim": 4, "v_head_dim": 5,
+              "n_routed_experts": 2, "moe_intermediate_size": 16, "num_hidden_layers": 1}  # fmt: skip
+    p = "model.layers.0."
+    tensors = {
+        p + "self_attn.q_a_proj.weight": (12, 32),
+        p + "self_attn.q_a_layernorm.weight": (12,),
+        p + "self_attn.q_b_proj.weight": (40, 12),
+        p + "self_attn.kv_a_proj_with_mqa.weight": (12, 32),
+        p + "self_attn.kv_a_layernorm.weight": (8,),
+        p + "self_attn.kv_b_proj.weight": (44, 8),
+        p + "self_attn.o_proj.weight": (32, 20),
+        p + "mlp.gate.weight": (2, 32),
+        **{f"{p}mlp.experts.{e}.gate_proj.weight": (16, 32) for e in range(2)},
+    }
+    assert ConfigFacts(config).tensor_problems(tensors) == []
+    (problem,) = ConfigFacts({**config, "num_attention_heads": 2}).tensor_problems(
+        {p + "self_attn.o_proj.weight": (32, 20)}
+    )
+    assert (
+        "num_attention_heads 2 x (v_head_dim 5) = 10, but model.layers.0.self_attn.o_proj"
+        in problem
+    )
+    problems = ConfigFacts({**config, "n_routed_experts": 3}).tensor_problems(tensors)
+    assert any("n_routed_experts 3, but layer 0 holds experts 0 to 1 (2)" in x for x in problems)
+    assert any("n_routed_experts 3, but model.layers.0.mlp.gate.weight" in x for x in problems)
+    # no query LoRA (V2-Lite): q_proj holds the heads; an absent size claims nothing
+    lite = {**config, "q_lora_rank": None}
+    assert ConfigFacts(lite).tensor_problems({p + "self_attn.q_proj.weight": (40, 32)}) == []
+    with pytest.raises(osf.ConfigError, match="q_lora_rank is 0, not positive"):
+        ConfigFacts({**config, "q_lora_rank": 0}).validated()

@@ -304,6 +304,37 @@ def test_deepseek_without_a_query_lora(tmp_path):
     assert all(np.array_equal(bits(v), bits(hf[k])) for k, v in written.items())
 
 
+# DeepSeek claims the tensors contradict (4 heads, q_lora_rank 12, kv_lora_rank 8, qk_nope 6,
+# qk_rope 4, v 5, 4 routed experts): the key, the claim and the tensors' number
+DEEPSEEK_CLAIMS = {
+    "heads": ({"num_attention_heads": 2, "num_key_value_heads": 2},
+              r"num_attention_heads 2 x \(qk_nope_head_dim 6 \+ qk_rope_head_dim 4\) = 20, but "
+              r"model\.layers\.0\.self_attn\.q_b_proj\.weight \[40, 12\] has 40 rows"),
+    "experts": ({"n_routed_experts": 8}, r"n_routed_experts 8, but layer 1 holds experts 0 to 3"),
+    "q_lora_rank": ({"q_lora_rank": 10}, r"q_lora_rank 10, but .* has 12 rows"),
+    "kv_lora_rank": ({"kv_lora_rank": 4}, r"kv_lora_rank 4 \+ qk_rope_head_dim 4 = 8, but .*kv_a_proj_with_mqa.* has 12 rows"),
+    "rope": ({"qk_rope_head_dim": 2}, r"qk_rope_head_dim 2\) = 32, but .* has 40 rows"),
+    "v_head_dim": ({"v_head_dim": 4}, r"num_attention_heads 4 x \(v_head_dim 4\) = 16, but .*o_proj.* has 20 columns"),
+}  # fmt: skip
+
+
+def test_deepseek_claims_are_checked_against_the_tensors(models, tmp_path):
+    # an export's config (its config.json) and a load's preset: refused, naming the claim
+    m = models("deepseek3")
+    params, mapping = loaded("deepseek3", m, True)
+    config = m.config.to_dict()
+    for name, (changes, message) in DEEPSEEK_CLAIMS.items():
+        out = tmp_path / name
+        with pytest.raises(osf.TargetMismatchError, match=message):
+            osf.export_pytorch({"params": params}, out, mapping, hf_config=config | changes)
+        assert not out.exists()
+    # the preset's heads carry the per-head sizes: a load refuses heads of the wrong size
+    for changes in ({"num_attention_heads": 2, "num_key_value_heads": 2}, {"v_head_dim": 4}):
+        wrong = osf.preset_mapping("maxtext-deepseek3", hf_config=config | changes)
+        with pytest.raises(osf.TargetMismatchError, match=r"wkv_b\.kernel|out\.kernel"):
+            osf.load_pytorch(None, m.dirs[None], wrong)
+
+
 def test_gemma3_reads_the_names_of_transformers_4_and_5(models, tmp_path):
     import safetensors.numpy
 

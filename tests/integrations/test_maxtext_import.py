@@ -278,6 +278,43 @@ def test_hostile_input_is_one_error_line_and_leaves_nothing(models, tmp_path, ca
 
 
 @V1
+@pytest.mark.parametrize(
+    ("kind", "claim", "message"),
+    [
+        ("gemma2", {"num_hidden_layers": 10**9},
+         r"num_hidden_layers 1000000000, but the tensors hold layers 0 to 3 \(4\)"),
+        ("deepseek3", {"num_hidden_layers": 10**9},
+         r"num_hidden_layers 1000000000, but the tensors hold layers 0 to 2 \(3\)"),
+        ("deepseek3", {"num_nextn_predict_layers": 10**9},
+         r"num_nextn_predict_layers is 1000000000, more than num_hidden_layers 3"),
+    ],
+    ids=["gemma2-layers", "deepseek3-layers", "deepseek3-nextn"],
+)  # fmt: skip
+def test_a_forged_count_is_refused_before_the_preset_is_built(
+    models, tmp_path, capsys, kind, claim, message
+):
+    # the config is checked against the tensors before the preset lays out its layers
+    import shutil
+
+    _, hf = models(kind)
+    forged = tmp_path / "forged"
+    shutil.copytree(hf, forged)
+    config = json.loads((hf / "config.json").read_text())
+    (forged / "config.json").write_text(json.dumps(config | claim))
+    with pytest.raises(osf.ConfigError, match=message):
+        osf.import_pytorch(forged, tmp_path / "ckpt", f"maxtext-{kind}")
+    from orbax_safetensors._src.tools import cli  # the command line builds it first itself
+
+    capsys.readouterr()
+    assert (
+        cli.main(["import", str(forged), str(tmp_path / "ckpt"), "--mapping", f"maxtext-{kind}"])
+        == 2
+    )
+    assert __import__("re").search(message, capsys.readouterr().err)
+    assert not (tmp_path / "ckpt").exists()
+
+
+@V1
 def test_the_command_line_writes_what_maxtext_reads(models, tmp_path, capsys):
     from orbax_safetensors._src.tools import cli
 

@@ -122,6 +122,39 @@ def test_the_command_line_gives_each_preset_what_it_takes_from_the_config():
         osf.hf.presets.tunix.gemma4({**GEMMA4, "layer_types": None})
 
 
+# A count a preset lays out one name or rule for each of, refused past what it can be: the
+# key and its value, before anything of that size is built
+BOUNDED = {
+    "gemma2-layers": ("maxtext-gemma2", {"num_hidden_layers": 10**9},
+                      r"num_hidden_layers is 1000000000, more than the 1024 layers"),
+    "gemma3-layers": ("maxtext-gemma3", {"num_hidden_layers": 10**9},
+                      r"num_hidden_layers is 1000000000, more than the 1024 layers"),
+    "deepseek3-layers": ("maxtext-deepseek3", {"num_hidden_layers": 10**9},
+                         r"num_hidden_layers is 1000000000, more than the 1024 layers"),
+    "deepseek3-nextn": ("maxtext-deepseek3", {"num_nextn_predict_layers": 10**9},
+                        r"num_nextn_predict_layers is 1000000000, more than num_hidden_layers 2"),
+    "gemma4-shared": ("tunix-gemma4", {"num_kv_shared_layers": 3},
+                      r"num_kv_shared_layers is 3, more than num_hidden_layers 2"),
+    "gemma4-shared-huge": ("tunix-gemma4", {"num_kv_shared_layers": 10**9},
+                           r"num_kv_shared_layers is 1000000000, more than num_hidden_layers 2"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BOUNDED))
+def test_counts_a_preset_lays_out_are_bounded(case):
+    name, changes, message = BOUNDED[case]
+    config = GEMMA4 if name == "tunix-gemma4" else config_for(name)
+    with pytest.raises(osf.ConfigError, match=message):
+        osf.hf.preset_mapping(name, hf_config={**config, **changes})
+    # the bound itself is laid out (Gemma 3 scanned: cheaply); every layer shared is too
+    if name == "tunix-gemma4":
+        shared = osf.hf.preset_mapping(name, hf_config={**config, "num_kv_shared_layers": 2})
+        assert shared.flax_ignored("layers.0.attn.kv_einsum.w")
+    elif name == "maxtext-gemma3":
+        most = {**config, "num_hidden_layers": osf.hf.presets.maxtext.MOST_LAYERS}
+        osf.hf.preset_mapping(name, hf_config=most, scan_layers=True)
+
+
 def documents(factory, param):
     """``param`` is in ``factory``'s Args, or in those of the factory whose arguments it says
     it shares (``Its arguments are :func:`llama3`'s``)."""

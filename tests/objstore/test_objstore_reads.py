@@ -159,7 +159,7 @@ def test_a_column_quarter_reads_at_most_1_5x_in_the_fewest_requests(store) -> No
     boxes = []
     for device in mine:
         index = _runs.normalize_index(indices[device], matrix.shape)
-        offsets, length = _runs.byte_runs("F32", matrix.shape, index)
+        offsets, length = _runs.byte_runs("F32", matrix.shape, index, "matrix")
         buffer = _buffers.aligned_empty(len(offsets) * length)
         boxes.append((index, buffer))
         runs.extend(

@@ -47,6 +47,7 @@ def describe(x: Any) -> dict[str, Any]:
             out["key_impl"] = str(jax.random.key_impl(x))
         if isinstance(s, NamedSharding):
             out["mesh"] = dict(s.mesh.shape)
+            out["axis_types"] = [t.name for t in s.mesh.axis_types]
             out["mesh_devices"] = [d.id for d in s.mesh.devices.flat]
             out["spec"] = tuple(s.spec)
         return out

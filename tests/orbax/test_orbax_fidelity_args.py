@@ -378,6 +378,16 @@ def test_metadata_without_custom_metadata_is_none_as_in_orbax(tmp_path: Path) ->
     assert got.custom_metadata is None and want.custom_metadata is None
 
 
+@pytest.mark.parametrize("custom", [{}, {"epoch": 3}])
+def test_custom_metadata_comes_back_as_given_as_in_orbax(tmp_path: Path, custom: Any) -> None:
+    orbax_dir, ours_dir = _save_both(tmp_path, {"w": jnp.ones(2)}, custom_metadata=custom)
+    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
+        want = ckptr.metadata(orbax_dir)
+    want = getattr(want, "item_metadata", want)
+    got = osf.SafetensorsCheckpointHandler().metadata(ours_dir)
+    assert got.custom_metadata == want.custom_metadata == custom
+
+
 # --------------------------------------------------------------------------- save args
 
 

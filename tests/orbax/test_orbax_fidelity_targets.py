@@ -87,6 +87,11 @@ DELIBERATE = {
 }
 
 
+# (saved kind, target form) restoring a float onto an integer dtype it does not fit: our cast is
+# jax's (saturating, docs/restore-targets.md); TensorStore's is C's undefined conversion.
+JAX_CASTS = {("numpy_0d_float64", "sds_int32_scalar")}
+
+
 if not fidelity.ORBAX_SDS_TARGET_GIVES_NDARRAY:
     # orbax-checkpoint 0.11.11 (checkpoint_utils.py:447, see fidelity.ORBAX_SDS_TARGET_GIVES_NDARRAY)
     # restores a saved jax.Array into a sharding-less ShapeDtypeStruct of another shape in its
@@ -150,6 +155,11 @@ def test_target_form_against_saved_kind(saved_kinds, kind, form):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # casts that overflow, as Orbax's do
         got = fidelity.restore_ours(ours, **kwargs)
+    if (kind, form) in JAX_CASTS:
+        assert type(got["v"]) is type(want["v"]) and got["v"].dtype == want["v"].dtype
+        expected = np.asarray(jnp.asarray(value).astype(want["v"].dtype))
+        np.testing.assert_array_equal(np.asarray(got["v"]), expected)
+        return
     fidelity.assert_same_restore(got, want)
 
 

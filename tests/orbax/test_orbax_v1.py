@@ -222,6 +222,27 @@ def test_load_honours_the_contexts_partial_load_option_as_orbax_does(tmp_path: P
 
 
 @needs_v1
+@pytest.mark.parametrize("kind", ["str", "placeholder", "all placeholders"])
+def test_an_abstract_tree_with_strings_or_placeholders_loads_as_orbax_does(
+    tmp_path: Path, kind: str
+) -> None:
+    """A str leaf of the abstract tree loads the saved string, ``ocp.PLACEHOLDER`` skips its
+    leaf: as Orbax's own v1 handler (the load was handed to Orbax's, which failed)."""
+    tree = {"w": jnp.ones(2), "run_name": "exp-1"}
+    w = jax.ShapeDtypeStruct((2,), jnp.float32)
+    abstract = {
+        "str": {"w": w, "run_name": "x"},
+        "placeholder": {"w": w, "run_name": ocp_v0.PLACEHOLDER},
+        "all placeholders": {"w": ocp_v0.PLACEHOLDER, "run_name": ocp_v0.PLACEHOLDER},
+    }[kind]
+    orbax, ours = _load_both(tmp_path, tree, abstract)
+    assert not isinstance(orbax, Exception), orbax
+    assert not isinstance(ours, Exception), ours
+    _assert_same(ours, orbax)
+    assert ours["run_name"] == ("exp-1" if kind == "str" else ocp_v0.PLACEHOLDER)
+
+
+@needs_v1
 def test_the_active_context_is_read_through_the_fence() -> None:
     """The private ``get_context`` that :func:`orbaxcompat.v1_loading_options` reads exists on
     this stack (else the options would silently stop applying: this test catches that)."""

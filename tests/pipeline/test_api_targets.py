@@ -68,6 +68,36 @@ def test_numpy_and_python_scalar_targets(saved):
     assert out["zero_d"] == 1.5 and type(out["zero_d"]) is float
 
 
+@pytest.mark.parametrize("kind", ["numpy", "numpy_scalar", "shape_dtype_struct"])
+def test_python_scalars_onto_narrower_dtypes_are_cast_as_tensors_are(tmp_path, kind):
+    # As Orbax casts them; out-of-range floats as every restore cast (jax's: saturating).
+    saved = {"a": 300, "b": -1, "c": float("nan"), "d": 1e10, "f": 2**63 + 5, "g": -2.5}
+    dtypes = {"a": np.uint8, "b": np.uint32, "c": np.int32, "d": np.int32, "f": np.uint64,
+              "g": np.int8}  # fmt: skip
+    want = {"a": 44, "b": 2**32 - 1, "c": 0, "d": 2**31 - 1, "f": 2**63 + 5, "g": -2}
+    osf.save_file({**saved, "big": 2**80}, tmp_path / "s.safetensors")
+
+    def leaf(dtype: Any) -> Any:
+        if kind == "numpy":
+            return np.zeros((), dtype)
+        if kind == "numpy_scalar":
+            return np.dtype(dtype).type(0)
+        return jax.ShapeDtypeStruct((), dtype)
+
+    with jax.enable_x64(True):  # (uint64 as a jax.Array)
+        out = osf.load_file(
+            tmp_path / "s.safetensors", {k: leaf(d) for k, d in dtypes.items()}, strict=False
+        )
+        for k, d in dtypes.items():
+            assert np.asarray(out[k]).dtype == d and int(out[k]) == want[k], k
+        with pytest.raises(
+            osf.TargetMismatchError, match=r"big: .*Python int 1208925819614629174706176.*int64"
+        ):
+            osf.load_file(tmp_path / "s.safetensors", {"big": leaf(np.int64)}, strict=False)
+    with pytest.raises(osf.TargetMismatchError, match=r"c: .*Python float nan, target wants a int"):
+        osf.load_file(tmp_path / "s.safetensors", {"c": 0}, strict=False)
+
+
 def test_jax_array_targets_keep_their_placement(saved, mesh):
     path, tree = saved
     device = devices.take(4)[3]

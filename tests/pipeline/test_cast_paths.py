@@ -131,3 +131,26 @@ def test_manager_stores_jax_casts(tmp_path: Path, async_enabled: bool) -> None:
         mngr.wait_until_finished()
     item = next(p for p in (tmp_path / "0").rglob("*.safetensors")).parent
     _check(_raw_tensors(item), want)
+
+
+# --------------------------------------------------------------------------- restore-time casts
+
+
+@pytest.mark.parametrize("how", ["load_file", "restore_directory", "manager"])
+def test_restore_onto_another_dtype_gives_jax_casts(tmp_path: Path, how: str) -> None:
+    # Saved as they are, restored onto targets of the other dtype: the same bits as the
+    # save-time cast (jax's), not numpy's platform-defined out-of-range float -> int.
+    tree, want = _tree_and_expected()
+    target = {k: np.zeros(v.shape, v.dtype) for k, v in want.items()}
+    if how == "load_file":
+        osf.save_file(tree, tmp_path / "m.safetensors")
+        got = osf.load_file(tmp_path / "m.safetensors", target=target)
+    elif how == "restore_directory":
+        osf.save_directory(tree, tmp_path / "d")
+        got = osf.restore_directory(tmp_path / "d", target)
+    else:
+        with ocp.CheckpointManager(tmp_path / "m") as mngr:
+            mngr.save(0, args=osf.SafetensorsSave(tree))
+            mngr.wait_until_finished()
+            got = mngr.restore(0, args=osf.SafetensorsRestore(target))
+    _check({k: np.asarray(v) for k, v in got.items()}, want)

@@ -222,6 +222,44 @@ def test_an_alias_is_cast_once_and_stays_shared(tmp_path: Path) -> None:
     assert restored["head"] is restored["embed"] and restored["head"].dtype == BF16
 
 
+@pytest.mark.parametrize(
+    "policy",
+    [{"embed": "bfloat16"}, {"head": "bfloat16"}, {"embed": "float16", "head": "bfloat16"}],
+    ids=str,
+)
+@pytest.mark.parametrize("how", ["save_file", "save_directory", "manager"])
+def test_an_alias_named_another_dtype_is_stored_on_its_own(
+    tmp_path: Path, policy: dict[str, str], how: str
+) -> None:
+    # As Orbax's SaveArgs(dtype=) would: each path in the dtype its own name resolves to.
+    w = jnp.arange(6.0, dtype=jnp.float32) + 0.1
+    tree = {"embed": w, "head": w, "also": w}
+    if how == "save_file":
+        osf.save_file(tree, tmp_path / "t.safetensors", dtype=policy)
+        files = [tmp_path / "t.safetensors"]
+        restored = osf.load_file(tmp_path / "t.safetensors")
+    elif how == "save_directory":
+        osf.save_directory(tree, tmp_path / "d", dtype=policy)
+        files = sorted((tmp_path / "d").glob("*.safetensors"))
+        restored = osf.restore_directory(tmp_path / "d")
+    else:
+        with ocp.CheckpointManager(tmp_path / "m") as mngr:
+            mngr.save(0, args=osf.SafetensorsSave(tree, dtype=policy))
+            mngr.wait_until_finished()
+            restored = mngr.restore(0, args=osf.SafetensorsRestore())
+        files = sorted((tmp_path / "m" / "0").rglob("*.safetensors"))
+    stored = {k: v for f in files for k, v in _official(f).items()}
+    want = {k: np.dtype(policy.get(k, "float32")) for k in tree}
+    assert {k: v.dtype for k, v in stored.items()} == {k: want[k] for k in stored}
+    # one tensor per dtype, the first path of each: the paths that agree stay tied
+    firsts = {want[k]: k for k in reversed(tree)}
+    assert sorted(stored) == sorted(firsts.values())
+    for k in tree:
+        assert restored[k].dtype == want[k]
+        np.testing.assert_array_equal(np.asarray(restored[k]), _cast(w, want[k]))
+        assert restored[k] is restored[firsts[want[k]]]
+
+
 def test_files_without_cast_records_still_load(tmp_path: Path) -> None:
     path = tmp_path / "plain.safetensors"
     osf.save_file(_tree(), path)

@@ -190,10 +190,29 @@ def test_column_stripes_read_within_1_5x_with_the_fewest_requests() -> None:
     per row 1.0x; the planner reads <= 1.5x in the fewest ranges that allows (5/6 of the rows:
     every merged 3-run gap adds 3 run widths, the budget is half of all runs)."""
     shape, index = (1024, 1024), (slice(0, 1024), slice(0, 256))
-    offsets, length = _runs.byte_runs("F32", shape, index)
+    offsets, length = _runs.byte_runs("F32", shape, index, "t")
     runs = [(int(o), np.empty(length, np.uint8)) for o in offsets]
     reads = _runs.ranged_reads(runs, 1 << 20)
     needed = len(runs) * length
     assert _read_bytes(reads) <= 1.5 * needed
     merged = int(0.5 * needed) // (3 * length)  # gaps of 3 runs each fit in half the bytes
     assert len(reads) == len(runs) - merged == 854
+
+
+def test_sub_byte_shards_off_whole_bytes_are_refused_naming_the_leaf(tmp_path: Path) -> None:
+    # One float4 element per device: a shard of half a byte; each device's owner writes its
+    # own bytes, so the save refuses it, naming the leaf (the restore reads whole bytes).
+    import devices  # (tests/ is on sys.path)
+    import jax
+
+    mesh = devices.mesh((8,), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    values = np.arange(8).astype(ml_dtypes.float4_e2m1fn)
+    with pytest.raises(osf.UnsupportedLeafError, match=r"leaf 'layer.w4': .*whole bytes"):
+        osf.save_file({"layer": {"w4": jax.device_put(values, sharding)}}, tmp_path / "a.st")
+    osf.save_file({"layer": {"w4": values}}, tmp_path / "b.safetensors")
+    # One process reads the whole tensor and places its slices: restoring onto them works.
+    target = {"layer": {"w4": jax.ShapeDtypeStruct((8,), values.dtype, sharding=sharding)}}
+    out = osf.load_file(tmp_path / "b.safetensors", target)["layer"]["w4"]
+    assert out.sharding == sharding
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint8), values.view(np.uint8))

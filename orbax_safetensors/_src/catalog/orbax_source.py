@@ -28,7 +28,6 @@ from orbax_safetensors._src.orbax import completeness as _completeness
 from orbax_safetensors._src.orbax import steps as _steps
 from orbax_safetensors._src.pipeline import place as _place
 from orbax_safetensors._src.storage import buffers as _buffers
-from orbax_safetensors._src.storage import confine as _confine
 
 # What an Orbax item's reads ask TensorStore for at a time: pieces of whole stored chunks of at
 # most READ_PIECE_BYTES (a larger chunk is a piece alone), READ_PIECES_IN_FLIGHT at once (one
@@ -102,13 +101,14 @@ class OrbaxSource:
 
         info = self.tensors.get(name)
         leaf_name = getattr(self.leaves[name][1], "name", None) if name in self.leaves else None
-        if info is None or not isinstance(leaf_name, str) or not leaf_name:
+        if info is None or not isinstance(leaf_name, str):
             return None
         if self._context is None:
             self._context = ts.Context(_claims.TENSORSTORE_CONTEXT)
             self._storage = _steps.array_storage(self.path)
         storage = self._storage
-        _confine.inside(self.path, leaf_name, where=self.path / _steps.ORBAX_METADATA_FILE)
+        _steps.orbax_array_path(self.path, leaf_name, where=self.path / _steps.ORBAX_METADATA_FILE)
+        keys = _claims.array_keys(leaf_name)
         spec = _orbaxcompat.array_read_spec(
             self.path,
             leaf_name,
@@ -122,14 +122,14 @@ class OrbaxSource:
         if storage.use_ocdbt:  # (a missing data file named, before TensorStore reads it)
             if self._ocdbt is None:
                 self._ocdbt = _claims.OcdbtFiles(self.path)
-            self._ocdbt.check(f"{leaf_name}/", name)
+            self._ocdbt.check(keys, name)
         try:
             store = ts.open(spec, open=True, context=self._context).result()
         except ValueError as e:
             raise SafetensorsCheckpointError(
                 f"{self.path}: tensor {name!r}: TensorStore cannot open its array: {e}"
             ) from None
-        zarr = f"{leaf_name}/{'zarr.json' if storage.use_zarr3 else '.zarray'}"
+        zarr = f"{keys}{'zarr.json' if storage.use_zarr3 else '.zarray'}"
         if storage.use_ocdbt:
             zarr += " in the item's OCDBT database"
         _claims.check_claim(str(self.path), name, info.shape, tuple(store.shape), zarr)

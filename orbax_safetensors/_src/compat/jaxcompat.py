@@ -275,6 +275,29 @@ def _replicate(sharding: NamedSharding) -> Any:
     return jax.jit(_identity, out_shardings=sharding)
 
 
+# -- mesh axis types (jax.sharding.AxisType: Auto, Explicit, Manual) -------------------------
+
+
+def axis_type_names(mesh: Any) -> list[str] | None:
+    """The names of ``mesh``'s axis types (``"Auto"``, ``"Explicit"``, ``"Manual"``) when some
+    axis is not Auto, else None (every axis Auto, or a jax without axis types)."""
+    names = [getattr(t, "name", str(t)) for t in getattr(mesh, "axis_types", None) or ()]
+    return None if all(n == "Auto" for n in names) else names
+
+
+def make_mesh(devices: np.ndarray, axes: tuple[str, ...], axis_types: Any = None) -> Any:
+    """``jax.sharding.Mesh(devices, axes)``, with the axis types named in ``axis_types`` (see
+    :func:`axis_type_names`) where given; ValueError for a name this jax does not know."""
+    if axis_types is None:
+        return jax.sharding.Mesh(devices, axes)
+    kinds = getattr(jax.sharding, "AxisType", None)
+    try:
+        types = tuple(getattr(kinds, name) for name in axis_types)
+    except (AttributeError, TypeError):
+        raise ValueError(f"this jax has no mesh axis types {list(axis_types)!r}") from None
+    return jax.sharding.Mesh(devices, axes, axis_types=types)
+
+
 # -- jax.sharding.set_mesh (a plain setter on jax 0.6 and 0.7) ---------------------------------
 
 

@@ -1,5 +1,6 @@
 """Save-time dtype casts: which dtype each tensor is stored in (a policy, from its dotted name
-and leaf), and the cast itself in numpy, bit for bit as XLA casts on CPU (:func:`astype`).
+and leaf), and the cast itself in numpy, bit for bit as XLA casts on CPU (:func:`astype`, which
+restore-time casts use too).
 
 A policy (the ``dtype=`` argument of ``save_file``, ``SafetensorsSave``, ``save_model`` and
 ``convert``) is one dtype (every floating-point array; ``None`` or ``"keep"``: none), a mapping
@@ -211,22 +212,29 @@ def stored_specs(
 
 def apply_policy(
     captured: _tree.CapturedTree, policy: Policy | None
-) -> tuple[_tree.FlatTree, list[np.dtype | None]]:
-    """Names ``captured`` and resolves ``policy`` over its stored arrays: ``(flat tree, stored
-    dtype or None for each of flat.arrays)``; each cast tensor's schema node records its
-    original dtype.
+) -> tuple[_tree.CapturedTree, _tree.FlatTree, list[np.dtype | None]]:
+    """Names ``captured`` and resolves ``policy`` over its stored arrays: ``(captured, flat
+    tree, stored dtype or None for each of flat.arrays)``; each cast tensor's schema node
+    records its original dtype.
+
+    The policy is asked for every leaf's own name, an alias's too (the same array at two
+    paths): where an alias is to be stored in another dtype than the array it shares, it is
+    stored as a tensor of its own (the returned ``captured`` lists it), as Orbax's
+    ``SaveArgs(dtype=)`` casts each leaf on its own; where both get one dtype, it stays tied.
 
     Raises:
       UnsupportedLeafError: see :func:`resolve`.
     """
-    flat = captured.finish()
     if policy is None:
-        return flat, [None] * len(flat.arrays)
-    key = _tree.LeafKind.KEY
-    keys = frozenset(i for i, kind in enumerate(captured.stored_kinds()) if kind is key)
-    casts = resolve(
-        policy, list(flat.arrays), captured.dtypes, captured.shapes, captured.arrays, keys=keys
-    )
+        flat = captured.finish()
+        return captured, flat, [None] * len(flat.arrays)
+    flat, casts = _resolved(captured, policy)
+    aliases = captured.aliases()
+    if aliases:
+        split = _split_aliases(captured, policy, aliases, casts)
+        if split:
+            captured = captured.untie(split)
+            flat, casts = _resolved(captured, policy)
     if any(want is not None for want in casts):
         flat = captured.finish(
             cast_from=[
@@ -234,7 +242,48 @@ def apply_policy(
                 for dtype, want in zip(captured.dtypes, casts)
             ]
         )
+    return captured, flat, casts
+
+
+def _resolved(
+    captured: _tree.CapturedTree, policy: Policy
+) -> tuple[_tree.FlatTree, list[np.dtype | None]]:
+    flat = captured.finish()
+    key = _tree.LeafKind.KEY
+    keys = frozenset(i for i, kind in enumerate(captured.stored_kinds()) if kind is key)
+    casts = resolve(
+        policy, list(flat.arrays), captured.dtypes, captured.shapes, captured.arrays, keys=keys
+    )
     return flat, casts
+
+
+def _split_aliases(
+    captured: _tree.CapturedTree,
+    policy: Policy,
+    aliases: list[tuple[int, str, int]],
+    casts: list[np.dtype | None],
+) -> dict[int, int]:
+    # ``retie`` for CapturedTree.untie: each alias whose own name resolves to another stored
+    # dtype than its array's is stored on its own, or shares the first such alias of the same
+    # array and dtype.
+    key = _tree.LeafKind.KEY
+    kinds = captured.stored_kinds()
+    dtypes = [np.dtype(captured.dtypes[p]) for _, _, p in aliases]
+    own = resolve(
+        policy,
+        [name for _, name, _ in aliases],
+        dtypes,
+        [captured.shapes[p] for _, _, p in aliases],
+        [captured.arrays[p] for _, _, p in aliases],
+        keys=frozenset(n for n, (_, _, p) in enumerate(aliases) if kinds[p] is key),
+    )
+    retie: dict[int, int] = {}
+    first: dict[tuple[int, np.dtype], int] = {}
+    for (i, _, p), want, dtype in zip(aliases, own, dtypes):
+        stored_as = want or dtype
+        if stored_as != (casts[p] or dtype):
+            retie[i] = first.setdefault((p, stored_as), i)
+    return retie
 
 
 # -- the cast itself, as XLA's CPU casts -----------------------------------------------------
@@ -366,8 +415,13 @@ def _plain(c: np.ndarray, dst: np.dtype) -> np.ndarray:
 
 
 def _float_to_int(c: np.ndarray, dst: np.dtype) -> np.ndarray:
-    v = c.astype(_F64)
     info = np.iinfo(dst)
+    if c.dtype != _F4 and c.size:  # where every value fits: C's truncation toward zero
+        w = c if c.dtype in (_F32, _F64) else c.astype(_F32)  # (exact for narrower floats)
+        low, high = w.min(), w.max()  # (a NaN compares false: the full rules below)
+        if low > info.min - 1.0 and high < 2.0 ** (info.bits - (1 if info.min < 0 else 0)):
+            return w.astype(dst)
+    v = c.astype(_F64)
     t = np.trunc(v)
     high = t >= 2.0 ** (info.bits - (1 if info.min < 0 else 0))  # max + 1, exact in float64
     low = t < float(info.min)

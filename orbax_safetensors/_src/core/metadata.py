@@ -137,7 +137,7 @@ def build_metadata(
     specs: Sequence[_plan.TensorSpec],
     schema: Mapping[str, Any],
     shardings: Mapping[str, dict[str, Any] | None],
-    user_metadata: Mapping[str, Any],
+    user_metadata: Mapping[str, Any] | None,
 ) -> dict[str, Any]:
     """The metadata document of a checkpoint directory, less checksums (:func:`add_checksums`).
 
@@ -172,7 +172,7 @@ def build_metadata(
         "schema": schema,
         "tensors": tensors,
         "device_meshes": device_meshes,
-        "metadata": dict(user_metadata),
+        "metadata": None if user_metadata is None else dict(user_metadata),
     }
 
 

@@ -102,16 +102,25 @@ def is_whole(index: Index, shape: Sequence[int]) -> bool:
     return all(s.start == 0 and s.stop == d for s, d in zip(index, shape, strict=True))
 
 
-def byte_runs(spec_dtype: str, shape: Sequence[int], index: Index) -> tuple[np.ndarray, int]:
-    """:func:`box_runs` in bytes. Sub-byte dtypes must split on whole bytes."""
+def byte_runs(
+    spec_dtype: str, shape: Sequence[int], index: Index, name: str
+) -> tuple[np.ndarray, int]:
+    """:func:`box_runs` in bytes of tensor ``name`` (named in the error). Sub-byte dtypes must
+    split on whole bytes.
+
+    Raises:
+      UnsupportedLeafError: naming the tensor, its shard, dtype and shape, for a sub-byte
+        shard that does not start and end on whole bytes.
+    """
     offsets, length = box_runs(shape, index)
     width = _dtypes.bits(spec_dtype)
     if width % 8 == 0:
         return offsets * (width // 8), length * (width // 8)
     if (length * width) % 8 or np.any((offsets * width) % 8):
         raise UnsupportedLeafError(
-            f"a shard {index_key(index)} of a {spec_dtype} tensor of shape {tuple(shape)} does "
-            "not start and end on whole bytes; shard sub-byte tensors along whole bytes"
+            f"leaf {name!r}: a shard {index_key(index)} of a {spec_dtype} tensor of shape "
+            f"{tuple(shape)} does not start and end on whole bytes; shard sub-byte tensors "
+            "along whole bytes"
         )
     return offsets * width // 8, length * width // 8
 

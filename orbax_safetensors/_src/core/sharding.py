@@ -20,20 +20,28 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+# The names of jax.sharding.AxisType's members a description's ``axis_types`` may hold.
+AXIS_TYPES = ("Auto", "Explicit", "Manual")
+
 
 def named_sharding_json(
     axis_names: Iterable[str],
     mesh_shape: Iterable[Any],
     spec: Iterable[Any],
     device_ids: Iterable[int] | None = None,
+    axis_types: Iterable[str] | None = None,
 ) -> dict[str, Any]:
-    """The JSON description of a named sharding (device ids, if given, in mesh order)."""
+    """The JSON description of a named sharding (device ids, if given, in mesh order; the
+    mesh's axis type names, if given, recorded when some axis is not ``"Auto"``)."""
     out = [e if e is None or isinstance(e, str) else list(e) for e in spec]
     desc: dict[str, Any] = {
         "mesh_axes": list(axis_names),
         "mesh_shape": [int(d) for d in mesh_shape],
         "spec": out,
     }
+    types = None if axis_types is None else [str(t) for t in axis_types]
+    if types is not None and any(t != "Auto" for t in types):
+        desc["axis_types"] = types  # (absent: every axis Auto, as files from before they were kept)
     if device_ids is not None:
         desc["device_ids"] = [int(i) for i in device_ids]
     return desc
@@ -45,6 +53,8 @@ def sharding_to_json(sharding: Any) -> dict[str, Any] | None:
     import jax
     import numpy as np
 
+    from orbax_safetensors._src.compat import jaxcompat
+
     if isinstance(sharding, jax.sharding.SingleDeviceSharding):
         device: Any = next(iter(sharding.device_set))
         return {"device_id": int(device.id)}
@@ -53,7 +63,11 @@ def sharding_to_json(sharding: Any) -> dict[str, Any] | None:
     mesh = sharding.mesh
     ids = [d.id for d in np.asarray(mesh.devices).flat]
     return named_sharding_json(
-        mesh.axis_names, [mesh.shape[a] for a in mesh.axis_names], sharding.spec, ids
+        mesh.axis_names,
+        [mesh.shape[a] for a in mesh.axis_names],
+        sharding.spec,
+        ids,
+        jaxcompat.axis_type_names(mesh),
     )
 
 
@@ -141,6 +155,14 @@ def check_sharding_json(
         used += names
     if len(set(used)) != len(used):
         raise SchemaError(f"sharding {desc!r} is malformed (a mesh axis is used twice in spec)")
+    types = desc.get("axis_types")
+    if types is not None and not (
+        isinstance(types, list) and len(types) == len(shape) and all(t in AXIS_TYPES for t in types)
+    ):
+        raise SchemaError(
+            f"sharding {desc!r} is malformed (axis_types is not a list of {len(shape)} of "
+            f"{', '.join(AXIS_TYPES)})"
+        )
     ids = _device_ids(desc, device_meshes if isinstance(device_meshes, list) else None)
     if ids is not None and len(ids) != math.prod(shape):
         raise SchemaError(
@@ -200,6 +222,8 @@ def sharding_from_json(
     import jax
     import numpy as np
 
+    from orbax_safetensors._src.compat import jaxcompat
+
     if not desc:
         return None
     ids = check_sharding_json(desc, device_meshes)  # (so the fields below have their types)
@@ -221,7 +245,7 @@ def sharding_from_json(
         if size != len(devices):
             return None
     try:
-        mesh = jax.sharding.Mesh(np.array(devices).reshape(shape), axes)
+        mesh = jaxcompat.make_mesh(np.array(devices).reshape(shape), axes, desc.get("axis_types"))
         return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
     except (TypeError, ValueError) as e:
         raise SchemaError(f"sharding {desc!r} is malformed ({e})") from None

@@ -9,7 +9,7 @@ save, and re-exports the names other layers call.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -195,6 +195,50 @@ class CapturedTree:
         """Each stored array's kind (``TENSOR`` or ``KEY``), in the order of ``arrays``."""
         return [leaf_kind(self._leaves[i]) for i in self._stored]
 
+    def aliases(self) -> list[tuple[int, str, int]]:
+        """Each alias as ``(leaf index, its final dotted name, position in arrays of the array
+        it shares)``, in flatten order (names as :meth:`finish` gives them)."""
+        if not self._aliases:
+            return []
+        names = dedupe_names([leaf.name for leaf in self._leaves], self._paths)
+        position = {leaf: k for k, leaf in enumerate(self._stored)}
+        return [(i, names[i], position[j]) for i, j in sorted(self._aliases.items())]
+
+    def untie(self, retie: Mapping[int, int]) -> CapturedTree:
+        """This tree with some aliases (leaf indices from :meth:`aliases`) no longer sharing
+        their array's stored tensor: ``retie[i] == i`` stores alias ``i`` as a tensor of its
+        own (a copy of the leaf it shared, under its own name), ``retie[i] == k`` makes it an
+        alias of ``k`` (an earlier alias stored on its own). A dtype policy that casts two
+        paths of one array differently stores two tensors, as Orbax would."""
+        if not retie:
+            return self
+        leaves, values = list(self._leaves), list(self._values)
+        aliases = dict(self._aliases)
+        own = sorted(i for i, k in retie.items() if i == k)
+        untied: dict[int, Leaf] = {}
+        for i in own:
+            j = aliases.pop(i)
+            values[i] = values[j]
+            untied[id(leaves[i])] = leaves[i] = _schema.renamed(leaves[j], leaves[i].name)
+        for i, k in retie.items():
+            if i != k:
+                aliases[i] = k
+        # (leaves are matched by identity: equal leaves at other paths stay as they are)
+        tree_node = _schema.map_leaves(self._tree, lambda leaf: untied.get(id(leaf), leaf))
+        position = {leaf: k for k, leaf in enumerate(self._stored)}
+        stored = sorted([*self._stored, *own])
+        source = [position[i] if i in position else position[self._aliases[i]] for i in stored]
+        return CapturedTree(
+            tree_node,
+            leaves,
+            self._paths,
+            values,
+            stored,
+            aliases,
+            [self.dtypes[k] for k in source],
+            [self.shapes[k] for k in source],
+        )
+
     def finish(self, cast_from: Sequence[str | None] | None = None) -> FlatTree:
         """The named schema and arrays; ``cast_from``: each stored array's safetensors dtype
         before a save-time cast (None: not cast)."""
@@ -252,6 +296,8 @@ def capture(tree: Any) -> CapturedTree:
     def array_leaf(x: Any, kind: ArrayKind, path: tuple[KeyEntry, ...], name: str) -> Leaf:
         node: Leaf
         name = name or ROOT_NAME  # ("" joins as the root's name, as join_path gives it)
+        if not name.isascii():
+            check_tensor_name(name, join_path(path))
         first = first_by_id.get(id(x))
         if first is not None and kind is not scalar:
             node = Alias(name, "")  # ``of`` is named by finish
@@ -359,6 +405,21 @@ def capture(tree: Any) -> CapturedTree:
 
     tree_node = walk(tree, (), None, 0)
     return CapturedTree(tree_node, leaves, paths, values, stored, aliases, dtypes, shapes)
+
+
+def check_tensor_name(name: str, leaf: str | None = None) -> None:
+    """Raises ``UnsupportedLeafError`` naming ``leaf`` (its path; default ``name``) when the
+    tensor name ``name`` is not valid UTF-8 (a lone surrogate, legal in a Python ``str``):
+    safetensors headers are UTF-8. Every path from a tree's leaves to tensor names calls it."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as e:
+        where = name if leaf is None else leaf
+        raise UnsupportedLeafError(
+            f"leaf {where!r} cannot be stored: its name {name!r} "
+            f"is not valid UTF-8 (character {name[e.start]!r} at {e.start}), and safetensors "
+            "stores tensor names as UTF-8"
+        ) from None
 
 
 def deleted_message(name: str, x: Any) -> str:

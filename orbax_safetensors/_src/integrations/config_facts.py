@@ -34,7 +34,12 @@ _EXPERT = re.compile(
 )
 _ROUTER = re.compile(r"(?:mlp|block_sparse_moe)\.gate\.weight$")
 _INTO = frozenset({"gate_proj", "up_proj", "w1", "w3"})  # (out, in): out is the MLP's width
-_EXPERT_COUNTS = ("num_local_experts", "num_experts")  # Mixtral's, Qwen MoE's
+_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")  # Mixtral, Qwen, DeepSeek
+# Multi-head latent attention (DeepSeek V2, V3): its projections and their norms
+_LATENT = re.compile(
+    r"self_attn\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|q_a_layernorm"
+    r"|kv_a_layernorm)\.weight$"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,8 +152,9 @@ class ConfigFacts:
         return None if isinstance(self.doc.get(key), (list, tuple)) else self.count(key)
 
     def experts(self) -> tuple[str, int] | None:
-        """``(key, number)`` of the experts a layer holds: ``num_local_experts`` (Mixtral)
-        or ``num_experts`` (Qwen MoE); None for a dense model."""
+        """``(key, number)`` of the experts a layer holds: ``num_local_experts`` (Mixtral),
+        ``num_experts`` (Qwen MoE) or ``n_routed_experts`` (DeepSeek); None for a dense
+        model."""
         for key in _EXPERT_COUNTS:
             n = self.count(key)
             if n is not None:
@@ -164,8 +170,9 @@ class ConfigFacts:
         (``vocab_size``) and width (``hidden_size``), attention projections (heads,
         key/value heads times ``head_dim``), MLP widths (``intermediate_size``; experts':
         ``moe_intermediate_size`` where given), the layers (``num_hidden_layers``: exactly
-        ``0 .. n - 1``) and the experts (``num_local_experts`` / ``num_experts``: each
-        layer's, and the router's rows). Keys of other layouts are not looked at.
+        ``0 .. n - 1``) and the experts (``num_local_experts`` / ``num_experts`` /
+        ``n_routed_experts``: each layer's, and the router's rows); DeepSeek's latent
+        attention (:func:`_latent_sizes`). Keys of other layouts are not looked at.
 
         Raises:
           ConfigError: an impossible value (see :meth:`size`).
@@ -182,6 +189,47 @@ class ConfigFacts:
         """
         _Claims(self.language_model())
         return self
+
+
+# Model types with DeepSeek's multi-head latent attention (:func:`_latent_sizes`)
+_LATENT_ATTENTION = frozenset({"deepseek_v2", "deepseek_v3", "kimi_k2"})
+
+
+def _latent_sizes(f: ConfigFacts) -> dict[str, tuple[tuple[str, int | None], ...]]:
+    """What a DeepSeek config claims of each latent-attention tensor, by module: ``(what,
+    size)`` of its rows, then of its columns (transformers' ``DeepseekV3Attention``; a size
+    None where a key it needs is absent). Every key is read (validated) here."""
+    heads, hidden = f.size("num_attention_heads"), f.size("hidden_size")
+    q_rank, kv_rank = f.size("q_lora_rank"), f.size("kv_lora_rank")
+    nope, rope, v = (f.count(k) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+
+    def times(*dims: tuple[str, int | None]) -> tuple[str, int | None]:
+        # ("num_attention_heads 4 x (qk_nope_head_dim 6 + qk_rope_head_dim 4) =", 40)
+        sizes = [n for _, n in dims]
+        words = " + ".join(f"{k} {n}" for k, n in dims)
+        known = heads is not None and None not in sizes
+        return f"num_attention_heads {heads} x ({words}) =", (
+            heads * sum(n for n in sizes if n is not None) if known and heads else None
+        )
+
+    query = times(("qk_nope_head_dim", nope), ("qk_rope_head_dim", rope))
+    kv_a_rows = None if kv_rank is None or rope is None else kv_rank + rope
+    return {
+        "q_proj": (query, ("hidden_size", hidden)),
+        "q_a_proj": (("q_lora_rank", q_rank), ("hidden_size", hidden)),
+        "q_a_layernorm": (("q_lora_rank", q_rank),),
+        "q_b_proj": (query, ("q_lora_rank", q_rank)),
+        "kv_a_proj_with_mqa": (
+            (f"kv_lora_rank {kv_rank} + qk_rope_head_dim {rope} =", kv_a_rows),
+            ("hidden_size", hidden),
+        ),
+        "kv_a_layernorm": (("kv_lora_rank", kv_rank),),
+        "kv_b_proj": (
+            times(("qk_nope_head_dim", nope), ("v_head_dim", v)),
+            ("kv_lora_rank", kv_rank),
+        ),
+        "o_proj": (("hidden_size", hidden), times(("v_head_dim", v))),
+    }
 
 
 # Model types whose attention projections are plain: ``q_proj`` (heads * head_dim, hidden),
@@ -208,6 +256,7 @@ class _Claims:
         self.vocab, self.hidden = f.size("vocab_size"), f.size("hidden_size")
         plain = f.doc.get("model_type") in _PLAIN_ATTENTION | {None}
         self.attention = f.attention() if plain else None
+        self.latent = _latent_sizes(f) if f.doc.get("model_type") in _LATENT_ATTENTION else {}
         # (Gemma 4's use_double_wide_mlp: its KV-shared layers' MLPs twice as wide)
         self.width = None if f.flag("use_double_wide_mlp") else f.width("intermediate_size")
         moe = f.width("moe_intermediate_size")
@@ -247,7 +296,9 @@ class _Claims:
                 continue
             layer, rest = int(m.group(1)), m.group(2)
             layers.add(layer)
-            if (a := _ATTENTION.search(rest)) and attention is not None and shape:
+            if (a := _LATENT.search(rest)) and self.latent:
+                self._latent(a.group(1), key, shape)
+            elif (a := _ATTENTION.search(rest)) and attention is not None and shape:
                 self._attention(a.group(1), a.group(2) == "weight", attention, key, shape, hidden)
             elif (e := _EXPERT.search(rest)) and len(shape) == 2:
                 expert_ids.setdefault(layer, set()).add(int(e.group(1)))
@@ -285,6 +336,12 @@ class _Claims:
             self.claim(what, n * head_dim, key, shape, 1)
             self.claim(p + "hidden_size", hidden, key, shape, 0)
 
+    def _latent(self, module: str, key: str, shape: Shape) -> None:
+        # (out, in) weights and (width,) norms, each axis as _latent_sizes claims it
+        for axis, (what, claimed) in enumerate(self.latent.get(module, ())):
+            if axis < len(shape):
+                self.claim(self.facts.prefix + what, claimed, key, shape, axis)
+
     def _mlp(
         self, module: str, what: str, width: int | None, key: str, shape: Shape, hidden: int | None
     ) -> None:
@@ -293,12 +350,10 @@ class _Claims:
         self.claim(self.facts.prefix + "hidden_size", hidden, key, shape, 1 if into else 0)
 
     def _counts(self, layers: set[int], expert_ids: Mapping[int, set[int]]) -> None:
+        # Compared by arithmetic over what the tensors hold: nothing is sized by a claim (a
+        # config may claim 10**10 layers or experts).
         f, p, n, experts = self.facts, self.facts.prefix, self.layers, self.experts
-        if (
-            n is not None
-            and layers
-            and not set(range(n)) <= layers <= set(range(n + self.extra_layers))
-        ):
+        if n is not None and layers and not _exactly(layers, n, n + self.extra_layers):
             line = (
                 f"{f.where}: {p}num_hidden_layers {n}, but the tensors hold layers "
                 f"{_numbers(layers)} ({len(layers)})"
@@ -307,12 +362,18 @@ class _Claims:
         if experts is None:
             return
         for layer, ids in sorted(expert_ids.items()):
-            if ids != set(range(experts[1])):
+            if not _exactly(ids, experts[1], experts[1]):
                 line = (
                     f"{f.where}: {p}{experts[0]} {experts[1]}, but layer {layer} holds experts "
                     f"{_numbers(ids)} ({len(ids)})"
                 )
                 self.found.setdefault(p + experts[0] + " per layer", (line, 0))
+
+
+def _exactly(ids: set[int], least: int, most: int) -> bool:
+    """Whether ``ids`` (whole numbers >= 0) hold every number below ``least`` and none from
+    ``most`` on: counted, so that time and memory follow ``ids``, never the two bounds."""
+    return max(ids, default=-1) < most and sum(1 for i in ids if i < least) == least
 
 
 def _numbers(ids: set[int]) -> str:

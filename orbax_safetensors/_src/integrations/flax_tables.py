@@ -115,6 +115,8 @@ def _tree_values(tree: Any, lora_params: set[str] | None = None) -> dict[str, An
             continue  # Python scalars, strings, None: not tensors
         if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
             continue  # typed PRNG keys are training state, never model weights
+        if not name.isascii():
+            _tree.check_tensor_name(name)
         out[name] = value
         variable = leaf is not value  # (an nnx.Variable holds its value)
         if variable and lora_params is not None and _jaxcompat.nnx_is_lora_param(leaf):

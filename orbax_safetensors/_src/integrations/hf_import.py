@@ -84,7 +84,10 @@ def import_pytorch(
         # MaxText: load_parameters_path=gs://bucket/qwen/0/items
     """
     v1 = _training_orbax()
-    mapping, scan_layers = resolve(mapping, path, scan_layers, vocab_size)
+    source = _sources.open_source(_load.source_path(path))
+    if not isinstance(mapping, str):  # (a preset's name: resolve checks it, before building)
+        _check_config(source, path)
+    mapping, scan_layers = resolve(mapping, path, scan_layers, vocab_size, source=source)
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a whole number >= 0, got {step!r}")
     root = _steps.absolute(directory)  # (Orbax refuses a relative path)
@@ -100,8 +103,6 @@ def import_pytorch(
         _removed_on_failure(root, step),
         _orbaxcompat.orbax_threads_joined_on_failure(),
     ):
-        source = _sources.open_source(_load.source_path(path))
-        _check_config(source, path)
         targets = _cast(
             _load.derived_targets(source.tensors, mapping), _casting.parse_policy(dtype)
         )
@@ -210,19 +211,28 @@ def _removed_on_failure(root: epath.Path, step: int) -> Iterator[None]:
 
 
 def resolve(
-    mapping: KeyMapping | str, path: epath.PathLike, scan_layers: bool | None, vocab_size: Any
+    mapping: KeyMapping | str,
+    path: epath.PathLike,
+    scan_layers: bool | None,
+    vocab_size: Any,
+    *,
+    source: _sources.TensorSource | None = None,
 ) -> tuple[KeyMapping, bool | None]:
     """The mapping and ``scan_layers`` :func:`import_pytorch` takes ``mapping`` (a MaxText
-    preset's name or a :class:`KeyMapping`) and ``scan_layers`` for.
+    preset's name or a :class:`KeyMapping`) and ``scan_layers`` for. A preset is built once
+    ``path``'s ``config.json`` has been checked against its tensors (``source``, opened here
+    where not given): the layers it lays out are the tensors', never a forged count.
 
     Raises:
-      ValueError: a name that is no MaxText preset's; what the preset refuses of the config.
+      ValueError: a name that is no MaxText preset's; a config the tensors contradict; what
+        the preset refuses of the config.
     """
     if not isinstance(mapping, str):
         return mapping, scan_layers
     if mapping not in _presets.PRESETS or not mapping.startswith("maxtext-"):
         names = ", ".join(n for n in _presets.PRESETS if n.startswith("maxtext-"))
         raise ValueError(f"mapping {mapping!r}: not a MaxText preset ({names}) nor module:attr")
+    _check_config(source or _sources.open_source(_load.source_path(path)), path)
     scan_layers = True if scan_layers is None else scan_layers
     built = _presets.preset_mapping(
         mapping, hf_config=model_directory(path), scan_layers=scan_layers, vocab_size=vocab_size

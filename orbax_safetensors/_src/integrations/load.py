@@ -19,6 +19,7 @@ import numpy as np
 from etils import epath
 
 from orbax_safetensors._src.catalog import sources as _sources
+from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core.errors import TargetMismatchError
 from orbax_safetensors._src.integrations import fidelity as _fidelity
@@ -524,7 +525,7 @@ def _read_keys(
 def _place(value: np.ndarray, target: Target) -> Any:
     value = np.asarray(value)
     if value.dtype != target.dtype:
-        value = value.astype(target.dtype)
+        value = _casting.astype(value, target.dtype)  # jax's cast, as every restore's
     if target.numpy:
         return value
     if target.sharding is None:

@@ -114,6 +114,12 @@ def check_stored(
         )
 
 
+def array_keys(name: str) -> str:
+    """The prefix of the keys of Orbax's array ``name`` under its item (in the OCDBT database,
+    or as files): ``"<name>/"``, and ``""`` for the name ``""`` (the item's own)."""
+    return f"{name}/" if name else ""
+
+
 def pytree_leaves(doc: dict[str, Any]) -> dict[str, str]:
     """Each stored leaf an Orbax ``_METADATA`` records (its keys joined with ``.``: the name of
     its directory or OCDBT key) -> its value type."""
@@ -322,7 +328,7 @@ _ARRAY_VALUES = frozenset(("jax.Array", "np.ndarray"))  # the value types Tensor
 def chunk_location(path: epath.Path, name: str, storage: _steps.ArrayStorage) -> str:
     """Where the chunks of array ``name`` of item ``path`` live, for messages."""
     if storage.use_ocdbt:
-        return f"the item's OCDBT database (keys {name}/...)"
+        return f"the item's OCDBT database (keys {array_keys(name)}...)"
     return str(path / name)
 
 
@@ -351,7 +357,7 @@ def admit_restore(path: epath.PathLike) -> None:
     context = ts.Context(TENSORSTORE_CONTEXT)
     for name in arrays:
         if ocdbt is not None:  # (a missing data file named before TensorStore opens it)
-            ocdbt.check(f"{name}/", name)
+            ocdbt.check(array_keys(name), name)
         spec = _orbaxcompat.array_read_spec(
             path,
             name,

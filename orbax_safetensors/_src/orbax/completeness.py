@@ -147,6 +147,8 @@ def _missing_in_pytree_item(item: epath.Path, names: set[str], prefix: str) -> l
         missing.append(prefix + SHARDING_FILE)
     if "string" in kinds and STRINGS_FILE not in names:
         missing.append(prefix + STRINGS_FILE)
+    if not kinds & _TENSORSTORE_VALUES:
+        return missing  # no leaf stored by TensorStore: Orbax writes no OCDBT or zarr files
     storage = _steps.array_storage(item)
     # An OCDBT item names no array directory; Orbax before 0.12 records no use_ocdbt, and
     # tells OCDBT by manifest.ocdbt alone, which a deletion may have taken first.
@@ -157,7 +159,8 @@ def _missing_in_pytree_item(item: epath.Path, names: set[str], prefix: str) -> l
         return missing + _missing_ocdbt_files(item, prefix)
     for name, kind in sorted(leaves.items()):
         if kind in _TENSORSTORE_VALUES:
-            missing += _missing_zarr_files(item / name, storage, f"{prefix}{name}/")
+            keys = _claims.array_keys(name)  # ("" : the item's own directory)
+            missing += _missing_zarr_files(item / name, storage, prefix + keys)
     return missing
 
 
@@ -350,6 +353,9 @@ def missing_file(path: epath.Path) -> str | None:
     doc = _steps.read_json(path / _steps.ORBAX_METADATA_FILE)
     if not isinstance(doc, dict) or not isinstance(doc.get("tree_metadata"), dict):
         return None
+    leaves = _claims.pytree_leaves(doc)
+    if not set(leaves.values()) & _TENSORSTORE_VALUES:
+        return None  # (no OCDBT or zarr files: no leaf is stored by TensorStore)
     storage = _steps.array_storage(path)
     if storage.use_ocdbt:
         try:
@@ -358,7 +364,7 @@ def missing_file(path: epath.Path) -> str | None:
             return str(e)
         return None
     meta = "zarr.json" if storage.use_zarr3 else ".zarray"
-    for array, value_type in _claims.pytree_leaves(doc).items():
+    for array, value_type in leaves.items():
         plain = array and "/" not in array and "\\" not in array and array.strip(".")
         if value_type in _TENSORSTORE_VALUES and plain and not (path / array / meta).exists():
             return f"{path}: the zarr metadata of array {array!r} ({array}/{meta}) is missing"

@@ -184,7 +184,21 @@ def check_orbax_item(path: epath.PathLike) -> None:
     _confine.check_tree(path, where=path)
     doc = read_json(where)
     for name in orbax_array_names(doc):
-        _confine.inside(path, name, where=where)
+        orbax_array_path(path, name, where=where)
+
+
+def orbax_array_path(item: epath.Path, name: str, *, where: object = None) -> epath.Path:
+    """Where Orbax reads the array ``name`` of the Orbax-native ``item``: ``<item>/<name>``,
+    once checked to stay inside it (``where``: the file that names it); the item itself for
+    the name ``""`` (a top-level empty-string key: Orbax's zarr array in the item's own
+    directory, or under the OCDBT path ``""``), which leaves nothing.
+
+    Raises:
+      UnsafePathError: naming ``where``, the name and the item.
+    """
+    if name == "":
+        return item
+    return _confine.inside(item, name, where=where)
 
 
 def orbax_array_names(doc: Any) -> list[str]:

@@ -51,6 +51,15 @@ from orbax_safetensors._src.storage import config as _config
 _ABORT_WAIT_SECONDS = 60.0
 
 
+def _flattened(item: Any) -> tuple[list[Any], Any] | None:
+    # jax's leaves and treedef of ``item``; None for a tree jax cannot flatten (dict keys of
+    # mixed types, which it cannot sort), whose args are then built again at each save.
+    try:
+        return jax.tree_util.tree_flatten(item)  # type: ignore[no-any-return]
+    except (TypeError, ValueError):
+        return None
+
+
 @dataclasses.dataclass(repr=False)
 class SafetensorsSave(ocp.args.CheckpointArgs):
     """Save ``item`` (any pytree) as safetensors; Orbax's ``StandardSave`` arguments.
@@ -111,8 +120,8 @@ class SafetensorsSave(ocp.args.CheckpointArgs):
         # (it would count towards max_to_keep and push a real step out).
         if self.item is None:
             raise ValueError("SafetensorsSave: must provide an item to save (got None)")
-        self._leaves = jax.tree_util.tree_flatten(self.item)
-        if not self._leaves[0] and not self.item:
+        self._leaves = _flattened(self.item)
+        if self._leaves is not None and not self._leaves[0] and not self.item:
             raise ValueError(f"SafetensorsSave: found an empty item ({self.item!r})")
         if self.custom_metadata is None:
             self.custom_metadata = self.metadata
@@ -155,11 +164,12 @@ class SafetensorsSave(ocp.args.CheckpointArgs):
         Orbax saves the tree as it is when ``save()`` runs, so args built once and reused
         save each step's values. An array changed in place needs no rebuild: the save reads
         it then."""
-        leaves, treedef = jax.tree_util.tree_flatten(self.item)
-        old_leaves, old_treedef = self._leaves
-        # The old leaves are held here, so no new object can share an old one's id.
-        if treedef == old_treedef and all(a is b for a, b in zip(leaves, old_leaves)):
-            return self
+        now = _flattened(self.item)
+        if now is not None and self._leaves is not None:
+            (leaves, treedef), (old_leaves, old_treedef) = now, self._leaves
+            # The old leaves are held here, so no new object can share an old one's id.
+            if treedef == old_treedef and all(a is b for a, b in zip(leaves, old_leaves)):
+                return self
         return dataclasses.replace(self)
 
     @property
@@ -516,7 +526,7 @@ class SafetensorsCheckpointHandler(ocp.AsyncCheckpointHandler):
         metadata = _read.read_metadata(directory)
         return _args.TreeMetadata.build(
             _restore_plan.abstract_tree(directory, metadata),
-            custom_metadata=metadata.get("metadata") or None,
+            custom_metadata=metadata.get("metadata"),  # None when none was given, as Orbax
         )
 
     def close(self) -> None:

@@ -171,8 +171,9 @@ class SafetensorsHandler:
         return True
 
     def is_abstract_handleable(self, abstract_checkpointable: Any) -> bool | None:
-        """True for a pytree of arrays, ``jax.ShapeDtypeStruct`` and scalars (a restore
-        target); None (defer to the saved typestr) for anything else."""
+        """True for a pytree of arrays, ``jax.ShapeDtypeStruct``, scalars, strings and
+        ``ocp.PLACEHOLDER`` (a restore target); None (defer to the saved typestr) for anything
+        else."""
         if _is_stateful(abstract_checkpointable):
             return False
         leaves = jax.tree.leaves(abstract_checkpointable)
@@ -181,7 +182,19 @@ class SafetensorsHandler:
 
 SafetensorsHandler.__module__ = "orbax_safetensors"  # the recorded typestr (HANDLER_TYPESTR)
 
-_ABSTRACT_LEAVES = (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic, int, float, bool)
+# A restore target's leaves: str loads the saved string, Orbax's PLACEHOLDER (``...``) skips its
+# leaf, as SafetensorsRestore takes them.
+_ABSTRACT_LEAVES = (
+    jax.Array,
+    jax.ShapeDtypeStruct,
+    np.ndarray,
+    np.generic,
+    int,
+    float,
+    bool,
+    str,
+    type(...),
+)
 
 
 def _write_pytree_marker(path: epath.Path) -> None:

@@ -54,7 +54,8 @@ class ValidatedTree:
         self.user_metadata = user_metadata  # checked JSON-serialisable (validate_save)
         self.casts: dict[int, np.dtype] | None = None
         if policy is not None:
-            flat, casts = _casting.apply_policy(captured, policy)
+            captured, flat, casts = _casting.apply_policy(captured, policy)
+            self.captured = captured
             self.__dict__["flat"] = flat  # the cached property, named once
             self.casts = {i: w for i, w in enumerate(casts) if w is not None} or None
 
@@ -178,7 +179,7 @@ def plan_tree(
             else None  # nothing to describe
         )
     user_metadata = validated.user_metadata
-    metadata = _metadata.build_metadata(plan, specs, flat.schema, shardings, user_metadata or {})
+    metadata = _metadata.build_metadata(plan, specs, flat.schema, shardings, user_metadata)
     sizes = {s.name: plan.locate(s.name)[1].nbytes for s in specs}
     return plan, metadata, sizes
 

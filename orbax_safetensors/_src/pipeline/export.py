@@ -180,7 +180,7 @@ def _small_runs(export: ExportPlan, group: ExportGroup, values: Mapping[str, Any
         for out, out_box, _ in group.per_shard(k, box, no_data, None, None):
             spec = export.specs[out]
             try:
-                offsets, length = _runs.byte_runs(spec.dtype, spec.shape, out_box)
+                offsets, length = _runs.byte_runs(spec.dtype, spec.shape, out_box, spec.name)
             except ValueError:  # (a sub-byte run off whole bytes: the devices re-lay it out)
                 return True
             if length < MIN_RUN_BYTES and len(offsets) >= MANY_RUNS:

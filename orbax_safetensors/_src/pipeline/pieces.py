@@ -80,7 +80,7 @@ def tensor_pieces(
         if index is None or _runs.is_whole(index, entry.shape):  # e.g. a replica's first copy
             pieces.append(_interface.Piece(base, raw, (name, 0)))
             continue
-        offsets, length = _runs.byte_runs(entry.dtype, entry.shape, index)
+        offsets, length = _runs.byte_runs(entry.dtype, entry.shape, index, name)
         for j, off in enumerate(offsets.tolist()):
             chunk = raw[j * length : (j + 1) * length]
             pieces.append(_interface.Piece(base + off, chunk, (name, off)))

@@ -19,6 +19,7 @@ import numpy as np
 from etils import epath
 
 from orbax_safetensors._src.compat import jaxcompat as _jaxcompat
+from orbax_safetensors._src.core import casting as _casting
 from orbax_safetensors._src.core import dtypes as _dtypes
 from orbax_safetensors._src.core import runs as _runs
 from orbax_safetensors._src.core import sharding as _sharding
@@ -176,7 +177,8 @@ def host_buffers(
 def _host_value(req: Any, raw: np.ndarray, box_shape: tuple[int, ...]) -> np.ndarray:
     value = _dtypes.unpack(raw, req.stored.dtype, box_shape)
     if req.dtype is not None and value.dtype != req.dtype:
-        value = value.astype(req.dtype)
+        # jax's cast, as a save-time cast: numpy's out-of-range float -> int is the platform's
+        value = _casting.astype(value, req.dtype)
     return value
 
 
@@ -380,7 +382,7 @@ def saved_shardings(
             if "device_ids" in desc:  # (long lists: kept in device_meshes by this library)
                 key = json.dumps(desc, sort_keys=True)
             else:
-                fields = ("mesh_axes", "mesh_shape", "spec", "mesh_devices")
+                fields = ("mesh_axes", "mesh_shape", "spec", "mesh_devices", "axis_types")
                 key = repr(tuple(desc.get(f) for f in fields))
             if key not in built:
                 built[key] = _sharding.sharding_from_json(desc, device_meshes)

@@ -484,7 +484,9 @@ class _Files(contextlib.ExitStack):
                 entries.append((req.stored.offset, rbuf.whole, req if checked else None))
                 continue
             for box in rbuf.boxes:
-                offsets, length = _runs.byte_runs(req.stored.dtype, req.stored.shape, box.index)
+                offsets, length = _runs.byte_runs(
+                    req.stored.dtype, req.stored.shape, box.index, req.stored.name
+                )
                 for k, off in enumerate(offsets.tolist()):
                     view = box.buffer[k * length : (k + 1) * length]
                     entries.append((req.stored.offset + off, view, None))

@@ -92,7 +92,7 @@ def owned_tensors(arrays: Iterable[tuple[Any, Any]], is_primary: bool) -> list[_
             dtype = _dtypes.from_numpy(x.dtype, key=name)
             if _dtypes.bits(dtype) % 8:  # fail now, not when the writer reaches this tensor
                 for index, _ in shards:
-                    _runs.byte_runs(dtype, x.shape, index)
+                    _runs.byte_runs(dtype, x.shape, index, name)
             owned.append((name, x, shards, on_cpu))
     return owned
 

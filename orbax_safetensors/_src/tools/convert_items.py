@@ -182,8 +182,12 @@ def _orbax_sharding(leaf: Any) -> dict[str, Any] | None:
     sharding = getattr(leaf, "sharding", None)
     if not isinstance(sharding, ocp_metadata.NamedShardingMetadata):
         return None
+    types = getattr(sharding, "axis_types", None)  # (recorded by orbax-checkpoint 0.11.40 on)
     return _sharding.named_sharding_json(
-        sharding.axis_names, np.asarray(sharding.shape).tolist(), sharding.partition_spec
+        sharding.axis_names,
+        np.asarray(sharding.shape).tolist(),
+        sharding.partition_spec,
+        axis_types=None if types is None else [getattr(t, "name", str(t)) for t in types],
     )
 
 
@@ -230,7 +234,7 @@ def to_safetensors_item(
         tree = jax.tree_util.tree_map_with_path(leaf, saved_tree)
         return _unwrap(tree, collapse) if unwrap else tree
 
-    first, casts = _casting.apply_policy(_tree.capture(skeleton({})), dtype)
+    _, first, casts = _casting.apply_policy(_tree.capture(skeleton({})), dtype)
     to_orbax = {ours: orbax_name_of[id(v)] for ours, v in first.arrays.items()}
     specs = _casting.stored_specs(first.arrays, casts)
     plan = _plan.plan_files(specs, max_file_size=max_file_size, metadata=_metadata.HEADER_METADATA)
@@ -282,7 +286,7 @@ def _safetensors_metadata(
     dtype: _casting.Policy | None,
     collapse: set[Any],
 ) -> dict[str, Any]:
-    flat, casts = _casting.apply_policy(_tree.capture(tree), dtype)
+    _, flat, casts = _casting.apply_policy(_tree.capture(tree), dtype)
     final_specs = _casting.stored_specs(flat.arrays, casts)
     if final_specs != specs:  # the same tree, keys in place of placeholders
         raise AssertionError("internal: tensor layout changed between planning and writing")

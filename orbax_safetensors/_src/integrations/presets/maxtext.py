@@ -46,6 +46,10 @@ _GEMMA_NORMS = (  # each stored 1 + w
 )
 _MLP = (("gate_proj", "wi_0"), ("up_proj", "wi_1"), ("down_proj", "wo"))
 _BLOCK = "DeepSeekMoeBlock_0."
+# The most layers a preset that names each layer (Gemma 2's pairs, Gemma 3's stacks, DeepSeek's
+# dense and MoE layers) lays out from a config: far past any published model's, and a bound on
+# what a forged num_hidden_layers makes it build before any tensor is seen.
+MOST_LAYERS = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +134,9 @@ llama3 = _preset(
     Raises:
       ValueError: a config of another model type, or without the sizes the preset needs.
       ConfigError: a size that is not a positive whole number, or that does not divide what
-        it must (key/value heads the heads, heads the hidden size), naming the key.
+        it must (key/value heads the heads, heads the hidden size), naming the key; for the
+        presets that name each layer (Gemma 2, Gemma 3, DeepSeek V3), ``num_hidden_layers``
+        past :data:`MOST_LAYERS` or ``num_nextn_predict_layers`` past ``num_hidden_layers``.
 
     Example::
 
@@ -347,6 +353,8 @@ class _Dims:
     extra: int = 0
     scale: float | None = None
     vision: tuple[int, ...] | None = None
+    # DeepSeek's latent attention: qk_nope_head_dim, qk_rope_head_dim, v_head_dim (None absent)
+    latent: tuple[int | None, ...] = (None, None, None)
 
     @classmethod
     def of(cls, family: _Family, config: ConfigFacts, top: ConfigFacts) -> _Dims:
@@ -365,6 +373,11 @@ class _Dims:
         if family.layout == "plain":
             return dims
         layers = _needs(name, "num_hidden_layers", config.size("num_hidden_layers"))
+        if layers > MOST_LAYERS:  # (each is a rule or a name of the preset's)
+            raise ConfigError(
+                f"{config.where}: {config.prefix}num_hidden_layers is {layers}, more than the "
+                f"{MOST_LAYERS} layers preset {name!r} lays out"
+            )
         dense = 0
         if family.layout == "dense_moe":
             dense = _needs(name, "first_k_dense_replace", config.count("first_k_dense_replace"))
@@ -386,8 +399,16 @@ class _Dims:
             keys = ("num_attention_heads", "hidden_size")
             vision = tuple(_needs(name, f"vision_config.{k}", facts.size(k)) for k in keys)
         extra = config.count("num_nextn_predict_layers") or 0
+        if extra > layers:  # (each is a name the preset leaves out)
+            raise ConfigError(
+                f"{config.where}: {config.prefix}num_nextn_predict_layers is {extra}, more than "
+                f"{config.prefix}num_hidden_layers {layers}"
+            )
+        latent = tuple(
+            config.count(k) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        )
         return dataclasses.replace(
-            dims, layers=layers, dense=dense, extra=extra, scale=scale, vision=vision
+            dims, layers=layers, dense=dense, extra=extra, scale=scale, vision=vision, latent=latent
         )
 
     def embedding(self, padded: int | None) -> Any:
@@ -532,20 +553,25 @@ def _attention(family: _Family, dims: _Dims, att: str) -> list[_Entry]:
 
 
 def _mla(dims: _Dims, att: str) -> list[_Entry]:
-    """DeepSeek's multi-head latent attention (``query``: V2's, without a query LoRA)."""
+    """DeepSeek's multi-head latent attention (``query``: V2's, without a query LoRA), each
+    projection split into exactly the config's heads of its per-head size where the config
+    gives it (queries: ``qk_nope_head_dim + qk_rope_head_dim``; ``wkv_b``: ``qk_nope_head_dim
+    + v_head_dim``; ``out``: ``v_head_dim``), so that a contradicting config is refused."""
+    nope, rope, v = dims.latent
 
-    def heads(axis: int) -> Chain:
-        return Chain(Transpose(), SplitHeads(dims.heads, axis))
+    def heads(axis: int, *sizes: int | None) -> Chain:
+        size = None if None in sizes else sum(s for s in sizes if s is not None)
+        return Chain(Transpose(), SplitHeads(dims.heads, axis, size or None))
 
     return [
         ("self_attn.q_a_proj.weight", att + "wq_a.kernel", Transpose()),
         ("self_attn.q_a_layernorm.weight", att + "q_norm.scale", None),
-        ("self_attn.q_b_proj.weight", att + "wq_b.kernel", heads(-1)),
-        ("self_attn.q_proj.weight", att + "query.kernel", heads(-1)),
+        ("self_attn.q_b_proj.weight", att + "wq_b.kernel", heads(-1, nope, rope)),
+        ("self_attn.q_proj.weight", att + "query.kernel", heads(-1, nope, rope)),
         ("self_attn.kv_a_proj_with_mqa.weight", att + "wkv_a.kernel", Transpose()),
         ("self_attn.kv_a_layernorm.weight", att + "kv_norm.scale", None),
-        ("self_attn.kv_b_proj.weight", att + "wkv_b.kernel", heads(-1)),
-        ("self_attn.o_proj.weight", att + "out.kernel", heads(0)),
+        ("self_attn.kv_b_proj.weight", att + "wkv_b.kernel", heads(-1, nope, v)),
+        ("self_attn.o_proj.weight", att + "out.kernel", heads(0, v)),
     ]
 
 

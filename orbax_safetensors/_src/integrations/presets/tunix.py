@@ -15,6 +15,7 @@ import numbers
 from collections.abc import Callable
 from typing import Any
 
+from orbax_safetensors._src.core.errors import ConfigError
 from orbax_safetensors._src.integrations.config_facts import ConfigFacts
 from orbax_safetensors._src.integrations.key_mapping import KeyMapping, Rule, aliased
 from orbax_safetensors._src.integrations.transforms import Chain, SplitHeads, Transpose
@@ -263,7 +264,8 @@ def gemma4(hf_config: Any, *, lora_scale: float | None = None) -> KeyMapping:
 
     Raises:
       ValueError: a config without heads, ``head_dim`` or its layers' ``layer_types``.
-      ConfigError: an impossible size, naming the key.
+      ConfigError: an impossible size (``num_kv_shared_layers`` past the layers too), naming
+        the key.
 
     Example::
 
@@ -294,7 +296,13 @@ def gemma4(hf_config: Any, *, lora_scale: float | None = None) -> KeyMapping:
         rules.append(
             key if k_only else _stacked(layer, "k_proj|v_proj", "kv_einsum", heads=kv_heads)
         )
-    shared = range(len(types) - (c.count("num_kv_shared_layers") or 0), len(types))
+    shared_count = c.count("num_kv_shared_layers") or 0
+    if shared_count > len(types):
+        raise ConfigError(
+            f"{c.where}: {c.prefix}num_kv_shared_layers is {shared_count}, more than "
+            f"{c.prefix}num_hidden_layers {len(types)}"
+        )
+    shared = range(len(types) - shared_count, len(types))
     unused = [rf"layers\.{i}\.attn\.(?:kv?_einsum\.w|_key_norm\.scale)" for i in shared]
     return _gemma_mapping(
         ("model.language_model.",),
