@@ -306,6 +306,31 @@ _TILE = 128  # a strided array is copied in tiles of _TILE x _TILE elements
 _ASSIGNED = frozenset({(_F32, _BF16), (_BF16, _F32)})
 
 
+def scalar_as(value: bool | int | float, dtype: np.dtype | None) -> np.ndarray:
+    """A Python scalar as a 0-d array of ``dtype`` (None: numpy's own), cast from int64,
+    float64 or bool as a stored tensor is cast (:func:`astype`: ints wrap, floats saturate),
+    as Orbax casts a saved scalar.
+
+    Raises:
+      OverflowError: an int no 64-bit integer holds, unless ``dtype`` holds it exactly.
+    """
+    source = np.asarray(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        if _I64_MIN <= value <= _I64_MAX:
+            source = np.asarray(value, np.int64)
+        elif dtype is not None and dtype.kind in "iu":
+            info = np.iinfo(dtype)
+            if info.min <= value <= info.max:
+                return np.asarray(value, dtype)
+            raise OverflowError(f"{value} is beyond {dtype}")
+        else:
+            raise OverflowError(f"{value} is beyond 64 bits")
+    return source if dtype is None or source.dtype == dtype else astype(source, dtype)
+
+
+_I64_MIN, _I64_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
+
+
 def astype(x: np.ndarray, dtype: np.dtype | type) -> np.ndarray:
     """``x`` cast to ``dtype`` in numpy, as ``jnp.asarray(x).astype(dtype)`` casts on CPU (a new
     C-contiguous array), so that a save-time cast needs no device and holds what

@@ -83,26 +83,29 @@ class ConfigFacts:
 
     # ---- values, each validated as it is read
 
-    def size(self, key: str) -> int | None:
+    def size(self, key: str, most: tuple[int, str] | None = None) -> int | None:
         """``key``'s value as a positive whole number; None where absent or null;
-        ``ConfigError`` naming the key and value for any other value."""
-        return self._whole(key, 1, "not positive")
+        ``ConfigError`` naming the key and value for any other value, or for one past
+        ``most`` (the bound, and how the error names it)."""
+        return self._whole(key, 1, "not positive", most)
 
-    def count(self, key: str) -> int | None:
-        """``key``'s value as a whole number, zero allowed; None where absent or null;
-        ``ConfigError`` naming the key and value for any other value."""
-        return self._whole(key, 0, "negative")
+    def count(self, key: str, most: tuple[int, str] | None = None) -> int | None:
+        """As :meth:`size`, zero allowed."""
+        return self._whole(key, 0, "negative", most)
 
-    def _whole(self, key: str, least: int, below: str) -> int | None:
+    def _whole(self, key: str, least: int, below: str, most: tuple[int, str] | None) -> int | None:
         # (``below``: what a value under ``least`` is called in the error)
         value = self.doc.get(key)
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise ConfigError(f"{self.where}: {self.prefix}{key} is {value!r}, not a whole number")
+        value = int(value)
         if value < least:
             raise ConfigError(f"{self.where}: {self.prefix}{key} is {value}, {below}")
-        return int(value)
+        if most is not None and value > most[0]:
+            raise ConfigError(f"{self.where}: {self.prefix}{key} is {value}, more than {most[1]}")
+        return value
 
     def flag(self, key: str, default: bool = False) -> bool:
         """``key``'s value as a bool (``default`` where absent or null); ``ConfigError``

@@ -144,7 +144,15 @@ def _inline_as(name: str, saved: _tree.SchemaLeaf, want: LeafRequest | _Key | No
         raise TargetMismatchError(
             "", [Mismatch(name, MismatchKind.SHAPE, detail, saved=(), wanted=want.shape)]
         )
-    host = _inline_array(name, saved, value, want.dtype)
+    try:
+        host = _casting.scalar_as(value, want.dtype)
+    except OverflowError:
+        wanted = "" if want.dtype is None else f" of dtype {want.dtype}"
+        detail = (
+            f"checkpoint has the Python int {value}, beyond 64 bits: a target{wanted} "
+            "cannot hold it (restore it as a Python int)"
+        )
+        raise TargetMismatchError("", [_kind(name, detail)]) from None
     if build is Build.SCALAR:
         return host[()]
     if build is Build.NUMPY:
@@ -152,38 +160,6 @@ def _inline_as(name: str, saved: _tree.SchemaLeaf, want: LeafRequest | _Key | No
     if want.sharding is None and want.needs_sharding:
         raise TargetMismatchError("", [_kind(name, _host_local(f"a Python {saved.kind}"))])
     return jax.device_put(host, want.sharding or jax.local_devices()[0])
-
-
-_INT64 = np.iinfo(np.int64)
-
-
-def _inline_array(
-    name: str, saved: _tree.SchemaLeaf, value: Any, dtype: np.dtype | None
-) -> np.ndarray:
-    # A saved Python scalar as a 0-d array of ``dtype`` (None: numpy's own), cast from int64 /
-    # float64 / bool as a stored tensor is cast (jax's rules, core/casting: ints wrap, floats
-    # saturate), as Orbax casts it; an int no 64-bit integer holds is refused.
-    if isinstance(value, int) and not isinstance(value, bool):
-        if _INT64.min <= value <= _INT64.max:
-            value = np.int64(value)
-        elif dtype is not None and dtype.kind in "iu" and _fits(value, dtype):
-            return np.asarray(value, dtype)
-        else:
-            wanted = "" if dtype is None else f" of dtype {dtype}"
-            detail = (
-                f"checkpoint has the Python int {value}, beyond 64 bits: a target{wanted} "
-                "cannot hold it (restore it as a Python int)"
-            )
-            raise TargetMismatchError("", [_kind(name, detail)])
-    source = np.asarray(value)
-    if dtype is None or source.dtype == dtype:
-        return source
-    return _casting.astype(source, dtype)
-
-
-def _fits(value: int, dtype: np.dtype) -> bool:
-    info = np.iinfo(dtype)
-    return info.min <= value <= info.max
 
 
 def _shape_problem(

@@ -46,9 +46,7 @@ _GEMMA_NORMS = (  # each stored 1 + w
 )
 _MLP = (("gate_proj", "wi_0"), ("up_proj", "wi_1"), ("down_proj", "wo"))
 _BLOCK = "DeepSeekMoeBlock_0."
-# The most layers a preset that names each layer (Gemma 2's pairs, Gemma 3's stacks, DeepSeek's
-# dense and MoE layers) lays out from a config: far past any published model's, and a bound on
-# what a forged num_hidden_layers makes it build before any tensor is seen.
+# The most layers a preset naming each layer lays out: past any model's, a forged count's bound
 MOST_LAYERS = 1024
 
 
@@ -133,10 +131,9 @@ llama3 = _preset(
 
     Raises:
       ValueError: a config of another model type, or without the sizes the preset needs.
-      ConfigError: a size that is not a positive whole number, or that does not divide what
-        it must (key/value heads the heads, heads the hidden size), naming the key; for the
-        presets that name each layer (Gemma 2, Gemma 3, DeepSeek V3), ``num_hidden_layers``
-        past :data:`MOST_LAYERS` or ``num_nextn_predict_layers`` past ``num_hidden_layers``.
+      ConfigError: naming the key: a size that is not a positive whole number, that does
+        not divide what it must (key/value heads the heads, heads the hidden size), or a
+        layer count past what the preset lays out (:data:`MOST_LAYERS`).
 
     Example::
 
@@ -372,22 +369,17 @@ class _Dims:
         dims = cls(heads, kv, head_dim, vocab, tied)
         if family.layout == "plain":
             return dims
-        layers = _needs(name, "num_hidden_layers", config.size("num_hidden_layers"))
-        if layers > MOST_LAYERS:  # (each is a rule or a name of the preset's)
-            raise ConfigError(
-                f"{config.where}: {config.prefix}num_hidden_layers is {layers}, more than the "
-                f"{MOST_LAYERS} layers preset {name!r} lays out"
-            )
-        dense = 0
+        most = (MOST_LAYERS, f"the {MOST_LAYERS} layers preset {name!r} lays out")
+        layers = _needs(name, "num_hidden_layers", config.size("num_hidden_layers", most))
+        dense, most = 0, (layers, f"{config.prefix}num_hidden_layers {layers}")
         if family.layout == "dense_moe":
-            dense = _needs(name, "first_k_dense_replace", config.count("first_k_dense_replace"))
-        if (family.layout == "pairs" and layers % 2) or dense > layers:
-            what = (
-                "an even number" if dense <= layers else f"at least first_k_dense_replace {dense}"
+            dense = _needs(
+                name, "first_k_dense_replace", config.count("first_k_dense_replace", most)
             )
+        if family.layout == "pairs" and layers % 2:
             raise ConfigError(
-                f"{config.where}: {config.prefix}num_hidden_layers is {layers}, not {what} "
-                f"(preset {name!r})"
+                f"{config.where}: {config.prefix}num_hidden_layers is {layers}, not an even "
+                f"number (preset {name!r})"
             )
         scale = None
         if family.embedding_scale is not None:
@@ -398,15 +390,8 @@ class _Dims:
             facts = ConfigFacts(doc, top.where, "vision_config.")
             keys = ("num_attention_heads", "hidden_size")
             vision = tuple(_needs(name, f"vision_config.{k}", facts.size(k)) for k in keys)
-        extra = config.count("num_nextn_predict_layers") or 0
-        if extra > layers:  # (each is a name the preset leaves out)
-            raise ConfigError(
-                f"{config.where}: {config.prefix}num_nextn_predict_layers is {extra}, more than "
-                f"{config.prefix}num_hidden_layers {layers}"
-            )
-        latent = tuple(
-            config.count(k) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-        )
+        extra = config.count("num_nextn_predict_layers", most) or 0  # (names left out)
+        latent = tuple(map(config.count, ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")))
         return dataclasses.replace(
             dims, layers=layers, dense=dense, extra=extra, scale=scale, vision=vision, latent=latent
         )
@@ -553,10 +538,7 @@ def _attention(family: _Family, dims: _Dims, att: str) -> list[_Entry]:
 
 
 def _mla(dims: _Dims, att: str) -> list[_Entry]:
-    """DeepSeek's multi-head latent attention (``query``: V2's, without a query LoRA), each
-    projection split into exactly the config's heads of its per-head size where the config
-    gives it (queries: ``qk_nope_head_dim + qk_rope_head_dim``; ``wkv_b``: ``qk_nope_head_dim
-    + v_head_dim``; ``out``: ``v_head_dim``), so that a contradicting config is refused."""
+    """DeepSeek's latent attention (``query``: V2's), in heads of the config's head sizes."""
     nope, rope, v = dims.latent
 
     def heads(axis: int, *sizes: int | None) -> Chain:

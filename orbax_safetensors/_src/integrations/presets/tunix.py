@@ -15,7 +15,6 @@ import numbers
 from collections.abc import Callable
 from typing import Any
 
-from orbax_safetensors._src.core.errors import ConfigError
 from orbax_safetensors._src.integrations.config_facts import ConfigFacts
 from orbax_safetensors._src.integrations.key_mapping import KeyMapping, Rule, aliased
 from orbax_safetensors._src.integrations.transforms import Chain, SplitHeads, Transpose
@@ -296,12 +295,8 @@ def gemma4(hf_config: Any, *, lora_scale: float | None = None) -> KeyMapping:
         rules.append(
             key if k_only else _stacked(layer, "k_proj|v_proj", "kv_einsum", heads=kv_heads)
         )
-    shared_count = c.count("num_kv_shared_layers") or 0
-    if shared_count > len(types):
-        raise ConfigError(
-            f"{c.where}: {c.prefix}num_kv_shared_layers is {shared_count}, more than "
-            f"{c.prefix}num_hidden_layers {len(types)}"
-        )
+    most = (len(types), f"{c.prefix}num_hidden_layers {len(types)}")
+    shared_count = c.count("num_kv_shared_layers", most) or 0
     shared = range(len(types) - shared_count, len(types))
     unused = [rf"layers\.{i}\.attn\.(?:kv?_einsum\.w|_key_norm\.scale)" for i in shared]
     return _gemma_mapping(
