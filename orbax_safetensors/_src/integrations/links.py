@@ -262,18 +262,34 @@ def _maps(mapping: KeyMapping, key: str) -> bool:
     return False
 
 
+_PROBE = 987654321  # a layer number no real model has: which placeholder takes it?
+
+
+def _stacks_layer(mapping: KeyMapping, prefix: str, rest: str) -> bool:
+    # Whether the rule of ``<prefix>N.<rest>`` stacks the layers N into one Flax tensor with a
+    # count taken from the layers held (a placeholder listing its values counts them itself):
+    # there a missing last layer reads as a shorter stack. Per-layer rules are left alone:
+    # models whose layers differ (dense and MoE layers under one generic preset) hold them.
+    probe = f"{prefix}{_PROBE}.{rest}"
+    for rule in mapping.rules:
+        values = rule.groups(probe, flax=False)
+        if values is not None:
+            layer = [n for n, v in values.items() if v == str(_PROBE)]
+            return bool(layer) and layer[0] in _gathered_order(rule, flax=True)
+    return False
+
+
 # The most keys absent_in_layers tries (a real model's dense and MoE layers make a few
 # thousand): bounded, whatever kinds and layers the files make up.
 _ABSENT_TRIED = 1 << 16
 
 
 def absent_in_layers(mapping: KeyMapping, keys: Iterable[str]) -> list[str]:
-    """The PyTorch keys ``mapping`` maps that a layer of ``keys`` lacks while other layers of
-    the same list hold them (``model.layers.1.mlp.down_proj.weight`` where
+    """The PyTorch keys ``mapping`` stacks by layer that a layer of ``keys`` lacks while other
+    layers of the same list hold them (``model.layers.1.mlp.down_proj.weight`` where
     ``model.layers.0.mlp.down_proj.weight`` and ``model.layers.1.*`` are held), one problem per
-    kind of tensor. Links derived from the keys present cannot see them: a per-layer rule makes
-    no link for the missing tensor, and a stacked one counts the layers it holds (a missing
-    last layer reads as a shorter stack)."""
+    kind of tensor. Links derived from the keys present cannot see them: a stacked rule counts
+    the layers it holds, so a missing last layer reads as a shorter stack."""
     held: dict[tuple[str, str], set[int]] = {}
     layers: dict[str, set[int]] = {}
     for key in keys:
@@ -288,7 +304,7 @@ def absent_in_layers(mapping: KeyMapping, keys: Iterable[str]) -> list[str]:
         lacking = []
         for i in sorted(layers[prefix] - have)[:budget]:
             budget -= 1
-            if _maps(mapping, f"{prefix}{i}.{rest}"):
+            if _stacks_layer(mapping, prefix, rest) and _maps(mapping, f"{prefix}{i}.{rest}"):
                 lacking.append(f"{prefix}{i}.{rest}")
         if lacking:
             more = f" and {len(lacking) - 3} more" if len(lacking) > 3 else ""
