@@ -1,5 +1,6 @@
 """What keeps an export from changing what the model computes, silently: tied keys whose
-values differ (:func:`tie_differences`, written untied with a warning: :func:`warn_untied`)
+values differ (:func:`tie_differences`, written untied with a warning: :func:`warn_untied`; on a
+load, a head ignored as the embedding's copy that is none: :func:`tied_head_differences`)
 and fused query/key/value splits that contradict the config's heads
 (:func:`fused_config_problems`).
 """
@@ -13,8 +14,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from etils import epath
 
 from orbax_safetensors._src.integrations import links as _links
+from orbax_safetensors._src.integrations import model_files as _model_files
 from orbax_safetensors._src.integrations.config_facts import ConfigFacts
 from orbax_safetensors._src.integrations.key_mapping import KeyMapping
 
@@ -50,6 +53,56 @@ def tie_differences(
         if difference != 0:
             out[key] = (source, difference)
     return out
+
+
+# A head a tied model's files may hold, and the embeddings it would be a copy of (plain,
+# transformers 4 and 5 multimodal, GPT-2)
+_TIED_HEADS = {
+    "lm_head.weight": (
+        "model.embed_tokens.weight",
+        "model.language_model.embed_tokens.weight",
+        "transformer.wte.weight",
+    ),
+    "language_model.lm_head.weight": (
+        "language_model.model.embed_tokens.weight",
+        "model.language_model.embed_tokens.weight",
+    ),
+}
+
+
+def tied_head_differences(
+    source: Any, mapping: KeyMapping, read: Callable[[list[str]], Sequence[np.ndarray]]
+) -> list[str]:
+    """The load side of :func:`tie_differences`: a problem for each head ``mapping`` ignores
+    as the embedding's copy (the config of ``source``'s directory says tied) that is no such
+    copy in ``source``'s files (``read(keys)``: their values), which a load would drop
+    (transformers keeps such a head too)."""
+    heads = [
+        (head, embedding)
+        for head, embeddings in _TIED_HEADS.items()
+        if head in source.tensors and mapping.torch_ignored(head)
+        for embedding in [e for e in embeddings if e in source.tensors][:1]
+    ]
+    config = epath.Path(source.path) / _model_files.CONFIG_FILE_NAME
+    if not heads or not epath.Path(source.path).is_dir() or not config.is_file():
+        return []
+    facts = ConfigFacts.of(config)
+    key = "tie_word_embeddings"
+    if not facts.flag(key, facts.language_model().flag(key)):
+        return []
+    problems = []
+    for head, embedding in heads:
+        x, y = read([head, embedding])
+        difference = largest_difference(x, y)
+        if difference != 0:
+            how = "has another shape than" if x.shape != y.shape else "differs from"
+            problems.append(
+                f"{head} {list(x.shape)} {how} {embedding} {list(y.shape)}, though "
+                f"{config} says tie_word_embeddings true: the mapping ignores the head as the "
+                "embedding's copy, which would drop it (transformers does not tie them either); "
+                "give a config with tie_word_embeddings false and a mapping of the head"
+            )
+    return problems
 
 
 def _torch_value(link: _links.Link, arrays: list[Any], j: int) -> Any:

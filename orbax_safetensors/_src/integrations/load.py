@@ -25,8 +25,6 @@ from orbax_safetensors._src.core.errors import TargetMismatchError
 from orbax_safetensors._src.integrations import fidelity as _fidelity
 from orbax_safetensors._src.integrations import flax_tables as _flax_tables
 from orbax_safetensors._src.integrations import links as _links
-from orbax_safetensors._src.integrations import model_files as _model_files
-from orbax_safetensors._src.integrations.config_facts import ConfigFacts
 from orbax_safetensors._src.integrations.key_mapping import KeyMapping, MappingReport
 from orbax_safetensors._src.integrations.transforms import (
     IDENTITY,
@@ -238,7 +236,9 @@ def load_flat(
     ``TargetMismatchError`` (with ``strict``) listing every problem, before any read."""
     tensors, alias = _with_tied(source.tensors, mapping, targets)
     moves, report = plan_links(tensors, targets, mapping)
-    report.mismatched += _ignored_heads(source, mapping, options)
+    report.mismatched += _fidelity.tied_head_differences(
+        source, mapping, lambda keys: _read_keys(source, {}, options, keys)
+    )
     if options.strict and not report.ok:
         raise TargetMismatchError(
             f"{options.where or source.path}: the checkpoint does not fit the target through this "
@@ -293,54 +293,6 @@ def derived_targets(
 
 
 # --------------------------------------------------------------------------- planning
-
-# A head a tied model's files may hold, and the embeddings it would be a copy of (plain,
-# transformers 4 and 5 multimodal, GPT-2)
-_TIED_HEADS = {
-    "lm_head.weight": (
-        "model.embed_tokens.weight",
-        "model.language_model.embed_tokens.weight",
-        "transformer.wte.weight",
-    ),
-    "language_model.lm_head.weight": (
-        "language_model.model.embed_tokens.weight",
-        "model.language_model.embed_tokens.weight",
-    ),
-}
-
-
-def _ignored_heads(source: Any, mapping: KeyMapping, options: LoadOptions) -> list[str]:
-    # A mapping ignores a head where the config ties it to the embedding (MaxText's and
-    # Tunix's Gemma compute the logits with the embedding): the files' head must then be the
-    # embedding's copy, else the load would drop the model's real head (transformers does
-    # not tie them either: it keeps the files' head). An export refuses the same
-    # (fidelity.tie_differences).
-    heads = [
-        (head, embedding)
-        for head, embeddings in _TIED_HEADS.items()
-        if head in source.tensors and mapping.torch_ignored(head)
-        for embedding in [e for e in embeddings if e in source.tensors][:1]
-    ]
-    config = epath.Path(source.path) / _model_files.CONFIG_FILE_NAME
-    if not heads or not epath.Path(source.path).is_dir() or not config.is_file():
-        return []
-    facts = ConfigFacts.of(config)
-    key = "tie_word_embeddings"
-    if not facts.flag(key, facts.language_model().flag(key)):
-        return []
-    problems = []
-    for head, embedding in heads:
-        x, y = _read_keys(source, {}, options, [head, embedding])
-        difference = _fidelity.largest_difference(x, y)
-        if difference != 0:
-            how = "has another shape than" if x.shape != y.shape else "differs from"
-            problems.append(
-                f"{head} {list(x.shape)} {how} {embedding} {list(y.shape)}, though "
-                f"{config} says tie_word_embeddings true: the mapping ignores the head as the "
-                "embedding's copy, which would drop it (transformers does not tie them either); "
-                "give a config with tie_word_embeddings false and a mapping of the head"
-            )
-    return problems
 
 
 def _with_tied(
