@@ -204,6 +204,8 @@ def _open_safetensors_dir(path: epath.Path) -> SafetensorsSource:
         names = [p.name for p in _steps.safetensors_files(path)]
     else:
         where, doc = index
+        for name in set(doc["weight_map"].values()):  # as written: a URL or "/..." refused
+            _confine.inside(path, name, where=where)
         # (one shard may be named two ways, "./a.safetensors" and "a.safetensors", as
         # transformers reads them: compared and opened by one normal name)
         weight_map = {k: posixpath.normpath(v) for k, v in doc["weight_map"].items()}
