@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from etils import epath
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax_casts import x64  # (tests/helpers is on sys.path)
 
 import orbax_safetensors as osf
 from orbax_safetensors._src.core import metadata as _metadata
@@ -84,7 +85,7 @@ def test_python_scalars_onto_narrower_dtypes_are_cast_as_tensors_are(tmp_path, k
             return np.dtype(dtype).type(0)
         return jax.ShapeDtypeStruct((), dtype)
 
-    with jax.enable_x64(True):  # (uint64 as a jax.Array)
+    with x64():  # (uint64 as a jax.Array; jax.enable_x64 is newer than the floor's JAX)
         out = osf.load_file(
             tmp_path / "s.safetensors", {k: leaf(d) for k, d in dtypes.items()}, strict=False
         )
